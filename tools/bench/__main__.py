@@ -1,0 +1,24 @@
+"""`python -m tools.bench NAME [args]`: run one benchmark (bus, packing, engine, reward, e2e)."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = ("bus", "packing", "engine", "reward", "e2e")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: python -m tools.bench {{{','.join(BENCHMARKS)}}} [--json] [options]")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in BENCHMARKS:
+        print(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"tools.bench.{name}")
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
