@@ -1,0 +1,212 @@
+"""Synthetic multi-step integer arithmetic: the embedded default's math task.
+
+A problem of level L is a chain of L additions/subtractions of small integers, e.g. level 3:
+``7+2-5+3``. The worked solution rewrites the expression one operation at a time, left to right,
+then boxes the result::
+
+    prompt:    "Compute: 7+2-5+3\\n"
+    solution:  "9-5+3=4+3=7 \\boxed{7}"
+
+Every step looks like a shorter problem, so a model that learned the easy levels can in principle
+extend the procedure to longer chains; whether it does is what RL has to teach. Worked solutions are
+written only for the "solved" levels (by default 1-3); the harder levels carry a prompt and a final
+answer only, so supervised fine-tuning cannot learn them and RL, rewarded on the boxed answer, can.
+
+Records follow the seeds' JSON-lines layout: ``query_id``, ``prompt``, ``answer`` and, where a worked
+solution exists, ``solutions`` (a list of strings ending in ``\\boxed{answer}``), plus ``level``.
+Output is a pure function of the arguments (seeded ``random.Random``), and the train and test splits
+never share an expression.
+
+    python -m tools.make_task --out data/arith --seed 0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+PROMPT_TEMPLATE = "Compute: {expr}\n"
+DEFAULT_LEVELS = (1, 2, 3, 4, 5)
+DEFAULT_SOLVED_LEVELS = (1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One chain ``operands[0] ops[0] operands[1] ...`` evaluated left to right."""
+
+    operands: tuple[int, ...]
+    ops: tuple[str, ...]
+
+    @property
+    def level(self) -> int:
+        return len(self.ops)
+
+    @property
+    def expr(self) -> str:
+        return render(self.operands, self.ops)
+
+
+def render(operands: Iterable[int], ops: Iterable[str]) -> str:
+    """Writes a chain without spaces; a negative leading value keeps its minus sign (``-4+2``)."""
+    operands, ops = list(operands), list(ops)
+    parts = [str(operands[0])]
+    for op, value in zip(ops, operands[1:]):
+        parts.append(f"{op}{value}")
+    return "".join(parts)
+
+
+def apply(op: str, left: int, right: int) -> int:
+    if op == "+":
+        return left + right
+    if op == "-":
+        return left - right
+    raise ValueError(f"unknown operator {op!r}")
+
+
+def solve(problem: Problem) -> tuple[list[str], int]:
+    """The rewrite steps (each the remaining chain after one operation) and the final value."""
+    values, ops = list(problem.operands), list(problem.ops)
+    steps = []
+    while ops:
+        values = [apply(ops[0], values[0], values[1])] + values[2:]
+        ops = ops[1:]
+        steps.append(render(values, ops))
+    return steps, values[0]
+
+
+def worked_solution(problem: Problem) -> str:
+    steps, answer = solve(problem)
+    return f"{'='.join(steps)} \\boxed{{{answer}}}"
+
+
+def random_problem(rng: random.Random, level: int, max_operand: int) -> Problem:
+    operands = tuple(rng.randint(1, max_operand) for _ in range(level + 1))
+    ops = tuple(rng.choice("+-") for _ in range(level))
+    return Problem(operands, ops)
+
+
+def n_distinct(level: int, max_operand: int) -> int:
+    return max_operand ** (level + 1) * 2**level
+
+
+def sample_level(rng: random.Random, level: int, max_operand: int, count: int,
+                 exclude: set[str]) -> list[Problem]:
+    """``count`` distinct problems of one level whose expressions are not in ``exclude``.
+
+    Bounded: asking for more than the level holds is an error, not an endless loop.
+    """
+    available = n_distinct(level, max_operand) - len(exclude)
+    if count > available:
+        raise ValueError(f"level {level} with operands 1..{max_operand} has only {available} unused "
+                         f"distinct problems; asked for {count}")
+    chosen: dict[str, Problem] = {}
+    # Rejection sampling stays cheap while count is well under the level's size; past half of it,
+    # enumerate instead so the loop is bounded.
+    if count * 2 > available:
+        pool = [p for p in _enumerate_level(level, max_operand) if p.expr not in exclude]
+        rng.shuffle(pool)
+        return pool[:count]
+    while len(chosen) < count:
+        problem = random_problem(rng, level, max_operand)
+        if problem.expr not in exclude and problem.expr not in chosen:
+            chosen[problem.expr] = problem
+    return list(chosen.values())
+
+
+def _enumerate_level(level: int, max_operand: int) -> Iterator[Problem]:
+    import itertools
+
+    for operands in itertools.product(range(1, max_operand + 1), repeat=level + 1):
+        for ops in itertools.product("+-", repeat=level):
+            yield Problem(tuple(operands), tuple(ops))
+
+
+def record(problem: Problem, split: str, index: int, solved: bool) -> dict:
+    _, answer = solve(problem)
+    rec = {
+        "query_id": f"arith-{split}-L{problem.level}-{index:06d}",
+        "prompt": PROMPT_TEMPLATE.format(expr=problem.expr),
+        "answer": str(answer),
+        "level": problem.level,
+    }
+    if solved:
+        rec["solutions"] = [worked_solution(problem)]
+    return rec
+
+
+def make_splits(seed: int = 0, levels: Iterable[int] = DEFAULT_LEVELS,
+                solved_levels: Iterable[int] = DEFAULT_SOLVED_LEVELS, train_per_level: int = 4000,
+                test_per_level: int = 200, max_operand: int = 9) -> dict[str, list[dict]]:
+    """Builds the train and test splits; the test split is drawn first so it never shrinks."""
+    levels, solved = sorted(set(levels)), set(solved_levels)
+    if not levels or min(levels) < 1:
+        raise ValueError(f"levels must be positive integers, got {levels}")
+    if max_operand < 1:
+        raise ValueError(f"max_operand must be >= 1, got {max_operand}")
+    rng = random.Random(seed)
+    splits: dict[str, list[dict]] = {"train": [], "test": []}
+    for level in levels:
+        # A small level keeps three quarters of its problems for training.
+        n_test = min(test_per_level, n_distinct(level, max_operand) // 4)
+        test = sample_level(rng, level, max_operand, n_test, exclude=set())
+        # Tiny levels (level 1 has 2 * max_operand**2 problems) get what is left after the test split.
+        room = n_distinct(level, max_operand) - len(test)
+        train = sample_level(rng, level, max_operand, min(train_per_level, room),
+                             exclude={p.expr for p in test})
+        for split, problems in (("test", test), ("train", train)):
+            splits[split].extend(record(p, split, i, level in solved) for i, p in enumerate(problems))
+    for split in splits.values():
+        rng.shuffle(split)
+    return splits
+
+
+def write_jsonl(records: Iterable[dict], path: Path) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with path.open("w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            n += 1
+    return n
+
+
+def parse_levels(text: str) -> list[int]:
+    """``"1-3,5"`` -> ``[1, 2, 3, 5]``."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        try:
+            out.extend(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ValueError(f"bad level list {text!r}: expected e.g. '1-3,5'") from None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.make_task", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("data/arith"), help="directory for train/test.jsonl")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--levels", default="1-5", help="levels to generate, e.g. 1-5")
+    ap.add_argument("--solved-levels", default="1-3", help="levels that get worked solutions")
+    ap.add_argument("--train-per-level", type=int, default=4000)
+    ap.add_argument("--test-per-level", type=int, default=200)
+    ap.add_argument("--max-operand", type=int, default=9)
+    args = ap.parse_args(argv)
+    try:
+        splits = make_splits(args.seed, parse_levels(args.levels), parse_levels(args.solved_levels),
+                             args.train_per_level, args.test_per_level, args.max_operand)
+    except ValueError as e:
+        print(f"make_task: {e}", file=sys.stderr)
+        return 2
+    for name, records in splits.items():
+        n = write_jsonl(records, args.out / f"{name}.jsonl")
+        print(f"wrote {n} records to {args.out / f'{name}.jsonl'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
