@@ -1,0 +1,179 @@
+"""Hugging Face checkpoint layout: config.json + model.safetensors, or shards with an index.
+
+What we write loads in `transformers` (Qwen2ForCausalLM.from_pretrained) and what `transformers`'
+save_pretrained writes (or a downloaded Qwen2 model) loads here. Tied embeddings are stored once, under
+`model.embed_tokens.weight`, as Hugging Face does.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .model import ConfigError, Qwen2Config, Qwen2ForCausalLM, dtype_from_name
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+
+class CheckpointError(ValueError):
+    """A model directory is missing a file, or its tensors do not match the config; names the file/key."""
+
+
+def load_config(model_dir: str) -> Qwen2Config:
+    return Qwen2Config.from_json_file(os.path.join(model_dir, CONFIG_FILE))
+
+
+def _weight_files(model_dir: str) -> list[str]:
+    single = os.path.join(model_dir, SINGLE_FILE)
+    index = os.path.join(model_dir, INDEX_FILE)
+    if os.path.exists(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{index}: invalid JSON at line {e.lineno}: {e.msg}") from None
+        except (KeyError, TypeError):
+            raise CheckpointError(f"{index}: missing key 'weight_map'") from None
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.exists(os.path.join(model_dir, name)):
+                raise CheckpointError(f"{index}: shard {name!r} listed in weight_map does not exist")
+        return [os.path.join(model_dir, name) for name in files]
+    if os.path.exists(single):
+        return [single]
+    raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} found")
+
+
+def iter_checkpoint_tensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, tensor) for every tensor in the directory's safetensors files, one file at a time."""
+    for path in _weight_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+# Buffers old checkpoints carry that are recomputed here.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def assign_weights(model: Qwen2ForCausalLM, named: Iterable[tuple[str, torch.Tensor]], strict: bool = True,
+                   source: str = "weights") -> set[str]:
+    """Copy named tensors into the model's parameters (cast to its dtype/device); returns names set.
+
+    With strict, every parameter must be given (a tied lm_head may be absent) and no unknown name may appear.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = model.config.tie_word_embeddings
+    seen: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in named:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name not in params:
+                raise CheckpointError(f"{source}: unexpected tensor {name!r} (not a Qwen2 parameter)")
+            if tied and name == "lm_head.weight":
+                continue  # the same tensor as model.embed_tokens.weight
+            param = params[name]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                      f"the config expects {tuple(param.shape)}")
+            param.copy_(tensor)
+            seen.add(name)
+    if strict:
+        expected = set(params) - ({"lm_head.weight"} if tied else set())
+        missing = sorted(expected - seen)
+        if missing:
+            raise CheckpointError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    return seen
+
+
+def load_model(model_dir: str, dtype: torch.dtype | str | None = None,
+               device: torch.device | str = "cpu") -> Qwen2ForCausalLM:
+    """Build the model from config.json and load its safetensors weights (single file or shards)."""
+    config = load_config(model_dir)
+    if dtype is None:
+        dtype = torch.float32
+    elif isinstance(dtype, str):
+        dtype = dtype_from_name(dtype)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:  # to_empty breaks the tie; restore it
+        model.lm_head.weight = model.model.embed_tokens.weight
+    assign_weights(model, iter_checkpoint_tensors(model_dir), strict=True, source=model_dir)
+    return model.eval()
+
+
+def hf_state_dict(model: Qwen2ForCausalLM) -> dict[str, torch.Tensor]:
+    """Parameters under their Hugging Face names; a tied lm_head is left out, as Hugging Face does."""
+    out = {name: p.detach() for name, p in model.named_parameters()}
+    if model.config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def save_model(model: Qwen2ForCausalLM, out_dir: str, max_shard_bytes: int | None = None,
+               dtype: torch.dtype | None = None) -> list[str]:
+    """Write config.json and the weights (sharded with an index when larger than max_shard_bytes)."""
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {k: (v.to(dtype) if dtype else v).to("cpu").contiguous() for k, v in hf_state_dict(model).items()}
+    config = model.config.to_dict()
+    config["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    for stale in os.listdir(out_dir):  # a previous save with another sharding must not leave files behind
+        if stale == SINGLE_FILE or stale == INDEX_FILE or (stale.startswith("model-") and stale.endswith(".safetensors")):
+            os.remove(os.path.join(out_dir, stale))
+    written = []
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, SINGLE_FILE), metadata={"format": "pt"})
+        written.append(SINGLE_FILE)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+            written.append(name)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        written.append(INDEX_FILE)
+    with open(os.path.join(out_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    written.append(CONFIG_FILE)
+    return written
+
+
+def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group named tensors into lists of about bucket_bytes (a tensor larger than that gets its own)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+__all__ = ["CheckpointError", "ConfigError", "load_config", "load_model", "save_model", "hf_state_dict",
+           "assign_weights", "iter_checkpoint_tensors", "bucketize"]

@@ -1,0 +1,444 @@
+"""A Qwen2-architecture causal language model in plain torch, in one readable file.
+
+Parameter names are exactly those of Hugging Face `Qwen2ForCausalLM` checkpoints (`model.layers.0.
+self_attn.q_proj.weight`, ...) and the config is read from a Hugging Face `config.json`, so a local copy
+of a real Qwen2/Qwen2.5/DeepSeek-R1-Distill-Qwen model loads unchanged, and what we save loads in
+`transformers`. The numerics follow `transformers` step by step (float32 RMSNorm, rotary tables in
+float32, logits in float32) so logits match to float32 precision (tests/test_model_qwen2.py).
+
+Four attention modes share one code path (`AttnContext.kind`):
+  "causal"   [B, T] batch, each row from position 0, right padding allowed (pads are never attended
+             by real tokens because attention is causal)
+  "packed"   [1, N] stream of several sequences (cu_seqlens); attention never crosses a boundary
+  "prefill"  like "causal", and the keys/values are written into rows of a `KVCache`
+  "decode"   [B, 1] one new token per cache row at position lens[b]; attends to cache[: lens[b] + 1]
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ConfigError(ValueError):
+    """A config.json is missing a key or has a bad value; the message names the key and the file."""
+
+
+@dataclasses.dataclass
+class Qwen2Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int = 32768
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads, as in Hugging Face
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    torch_dtype: str = "float32"
+    # Keys of config.json we do not interpret, kept so a saved config round-trips.
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> Qwen2Config:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        for key in cls.REQUIRED:
+            if key not in raw:
+                raise ConfigError(f"{source}: missing key {key!r}")
+        model_type = raw.get("model_type", "qwen2")
+        if model_type not in ("qwen2",):
+            raise ConfigError(f"{source}: key 'model_type' is {model_type!r}; only 'qwen2' is supported")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"{source}: key 'hidden_act' is {raw['hidden_act']!r}; only 'silu' is supported")
+        if raw.get("use_sliding_window", False):
+            raise ConfigError(f"{source}: key 'use_sliding_window' is true; sliding-window attention is not supported")
+        rope_theta = raw.get("rope_theta")
+        rope_parameters = raw.get("rope_parameters") or {}
+        if rope_theta is None:  # transformers >= 5 writes rope_parameters instead of rope_theta
+            rope_theta = rope_parameters.get("rope_theta", 10000.0)
+        for rope_key in ("rope_scaling", "rope_parameters"):
+            rope = raw.get(rope_key) or {}
+            kind = rope.get("rope_type", rope.get("type", "default"))
+            if kind != "default":
+                raise ConfigError(f"{source}: key {rope_key!r} has rope_type {kind!r}; only 'default' is supported")
+        fields = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        values: dict[str, Any] = {k: raw[k] for k in fields if k in raw and raw[k] is not None}
+        values["rope_theta"] = float(rope_theta)
+        values.setdefault("num_key_value_heads", raw["num_attention_heads"])
+        values["head_dim"] = int(raw.get("head_dim") or 0)
+        if "torch_dtype" not in raw and isinstance(raw.get("dtype"), str):
+            values["torch_dtype"] = raw["dtype"]
+        for key in cls.REQUIRED + ("num_key_value_heads", "max_position_embeddings"):
+            value = values.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"{source}: key {key!r} must be a positive integer, got {value!r}")
+        if values["num_attention_heads"] % values["num_key_value_heads"]:
+            raise ConfigError(f"{source}: key 'num_key_value_heads' ({values['num_key_value_heads']}) must divide "
+                              f"num_attention_heads ({values['num_attention_heads']})")
+        if not values.get("head_dim") and values["hidden_size"] % values["num_attention_heads"]:
+            raise ConfigError(f"{source}: key 'hidden_size' must be divisible by num_attention_heads")
+        known = fields | {"rope_parameters", "rope_scaling", "dtype"}
+        values["extra"] = {k: v for k, v in raw.items() if k not in known}
+        return cls(**values)
+
+    @classmethod
+    def from_json_file(cls, path: str) -> Qwen2Config:
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no such file (a model directory needs config.json)") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+        return cls.from_dict(raw, source=path)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dict(self.extra)
+        out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"})
+        out.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
+                   rope_scaling=None)
+        return out
+
+    def num_parameters(self) -> int:
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        q = self.num_attention_heads * self.head_dim
+        layer = h * q + q + 2 * (h * kv + kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + embed + h
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the scale, exactly as transformers does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryTable(nn.Module):
+    """cos/sin rows per position, computed in float32 like transformers and cached as they grow.
+
+    Not a buffer: casting the model to bfloat16 must not round the frequencies.
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self._cos = self._sin = torch.empty(0)
+
+    def _grow(self, length: int, device: torch.device) -> None:
+        length = max(length, 2 * self._cos.shape[0], 256)
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+        inv_freq = 1.0 / (self.theta ** exponents)
+        freqs = torch.arange(length, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos, self._sin = emb.cos(), emb.sin()
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(position_ids.max()) + 1 if position_ids.numel() else 1
+        if needed > self._cos.shape[0] or self._cos.device != position_ids.device:
+            self._grow(needed, position_ids.device)
+        return self._cos[position_ids].to(dtype), self._sin[position_ids].to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, D]; cos/sin: [B, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVCache:
+    """Keys and values of many sequences: one row per sequence, padded to a shared capacity.
+
+    k/v: [layers, rows, kv_heads, capacity, head_dim]. Row r holds positions 0..len_r-1 contiguously;
+    the generation engine keeps live rows compacted at the front so a decode step reads a view.
+    """
+
+    def __init__(self, config: Qwen2Config, rows: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        shape = (config.num_hidden_layers, rows, config.num_key_value_heads, capacity, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def reserve(self, rows: int, capacity: int) -> None:
+        """Grow (doubling) so that `rows` rows of `capacity` positions fit; contents are kept."""
+        if rows <= self.rows and capacity <= self.capacity:
+            return
+        new_rows = max(rows, self.rows if rows <= self.rows else 2 * self.rows)
+        new_cap = max(capacity, self.capacity if capacity <= self.capacity else 2 * self.capacity)
+        shape = (self.k.shape[0], new_rows, self.k.shape[2], new_cap, self.k.shape[4])
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            new[:, :old.shape[1], :, :old.shape[3]] = old
+            setattr(self, name, new)
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+
+@dataclasses.dataclass
+class AttnContext:
+    kind: Literal["causal", "packed", "prefill", "decode"]
+    cu_seqlens: list[int] | None = None      # packed
+    packed_mask: torch.Tensor | None = None  # packed with the block-diagonal mask: [N, N] bool
+    cache: KVCache | None = None             # prefill / decode
+    row_start: int = 0                       # prefill: first cache row written
+    lens: torch.Tensor | None = None         # decode: [B] position of the new token per row
+    decode_mask: torch.Tensor | None = None  # decode: [B, 1, 1, T] bool, True = attend
+    decode_span: int = 0                     # decode: cache positions read (max(lens) + 1)
+
+
+PackedAttn = Literal["mask", "loop"]
+
+
+def block_diagonal_mask(cu_seqlens: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """[N, N] bool, True where query i may attend key j: same sequence and j <= i."""
+    n = cu_seqlens[-1]
+    seq_id = torch.repeat_interleave(torch.arange(len(cu_seqlens) - 1, device=device),
+                                     torch.tensor(cu_seqlens, device=device).diff())
+    idx = torch.arange(n, device=device)
+    return (seq_id[:, None] == seq_id[None, :]) & (idx[None, :] <= idx[:, None])
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Qwen2Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        gqa = self.num_heads != self.num_kv_heads
+        if ctx.kind == "decode":
+            out = self._decode(q, k, v, ctx)
+        elif ctx.kind == "packed" and ctx.packed_mask is None:
+            # One causal attention per sequence: no N x N mask, no wasted cross-sequence work.
+            cu = ctx.cu_seqlens
+            out = torch.cat([
+                F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True,
+                                               enable_gqa=gqa)
+                for s, e in zip(cu[:-1], cu[1:])], dim=2)
+        elif ctx.kind == "packed":
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.packed_mask, enable_gqa=gqa)
+        else:
+            if ctx.kind == "prefill":
+                rows = slice(ctx.row_start, ctx.row_start + b)
+                ctx.cache.k[self.layer_idx, rows, :, :t] = k
+                ctx.cache.v[self.layer_idx, rows, :, :t] = v
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        b = q.shape[0]
+        cache, lens = ctx.cache, ctx.lens
+        rows = torch.arange(b, device=q.device)
+        cache.k[self.layer_idx, rows, :, lens] = k[:, :, 0]
+        cache.v[self.layer_idx, rows, :, lens] = v[:, :, 0]
+        keys = cache.k[self.layer_idx, :b, :, :ctx.decode_span]
+        values = cache.v[self.layer_idx, :b, :, :ctx.decode_span]
+        # Grouped-query trick: the query heads sharing one kv head become that head's "query positions",
+        # so keys/values are read once instead of being repeated per query head.
+        group = self.num_heads // self.num_kv_heads
+        qg = q.view(b, self.num_kv_heads, group, self.head_dim)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.decode_mask)
+        return out.reshape(b, self.num_heads, 1, self.head_dim)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Qwen2Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen2Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2Backbone(nn.Module):
+    """Named `model` inside Qwen2ForCausalLM, as in Hugging Face checkpoints."""
+
+    def __init__(self, config: Qwen2Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryTable(config.head_dim, config.rope_theta)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(position_ids, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.norm(x)
+
+
+class Qwen2ForCausalLM(nn.Module):
+    def __init__(self, config: Qwen2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen2Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_weights(self, seed: int = 0) -> Qwen2ForCausalLM:
+        """Random initialisation like transformers' (normal(0, initializer_range), zero biases)."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * self.config.initializer_range)
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    # --- whole sequences -------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cu_seqlens: list[int] | torch.Tensor | None = None, packed_attn: PackedAttn = "loop",
+                ) -> torch.Tensor:
+        """float32 logits. input_ids [B, T] (causal, right padding allowed) or [N] packed with cu_seqlens."""
+        return self.logits(self.hidden_states(input_ids, position_ids, cu_seqlens, packed_attn))
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      cu_seqlens: list[int] | torch.Tensor | None = None, packed_attn: PackedAttn = "loop",
+                      ) -> torch.Tensor:
+        """Final-norm hidden states, [B, T, H] or [N, H] when packed."""
+        if cu_seqlens is None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            return self.model(input_ids, position_ids, AttnContext("causal"))
+        cu = [int(c) for c in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
+        if position_ids is None:
+            position_ids = torch.cat([torch.arange(e - s, device=input_ids.device) for s, e in zip(cu[:-1], cu[1:])])
+        mask = block_diagonal_mask(cu, input_ids.device) if packed_attn == "mask" else None
+        ctx = AttnContext("packed", cu_seqlens=cu, packed_mask=mask)
+        return self.model(input_ids[None], position_ids[None], ctx)[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # --- generation with a KV cache ---------------------------------------------------------------
+    def new_cache(self, rows: int, capacity: int) -> KVCache:
+        return KVCache(self.config, rows, capacity, self.dtype, self.device)
+
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache, row_start: int = 0,
+                ) -> torch.Tensor:
+        """Run right-padded prompts [B, T] from position 0, write their keys/values into cache rows
+        row_start.., and return float32 logits [B, V] of each row's last real token (lengths[b] - 1)."""
+        b, t = input_ids.shape
+        cache.reserve(row_start + b, t)
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        hidden = self.model(input_ids, positions, AttnContext("prefill", cache=cache, row_start=row_start))
+        last = hidden[torch.arange(b, device=hidden.device), lengths.to(hidden.device) - 1]
+        return self.logits(last)
+
+    def decode(self, tokens: torch.Tensor, lens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One step for cache rows 0..B-1: tokens [B] sit at positions lens [B]; returns logits [B, V]."""
+        span = int(lens.max()) + 1
+        cache.reserve(tokens.shape[0], span)
+        mask = (torch.arange(span, device=tokens.device)[None, :] <= lens[:, None])[:, None, None, :]
+        ctx = AttnContext("decode", cache=cache, lens=lens, decode_mask=mask, decode_span=span)
+        hidden = self.model(tokens[:, None], lens[:, None], ctx)
+        return self.logits(hidden[:, 0])
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(logits / T)[token] (and the entropy of that distribution), in float32.
+
+    The one definition both engines use: rollout behaviour log-probs and trainer log-probs must agree.
+    """
+    scaled = logits.float()
+    if temperature not in (0.0, 1.0):
+        scaled = scaled / temperature
+    logz = torch.logsumexp(scaled, dim=-1)
+    logp = scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logz
+    entropy = None
+    if with_entropy:
+        probs = torch.softmax(scaled, dim=-1)
+        entropy = logz - (probs * scaled).sum(-1)
+    return logp, entropy
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    if name not in table:
+        raise ConfigError(f"unknown dtype {name!r}; use one of {sorted(table)}")
+    return table[name]
+
