@@ -1,0 +1,229 @@
+"""JSON-lines datasets: reading, validating and reporting bad lines.
+
+One loader for every consumer (the buffer's prompts, the supervised warm start, evaluation) and for
+both our generated task (`tools/make_task.py`) and users' files in the seeds' layout. A line is one
+JSON object:
+
+=============  ==========================  =====================================================
+field          type                        meaning
+=============  ==========================  =====================================================
+``query_id``   string (an integer is        unique within the file
+               accepted and stringified)
+``prompt``     non-empty string            what the model is given
+``answer``     string or number            the final answer the reward checks; when absent it is
+                                           taken from the last ``\\boxed{...}`` of the first
+                                           solution (the seeds' math data carry only solutions)
+``solutions``  list of non-empty strings   worked solutions (supervised targets), optional
+``level``      non-negative integer         difficulty level, optional
+=============  ==========================  =====================================================
+
+Other fields are kept in ``Record.extra``. A malformed line raises `DatasetError` naming the file,
+the line number and the field; with ``on_error="skip"`` it is logged, counted and skipped instead.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Literal
+
+import structlog
+
+log = structlog.get_logger("dataset")
+
+OnError = Literal["skip", "fail"]
+Require = Literal["answer", "solutions", "none"]
+KNOWN_FIELDS = ("query_id", "prompt", "answer", "solutions", "level")
+
+
+class DatasetError(ValueError):
+    """A dataset line (or file) that cannot be used; the message names file, line and cause."""
+
+    def __init__(self, path: str | Path, line_no: int | None, reason: str, field_name: str | None = None):
+        self.path, self.line_no, self.reason, self.field = str(path), line_no, reason, field_name
+        where = f"{self.path}:{line_no}" if line_no is not None else self.path
+        what = f"field {field_name!r}: " if field_name else ""
+        super().__init__(f"{where}: {what}{reason}")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One validated dataset entry."""
+
+    query_id: str
+    prompt: str
+    answer: str | None
+    solutions: tuple[str, ...] = ()
+    level: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as a JSON line would hold it (round-trips through `parse_record`)."""
+        out: dict[str, Any] = {"query_id": self.query_id, "prompt": self.prompt}
+        if self.answer is not None:
+            out["answer"] = self.answer
+        if self.solutions:
+            out["solutions"] = list(self.solutions)
+        if self.level is not None:
+            out["level"] = self.level
+        out.update(self.extra)
+        return out
+
+
+def last_boxed(text: str) -> str | None:
+    """Contents of the last ``\\boxed{...}`` in ``text`` (braces may nest), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i = start + len("\\boxed{")
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j].strip()
+    return None
+
+
+def parse_record(obj: Any, *, path: str | Path = "<memory>", line_no: int | None = None,
+                 require: Require = "answer") -> Record:
+    """Validates one decoded JSON value; raises `DatasetError` naming the offending field."""
+    def bad(reason: str, name: str | None = None) -> DatasetError:
+        return DatasetError(path, line_no, reason, name)
+
+    if not isinstance(obj, dict):
+        raise bad(f"expected a JSON object, got {type(obj).__name__}")
+    for name in ("query_id", "prompt"):
+        if name not in obj:
+            raise bad("missing", name)
+    query_id = obj["query_id"]
+    # bool is an int subclass; an id of `true` is a mistake, not a number.
+    if isinstance(query_id, bool) or not isinstance(query_id, (str, int)) or query_id == "":
+        raise bad(f"expected a non-empty string, got {query_id!r}", "query_id")
+    prompt = obj["prompt"]
+    if not isinstance(prompt, str) or not prompt:
+        raise bad(f"expected a non-empty string, got {_short(prompt)}", "prompt")
+
+    solutions = obj.get("solutions", [])
+    if not isinstance(solutions, list) or not all(isinstance(s, str) and s for s in solutions):
+        raise bad(f"expected a list of non-empty strings, got {_short(solutions)}", "solutions")
+
+    answer = obj.get("answer")
+    if answer is not None:
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or answer == "":
+            raise bad(f"expected a non-empty string or a number, got {_short(answer)}", "answer")
+        answer = str(answer)
+    elif solutions:
+        answer = last_boxed(solutions[0])
+
+    level = obj.get("level")
+    if level is not None and (isinstance(level, bool) or not isinstance(level, int) or level < 0):
+        raise bad(f"expected a non-negative integer, got {level!r}", "level")
+
+    if require == "answer" and answer is None:
+        raise bad("missing, and no \\boxed{...} answer in the first solution to take it from", "answer")
+    if require == "solutions" and not solutions:
+        raise bad("missing or empty: this use needs worked solutions", "solutions")
+
+    extra = {k: v for k, v in obj.items() if k not in KNOWN_FIELDS}
+    return Record(str(query_id), prompt, answer, tuple(solutions), level, extra)
+
+
+def iter_jsonl(path: str | Path, *, require: Require = "answer", on_error: OnError = "fail",
+               on_skip: Callable[[DatasetError], None] | None = None) -> Iterator[Record]:
+    """Streams validated records; blank lines are ignored, duplicate query ids are errors."""
+    if on_error not in ("skip", "fail"):
+        raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
+    if require not in ("answer", "solutions", "none"):
+        raise ValueError(f"require must be 'answer', 'solutions' or 'none', got {require!r}")
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(path, None, "no such file")
+    seen: dict[str, int] = {}
+    with path.open("r", encoding="utf-8", errors="strict") as f:
+        line_no = 0
+        while True:
+            try:
+                line = f.readline()
+            except UnicodeDecodeError as e:
+                # The decoder reads ahead, so the exact line is unknown; the next one is the best guess.
+                raise DatasetError(path, line_no + 1, f"not valid UTF-8 ({e.reason})") from None
+            if not line:
+                return
+            line_no += 1
+            if not line.strip():
+                continue
+            try:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DatasetError(path, line_no, f"not valid JSON ({e.msg} at column {e.colno})") from None
+                rec = parse_record(obj, path=path, line_no=line_no, require=require)
+                if rec.query_id in seen:
+                    raise DatasetError(path, line_no, f"duplicate {rec.query_id!r} (first on line "
+                                       f"{seen[rec.query_id]})", "query_id")
+            except DatasetError as err:
+                if on_error == "fail":
+                    raise
+                log.warning("dataset_line_skipped", path=str(path), line=line_no, field=err.field,
+                            reason=err.reason)
+                if on_skip is not None:
+                    on_skip(err)
+                continue
+            seen[rec.query_id] = line_no
+            yield rec
+
+
+@dataclass
+class Dataset:
+    """A whole file in memory, with what was skipped while reading it."""
+
+    path: str
+    records: list[Record]
+    skipped: list[DatasetError] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self) -> Iterator[Record]:
+        return iter(self.records)
+
+    def __getitem__(self, index: int) -> Record:
+        return self.records[index]
+
+    @property
+    def n_skipped(self) -> int:
+        return len(self.skipped)
+
+    def levels(self) -> list[int]:
+        return sorted({r.level for r in self.records if r.level is not None})
+
+    def filter(self, levels: Iterable[int] | None = None, with_solutions: bool = False) -> "Dataset":
+        """The records of the given levels (all when None), optionally only those with solutions."""
+        wanted = None if levels is None else set(levels)
+        kept = [r for r in self.records
+                if (wanted is None or r.level in wanted) and (r.solutions or not with_solutions)]
+        return Dataset(self.path, kept, list(self.skipped))
+
+
+def load_dataset(path: str | Path, *, require: Require = "answer", on_error: OnError = "fail") -> Dataset:
+    """Reads a JSON-lines file. ``require``: "answer" (RL, eval), "solutions" (SFT) or "none".
+
+    Raises `DatasetError` on the first bad line when ``on_error="fail"``; with "skip" bad lines are
+    logged and counted in ``Dataset.skipped``, and only a file with no usable line at all is an error.
+    """
+    skipped: list[DatasetError] = []
+    records = list(iter_jsonl(path, require=require, on_error=on_error, on_skip=skipped.append))
+    if not records:
+        detail = f" ({len(skipped)} malformed lines skipped, first: {skipped[0]})" if skipped else ""
+        raise DatasetError(path, None, f"no usable records{detail}")
+    if skipped:
+        log.warning("dataset_loaded_with_skips", path=str(path), records=len(records), skipped=len(skipped))
+    return Dataset(str(path), records, skipped)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,81 @@
+"""The synthetic arithmetic task: deterministic, disjoint splits, every answer checkable."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from actors.dataset import last_boxed, load_dataset
+from tools import make_task
+
+SMALL = dict(levels=[1, 2, 3, 4, 5], solved_levels=[1, 2, 3], train_per_level=300, test_per_level=50)
+
+
+def test_same_seed_same_bytes_other_seed_differs(tmp_path):
+    for name, seed in (("a", 7), ("b", 7), ("c", 8)):
+        assert make_task.main(["--out", str(tmp_path / name), "--seed", str(seed),
+                               "--train-per-level", "200", "--test-per-level", "20"]) == 0
+    for split in ("train.jsonl", "test.jsonl"):
+        assert (tmp_path / "a" / split).read_bytes() == (tmp_path / "b" / split).read_bytes()
+        assert (tmp_path / "a" / split).read_bytes() != (tmp_path / "c" / split).read_bytes()
+
+
+def test_splits_are_disjoint_and_ids_unique():
+    splits = make_task.make_splits(seed=0, **SMALL)
+    prompts = {name: {r["prompt"] for r in recs} for name, recs in splits.items()}
+    assert not prompts["train"] & prompts["test"]
+    ids = [r["query_id"] for recs in splits.values() for r in recs]
+    assert len(ids) == len(set(ids))
+    # No duplicates inside a split either.
+    assert all(len(prompts[n]) == len(splits[n]) for n in splits)
+
+
+def test_every_answer_is_checkable_and_correct():
+    splits = make_task.make_splits(seed=1, **SMALL)
+    for rec in splits["train"] + splits["test"]:
+        expr = rec["prompt"].removeprefix("Compute: ").rstrip("\n")
+        # Left-to-right +/- is exactly Python's evaluation order for this grammar.
+        assert rec["answer"] == str(eval(expr))  # noqa: S307 - digits and +/- only, made above
+        assert expr.count("+") + expr.count("-") == rec["level"]
+        for solution in rec.get("solutions", []):
+            assert last_boxed(solution) == rec["answer"]
+            # Each rewrite step is the remaining chain and evaluates to the same answer.
+            for step in solution.split(" \\boxed")[0].split("="):
+                assert str(eval(step)) == rec["answer"]  # noqa: S307
+
+
+def test_solutions_only_on_solved_levels():
+    splits = make_task.make_splits(seed=0, **SMALL)
+    for rec in splits["train"]:
+        assert ("solutions" in rec) == (rec["level"] in SMALL["solved_levels"])
+    levels = {r["level"] for r in splits["train"]}
+    assert levels == set(SMALL["levels"])
+
+
+def test_small_level_is_capped_not_endless():
+    # Level 1 with operands 1..3 has 2 * 3**2 = 18 problems: a quarter go to test, the rest to train.
+    splits = make_task.make_splits(seed=0, levels=[1], solved_levels=[1], train_per_level=1000,
+                                   test_per_level=1000, max_operand=3)
+    assert len(splits["test"]) == 4 and len(splits["train"]) == 14
+
+
+def test_written_files_load_with_the_dataset_loader(tmp_path):
+    assert make_task.main(["--out", str(tmp_path), "--train-per-level", "100", "--test-per-level", "10"]) == 0
+    train = load_dataset(tmp_path / "train.jsonl")
+    sft = load_dataset(tmp_path / "train.jsonl", require="solutions", on_error="skip")
+    assert len(train) == 500 and train.levels() == [1, 2, 3, 4, 5]
+    assert sft.levels() == [1, 2, 3] and sft.n_skipped == 200
+    first = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])
+    assert set(first) <= {"query_id", "prompt", "answer", "solutions", "level"}
+
+
+@pytest.mark.parametrize("text,expected", [("1-3,5", [1, 2, 3, 5]), ("2", [2]), ("", [])])
+def test_parse_levels(text, expected):
+    assert make_task.parse_levels(text) == expected
+
+
+def test_bad_arguments_name_the_cause(capsys):
+    assert make_task.main(["--levels", "x-y", "--out", "/nonexistent/never"]) == 2
+    assert "bad level list" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="only .* unused distinct problems"):
+        make_task.sample_level(__import__("random").Random(0), 1, 2, 9, exclude=set())
