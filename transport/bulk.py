@@ -1,0 +1,343 @@
+"""Bulk tensor links: named-tensor buckets between actor groups over torch.distributed.
+
+The control bus carries small typed messages; weights and other large tensors move here instead, over
+gloo on CPU and NCCL on GPU (GPUDirect RDMA when the topology enables it). One *link* is one process
+group among the instances the topology lists in its ``links`` section, with its own rendezvous
+address and port. Several links can live in one process (the parameter server sits in one link with
+the trainer and another with the rollouts), so a link never touches torch.distributed's single
+default group: it builds its process group directly on a ``TCPStore`` wrapped in a ``PrefixStore``.
+
+The prefix carries a *generation* number. When a member dies and is restarted, the survivors and the
+newcomer agree (through the control bus) on generation g+1 and call :meth:`BulkLink.reform` /
+:meth:`BulkLink.open` with it; the fresh prefix keeps the new rendezvous clear of the dead group's keys.
+
+A bucket is a list of ``(name, tensor)``. It travels as three pieces: a length, a msgpack header
+(names, dtypes, shapes, byte offsets, checksum) and one flat byte buffer holding every tensor, each at
+a 16-byte aligned offset, so receivers get views into a single allocation and only one large
+collective runs per bucket. The receiver recomputes the checksum and raises
+:class:`ChecksumMismatch` (naming the link, bucket and checksums) instead of returning bad weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import os
+import zlib
+from typing import Any, Sequence
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "BulkError",
+    "ChecksumMismatch",
+    "LinkRendezvousError",
+    "LinkConfig",
+    "PackedBucket",
+    "BulkLink",
+    "pack_bucket",
+    "unpack_bucket",
+    "bucket_checksum",
+]
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+_ALIGN = 16
+_HEADER_VERSION = 1
+
+
+class BulkError(RuntimeError):
+    """A bulk link failed; the message names the link and what went wrong."""
+
+
+class ChecksumMismatch(BulkError):
+    """A received bucket's bytes do not hash to the checksum its sender computed."""
+
+    def __init__(self, link: str, bucket: int, expected: int, got: int, names: Sequence[str]):
+        shown = ", ".join(list(names)[:4]) + (", ..." if len(names) > 4 else "")
+        super().__init__(
+            f"link {link!r}: bucket {bucket} checksum mismatch: sender {expected:#x}, "
+            f"received {got:#x} (tensors: {shown})"
+        )
+        self.link, self.bucket, self.expected, self.got = link, bucket, expected, got
+
+
+class LinkRendezvousError(BulkError):
+    """The members of a link did not all arrive at the rendezvous in time."""
+
+
+@dataclasses.dataclass
+class LinkConfig:
+    """Everything one member needs to join a link. The launcher writes it into
+    ``spec.settings["links"][name]`` (see tools/topology.py); :meth:`from_dict` reads it back."""
+
+    name: str
+    backend: str  # "gloo" | "nccl"
+    master_addr: str
+    master_port: int
+    rank: int
+    world_size: int
+    members: list[str] = dataclasses.field(default_factory=list)  # instance names, in rank order
+    bind_addr: str = ""  # address gloo binds on this member (fake SLURM nodes use 127.0.0.x)
+    timeout_s: float = 300.0
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # NCCL_* / GLOO_* for this process
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise BulkError(f"link {self.name!r}: backend must be gloo or nccl, got {self.backend!r}")
+        if not 0 <= self.rank < self.world_size:
+            raise BulkError(f"link {self.name!r}: rank {self.rank} outside world size {self.world_size}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LinkConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise BulkError(f"link config: unknown key(s) {unknown}")
+        return cls(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def rank_of(self, member: str) -> int:
+        """Rank of an instance name in this link (ranks follow the order of ``members``)."""
+        try:
+            return self.members.index(member)
+        except ValueError:
+            raise BulkError(f"link {self.name!r}: {member!r} is not a member ({self.members})") from None
+
+
+@dataclasses.dataclass
+class PackedBucket:
+    """A bucket ready for the wire: the header (plain data) and one flat uint8 tensor."""
+
+    header: dict[str, Any]
+    flat: torch.Tensor
+
+
+def bucket_checksum(flat: torch.Tensor) -> int:
+    """Checksum of a flat uint8 buffer. CRC32 on CPU; on GPU a position-weighted sum of 32-bit words
+    computed on the device, so the bytes never cross PCIe just to be hashed."""
+    if flat.device.type == "cpu":
+        return zlib.crc32(memoryview(flat.numpy())) & 0xFFFFFFFF
+    n = flat.numel() - flat.numel() % 4
+    words = flat[:n].view(torch.int32).to(torch.int64)
+    weights = torch.arange(words.numel(), device=flat.device, dtype=torch.int64) % 65521 + 1
+    tail = flat[n:].to(torch.int64).sum() if n < flat.numel() else 0
+    return int(((words * weights).sum() + tail).item()) & 0xFFFFFFFFFFFFFFFF
+
+
+def pack_bucket(bucket: Bucket, bucket_id: int = 0) -> PackedBucket:
+    """Lay a bucket's tensors into one flat byte buffer and describe them in a header."""
+    if not bucket:
+        raise BulkError("pack_bucket: empty bucket")
+    for name, tensor in bucket:
+        if not isinstance(tensor, torch.Tensor):
+            raise BulkError(f"pack_bucket: {name!r} is {type(tensor).__name__}, not a tensor")
+    devices = {t.device for _, t in bucket}
+    if len(devices) != 1:
+        raise BulkError(f"pack_bucket: tensors on several devices {sorted(map(str, devices))}")
+    device = devices.pop()
+    entries, offset = [], 0
+    for name, tensor in bucket:
+        nbytes = tensor.numel() * tensor.element_size()
+        entries.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."),
+                        "shape": list(tensor.shape), "offset": offset, "nbytes": nbytes})
+        offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    flat = torch.zeros(max(offset, 1), dtype=torch.uint8, device=device)
+    for entry, (_, tensor) in zip(entries, bucket):
+        if entry["nbytes"]:
+            src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            flat[entry["offset"]: entry["offset"] + entry["nbytes"]].copy_(src)
+    header = {"v": _HEADER_VERSION, "bucket": bucket_id, "size": flat.numel(), "tensors": entries,
+              "algo": "crc32" if device.type == "cpu" else "wsum", "checksum": bucket_checksum(flat)}
+    return PackedBucket(header, flat)
+
+
+def unpack_bucket(packed: PackedBucket, link: str = "?") -> Bucket:
+    """Verify a received bucket's checksum and return views into its flat buffer."""
+    header, flat = packed.header, packed.flat
+    got = bucket_checksum(flat)
+    if got != header["checksum"]:
+        raise ChecksumMismatch(link, header["bucket"], header["checksum"], got,
+                               [e["name"] for e in header["tensors"]])
+    out: Bucket = []
+    for entry in header["tensors"]:
+        dtype = getattr(torch, entry["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise BulkError(f"link {link!r}: tensor {entry['name']!r} has unknown dtype {entry['dtype']!r}")
+        raw = flat[entry["offset"]: entry["offset"] + entry["nbytes"]]
+        out.append((entry["name"], raw.view(dtype).view(entry["shape"])))
+    return out
+
+
+class BulkLink:
+    """One member's end of a link. Typical use::
+
+        link = BulkLink(LinkConfig.from_dict(spec.settings["links"]["weights"]))
+        link.open(generation=0)
+        link.broadcast(bucket, src=0)            # on the sender
+        bucket = link.broadcast(None, src=0)     # on every receiver
+        link.reform(generation=1)                # after a member was restarted
+        link.close()
+    """
+
+    def __init__(self, config: LinkConfig):
+        self.config = config
+        self.generation: int | None = None
+        self._store: dist.TCPStore | None = None
+        self._pg: Any = None
+        self._next_bucket = 0
+        self._device = torch.device("cpu")
+
+    # -- forming and re-forming ------------------------------------------------------------------
+
+    def open(self, generation: int = 0) -> None:
+        """Join the link's rendezvous at ``generation`` and build its process group.
+        Blocks until every member has joined, or raises :class:`LinkRendezvousError`."""
+        cfg = self.config
+        os.environ.update(cfg.env)  # NCCL reads its settings from the environment at init
+        timeout = _dt.timedelta(seconds=cfg.timeout_s)
+        try:
+            if self._store is None or cfg.rank != 0:
+                # Non-masters reconnect every time: the master may itself be the member that restarted.
+                self._store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size,
+                                            is_master=cfg.rank == 0, timeout=timeout,
+                                            wait_for_workers=False)
+            prefix = dist.PrefixStore(f"{cfg.name}/gen{generation}", self._store)
+            self._pg = self._make_group(prefix, timeout)
+            if cfg.rank == 0:
+                self._store.set(f"{cfg.name}/latest_generation", str(generation))
+        except BulkError:
+            raise
+        except Exception as exc:  # torch raises DistStoreError/RuntimeError with little context
+            raise LinkRendezvousError(
+                f"link {cfg.name!r} generation {generation}: rank {cfg.rank}/{cfg.world_size} could not "
+                f"form the group at {cfg.master_addr}:{cfg.master_port} within {cfg.timeout_s:g} s: {exc}"
+            ) from exc
+        self.generation = generation
+
+    def _make_group(self, store: dist.Store, timeout: _dt.timedelta) -> Any:
+        cfg = self.config
+        if cfg.backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            iface = cfg.env.get("GLOO_SOCKET_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME", "")
+            if cfg.bind_addr:
+                device = dist.ProcessGroupGloo.create_device(hostname=cfg.bind_addr)
+            elif iface:
+                device = dist.ProcessGroupGloo.create_device(interface=iface)
+            elif _is_loopback(cfg.master_addr):  # a one-machine link stays on loopback
+                device = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+            else:
+                device = dist.ProcessGroupGloo.create_device()
+            opts._devices = [device]
+            self._device = torch.device("cpu")
+            return dist.ProcessGroupGloo(store, cfg.rank, cfg.world_size, opts)
+        if not hasattr(dist, "ProcessGroupNCCL") or not torch.cuda.is_available():
+            raise BulkError(f"link {cfg.name!r}: backend nccl needs CUDA and a torch built with NCCL")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        self._device = torch.device("cuda", torch.cuda.current_device())
+        return dist.ProcessGroupNCCL(store, cfg.rank, cfg.world_size, opts)
+
+    def reform(self, generation: int) -> None:
+        """Drop the current group and form a new one at ``generation`` (after a member restarted)."""
+        self._pg = None
+        self.open(generation)
+
+    def latest_generation(self) -> int | None:
+        """The generation the link's master formed last, or None if it has not formed one yet."""
+        if self._store is None:
+            return None
+        key = f"{self.config.name}/latest_generation"
+        return int(self._store.get(key)) if self._store.check([key]) else None
+
+    def close(self) -> None:
+        self._pg = None
+        self._store = None
+        self.generation = None
+
+    # -- moving buckets --------------------------------------------------------------------------
+
+    def broadcast(self, bucket: Bucket | None, src: int = 0) -> Bucket:
+        """Send ``bucket`` from rank ``src`` to every other member; receivers pass None and get it back.
+        Returns the bucket on every rank (receivers get views into one buffer, checksum verified)."""
+        if self.config.rank == src:
+            if bucket is None:
+                raise BulkError(f"link {self.config.name!r}: the source rank must pass a bucket")
+            self.broadcast_packed(pack_bucket(bucket, self._take_bucket_id()), src)
+            return bucket
+        return unpack_bucket(self.broadcast_packed(None, src), self.config.name)
+
+    def broadcast_packed(self, packed: PackedBucket | None, src: int = 0) -> PackedBucket:
+        """Lower-level :meth:`broadcast` of an already packed bucket; receivers get it unverified."""
+        header_bytes = msgpack.packb(packed.header) if packed is not None else b""
+        length = torch.tensor([len(header_bytes)], dtype=torch.int64)
+        self._run("broadcast", [length], dist.BroadcastOptions(), root=src)
+        head = torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8) if packed is not None \
+            else torch.empty(int(length.item()), dtype=torch.uint8)
+        self._run("broadcast", [head], dist.BroadcastOptions(), root=src)
+        header = packed.header if packed is not None else self._decode_header(head)
+        flat = packed.flat if packed is not None else torch.empty(header["size"], dtype=torch.uint8,
+                                                                    device=self._device)
+        self._run("broadcast", [flat], dist.BroadcastOptions(), root=src)
+        return PackedBucket(header, flat)
+
+    def send(self, bucket: Bucket, dst: int) -> None:
+        """Point-to-point: send ``bucket`` to rank ``dst`` (which calls :meth:`recv`)."""
+        self.send_packed(pack_bucket(bucket, self._take_bucket_id()), dst)
+
+    def send_packed(self, packed: PackedBucket, dst: int) -> None:
+        header_bytes = msgpack.packb(packed.header)
+        self._run("send", [torch.tensor([len(header_bytes)], dtype=torch.int64)], dst, 0)
+        self._run("send", [torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8)], dst, 1)
+        self._run("send", [packed.flat], dst, 2)
+
+    def recv(self, src: int) -> Bucket:
+        """Receive one bucket sent by rank ``src`` with :meth:`send`; checksum verified."""
+        length = torch.empty(1, dtype=torch.int64)
+        self._run("recv", [length], src, 0)
+        head = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._run("recv", [head], src, 1)
+        header = self._decode_header(head)
+        flat = torch.empty(header["size"], dtype=torch.uint8, device=self._device)
+        self._run("recv", [flat], src, 2)
+        return unpack_bucket(PackedBucket(header, flat), self.config.name)
+
+    def barrier(self) -> None:
+        flag = torch.zeros(1, dtype=torch.int64, device=self._device)
+        self._run("allreduce", [flag])
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _take_bucket_id(self) -> int:
+        self._next_bucket += 1
+        return self._next_bucket - 1
+
+    def _decode_header(self, head: torch.Tensor) -> dict[str, Any]:
+        try:
+            header = msgpack.unpackb(head.numpy().tobytes())
+        except Exception as exc:
+            raise BulkError(f"link {self.config.name!r}: undecodable bucket header: {exc}") from exc
+        if not isinstance(header, dict) or header.get("v") != _HEADER_VERSION:
+            raise BulkError(f"link {self.config.name!r}: bucket header version {header!r:.60} not understood")
+        return header
+
+    def _run(self, what: str, *args: Any, root: int | None = None) -> None:
+        """Run one process-group operation and wait for it, turning torch's errors into BulkError."""
+        if self._pg is None:
+            raise BulkError(f"link {self.config.name!r}: not open (call open(generation) first)")
+        if root is not None:
+            args[1].rootRank = root
+        try:
+            getattr(self._pg, what)(*args).wait()
+        except Exception as exc:
+            raise BulkError(f"link {self.config.name!r} generation {self.generation}: {what} failed on rank "
+                            f"{self.config.rank}: {exc}") from exc
+
+
+def _is_loopback(addr: str) -> bool:
+    return addr in ("localhost", "") or addr.startswith("127.")
