@@ -1,0 +1,431 @@
+"""Run untrusted programs isolated with bubblewrap, resource limits and a hard wall-time kill.
+
+Why it is built this way (measured on the project's machines, see docs/reward-code.md):
+
+* We usually run as root. `bwrap --unshare-user --uid 65534` started by root maps the sandbox user onto
+  host uid 0, so the "nobody" inside still owns every root file it can see and reads /root and
+  /etc/shadow. Instead the child drops to an unprivileged host uid *before* exec'ing bwrap (Popen's
+  `user=`/`group=`), and bwrap then builds its namespaces as that unprivileged user (unprivileged user
+  namespaces). File permissions on the host therefore apply to the program as to any other stranger.
+* The sandbox sees only /usr (read-only, plus the /bin, /lib... links of a merged-/usr system), a new
+  /proc and /dev, its own files under /sandbox, and size-capped writable tmpfs dirs /tmp (its working
+  directory). The sandbox root is remounted read-only. No network (new net namespace: loopback only),
+  new PID/IPC/UTS namespaces, and `--die-with-parent`, so killing bwrap kills everything inside.
+* rlimits (CPU, address space, file size, process count, open files, no core files) are set in the child
+  before exec and inherited by everything it starts. RLIMIT_NPROC counts per host uid, so each worker
+  process picks its own uid from a range: a fork bomb in one sandbox cannot starve a neighbour.
+* Output is read through pipes with a byte cap per stream; past the cap, or past the wall time, the whole
+  process group gets SIGKILL (and with it bwrap's PID namespace).
+* The sandboxed interpreter is the system Python (/usr/bin/python3): the project's own interpreter may
+  live under a directory the unprivileged uid cannot enter (pyenv under /root).
+
+When no working sandbox exists, `Sandbox.run` raises `SandboxUnavailable` unless the caller passed
+`allow_unsandboxed=True`; then programs run with the same limits, uid drop and process-group kill, but
+they can see the host file system and network.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import resource
+import selectors
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+
+MiB = 1 << 20
+
+# Directories every sandbox gets read-only; links among them (merged /usr) are recreated as links.
+SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+SANDBOX_FILES_DIR = "/sandbox"
+SANDBOX_WORK_DIR = "/tmp"
+
+
+class SandboxUnavailable(RuntimeError):
+    """No working sandbox on this machine and unsandboxed execution was not explicitly allowed."""
+
+
+class SandboxConfigError(ValueError):
+    """A sandbox limit or option is invalid; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits for one sandboxed run. Sizes are bytes, times seconds."""
+
+    wall_time_s: float = 2.0
+    cpu_time_s: float = 2.0
+    memory_bytes: int = 512 * MiB  # RLIMIT_AS of every process inside
+    file_size_bytes: int = 16 * MiB  # RLIMIT_FSIZE: largest single file written
+    tmpfs_bytes: int = 64 * MiB  # total size of the writable /tmp
+    max_processes: int = 32  # RLIMIT_NPROC for the run's uid
+    max_open_files: int = 256
+    output_bytes: int = 1 * MiB  # per stream (stdout, stderr, result channel)
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise SandboxConfigError(f"SandboxLimits.{field.name} must be a positive number, got {value!r}")
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one run produced. `returncode` is negative for a signal, as in subprocess."""
+
+    returncode: int | None
+    stdout: bytes
+    stderr: bytes
+    result: bytes  # bytes written to the result channel (fd named by $RESULT_FD)
+    timed_out: bool
+    output_limited: bool  # a stream went past SandboxLimits.output_bytes
+    wall_s: float
+    sandboxed: bool
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.returncode is not None and self.returncode < 0:
+            try:
+                return signal.Signals(-self.returncode).name
+            except ValueError:
+                return f"signal {-self.returncode}"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxStatus:
+    available: bool
+    reason: str
+
+
+def _system_python() -> str:
+    for candidate in ("/usr/bin/python3", "/bin/python3"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    raise SandboxConfigError("no system python3 found for the sandbox; pass Sandbox(python=...)")
+
+
+def _bwrap_path() -> str | None:
+    return shutil.which("bwrap")
+
+
+def _system_dir_args() -> list[str]:
+    args: list[str] = []
+    for name in SYSTEM_DIRS:
+        host = f"/{name}"
+        if os.path.islink(host):
+            args += ["--symlink", os.readlink(host), host]
+        elif os.path.isdir(host):
+            args += ["--ro-bind", host, host]
+    return args
+
+
+class Sandbox:
+    """Runs programs under bubblewrap with limits. One instance is cheap; it holds no processes.
+
+    `uid` is the unprivileged host uid used when we are root; by default each worker process gets its own
+    uid in [uid_base, uid_base + uid_span) so RLIMIT_NPROC is not shared between concurrent runs.
+    """
+
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        allow_unsandboxed: bool = False,
+        python: str | None = None,
+        uid: int | None = None,
+        uid_base: int = 200_000,
+        uid_span: int = 50_000,
+    ) -> None:
+        self.limits = limits or SandboxLimits()
+        self.allow_unsandboxed = allow_unsandboxed
+        self._python = python
+        self._uid = uid
+        self._uid_base = uid_base
+        self._uid_span = uid_span
+
+    @property
+    def python(self) -> str:
+        """The interpreter used for Python programs (inside the sandbox: the system one)."""
+        return self._python or _system_python()
+
+    def run_uid(self) -> int | None:
+        """The host uid the program runs as, or None when we are not root (we are unprivileged already)."""
+        if os.geteuid() != 0:
+            return None
+        if self._uid is not None:
+            return self._uid
+        return self._uid_base + os.getpid() % self._uid_span
+
+    def status(self) -> SandboxStatus:
+        return probe_sandbox(self.python)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        files: Mapping[str, bytes] | None = None,
+        stdin: bytes = b"",
+        limits: SandboxLimits | None = None,
+    ) -> RunResult:
+        """Run argv with `files` placed read-only in /sandbox and cwd a private writable /tmp.
+
+        argv may name `{files}` (the directory holding `files`) and `{python}`; both are substituted, so the
+        same call works sandboxed and (when allowed) unsandboxed. The program may write its answer to the
+        file descriptor named by the environment variable RESULT_FD; that channel is returned separately
+        from stdout so the program's own prints cannot corrupt it.
+        """
+        limits = limits or self.limits
+        files = dict(files or {})
+        for name in files:
+            if not name or "/" in name or name.startswith("."):
+                raise SandboxConfigError(f"sandbox file name must be a plain name, got {name!r}")
+        status = self.status()
+        if status.available:
+            return self._run_bwrap(argv, files, stdin, limits)
+        if not self.allow_unsandboxed:
+            raise SandboxUnavailable(
+                f"refusing to run untrusted code: no working bubblewrap sandbox ({status.reason}); "
+                "install bubblewrap and allow user namespaces, or pass allow_unsandboxed=True "
+                "(CLI: --allow-unsandboxed) to run it without isolation"
+            )
+        return self._run_unsandboxed(argv, files, stdin, limits)
+
+    # -- the two ways of running -------------------------------------------------------------------------
+
+    def _run_bwrap(
+        self, argv: Sequence[str], files: Mapping[str, bytes], stdin: bytes, limits: SandboxLimits
+    ) -> RunResult:
+        bwrap = _bwrap_path()
+        assert bwrap is not None  # status() said available
+        python = self.python
+        # Files travel as unlinked temp files that bwrap copies into its own tmpfs: nothing lands on the
+        # host disk where other users could read it, and no size limit applies as it would to a pipe.
+        file_handles = []
+        try:
+            args = [bwrap, "--unshare-all", "--die-with-parent", *_system_dir_args()]
+            args += ["--proc", "/proc", "--dev", "/dev"]
+            args += ["--size", str(limits.tmpfs_bytes), "--tmpfs", SANDBOX_WORK_DIR]
+            args += ["--dir", SANDBOX_FILES_DIR]
+            for name, content in files.items():
+                handle = tempfile.TemporaryFile()
+                handle.write(content)
+                handle.flush()
+                handle.seek(0)
+                file_handles.append(handle)
+                args += ["--perms", "0444", "--file", str(handle.fileno()), f"{SANDBOX_FILES_DIR}/{name}"]
+            args += ["--remount-ro", "/", "--chdir", SANDBOX_WORK_DIR, "--clearenv"]
+            env = {"PATH": "/usr/bin:/bin", "HOME": SANDBOX_WORK_DIR, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+            result_r, result_w = os.pipe()
+            env["RESULT_FD"] = str(result_w)
+            for key, value in env.items():
+                args += ["--setenv", key, value]
+            args += ["--", *_substitute(argv, SANDBOX_FILES_DIR, python)]
+            return _spawn_and_collect(
+                args, stdin, limits, self.run_uid(), [h.fileno() for h in file_handles], (result_r, result_w),
+                cwd=None, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, sandboxed=True,
+            )
+        finally:
+            for handle in file_handles:
+                handle.close()
+
+    def _run_unsandboxed(
+        self, argv: Sequence[str], files: Mapping[str, bytes], stdin: bytes, limits: SandboxLimits
+    ) -> RunResult:
+        uid = self.run_uid()
+        root = tempfile.mkdtemp(prefix="reward-run-")
+        try:
+            files_dir = os.path.join(root, "files")
+            work_dir = os.path.join(root, "work")
+            os.mkdir(files_dir)
+            os.mkdir(work_dir)
+            for name, content in files.items():
+                with open(os.path.join(files_dir, name), "wb") as out:
+                    out.write(content)
+                os.chmod(os.path.join(files_dir, name), 0o444)
+            os.chmod(root, 0o755)
+            os.chmod(files_dir, 0o755)
+            if uid is not None:
+                os.chown(work_dir, uid, uid)
+            result_r, result_w = os.pipe()
+            env = {"PATH": "/usr/bin:/bin", "HOME": work_dir, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
+                   "RESULT_FD": str(result_w)}
+            return _spawn_and_collect(
+                _substitute(argv, files_dir, self.python), stdin, limits, uid, [], (result_r, result_w),
+                cwd=work_dir, env=env, sandboxed=False,
+            )
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _substitute(argv: Sequence[str], files_dir: str, python: str) -> list[str]:
+    return [arg.replace("{files}", files_dir).replace("{python}", python) for arg in argv]
+
+
+def _child_limits(limits: SandboxLimits):
+    """The preexec hook: only setrlimit calls, which are async-signal-safe syscalls after fork."""
+    cpu = max(1, math.ceil(limits.cpu_time_s))
+    settings = (
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # SIGXCPU at the soft limit, SIGKILL one second later
+        (resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes)),
+        (resource.RLIMIT_FSIZE, (limits.file_size_bytes, limits.file_size_bytes)),
+        (resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes)),
+        (resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files)),
+        (resource.RLIMIT_CORE, (0, 0)),
+    )
+
+    def apply() -> None:
+        for which, value in settings:
+            resource.setrlimit(which, value)
+
+    return apply
+
+
+def _spawn_and_collect(
+    args: list[str],
+    stdin: bytes,
+    limits: SandboxLimits,
+    uid: int | None,
+    extra_fds: list[int],
+    result_pipe: tuple[int, int],
+    *,
+    cwd: str | None,
+    env: dict[str, str],
+    sandboxed: bool,
+) -> RunResult:
+    result_r, result_w = result_pipe
+    # stdin from a temp file, not a pipe: a program that never reads its input cannot block us.
+    with tempfile.TemporaryFile() as stdin_file:
+        stdin_file.write(stdin)
+        stdin_file.flush()
+        stdin_file.seek(0)
+        started = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                args,
+                stdin=stdin_file,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(result_w, *extra_fds),
+                cwd=cwd,
+                env=env,
+                start_new_session=True,  # its own process group, which we kill as a whole
+                user=uid,
+                group=uid,
+                extra_groups=[] if uid is not None else None,
+                preexec_fn=_child_limits(limits),
+            )
+        finally:
+            os.close(result_w)
+    try:
+        return _collect(proc, result_r, limits, started, sandboxed)
+    finally:
+        os.close(result_r)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _collect(proc: subprocess.Popen, result_r: int, limits: SandboxLimits, started: float, sandboxed: bool
+             ) -> RunResult:
+    assert proc.stdout is not None and proc.stderr is not None
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    buffers: dict[int, bytearray] = {out_fd: bytearray(), err_fd: bytearray(), result_r: bytearray()}
+    deadline = started + limits.wall_time_s
+    timed_out = output_limited = False
+    selector = selectors.DefaultSelector()
+    for fd in buffers:
+        os.set_blocking(fd, False)
+        selector.register(fd, selectors.EVENT_READ)
+    killed = False
+    try:
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if not killed:
+                    timed_out = True
+                    _kill_group(proc)
+                    killed = True
+                # After the kill, give the pipes a short grace to reach EOF; stragglers are abandoned.
+                remaining = 0.5 if remaining > -0.5 else 0
+                if remaining == 0:
+                    break
+            for key, _ in selector.select(timeout=min(remaining, 0.05)):
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    selector.unregister(key.fd)
+                    continue
+                buf = buffers[key.fd]
+                room = limits.output_bytes - len(buf)
+                buf += chunk[:max(room, 0)]
+                if len(chunk) > room and not killed:
+                    output_limited = True
+                    _kill_group(proc)
+                    killed = True
+            if not killed and proc.poll() is not None:
+                # The main process is gone; anything it left behind in its group must not outlive it
+                # (unsandboxed daemons would otherwise hold our pipes open until the deadline).
+                _kill_group(proc)
+                killed = True
+                deadline = min(deadline, time.monotonic() + 0.5)
+    finally:
+        selector.close()
+        if proc.poll() is None:
+            _kill_group(proc)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL'd processes exit
+            pass
+        _kill_group(proc)
+        proc.stdout.close()
+        proc.stderr.close()
+    wall = time.monotonic() - started
+    return RunResult(
+        returncode=proc.returncode,
+        stdout=bytes(buffers[out_fd]),
+        stderr=bytes(buffers[err_fd]),
+        result=bytes(buffers[result_r]),
+        timed_out=timed_out,
+        output_limited=output_limited,
+        wall_s=wall,
+        sandboxed=sandboxed,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def probe_sandbox(python: str | None = None) -> SandboxStatus:
+    """Check once per process that bwrap can start a program as an unprivileged uid with no network.
+
+    Cached: the answer depends on the machine (bwrap installed, user namespaces allowed), not the program.
+    """
+    if _bwrap_path() is None:
+        return SandboxStatus(False, "bwrap not found on PATH (Debian package 'bubblewrap')")
+    try:
+        python = python or _system_python()
+    except SandboxConfigError as exc:
+        return SandboxStatus(False, str(exc))
+    probe = Sandbox(SandboxLimits(wall_time_s=10.0, cpu_time_s=5.0), python=python)
+    check = "import os,socket;print(os.getuid());socket.socket().connect_ex(('127.0.0.1',9))"
+    try:
+        result = probe._run_bwrap(["{python}", "-I", "-c", check], {}, b"", probe.limits)
+    except OSError as exc:
+        return SandboxStatus(False, f"could not start bwrap: {exc}")
+    if result.returncode != 0:
+        tail = result.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
+        return SandboxStatus(False, f"bwrap failed (exit {result.returncode}): {tail[0]}")
+    uid = result.stdout.decode().strip()
+    if os.geteuid() == 0 and uid == "0":
+        return SandboxStatus(False, "sandboxed program ran as uid 0")
+    return SandboxStatus(True, f"bubblewrap, program uid {uid}")
