@@ -1,0 +1,616 @@
+"""The bus: one bound inbound socket per actor, peers reached by actor name, typed messages both ways.
+
+Sockets. An actor binds one ROUTER at its endpoint (``tcp://host:port``, ``tcp://host:*`` for a free port,
+or ``ipc://path``). For every peer in its name -> endpoint map it connects one DEALER. One-way sends and
+requests leave on the peer's DEALER; the peer's ROUTER hands replies back on that same connection, so a
+requester need not be reachable itself.
+
+Backpressure. Queues are bounded (SNDHWM/RCVHWM = ``hwm`` messages). ``await bus.send()`` first tries a
+non-blocking send; when the peer's queue is full it waits until there is room (counted in
+``stats["send_waits"]``), keeping per-peer FIFO order. Nothing is dropped silently: the ROUTER runs with
+ZMQ_ROUTER_MANDATORY, so a reply to a requester whose queue is full is retried until ``reply_timeout``
+and a reply to a vanished requester is counted (``stats["reply_unroutable"]``) and logged. The inbound
+side applies backpressure too: coroutine handlers run as tasks, at most ``max_inflight`` at once; when
+that many are busy the bus stops reading, the ROUTER's queue fills and the senders wait.
+
+Bad input never kills the actor. Every frame list that fails :func:`transport.messages.decode` (malformed,
+unknown kind, schema version, bad field, frame over ``max_frame_bytes``, tensor size mismatch) is counted
+in ``rejected[reason]`` and logged with the sender and reason (rate-limited), and a sender that asked for a
+reply gets an :class:`~transport.messages.Error` reply, which ``request()`` raises as :class:`RemoteError`.
+Frames over ``hard_max_frame_bytes`` (default 2x the limit) are cut off by libzmq (ZMQ_MAXMSGSIZE) before
+they are buffered in full, which protects memory.
+
+Heartbeats. Every ``heartbeat_interval`` seconds the bus pings each peer; any message from a peer's
+connection counts as a sign of life. A peer silent for ``heartbeat_timeout`` is declared dead
+(``on_peer_dead(name)``, ``stats["peer_dead"]``); ``on_peer_alive(name)`` fires when it answers again.
+Pings and pongs are handled inside the bus and never reach the actor.
+
+CurveZMQ (``curve=CurveConfig``): the ROUTER is a CURVE server whose ZAP handler admits only the run's
+public keys; DEALERs are CURVE clients. Denied handshakes are counted in ``rejected["auth_denied"]``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import errno
+import os
+import time
+from collections import Counter
+from typing import Any, Awaitable, Callable
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from .auth import CurveConfig, start_authenticator
+from .messages import (DecodeError, EncodeError, Error, Header, Message, Ping, Pong, decode, encode,
+                       new_message_id)
+
+__all__ = ["Bus", "Envelope", "BusError", "UnknownPeer", "MessageTooLarge", "RequestTimeout", "RemoteError",
+           "BusClosed", "current_cause"]
+
+# The id of the inbound message whose handler is running; outbound records carry it so replay can
+# attribute every message an actor sends to the message that caused it.
+current_cause: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_cause", default=None)
+
+_DRAIN_BATCH = 512          # messages read per wake-up before yielding to other tasks
+_LOG_FIRST = 20             # rejections of one reason logged in full before sampling
+_LOG_EVERY = 1000
+
+
+class BusError(RuntimeError):
+    pass
+
+
+class UnknownPeer(BusError, KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown peer"
+
+
+class MessageTooLarge(BusError, ValueError):
+    pass
+
+
+class RequestTimeout(BusError, TimeoutError):
+    pass
+
+
+class BusClosed(BusError):
+    pass
+
+
+class RemoteError(BusError):
+    """The peer answered a request with an Error. ``code`` is its reason code (see messages.Error)."""
+
+    def __init__(self, peer: str, code: str, text: str, kind: str | None = None) -> None:
+        super().__init__(f"{peer} rejected {kind or 'request'}: [{code}] {text}")
+        self.peer, self.code, self.text, self.kind = peer, code, text, kind
+
+
+class Envelope:
+    """A received message with its header; ``reply()`` answers it when the sender asked for a reply."""
+
+    __slots__ = ("header", "msg", "frames", "_ident", "_bus", "replied")
+
+    def __init__(self, header: Header, msg: Any, frames: list, ident: bytes | None, bus: "Bus | None") -> None:
+        self.header, self.msg, self.frames = header, msg, frames
+        self._ident, self._bus = ident, bus
+        self.replied = False
+
+    @property
+    def sender(self) -> str:
+        return self.header.sender
+
+    @property
+    def wants_reply(self) -> bool:
+        return self.header.wants_reply
+
+    def reply(self, msg: Message) -> None:
+        """Send ``msg`` as the reply (once; later calls are ignored). Never blocks: a full queue is retried
+        in the background until the bus's reply_timeout."""
+        if self.replied or not self.header.wants_reply:
+            return
+        self.replied = True
+        if self._bus is not None:
+            self._bus._send_reply(self._ident, msg, self.header)
+
+
+Handler = Callable[[Envelope], "Message | None | Awaitable[Message | None]"]
+
+
+class _Peer:
+    __slots__ = ("name", "endpoint", "sock", "asock", "lock", "waiters", "last_seen", "alive", "reader")
+
+    def __init__(self, name: str, endpoint: str, sock: zmq.Socket, asock: zmq.asyncio.Socket) -> None:
+        self.name, self.endpoint, self.sock, self.asock = name, endpoint, sock, asock
+        self.lock = asyncio.Lock()
+        self.waiters = 0
+        self.last_seen = time.monotonic()
+        self.alive = True
+        self.reader: asyncio.Task | None = None
+
+
+class Bus:
+    def __init__(self, name: str, endpoint: str, peers: dict[str, str] | None = None, *,
+                 handler: Handler | None = None,
+                 curve: CurveConfig | None = None,
+                 hwm: int = 1000,
+                 max_frame_bytes: int = 256 << 20,
+                 hard_max_frame_bytes: int | None = None,
+                 max_inflight: int = 64,
+                 heartbeat_interval: float | None = 1.0,
+                 heartbeat_timeout: float = 5.0,
+                 on_peer_dead: Callable[[str], Any] | None = None,
+                 on_peer_alive: Callable[[str], Any] | None = None,
+                 reply_timeout: float = 30.0,
+                 recorder: Any = None,
+                 record_outbound: bool = False,
+                 log: Any = None) -> None:
+        if heartbeat_interval is not None and heartbeat_timeout <= heartbeat_interval:
+            raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
+        self.name = name
+        self.endpoint = endpoint
+        self.handler = handler
+        self.curve = curve
+        self.hwm = hwm
+        self.max_frame_bytes = max_frame_bytes
+        self.hard_max_frame_bytes = hard_max_frame_bytes or 2 * max_frame_bytes
+        self.max_inflight = max_inflight
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.on_peer_dead = on_peer_dead
+        self.on_peer_alive = on_peer_alive
+        self.reply_timeout = reply_timeout
+        self.recorder = recorder
+        self.record_outbound = record_outbound
+        self.log = log if log is not None else structlog.get_logger("transport.bus").bind(bus=name)
+        self.stats: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()
+        self.draining = False
+        self._peer_endpoints = dict(peers or {})
+        self._peers: dict[str, _Peer] = {}
+        self._pending: dict[str, asyncio.Future] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._handler_tasks: set[asyncio.Task] = set()
+        self._slots: asyncio.Semaphore | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._auth = None
+        self._router: zmq.Socket | None = None
+        self._arouter: zmq.asyncio.Socket | None = None
+        self._started = False
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> "Bus":
+        """Bind the inbound socket, connect to every peer, start reading and heart-beating."""
+        if self._started:
+            return self
+        self._started = True
+        self._slots = asyncio.Semaphore(self.max_inflight)
+        # A context per bus: its ZAP handler (CURVE) is per context, and closing it frees its IO thread.
+        self._ctx = zmq.asyncio.Context()
+        if self.curve is not None:
+            self._auth = start_authenticator(self._ctx, self.curve, on_deny=self._on_auth_denied)
+        # The asyncio socket waits for readiness; a plain shadow of it does the non-blocking fast path.
+        self._arouter = self._ctx.socket(zmq.ROUTER)
+        router = self._router = zmq.Socket.shadow(self._arouter.underlying)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDHWM, self.hwm)
+        router.setsockopt(zmq.RCVHWM, self.hwm)
+        router.setsockopt(zmq.MAXMSGSIZE, self.hard_max_frame_bytes)
+        router.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.apply_server(router)
+        _prepare_ipc(self.endpoint)
+        router.bind(self.endpoint)
+        self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        for peer, ep in self._peer_endpoints.items():
+            self._connect(peer, ep)
+        self._spawn(self._inbound_loop(), "inbound")
+        if self.heartbeat_interval:
+            self._spawn(self._heartbeat_loop(), "heartbeat")
+        return self
+
+    async def close(self, linger: float = 1.0) -> None:
+        """Stop reading, flush queued outbound messages for up to ``linger`` seconds, free the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in list(self._tasks):
+            t.cancel()
+        for p in self._peers.values():
+            if p.reader is not None:
+                p.reader.cancel()
+        await asyncio.gather(*self._tasks, *(p.reader for p in self._peers.values() if p.reader),
+                             return_exceptions=True)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(BusClosed(f"bus {self.name} closed"))
+        self._pending.clear()
+        linger_ms = max(0, int(linger * 1000))
+        for p in self._peers.values():
+            p.asock.close(linger=linger_ms)
+        if self._arouter is not None:
+            self._arouter.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        if self._ctx is not None:
+            # term() waits for the DEALERs' linger (bounded above); run it off the loop.
+            await asyncio.get_running_loop().run_in_executor(None, self._ctx.term)
+
+    async def wait_handlers(self, timeout: float | None = None) -> bool:
+        """Wait until no handler task runs; False if ``timeout`` expired first."""
+        if not self._handler_tasks:
+            return True
+        _, pending = await asyncio.wait(set(self._handler_tasks), timeout=timeout)
+        return not pending
+
+    @property
+    def inflight(self) -> int:
+        return len(self._handler_tasks)
+
+    def counters(self) -> dict[str, int]:
+        out = {f"bus.{k}": v for k, v in self.stats.items()}
+        out.update({f"bus.rejected.{k}": v for k, v in self.rejected.items()})
+        return out
+
+    def peer_alive(self, peer: str) -> bool:
+        return self._peer(peer).alive
+
+    @property
+    def peers(self) -> dict[str, str]:
+        return {n: p.endpoint for n, p in self._peers.items()}
+
+    def add_peer(self, name: str, endpoint: str) -> None:
+        """Add (or re-point) a peer after start."""
+        old = self._peers.pop(name, None)
+        if old is not None:
+            if old.reader is not None:
+                old.reader.cancel()
+            old.asock.close(linger=0)
+        self._peer_endpoints[name] = endpoint
+        if self._started and not self._closed:
+            self._connect(name, endpoint)
+
+    # --------------------------------------------------------------------------------------- sending
+
+    async def send(self, peer: str, msg: Message) -> None:
+        """One-way send; waits while the peer's queue is full (never drops)."""
+        await self._send(peer, msg, None, False)
+
+    async def request(self, peer: str, msg: Message, timeout: float | None = 30.0) -> Message:
+        """Send ``msg`` and return the peer's reply. Raises RemoteError on an Error reply, RequestTimeout
+        when no reply comes within ``timeout`` seconds (the wait for queue room included)."""
+        mid = new_message_id()
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[mid] = fut
+        try:
+            async with asyncio.timeout(timeout):
+                await self._send(peer, msg, mid, True)
+                header, reply = await fut
+        except TimeoutError:
+            self.stats["request_timeouts"] += 1
+            raise RequestTimeout(f"{peer} did not answer {type(msg).KIND!r} within {timeout}s") from None
+        finally:
+            self._pending.pop(mid, None)
+        if type(reply) is Error:
+            raise RemoteError(peer, reply.code, reply.text, reply.kind or type(msg).KIND)
+        return reply
+
+    def _peer(self, peer: str) -> _Peer:
+        p = self._peers.get(peer)
+        if p is None:
+            if self._closed:
+                raise BusClosed(f"bus {self.name} is closed")
+            raise UnknownPeer(f"{self.name}: no endpoint for peer {peer!r} (known: {sorted(self._peers)})")
+        return p
+
+    async def _send(self, peer: str, msg: Message, mid: str | None, wants_reply: bool) -> None:
+        p = self._peer(peer)
+        frames = encode(msg, self.name, msg_id=mid, wants_reply=wants_reply)
+        limit = self.max_frame_bytes
+        if len(frames) > 1 or len(frames[0]) > limit:
+            for i, f in enumerate(frames):
+                n = f.nbytes if type(f) is memoryview else len(f)
+                if n > limit:
+                    raise MessageTooLarge(f"{type(msg).KIND}: frame {i} is {n} bytes, over max_frame_bytes={limit}")
+        if self.recorder is not None and self.record_outbound:
+            self.recorder.record("out", frames, peer=peer, cause=current_cause.get())
+        if not p.waiters:
+            try:
+                p.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                self.stats["sent"] += 1
+                return
+            except zmq.Again:
+                pass
+        # The peer's queue is full (or others already wait): wait our turn, in order.
+        p.waiters += 1
+        self.stats["send_waits"] += 1
+        try:
+            async with p.lock:
+                await p.asock.send_multipart(frames, copy=False)
+            self.stats["sent"] += 1
+        finally:
+            p.waiters -= 1
+
+    def _send_reply(self, ident: bytes | None, msg: Message, to: Header) -> None:
+        if ident is None or self._router is None or self._closed:
+            return
+        try:
+            frames = encode(msg, self.name, reply_to=to.id)
+        except EncodeError as exc:
+            self.log.error("reply_encode_failed", to=to.sender, kind=to.kind, error=str(exc))
+            frames = encode(Error("handler_error", f"reply could not be encoded: {exc}", to.kind),
+                            self.name, reply_to=to.id)
+        if self.recorder is not None and self.record_outbound and type(msg) is not Pong:
+            self.recorder.record("out", frames, peer=to.sender, cause=to.id)
+        if not self._send_router([ident, *frames], to):
+            self._spawn(self._retry_reply(ident, frames, to), "reply-retry")
+
+    def _send_router(self, frames: list, to: Header) -> bool:
+        """True when sent or definitively undeliverable; False when the requester's queue is full."""
+        try:
+            self._router.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            self.stats["replies"] += 1
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EHOSTUNREACH:
+                self.stats["reply_unroutable"] += 1
+                self.log.warning("reply_unroutable", to=to.sender, kind=to.kind,
+                                 reason="the requester disconnected before the reply")
+                return True
+            raise
+
+    async def _retry_reply(self, ident: bytes, frames: list, to: Header) -> None:
+        self.stats["reply_waits"] += 1
+        deadline = time.monotonic() + self.reply_timeout
+        delay = 0.001
+        while time.monotonic() < deadline:
+            await asyncio.sleep(delay)
+            if self._send_router(frames, to):
+                return
+            delay = min(delay * 2, 0.05)
+        self.stats["reply_dropped"] += 1
+        self.log.error("reply_dropped", to=to.sender, kind=to.kind,
+                       reason=f"requester's queue stayed full for {self.reply_timeout}s")
+
+    # ------------------------------------------------------------------------------------- receiving
+
+    def _connect(self, peer: str, endpoint: str) -> None:
+        asock = self._ctx.socket(zmq.DEALER)
+        sock = zmq.Socket.shadow(asock.underlying)
+        sock.setsockopt(zmq.SNDHWM, self.hwm)
+        sock.setsockopt(zmq.RCVHWM, self.hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.hard_max_frame_bytes)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            self.curve.apply_client(sock, peer)
+        sock.connect(endpoint)
+        p = _Peer(peer, endpoint, sock, asock)
+        self._peers[peer] = p
+        p.reader = asyncio.get_running_loop().create_task(self._peer_loop(p), name=f"bus-{self.name}-{peer}")
+
+    def _spawn(self, coro: Any, what: str) -> asyncio.Task:
+        t = asyncio.get_running_loop().create_task(coro, name=f"bus-{self.name}-{what}")
+        self._tasks.add(t)
+        t.add_done_callback(self._task_done)
+        return t
+
+    def _task_done(self, t: asyncio.Task) -> None:
+        self._tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            self.log.error("bus_task_failed", task=t.get_name(), error=repr(t.exception()))
+
+    @staticmethod
+    def _recv_message(sock: zmq.Socket, with_ident: bool) -> tuple[bytes | None, list]:
+        """One whole message, without blocking (raises zmq.Again when none is queued).
+
+        The header frame is copied (small); further frames stay zmq.Frame objects so tensors alias them.
+        """
+        ident = sock.recv(zmq.NOBLOCK) if with_ident else None
+        if with_ident and not sock.getsockopt(zmq.RCVMORE):
+            return ident, []
+        frames: list = [sock.recv(zmq.NOBLOCK)]
+        while sock.getsockopt(zmq.RCVMORE):
+            frames.append(sock.recv(zmq.NOBLOCK, copy=False))
+        return ident, frames
+
+    async def _inbound_loop(self) -> None:
+        sock, asock, slots = self._router, self._arouter, self._slots
+        while True:
+            await asock.poll(flags=zmq.POLLIN)
+            for _ in range(_DRAIN_BATCH):
+                try:
+                    ident, frames = self._recv_message(sock, True)
+                except zmq.Again:
+                    break
+                coro = self._handle_inbound(ident, frames)
+                if coro is not None:
+                    # Bounded concurrency: when max_inflight handlers run, stop reading (backpressure).
+                    await slots.acquire()
+                    self._start_handler(coro)
+            else:
+                await asyncio.sleep(0)
+
+    def _handle_inbound(self, ident: bytes | None, frames: list) -> tuple | None:
+        """Decode and dispatch one inbound message; returns (env, coroutine) for async handlers."""
+        now = time.time()
+        try:
+            header, msg = decode(frames, self.max_frame_bytes)
+        except DecodeError as exc:
+            self._reject(exc.reason, str(exc), exc.header, ident, frames, now)
+            return None
+        cls = type(msg)
+        if cls is Ping:
+            if header.wants_reply:
+                self._send_reply(ident, Pong(msg.seq), header)
+            return None
+        self.stats["received"] += 1
+        if self.recorder is not None:
+            self.recorder.record("in", frames, peer=header.sender, t=now)
+        if header.reply_to is not None:
+            self._reject("unexpected_reply", f"reply {header.kind!r} arrived on the inbound socket", header,
+                         None, frames, now, record=False)
+            return None
+        env = Envelope(header, msg, frames, ident, self)
+        if self.draining and header.wants_reply:
+            self.stats["refused_draining"] += 1
+            env.reply(Error("draining", f"{self.name} is shutting down; send it elsewhere or later", header.kind))
+            return None
+        handler = self.handler
+        if handler is None:
+            self._reject("no_handler", f"{self.name} has no handler", header, ident, frames, now, record=False)
+            return None
+        token = current_cause.set(header.id)
+        try:
+            result = handler(env)
+        except Exception as exc:
+            self._handler_failed(env, exc)
+            return None
+        finally:
+            current_cause.reset(token)
+        if result is None:
+            return None
+        if isinstance(result, Message):
+            env.reply(result)
+            return None
+        if asyncio.iscoroutine(result):
+            return env, result
+        self._handler_failed(env, TypeError(f"handler returned {type(result).__name__}, expected a Message, "
+                                            f"None or a coroutine"))
+        return None
+
+    def _start_handler(self, item: tuple) -> None:
+        env, coro = item
+        token = current_cause.set(env.header.id)
+        try:
+            t = asyncio.get_running_loop().create_task(coro)
+        finally:
+            current_cause.reset(token)
+        self._handler_tasks.add(t)
+        t.add_done_callback(lambda t, env=env: self._handler_done(env, t))
+
+    def _handler_done(self, env: Envelope, t: asyncio.Task) -> None:
+        self._handler_tasks.discard(t)
+        self._slots.release()
+        if t.cancelled():
+            if env.wants_reply and not env.replied:
+                env.reply(Error("draining", f"{self.name} stopped before answering", env.header.kind))
+            return
+        exc = t.exception()
+        if exc is not None:
+            self._handler_failed(env, exc)
+            return
+        result = t.result()
+        if isinstance(result, Message):
+            env.reply(result)
+
+    def _handler_failed(self, env: Envelope, exc: BaseException) -> None:
+        self.stats["handler_errors"] += 1
+        self.log.error("handler_failed", kind=env.header.kind, sender=env.sender, error=repr(exc),
+                       exc_info=exc)
+        if env.wants_reply and not env.replied:
+            env.reply(Error("handler_error", f"{type(exc).__name__}: {exc}", env.header.kind))
+
+    def _reject(self, reason: str, text: str, header: Header | None, ident: bytes | None, frames: list,
+                now: float, record: bool = True) -> None:
+        n = self.rejected[reason] = self.rejected[reason] + 1
+        if n <= _LOG_FIRST or n % _LOG_EVERY == 0:
+            self.log.warning("message_rejected", reason=reason, sender=header.sender if header else None,
+                             kind=header.kind if header else None, error=text, count=n)
+        if record and self.recorder is not None:
+            first = frames[0] if frames else b""
+            self.recorder.record("in", [first if len(first) <= 65536 else first[:65536]],
+                                 peer=header.sender if header else "", t=now, rejected=reason)
+        if header is not None and header.wants_reply and ident is not None:
+            self._send_reply(ident, Error(reason, text, header.kind), header)
+
+    def _on_auth_denied(self, key: str) -> None:
+        n = self.rejected["auth_denied"] = self.rejected["auth_denied"] + 1
+        if n <= _LOG_FIRST or n % _LOG_EVERY == 0:
+            self.log.warning("message_rejected", reason="auth_denied", client_key=key, count=n)
+
+    async def _peer_loop(self, p: _Peer) -> None:
+        """Read replies and pongs arriving on a peer's DEALER."""
+        sock, asock = p.sock, p.asock
+        while True:
+            await asock.poll(flags=zmq.POLLIN)
+            for _ in range(_DRAIN_BATCH):
+                try:
+                    _, frames = self._recv_message(sock, False)
+                except zmq.Again:
+                    break
+                self._mark_alive(p)
+                self._handle_reply(p, frames)
+            else:
+                await asyncio.sleep(0)
+
+    def _handle_reply(self, p: _Peer, frames: list) -> None:
+        try:
+            header, msg = decode(frames, self.max_frame_bytes)
+        except DecodeError as exc:
+            self._reject(exc.reason, str(exc), None, None, frames, time.time())
+            fut = self._pending.get(exc.header.reply_to) if exc.header and exc.header.reply_to else None
+            if fut is not None and not fut.done():
+                fut.set_exception(RemoteError(p.name, exc.reason, f"undecodable reply: {exc}"))
+            return
+        if type(msg) is Pong:
+            return
+        if self.recorder is not None:
+            self.recorder.record("in", frames, peer=p.name)
+        fut = self._pending.get(header.reply_to) if header.reply_to else None
+        if fut is None:
+            if type(msg) is Error:
+                self.log.warning("error_from_peer", peer=p.name, code=msg.code, text=msg.text)
+            self.stats["late_replies"] += 1
+            return
+        if not fut.done():
+            fut.set_result((header, msg))
+
+    # ------------------------------------------------------------------------------------ heartbeats
+
+    def _mark_alive(self, p: _Peer) -> None:
+        p.last_seen = time.monotonic()
+        if not p.alive:
+            p.alive = True
+            self.stats["peer_alive"] += 1
+            self.log.info("peer_alive", peer=p.name)
+            self._callback(self.on_peer_alive, p.name)
+
+    def _callback(self, fn: Callable[[str], Any] | None, peer: str) -> None:
+        if fn is None:
+            return
+        try:
+            r = fn(peer)
+            if asyncio.iscoroutine(r):
+                self._spawn(r, "peer-callback")
+        except Exception as exc:
+            self.log.error("peer_callback_failed", peer=peer, error=repr(exc))
+
+    async def _heartbeat_loop(self) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            seq += 1
+            now = time.monotonic()
+            for p in list(self._peers.values()):
+                if p.alive and now - p.last_seen > self.heartbeat_timeout:
+                    p.alive = False
+                    self.stats["peer_dead"] += 1
+                    self.log.warning("peer_dead", peer=p.name, silent_s=round(now - p.last_seen, 3))
+                    self._callback(self.on_peer_dead, p.name)
+                try:
+                    # Heartbeats are lossy on purpose: a full queue to a stuck peer must not block us.
+                    p.sock.send_multipart(encode(Ping(seq), self.name, wants_reply=True), zmq.NOBLOCK)
+                except zmq.Again:
+                    self.stats["heartbeat_skipped"] += 1
+
+
+def _prepare_ipc(endpoint: str) -> None:
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if path and not path.startswith("@"):
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
