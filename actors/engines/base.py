@@ -258,7 +258,7 @@ class TrainEngine(abc.ABC):
         """One optimizer step over all micro-batches (gradient accumulation).
 
         The summed loss is divided by `loss_denominator`, by default the total of the "loss_mask"
-        field over all micro-batches (or their token count when there is no mask). Returns stats:
+        field over all micro-batches (without a mask: their tokens minus one per sequence). Returns stats:
         loss, grad_norm, lr, tokens, seqs, step, version, and the loss function's stats.
         """
 
