@@ -413,6 +413,10 @@ def _tensor_codec() -> _Codec:
                                       f"dtype {dtype_name} shape {shape} needs {want}")
         ctx.used += 1
         torch = _torch()
+        if buf.readonly:
+            # Only frames read back from a log or built from bytes get here (ZeroMQ frames are writable);
+            # a writable copy keeps torch from aliasing immutable memory.
+            buf = memoryview(bytearray(buf))
         if want == 0:
             return torch.empty(shape, dtype=dt)
         # Zero-copy: the tensor aliases the ZeroMQ frame (which it keeps alive through the buffer).

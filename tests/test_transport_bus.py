@@ -1,0 +1,304 @@
+"""The bus: request/reply, one-way, tensors, each bad input, CURVE, backpressure, heartbeats, draining."""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Awaitable, Callable
+
+import msgpack
+import pytest
+import torch
+import uvloop
+import zmq
+import zmq.asyncio
+
+from transport.auth import CurveConfig, generate_run_keys
+from transport.bus import Bus, MessageTooLarge, RemoteError, RequestTimeout, UnknownPeer
+from transport.messages import SCHEMA_VERSION, Error, Message, decode, encode, message
+
+
+@message("test.bus.echo")
+class Echo(Message):
+    text: str
+    n: int = 0
+    t: torch.Tensor | None = None
+
+
+@message("test.bus.count")
+class Count(Message):
+    n: int
+
+
+class ListLog:
+    """Stands in for a structlog logger; keeps (level, event, fields)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, dict]] = []
+
+    def bind(self, **_: Any) -> "ListLog":
+        return self
+
+    def _add(self, level: str, event: str, **kw: Any) -> None:
+        self.events.append((level, event, kw))
+
+    def info(self, event: str, **kw: Any) -> None:
+        self._add("info", event, **kw)
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self._add("warning", event, **kw)
+
+    def error(self, event: str, **kw: Any) -> None:
+        self._add("error", event, **kw)
+
+
+def run(coro: Awaitable[Any], timeout: float = 30.0) -> Any:
+    async def bounded() -> Any:
+        async with asyncio.timeout(timeout):
+            return await coro
+    return uvloop.run(bounded())
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    """Poll a condition with a deadline (for effects that have no event to await, e.g. ZAP denials)."""
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.005)
+
+
+def echo_handler(env: Any) -> Any:
+    if isinstance(env.msg, Echo):
+        if env.msg.text == "boom":
+            raise RuntimeError("handler exploded")
+        return Echo(env.msg.text.upper(), env.msg.n + 1, env.msg.t)
+    return None
+
+
+async def pair(endpoint: str = "tcp://127.0.0.1:*", **server_kw: Any) -> tuple[Bus, Bus]:
+    server = await Bus("server", endpoint, handler=server_kw.pop("handler", echo_handler), **server_kw).start()
+    client = await Bus("client", "tcp://127.0.0.1:*", {"server": server.endpoint}).start()
+    return server, client
+
+
+def test_request_reply_oneway_and_tensors(tmp_path: Any) -> None:
+    async def main() -> None:
+        received: list[Any] = []
+        done = asyncio.Event()
+
+        def handler(env: Any) -> Any:
+            if isinstance(env.msg, Count):
+                received.append(env.msg.n)
+                if len(received) == 100:
+                    done.set()
+                return None
+            return echo_handler(env)
+
+        for endpoint in ("tcp://127.0.0.1:*", f"ipc://{tmp_path}/sock/server"):
+            received.clear()
+            done.clear()
+            server, client = await pair(endpoint, handler=handler)
+            reply = await client.request("server", Echo("hi", 1), timeout=5)
+            assert reply == Echo("HI", 2)
+            t = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+            reply = await client.request("server", Echo("tensor", 0, t), timeout=5)
+            assert torch.equal(reply.t, t) and reply.t.dtype == torch.bfloat16
+            for i in range(100):
+                await client.send("server", Count(i))
+            await asyncio.wait_for(done.wait(), 5)
+            assert received == list(range(100))   # one peer's messages arrive in order
+            assert server.stats["received"] == 102 and client.stats["sent"] == 102
+            await client.close()
+            await server.close()
+
+    run(main())
+
+
+def test_error_replies_raise_typed_exceptions() -> None:
+    async def main() -> None:
+        server, client = await pair(handler=echo_handler)
+        with pytest.raises(RemoteError) as info:
+            await client.request("server", Echo("boom"), timeout=5)
+        assert info.value.code == "handler_error" and "handler exploded" in str(info.value)
+        # the server is still serving
+        assert (await client.request("server", Echo("ok"), timeout=5)).text == "OK"
+        with pytest.raises(UnknownPeer, match="no endpoint for peer 'nobody'"):
+            await client.send("nobody", Echo("x"))
+        small = await Bus("small", "tcp://127.0.0.1:*", {"server": server.endpoint},
+                          max_frame_bytes=1000, heartbeat_interval=None).start()
+        with pytest.raises(MessageTooLarge, match="frame 1 is 4000 bytes"):
+            await small.send("server", Echo("big", 0, torch.zeros(1000)))
+        await small.close()
+        server.draining = True
+        with pytest.raises(RemoteError) as info:
+            await client.request("server", Echo("late"), timeout=5)
+        assert info.value.code == "draining"
+        await client.close()
+        await server.close()
+
+    run(main())
+
+
+def test_request_timeout() -> None:
+    async def main() -> None:
+        never = asyncio.Event()
+
+        async def slow(env: Any) -> Any:
+            await never.wait()
+
+        server, client = await pair(handler=slow)
+        with pytest.raises(RequestTimeout, match="did not answer 'test.bus.echo' within 0.2s"):
+            await client.request("server", Echo("x"), timeout=0.2)
+        assert client.stats["request_timeouts"] == 1
+        await client.close()
+        await server.close()
+
+    run(main())
+
+
+def test_each_bad_input_is_counted_logged_and_answered() -> None:
+    async def main() -> None:
+        log = ListLog()
+        server = await Bus("server", "tcp://127.0.0.1:*", handler=echo_handler, max_frame_bytes=4096,
+                           log=log, heartbeat_interval=None).start()
+        ctx = zmq.asyncio.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.connect(server.endpoint)
+
+        def head(tag: str, body: Any, mid: str, version: int = SCHEMA_VERSION) -> bytes:
+            return msgpack.packb([tag, version, "evil", mid, 1.0, None, True, body])
+
+        ok_body = {"text": "x", "n": 1, "t": {"$t": 1, "dtype": "float32", "shape": [4]}}
+        cases = {
+            "unknown_kind": [head("no.such.kind", {}, "m1")],
+            "bad_field": [head("test.bus.echo", {"text": 5}, "m2")],
+            "schema_version": [head("test.bus.echo", {"text": "x"}, "m3", version=99)],
+            "frame_too_large": [head("test.bus.echo", {**ok_body, "t": {**ok_body["t"], "shape": [2048]}}, "m4"),
+                                b"\0" * 8192],
+            "tensor_size": [head("test.bus.echo", ok_body, "m5"), b"\0" * 15],
+        }
+        for reason, frames in cases.items():
+            await raw.send_multipart(frames)
+            reply_frames = await asyncio.wait_for(raw.recv_multipart(), 5)
+            header, err = decode(reply_frames)
+            assert isinstance(err, Error) and err.code == reason, (reason, err)
+            assert header.reply_to == msgpack.unpackb(frames[0])[3]
+        # malformed frames carry no usable header: counted and logged, no reply possible
+        await raw.send_multipart([b"\xc1not msgpack"])
+        await raw.send_multipart([msgpack.packb(["too", "short"])])
+        await until(lambda: server.rejected["malformed"] == 2)
+        for reason in cases:
+            assert server.rejected[reason] == 1, reason
+        logged = [(kw["reason"], kw["sender"]) for lvl, ev, kw in log.events if ev == "message_rejected"]
+        assert ("bad_field", "evil") in logged and ("malformed", None) in logged
+        assert any("field 'text': expected str, got int" in kw["error"] for _, _, kw in log.events)
+        # and the actor still works for a well-behaved client
+        client = await Bus("client", "tcp://127.0.0.1:*", {"server": server.endpoint}).start()
+        assert (await client.request("server", Echo("fine"), timeout=5)).text == "FINE"
+        raw.close(0)
+        ctx.term()
+        await client.close()
+        await server.close()
+
+    run(main())
+
+
+def test_curve_accepts_authorised_and_rejects_others(tmp_path: Any) -> None:
+    async def main() -> None:
+        keys = generate_run_keys(str(tmp_path), ["server", "client"])
+        assert oct(os.stat(os.path.join(keys, "server.key_secret")).st_mode & 0o777) == "0o600"
+        calls: list[str] = []
+
+        def handler(env: Any) -> Any:
+            calls.append(env.msg.text)
+            return echo_handler(env)
+
+        server_cfg = CurveConfig.from_spec({"keys_dir": keys}, "server")
+        server = await Bus("server", "tcp://127.0.0.1:*", handler=handler, curve=server_cfg,
+                           heartbeat_interval=None).start()
+        peers = {"server": server.endpoint}
+        client = await Bus("client", "tcp://127.0.0.1:*", peers, heartbeat_interval=None,
+                           curve=CurveConfig.from_keys_dir(keys, "client", ["server"])).start()
+        assert (await client.request("server", Echo("trusted"), timeout=5)).text == "TRUSTED"
+
+        # a client whose key is not in the run's key set: the ZAP handler denies it
+        pub, sec = zmq.curve_keypair()
+        rogue_cfg = CurveConfig(pub.decode(), sec.decode(), {"server": server_cfg.public}, [])
+        rogue = await Bus("rogue", "tcp://127.0.0.1:*", peers, curve=rogue_cfg, heartbeat_interval=None).start()
+        with pytest.raises(RequestTimeout):
+            await rogue.request("server", Echo("intruder"), timeout=0.5)
+        await until(lambda: server.rejected["auth_denied"] >= 1)
+        # a client without CURVE at all cannot even complete the handshake
+        plain = await Bus("plain", "tcp://127.0.0.1:*", peers, heartbeat_interval=None).start()
+        with pytest.raises(RequestTimeout):
+            await plain.request("server", Echo("plaintext"), timeout=0.5)
+        assert calls == ["trusted"]
+        for bus in (plain, rogue, client, server):
+            await bus.close()
+
+    run(main())
+
+
+def test_backpressure_sender_waits_and_nothing_is_dropped() -> None:
+    async def main() -> None:
+        release = asyncio.Event()
+        got: list[int] = []
+
+        async def slow(env: Any) -> None:
+            await release.wait()
+            got.append(env.msg.n)
+
+        server = await Bus("server", "tcp://127.0.0.1:*", handler=slow, hwm=5, max_inflight=1,
+                           heartbeat_interval=None).start()
+        client = await Bus("client", "tcp://127.0.0.1:*", {"server": server.endpoint}, hwm=5,
+                           heartbeat_interval=None).start()
+        total = 2000
+
+        async def produce() -> None:
+            for i in range(total):
+                await client.send("server", Count(i))
+
+        producer = asyncio.create_task(produce())
+        await until(lambda: client.stats["send_waits"] >= 1, timeout=10)
+        assert not producer.done()          # the sender is held back, not dropping
+        assert len(got) == 0
+        release.set()
+        await asyncio.wait_for(producer, 20)
+        await until(lambda: len(got) == total, timeout=20)
+        assert got == list(range(total))
+        assert server.stats["received"] == total and not server.rejected
+        await client.close()
+        await server.close()
+
+    run(main(), timeout=60)
+
+
+def test_heartbeat_detects_dead_peer_and_its_return(tmp_path: Any) -> None:
+    async def main() -> None:
+        endpoint = f"ipc://{tmp_path}/hb"
+        loop = asyncio.get_running_loop()
+        dead: asyncio.Future = loop.create_future()
+        alive_again: asyncio.Future = loop.create_future()
+
+        def on_dead(name: str) -> None:
+            if not dead.done():
+                dead.set_result((name, loop.time()))
+
+        def on_alive(name: str) -> None:
+            if not alive_again.done():
+                alive_again.set_result(name)
+
+        peer = await Bus("peer", endpoint, handler=echo_handler, heartbeat_interval=None).start()
+        watcher = await Bus("watcher", "tcp://127.0.0.1:*", {"peer": endpoint}, heartbeat_interval=0.05,
+                            heartbeat_timeout=0.4, on_peer_dead=on_dead, on_peer_alive=on_alive).start()
+        await watcher.request("peer", Echo("x"), timeout=5)
+        await peer.close()
+        closed_at = loop.time()
+        name, noticed_at = await asyncio.wait_for(dead, 5)
+        assert name == "peer" and not watcher.peer_alive("peer")
+        assert noticed_at - closed_at < 0.4 + 0.05 * 4 + 0.5    # timeout + a few intervals of slack
+        peer = await Bus("peer", endpoint, handler=echo_handler, heartbeat_interval=None).start()
+        assert await asyncio.wait_for(alive_again, 5) == "peer"
+        assert watcher.stats["peer_dead"] == 1 and watcher.stats["peer_alive"] == 1
+        await watcher.close()
+        await peer.close()
+
+    run(main())
