@@ -1,0 +1,898 @@
+"""Topology files: the schema, loading with an experiment config and `key.sub=value` overrides,
+validation that reports every problem in one line naming its key, and placement of actor instances
+onto nodes, GPUs, CPU cores and ports.
+
+A topology says which actor runs where. ``load(path, overrides)`` returns a :class:`Plan`: one
+:class:`Instance` per actor process (node, GPUs, cores, bus endpoint) and one :class:`LinkPlan` per
+bulk link (members in rank order, rendezvous address and port, the NCCL/gloo environment). The plan
+turns into ActorSpec dictionaries with :meth:`Plan.specs`; ``tools/up.py`` prints or launches it.
+The full schema is documented in docs/topology.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import math
+import re
+import socket
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+__all__ = [
+    "TopologyError", "Topology", "NodeSpec", "BusSpec", "LinkSpec", "GroupSpec", "Instance", "LinkPlan",
+    "Plan", "load", "load_document", "parse_override", "apply_overrides", "validate", "place",
+    "expand_nodelist",
+]
+
+
+class TopologyError(ValueError):
+    """A topology is invalid. ``problems`` holds one line per problem, each naming its key path."""
+
+    def __init__(self, problems: list[str], source: str = "topology"):
+        self.problems = list(problems)
+        self.source = source
+        super().__init__(f"{source}: {len(self.problems)} problem(s)\n" + "\n".join(f"  {p}" for p in self.problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# schema: the allowed keys of every section (unknown keys are errors, so typos never pass)
+# ---------------------------------------------------------------------------------------------
+
+TOP_KEYS = {"name", "description", "config", "run_root", "cluster", "bus", "links", "actors"}
+CLUSTER_KEYS = {"nodes", "node", "interconnect"}
+NODE_KEYS = {"gpus", "gpu_kind", "gpu_memory_gb", "cpus", "memory_gb", "nics"}
+NIC_KEYS = {"ib", "socket"}
+BUS_KEYS = {"transport", "host", "base_port", "port_range", "curve", "heartbeat_s"}
+LINK_KEYS = {"backend", "members", "port", "gdr", "env", "timeout_s"}
+GROUP_KEYS = {"class", "count", "nodes", "per_node", "gpus", "cpus", "threads", "cpu_workers", "parallel",
+              "settings", "env"}
+PARALLEL_KEYS = {"dp", "tp", "pp"}
+# Keys the launcher writes into every actor's settings; a topology may not set them.
+RESERVED_SETTINGS = {"instance", "groups", "links"}
+
+
+@dataclasses.dataclass
+class NodeSpec:
+    name: str  # host name, or "#i" for a node that comes from the SLURM allocation
+    gpus: int = 0
+    gpu_kind: str | None = None
+    gpu_memory_gb: float | None = None
+    cpus: int = 1
+    memory_gb: float | None = None
+    nics: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class BusSpec:
+    transport: str = "tcp"  # tcp | ipc
+    host: str | None = None  # bind address for a one-node tcp bus (default 127.0.0.1)
+    base_port: int = 20000
+    port_range: int = 1000
+    curve: bool = False
+    heartbeat_s: float | None = None
+
+
+@dataclasses.dataclass
+class LinkSpec:
+    name: str
+    backend: str
+    members: list[str]
+    port: int
+    gdr: bool = False
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    timeout_s: float = 300.0
+
+
+@dataclasses.dataclass
+class GroupSpec:
+    name: str
+    cls: str
+    count: int = 1
+    nodes: list[int] = dataclasses.field(default_factory=list)  # indices into Topology.nodes
+    per_node: int | None = None
+    gpus: int = 0  # per instance
+    cpus: list[list[int]] | None = None  # per instance core list (CPU affinity)
+    threads: int | None = None
+    cpu_workers: int = 0  # worker processes per instance (reward pools), counted against node cores
+    parallel: dict[str, int] = dataclasses.field(default_factory=dict)
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Topology:
+    name: str
+    source: str
+    nodes: list[NodeSpec]
+    nodes_from_allocation: bool  # `cluster.nodes: N`: host names come from the SLURM allocation
+    bus: BusSpec
+    links: dict[str, LinkSpec]
+    groups: dict[str, GroupSpec]
+    experiment: dict[str, Any]
+    config_path: str | None
+    run_root: str
+    description: str = ""
+    document: dict[str, Any] = dataclasses.field(default_factory=dict)  # after overrides
+
+
+@dataclasses.dataclass
+class Instance:
+    name: str
+    group: str
+    index: int
+    node: int
+    host: str
+    gpus: list[int]
+    cpus: list[int]
+    port: int | None
+    endpoint: str
+    env: dict[str, str]
+
+
+@dataclasses.dataclass
+class LinkPlan:
+    name: str
+    backend: str
+    members: list[str]  # instance names in rank order; rank 0 hosts the rendezvous store
+    master_host: str
+    port: int
+    env: dict[str, str]
+    timeout_s: float
+
+
+@dataclasses.dataclass
+class Plan:
+    topology: Topology
+    instances: list[Instance]
+    links: dict[str, LinkPlan]
+
+    def by_node(self) -> dict[int, list[Instance]]:
+        out: dict[int, list[Instance]] = {i: [] for i in range(len(self.topology.nodes))}
+        for inst in self.instances:
+            out[inst.node].append(inst)
+        return out
+
+    def group_members(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {g: [] for g in self.topology.groups}
+        for inst in self.instances:
+            out[inst.group].append(inst.name)
+        return out
+
+    def specs(self, run_dir: str | Path, curve: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """One ActorSpec dictionary per instance (fields as in docs/architecture.md)."""
+        topo, groups = self.topology, self.group_members()
+        peers = {inst.name: inst.endpoint for inst in self.instances}
+        out = []
+        for inst in self.instances:
+            group = topo.groups[inst.group]
+            settings = _deep_merge(copy.deepcopy(topo.experiment), copy.deepcopy(group.settings))
+            settings["instance"] = {
+                "group": inst.group, "index": inst.index, "count": group.count, "node": inst.host,
+                "node_index": inst.node, "gpus": inst.gpus, "cpus": inst.cpus, "cpu_workers": group.cpu_workers,
+                "parallel": dict(group.parallel),
+            }
+            settings["groups"] = groups
+            settings["links"] = {name: self.link_config(name, inst) for name, link in self.links.items()
+                                 if inst.name in link.members}
+            out.append({
+                "name": inst.name, "cls": group.cls, "endpoint": inst.endpoint,
+                "peers": {n: e for n, e in peers.items() if n != inst.name}, "settings": settings,
+                "run_dir": str(run_dir), "curve": curve, "env": dict(inst.env),
+            })
+        return out
+
+    def link_config(self, link_name: str, inst: Instance) -> dict[str, Any]:
+        """The transport.bulk.LinkConfig dictionary for one member of a link."""
+        link = self.links[link_name]
+        return {"name": link.name, "backend": link.backend, "master_addr": resolve_host(link.master_host),
+                "master_port": link.port, "rank": link.members.index(inst.name), "world_size": len(link.members),
+                "members": list(link.members), "bind_addr": _bind_addr(inst.host), "timeout_s": link.timeout_s,
+                "env": dict(link.env)}
+
+    def with_hosts(self, hosts: list[str]) -> "Plan":
+        """Fill in host names from a SLURM allocation (``hosts[i]`` is node i). A topology that names
+        its hosts must find every one of them in the allocation."""
+        topo = self.topology
+        if topo.nodes_from_allocation:
+            if len(hosts) < len(topo.nodes):
+                raise TopologyError([f"cluster.nodes: topology needs {len(topo.nodes)} nodes but the allocation "
+                                     f"has {len(hosts)} ({', '.join(hosts)})"], topo.source)
+            names = hosts[: len(topo.nodes)]
+        else:
+            missing = [n.name for n in topo.nodes if n.name not in hosts]
+            if missing:
+                raise TopologyError([f"cluster.nodes: {', '.join(missing)} not in the allocation "
+                                     f"({', '.join(hosts)})"], topo.source)
+            names = [n.name for n in topo.nodes]
+        new_topo = dataclasses.replace(topo, nodes=[dataclasses.replace(n, name=h) for n, h in zip(topo.nodes, names)],
+                                       nodes_from_allocation=False)
+        return place(new_topo)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading: YAML, experiment config, overrides
+# ---------------------------------------------------------------------------------------------
+
+def load_document(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping; a syntax error becomes a TopologyError naming the file and line."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise TopologyError([f"cannot read {path}: {exc.strerror}"], str(path)) from exc
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise TopologyError([f"{where}YAML syntax error: {getattr(exc, 'problem', exc)}"], str(path)) from exc
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise TopologyError([f"top level: expected a mapping, got {type(doc).__name__}"], str(path))
+    return doc
+
+
+def parse_override(text: str) -> tuple[list[str], Any, bool]:
+    """``a.b.c=value`` -> (["a", "b", "c"], value parsed as YAML, adds_new_key). A leading ``+`` allows
+    creating a key that the experiment config does not have yet."""
+    add = text.startswith("+")
+    body = text[1:] if add else text
+    if "=" not in body:
+        raise TopologyError([f"override {text!r}: expected key.sub=value"], "command line")
+    key, _, raw = body.partition("=")
+    parts = key.strip().split(".")
+    if not all(re.fullmatch(r"[A-Za-z0-9_\-]+", p) for p in parts):
+        raise TopologyError([f"override {text!r}: bad key {key!r}"], "command line")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise TopologyError([f"override {text!r}: value is not valid YAML: {exc}"], "command line") from exc
+    return parts, value, add
+
+
+def apply_overrides(doc: dict[str, Any], overrides: Iterable[str], *, strict: bool, prefix: str = "") -> list[str]:
+    """Apply parsed overrides to ``doc`` in place. With ``strict``, a key that does not exist yet is a
+    problem unless the override starts with ``+``. Returns the problems found."""
+    problems = []
+    for text in overrides:
+        parts, value, add = parse_override(text)
+        node = doc
+        for depth, part in enumerate(parts[:-1]):
+            nxt = node.get(part) if isinstance(node, dict) else None
+            if not isinstance(nxt, dict):
+                if nxt is not None or (strict and not add):
+                    problems.append(f"{prefix}{'.'.join(parts[:depth + 1])}: override {text!r} has no such "
+                                    f"mapping to set a key in (use +key=value to add one)")
+                    break
+                nxt = node[part] = {}
+            node = nxt
+        else:
+            if strict and not add and parts[-1] not in node:
+                problems.append(f"{prefix}{'.'.join(parts)}: override {text!r} names a key the config does not "
+                                f"have (a typo? use +{'.'.join(parts)}=... to add it)")
+            else:
+                node[parts[-1]] = value
+    return problems
+
+
+def load(path: str | Path, overrides: Iterable[str] = (), *, check_imports: bool = True) -> Plan:
+    """Load, override, validate and place a topology. Raises TopologyError listing every problem."""
+    path = Path(path)
+    doc = load_document(path)
+    overrides = list(overrides)
+    exp_overrides = [o for o in overrides if o.lstrip("+").startswith("experiment.")]
+    topo_overrides = [o for o in overrides if o not in exp_overrides]
+    problems = apply_overrides(doc, topo_overrides, strict=False)
+    experiment, config_path = {}, None
+    if doc.get("config") is not None:
+        if not isinstance(doc["config"], str):
+            problems.append(f"config: expected a path to a YAML file under configs/, got {doc['config']!r}")
+        else:
+            config_path = _resolve_config(doc["config"], path)
+            if config_path is None:
+                problems.append(f"config: {doc['config']!r} not found (looked next to {path} and in {REPO_ROOT})")
+            else:
+                try:
+                    experiment = load_document(config_path)
+                except TopologyError as exc:
+                    problems.extend(f"config ({config_path}): {p}" for p in exc.problems)
+    exp_wrapper = {"experiment": experiment}
+    problems += apply_overrides(exp_wrapper, exp_overrides, strict=True)
+    topo = validate(doc, source=str(path), experiment=exp_wrapper["experiment"],
+                    config_path=str(config_path) if config_path else None, check_imports=check_imports,
+                    prior_problems=problems)
+    return place(topo)
+
+
+def _resolve_config(ref: str, topology_path: Path) -> Path | None:
+    for base in (topology_path.parent, REPO_ROOT, Path.cwd()):
+        candidate = (base / ref).resolve()
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# validation
+# ---------------------------------------------------------------------------------------------
+
+class _Checker:
+    """Collects problems while reading typed values out of the document."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def add(self, key: str, msg: str) -> None:
+        self.problems.append(f"{key}: {msg}")
+
+    def keys(self, mapping: Any, allowed: set[str], key: str) -> dict[str, Any]:
+        if mapping is None:
+            return {}
+        if not isinstance(mapping, dict):
+            self.add(key, f"expected a mapping, got {type(mapping).__name__}")
+            return {}
+        for k in mapping:
+            if k not in allowed:
+                hint = _closest(str(k), allowed)
+                self.add(f"{key}.{k}" if key else str(k),
+                         f"unknown key{f' (did you mean {hint!r}?)' if hint else ''}; allowed: {', '.join(sorted(allowed))}")
+        return mapping
+
+    def int_(self, value: Any, key: str, default: int | None = None, minimum: int = 0) -> int | None:
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.add(key, f"expected an integer, got {value!r}")
+            return default
+        if value < minimum:
+            self.add(key, f"must be >= {minimum}, got {value}")
+            return default
+        return value
+
+    def num(self, value: Any, key: str, default: float | None = None) -> float | None:
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            self.add(key, f"expected a positive number, got {value!r}")
+            return default
+        return float(value)
+
+    def bool_(self, value: Any, key: str, default: bool) -> bool:
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            self.add(key, f"expected true or false, got {value!r}")
+            return default
+        return value
+
+    def str_(self, value: Any, key: str, default: str | None = None, choices: Iterable[str] | None = None) -> str | None:
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            self.add(key, f"expected a string, got {value!r}")
+            return default
+        if choices is not None and value not in choices:
+            self.add(key, f"must be one of {', '.join(choices)}, got {value!r}")
+            return default
+        return value
+
+    def env(self, value: Any, key: str) -> dict[str, str]:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            self.add(key, f"expected a mapping of environment variables, got {type(value).__name__}")
+            return {}
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                self.add(f"{key}.{k}", "not a valid environment variable name")
+            elif isinstance(v, (dict, list)) or v is None:
+                self.add(f"{key}.{k}", f"expected a scalar value, got {v!r}")
+            else:
+                out[k] = str(v).lower() if isinstance(v, bool) else str(v)
+        return out
+
+
+def _closest(word: str, options: Iterable[str]) -> str | None:
+    import difflib
+    hits = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return hits[0] if hits else None
+
+
+def expand_nodelist(pattern: str) -> list[str]:
+    """Expand a SLURM node list such as ``node[001-003,7],gpu-a[1-2]`` (zero padding kept)."""
+    out, depth, start = [], 0, 0
+    parts = []
+    for i, ch in enumerate(pattern):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(pattern[start:i])
+            start = i + 1
+    parts.append(pattern[start:])
+    for part in (p.strip() for p in parts):
+        m = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\]([^\[\]]*)", part)
+        if not m:
+            if not part or "[" in part or "]" in part:
+                raise ValueError(f"bad node list {pattern!r}")
+            out.append(part)
+            continue
+        head, ranges, tail = m.groups()
+        for r in ranges.split(","):
+            lo, _, hi = r.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise ValueError(f"bad range {r!r} in node list {pattern!r}")
+            width = len(lo)
+            for n in range(int(lo), int(hi or lo) + 1):
+                out.append(f"{head}{n:0{width}d}{tail}")
+    return out
+
+
+def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[str, Any] | None = None,
+             config_path: str | None = None, check_imports: bool = True,
+             prior_problems: Iterable[str] = ()) -> Topology:
+    """Check a topology document and build a :class:`Topology`; raise TopologyError with every problem."""
+    c = _Checker()
+    c.problems.extend(prior_problems)
+    c.keys(doc, TOP_KEYS, "")
+    name = c.str_(doc.get("name"), "name", default=Path(source).stem)
+    description = c.str_(doc.get("description"), "description", default="")
+    run_root = c.str_(doc.get("run_root"), "run_root", default="runs")
+
+    # cluster
+    cluster = c.keys(doc.get("cluster"), CLUSTER_KEYS, "cluster")
+    if "cluster" not in doc:
+        c.add("cluster", "missing (say at least `nodes:`)")
+    node_doc = c.keys(cluster.get("node"), NODE_KEYS, "cluster.node")
+    nics = c.keys(node_doc.get("nics"), NIC_KEYS, "cluster.node.nics")
+    ib = nics.get("ib")
+    if ib is not None and not (isinstance(ib, list) and all(isinstance(x, str) for x in ib)):
+        c.add("cluster.node.nics.ib", f"expected a list of HCA names, got {ib!r}")
+    c.str_(nics.get("socket"), "cluster.node.nics.socket")
+    interconnect = cluster.get("interconnect")
+    if interconnect is not None and not isinstance(interconnect, dict):
+        c.add("cluster.interconnect", "expected a mapping (free-form description of the fabric)")
+    template = NodeSpec(
+        name="", gpus=c.int_(node_doc.get("gpus"), "cluster.node.gpus", 0),
+        gpu_kind=c.str_(node_doc.get("gpu_kind"), "cluster.node.gpu_kind"),
+        gpu_memory_gb=c.num(node_doc.get("gpu_memory_gb"), "cluster.node.gpu_memory_gb"),
+        cpus=c.int_(node_doc.get("cpus"), "cluster.node.cpus", 1, minimum=1),
+        memory_gb=c.num(node_doc.get("memory_gb"), "cluster.node.memory_gb"), nics=dict(nics))
+    raw_nodes = cluster.get("nodes", 1)
+    from_alloc = False
+    if isinstance(raw_nodes, bool):
+        c.add("cluster.nodes", f"expected a count, a node list pattern or a list of host names, got {raw_nodes!r}")
+        names = ["localhost"]
+    elif isinstance(raw_nodes, int):
+        if raw_nodes < 1:
+            c.add("cluster.nodes", f"must be >= 1, got {raw_nodes}")
+        n = max(raw_nodes, 1)
+        from_alloc = n > 1
+        names = ["localhost"] if n == 1 else [f"#{i}" for i in range(n)]
+    elif isinstance(raw_nodes, str):
+        try:
+            names = expand_nodelist(raw_nodes)
+        except ValueError as exc:
+            c.add("cluster.nodes", str(exc))
+            names = ["localhost"]
+    elif isinstance(raw_nodes, list) and raw_nodes and all(isinstance(x, str) for x in raw_nodes):
+        names = list(raw_nodes)
+    else:
+        c.add("cluster.nodes", f"expected a count, a node list pattern or a list of host names, got {raw_nodes!r}")
+        names = ["localhost"]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        c.add("cluster.nodes", f"duplicate host name(s) {', '.join(dupes)}")
+    nodes = [dataclasses.replace(template, name=n, nics=dict(template.nics)) for n in names]
+
+    # bus
+    bus_doc = c.keys(doc.get("bus"), BUS_KEYS, "bus")
+    bus = BusSpec(
+        transport=c.str_(bus_doc.get("transport"), "bus.transport", "tcp", ("tcp", "ipc")),
+        host=c.str_(bus_doc.get("host"), "bus.host"),
+        base_port=c.int_(bus_doc.get("base_port"), "bus.base_port", 20000, minimum=1024),
+        port_range=c.int_(bus_doc.get("port_range"), "bus.port_range", 1000, minimum=1),
+        curve=c.bool_(bus_doc.get("curve"), "bus.curve", False),
+        heartbeat_s=c.num(bus_doc.get("heartbeat_s"), "bus.heartbeat_s"))
+    if bus.base_port + bus.port_range - 1 > 65535:
+        c.add("bus.port_range", f"ports {bus.base_port}-{bus.base_port + bus.port_range - 1} go past 65535")
+    if bus.transport == "ipc" and len(nodes) > 1:
+        c.add("bus.transport", f"ipc works on one node only; the cluster has {len(nodes)} (use tcp)")
+
+    # actor groups
+    groups: dict[str, GroupSpec] = {}
+    actors = doc.get("actors")
+    if not isinstance(actors, dict) or not actors:
+        c.add("actors", "missing or empty: name at least one actor group")
+        actors = {}
+    for gname, gdoc in actors.items():
+        key = f"actors.{gname}"
+        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", str(gname)):
+            c.add(key, "group names are letters, digits and underscores, starting with a letter")
+        gdoc = c.keys(gdoc, GROUP_KEYS, key)
+        cls = c.str_(gdoc.get("class"), f"{key}.class")
+        if cls is None:
+            c.add(f"{key}.class", "missing: the actor class as module.path:ClassName")
+            cls = ""
+        count = c.int_(gdoc.get("count"), f"{key}.count", 1, minimum=1)
+        group = GroupSpec(
+            name=str(gname), cls=cls, count=count,
+            nodes=_node_selection(c, gdoc.get("nodes"), f"{key}.nodes", names),
+            per_node=c.int_(gdoc.get("per_node"), f"{key}.per_node", None, minimum=1),
+            gpus=c.int_(gdoc.get("gpus"), f"{key}.gpus", 0),
+            cpus=_cpu_lists(c, gdoc.get("cpus"), f"{key}.cpus", count, template.cpus),
+            threads=c.int_(gdoc.get("threads"), f"{key}.threads", None, minimum=1),
+            cpu_workers=c.int_(gdoc.get("cpu_workers"), f"{key}.cpu_workers", 0),
+            parallel={}, settings={}, env=c.env(gdoc.get("env"), f"{key}.env"))
+        par = c.keys(gdoc.get("parallel"), PARALLEL_KEYS, f"{key}.parallel")
+        for pk, pv in par.items():
+            if pk in PARALLEL_KEYS:
+                v = c.int_(pv, f"{key}.parallel.{pk}", None, minimum=1)
+                if v is not None:
+                    group.parallel[pk] = v
+        settings = gdoc.get("settings") or {}
+        if not isinstance(settings, dict):
+            c.add(f"{key}.settings", f"expected a mapping, got {type(settings).__name__}")
+            settings = {}
+        for reserved in sorted(RESERVED_SETTINGS & set(settings)):
+            c.add(f"{key}.settings.{reserved}", "reserved: the launcher fills it in")
+        group.settings = settings
+        groups[str(gname)] = group
+        if cls and check_imports:
+            _check_class(c, cls, f"{key}.class")
+        elif cls and not re.fullmatch(r"[\w.]+:\w+", cls):
+            c.add(f"{key}.class", f"expected module.path:ClassName, got {cls!r}")
+        _check_parallel(c, group, key, template)
+
+    # links
+    links: dict[str, LinkSpec] = {}
+    links_doc = doc.get("links") or {}
+    if not isinstance(links_doc, dict):
+        c.add("links", f"expected a mapping of link name to link, got {type(links_doc).__name__}")
+        links_doc = {}
+    for lname, ldoc in links_doc.items():
+        key = f"links.{lname}"
+        ldoc = c.keys(ldoc, LINK_KEYS, key)
+        backend = c.str_(ldoc.get("backend"), f"{key}.backend", None, ("gloo", "nccl"))
+        if ldoc.get("backend") is None:
+            c.add(f"{key}.backend", "missing: gloo (CPU) or nccl (GPU)")
+        port = c.int_(ldoc.get("port"), f"{key}.port", None, minimum=1024)
+        if ldoc.get("port") is None:
+            c.add(f"{key}.port", "missing: the rendezvous port on the first member's node")
+        if port is not None and port > 65535:
+            c.add(f"{key}.port", f"{port} is not a port")
+        members = ldoc.get("members")
+        if not (isinstance(members, list) and members and all(isinstance(m, str) for m in members)):
+            c.add(f"{key}.members", f"expected a list of actor groups or instances, got {members!r}")
+            members = []
+        link = LinkSpec(name=str(lname), backend=backend or "gloo", members=members, port=port or 0,
+                        gdr=c.bool_(ldoc.get("gdr"), f"{key}.gdr", False),
+                        env=c.env(ldoc.get("env"), f"{key}.env"),
+                        timeout_s=c.num(ldoc.get("timeout_s"), f"{key}.timeout_s", 300.0))
+        if link.gdr and link.backend == "gloo":
+            c.add(f"{key}.gdr", "GPUDirect RDMA needs backend nccl")
+        if link.gdr and link.backend == "nccl" and not template.nics.get("ib"):
+            c.add(f"{key}.gdr", "GPUDirect RDMA needs InfiniBand/RoCE HCAs in cluster.node.nics.ib")
+        links[str(lname)] = link
+
+    topo = Topology(name=name, source=source, nodes=nodes, nodes_from_allocation=from_alloc, bus=bus, links=links,
+                    groups=groups, experiment=experiment or {}, config_path=config_path, run_root=run_root,
+                    description=description, document=doc)
+    if not c.problems:
+        _check_placement(c, topo)
+    if c.problems:
+        raise TopologyError(c.problems, source)
+    return topo
+
+
+def _node_selection(c: _Checker, value: Any, key: str, names: list[str]) -> list[int]:
+    """Group `nodes:` -> node indices. Accepts node indices, "a-b" index ranges, host names, or a
+    node list pattern; default is every node."""
+    if value is None:
+        return list(range(len(names)))
+    items = value if isinstance(value, list) else [value]
+    out: list[int] = []
+    for i, item in enumerate(items):
+        where = f"{key}[{i}]" if isinstance(value, list) else key
+        if isinstance(item, bool):
+            c.add(where, f"expected a node index, range or host name, got {item!r}")
+        elif isinstance(item, int):
+            if 0 <= item < len(names):
+                out.append(item)
+            else:
+                c.add(where, f"node index {item} out of range (cluster has {len(names)} nodes: 0-{len(names) - 1})")
+        elif isinstance(item, str) and re.fullmatch(r"\d+-\d+", item):
+            lo, hi = map(int, item.split("-"))
+            if not (0 <= lo <= hi < len(names)):
+                c.add(where, f"node range {item} out of range (cluster has {len(names)} nodes: 0-{len(names) - 1})")
+            else:
+                out.extend(range(lo, hi + 1))
+        elif isinstance(item, str):
+            try:
+                hosts = expand_nodelist(item)
+            except ValueError as exc:
+                c.add(where, str(exc))
+                continue
+            for h in hosts:
+                if h in names:
+                    out.append(names.index(h))
+                else:
+                    c.add(where, f"host {h!r} is not in cluster.nodes")
+        else:
+            c.add(where, f"expected a node index, range or host name, got {item!r}")
+    if len(set(out)) != len(out):
+        c.add(key, "a node is listed twice")
+    return list(dict.fromkeys(out))
+
+
+def _cpu_lists(c: _Checker, value: Any, key: str, count: int, node_cpus: int) -> list[list[int]] | None:
+    """`cpus: [0, 1]` (every instance on cores 0 and 1) or `cpus: [[0], [1]]` (one list per instance)."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        c.add(key, f"expected a list of core ids or one list per instance, got {value!r}")
+        return None
+    per_instance = all(isinstance(v, list) for v in value)
+    lists = value if per_instance else [value]
+    if per_instance and len(lists) != count:
+        c.add(key, f"{len(lists)} per-instance core lists for {count} instances")
+        return None
+    out = []
+    for i, cores in enumerate(lists):
+        where = f"{key}[{i}]" if per_instance else key
+        if not cores or not all(isinstance(x, int) and not isinstance(x, bool) for x in cores):
+            c.add(where, f"expected a non-empty list of core ids, got {cores!r}")
+            return None
+        bad = [x for x in cores if not 0 <= x < node_cpus]
+        if bad:
+            c.add(where, f"core(s) {bad} do not exist (nodes have {node_cpus} cores: 0-{node_cpus - 1})")
+        out.append(list(cores))
+    return out if per_instance else out * count
+
+
+def _check_class(c: _Checker, cls: str, key: str) -> None:
+    if not re.fullmatch(r"[\w.]+:\w+", cls):
+        c.add(key, f"expected module.path:ClassName, got {cls!r}")
+        return
+    module_name, _, attr = cls.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure is the user's to see, in one line
+        c.add(key, f"cannot import {module_name}: {type(exc).__name__}: {exc}")
+        return
+    obj = getattr(module, attr, None)
+    if obj is None:
+        c.add(key, f"{module_name} has no attribute {attr!r}")
+        return
+    try:
+        from actors.base import Actor
+    except Exception as exc:
+        c.add(key, f"cannot check {cls} is an Actor: actors.base does not import ({type(exc).__name__}: {exc})")
+        return
+    if not (isinstance(obj, type) and issubclass(obj, Actor)):
+        c.add(key, f"{cls} is not an Actor subclass")
+
+
+def _check_parallel(c: _Checker, group: GroupSpec, key: str, node: NodeSpec) -> None:
+    par = group.parallel
+    if not par:
+        return
+    on_gpus = group.gpus > 0
+    total = group.count * group.gpus if on_gpus else group.count
+    unit = "GPUs assigned" if on_gpus else "instances (no GPUs)"
+    if set(par) == PARALLEL_KEYS:
+        product = par["dp"] * par["tp"] * par["pp"]
+        if product != total:
+            c.add(f"{key}.parallel", f"dp*tp*pp = {product} but {total} {unit}")
+    for pk in ("dp", "tp", "pp"):
+        if pk in par and total % par[pk]:
+            c.add(f"{key}.parallel.{pk}", f"{par[pk]} does not divide the {total} {unit}")
+    tp = par.get("tp", 1)
+    if on_gpus and group.gpus > 1 and group.gpus % tp and tp % group.gpus:
+        c.add(f"{key}.parallel.tp", f"{tp} does not divide the {group.gpus} GPUs per instance")
+    if on_gpus and node.gpus and tp > node.gpus:
+        c.add(f"{key}.parallel.tp", f"{tp} is larger than the {node.gpus} GPUs of a node (tensor parallelism "
+                                    f"stays inside a node's NVLink)")
+    elif on_gpus and node.gpus and node.gpus % tp:
+        c.add(f"{key}.parallel.tp", f"{tp} does not divide the {node.gpus} GPUs of a node")
+
+
+def _check_placement(c: _Checker, topo: Topology) -> None:
+    """Checks that need every section: capacity per node, ports, links."""
+    plan_nodes = _assign_nodes(c, topo)
+    gpu_use: dict[int, dict[str, int]] = {}
+    worker_use: dict[int, dict[str, int]] = {}
+    for gname, assignment in plan_nodes.items():
+        g = topo.groups[gname]
+        for node in assignment:
+            if g.gpus:
+                gpu_use.setdefault(node, {}).setdefault(gname, 0)
+                gpu_use[node][gname] += g.gpus
+            if g.cpu_workers:
+                worker_use.setdefault(node, {}).setdefault(gname, 0)
+                worker_use[node][gname] += g.cpu_workers
+    for node, use in sorted(gpu_use.items()):
+        have = topo.nodes[node].gpus
+        if sum(use.values()) > have:
+            last = list(use)[-1]
+            detail = ", ".join(f"{g}: {n}" for g, n in use.items())
+            c.add(f"actors.{last}.gpus", f"GPUs over-subscribed on node {topo.nodes[node].name}: "
+                                         f"{sum(use.values())} requested ({detail}) but it has {have}")
+    for node, use in sorted(worker_use.items()):
+        have = topo.nodes[node].cpus
+        if sum(use.values()) > have:
+            last = list(use)[-1]
+            detail = ", ".join(f"{g}: {n}" for g, n in use.items())
+            c.add(f"actors.{last}.cpu_workers", f"CPU workers over-subscribed on node {topo.nodes[node].name}: "
+                                                f"{sum(use.values())} requested ({detail}) but it has {have} cores")
+    # ports: the bus takes one port per instance from its range; link ports must stay clear of it
+    n_instances = sum(g.count for g in topo.groups.values())
+    bus = topo.bus
+    if bus.transport == "tcp" and n_instances > bus.port_range:
+        c.add("bus.port_range", f"{n_instances} actor instances need {n_instances} ports but the range has "
+                                f"{bus.port_range}")
+    bus_lo, bus_hi = bus.base_port, bus.base_port + bus.port_range - 1
+    used: dict[tuple[int, int], str] = {}
+    for link in topo.links.values():
+        key = f"links.{link.name}"
+        members, complete = [], True
+        for i, m in enumerate(link.members):
+            gname, _, idx = m.partition(".")
+            complete = complete and gname in topo.groups
+            if gname not in topo.groups:
+                hint = _closest(gname, topo.groups)
+                c.add(f"{key}.members[{i}]", f"no actor group {gname!r}"
+                                             f"{f' (did you mean {hint!r}?)' if hint else ''}")
+                continue
+            g = topo.groups[gname]
+            if idx:
+                if not idx.isdigit() or int(idx) >= g.count:
+                    c.add(f"{key}.members[{i}]", f"{m!r}: group {gname} has instances 0-{g.count - 1}")
+                    continue
+                members.append((gname, int(idx)))
+            else:
+                members.extend((gname, j) for j in range(g.count))
+        if len(set(members)) != len(members):
+            c.add(f"{key}.members", "an instance is listed twice")
+        if len(members) < 2 and complete:
+            c.add(f"{key}.members", f"a link needs at least 2 instances, got {len(members)}")
+        if link.backend == "nccl":
+            for gname in dict.fromkeys(g for g, _ in members):
+                if topo.groups[gname].gpus == 0:
+                    c.add(f"{key}.backend", f"nccl needs GPUs but member group {gname} has none (use gloo)")
+        if bus.transport == "tcp" and bus_lo <= link.port <= bus_hi:
+            c.add(f"{key}.port", f"{link.port} collides with the bus ports {bus_lo}-{bus_hi}")
+        if members and link.port:
+            master_node = plan_nodes.get(members[0][0], [None] * (members[0][1] + 1))[members[0][1]]
+            slot = (master_node, link.port)
+            if slot in used:
+                c.add(f"{key}.port", f"{link.port} is already the rendezvous port of {used[slot]} on the same node")
+            used[slot] = f"links.{link.name}"
+    # one process takes its NCCL settings from its environment: two links may not disagree on one
+    env_of: dict[str, dict[str, tuple[str, str]]] = {}
+    for link in topo.links.values():
+        env = _link_env(topo, link)
+        for gname in {m.partition(".")[0] for m in link.members if m.partition(".")[0] in topo.groups}:
+            seen = env_of.setdefault(gname, {})
+            for k, v in env.items():
+                if k in seen and seen[k][0] != v:
+                    c.add(f"links.{link.name}.env.{k}", f"{v!r} conflicts with {seen[k][0]!r} from "
+                                                        f"links.{seen[k][1]} for group {gname}")
+                seen.setdefault(k, (v, link.name))
+
+
+def _assign_nodes(c: _Checker | None, topo: Topology) -> dict[str, list[int]]:
+    """Node index of every instance of every group: blocks of `per_node` instances, in node order."""
+    out = {}
+    for gname, g in topo.groups.items():
+        nodes = g.nodes or list(range(len(topo.nodes)))
+        per_node = g.per_node or math.ceil(g.count / len(nodes))
+        if per_node * len(nodes) < g.count:
+            if c is not None:
+                c.add(f"actors.{gname}.per_node", f"{per_node} per node on {len(nodes)} node(s) holds "
+                                                  f"{per_node * len(nodes)} instances, count is {g.count}")
+            per_node = math.ceil(g.count / len(nodes))
+        out[gname] = [nodes[i // per_node] for i in range(g.count)]
+    return out
+
+
+def _link_env(topo: Topology, link: LinkSpec) -> dict[str, str]:
+    """The environment a link implies, then the link's own `env:` on top."""
+    nics = topo.nodes[0].nics if topo.nodes else {}
+    env: dict[str, str] = {}
+    if link.backend == "nccl":
+        if nics.get("ib"):
+            env["NCCL_IB_HCA"] = ",".join(nics["ib"])
+        if nics.get("socket"):
+            env["NCCL_SOCKET_IFNAME"] = nics["socket"]
+        # PHB: use GPUDirect RDMA when GPU and NIC share a PCIe host bridge; LOC: never
+        env["NCCL_NET_GDR_LEVEL"] = "PHB" if link.gdr else "LOC"
+        if link.gdr:
+            env["NCCL_NET_GDR_READ"] = "1"
+    elif nics.get("socket"):
+        env["GLOO_SOCKET_IFNAME"] = nics["socket"]
+    env.update(link.env)
+    return env
+
+
+# ---------------------------------------------------------------------------------------------
+# placement
+# ---------------------------------------------------------------------------------------------
+
+def resolve_host(host: str) -> str:
+    """An address for a host name (fake SLURM nodes resolve through /etc/hosts); names that do not
+    resolve here (a cluster seen from a laptop's dry run) stay names."""
+    if host.startswith("#"):
+        return host
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
+def _bind_addr(host: str) -> str:
+    addr = resolve_host(host)
+    return addr if re.fullmatch(r"[\d.]+", addr) else ""
+
+
+def place(topo: Topology) -> Plan:
+    """Assign every instance a node, GPU ids, cores and a bus endpoint; build each link's plan."""
+    node_of = _assign_nodes(None, topo)
+    next_gpu = {i: 0 for i in range(len(topo.nodes))}
+    single_node = len(topo.nodes) == 1
+    instances, port = [], topo.bus.base_port
+    for gname, g in topo.groups.items():
+        for i in range(g.count):
+            node = node_of[gname][i]
+            name = gname if g.count == 1 else f"{gname}.{i}"
+            gpus = list(range(next_gpu[node], next_gpu[node] + g.gpus))
+            next_gpu[node] += g.gpus
+            cpus = g.cpus[i] if g.cpus else []
+            host = topo.nodes[node].name
+            if topo.bus.transport == "ipc":
+                endpoint, inst_port = f"ipc://{{ipc_dir}}/{name}", None
+            else:
+                addr = topo.bus.host or ("127.0.0.1" if single_node and host == "localhost" else resolve_host(host))
+                endpoint, inst_port = f"tcp://{addr}:{port}", port
+                port += 1
+            env = {"OMP_NUM_THREADS": str(g.threads or (len(cpus) if cpus else 1))}
+            if cpus:
+                env["AREAL_CPU_AFFINITY"] = ",".join(map(str, cpus))
+            if topo.nodes[node].gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))  # "" keeps CPU actors off the GPUs
+            env.update(g.env)
+            instances.append(Instance(name=name, group=gname, index=i, node=node, host=host, gpus=gpus, cpus=cpus,
+                                      port=inst_port, endpoint=endpoint, env=env))
+    by_group: dict[str, list[Instance]] = {}
+    for inst in instances:
+        by_group.setdefault(inst.group, []).append(inst)
+    links = {}
+    for link in topo.links.values():
+        members: list[Instance] = []
+        for m in link.members:
+            gname, _, idx = m.partition(".")
+            members.extend(by_group[gname] if not idx else [by_group[gname][int(idx)]])
+        env = _link_env(topo, link)
+        for inst in members:
+            inst.env.update(env)
+        links[link.name] = LinkPlan(name=link.name, backend=link.backend, members=[m.name for m in members],
+                                    master_host=members[0].host, port=link.port, env=env, timeout_s=link.timeout_s)
+    return Plan(topology=topo, instances=instances, links=links)
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            _deep_merge(base[k], v)
+        else:
+            base[k] = v
+    return base
