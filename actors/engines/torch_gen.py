@@ -23,7 +23,7 @@ import dataclasses
 import random
 import threading
 import time
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Callable
 from typing import Any
 
 import torch
@@ -166,6 +166,9 @@ class TorchGenerationEngine(GenerationEngine):
         self.step_log: collections.deque[tuple[float, float, int]] = collections.deque(maxlen=step_log)
         self.swaps: list[SwapRecord] = []
         self.tokens_generated = 0
+        self.steps = 0
+        # Called in the decode thread after every decode step with the step count (instrumentation, tests).
+        self.on_step: Callable[[int], None] | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -253,7 +256,7 @@ class TorchGenerationEngine(GenerationEngine):
             running = sum(r.req.n for r in self._in_flight.values()) - waiting
         last = dataclasses.asdict(self.swaps[-1]) if self.swaps else None
         return {"ok": alive, "version": self._version, "running": running, "waiting": waiting,
-                "paused": self._paused, "tokens_generated": self.tokens_generated, "steps": len(self.step_log),
+                "paused": self._paused, "tokens_generated": self.tokens_generated, "steps": self.steps,
                 "last_swap": last, "error": repr(self._error) if self._error else None}
 
     # --- weights -----------------------------------------------------------------------------------
@@ -307,6 +310,9 @@ class TorchGenerationEngine(GenerationEngine):
                 while self._boundary():
                     if self._rows:
                         self._decode_step()
+                        self.steps += 1
+                        if self.on_step is not None:
+                            self.on_step(self.steps)
         except BaseException as e:  # report to every waiter instead of hanging them
             self._error = e
             self._finish_all("abort")
