@@ -32,6 +32,7 @@ from typing import Iterable, Iterator
 PROMPT_TEMPLATE = "Compute: {expr}\n"
 DEFAULT_LEVELS = (1, 2, 3, 4, 5)
 DEFAULT_SOLVED_LEVELS = (1, 2, 3)
+SOLUTION_STYLES = ("rewrite", "accumulate")
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,22 @@ def solve(problem: Problem) -> tuple[list[str], int]:
     return steps, values[0]
 
 
-def worked_solution(problem: Problem) -> str:
+def worked_solution(problem: Problem, style: str = "rewrite") -> str:
+    """``rewrite``: each step is the remaining chain (``9-5+3=4+3=7``); ``accumulate``: each step
+    is one operation on the running value (``7+2=9;9-5=4;4+3=7``)."""
     steps, answer = solve(problem)
-    return f"{'='.join(steps)} \\boxed{{{answer}}}"
+    if style == "rewrite":
+        body = "=".join(steps)
+    elif style == "accumulate":
+        value, parts = problem.operands[0], []
+        for op, operand in zip(problem.ops, problem.operands[1:]):
+            new = apply(op, value, operand)
+            parts.append(f"{value}{op}{operand}={new}")
+            value = new
+        body = ";".join(parts)
+    else:
+        raise ValueError(f"unknown solution style {style!r}: expected one of {SOLUTION_STYLES}")
+    return f"{body} \\boxed{{{answer}}}"
 
 
 def random_problem(rng: random.Random, level: int, max_operand: int) -> Problem:
@@ -125,7 +139,7 @@ def _enumerate_level(level: int, max_operand: int) -> Iterator[Problem]:
             yield Problem(tuple(operands), tuple(ops))
 
 
-def record(problem: Problem, split: str, index: int, solved: bool) -> dict:
+def record(problem: Problem, split: str, index: int, solved: bool, style: str = "rewrite") -> dict:
     _, answer = solve(problem)
     rec = {
         "query_id": f"arith-{split}-L{problem.level}-{index:06d}",
@@ -134,17 +148,20 @@ def record(problem: Problem, split: str, index: int, solved: bool) -> dict:
         "level": problem.level,
     }
     if solved:
-        rec["solutions"] = [worked_solution(problem)]
+        rec["solutions"] = [worked_solution(problem, style)]
     return rec
 
 
 def make_splits(seed: int = 0, levels: Iterable[int] = DEFAULT_LEVELS,
                 solved_levels: Iterable[int] = DEFAULT_SOLVED_LEVELS, train_per_level: int = 4000,
-                test_per_level: int = 200, max_operand: int = 9) -> dict[str, list[dict]]:
+                test_per_level: int = 200, max_operand: int = 9,
+                style: str = "rewrite") -> dict[str, list[dict]]:
     """Builds the train and test splits; the test split is drawn first so it never shrinks."""
     levels, solved = sorted(set(levels)), set(solved_levels)
     if not levels or min(levels) < 1:
         raise ValueError(f"levels must be positive integers, got {levels}")
+    if style not in SOLUTION_STYLES:
+        raise ValueError(f"unknown solution style {style!r}: expected one of {SOLUTION_STYLES}")
     if max_operand < 1:
         raise ValueError(f"max_operand must be >= 1, got {max_operand}")
     rng = random.Random(seed)
@@ -158,7 +175,7 @@ def make_splits(seed: int = 0, levels: Iterable[int] = DEFAULT_LEVELS,
         train = sample_level(rng, level, max_operand, min(train_per_level, room),
                              exclude={p.expr for p in test})
         for split, problems in (("test", test), ("train", train)):
-            splits[split].extend(record(p, split, i, level in solved) for i, p in enumerate(problems))
+            splits[split].extend(record(p, split, i, level in solved, style) for i, p in enumerate(problems))
     for split in splits.values():
         rng.shuffle(split)
     return splits
@@ -195,10 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-per-level", type=int, default=4000)
     ap.add_argument("--test-per-level", type=int, default=200)
     ap.add_argument("--max-operand", type=int, default=9)
+    ap.add_argument("--style", choices=SOLUTION_STYLES, default="rewrite", help="worked-solution format")
     args = ap.parse_args(argv)
     try:
         splits = make_splits(args.seed, parse_levels(args.levels), parse_levels(args.solved_levels),
-                             args.train_per_level, args.test_per_level, args.max_operand)
+                             args.train_per_level, args.test_per_level, args.max_operand, args.style)
     except ValueError as e:
         print(f"make_task: {e}", file=sys.stderr)
         return 2
