@@ -9,7 +9,7 @@ Why it is built this way (measured on the project's machines, see docs/reward-co
   namespaces). File permissions on the host therefore apply to the program as to any other stranger.
 * The sandbox sees only /usr (read-only, plus the /bin, /lib... links of a merged-/usr system), a new
   /proc and /dev, its own files under /sandbox, and size-capped writable tmpfs dirs /tmp (its working
-  directory). The sandbox root is remounted read-only. No network (new net namespace: loopback only),
+  directory) and /dev/shm. The sandbox root and /dev are remounted read-only. No network (new net namespace: loopback only),
   new PID/IPC/UTS namespaces, and `--die-with-parent`, so killing bwrap kills everything inside.
 * rlimits (CPU, address space, file size, process count, open files, no core files) are set in the child
   before exec and inherited by everything it starts. RLIMIT_NPROC counts per host uid, so each worker
@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import resource
+import select
 import selectors
 import shutil
 import signal
@@ -211,6 +213,8 @@ class Sandbox:
             args = [bwrap, "--unshare-all", "--die-with-parent", *_system_dir_args()]
             args += ["--proc", "/proc", "--dev", "/dev"]
             args += ["--size", str(limits.tmpfs_bytes), "--tmpfs", SANDBOX_WORK_DIR]
+            # bwrap's /dev is itself an unbounded tmpfs: keep only a size-capped /dev/shm writable.
+            args += ["--size", str(limits.tmpfs_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
             args += ["--dir", SANDBOX_FILES_DIR]
             for name, content in files.items():
                 handle = tempfile.TemporaryFile()
@@ -225,11 +229,21 @@ class Sandbox:
             env["RESULT_FD"] = str(result_w)
             for key, value in env.items():
                 args += ["--setenv", key, value]
+            # bwrap reports the host pid of the sandbox's init on this pipe; see _Run.kill.
+            info_r, info_w = os.pipe()
+            args += ["--info-fd", str(info_w)]
             args += ["--", *_substitute(argv, SANDBOX_FILES_DIR, python)]
-            return _spawn_and_collect(
-                args, stdin, limits, self.run_uid(), [h.fileno() for h in file_handles], (result_r, result_w),
-                cwd=None, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, sandboxed=True,
+            result = _spawn_and_collect(
+                args, stdin, limits, self.run_uid(), [*(h.fileno() for h in file_handles)],
+                (result_r, result_w), (info_r, info_w),
+                # bwrap's own environment is readable inside as /proc/1/environ: give it nothing of ours.
+                cwd=None, env={"PATH": "/usr/bin:/bin"}, sandboxed=True,
             )
+            # bwrap exits 128+N when its program died of signal N; report it as subprocess does (-N).
+            # (A program's own exit status above 128 reads as a signal too; either way the run failed.)
+            if result.returncode is not None and 128 < result.returncode < 128 + signal.NSIG:
+                result.returncode = 128 - result.returncode
+            return result
         finally:
             for handle in file_handles:
                 handle.close()
@@ -256,7 +270,7 @@ class Sandbox:
             env = {"PATH": "/usr/bin:/bin", "HOME": work_dir, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
                    "RESULT_FD": str(result_w)}
             return _spawn_and_collect(
-                _substitute(argv, files_dir, self.python), stdin, limits, uid, [], (result_r, result_w),
+                _substitute(argv, files_dir, self.python), stdin, limits, uid, [], (result_r, result_w), None,
                 cwd=work_dir, env=env, sandboxed=False,
             )
         finally:
@@ -293,25 +307,27 @@ def _spawn_and_collect(
     uid: int | None,
     extra_fds: list[int],
     result_pipe: tuple[int, int],
+    info_pipe: tuple[int, int] | None,
     *,
     cwd: str | None,
     env: dict[str, str],
     sandboxed: bool,
 ) -> RunResult:
-    result_r, result_w = result_pipe
-    # stdin from a temp file, not a pipe: a program that never reads its input cannot block us.
-    with tempfile.TemporaryFile() as stdin_file:
-        stdin_file.write(stdin)
-        stdin_file.flush()
-        stdin_file.seek(0)
-        started = time.monotonic()
-        try:
+    """Start the process with limits and a fresh process group, and collect what it writes."""
+    pipes = [result_pipe] + ([info_pipe] if info_pipe else [])
+    try:
+        # stdin from a temp file, not a pipe: a program that never reads its input cannot block us.
+        with tempfile.TemporaryFile() as stdin_file:
+            stdin_file.write(stdin)
+            stdin_file.flush()
+            stdin_file.seek(0)
+            started = time.monotonic()
             proc = subprocess.Popen(
                 args,
                 stdin=stdin_file,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                pass_fds=(result_w, *extra_fds),
+                pass_fds=(*(w for _, w in pipes), *extra_fds),
                 cwd=cwd,
                 env=env,
                 start_new_session=True,  # its own process group, which we kill as a whole
@@ -320,12 +336,125 @@ def _spawn_and_collect(
                 extra_groups=[] if uid is not None else None,
                 preexec_fn=_child_limits(limits),
             )
-        finally:
-            os.close(result_w)
-    try:
-        return _collect(proc, result_r, limits, started, sandboxed)
+        for _, write_end in pipes:  # only the child writes; EOF must come when it is gone
+            os.close(write_end)
+        pipes = [(r, -1) for r, _ in pipes]
+        run = _Run(proc, result_pipe[0], info_pipe[0] if info_pipe else None)
+        return run.collect(limits, started, sandboxed)
     finally:
-        os.close(result_r)
+        for read_end, write_end in pipes:
+            for fd in (read_end, write_end):
+                if fd >= 0:
+                    os.close(fd)
+
+
+class _Run:
+    """One started process: reads its pipes under the caps and the deadline, and kills it completely."""
+
+    def __init__(self, proc: subprocess.Popen, result_r: int, info_r: int | None) -> None:
+        assert proc.stdout is not None and proc.stderr is not None
+        self.proc = proc
+        self.out_fd, self.err_fd, self.result_r, self.info_r = proc.stdout.fileno(), proc.stderr.fileno(), result_r, info_r
+        self.buffers = {self.out_fd: bytearray(), self.err_fd: bytearray(), result_r: bytearray()}
+        self.info = bytearray()
+        self.init_pidfd: int | None = None  # the sandbox's init process (bwrap only)
+        self.killed = False
+
+    def collect(self, limits: SandboxLimits, started: float, sandboxed: bool) -> RunResult:
+        deadline = started + limits.wall_time_s
+        timed_out = output_limited = False
+        selector = selectors.DefaultSelector()
+        for fd in [*self.buffers, *([self.info_r] if self.info_r is not None else [])]:
+            os.set_blocking(fd, False)
+            selector.register(fd, selectors.EVENT_READ)
+        try:
+            while selector.get_map():
+                now = time.monotonic()
+                if now >= deadline:
+                    if self.killed:
+                        break  # killed and still no EOF: something outside our reach holds a pipe
+                    timed_out = True
+                    self.kill()
+                    deadline = now + 1.0  # grace for the pipes to reach EOF
+                for key, _ in selector.select(timeout=max(0.0, min(deadline - now, 0.05))):
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        selector.unregister(key.fd)
+                    elif key.fd == self.info_r:
+                        self._on_info(chunk)
+                    elif self._keep(key.fd, chunk, limits.output_bytes) and not self.killed:
+                        output_limited = True
+                        self.kill()
+                        deadline = time.monotonic() + 1.0
+                if not self.killed and self.proc.poll() is not None:
+                    # The main process is gone. Anything it left in its group must not outlive it
+                    # (unsandboxed, a daemon would otherwise hold our pipes open until the deadline).
+                    self.kill()
+                    deadline = min(deadline, time.monotonic() + 1.0)
+        finally:
+            selector.close()
+            self.kill()
+            self.proc.stdout.close()
+            self.proc.stderr.close()
+            if self.init_pidfd is not None:
+                os.close(self.init_pidfd)
+        return RunResult(
+            returncode=self.proc.returncode,
+            stdout=bytes(self.buffers[self.out_fd]),
+            stderr=bytes(self.buffers[self.err_fd]),
+            result=bytes(self.buffers[self.result_r]),
+            timed_out=timed_out,
+            output_limited=output_limited,
+            wall_s=time.monotonic() - started,
+            sandboxed=sandboxed,
+        )
+
+    def _keep(self, fd: int, chunk: bytes, cap: int) -> bool:
+        """Append up to the cap; True when the stream went past it."""
+        buf = self.buffers[fd]
+        room = cap - len(buf)
+        buf += chunk[:max(room, 0)]
+        return len(chunk) > room
+
+    def _on_info(self, chunk: bytes) -> None:
+        self.info += chunk
+        try:
+            child_pid = json.loads(self.info).get("child-pid")
+        except ValueError:
+            return  # not complete yet
+        if isinstance(child_pid, int) and self.init_pidfd is None:
+            try:
+                self.init_pidfd = os.pidfd_open(child_pid)
+            except ProcessLookupError:
+                pass  # already gone: the sandbox ended by itself
+
+    def kill(self) -> None:
+        """SIGKILL everything of the run and reap it; returns once no process of the run is left.
+
+        In bwrap we kill the sandbox's init, not bwrap: the kernel then kills and reaps every process of
+        the PID namespace (also those that left our process group with setsid), and bwrap reaps its init
+        and exits. Killing bwrap first would orphan the init, which a container's PID 1 may never reap.
+        """
+        self.killed = True
+        if self.init_pidfd is not None and self.proc.poll() is None:
+            try:
+                signal.pidfd_send_signal(self.init_pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
+        # Also the fallback when bwrap had not yet reported its init, and the stragglers of an unsandboxed
+        # run (while any member lives, the group id cannot be reused by another process).
+        _kill_group(self.proc)
+        try:
+            self.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
+            pass
+        if self.init_pidfd is not None:
+            # Returns at once normally; after the fallback group kill it waits for the namespace teardown.
+            select.select([self.init_pidfd], [], [], 5.0)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -335,89 +464,26 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def _collect(proc: subprocess.Popen, result_r: int, limits: SandboxLimits, started: float, sandboxed: bool
-             ) -> RunResult:
-    assert proc.stdout is not None and proc.stderr is not None
-    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-    buffers: dict[int, bytearray] = {out_fd: bytearray(), err_fd: bytearray(), result_r: bytearray()}
-    deadline = started + limits.wall_time_s
-    timed_out = output_limited = False
-    selector = selectors.DefaultSelector()
-    for fd in buffers:
-        os.set_blocking(fd, False)
-        selector.register(fd, selectors.EVENT_READ)
-    killed = False
-    try:
-        while selector.get_map():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if not killed:
-                    timed_out = True
-                    _kill_group(proc)
-                    killed = True
-                # After the kill, give the pipes a short grace to reach EOF; stragglers are abandoned.
-                remaining = 0.5 if remaining > -0.5 else 0
-                if remaining == 0:
-                    break
-            for key, _ in selector.select(timeout=min(remaining, 0.05)):
-                try:
-                    chunk = os.read(key.fd, 65536)
-                except BlockingIOError:
-                    continue
-                if not chunk:
-                    selector.unregister(key.fd)
-                    continue
-                buf = buffers[key.fd]
-                room = limits.output_bytes - len(buf)
-                buf += chunk[:max(room, 0)]
-                if len(chunk) > room and not killed:
-                    output_limited = True
-                    _kill_group(proc)
-                    killed = True
-            if not killed and proc.poll() is not None:
-                # The main process is gone; anything it left behind in its group must not outlive it
-                # (unsandboxed daemons would otherwise hold our pipes open until the deadline).
-                _kill_group(proc)
-                killed = True
-                deadline = min(deadline, time.monotonic() + 0.5)
-    finally:
-        selector.close()
-        if proc.poll() is None:
-            _kill_group(proc)
+def probe_sandbox(python: str | None = None) -> SandboxStatus:
+    """Check that bwrap can start `python` (default: the system one) as an unprivileged uid.
+
+    Cached per process and interpreter: the answer depends on the machine (bwrap installed, user
+    namespaces allowed), not on the program.
+    """
+    if python is None:
         try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL'd processes exit
-            pass
-        _kill_group(proc)
-        proc.stdout.close()
-        proc.stderr.close()
-    wall = time.monotonic() - started
-    return RunResult(
-        returncode=proc.returncode,
-        stdout=bytes(buffers[out_fd]),
-        stderr=bytes(buffers[err_fd]),
-        result=bytes(buffers[result_r]),
-        timed_out=timed_out,
-        output_limited=output_limited,
-        wall_s=wall,
-        sandboxed=sandboxed,
-    )
+            python = _system_python()
+        except SandboxConfigError as exc:
+            return SandboxStatus(False, str(exc))
+    return _probe(python)
 
 
 @functools.lru_cache(maxsize=8)
-def probe_sandbox(python: str | None = None) -> SandboxStatus:
-    """Check once per process that bwrap can start a program as an unprivileged uid with no network.
-
-    Cached: the answer depends on the machine (bwrap installed, user namespaces allowed), not the program.
-    """
+def _probe(python: str) -> SandboxStatus:
     if _bwrap_path() is None:
         return SandboxStatus(False, "bwrap not found on PATH (Debian package 'bubblewrap')")
-    try:
-        python = python or _system_python()
-    except SandboxConfigError as exc:
-        return SandboxStatus(False, str(exc))
     probe = Sandbox(SandboxLimits(wall_time_s=10.0, cpu_time_s=5.0), python=python)
-    check = "import os,socket;print(os.getuid());socket.socket().connect_ex(('127.0.0.1',9))"
+    check = "import os; print(os.getuid())"
     try:
         result = probe._run_bwrap(["{python}", "-I", "-c", check], {}, b"", probe.limits)
     except OSError as exc:
@@ -429,3 +495,8 @@ def probe_sandbox(python: str | None = None) -> SandboxStatus:
     if os.geteuid() == 0 and uid == "0":
         return SandboxStatus(False, "sandboxed program ran as uid 0")
     return SandboxStatus(True, f"bubblewrap, program uid {uid}")
+
+
+def forget_probe() -> None:
+    """Drop cached probe answers (after installing bwrap, or in tests that fake a machine)."""
+    _probe.cache_clear()
