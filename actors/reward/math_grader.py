@@ -124,7 +124,7 @@ def extract_boxed(text: str) -> tuple[str | None, str]:
 
 _TEXT_COMMANDS = r"(?:text|textbf|textit|textrm|texttt|mathrm|mathbf|mathit|mathsf|mbox|hbox|operatorname|emph)"
 _TEXT_GROUP = re.compile(r"\\" + _TEXT_COMMANDS + r"\s*\{([^{}]*)\}")
-_SPACING = re.compile(r"\\(?:,|;|:|!| |quad|qquad|thinspace|medspace|thickspace|enspace)(?![a-zA-Z])|~")
+_SPACING = re.compile(r"(?<!\\)\\(?:,|;|:|!| |quad|qquad|thinspace|medspace|thickspace|enspace)(?![a-zA-Z])|~")
 _UNICODE = {"−": "-", "–": "-", "×": r"\times ", "·": r"\cdot ", "÷": r"\div ", "π": r"\pi ",
             "∞": r"\infty ", "√": r"\sqrt", "≤": r"\le ", "≥": r"\ge ", "∪": r"\cup ", "±": r"\pm ",
             "\u00a0": " ", "\u2009": " "}
@@ -269,10 +269,10 @@ class _Number:
 
 
 def _plain_number(s: str) -> _Number | None:
-    original = s
-    s = s.replace(" ", "")
-    if _THOUSANDS.match(s):
-        s = s.replace(",", "")
+    original = s.strip()
+    s = re.sub(r"^([+-])\s+", r"\1", original)
+    if _THOUSANDS.match(s.replace(" ", "")):
+        s = s.replace(" ", "").replace(",", "")
     m = _PLAIN_NUMBER.match(s)
     if m:
         body = m.group(2)
@@ -291,7 +291,7 @@ def _plain_number(s: str) -> _Number | None:
         if int(den) == 0 or len(num) + len(den) > MAX_NUMBER_DIGITS:
             return None
         return _Number(Fraction(int(num), int(den)) * (-1 if m.group(1) == "-" else 1))
-    m = _MIXED_NUMBER.match(original.strip())
+    m = _MIXED_NUMBER.match(original)
     if m:
         whole = int(m.group(2))
         num, den = next((int(a), int(b)) for a, b in ((m.group(3), m.group(4)), (m.group(5), m.group(6)),
@@ -315,7 +315,7 @@ def _approx_agrees(approx: _Number, exact: float) -> bool:
     scaled = exact / float(approx.last_place)
     slack = 1e-9 * max(1.0, abs(scaled))
     rounded = abs(written - scaled) <= 0.5 + slack
-    truncated = 0 <= (scaled - written) * (1 if exact >= 0 else -1) < 1 + slack
+    truncated = 0 <= (scaled - written) * (1 if exact >= 0 else -1) < 1 - slack
     return rounded or truncated
 
 
@@ -369,6 +369,7 @@ _VARIABLE = re.compile(r"^(?:[a-zA-Z](?:_\{?\w+\}?)?(?:\([a-z]\))?|\\[a-zA-Z]+|\
 _CHOICE = re.compile(r"^\(?([A-J])\)?$")
 _CHOICE_PREFIX = re.compile(r"^\(([A-J])\)")
 _OPENERS, _CLOSERS = "([{", ")]}"
+_WORD = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{3,}")
 
 
 def _split_top(s: str, separators: tuple[str, ...]) -> list[str]:
@@ -598,6 +599,9 @@ def _scalar_expr(x: Any) -> Any:
 def _sympy_of(x: _Scalar) -> Any:
     if not x.parsed:
         x.parsed = True
+        if _WORD.search(x.text):  # a word is text, not a product of single-letter symbols
+            x.expr = None
+            return None
         if x.number is not None:  # keeps mixed numbers (3\frac12 = 7/2) consistent with the fast path
             x.expr = _rational(x.number.value)
             return x.expr
@@ -681,6 +685,8 @@ def _sympy_equal(x: Any, y: Any) -> bool:
     import sympy
 
     try:
+        if x == y:
+            return True
         diff = x - y
         if diff == 0:
             return True
@@ -953,7 +959,7 @@ class _LatexParser:
             return self.subscripted(name)
         if name in ("lfloor", "lceil"):
             value = self.expr()
-            self.take("\\r" + name[2:])
+            self.take("\\r" + name[1:])
             return sp.floor(value) if name == "lfloor" else sp.ceiling(value)
         if name in _FUNCTIONS:
             return self.function(name)
