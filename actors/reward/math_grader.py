@@ -137,7 +137,7 @@ _COMMAND_ALIASES = [(re.compile(r"\\[dt]frac(?![a-zA-Z])"), r"\\frac"), (re.comp
 
 def normalize_answer(text: str) -> str:
     """Formatting-free form of an answer string (math content and units kept)."""
-    s = text.strip()
+    s = text  # no strip yet: a trailing `\ ` is a spacing command, not a backslash
     for k, v in _UNICODE.items():
         s = s.replace(k, v)
     s = s.replace("\\$", "\x00")  # an escaped dollar is currency, not math mode
