@@ -246,6 +246,13 @@ class Bus:
         _, pending = await asyncio.wait(set(self._handler_tasks), timeout=timeout)
         return not pending
 
+    def cancel_handlers(self) -> int:
+        """Cancel running handler tasks (their requesters get Error("draining")); returns how many."""
+        tasks = list(self._handler_tasks)
+        for t in tasks:
+            t.cancel()
+        return len(tasks)
+
     @property
     def inflight(self) -> int:
         return len(self._handler_tasks)

@@ -511,7 +511,9 @@ def encode(msg: Any, sender: str = "", *, msg_id: str | None = None, reply_to: s
     cls = type(msg)
     tag = cls.__dict__.get("KIND")
     if not tag or _REGISTRY.get(tag) is not cls:
-        raise EncodeError(f"{cls.__qualname__} is not a registered message kind (decorate it with @message)")
+        # A module imported under two names registers its kinds twice; both copies encode the same way.
+        if not tag or getattr(_REGISTRY.get(tag), "__qualname__", None) != cls.__qualname__:
+            raise EncodeError(f"{cls.__qualname__} is not a registered message kind (decorate it with @message)")
     codec = _CODECS.get(cls) or _class_codec(cls)
     frames: list = [b""]
     ctx = _Ctx(frames)

@@ -1,0 +1,418 @@
+"""The actor runtime: ActorSpec (how an actor is described) and Actor (the base every actor subclasses).
+
+An actor is one process with one asyncio (uvloop) event loop and one Bus. Subclasses register handlers
+with ``@handles(Kind, ...)``; a handler is ``def``/``async def name(self, msg)`` or ``(self, msg, env)``
+(``env`` is the :class:`transport.bus.Envelope`: sender, header, ``env.reply()``). Returning a Message
+from a handler answers a request. Plain ``def`` handlers run inline on the receive path (cheap
+bookkeeping); ``async def`` handlers run as tasks, at most ``bus.max_inflight`` at once.
+
+Lifecycle (``await actor.run()``, normally through ``python -m actors.run SPEC.json``):
+
+    bus.start -> on_start() -> ready file written -> on_ready() -> ... serving ... -> stop requested
+    (SIGTERM/SIGINT, self.request_stop(), or a failed critical background task)
+    -> draining: requests are refused with Error("draining"), one-way messages still handled
+    -> on_drain() (finish or hand back in-flight work) -> running handlers get drain_timeout to finish,
+       the rest are cancelled and their requesters answered Error("draining")
+    -> background tasks cancelled -> on_stop() -> bus closed (queued sends flushed) -> logs flushed.
+
+A second SIGTERM/SIGINT skips the rest of the drain. ``run()`` returns the exit code (0 clean).
+
+Readiness: after on_start the actor writes ``RUN_DIR/ready/<name>.json`` ({"pid", "endpoint", "time"})
+atomically; the supervisor waits for a file with the child's pid. It is removed on stop.
+
+Settings the base reads from ``spec.settings`` (all optional):
+    message_log:    true, or {"outbound": bool, "tensors": "store"|"checksum", "flush_every": int}
+                    -> RUN_DIR/msglog/<name>.msglog (see transport.msglog)
+    bus:            keyword arguments for transport.bus.Bus (hwm, max_frame_bytes, max_inflight,
+                    heartbeat_interval, heartbeat_timeout, reply_timeout)
+    drain_timeout:  seconds running handlers get to finish on stop (default 30)
+    log_console:    false to silence the console copy of the log (default true)
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Coroutine
+
+import structlog
+
+from transport.auth import CurveConfig
+from transport.bus import Bus, Envelope
+from transport.messages import Error, Message
+from transport.msglog import MessageLogWriter
+
+__all__ = ["ActorSpec", "SpecError", "Actor", "handles", "configure_logging", "actor_logger",
+           "ready_path", "load_actor_class"]
+
+
+class SpecError(ValueError):
+    """An ActorSpec is malformed; the message names the key."""
+
+
+@dataclass
+class ActorSpec:
+    name: str
+    cls: str
+    endpoint: str
+    peers: dict[str, str] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    run_dir: str = "."
+    curve: dict[str, Any] | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "spec") -> "ActorSpec":
+        if not isinstance(d, dict):
+            raise SpecError(f"{where}: expected a map, got {type(d).__name__}")
+        known = {"name", "cls", "endpoint", "peers", "settings", "run_dir", "curve", "env"}
+        for key in d:
+            if key not in known:
+                raise SpecError(f"{where}.{key}: unknown key (expected one of {sorted(known)})")
+        for key in ("name", "cls", "endpoint"):
+            if not isinstance(d.get(key), str) or not d[key]:
+                raise SpecError(f"{where}.{key}: required, a non-empty string")
+        if ":" not in d["cls"]:
+            raise SpecError(f"{where}.cls: expected 'module:Class', got {d['cls']!r}")
+        for key in ("peers", "env"):
+            value = d.get(key) or {}
+            if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in value.items()):
+                raise SpecError(f"{where}.{key}: expected a map of strings to strings")
+        if not isinstance(d.get("settings") or {}, dict):
+            raise SpecError(f"{where}.settings: expected a map")
+        if d.get("curve") is not None and not isinstance(d["curve"], dict):
+            raise SpecError(f"{where}.curve: expected a map or null")
+        if not isinstance(d.get("run_dir", "."), str):
+            raise SpecError(f"{where}.run_dir: expected a path string")
+        return cls(d["name"], d["cls"], d["endpoint"], dict(d.get("peers") or {}), dict(d.get("settings") or {}),
+                   d.get("run_dir", "."), d.get("curve"), dict(d.get("env") or {}))
+
+    def write(self, path: str | os.PathLike) -> None:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ActorSpec":
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"{path}: not valid JSON (line {exc.lineno}): {exc.msg}") from None
+        return cls.from_dict(data, where=str(path))
+
+
+def ready_path(run_dir: str | os.PathLike, name: str) -> Path:
+    return Path(run_dir) / "ready" / f"{name}.json"
+
+
+def load_actor_class(path: str) -> type["Actor"]:
+    """Import ``module:Class`` and check it is an Actor subclass."""
+    import importlib
+
+    module_name, _, cls_name = path.partition(":")
+    if not module_name or not cls_name:
+        raise SpecError(f"cls: expected 'module:Class', got {path!r}")
+    module = importlib.import_module(module_name)
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise SpecError(f"cls: module {module_name!r} has no attribute {cls_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Actor)):
+        raise SpecError(f"cls: {path} is not a subclass of actors.base.Actor")
+    return cls
+
+
+# ---------------------------------------------------------------------------------------------- logs
+
+_CONFIGURED = False
+
+
+def configure_logging() -> None:
+    """Route structlog through stdlib logging so each actor logger can have its own file + console."""
+    global _CONFIGURED
+    if _CONFIGURED:
+        return
+    _CONFIGURED = True
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.stdlib.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+
+
+def actor_logger(name: str, run_dir: str | os.PathLike, console: bool = True) -> Any:
+    """A structlog logger bound to ``actor=name`` writing JSON lines to RUN_DIR/logs/<name>.jsonl."""
+    configure_logging()
+    log_dir = Path(run_dir) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    std = logging.getLogger(f"actor.{name}")
+    std.setLevel(logging.INFO)
+    std.propagate = False
+    for h in list(std.handlers):
+        std.removeHandler(h)
+        h.close()
+    file_handler = logging.FileHandler(log_dir / f"{name}.jsonl")
+    file_handler.setFormatter(structlog.stdlib.ProcessorFormatter(processors=[
+        structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+        structlog.processors.format_exc_info,
+        structlog.processors.JSONRenderer(default=repr),
+    ]))
+    std.addHandler(file_handler)
+    if console:
+        console_handler = logging.StreamHandler(sys.stderr)
+        console_handler.setFormatter(structlog.stdlib.ProcessorFormatter(processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.dev.ConsoleRenderer(colors=False),
+        ]))
+        std.addHandler(console_handler)
+    return structlog.get_logger(f"actor.{name}").bind(actor=name)
+
+
+def _close_logger(name: str) -> None:
+    std = logging.getLogger(f"actor.{name}")
+    for h in list(std.handlers):
+        h.flush()
+        h.close()
+        std.removeHandler(h)
+
+
+# -------------------------------------------------------------------------------------------- actor
+
+def handles(*kinds: type) -> Callable[[Callable], Callable]:
+    """Mark a method as the handler of the given message kinds."""
+    if not kinds:
+        raise TypeError("@handles needs at least one message class")
+
+    def mark(fn: Callable) -> Callable:
+        fn.__handles__ = tuple(getattr(fn, "__handles__", ())) + kinds
+        return fn
+
+    return mark
+
+
+class Actor:
+    """Base class of every actor. See the module docstring for the lifecycle and settings."""
+
+    _handlers: ClassVar[dict[type, tuple[str, bool]]] = {}
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        table: dict[type, tuple[str, bool]] = {}
+        for base in reversed(cls.__mro__[1:]):
+            table.update(getattr(base, "_handlers", {}))
+        for attr, fn in cls.__dict__.items():
+            kinds = getattr(fn, "__handles__", None)
+            if not kinds:
+                continue
+            params = [p for p in inspect.signature(fn).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            if len(params) not in (2, 3):
+                raise TypeError(f"{cls.__qualname__}.{attr}: a handler takes (self, msg) or (self, msg, env)")
+            for kind in kinds:
+                table[kind] = (attr, len(params) == 3)
+        cls._handlers = table
+
+    def __init__(self, spec: ActorSpec) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.settings: dict[str, Any] = dict(spec.settings)
+        self.run_dir = Path(spec.run_dir)
+        self.log = actor_logger(self.name, self.run_dir, console=bool(self.settings.get("log_console", True)))
+        self.bus: Any = None
+        self.counters: Counter[str] = Counter()
+        self.draining = False
+        self.exit_code = 0
+        self.msglog: MessageLogWriter | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._force_event: asyncio.Event | None = None
+        self._stop_reason = ""
+        self._background: set[asyncio.Task] = set()
+
+    # ----------------------------------------------------------------------------- hooks to override
+
+    async def on_start(self) -> None:
+        """Set up (load models, open files). The bus is up; peers may not be ready yet."""
+
+    async def on_ready(self) -> None:
+        """Called once readiness is announced (e.g. start producing work)."""
+
+    async def on_drain(self) -> None:
+        """Stop taking work; finish in-flight work or hand it back (e.g. return prompts to the buffer)."""
+
+    async def on_stop(self) -> None:
+        """Last words: save state, close resources. The bus is still open (sends are flushed after)."""
+
+    def on_peer_dead(self, peer: str) -> None:
+        """Heartbeats say ``peer`` is gone."""
+
+    def on_peer_alive(self, peer: str) -> None:
+        """A peer declared dead answers again."""
+
+    # ---------------------------------------------------------------------------------- dispatching
+
+    def dispatch(self, env: Envelope) -> Any:
+        """Route a received message to its handler (used by the bus and by tools.replay)."""
+        entry = self._handlers.get(type(env.msg))
+        if entry is None:
+            self.counters["rejected.no_handler"] += 1
+            if self.bus is not None and hasattr(self.bus, "rejected"):
+                self.bus.rejected["no_handler"] += 1
+            self.log.warning("message_rejected", reason="no_handler", kind=env.header.kind, sender=env.sender)
+            if env.wants_reply:
+                return Error("no_handler", f"{self.name} has no handler for {env.header.kind!r}", env.header.kind)
+            return None
+        method = getattr(self, entry[0])
+        return method(env.msg, env) if entry[1] else method(env.msg)
+
+    def spawn(self, coro: Coroutine, name: str = "task", critical: bool = True) -> asyncio.Task:
+        """Run ``coro`` in the background until stop. A critical task that fails stops the actor (exit 1)."""
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self.name}:{name}")
+        self._background.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._background.discard(t)
+            if t.cancelled():
+                return
+            exc = t.exception()
+            if exc is not None:
+                self.log.error("background_task_failed", task=name, error=repr(exc), exc_info=exc)
+                if critical:
+                    self.request_stop(f"background task {name!r} failed: {exc!r}", exit_code=1)
+
+        task.add_done_callback(done)
+        return task
+
+    def request_stop(self, reason: str = "requested", exit_code: int = 0) -> None:
+        """Begin a clean shutdown (idempotent; safe from signal handlers and callbacks)."""
+        if self._stop_event is None:
+            return
+        if self._stop_event.is_set():
+            return
+        self._stop_reason = reason
+        self.exit_code = max(self.exit_code, exit_code)
+        self._stop_event.set()
+
+    def _on_signal(self, signame: str) -> None:
+        if self._stop_event is not None and self._stop_event.is_set():
+            self.log.warning("forced_stop", signal=signame)
+            self._force_event.set()
+        else:
+            self.request_stop(f"signal {signame}")
+
+    # ------------------------------------------------------------------------------------- lifecycle
+
+    def _make_bus(self) -> Bus:
+        bus_kw = dict(self.settings.get("bus") or {})
+        record = self.settings.get("message_log")
+        recorder, outbound = None, False
+        if record:
+            opts = record if isinstance(record, dict) else {}
+            outbound = bool(opts.get("outbound", False))
+            recorder = self.msglog = MessageLogWriter(
+                self.run_dir / "msglog" / f"{self.name}.msglog", tensors=opts.get("tensors", "store"),
+                flush_every=int(opts.get("flush_every", 1)),
+                meta={"actor": self.name, "spec": self.spec.to_dict(), "outbound": outbound})
+        curve = None
+        if self.spec.curve:
+            curve = CurveConfig.from_spec(self.spec.curve, self.name, list(self.spec.peers))
+        return Bus(self.name, self.spec.endpoint, self.spec.peers, handler=self.dispatch, curve=curve,
+                   recorder=recorder, record_outbound=outbound, log=self.log.bind(component="bus"),
+                   on_peer_dead=self.on_peer_dead, on_peer_alive=self.on_peer_alive, **bus_kw)
+
+    def _announce_ready(self) -> None:
+        path = ready_path(self.run_dir, self.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "endpoint": self.bus.endpoint, "time": time.time()}))
+        os.replace(tmp, path)
+
+    async def run(self) -> int:
+        """Run the whole lifecycle; returns the process exit code."""
+        loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        self._force_event = asyncio.Event()
+        installed = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self._on_signal, sig.name)
+                installed.append(sig)
+            except (RuntimeError, ValueError, NotImplementedError):
+                pass    # not the main thread (in-process tests): request_stop() still works
+        started = False
+        try:
+            self.bus = self._make_bus()
+            await self.bus.start()
+            await self.on_start()
+            started = True
+            self._announce_ready()
+            self.log.info("ready", endpoint=self.bus.endpoint, pid=os.getpid())
+            await self.on_ready()
+            await self._stop_event.wait()
+            self.log.info("stopping", reason=self._stop_reason)
+            await self._first_of_force(self._drain())
+        except Exception as exc:
+            self.exit_code = 1
+            self.log.error("actor_failed", error=repr(exc), exc_info=exc)
+        finally:
+            for t in list(self._background):
+                t.cancel()
+            await asyncio.gather(*self._background, return_exceptions=True)
+            if started:
+                try:
+                    await self._first_of_force(self.on_stop())
+                except Exception as exc:
+                    self.exit_code = 1
+                    self.log.error("on_stop_failed", error=repr(exc), exc_info=exc)
+            if self.bus is not None:
+                await self.bus.close(linger=float(self.settings.get("close_linger", 2.0)))
+            if self.msglog is not None:
+                self.msglog.close()
+            ready_path(self.run_dir, self.name).unlink(missing_ok=True)
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            self.log.info("stopped", exit_code=self.exit_code, counters=dict(self.counters),
+                          bus=self.bus.counters() if self.bus is not None else {})
+            _close_logger(self.name)
+        return self.exit_code
+
+    async def _first_of_force(self, coro: Coroutine) -> None:
+        """Await ``coro`` unless a second signal forces the stop first."""
+        work = asyncio.ensure_future(coro)
+        force = asyncio.ensure_future(self._force_event.wait())
+        await asyncio.wait({work, force}, return_when=asyncio.FIRST_COMPLETED)
+        force.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+        else:
+            work.result()
+
+    async def _drain(self) -> None:
+        self.draining = True
+        self.bus.draining = True
+        await self.on_drain()
+        timeout = float(self.settings.get("drain_timeout", 30.0))
+        if not await self.bus.wait_handlers(timeout):
+            left = self.bus.inflight
+            self.log.warning("drain_timeout", handlers_cancelled=left, timeout_s=timeout)
+            self.bus.cancel_handlers()     # their requesters are answered Error("draining") by the bus
+            await self.bus.wait_handlers(5.0)

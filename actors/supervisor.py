@@ -1,0 +1,279 @@
+"""Supervisor: starts actor processes from ActorSpecs, waits until all are ready, restarts the dead.
+
+Each actor runs as ``python -m actors.run RUN_DIR/specs/<name>.json`` with ``spec.env`` applied (CPU
+affinity and thread counts are applied by actors.run before torch loads); stdout/stderr go to
+``RUN_DIR/logs/<name>.out``. Readiness is the actor's ready file carrying the child's pid.
+
+A process that exits non-zero (or is killed) is restarted after an exponential backoff
+(``backoff_initial * 2**k``, capped at ``backoff_max``). More than ``max_restarts`` restarts within
+``restart_window`` seconds means the actor cannot be kept up: the supervisor logs why (exit code, last
+log lines), calls ``on_giveup``, stops every actor and ``run()`` raises :class:`SupervisorError`.
+An actor that exits 0 by itself has finished and is not restarted. Restarts are logged, counted in
+``restarts[name]`` and reported to ``on_restart(name, count, exit_code)``.
+
+Clean stop: SIGTERM to all, wait ``stop_timeout``, SIGKILL stragglers.
+
+    sup = Supervisor(specs, run_dir)
+    await sup.start()          # raises NotReadyError naming who is not ready, with their last log lines
+    await sup.run()            # until stop() is called or an actor is given up on (SupervisorError)
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import structlog
+
+import actors
+from actors.base import ActorSpec, ready_path
+
+__all__ = ["Supervisor", "SupervisorError", "NotReadyError"]
+
+_POLL_S = 0.05
+
+
+class SupervisorError(RuntimeError):
+    pass
+
+
+class NotReadyError(SupervisorError):
+    pass
+
+
+@dataclass
+class _Child:
+    spec: ActorSpec
+    proc: asyncio.subprocess.Process | None = None
+    started_at: float = 0.0
+    ready: bool = False
+    finished: bool = False
+    restart_times: deque = field(default_factory=deque)
+    last_exit: int | None = None
+    monitor: asyncio.Task | None = None
+
+
+def _project_root() -> str:
+    return str(Path(actors.__file__).resolve().parent.parent)
+
+
+def tail(path: Path, lines: int = 10) -> list[str]:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 16384))
+            return fh.read().decode(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
+
+
+class Supervisor:
+    def __init__(self, specs: list[ActorSpec], run_dir: str | os.PathLike, *,
+                 python: str = sys.executable,
+                 max_restarts: int = 3,
+                 restart_window: float = 300.0,
+                 backoff_initial: float = 0.5,
+                 backoff_max: float = 30.0,
+                 ready_timeout: float = 120.0,
+                 stop_timeout: float = 30.0,
+                 on_restart: Callable[[str, int, int | None], Any] | None = None,
+                 on_giveup: Callable[[str, str], Any] | None = None,
+                 log: Any = None) -> None:
+        names = [s.name for s in specs]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise SupervisorError(f"duplicate actor names: {dupes}")
+        self.run_dir = Path(run_dir)
+        self.python = python
+        self.max_restarts = max_restarts
+        self.restart_window = restart_window
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.ready_timeout = ready_timeout
+        self.stop_timeout = stop_timeout
+        self.on_restart = on_restart
+        self.on_giveup = on_giveup
+        self.log = log if log is not None else structlog.get_logger("actors.supervisor")
+        self.children = {s.name: _Child(s) for s in specs}
+        self.restarts: Counter[str] = Counter()
+        self._stopping = False
+        self._failure: str | None = None
+        self._done: asyncio.Event | None = None
+
+    # ---------------------------------------------------------------------------------------- public
+
+    async def start(self) -> None:
+        """Start every actor and wait until all are ready (NotReadyError after ready_timeout)."""
+        self._done = asyncio.Event()
+        for d in ("specs", "logs", "ready"):
+            (self.run_dir / d).mkdir(parents=True, exist_ok=True)
+        for child in self.children.values():
+            await self._spawn(child)
+            child.monitor = asyncio.get_running_loop().create_task(self._watch(child),
+                                                                   name=f"supervise-{child.spec.name}")
+        try:
+            await self.wait_ready(self.ready_timeout)
+        except SupervisorError:
+            await self.stop()
+            raise
+
+    async def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._failure is not None:
+                raise SupervisorError(self._failure)
+            missing = [c for c in self.children.values() if not c.ready and not c.finished]
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                parts = []
+                for c in missing:
+                    state = "running" if c.proc is not None and c.proc.returncode is None else \
+                        f"exited {c.proc.returncode if c.proc else '?'}"
+                    lines = self._last_lines(c.spec.name)
+                    parts.append(f"{c.spec.name} ({state}); last log lines:\n    " + "\n    ".join(lines or ["<none>"]))
+                raise NotReadyError(f"not ready after {timeout:.0f}s: " + "\n".join(parts))
+            await asyncio.sleep(_POLL_S)
+
+    async def run(self) -> None:
+        """Supervise until stop() (returns) or an actor cannot be kept up (raises SupervisorError)."""
+        await self._done.wait()
+        if self._failure is not None:
+            raise SupervisorError(self._failure)
+
+    def pids(self) -> dict[str, int | None]:
+        return {n: (c.proc.pid if c.proc is not None and c.proc.returncode is None else None)
+                for n, c in self.children.items()}
+
+    async def stop(self) -> dict[str, int | None]:
+        """SIGTERM every actor, wait stop_timeout, SIGKILL stragglers; returns exit codes by name."""
+        self._stopping = True
+        me = asyncio.current_task()
+        for c in self.children.values():
+            if c.monitor is not None and c.monitor is not me:
+                c.monitor.cancel()
+        procs = {n: c.proc for n, c in self.children.items() if c.proc is not None}
+        for n, p in procs.items():
+            if p.returncode is None:
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        waits = {n: asyncio.ensure_future(p.wait()) for n, p in procs.items()}
+        if waits:
+            _, pending = await asyncio.wait(waits.values(), timeout=self.stop_timeout)
+            for n, p in procs.items():
+                if p.returncode is None:
+                    self.log.warning("actor_killed", actor=n, reason=f"still running {self.stop_timeout}s after SIGTERM")
+                    try:
+                        p.kill()
+                    except ProcessLookupError:
+                        pass
+            await asyncio.gather(*waits.values(), return_exceptions=True)
+        if self._done is not None:
+            self._done.set()
+        return {n: p.returncode for n, p in procs.items()}
+
+    # ------------------------------------------------------------------------------------- internals
+
+    def _last_lines(self, name: str) -> list[str]:
+        return (tail(self.run_dir / "logs" / f"{name}.out", 6)
+                + tail(self.run_dir / "logs" / f"{name}.jsonl", 4))
+
+    async def _spawn(self, child: _Child) -> None:
+        spec = child.spec
+        spec_path = self.run_dir / "specs" / f"{spec.name}.json"
+        spec.write(spec_path)
+        ready_path(self.run_dir, spec.name).unlink(missing_ok=True)
+        env = dict(os.environ)
+        env.update(spec.env)
+        root = _project_root()
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        out = open(self.run_dir / "logs" / f"{spec.name}.out", "ab")
+        try:
+            child.proc = await asyncio.create_subprocess_exec(
+                self.python, "-m", "actors.run", str(spec_path), env=env, stdout=out, stderr=out,
+                stdin=asyncio.subprocess.DEVNULL, cwd=root, start_new_session=True)
+        finally:
+            out.close()
+        child.started_at = time.monotonic()
+        child.ready = False
+        self.log.info("actor_started", actor=spec.name, pid=child.proc.pid)
+
+    def _check_ready(self, child: _Child) -> bool:
+        try:
+            info = json.loads(ready_path(self.run_dir, child.spec.name).read_text())
+        except (OSError, ValueError):
+            return False
+        return info.get("pid") == child.proc.pid
+
+    async def _watch(self, child: _Child) -> None:
+        name = child.spec.name
+        try:
+            while True:
+                proc = child.proc
+                wait = asyncio.ensure_future(proc.wait())
+                while not wait.done():
+                    if not child.ready and self._check_ready(child):
+                        child.ready = True
+                        self.log.info("actor_ready", actor=name, pid=proc.pid,
+                                      after_s=round(time.monotonic() - child.started_at, 3))
+                    await asyncio.wait({wait}, timeout=_POLL_S if not child.ready else None)
+                code = proc.returncode
+                child.last_exit = code
+                child.ready = False
+                if self._stopping:
+                    return
+                if code == 0:
+                    child.finished = True
+                    self.log.info("actor_finished", actor=name)
+                    return
+                now = time.monotonic()
+                while child.restart_times and now - child.restart_times[0] > self.restart_window:
+                    child.restart_times.popleft()
+                if len(child.restart_times) >= self.max_restarts:
+                    await self._give_up(child, code)
+                    return
+                child.restart_times.append(now)
+                self.restarts[name] += 1
+                n = self.restarts[name]
+                delay = min(self.backoff_initial * 2 ** (len(child.restart_times) - 1), self.backoff_max)
+                self.log.warning("actor_died", actor=name, exit_code=code, restart=n, backoff_s=delay,
+                                 last_lines=self._last_lines(name))
+                if self.on_restart is not None:
+                    try:
+                        self.on_restart(name, n, code)
+                    except Exception as exc:
+                        self.log.error("on_restart_failed", error=repr(exc))
+                await asyncio.sleep(delay)
+                if self._stopping:
+                    return
+                await self._spawn(child)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._failure = f"supervising {name} failed: {exc!r}"
+            self.log.error("supervisor_failed", actor=name, error=repr(exc))
+            asyncio.get_running_loop().create_task(self.stop())
+
+    async def _give_up(self, child: _Child, code: int | None) -> None:
+        name = child.spec.name
+        lines = self._last_lines(name)
+        self._failure = (f"actor {name} died {len(child.restart_times) + 1} times within "
+                         f"{self.restart_window:.0f}s (last exit code {code}); giving up and stopping the run. "
+                         f"Last log lines:\n    " + "\n    ".join(lines or ["<none>"]))
+        self.log.error("actor_given_up", actor=name, exit_code=code, restarts=self.restarts[name], last_lines=lines)
+        if self.on_giveup is not None:
+            try:
+                self.on_giveup(name, self._failure)
+            except Exception as exc:
+                self.log.error("on_giveup_failed", error=repr(exc))
+        await self.stop()
