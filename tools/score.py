@@ -1,6 +1,6 @@
 """`python -m tools.score {math,code} FILE.jsonl`: score answers offline with the reward checkers.
 
-math: lines `{"response": str, "answer": str}` -> `{"correct": bool, "reward": float, "extracted": ...,
+math: lines `{"response": str, "answer": str | [str, ...]}` -> `{"correct": bool, "reward": float, "extracted": ...,
 "reason": ...}`. code: lines `{"program": str, "tests": [...], "mode": "stdio"|"functional" (optional)}` ->
 `{"passed": bool, "reward": float, "detail": str, "message": str, "tests_passed": int, "tests_total": int}`.
 
@@ -63,9 +63,12 @@ def _validate(item: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
         if key not in item:
             raise ScoreInputError(f"{where}: missing key {key!r}")
     if kind == "math":
-        for key in fields:
-            if not isinstance(item[key], str):
-                raise ScoreInputError(f"{where}: {key!r} must be a string, got {type(item[key]).__name__}")
+        if not isinstance(item["response"], str):
+            raise ScoreInputError(f"{where}: 'response' must be a string, got {type(item['response']).__name__}")
+        answer = item["answer"]
+        answers = answer if isinstance(answer, list) else [answer]
+        if not answers or not all(isinstance(one, str) and one.strip() for one in answers):
+            raise ScoreInputError(f"{where}: 'answer' must be a non-empty string or list of them, got {answer!r:.80}")
         return item
     if not isinstance(item["program"], str):
         raise ScoreInputError(f"{where}: 'program' must be a string, got {type(item['program']).__name__}")
