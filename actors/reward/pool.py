@@ -48,6 +48,9 @@ FunctionRef = "str | Callable[..., Any]"
 
 # How long a new worker may take to report ready before it counts as a failed start.
 _WORKER_START_TIMEOUT_S = 120.0
+# Extra time for a worker's first call of a function, which may import its module (sympy takes
+# about a second); the item's own clock restarts once the import is done.
+_IMPORT_GRACE_S = 60.0
 
 
 class PoolClosedError(RuntimeError):
@@ -152,6 +155,7 @@ def _worker_main(conn: multiprocessing.connection.Connection, preload: Sequence[
             fn = functions.get(ref)
             if fn is None:
                 fn = functions[ref] = resolve_function(ref)
+                conn.send(("resolved", task_id))  # the item's timeout starts now, not at the import
             result = fn(*args, **kwargs)
             reply = (task_id, True, result)
         except BaseException as exc:  # noqa: BLE001 - everything the function raises is reported
@@ -187,6 +191,7 @@ class _Worker:
     task: _Task | None = None
     deadline: float = 0.0
     tasks_run: int = 0
+    known_refs: set[str] = dataclasses.field(default_factory=set)
 
 
 class RewardPool:
@@ -359,7 +364,8 @@ class RewardPool:
             if task.future.cancelled():
                 continue
             task.attempts += 1
-            worker.task, worker.deadline = task, now + task.timeout
+            grace = 0.0 if task.ref in worker.known_refs else _IMPORT_GRACE_S
+            worker.task, worker.deadline = task, now + task.timeout + grace
             try:
                 worker.conn.send((task.task_id, task.ref, task.args, task.kwargs))
             except (OSError, EOFError):
@@ -409,6 +415,11 @@ class RewardPool:
             return
         if message[0] == "ready":
             worker.ready = True
+            return
+        if message[0] == "resolved":
+            if worker.task is not None and worker.task.task_id == message[1]:
+                worker.known_refs.add(worker.task.ref)
+                worker.deadline = time.monotonic() + worker.task.timeout
             return
         task_id, ok, payload = message
         task = worker.task
