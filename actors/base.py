@@ -361,14 +361,17 @@ class Actor:
         try:
             self.bus = self._make_bus()
             await self.bus.start()
-            await self.on_start()
+            # A stop requested while still starting (e.g. the supervisor gave up waiting) cancels on_start.
+            if not await self._unless(self._stop_event, self.on_start()):
+                self.log.info("stopped_before_ready", reason=self._stop_reason)
+                return self.exit_code
             started = True
             self._announce_ready()
             self.log.info("ready", endpoint=self.bus.endpoint, pid=os.getpid())
             await self.on_ready()
             await self._stop_event.wait()
             self.log.info("stopping", reason=self._stop_reason)
-            await self._first_of_force(self._drain())
+            await self._unless(self._force_event, self._drain())
         except Exception as exc:
             self.exit_code = 1
             self.log.error("actor_failed", error=repr(exc), exc_info=exc)
@@ -378,7 +381,7 @@ class Actor:
             await asyncio.gather(*self._background, return_exceptions=True)
             if started:
                 try:
-                    await self._first_of_force(self.on_stop())
+                    await self._unless(self._force_event, self.on_stop())
                 except Exception as exc:
                     self.exit_code = 1
                     self.log.error("on_stop_failed", error=repr(exc), exc_info=exc)
@@ -394,17 +397,19 @@ class Actor:
             _close_logger(self.name)
         return self.exit_code
 
-    async def _first_of_force(self, coro: Coroutine) -> None:
-        """Await ``coro`` unless a second signal forces the stop first."""
+    @staticmethod
+    async def _unless(event: asyncio.Event, coro: Coroutine) -> bool:
+        """Await ``coro`` unless ``event`` fires first (then cancel it and return False)."""
         work = asyncio.ensure_future(coro)
-        force = asyncio.ensure_future(self._force_event.wait())
-        await asyncio.wait({work, force}, return_when=asyncio.FIRST_COMPLETED)
-        force.cancel()
+        interrupt = asyncio.ensure_future(event.wait())
+        await asyncio.wait({work, interrupt}, return_when=asyncio.FIRST_COMPLETED)
+        interrupt.cancel()
         if not work.done():
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-        else:
-            work.result()
+            return False
+        work.result()
+        return True
 
     async def _drain(self) -> None:
         self.draining = True

@@ -1,0 +1,199 @@
+"""Supervisor with real actor processes: ready, restart with backoff, give up, stragglers, affinity, msglog."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import Any
+
+import pytest
+import uvloop
+
+from actors.base import Actor, ActorSpec, handles
+from actors.supervisor import NotReadyError, Supervisor, SupervisorError
+from transport.bus import Bus
+from transport.messages import Message, decode, message
+from transport.msglog import read_log
+
+
+@message("test.sup.info")
+class InfoRequest(Message):
+    pass
+
+
+@message("test.sup.info_reply")
+class InfoReply(Message):
+    pid: int
+    cores: list[int]
+    omp: str
+
+
+@message("test.sup.crash")
+class Crash(Message):
+    how: str = "exit"
+
+
+@message("test.sup.note")
+class Note(Message):
+    n: int
+
+
+class WorkerActor(Actor):
+    """Behaviour chosen by settings: crash_on_start, hang_on_start, hang_on_drain."""
+
+    async def on_start(self) -> None:
+        if self.settings.get("crash_on_start"):
+            print("worker: refusing to start (crash_on_start)", flush=True)
+            os._exit(3)
+        if self.settings.get("hang_on_start"):
+            print("worker: stuck in on_start", flush=True)
+            await asyncio.Event().wait()
+
+    async def on_drain(self) -> None:
+        if self.settings.get("hang_on_drain"):
+            await asyncio.Event().wait()
+
+    @handles(InfoRequest)
+    def info(self, msg: InfoRequest) -> InfoReply:
+        return InfoReply(os.getpid(), sorted(os.sched_getaffinity(0)), os.environ.get("OMP_NUM_THREADS", ""))
+
+    @handles(Note)
+    def note(self, msg: Note) -> None:
+        pass
+
+    @handles(Crash)
+    def crash(self, msg: Crash) -> None:
+        if msg.how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(5)
+
+
+def run(coro: Any, timeout: float = 60.0) -> Any:
+    async def bounded() -> Any:
+        async with asyncio.timeout(timeout):
+            return await coro
+    return uvloop.run(bounded())
+
+
+def spec(tmp_path: Any, name: str, **settings: Any) -> ActorSpec:
+    env = settings.pop("env", {})
+    return ActorSpec(name=name, cls="tests.test_actors_supervisor:WorkerActor", endpoint=f"ipc://{tmp_path}/s/{name}",
+                     run_dir=str(tmp_path), settings={"log_console": False, **settings}, env=env)
+
+
+async def client_for(tmp_path: Any, *names: str) -> Bus:
+    return await Bus("client", "tcp://127.0.0.1:*", {n: f"ipc://{tmp_path}/s/{n}" for n in names},
+                     heartbeat_interval=None).start()
+
+
+async def until(cond: Any, timeout: float = 20.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.02)
+
+
+def test_start_ready_affinity_env_and_clean_stop(tmp_path: Any) -> None:
+    async def main() -> None:
+        cores = sorted(os.sched_getaffinity(0))
+        sup = Supervisor([spec(tmp_path, "a", env={"AREAL_CPU_AFFINITY": str(cores[0]), "OMP_NUM_THREADS": "1"}),
+                          spec(tmp_path, "b")], tmp_path, ready_timeout=30)
+        await sup.start()
+        client = await client_for(tmp_path, "a", "b")
+        a = await client.request("a", InfoRequest(), timeout=10)
+        b = await client.request("b", InfoRequest(), timeout=10)
+        assert a.cores == [cores[0]] and a.omp == "1"
+        assert b.cores == cores and a.pid == sup.pids()["a"]
+        codes = await sup.stop()
+        assert codes == {"a": 0, "b": 0}           # SIGTERM -> drain -> exit 0
+        await client.close()
+
+    run(main())
+
+
+def test_restart_after_crash_with_backoff_and_report(tmp_path: Any) -> None:
+    async def main() -> None:
+        reports: list[tuple] = []
+        sup = Supervisor([spec(tmp_path, "w")], tmp_path, backoff_initial=0.05, max_restarts=3,
+                         on_restart=lambda name, n, code: reports.append((name, n, code)))
+        await sup.start()
+        client = await client_for(tmp_path, "w")
+        first = (await client.request("w", InfoRequest(), timeout=10)).pid
+        await client.send("w", Crash("exit"))
+        await until(lambda: sup.restarts["w"] == 1 and sup.children["w"].ready)
+        second = await client.request("w", InfoRequest(), timeout=10)    # same endpoint, new process
+        assert second.pid != first and reports == [("w", 1, 5)]
+        await client.send("w", Crash("kill"))
+        await until(lambda: sup.restarts["w"] == 2 and sup.children["w"].ready)
+        assert reports[-1] == ("w", 2, -signal.SIGKILL)
+        await sup.stop()
+        await client.close()
+
+    run(main())
+
+
+def test_gives_up_after_restart_limit_with_clear_message(tmp_path: Any) -> None:
+    async def main() -> None:
+        given_up: list[str] = []
+        sup = Supervisor([spec(tmp_path, "ok"), spec(tmp_path, "bad", crash_on_start=True)], tmp_path,
+                         backoff_initial=0.02, max_restarts=2, ready_timeout=30,
+                         on_giveup=lambda name, why: given_up.append(name))
+        with pytest.raises(SupervisorError) as err:
+            await sup.start()
+        text = str(err.value)
+        assert "actor bad died 3 times" in text and "last exit code 3" in text
+        assert "refusing to start" in text                     # its last log lines are in the message
+        assert given_up == ["bad"] and sup.restarts["bad"] == 2
+        assert all(pid is None for pid in sup.pids().values())   # the run was stopped, nothing left behind
+
+    run(main())
+
+
+def test_not_ready_names_the_actor_and_its_last_lines(tmp_path: Any) -> None:
+    async def main() -> None:
+        sup = Supervisor([spec(tmp_path, "fine"), spec(tmp_path, "stuck", hang_on_start=True)], tmp_path,
+                         ready_timeout=3, stop_timeout=5)
+        with pytest.raises(NotReadyError) as err:
+            await sup.start()
+        text = str(err.value)
+        assert "stuck (running)" in text and "stuck in on_start" in text and "fine" not in text.split(":", 1)[1]
+        assert all(pid is None for pid in sup.pids().values())
+
+    run(main())
+
+
+def test_stop_kills_stragglers(tmp_path: Any) -> None:
+    async def main() -> None:
+        sup = Supervisor([spec(tmp_path, "slowpoke", hang_on_drain=True, drain_timeout=60)], tmp_path,
+                         stop_timeout=1.0)
+        await sup.start()
+        codes = await sup.stop()
+        assert codes == {"slowpoke": -signal.SIGKILL}
+
+    run(main())
+
+
+def test_message_log_survives_a_crash(tmp_path: Any) -> None:
+    async def main() -> None:
+        sup = Supervisor([spec(tmp_path, "rec", message_log={"outbound": True})], tmp_path, backoff_initial=0.05)
+        await sup.start()
+        client = await client_for(tmp_path, "rec")
+        for i in range(20):
+            await client.send("rec", Note(i))
+        await client.request("rec", InfoRequest(), timeout=10)        # all 20 notes were handled before this
+        await client.send("rec", Crash("kill"))
+        await until(lambda: sup.restarts["rec"] == 1 and sup.children["rec"].ready)
+        await client.send("rec", Note(100))
+        await client.request("rec", InfoRequest(), timeout=10)
+        await sup.stop()
+        await client.close()
+        records, torn = read_log(tmp_path / "msglog" / "rec.msglog")
+        assert torn is None
+        seg0 = [decode(r.frames)[1] for r in records if r.kind == "in" and r.segment == 0]
+        assert [m.n for m in seg0 if isinstance(m, Note)] == list(range(20))
+        assert isinstance(seg0[-1], Crash)
+        outs = [decode(r.frames)[1] for r in records if r.kind == "out" and r.segment == 0]
+        assert len(outs) == 1 and isinstance(outs[0], InfoReply)
+        seg1 = [decode(r.frames)[1] for r in records if r.kind == "in" and r.segment == 1]
+        assert [type(m).__name__ for m in seg1] == ["Note", "InfoRequest"]
+
+    run(main())
