@@ -44,7 +44,10 @@ class TopologyError(ValueError):
 # schema: the allowed keys of every section (unknown keys are errors, so typos never pass)
 # ---------------------------------------------------------------------------------------------
 
-TOP_KEYS = {"name", "description", "config", "run_root", "cluster", "bus", "links", "actors"}
+TOP_KEYS = {"name", "description", "config", "run_root", "cluster", "bus", "links", "actors", "supervisor"}
+# Restart policy and timeouts, passed to actors.supervisor.Supervisor (locally and by every node agent).
+SUPERVISOR_KEYS = {"max_restarts", "restart_window", "backoff_initial", "backoff_max", "ready_timeout",
+                   "stop_timeout"}
 CLUSTER_KEYS = {"nodes", "node", "interconnect"}
 NODE_KEYS = {"gpus", "gpu_kind", "gpu_memory_gb", "cpus", "memory_gb", "nics"}
 NIC_KEYS = {"ib", "socket"}
@@ -118,6 +121,7 @@ class Topology:
     config_path: str | None
     run_root: str
     description: str = ""
+    supervisor: dict[str, Any] = dataclasses.field(default_factory=dict)  # Supervisor keyword arguments
     document: dict[str, Any] = dataclasses.field(default_factory=dict)  # after overrides
 
 
@@ -446,6 +450,16 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
     description = c.str_(doc.get("description"), "description", default="")
     run_root = c.str_(doc.get("run_root"), "run_root", default="runs")
 
+    sup_doc = c.keys(doc.get("supervisor"), SUPERVISOR_KEYS, "supervisor")
+    supervisor: dict[str, Any] = {}
+    for k, v in sup_doc.items():
+        if k == "max_restarts":
+            v = c.int_(v, f"supervisor.{k}", None)
+        elif k in SUPERVISOR_KEYS:
+            v = c.num(v, f"supervisor.{k}", None)
+        if v is not None and k in SUPERVISOR_KEYS:
+            supervisor[k] = v
+
     # cluster
     cluster = c.keys(doc.get("cluster"), CLUSTER_KEYS, "cluster")
     if "cluster" not in doc:
@@ -584,7 +598,7 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
 
     topo = Topology(name=name, source=source, nodes=nodes, nodes_from_allocation=from_alloc, bus=bus, links=links,
                     groups=groups, experiment=experiment or {}, config_path=config_path, run_root=run_root,
-                    description=description, document=doc)
+                    description=description, supervisor=supervisor, document=doc)
     if not c.problems:
         _check_placement(c, topo)
     if c.problems:

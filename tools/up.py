@@ -188,6 +188,329 @@ def make_run_dir(plan: Plan, requested: str | None) -> Path:
     return path.resolve()
 
 
+
+# ---------------------------------------------------------------------------------------------
+# launching
+# ---------------------------------------------------------------------------------------------
+
+def supervisor_options(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments for actors.supervisor.Supervisor from the topology's `supervisor:` section."""
+    opts = dict(plan.topology.supervisor)
+    opts.setdefault("ready_timeout", args.ready_timeout)
+    return opts
+
+
+def build_specs(plan: Plan, run_dir: Path) -> list[dict[str, Any]]:
+    """ActorSpec dictionaries for the run: ipc paths made concrete, CurveZMQ keys made when asked."""
+    curve = None
+    if plan.topology.bus.curve:
+        from transport.auth import generate_run_keys
+        curve = {"keys_dir": generate_run_keys(str(run_dir), [i.name for i in plan.instances])}
+    specs = plan.specs(run_dir, curve=curve)
+    if plan.topology.bus.transport == "ipc":
+        ipc_dir = run_dir / "ipc"
+        longest = max(len(i.name) for i in plan.instances)
+        if len(str(ipc_dir)) + longest + 8 > 100:  # unix socket paths stop at 107 bytes
+            import tempfile
+            ipc_dir = Path(tempfile.mkdtemp(prefix="areal-ipc-"))
+            (run_dir / "ipc_dir").write_text(str(ipc_dir))
+        ipc_dir.mkdir(parents=True, exist_ok=True)
+        for spec in specs:
+            spec["endpoint"] = spec["endpoint"].replace("{ipc_dir}", str(ipc_dir))
+            spec["peers"] = {n: e.replace("{ipc_dir}", str(ipc_dir)) for n, e in spec["peers"].items()}
+    return specs
+
+
+def write_plan(plan: Plan, run_dir: Path, specs: list[dict[str, Any]], overrides: Sequence[str]) -> None:
+    (run_dir / "plan.txt").write_text(describe(plan, overrides) + "\n")
+    (run_dir / "plan.json").write_text(json.dumps({
+        "topology": plan.topology.source, "overrides": list(overrides), "document": plan.topology.document,
+        "experiment": plan.topology.experiment, "specs": specs}, indent=1, default=str))
+
+
+class ProgressView:
+    """Live actor status: a rich table on a terminal, one line per change otherwise."""
+
+    def __init__(self, title: str, enabled: bool) -> None:
+        self.title = title
+        self.live = None
+        self.last: dict[str, str] = {}
+        if enabled and sys.stdout.isatty():
+            from rich.live import Live
+            self.live = Live(refresh_per_second=4, transient=False)
+            self.live.start()
+
+    def update(self, rows: dict[str, dict[str, Any]], elapsed: float) -> None:
+        if self.live is not None:
+            from rich.table import Table
+            table = Table(title=f"{self.title}  {elapsed:6.1f} s")
+            for col in ("actor", "node", "state", "pid", "restarts"):
+                table.add_column(col)
+            for name, row in rows.items():
+                table.add_row(name, str(row.get("node", "")), row["state"], str(row.get("pid") or ""),
+                              str(row.get("restarts", 0)))
+            self.live.update(table)
+            return
+        for name, row in rows.items():
+            text = f"{row['state']} (restarts {row.get('restarts', 0)})"
+            if self.last.get(name) != text:
+                self.last[name] = text
+                print(f"[{elapsed:7.1f}s] {name:<20} {row.get('node', ''):<10} {text}", flush=True)
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
+def _summary(title: str, rows: dict[str, dict[str, Any]], elapsed: float, run_dir: Path, outcome: str) -> str:
+    lines = [f"{title}: {outcome} after {elapsed:.1f} s; run directory {run_dir}"]
+    table = [("actor", "node", "state", "exit", "restarts")]
+    for name, row in rows.items():
+        table.append((name, str(row.get("node", "")), row["state"], str(row.get("exit", "")),
+                      str(row.get("restarts", 0))))
+    lines.extend(_table(table))
+    return "\n".join(lines)
+
+
+def _child_rows(sup: Any, node_of: dict[str, str]) -> dict[str, dict[str, Any]]:
+    rows = {}
+    for name, child in sup.children.items():
+        proc = child.proc
+        if child.finished:
+            state = "finished"
+        elif child.ready:
+            state = "ready"
+        elif proc is not None and proc.returncode is not None:
+            state = "restarting"
+        else:
+            state = "starting"
+        rows[name] = {"node": node_of.get(name, ""), "state": state, "restarts": sup.restarts[name],
+                      "pid": proc.pid if proc is not None and proc.returncode is None else None,
+                      "exit": child.last_exit if child.last_exit is not None else ""}
+    return rows
+
+
+async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[str, Any], *, title: str,
+                    progress: bool, duration: float | None, node_of: dict[str, str],
+                    status_file: Path | None = None) -> int:
+    """Start actors under the Supervisor, show progress, stop on Ctrl-C/SIGTERM, on ``duration``, or
+    when every actor has finished by itself; print a summary. Returns the exit status."""
+    import asyncio
+
+    from actors.base import ActorSpec
+    from actors.supervisor import NotReadyError, Supervisor, SupervisorError
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    stop_reason: list[str] = []
+
+    def on_signal(name: str) -> None:
+        stop_reason.append(f"stopped by {name}")
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    sup = Supervisor([ActorSpec.from_dict(s) for s in specs], run_dir, **options)
+    view = ProgressView(title, progress)
+    t0 = time.monotonic()
+    outcome, code = "finished", EXIT_OK
+
+    def publish(state: str) -> dict[str, dict[str, Any]]:
+        rows = _child_rows(sup, node_of)
+        view.update(rows, time.monotonic() - t0)
+        if status_file is not None:
+            tmp = status_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"state": state, "actors": rows, "time": time.time()}, default=str))
+            os.replace(tmp, status_file)
+        return rows
+
+    try:
+        starting = asyncio.ensure_future(sup.start())
+        while not starting.done():
+            publish("starting")
+            await asyncio.wait({starting, asyncio.ensure_future(stop.wait())}, timeout=0.25,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set() and not starting.done():
+                starting.cancel()
+                await sup.stop()
+                raise asyncio.CancelledError
+        starting.result()
+        publish("running")
+        running = asyncio.ensure_future(sup.run())
+        deadline = None if duration is None else t0 + duration
+        while True:
+            rows = publish("running")
+            if running.done():
+                running.result()  # raises SupervisorError when an actor could not be kept up
+                break
+            if all(r["state"] == "finished" for r in rows.values()):
+                break
+            if stop.is_set():
+                outcome = stop_reason[0] if stop_reason else "stopped"
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                outcome = f"stopped after --duration {duration:g} s"
+                break
+            await asyncio.wait({running, asyncio.ensure_future(stop.wait())}, timeout=0.25,
+                               return_when=asyncio.FIRST_COMPLETED)
+        await sup.stop()
+    except asyncio.CancelledError:
+        outcome = stop_reason[0] if stop_reason else "cancelled"
+    except NotReadyError as exc:
+        outcome, code = f"failed: actors not ready: {exc}", EXIT_FAILED
+    except SupervisorError as exc:
+        outcome, code = f"failed: {exc}", EXIT_FAILED
+        await sup.stop()
+    finally:
+        rows = publish("failed" if code else "stopped")
+        view.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    print(_summary(title, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
+    return code
+
+
+def run_local(plan: Plan, args: argparse.Namespace) -> int:
+    """Every actor on this machine under one Supervisor."""
+    import asyncio
+
+    run_dir = make_run_dir(plan, args.run_dir)
+    specs = build_specs(plan, run_dir)
+    write_plan(plan, run_dir, specs, args.overrides)
+    print(f"run {plan.topology.name}: {len(specs)} actor(s), run directory {run_dir}", flush=True)
+    node_of = {i.name: i.host for i in plan.instances}
+    return asyncio.run(supervise(specs, run_dir, supervisor_options(plan, args), title=plan.topology.name,
+                                 progress=not args.no_progress, duration=args.duration, node_of=node_of))
+
+
+def allocation_hosts() -> list[str]:
+    """Host names of the current SLURM allocation, in SLURM node order."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"scontrol show hostnames {nodelist!r} failed: {out.stderr.strip()}")
+    return out.stdout.split()
+
+
+def node_plan_path(run_dir: Path, host: str) -> Path:
+    return run_dir / "nodes" / f"{host}.json"
+
+
+def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
+    """Inside an allocation: one node agent per node through srun; each runs its node's actors under the
+    Supervisor. The run directory must be on a file system every node sees (it holds the plans)."""
+    try:
+        plan = plan.with_hosts(allocation_hosts())
+    except TopologyError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_INVALID
+    run_dir = make_run_dir(plan, args.run_dir)
+    specs = build_specs(plan, run_dir)
+    write_plan(plan, run_dir, specs, args.overrides)
+    by_name = {s["name"]: s for s in specs}
+    hosts = [n.name for n in plan.topology.nodes]
+    (run_dir / "nodes").mkdir(exist_ok=True)
+    for node_idx, insts in plan.by_node().items():
+        host = plan.topology.nodes[node_idx].name
+        node_plan_path(run_dir, host).write_text(json.dumps({
+            "host": host, "title": f"{plan.topology.name}@{host}", "supervisor": supervisor_options(plan, args),
+            "specs": [by_name[i.name] for i in insts]}, indent=1))
+    cmd = ["srun", f"-N{len(hosts)}", f"-n{len(hosts)}", "--ntasks-per-node=1", f"--nodelist={','.join(hosts)}",
+           "--kill-on-bad-exit=1", f"--chdir={topo_mod.REPO_ROOT}", "--overlap",
+           sys.executable, "-m", "tools.node_agent", str(run_dir)]
+    print(f"run {plan.topology.name}: {len(specs)} actor(s) on {len(hosts)} node(s), run directory {run_dir}\n"
+          f"  {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(topo_mod.REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    t0 = time.monotonic()
+    with open(run_dir / "srun.out", "ab") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    view = ProgressView(plan.topology.name, not args.no_progress)
+    node_of = {i.name: i.host for i in plan.instances}
+    outcome = "finished"
+    stopping = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        stopping.append(signal.Signals(signum).name)
+        try:
+            proc.send_signal(signal.SIGTERM)  # srun passes it to every node agent, which stops its actors
+        except ProcessLookupError:
+            pass
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    deadline = None if args.duration is None else t0 + args.duration
+    try:
+        while proc.poll() is None:
+            view.update(_slurm_rows(run_dir, hosts, node_of), time.monotonic() - t0)
+            if deadline is not None and time.monotonic() >= deadline and not stopping:
+                stopping.append(f"--duration {args.duration:g} s")
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=0.25)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        rows = _slurm_rows(run_dir, hosts, node_of)
+        view.close()
+    code = proc.returncode
+    failed = [h for h in hosts if _node_status(run_dir, h).get("state") == "failed"]
+    if stopping:
+        outcome = f"stopped by {stopping[0]}"
+    if failed or (code != 0 and not stopping):
+        reasons = "; ".join(_node_status(run_dir, h).get("reason", "") for h in failed)
+        outcome = f"failed (srun exit {code}{', nodes ' + ', '.join(failed) if failed else ''})" + \
+                  (f": {reasons}" if reasons.strip("; ") else f"; see {run_dir}/srun.out")
+        print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
+        return EXIT_FAILED
+    print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
+    return EXIT_OK
+
+
+def _node_status(run_dir: Path, host: str) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / "nodes" / f"{host}.status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _slurm_rows(run_dir: Path, hosts: list[str], node_of: dict[str, str]) -> dict[str, dict[str, Any]]:
+    rows = {name: {"node": host, "state": "pending", "restarts": 0} for name, host in node_of.items()}
+    for host in hosts:
+        rows.update(_node_status(run_dir, host).get("actors", {}))
+    return rows
+
+
+def submit_sbatch(plan: Plan, args: argparse.Namespace) -> int:
+    """Submit a batch job that reruns this launcher inside its own allocation."""
+    run_dir = make_run_dir(plan, args.run_dir)
+    n = len(plan.topology.nodes)
+    gpus = plan.topology.nodes[0].gpus if plan.topology.nodes else 0
+    argv = [sys.executable, "-m", "tools.up", str(Path(plan.topology.source).resolve()), *args.overrides,
+            "--run-dir", str(run_dir), "--no-progress", "--ready-timeout", str(args.ready_timeout)]
+    if args.duration is not None:
+        argv += ["--duration", str(args.duration)]
+    script = run_dir / "sbatch.sh"
+    script.write_text("\n".join([
+        "#!/bin/bash",
+        f"#SBATCH --job-name={plan.topology.name}",
+        f"#SBATCH --nodes={n}",
+        "#SBATCH --ntasks-per-node=1",
+        *([f"#SBATCH --gpus-per-node={gpus}"] if gpus else []),
+        f"#SBATCH --output={run_dir}/sbatch.out",
+        f"cd {shlex.quote(str(topo_mod.REPO_ROOT))}",
+        "exec " + " ".join(shlex.quote(a) for a in argv), ""]))
+    out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        print(f"sbatch failed: {out.stderr.strip()}", file=sys.stderr)
+        return EXIT_FAILED
+    job = out.stdout.strip().split(";")[0]
+    (run_dir / "slurm_job_id").write_text(job + "\n")
+    print(f"submitted SLURM job {job} ({n} node(s)); output {run_dir}/sbatch.out", flush=True)
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
