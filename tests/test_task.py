@@ -79,3 +79,30 @@ def test_bad_arguments_name_the_cause(capsys):
     assert "bad level list" in capsys.readouterr().err
     with pytest.raises(ValueError, match="only .* unused distinct problems"):
         make_task.sample_level(__import__("random").Random(0), 1, 2, 9, exclude=set())
+
+
+def test_partial_solutions_on_unsolved_levels_leave_the_splits_alone():
+    base = make_task.make_splits(seed=2, **SMALL)
+    adds = make_task.make_splits(seed=2, **SMALL, partial="additions")
+    some = make_task.make_splits(seed=2, **SMALL, partial="sample:0.25")
+    for other in (adds, some):
+        assert [r["prompt"] for r in other["train"]] == [r["prompt"] for r in base["train"]]
+    for rec in adds["train"]:
+        if rec["level"] > 3:
+            assert ("solutions" in rec) == ("-" not in rec["prompt"])
+    hard = [r for r in some["train"] if r["level"] > 3]
+    assert 0.15 < sum("solutions" in r for r in hard) / len(hard) < 0.35
+
+
+@pytest.mark.parametrize("spec", ["sample:2", "sample:x", "most"])
+def test_bad_partial_rule_names_it(spec):
+    with pytest.raises(ValueError, match="bad partial rule"):
+        make_task.make_splits(seed=0, **SMALL, partial=spec)
+
+
+def test_accumulate_style_boxes_the_same_answer():
+    splits = make_task.make_splits(seed=0, **SMALL, style="accumulate")
+    for rec in splits["train"]:
+        for solution in rec.get("solutions", []):
+            assert last_boxed(solution) == rec["answer"]
+            assert solution.count("=") == rec["level"]

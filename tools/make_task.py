@@ -27,7 +27,7 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 PROMPT_TEMPLATE = "Compute: {expr}\n"
 DEFAULT_LEVELS = (1, 2, 3, 4, 5)
@@ -155,9 +155,15 @@ def record(problem: Problem, split: str, index: int, solved: bool, style: str = 
 def make_splits(seed: int = 0, levels: Iterable[int] = DEFAULT_LEVELS,
                 solved_levels: Iterable[int] = DEFAULT_SOLVED_LEVELS, train_per_level: int = 4000,
                 test_per_level: int = 200, max_operand: int = 9,
-                style: str = "rewrite") -> dict[str, list[dict]]:
-    """Builds the train and test splits; the test split is drawn first so it never shrinks."""
+                style: str = "rewrite", partial: str = "none") -> dict[str, list[dict]]:
+    """Builds the train and test splits; the test split is drawn first so it never shrinks.
+
+    ``partial`` says which problems of the levels outside ``solved_levels`` still get a worked
+    solution: "none", "additions" (only chains of "+", as if the teacher solved only those) or
+    "sample:P" (a seeded fraction P of them).
+    """
     levels, solved = sorted(set(levels)), set(solved_levels)
+    has_solution = partial_rule(partial)
     if not levels or min(levels) < 1:
         raise ValueError(f"levels must be positive integers, got {levels}")
     if style not in SOLUTION_STYLES:
@@ -174,11 +180,30 @@ def make_splits(seed: int = 0, levels: Iterable[int] = DEFAULT_LEVELS,
         room = n_distinct(level, max_operand) - len(test)
         train = sample_level(rng, level, max_operand, min(train_per_level, room),
                              exclude={p.expr for p in test})
+        # A separate stream per level, so the choice of partial solutions never shifts the splits.
+        pick = random.Random(f"{seed}/{level}/partial")
         for split, problems in (("test", test), ("train", train)):
-            splits[split].extend(record(p, split, i, level in solved, style) for i, p in enumerate(problems))
+            splits[split].extend(record(p, split, i, level in solved or has_solution(p, pick), style)
+                                 for i, p in enumerate(problems))
     for split in splits.values():
         rng.shuffle(split)
     return splits
+
+
+def partial_rule(spec: str) -> Callable[[Problem, random.Random], bool]:
+    """Parses ``--partial``: which unsolved-level problems get a worked solution anyway."""
+    if spec == "none":
+        return lambda problem, rng: False
+    if spec == "additions":
+        return lambda problem, rng: set(problem.ops) == {"+"}
+    if spec.startswith("sample:"):
+        try:
+            fraction = float(spec.removeprefix("sample:"))
+        except ValueError:
+            fraction = -1.0
+        if 0.0 <= fraction <= 1.0:
+            return lambda problem, rng: rng.random() < fraction
+    raise ValueError(f"bad partial rule {spec!r}: expected 'none', 'additions' or 'sample:P' with 0<=P<=1")
 
 
 def write_jsonl(records: Iterable[dict], path: Path) -> int:
@@ -212,11 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-per-level", type=int, default=4000)
     ap.add_argument("--test-per-level", type=int, default=200)
     ap.add_argument("--max-operand", type=int, default=9)
+    ap.add_argument("--partial", default="none",
+                    help="worked solutions on the other levels: none, additions, sample:P")
     ap.add_argument("--style", choices=SOLUTION_STYLES, default="rewrite", help="worked-solution format")
     args = ap.parse_args(argv)
     try:
         splits = make_splits(args.seed, parse_levels(args.levels), parse_levels(args.solved_levels),
-                             args.train_per_level, args.test_per_level, args.max_operand, args.style)
+                             args.train_per_level, args.test_per_level, args.max_operand, args.style, args.partial)
     except ValueError as e:
         print(f"make_task: {e}", file=sys.stderr)
         return 2
