@@ -212,6 +212,6 @@ def test_value_loss_matches_reference_and_splits():
         if m:
             vc = o + min(max(x - o, -0.2), 0.2)
             want += 0.5 * max((x - r) ** 2, (vc - r) ** 2)
-    assert float(got) == pytest.approx(want / n, rel=1e-12)
+    assert float(got.detach()) == pytest.approx(want / n, rel=1e-12)
     halves = value_loss(v[:2], old[:2], ret[:2], mask[:2], n) + value_loss(v[2:], old[2:], ret[2:], mask[2:], n)
     torch.testing.assert_close(halves, got)
