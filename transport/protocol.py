@@ -1,0 +1,207 @@
+"""The messages the RL actors exchange: prompts out, trajectories back, batches to the trainer, weights out.
+
+    buffer --GenerateGroup--> rollout --Trajectories--> reward --ScoredGroup--> buffer
+    trainer --BatchRequest--> buffer (replies Batch)
+    trainer --WeightsPublished--> param_server (replies WeightsStored once the buckets arrived on the bulk link)
+    param_server --WeightsReady--> rollout (then the buckets on the bulk link; rollout replies WeightsAck)
+    trainer --VersionUpdate--> buffer            (opens the staleness gate for the new version)
+    trainer --CheckpointRequest--> buffer        (buffer saves its state for that step; replies CheckpointDone)
+    rollout --GroupReturned--> buffer            (work handed back on drain: re-issued, never lost)
+    rollout --RolloutHello--> param_server       (a new or restarted rollout asks for the current weights)
+    param_server --LinkReform--> rollout         (re-form the bulk link after a member restarted)
+    trainer --RunFinished--> everyone            (the run is over: stop cleanly)
+
+Token-level data is small next to weights, so it travels as plain lists in the message body; weights
+never travel here (transport/bulk.py carries them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transport.messages import Message, message
+
+
+@dataclass
+class Task:
+    """What a sample is checked against; travels with every sample so any reward actor can score it.
+
+    kind "math": `answer` holds the reference answer. kind "code": `tests` holds the unit tests (the
+    code checker's format) and `mode` optionally "stdio" or "functional".
+    """
+
+    kind: str = "math"
+    answer: str = ""
+    tests: list[dict[str, Any]] = field(default_factory=list)
+    mode: str = ""
+    level: int = -1
+
+
+@dataclass
+class Sample:
+    """One answer to a prompt. Per-token lists are aligned with `output_ids`."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    reward: float = 0.0
+    correct: bool = False
+    score_detail: str = ""
+
+
+@message("rl.generate_group")
+class GenerateGroup(Message):
+    """buffer -> rollout: generate `n` answers to one prompt."""
+
+    group_id: str
+    query_id: str
+    prompt_ids: list[int]
+    n: int
+    task: Task
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int = 0
+
+
+@message("rl.trajectories")
+class Trajectories(Message):
+    """rollout -> reward: the answers of one group, unscored."""
+
+    group_id: str
+    query_id: str
+    prompt_ids: list[int]
+    task: Task
+    samples: list[Sample]
+    rollout: str
+    gen_seconds: float = 0.0
+
+
+@message("rl.scored_group")
+class ScoredGroup(Message):
+    """reward -> buffer: the group with a reward per sample."""
+
+    group_id: str
+    query_id: str
+    prompt_ids: list[int]
+    task: Task
+    samples: list[Sample]
+    rollout: str
+    gen_seconds: float = 0.0
+    score_seconds: float = 0.0
+    score_failures: int = 0
+
+
+@message("rl.group_returned")
+class GroupReturned(Message):
+    """rollout -> buffer: a group handed back unfinished (drain, engine failure); the buffer re-issues it."""
+
+    group_id: str
+    reason: str
+
+
+@message("rl.batch_request")
+class BatchRequest(Message):
+    """trainer -> buffer: the batch for training step `step` (the reply is a Batch)."""
+
+    step: int
+
+
+@dataclass
+class BufferStats:
+    depth: int = 0
+    running: int = 0
+    accepted: int = 0
+    dropped_stale: int = 0
+    dropped_uniform: int = 0
+    returned: int = 0
+    epoch: int = 0
+
+
+@message("rl.batch")
+class Batch(Message):
+    """buffer -> trainer: B scored groups, each started no more than eta versions ago."""
+
+    step: int
+    groups: list[ScoredGroup]
+    stats: BufferStats
+
+
+@message("rl.version_update")
+class VersionUpdate(Message):
+    """trainer -> buffer: the trainer finished step `version` (versions count training steps)."""
+
+    version: int
+
+
+@message("rl.weights_published")
+class WeightsPublished(Message):
+    """trainer -> param_server: the buckets of `version` follow on the train_to_ps bulk link."""
+
+    version: int
+    n_buckets: int
+    weights_hash: str
+
+
+@message("rl.weights_stored")
+class WeightsStored(Message):
+    version: int
+    receive_seconds: float
+
+
+@message("rl.weights_ready")
+class WeightsReady(Message):
+    """param_server -> rollout: the buckets of `version` follow on the ps_to_rollout link (broadcast)."""
+
+    version: int
+    n_buckets: int
+    weights_hash: str
+    generation: int
+
+
+@message("rl.weights_ack")
+class WeightsAck(Message):
+    """rollout -> param_server: `version` is live; `weights_hash` is the engine's own hash after the swap."""
+
+    version: int
+    weights_hash: str
+    receive_seconds: float
+    stall_seconds: float = 0.0
+
+
+@message("rl.rollout_hello")
+class RolloutHello(Message):
+    """rollout -> param_server: a (re)started rollout at `version` joins; it needs the current weights."""
+
+    version: int
+
+
+@message("rl.link_reform")
+class LinkReform(Message):
+    """param_server -> rollout: re-form the ps_to_rollout bulk link at `generation` (a member restarted)."""
+
+    generation: int
+
+
+@message("rl.checkpoint_request")
+class CheckpointRequest(Message):
+    """trainer -> buffer: save your state for training step `step` into `path` (reply CheckpointDone)."""
+
+    step: int
+    path: str
+
+
+@message("rl.checkpoint_done")
+class CheckpointDone(Message):
+    step: int
+
+
+@message("rl.run_finished")
+class RunFinished(Message):
+    """trainer -> every actor: the run reached its last step; stop cleanly."""
+
+    step: int
+    reason: str = "done"
