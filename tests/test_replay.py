@@ -1,0 +1,156 @@
+"""tools.replay: printing with filters, a deterministic actor replays identically, a changed one is caught
+at the right message."""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from typing import Any
+
+import torch
+import uvloop
+
+from actors.base import Actor, ActorSpec, handles, ready_path
+from tools import replay
+from transport.bus import Bus
+from transport.messages import Message, message
+
+
+@message("test.replay.add")
+class Add(Message):
+    n: int
+
+
+@message("test.replay.total")
+class Total(Message):
+    total: int
+    t: torch.Tensor
+
+
+@message("test.replay.query")
+class Query(Message):
+    pass
+
+
+@message("test.replay.double")
+class Double(Message):
+    n: int
+
+
+class Accumulator(Actor):
+    """Deterministic: keeps a sum, reports it to 'sink', asks 'oracle' to double every 5th number."""
+
+    async def on_start(self) -> None:
+        self.total = 0
+
+    @handles(Add)
+    async def add(self, msg: Add) -> None:
+        n = msg.n
+        if n % 5 == 0:
+            n = (await self.bus.request("oracle", Double(n), timeout=10)).n
+        self.total += self.bump(n)
+        await self.bus.send("sink", Total(self.total, torch.full((3,), float(self.total))))
+
+    def bump(self, n: int) -> int:
+        return n
+
+    @handles(Query)
+    async def query(self, msg: Query) -> Add:
+        # async like add(): with max_inflight=1 the two run strictly in arrival order (a plain def
+        # handler runs inline and could overtake an add() still waiting for the oracle)
+        return Add(self.total)
+
+
+class ChangedAccumulator(Accumulator):
+    """Differs from Accumulator once the total passes 40."""
+
+    def bump(self, n: int) -> int:
+        return n + 1 if self.total > 40 else n
+
+
+MODULE = __name__
+
+
+def record_log(tmp_path: Any) -> tuple[str, list[int]]:
+    """Run Accumulator against real buses, recording in and out; returns the log path and the totals."""
+    async def main() -> list[int]:
+        totals: list[int] = []
+
+        def oracle(env: Any) -> Any:
+            return Double(env.msg.n * 2)
+
+        def sink(env: Any) -> None:
+            totals.append(env.msg.total)
+
+        oracle_bus = await Bus("oracle", "tcp://127.0.0.1:*", handler=oracle, heartbeat_interval=None).start()
+        sink_bus = await Bus("sink", "tcp://127.0.0.1:*", handler=sink, heartbeat_interval=None).start()
+        spec = ActorSpec("acc", f"{MODULE}:Accumulator", f"ipc://{tmp_path}/acc",
+                         {"oracle": oracle_bus.endpoint, "sink": sink_bus.endpoint},
+                         {"log_console": False, "message_log": {"outbound": True}, "bus": {"max_inflight": 1}},
+                         str(tmp_path))
+        actor = Accumulator(spec)
+        task = asyncio.create_task(actor.run())
+        async with asyncio.timeout(10):
+            while not ready_path(tmp_path, "acc").exists():
+                await asyncio.sleep(0.005)
+        client = await Bus("client", "tcp://127.0.0.1:*", {"acc": spec.endpoint}, heartbeat_interval=None).start()
+        for i in range(1, 13):
+            await client.send("acc", Add(i))
+        assert (await client.request("acc", Query(), timeout=10)).n == actor.total
+        actor.request_stop()
+        assert await task == 0
+        for b in (client, oracle_bus, sink_bus):
+            await b.close()
+        return totals
+
+    async def bounded() -> list[int]:
+        async with asyncio.timeout(60):
+            return await main()
+
+    totals = uvloop.run(bounded())
+    return str(tmp_path / "msglog" / "acc.msglog"), totals
+
+
+def test_replay_identical_and_divergence_at_the_right_message(tmp_path: Any, capsys: Any) -> None:
+    path, totals = record_log(tmp_path)
+    # 1..12 with 5 and 10 doubled by the oracle
+    assert totals[-1] == sum(range(1, 13)) + 5 + 10
+
+    same = replay.replay_into(path, f"{MODULE}:Accumulator")
+    assert same.compared and same.divergence is None and same.fed == 13
+    assert same.sent == 12 + 2 + 1       # totals, oracle requests, the query's reply
+
+    changed = replay.replay_into(path, f"{MODULE}:ChangedAccumulator")
+    d = changed.divergence
+    # totals: 1,3,6,10,20,26,33,41,50 ... the first Add after total 41 is Add(9), inbound position 8
+    first_over = next(i for i, t in enumerate(totals) if t > 40) + 1
+    assert d is not None and d.inbound_position == first_over == 8
+    assert d.cause_kind == "test.replay.add" and d.outbound_position == 0
+    assert '"total": 51' in d.actual and '"total": 50' in d.expected
+
+    assert replay.main([path, "--into", f"{MODULE}:Accumulator"]) == 0
+    assert "identical" in capsys.readouterr().out
+    assert replay.main([path, "--into", f"{MODULE}:ChangedAccumulator"]) == 1
+    assert "first divergence at inbound message #8" in capsys.readouterr().out
+
+
+def test_print_filters_and_json(tmp_path: Any, capsys: Any) -> None:
+    path, _ = record_log(tmp_path)
+    assert replay.main([path, "--type", "test.replay.add", "--sender", "client"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 12 and all("test.replay.add" in ln and "client ->" in ln for ln in lines)
+    assert replay.main([path, "--dir", "out", "--type", "test.replay.total", "--json", "--limit", "2"]) == 0
+    objs = [json.loads(ln) for ln in capsys.readouterr().out.strip().splitlines()]
+    assert [o["fields"]["total"] for o in objs] == [1, 3]
+    assert objs[0]["fields"]["t"] == {"tensor": "float32", "shape": [3]} and objs[0]["peer"] == "sink"
+
+
+def test_torn_log_still_prints_and_bad_path_is_a_clear_error(tmp_path: Any, capsys: Any) -> None:
+    path, _ = record_log(tmp_path)
+    with open(path, "r+b") as fh:
+        fh.seek(0, 2)
+        fh.truncate(fh.tell() - 3)
+    assert replay.main([path, "--type", "test.replay.query"]) == 0
+    captured = capsys.readouterr()
+    assert "torn record" in captured.err and "test.replay.query" in captured.out
+    assert replay.main([str(tmp_path / "missing.msglog")]) == 2
