@@ -155,6 +155,12 @@ def gae(
     mask = view.mask
     r = view.pad("rewards", rewards).to(torch.float64)
     v = view.pad("values", values).to(torch.float64) if values is not None else None
+    if gamma == 1.0 and lam == 1.0:
+        # the sum telescopes: A_t = (sum of rewards from t on) - V_t; no compaction needed
+        future = (r * mask).flip(1).cumsum(1).flip(1)
+        adv = (future - v if v is not None else future) * mask
+        ret = adv + (v * mask if v is not None else 0.0)
+        return view.unpad(adv.to(torch.float32)), view.unpad(ret.to(torch.float32))
     # compact each row's valid tokens to the left so the recursion runs over them without gaps
     pos = torch.cumsum(mask.long(), dim=1) - 1
     counts = mask.sum(dim=1)
@@ -169,14 +175,11 @@ def gae(
     v_next = torch.zeros_like(vc)
     v_next[:, :-1] = vc[:, 1:]  # past each row's last valid token vc is 0: terminal value
     delta = rc + gamma * v_next - vc
-    if gamma * lam == 1.0:
-        adv_c = delta.flip(1).cumsum(1).flip(1)
-    else:
-        adv_c = torch.zeros_like(delta)
-        running = torch.zeros(mask.shape[0], dtype=torch.float64)
-        for t in range(width - 1, -1, -1):
-            running = delta[:, t] + gamma * lam * running
-            adv_c[:, t] = running
+    adv_c = torch.zeros_like(delta)
+    running = torch.zeros(mask.shape[0], dtype=torch.float64)
+    for t in range(width - 1, -1, -1):
+        running = delta[:, t] + gamma * lam * running
+        adv_c[:, t] = running
     adv = torch.zeros(mask.shape, dtype=torch.float64)
     adv[mask] = adv_c[rows, cols]
     ret = adv + (v * mask if v is not None else 0.0)
