@@ -144,9 +144,9 @@ def pack_groups(lengths: list[int], budget: int) -> list[list[int]]:
     return groups + [current] if current else groups
 
 
-def train_packed(model_dir_model: Qwen2ForCausalLM, seqs: list[list[int]], groups: list[list[int]],
+def train_packed(model: Qwen2ForCausalLM, seqs: list[list[int]], groups: list[list[int]],
                  attn: str, repeats: int) -> float:
-    trainer = TorchTrainEngine(model=model_dir_model, config=TrainConfig(packed_attn=attn))
+    trainer = TorchTrainEngine(model=model, config=TrainConfig(packed_attn=attn))
     batches = [PackedBatch.from_sequences([seqs[i] for i in g]) for g in groups]
     trainer.train_step(batches[:1], token_nll_loss)  # warm-up
     best = float("inf")
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     loop_s = train_packed(build_model(args.model_dir, args.seed), seqs, groups, "loop", args.repeats)
     mask_s = train_packed(build_model(args.model_dir, args.seed), seqs, groups, "mask", args.repeats)
     packed_s = min(loop_s, mask_s)
-    padded_tokens = sum(args.pad_batch * 0 + len(seqs[s:s + args.pad_batch]) * max(train_lens[s:s + args.pad_batch])
+    padded_tokens = sum(len(seqs[s:s + args.pad_batch]) * max(train_lens[s:s + args.pad_batch])
                         for s in range(0, len(seqs), args.pad_batch))
 
     ours_tps, hf_tps = ours_tokens / ours_s, hf_useful / hf_s
