@@ -11,6 +11,11 @@ Why it is built this way (measured on the project's machines, see docs/reward-co
   /proc and /dev, its own files under /sandbox, and size-capped writable tmpfs dirs /tmp (its working
   directory) and /dev/shm. The sandbox root and /dev are remounted read-only. No network (new net namespace: loopback only),
   new PID/IPC/UTS namespaces, and `--die-with-parent`, so killing bwrap kills everything inside.
+* The program is PID 1 of its namespace (`--as-pid-1`). With bwrap's own init there, bwrap exits before
+  reaping that init, which is then reparented to the host's PID 1; where that reaps lazily (containers),
+  the zombies pile up, still count against RLIMIT_NPROC of the uid, and later runs fail to fork
+  ("Can't fork for pid 1"). As PID 1 the program is bwrap's direct child and is always reaped by it.
+  (A namespace's PID 1 ignores SIGXCPU, so the CPU limit ends it with SIGKILL at the hard limit.)
 * rlimits (CPU, address space, file size, process count, open files, no core files) are set in the child
   before exec and inherited by everything it starts. RLIMIT_NPROC counts per host uid, so each worker
   process picks its own uid from a range: a fork bomb in one sandbox cannot starve a neighbour.
@@ -210,7 +215,7 @@ class Sandbox:
         # host disk where other users could read it, and no size limit applies as it would to a pipe.
         file_handles = []
         try:
-            args = [bwrap, "--unshare-all", "--die-with-parent", *_system_dir_args()]
+            args = [bwrap, "--unshare-all", "--die-with-parent", "--as-pid-1", *_system_dir_args()]
             args += ["--proc", "/proc", "--dev", "/dev"]
             args += ["--size", str(limits.tmpfs_bytes), "--tmpfs", SANDBOX_WORK_DIR]
             # bwrap's /dev is itself an unbounded tmpfs: keep only a size-capped /dev/shm writable.
@@ -229,7 +234,7 @@ class Sandbox:
             env["RESULT_FD"] = str(result_w)
             for key, value in env.items():
                 args += ["--setenv", key, value]
-            # bwrap reports the host pid of the sandbox's init on this pipe; see _Run.kill.
+            # bwrap reports the host pid of the sandbox's PID 1 on this pipe; see _Run.kill.
             info_r, info_w = os.pipe()
             args += ["--info-fd", str(info_w)]
             args += ["--", *_substitute(argv, SANDBOX_FILES_DIR, python)]
@@ -357,7 +362,7 @@ class _Run:
         self.out_fd, self.err_fd, self.result_r, self.info_r = proc.stdout.fileno(), proc.stderr.fileno(), result_r, info_r
         self.buffers = {self.out_fd: bytearray(), self.err_fd: bytearray(), result_r: bytearray()}
         self.info = bytearray()
-        self.init_pidfd: int | None = None  # the sandbox's init process (bwrap only)
+        self.init_pidfd: int | None = None  # the sandbox's PID 1 (bwrap only)
         self.killed = False
 
     def collect(self, limits: SandboxLimits, started: float, sandboxed: bool) -> RunResult:
@@ -431,9 +436,9 @@ class _Run:
     def kill(self) -> None:
         """SIGKILL everything of the run and reap it; returns once no process of the run is left.
 
-        In bwrap we kill the sandbox's init, not bwrap: the kernel then kills and reaps every process of
-        the PID namespace (also those that left our process group with setsid), and bwrap reaps its init
-        and exits. Killing bwrap first would orphan the init, which a container's PID 1 may never reap.
+        In bwrap we kill the namespace's PID 1 (the program), not bwrap: the kernel then kills every
+        process of the PID namespace (also those that left our process group with setsid), and bwrap
+        reaps its child and exits. Killing bwrap first would orphan that child to the host's PID 1.
         """
         self.killed = True
         if self.init_pidfd is not None and self.proc.poll() is None:
@@ -445,7 +450,7 @@ class _Run:
                 self.proc.wait(timeout=2.0)
             except subprocess.TimeoutExpired:
                 pass
-        # Also the fallback when bwrap had not yet reported its init, and the stragglers of an unsandboxed
+        # Also the fallback when bwrap had not yet reported its PID 1, and the stragglers of an unsandboxed
         # run (while any member lives, the group id cannot be reused by another process).
         _kill_group(self.proc)
         try:
