@@ -125,6 +125,12 @@ def test_malformed_tests_raise_naming_the_fault(tests, mode, message):
         grade_code("print(1)", tests, mode, sandbox=Sandbox(LIMITS))
 
 
+@needs_sandbox
+def test_non_json_expected_value_is_a_spec_error():
+    with pytest.raises(TestSpecError, match=r"tests\[0\]\.expected must be JSON data"):
+        grade("def f():\n    return 1", [{"fn_name": "f", "args": [], "expected": {1, 2}}])
+
+
 def test_modes_are_detected():
     assert detect_mode([{"input": "", "output": ""}]) == STDIO
     assert detect_mode([{"fn_name": "f", "args": [], "expected": None}], FUNCTIONAL) == FUNCTIONAL

@@ -217,6 +217,12 @@ def _grade_functional(program: str, tests: Sequence[dict], sandbox: Sandbox, lim
         stdin = json.dumps(request).encode()
     except (TypeError, ValueError) as exc:
         raise TestSpecError(f"tests args must be JSON data: {exc}") from exc
+    expected_values = []
+    for index, test in enumerate(tests):  # checked before anything runs
+        try:
+            expected_values.append(json.loads(json.dumps(test["expected"])))
+        except (TypeError, ValueError) as exc:
+            raise TestSpecError(f"tests[{index}].expected must be JSON data: {exc}") from exc
     run = sandbox.run(["{python}", "-I", "-B", "{files}/harness.py", "{files}/prog.py"],
                       files={"prog.py": program.encode(), "harness.py": HARNESS.encode()},
                       stdin=stdin, limits=limits)
@@ -237,7 +243,7 @@ def _grade_functional(program: str, tests: Sequence[dict], sandbox: Sandbox, lim
             detail = MEMORY_LIMIT if "MemoryError" in str(error) else RUNTIME_ERROR
             return CodeVerdict(False, detail, index, len(tests), f"test {index}: {str(error)[:_MESSAGE_CHARS]}",
                                sandboxed=run.sandboxed)
-        expected = json.loads(json.dumps(test["expected"]))
+        expected = expected_values[index]
         if not values_equal(record["value"], expected):
             got = json.dumps(record["value"])[:120]
             want = json.dumps(expected)[:120]
