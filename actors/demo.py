@@ -8,9 +8,10 @@ reports :class:`DemoDone` to the echoer and finishes (exit 0). The echoer finish
 has reported, after writing ``RUN_DIR/demo/summary.json``. So a demo run ends by itself, cleanly.
 
 Settings (all optional): ``rounds`` (default 10), ``tensor_elems`` (default 1024), ``link`` (the link
-name, default the first one listed), ``crash_once`` (a pinger exits 3 after its first round unless
-``RUN_DIR/demo/<name>.crashed`` exists: exercises a supervisor restart inside a launched run),
-``crash_always`` (exits 3 every time: exercises the supervisor giving up).
+name, default the first one listed); the pinger's ``tensor_elems`` sizes the bucket it asks for.
+``crash_once``: a pinger exits 3 after its first round unless
+``RUN_DIR/demo/<name>.crashed`` exists (a supervisor restart inside a launched run);
+``crash_always``: exits 3 every time (the supervisor giving up).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class DemoPong(Message):
 @message("demo.bulk_request")
 class DemoBulkRequest(Message):
     rank: int
+    elems: int
+    seed: int
 
 
 @message("demo.bulk_sent")
@@ -63,6 +66,7 @@ class DemoDone(Message):
     bulk_ok: bool
     node: str
     restarts_seen: int
+    cores: list[int]  # the CPU affinity this process ran with (the topology's `cpus:` placement)
 
 
 def demo_bucket(elems: int, seed: int = 7) -> list[tuple[str, torch.Tensor]]:
@@ -93,7 +97,6 @@ class Echoer(Actor):
         self.done: dict[str, dict[str, Any]] = {}
         self.link: BulkLink | None = None
         self.link_lock = asyncio.Lock()
-        self.bucket = demo_bucket(int(self.settings.get("tensor_elems", 1024)))
         config = _link_config(self)
         if config is not None:
             self.link = BulkLink(config)
@@ -112,14 +115,15 @@ class Echoer(Actor):
         async with self.link_lock:  # one point-to-point transfer at a time on the link
             while self.link.generation is None:
                 await asyncio.sleep(0.01)  # group formation runs in its thread; bounded by the link timeout
-            await asyncio.to_thread(self.link.send, self.bucket, msg.rank)
+            bucket = demo_bucket(msg.elems, msg.seed)
+            await asyncio.to_thread(self.link.send, bucket, msg.rank)
         self.counters["buckets_sent"] += 1
-        return DemoBulkSent(tensors=len(self.bucket), nbytes=sum(t.numel() * t.element_size() for _, t in self.bucket))
+        return DemoBulkSent(tensors=len(bucket), nbytes=sum(t.numel() * t.element_size() for _, t in bucket))
 
     @handles(DemoDone)
     def on_done(self, msg: DemoDone, env: Any) -> None:
         self.done[env.sender] = {"rounds": msg.rounds, "bulk_ok": msg.bulk_ok, "node": msg.node,
-                                 "restarts_seen": msg.restarts_seen}
+                                 "restarts_seen": msg.restarts_seen, "cores": msg.cores}
         self.log.info("pinger_done", pinger=env.sender, **self.done[env.sender])
         if self.expected and self.expected <= set(self.done):
             out = self.run_dir / "demo"
@@ -158,13 +162,15 @@ class Pinger(Actor):
         bulk_ok = False
         if link is not None:
             await asyncio.wait_for(opening, timeout=config.timeout_s + 5)
+            elems, seed = int(self.settings.get("tensor_elems", 1024)), 7 + config.rank
             sent, bucket = await asyncio.gather(
-                self.bus.request(echo, DemoBulkRequest(rank=config.rank), timeout=config.timeout_s),
+                self.bus.request(echo, DemoBulkRequest(rank=config.rank, elems=elems, seed=seed),
+                                 timeout=config.timeout_s),
                 asyncio.to_thread(link.recv, 0))  # checksum verified inside recv
-            expected = demo_bucket(int(self.settings.get("tensor_elems", 1024)))
-            bulk_ok = isinstance(sent, DemoBulkSent) and all(
-                n == m and torch.equal(a, b) for (n, a), (m, b) in zip(bucket, expected))
-            self.log.info("bucket_received", ok=bulk_ok, tensors=len(bucket))
+            expected = demo_bucket(elems, seed)
+            same = [n == m and torch.equal(a, b) for (n, a), (m, b) in zip(bucket, expected)]
+            bulk_ok = isinstance(sent, DemoBulkSent) and len(bucket) == len(expected) and all(same)
+            self.log.info("bucket_received", ok=bulk_ok, tensors=len(bucket), same=same, reply=repr(sent)[:80])
         await self.bus.send(echo, DemoDone(rounds=rounds, bulk_ok=bulk_ok, node=_node_name(),
-                                           restarts_seen=restarts_seen))
+                                           restarts_seen=restarts_seen, cores=sorted(os.sched_getaffinity(0))))
         self.request_stop("rounds done")
