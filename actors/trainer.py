@@ -1,0 +1,325 @@
+"""The trainer actor: takes a batch, recomputes proximal log-probs, trains decoupled PPO, publishes weights.
+
+One training step (version v -> v + 1):
+
+    Batch (B groups x n answers) from the buffer
+    -> pack prompt+answer sequences (padding-free), loss mask on answer tokens
+    -> proximal log-probs under the current weights (before this step's updates)
+    -> group-normalised advantages (algo.advantages), then `algo.ppo_minibatches` optimizer updates,
+       each on micro-batches under a token budget (algo.packing), loss = decoupled PPO (algo.ppo)
+       normalised by the minibatch's global token count
+    -> VersionUpdate(v + 1) to the buffer (opens the staleness gate)
+    -> weights to the parameter server over the train_to_ps bulk link (WeightsPublished + buckets)
+    -> metrics (metrics.jsonl + TensorBoard), and a checkpoint every `run.checkpoint_every_steps`
+
+Versions count training steps; the engine's own optimizer-step counter (several per step) only drives
+the learning-rate schedule. The run ends after `run.total_steps` with a final checkpoint and RunFinished
+to every actor.
+
+A trainer that dies mid-run is not silently restarted into a different history: the buffer, rollouts and
+parameter server already hold data and weights newer than the last checkpoint. A restarted trainer
+therefore stops the run with a message; relaunching with `run.recover: auto` resumes every actor
+consistently from the last checkpoint.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from actors.base import Actor
+from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine
+from actors.engines.torch_train import TorchTrainEngine, TrainConfig
+from actors.recovery import checkpoint_dir, mark_complete, start_weights
+from actors.weights import weights_hash
+from algo.advantages import compute_advantages
+from algo.packing import allocate_micro_batches
+from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
+from algo.staleness import sample_staleness
+from transport.bulk import BulkLink, LinkConfig
+from transport.protocol import (Batch, BatchRequest, CheckpointDone, CheckpointRequest, RunFinished,
+                                VersionUpdate, WeightsPublished, WeightsStored)
+
+
+def make_train_engine(settings: dict[str, Any], model_dir: str, version: int) -> TorchTrainEngine:
+    """The trainer backend named by `backend` (torch here; megatron on GPU clusters)."""
+    backend = settings.get("backend", "torch")
+    if backend != "torch":
+        raise ValueError(f"backend: {backend!r} is not available in this build (use 'torch')")
+    algo = settings.get("algo") or {}
+    cfg = TrainConfig(lr=float(algo.get("lr", 2e-5)), adam_eps=float(algo.get("adam_eps", 1e-5)),
+                      grad_clip=float(algo.get("grad_clip", 1.0)), weight_decay=float(algo.get("weight_decay", 0.0)),
+                      seed=int(settings.get("seed", 1)),
+                      device="cuda" if torch.cuda.is_available() and settings.get("device") == "cuda" else "cpu")
+    return TorchTrainEngine(model_dir, cfg, version=version)
+
+
+def batch_to_sequences(batch: Batch) -> dict[str, Any]:
+    """Flatten a Batch into per-sequence token lists and per-token fields aligned with the tokens.
+
+    loss_mask marks answer tokens; `behav` holds their behaviour log-probs (aligned: position t holds
+    log p(x_t | x_<t)); `versions` the weight version that sampled each answer token (-1 on prompts).
+    """
+    seqs, mask, behav, versions, rewards, correct, group_ids, no_eos, out_lens = [], [], [], [], [], [], [], [], []
+    for g_idx, group in enumerate(batch.groups):
+        p = list(group.prompt_ids)
+        for s in group.samples:
+            seqs.append(p + list(s.output_ids))
+            mask.append([0.0] * len(p) + [1.0] * len(s.output_ids))
+            behav.append([0.0] * len(p) + [float(x) for x in s.logprobs])
+            versions.append([-1.0] * len(p) + [float(v) for v in s.versions])
+            rewards.append(float(s.reward))
+            correct.append(bool(s.correct))
+            group_ids.append(g_idx)
+            no_eos.append(s.finish_reason != "stop")
+            out_lens.append(len(s.output_ids))
+    return {"seqs": seqs, "loss_mask": mask, "behav": behav, "versions": versions, "rewards": rewards,
+            "correct": correct, "group_ids": group_ids, "no_eos": no_eos, "out_lens": out_lens}
+
+
+@dataclass
+class StepConfig:
+    """How one training step uses a batch (from the `algo` settings)."""
+
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    minibatches: int = 1
+    max_tokens_per_mb: int = 4096
+    temperature: float = 1.0
+    decoupled: bool = True    # False: proximal = behaviour log-probs, i.e. standard PPO
+    group_std: bool = True
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any]) -> "StepConfig":
+        algo = settings.get("algo") or {}
+        cap = algo.get("behav_imp_weight_cap", 5.0)
+        ppo = PPOConfig(eps_low=float(algo.get("eps_clip", 0.2)),
+                        eps_high=float(algo["eps_clip_high"]) if algo.get("eps_clip_high") is not None else None,
+                        dual_clip=float(algo["dual_clip"]) if algo.get("dual_clip") else None,
+                        behav_cap=float(cap) if cap else None)
+        return cls(ppo=ppo, minibatches=int(algo.get("ppo_minibatches", 1)),
+                   max_tokens_per_mb=int(algo.get("max_tokens_per_mb", 4096)),
+                   temperature=float((settings.get("gen") or {}).get("temperature", 1.0)) or 1.0,
+                   decoupled=bool(algo.get("decoupled", True)), group_std=bool(algo.get("group_std", True)))
+
+
+class TrainerActor(Actor):
+    async def on_start(self) -> None:
+        s = self.settings
+        self._refuse_restart()
+        self.step_cfg = StepConfig.from_settings(s)
+        self.total_steps = int((s.get("run") or {}).get("total_steps", 100))
+        self.ckpt_every = int((s.get("run") or {}).get("checkpoint_every_steps", 20))
+        self.keep_ckpts = int((s.get("run") or {}).get("keep_checkpoints", 2))
+        self.version, model_dir = start_weights(s, self.run_dir)
+        self.engine = await asyncio.to_thread(make_train_engine, s, model_dir, self.version)
+        if self.version > 0:
+            await asyncio.to_thread(self.engine.load, model_dir)
+        self.bucket_bytes = int(s.get("weight_bucket_mb", 64)) << 20
+        self.param_server = ((s.get("groups") or {}).get("param_server") or [None])[0]
+        self.link: BulkLink | None = None
+        link_cfg = (s.get("links") or {}).get("train_to_ps")
+        if link_cfg is not None and self.param_server is not None:
+            self.link_cfg = LinkConfig.from_dict(link_cfg)
+            self.link = BulkLink(self.link_cfg)
+            self.link_opening = asyncio.ensure_future(asyncio.to_thread(self.link.open, 0))
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        except ImportError as e:  # tensorboard is a core dependency; say so rather than fail the run
+            self.log.warning("tensorboard_unavailable", error=str(e))
+        self.log.info("trainer_started", version=self.version, model=model_dir, total_steps=self.total_steps)
+
+    def _refuse_restart(self) -> None:
+        marker = self.run_dir / "trainer" / "launch.json"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        if marker.exists() and json.loads(marker.read_text()).get("ppid") == os.getppid():
+            raise RuntimeError("the trainer was restarted inside a running launch; the other actors hold work "
+                               "newer than the last checkpoint, so the run must be relaunched to recover "
+                               "consistently (run.recover: auto resumes from the last checkpoint)")
+        marker.write_text(json.dumps({"ppid": os.getppid(), "pid": os.getpid(), "time": time.time()}))
+
+    async def on_ready(self) -> None:
+        self.spawn(self._train_loop(), name="train_loop")
+
+    async def on_stop(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.link is not None:
+            self.link.close()
+
+    # --- the loop ---------------------------------------------------------------------------------
+    async def _train_loop(self) -> None:
+        if self.link is not None:
+            await self.link_opening
+        last_end = time.time()
+        while self.version < self.total_steps:
+            t_wait = time.time()
+            batch = await self.bus.request("buffer", BatchRequest(step=self.version + 1), timeout=None)
+            assert isinstance(batch, Batch)
+            t0 = time.time()
+            stats = await asyncio.to_thread(train_on_batch, self.engine, batch, self.step_cfg, self.version)
+            self.version += 1
+            train_seconds = time.time() - t0
+            await self.bus.send("buffer", VersionUpdate(version=self.version))
+            sync_seconds = await self._publish()
+            end = time.time()
+            stats.update(step=self.version, version=self.version, wait_seconds=t0 - t_wait,
+                         train_seconds=train_seconds, weight_sync_seconds=sync_seconds,
+                         step_seconds=end - last_end, time=end, buffer_depth=batch.stats.depth,
+                         buffer_running=batch.stats.running, dropped_stale=batch.stats.dropped_stale,
+                         dropped_uniform=batch.stats.dropped_uniform, reissued=batch.stats.returned,
+                         epoch=batch.stats.epoch)
+            stats["effective_throughput"] = stats["n_tokens"] / max(stats["step_seconds"], 1e-9)
+            last_end = end
+            self._record(stats)
+            if self.version % self.ckpt_every == 0 or self.version == self.total_steps:
+                await self._checkpoint()
+        for peer in self.bus.peers:
+            try:
+                await asyncio.wait_for(self.bus.send(peer, RunFinished(step=self.version)), timeout=5)
+            except (asyncio.TimeoutError, Exception) as e:  # a dead peer must not keep the run alive
+                self.log.warning("run_finished_not_delivered", peer=peer, error=str(e))
+        self.log.info("run_finished", step=self.version)
+        self.request_stop("run finished")
+
+    async def _publish(self) -> float:
+        """Weights of the new version to the parameter server; returns the seconds it took."""
+        if self.link is None:
+            return 0.0
+        t0 = time.time()
+        buckets = await asyncio.to_thread(lambda: list(self.engine.export_weights(self.bucket_bytes)))
+        digest = await asyncio.to_thread(weights_hash, [kv for b in buckets for kv in b])
+        dst = self.link_cfg.rank_of(self.param_server)
+
+        def send_all() -> None:
+            for b in buckets:
+                self.link.send(b, dst)
+
+        sending = asyncio.ensure_future(asyncio.to_thread(send_all))
+        reply = await self.bus.request(self.param_server, WeightsPublished(
+            version=self.version, n_buckets=len(buckets), weights_hash=digest), timeout=self.link_cfg.timeout_s + 30)
+        await sending
+        if not isinstance(reply, WeightsStored) or reply.version != self.version:
+            raise RuntimeError(f"param server answered {reply!r} to version {self.version}")
+        return time.time() - t0
+
+    def _record(self, stats: dict[str, Any]) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(stats) + "\n")
+        if self.tb is not None:
+            for k, v in stats.items():
+                if isinstance(v, (int, float)) and k != "time":
+                    self.tb.add_scalar(k, v, self.version)
+            self.tb.flush()
+        self.log.info("step", **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.items()
+                                 if k in ("step", "task_reward", "accuracy", "n_tokens", "staleness_max",
+                                          "step_seconds", "effective_throughput", "logprob_gap_max")})
+
+    async def _checkpoint(self) -> None:
+        ckpt = checkpoint_dir(self.run_dir, self.version)
+        ckpt.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self.engine.save, str(ckpt / "model"))
+        reply = await self.bus.request("buffer", CheckpointRequest(step=self.version, path=str(ckpt)), timeout=60)
+        if not isinstance(reply, CheckpointDone):
+            raise RuntimeError(f"buffer answered {reply!r} to a checkpoint request")
+        mark_complete(ckpt, {"step": self.version, "time": time.time()})
+        self.log.info("checkpoint_saved", step=self.version, path=str(ckpt))
+        done = sorted(p for p in ckpt.parent.iterdir() if (p / "COMPLETE").exists())
+        for old in done[:-self.keep_ckpts] if self.keep_ckpts > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def train_on_batch(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int) -> dict[str, Any]:
+    """One training step on `batch` with the engine at `version` (steps completed); returns the metrics."""
+    flat = batch_to_sequences(batch)
+    n_seqs = len(flat["seqs"])
+    lengths = [len(x) for x in flat["seqs"]]
+    full = PackedBatch.from_sequences(flat["seqs"], {k: flat[k] for k in ("loss_mask", "behav", "versions")})
+    mask = full.fields["loss_mask"].bool()
+    rewards = torch.tensor(flat["rewards"], dtype=torch.float32)
+    adv = compute_advantages(rewards, torch.tensor(flat["group_ids"]), mask, cu_seqlens=full.cu_seqlens,
+                             group_std=cfg.group_std).advantages
+
+    # Proximal log-probs: the current weights before this step's updates, one micro-batch at a time.
+    order = allocate_micro_batches(lengths, max(cfg.max_tokens_per_mb, max(lengths)))
+    prox = torch.zeros(full.num_tokens)
+    starts = full.cu_seqlens[:-1].tolist()
+    for idx in order:
+        mb = PackedBatch.from_sequences([flat["seqs"][i] for i in idx])
+        lp = engine.compute_logprobs(mb, temperature=cfg.temperature).logprobs if cfg.decoupled else None
+        for j, i in enumerate(idx):
+            a, b = int(mb.cu_seqlens[j]), int(mb.cu_seqlens[j + 1])
+            src = lp[a:b] if lp is not None else full.fields["behav"][starts[i]:starts[i] + lengths[i]]
+            prox[starts[i]:starts[i] + lengths[i]] = src
+    behav = full.fields["behav"]
+    current = full.fields["versions"] == float(version)  # sampled by exactly these weights
+    gap = float(((prox - behav).abs() * (current & mask)).max()) if bool((current & mask).any()) else 0.0
+
+    # PPO minibatches: contiguous slices of whole groups, so a group never straddles two updates.
+    seq_of_token = torch.repeat_interleave(torch.arange(n_seqs), torch.tensor(lengths))
+    per_token = {"loss_mask": full.fields["loss_mask"], "behav": behav, "prox": prox, "adv": adv}
+    stats_all = PPOStats()
+    step_stats: list[dict[str, float]] = []
+    groups = sorted(set(flat["group_ids"]))
+    for m in range(cfg.minibatches):
+        gsel = set(groups[m::cfg.minibatches])
+        seq_ids = [i for i in range(n_seqs) if flat["group_ids"][i] in gsel]
+        if not seq_ids:
+            continue
+        sel = torch.isin(seq_of_token, torch.tensor(seq_ids))
+        n_tokens = count_loss_tokens(mask[sel], prox[sel], behav[sel], cfg.ppo.behav_cap)
+        if n_tokens == 0:
+            continue
+        mbs = []
+        for idx in allocate_micro_batches([lengths[i] for i in seq_ids], max(cfg.max_tokens_per_mb, max(lengths))):
+            ids = [seq_ids[i] for i in idx]
+            fields = {k: [v[starts[i]:starts[i] + lengths[i]].tolist() for i in ids] for k, v in per_token.items()}
+            mbs.append(PackedBatch.from_sequences([flat["seqs"][i] for i in ids], fields))
+        collected: list[PPOStats] = []
+
+        def loss_fn(outputs: TokenLogProbs, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+            f = mb.fields
+            loss, st = ppo_loss(outputs.logprobs, f["prox"], f["behav"], f["adv"], f["loss_mask"], 1.0,
+                                cfg.ppo, entropy=outputs.entropy)
+            collected.append(st)
+            return loss, {}
+
+        step_stats.append(engine.train_step(mbs, loss_fn, temperature=cfg.temperature,
+                                                 loss_denominator=float(n_tokens), with_entropy=True))
+        for st in collected:
+            stats_all = stats_all.merge(st)
+    summary = stats_all.summary()
+    starts_v = [min([v for v in vs if v >= 0], default=version) for vs in flat["versions"]]
+    staleness = sample_staleness(torch.tensor(starts_v), version).float()
+    out_lens = torch.tensor(flat["out_lens"], dtype=torch.float32)
+    n_trained = float(mask.sum())
+    return {
+        "task_reward": float(rewards.mean()), "accuracy": float(torch.tensor(flat["correct"]).float().mean()),
+        "n_tokens": n_trained, "n_seqs": float(n_seqs), "avg_seq_len": float(out_lens.mean()),
+        "no_eos_ratio": float(torch.tensor(flat["no_eos"]).float().mean()),
+        "importance_weight": summary["importance_weight_mean"],
+        "importance_weight_max": summary["importance_weight_max"],
+        "actor_clip_ratio": summary["clip_ratio"], "ppo_approx_kl": summary["approx_kl"],
+        "behav_masked_frac": summary["behav_masked_frac"], "entropy": summary.get("entropy", 0.0),
+        "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max()),
+        "logprob_gap_max": gap,
+        "loss": sum(x["loss"] for x in step_stats), "grad_norm": max((x["grad_norm"] for x in step_stats), default=0.0),
+        "lr": step_stats[-1]["lr"] if step_stats else 0.0,
+        "accuracy_by_level": _accuracy_by_level(batch),
+    }
+
+
+
+def _accuracy_by_level(batch: Batch) -> dict[str, float]:
+    by: dict[str, list[bool]] = {}
+    for g in batch.groups:
+        by.setdefault(str(g.task.level), []).extend(s.correct for s in g.samples)
+    return {k: sum(v) / len(v) for k, v in sorted(by.items())}
