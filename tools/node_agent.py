@@ -5,7 +5,8 @@ ActorSpecs and the supervisor settings. The agent finds its own by the SLURM nod
 on one machine share a host name, so ``SLURMD_NODENAME`` comes first), starts those actors under
 ``actors.supervisor.Supervisor``, waits until they are ready, and publishes its status to
 ``RUN_DIR/nodes/<host>.status.json`` for the launcher's progress view. It exits 0 when its actors
-finish or when SIGTERM (srun forwarding the launcher's Ctrl-C) stops them cleanly, and 1 when an actor
+finish, when the launcher asks for a stop (it writes ``RUN_DIR/nodes/STOP`` on Ctrl-C; srun itself
+would kill the step rather than pass SIGTERM on) or on SIGTERM, and 1 when an actor
 cannot be kept up, which makes ``srun --kill-on-bad-exit`` stop the other nodes.
 """
 
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     code = asyncio.run(supervise(plan["specs"], run_dir, plan["supervisor"], title=plan["title"], progress=False,
                                  duration=None, node_of={s["name"]: host for s in plan["specs"]},
-                                 status_file=status))
+                                 status_file=status, stop_file=run_dir / "nodes" / "STOP"))
     if code != 0:
         info = json.loads(status.read_text()) if status.exists() else {}
         info["reason"] = f"{host}: an actor could not be kept up (see {run_dir}/logs)"

@@ -292,9 +292,10 @@ def _child_rows(sup: Any, node_of: dict[str, str]) -> dict[str, dict[str, Any]]:
 
 async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[str, Any], *, title: str,
                     progress: bool, duration: float | None, node_of: dict[str, str],
-                    status_file: Path | None = None) -> int:
-    """Start actors under the Supervisor, show progress, stop on Ctrl-C/SIGTERM, on ``duration``, or
-    when every actor has finished by itself; print a summary. Returns the exit status."""
+                    status_file: Path | None = None, stop_file: Path | None = None) -> int:
+    """Start actors under the Supervisor, show progress, stop on Ctrl-C/SIGTERM, on ``duration``, when
+    ``stop_file`` appears (a multi-node launcher's stop request), or when every actor has finished by
+    itself; print a summary. Returns the exit status."""
     import asyncio
 
     from actors.base import ActorSpec
@@ -330,6 +331,9 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
             publish("starting")
             await asyncio.wait({starting, asyncio.ensure_future(stop.wait())}, timeout=0.25,
                                return_when=asyncio.FIRST_COMPLETED)
+            if stop_file is not None and stop_file.exists():
+                stop_reason.append(stop_file.read_text().strip() or "stop requested")
+                stop.set()
             if stop.is_set() and not starting.done():
                 starting.cancel()
                 await sup.stop()
@@ -345,6 +349,9 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
                 break
             if all(r["state"] == "finished" for r in rows.values()):
                 break
+            if stop_file is not None and stop_file.exists() and not stop.is_set():
+                stop_reason.append(stop_file.read_text().strip() or "stop requested")
+                stop.set()
             if stop.is_set():
                 outcome = stop_reason[0] if stop_reason else "stopped"
                 break
@@ -430,12 +437,21 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
     outcome = "finished"
     stopping = []
 
+    stop_file = run_dir / "nodes" / "STOP"
+    forced_at: list[float] = []
+
+    def request_stop(reason: str) -> None:
+        # srun answers SIGTERM by killing the step outright, so the clean way is a stop request on the
+        # shared run directory that every node agent watches; srun is signalled only if that stalls.
+        stopping.append(reason)
+        stop_file.write_text(f"stopped by {reason}\n")
+        forced_at.append(time.monotonic() + float(supervisor_options(plan, args).get("stop_timeout", 30)) + 15)
+
     def forward(signum: int, _frame: Any) -> None:
-        stopping.append(signal.Signals(signum).name)
-        try:
-            proc.send_signal(signal.SIGTERM)  # srun passes it to every node agent, which stops its actors
-        except ProcessLookupError:
-            pass
+        if stopping:  # a second Ctrl-C: do not wait for the clean stop
+            proc.send_signal(signal.SIGTERM)
+        else:
+            request_stop(signal.Signals(signum).name)
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     deadline = None if args.duration is None else t0 + args.duration
@@ -443,8 +459,10 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
         while proc.poll() is None:
             view.update(_slurm_rows(run_dir, hosts, node_of), time.monotonic() - t0)
             if deadline is not None and time.monotonic() >= deadline and not stopping:
-                stopping.append(f"--duration {args.duration:g} s")
+                request_stop(f"--duration {args.duration:g} s")
+            if forced_at and time.monotonic() > forced_at[0] and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+                forced_at[0] = float("inf")
             try:
                 proc.wait(timeout=0.25)
             except subprocess.TimeoutExpired:
