@@ -1,0 +1,331 @@
+"""`python -m tools.eval CHECKPOINT --data FILE [--k 8] [--samples N] [--json]`: how good is a model?
+
+Per level and overall, on a JSON-lines dataset with answers (`actors/dataset.py`):
+
+* greedy accuracy (temperature 0, one answer per prompt);
+* pass@1 and pass@k from `--samples` answers per prompt at `--temperature` (1.0 by default), with the
+  unbiased estimator of `algo.eval_stats` (pass@1 is the mean sampled accuracy), and maj@k;
+* average answer lengths in tokens (without the eos), greedy and sampled, and the share of answers cut
+  off by `--max-new-tokens`.
+
+All prompts go to one `TorchGenerationEngine` at once (continuous batching); answers are checked by the
+math grader, its undecided cases in a `RewardPool`. Sampling is seeded per prompt, so a run is
+reproducible. Other tools call `evaluate(model_dir, data_path, ...) -> dict` (or `aevaluate` from an
+event loop); `evaluate_model` does the same for a model already in memory (the warm start's held-out
+checks).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import dataclasses
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from actors.dataset import DatasetError, Dataset, OnError, Record, load_dataset
+from actors.engines.base import SamplingParams
+from actors.engines.checkpoint import CheckpointError, load_model
+from actors.engines.model import Qwen2ForCausalLM
+from actors.engines.tokenizer import LoadedTokenizer, TokenizerError, load_tokenizer
+from actors.reward.math_grader import normalize_answer
+from actors.reward.pool import RewardPool
+from algo.eval_stats import greedy_accuracy, maj_at_k, pass_at_k
+from tools.lm import LMToolError, agenerate, answer_length, grade_many, has_weights, response_text
+
+DEFAULT_MAX_NEW_TOKENS = 64
+NO_LEVEL = "-"
+
+
+class EvalError(ValueError):
+    """An evaluation that cannot run as asked; the message names the setting or file at fault."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    k: int = 8
+    samples: int | None = None          # answers per prompt for pass@k; None: k; 0: greedy only
+    greedy: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    seed: int = 0
+    max_running: int = 256
+    workers: int = 1                    # grader processes for what the fast path leaves undecided
+    grade_timeout_s: float = 10.0
+
+    @property
+    def n_samples(self) -> int:
+        return self.k if self.samples is None else self.samples
+
+    def check(self) -> None:
+        if self.k < 1:
+            raise EvalError(f"k must be >= 1, got {self.k}")
+        if self.n_samples < 0:
+            raise EvalError(f"samples must be >= 0, got {self.n_samples}")
+        if 0 < self.n_samples < self.k:
+            raise EvalError(f"samples ({self.n_samples}) must be at least k ({self.k}) for pass@{self.k}")
+        if not self.greedy and self.n_samples == 0:
+            raise EvalError("nothing to evaluate: greedy is off and samples is 0")
+        if self.temperature <= 0 and self.n_samples:
+            raise EvalError(f"sampled answers need temperature > 0, got {self.temperature}")
+        if self.max_new_tokens < 1:
+            raise EvalError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+def level_key(record: Record) -> str:
+    return str(record.level) if record.level is not None else NO_LEVEL
+
+
+def select_records(records: Sequence[Record], levels: Sequence[int] | None = None,
+                   max_per_level: int | None = None) -> list[Record]:
+    """Records of the given levels, the first max_per_level of each level in file order."""
+    counts: dict[str, int] = defaultdict(int)
+    out = []
+    for rec in records:
+        if levels is not None and rec.level not in levels:
+            continue
+        key = level_key(rec)
+        if max_per_level is not None and counts[key] >= max_per_level:
+            continue
+        counts[key] += 1
+        out.append(rec)
+    return out
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _summary(rows: list[dict[str, Any]], settings: EvalSettings) -> dict[str, Any]:
+    """Statistics of one group of per-prompt rows (see `aevaluate_model` for the row layout)."""
+    out: dict[str, Any] = {"n": len(rows)}
+    k = settings.k
+    if settings.greedy:
+        out["greedy_accuracy"] = greedy_accuracy([r["greedy_correct"] for r in rows])
+        out["greedy_len"] = _mean([r["greedy_len"] for r in rows])
+        out["greedy_truncated"] = _mean([float(r["greedy_truncated"]) for r in rows])
+    if settings.n_samples:
+        n = [len(r["sample_correct"]) for r in rows]
+        c = [sum(r["sample_correct"]) for r in rows]
+        out["pass@1"] = pass_at_k(n, c, 1)
+        out[f"pass@{k}"] = pass_at_k(n, c, k)
+        out[f"maj@{k}"] = maj_at_k([r["sample_answers"] for r in rows], [r["sample_correct"] for r in rows], k)
+        out["sample_len"] = _mean([x for r in rows for x in r["sample_lens"]])
+        out["sample_truncated"] = _mean([float(x) for r in rows for x in r["sample_truncated"]])
+    return out
+
+
+def _level_sort(key: str) -> tuple[int, int | str]:
+    return (0, int(key)) if key.isdigit() else (1, key)
+
+
+async def aevaluate_model(model: Qwen2ForCausalLM, tokenizer: LoadedTokenizer, records: Sequence[Record],
+                          settings: EvalSettings = EvalSettings(), pool: RewardPool | None = None,
+                          details: bool = False) -> dict[str, Any]:
+    """Evaluate `model` (used as it is: pass a copy of a model still being trained) on `records`.
+
+    Returns {"n_prompts", "k", "samples", "temperature", "max_new_tokens", "overall": {...},
+    "by_level": {level: {...}}, "seconds": {...}} where each summary holds n, greedy_accuracy,
+    greedy_len, greedy_truncated, pass@1, pass@k, maj@k, sample_len, sample_truncated (the sampled
+    keys only when samples > 0). With details, "prompts" lists per-prompt rows.
+    """
+    settings.check()
+    if not records:
+        raise EvalError("no records to evaluate")
+    if any(r.answer is None for r in records):
+        bad = next(r for r in records if r.answer is None)
+        raise EvalError(f"record {bad.query_id!r} has no answer to check against")
+    eos = tokenizer.eos_token_ids
+    prompts = [tokenizer.encode(r.prompt) for r in records]
+    answers = [str(r.answer) for r in records]
+    rows: list[dict[str, Any]] = [{"query_id": r.query_id, "level": level_key(r)} for r in records]
+    seconds: dict[str, float] = {}
+
+    async def grade(texts: list[str], refs: list[str]) -> list[Any]:
+        return await asyncio.to_thread(grade_many, texts, refs, pool, settings.workers, settings.grade_timeout_s)
+
+    if settings.greedy:
+        t0 = time.perf_counter()
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=settings.max_new_tokens, stop_token_ids=eos)
+        results = await agenerate(model, prompts, [greedy] * len(prompts), 1, settings.max_running)
+        t1 = time.perf_counter()
+        texts = [response_text(tokenizer, res[0]) for res in results]
+        verdicts = await grade(texts, answers)
+        seconds["greedy_generate"] = t1 - t0
+        seconds["greedy_grade"] = time.perf_counter() - t1
+        for row, res, text, v in zip(rows, results, texts, verdicts):
+            row.update(greedy_correct=bool(v and v.correct), greedy_len=answer_length(res[0], eos),
+                       greedy_truncated=res[0].finish_reason != "stop")
+            if details:
+                row["greedy_response"] = text
+    n = settings.n_samples
+    if n:
+        t0 = time.perf_counter()
+        # Seeded per prompt: the samples do not depend on batching or on the other prompts.
+        sampling = [SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
+                                   max_new_tokens=settings.max_new_tokens, stop_token_ids=eos,
+                                   seed=settings.seed * 1_000_003 + i) for i in range(len(prompts))]
+        results = await agenerate(model, prompts, sampling, n, settings.max_running)
+        t1 = time.perf_counter()
+        texts = [response_text(tokenizer, r) for res in results for r in res]
+        verdicts = await grade(texts, [a for a in answers for _ in range(n)])
+        seconds["sample_generate"] = t1 - t0
+        seconds["sample_grade"] = time.perf_counter() - t1
+        for i, (row, res) in enumerate(zip(rows, results)):
+            vs = verdicts[i * n:(i + 1) * n]
+            row.update(sample_correct=[bool(v and v.correct) for v in vs],
+                       sample_answers=[normalize_answer(v.extracted) if v and v.extracted is not None else None
+                                       for v in vs],
+                       sample_lens=[answer_length(r, eos) for r in res],
+                       sample_truncated=[r.finish_reason != "stop" for r in res])
+            if details:
+                row["sample_responses"] = texts[i * n:(i + 1) * n]
+    by_level: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        by_level[row["level"]].append(row)
+    report: dict[str, Any] = {
+        "n_prompts": len(records), "k": settings.k, "samples": n, "temperature": settings.temperature,
+        "max_new_tokens": settings.max_new_tokens, "seed": settings.seed,
+        "overall": _summary(rows, settings),
+        "by_level": {key: _summary(by_level[key], settings) for key in sorted(by_level, key=_level_sort)},
+        "seconds": seconds,
+    }
+    if details:
+        report["prompts"] = rows
+    return report
+
+
+def evaluate_model(model: Qwen2ForCausalLM, tokenizer: LoadedTokenizer, records: Sequence[Record],
+                   settings: EvalSettings = EvalSettings(), pool: RewardPool | None = None,
+                   details: bool = False) -> dict[str, Any]:
+    """Synchronous `aevaluate_model`."""
+    return asyncio.run(aevaluate_model(model, tokenizer, records, settings, pool, details))
+
+
+def load_eval_records(data_path: str, levels: Sequence[int] | None = None, max_per_level: int | None = None,
+                      on_error: OnError = "fail") -> tuple[list[Record], Dataset]:
+    dataset = load_dataset(data_path, require="answer", on_error=on_error)
+    records = select_records(dataset.records, levels, max_per_level)
+    if not records:
+        raise EvalError(f"{data_path}: no records of levels {list(levels or [])}")
+    return records, dataset
+
+
+async def aevaluate(model_dir: str, data_path: str, *, k: int = 8, samples: int | None = None,
+                    greedy: bool = True, temperature: float = 1.0, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                    seed: int = 0, levels: Sequence[int] | None = None, max_per_level: int | None = None,
+                    device: str = "cpu", workers: int = 1, on_error: OnError = "fail",
+                    details: bool = False) -> dict[str, Any]:
+    """Load the checkpoint and its tokenizer, evaluate on the dataset; see `aevaluate_model`.
+
+    The report also names "model_dir", "data", "skipped_lines" and the total "seconds.total".
+    """
+    settings = EvalSettings(k=k, samples=samples, greedy=greedy, temperature=temperature,
+                            max_new_tokens=max_new_tokens, seed=seed, workers=workers)
+    settings.check()
+    t0 = time.perf_counter()
+    if not has_weights(model_dir):
+        raise EvalError(f"{model_dir}: no model weights (model.safetensors or an index) to evaluate")
+    records, dataset = load_eval_records(data_path, levels, max_per_level, on_error)
+    tokenizer = load_tokenizer(model_dir)
+    model = await asyncio.to_thread(load_model, model_dir, None, device)
+    report = await aevaluate_model(model, tokenizer, records, settings, details=details)
+    report["seconds"]["total"] = time.perf_counter() - t0
+    return {"model_dir": str(model_dir), "data": str(data_path), "skipped_lines": dataset.n_skipped, **report}
+
+
+def evaluate(model_dir: str, data_path: str, **kwargs: Any) -> dict[str, Any]:
+    """Synchronous `aevaluate` (tools, the launcher's summary, benchmarks)."""
+    return asyncio.run(aevaluate(model_dir, data_path, **kwargs))
+
+
+def copy_for_eval(model: Qwen2ForCausalLM) -> Qwen2ForCausalLM:
+    """A detached copy of a model in training, for `evaluate_model` (the engine freezes what it gets)."""
+    return copy.deepcopy(model)
+
+
+# --- command line --------------------------------------------------------------------------------
+
+def _fmt(value: Any, pct: bool = True) -> str:
+    if value is None:
+        return "-"
+    return f"{100 * value:.1f}" if pct else f"{value:.1f}"
+
+
+def render_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    k = report["k"]
+    table = Table(title=f"{report.get('model_dir', 'model')} on {report.get('data', 'data')} "
+                        f"({report['n_prompts']} prompts, {report['samples']} samples at T={report['temperature']})")
+    columns = [("level", None, False), ("n", "n", None), ("greedy %", "greedy_accuracy", True),
+               ("pass@1 %", "pass@1", True), (f"pass@{k} %", f"pass@{k}", True), (f"maj@{k} %", f"maj@{k}", True),
+               ("greedy len", "greedy_len", False), ("sample len", "sample_len", False),
+               ("cut off %", "sample_truncated", True)]
+    for title, _, _ in columns:
+        table.add_column(title, justify="left" if title == "level" else "right")
+    lines = [(lvl, s) for lvl, s in report["by_level"].items()] + [("all", report["overall"])]
+    for name, summary in lines:
+        cells = [name]
+        for _, key, pct in columns[1:]:
+            value = summary.get(key)
+            cells.append(str(value) if key == "n" else _fmt(value, bool(pct)))
+        table.add_row(*cells, end_section=name == lines[-2][0])
+    console = Console()
+    console.print(table)
+    secs = report["seconds"]
+    console.print(f"seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in secs.items()))
+
+
+def _levels(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    from tools.make_task import parse_levels
+    return parse_levels(text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.eval", description=__doc__.split("\n\n")[0])
+    ap.add_argument("checkpoint", help="model directory (Hugging Face layout, with tokenizer.json)")
+    ap.add_argument("--data", required=True, help="JSON-lines dataset with answers")
+    ap.add_argument("--k", type=int, default=8, help="k of pass@k and maj@k")
+    ap.add_argument("--samples", type=int, default=None, help="sampled answers per prompt (default k; 0: greedy only)")
+    ap.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    ap.add_argument("--levels", help="only these levels, e.g. 1-3,5")
+    ap.add_argument("--max-per-level", type=int, help="the first N prompts of each level")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--workers", type=int, default=1, help="grader processes for answers the fast path leaves open")
+    ap.add_argument("--on-error", choices=("fail", "skip"), default="fail", help="malformed dataset lines")
+    ap.add_argument("--details", metavar="FILE", help="write per-prompt rows (responses included) as JSON lines")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = ap.parse_args(argv)
+    try:
+        report = evaluate(args.checkpoint, args.data, k=args.k, samples=args.samples, greedy=not args.no_greedy,
+                          temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                          levels=_levels(args.levels), max_per_level=args.max_per_level, device=args.device,
+                          workers=args.workers, on_error=args.on_error, details=bool(args.details))
+    except (EvalError, DatasetError, CheckpointError, TokenizerError, LMToolError) as e:
+        print(f"eval: error: {e}", file=sys.stderr)
+        return 2
+    if args.details:
+        with open(args.details, "w", encoding="utf-8") as f:
+            for row in report.pop("prompts"):
+                f.write(json.dumps(row) + "\n")
+    if args.json:
+        print(json.dumps(report))
+    else:
+        render_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""What the supervised warm start (`tools.sft`) and evaluation (`tools.eval`) share.
+
+* model directories: `load_or_init` loads a Hugging Face-layout directory, or initialises the model
+  randomly from its config.json (with a seed) when the directory has no weights yet;
+* supervised examples: `SFTExample` (prompt tokens + response tokens ending in eos), built from dataset
+  records with worked solutions (`examples_from_records`) or from {"prompt", "response"} JSON lines
+  (`read_pairs`), and packed into padding-free micro-batches whose `loss_mask` covers only the
+  response (`pack_examples`);
+* batched generation: `agenerate` submits every prompt to one `TorchGenerationEngine` at once
+  (continuous batching does the rest); `generate` is the synchronous wrapper;
+* grading: `grade_many` checks many responses with the math grader, the sympy-free fast path in the
+  caller and the undecided rest in a `RewardPool` (hard timeouts; a failed check counts as wrong).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from actors.dataset import DatasetError, OnError, Record
+from actors.engines.base import GenerationRequest, GenerationResult, PackedBatch, SamplingParams
+from actors.engines.checkpoint import INDEX_FILE, SINGLE_FILE, load_config, load_model
+from actors.engines.model import Qwen2ForCausalLM
+from actors.engines.tokenizer import LoadedTokenizer
+from actors.engines.torch_gen import TorchGenerationEngine
+from actors.reward.math_grader import MathVerdict, grade_math_fast
+from actors.reward.pool import RewardPool, TaskFailure
+from algo.packing import allocate_micro_batches
+
+MATH_GRADER = "actors.reward.math_grader:grade_math"
+
+
+class LMToolError(ValueError):
+    """A model directory, example or setting the tools cannot use; the message names the cause."""
+
+
+# --- model directories ---------------------------------------------------------------------------
+
+def has_weights(model_dir: str | Path) -> bool:
+    return any(os.path.exists(os.path.join(model_dir, f)) for f in (SINGLE_FILE, INDEX_FILE))
+
+
+def load_or_init(model_dir: str | Path, seed: int = 0, device: str = "cpu") -> tuple[Qwen2ForCausalLM, bool]:
+    """(model in float32 on `device`, whether it was randomly initialised because there were no weights)."""
+    model_dir = str(model_dir)
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise LMToolError(f"{model_dir}: not a model directory (no config.json)")
+    if has_weights(model_dir):
+        return load_model(model_dir, device=device), False
+    model = Qwen2ForCausalLM(load_config(model_dir)).init_weights(seed)
+    return model.to(device), True
+
+
+# --- supervised examples -------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SFTExample:
+    """One training sequence: the prompt (no loss) followed by the response, which ends with eos."""
+
+    source: str                      # query id (with solution index) or "file:line", for error messages
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    level: int | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self.prompt_ids) + list(self.response_ids)
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def _eos(tokenizer: LoadedTokenizer) -> int:
+    if tokenizer.eos_token_id is None:
+        raise LMToolError("the tokenizer names no eos token (generation_config.json / tokenizer_config.json)")
+    return tokenizer.eos_token_id
+
+
+def make_example(tokenizer: LoadedTokenizer, source: str, prompt: str, response: str,
+                 level: int | None = None) -> SFTExample:
+    prompt_ids = tokenizer.encode(prompt)
+    response_ids = tokenizer.encode(response)
+    if not prompt_ids:
+        raise LMToolError(f"{source}: the prompt encodes to no tokens")
+    if not response_ids:
+        raise LMToolError(f"{source}: the response encodes to no tokens")
+    return SFTExample(source, tuple(prompt_ids), tuple(response_ids) + (_eos(tokenizer),), level)
+
+
+def examples_from_records(records: Sequence[Record], tokenizer: LoadedTokenizer) -> list[SFTExample]:
+    """One example per worked solution of every record (records without solutions give none)."""
+    out = []
+    for rec in records:
+        for i, solution in enumerate(rec.solutions):
+            source = rec.query_id if len(rec.solutions) == 1 else f"{rec.query_id}#{i}"
+            out.append(make_example(tokenizer, source, rec.prompt, solution, rec.level))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    source: str
+    prompt: str
+    response: str
+    level: int | None = None
+
+
+def read_pairs(path: str | Path, on_error: OnError = "fail") -> tuple[list[Pair], list[DatasetError]]:
+    """{"prompt": str, "response": str, "level"?: int} lines; bad lines raise (or are skipped with
+    on_error="skip") as `actors.dataset.DatasetError` naming the file, line and field."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(path, None, "no such file")
+    pairs: list[Pair] = []
+    skipped: list[DatasetError] = []
+    with path.open("r", encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DatasetError(path, line_no, f"not valid JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(obj, dict):
+                    raise DatasetError(path, line_no, f"expected a JSON object, got {type(obj).__name__}")
+                for key in ("prompt", "response"):
+                    value = obj.get(key)
+                    if not isinstance(value, str) or not value:
+                        raise DatasetError(path, line_no, f"expected a non-empty string, got {value!r:.60}", key)
+                level = obj.get("level")
+                if level is not None and (isinstance(level, bool) or not isinstance(level, int) or level < 0):
+                    raise DatasetError(path, line_no, f"expected a non-negative integer, got {level!r}", "level")
+            except DatasetError as err:
+                if on_error == "fail":
+                    raise
+                skipped.append(err)
+                continue
+            pairs.append(Pair(f"{path.name}:{line_no}", obj["prompt"], obj["response"], level))
+    if not pairs:
+        detail = f" ({len(skipped)} malformed lines skipped, first: {skipped[0]})" if skipped else ""
+        raise DatasetError(path, None, f"no usable prompt/response pairs{detail}")
+    return pairs, skipped
+
+
+def is_pairs_file(path: str | Path) -> bool:
+    """True when the first non-blank line is an object with "response" and without "solutions"."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    return False
+                return isinstance(obj, dict) and "response" in obj and "solutions" not in obj
+    return False
+
+
+def pack_examples(examples: Sequence[SFTExample], max_tokens: int) -> list[PackedBatch]:
+    """Padding-free micro-batches of at most max_tokens tokens, balanced by `allocate_micro_batches`;
+    `fields["loss_mask"]` is 1 on response tokens (the eos included) and 0 on the prompt."""
+    if not examples:
+        raise LMToolError("pack_examples: no examples")
+    too_long = [e for e in examples if len(e) > max_tokens]
+    if too_long:
+        e = too_long[0]
+        raise LMToolError(f"{e.source}: {len(e)} tokens do not fit a micro-batch of {max_tokens} tokens "
+                          "(raise --max-tokens-per-mb)")
+    groups = allocate_micro_batches([len(e) for e in examples], max_tokens)
+    batches = []
+    for group in groups:
+        chosen = [examples[i] for i in group]
+        masks = [[0.0] * len(e.prompt_ids) + [1.0] * len(e.response_ids) for e in chosen]
+        batches.append(PackedBatch.from_sequences([e.tokens for e in chosen], {"loss_mask": masks}))
+    return batches
+
+
+def batch_stream(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
+    """Endless batches of indices into n examples: successive seeded permutations (an epoch is one
+    permutation; a batch may straddle two epochs), so every example is seen once per epoch."""
+    if n < 1 or batch_size < 1:
+        raise LMToolError(f"batch_stream: need n >= 1 and batch_size >= 1, got n={n}, batch_size={batch_size}")
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        while len(order) < batch_size:
+            perm = list(range(n))
+            rng.shuffle(perm)
+            order.extend(perm)
+        yield order[:batch_size]
+        del order[:batch_size]
+
+
+# --- generation ----------------------------------------------------------------------------------
+
+async def agenerate(model: Qwen2ForCausalLM, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams],
+                    n: int = 1, max_running: int = 256) -> list[list[GenerationResult]]:
+    """All prompts submitted at once to one engine on `model` (which it puts in eval mode without
+    gradients: pass a copy of a model that is being trained). Results per prompt, n each."""
+    if len(sampling) != len(prompts):
+        raise LMToolError(f"agenerate: {len(sampling)} sampling settings for {len(prompts)} prompts")
+    engine = TorchGenerationEngine(model=model, max_running=max_running)
+    await engine.start()
+    try:
+        return list(await asyncio.gather(*(
+            engine.generate(GenerationRequest(f"p{i}", tuple(ids), sp, n))
+            for i, (ids, sp) in enumerate(zip(prompts, sampling)))))
+    finally:
+        await engine.stop()
+
+
+def generate(model: Qwen2ForCausalLM, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams],
+             n: int = 1, max_running: int = 256) -> list[list[GenerationResult]]:
+    """Synchronous `agenerate` (for tools; from a running event loop await `agenerate` instead)."""
+    return asyncio.run(agenerate(model, prompts, sampling, n, max_running))
+
+
+def response_text(tokenizer: LoadedTokenizer, result: GenerationResult) -> str:
+    return tokenizer.decode(result.output_ids, skip_special_tokens=True)
+
+
+def answer_length(result: GenerationResult, eos_ids: Sequence[int]) -> int:
+    """Generated tokens without the final stop token."""
+    n = len(result.output_ids)
+    return n - 1 if n and result.finish_reason == "stop" and result.output_ids[-1] in eos_ids else n
+
+
+# --- grading -------------------------------------------------------------------------------------
+
+def grade_many(responses: Sequence[str], answers: Sequence[str], pool: RewardPool | None = None,
+               workers: int = 1, timeout_s: float = 10.0) -> list[MathVerdict | None]:
+    """Verdict per response (None: the check timed out or crashed, which scores as wrong).
+
+    The grader's bounded sympy-free path settles most answers in the caller; the rest go to `pool`,
+    or to a pool of `workers` processes made for this call.
+    """
+    if len(responses) != len(answers):
+        raise LMToolError(f"grade_many: {len(answers)} answers for {len(responses)} responses")
+    verdicts: list[MathVerdict | None] = [grade_math_fast(r, a) for r, a in zip(responses, answers)]
+    undecided = [i for i, v in enumerate(verdicts) if v is None]
+    if not undecided:
+        return verdicts
+    own = pool is None
+    if pool is None:
+        pool = RewardPool(max(1, min(workers, len(undecided))), timeout=timeout_s,
+                          preload=["actors.reward.math_grader"])
+    try:
+        futures = [pool.submit(MATH_GRADER, responses[i], answers[i], timeout=timeout_s) for i in undecided]
+        for i, future in zip(undecided, futures):
+            result = future.result()
+            verdicts[i] = None if isinstance(result, TaskFailure) else result
+    finally:
+        if own:
+            pool.close()
+    return verdicts
