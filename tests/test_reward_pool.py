@@ -291,3 +291,18 @@ def test_math_check_timeout_scores_wrong_and_is_counted() -> None:
     with RewardPool(2, timeout=20.0) as p:
         assert asyncio.run(scenario(p)) == [-5.0, 5.0]
         assert p.stats()["timeouts"] == 2 and p.stats()["failures"] == 1
+
+
+def test_workers_that_cannot_start_break_the_pool_instead_of_respawning_forever() -> None:
+    with RewardPool(1, timeout=5.0, preload=["no_such_module_for_pool_test"]) as p:
+        try:
+            future = p.submit(square, 2)
+        except PoolClosedError as exc:  # the pool may already have given up
+            assert "broken" in str(exc)
+        else:
+            result = future.result(timeout=60)
+            assert result.kind in ("start_failed", "closed") and not result
+        with pytest.raises(PoolClosedError, match="workers in a row died before becoming ready"):
+            for _ in range(200):  # bounded: the dispatcher marks the pool broken within a few starts
+                p.submit(square, 2).result(timeout=60)
+        assert p.stats()["workers_started"] == 3

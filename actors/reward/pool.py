@@ -51,6 +51,9 @@ _WORKER_START_TIMEOUT_S = 120.0
 # Extra time for a worker's first call of a function, which may import its module (sympy takes
 # about a second); the item's own clock restarts once the import is done.
 _IMPORT_GRACE_S = 60.0
+# Workers that die before ever becoming ready, in a row: the pool gives up instead of respawning
+# forever (a broken preload module, or a main script without the `if __name__ == "__main__"` guard).
+_MAX_START_FAILURES = 3
 
 
 class PoolClosedError(RuntimeError):
@@ -62,8 +65,8 @@ class TaskFailure:
     """Why an item produced no result.
 
     kind: "timeout" (still running at the deadline on every attempt), "crash" (the worker died),
-    "error" (the function raised; `detail` holds the exception and traceback) or "closed"
-    (the pool shut down first). attempts: how many times the item was started.
+    "error" (the function raised; `detail` holds the exception and traceback), "closed"
+    (the pool shut down first) or "start_failed" (workers could not even start). attempts: how many times the item was started.
     """
 
     kind: str
@@ -237,6 +240,9 @@ class RewardPool:
         self._pending: collections.deque[_Task] = collections.deque()
         self._ids = itertools.count()
         self._closed = False
+        self._stopped = False  # close() ran (the pool may also close itself when broken)
+        self._broken: str | None = None
+        self._start_failures = 0
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self._workers: list[_Worker] = [self._start_worker() for _ in range(workers)]
@@ -253,6 +259,8 @@ class RewardPool:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
         task = _Task(next(self._ids), _function_ref(fn), args, kwargs, timeout, concurrent.futures.Future())
         with self._lock:
+            if self._broken:
+                raise PoolClosedError(f"the reward pool is broken: {self._broken}")
             if self._closed:
                 raise PoolClosedError("the reward pool is closed")
             self._pending.append(task)
@@ -280,9 +288,9 @@ class RewardPool:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the workers; items not yet finished resolve to TaskFailure(kind="closed")."""
         with self._lock:
-            if self._closed:
+            if self._stopped:
                 return
-            self._closed = True
+            self._stopped = self._closed = True
         self._wake()
         self._thread.join(timeout)
         for worker in self._workers:
@@ -410,11 +418,14 @@ class RewardPool:
                 worker.process.join(1.0)  # reap it, so the exit code (or killing signal) is known
                 code = worker.process.exitcode
                 self._on_lost(worker, "crash", f"worker died (exit code {code})")
+            elif not worker.ready:
+                self._on_start_failure(worker)
             else:
                 self._replace(worker)
             return
         if message[0] == "ready":
             worker.ready = True
+            self._start_failures = 0
             return
         if message[0] == "resolved":
             if worker.task is not None and worker.task.task_id == message[1]:
@@ -434,6 +445,21 @@ class RewardPool:
         if self.max_tasks_per_worker and worker.tasks_run >= self.max_tasks_per_worker:
             self._stop_worker(worker, graceful=True)
             self._workers[self._workers.index(worker)] = self._start_worker()
+
+    def _on_start_failure(self, worker: _Worker) -> None:
+        worker.process.join(1.0)
+        code = worker.process.exitcode
+        self._start_failures += 1
+        if self._start_failures < _MAX_START_FAILURES:
+            self._replace(worker)
+            return
+        detail = (f"{self._start_failures} workers in a row died before becoming ready (last exit code {code}); "
+                  "check the preload modules and that the main script guards its code with "
+                  "`if __name__ == '__main__':`")
+        with self._lock:
+            self._broken = detail
+            self._closed = True
+        self._fail_everything("start_failed", detail)
 
     def _on_lost(self, worker: _Worker, kind: str, detail: str) -> None:
         """The worker's item timed out or the worker died: replace it, retry or fail the item."""
