@@ -471,14 +471,16 @@ class Bus:
         if handler is None:
             self._reject("no_handler", f"{self.name} has no handler", header, ident, frames, now, record=False)
             return None
-        token = current_cause.set(header.id)
+        # The cause is only needed when outbound messages are recorded (for replay); skip it otherwise.
+        token = current_cause.set(header.id) if self.record_outbound else None
         try:
             result = handler(env)
         except Exception as exc:
             self._handler_failed(env, exc)
             return None
         finally:
-            current_cause.reset(token)
+            if token is not None:
+                current_cause.reset(token)
         if result is None:
             return None
         if isinstance(result, Message):
@@ -492,11 +494,12 @@ class Bus:
 
     def _start_handler(self, item: tuple) -> None:
         env, coro = item
-        token = current_cause.set(env.header.id)
+        token = current_cause.set(env.header.id) if self.record_outbound else None
         try:
             t = asyncio.get_running_loop().create_task(coro)
         finally:
-            current_cause.reset(token)
+            if token is not None:
+                current_cause.reset(token)
         self._handler_tasks.add(t)
         t.add_done_callback(lambda t, env=env: self._handler_done(env, t))
 
