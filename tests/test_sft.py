@@ -1,0 +1,170 @@
+"""tools.sft: loss goes down on response tokens only, checkpoints load (here and in transformers), runs
+are deterministic, --until-plateau stops and keeps the best checkpoint, bad data lines are typed errors."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.dataset import DatasetError
+from actors.engines.checkpoint import load_model
+from actors.engines.tokenizer import load_tokenizer
+from actors.engines.torch_train import TRAINER_STATE
+from tools import sft
+from tools.eval import evaluate
+from tools.lm import SFTExample, batch_stream, load_or_init, pack_examples
+from tools.make_task import make_splits, write_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+ARITH = REPO / "configs" / "models" / "arith-tiny"
+
+
+def make_tiny_model_dir(path: Path) -> Path:
+    """The arith tokenizer with a 30k-parameter Qwen2 config and no weights."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(ARITH / name, path / name)
+    config = json.loads((ARITH / "config.json").read_text())
+    config.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, max_position_embeddings=64, max_window_layers=2)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def make_tiny_data(path: Path) -> Path:
+    """14 level-1 problems with solutions, 24 level-2 problems without (operands 1..3)."""
+    splits = make_splits(seed=0, levels=(1, 2), solved_levels=(1,), train_per_level=24, test_per_level=6,
+                         max_operand=3)
+    write_jsonl(splits["train"], path / "train.jsonl")
+    write_jsonl(splits["test"], path / "test.jsonl")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sft")
+    return {"model": make_tiny_model_dir(root / "model"), "data": make_tiny_data(root / "data"), "root": root}
+
+
+def config(tiny: dict[str, Path], out: Path, **overrides) -> sft.SFTConfig:
+    values = dict(data=str(tiny["data"] / "train.jsonl"), out=str(out), model=str(tiny["model"]), steps=20,
+                  batch_size=16, lr=1e-2, warmup_steps=5, max_new_tokens=16, log_every=1000)
+    values.update(overrides)
+    return sft.SFTConfig(**values)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / sft.METRICS_FILE).read_text().splitlines()]
+
+
+def test_loss_mask_covers_only_the_response_and_eos():
+    examples = [SFTExample("a", (5, 6, 7), (8, 9, 0)), SFTExample("b", (5, 6), (1, 0))]
+    [batch] = pack_examples(examples, 64)
+    assert batch.seq_lens() == [6, 4]
+    assert batch.fields["loss_mask"].tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    with pytest.raises(ValueError, match="a: 6 tokens do not fit a micro-batch of 5"):
+        pack_examples(examples, 5)
+
+
+def test_batch_stream_covers_every_example_once_per_epoch():
+    stream = batch_stream(10, 4, seed=3)
+    seen = [i for _ in range(5) for i in next(stream)]  # 20 = two epochs
+    assert sorted(seen[:10]) == list(range(10)) and sorted(seen[10:]) == list(range(10))
+    again = batch_stream(10, 4, seed=3)
+    assert [i for _ in range(5) for i in next(again)] == seen
+
+
+def test_sft_lowers_the_loss_writes_a_loadable_checkpoint_and_is_deterministic(tiny, tmp_path):
+    logs: list[str] = []
+    summary = sft.run_sft(config(tiny, tmp_path / "a"), logs.append)
+    assert summary["initialised_randomly"] and any("initialised" in line and "randomly" in line for line in logs)
+    assert summary["examples"] == 14 and summary["without_solutions"] == 24 and summary["steps"] == 20
+    metrics = read_metrics(tmp_path / "a")
+    losses = [m["loss"] for m in metrics if m["kind"] == "train"]
+    assert len(losses) == 20 and all(m["tokens_per_s"] > 0 for m in metrics)
+    assert sum(losses[-3:]) / 3 < 0.5 * sum(losses[:3]) / 3
+    # The checkpoint is a complete model directory: weights, tokenizer, optimizer state.
+    out = tmp_path / "a"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json", TRAINER_STATE):
+        assert (out / name).is_file(), name
+    assert json.loads((out / sft.SUMMARY_FILE).read_text())["final_loss"] == summary["final_loss"]
+    ours = load_model(str(out))
+    ids = torch.tensor([load_tokenizer(str(out)).encode("Compute: 1+2\n1+2=3 \\boxed{3}")])
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=ids).logits, ours(ids), atol=1e-4, rtol=1e-4)
+    # Same seed, same run: the same losses and weights; another seed differs.
+    sft.run_sft(config(tiny, tmp_path / "b"), logs.append)
+    assert [m["loss"] for m in read_metrics(tmp_path / "b") if m["kind"] == "train"] == losses
+    again = load_model(str(tmp_path / "b"))
+    assert all(torch.equal(p, q) for p, q in zip(ours.parameters(), again.parameters()))
+    sft.run_sft(config(tiny, tmp_path / "c", seed=1), logs.append)
+    assert [m["loss"] for m in read_metrics(tmp_path / "c") if m["kind"] == "train"] != losses
+
+
+def test_sft_continues_from_a_checkpoint_with_weights(tiny, tmp_path):
+    sft.run_sft(config(tiny, tmp_path / "first", steps=3), lambda _: None)
+    model, initialised = load_or_init(tmp_path / "first")
+    assert not initialised
+    logs: list[str] = []
+    summary = sft.run_sft(config(tiny, tmp_path / "second", model=str(tmp_path / "first"), steps=2), logs.append)
+    assert not summary["initialised_randomly"] and any("loaded" in line for line in logs)
+
+
+def test_until_plateau_stops_and_keeps_the_best_checkpoint(tiny, tmp_path):
+    # Held-out = the training prompts: the model memorises level 1 (accuracy climbs to 100% of it,
+    # 36.8% overall) and never solves level 2, so accuracy plateaus well before the 400-step cap.
+    out = tmp_path / "plateau"
+    cfg = config(tiny, out, steps=400, eval_data=str(tiny["data"] / "train.jsonl"), eval_every=15,
+                 until_plateau=True, patience=2, min_delta=0.01)
+    summary = sft.run_sft(cfg, lambda _: None)
+    assert summary["stop_reason"] == "plateau" and summary["steps"] < 400
+    evals = [m for m in read_metrics(out) if m["kind"] == "eval"]
+    accs = [e["accuracy"] for e in evals]
+    best = max(range(len(evals)), key=lambda i: (accs[i], -i))  # first of the highest
+    assert summary["kept_step"] == evals[best]["step"] and summary["kept_accuracy"] == accs[best]
+    assert accs[best] > 0.3 and evals[best]["accuracy_by_level"]["1"] > 0.9
+    # The stop rule: the last `patience` evaluations did not beat the reference by more than min_delta.
+    assert all(a <= max(accs[:-2]) + 0.01 for a in accs[-2:]) and summary["steps"] == evals[-1]["step"]
+    # The kept checkpoint is the best step's (not the last), and re-evaluating it gives the same accuracy.
+    state = torch.load(out / TRAINER_STATE, map_location="cpu", weights_only=False)
+    assert state["step"] == summary["kept_step"] < summary["steps"]
+    report = evaluate(str(out), str(tiny["data"] / "train.jsonl"), samples=0, max_new_tokens=16)
+    assert report["overall"]["greedy_accuracy"] == pytest.approx(summary["kept_accuracy"])
+
+
+def test_pairs_format_and_bad_lines_go_through_the_dataset_errors(tiny, tmp_path, capsys):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "Compute: 1+1\\n", "response": "2 \\\\boxed{2}"}\n'
+                     '{"prompt": "Compute: 2+1\\n", "response": ""}\n'
+                     '{"prompt": "Compute: 3-1\\n", "response": "2 \\\\boxed{2}"}\n')
+    common = ["--model", str(tiny["model"]), "--steps", "2", "--batch-size", "2", "--json"]
+    assert sft.main(["--data", str(pairs), "--out", str(tmp_path / "o1"), *common]) == 2
+    assert f"{pairs}:2: field 'response': expected a non-empty string" in capsys.readouterr().err
+    assert sft.main(["--data", str(pairs), "--out", str(tmp_path / "o2"), "--on-error", "skip", *common]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["examples"] == 2 and summary["skipped_lines"] == 1 and summary["steps"] == 2
+
+    records = tmp_path / "records.jsonl"
+    lines = (tiny["data"] / "train.jsonl").read_text().splitlines()
+    records.write_text("\n".join(lines[:3] + ['{"query_id": "x", "prompt": 5}'] + lines[3:]) + "\n")
+    with pytest.raises(DatasetError, match=r"records.jsonl:4: field 'prompt'"):
+        sft.run_sft(config(tiny, tmp_path / "o3", data=str(records)), lambda _: None)
+    summary = sft.run_sft(config(tiny, tmp_path / "o4", data=str(records), on_error="skip", steps=1), lambda _: None)
+    assert summary["skipped_lines"] == 1 and summary["examples"] == 14
+
+
+def test_bad_settings_are_named(tiny, tmp_path, capsys):
+    with pytest.raises(sft.SFTError, match="--until-plateau needs --eval-data"):
+        sft.run_sft(config(tiny, tmp_path, until_plateau=True), lambda _: None)
+    with pytest.raises(sft.SFTError, match="--eval-data and --eval-every go together"):
+        sft.run_sft(config(tiny, tmp_path, eval_data="x.jsonl"), lambda _: None)
+    with pytest.raises(sft.SFTError, match="no training examples"):
+        sft.run_sft(config(tiny, tmp_path, levels=[2]), lambda _: None)
+    assert sft.main(["--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o"),
+                     "--model", str(tiny["model"])]) == 2
+    assert "missing.jsonl: no such file" in capsys.readouterr().err
