@@ -1,0 +1,445 @@
+"""ParamServerActor: takes each new weight version from the trainer and brings every rollout up to it.
+
+Two bulk links (transport/bulk.py). On ``train_to_ps`` it is a receiver: a :class:`WeightsPublished`
+request announces ``n_buckets`` buckets that the trainer then sends point-to-point; they are received in a
+thread, their :func:`actors.weights.weights_hash` is checked against the announced one, and the version is
+stored (packed once, in memory) before the reply :class:`WeightsStored`. On ``ps_to_rollout`` it is rank 0,
+the broadcaster and the link's rendezvous master.
+
+One task, the *pusher*, owns the rollout link, so formation and transfers never interleave:
+
+* Forming. The link needs every member, so it is formed only once every rollout has said
+  :class:`RolloutHello` and none is dead by the bus heartbeats. Each formation takes a fresh generation
+  ``g``: :class:`LinkReform` (g) to every rollout, then this side joins in a thread. A hello after the link
+  was formed (a restarted rollout), a dead member, or a failed transfer marks the link for re-forming.
+  A failed rendezvous (a member did not come) is retried at a newer generation after ``retry_s``.
+* Pushing. Whenever some rollout's version is behind the newest stored one, the pusher sends
+  :class:`WeightsReady` to every rollout as a request, broadcasts the stored buckets, and collects the
+  :class:`WeightsAck` replies (``ack_timeout_s``). Each ack's hash is compared with the trainer's; a
+  mismatch is logged as an error and counted. Versions that arrive while a push runs are coalesced: the
+  next push sends only the newest.
+
+At start the server holds the start weights (:func:`actors.recovery.start_weights`), so a rollout that
+starts late or restarts is brought to the current version even before the trainer publishes anything new.
+:class:`WeightsStatusRequest` (this module) reports the per-rollout state and can wait for a version.
+
+Settings (all optional): ``train_link`` (default "train_to_ps"), ``rollout_link`` (default
+"ps_to_rollout"), ``ack_timeout_s`` (default 120), ``retry_s`` (default 2), ``bucket_bytes`` for the start
+weights (default 64 MiB), ``model.dtype`` (the dtype the start weights are held in, as the rollouts load them).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from actors.base import Actor, ActorSpec, handles
+from actors.engines.checkpoint import bucketize, iter_checkpoint_tensors
+from actors.recovery import start_weights
+from actors.rollout import in_thread, link_config
+from actors.weights import weights_hash
+from transport.bulk import BulkError, BulkLink, LinkConfig, PackedBucket, pack_bucket
+from transport.bus import BusError
+from transport.messages import Message, message
+from transport.protocol import (LinkReform, RolloutHello, RunFinished, WeightsAck, WeightsPublished, WeightsReady,
+                                WeightsStored)
+
+__all__ = ["ParamServerActor", "ParamServerConfigError", "WeightsRejected", "WeightsStatusRequest",
+           "WeightsStatus", "RolloutWeights", "StoredVersion"]
+
+
+class ParamServerConfigError(ValueError):
+    """The parameter server's settings are unusable; the message names the key."""
+
+
+class WeightsRejected(RuntimeError):
+    """A published version was not stored (hash mismatch, link failure); the message says why."""
+
+
+@dataclasses.dataclass
+class RolloutWeights:
+    version: int = -1
+    weights_hash: str = ""
+    hash_ok: bool = False
+    alive: bool = True
+    hello: bool = False
+    receive_seconds: float = 0.0
+    stall_seconds: float = 0.0
+
+
+@message("ps.weights_status_request")
+class WeightsStatusRequest(Message):
+    """Ask the parameter server for its state. With ``min_version`` >= 0 and ``timeout_s`` > 0 the reply
+    waits (up to ``timeout_s``; ``reached`` says whether it happened) until every rollout is alive, has
+    said hello and acked at least that version with a matching hash (a rollout still at the start
+    version has nothing to ack), on a link generation >= ``min_generation``."""
+
+    min_version: int = -1
+    min_generation: int = -1
+    timeout_s: float = 0.0
+
+
+@message("ps.weights_status")
+class WeightsStatus(Message):
+    version: int
+    weights_hash: str
+    generation: int
+    rollouts: dict[str, RolloutWeights]
+    pushes: int
+    hash_mismatches: int
+    last_sync_seconds: float
+    reached: bool
+
+
+@dataclasses.dataclass
+class StoredVersion:
+    version: int
+    weights_hash: str
+    packed: list[PackedBucket]
+    nbytes: int
+
+
+def _pack_all(buckets: list[list[tuple[str, torch.Tensor]]]) -> list[PackedBucket]:
+    return [pack_bucket(b, i) for i, b in enumerate(buckets)]
+
+
+def load_start_weights(settings: dict[str, Any], run_dir: Any, bucket_bytes: int) -> StoredVersion:
+    """The start weights as stored buckets, in the dtype the rollouts hold them (so the hashes agree)."""
+    version, model_dir = start_weights(settings, run_dir)
+    dtype_name = (settings.get("model") or {}).get("dtype")
+    dtype = getattr(torch, str(dtype_name)) if dtype_name else None
+    if dtype_name and not isinstance(dtype, torch.dtype):
+        raise ParamServerConfigError(f"model.dtype: {dtype_name!r} is not a torch dtype")
+    named = [(n, t.to(dtype) if dtype is not None else t) for n, t in iter_checkpoint_tensors(model_dir)]
+    named = [(n, t) for n, t in named if not n.endswith("rotary_emb.inv_freq")]
+    buckets = list(bucketize(named, bucket_bytes))
+    packed = _pack_all(buckets)
+    return StoredVersion(version, weights_hash(named), packed, sum(p.flat.numel() for p in packed))
+
+
+class ParamServerActor(Actor):
+    def __init__(self, spec: ActorSpec) -> None:
+        super().__init__(spec)
+        self.current: StoredVersion | None = None
+        self.start_version = 0
+        self.rollouts: dict[str, RolloutWeights] = {}
+        self.up: BulkLink | None = None
+        self.down: BulkLink | None = None
+        self.trainer_rank = 0
+        self.generation: int | None = None      # generation of the formed rollout link, None if not formed
+        self.next_generation = 0
+        self.need_reform = False
+        self.pushes = 0
+        self.hash_mismatches = 0
+        self.sync_seconds: list[float] = []
+        self._kick = asyncio.Event()
+        self._changed = asyncio.Condition()
+        self._up_lock = asyncio.Lock()
+        self._up_open: asyncio.Future | None = None
+        self._waiting_logged: tuple = ()
+        # Hellos can arrive while on_start still loads the start weights; they are applied once it is done.
+        self._started = asyncio.Event()
+        self._early_hellos: dict[str, int] = {}
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    async def on_start(self) -> None:
+        up_cfg = link_config(self.settings, "train_to_ps", key="train_link")
+        down_cfg = link_config(self.settings, "ps_to_rollout", key="rollout_link")
+        if up_cfg is None or down_cfg is None or up_cfg.name == down_cfg.name:
+            raise ParamServerConfigError(f"links: need a train link and a rollout link, got "
+                                         f"{sorted((self.settings.get('links') or {}))}")
+        if down_cfg.rank != 0:
+            raise ParamServerConfigError(f"links.{down_cfg.name}.members: the parameter server must be listed first "
+                                         f"(it broadcasts as rank 0), got {down_cfg.members}")
+        trainers = [m for m in up_cfg.members if m != self.name]
+        if len(trainers) != 1:
+            raise ParamServerConfigError(f"links.{up_cfg.name}.members: expected the trainer and the parameter "
+                                         f"server, got {up_cfg.members}")
+        self.trainer_rank = up_cfg.rank_of(trainers[0])
+        self.rollouts = {m: RolloutWeights() for m in down_cfg.members if m != self.name}
+        self.ack_timeout = float(self.settings.get("ack_timeout_s", 120.0))
+        self.retry_s = float(self.settings.get("retry_s", 2.0))
+        bucket_bytes = int(self.settings.get("bucket_bytes", 64 << 20))
+        t0 = time.monotonic()
+        self.current = await asyncio.to_thread(load_start_weights, self.settings, self.run_dir, bucket_bytes)
+        self.start_version = self.current.version
+        self.log.info("start_weights", version=self.current.version, hash=self.current.weights_hash,
+                      buckets=len(self.current.packed), nbytes=self.current.nbytes,
+                      seconds=round(time.monotonic() - t0, 3))
+        self.up, self.down = BulkLink(up_cfg), BulkLink(down_cfg)
+        self._open_up()
+        self._started.set()
+        for sender, version in self._early_hellos.items():
+            self._hello(sender, version)
+        self._early_hellos.clear()
+
+    async def on_ready(self) -> None:
+        self.spawn(self._pusher(), name="pusher")
+
+    async def on_stop(self) -> None:
+        for link in (self.up, self.down):
+            if link is not None:
+                link.close()
+        times = sorted(self.sync_seconds)
+        self.log.info("param_server_stats", pushes=self.pushes, hash_mismatches=self.hash_mismatches,
+                      version=self.current.version if self.current else None,
+                      sync_median_s=round(times[len(times) // 2], 4) if times else None)
+
+    def _open_up(self) -> None:
+        """(Re)join the trainer's link at generation 0. The trainer is its rendezvous master, so a restarted
+        trainer brings a fresh store and a fresh generation 0; this side reconnects on every open."""
+        assert self.up is not None
+        link = self.up
+        self._up_open = asyncio.ensure_future(in_thread(link.reform, 0))
+
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled():
+                return
+            if f.exception() is not None:
+                self.counters["train_link_failures"] += 1
+                self.log.error("train_link_open_failed", error=str(f.exception()))
+            else:
+                self.log.info("train_link_formed", link=link.config.name)
+
+        self._up_open.add_done_callback(done)
+
+    # ------------------------------------------------------------------------------ peers and hellos
+
+    def on_peer_dead(self, peer: str) -> None:
+        state = self.rollouts.get(peer)
+        if state is not None:
+            state.alive = False
+            if self.generation is not None:
+                self.need_reform = True  # the group lost a member: it must be formed again
+            self.log.warning("rollout_dead", rollout=peer)
+            self._kick.set()
+
+    def on_peer_alive(self, peer: str) -> None:
+        state = self.rollouts.get(peer)
+        if state is not None:
+            state.alive = True
+            self.log.info("rollout_alive", rollout=peer)
+            self._kick.set()
+        elif self.up is not None and peer in self.up.config.members and not self._up_lock.locked():
+            # The trainer was silent long enough to be declared dead: it may have restarted with a new store.
+            self._open_up()
+
+    @handles(RolloutHello)
+    def on_hello(self, msg: RolloutHello, env: Any) -> None:
+        if not self._started.is_set():
+            self._early_hellos[env.sender] = msg.version
+            return
+        self._hello(env.sender, msg.version)
+
+    def _hello(self, sender: str, version: int) -> None:
+        state = self.rollouts.get(sender)
+        if state is None:
+            self.log.warning("hello_from_unknown", sender=sender, members=sorted(self.rollouts))
+            return
+        first = not state.hello
+        state.hello, state.alive = True, True
+        state.version, state.hash_ok = version, False
+        if self.generation is not None:
+            # Any hello after the link was formed comes from a (re)started member: it needs a new group.
+            self.need_reform = True
+        self.log.info("rollout_hello", rollout=sender, version=version, first=first,
+                      current=self.current.version if self.current else None, reform=self.need_reform)
+        self._kick.set()
+
+    # ---------------------------------------------------------------------------- trainer -> storage
+
+    @handles(WeightsPublished)
+    async def on_published(self, msg: WeightsPublished, env: Any) -> WeightsStored:
+        await self._started.wait()
+        assert self.up is not None
+        async with self._up_lock:
+            if self._up_open is not None:
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._up_open), self.up.config.timeout_s + 5)
+                except BaseException as exc:
+                    raise WeightsRejected(f"version {msg.version}: the train link is not formed: {exc}") from None
+            t0 = time.monotonic()
+            buckets = []
+            try:
+                for _ in range(msg.n_buckets):
+                    buckets.append(await in_thread(self.up.recv, self.trainer_rank))
+            except BulkError as exc:
+                self.counters["receive_failures"] += 1
+                self.log.error("weights_receive_failed", version=msg.version, received=len(buckets),
+                               expected=msg.n_buckets, error=str(exc))
+                self._open_up()  # the trainer probably restarted; be ready for its new group
+                raise WeightsRejected(f"version {msg.version}: receiving bucket {len(buckets)} of "
+                                      f"{msg.n_buckets} failed: {exc}") from exc
+            receive_s = time.monotonic() - t0
+        named = [kv for b in buckets for kv in b]
+        digest = await asyncio.to_thread(weights_hash, named)
+        if digest != msg.weights_hash:
+            self.counters["published_hash_mismatches"] += 1
+            self.log.error("published_hash_mismatch", version=msg.version, announced=msg.weights_hash, got=digest)
+            raise WeightsRejected(f"version {msg.version}: buckets hash to {digest}, the trainer announced "
+                                  f"{msg.weights_hash}")
+        if self.current is not None and msg.version <= self.current.version:
+            self.log.warning("stale_version_ignored", version=msg.version, current=self.current.version)
+            return WeightsStored(version=msg.version, receive_seconds=receive_s)
+        packed = await asyncio.to_thread(_pack_all, buckets)
+        self.current = StoredVersion(msg.version, digest, packed, sum(p.flat.numel() for p in packed))
+        self.counters["versions_stored"] += 1
+        self.log.info("weights_stored", version=msg.version, buckets=msg.n_buckets, nbytes=self.current.nbytes,
+                      receive_s=round(receive_s, 4))
+        self._kick.set()
+        return WeightsStored(version=msg.version, receive_seconds=receive_s)
+
+    # ---------------------------------------------------------------------------- storage -> rollouts
+
+    def _blockers(self) -> tuple[list[str], list[str]]:
+        no_hello = sorted(n for n, s in self.rollouts.items() if not s.hello)
+        dead = sorted(n for n, s in self.rollouts.items() if not s.alive)
+        return no_hello, dead
+
+    async def _pusher(self) -> None:
+        failures = 0
+        while True:
+            if failures:
+                # Back off after a failed formation or push, but wake early on a hello or a death.
+                try:
+                    await asyncio.wait_for(self._kick.wait(), self.retry_s)
+                except TimeoutError:
+                    pass
+            else:
+                await self._kick.wait()
+            self._kick.clear()
+            no_hello, dead = self._blockers()
+            if no_hello or dead:
+                if (no_hello, dead) != self._waiting_logged:
+                    self._waiting_logged = (no_hello, dead)
+                    self.log.info("waiting_for_rollouts", no_hello=no_hello, dead=dead)
+                failures = 0
+                continue
+            if self.generation is None or self.need_reform:
+                if not await self._form():
+                    failures += 1
+                    continue
+            current = self.current
+            assert current is not None
+            behind = [n for n, s in self.rollouts.items() if s.version < current.version]
+            if not behind:
+                failures = 0
+                continue
+            if await self._push(current):
+                failures = 0
+            else:
+                failures += 1
+            self._kick.set()  # look again: a newer version may have arrived meanwhile (coalesced)
+
+    async def _form(self) -> bool:
+        assert self.down is not None
+        generation = self.next_generation
+        self.next_generation += 1
+        self.generation = None
+        for name in self.rollouts:
+            await self.bus.send(name, LinkReform(generation=generation))
+        t0 = time.monotonic()
+        try:
+            await in_thread(self.down.reform, generation)
+        except BulkError as exc:
+            self.counters["link_form_failures"] += 1
+            self.log.error("rollout_link_form_failed", generation=generation, error=str(exc),
+                           retry_in_s=self.retry_s)
+            return False
+        self.generation, self.need_reform = generation, False
+        self.counters["link_formations"] += 1
+        self.log.info("rollout_link_formed", generation=generation, members=len(self.rollouts) + 1,
+                      seconds=round(time.monotonic() - t0, 3))
+        await self._notify()
+        return True
+
+    async def _push(self, stored: StoredVersion) -> bool:
+        assert self.down is not None and self.generation is not None
+        generation = self.generation
+        t0 = time.monotonic()
+        ready = WeightsReady(version=stored.version, n_buckets=len(stored.packed), weights_hash=stored.weights_hash,
+                             generation=generation)
+        acks = {name: asyncio.ensure_future(self.bus.request(name, ready, timeout=self.ack_timeout))
+                for name in self.rollouts}
+        try:
+            for packed in stored.packed:
+                await in_thread(self.down.broadcast_packed, packed, 0)
+        except BulkError as exc:
+            for fut in acks.values():
+                fut.cancel()
+            await asyncio.gather(*acks.values(), return_exceptions=True)
+            self.need_reform = True
+            self.counters["push_failures"] += 1
+            self.log.error("weights_push_failed", version=stored.version, generation=generation, error=str(exc))
+            return False
+        sent_s = time.monotonic() - t0
+        results = await asyncio.gather(*acks.values(), return_exceptions=True)
+        sync_s = time.monotonic() - t0
+        ok = True
+        summary = {}
+        for name, res in zip(acks, results):
+            state = self.rollouts[name]
+            if isinstance(res, WeightsAck):
+                state.version, state.weights_hash = res.version, res.weights_hash
+                state.receive_seconds, state.stall_seconds = res.receive_seconds, res.stall_seconds
+                state.hash_ok = res.weights_hash == stored.weights_hash and res.version == stored.version
+                if not state.hash_ok:
+                    self.hash_mismatches += 1
+                    self.counters["hash_mismatches"] += 1
+                    self.log.error("ROLLOUT_WEIGHTS_HASH_MISMATCH", rollout=name, version=stored.version,
+                                   acked_version=res.version, expected=stored.weights_hash, got=res.weights_hash)
+                summary[name] = {"recv_s": round(res.receive_seconds, 4), "stall_s": round(res.stall_seconds, 4),
+                                 "hash_ok": state.hash_ok}
+            else:
+                ok = False
+                self.counters["ack_failures"] += 1
+                reason = str(res) if isinstance(res, (BusError, TimeoutError)) else repr(res)
+                self.log.error("weights_ack_failed", rollout=name, version=stored.version, error=reason)
+                summary[name] = {"error": reason[:200]}
+        self.pushes += 1
+        self.sync_seconds.append(sync_s)
+        self.log.info("weights_pushed", version=stored.version, generation=generation, buckets=len(stored.packed),
+                      nbytes=stored.nbytes, broadcast_s=round(sent_s, 4), sync_s=round(sync_s, 4), rollouts=summary)
+        await self._notify()
+        return ok
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ---------------------------------------------------------------------------------------- status
+
+    def _status(self, req: WeightsStatusRequest) -> WeightsStatus:
+        current = self.current
+        assert current is not None
+        generation = self.generation if self.generation is not None else -1
+        # A rollout still at the start version has had nothing pushed, so there is no ack hash to check.
+        reached = (generation >= req.min_generation
+                   and all(s.hello and s.alive and s.version >= req.min_version
+                           and (s.hash_ok or s.version <= self.start_version) for s in self.rollouts.values()))
+        return WeightsStatus(version=current.version, weights_hash=current.weights_hash, generation=generation,
+                             rollouts={n: dataclasses.replace(s) for n, s in self.rollouts.items()},
+                             pushes=self.pushes, hash_mismatches=self.hash_mismatches,
+                             last_sync_seconds=self.sync_seconds[-1] if self.sync_seconds else 0.0,
+                             reached=reached if req.min_version >= 0 else True)
+
+    @handles(WeightsStatusRequest)
+    async def on_status(self, msg: WeightsStatusRequest) -> WeightsStatus:
+        await self._started.wait()
+        if msg.min_version < 0 or msg.timeout_s <= 0:
+            return self._status(msg)
+        try:
+            async with asyncio.timeout(msg.timeout_s):
+                async with self._changed:
+                    await self._changed.wait_for(lambda: self._status(msg).reached)
+        except TimeoutError:
+            pass
+        return self._status(msg)
+
+    @handles(RunFinished)
+    def on_run_finished(self, msg: RunFinished) -> None:
+        self.request_stop(f"run finished at step {msg.step}: {msg.reason}")

@@ -1,0 +1,126 @@
+"""RewardActor: the shared body of the reward actors (math.py: MathReward, code.py: CodeReward).
+
+A :class:`Trajectories` message is decoded with the model's tokenizer (``model.path``), every sample is
+scored by the subclass's :meth:`RewardActor.score` (which runs its checker in a :class:`RewardPool` of
+``settings["instance"]["cpu_workers"]`` worker processes with a hard per-item timeout, so CPU work never
+runs on the event loop), and the group goes to the buffer (``settings["groups"]["buffer"][0]``) as
+:class:`ScoredGroup`. Each sample gets ``reward`` (``algo.reward_correct`` if correct, else
+``algo.reward_wrong``; +5 / -5 by default), ``correct`` and ``score_detail``. An item whose check fails
+(timeout after the pool's retry, a crash, a checker error, an unusable task) scores as wrong and is
+counted in ``score_failures``; the group itself is always sent on, never lost.
+
+Settings (all optional): ``score_timeout_s`` (per-item hard limit), ``grader`` ("module:function", the
+checker the pool runs; for experiments and tests), ``instance.cpu_workers`` (pool size, default 1).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any, ClassVar
+
+from actors.base import Actor, ActorSpec, handles
+from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
+from actors.reward.pool import RewardPool, TaskFailure
+from transport.protocol import RunFinished, Sample, ScoredGroup, Task, Trajectories
+
+__all__ = ["RewardActor", "RewardConfigError", "Score", "failure_detail"]
+
+
+class RewardConfigError(ValueError):
+    """The reward actor's settings are unusable; the message names the key."""
+
+
+@dataclasses.dataclass
+class Score:
+    correct: bool
+    detail: str
+    failed: bool = False   # the check itself did not complete (timeout, crash, error, bad task)
+
+
+def failure_detail(result: TaskFailure) -> str:
+    first = result.detail.splitlines()[0] if result.detail else ""
+    return f"checker {result.kind} after {result.attempts} attempt(s): {first}"[:300]
+
+
+class RewardActor(Actor):
+    # Subclasses set these: the checker the pool runs and the modules its workers import up front.
+    default_grader: ClassVar[str] = ""
+    preload: ClassVar[tuple[str, ...]] = ()
+    default_timeout_s: ClassVar[float] = 10.0
+
+    def __init__(self, spec: ActorSpec) -> None:
+        super().__init__(spec)
+        self.pool: RewardPool | None = None
+        self.tokenizer: LoadedTokenizer | None = None
+        self._ready = asyncio.Event()
+
+    async def on_start(self) -> None:
+        model_path = (self.settings.get("model") or {}).get("path")
+        if not model_path:
+            raise RewardConfigError("model.path: not set (the tokenizer to decode answers comes from it)")
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, str(model_path))
+        groups = self.settings.get("groups") or {}
+        buffers = groups.get("buffer") or []
+        if not buffers:
+            raise RewardConfigError("groups.buffer: no buffer to send scored groups to")
+        self.buffer = buffers[0]
+        algo = self.settings.get("algo") or {}
+        self.reward_correct = float(algo.get("reward_correct", 5.0))
+        self.reward_wrong = float(algo.get("reward_wrong", -5.0))
+        self.grader = str(self.settings.get("grader") or self.default_grader)
+        self.custom_grader = "grader" in self.settings
+        self.timeout_s = float(self.settings.get("score_timeout_s", self.default_timeout_s))
+        workers = int((self.settings.get("instance") or {}).get("cpu_workers") or 1)
+        if workers < 1:
+            raise RewardConfigError(f"instance.cpu_workers: must be >= 1, got {workers}")
+        self.pool = await asyncio.to_thread(RewardPool, workers, timeout=self.timeout_s, preload=self.preload)
+        self._ready.set()
+        self.log.info("reward_ready", grader=self.grader, workers=workers, timeout_s=self.timeout_s)
+
+    async def on_stop(self) -> None:
+        if self.pool is not None:
+            stats = self.pool.stats()
+            await asyncio.to_thread(self.pool.close)
+            self.log.info("reward_stats", pool=stats, counters=dict(self.counters))
+
+    async def score(self, text: str, task: Task) -> Score:
+        """Score one decoded answer; subclasses run their checker through ``self.pool``."""
+        raise NotImplementedError
+
+    async def _score_safely(self, text: str, task: Task) -> Score:
+        try:
+            return await self.score(text, task)
+        except Exception as exc:  # a checker bug or a malformed task must not lose the group
+            self.log.error("score_failed", error=repr(exc))
+            return Score(False, f"score error: {type(exc).__name__}: {exc}"[:300], failed=True)
+
+    @handles(Trajectories)
+    async def on_trajectories(self, msg: Trajectories) -> None:
+        await self._ready.wait()
+        assert self.tokenizer is not None
+        t0 = time.monotonic()
+        tok = self.tokenizer
+        texts = await asyncio.to_thread(lambda: [tok.decode(s.output_ids) for s in msg.samples])
+        scores = await asyncio.gather(*(self._score_safely(text, msg.task) for text in texts))
+        failures = 0
+        samples: list[Sample] = []
+        for sample, score in zip(msg.samples, scores):
+            failures += int(score.failed)
+            samples.append(dataclasses.replace(sample, correct=score.correct, score_detail=score.detail,
+                                               reward=self.reward_correct if score.correct else self.reward_wrong))
+        seconds = time.monotonic() - t0
+        self.counters["groups_scored"] += 1
+        self.counters["samples_scored"] += len(samples)
+        self.counters["samples_correct"] += sum(s.correct for s in samples)
+        self.counters["score_failures"] += failures
+        if failures:
+            self.log.warning("score_failures", group_id=msg.group_id, failures=failures, samples=len(samples))
+        await self.bus.send(self.buffer, ScoredGroup(
+            group_id=msg.group_id, query_id=msg.query_id, prompt_ids=list(msg.prompt_ids), task=msg.task,
+            samples=samples, rollout=msg.rollout, gen_seconds=msg.gen_seconds, score_seconds=seconds,
+            score_failures=failures))
+
+    @handles(RunFinished)
+    def on_run_finished(self, msg: RunFinished) -> None:
+        self.request_stop(f"run finished at step {msg.step}: {msg.reason}")

@@ -1,0 +1,43 @@
+"""MathReward: scores answers by their last boxed answer against the task's reference (math_grader).
+
+Most answers are settled by the grader's sympy-free fast path, which is bounded in time (regular
+expressions and fractions); it runs in a thread, off the event loop. The undecided rest goes to the
+worker pool with the hard timeout. A configured ``grader`` (settings) skips the fast path: every item goes
+through the pool, so an experimental checker is always the one that decides.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from actors.reward.actor import RewardActor, Score, failure_detail
+from actors.reward.math_grader import MathGradeInputError, grade_math_fast
+from actors.reward.pool import TaskFailure
+from transport.protocol import Task
+
+__all__ = ["MathReward"]
+
+
+class MathReward(RewardActor):
+    default_grader = "actors.reward.math_grader:grade_math"
+    preload = ("actors.reward.math_grader",)
+    default_timeout_s = 10.0
+
+    async def score(self, text: str, task: Task) -> Score:
+        if task.kind != "math":
+            self.counters["wrong_task_kind"] += 1
+            return Score(False, f"task kind {task.kind!r} is not math", failed=True)
+        if not task.answer:
+            return Score(False, "task has no reference answer", failed=True)
+        if not self.custom_grader:
+            try:
+                verdict = await asyncio.to_thread(grade_math_fast, text, task.answer)
+            except MathGradeInputError as exc:
+                return Score(False, f"bad input: {exc}"[:300], failed=True)
+            if verdict is not None:
+                self.counters["fast_path"] += 1
+                return Score(bool(verdict.correct), verdict.reason)
+        assert self.pool is not None
+        result = await self.pool.run(self.grader, text, task.answer, timeout=self.timeout_s)
+        if isinstance(result, TaskFailure):
+            return Score(False, failure_detail(result), failed=True)
+        return Score(bool(result.correct), str(getattr(result, "reason", "")))

@@ -1,0 +1,272 @@
+"""The weight path end to end with real processes: trainer (this test) -> param server -> 3 rollouts.
+
+The system runs under the Supervisor: a ParamServerActor, three RolloutActors (two interruptible, one
+with ``gen.interruptible: false``, the synchronous baseline) and a MathReward. This test process plays
+the trainer (its own BulkLink on train_to_ps, WeightsPublished requests) and the buffer (a Bus bound at
+the buffer's endpoint that sends GenerateGroup and collects ScoredGroup / GroupReturned). The tests share
+one running system and run in file order: live swap, restart of a killed rollout, clean end of the run.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import uvloop
+
+from actors.base import ActorSpec
+from actors.engines.checkpoint import bucketize, hf_state_dict, save_model
+from actors.engines.testing import tiny_model
+from actors.param_server import WeightsStatus, WeightsStatusRequest
+from actors.supervisor import Supervisor
+from actors.weights import weights_hash
+from transport.bulk import BulkLink, LinkConfig
+from transport.bus import Bus, Envelope
+from transport.protocol import (GenerateGroup, GroupReturned, RunFinished, ScoredGroup, Task, WeightsPublished,
+                                WeightsStored)
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER_DIR = ROOT / "configs" / "models" / "arith-tiny"
+ROLLOUTS = ["rollout.0", "rollout.1", "rollout.2"]      # rollout.2 pauses for weights (not interruptible)
+WAIT_S = 90.0
+LINK_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model_dir(path: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen2 in Hugging Face layout with the shipped arith tokenizer (vocab 272)."""
+    save_model(tiny_model(seed, vocab_size=272, max_position_embeddings=4096), str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(TOKENIZER_DIR / name, path / name)
+    return path
+
+
+def trainer_weights(seed: int) -> tuple[list[list[tuple[str, torch.Tensor]]], str]:
+    """The 'trained' weights of one version: another random model's parameters, in ~64 KB buckets."""
+    named = list(hf_state_dict(tiny_model(seed, vocab_size=272, max_position_embeddings=4096)).items())
+    return list(bucketize(named, 64 << 10)), weights_hash(named)
+
+
+def link(name: str, port: int, members: list[str], member: str) -> dict[str, Any]:
+    return LinkConfig(name=name, backend="gloo", master_addr="127.0.0.1", master_port=port,
+                      rank=members.index(member), world_size=len(members), members=members,
+                      timeout_s=LINK_TIMEOUT_S).to_dict()
+
+
+class System:
+    """The actors under a Supervisor plus this process's trainer and buffer ends, on one event loop."""
+
+    def __init__(self, root: Path) -> None:
+        self.loop = uvloop.new_event_loop()
+        self.root = root
+        self.run_dir = root / "run"
+        self.model_dir = make_model_dir(root / "model")
+        sock = root / "s"
+        sock.mkdir()
+        names = ["param_server", *ROLLOUTS, "reward.0", "trainer", "buffer"]
+        self.endpoints = {n: f"ipc://{sock}/{n}" for n in names}
+        self.train_members, self.roll_members = ["trainer", "param_server"], ["param_server", *ROLLOUTS]
+        self.ports = {"train_to_ps": free_port(), "ps_to_rollout": free_port()}
+        self.scored: asyncio.Queue[ScoredGroup] = asyncio.Queue()
+        self.returned: asyncio.Queue[GroupReturned] = asyncio.Queue()
+        self.hashes: dict[int, str] = {}
+
+    def links_of(self, name: str) -> dict[str, Any]:
+        out = {}
+        for lname, members in (("train_to_ps", self.train_members), ("ps_to_rollout", self.roll_members)):
+            if name in members:
+                out[lname] = link(lname, self.ports[lname], members, name)
+        return out
+
+    def spec(self, name: str, cls: str, index: int, **extra: Any) -> ActorSpec:
+        settings: dict[str, Any] = {
+            "model": {"path": str(self.model_dir), "dtype": "float32"},
+            "algo": {"reward_correct": 5.0, "reward_wrong": -5.0},
+            "gen": {"interruptible": True},
+            "run": {"recover": "off"},
+            "groups": {"param_server": ["param_server"], "rollout": ROLLOUTS, "reward": ["reward.0"],
+                       "buffer": ["buffer"], "trainer": ["trainer"]},
+            "instance": {"index": index, "cpu_workers": 1},
+            "links": self.links_of(name),
+            "bus": {"heartbeat_interval": 0.5, "heartbeat_timeout": 3.0},
+            "log_console": False, "stats_every_s": 0, "drain_timeout": 10, "ack_timeout_s": 60, "retry_s": 1.0,
+            "seed": 3,
+        }
+        settings.update(extra)
+        peers = {n: e for n, e in self.endpoints.items() if n != name}
+        return ActorSpec(name=name, cls=cls, endpoint=self.endpoints[name], peers=peers, settings=settings,
+                         run_dir=str(self.run_dir), env={"OMP_NUM_THREADS": "1"})
+
+    def run(self, coro: Any, timeout: float = WAIT_S) -> Any:
+        async def bounded() -> Any:
+            async with asyncio.timeout(timeout):
+                return await coro
+        return self.loop.run_until_complete(bounded())
+
+    async def start(self) -> None:
+        specs = [self.spec("param_server", "actors.param_server:ParamServerActor", 0)]
+        for i, name in enumerate(ROLLOUTS):
+            extra = {"gen": {"interruptible": False}} if name == "rollout.2" else {}
+            specs.append(self.spec(name, "actors.rollout:RolloutActor", i, **extra))
+        specs.append(self.spec("reward.0", "actors.reward.math:MathReward", 0))
+        self.sup = Supervisor(specs, self.run_dir, backoff_initial=0.2, ready_timeout=WAIT_S, stop_timeout=20)
+        self.trainer_link = BulkLink(LinkConfig.from_dict(link("train_to_ps", self.ports["train_to_ps"],
+                                                               self.train_members, "trainer")))
+        # The trainer is the train link's rendezvous master: it joins while the actors start.
+        opening = asyncio.ensure_future(asyncio.to_thread(self.trainer_link.open, 0))
+        self.trainer = await Bus("trainer", self.endpoints["trainer"], {"param_server": self.endpoints["param_server"]},
+                                 heartbeat_interval=None).start()
+        self.buffer = await Bus("buffer", self.endpoints["buffer"],
+                                {n: self.endpoints[n] for n in ["param_server", *ROLLOUTS, "reward.0"]},
+                                handler=self.on_buffer, heartbeat_interval=None).start()
+        await self.sup.start()
+        await opening
+
+    def on_buffer(self, env: Envelope) -> None:
+        if isinstance(env.msg, ScoredGroup):
+            self.scored.put_nowait(env.msg)
+        elif isinstance(env.msg, GroupReturned):
+            self.returned.put_nowait(env.msg)
+
+    async def publish(self, version: int, seed: int) -> WeightsStored:
+        buckets, digest = trainer_weights(seed)
+        self.hashes[version] = digest
+        reply = asyncio.ensure_future(self.trainer.request(
+            "param_server", WeightsPublished(version=version, n_buckets=len(buckets), weights_hash=digest),
+            timeout=WAIT_S))
+        await asyncio.to_thread(lambda: [self.trainer_link.send(b, dst=1) for b in buckets])
+        stored = await reply
+        assert isinstance(stored, WeightsStored) and stored.version == version
+        return stored
+
+    async def status(self, min_version: int = -1, min_generation: int = -1, timeout_s: float = 0.0) -> WeightsStatus:
+        reply = await self.buffer.request("param_server", WeightsStatusRequest(min_version, min_generation, timeout_s),
+                                          timeout=timeout_s + 10)
+        assert isinstance(reply, WeightsStatus)
+        return reply
+
+    async def generate(self, rollout: str, group_id: str, max_new_tokens: int, n: int = 2) -> None:
+        prompt = [int(t) for t in torch.randint(1, 272, (12,), generator=torch.Generator().manual_seed(len(group_id)))]
+        await self.buffer.send(rollout, GenerateGroup(group_id=group_id, query_id=f"q-{group_id}", prompt_ids=prompt,
+                                                      n=n, task=Task(kind="math", answer="42"), temperature=1.0,
+                                                      max_new_tokens=max_new_tokens, seed=17))
+
+    async def collect(self, queue: asyncio.Queue, count: int) -> dict[str, Any]:
+        out = {}
+        while len(out) < count:
+            item = await queue.get()
+            out[item.group_id] = item
+        return out
+
+    async def close(self) -> None:
+        if getattr(self, "sup", None) is not None:
+            await self.sup.stop()
+        for bus in (getattr(self, "trainer", None), getattr(self, "buffer", None)):
+            if bus is not None:
+                await bus.close(linger=0)
+        self.trainer_link.close()
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
+    sysm = System(tmp_path_factory.mktemp("wsync"))
+    try:
+        sysm.run(sysm.start())
+        yield sysm
+    finally:
+        sysm.run(sysm.close(), timeout=60)
+        sysm.loop.close()
+
+
+def test_weights_reach_every_rollout_while_generation_continues(system: System) -> None:
+    async def body() -> None:
+        # The link forms once all three rollouts said hello (they start at the start weights, version 0).
+        st = await system.status(min_version=0, min_generation=0, timeout_s=WAIT_S)
+        assert st.reached and st.version == 0 and st.generation >= 0, st
+        # Long answers in flight on every rollout, then version 1 arrives during them.
+        for r in ROLLOUTS:
+            await system.generate(r, f"live-{r}", max_new_tokens=1500)
+        stored = await system.publish(1, seed=1)
+        assert stored.receive_seconds > 0
+        st = await system.status(min_version=1, timeout_s=WAIT_S)
+        assert st.reached, st
+        assert st.version == 1 and st.weights_hash == system.hashes[1] and st.hash_mismatches == 0
+        for name in ROLLOUTS:
+            assert st.rollouts[name].version == 1 and st.rollouts[name].weights_hash == system.hashes[1], name
+        groups = await system.collect(system.scored, len(ROLLOUTS))
+        for r in ROLLOUTS:
+            group = groups[f"live-{r}"]
+            assert group.rollout == r and group.gen_seconds > 0 and len(group.samples) == 2
+            for s in group.samples:
+                assert s.finish_reason == "length" and len(s.output_ids) == 1500
+                assert len(s.logprobs) == len(s.versions) == 1500
+                # The answer was started under version 0 and finished under version 1, switching once.
+                assert s.versions[0] == 0 and s.versions[-1] == 1, (r, s.versions[:3], s.versions[-3:])
+                assert s.versions == sorted(s.versions)
+                assert s.reward == -5.0 and not s.correct   # random tokens carry no boxed 42
+        # Interruptible rollouts stall only for the swap at a step boundary; the synchronous baseline
+        # stops generating for the whole transfer.
+        assert st.rollouts["rollout.2"].stall_seconds >= st.rollouts["rollout.2"].receive_seconds
+        for r in ("rollout.0", "rollout.1"):
+            assert st.rollouts[r].stall_seconds < st.rollouts[r].receive_seconds + st.last_sync_seconds
+        # A second version, published twice as fast as it can be pushed, still ends everywhere.
+        await system.publish(2, seed=2)
+        await system.publish(3, seed=3)
+        st = await system.status(min_version=3, timeout_s=WAIT_S)
+        assert st.reached and all(s.weights_hash == system.hashes[3] for s in st.rollouts.values()), st
+        assert st.pushes <= 3 + 1  # v1, then v2 and v3 (or v3 alone when coalesced)
+        print(f"\nweight sync (tiny model, 3 rollouts, gloo): last push {st.last_sync_seconds * 1000:.1f} ms; "
+              f"recv {[round(s.receive_seconds * 1000, 1) for s in st.rollouts.values()]} ms, "
+              f"stall {[round(s.stall_seconds * 1000, 1) for s in st.rollouts.values()]} ms")
+
+    system.run(body(), timeout=180)
+
+
+def test_killed_rollout_is_restarted_and_brought_to_the_current_version(system: System) -> None:
+    async def body() -> None:
+        before = await system.status()
+        assert before.version == 3
+        os.kill(system.sup.pids()["rollout.1"], signal.SIGKILL)
+        # The supervisor restarts it; its hello (version 0) makes the server re-form the link at a new
+        # generation and push version 3 to everyone.
+        st = await system.status(min_version=3, min_generation=before.generation + 1, timeout_s=WAIT_S)
+        assert st.reached, st
+        assert system.sup.restarts["rollout.1"] == 1
+        assert st.rollouts["rollout.1"].version == 3 and st.rollouts["rollout.1"].weights_hash == system.hashes[3]
+        # The new group carries later versions and the restarted rollout generates with them.
+        await system.publish(4, seed=4)
+        st = await system.status(min_version=4, timeout_s=WAIT_S)
+        assert st.reached and st.hash_mismatches == 0, st
+        await system.generate("rollout.1", "after-restart", max_new_tokens=20)
+        group = (await system.collect(system.scored, 1))["after-restart"]
+        assert all(s.versions == [4] * 20 for s in group.samples)
+
+    system.run(body(), timeout=180)
+
+
+def test_run_finished_hands_unfinished_groups_back(system: System) -> None:
+    async def body() -> None:
+        for r in ROLLOUTS:
+            await system.generate(r, f"unfinished-{r}", max_new_tokens=4000)
+        for name in ["param_server", *ROLLOUTS, "reward.0"]:
+            await system.buffer.send(name, RunFinished(step=4))
+        returned = await system.collect(system.returned, len(ROLLOUTS))
+        assert set(returned) == {f"unfinished-{r}" for r in ROLLOUTS}
+        assert all(g.reason in ("draining", "aborted") for g in returned.values()), returned
+        codes = await asyncio.gather(*(c.proc.wait() for c in system.sup.children.values()))
+        assert codes == [0] * len(codes), {n: c.proc.returncode for n, c in system.sup.children.items()}
+        assert system.scored.empty()
+
+    system.run(body(), timeout=120)
