@@ -30,6 +30,10 @@ import re
 from fractions import Fraction
 from typing import Any
 
+# Imported here, not lazily, so that a pool preloading this module has sympy loaded before its
+# workers report ready: a lazy import inside the first check would count against that item's timeout.
+import sympy  # noqa: F401
+
 __all__ = [
     "DEFAULT_CORRECT_REWARD",
     "DEFAULT_WRONG_REWARD",
