@@ -25,7 +25,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from actors.dataset import DatasetError, Dataset, OnError, Record, load_dataset
 from actors.engines.base import SamplingParams
@@ -257,30 +257,30 @@ def _fmt(value: Any, pct: bool = True) -> str:
     return f"{100 * value:.1f}" if pct else f"{value:.1f}"
 
 
-def render_table(report: dict[str, Any]) -> None:
+def render_table(report: dict[str, Any], stream: TextIO | None = None) -> None:
+    """Per-level rows and an "all" row; columns only for what was measured (accuracies in %)."""
     from rich.console import Console
     from rich.table import Table
 
     k = report["k"]
-    table = Table(title=f"{report.get('model_dir', 'model')} on {report.get('data', 'data')} "
-                        f"({report['n_prompts']} prompts, {report['samples']} samples at T={report['temperature']})")
-    columns = [("level", None, False), ("n", "n", None), ("greedy %", "greedy_accuracy", True),
-               ("pass@1 %", "pass@1", True), (f"pass@{k} %", f"pass@{k}", True), (f"maj@{k} %", f"maj@{k}", True),
+    columns = [("n", "n", None), ("greedy %", "greedy_accuracy", True), ("pass@1 %", "pass@1", True),
+               (f"pass@{k} %", f"pass@{k}", True), (f"maj@{k} %", f"maj@{k}", True),
                ("greedy len", "greedy_len", False), ("sample len", "sample_len", False),
-               ("cut off %", "sample_truncated", True)]
+               ("greedy cut %", "greedy_truncated", True), ("sample cut %", "sample_truncated", True)]
+    columns = [c for c in columns if c[1] in report["overall"]]
+    table = Table(title=f"{report.get('model_dir', 'model')} on {report.get('data', 'data')}: {report['n_prompts']} "
+                        f"prompts, {report['samples']} samples per prompt at T={report['temperature']}")
+    table.add_column("level")
     for title, _, _ in columns:
-        table.add_column(title, justify="left" if title == "level" else "right")
-    lines = [(lvl, s) for lvl, s in report["by_level"].items()] + [("all", report["overall"])]
-    for name, summary in lines:
-        cells = [name]
-        for _, key, pct in columns[1:]:
-            value = summary.get(key)
-            cells.append(str(value) if key == "n" else _fmt(value, bool(pct)))
-        table.add_row(*cells, end_section=name == lines[-2][0])
-    console = Console()
+        table.add_column(title, justify="right")
+    lines = list(report["by_level"].items()) + [("all", report["overall"])]
+    for i, (name, summary) in enumerate(lines):
+        cells = [str(summary["n"]) if key == "n" else _fmt(summary.get(key), bool(pct)) for _, key, pct in columns]
+        table.add_row(name, *cells, end_section=i == len(lines) - 2)
+    out = stream or sys.stdout
+    console = Console(file=out, width=None if out.isatty() else 140)
     console.print(table)
-    secs = report["seconds"]
-    console.print(f"seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in secs.items()))
+    console.print("seconds: " + ", ".join(f"{name} {v:.1f}" for name, v in report["seconds"].items()))
 
 
 def _levels(text: str | None) -> list[int] | None:
@@ -290,7 +290,7 @@ def _levels(text: str | None) -> list[int] | None:
     return parse_levels(text)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoint", help="model directory (Hugging Face layout, with tokenizer.json)")
     ap.add_argument("--data", required=True, help="JSON-lines dataset with answers")
@@ -309,9 +309,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
     try:
+        levels = _levels(args.levels)
+    except ValueError as e:
+        ap.error(str(e))
+    try:
         report = evaluate(args.checkpoint, args.data, k=args.k, samples=args.samples, greedy=not args.no_greedy,
                           temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                          levels=_levels(args.levels), max_per_level=args.max_per_level, device=args.device,
+                          levels=levels, max_per_level=args.max_per_level, device=args.device,
                           workers=args.workers, on_error=args.on_error, details=bool(args.details))
     except (EvalError, DatasetError, CheckpointError, TokenizerError, LMToolError) as e:
         print(f"eval: error: {e}", file=sys.stderr)
@@ -320,10 +324,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.details, "w", encoding="utf-8") as f:
             for row in report.pop("prompts"):
                 f.write(json.dumps(row) + "\n")
+    out = stdout or sys.stdout
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(report), file=out)
     else:
-        render_table(report)
+        render_table(report, out)
     return 0
 
 
