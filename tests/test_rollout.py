@@ -1,0 +1,93 @@
+"""RolloutActor in-process on a tiny random model: trajectories out round-robin, bad groups handed back,
+drain hands unfinished groups back, configuration errors name the key."""
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+
+from actors.base import ActorSpec
+from actors.rollout import RolloutActor, RolloutConfigError, link_config, make_engine
+from tests.test_weight_sync import make_model_dir
+from transport.bus import Bus, Envelope, RemoteError
+from transport.protocol import GenerateGroup, GroupReturned, Task, Trajectories, WeightsReady
+
+
+def run(coro: Any, timeout: float = 60.0) -> Any:
+    async def bounded() -> Any:
+        async with asyncio.timeout(timeout):
+            return await coro
+    return uvloop.run(bounded())
+
+
+def group(group_id: str, max_new_tokens: int = 8, prompt: list[int] | None = None, n: int = 3) -> GenerateGroup:
+    return GenerateGroup(group_id=group_id, query_id="q", prompt_ids=prompt or [3, 4, 5, 6], n=n,
+                         task=Task(kind="math", answer="1"), temperature=1.0, max_new_tokens=max_new_tokens, seed=5)
+
+
+def test_rollout_generates_returns_and_drains(tmp_path: Path) -> None:
+    model_dir = make_model_dir(tmp_path / "model")
+    eps = {n: f"ipc://{tmp_path}/{n}" for n in ("rollout.0", "reward.0", "reward.1", "buffer", "param_server")}
+    spec = ActorSpec(name="rollout.0", cls="actors.rollout:RolloutActor", endpoint=eps["rollout.0"],
+                     peers={n: e for n, e in eps.items() if n != "rollout.0"}, run_dir=str(tmp_path),
+                     settings={"model": {"path": str(model_dir)}, "run": {"recover": "off"}, "log_console": False,
+                               "groups": {"reward": ["reward.0", "reward.1"], "buffer": ["buffer"]},
+                               "bus": {"heartbeat_interval": None}, "stats_every_s": 0})
+
+    async def main() -> None:
+        got: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def sink(name: str) -> Any:
+            return lambda env: got.put_nowait((name, env.msg))
+
+        buses = [await Bus(n, eps[n], {"rollout.0": eps["rollout.0"]}, handler=sink(n),
+                           heartbeat_interval=None).start() for n in ("reward.0", "reward.1", "buffer")]
+        actor = RolloutActor(spec)
+        task = asyncio.create_task(actor.run())
+        buffer = buses[2]
+        # Handlers wait for the engine, so these may be sent before the actor is ready.
+        await buffer.send("rollout.0", group("g1"))
+        first = await got.get()
+        await buffer.send("rollout.0", group("g2"))
+        second = await got.get()
+        assert [first[0], second[0]] == ["reward.0", "reward.1"]          # round-robin over reward actors
+        for _, traj in (first, second):
+            assert isinstance(traj, Trajectories) and traj.rollout == "rollout.0" and len(traj.samples) == 3
+            for s in traj.samples:
+                assert len(s.output_ids) == len(s.logprobs) == len(s.versions) == 8 and s.finish_reason == "length"
+                assert s.versions == [0] * 8 and all(math.isfinite(x) and x <= 0 for x in s.logprobs)
+        # A token outside the vocabulary cannot be generated from: handed back as invalid, not retried forever.
+        await buffer.send("rollout.0", group("bad", prompt=[1, 100000]))
+        name, msg = await got.get()
+        assert name == "buffer" and isinstance(msg, GroupReturned) and msg.reason.startswith("invalid:")
+        # Weights without a link are refused with a reason.
+        with pytest.raises(RemoteError, match="no weights link"):
+            await buffer.request("rollout.0", WeightsReady(version=1, n_buckets=1, weights_hash="x", generation=0),
+                                 timeout=10)
+        # Stopping mid-generation hands the group back to the buffer.
+        decoding = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        actor.engine.on_step = lambda step: loop.call_soon_threadsafe(decoding.set)  # decode-thread hook
+        await buffer.send("rollout.0", group("long", max_new_tokens=3000, n=2))
+        await decoding.wait()          # the only request in the engine is being decoded
+        actor.request_stop("test over")
+        name, msg = await got.get()
+        assert name == "buffer" and msg == GroupReturned(group_id="long", reason="draining")
+        assert await task == 0
+        assert actor.counters["groups_generated"] == 2 and actor.counters["groups_returned"] == 2
+        for bus in buses:
+            await bus.close(linger=0)
+
+    run(main())
+
+
+def test_configuration_errors_name_the_key(tmp_path: Path) -> None:
+    with pytest.raises(RolloutConfigError, match="engine: 'vllm' is not available"):
+        make_engine({"engine": "vllm"}, 0, str(tmp_path))
+    with pytest.raises(RolloutConfigError, match="link: link 'weights' is not in settings.links"):
+        link_config({"link": "weights", "links": {}}, "ps_to_rollout")
+    assert link_config({"links": {}}, "ps_to_rollout") is None
