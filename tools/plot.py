@@ -28,14 +28,16 @@ from typing import Any
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 
-# plot name -> (title, y label, [(key, label)])
-PLOTS: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
-    "reward": ("Reward and accuracy", "value", [("task_reward", "task reward"), ("accuracy", "training accuracy")]),
-    "throughput": ("Effective training throughput", "tokens / s", [("effective_throughput", "effective throughput")]),
-    "staleness": ("Sample staleness", "versions", [("staleness_mean", "mean"), ("staleness_max", "max")]),
-    "timing": ("Step, weight-sync and stall times", "seconds",
-               [("step_seconds", "step"), ("train_seconds", "train"), ("weight_sync_seconds", "weight sync"),
-                ("wait_seconds", "trainer stall (waiting for a batch)")]),
+# plot name -> (title, panels: [(y label, [(key, label)])]); the "accuracy" panel also gets the
+# per-level training accuracy and the held-out accuracy of eval.jsonl.
+PLOTS: dict[str, tuple[str, list[tuple[str, list[tuple[str, str]]]]]] = {
+    "reward": ("Reward and accuracy", [("task reward", [("task_reward", "task reward")]),
+                                       ("accuracy", [("accuracy", "training accuracy")])]),
+    "throughput": ("Effective training throughput", [("tokens / s", [("effective_throughput", "effective throughput")])]),
+    "staleness": ("Sample staleness", [("versions", [("staleness_mean", "mean"), ("staleness_max", "max")])]),
+    "timing": ("Step, weight-sync and stall times",
+               [("seconds", [("step_seconds", "step"), ("train_seconds", "train"),
+                             ("weight_sync_seconds", "weight sync"), ("wait_seconds", "trainer stall (waiting for a batch)")])]),
 }
 
 
@@ -134,28 +136,32 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, axis: str =
     out.mkdir(parents=True, exist_ok=True)
     present = {k for r in rows for k, v in r.items() if _number(v) is not None or isinstance(v, dict)}
     written: list[Path] = []
-    for name, (title, ylabel, keys) in PLOTS.items():
-        fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, (title, panels) in PLOTS.items():
+        fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3.2 * len(panels) + 1), sharex=True, squeeze=False)
         drawn = 0
-        for key, label in keys:
-            if key not in present:
-                notes.append(f"{name}.png: no '{key}' in the metrics, skipped")
-                continue
-            px, py = series(rows, xs, key)
-            ax.plot(px, py, label=label, marker="." if len(px) < 50 else None)
-            drawn += 1
-        if name == "reward":
-            drawn += _plot_levels(ax, rows, xs, notes)
-            drawn += _plot_evals(ax, evals, axis, t0, notes)
+        for ax, (ylabel, keys) in zip(axes[:, 0], panels):
+            here = 0
+            for key, label in keys:
+                if key not in present:
+                    notes.append(f"{name}.png: no '{key}' in the metrics, skipped")
+                    continue
+                px, py = series(rows, xs, key)
+                ax.plot(px, py, label=label, marker="." if len(px) < 50 else None)
+                here += 1
+            if ylabel == "accuracy":
+                here += _plot_levels(ax, rows, xs, notes)
+                here += _plot_evals(ax, evals, axis, t0, notes)
+            if here:
+                ax.set_ylabel(ylabel)
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize="small")
+            drawn += here
         if not drawn:
             notes.append(f"{name}.png: nothing to plot, not written")
             plt.close(fig)
             continue
-        ax.set_title(title)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        axes[0, 0].set_title(title)
+        axes[-1, 0].set_xlabel(xlabel)
         fig.tight_layout()
         path = out / f"{name}.png"
         fig.savefig(path, dpi=100)
