@@ -1,0 +1,95 @@
+"""ParamServerActor in-process with this test as the trainer: hash check on publish, storage, status,
+stale versions, configuration errors. (The push to rollouts is in test_weight_sync.py.)"""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+
+from actors.base import ActorSpec
+from actors.param_server import ParamServerActor, WeightsStatus, WeightsStatusRequest, load_start_weights
+from actors.weights import weights_hash
+from actors.engines.checkpoint import hf_state_dict, load_model
+from tests.test_weight_sync import free_port, link, make_model_dir, trainer_weights
+from transport.bulk import BulkLink, LinkConfig
+from transport.bus import Bus, RemoteError
+from transport.protocol import WeightsPublished, WeightsStored
+
+
+def run(coro: Any, timeout: float = 60.0) -> Any:
+    async def bounded() -> Any:
+        async with asyncio.timeout(timeout):
+            return await coro
+    return uvloop.run(bounded())
+
+
+def spec(tmp_path: Path, model_dir: Path, ports: dict[str, int], roll_members: list[str]) -> ActorSpec:
+    eps = {n: f"ipc://{tmp_path}/{n}" for n in ("param_server", "trainer", "rollout.0")}
+    links = {"train_to_ps": link("train_to_ps", ports["train_to_ps"], ["trainer", "param_server"], "param_server"),
+             "ps_to_rollout": link("ps_to_rollout", ports["ps_to_rollout"], roll_members, "param_server")}
+    return ActorSpec(name="param_server", cls="actors.param_server:ParamServerActor", endpoint=eps["param_server"],
+                     peers={n: e for n, e in eps.items() if n != "param_server"}, run_dir=str(tmp_path),
+                     settings={"model": {"path": str(model_dir), "dtype": "float32"}, "run": {"recover": "off"},
+                               "links": links, "log_console": False, "bus": {"heartbeat_interval": None},
+                               "bucket_bytes": 32 << 10})
+
+
+def test_start_weights_hash_matches_a_loaded_model(tmp_path: Path) -> None:
+    model_dir = make_model_dir(tmp_path / "model")
+    stored = load_start_weights({"model": {"path": str(model_dir), "dtype": "float32"}, "run": {"recover": "off"}},
+                                tmp_path, 32 << 10)
+    assert stored.version == 0 and len(stored.packed) > 1
+    assert stored.weights_hash == weights_hash(hf_state_dict(load_model(str(model_dir))).items())
+
+
+def test_publish_checks_the_hash_and_stores_the_newest(tmp_path: Path) -> None:
+    model_dir = make_model_dir(tmp_path / "model")
+    ports = {"train_to_ps": free_port(), "ps_to_rollout": free_port()}
+    s = spec(tmp_path, model_dir, ports, ["param_server", "rollout.0"])
+
+    async def main() -> None:
+        actor = ParamServerActor(s)
+        task = asyncio.create_task(actor.run())
+        trainer_link = BulkLink(LinkConfig.from_dict(link("train_to_ps", ports["train_to_ps"],
+                                                          ["trainer", "param_server"], "trainer")))
+        await asyncio.to_thread(trainer_link.open, 0)
+        trainer = await Bus("trainer", f"ipc://{tmp_path}/trainer", {"param_server": s.endpoint},
+                            heartbeat_interval=None).start()
+
+        async def publish(version: int, seed: int, announced: str | None = None) -> Any:
+            buckets, digest = trainer_weights(seed)
+            reply = asyncio.ensure_future(trainer.request("param_server", WeightsPublished(
+                version=version, n_buckets=len(buckets), weights_hash=announced or digest), timeout=30))
+            await asyncio.to_thread(lambda: [trainer_link.send(b, dst=1) for b in buckets])
+            return await reply, digest
+
+        with pytest.raises(RemoteError, match=r"version 1: buckets hash to \w+, the trainer announced bogus"):
+            await publish(1, seed=1, announced="bogus")
+        stored, h1 = await publish(1, seed=1)
+        assert isinstance(stored, WeightsStored) and stored.version == 1
+        status = await trainer.request("param_server", WeightsStatusRequest(), timeout=10)
+        assert isinstance(status, WeightsStatus) and status.version == 1 and status.weights_hash == h1
+        assert status.generation == -1 and status.pushes == 0   # no rollout said hello: no link yet
+        assert not status.rollouts["rollout.0"].hello
+        # A version not newer than the stored one is acknowledged but does not replace it.
+        stale, _ = await publish(1, seed=9)
+        assert isinstance(stale, WeightsStored)
+        status = await trainer.request("param_server", WeightsStatusRequest(), timeout=10)
+        assert status.weights_hash == h1 and actor.counters["versions_stored"] == 1
+        actor.request_stop("test over")
+        assert await task == 0
+        await trainer.close(linger=0)
+
+    run(main())
+
+
+def test_param_server_must_be_first_on_the_rollout_link(tmp_path: Path) -> None:
+    ports = {"train_to_ps": free_port(), "ps_to_rollout": free_port()}
+    s = spec(tmp_path, make_model_dir(tmp_path / "model"), ports, ["rollout.0", "param_server"])
+    actor = ParamServerActor(s)
+    assert run(actor.run()) == 1
+    log = (tmp_path / "logs" / "param_server.jsonl").read_text()
+    assert "the parameter server must be listed first" in log
