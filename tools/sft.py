@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
