@@ -106,3 +106,16 @@ def test_accumulate_style_boxes_the_same_answer():
         for solution in rec.get("solutions", []):
             assert last_boxed(solution) == rec["answer"]
             assert solution.count("=") == rec["level"]
+
+
+def test_direct_fraction_states_only_the_answer_on_some_solutions():
+    base = make_task.make_splits(seed=4, **SMALL)
+    mixed = make_task.make_splits(seed=4, **SMALL, direct_fraction=0.5)
+    assert [r["prompt"] for r in mixed["train"]] == [r["prompt"] for r in base["train"]]
+    solved = [r for r in mixed["train"] if "solutions" in r]
+    direct = [r for r in solved if r["solutions"][0] == f"\\boxed{{{r['answer']}}}"]
+    assert 0.4 < len(direct) / len(solved) < 0.6
+    assert all(last_boxed(r["solutions"][0]) == r["answer"] for r in solved)
+    assert not any("solutions" in r for r in mixed["train"] if r["level"] > 3)
+    with pytest.raises(ValueError, match="direct_fraction"):
+        make_task.make_splits(seed=0, **SMALL, direct_fraction=1.5)

@@ -155,13 +155,17 @@ def record(problem: Problem, split: str, index: int, solved: bool, style: str = 
 def make_splits(seed: int = 0, levels: Iterable[int] = DEFAULT_LEVELS,
                 solved_levels: Iterable[int] = DEFAULT_SOLVED_LEVELS, train_per_level: int = 4000,
                 test_per_level: int = 200, max_operand: int = 9,
-                style: str = "rewrite", partial: str = "none") -> dict[str, list[dict]]:
+                style: str = "rewrite", partial: str = "none",
+                direct_fraction: float = 0.0) -> dict[str, list[dict]]:
     """Builds the train and test splits; the test split is drawn first so it never shrinks.
 
     ``partial`` says which problems of the levels outside ``solved_levels`` still get a worked
     solution: "none", "additions" (only chains of "+", as if the teacher solved only those) or
-    "sample:P" (a seeded fraction P of them).
+    "sample:P" (a seeded fraction P of them). ``direct_fraction`` of the worked solutions only
+    state the answer (``\\boxed{7}``), as a teacher that often skips its working would.
     """
+    if not 0.0 <= direct_fraction <= 1.0:
+        raise ValueError(f"direct_fraction must be within [0, 1], got {direct_fraction}")
     levels, solved = sorted(set(levels)), set(solved_levels)
     has_solution = partial_rule(partial)
     if not levels or min(levels) < 1:
@@ -182,9 +186,14 @@ def make_splits(seed: int = 0, levels: Iterable[int] = DEFAULT_LEVELS,
                              exclude={p.expr for p in test})
         # A separate stream per level, so the choice of partial solutions never shifts the splits.
         pick = random.Random(f"{seed}/{level}/partial")
+        direct = random.Random(f"{seed}/{level}/direct")
         for split, problems in (("test", test), ("train", train)):
-            splits[split].extend(record(p, split, i, level in solved or has_solution(p, pick), style)
-                                 for i, p in enumerate(problems))
+            for i, p in enumerate(problems):
+                solved_here = level in solved or has_solution(p, pick)
+                rec = record(p, split, i, solved_here, style)
+                if solved_here and direct.random() < direct_fraction:
+                    rec["solutions"] = [f"\\boxed{{{rec['answer']}}}"]
+                splits[split].append(rec)
     for split in splits.values():
         rng.shuffle(split)
     return splits
@@ -239,11 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-operand", type=int, default=9)
     ap.add_argument("--partial", default="none",
                     help="worked solutions on the other levels: none, additions, sample:P")
+    ap.add_argument("--direct-fraction", type=float, default=0.0,
+                    help="fraction of worked solutions that only state the boxed answer")
     ap.add_argument("--style", choices=SOLUTION_STYLES, default="rewrite", help="worked-solution format")
     args = ap.parse_args(argv)
     try:
         splits = make_splits(args.seed, parse_levels(args.levels), parse_levels(args.solved_levels),
-                             args.train_per_level, args.test_per_level, args.max_operand, args.style, args.partial)
+                             args.train_per_level, args.test_per_level, args.max_operand, args.style, args.partial,
+                             args.direct_fraction)
     except ValueError as e:
         print(f"make_task: {e}", file=sys.stderr)
         return 2
