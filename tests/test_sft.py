@@ -111,8 +111,11 @@ def test_sft_continues_from_a_checkpoint_with_weights(tiny, tmp_path):
     model, initialised = load_or_init(tmp_path / "first")
     assert not initialised
     logs: list[str] = []
-    summary = sft.run_sft(config(tiny, tmp_path / "second", model=str(tmp_path / "first"), steps=2), logs.append)
+    summary = sft.run_sft(config(tiny, tmp_path / "second", model=str(tmp_path / "first"), steps=2,
+                                 eval_data=str(tiny["data"] / "test.jsonl"), eval_every=2), logs.append)
     assert not summary["initialised_randomly"] and any("loaded" in line for line in logs)
+    # The loaded weights are evaluated first: a kept checkpoint must beat them.
+    assert [e["step"] for e in read_metrics(tmp_path / "second") if e["kind"] == "eval"] == [0, 2]
 
 
 def test_until_plateau_stops_and_keeps_the_best_checkpoint(tiny, tmp_path):

@@ -214,6 +214,34 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any
             metrics.write(json.dumps(entry) + "\n")
             metrics.flush()
 
+        def held_out(step: int) -> bool:
+            """Evaluate, keep the checkpoint if it is the best so far; True when the run should stop."""
+            nonlocal best, eval_seconds
+            t1 = time.perf_counter()
+            report = evaluate_model(copy_for_eval(engine.model), tokenizer, eval_records, eval_settings)
+            dt_eval = time.perf_counter() - t1
+            eval_seconds += dt_eval
+            acc = report["overall"]["greedy_accuracy"]
+            by_level = {lvl: s["greedy_accuracy"] for lvl, s in report["by_level"].items()}
+            new_best, stop = plateau.update(acc)
+            entry = {"kind": "eval", "step": step, "accuracy": acc, "accuracy_by_level": by_level,
+                     "answer_len": report["overall"]["greedy_len"],
+                     "truncated": report["overall"]["greedy_truncated"], "n": report["n_prompts"],
+                     "eval_seconds": dt_eval, "best": new_best, "time": time.time()}
+            record(entry)
+            evals.append(entry)
+            if new_best:
+                engine.save(str(out))
+                best = entry
+            levels_text = " ".join(f"L{lvl} {100 * a:.1f}" for lvl, a in by_level.items())
+            log(f"eval step {step}: accuracy {100 * acc:.1f}% ({levels_text})  "
+                f"len {report['overall']['greedy_len']:.1f}  {dt_eval:.1f} s"
+                f"{'  best, saved' if new_best else f'  (best {100 * plateau.best:.1f}%)'}")
+            return cfg.until_plateau and stop
+
+        # Continuing from weights: they are the baseline a kept checkpoint must beat.
+        if cfg.eval_every and not initialised:
+            held_out(0)
         for step in range(1, steps + 1):
             chosen = [examples[i] for i in next(batches)]
             t0 = time.perf_counter()
@@ -237,27 +265,7 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any
                 log(f"step {step}/{steps}  loss {w_loss:.4f}  lr {last['lr']:.2e}  {w_tps:,.0f} tok/s")
                 window.clear()
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == steps):
-                t1 = time.perf_counter()
-                report = evaluate_model(copy_for_eval(engine.model), tokenizer, eval_records, eval_settings)
-                dt_eval = time.perf_counter() - t1
-                eval_seconds += dt_eval
-                acc = report["overall"]["greedy_accuracy"]
-                by_level = {lvl: s["greedy_accuracy"] for lvl, s in report["by_level"].items()}
-                new_best, stop = plateau.update(acc)
-                entry = {"kind": "eval", "step": step, "accuracy": acc, "accuracy_by_level": by_level,
-                         "answer_len": report["overall"]["greedy_len"],
-                         "truncated": report["overall"]["greedy_truncated"], "n": report["n_prompts"],
-                         "eval_seconds": dt_eval, "best": new_best, "time": time.time()}
-                record(entry)
-                evals.append(entry)
-                if new_best:
-                    engine.save(str(out))
-                    best = entry
-                levels_text = " ".join(f"L{lvl} {100 * a:.1f}" for lvl, a in by_level.items())
-                log(f"eval step {step}: accuracy {100 * acc:.1f}% ({levels_text})  "
-                    f"len {report['overall']['greedy_len']:.1f}  {dt_eval:.1f} s"
-                    f"{'  best, saved' if new_best else f'  (best {100 * plateau.best:.1f}%)'}")
-                if cfg.until_plateau and stop:
+                if held_out(step):
                     stop_reason = "plateau"
                     log(f"sft: held-out accuracy has not improved by more than {100 * cfg.min_delta:.2f} points "
                         f"for {cfg.patience} evaluations: stopping at step {step}")
