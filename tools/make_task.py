@@ -7,10 +7,11 @@ then boxes the result::
     prompt:    "Compute: 7+2-5+3\\n"
     solution:  "9-5+3=4+3=7 \\boxed{7}"
 
-Every step looks like a shorter problem, so a model that learned the easy levels can in principle
-extend the procedure to longer chains; whether it does is what RL has to teach. Worked solutions are
-written only for the "solved" levels (by default 1-3); the harder levels carry a prompt and a final
-answer only, so supervised fine-tuning cannot learn them and RL, rewarded on the boxed answer, can.
+Worked solutions are written only for the "solved" levels (by default 1-3); the harder levels carry
+a prompt and a final answer only. By default (``--direct-fraction 0.8``) most worked solutions only
+state the answer (``\\boxed{7}``), as a teacher that usually skips its working would: a student
+imitating that mix answers "in its head" most of the time and is often wrong, and RL, rewarded on the
+boxed answer, learns to work step by step. docs/task.md has the measurements behind these defaults.
 
 Records follow the seeds' JSON-lines layout: ``query_id``, ``prompt``, ``answer`` and, where a worked
 solution exists, ``solutions`` (a list of strings ending in ``\\boxed{answer}``), plus ``level``.
@@ -30,8 +31,10 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 PROMPT_TEMPLATE = "Compute: {expr}\n"
-DEFAULT_LEVELS = (1, 2, 3, 4, 5)
+DEFAULT_LEVELS = (1, 2, 3, 4)
 DEFAULT_SOLVED_LEVELS = (1, 2, 3)
+# The research recipe's share of answer-only demonstrations (docs/task.md); the CLI default.
+RECIPE_DIRECT_FRACTION = 0.8
 SOLUTION_STYLES = ("rewrite", "accumulate")
 
 
@@ -153,7 +156,7 @@ def record(problem: Problem, split: str, index: int, solved: bool, style: str = 
 
 
 def make_splits(seed: int = 0, levels: Iterable[int] = DEFAULT_LEVELS,
-                solved_levels: Iterable[int] = DEFAULT_SOLVED_LEVELS, train_per_level: int = 4000,
+                solved_levels: Iterable[int] = DEFAULT_SOLVED_LEVELS, train_per_level: int = 6000,
                 test_per_level: int = 200, max_operand: int = 9,
                 style: str = "rewrite", partial: str = "none",
                 direct_fraction: float = 0.0) -> dict[str, list[dict]]:
@@ -241,14 +244,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.make_task", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("data/arith"), help="directory for train/test.jsonl")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--levels", default="1-5", help="levels to generate, e.g. 1-5")
+    ap.add_argument("--levels", default="1-4", help="levels to generate, e.g. 1-5")
     ap.add_argument("--solved-levels", default="1-3", help="levels that get worked solutions")
-    ap.add_argument("--train-per-level", type=int, default=4000)
+    ap.add_argument("--train-per-level", type=int, default=6000)
     ap.add_argument("--test-per-level", type=int, default=200)
     ap.add_argument("--max-operand", type=int, default=9)
     ap.add_argument("--partial", default="none",
                     help="worked solutions on the other levels: none, additions, sample:P")
-    ap.add_argument("--direct-fraction", type=float, default=0.0,
+    ap.add_argument("--direct-fraction", type=float, default=RECIPE_DIRECT_FRACTION,
                     help="fraction of worked solutions that only state the boxed answer")
     ap.add_argument("--style", choices=SOLUTION_STYLES, default="rewrite", help="worked-solution format")
     args = ap.parse_args(argv)
