@@ -14,9 +14,14 @@ After a recovery (actors/recovery.py) the buffer restores the cursor and gate fr
 k; what was in flight or ready-but-untrained at step k is re-issued first, and the gate counters are
 restored to match, so no prompt is lost, none is trained twice, and the staleness bound still holds.
 
+Lost work: the buffer picks the rollout AND the reward actor of every group, so when either dies
+(heartbeats) or says WorkerHello after a restart (which can be faster than heartbeats notice), exactly
+the groups it held are issued again; late answers of re-issued groups are ignored. A group with no result
+after `buffer.group_timeout_s` is issued again as a last resort.
+
 Settings read: model.path (tokenizer), data.train, data.on_bad_line, seed, algo.batch_size,
 algo.group_size, algo.eta, algo.dynamic_sampling, gen.* (sampling of the GenerateGroup),
-buffer.max_groups_per_rollout, buffer.max_concurrent_groups.
+buffer.max_groups_per_rollout, buffer.max_concurrent_groups, buffer.group_timeout_s.
 """
 from __future__ import annotations
 
@@ -33,10 +38,11 @@ from typing import Any
 from actors.base import Actor, handles
 from actors.dataset import load_dataset
 from actors.engines.tokenizer import load_tokenizer
-from actors.recovery import latest_checkpoint, recovering
+from actors.recovery import latest_checkpoint, recovering, refuse_restart_within_launch
 from algo.staleness import StalenessGate
 from transport.protocol import (Batch, BatchRequest, BufferStats, CheckpointDone, CheckpointRequest,
-                                GenerateGroup, GroupReturned, RunFinished, ScoredGroup, Task, VersionUpdate)
+                                GenerateGroup, GroupReturned, RunFinished, ScoredGroup, Task, VersionUpdate,
+                                WorkerHello)
 
 Key = tuple[int, int]  # (epoch, index into the dataset): one prompt of one pass over the data
 
@@ -45,6 +51,7 @@ Key = tuple[int, int]  # (epoch, index into the dataset): one prompt of one pass
 class InFlight:
     key: Key
     rollout: str
+    reward: str
     issued_at: float
 
 
@@ -57,6 +64,7 @@ def group_start_version(group: ScoredGroup) -> int:
 class BufferActor(Actor):
     async def on_start(self) -> None:
         s = self.settings
+        refuse_restart_within_launch(self)
         algo = s.get("algo") or {}
         self.batch_size = int(algo.get("batch_size", 32))
         self.group_size = int(algo.get("group_size", 8))
@@ -77,6 +85,12 @@ class BufferActor(Actor):
         self.rollouts: list[str] = list((s.get("groups") or {}).get("rollout", []))
         if not self.rollouts:
             raise ValueError("groups.rollout: the buffer needs at least one rollout actor")
+        self.rewards: list[str] = list((s.get("groups") or {}).get("reward", []))
+        if not self.rewards:
+            raise ValueError("groups.reward: the buffer needs at least one reward actor")
+        # Last resort for a group lost without any sign (a message dropped by a dying process): issue again.
+        self.group_timeout_s = float(buf.get("group_timeout_s", 1800.0))
+        self.greeted: set[str] = set()  # workers whose current incarnation said WorkerHello
         max_conc = buf.get("max_concurrent_groups")
         self.gate = StalenessGate(self.batch_size, self.eta, int(max_conc) if max_conc else None)
 
@@ -101,6 +115,7 @@ class BufferActor(Actor):
 
     async def on_ready(self) -> None:
         self.spawn(self._dispatch_loop(), name="dispatch")
+        self.spawn(self._expire_loop(), name="expire", critical=False)
         self.changed.set()
 
     # --- handing out work -------------------------------------------------------------------------
@@ -121,12 +136,12 @@ class BufferActor(Actor):
         self.position += 1
         return key
 
-    def _least_loaded_rollout(self) -> str | None:
-        load = {r: 0 for r in self.rollouts if self.bus.peer_alive(r)}
+    def _least_loaded(self, names: list[str], attr: str, cap: int | None) -> str | None:
+        load = {r: 0 for r in names if r in self.greeted and self.bus.peer_alive(r)}
         for f in self.inflight.values():
-            if f.rollout in load:
-                load[f.rollout] += 1
-        free = [(n, r) for r, n in load.items() if n < self.max_per_rollout]
+            if getattr(f, attr) in load:
+                load[getattr(f, attr)] += 1
+        free = [(n, r) for r, n in load.items() if cap is None or n < cap]
         return min(free)[1] if free else None
 
     async def _dispatch_loop(self) -> None:
@@ -134,21 +149,22 @@ class BufferActor(Actor):
             await self.changed.wait()
             self.changed.clear()
             while not self.finished and self.gate.can_admit():
-                rollout = self._least_loaded_rollout()
-                if rollout is None:
+                rollout = self._least_loaded(self.rollouts, "rollout", self.max_per_rollout)
+                reward = self._least_loaded(self.rewards, "reward", None)
+                if rollout is None or reward is None:
                     break
                 key = self._next_key()
                 self.gate.admit(1)
                 self.attempts += 1
                 gid = f"{key[0]}-{key[1]}-{self.attempts}"
-                self.inflight[gid] = InFlight(key, rollout, time.time())
+                self.inflight[gid] = InFlight(key, rollout, reward, time.time())
                 rec = self.dataset.records[key[1]]
                 await self.bus.send(rollout, GenerateGroup(
                     group_id=gid, query_id=rec.query_id, prompt_ids=self.prompt_ids[key[1]], n=self.group_size,
                     task=Task(kind=str(rec.extra.get("task", "math")), answer=rec.answer or "",
                               tests=list(rec.extra.get("tests", [])), level=rec.level if rec.level is not None else -1),
-                    stop_token_ids=self.stop_ids, seed=hash((self.seed, key, self.attempts)) & 0x7FFFFFFF,
-                    **self.gen))
+                    stop_token_ids=self.stop_ids, seed=1 + (hash((self.seed, key, self.attempts)) & 0x7FFFFFFF),
+                    reward=reward, **self.gen))
 
     def _hand_back(self, gid: str, reason: str) -> None:
         """A group in flight will not come back scored: free its slot and issue its prompt again."""
@@ -161,16 +177,40 @@ class BufferActor(Actor):
         self.log.info("group_reissued", group=gid, rollout=f.rollout, reason=reason)
         self.changed.set()
 
+    def _hand_back_held_by(self, worker: str, reason: str) -> None:
+        for gid in [g for g, f in self.inflight.items() if worker in (f.rollout, f.reward)]:
+            self._hand_back(gid, reason)
+
     def on_peer_dead(self, peer: str) -> None:
-        if peer in self.rollouts:
-            for gid in [g for g, f in self.inflight.items() if f.rollout == peer]:
-                self._hand_back(gid, f"rollout {peer} is dead")
+        self._hand_back_held_by(peer, f"{peer} is dead")
+
+    @handles(WorkerHello)
+    def on_worker_hello(self, msg: WorkerHello, env: Any) -> None:
+        # Anything assigned to this worker before its (re)start will not come back from it.
+        self._hand_back_held_by(env.sender, f"{env.sender} (re)started")
+        self.greeted.add(env.sender)
+        self.changed.set()
+
+    async def _expire_loop(self) -> None:
+        while not self.finished:
+            await asyncio.sleep(min(60.0, self.group_timeout_s / 4))
+            now = time.time()
+            for gid in [g for g, f in self.inflight.items() if now - f.issued_at > self.group_timeout_s]:
+                self._hand_back(gid, f"no result after {self.group_timeout_s:.0f} s")
 
     def on_peer_alive(self, peer: str) -> None:
         self.changed.set()
 
     @handles(GroupReturned)
     def on_group_returned(self, msg: GroupReturned) -> None:
+        if msg.reason.startswith("invalid:"):  # the prompt itself cannot be generated: issuing it again cannot help
+            f = self.inflight.pop(msg.group_id, None)
+            if f is not None:
+                self.gate.finish(accepted=False)
+                self._ledger({"event": "dropped_invalid", "key": list(f.key), "reason": msg.reason})
+                self.log.warning("group_dropped_invalid", group=msg.group_id, reason=msg.reason)
+                self.changed.set()
+            return
         self._hand_back(msg.group_id, msg.reason)
 
     # --- collecting results -----------------------------------------------------------------------

@@ -48,6 +48,20 @@ def mark_complete(ckpt: Path, meta: dict[str, Any]) -> None:
     os.replace(tmp, ckpt / COMPLETE)
 
 
+def refuse_restart_within_launch(actor: Any) -> None:
+    """Stateful actors (trainer, buffer) must not be restarted alone: the others hold work and weights
+    newer than the last checkpoint, so a lone restart would train a history that never happened. A
+    restart under the same launcher (same parent process) raises; relaunching with `run.recover: auto`
+    resumes every actor consistently from the last checkpoint."""
+    marker = Path(actor.run_dir) / "launch" / f"{actor.name}.json"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    if marker.exists() and json.loads(marker.read_text()).get("ppid") == os.getppid():
+        raise RuntimeError(f"{actor.name} was restarted inside a running launch; the other actors hold work newer "
+                           "than the last checkpoint, so the run must be relaunched to recover consistently "
+                           "(run.recover: auto resumes from the last checkpoint)")
+    marker.write_text(json.dumps({"ppid": os.getppid(), "pid": os.getpid()}))
+
+
 def recovering(settings: dict[str, Any]) -> bool:
     """`run.recover`: "auto" (default) resumes from the last complete checkpoint, "off" never does."""
     mode = str((settings.get("run") or {}).get("recover", "auto")).lower()

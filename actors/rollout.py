@@ -39,7 +39,7 @@ from actors.recovery import start_weights
 from actors.weights import weights_hash
 from transport.bulk import BulkError, BulkLink, LinkConfig
 from transport.protocol import (GenerateGroup, GroupReturned, LinkReform, RolloutHello, RunFinished, Sample,
-                                Trajectories, WeightsAck, WeightsReady)
+                                Trajectories, WeightsAck, WeightsReady, WorkerHello)
 
 __all__ = ["RolloutActor", "RolloutConfigError", "WeightSyncError", "make_engine", "engine_weights_hash",
            "in_thread", "link_config"]
@@ -171,6 +171,7 @@ class RolloutActor(Actor):
                       link=config.name if config else None)
 
     async def on_ready(self) -> None:
+        await self.bus.send(self.buffer, WorkerHello(role="rollout"))
         if self.link is not None:
             self.spawn(self._link_keeper(), name="link_keeper")
             await self._hello()
@@ -266,7 +267,7 @@ class RolloutActor(Actor):
         self._tokens += tokens
         self.counters["groups_generated"] += 1
         self.counters["tokens_generated"] += tokens
-        reward = self.rewards[self._rr % len(self.rewards)]
+        reward = msg.reward or self.rewards[self._rr % len(self.rewards)]
         self._rr += 1
         await self.bus.send(reward, Trajectories(group_id=msg.group_id, query_id=msg.query_id,
                                                  prompt_ids=list(msg.prompt_ids), task=msg.task, samples=samples,

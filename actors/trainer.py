@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ import torch
 from actors.base import Actor
 from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
-from actors.recovery import checkpoint_dir, mark_complete, start_weights
+from actors.recovery import checkpoint_dir, mark_complete, refuse_restart_within_launch, start_weights
 from actors.weights import weights_hash
 from algo.advantages import compute_advantages
 from algo.packing import allocate_micro_batches
@@ -111,7 +110,7 @@ class StepConfig:
 class TrainerActor(Actor):
     async def on_start(self) -> None:
         s = self.settings
-        self._refuse_restart()
+        refuse_restart_within_launch(self)
         self.step_cfg = StepConfig.from_settings(s)
         self.total_steps = int((s.get("run") or {}).get("total_steps", 100))
         self.ckpt_every = int((s.get("run") or {}).get("checkpoint_every_steps", 20))
@@ -136,15 +135,6 @@ class TrainerActor(Actor):
         except ImportError as e:  # tensorboard is a core dependency; say so rather than fail the run
             self.log.warning("tensorboard_unavailable", error=str(e))
         self.log.info("trainer_started", version=self.version, model=model_dir, total_steps=self.total_steps)
-
-    def _refuse_restart(self) -> None:
-        marker = self.run_dir / "trainer" / "launch.json"
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        if marker.exists() and json.loads(marker.read_text()).get("ppid") == os.getppid():
-            raise RuntimeError("the trainer was restarted inside a running launch; the other actors hold work "
-                               "newer than the last checkpoint, so the run must be relaunched to recover "
-                               "consistently (run.recover: auto resumes from the last checkpoint)")
-        marker.write_text(json.dumps({"ppid": os.getppid(), "pid": os.getpid(), "time": time.time()}))
 
     async def on_ready(self) -> None:
         self.spawn(self._train_loop(), name="train_loop")

@@ -14,7 +14,7 @@ from actors.base import ActorSpec
 from actors.rollout import RolloutActor, RolloutConfigError, link_config, make_engine
 from tests.test_weight_sync import make_model_dir
 from transport.bus import Bus, Envelope, RemoteError
-from transport.protocol import GenerateGroup, GroupReturned, Task, Trajectories, WeightsReady
+from transport.protocol import GenerateGroup, GroupReturned, Task, Trajectories, WeightsReady, WorkerHello
 
 
 def run(coro: Any, timeout: float = 60.0) -> Any:
@@ -40,9 +40,12 @@ def test_rollout_generates_returns_and_drains(tmp_path: Path) -> None:
 
     async def main() -> None:
         got: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        hellos: list[tuple[str, Any]] = []
 
         def sink(name: str) -> Any:
-            return lambda env: got.put_nowait((name, env.msg))
+            def put(env: Any) -> None:
+                (hellos.append if isinstance(env.msg, WorkerHello) else got.put_nowait)((name, env.msg))
+            return put
 
         buses = [await Bus(n, eps[n], {"rollout.0": eps["rollout.0"]}, handler=sink(n),
                            heartbeat_interval=None).start() for n in ("reward.0", "reward.1", "buffer")]
@@ -64,6 +67,8 @@ def test_rollout_generates_returns_and_drains(tmp_path: Path) -> None:
         await buffer.send("rollout.0", group("bad", prompt=[1, 100000]))
         name, msg = await got.get()
         assert name == "buffer" and isinstance(msg, GroupReturned) and msg.reason.startswith("invalid:")
+        # Sent on ready, before anything else to the buffer: a restarted rollout's old groups get re-issued.
+        assert hellos == [("buffer", WorkerHello(role="rollout"))]
         # Weights without a link are refused with a reason.
         with pytest.raises(RemoteError, match="no weights link"):
             await buffer.request("rollout.0", WeightsReady(version=1, n_buckets=1, weights_hash="x", generation=0),

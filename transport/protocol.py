@@ -8,6 +8,7 @@
     trainer --CheckpointRequest--> buffer        (buffer saves its state for that step; replies CheckpointDone)
     rollout --GroupReturned--> buffer            (work handed back on drain: re-issued, never lost)
     rollout --RolloutHello--> param_server       (a new or restarted rollout asks for the current weights)
+    rollout, reward --WorkerHello--> buffer      (a new or restarted worker: what it held before is re-issued)
     param_server --LinkReform--> rollout         (re-form the bulk link after a member restarted)
     trainer --RunFinished--> everyone            (the run is over: stop cleanly)
 
@@ -65,6 +66,7 @@ class GenerateGroup(Message):
     max_new_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
+    reward: str = ""  # the reward actor that scores this group (chosen by the buffer); "" = rollout's choice
 
 
 @message("rl.trajectories")
@@ -177,6 +179,14 @@ class RolloutHello(Message):
     """rollout -> param_server: a (re)started rollout at `version` joins; it needs the current weights."""
 
     version: int
+
+
+@message("rl.worker_hello")
+class WorkerHello(Message):
+    """rollout/reward -> buffer, on every start: groups the buffer had assigned to an earlier incarnation
+    of this worker died with it and are issued again (a restart can be faster than heartbeats notice)."""
+
+    role: str
 
 
 @message("rl.link_reform")

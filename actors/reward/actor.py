@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from actors.base import Actor, ActorSpec, handles
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
 from actors.reward.pool import RewardPool, TaskFailure
-from transport.protocol import RunFinished, Sample, ScoredGroup, Task, Trajectories
+from transport.protocol import RunFinished, Sample, ScoredGroup, Task, Trajectories, WorkerHello
 
 __all__ = ["RewardActor", "RewardConfigError", "Score", "failure_detail"]
 
@@ -77,6 +77,9 @@ class RewardActor(Actor):
         self.pool = await asyncio.to_thread(RewardPool, workers, timeout=self.timeout_s, preload=self.preload)
         self._ready.set()
         self.log.info("reward_ready", grader=self.grader, workers=workers, timeout_s=self.timeout_s)
+
+    async def on_ready(self) -> None:
+        await self.bus.send(self.buffer, WorkerHello(role="reward"))
 
     async def on_stop(self) -> None:
         if self.pool is not None:
