@@ -1,0 +1,151 @@
+"""The asynchronous RL loop through the real launcher and real actor processes (DESIGN.md section 9).
+
+A small random Qwen2 model with the shipped tokenizer and a small synthetic dataset keep each run short;
+what is checked is the system, not learning: versions advance, no sample is trained staler than eta,
+every accepted sample is trained exactly once (also across kills and recoveries), weights reach every
+rollout with the trainer's hash, and killed workers are restarted without stopping the run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from actors.engines.checkpoint import save_model
+from actors.engines.model import Qwen2Config, Qwen2ForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "models" / "arith-tiny"
+ETA = 1
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("e2e")
+    subprocess.run([sys.executable, "-m", "tools.make_task", "--out", str(base / "data"), "--levels", "1-3",
+                    "--train-per-level", "40", "--test-per-level", "5"], cwd=ROOT, check=True, capture_output=True)
+    vocab = json.loads((TINY / "config.json").read_text())["vocab_size"]
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True)
+    model_dir = base / "model"
+    save_model(Qwen2ForCausalLM(cfg).init_weights(0), str(model_dir))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(TINY / name, model_dir / name)
+    return {"data": base / "data", "model": model_dir}
+
+
+def launch(assets: dict[str, Path], run_dir: Path, steps: int, ckpt_every: int) -> subprocess.Popen:
+    overrides = [f"experiment.model.path={assets['model']}", f"experiment.data.train={assets['data'] / 'train.jsonl'}",
+                 f"experiment.data.test={assets['data'] / 'test.jsonl'}", f"experiment.run.total_steps={steps}",
+                 f"experiment.run.checkpoint_every_steps={ckpt_every}", "experiment.algo.batch_size=4",
+                 "experiment.algo.group_size=4", f"experiment.algo.eta={ETA}", "experiment.gen.max_new_tokens=12"]
+    return subprocess.Popen([sys.executable, "-m", "tools.up", "topology/local.yaml", *overrides,
+                             "--run-dir", str(run_dir), "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(m["step"] >= step for m in metrics(run_dir)):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (exit {proc.returncode}) before step {step}:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.2)
+    pytest.fail(f"no step {step} within {timeout} s")
+
+
+def actor_pid(run_dir: Path, name: str) -> int:
+    return int(json.loads((run_dir / "ready" / f"{name}.json").read_text())["pid"])
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def trained_batches(run_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "buffer" / "ledger.jsonl").read_text().splitlines())
+            if r["event"] == "batch"]
+
+
+def check_invariants(run_dir: Path, steps: int) -> None:
+    batches = trained_batches(run_dir)
+    assert [b["step"] for b in batches] == list(range(1, steps + 1))
+    keys = [tuple(k) for b in batches for k in b["keys"]]
+    assert len(keys) == 4 * steps and len(set(keys)) == len(keys), "a prompt was trained twice"
+    for b in batches:  # the buffer's batch-time check: no group older than eta versions
+        assert all(b["version"] - v <= ETA for v in b["start_versions"]), b
+    final = {m["step"]: m for m in metrics(run_dir)}  # after a recovery the re-done steps win
+    assert sorted(final) == list(range(1, steps + 1))
+    assert all(m["staleness_max"] <= ETA for m in final.values())
+    assert all(m["logprob_gap_max"] < 1e-3 for m in final.values())
+    pushes = [json.loads(line) for line in (run_dir / "logs" / "param_server.jsonl").read_text().splitlines()
+              if '"weights_pushed"' in line]
+    assert pushes, "the parameter server pushed no weights"
+    for p in pushes:
+        assert all(r["hash_ok"] for r in p["rollouts"].values()), p
+
+
+def test_async_loop_survives_killed_rollout_and_reward(assets: dict[str, Path], tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(assets, run_dir, steps=6, ckpt_every=3)
+    try:
+        wait_for_step(proc, run_dir, 2)
+        os.kill(actor_pid(run_dir, "rollout.0"), signal.SIGKILL)
+        os.kill(actor_pid(run_dir, "reward"), signal.SIGKILL)
+        out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    check_invariants(run_dir, 6)
+    restarts = {line.split()[0]: int(line.split()[-1]) for line in out.splitlines()
+                if line.strip().startswith(("rollout.0 ", "reward "))}
+    assert restarts == {"rollout.0": 1, "reward": 1}, out[-2000:]
+    assert (run_dir / "checkpoints" / "step_000006" / "COMPLETE").exists()
+
+
+def test_killed_run_recovers_from_its_last_checkpoint(assets: dict[str, Path], tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(assets, run_dir, steps=6, ckpt_every=2)
+    try:
+        wait_for_step(proc, run_dir, 3)
+        # A crash of the whole run: the launcher and every actor die at once, nothing shuts down cleanly.
+        pids = [int(json.loads(p.read_text())["pid"]) for p in (run_dir / "ready").glob("*.json")]
+        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (run_dir / "checkpoints" / "step_000002" / "COMPLETE").exists()
+    proc = launch(assets, run_dir, steps=6, ckpt_every=2)
+    try:
+        finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    check_invariants(run_dir, 6)
+    log = (run_dir / "logs" / "trainer.jsonl").read_text()
+    resumed = [json.loads(line) for line in log.splitlines() if '"trainer_started"' in line]
+    assert [r["version"] for r in resumed][-1] >= 2, resumed
