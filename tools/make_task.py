@@ -23,6 +23,7 @@ never share an expression.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
@@ -135,8 +136,6 @@ def sample_level(rng: random.Random, level: int, max_operand: int, count: int,
 
 
 def _enumerate_level(level: int, max_operand: int) -> Iterator[Problem]:
-    import itertools
-
     for operands in itertools.product(range(1, max_operand + 1), repeat=level + 1):
         for ops in itertools.product("+-", repeat=level):
             yield Problem(tuple(operands), tuple(ops))
