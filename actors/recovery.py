@@ -62,6 +62,18 @@ def refuse_restart_within_launch(actor: Any) -> None:
     marker.write_text(json.dumps({"ppid": os.getppid(), "pid": os.getpid()}))
 
 
+FINISHED = "FINISHED"
+
+
+def mark_run_finished(run_dir: str | os.PathLike, step: int) -> None:
+    """Written by the trainer after its last step: a finished run is never resumed."""
+    (Path(run_dir) / FINISHED).write_text(json.dumps({"step": step}))
+
+
+def run_finished(run_dir: str | os.PathLike) -> bool:
+    return (Path(run_dir) / FINISHED).exists()
+
+
 def recovering(settings: dict[str, Any]) -> bool:
     """`run.recover`: "auto" (default) resumes from the last complete checkpoint, "off" never does."""
     mode = str((settings.get("run") or {}).get("recover", "auto")).lower()

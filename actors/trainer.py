@@ -35,7 +35,8 @@ import torch
 from actors.base import Actor
 from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
-from actors.recovery import checkpoint_dir, mark_complete, refuse_restart_within_launch, start_weights
+from actors.recovery import (checkpoint_dir, mark_complete, mark_run_finished, refuse_restart_within_launch,
+                             start_weights)
 from actors.weights import weights_hash
 from algo.advantages import compute_advantages
 from algo.packing import allocate_micro_batches
@@ -177,6 +178,7 @@ class TrainerActor(Actor):
                 await asyncio.wait_for(self.bus.send(peer, RunFinished(step=self.version)), timeout=5)
             except (asyncio.TimeoutError, Exception) as e:  # a dead peer must not keep the run alive
                 self.log.warning("run_finished_not_delivered", peer=peer, error=str(e))
+        mark_run_finished(self.run_dir, self.version)
         self.log.info("run_finished", step=self.version)
         self.request_stop("run finished")
 

@@ -179,11 +179,22 @@ def load_plan(args: argparse.Namespace) -> Plan:
 
 
 def make_run_dir(plan: Plan, requested: str | None) -> Path:
+    """The requested directory; else, with `run.recover: auto`, the newest run of this topology that
+    has a checkpoint but did not finish (it is resumed); else a new timestamped one."""
+    from actors.recovery import latest_checkpoint, recovering, run_finished
+
     if requested:
         path = Path(requested)
     else:
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = Path(plan.topology.run_root) / plan.topology.name / stamp
+        root = Path(plan.topology.run_root) / plan.topology.name
+        unfinished = sorted(d for d in root.glob("*") if d.is_dir() and latest_checkpoint(d) and not run_finished(d)) \
+            if root.is_dir() and recovering(plan.topology.experiment) else []
+        if unfinished:
+            path = unfinished[-1]
+            print(f"resuming {path} from its checkpoint of step {latest_checkpoint(path)[0]} (run.recover: auto; "
+                  f"experiment.run.recover=off starts afresh)", flush=True)
+        else:
+            path = root / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     path.mkdir(parents=True, exist_ok=True)
     return path.resolve()
 
@@ -240,10 +251,10 @@ class ProgressView:
             self.live = Live(refresh_per_second=4, transient=False)
             self.live.start()
 
-    def update(self, rows: dict[str, dict[str, Any]], elapsed: float) -> None:
+    def update(self, rows: dict[str, dict[str, Any]], elapsed: float, training: str | None = None) -> None:
         if self.live is not None:
             from rich.table import Table
-            table = Table(title=f"{self.title}  {elapsed:6.1f} s")
+            table = Table(title=f"{self.title}  {elapsed:6.1f} s", caption=training)
             for col in ("actor", "node", "state", "pid", "restarts"):
                 table.add_column(col)
             for name, row in rows.items():
@@ -256,10 +267,42 @@ class ProgressView:
             if self.last.get(name) != text:
                 self.last[name] = text
                 print(f"[{elapsed:7.1f}s] {name:<20} {row.get('node', ''):<10} {text}", flush=True)
+        if training and self.last.get("\0training") != training:
+            self.last["\0training"] = training
+            print(f"[{elapsed:7.1f}s] {training}", flush=True)
 
     def close(self) -> None:
         if self.live is not None:
             self.live.stop()
+
+
+class TrainingProgress:
+    """Follows RUN_DIR/metrics.jsonl (one line per training step, written by the trainer) and renders
+    the latest step as one progress line."""
+
+    def __init__(self, run_dir: Path, total_steps: int | None) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.total = total_steps
+        self.offset = 0
+        self.latest: dict[str, Any] | None = None
+
+    def poll(self) -> str | None:
+        if self.path.exists():
+            with open(self.path) as f:
+                f.seek(self.offset)
+                for line in f:
+                    if not line.endswith("\n"):
+                        break  # a line still being written: read it next time
+                    self.offset += len(line)
+                    self.latest = json.loads(line)
+        m = self.latest
+        if m is None:
+            return None
+        of = f"/{self.total}" if self.total else ""
+        return (f"step {m['step']}{of}  reward {m['task_reward']:+.2f}  accuracy {100 * m['accuracy']:5.1f}%  "
+                f"throughput {m['effective_throughput']:7.0f} tok/s  staleness {m['staleness_mean']:.2f} "
+                f"(max {m['staleness_max']:.0f})  weight sync {m['weight_sync_seconds']:.3f} s  "
+                f"buffer {m['buffer_depth']}")
 
 
 def _summary(title: str, rows: dict[str, dict[str, Any]], elapsed: float, run_dir: Path, outcome: str) -> str:
@@ -292,7 +335,8 @@ def _child_rows(sup: Any, node_of: dict[str, str]) -> dict[str, dict[str, Any]]:
 
 async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[str, Any], *, title: str,
                     progress: bool, duration: float | None, node_of: dict[str, str],
-                    status_file: Path | None = None, stop_file: Path | None = None) -> int:
+                    status_file: Path | None = None, stop_file: Path | None = None,
+                    training: TrainingProgress | None = None) -> int:
     """Start actors under the Supervisor, show progress, stop on Ctrl-C/SIGTERM, on ``duration``, when
     ``stop_file`` appears (a multi-node launcher's stop request), or when every actor has finished by
     itself; print a summary. Returns the exit status."""
@@ -318,7 +362,7 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
 
     def publish(state: str) -> dict[str, dict[str, Any]]:
         rows = _child_rows(sup, node_of)
-        view.update(rows, time.monotonic() - t0)
+        view.update(rows, time.monotonic() - t0, training.poll() if training is not None else None)
         if status_file is not None:
             tmp = status_file.with_suffix(".tmp")
             tmp.write_text(json.dumps({"state": state, "actors": rows, "time": time.time()}, default=str))
@@ -381,13 +425,79 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
     """Every actor on this machine under one Supervisor."""
     import asyncio
 
+    from tools.prepare import PrepareError, prepare
+
+    experiment = plan.topology.experiment
+    start_model = (experiment.get("model") or {}).get("path")
+    try:
+        prepare(experiment)
+    except PrepareError as exc:
+        print(f"{plan.topology.source}: experiment.{exc}", file=sys.stderr)
+        return EXIT_INVALID
     run_dir = make_run_dir(plan, args.run_dir)
     specs = build_specs(plan, run_dir)
     write_plan(plan, run_dir, specs, args.overrides)
     print(f"run {plan.topology.name}: {len(specs)} actor(s), run directory {run_dir}", flush=True)
     node_of = {i.name: i.host for i in plan.instances}
-    return asyncio.run(supervise(specs, run_dir, supervisor_options(plan, args), title=plan.topology.name,
-                                 progress=not args.no_progress, duration=args.duration, node_of=node_of))
+    total = (experiment.get("run") or {}).get("total_steps")
+    code = asyncio.run(supervise(specs, run_dir, supervisor_options(plan, args), title=plan.topology.name,
+                                 progress=not args.no_progress, duration=args.duration, node_of=node_of,
+                                 training=TrainingProgress(run_dir, total)))
+    if code == EXIT_OK and (experiment.get("run") or {}).get("final_eval", True):
+        final_evaluation(experiment, run_dir, start_model)
+    return code
+
+
+def final_evaluation(experiment: dict[str, Any], run_dir: Path, start_model: str | None) -> dict[str, Any] | None:
+    """Greedy held-out accuracy of the model the run started from and of its last checkpoint, side by
+    side, per level; written to RUN_DIR/summary.json and RUN_DIR/eval.jsonl (read by tools.plot)."""
+    from actors.recovery import latest_checkpoint
+    from tools.eval import evaluate
+    from tools.lm import has_weights
+
+    test = (experiment.get("data") or {}).get("test")
+    found = latest_checkpoint(run_dir)
+    if not test or not Path(test).exists() or found is None:
+        return None
+    step, ckpt = found
+    ev = experiment.get("eval") or {}
+    kwargs = {"samples": None, "max_per_level": ev.get("max_per_level"),
+              "max_new_tokens": int((experiment.get("gen") or {}).get("max_new_tokens", 64))}
+    models = {"start": (experiment.get("model") or {}).get("path"), "final": str(ckpt / "model")}
+    reports = {name: evaluate(path, test, **kwargs) for name, path in models.items() if path and has_weights(path)}
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
+        if (run_dir / "metrics.jsonl").exists() else []
+    keys = sorted({k for r in reports.values() for k in r["by_level"]}, key=lambda k: (len(k), k))
+    rows = [("model", "step", "overall", *[f"level {k}" for k in keys])]
+    for name, r in reports.items():
+        rows.append((name, str(step if name == "final" else 0), f"{100 * r['overall']['greedy_accuracy']:.1f}%",
+                     *[f"{100 * r['by_level'][k]['greedy_accuracy']:.1f}%" if k in r["by_level"] else "" for k in keys]))
+    summary = {"final_step": step, "start_model": models["start"], "final_model": models["final"],
+               "greedy_accuracy": {n: r["overall"]["greedy_accuracy"] for n, r in reports.items()},
+               "greedy_accuracy_by_level": {n: {k: v["greedy_accuracy"] for k, v in r["by_level"].items()}
+                                            for n, r in reports.items()}}
+    if metrics:
+        wall = metrics[-1]["time"] - metrics[0]["time"] + metrics[0]["step_seconds"]
+        summary.update(steps=len(metrics), wall_seconds=wall,
+                       tokens_trained=sum(m["n_tokens"] for m in metrics),
+                       effective_throughput=sum(m["n_tokens"] for m in metrics) / max(wall, 1e-9),
+                       staleness_max=max(m["staleness_max"] for m in metrics))
+    if "start" in reports and "final" in reports:
+        summary["gain_points"] = 100 * (reports["final"]["overall"]["greedy_accuracy"]
+                                        - reports["start"]["overall"]["greedy_accuracy"])
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    with open(run_dir / "eval.jsonl", "a") as f:
+        for name, r in reports.items():
+            f.write(json.dumps({"model": name, "step": step if name == "final" else 0,
+                                "overall": r["overall"], "by_level": r["by_level"]}) + "\n")
+    print(f"held-out greedy accuracy ({test}):")
+    print("\n".join(_table(rows)))
+    if "gain_points" in summary:
+        print(f"RL gain over the start: {summary['gain_points']:+.1f} points; "
+              f"{summary.get('steps', 0)} steps, {summary.get('tokens_trained', 0):.0f} tokens trained, "
+              f"{summary.get('effective_throughput', 0):.0f} tok/s effective, max staleness "
+              f"{summary.get('staleness_max', 0):.0f}", flush=True)
+    return summary
 
 
 def allocation_hosts() -> list[str]:
