@@ -35,6 +35,7 @@ import torch
 from actors.base import Actor
 from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
+from actors.param_server import WeightsStatus, WeightsStatusRequest
 from actors.recovery import (checkpoint_dir, mark_complete, mark_run_finished, refuse_restart_within_launch,
                              start_weights)
 from actors.weights import weights_hash
@@ -113,6 +114,7 @@ class TrainerActor(Actor):
         s = self.settings
         refuse_restart_within_launch(self)
         self.step_cfg = StepConfig.from_settings(s)
+        self.eta = int((s.get("algo") or {}).get("eta", 4))
         self.total_steps = int((s.get("run") or {}).get("total_steps", 100))
         self.ckpt_every = int((s.get("run") or {}).get("checkpoint_every_steps", 20))
         self.keep_ckpts = int((s.get("run") or {}).get("keep_checkpoints", 2))
@@ -159,8 +161,16 @@ class TrainerActor(Actor):
             stats = await asyncio.to_thread(train_on_batch, self.engine, batch, self.step_cfg, self.version)
             self.version += 1
             train_seconds = time.time() - t0
-            await self.bus.send("buffer", VersionUpdate(version=self.version))
-            sync_seconds = await self._publish()
+            if self.eta == 0:
+                # Synchronous: the next batch may only start once every rollout samples with these weights.
+                sync_seconds = await self._publish()
+                await self._wait_rollouts_at(self.version)
+                await self.bus.send("buffer", VersionUpdate(version=self.version))
+            else:
+                # Asynchronous: open the gate at once; rollouts switch weights while they generate, and
+                # the staleness bound (checked again at batch time) covers samples begun on older weights.
+                await self.bus.send("buffer", VersionUpdate(version=self.version))
+                sync_seconds = await self._publish()
             end = time.time()
             stats.update(step=self.version, version=self.version, wait_seconds=t0 - t_wait,
                          train_seconds=train_seconds, weight_sync_seconds=sync_seconds,
@@ -202,6 +212,16 @@ class TrainerActor(Actor):
         if not isinstance(reply, WeightsStored) or reply.version != self.version:
             raise RuntimeError(f"param server answered {reply!r} to version {self.version}")
         return time.time() - t0
+
+    async def _wait_rollouts_at(self, version: int) -> None:
+        if self.link is None:
+            return
+        for _ in range(60):  # bounded: a rollout that never catches up stops the run with a clear error
+            status = await self.bus.request(self.param_server, WeightsStatusRequest(min_version=version, timeout_s=10.0),
+                                            timeout=30.0)
+            if isinstance(status, WeightsStatus) and status.reached:
+                return
+        raise RuntimeError(f"rollouts did not reach version {version} within 10 minutes (synchronous mode)")
 
     def _record(self, stats: dict[str, Any]) -> None:
         with open(self.metrics_path, "a") as f:

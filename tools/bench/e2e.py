@@ -1,0 +1,112 @@
+"""`python -m tools.bench e2e [--json] [--steps N] [overrides ...]`: asynchronous against synchronous RL.
+
+Three runs back to back of the same system on the same warm start, data and seed, each for the same
+number of training steps (so the same number of trained samples):
+
+  async       eta from the config, interruptible generation; rollouts pinned to core 0 and the trainer
+              to core 1 (disjoint resources, as GPUs are disjoint on a cluster)
+  sync        eta = 0 and no interruption (generate a batch, train, sync weights, repeat) on the same
+              placement: the seeds' comparison, generation and training taking turns
+  colocated   synchronous again, but each phase gets every core (rollouts and trainer both on cores
+              0-1 with 2 threads): the best a synchronous user gets from this machine
+
+Each run goes through `python -m tools.up topology/local.yaml`; the figures come from the run's own
+summary.json (held-out greedy accuracy of the final checkpoint; tokens trained and wall time from the
+trainer's metrics, actor start-up excluded). Printed as a table; `--json` prints one object with
+throughput_ratio (async / sync), colocated_ratio (async / colocated), time_ratio (sync / async wall
+time) and the accuracies.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+TOPOLOGY = "topology/local.yaml"
+
+MODES: dict[str, list[str]] = {
+    "async": [],
+    "sync": ["experiment.algo.eta=0", "experiment.gen.interruptible=false"],
+    "colocated": ["experiment.algo.eta=0", "experiment.gen.interruptible=false",
+                  "actors.rollout.cpus=[0,1]", "actors.rollout.threads=2",
+                  "actors.trainer.cpus=[0,1]", "actors.trainer.threads=2",
+                  "actors.reward.cpus=[0,1]", "actors.buffer.cpus=[0,1]", "actors.param_server.cpus=[0,1]"],
+}
+
+
+def run_mode(mode: str, steps: int, extra: list[str], out: Path, log: Any) -> dict[str, Any]:
+    run_dir = out / mode
+    cmd = [sys.executable, "-m", "tools.up", TOPOLOGY, f"experiment.run.total_steps={steps}",
+           f"experiment.run.checkpoint_every_steps={steps}", "experiment.run.recover=off", *MODES[mode], *extra,
+           "--run-dir", str(run_dir), "--no-progress"]
+    log(f"bench e2e: {mode}: {' '.join(cmd[2:])}")
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["launch_seconds"] = time.time() - t0
+    summary["run_dir"] = str(run_dir)
+    return summary
+
+
+def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    a, s, c = results["async"], results["sync"], results["colocated"]
+
+    def acc(r: dict[str, Any]) -> float:
+        return r["greedy_accuracy"]["final"]
+
+    return {
+        "throughput_ratio": a["effective_throughput"] / s["effective_throughput"],
+        "colocated_ratio": a["effective_throughput"] / c["effective_throughput"],
+        "time_ratio": s["wall_seconds"] / a["wall_seconds"],
+        "async_accuracy": acc(a), "sync_accuracy": acc(s), "colocated_accuracy": acc(c),
+        "start_accuracy": a["greedy_accuracy"].get("start"),
+        "accuracy_gap_points": 100 * (acc(a) - max(acc(s), acc(c))),
+        **{f"{m}_{k}": r[k] for m, r in results.items()
+           for k in ("effective_throughput", "wall_seconds", "tokens_trained", "staleness_max")},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.bench e2e", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
+    ap.add_argument("--modes", default="async,sync,colocated", help="comma list of runs (default all three)")
+    ap.add_argument("--out", default=None, help="folder for the three run directories (default: a temp dir)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every run")
+    args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-e2e-"))
+    log = (lambda m: print(m, file=sys.stderr, flush=True))
+    # The first run prepares the shared data and warm start; the others reuse them (tools/prepare.py).
+    results = {m: run_mode(m, args.steps, args.overrides, out, log) for m in modes}
+    report: dict[str, Any] = {"steps": args.steps, "runs": results}
+    if set(MODES) <= set(results):
+        report.update(compare(results))
+    if args.json:
+        print(json.dumps(report, default=str))
+        return 0
+    rows = [("run", "steps", "tokens", "wall s", "tok/s", "max stale", "held-out acc")]
+    for m, r in results.items():
+        rows.append((m, str(r["steps"]), f"{r['tokens_trained']:.0f}", f"{r['wall_seconds']:.1f}",
+                     f"{r['effective_throughput']:.0f}", f"{r['staleness_max']:.0f}",
+                     f"{100 * r['greedy_accuracy']['final']:.1f}%"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    if "throughput_ratio" in report:
+        print(f"throughput async/sync {report['throughput_ratio']:.2f}x, async/colocated "
+              f"{report['colocated_ratio']:.2f}x, wall time sync/async {report['time_ratio']:.2f}x, "
+              f"accuracy async - best sync {report['accuracy_gap_points']:+.1f} points")
+    print(f"run directories under {out}")
+    return 0
