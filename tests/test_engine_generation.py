@@ -293,3 +293,24 @@ def test_event_loop_keeps_running_while_decoding():
         return ticks
 
     assert run(main()) > 50
+
+
+def test_abort_landing_with_admission_at_one_boundary_is_not_missed():
+    """An abort and the admission of the request it names can meet at one step boundary (a resume and an
+    abort posted together): the request must come back aborted, not run to its full length."""
+    async def main() -> None:
+        engine = await started(tiny_model(0))
+        try:
+            await engine.pause()
+            task = asyncio.ensure_future(engine.generate(GenerationRequest(
+                rid="late", input_ids=(1, 2, 3), sampling=SamplingParams(max_new_tokens=200, seed=1))))
+            await asyncio.sleep(0)  # let generate() queue the request (the engine is paused: not admitted)
+            assert (await engine.health())["waiting"] == 1
+            with engine._cond:  # re-entrant: the decode thread sees both changes at its next boundary
+                assert await engine.abort("late") == 1
+                await engine.resume()
+            (result,) = await asyncio.wait_for(task, timeout=60)
+            assert result.finish_reason == "abort" and len(result.output_ids) < 200
+        finally:
+            await engine.stop()
+    run(main())

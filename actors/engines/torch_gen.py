@@ -340,16 +340,20 @@ class TorchGenerationEngine(GenerationEngine):
                 swap, self._pending_swap = self._pending_swap, None
             waiters, self._pause_waiters = self._pause_waiters, []
             admitted = [] if (self._paused or self._stopping) else self._take_waiting()
-        for rid in aborts:
-            self._abort(rid)
         if self._stopping:
+            for rid in aborts:
+                self._abort(rid)
             return False
         if swap is not None:
-            self._swap(swap)
+            self._swap(swap)  # before admission: new requests prefill under the new weights
         for loop, fut in waiters:
             loop.call_soon_threadsafe(_settle, fut, None)
         if admitted:
             self._admit(admitted)
+        # After admission: a request taken from the queue at this same boundary is no longer "waiting",
+        # so aborting first would miss it and let it run to its full length.
+        for rid in aborts:
+            self._abort(rid)
         return True
 
     def _take_waiting(self) -> list[_Request]:
