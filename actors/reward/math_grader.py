@@ -634,6 +634,9 @@ def _compare_scalars(a: _Scalar, b: _Scalar, use_sympy: bool) -> _Outcome:
                                                   last_place=(a.number.last_place or 0) * scale),
                               float(b.number.value)):
                 return _Outcome(True, "equal_approx")
+            # The other way round: a reference written as a decimal approximates an exact answer.
+            if _approx_agrees(b.number, float(a.number.value * scale)):
+                return _Outcome(True, "equal_approx")
         return _Outcome(False, "mismatch")
     if not use_sympy:
         raise _Undecided
@@ -652,6 +655,13 @@ def _compare_scalars(a: _Scalar, b: _Scalar, use_sympy: bool) -> _Outcome:
                 scaled = dataclasses.replace(a.number, value=a.number.value * scale,
                                              last_place=a.number.last_place * scale)
                 if _approx_agrees(scaled, value):
+                    return _Outcome(True, "equal_approx")
+    # An exact answer against a reference written as a decimal: the same six digits, the other way.
+    if b.number is not None and b.number.last_place is not None and not ea.free_symbols:
+        value = _numeric(ea)
+        if value is not None:
+            for scale in scales:
+                if _approx_agrees(b.number, value * float(scale)):
                     return _Outcome(True, "equal_approx")
     return _Outcome(False, "mismatch")
 
