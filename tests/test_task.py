@@ -63,8 +63,8 @@ def test_written_files_load_with_the_dataset_loader(tmp_path):
     assert make_task.main(["--out", str(tmp_path), "--train-per-level", "100", "--test-per-level", "10"]) == 0
     train = load_dataset(tmp_path / "train.jsonl")
     sft = load_dataset(tmp_path / "train.jsonl", require="solutions", on_error="skip")
-    assert len(train) == 400 and train.levels() == [1, 2, 3, 4]
-    assert sft.levels() == [1, 2, 3] and sft.n_skipped == 100
+    assert len(train) == 300 and train.levels() == [1, 2, 3]
+    assert sft.levels() == [1, 2, 3] and sft.n_skipped == 0
     first = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])
     assert set(first) <= {"query_id", "prompt", "answer", "solutions", "level"}
 

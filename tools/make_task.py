@@ -1,14 +1,14 @@
 """Synthetic multi-step integer arithmetic: the embedded default's math task.
 
-A problem of level L is a chain of L additions/subtractions of small integers, e.g. level 3:
+A problem of level L is a chain of L additions/subtractions of integers 1..19, e.g. level 3:
 ``7+2-5+3``. The worked solution rewrites the expression one operation at a time, left to right,
 then boxes the result::
 
     prompt:    "Compute: 7+2-5+3\\n"
     solution:  "9-5+3=4+3=7 \\boxed{7}"
 
-Worked solutions are written only for the "solved" levels (by default 1-3); the harder levels carry
-a prompt and a final answer only. By default (``--direct-fraction 0.8``) most worked solutions only
+Worked solutions are written only for the "solved" levels (by default all three); levels outside
+them carry a prompt and a final answer only. By default (``--direct-fraction 0.8``) most worked solutions only
 state the answer (``\\boxed{7}``), as a teacher that usually skips its working would: a student
 imitating that mix answers "in its head" most of the time and is often wrong, and RL, rewarded on the
 boxed answer, learns to work step by step. docs/task.md has the measurements behind these defaults.
@@ -32,10 +32,12 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 PROMPT_TEMPLATE = "Compute: {expr}\n"
-DEFAULT_LEVELS = (1, 2, 3, 4)
+DEFAULT_LEVELS = (1, 2, 3)
 DEFAULT_SOLVED_LEVELS = (1, 2, 3)
-# The research recipe's share of answer-only demonstrations (docs/task.md); the CLI default.
+# The research recipe (docs/task.md), the CLI defaults: operands 1..19 make sums hard to do "in
+# the head" while each worked step stays easy; 80% of the demonstrations only state the answer.
 RECIPE_DIRECT_FRACTION = 0.8
+RECIPE_MAX_OPERAND = 19
 SOLUTION_STYLES = ("rewrite", "accumulate")
 
 
@@ -243,11 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.make_task", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("data/arith"), help="directory for train/test.jsonl")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--levels", default="1-4", help="levels to generate, e.g. 1-5")
+    ap.add_argument("--levels", default="1-3", help="levels to generate, e.g. 1-5")
     ap.add_argument("--solved-levels", default="1-3", help="levels that get worked solutions")
     ap.add_argument("--train-per-level", type=int, default=6000)
     ap.add_argument("--test-per-level", type=int, default=200)
-    ap.add_argument("--max-operand", type=int, default=9)
+    ap.add_argument("--max-operand", type=int, default=RECIPE_MAX_OPERAND)
     ap.add_argument("--partial", default="none",
                     help="worked solutions on the other levels: none, additions, sample:P")
     ap.add_argument("--direct-fraction", type=float, default=RECIPE_DIRECT_FRACTION,
