@@ -1,0 +1,794 @@
+"""The Megatron-core trainer backend: Qwen2 as a Megatron `GPTModel`, tensor/pipeline/data parallel.
+
+One `MegatronTrainEngine` runs per rank (launched by torchrun or the trainer actor's rank processes);
+every rank calls the same methods in the same order, because they run collectives. What it does:
+
+* Builds a `GPTModel` from a Hugging Face Qwen2 `config.json` (`qwen2_transformer_config`): rotary
+  embeddings (theta from the config), grouped-query attention with q/k/v bias (fused `linear_qkv`),
+  SwiGLU (`gated_linear_unit`, silu), RMSNorm, optionally tied embeddings. Parallel sizes go through
+  `parallel_state.initialize_model_parallel`.
+* Converts Hugging Face weights into Megatron's layout and back (`hf_to_megatron_shard`,
+  `megatron_shards_to_hf`), including the fused QKV layout under tensor parallelism (per query group:
+  its query heads, then its key head, then its value head; each TP rank holds whole query groups), the
+  per-rank [gate; up] halves of `linear_fc1`, and a vocabulary padded to a multiple of the TP size.
+* Trains on packed micro-batches in Megatron's THD format (`PackedSeqParams`, one [1, N] stream per
+  micro-batch, rotary positions restarting at every `cu_seqlens` boundary) through Megatron's
+  forward-backward schedule, its DDP with the distributed optimizer and its gradient clipping.
+* Computes log-probs over the tensor-parallel vocabulary shards without gathering the full logits: an
+  all-reduce of the max, of the sum of exponentials and of the target logit (`vocab_parallel_logprobs`).
+* Exports weights in Hugging Face-named buckets without gathering the model on one device: each pipeline
+  stage exports its own layers, tensor-parallel shards are gathered one bucket at a time (one all-gather
+  per bucket), and the gather of the next bucket runs while the caller sends the current one.
+
+Attention: with Transformer Engine installed on a GPU, the TE layer spec runs THD through TE's fused
+attention. Without it (CPU, or a GPU without TE), the local spec runs with `TorchPackedAttention`, a core
+attention module of ours that understands THD packed sequences (one causal SDPA per sequence) — Megatron's
+own local `DotProductAttention` rejects packed sequences. See docs/engines-megatron.md.
+
+Numerics follow the embedded torch backend (torch_train.py): same log-prob definition (base.py), same
+loss normalisation (loss_fn returns a sum, divided by the global token count), AdamW with the same
+hyper-parameters and schedule (`TrainConfig.lr_factor`), no weight decay on biases and norms, the same
+skip of a step whose gradient norm is not finite.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import random
+import shutil
+import socket
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .base import EngineError, LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine, WeightBucket
+from .checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError, _weight_files, load_config)
+from .model import Qwen2Config
+from .torch_train import TrainConfig
+
+try:  # megatron-core is an optional (GPU-cluster) dependency; importing this module without it is fine
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    MEGATRON_IMPORT_ERROR: str | None = None
+except ImportError as _e:  # pragma: no cover - exercised where megatron-core is absent
+    MEGATRON_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
+    MegatronModule = torch.nn.Module  # type: ignore[misc,assignment]
+
+TRAINER_STATE = "trainer_state.pt"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
+
+
+class MegatronUnavailableError(EngineError):
+    """megatron-core is not importable here; the message says what failed and how to install it."""
+
+
+def _require_megatron() -> None:
+    if MEGATRON_IMPORT_ERROR is not None:
+        raise MegatronUnavailableError(
+            f"backend 'megatron' needs megatron-core==0.11.0 ({MEGATRON_IMPORT_ERROR}); install it with "
+            "`pip install --no-deps megatron-core==0.11.0 einops` (see docs/engines-megatron.md)")
+
+
+@dataclasses.dataclass
+class MegatronConfig(TrainConfig):
+    """TrainConfig (optimizer, schedule, clipping, device, seed) plus the parallel layout.
+
+    The data-parallel size is world_size / (tensor_parallel * pipeline_parallel).
+    """
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    use_distributed_optimizer: bool = True
+    vocab_pad_multiple: int = 128           # padded vocab = multiple of vocab_pad_multiple * tensor_parallel
+    attention: str = "auto"                 # "auto": TE on a GPU when importable, else "torch"; or "te"/"torch"
+    bf16: bool = False                      # bfloat16 model weights with float32 main params (GPU)
+    dist_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("tensor_parallel", "pipeline_parallel", "vocab_pad_multiple"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MegatronConfig.{key} must be an integer >= 1, got {value!r}")
+        if self.attention not in ("auto", "te", "torch"):
+            raise ValueError(f"MegatronConfig.attention must be 'auto', 'te' or 'torch', got {self.attention!r}")
+
+
+# --- model ---------------------------------------------------------------------------------------------
+def qwen2_transformer_config(cfg: Qwen2Config, mc: MegatronConfig) -> TransformerConfig:
+    """Megatron's TransformerConfig for a Hugging Face Qwen2 config."""
+    _require_megatron()
+    if cfg.num_key_value_heads % mc.tensor_parallel:
+        raise ValueError(f"tensor_parallel ({mc.tensor_parallel}) must divide num_key_value_heads "
+                         f"({cfg.num_key_value_heads}): each TP rank holds whole query groups")
+    if cfg.num_hidden_layers % mc.pipeline_parallel:
+        raise ValueError(f"pipeline_parallel ({mc.pipeline_parallel}) must divide num_hidden_layers "
+                         f"({cfg.num_hidden_layers})")
+    dtype = torch.bfloat16 if mc.bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
+        kv_channels=cfg.head_dim, normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps,
+        add_bias_linear=False, add_qkv_bias=True, gated_linear_unit=True, activation_func=F.silu,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=mc.tensor_parallel, pipeline_model_parallel_size=mc.pipeline_parallel,
+        params_dtype=dtype, bf16=mc.bf16, pipeline_dtype=dtype,
+        use_cpu_initialization=True, perform_initialization=False,  # weights come from the HF checkpoint
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        calculate_per_token_loss=True,  # loss_fn's sum / our denominator; no division by micro-batch count
+        variable_seq_lengths=True,      # packed micro-batches differ in length (pipeline shapes are sent)
+        moe_token_dispatcher_type="alltoall",  # unused (dense model); the default rejects variable lengths
+        deallocate_pipeline_outputs=True,
+    )
+
+
+class TorchPackedAttention(MegatronModule):
+    """Core attention in plain torch SDPA that accepts Megatron's THD packed sequences.
+
+    THD: query [t, heads, d], key/value [t, groups, d] and `packed_seq_params.cu_seqlens_q`; one causal
+    SDPA per sequence, so attention never crosses a boundary. BSHD: [s, b, heads, d], causal over each
+    row (right padding is never attended by real tokens). Returns [t, heads * d] or [s, b, heads * d].
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("TorchPackedAttention does not support context parallelism (use Transformer Engine)")
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
+                attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
+        gqa = query.shape[-2] != key.shape[-2]
+        if packed_seq_params is not None:
+            cu = packed_seq_params.cu_seqlens_q.tolist()
+            outs = []
+            for s, e in zip(cu[:-1], cu[1:]):
+                q, k, v = (x[s:e].transpose(0, 1) for x in (query, key, value))  # [heads, L, d]
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                   enable_gqa=gqa)
+                outs.append(o.transpose(0, 1))
+            out = torch.cat(outs, dim=0)
+            return out.reshape(out.shape[0], -1)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
+        s, b = query.shape[0], query.shape[1]
+        return o.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def _use_te(mc: MegatronConfig, device: torch.device) -> bool:
+    if mc.attention == "torch":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+        has_te = True
+    except ImportError:
+        has_te = False
+    if mc.attention == "te":
+        if not has_te:
+            raise MegatronUnavailableError("MegatronConfig.attention='te' but transformer_engine is not importable")
+        return True
+    return has_te and device.type == "cuda"
+
+
+def layer_spec(mc: MegatronConfig, device: torch.device) -> ModuleSpec:
+    if _use_te(mc, device):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.self_attention.submodules.core_attention = TorchPackedAttention
+    return spec
+
+
+def padded_vocab_size(vocab: int, mc: MegatronConfig) -> int:
+    multiple = mc.vocab_pad_multiple * mc.tensor_parallel
+    return -(-vocab // multiple) * multiple
+
+
+def build_gpt_model(cfg: Qwen2Config, mc: MegatronConfig, device: torch.device) -> GPTModel:
+    """This rank's stage of the model (parallel_state must be initialised)."""
+    tc = qwen2_transformer_config(cfg, mc)
+    model = GPTModel(
+        config=tc, transformer_layer_spec=layer_spec(mc, device), vocab_size=padded_vocab_size(cfg.vocab_size, mc),
+        max_sequence_length=cfg.max_position_embeddings, pre_process=mpu.is_pipeline_first_stage(),
+        post_process=mpu.is_pipeline_last_stage(), parallel_output=True,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings, position_embedding_type="rope",
+        rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta)
+    return model.to(device)
+
+
+# --- HF <-> Megatron conversion -----------------------------------------------------------------------
+# kind of a Megatron parameter: how its tensor-parallel shards relate to the full tensor(s)
+#   rep   replicated on every TP rank          vocab  rows split (vocab padded)
+#   row   columns split (RowParallelLinear)   fc1    per rank [gate shard; up shard]
+#   qkv   fused per query group [q heads.., k, v], rank r holds groups r*G/tp .. (r+1)*G/tp - 1
+@dataclasses.dataclass(frozen=True)
+class ParamMap:
+    mcore_name: str
+    kind: str
+    hf_names: tuple[str, ...]
+
+
+def param_map(mcore_name: str, layer_offset: int) -> ParamMap:
+    """How a local Megatron parameter name maps to Hugging Face names (layer numbers made global)."""
+    n = mcore_name
+    if n == "embedding.word_embeddings.weight":
+        return ParamMap(n, "vocab", ("model.embed_tokens.weight",))
+    if n == "output_layer.weight":
+        return ParamMap(n, "vocab", ("lm_head.weight",))
+    if n == "decoder.final_layernorm.weight":
+        return ParamMap(n, "rep", ("model.norm.weight",))
+    parts = n.split(".")
+    if len(parts) < 4 or parts[:2] != ["decoder", "layers"]:
+        raise CheckpointError(f"no Hugging Face name for Megatron parameter {n!r}")
+    hf = f"model.layers.{int(parts[2]) + layer_offset}."
+    rest = ".".join(parts[3:])
+    table: dict[str, tuple[str, tuple[str, ...]]] = {
+        "input_layernorm.weight": ("rep", ("input_layernorm.weight",)),
+        "self_attention.linear_qkv.layer_norm_weight": ("rep", ("input_layernorm.weight",)),  # TE spec
+        "self_attention.linear_qkv.weight": ("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                     "self_attn.v_proj.weight")),
+        "self_attention.linear_qkv.bias": ("qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                                   "self_attn.v_proj.bias")),
+        "self_attention.linear_proj.weight": ("row", ("self_attn.o_proj.weight",)),
+        "pre_mlp_layernorm.weight": ("rep", ("post_attention_layernorm.weight",)),
+        "mlp.linear_fc1.layer_norm_weight": ("rep", ("post_attention_layernorm.weight",)),  # TE spec
+        "mlp.linear_fc1.weight": ("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+        "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
+    }
+    if rest not in table:
+        raise CheckpointError(f"no Hugging Face name for Megatron parameter {n!r}")
+    kind, names = table[rest]
+    return ParamMap(n, kind, tuple(hf + x for x in names))
+
+
+def hf_to_megatron_shard(pm: ParamMap, hf: Sequence[torch.Tensor], cfg: Qwen2Config, tp_rank: int, tp_size: int,
+                         padded_vocab: int) -> torch.Tensor:
+    """TP rank `tp_rank`'s shard of one Megatron parameter from its full Hugging Face tensors."""
+    if pm.kind == "rep":
+        return hf[0]
+    if pm.kind == "vocab":
+        full = hf[0]
+        if full.shape[0] < padded_vocab:
+            full = torch.cat([full, full.new_zeros(padded_vocab - full.shape[0], *full.shape[1:])])
+        return full.chunk(tp_size, dim=0)[tp_rank]
+    if pm.kind == "row":
+        return hf[0].chunk(tp_size, dim=1)[tp_rank]
+    if pm.kind == "fc1":
+        gate, up = hf
+        return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], dim=0)
+    if pm.kind == "qkv":
+        q, k, v = hf
+        groups, per = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+        tail = tuple(q.shape[1:])
+        fused = torch.cat([q.reshape(groups, per, cfg.head_dim, *tail), k.reshape(groups, 1, cfg.head_dim, *tail),
+                           v.reshape(groups, 1, cfg.head_dim, *tail)], dim=1)
+        return fused.chunk(tp_size, dim=0)[tp_rank].reshape(-1, *tail)
+    raise AssertionError(pm.kind)
+
+
+def megatron_shards_to_hf(pm: ParamMap, shards: Sequence[torch.Tensor], cfg: Qwen2Config,
+                          ) -> list[tuple[str, torch.Tensor]]:
+    """Full Hugging Face tensors of one Megatron parameter from all its TP shards (rank order)."""
+    if pm.kind == "rep":
+        return [(pm.hf_names[0], shards[0])]
+    if pm.kind == "vocab":
+        return [(pm.hf_names[0], torch.cat(list(shards), dim=0)[:cfg.vocab_size])]
+    if pm.kind == "row":
+        return [(pm.hf_names[0], torch.cat(list(shards), dim=1))]
+    if pm.kind == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [(pm.hf_names[0], torch.cat([h[0] for h in halves])), (pm.hf_names[1], torch.cat([h[1] for h in halves]))]
+    if pm.kind == "qkv":
+        groups, per = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+        full = torch.cat(list(shards), dim=0)
+        tail = tuple(full.shape[1:])
+        fused = full.reshape(groups, per + 2, cfg.head_dim, *tail)
+        return [(pm.hf_names[0], fused[:, :per].reshape(-1, *tail)),
+                (pm.hf_names[1], fused[:, per].reshape(-1, *tail)),
+                (pm.hf_names[2], fused[:, per + 1].reshape(-1, *tail))]
+    raise AssertionError(pm.kind)
+
+
+# --- log-probs over vocabulary shards -----------------------------------------------------------------
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int,
+                            temperature: float = 1.0, with_entropy: bool = False,
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(logits / T)[target] (and the entropy) when each TP rank holds a slice of the vocabulary.
+
+    logits [n, V_local] are this rank's columns vocab_start .. vocab_start + V_local - 1 (columns past the
+    real `vocab_size` are padding and excluded). Three all-reduces of [n] vectors over the TP group (max,
+    sum of exponentials, target logit; a fourth for the entropy); the full [n, V] logits never exist.
+    Differentiable: reductions use Megatron's reduce_from_tensor_model_parallel_region (identity backward),
+    since every TP rank computes the same loss from the reduced values.
+    """
+    z = logits.float()
+    if temperature not in (0.0, 1.0):
+        z = z / temperature
+    local_v = z.shape[-1]
+    pad = (torch.arange(local_v, device=z.device) + vocab_start) >= vocab_size
+    has_pad = bool(pad.any())
+    if has_pad:
+        z = z.masked_fill(pad, float("-inf"))
+    tp_group = mpu.get_tensor_model_parallel_group()
+    tp_size = mpu.get_tensor_model_parallel_world_size()
+    m = z.detach().max(dim=-1).values
+    if tp_size > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    e = torch.exp(z - m.unsqueeze(-1))
+    sum_exp = tensor_parallel.reduce_from_tensor_model_parallel_region(e.sum(dim=-1))
+    logz = m + torch.log(sum_exp)
+    in_range = (targets >= vocab_start) & (targets < vocab_start + local_v)
+    local_t = (targets - vocab_start).clamp(0, local_v - 1)
+    target_logit = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~in_range, 0.0)
+    target_logit = tensor_parallel.reduce_from_tensor_model_parallel_region(target_logit)
+    logp = target_logit - logz
+    entropy = None
+    if with_entropy:
+        p = e / sum_exp.unsqueeze(-1)
+        zf = z.masked_fill(pad, 0.0) if has_pad else z
+        expected = tensor_parallel.reduce_from_tensor_model_parallel_region((p * zf).sum(dim=-1))
+        entropy = logz - expected
+    return logp, entropy
+
+
+# --- distributed setup ---------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(mc: MegatronConfig, device: torch.device) -> None:
+    """torch.distributed (env:// when launched by torchrun, else a world of one) and parallel_state."""
+    timeout = datetime.timedelta(seconds=mc.dist_timeout_s)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                    timeout=timeout)
+    world = dist.get_world_size()
+    if world % (mc.tensor_parallel * mc.pipeline_parallel):
+        raise ValueError(f"world size {world} is not a multiple of tensor_parallel x pipeline_parallel "
+                         f"({mc.tensor_parallel} x {mc.pipeline_parallel})")
+    if mpu.model_parallel_is_initialized():
+        if (mpu.get_tensor_model_parallel_world_size() != mc.tensor_parallel
+                or mpu.get_pipeline_model_parallel_world_size() != mc.pipeline_parallel):
+            raise ValueError("parallel_state is already initialised with other tensor/pipeline sizes")
+        return
+    mpu.initialize_model_parallel(tensor_model_parallel_size=mc.tensor_parallel,
+                                  pipeline_model_parallel_size=mc.pipeline_parallel,
+                                  distributed_timeout_minutes=max(1, int(mc.dist_timeout_s // 60)))
+    if device.type == "cuda":  # Megatron's CUDA RNG tracker (dropout regions, TE)
+        tensor_parallel.model_parallel_cuda_manual_seed(mc.seed)
+
+
+class _HFReader:
+    """Reads named tensors from a Hugging Face model directory on demand (one open handle per file)."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.where: dict[str, str] = {}
+        for path in _weight_files(model_dir):
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    self.where[name] = path
+        self.source = model_dir
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise CheckpointError(f"{self.source}: missing tensor {name!r}")
+        with safe_open(self.where[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+
+# --- the engine -------------------------------------------------------------------------------------------
+class MegatronTrainEngine(TrainEngine):
+    """`TrainEngine` on Megatron-core; one instance per rank, all ranks call every method together.
+
+    Every rank receives its data-parallel share of the micro-batches (TP and PP peers of one data-parallel
+    rank receive the same ones). `export_weights` must be iterated to the end on every rank; buckets come
+    out only on export senders (`is_export_sender`: data-parallel rank 0 and tensor-parallel rank 0 of each
+    pipeline stage), each holding its own stage's layers.
+    """
+
+    def __init__(self, model_dir: str, config: MegatronConfig | None = None, *, version: int = 0) -> None:
+        _require_megatron()
+        self.config = config or MegatronConfig()
+        self.model_dir = model_dir
+        self.device = torch.device(self.config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        init_distributed(self.config, self.device)
+        torch.manual_seed(self.config.seed)
+        self.hf_config = load_config(model_dir)
+        self.tp_rank, self.tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
+        self.pp_rank, self.pp_size = mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
+        self.dp_rank, self.dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        self.padded_vocab = padded_vocab_size(self.hf_config.vocab_size, self.config)
+        self.model = build_gpt_model(self.hf_config, self.config, self.device)
+        self.layer_offset = self._layer_offset()
+        self.param_maps = {name: param_map(name, self.layer_offset) for name, _ in self.model.named_parameters()}
+        self._load_hf_weights(model_dir)
+        tc = self.model.config
+        self.ddp = DistributedDataParallel(
+            config=tc, module=self.model,
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                     use_distributed_optimizer=self.config.use_distributed_optimizer,
+                                                     check_for_nan_in_grad=False))
+        tc.no_sync_func = self.ddp.no_sync
+        tc.finalize_model_grads_func = self._finalize_grads
+        c = self.config
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=c.lr, min_lr=c.lr * c.min_lr_ratio, weight_decay=c.weight_decay,
+                            adam_beta1=c.betas[0], adam_beta2=c.betas[1], adam_eps=c.adam_eps,
+                            clip_grad=c.grad_clip if c.grad_clip > 0 else 0.0, bf16=c.bf16, fp16=False,
+                            params_dtype=torch.bfloat16 if c.bf16 else torch.float32,
+                            use_distributed_optimizer=c.use_distributed_optimizer),
+            [self.ddp])
+        self.step = 0
+        self._initial_version = version
+
+    # --- setup helpers -----------------------------------------------------------------------------
+    def _layer_offset(self) -> int:
+        layers = getattr(self.model.decoder, "layers", [])
+        if len(layers) == 0:
+            return 0
+        return int(layers[0].layer_number) - 1
+
+    def _load_hf_weights(self, model_dir: str) -> None:
+        reader = _HFReader(model_dir)
+        tied = self.hf_config.tie_word_embeddings
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                pm = self.param_maps[name]
+                hf_names = ("model.embed_tokens.weight",) if (tied and pm.mcore_name == "output_layer.weight") \
+                    else pm.hf_names
+                full = [reader.get(n) for n in hf_names]
+                shard = hf_to_megatron_shard(pm, full, self.hf_config, self.tp_rank, self.tp_size, self.padded_vocab)
+                if tuple(shard.shape) != tuple(param.shape):
+                    raise CheckpointError(f"{model_dir}: {hf_names} give shape {tuple(shard.shape)} for {name!r}, "
+                                          f"the model expects {tuple(param.shape)}")
+                param.copy_(shard)
+
+    @property
+    def version(self) -> int:
+        return self._initial_version + self.step
+
+    @property
+    def is_export_sender(self) -> bool:
+        return self.dp_rank == 0 and self.tp_rank == 0
+
+    # --- forward -----------------------------------------------------------------------------------
+    def _check(self, batch: PackedBatch) -> PackedBatch:
+        vocab = self.hf_config.vocab_size
+        if batch.num_tokens and (int(batch.input_ids.min()) < 0 or int(batch.input_ids.max()) >= vocab):
+            raise RequestError(f"PackedBatch.input_ids has a token outside the vocabulary (size {vocab})")
+        return batch.to(self.device)
+
+    def _packed_params(self, batch: PackedBatch) -> PackedSeqParams:
+        cu = batch.cu_seqlens.to(device=self.device, dtype=torch.int32)
+        max_len = int((batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).max())
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
+                               max_seqlen_kv=max_len)
+
+    def _forward(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+        return model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=None,
+                     packed_seq_params=self._packed_params(batch))
+
+    def _token_outputs(self, logits: torch.Tensor, batch: PackedBatch, temperature: float,
+                       with_entropy: bool) -> TokenLogProbs:
+        """Aligned with the input tokens: position t is predicted by position t-1's logits."""
+        local = logits.reshape(-1, logits.shape[-1])[:-1]
+        vocab_start = self.tp_rank * (self.padded_vocab // self.tp_size)
+        lp, ent = vocab_parallel_logprobs(local, batch.input_ids[1:], vocab_start, self.hf_config.vocab_size,
+                                          temperature, with_entropy)
+        zero = lp.new_zeros(1)
+        starts = torch.zeros(batch.num_tokens, dtype=torch.bool, device=lp.device)
+        starts[batch.cu_seqlens[:-1]] = True
+        logprobs = torch.cat([zero, lp]).masked_fill(starts, 0.0)
+        entropy = torch.cat([zero, ent]).masked_fill(starts, 0.0) if with_entropy else None
+        return TokenLogProbs(logprobs, entropy)
+
+    def _broadcast_from_last_stage(self, value: torch.Tensor | None, numel: int) -> torch.Tensor:
+        if self.pp_size == 1:
+            assert value is not None
+            return value
+        buf = value.contiguous() if value is not None else torch.empty(numel, device=self.device)
+        dist.broadcast(buf, src=mpu.get_pipeline_model_parallel_last_rank(),
+                       group=mpu.get_pipeline_model_parallel_group())
+        return buf
+
+    def compute_logprobs(self, batch: PackedBatch, temperature: float = 1.0,
+                         with_entropy: bool = False) -> TokenLogProbs:
+        batch = self._check(batch)
+        store: dict[str, torch.Tensor] = {}
+
+        def forward_step(data_iter: Iterator[PackedBatch], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+            mb = next(data_iter)
+            out = self._forward(model, mb)
+
+            def collect(logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+                res = self._token_outputs(logits, mb, temperature, with_entropy)
+                store["logprobs"] = res.logprobs
+                if res.entropy is not None:
+                    store["entropy"] = res.entropy
+                return logits.new_zeros(()), {}
+            return out, collect
+
+        self.ddp.eval()
+        with torch.no_grad():
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch]), model=[self.ddp],
+                                        num_microbatches=1, seq_length=batch.num_tokens, micro_batch_size=1,
+                                        forward_only=True)
+            logprobs = self._broadcast_from_last_stage(store.get("logprobs"), batch.num_tokens)
+            entropy = self._broadcast_from_last_stage(store.get("entropy"), batch.num_tokens) if with_entropy else None
+        self.ddp.train()
+        return TokenLogProbs(logprobs, entropy)
+
+    # --- optimisation ------------------------------------------------------------------------------
+    def _finalize_grads(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None) -> None:
+        # The loss is already divided by the global denominator: reduce gradients (summed across DP ranks,
+        # calculate_per_token_loss) without Megatron's division by the token count.
+        finalize_model_grads(model, None)
+
+    def _dp_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.dp_size > 1:
+            dist.all_reduce(t, group=mpu.get_data_parallel_group())
+        return t.tolist()
+
+    def _set_lr(self) -> float:
+        lr = self.config.lr * self.config.lr_factor(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.config.weight_decay * group.get("wd_mult", 1.0)
+        return lr
+
+    def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn, temperature: float = 1.0,
+                   loss_denominator: float | None = None, with_entropy: bool = False) -> dict[str, float]:
+        if not micro_batches:
+            raise RequestError("train_step: no micro-batches")
+        batches = [self._check(mb) for mb in micro_batches]
+        weights = [float(mb.fields["loss_mask"].sum()) if "loss_mask" in mb.fields
+                   else float(mb.num_tokens - mb.num_seqs) for mb in batches]
+        denominator = float(loss_denominator) if loss_denominator is not None else self._dp_sum([sum(weights)])[0]
+        if not denominator > 0:
+            raise RequestError(f"train_step: loss denominator must be positive, got {denominator}")
+        self.ddp.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self._set_lr()
+        loss_total = [0.0]
+        stat_sums: dict[str, float] = {}
+        weight_iter = iter(weights)
+
+        def forward_step(data_iter: Iterator[PackedBatch], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+            mb = next(data_iter)
+            weight = next(weight_iter)
+            out = self._forward(model, mb)
+
+            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+                outputs = self._token_outputs(logits, mb, temperature, with_entropy)
+                loss_sum, stats = loss_fn(outputs, mb)
+                if loss_sum.dim() != 0:
+                    raise RequestError(f"loss_fn must return a scalar loss sum, got shape {tuple(loss_sum.shape)}")
+                loss_total[0] += float(loss_sum.detach())
+                for key, value in stats.items():
+                    stat_sums[key] = stat_sums.get(key, 0.0) + float(value) * weight
+                return loss_sum / denominator, torch.tensor(int(weight), dtype=torch.int), {}
+            return out, loss_func
+
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[self.ddp],
+                                    num_microbatches=len(batches), seq_length=max(mb.num_tokens for mb in batches),
+                                    micro_batch_size=1, forward_only=False)
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        skipped = bool(found_inf) or not np.isfinite(grad_norm)
+        if not skipped:
+            if self.config.grad_clip > 0:
+                self.optimizer.clip_grad_norm(self.config.grad_clip)
+            self.optimizer.step_with_ready_grads()
+            self.step += 1
+        self.optimizer.zero_grad()
+        self.ddp.zero_grad_buffer()
+        # Report global figures: loss and stats summed over data-parallel ranks (the last stage computes them).
+        keys = sorted(stat_sums)
+        local = [loss_total[0], sum(weights), float(sum(mb.num_tokens for mb in batches)),
+                 float(sum(mb.num_seqs for mb in batches))] + [stat_sums[k] for k in keys]
+        if self.pp_size > 1:
+            t = torch.tensor(local, dtype=torch.float64, device=self.device)
+            dist.broadcast(t, src=mpu.get_pipeline_model_parallel_last_rank(),
+                           group=mpu.get_pipeline_model_parallel_group())
+            local = t.tolist()
+        total = self._dp_sum(local)
+        out = {"loss": total[0] / denominator, "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped),
+               "tokens": total[2], "seqs": total[3], "step": float(self.step), "version": float(self.version)}
+        for key, value in zip(keys, total[4:]):
+            out.setdefault(key, value / total[1] if total[1] else 0.0)
+        return out
+
+    # --- weights -----------------------------------------------------------------------------------
+    def _export_units(self) -> list[tuple[ParamMap, torch.nn.Parameter]]:
+        tied = self.hf_config.tie_word_embeddings
+        units = []
+        for name, param in self.model.named_parameters():
+            pm = self.param_maps[name]
+            if tied and pm.mcore_name == "output_layer.weight":
+                continue  # a copy of the embedding on the last stage; HF stores it once
+            units.append((pm, param))
+        return units
+
+    def export_weights(self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
+        """Hugging Face-named buckets of this stage's weights; iterate to the end on every rank.
+
+        Ranks of data-parallel rank 0 take part (one all-gather over the TP group per bucket, the next
+        bucket's gather started before the current bucket is handed out); buckets are yielded on TP rank 0.
+        """
+        if self.dp_rank != 0:
+            return
+        units = self._export_units()
+        buckets: list[list[tuple[ParamMap, torch.nn.Parameter]]] = [[]]
+        size = 0
+        for pm, param in units:
+            factor = 1 if pm.kind == "rep" else self.tp_size
+            nbytes = param.numel() * factor * (dtype or param.dtype).itemsize
+            if buckets[-1] and size + nbytes > bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((pm, param))
+            size += nbytes
+        pending = self._start_gather(buckets[0]) if buckets[0] else None
+        for i, bucket in enumerate(buckets):
+            if pending is None:
+                break
+            current = pending
+            pending = self._start_gather(buckets[i + 1]) if i + 1 < len(buckets) else None
+            out = self._finish_gather(bucket, current, dtype)
+            if self.tp_rank == 0:
+                yield out
+
+    def _start_gather(self, bucket: list[tuple[ParamMap, torch.nn.Parameter]]) -> tuple[Any, list[torch.Tensor]]:
+        split = [p for pm, p in bucket if pm.kind != "rep"]
+        if self.tp_size == 1 or not split:
+            return None, []
+        flat = torch.cat([p.detach().reshape(-1) for p in split])
+        parts = [torch.empty_like(flat) for _ in range(self.tp_size)]
+        handle = dist.all_gather(parts, flat, group=mpu.get_tensor_model_parallel_group(), async_op=True)
+        return handle, parts
+
+    def _finish_gather(self, bucket: list[tuple[ParamMap, torch.nn.Parameter]], pending: tuple[Any, list[torch.Tensor]],
+                       dtype: torch.dtype | None) -> WeightBucket:
+        handle, parts = pending
+        if handle is not None:
+            handle.wait()
+        out: WeightBucket = []
+        offset = 0
+        for pm, param in bucket:
+            if pm.kind == "rep" or self.tp_size == 1:
+                shards = [param.detach()]
+            else:
+                n = param.numel()
+                shards = [part[offset:offset + n].view(param.shape) for part in parts]
+                offset += n
+            if self.tp_rank != 0:
+                continue
+            for hf_name, tensor in megatron_shards_to_hf(pm, shards, self.hf_config):
+                out.append((hf_name, tensor.to(dtype or tensor.dtype, copy=True).contiguous()))
+        return out
+
+    # --- checkpoints -------------------------------------------------------------------------------
+    def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        return [opt.optimizer for opt in chained]
+
+    def _layout(self) -> dict[str, int]:
+        return {"tensor_parallel": self.tp_size, "pipeline_parallel": self.pp_size, "data_parallel": self.dp_size}
+
+    def save(self, path: str) -> None:
+        """HF layout (config.json + safetensors; one file per pipeline stage with an index when pp > 1),
+        tokenizer files, each rank's optimizer shard, and trainer_state.pt written last by rank 0."""
+        rank = dist.get_rank()
+        if rank == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        tensors: dict[str, torch.Tensor] = {}
+        for bucket in self.export_weights(256 << 20):
+            tensors.update({name: t.cpu() for name, t in bucket})
+        fname = SINGLE_FILE if self.pp_size == 1 else f"model-{self.pp_rank + 1:05d}-of-{self.pp_size:05d}.safetensors"
+        if self.is_export_sender:
+            save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
+        names: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(names, (fname, sorted(tensors)) if self.is_export_sender else None)
+        torch.save({"layout": self._layout(), "optimizers": [o.state_dict() for o in self._inner_optimizers()]},
+                   os.path.join(path, f"optim_rank{rank:05d}.pt"))
+        dist.barrier()
+        if rank == 0:
+            if self.pp_size > 1:
+                weight_map = {n: f for item in names if item is not None for f, ns in [item] for n in ns}
+                with open(os.path.join(path, INDEX_FILE), "w", encoding="utf-8") as f:
+                    json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+            config = self.hf_config.to_dict()
+            config["torch_dtype"] = "bfloat16" if self.config.bf16 else "float32"
+            with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
+                json.dump(config, f, indent=2)
+            for name in _TOKENIZER_FILES:
+                src = os.path.join(self.model_dir, name)
+                if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, name)):
+                    shutil.copyfile(src, os.path.join(path, name))
+            state = {"step": self.step, "initial_version": self._initial_version, "layout": self._layout(),
+                     "config": dataclasses.asdict(self.config),
+                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": np.random.get_state()}}
+            tmp = os.path.join(path, TRAINER_STATE + ".tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, os.path.join(path, TRAINER_STATE))
+        dist.barrier()
+
+    def load(self, path: str) -> None:
+        """Restore what `save` wrote, on the same parallel layout (weights on any layout: they are HF)."""
+        state_path = os.path.join(path, TRAINER_STATE)
+        if not os.path.exists(state_path):
+            raise CheckpointError(f"{path}: no {TRAINER_STATE} (not a complete trainer checkpoint)")
+        if load_config(path).to_dict() != self.hf_config.to_dict():
+            raise CheckpointError(f"{path}: config.json describes a different model than this trainer's")
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        try:
+            if state["layout"] != self._layout():
+                raise CheckpointError(f"{path}: saved with layout {state['layout']}, this trainer runs "
+                                      f"{self._layout()} (optimizer shards are per rank)")
+            optim_path = os.path.join(path, f"optim_rank{dist.get_rank():05d}.pt")
+            if not os.path.exists(optim_path):
+                raise CheckpointError(f"{path}: missing {os.path.basename(optim_path)}")
+            self._load_hf_weights(path)
+            optim = torch.load(optim_path, map_location=self.device, weights_only=False)
+            for inner, sd in zip(self._inner_optimizers(), optim["optimizers"], strict=True):
+                inner.load_state_dict(sd)
+            self.step, self._initial_version = int(state["step"]), int(state["initial_version"])
+            rng = state["rng"]
+        except KeyError as e:
+            raise CheckpointError(f"{state_path}: missing key {e.args[0]!r}") from None
+        # The distributed optimizer's fp32 main params are views of (fp32) or copies of (bf16) the weights.
+        if hasattr(self.optimizer, "reload_model_params"):
+            self.optimizer.reload_model_params()
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+
+
+def make_megatron_engine(model_dir: str, config: MegatronConfig, version: int = 0) -> MegatronTrainEngine:
+    return MegatronTrainEngine(model_dir, config, version=version)
+
+
+def is_available() -> bool:
+    return MEGATRON_IMPORT_ERROR is None
+
+
+__all__ = ["MegatronConfig", "MegatronTrainEngine", "MegatronUnavailableError", "ParamMap", "TorchPackedAttention",
+           "build_gpt_model", "hf_to_megatron_shard", "init_distributed", "is_available", "layer_spec",
+           "megatron_shards_to_hf", "padded_vocab_size", "param_map", "qwen2_transformer_config",
+           "vocab_parallel_logprobs"]
+
