@@ -432,6 +432,7 @@ class MegatronTrainEngine(TrainEngine):
         self.model = build_gpt_model(self.hf_config, self.config, self.device)
         self.layer_offset = self._layer_offset()
         self.param_maps = {name: param_map(name, self.layer_offset) for name, _ in self.model.named_parameters()}
+        self._mark_tensor_parallel_params()
         self._load_hf_weights(model_dir)
         tc = self.model.config
         self.ddp = DistributedDataParallel(
@@ -458,6 +459,20 @@ class MegatronTrainEngine(TrainEngine):
         if len(layers) == 0:
             return 0
         return int(layers[0].layer_number) - 1
+
+    def _mark_tensor_parallel_params(self) -> None:
+        """Megatron's linear layers set `tensor_model_parallel` only while initialising weights, and we build
+        with perform_initialization=False (the weights come from the checkpoint); without the attribute the
+        grad norm would drop split weights on TP ranks > 0. Set it from the conversion table."""
+        for name, param in self.model.named_parameters():
+            kind = self.param_maps[name].kind
+            if kind == "rep":
+                tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+            else:
+                for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+                    if hasattr(param, attr):
+                        delattr(param, attr)
+                tensor_parallel.set_tensor_model_parallel_attributes(param, True, 1 if kind == "row" else 0, 1)
 
     def _load_hf_weights(self, model_dir: str) -> None:
         reader = _HFReader(model_dir)
