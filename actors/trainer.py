@@ -48,17 +48,36 @@ from transport.protocol import (Batch, BatchRequest, CheckpointDone, CheckpointR
                                 VersionUpdate, WeightsPublished, WeightsStored)
 
 
-def make_train_engine(settings: dict[str, Any], model_dir: str, version: int) -> TorchTrainEngine:
+def make_train_engine(settings: dict[str, Any], model_dir: str, version: int) -> TrainEngine:
     """The trainer backend named by `backend` (torch here; megatron on GPU clusters)."""
     backend = settings.get("backend", "torch")
+    if backend == "megatron":
+        return _make_megatron_engine(settings, model_dir, version)
     if backend != "torch":
-        raise ValueError(f"backend: {backend!r} is not available in this build (use 'torch')")
+        raise ValueError(f"backend: {backend!r} is not available in this build (use 'torch' or 'megatron')")
     algo = settings.get("algo") or {}
     cfg = TrainConfig(lr=float(algo.get("lr", 2e-5)), adam_eps=float(algo.get("adam_eps", 1e-5)),
+                      betas=(float(algo.get("adam_beta1", 0.9)), float(algo.get("adam_beta2", 0.999))),
                       grad_clip=float(algo.get("grad_clip", 1.0)), weight_decay=float(algo.get("weight_decay", 0.0)),
                       seed=int(settings.get("seed", 1)),
                       device="cuda" if torch.cuda.is_available() and settings.get("device") == "cuda" else "cpu")
     return TorchTrainEngine(model_dir, cfg, version=version)
+
+
+def _make_megatron_engine(settings: dict[str, Any], model_dir: str, version: int) -> TrainEngine:
+    """`backend: megatron` (actors/engines/megatron.py): the same algo settings plus the trainer group's
+    `parallel` from the topology (tp, pp; dp is what the world size leaves). Every trainer rank builds one."""
+    from actors.engines.megatron import MegatronConfig, MegatronTrainEngine  # optional dependency
+    algo = settings.get("algo") or {}
+    parallel = (settings.get("instance") or {}).get("parallel") or {}
+    cfg = MegatronConfig(lr=float(algo.get("lr", 2e-5)), adam_eps=float(algo.get("adam_eps", 1e-5)),
+                         betas=(float(algo.get("adam_beta1", 0.9)), float(algo.get("adam_beta2", 0.999))),
+                         grad_clip=float(algo.get("grad_clip", 1.0)),
+                         weight_decay=float(algo.get("weight_decay", 0.0)), seed=int(settings.get("seed", 1)),
+                         device="cuda" if torch.cuda.is_available() and settings.get("device") == "cuda" else "cpu",
+                         tensor_parallel=int(parallel.get("tp", 1)), pipeline_parallel=int(parallel.get("pp", 1)),
+                         bf16=bool(settings.get("bf16", False)))
+    return MegatronTrainEngine(model_dir, cfg, version=version)
 
 
 def batch_to_sequences(batch: Batch) -> dict[str, Any]:
