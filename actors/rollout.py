@@ -113,7 +113,11 @@ def make_engine(settings: dict[str, Any], version: int, model_dir: str) -> Gener
         return TorchGenerationEngine(model_dir, version=version, device=str(settings.get("device", "cpu")),
                                      dtype=model.get("dtype"), max_running=int(settings.get("max_running", 256)),
                                      seed=int(settings.get("seed", 0)) * 1000 + index)
-    raise RolloutConfigError(f"engine: {kind!r} is not available here (known: 'torch')")
+    if kind == "sglang":  # an SGLang server, started here or attached by settings["sglang_url"]
+        from actors.engines.sglang import SGLangEngine
+
+        return SGLangEngine.from_settings(settings, version, model_dir)
+    raise RolloutConfigError(f"engine: {kind!r} is not available here (known: 'torch', 'sglang')")
 
 
 def engine_weights_hash(engine: GenerationEngine) -> str:

@@ -1,0 +1,938 @@
+"""SGLang rollout engine: a `GenerationEngine` that drives an SGLang server over its HTTP API.
+
+The server is either started by this engine (``python -m sglang.launch_server ...``, restarted with backoff
+when it dies) or attached to by URL. Everything crosses HTTP as token ids: ``/generate`` with
+``input_ids``, ``sampling_params``, ``return_logprob`` and a request id ``rid``; the answer's
+``meta_info.output_token_logprobs`` gives every generated token with its log-prob.
+
+Group answers. A request with ``n`` samples becomes ``n`` concurrent ``/generate`` calls on the same prompt:
+SGLang's radix cache shares the prompt's prefill between them, and each sample can be aborted and resumed
+on its own.
+
+Interruption (the seeds' scheme). A weight update is::
+
+    /pause_generation {"mode": "abort"}   -> every running request comes back with its partial tokens
+                                             (finish_reason "abort"); SGLang returns once none is running
+    the update (/update_weights_from_disk, or /update_weights_from_distributed per bucket while the
+    trainer broadcasts), then /update_weight_version
+    /continue_generation                  -> the engine re-submits every interrupted sample as
+                                             prompt + tokens so far with the remaining token budget
+
+so the KV cache of in-flight sequences is rebuilt under the new weights and later tokens carry the new
+version. Because no ``/generate`` call can span an update in abort mode (SGLang's pause waits until no
+request holds the model lock), each response was sampled by one weight version: the server's
+``meta_info.weight_version``, which the engine keeps equal to our integer version.
+
+Field names. Everything this module sends is declared once in :data:`ROUTES` (route -> SGLang request class
+and the fields we send) and :data:`SAMPLING_FIELDS`; ``tests/test_engine_sglang_fields.py`` checks them
+against SGLang's own ``sglang.srt.managers.io_struct`` dataclasses of :data:`SGLANG_VERSION` (the version
+pinned in pyproject's ``gpu`` extra). See docs/engines-sglang.md.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .base import (EngineError, GenerationEngine, GenerationRequest, GenerationResult, RequestError,
+                   WeightBucket, WeightSource)
+
+__all__ = ["SGLANG_VERSION", "ROUTES", "SAMPLING_FIELDS", "META_INFO_KEYS", "SGLangError", "SGLangHTTPError",
+           "SGLangLaunchError", "TensorSpec", "LaunchConfig", "SGLangServer", "SGLangEngine",
+           "WeightGroupSender", "join_weight_group", "bucket_specs", "flatten_bucket", "unflatten_bucket",
+           "free_port"]
+
+# The SGLang release whose HTTP API this module speaks (pinned in pyproject.toml's `gpu` extra). 0.5.6 is
+# the first release whose /pause_generation takes a mode (abort / in_place / retract).
+SGLANG_VERSION = "0.5.6"
+
+# route -> (SGLang request dataclass in sglang.srt.managers.io_struct, the fields this module sends).
+ROUTES: dict[str, tuple[str, frozenset[str]]] = {
+    "/generate": ("GenerateReqInput", frozenset({"rid", "input_ids", "sampling_params", "return_logprob"})),
+    "/abort_request": ("AbortReq", frozenset({"rid", "abort_all"})),
+    "/pause_generation": ("PauseGenerationReqInput", frozenset({"mode"})),
+    "/continue_generation": ("ContinueGenerationReqInput", frozenset()),
+    "/update_weights_from_disk": ("UpdateWeightFromDiskReqInput",
+                                  frozenset({"model_path", "abort_all_requests", "weight_version", "flush_cache"})),
+    "/init_weights_update_group": ("InitWeightsUpdateGroupReqInput",
+                                   frozenset({"master_address", "master_port", "rank_offset", "world_size",
+                                              "group_name", "backend"})),
+    "/update_weights_from_distributed": ("UpdateWeightsFromDistributedReqInput",
+                                         frozenset({"names", "dtypes", "shapes", "group_name", "flush_cache",
+                                                    "abort_all_requests", "weight_version", "load_format"})),
+    "/destroy_weights_update_group": ("DestroyWeightsUpdateGroupReqInput", frozenset({"group_name"})),
+    "/update_weight_version": ("UpdateWeightVersionReqInput", frozenset({"new_version", "abort_all_requests"})),
+}
+# Keys of /generate's sampling_params (arguments of sglang.srt.sampling.sampling_params.SamplingParams).
+SAMPLING_FIELDS = frozenset({"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed"})
+# What this module reads from a /generate answer's meta_info (set in SGLang's tokenizer_manager).
+META_INFO_KEYS = frozenset({"finish_reason", "output_token_logprobs", "weight_version", "completion_tokens",
+                            "prompt_tokens"})
+GET_ROUTES = frozenset({"/health", "/health_generate", "/model_info", "/server_info", "/weight_version"})
+
+# The process group SGLang's model runner joins for update_weights_from_distributed (its default name).
+DEFAULT_GROUP = "weight_update_group"
+
+
+class SGLangError(EngineError):
+    """Talking to the SGLang server failed; the message names the server, the route and the cause."""
+
+
+class SGLangHTTPError(SGLangError):
+    """The server answered a route with an error status."""
+
+    def __init__(self, url: str, route: str, status: int, body: str) -> None:
+        super().__init__(f"SGLang server {url}: {route} answered HTTP {status}: {body[:500]}")
+        self.url, self.route, self.status, self.body = url, route, status, body
+
+
+class SGLangLaunchError(SGLangError):
+    """The server process could not be started, or did not become healthy in time."""
+
+
+def payload(route: str, **fields: Any) -> dict[str, Any]:
+    """The JSON body for ``route``; only the fields declared in :data:`ROUTES` may be sent."""
+    if route not in ROUTES:
+        raise SGLangError(f"{route}: not a route this engine knows ({sorted(ROUTES)})")
+    unknown = set(fields) - ROUTES[route][1]
+    if unknown:
+        raise SGLangError(f"{route}: field(s) {sorted(unknown)} are not declared in ROUTES[{route!r}]")
+    return fields
+
+
+def sampling_payload(**fields: Any) -> dict[str, Any]:
+    unknown = set(fields) - SAMPLING_FIELDS
+    if unknown:
+        raise SGLangError(f"sampling_params: field(s) {sorted(unknown)} are not declared in SAMPLING_FIELDS")
+    return fields
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+# ------------------------------------------------------------------------------------------------------
+# Weights over a process group, laid out as SGLang's model runner expects them
+# ------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """What the server allocates before a broadcast: name, dtype name ("bfloat16"), shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        return cls(name, str(tensor.dtype).removeprefix("torch."), tuple(int(d) for d in tensor.shape))
+
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise RequestError(f"tensor {self.name!r}: unknown dtype {self.dtype!r}")
+        return dtype
+
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * torch.empty((), dtype=self.torch_dtype()).element_size()
+
+
+def bucket_specs(bucket: WeightBucket) -> list[TensorSpec]:
+    return [TensorSpec.of(name, t) for name, t in bucket]
+
+
+def flatten_bucket(bucket: WeightBucket) -> torch.Tensor:
+    """SGLang's "flattened_bucket" load format: every tensor's bytes concatenated in order (no padding)."""
+    if not bucket:
+        raise RequestError("flatten_bucket: empty bucket")
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
+
+
+def unflatten_bucket(flat: torch.Tensor, specs: Sequence[TensorSpec]) -> WeightBucket:
+    out, offset = [], 0
+    for spec in specs:
+        n = spec.nbytes()
+        out.append((spec.name, flat[offset:offset + n].view(spec.torch_dtype()).view(spec.shape)))
+        offset += n
+    if offset != flat.numel():
+        raise RequestError(f"flattened bucket has {flat.numel()} bytes, the specs describe {offset}")
+    return out
+
+
+def join_weight_group(master_address: str, master_port: int, rank: int, world_size: int,
+                      group_name: str = DEFAULT_GROUP, backend: str = "nccl", timeout_s: float = 300.0) -> Any:
+    """Join the weight-update process group the way SGLang's model runner does (``init_custom_process_group``):
+    a TCP rendezvous at master_address:master_port (rank 0 hosts the store), keys under ``group_name``, a
+    group of its own beside any default group. The trainer calls it with rank 0, each SGLang server's
+    tensor-parallel rank r joins as rank_offset + r. Returns the process group."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = _dt.timedelta(seconds=timeout_s)
+    try:
+        store, _, _ = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                           timeout=timeout))
+        store.set_timeout(timeout)
+        store = dist.PrefixStore(group_name, store)
+        pg, _ = c10d._new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
+                                               group_name=group_name, timeout=timeout)
+        c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    except Exception as exc:  # torch raises DistStoreError / RuntimeError with little context
+        raise SGLangError(f"weight group {group_name!r}: rank {rank}/{world_size} could not join at "
+                          f"{master_address}:{master_port} ({backend}) within {timeout_s:g} s: {exc}") from exc
+    return pg
+
+
+def broadcast_bucket(pg: Any, bucket: WeightBucket, flattened: bool) -> None:
+    """The trainer's half of one /update_weights_from_distributed call (rank 0 is the source)."""
+    import torch.distributed as dist
+
+    if flattened:
+        dist.broadcast(flatten_bucket(bucket), src=0, group=pg)
+        return
+    handles = [dist.broadcast(t.detach().contiguous(), src=0, group=pg, async_op=True) for _, t in bucket]
+    for h in handles:
+        h.wait()
+
+
+def receive_bucket(pg: Any, specs: Sequence[TensorSpec], flattened: bool, device: str = "cpu") -> WeightBucket:
+    """The server's half (what SGLang's model runner does on each rank; used by the stand-in server)."""
+    import torch.distributed as dist
+
+    if flattened:
+        flat = torch.empty(sum(s.nbytes() for s in specs), dtype=torch.uint8, device=device)
+        dist.broadcast(flat, src=0, group=pg)
+        return unflatten_bucket(flat, specs)
+    out = [(s.name, torch.empty(s.shape, dtype=s.torch_dtype(), device=device)) for s in specs]
+    handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in out]
+    for h in handles:
+        h.wait()
+    return out
+
+
+class WeightGroupSender:
+    """The trainer side of the direct weight path: rank 0 of the group every SGLang server joins.
+
+    Usage (the trainer, while the rollouts call ``SGLangEngine.init_weights_group`` with rank offsets
+    1, 1 + tp, ...)::
+
+        sender = WeightGroupSender(addr, port, world_size=1 + sum(tp))
+        sender.open()                      # blocks until every server rank joined
+        for bucket in buckets:             # while every rollout runs update_weights_from_distributed
+            sender.send(bucket)
+    """
+
+    def __init__(self, master_address: str, master_port: int, world_size: int, group_name: str = DEFAULT_GROUP,
+                 backend: str = "nccl", flattened: bool = True, timeout_s: float = 300.0) -> None:
+        self.master_address, self.master_port, self.world_size = master_address, master_port, world_size
+        self.group_name, self.backend, self.flattened, self.timeout_s = group_name, backend, flattened, timeout_s
+        self.pg: Any = None
+
+    def open(self) -> None:
+        self.pg = join_weight_group(self.master_address, self.master_port, 0, self.world_size, self.group_name,
+                                    self.backend, self.timeout_s)
+
+    def send(self, bucket: WeightBucket) -> None:
+        if self.pg is None:
+            raise SGLangError(f"weight group {self.group_name!r}: not open (call open() first)")
+        try:
+            broadcast_bucket(self.pg, bucket, self.flattened)
+        except Exception as exc:
+            raise SGLangError(f"weight group {self.group_name!r}: broadcast of {len(bucket)} tensors "
+                              f"failed: {exc}") from exc
+
+    def close(self) -> None:
+        if self.pg is not None:
+            import torch.distributed as dist
+            try:
+                dist.destroy_process_group(self.pg)
+            except Exception:  # a group whose peers died cannot always be torn down cleanly
+                pass
+            self.pg = None
+
+
+# ------------------------------------------------------------------------------------------------------
+# The server process
+# ------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class LaunchConfig:
+    """How to start the server; ``command`` is the module runner (tests name the stand-in server there)."""
+
+    model_path: str
+    command: list[str] = dataclasses.field(default_factory=lambda: [sys.executable, "-m", "sglang.launch_server"])
+    host: str = "127.0.0.1"
+    port: int = 0                      # 0: a free port, chosen anew for every start
+    tp: int = 1
+    mem_fraction_static: float | None = None
+    dtype: str | None = None
+    seed: int | None = None
+    extra_args: list[str] = dataclasses.field(default_factory=list)
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    log_path: str | None = None        # server stdout/stderr (appended); default: a temp file
+    health_timeout_s: float = 600.0    # bound on waiting for /health after a start
+    max_restarts: int = 5
+    backoff_s: float = 1.0             # doubled after each restart, up to backoff_max_s
+    backoff_max_s: float = 30.0
+
+    def args(self, port: int, weight_version: int) -> list[str]:
+        args = [*self.command, "--model-path", self.model_path, "--host", self.host, "--port", str(port),
+                "--tp-size", str(self.tp), "--skip-tokenizer-init", "--weight-version", str(weight_version)]
+        if self.mem_fraction_static is not None:
+            args += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.dtype:
+            args += ["--dtype", self.dtype]
+        if self.seed is not None:
+            args += ["--random-seed", str(self.seed)]
+        return args + list(self.extra_args)
+
+
+class SGLangServer:
+    """One server process: start, wait for health (bounded), watch, restart with backoff after a death."""
+
+    def __init__(self, config: LaunchConfig, on_restart: Callable[[int], Awaitable[None]] | None = None) -> None:
+        self.config = config
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+        self.restarts = 0
+        self.on_restart = on_restart
+        self.weight_version = 0
+        self.model_path = config.model_path
+        self._log_file: Any = None
+        self._watch: asyncio.Task | None = None
+        self._stopping = False
+        self.healthy = asyncio.Event()
+        self.failed: BaseException | None = None
+        self.starts = 0                     # launches so far; a request remembers the one it was sent to
+        self.changed = asyncio.Condition()  # notified on every state change (healthy, died, failed)
+
+    async def died(self, starts: int, grace_s: float = 5.0) -> bool:
+        """Whether the process of launch number `starts` is gone; a request that lost its connection gives
+        the process `grace_s` to finish dying (a killed process resets connections before it is reaped)."""
+        proc = self.proc
+        if self.starts != starts or proc is None:
+            return True
+        try:
+            await asyncio.to_thread(proc.wait, grace_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def start(self, weight_version: int) -> None:
+        self.weight_version = weight_version
+        await self._launch()
+        self._watch = asyncio.ensure_future(self._watcher())
+
+    async def _launch(self) -> None:
+        cfg = self.config
+        port = cfg.port or free_port(cfg.host)
+        self.url = f"http://{cfg.host}:{port}"
+        if cfg.log_path:
+            Path(cfg.log_path).parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(cfg.log_path, "ab")
+        else:
+            import tempfile
+            self._log_file = tempfile.NamedTemporaryFile(prefix="sglang-server-", suffix=".log", delete=False)
+        args = dataclasses.replace(cfg, model_path=self.model_path).args(port, self.weight_version)
+        env = {**os.environ, **cfg.env}
+        try:
+            self.proc = subprocess.Popen(args, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        except OSError as exc:
+            raise SGLangLaunchError(f"could not start {args[:4]}: {exc}") from exc
+        self.starts += 1
+        await self._wait_healthy(cfg.health_timeout_s)
+        await self._notify()
+
+    def log_tail(self, chars: int = 2000) -> str:
+        if self._log_file is None:
+            return ""
+        try:
+            self._log_file.flush()
+            with open(self._log_file.name, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - chars))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    async def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        delay = 0.05
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise SGLangLaunchError(f"SGLang server exited with code {self.proc.returncode} before it was "
+                                        f"healthy ({' '.join(self.proc.args[:4])} ...); log tail:\n{self.log_tail()}")
+            if await asyncio.to_thread(_get_ok, self.url + "/health", 2.0):
+                self.healthy.set()
+                return
+            if time.monotonic() > deadline:
+                await self.kill()
+                raise SGLangLaunchError(f"SGLang server at {self.url} was not healthy within {timeout_s:g} s; "
+                                        f"log tail:\n{self.log_tail()}")
+            await asyncio.sleep(delay)  # polling a process we cannot be notified by
+            delay = min(delay * 2, 1.0)
+
+    async def _watcher(self) -> None:
+        backoff = self.config.backoff_s
+        while not self._stopping:
+            proc = self.proc
+            assert proc is not None
+            code = await asyncio.to_thread(proc.wait)
+            if self._stopping:
+                return
+            self.healthy.clear()
+            await self._notify()
+            if self.restarts >= self.config.max_restarts:
+                self.failed = SGLangLaunchError(f"SGLang server at {self.url} died (exit {code}) and was "
+                                                f"restarted {self.restarts} times already (max_restarts)")
+                await self._notify()  # waiters see `failed`
+                return
+            await asyncio.sleep(backoff)  # restart backoff
+            backoff = min(backoff * 2, self.config.backoff_max_s)
+            self.restarts += 1
+            try:
+                await self._launch()
+            except SGLangLaunchError as exc:
+                self.failed = exc
+                await self._notify()
+                return
+            if self.on_restart is not None:
+                await self.on_restart(self.restarts)
+
+    async def kill(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                await asyncio.to_thread(proc.wait, 20.0)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                await asyncio.to_thread(proc.wait, 10.0)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        await self.kill()
+        if self._watch is not None:
+            await asyncio.gather(self._watch, return_exceptions=True)
+        if self._log_file is not None:
+            self._log_file.close()
+
+
+def _get_ok(url: str, timeout: float) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+# ------------------------------------------------------------------------------------------------------
+# The engine
+# ------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Sample:
+    prompt: tuple[int, ...]
+    output: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    sglang_rid: str | None = None
+    segments: int = 0
+
+
+class SGLangEngine(GenerationEngine):
+    """`GenerationEngine` over an SGLang server (started here, or attached to by ``url``).
+
+    Beyond the interface: :meth:`update_weights_from_disk`, and the direct path
+    :meth:`init_weights_group` + :meth:`update_weights_from_distributed` (bucket metadata in, while the trainer
+    broadcasts the bucket bytes with :class:`WeightGroupSender`). ``update_weights(version, source)`` takes
+    buckets that passed through this process: they are written as a checkpoint under ``weights_dir`` and
+    loaded with ``/update_weights_from_disk``.
+    """
+
+    def __init__(self, *, url: str | None = None, launch: LaunchConfig | None = None, version: int = 0,
+                 weights_dir: str | None = None, request_timeout_s: float = 3600.0, control_timeout_s: float = 600.0,
+                 drain_timeout_s: float = 120.0, attach_timeout_s: float = 30.0, on_restart: Callable[[int], Awaitable[None]] | None = None) -> None:
+        if (url is None) == (launch is None):
+            raise EngineError("SGLangEngine needs exactly one of url (attach) or launch (start a server)")
+        self._attach_url = url.rstrip("/") if url else None
+        self.server = SGLangServer(launch, self._restarted) if launch is not None else None
+        self._version = version
+        self.weights_dir = weights_dir
+        self.request_timeout_s, self.control_timeout_s = request_timeout_s, control_timeout_s
+        self.drain_timeout_s, self.attach_timeout_s = drain_timeout_s, attach_timeout_s
+        self.user_on_restart = on_restart
+        self._session: Any = None
+        self._open = asyncio.Event()       # cleared while paused / updating: samples wait before (re)sending
+        self._open.set()
+        self._epoch = 0                    # bumped by every pause: an abort seen across it is an interruption
+        self._paused = False
+        self._control = asyncio.Lock()     # pause/resume/updates one at a time
+        self._requests: dict[str, list[_Sample]] = {}
+        self._user_aborted: set[str] = set()
+        self._http_inflight = 0
+        self._http_idle = asyncio.Event()
+        self._http_idle.set()
+        self._stopping = False
+        self._abort_events: dict[str, asyncio.Event] = {}
+        self.groups: dict[str, Any] = {}   # weight group name -> its init arguments
+        self.swaps: list[dict[str, Any]] = []
+        self.tokens_generated = 0
+        self.resubmits = 0
+
+    # --- construction from rollout settings -----------------------------------------------------------
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any], version: int, model_dir: str,
+                      run_dir: str | None = None) -> SGLangEngine:
+        """Settings: ``sglang_url`` (attach) or ``sglang: {command, host, port, mem_fraction_static, dtype,
+        extra_args, env, health_timeout_s, max_restarts, backoff_s, request_timeout_s}``; tp from
+        ``instance.parallel.tp``; the model from ``model_dir`` (the rollout's start weights)."""
+        sg = dict(settings.get("sglang") or {})
+        known = {"command", "host", "port", "mem_fraction_static", "dtype", "extra_args", "env", "health_timeout_s",
+                 "max_restarts", "backoff_s", "backoff_max_s", "request_timeout_s", "control_timeout_s",
+                 "weights_dir", "log_path"}
+        unknown = sorted(set(sg) - known)
+        if unknown:
+            raise EngineError(f"sglang: unknown key(s) {unknown} (known: {sorted(known)})")
+        instance = settings.get("instance") or {}
+        name = f"{instance.get('group', 'rollout')}.{instance.get('index', 0)}"
+        base = Path(run_dir) if run_dir else Path(settings.get("run_dir") or ".")
+        weights_dir = sg.get("weights_dir") or str(base / "sglang_weights" / name)
+        common = dict(version=version, weights_dir=weights_dir,
+                      request_timeout_s=float(sg.get("request_timeout_s", 3600.0)),
+                      control_timeout_s=float(sg.get("control_timeout_s", 600.0)))
+        if settings.get("sglang_url"):
+            return cls(url=str(settings["sglang_url"]), **common)
+        command = sg.get("command") or [sys.executable, "-m", "sglang.launch_server"]
+        if isinstance(command, str):
+            command = command.split()
+        model = settings.get("model") or {}
+        launch = LaunchConfig(
+            model_path=model_dir, command=[str(c) for c in command], host=str(sg.get("host", "127.0.0.1")),
+            port=int(sg.get("port", 0)), tp=int((instance.get("parallel") or {}).get("tp", 1)),
+            mem_fraction_static=sg.get("mem_fraction_static"), dtype=sg.get("dtype") or model.get("dtype"),
+            seed=int(settings.get("seed", 0)) * 1000 + int(instance.get("index", 0)),
+            extra_args=[str(a) for a in sg.get("extra_args") or []], env={k: str(v) for k, v in (sg.get("env") or {}).items()},
+            log_path=sg.get("log_path") or str(base / "logs" / f"{name}.sglang.log"),
+            health_timeout_s=float(sg.get("health_timeout_s", 600.0)), max_restarts=int(sg.get("max_restarts", 5)),
+            backoff_s=float(sg.get("backoff_s", 1.0)), backoff_max_s=float(sg.get("backoff_max_s", 30.0)))
+        return cls(launch=launch, **common)
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return self.server.url if self.server is not None else str(self._attach_url)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        import aiohttp
+
+        if self._session is not None:
+            return
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                              timeout=aiohttp.ClientTimeout(total=None))
+        try:
+            if self.server is not None:
+                await self.server.start(self._version)
+            else:
+                deadline = time.monotonic() + self.attach_timeout_s
+                while not await asyncio.to_thread(_get_ok, self.url + "/health", 2.0):
+                    if time.monotonic() > deadline:
+                        raise SGLangLaunchError(f"SGLang server at {self.url} is not healthy (GET /health failed "
+                                                f"for {self.attach_timeout_s:g} s)")
+                    await asyncio.sleep(0.2)  # polling a server we cannot be notified by
+                # An attached server labels its answers with our version from now on.
+                await self._post("/update_weight_version",
+                                 payload("/update_weight_version", new_version=str(self._version),
+                                         abort_all_requests=False))
+        except BaseException:
+            await self._session.close()
+            self._session = None
+            raise
+
+    async def stop(self) -> None:
+        if self._session is None:
+            return
+        self._stopping = True
+        self._open.set()
+        for event in self._abort_events.values():
+            event.set()
+        if self._requests:
+            try:
+                await self._post("/abort_request", payload("/abort_request", rid="", abort_all=True), timeout=10.0)
+            except SGLangError:
+                pass
+            try:
+                await asyncio.wait_for(self._http_idle.wait(), self.drain_timeout_s)
+            except TimeoutError:
+                pass
+        if self.server is not None:
+            await self.server.stop()
+        await self._session.close()
+        self._session = None
+
+    async def _restarted(self, count: int) -> None:
+        """A restarted server runs the weights it was launched with (the last checkpoint loaded from disk, or
+        the start weights); weights that came over a process group must be sent again."""
+        self.groups.clear()
+        self._version = self.server.weight_version if self.server is not None else self._version
+        if self.user_on_restart is not None:
+            await self.user_on_restart(count)
+
+    async def health(self) -> dict[str, Any]:
+        ok = self._session is not None and await asyncio.to_thread(_get_ok, self.url + "/health", 5.0)
+        running = sum(1 for samples in self._requests.values() for s in samples if s.sglang_rid is not None)
+        total = sum(len(samples) for samples in self._requests.values())
+        return {"ok": bool(ok), "version": self._version, "running": running, "waiting": total - running,
+                "paused": self._paused, "url": self.url, "tokens_generated": self.tokens_generated,
+                "restarts": self.server.restarts if self.server is not None else 0, "resubmits": self.resubmits,
+                "error": repr(self.server.failed) if self.server is not None and self.server.failed else None}
+
+    # --- HTTP -----------------------------------------------------------------------------------------
+    async def _post(self, route: str, body: dict[str, Any], timeout: float | None = None) -> Any:
+        import aiohttp
+
+        if self._session is None:
+            raise SGLangError("SGLang engine is not started (call start())")
+        url = self.url
+        try:
+            async with self._session.post(url + route, json=body,
+                                          timeout=aiohttp.ClientTimeout(total=timeout or self.control_timeout_s)) as r:
+                text = await r.text()
+                if r.status != 200:
+                    raise SGLangHTTPError(url, route, r.status, text)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise SGLangError(f"SGLang server {url}: {route} failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            return json.loads(text) if text else None
+        except ValueError as exc:
+            raise SGLangError(f"SGLang server {url}: {route} answered non-JSON: {text[:200]!r}") from exc
+
+    async def _wait_server(self, starts: int) -> None:
+        """Wait until the server started after start number `starts` is healthy; raises if it could not be."""
+        assert self.server is not None
+        server = self.server
+        try:
+            async with asyncio.timeout(server.config.health_timeout_s + server.config.backoff_max_s + 10.0):
+                async with server.changed:
+                    await server.changed.wait_for(lambda: server.failed is not None
+                                                  or (server.starts > starts and server.healthy.is_set()))
+        except TimeoutError:
+            raise SGLangError(f"SGLang server at {self.url} did not come back in time") from None
+        if server.failed is not None:
+            raise SGLangError(f"SGLang server is gone: {server.failed}") from server.failed
+
+    # --- generation -----------------------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> list[GenerationResult]:
+        if self._session is None or self._stopping:
+            raise EngineError("SGLang engine is not running (call start())")
+        if request.rid in self._requests:
+            raise RequestError(f"request {request.rid!r}: rid is already in flight")
+        samples = [_Sample(request.input_ids) for _ in range(request.n)]
+        self._requests[request.rid] = samples
+        base_seed = request.sampling.seed
+        if base_seed is None:
+            base_seed = int.from_bytes(os.urandom(7), "little")
+        try:
+            reasons = await asyncio.gather(*(self._run_sample(request, i, s, _sample_seed(base_seed, i))
+                                             for i, s in enumerate(samples)))
+        except BaseException:
+            await self._abort_samples(samples)
+            raise
+        finally:
+            self._requests.pop(request.rid, None)
+            self._user_aborted.discard(request.rid)
+            self._abort_events.pop(request.rid, None)
+        return [GenerationResult(request.rid, i, s.output, s.logprobs, s.versions, reason, len(request.input_ids))
+                for i, (s, reason) in enumerate(zip(samples, reasons))]
+
+    async def _run_sample(self, request: GenerationRequest, index: int, sample: _Sample, seed: int) -> str:
+        sp = request.sampling
+        while True:
+            if request.rid in self._user_aborted or self._stopping:
+                return "abort"
+            if not self._open.is_set():
+                await self._wait_open(request.rid)
+            if request.rid in self._user_aborted or self._stopping:
+                return "abort"
+            remaining = sp.max_new_tokens - len(sample.output)
+            sampling = sampling_payload(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                                        max_new_tokens=remaining, stop_token_ids=list(sp.stop_token_ids),
+                                        sampling_seed=(seed + len(sample.output)) % (1 << 62))
+            sample.sglang_rid = f"{request.rid}/{index}/{sample.segments}"
+            sample.segments += 1
+            body = payload("/generate", rid=sample.sglang_rid, input_ids=[*sample.prompt, *sample.output],
+                           sampling_params=sampling, return_logprob=True)
+            epoch = self._epoch
+            starts = self.server.starts if self.server is not None else 0
+            self._http_enter()
+            try:
+                answer = await self._post("/generate", body, timeout=self.request_timeout_s)
+            except SGLangHTTPError as exc:
+                if exc.status == 400:
+                    raise RequestError(f"request {request.rid!r}: the SGLang server refused it: {exc.body[:300]}") from exc
+                raise
+            except SGLangError:
+                if self.server is None or self._stopping or not await self.server.died(starts):
+                    raise
+                # The server died mid-request: wait for the restart, then resume from the tokens we hold.
+                await self._wait_server(starts)
+                self.resubmits += 1
+                continue
+            finally:
+                sample.sglang_rid = None
+                self._http_exit()
+            reason = self._take_answer(request, sample, answer)
+            if reason != "abort":
+                return reason
+            if request.rid in self._user_aborted or self._stopping:
+                return "abort"
+            if epoch != self._epoch or not self._open.is_set():
+                self.resubmits += 1  # interrupted by a pause / weight update: resume with what we have
+                continue
+            finish = (answer.get("meta_info") or {}).get("finish_reason") or {}
+            raise EngineError(f"request {request.rid!r} sample {index}: aborted by the server: "
+                              f"{finish.get('message') or finish}")
+
+    def _take_answer(self, request: GenerationRequest, sample: _Sample, answer: Any) -> str:
+        if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
+            raise SGLangError(f"SGLang server {self.url}: /generate answer has no meta_info: {str(answer)[:200]}")
+        meta = answer["meta_info"]
+        pairs = meta.get("output_token_logprobs")
+        if not isinstance(pairs, list):
+            raise SGLangError(f"SGLang server {self.url}: /generate answer lacks meta_info.output_token_logprobs "
+                              f"(return_logprob was sent)")
+        finish = meta.get("finish_reason") or {}
+        reason = finish.get("type") if isinstance(finish, dict) else None
+        if reason not in ("stop", "length", "abort"):
+            raise SGLangError(f"SGLang server {self.url}: /generate finish_reason {finish!r} not understood")
+        try:
+            version = int(meta.get("weight_version"))
+        except (TypeError, ValueError):
+            raise SGLangError(f"SGLang server {self.url}: meta_info.weight_version {meta.get('weight_version')!r} "
+                              f"is not an integer version (another client relabelled the server?)") from None
+        ids = [int(p[1]) for p in pairs]
+        if "output_ids" in answer and list(answer["output_ids"]) != ids:
+            raise SGLangError(f"SGLang server {self.url}: output_ids and output_token_logprobs disagree")
+        sample.output.extend(ids)
+        sample.logprobs.extend(float(p[0]) for p in pairs)
+        sample.versions.extend([version] * len(ids))
+        self.tokens_generated += len(ids)
+        return reason
+
+    async def _wait_open(self, rid: str) -> None:
+        """Wait until the engine is resumed, or this request is aborted (a drain must not hang on a pause)."""
+        aborted = self._abort_events.setdefault(rid, asyncio.Event())
+        waits = [asyncio.ensure_future(self._open.wait()), asyncio.ensure_future(aborted.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    def _http_enter(self) -> None:
+        self._http_inflight += 1
+        self._http_idle.clear()
+
+    def _http_exit(self) -> None:
+        self._http_inflight -= 1
+        if self._http_inflight == 0:
+            self._http_idle.set()
+
+    async def _abort_samples(self, samples: list[_Sample]) -> int:
+        count = 0
+        for s in samples:
+            if s.sglang_rid is not None:
+                count += 1
+                try:
+                    await self._post("/abort_request", payload("/abort_request", rid=s.sglang_rid, abort_all=False))
+                except SGLangError:
+                    pass
+        return count
+
+    async def abort(self, rid: str | None = None) -> int:
+        targets = list(self._requests) if rid is None else [rid] if rid in self._requests else []
+        for r in targets:
+            self._user_aborted.add(r)
+            self._abort_events.setdefault(r, asyncio.Event()).set()
+            await self._abort_samples(self._requests.get(r, []))
+        return len(targets)
+
+    # --- pause / resume / weights ---------------------------------------------------------------------
+    async def pause(self) -> None:
+        """Abort-mode pause: running requests come back with their tokens and wait here until resume()."""
+        async with self._control:
+            await self._pause()
+
+    async def resume(self) -> None:
+        async with self._control:
+            await self._resume()
+
+    async def _pause(self) -> None:
+        if self._paused:
+            return
+        self._open.clear()
+        self._epoch += 1
+        self._paused = True
+        await self._post("/pause_generation", payload("/pause_generation", mode="abort"))
+        # SGLang returns once no request holds its model lock; our side of those answers follows.
+        try:
+            await asyncio.wait_for(self._http_idle.wait(), self.drain_timeout_s)
+        except TimeoutError:
+            raise SGLangError(f"SGLang server {self.url}: {self._http_inflight} /generate calls still open "
+                              f"{self.drain_timeout_s:g} s after /pause_generation") from None
+
+    async def _resume(self) -> None:
+        if not self._paused:
+            return
+        await self._post("/continue_generation", payload("/continue_generation"))
+        self._paused = False
+        self._open.set()
+
+    async def _interrupted(self, version: int, update: Callable[[], Awaitable[None]]) -> None:
+        """pause(abort) -> update -> label the server with `version` -> continue (unless already paused)."""
+        async with self._control:
+            was_paused = self._paused
+            t0 = time.monotonic()
+            await self._pause()
+            t1 = time.monotonic()
+            try:
+                await update()
+                await self._post("/update_weight_version",
+                                 payload("/update_weight_version", new_version=str(version), abort_all_requests=False))
+                self._version = version
+            finally:
+                if not was_paused:
+                    await self._resume()
+            t2 = time.monotonic()
+            self.swaps.append({"version": version, "pause_s": t1 - t0, "update_s": t2 - t1, "stall_s": t2 - t0})
+
+    async def update_weights_from_disk(self, version: int, model_path: str) -> None:
+        """Load a Hugging Face checkpoint directory (on the server's file system) as ``version``."""
+        async def update() -> None:
+            await self._post("/update_weights_from_disk",
+                             payload("/update_weights_from_disk", model_path=str(model_path), abort_all_requests=False,
+                                     weight_version=str(version), flush_cache=True))
+        await self._interrupted(version, update)
+        if self.server is not None:  # a restart comes back on these weights
+            self.server.model_path, self.server.weight_version = str(model_path), version
+
+    async def update_weights(self, version: int, source: WeightSource) -> None:
+        """Buckets that passed through this process: written as a checkpoint, then /update_weights_from_disk."""
+        if not self.weights_dir:
+            raise EngineError("SGLangEngine.update_weights needs weights_dir (where the server can read a checkpoint)")
+        path = Path(self.weights_dir) / f"v{version}"
+        buckets: list[WeightBucket] = []
+        if isinstance(source, AsyncIterable):
+            async for bucket in source:
+                buckets.append([(n, t.detach().to("cpu", copy=True)) for n, t in bucket])
+        else:
+            iterator = iter(source)
+            done = object()
+            while (bucket := await asyncio.to_thread(next, iterator, done)) is not done:
+                buckets.append([(n, t.detach().to("cpu", copy=True)) for n, t in bucket])
+        await asyncio.to_thread(_write_checkpoint, path, buckets, self.server.config.model_path
+                                if self.server is not None else None)
+        await self.update_weights_from_disk(version, str(path))
+        # Keep the newest checkpoint and the one before it (a restart may still be loading it).
+        for old in sorted(Path(self.weights_dir).glob("v*"), key=lambda p: p.stat().st_mtime)[:-2]:
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def init_weights_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 group_name: str = DEFAULT_GROUP, backend: str = "nccl") -> None:
+        """Have the server join the trainer's weight group (the trainer joins as rank 0 at the same time)."""
+        body = payload("/init_weights_update_group", master_address=master_address, master_port=int(master_port),
+                       rank_offset=int(rank_offset), world_size=int(world_size), group_name=group_name,
+                       backend=backend)
+        await self._post("/init_weights_update_group", body)
+        self.groups[group_name] = body
+
+    async def destroy_weights_group(self, group_name: str = DEFAULT_GROUP) -> None:
+        await self._post("/destroy_weights_update_group", payload("/destroy_weights_update_group",
+                                                                  group_name=group_name))
+        self.groups.pop(group_name, None)
+
+    async def update_weights_from_distributed(self, version: int, buckets: Iterable[Sequence[TensorSpec]], *,
+                                              group_name: str = DEFAULT_GROUP, flattened: bool = True) -> None:
+        """Receive ``version`` over the weight group, one /update_weights_from_distributed call per bucket
+        while the trainer broadcasts that bucket (:class:`WeightGroupSender`), inside one interruption."""
+        if group_name not in self.groups:
+            raise EngineError(f"weight group {group_name!r} is not initialised on {self.url} "
+                              f"(call init_weights_group first; a restarted server needs it again)")
+        specs_list = [list(b) for b in buckets]
+
+        async def update() -> None:
+            for i, specs in enumerate(specs_list):
+                last = i == len(specs_list) - 1
+                body = payload("/update_weights_from_distributed", names=[s.name for s in specs],
+                               dtypes=[s.dtype for s in specs], shapes=[list(s.shape) for s in specs],
+                               group_name=group_name, flush_cache=last, abort_all_requests=False,
+                               weight_version=str(version),
+                               **({"load_format": "flattened_bucket"} if flattened else {}))
+                await self._post("/update_weights_from_distributed", body)
+        await self._interrupted(version, update)
+
+    def weights_hash(self) -> str:
+        """The server's own fingerprint of its weights (actors.weights.weights_hash). SGLang has no such route;
+        the stand-in server (actors.engines.sglang_standin) answers it at GET /standin/weights_hash."""
+        try:
+            with urllib.request.urlopen(self.url + "/standin/weights_hash", timeout=60.0) as r:
+                return str(json.loads(r.read())["weights_hash"])
+        except (OSError, urllib.error.URLError, KeyError, ValueError) as exc:
+            raise SGLangError(f"SGLang server {self.url} cannot report a weights hash (GET /standin/weights_hash: "
+                              f"{exc}); real SGLang servers have no such route") from exc
+
+
+def _sample_seed(base: int, index: int) -> int:
+    digest = hashlib.blake2b(f"{base}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def _write_checkpoint(path: Path, buckets: list[WeightBucket], model_dir: str | None) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {n: t.contiguous() for bucket in buckets for n, t in bucket}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    if model_dir:
+        for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+            src = Path(model_dir) / name
+            if src.exists():
+                shutil.copy(src, tmp / name)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)

@@ -1,0 +1,305 @@
+"""The SGLang engine against the stand-in SGLang server (a real HTTP server over the embedded engine).
+
+In-process (the server on its own event loop in a thread): samples equal the embedded engine's, abort returns
+partial tokens, pause/resume, interruption by a weight update from disk (old tokens are the old model's greedy
+continuation, later ones the new model's, each tagged with its version), typed errors. As a subprocess
+through the same launch path the real server takes: health wait, weights over a process group (gloo) in
+both of SGLang's layouts while generation runs, restart after the server is killed, a launch that fails."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+
+import pytest
+import torch
+
+from actors.engines.base import EngineError, GenerationRequest, RequestError, SamplingParams
+from actors.engines.checkpoint import hf_state_dict, save_model
+from actors.engines.sglang import (LaunchConfig, SGLangEngine, SGLangLaunchError, WeightGroupSender, _sample_seed,
+                                   bucket_specs, free_port)
+from actors.engines.sglang_standin import StandinThread
+from actors.engines.testing import random_sequences, tiny_model
+from actors.engines.torch_gen import TorchGenerationEngine
+from actors.weights import weights_hash
+
+TIMEOUT = 60.0
+VOCAB = 97
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
+
+
+def greedy_reference(model, prompt: list[int], count: int) -> list[int]:
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(count):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+@pytest.fixture
+def standin():
+    server = StandinThread(TorchGenerationEngine(model=tiny_model(seed=0))).start()
+    yield server
+    server.stop()
+
+
+def test_samples_equal_the_embedded_engine_and_logprobs_come_back(standin):
+    prompt = random_sequences(1, 5, 12, VOCAB, seed=3)[0]
+    sampling = SamplingParams(temperature=1.0, top_k=30, max_new_tokens=24, seed=11)
+
+    async def main():
+        engine = SGLangEngine(url=standin.url)
+        await engine.start()
+        try:
+            results = await engine.generate(GenerationRequest("g1", prompt, sampling, n=3))
+            health = await engine.health()
+        finally:
+            await engine.stop()
+        reference = TorchGenerationEngine(model=tiny_model(seed=0))
+        await reference.start()
+        try:
+            expected = [(await reference.generate(GenerationRequest(
+                f"r{i}", prompt, SamplingParams(temperature=1.0, top_k=30, max_new_tokens=24,
+                                                seed=_sample_seed(11, i)))))[0] for i in range(3)]
+        finally:
+            await reference.stop()
+        return results, expected, health
+
+    results, expected, health = run(main())
+    assert [r.index for r in results] == [0, 1, 2]
+    for got, want in zip(results, expected):
+        assert got.output_ids == want.output_ids and got.finish_reason == want.finish_reason == "length"
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+        assert got.versions == [0] * 24 and got.prompt_len == len(prompt)
+    assert len({tuple(r.output_ids) for r in results}) > 1  # the samples differ
+    assert health["ok"] and health["version"] == 0
+
+
+def test_weight_update_from_disk_interrupts_and_resumes_with_new_version(standin, tmp_path):
+    new_model = tiny_model(seed=5)
+    save_model(new_model, str(tmp_path / "v1"))
+    prompt = random_sequences(1, 4, 8, VOCAB, seed=4)[0]
+    engine_core = standin.engine
+    reached, fired = threading.Event(), []
+    cut = 6  # decode steps under the old weights before the update's abort lands
+
+    def hook(step: int) -> None:
+        # Runs in the decode thread: hold decoding at step `cut` until the pause's abort is queued, so the
+        # split point is exact whatever the machine's speed.
+        if fired or step < cut:
+            return
+        fired.append(step)
+        reached.set()
+        with engine_core._cond:
+            engine_core._cond.wait_for(lambda: engine_core._aborts, timeout=30)
+
+    engine_core.on_step = hook
+
+    async def main():
+        engine = SGLangEngine(url=standin.url)
+        await engine.start()
+        try:
+            task = asyncio.ensure_future(engine.generate(GenerationRequest(
+                "long", prompt, SamplingParams(temperature=0.0, max_new_tokens=40))))
+            assert await asyncio.to_thread(reached.wait, 30)
+            await engine.update_weights_from_disk(1, str(tmp_path / "v1"))
+            [result] = await task
+            digest = await asyncio.to_thread(engine.weights_hash)
+            return result, digest, engine.resubmits, engine.version
+        finally:
+            await engine.stop()
+
+    result, digest, resubmits, version = run(main())
+    old = cut + 1  # the prefill's token plus one per decode step
+    assert result.finish_reason == "length" and len(result.output_ids) == 40
+    assert result.versions == [0] * old + [1] * (40 - old)
+    assert result.output_ids[:old] == greedy_reference(tiny_model(seed=0), prompt, old)
+    assert result.output_ids[old:] == greedy_reference(new_model, prompt + result.output_ids[:old], 40 - old)
+    assert resubmits == 1 and version == 1
+    assert digest == weights_hash(hf_state_dict(new_model).items())
+
+
+def test_update_weights_from_buckets_goes_through_disk(standin, tmp_path):
+    new_model = tiny_model(seed=7)
+    named = list(hf_state_dict(new_model).items())
+    buckets = [named[:5], named[5:]]
+
+    async def main():
+        engine = SGLangEngine(url=standin.url, weights_dir=str(tmp_path / "w"))
+        await engine.start()
+        try:
+            await engine.update_weights(3, iter(buckets))
+            [r] = await engine.generate(GenerationRequest("a", [1, 2, 3], SamplingParams(temperature=0.0,
+                                                                                        max_new_tokens=5)))
+            return r, await asyncio.to_thread(engine.weights_hash)
+        finally:
+            await engine.stop()
+
+    r, digest = run(main())
+    assert r.versions == [3] * 5 and r.output_ids == greedy_reference(new_model, [1, 2, 3], 5)
+    assert digest == weights_hash(named)
+    assert (tmp_path / "w" / "v3" / "model.safetensors").exists()
+
+
+def test_abort_returns_partial_tokens_and_pause_holds_requests(standin):
+    engine_core = standin.engine
+    started, fired = threading.Event(), []
+
+    def hook(step: int) -> None:
+        if not fired and step >= 3:
+            fired.append(step)
+            started.set()
+            with engine_core._cond:
+                engine_core._cond.wait_for(lambda: engine_core._aborts, timeout=30)
+
+    engine_core.on_step = hook
+
+    async def main():
+        engine = SGLangEngine(url=standin.url)
+        await engine.start()
+        try:
+            task = asyncio.ensure_future(engine.generate(GenerationRequest(
+                "x", [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=100), n=1)))
+            assert await asyncio.to_thread(started.wait, 30)
+            assert await engine.abort("x") == 1
+            [aborted] = await task
+            assert await engine.abort("nothing") == 0
+            # Paused: a request waits (no HTTP call is made) and runs after resume.
+            await engine.pause()
+            waiting = asyncio.ensure_future(engine.generate(GenerationRequest(
+                "y", [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=4))))
+            await asyncio.sleep(0)  # let it reach the gate
+            health = await engine.health()
+            await engine.resume()
+            [done] = await waiting
+            return aborted, health, done
+        finally:
+            await engine.stop()
+
+    aborted, health, done = run(main())
+    assert aborted.finish_reason == "abort" and 4 <= len(aborted.output_ids) < 100
+    assert aborted.output_ids == greedy_reference(tiny_model(seed=0), [5, 6, 7], len(aborted.output_ids))
+    assert health["paused"] and health["waiting"] == 1 and health["running"] == 0
+    assert done.finish_reason == "length" and done.output_ids == greedy_reference(tiny_model(seed=0), [5, 6, 7], 4)
+
+
+def test_typed_errors(standin):
+    async def main():
+        engine = SGLangEngine(url=standin.url)
+        await engine.start()
+        try:
+            with pytest.raises(RequestError, match="refused"):
+                await engine.generate(GenerationRequest("bad", [VOCAB + 5], SamplingParams(max_new_tokens=3)))
+            with pytest.raises(EngineError, match="not initialised"):
+                await engine.update_weights_from_distributed(1, [[]])
+        finally:
+            await engine.stop()
+        dead = SGLangEngine(url=f"http://127.0.0.1:{free_port()}", attach_timeout_s=1.0)
+        dead_start = dead.start()
+        with pytest.raises(SGLangLaunchError, match="not healthy"):
+            await asyncio.wait_for(dead_start, 40)
+
+    run(main())
+    with pytest.raises(EngineError, match="exactly one"):
+        SGLangEngine()
+
+
+def _standin_launch(model_dir: str, tmp_path, **kw) -> LaunchConfig:
+    return LaunchConfig(model_path=model_dir, command=[sys.executable, "-m", "actors.engines.sglang_standin"],
+                        log_path=str(tmp_path / "server.log"), health_timeout_s=60.0, backoff_s=0.2,
+                        env={"OMP_NUM_THREADS": "1"}, **kw)
+
+
+def test_launched_server_distributed_weights_and_restart(tmp_path):
+    model_dir = str(tmp_path / "start")
+    save_model(tiny_model(seed=0), model_dir)
+    new = [tiny_model(seed=21), tiny_model(seed=22)]
+    restarts: list[int] = []
+
+    async def on_restart(count: int) -> None:
+        restarts.append(count)
+
+    async def push(engine: SGLangEngine, sender: WeightGroupSender, version: int, model, flattened: bool):
+        named = list(hf_state_dict(model).items())
+        buckets = [named[:4], named[4:9], named[9:]]
+        sender.flattened = flattened
+
+        def send_all() -> None:
+            for b in buckets:
+                sender.send(b)
+
+        await asyncio.gather(engine.update_weights_from_distributed(version, [bucket_specs(b) for b in buckets],
+                                                                    flattened=flattened),
+                             asyncio.to_thread(send_all))
+        return weights_hash(named)
+
+    async def main():
+        engine = SGLangEngine(launch=_standin_launch(model_dir, tmp_path), on_restart=on_restart)
+        await engine.start()
+        sender = WeightGroupSender("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=30)
+        try:
+            long = asyncio.ensure_future(engine.generate(GenerationRequest(
+                "long", [3, 4, 5], SamplingParams(temperature=0.0, max_new_tokens=200), n=2)))
+            await asyncio.gather(engine.init_weights_group("127.0.0.1", sender.master_port, 1, 2, backend="gloo"),
+                                 asyncio.to_thread(sender.open))
+            h1 = await push(engine, sender, 1, new[0], flattened=True)
+            got1 = await asyncio.to_thread(engine.weights_hash)
+            h2 = await push(engine, sender, 2, new[1], flattened=False)
+            got2 = await asyncio.to_thread(engine.weights_hash)
+            results = await long
+            [after] = await engine.generate(GenerationRequest("a", [1, 2], SamplingParams(temperature=0.0,
+                                                                                          max_new_tokens=6)))
+            # Kill the server: the engine restarts it (start weights, version 0) and says so.
+            os.killpg(engine.server.proc.pid, signal.SIGKILL)
+            [again] = await engine.generate(GenerationRequest("b", [1, 2], SamplingParams(temperature=0.0,
+                                                                                          max_new_tokens=6)))
+            health = await engine.health()
+            return h1, got1, h2, got2, results, after, again, health
+        finally:
+            sender.close()
+            await engine.stop()
+
+    h1, got1, h2, got2, results, after, again, health = run(main())
+    assert got1 == h1 and got2 == h2
+    for r in results:  # the long answers span the updates; versions never go back
+        assert len(r.output_ids) == 200 and r.versions == sorted(r.versions) and r.versions[0] == 0
+    assert after.versions == [2] * 6 and after.output_ids == greedy_reference(new[1], [1, 2], 6)
+    assert restarts == [1] and health["restarts"] == 1 and health["ok"]
+    assert again.versions == [0] * 6 and again.output_ids == greedy_reference(tiny_model(seed=0), [1, 2], 6)
+
+
+def test_launch_that_fails_names_the_exit_and_log(tmp_path):
+    config = LaunchConfig(model_path=str(tmp_path / "missing"),
+                          command=[sys.executable, "-m", "actors.engines.sglang_standin"],
+                          log_path=str(tmp_path / "server.log"), health_timeout_s=30.0)
+
+    async def main():
+        engine = SGLangEngine(launch=config)
+        with pytest.raises(SGLangLaunchError, match="exited with code") as info:
+            await engine.start()
+        return str(info.value)
+
+    message = run(main())
+    assert "missing" in message  # the log tail names the missing model directory
+
+
+def test_make_engine_builds_the_sglang_engine(tmp_path):
+    from actors.rollout import make_engine
+
+    engine = make_engine({"engine": "sglang", "sglang_url": "http://127.0.0.1:1", "run_dir": str(tmp_path)}, 4,
+                         str(tmp_path))
+    assert isinstance(engine, SGLangEngine) and engine.version == 4 and engine.url == "http://127.0.0.1:1"
+    launched = make_engine({"engine": "sglang", "instance": {"group": "rollout", "index": 2, "parallel": {"tp": 2}},
+                            "sglang": {"command": ["python", "-m", "actors.engines.sglang_standin"],
+                                       "mem_fraction_static": 0.8}, "run_dir": str(tmp_path)}, 0, "/models/m")
+    args = launched.server.config.args(30001, 0)
+    assert args[:3] == ["python", "-m", "actors.engines.sglang_standin"]
+    assert args[args.index("--tp-size") + 1] == "2" and args[args.index("--mem-fraction-static") + 1] == "0.8"
+    assert args[args.index("--model-path") + 1] == "/models/m" and "--skip-tokenizer-init" in args
+    with pytest.raises(EngineError, match="unknown key"):
+        make_engine({"engine": "sglang", "sglang": {"bogus": 1}}, 0, str(tmp_path))
