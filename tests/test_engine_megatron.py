@@ -243,3 +243,41 @@ def test_data_parallel_2_matches_torch_backend(tmp_path) -> None:
     assert ranks[1]["weights"] == {}  # buckets come out on data-parallel rank 0 only
     assert "lm_head.weight" not in ranks[0]["weights"]  # tied: stored once, as Hugging Face does
     print("megatron dp=2 vs torch:", report)
+
+
+@needs_megatron
+def test_pipeline_parallel_2_matches_torch_backend_and_checkpoint_resumes(tmp_path) -> None:
+    # Tied embeddings across stages (Megatron all-reduces the embedding and output-layer gradients).
+    model_dir = _model_dir(tmp_path, tie_word_embeddings=True)
+    ref = _reference(model_dir)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    ranks = _run(2, model_dir, str(out_dir), {"config": {"pipeline_parallel": 2}, "checkpoint": True})
+    # Each stage exports its own layers; together they are the whole model.
+    first, last = ranks[0]["weights"], ranks[1]["weights"]
+    assert "model.embed_tokens.weight" in first and "model.norm.weight" in last
+    assert all(".layers.0." in k for k in first if ".layers." in k) and all(".layers.1." in k for k in last
+                                                                             if ".layers." in k)
+    both = {**first, **last}
+    report: dict[str, float] = {}
+    for got in ranks:
+        _check_against_reference(ref, {**got, "weights": both}, report)
+    print("megatron pp=2 vs torch:", report)
+    # One safetensors file per stage with an index: a Hugging Face model directory.
+    assert _max_diff(hf_state_dict(load_model(str(out_dir / "ckpt"))), both) == 0.0
+    for got in ranks:
+        assert got["replayed_step"] == got["second_step"]
+        assert _max_diff(got["replayed_weights"], got["second_weights"]) == 0.0  # each stage: its own layers
+
+
+@needs_megatron
+def test_config_errors_name_the_cause() -> None:
+    cfg = tiny_model(0).config  # 2 key/value heads, 2 layers
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        mg.qwen2_transformer_config(cfg, mg.MegatronConfig(tensor_parallel=4))
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        mg.qwen2_transformer_config(cfg, mg.MegatronConfig(pipeline_parallel=3))
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        mg.MegatronConfig(tensor_parallel=0)
+    with pytest.raises(ValueError, match="attention"):
+        mg.MegatronConfig(attention="flash")

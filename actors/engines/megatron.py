@@ -634,11 +634,11 @@ class MegatronTrainEngine(TrainEngine):
         keys = sorted(stat_sums)
         local = [loss_total[0], sum(weights), float(sum(mb.num_tokens for mb in batches)),
                  float(sum(mb.num_seqs for mb in batches))] + [stat_sums[k] for k in keys]
-        if self.pp_size > 1:
-            t = torch.tensor(local, dtype=torch.float64, device=self.device)
-            dist.broadcast(t, src=mpu.get_pipeline_model_parallel_last_rank(),
-                           group=mpu.get_pipeline_model_parallel_group())
-            local = t.tolist()
+        if self.pp_size > 1:  # only the last stage ran loss_fn: take its figures (and stat names)
+            box: list[Any] = [(local, keys)]
+            dist.broadcast_object_list(box, src=mpu.get_pipeline_model_parallel_last_rank(),
+                                       group=mpu.get_pipeline_model_parallel_group())
+            local, keys = box[0]
         total = self._dp_sum(local)
         out = {"loss": total[0] / denominator, "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped),
                "tokens": total[2], "seqs": total[3], "step": float(self.step), "version": float(self.version)}
