@@ -66,10 +66,6 @@ class _CudaToCpu(TorchFunctionMode):
         return result
 
 
-class _CpuRngState:
-    """Stands in for the CUDA RNG: megatron's tracker saves/restores states around dropout regions."""
-
-
 def _patch_cuda_module() -> None:
     cuda = torch.cuda
     cuda.current_device = lambda: 0  # an int ordinal: the mode maps it to cpu wherever it is used
