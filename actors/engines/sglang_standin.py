@@ -281,7 +281,6 @@ class StandinServer:
                         self.weight_version = str(version_text)
             finally:
                 self._writer_waiting -= 1
-                self._resumed.set() if not self.paused else None
         self.counters["updates"] += 1
 
     async def update_weights_from_disk(self, body: dict[str, Any]) -> tuple[int, Any]:
