@@ -7,6 +7,7 @@ from a handler answers a request. Plain ``def`` handlers run inline on the recei
 bookkeeping); ``async def`` handlers run as tasks, at most ``bus.max_inflight`` at once.
 
 Lifecycle (``await actor.run()``, normally through ``python -m actors.run SPEC.json``):
+Messages that arrive before on_start has finished wait for it (in arrival order), then reach their handler.
 
     bus.start -> on_start() -> ready file written -> on_ready() -> ... serving ... -> stop requested
     (SIGTERM/SIGINT, self.request_stop(), or a failed critical background task)
@@ -246,6 +247,9 @@ class Actor:
         self._force_event: asyncio.Event | None = None
         self._stop_reason = ""
         self._background: set[asyncio.Task] = set()
+        # Set once on_start has finished: a message that arrives earlier (peers may be up first) waits
+        # for it instead of reaching a half-initialised actor.
+        self._started = asyncio.Event()
 
     # ----------------------------------------------------------------------------- hooks to override
 
@@ -281,7 +285,15 @@ class Actor:
                 return Error("no_handler", f"{self.name} has no handler for {env.header.kind!r}", env.header.kind)
             return None
         method = getattr(self, entry[0])
+        if not self._started.is_set():
+            self.counters["early_messages"] += 1
+            return self._after_start(method, env, entry[1])
         return method(env.msg, env) if entry[1] else method(env.msg)
+
+    async def _after_start(self, method: Callable, env: Envelope, takes_env: bool) -> Any:
+        await self._started.wait()  # waiters resume in arrival order, so early messages keep their order
+        result = method(env.msg, env) if takes_env else method(env.msg)
+        return await result if inspect.isawaitable(result) else result
 
     def spawn(self, coro: Coroutine, name: str = "task", critical: bool = True) -> asyncio.Task:
         """Run ``coro`` in the background until stop. A critical task that fails stops the actor (exit 1)."""
@@ -366,6 +378,7 @@ class Actor:
                 self.log.info("stopped_before_ready", reason=self._stop_reason)
                 return self.exit_code
             started = True
+            self._started.set()
             self._announce_ready()
             self.log.info("ready", endpoint=self.bus.endpoint, pid=os.getpid())
             await self.on_ready()

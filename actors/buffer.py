@@ -19,7 +19,7 @@ Lost work: the buffer picks the rollout AND the reward actor of every group, so 
 the groups it held are issued again; late answers of re-issued groups are ignored. A group with no result
 after `buffer.group_timeout_s` is issued again as a last resort.
 
-Settings read: model.path (tokenizer), data.train, data.on_bad_line, seed, algo.batch_size,
+Settings read: model.path (tokenizer), data.train, data.on_bad_line, data.require, seed, algo.batch_size,
 algo.group_size, algo.eta, algo.dynamic_sampling, gen.* (sampling of the GenerateGroup),
 buffer.max_groups_per_rollout, buffer.max_concurrent_groups, buffer.group_timeout_s.
 """
@@ -77,8 +77,9 @@ class BufferActor(Actor):
                     "top_k": int(gen.get("top_k", -1)), "max_new_tokens": int(gen.get("max_new_tokens", 64))}
         self.seed = int(s.get("seed", 1))
         data = s.get("data") or {}
+        # Math records need an answer; a code task's records carry `tests` instead (data.require: none).
         self.dataset = await asyncio.to_thread(
-            load_dataset, data["train"], require="answer", on_error=data.get("on_bad_line", "skip"))
+            load_dataset, data["train"], require=data.get("require", "answer"), on_error=data.get("on_bad_line", "skip"))
         tok = await asyncio.to_thread(load_tokenizer, (s.get("model") or {})["path"])
         self.stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
         self.prompt_ids = [tok.encode(r.prompt) for r in self.dataset.records]

@@ -57,6 +57,7 @@ def make_train_engine(settings: dict[str, Any], model_dir: str, version: int) ->
         raise ValueError(f"backend: {backend!r} is not available in this build (use 'torch' or 'megatron')")
     algo = settings.get("algo") or {}
     cfg = TrainConfig(lr=float(algo.get("lr", 2e-5)), adam_eps=float(algo.get("adam_eps", 1e-5)),
+                      betas=(float(algo.get("adam_beta1", 0.9)), float(algo.get("adam_beta2", 0.999))),
                       grad_clip=float(algo.get("grad_clip", 1.0)), weight_decay=float(algo.get("weight_decay", 0.0)),
                       seed=int(settings.get("seed", 1)),
                       device="cuda" if torch.cuda.is_available() and settings.get("device") == "cuda" else "cpu")

@@ -190,3 +190,45 @@ def test_failed_critical_background_task_stops_with_exit_1(tmp_path: Any) -> Non
         assert "background task 'writer' failed" in log
 
     run(main())
+
+
+class SlowStartActor(Actor):
+    """on_start holds until the test releases it; handlers read state that on_start creates."""
+
+    gate: asyncio.Event
+
+    async def on_start(self) -> None:
+        await self.gate.wait()
+        self.seen: list[int] = []
+
+    @handles(Note)
+    def note(self, msg: Note) -> None:
+        self.seen.append(msg.n)
+
+    @handles(Ask)
+    async def ask(self, msg: Ask) -> Answer:
+        return Answer(f"{len(self.seen)}:{msg.text}")
+
+
+def test_messages_before_on_start_finishes_wait_for_it_in_order(tmp_path: Any) -> None:
+    async def main() -> None:
+        actor = SlowStartActor(ActorSpec(name="slow", cls="tests.test_actors_runtime:SlowStartActor",
+                                         endpoint=f"ipc://{tmp_path}/slow", run_dir=str(tmp_path),
+                                         settings={"log_console": False}))
+        actor.gate = asyncio.Event()
+        task = asyncio.create_task(actor.run())
+        client = await Bus("client", "tcp://127.0.0.1:*", {"slow": f"ipc://{tmp_path}/slow"},
+                           heartbeat_interval=None).start()
+        for i in range(3):
+            await client.send("slow", Note(i))
+        asking = asyncio.ensure_future(client.request("slow", Ask("q"), timeout=10))
+        while actor.counters["early_messages"] < 4:  # all four reached the actor while on_start blocks
+            await asyncio.sleep(0.01)                   # (bounded by run()'s timeout)
+        assert not hasattr(actor, "seen") and not asking.done()
+        actor.gate.set()
+        assert await asking == Answer("3:q")  # every early note was handled, in order, before the request
+        assert actor.seen == [0, 1, 2]
+        actor.request_stop("test over")
+        assert await task == 0
+        await client.close()
+    run(main())

@@ -15,7 +15,14 @@ pip_q() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 if ! "$PY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then pip_q torch; else pip_q torch==2.13.0; fi
 fi
-if [[ $want_test == 1 ]]; then pip_q -e ".[test]"; else pip_q -e .; fi
+if [[ $want_test == 1 ]]; then
+  pip_q -e ".[test]"
+  # The Megatron-core backend's CPU tests: the parts we use need only einops; the wheel's declared
+  # dependencies (nvidia-modelopt, tensorstore, wandb, ...) are GPU-cluster tooling never imported here.
+  "$PY" -c "import megatron.core" 2>/dev/null || pip_q --no-deps megatron-core==0.11.0 einops
+else
+  pip_q -e .
+fi
 
 # System packages: bubblewrap isolates untrusted code in the code reward; slurm-wlm + munge run a real
 # SLURM cluster on loopback for the multi-node launcher tests. Installed only when missing and root.
