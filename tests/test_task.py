@@ -119,3 +119,18 @@ def test_direct_fraction_states_only_the_answer_on_some_solutions():
     assert not any("solutions" in r for r in mixed["train"] if r["level"] > 3)
     with pytest.raises(ValueError, match="direct_fraction"):
         make_task.make_splits(seed=0, **SMALL, direct_fraction=1.5)
+
+
+def test_direct_wrong_boxes_near_miss_guesses_and_keeps_the_answer_right():
+    base = make_task.make_splits(seed=4, **SMALL, direct_fraction=0.5)
+    guessed = make_task.make_splits(seed=4, **SMALL, direct_fraction=0.5, direct_wrong=1.0)
+    assert [(r["prompt"], r["answer"]) for r in guessed["train"]] == [(r["prompt"], r["answer"]) for r in base["train"]]
+    solved = [r for r in guessed["train"] if "solutions" in r]
+    direct = [r for r in solved if r["solutions"][0].startswith("\\boxed")]
+    worked = [r for r in solved if not r["solutions"][0].startswith("\\boxed")]
+    assert direct and worked
+    for r in direct:  # every answer-only demonstration is a guess off by 1 to 3
+        assert 1 <= abs(int(last_boxed(r["solutions"][0])) - int(r["answer"])) <= 3
+    assert all(last_boxed(r["solutions"][0]) == r["answer"] for r in worked)
+    with pytest.raises(ValueError, match="direct_wrong"):
+        make_task.make_splits(seed=0, **SMALL, direct_wrong=-0.1)

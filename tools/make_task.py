@@ -37,6 +37,7 @@ DEFAULT_SOLVED_LEVELS = (1, 2, 3)
 # The research recipe (docs/task.md), the CLI defaults: operands 1..19 make sums hard to do "in
 # the head" while each worked step stays easy; 80% of the demonstrations only state the answer.
 RECIPE_DIRECT_FRACTION = 0.8
+RECIPE_DIRECT_WRONG = 1.0
 RECIPE_MAX_OPERAND = 19
 SOLUTION_STYLES = ("rewrite", "accumulate")
 
@@ -160,16 +161,19 @@ def make_splits(seed: int = 0, levels: Iterable[int] = DEFAULT_LEVELS,
                 solved_levels: Iterable[int] = DEFAULT_SOLVED_LEVELS, train_per_level: int = 6000,
                 test_per_level: int = 200, max_operand: int = 9,
                 style: str = "rewrite", partial: str = "none",
-                direct_fraction: float = 0.0) -> dict[str, list[dict]]:
+                direct_fraction: float = 0.0, direct_wrong: float = 0.0) -> dict[str, list[dict]]:
     """Builds the train and test splits; the test split is drawn first so it never shrinks.
 
     ``partial`` says which problems of the levels outside ``solved_levels`` still get a worked
     solution: "none", "additions" (only chains of "+", as if the teacher solved only those) or
     "sample:P" (a seeded fraction P of them). ``direct_fraction`` of the worked solutions only
-    state the answer (``\\boxed{7}``), as a teacher that often skips its working would.
+    state the answer (``\\boxed{7}``), as a teacher that often skips its working would; of those,
+    ``direct_wrong`` box a guess near the answer instead (off by 1 to 3): a teacher that guesses when
+    it skips its working. ``answer`` always stays right, so RL's reward is.
     """
-    if not 0.0 <= direct_fraction <= 1.0:
-        raise ValueError(f"direct_fraction must be within [0, 1], got {direct_fraction}")
+    for name, value in (("direct_fraction", direct_fraction), ("direct_wrong", direct_wrong)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be within [0, 1], got {value}")
     levels, solved = sorted(set(levels)), set(solved_levels)
     has_solution = partial_rule(partial)
     if not levels or min(levels) < 1:
@@ -191,12 +195,16 @@ def make_splits(seed: int = 0, levels: Iterable[int] = DEFAULT_LEVELS,
         # A separate stream per level, so the choice of partial solutions never shifts the splits.
         pick = random.Random(f"{seed}/{level}/partial")
         direct = random.Random(f"{seed}/{level}/direct")
+        guess = random.Random(f"{seed}/{level}/guess")
         for split, problems in (("test", test), ("train", train)):
             for i, p in enumerate(problems):
                 solved_here = level in solved or has_solution(p, pick)
                 rec = record(p, split, i, solved_here, style)
                 if solved_here and direct.random() < direct_fraction:
-                    rec["solutions"] = [f"\\boxed{{{rec['answer']}}}"]
+                    shown = int(rec["answer"])
+                    if guess.random() < direct_wrong:
+                        shown += guess.choice((-3, -2, -1, 1, 2, 3))
+                    rec["solutions"] = [f"\\boxed{{{shown}}}"]
                 splits[split].append(rec)
     for split in splits.values():
         rng.shuffle(split)
@@ -254,12 +262,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="worked solutions on the other levels: none, additions, sample:P")
     ap.add_argument("--direct-fraction", type=float, default=RECIPE_DIRECT_FRACTION,
                     help="fraction of worked solutions that only state the boxed answer")
+    ap.add_argument("--direct-wrong", type=float, default=RECIPE_DIRECT_WRONG,
+                    help="fraction of the answer-only demonstrations that box a wrong guess (off by 1-3)")
     ap.add_argument("--style", choices=SOLUTION_STYLES, default="rewrite", help="worked-solution format")
     args = ap.parse_args(argv)
     try:
         splits = make_splits(args.seed, parse_levels(args.levels), parse_levels(args.solved_levels),
                              args.train_per_level, args.test_per_level, args.max_operand, args.style, args.partial,
-                             args.direct_fraction)
+                             args.direct_fraction, args.direct_wrong)
     except ValueError as e:
         print(f"make_task: {e}", file=sys.stderr)
         return 2
