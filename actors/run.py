@@ -31,6 +31,22 @@ def apply_cpu_affinity(value: str | None) -> list[int] | None:
     return usable
 
 
+def die_with_parent() -> None:
+    """Ask Linux to send SIGTERM when the process that started us dies: actors run in their own sessions
+    (so a terminal's Ctrl-C reaches only the launcher), and without this a launcher killed by SIGKILL
+    would leave them running, holding ports and cores. SIGTERM is the actor's clean shutdown."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
@@ -47,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(env, dict):
         os.environ.update({str(k): str(v) for k, v in env.items()})
     apply_cpu_affinity(os.environ.get("AREAL_CPU_AFFINITY"))
+    die_with_parent()
 
     # Only now import what may pull in torch.
     import uvloop

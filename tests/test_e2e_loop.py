@@ -74,6 +74,24 @@ def actor_pid(run_dir: Path, name: str) -> int:
     return int(json.loads((run_dir / "ready" / f"{name}.json").read_text())["pid"])
 
 
+def kill_run(proc: subprocess.Popen, run_dir: Path) -> None:
+    """SIGKILL the launcher and every actor it started (actors run in their own sessions)."""
+    pids = []
+    for ready in (run_dir / "ready").glob("*.json"):
+        try:
+            pids.append(int(json.loads(ready.read_text())["pid"]))
+        except (OSError, ValueError, KeyError):
+            pass  # a ready file being rewritten by a restarting actor
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-4000:]
@@ -113,7 +131,7 @@ def test_async_loop_survives_killed_rollout_and_reward(assets: dict[str, Path], 
         out = finish(proc)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_run(proc, run_dir)
     check_invariants(run_dir, 6)
     restarts = {line.split()[0]: int(line.split()[-1]) for line in out.splitlines()
                 if line.strip().startswith(("rollout.0 ", "reward "))}
@@ -127,24 +145,17 @@ def test_killed_run_recovers_from_its_last_checkpoint(assets: dict[str, Path], t
     try:
         wait_for_step(proc, run_dir, 3)
         # A crash of the whole run: the launcher and every actor die at once, nothing shuts down cleanly.
-        pids = [int(json.loads(p.read_text())["pid"]) for p in (run_dir / "ready").glob("*.json")]
-        os.killpg(proc.pid, signal.SIGKILL)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait(timeout=30)
+        kill_run(proc, run_dir)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_run(proc, run_dir)
     assert (run_dir / "checkpoints" / "step_000002" / "COMPLETE").exists()
     proc = launch(assets, run_dir, steps=6, ckpt_every=2)
     try:
         finish(proc)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_run(proc, run_dir)
     check_invariants(run_dir, 6)
     log = (run_dir / "logs" / "trainer.jsonl").read_text()
     resumed = [json.loads(line) for line in log.splitlines() if '"trainer_started"' in line]

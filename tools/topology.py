@@ -577,9 +577,12 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
         backend = c.str_(ldoc.get("backend"), f"{key}.backend", None, ("gloo", "nccl"))
         if ldoc.get("backend") is None:
             c.add(f"{key}.backend", "missing: gloo (CPU) or nccl (GPU)")
-        port = c.int_(ldoc.get("port"), f"{key}.port", None, minimum=1024)
+        # "auto": the launcher picks a free port at launch (one-node topologies only: other nodes could
+        # not know it), so two runs on one machine never fight over a rendezvous port.
+        auto_port = ldoc.get("port") == "auto"
+        port = 0 if auto_port else c.int_(ldoc.get("port"), f"{key}.port", None, minimum=1024)
         if ldoc.get("port") is None:
-            c.add(f"{key}.port", "missing: the rendezvous port on the first member's node")
+            c.add(f"{key}.port", "missing: the rendezvous port on the first member's node (or auto on one node)")
         if port is not None and port > 65535:
             c.add(f"{key}.port", f"{port} is not a port")
         members = ldoc.get("members")
@@ -783,6 +786,8 @@ def _check_placement(c: _Checker, topo: Topology) -> None:
             for gname in dict.fromkeys(g for g, _ in members):
                 if topo.groups[gname].gpus == 0:
                     c.add(f"{key}.backend", f"nccl needs GPUs but member group {gname} has none (use gloo)")
+        if link.port == 0 and len(topo.nodes) > 1:
+            c.add(f"{key}.port", "auto needs a one-node topology: every node must know the rendezvous port")
         if bus.transport == "tcp" and bus_lo <= link.port <= bus_hi:
             c.add(f"{key}.port", f"{link.port} collides with the bus ports {bus_lo}-{bus_hi}")
         if members and link.port:

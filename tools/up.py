@@ -82,7 +82,7 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
     for link in plan.links.values():
         members = _ranges(link.members)
         lines.append(f"  {link.name}: {link.backend} group of {len(link.members)}, rank 0 = {link.members[0]}, "
-                     f"rendezvous {link.master_host}:{link.port}, timeout {link.timeout_s:g} s")
+                     f"rendezvous {link.master_host}:{link.port or 'auto'}, timeout {link.timeout_s:g} s")
         lines.append(f"    ranks: {members}")
         if link.env:
             lines.append("    env: " + " ".join(f"{k}={v}" for k, v in sorted(link.env.items())))
@@ -211,12 +211,23 @@ def supervisor_options(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((topo_mod.resolve_host(host) if host else "127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def build_specs(plan: Plan, run_dir: Path) -> list[dict[str, Any]]:
     """ActorSpec dictionaries for the run: ipc paths made concrete, CurveZMQ keys made when asked."""
     curve = None
     if plan.topology.bus.curve:
         from transport.auth import generate_run_keys
         curve = {"keys_dir": generate_run_keys(str(run_dir), [i.name for i in plan.instances])}
+    for link in plan.links.values():
+        if link.port == 0:  # `port: auto`
+            link.port = _free_port(link.master_host)
     specs = plan.specs(run_dir, curve=curve)
     if plan.topology.bus.transport == "ipc":
         ipc_dir = run_dir / "ipc"
