@@ -70,6 +70,7 @@ class BufferActor(Actor):
         self.group_size = int(algo.get("group_size", 8))
         self.eta = int(algo.get("eta", 4))
         self.dynamic_sampling = bool(algo.get("dynamic_sampling", False))
+        self.uniform_streak = 0
         buf = s.get("buffer") or {}
         self.max_per_rollout = int(buf.get("max_groups_per_rollout", 8))
         gen = s.get("gen") or {}
@@ -225,8 +226,15 @@ class BufferActor(Actor):
         if self.dynamic_sampling and len(set(rewards)) <= 1:
             self.gate.finish(accepted=False)  # no learning signal: drop it, its slot is refilled
             self.stats.dropped_uniform += 1
+            self.uniform_streak += 1
             self._ledger({"event": "dropped_uniform", "key": list(f.key)})
+            if self.uniform_streak % (20 * self.batch_size) == 0:
+                self.log.warning("dynamic_sampling_starving", dropped_in_a_row=self.uniform_streak,
+                                 hint="every group got the same reward for every answer; the trainer gets no "
+                                      "batch. Is the model able to solve any prompt? (algo.dynamic_sampling=false "
+                                      "trains on them anyway)")
         else:
+            self.uniform_streak = 0
             self.gate.finish(accepted=True)
             self.ready.append((f.key, msg))
         self.changed.set()

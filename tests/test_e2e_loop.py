@@ -46,7 +46,9 @@ def launch(assets: dict[str, Path], run_dir: Path, steps: int, ckpt_every: int) 
     overrides = [f"experiment.model.path={assets['model']}", f"experiment.data.train={assets['data'] / 'train.jsonl'}",
                  f"experiment.data.test={assets['data'] / 'test.jsonl'}", f"experiment.run.total_steps={steps}",
                  f"experiment.run.checkpoint_every_steps={ckpt_every}", "experiment.algo.batch_size=4",
-                 "experiment.algo.group_size=4", f"experiment.algo.eta={ETA}", "experiment.gen.max_new_tokens=12"]
+                 "experiment.algo.group_size=4", f"experiment.algo.eta={ETA}", "experiment.gen.max_new_tokens=12",
+                 # a random model answers everything wrong: every group would be dropped as uniform
+                 "experiment.algo.dynamic_sampling=false"]
     return subprocess.Popen([sys.executable, "-m", "tools.up", "topology/local.yaml", *overrides,
                              "--run-dir", str(run_dir), "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
