@@ -4,15 +4,20 @@ The embedded default's first command must work on a fresh machine, where neither
 warm-start weights exist. The experiment config says how to make them (`configs/local.yaml`):
 
     prepare:
-      data:                 # when data.train or data.test is missing
-        args: {levels: "1-4", max_operand: 99, ...}          # python -m tools.make_task arguments
-      warm_start:           # when model.path has no weights: supervised training to its plateau
-        out: runs/warm_start/arith-tiny                       # reused while its inputs are unchanged
-        args: {until_plateau: true, lr: 1.0e-3, ...}          # tools.sft.SFTConfig fields
+      data:                 # each dataset whose train/test files are missing: python -m tools.make_task
+        - {out: data/arith, args: {max_operand: 9, ...}}        # the RL data (its train/test are data.*)
+        - {out: data/arith-careful, args: {direct_fraction: 0}}  # more data, e.g. for a warm-start stage
+      warm_start:           # when model.path has no weights: supervised stages, each to its plateau
+        out: runs/warm_start/arith-tiny                          # reused while its inputs are unchanged
+        stages:
+          - {data: data/arith-careful, args: {until_plateau: true, ...}}   # tools.sft.SFTConfig fields
+          - {data: data/arith, args: {until_plateau: true, ...}}
 
-The warm start is cached by a fingerprint of its inputs (model config, tokenizer, training data, SFT
-arguments): a second run reuses it, a changed recipe trains a new one. After preparation
-`model.path` points at the warm-start checkpoint, so every actor starts from it.
+A stage's `data` is a folder with train.jsonl and test.jsonl (held-out accuracy decides its plateau);
+each stage starts from the previous one's weights. The warm start is cached by a fingerprint of its
+inputs (model config, tokenizer, every stage's training data and arguments): a second run reuses it, a
+changed recipe trains a new one. After preparation `model.path` points at the last stage's checkpoint,
+so every actor starts from it.
 """
 from __future__ import annotations
 
@@ -44,34 +49,53 @@ def _cli_args(args: dict[str, Any], where: str) -> list[str]:
     return out
 
 
-def prepare_data(experiment: dict[str, Any], spec: dict[str, Any], log: Callable[[str], None]) -> None:
+def prepare_data(spec: dict[str, Any], where: str, log: Callable[[str], None]) -> None:
     from tools import make_task
 
-    data = experiment.get("data") or {}
-    train, test = data.get("train"), data.get("test")
-    if not train:
-        raise PrepareError("data.train: not set")
-    wanted = [Path(p) for p in (train, test) if p]
+    out = spec.get("out")
+    if not out:
+        raise PrepareError(f"{where}.out: the dataset folder is not set")
+    out = Path(out)
+    wanted = [out / "train.jsonl", out / "test.jsonl"]
     if all(p.exists() for p in wanted):
         return
-    out = Path(train).parent
-    if test and Path(test).parent != out:
-        raise PrepareError(f"data.train and data.test must share a folder to be generated ({train}, {test})")
-    argv = ["--out", str(out), *_cli_args(spec.get("args") or {}, "prepare.data.args")]
-    log(f"prepare: generating the dataset into {out} (python -m tools.make_task {' '.join(argv)})")
+    argv = ["--out", str(out), *_cli_args(spec.get("args") or {}, f"{where}.args")]
+    log(f"prepare: generating {out} (python -m tools.make_task {' '.join(argv)})")
     code = make_task.main(argv)
     missing = [str(p) for p in wanted if not p.exists()]
     if code or missing:
-        raise PrepareError(f"prepare.data: tools.make_task exited {code}; missing {missing or 'nothing'}")
+        raise PrepareError(f"{where}: tools.make_task exited {code}; missing {missing or 'nothing'}")
 
 
-def _fingerprint(model: Path, train: str, args: dict[str, Any]) -> str:
+def _fingerprint(model: Path, stages: list[dict[str, Any]]) -> str:
     h = hashlib.sha256()
     for f in ("config.json", "tokenizer.json"):
         h.update((model / f).read_bytes())
-    h.update(Path(train).read_bytes())
-    h.update(json.dumps(args, sort_keys=True).encode())
+    for stage in stages:
+        h.update((Path(stage["data"]) / "train.jsonl").read_bytes())
+        h.update(json.dumps(stage.get("args") or {}, sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+def _stages(experiment: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
+    from tools.sft import SFTConfig
+
+    train = (experiment.get("data") or {}).get("train")
+    stages = spec.get("stages") or [{"data": str(Path(train).parent) if train else None, "args": spec.get("args")}]
+    if not isinstance(stages, list):
+        raise PrepareError("prepare.warm_start.stages: expected a list of {data, args}")
+    for i, stage in enumerate(stages):
+        where = f"prepare.warm_start.stages[{i}]"
+        if not isinstance(stage, dict) or not stage.get("data"):
+            raise PrepareError(f"{where}.data: the stage's dataset folder (train.jsonl, test.jsonl) is not set")
+        unknown = sorted(set(stage) - {"data", "args"})
+        if unknown:
+            raise PrepareError(f"{where}: unknown key(s) {', '.join(unknown)}")
+        bad = sorted(set(stage.get("args") or {}) - set(SFTConfig.__dataclass_fields__)
+                     | ({"data", "out", "model", "eval_data"} & set(stage.get("args") or {})))
+        if bad:
+            raise PrepareError(f"{where}.args: unknown or reserved key(s) {', '.join(bad)}")
+    return stages
 
 
 def prepare_warm_start(experiment: dict[str, Any], spec: dict[str, Any], log: Callable[[str], None]) -> None:
@@ -86,22 +110,26 @@ def prepare_warm_start(experiment: dict[str, Any], spec: dict[str, Any], log: Ca
     out = spec.get("out")
     if not out:
         raise PrepareError("prepare.warm_start.out: where to write the warm-start checkpoint is not set")
-    data = experiment.get("data") or {}
-    args = dict(spec.get("args") or {})
-    unknown = sorted(set(args) - set(SFTConfig.__dataclass_fields__) | ({"data", "out", "model"} & set(args)))
-    if unknown:
-        raise PrepareError(f"prepare.warm_start.args: unknown or reserved key(s) {', '.join(unknown)}")
-    digest = _fingerprint(Path(path), data["train"], args)
+    stages = _stages(experiment, spec)
+    digest = _fingerprint(Path(path), stages)
+    final = Path(out) / f"stage{len(stages)}"
     stamp = Path(out) / FINGERPRINT
-    if has_weights(out) and stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == digest:
-        log(f"prepare: reusing the warm start in {out}")
+    if has_weights(final) and stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == digest:
+        log(f"prepare: reusing the warm start in {final}")
     else:
-        log(f"prepare: {path} has no weights; training the warm start into {out} (tools.sft, to its plateau)")
-        cfg = SFTConfig(data=data["train"], out=str(out), model=str(path),
-                        eval_data=args.pop("eval_data", data.get("test")), **args)
-        summary = run_sft(cfg, log=log)
-        stamp.write_text(json.dumps({"fingerprint": digest, "summary": summary}, indent=1, default=str))
-    model["path"] = str(out)
+        log(f"prepare: {path} has no weights; training the warm start into {out} "
+            f"({len(stages)} supervised stage(s), each to its plateau)")
+        summaries, start = [], str(path)
+        for i, stage in enumerate(stages, 1):
+            data = Path(stage["data"])
+            log(f"prepare: warm-start stage {i}/{len(stages)} on {data / 'train.jsonl'}")
+            args = stage.get("args") or {}
+            cfg = SFTConfig(data=str(data / "train.jsonl"), out=str(Path(out) / f"stage{i}"), model=start,
+                            eval_data=str(data / "test.jsonl") if args.get("eval_every") else None, **args)
+            summaries.append(run_sft(cfg, log=log))
+            start = cfg.out
+        stamp.write_text(json.dumps({"fingerprint": digest, "stages": summaries}, indent=1, default=str))
+    model["path"] = str(final)
     experiment["model"] = model
 
 
@@ -114,7 +142,11 @@ def prepare(experiment: dict[str, Any], log: Callable[[str], None] = print) -> d
     if unknown:
         raise PrepareError(f"prepare: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(PREPARE_KEYS))})")
     if "data" in spec:
-        prepare_data(experiment, spec["data"] or {}, log)
+        datasets = spec["data"] if isinstance(spec["data"], list) else [spec["data"]]
+        for i, item in enumerate(datasets):
+            if not isinstance(item, dict):
+                raise PrepareError(f"prepare.data[{i}]: expected a mapping with out and args")
+            prepare_data(item, f"prepare.data[{i}]", log)
     if "warm_start" in spec:
         prepare_warm_start(experiment, spec["warm_start"] or {}, log)
     return experiment

@@ -1,0 +1,95 @@
+"""tools/prepare.py: what the first command on a fresh machine makes before the run starts."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tools.lm import has_weights
+from tools.prepare import PrepareError, prepare
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "models" / "arith-tiny"
+SFT_ARGS = {"steps": 3, "batch_size": 8, "eval_every": 0, "max_new_tokens": 8, "seed": 0}
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """The shipped model directory shrunk to a tiny width: config and tokenizer, no weights."""
+    out = tmp_path / "model"
+    shutil.copytree(TINY, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def experiment(tmp_path: Path, model_dir: Path) -> dict:
+    small = {"train_per_level": 20, "test_per_level": 4, "max_operand": 9}
+    return {
+        "model": {"path": str(model_dir)},
+        "data": {"train": str(tmp_path / "d" / "train.jsonl"), "test": str(tmp_path / "d" / "test.jsonl")},
+        "prepare": {
+            "data": [{"out": str(tmp_path / "d"), "args": {**small, "direct_fraction": 0.8, "direct_wrong": 1.0}},
+                     {"out": str(tmp_path / "careful"), "args": {**small, "direct_fraction": 0.0}}],
+            "warm_start": {"out": str(tmp_path / "ws"), "stages": [
+                {"data": str(tmp_path / "careful"), "args": SFT_ARGS},
+                {"data": str(tmp_path / "d"), "args": SFT_ARGS}]},
+        },
+    }
+
+
+def test_data_and_staged_warm_start_are_made_once_then_reused(tmp_path: Path, model_dir: Path) -> None:
+    exp = experiment(tmp_path, model_dir)
+    lines: list[str] = []
+    prepare(exp, log=lines.append)
+    for folder in ("d", "careful"):
+        assert (tmp_path / folder / "train.jsonl").exists() and (tmp_path / folder / "test.jsonl").exists()
+    assert exp["model"]["path"] == str(tmp_path / "ws" / "stage2")
+    assert has_weights(tmp_path / "ws" / "stage1") and has_weights(tmp_path / "ws" / "stage2")
+    assert any("stage 2/2" in line for line in lines)
+    # Only stage 1 started from random weights; stage 2 continued from stage 1's checkpoint.
+    random_starts = [i for i, line in enumerate(lines) if "has no weights: initialised" in line]
+    stage2 = next(i for i, line in enumerate(lines) if "stage 2/2" in line)
+    assert len(random_starts) == 1 and random_starts[0] < stage2
+
+    again = experiment(tmp_path, model_dir)
+    lines.clear()
+    prepare(again, log=lines.append)
+    assert again["model"]["path"] == exp["model"]["path"]
+    assert any("reusing the warm start" in line for line in lines) and not any("stage 1/2" in x for x in lines)
+
+    changed = experiment(tmp_path, model_dir)
+    changed["prepare"]["warm_start"]["stages"][1]["args"] = {**SFT_ARGS, "steps": 4}
+    lines.clear()
+    prepare(changed, log=lines.append)
+    assert any("stage 1/2" in line for line in lines), "a changed recipe must train a new warm start"
+
+
+def test_a_model_with_weights_needs_no_warm_start(tmp_path: Path, model_dir: Path) -> None:
+    exp = experiment(tmp_path, model_dir)
+    prepare(exp)
+    trained = exp["model"]["path"]
+    exp2 = experiment(tmp_path, model_dir)
+    exp2["model"]["path"] = trained
+    lines: list[str] = []
+    prepare(exp2, log=lines.append)
+    assert exp2["model"]["path"] == trained and not any("warm start" in line for line in lines)
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda p: p.update(extra=1), "prepare: unknown key"),
+    (lambda p: p["warm_start"]["stages"][0].pop("data"), r"stages\[0\]\.data"),
+    (lambda p: p["warm_start"]["stages"][1]["args"].update(colour=1), r"stages\[1\]\.args: unknown"),
+    (lambda p: p["warm_start"]["stages"][1]["args"].update(model="x"), r"stages\[1\]\.args: unknown or reserved"),
+    (lambda p: p["warm_start"].pop("out"), "warm_start.out"),
+    (lambda p: p["data"][0].pop("out"), r"prepare\.data\[0\]\.out"),
+    (lambda p: p["data"][0]["args"].update(levels=[1, 2]), r"prepare\.data\[0\]\.args\.levels"),
+])
+def test_bad_prepare_sections_name_the_key(tmp_path: Path, model_dir: Path, mutate, words) -> None:
+    exp = experiment(tmp_path, model_dir)
+    exp["prepare"]["warm_start"]["stages"][1]["args"] = dict(SFT_ARGS)
+    mutate(exp["prepare"])
+    with pytest.raises(PrepareError, match=words):
+        prepare(exp, log=lambda _: None)
