@@ -3,3 +3,10 @@ import os
 # Tests run on 2-core machines next to each other: keep torch from oversubscribing cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from hypothesis import settings  # noqa: E402
+
+# Property tests must be reproducible and must not fail because a loaded CI machine is slow:
+# derandomize fixes each test's examples, and no per-example wall-clock deadline.
+settings.register_profile("project", derandomize=True, deadline=None, print_blob=True)
+settings.load_profile("project")
