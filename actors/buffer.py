@@ -257,6 +257,11 @@ class BufferActor(Actor):
                 self.reissue.append(key)
                 self.stats.dropped_stale += 1
                 self.changed.set()
+                if self.stats.dropped_stale % (10 * self.batch_size) == 0:
+                    self.log.warning("stale_groups_dropped", total=self.stats.dropped_stale, version=self.gate.version,
+                                     rollout=group.rollout, start_version=group_start_version(group),
+                                     hint="rollouts generate with weights older than eta allows: is the weight "
+                                          "push to them failing? (see the param_server log)")
             else:
                 fresh.append((key, group))
         self.ready = fresh
