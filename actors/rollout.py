@@ -349,10 +349,20 @@ class RolloutActor(Actor):
         link = self.link
         if link is None:
             raise WeightSyncError(f"{self.name} has no weights link (settings.links has none for it)")
+        def stale() -> bool:  # a request for an older group than the one formed (or being formed) now
+            known = [g for g in (link.generation, self._link_target) if g is not None]
+            return bool(known) and max(known) > generation
+
+        if stale():  # e.g. queued by ZeroMQ while this process was down: nobody will broadcast on it
+            raise WeightSyncError(f"link {link.config.name!r}: generation {generation} is stale "
+                                  f"(the link is at {link.generation}, re-forming to {self._link_target})")
         try:
             async with asyncio.timeout(timeout):
                 async with self._link_changed:
-                    await self._link_changed.wait_for(lambda: link.generation == generation)
+                    await self._link_changed.wait_for(lambda: link.generation == generation or stale())
+            if stale():
+                raise WeightSyncError(f"link {link.config.name!r}: generation {generation} became stale "
+                                      f"while waiting (now {link.generation})")
         except TimeoutError:
             raise WeightSyncError(f"link {link.config.name!r} did not reach generation {generation} within "
                                   f"{timeout:g}s (it is at {link.generation})") from None
