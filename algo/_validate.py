@@ -63,3 +63,17 @@ def check_cu_seqlens(name: str, cu_seqlens: torch.Tensor, total: int | None = No
     if total is not None and int(cu[-1]) != total:
         raise ValueError(f"{name}: ends at {int(cu[-1])} but the token stream has {total} tokens")
     return cu
+
+
+def check_grouped_rewards(rewards: object, group_ids: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-answer rewards [B] (finite) and the integer group id of each answer, same shape."""
+    r = as_tensor("rewards", rewards)
+    gid = as_tensor("group_ids", group_ids)
+    if r.dim() != 1:
+        raise ValueError(f"rewards: must be 1-D [B], got shape {tuple(r.shape)}")
+    check_finite("rewards", r)
+    if gid.shape != r.shape:
+        raise ValueError(f"group_ids: shape {tuple(gid.shape)} does not match rewards shape {tuple(r.shape)}")
+    if gid.is_floating_point() or gid.dtype == torch.bool:
+        raise ValueError(f"group_ids: must be an integer tensor, got {gid.dtype}")
+    return r, gid

@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from algo._validate import as_tensor, check_finite, check_mask, check_same_shape
+from algo._validate import as_tensor, check_finite, check_grouped_rewards, check_mask, check_same_shape
 from algo.packing import pad_packed, unpad
 
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -65,15 +65,7 @@ def group_normalize(
     `group_ids[i]` names the prompt answer i belongs to (any integers, any order). A group of one answer,
     or one whose answers all got the same reward, gets zero advantage: it carries no learning signal.
     """
-    r = as_tensor("rewards", rewards)
-    gid = as_tensor("group_ids", group_ids)
-    if r.dim() != 1:
-        raise ValueError(f"rewards: must be 1-D [B], got shape {tuple(r.shape)}")
-    check_finite("rewards", r)
-    if gid.shape != r.shape:
-        raise ValueError(f"group_ids: shape {tuple(gid.shape)} does not match rewards shape {tuple(r.shape)}")
-    if gid.is_floating_point() or gid.dtype == torch.bool:
-        raise ValueError(f"group_ids: must be an integer tensor, got {gid.dtype}")
+    r, gid = check_grouped_rewards(rewards, group_ids)
     if r.numel() == 0:
         return r.clone()
     x = r.to(torch.float64)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from algo._validate import as_tensor, check_finite
+from algo._validate import check_grouped_rewards
 
 
 @dataclass(frozen=True)
@@ -36,15 +36,7 @@ class GroupFilter:
 def filter_uniform_groups(rewards: torch.Tensor, group_ids: torch.Tensor, atol: float = 0.0) -> GroupFilter:
     """Keep the groups whose rewards spread by more than `atol` (max - min); drop the others.
     A group of a single answer is uniform by definition and is dropped."""
-    r = as_tensor("rewards", rewards)
-    gid = as_tensor("group_ids", group_ids)
-    if r.dim() != 1:
-        raise ValueError(f"rewards: must be 1-D [B], got shape {tuple(r.shape)}")
-    check_finite("rewards", r)
-    if gid.shape != r.shape:
-        raise ValueError(f"group_ids: shape {tuple(gid.shape)} does not match rewards shape {tuple(r.shape)}")
-    if gid.is_floating_point() or gid.dtype == torch.bool:
-        raise ValueError(f"group_ids: must be an integer tensor, got {gid.dtype}")
+    r, gid = check_grouped_rewards(rewards, group_ids)
     if not atol >= 0:
         raise ValueError(f"atol: must be >= 0, got {atol}")
     if r.numel() == 0:
