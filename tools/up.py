@@ -18,7 +18,6 @@ import datetime as _dt
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
