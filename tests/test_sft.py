@@ -171,3 +171,19 @@ def test_bad_settings_are_named(tiny, tmp_path, capsys):
     assert sft.main(["--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o"),
                      "--model", str(tiny["model"])]) == 2
     assert "missing.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_keep_last_stops_when_accuracy_stops_changing_and_keeps_the_final_weights(tiny, tmp_path):
+    out = tmp_path / "last"
+    cfg = config(tiny, out, steps=400, eval_data=str(tiny["data"] / "train.jsonl"), eval_every=15,
+                 until_plateau=True, keep="last", patience=2, min_delta=0.02)
+    summary = sft.run_sft(cfg, lambda _: None)
+    accs = [e["accuracy"] for e in read_metrics(out) if e["kind"] == "eval"]
+    assert summary["stop_reason"] == "plateau" and summary["steps"] < 400
+    # The stop rule: the mean of the last two evaluations is within min_delta of the two before.
+    assert abs(sum(accs[-2:]) / 2 - sum(accs[-4:-2]) / 2) <= 0.02
+    state = torch.load(out / TRAINER_STATE, map_location="cpu", weights_only=False)
+    assert state["step"] == summary["kept_step"] == summary["steps"]  # the final weights, not the best
+    assert summary["kept_accuracy"] == accs[-1]
+    with pytest.raises(sft.SFTError, match="--keep"):
+        config(tiny, tmp_path / "x", keep="worst").check()

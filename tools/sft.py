@@ -82,6 +82,10 @@ class SFTConfig:
     eval_levels: list[int] | None = None
     max_new_tokens: int = 64
     until_plateau: bool = False
+    # "best": keep the checkpoint with the best held-out accuracy, stop when it stops rising. "last": keep the
+    # final weights, stop when accuracy stops changing (the mean of the last `patience` evaluations is within
+    # `min_delta` of the mean of the `patience` before) -- imitation that lowers accuracy still has a plateau.
+    keep: Literal["best", "last"] = "best"
     patience: int = 3                        # evaluations without enough improvement before stopping
     min_delta: float = 0.005                 # accuracy gain (fraction) that counts as an improvement
     log_every: int = 10
@@ -104,6 +108,8 @@ class SFTConfig:
             raise SFTError(f"--format must be auto, records or pairs, got {self.format!r}")
         if bool(self.eval_data) != bool(self.eval_every):
             raise SFTError("--eval-data and --eval-every go together")
+        if self.keep not in ("best", "last"):
+            raise SFTError(f"--keep must be best or last, got {self.keep!r}")
         if self.until_plateau and not self.eval_data:
             raise SFTError("--until-plateau needs --eval-data and --eval-every")
 
@@ -230,7 +236,10 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any
                      "eval_seconds": dt_eval, "best": new_best, "time": time.time()}
             record(entry)
             evals.append(entry)
-            if new_best:
+            if cfg.keep == "last":
+                accs, k = [e["accuracy"] for e in evals], cfg.patience
+                stop = len(accs) >= 2 * k and abs(sum(accs[-k:]) / k - sum(accs[-2 * k:-k]) / k) <= cfg.min_delta
+            elif new_best:
                 engine.save(str(out))
                 best = entry
             levels_text = " ".join(f"L{lvl} {100 * a:.1f}" for lvl, a in by_level.items())
@@ -271,8 +280,9 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any
                         f"for {cfg.patience} evaluations: stopping at step {step}")
                     break
         steps_done = engine.step
-    if not cfg.eval_every:
+    if not cfg.eval_every or cfg.keep == "last":
         engine.save(str(out))
+        best = evals[-1] if evals and evals[-1]["step"] == steps_done else None
     summary: dict[str, Any] = {
         "out": str(out), "model": cfg.model, "initialised_randomly": initialised, "parameters": n_params,
         "data": cfg.data, **counts, "steps": steps_done, "max_steps": steps, "stop_reason": stop_reason,
@@ -328,6 +338,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[SFTConfig, bool]:
     ap.add_argument("--eval-levels", help="held-out levels, e.g. 1-5 (default all)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit in evaluations")
     ap.add_argument("--until-plateau", action="store_true", help="stop when held-out accuracy stops improving")
+    ap.add_argument("--keep", choices=("best", "last"), default="best",
+                    help="checkpoint to keep: the best held-out accuracy, or the final weights once accuracy "
+                         "stops changing")
     ap.add_argument("--patience", type=int, default=3, help="evaluations without improvement before stopping")
     ap.add_argument("--min-delta", type=float, default=0.005, help="accuracy gain (fraction) that counts")
     ap.add_argument("--log-every", type=int, default=10)
