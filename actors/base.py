@@ -290,6 +290,12 @@ class Actor:
             return self._after_start(method, env, entry[1])
         return method(env.msg, env) if entry[1] else method(env.msg)
 
+    async def start(self) -> None:
+        """on_start, then handlers run directly (messages that arrived meanwhile go first, in order).
+        `run()` calls it; so do in-process drivers such as tools.replay."""
+        await self.on_start()
+        self._started.set()
+
     async def _after_start(self, method: Callable, env: Envelope, takes_env: bool) -> Any:
         await self._started.wait()  # waiters resume in arrival order, so early messages keep their order
         result = method(env.msg, env) if takes_env else method(env.msg)
@@ -374,11 +380,10 @@ class Actor:
             self.bus = self._make_bus()
             await self.bus.start()
             # A stop requested while still starting (e.g. the supervisor gave up waiting) cancels on_start.
-            if not await self._unless(self._stop_event, self.on_start()):
+            if not await self._unless(self._stop_event, self.start()):
                 self.log.info("stopped_before_ready", reason=self._stop_reason)
                 return self.exit_code
             started = True
-            self._started.set()
             self._announce_ready()
             self.log.info("ready", endpoint=self.bus.endpoint, pid=os.getpid())
             await self.on_ready()

@@ -252,7 +252,7 @@ async def _replay(path: str, cls_path: str, segment: int) -> ReplayResult:
         actor = load_actor_class(cls_path)(spec)
         bus = ReplayBus(spec.name, replies)
         actor.bus = bus
-        await actor.on_start()
+        await actor.start()
         await actor.on_ready()
         for rec, header in inbound:
             if not rec.tensors_stored:
