@@ -302,3 +302,161 @@ def test_heartbeat_detects_dead_peer_and_its_return(tmp_path: Any) -> None:
         await peer.close()
 
     run(main())
+
+
+def test_coalesced_sends_keep_order_and_each_message_is_handled_alone(tmp_path: Any) -> None:
+    from transport.msglog import MessageLogWriter, read_log
+
+    async def main() -> None:
+        got: list[Any] = []
+        done = asyncio.Event()
+
+        def handler(env: Any) -> Any:
+            if env.wants_reply:
+                return echo_handler(env)
+            got.append(env.msg.n if isinstance(env.msg, Count) else ("t", env.msg.n))
+            if len(got) == 1010:
+                done.set()
+            return None
+
+        recorder = MessageLogWriter(str(tmp_path / "server.msglog"))
+        server = await Bus("server", "tcp://127.0.0.1:*", handler=handler, recorder=recorder,
+                           heartbeat_interval=None).start()
+        client = await Bus("client", "tcp://127.0.0.1:*", {"server": server.endpoint},
+                           heartbeat_interval=None).start()
+        expected: list[Any] = []
+        for i in range(1000):     # no yield between sends: they coalesce, tensors go alone, order is kept
+            await client.send("server", Count(i))
+            expected.append(i)
+            if i % 100 == 99:
+                await client.send("server", Echo("t", i, torch.full((4,), float(i))))
+                expected.append(("t", i))
+        await asyncio.wait_for(done.wait(), 10)
+        assert got == expected
+        assert client.stats["sent"] == 1010 and server.stats["received"] == 1010
+        assert client.stats["batches"] >= 10 and server.stats["batches_received"] == client.stats["batches"]
+        # requests coalesce too; each gets its own reply
+        replies = await asyncio.gather(*(client.request("server", Echo(f"r{i}", i), timeout=5) for i in range(50)))
+        assert [r.n for r in replies] == list(range(1, 51))
+        await client.close()
+        await server.close()
+        recorder.close()
+        # the message log holds one record per message, each decodable alone, as without coalescing
+        records, torn = read_log(str(tmp_path / "server.msglog"))
+        inbound = [decode(r.frames)[1] for r in records if r.kind == "in"]
+        assert torn is None and len(inbound) == 1060
+        assert [m.n for m in inbound[:1010] if isinstance(m, Count)] == list(range(1000))
+
+    run(main())
+
+
+def test_bad_messages_inside_a_batch_are_counted_and_answered_one_by_one() -> None:
+    from transport.messages import encode_batch
+
+    async def main() -> None:
+        log = ListLog()
+        handled: list[Any] = []
+
+        def handler(env: Any) -> Any:
+            handled.append(env.msg)
+            return echo_handler(env)
+
+        server = await Bus("server", "tcp://127.0.0.1:*", handler=handler, log=log, heartbeat_interval=None).start()
+        ctx = zmq.asyncio.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.connect(server.endpoint)
+
+        def head(tag: str, body: Any, mid: str, wants_reply: bool = True) -> bytes:
+            return msgpack.packb([tag, SCHEMA_VERSION, "evil", mid, 1.0, None, wants_reply, body])
+
+        items = [head("test.bus.echo", {"text": "ok", "n": 1}, "m1"),
+                 head("test.bus.echo", {"text": 5}, "m2"),
+                 head("test.bus.count", {"n": 9}, "m3", wants_reply=False),
+                 head("no.such.kind", {}, "m4"),
+                 b"\xc1not msgpack"]
+        await raw.send(encode_batch(items, "evil"))
+        answers = {}
+        for _ in range(3):
+            header, msg = decode(await asyncio.wait_for(raw.recv_multipart(), 5))
+            answers[header.reply_to] = msg
+        assert answers["m1"] == Echo("OK", 2)
+        assert isinstance(answers["m2"], Error) and answers["m2"].code == "bad_field"
+        assert "field 'text': expected str, got int" in answers["m2"].text
+        assert isinstance(answers["m4"], Error) and answers["m4"].code == "unknown_kind"
+        await until(lambda: server.rejected["malformed"] == 1)
+        assert handled == [Echo("ok", 1), Count(9)]
+        assert server.rejected["bad_field"] == 1 and server.rejected["unknown_kind"] == 1
+        # a broken container is rejected as a whole (no readable request inside it to answer)
+        await raw.send(msgpack.packb(["$batch", SCHEMA_VERSION, "evil", "", 1.0, None, False, [b"x", 5]]))
+        await until(lambda: server.rejected["malformed"] == 2)
+        assert any("element 1 is int" in kw.get("error", "") for _, _, kw in log.events)
+        assert (await asyncio.wait_for(_raw_request(raw, "m5"), 5)).text == "FINE"
+        raw.close(0)
+        ctx.term()
+        await server.close()
+
+    async def _raw_request(raw: Any, mid: str) -> Any:
+        await raw.send(encode(Echo("fine"), "evil", msg_id=mid, wants_reply=True)[0])
+        return decode(await raw.recv_multipart())[1]
+
+    run(main())
+
+
+def test_pending_batch_is_flushed_on_close() -> None:
+    async def main() -> None:
+        got: list[int] = []
+        done = asyncio.Event()
+
+        def handler(env: Any) -> None:
+            got.append(env.msg.n)
+            if len(got) == 10:
+                done.set()
+
+        server = await Bus("server", "tcp://127.0.0.1:*", handler=handler, heartbeat_interval=None).start()
+        client = await Bus("client", "tcp://127.0.0.1:*", {"server": server.endpoint},
+                           heartbeat_interval=None).start()
+        for i in range(10):
+            await client.send("server", Count(i))
+        await client.close(linger=2.0)      # no tick has passed: the batch is still pending here
+        await asyncio.wait_for(done.wait(), 5)
+        assert got == list(range(10))
+        await server.close()
+
+    run(main())
+
+
+def test_backpressure_with_coalescing_sender_waits_and_nothing_is_dropped() -> None:
+    async def main() -> None:
+        release = asyncio.Event()
+        got: list[int] = []
+
+        async def slow(env: Any) -> None:
+            await release.wait()
+            got.append(env.msg.n)
+
+        server = await Bus("server", "tcp://127.0.0.1:*", handler=slow, hwm=64, max_inflight=1,
+                           heartbeat_interval=None).start()
+        client = await Bus("client", "tcp://127.0.0.1:*", {"server": server.endpoint}, hwm=64,
+                           heartbeat_interval=None).start()
+        assert client.coalesce                  # hwm 64: containers of up to 4 messages
+        sent = 0
+
+        async def produce() -> None:
+            nonlocal sent
+            # until the queues (ZeroMQ's and the kernel's) are full and the sender has to wait
+            while client.stats["send_waits"] < 50 and sent < 400_000:
+                await client.send("server", Count(sent))
+                sent += 1
+
+        producer = asyncio.create_task(produce())
+        await until(lambda: client.stats["send_waits"] >= 1, timeout=30)
+        assert not producer.done() and len(got) == 0     # held back, not dropping
+        release.set()
+        await asyncio.wait_for(producer, 30)
+        await until(lambda: len(got) == sent, timeout=30)
+        assert got == list(range(sent)) and client.stats["batches"] >= 1
+        assert server.stats["received"] == sent and not server.rejected
+        await client.close()
+        await server.close()
+
+    run(main(), timeout=90)

@@ -43,8 +43,9 @@ import zmq
 import zmq.asyncio
 
 from .auth import CurveConfig, start_authenticator
-from .messages import (DecodeError, EncodeError, Error, Header, Message, Ping, Pong, decode, encode,
-                       new_message_id)
+from .messages import (BATCH_MAX_BYTES, BATCH_MAX_MESSAGES, DecodeError, EncodeError, Error, FrameTooLarge, Header,
+                       Message, Ping, Pong, decode, encode, encode_batch, is_batch, new_message_id,
+                       split_batch)
 
 __all__ = ["Bus", "Envelope", "BusError", "UnknownPeer", "MessageTooLarge", "RequestTimeout", "RemoteError",
            "BusClosed", "current_cause"]
@@ -54,6 +55,7 @@ __all__ = ["Bus", "Envelope", "BusError", "UnknownPeer", "MessageTooLarge", "Req
 current_cause: contextvars.ContextVar[str | None] = contextvars.ContextVar("current_cause", default=None)
 
 _DRAIN_BATCH = 512          # messages read per wake-up before yielding to other tasks
+_COALESCE_ITEM_MAX = 4096   # tensor-free messages up to this size (frame 0) may share a ZeroMQ message
 _LOG_FIRST = 20             # rejections of one reason logged in full before sampling
 _LOG_EVERY = 1000
 
@@ -119,12 +121,19 @@ Handler = Callable[[Envelope], "Message | None | Awaitable[Message | None]"]
 
 
 class _Peer:
-    __slots__ = ("name", "endpoint", "sock", "asock", "lock", "waiters", "last_seen", "alive", "reader")
+    __slots__ = ("name", "endpoint", "sock", "asock", "lock", "waiters", "last_seen", "alive", "reader",
+                 "batch", "batch_bytes", "flush_scheduled", "flusher")
 
     def __init__(self, name: str, endpoint: str, sock: zmq.Socket, asock: zmq.asyncio.Socket) -> None:
         self.name, self.endpoint, self.sock, self.asock = name, endpoint, sock, asock
         self.lock = asyncio.Lock()
-        self.waiters = 0
+        self.waiters = 0            # senders (and the flusher) waiting for room in this peer's queue
+        # Outbound coalescing: frame 0 of small tensor-free messages sent in this event-loop tick, in order;
+        # handed to ZeroMQ as one container at the end of the tick (or when full). See Bus._send.
+        self.batch: list[bytes] = []
+        self.batch_bytes = 0
+        self.flush_scheduled = False
+        self.flusher: asyncio.Task | None = None
         self.last_seen = time.monotonic()
         self.alive = True
         self.reader: asyncio.Task | None = None
@@ -145,6 +154,7 @@ class Bus:
                  reply_timeout: float = 30.0,
                  recorder: Any = None,
                  record_outbound: bool = False,
+                 coalesce: bool = True,
                  log: Any = None) -> None:
         if heartbeat_interval is not None and heartbeat_timeout <= heartbeat_interval:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
@@ -163,6 +173,12 @@ class Bus:
         self.reply_timeout = reply_timeout
         self.recorder = recorder
         self.record_outbound = record_outbound
+        # At most hwm/16 messages per container (64 at most): a small hwm, chosen for tight backpressure,
+        # keeps one ZeroMQ message per bus message (below 2 coalescing is off).
+        self._batch_max = min(BATCH_MAX_MESSAGES, hwm // 16)
+        self.coalesce = coalesce and self._batch_max >= 2
+        # container budget: items + their msgpack bin headers, leaving room for the container's own header
+        self._batch_budget = BATCH_MAX_BYTES - 256 - len(name.encode())
         self.log = log if log is not None else structlog.get_logger("transport.bus").bind(bus=name)
         self.stats: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
@@ -198,7 +214,7 @@ class Bus:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, self.hwm)
         router.setsockopt(zmq.RCVHWM, self.hwm)
-        router.setsockopt(zmq.MAXMSGSIZE, self.hard_max_frame_bytes)
+        router.setsockopt(zmq.MAXMSGSIZE, max(self.hard_max_frame_bytes, BATCH_MAX_BYTES))
         router.setsockopt(zmq.LINGER, 0)
         if self.curve is not None:
             self.curve.apply_server(router)
@@ -217,6 +233,7 @@ class Bus:
         if self._closed:
             return
         self._closed = True
+        await self._flush_all(linger)
         for t in list(self._tasks):
             t.cancel()
         for p in self._peers.values():
@@ -238,6 +255,25 @@ class Bus:
         if self._ctx is not None:
             # term() waits for the DEALERs' linger (bounded above); run it off the loop.
             await asyncio.get_running_loop().run_in_executor(None, self._ctx.term)
+
+    async def _flush_all(self, linger: float) -> None:
+        """Hand every pending coalesced batch to ZeroMQ, waiting for room up to ``linger`` seconds."""
+        pending = [p for p in self._peers.values() if p.batch]
+        if not pending:
+            return
+        try:
+            async with asyncio.timeout(max(linger, 0.001)):
+                for p in pending:
+                    while p.batch and not self._flush(p):
+                        await p.asock.poll(50, zmq.POLLOUT)
+        except (TimeoutError, zmq.ZMQError):
+            pass
+        for p in pending:
+            if p.batch:
+                self.stats["unsent_at_close"] += len(p.batch)
+                self.log.warning("unsent_at_close", peer=p.name, messages=len(p.batch),
+                                 reason=f"the peer's queue stayed full for the close linger ({linger}s)")
+                p.batch, p.batch_bytes = [], 0
 
     async def wait_handlers(self, timeout: float | None = None) -> bool:
         """Wait until no handler task runs; False if ``timeout`` expired first."""
@@ -273,6 +309,12 @@ class Bus:
         """Add (or re-point) a peer after start."""
         old = self._peers.pop(name, None)
         if old is not None:
+            try:
+                self._flush(old)        # as with ZeroMQ's own queue, what cannot go now is discarded
+            except zmq.ZMQError:
+                pass
+            if old.flusher is not None:
+                old.flusher.cancel()
             if old.reader is not None:
                 old.reader.cancel()
             old.asock.close(linger=0)
@@ -316,30 +358,110 @@ class Bus:
     async def _send(self, peer: str, msg: Message, mid: str | None, wants_reply: bool) -> None:
         p = self._peer(peer)
         frames = encode(msg, self.name, msg_id=mid, wants_reply=wants_reply)
+        first = frames[0]
         limit = self.max_frame_bytes
-        if len(frames) > 1 or len(frames[0]) > limit:
+        if len(frames) > 1 or len(first) > limit:
             for i, f in enumerate(frames):
                 n = f.nbytes if type(f) is memoryview else len(f)
                 if n > limit:
                     raise MessageTooLarge(f"{type(msg).KIND}: frame {i} is {n} bytes, over max_frame_bytes={limit}")
         if self.recorder is not None and self.record_outbound:
             self.recorder.record("out", frames, peer=peer, cause=current_cause.get())
-        if not p.waiters:
+        if len(frames) == 1 and self.coalesce and len(first) <= _COALESCE_ITEM_MAX:
+            # Coalescing: queue it behind this tick's other small messages to the peer; the batch goes to
+            # ZeroMQ at the end of the tick (or now, when full). Per-peer order is kept: every message to
+            # the peer passes through the batch or waits until it is empty.
+            if not p.waiters:
+                if self._batch_add(p, first):
+                    return
+                if self._flush(p):              # full: hand it over, start a new one with this message
+                    self._batch_add(p, first)
+                    return
+            await self._send_waiting(p, frames, True)
+            return
+        if not p.waiters and (not p.batch or self._flush(p)):
             try:
                 p.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
                 self.stats["sent"] += 1
                 return
             except zmq.Again:
                 pass
-        # The peer's queue is full (or others already wait): wait our turn, in order.
+        await self._send_waiting(p, frames, False)
+
+    def _batch_add(self, p: _Peer, first: bytes) -> bool:
+        """Append to the peer's pending batch; False when it is full."""
+        n = len(first) + 3
+        if p.batch and (len(p.batch) >= self._batch_max or p.batch_bytes + n > self._batch_budget):
+            return False
+        p.batch.append(first)
+        p.batch_bytes += n
+        if not p.flush_scheduled:
+            p.flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_soon, p)
+        return True
+
+    def _flush(self, p: _Peer) -> bool:
+        """Hand the pending batch to ZeroMQ without blocking; False (batch kept) when the queue is full."""
+        batch = p.batch
+        if not batch:
+            return True
+        try:
+            p.sock.send(batch[0] if len(batch) == 1 else encode_batch(batch, self.name), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        self.stats["sent"] += len(batch)
+        if len(batch) > 1:
+            self.stats["batches"] += 1
+        p.batch = []
+        p.batch_bytes = 0
+        return True
+
+    def _flush_soon(self, p: _Peer) -> None:
+        """End of the tick: send the peer's batch, or leave it to a task that waits for room."""
+        p.flush_scheduled = False
+        if not p.batch or p.flusher is not None or self._closed or self._peers.get(p.name) is not p:
+            return
+        try:
+            if self._flush(p):
+                return
+        except zmq.ZMQError as exc:
+            self.log.error("send_failed", peer=p.name, messages=len(p.batch), error=repr(exc))
+            return
+        p.flusher = self._spawn(self._flush_waiting(p), f"flush-{p.name}")
+
+    async def _flush_waiting(self, p: _Peer) -> None:
         p.waiters += 1
         self.stats["send_waits"] += 1
         try:
             async with p.lock:
-                await p.asock.send_multipart(frames, copy=False)
-            self.stats["sent"] += 1
+                while p.batch and not self._flush(p):
+                    await p.asock.poll(flags=zmq.POLLOUT)
         finally:
             p.waiters -= 1
+            p.flusher = None
+
+    async def _send_waiting(self, p: _Peer, frames: list, batchable: bool) -> None:
+        """The peer's queue is full (or others already wait): wait our turn, in order."""
+        p.waiters += 1
+        self.stats["send_waits"] += 1
+        try:
+            async with p.lock:
+                if batchable:
+                    while not self._batch_add(p, frames[0]):
+                        while not self._flush(p):
+                            await p.asock.poll(flags=zmq.POLLOUT)
+                    return
+                # what was queued before us goes first
+                while not self._flush(p):
+                    await p.asock.poll(flags=zmq.POLLOUT)
+                await p.asock.send_multipart(frames, copy=False)
+                self.stats["sent"] += 1
+        finally:
+            p.waiters -= 1
+            # a batch left behind by a cancelled waiter must still go out
+            if p.batch and not p.flush_scheduled and not self._closed:
+                p.flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self._flush_soon, p)
 
     def _send_reply(self, ident: bytes | None, msg: Message, to: Header) -> None:
         if ident is None or self._router is None or self._closed:
@@ -434,6 +556,17 @@ class Bus:
                     ident, frames = self._recv_message(sock, True)
                 except zmq.Again:
                     break
+                if frames and is_batch(frames[0]):
+                    items = self._split_batch(ident, frames)
+                    if not items:
+                        continue
+                    # each message in the container is handled exactly as if it had arrived alone
+                    for item in items:
+                        coro = self._handle_inbound(ident, [item])
+                        if coro is not None:
+                            await slots.acquire()
+                            self._start_handler(coro)
+                    continue
                 coro = self._handle_inbound(ident, frames)
                 if coro is not None:
                     # Bounded concurrency: when max_inflight handlers run, stop reading (backpressure).
@@ -442,21 +575,34 @@ class Bus:
             else:
                 await asyncio.sleep(0)
 
+    def _split_batch(self, ident: bytes | None, frames: list) -> list[bytes]:
+        size = len(frames[0])
+        limit = max(self.max_frame_bytes, BATCH_MAX_BYTES)
+        try:
+            if size > limit:
+                raise FrameTooLarge(f"batch container is {size} bytes, over the limit of {limit}")
+            items = split_batch(frames)
+        except DecodeError as exc:
+            self._reject(exc.reason, str(exc), exc.header, ident, frames, time.time())
+            return []
+        self.stats["batches_received"] += 1
+        return items
+
     def _handle_inbound(self, ident: bytes | None, frames: list) -> tuple | None:
         """Decode and dispatch one inbound message; returns (env, coroutine) for async handlers."""
-        now = time.time()
         try:
             header, msg = decode(frames, self.max_frame_bytes)
         except DecodeError as exc:
-            self._reject(exc.reason, str(exc), exc.header, ident, frames, now)
+            self._reject(exc.reason, str(exc), exc.header, ident, frames, time.time())
             return None
-        cls = type(msg)
-        if cls is Ping:
+        if type(msg) is Ping:
             if header.wants_reply:
                 self._send_reply(ident, Pong(msg.seq), header)
             return None
         self.stats["received"] += 1
+        now = 0.0
         if self.recorder is not None:
+            now = time.time()
             self.recorder.record("in", frames, peer=header.sender, t=now)
         if header.reply_to is not None:
             self._reject("unexpected_reply", f"reply {header.kind!r} arrived on the inbound socket", header,

@@ -32,10 +32,23 @@ from typing import Any, Callable, ClassVar, TypeVar
 
 import msgpack
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Versions whose single-message layout this process reads. Version 2 added the batch container (below);
+# a version-1 frame is laid out identically, so message logs written by version 1 still decode.
+READABLE_VERSIONS = frozenset({1, 2})
+
+# A batch container: several small tensor-free messages to one peer in one ZeroMQ frame,
+#     msgpack [BATCH_TAG, SCHEMA_VERSION, sender, "", ts, None, False, [frame0, frame0, ...]]
+# where every element is one message's frame 0 exactly as it would travel alone. The receiver decodes,
+# validates, counts, logs and answers each element as if it had arrived alone. A version-1 receiver reads
+# the container's header, sees version 2 and rejects it as a schema mismatch (counted, logged).
+BATCH_TAG = "$batch"
+BATCH_MAX_MESSAGES = 64
+BATCH_MAX_BYTES = 32 << 10      # protocol cap on a container; receivers accept it whatever their frame limit
 
 __all__ = [
-    "SCHEMA_VERSION", "Message", "message", "Header", "encode", "decode", "decode_header",
+    "SCHEMA_VERSION", "READABLE_VERSIONS", "BATCH_TAG", "BATCH_MAX_MESSAGES", "BATCH_MAX_BYTES",
+    "encode_batch", "split_batch", "is_batch", "Message", "message", "Header", "encode", "decode", "decode_header",
     "registry", "kind_of", "new_message_id", "to_plain",
     "EncodeError", "DecodeError", "MalformedFrame", "UnknownKind", "SchemaMismatch", "FieldError",
     "FrameTooLarge", "TensorFrameMismatch",
@@ -102,6 +115,8 @@ def message(tag: str) -> Callable[[M], M]:
     """Class decorator: make ``cls`` a dataclass (if it is not already) and register it under ``tag``."""
     if not isinstance(tag, str) or not tag:
         raise ValueError("message tag must be a non-empty string")
+    if tag.startswith("$"):
+        raise ValueError(f"message tag {tag!r}: tags starting with '$' are reserved for the transport")
 
     def wrap(cls: M) -> M:
         if "__dataclass_fields__" not in cls.__dict__:
@@ -112,6 +127,8 @@ def message(tag: str) -> Callable[[M], M]:
         cls.KIND = tag
         _REGISTRY[tag] = cls
         _CODECS.pop(cls, None)
+        _KINDS.clear()
+        _BY_TAG.pop(tag, None)
         return cls
 
     return wrap
@@ -195,13 +212,14 @@ class _Ctx:
 
 
 class _Codec:
-    __slots__ = ("enc", "fast", "dec", "desc")
+    __slots__ = ("enc", "fast", "dec", "desc", "_item_fast")
 
     def __init__(self, enc, fast, dec, desc: str) -> None:
         self.enc = enc      # None -> identity
         self.fast = fast    # tuple of exact types accepted without conversion, or None
         self.dec = dec      # slow path: (value, path, ctx) -> value, raises FieldError
         self.desc = desc
+        self._item_fast = None  # list codecs of simple items: the items' exact types
 
 
 def _type_name(v: Any) -> str:
@@ -347,7 +365,9 @@ def _list_codec(item_t: Any) -> _Codec:
         def enc(v, ctx):
             # msgpack packs tuples as arrays; normalise so a decoded message equals the sent one
             return v if type(v) is list else list(v)
-    return _Codec(enc, None, dec, desc)
+    codec = _Codec(enc, None, dec, desc)
+    codec._item_fast = item.fast if simple_items else None
+    return codec
 
 
 def _dict_codec(val_t: Any) -> _Codec:
@@ -425,10 +445,19 @@ def _tensor_codec() -> _Codec:
     return _Codec(enc, None, dec, "tensor")
 
 
-class _ClassCodec:
-    """Per-dataclass field table, built on first use (so forward references can resolve)."""
+_MISS = object()
 
-    __slots__ = ("cls", "names", "fields", "required", "simple", "has_post_init")
+
+class _ClassCodec:
+    """Per-dataclass field table, built on first use (so forward references can resolve).
+
+    ``fast`` is a function compiled for the class that decodes a complete, well-typed body with inline
+    type tests and one positional constructor call; it returns ``_MISS`` for anything else (a missing or
+    unknown field, a value needing conversion or failing a check), and then the general path below runs
+    and raises the error naming the field. So the fast path never changes what is accepted or the error.
+    """
+
+    __slots__ = ("cls", "names", "fields", "required", "simple", "has_post_init", "fast", "keys", "encode_body")
 
     def __init__(self, cls: type) -> None:
         try:
@@ -445,13 +474,87 @@ class _ClassCodec:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 self.required.add(f.name)
         self.names = {n: c for n, c in self.fields}
+        self.keys = tuple(n for n, _ in self.fields)
         # "simple" classes (no tensors, nested dataclasses or tuple normalisation) encode as one dict build.
         self.simple = all(c.enc is None for _, c in self.fields)
+        self.fast = self._compile_fast()
+        self.encode_body = self._compile_encode() or self._encode_body
 
-    def encode_body(self, obj: Any, ctx: _Ctx) -> dict:
+    def _compile_encode(self) -> Callable | None:
+        """``enc(obj, ctx) -> body``: one dict display; values needing conversion go through their codec."""
+        if not self.fields or len(self.fields) > 200:
+            return None
+        env: dict[str, Any] = {}
+        pre: list[str] = []
+        items: list[str] = []
+        for i, (name, c) in enumerate(self.fields):
+            if c.enc is None:
+                items.append(f"{name!r}: o.{name}")
+            elif c._item_fast is not None:
+                # list of simple items: only a non-list (tuple) needs normalising
+                env[f"E{i}"] = c.enc
+                pre += [f"    v{i} = o.{name}", f"    if type(v{i}) is not list:", f"        v{i} = E{i}(v{i}, ctx)"]
+                items.append(f"{name!r}: v{i}")
+            else:
+                env[f"E{i}"] = c.enc
+                items.append(f"{name!r}: E{i}(o.{name}, ctx)")
+        src = "\n".join(["def enc(o, ctx):", *pre, f"    return {{{', '.join(items)}}}"])
+        try:
+            exec(compile(src, f"<encode {self.cls.__qualname__}>", "exec"), env)
+        except SyntaxError:  # pragma: no cover
+            return None
+        return env["enc"]
+
+    def _compile_fast(self) -> Callable | None:
+        if not self.fields or len(self.fields) > 200:
+            return None
+        env: dict[str, Any] = {"_MISS": _MISS, "cls": self.cls}
+        n = len(self.fields)
+        lines = ["def fast(body, ctx):", f"    if len(body) != {n}:", "        return _MISS", "    try:"]
+        lines += [f"        v{i} = body[{name!r}]" for i, (name, _) in enumerate(self.fields)]
+        lines += ["    except KeyError:", "        return _MISS"]
+        conds: list[str] = []
+        loops: list[str] = []
+        calls: list[str] = []
+        for i, (name, c) in enumerate(self.fields):
+            v = f"v{i}"
+            if c is _ANY_CODEC:
+                continue
+            if c.fast is not None:
+                if len(c.fast) == 1:
+                    env[f"T{i}"] = c.fast[0]
+                    conds.append(f"type({v}) is T{i}")
+                else:
+                    env[f"T{i}"] = c.fast
+                    conds.append(f"type({v}) in T{i}")
+            elif c.desc.startswith("list[") and getattr(c, "_item_fast", None) is not None:
+                item_fast = c._item_fast
+                conds.append(f"type({v}) is list")
+                if len(item_fast) == 1:
+                    env[f"I{i}"] = item_fast[0]
+                    loops += [f"    for x in {v}:", f"        if type(x) is not I{i}:", "            return _MISS"]
+                else:
+                    env[f"I{i}"] = item_fast
+                    loops += [f"    for x in {v}:", f"        if type(x) not in I{i}:", "            return _MISS"]
+            else:
+                # nested dataclass, dict, tensor, list of those: its own decoder (errors fall back, see above)
+                env[f"D{i}"] = c.dec
+                calls.append(f"    {v} = D{i}({v}, {name!r}, ctx)")
+        if conds:
+            lines += [f"    if not ({' and '.join(conds)}):", "        return _MISS"]
+        lines += loops + calls
+        # keywords, as the general path's cls(**kwargs) (a class may define its own __init__)
+        lines.append(f"    return cls({', '.join(f'{name}=v{i}' for i, (name, _) in enumerate(self.fields))})")
+        try:
+            exec(compile("\n".join(lines), f"<decode {self.cls.__qualname__}>", "exec"), env)
+        except SyntaxError:  # pragma: no cover - field names are identifiers, so this cannot happen
+            return None
+        return env["fast"]
+
+    def _encode_body(self, obj: Any, ctx: _Ctx) -> dict:
         if self.simple:
             d = obj.__dict__
-            return {n: d[n] for n, _ in self.fields}
+            return {n: d[n] for n in self.keys}
         out = {}
         for n, c in self.fields:
             v = getattr(obj, n)
@@ -461,6 +564,16 @@ class _ClassCodec:
     def decode_body(self, body: Any, path: str, ctx: _Ctx) -> Any:
         if type(body) is not dict:
             raise FieldError(f"{path or 'body'}: expected a map of fields, got {_type_name(body)}")
+        fast = self.fast
+        if fast is not None:
+            used = ctx.used
+            try:
+                msg = fast(body, ctx)
+            except Exception:
+                msg = _MISS
+            if msg is not _MISS:
+                return msg
+            ctx.used = used     # the general path below re-decodes (and names the error)
         names = self.names
         kwargs = {}
         for k, v in body.items():
@@ -481,6 +594,9 @@ class _ClassCodec:
 
 
 _CODECS: dict[type, _ClassCodec] = {}
+# tag -> codec of the registered class, filled by decode's general path (so the hot path is one lookup)
+_BY_TAG: dict[str, _ClassCodec] = {}
+_ANY_CODEC = _codec_for(Any)
 
 
 def _class_codec(cls: type) -> _ClassCodec:
@@ -505,21 +621,29 @@ def _dataclass_codec(cls: type) -> _Codec:
 _packb = msgpack.Packer(use_bin_type=True).pack
 
 
-def encode(msg: Any, sender: str = "", *, msg_id: str | None = None, reply_to: str | None = None,
-           wants_reply: bool = False, ts: float | None = None) -> list:
-    """Frames for ``msg``: the header+body frame, then one frame per tensor field (memoryviews)."""
-    cls = type(msg)
+_KINDS: dict[type, str] = {}     # classes checked encodable -> tag (cleared when a tag is registered)
+
+
+def _kind_for_encode(cls: type) -> str:
     tag = cls.__dict__.get("KIND")
     if not tag or _REGISTRY.get(tag) is not cls:
         # A module imported under two names registers its kinds twice; both copies encode the same way.
         if not tag or getattr(_REGISTRY.get(tag), "__qualname__", None) != cls.__qualname__:
             raise EncodeError(f"{cls.__qualname__} is not a registered message kind (decorate it with @message)")
+    _KINDS[cls] = tag
+    return tag
+
+
+def encode(msg: Any, sender: str = "", *, msg_id: str | None = None, reply_to: str | None = None,
+           wants_reply: bool = False, ts: float | None = None) -> list:
+    """Frames for ``msg``: the header+body frame, then one frame per tensor field (memoryviews)."""
+    cls = type(msg)
+    tag = _KINDS.get(cls) or _kind_for_encode(cls)
     codec = _CODECS.get(cls) or _class_codec(cls)
     frames: list = [b""]
-    ctx = _Ctx(frames)
-    body = codec.encode_body(msg, ctx)
-    head = [tag, SCHEMA_VERSION, sender, msg_id or new_message_id(), time.time() if ts is None else ts,
-            reply_to, wants_reply, body]
+    body = codec.encode_body(msg, _Ctx(frames))
+    head = [tag, SCHEMA_VERSION, sender, msg_id or f"{_ID_PREFIX}{next(_ID_COUNTER):x}",
+            time.time() if ts is None else ts, reply_to, wants_reply, body]
     try:
         frames[0] = _packb(head)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -552,12 +676,12 @@ def _frame_len(frame: Any) -> int:
     return memoryview(frame).nbytes
 
 
-def decode_header(frames: list) -> tuple[Header, Any]:
-    """Parse frame 0 into a Header and the raw body; raises MalformedFrame/SchemaMismatch/UnknownKind."""
-    if not frames:
-        raise MalformedFrame("empty message: no frames")
+_unpackb = msgpack.unpackb     # defaults: raw=False, strict_map_key=True
+
+
+def _parse_header(data: Any) -> tuple[Header, Any]:
     try:
-        head = msgpack.unpackb(_as_bytes(frames[0]), raw=False, strict_map_key=True)
+        head = _unpackb(data)
     except Exception as exc:
         raise MalformedFrame(f"frame 0 is not valid msgpack: {exc}") from None
     if type(head) is not list or len(head) != 8:
@@ -577,10 +701,17 @@ def decode_header(frames: list) -> tuple[Header, Any]:
             if not ok:
                 raise MalformedFrame(f"header field {name!r} has wrong type {_type_name(value)}")
     header = Header(tag, version, sender, mid, ts, reply_to, wants_reply)
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise SchemaMismatch(f"schema version {version} from {sender!r}, this process speaks {SCHEMA_VERSION}",
                              header)
     return header, body
+
+
+def decode_header(frames: list) -> tuple[Header, Any]:
+    """Parse frame 0 into a Header and the raw body; raises MalformedFrame/SchemaMismatch/UnknownKind."""
+    if not frames:
+        raise MalformedFrame("empty message: no frames")
+    return _parse_header(_as_bytes(frames[0]))
 
 
 def decode(frames: list, max_frame_bytes: int | None = None) -> tuple[Header, Any]:
@@ -588,11 +719,37 @@ def decode(frames: list, max_frame_bytes: int | None = None) -> tuple[Header, An
 
     ``frames`` may be bytes or zmq.Frame objects; tensor fields alias the frames' memory (zero-copy).
     """
-    if max_frame_bytes is not None and frames and _frame_len(frames[0]) > max_frame_bytes:
-        raise FrameTooLarge(f"frame 0 is {_frame_len(frames[0])} bytes, over the limit of {max_frame_bytes}")
-    header, body = decode_header(frames)
+    if not frames:
+        raise MalformedFrame("empty message: no frames")
+    first = frames[0]
+    if type(first) is not bytes:
+        first = _as_bytes(first)
+    if max_frame_bytes is not None and len(first) > max_frame_bytes:
+        raise FrameTooLarge(f"frame 0 is {len(first)} bytes, over the limit of {max_frame_bytes}")
+    # Hot path, inlined: a well-formed single-frame message of a kind whose compiled decoder accepts the
+    # body. Anything else (or any doubt) takes the general path below, which names the error.
+    if len(frames) == 1:
+        try:
+            head = _unpackb(first)
+        except Exception as exc:
+            raise MalformedFrame(f"frame 0 is not valid msgpack: {exc}") from None
+        if type(head) is list and len(head) == 8:
+            tag, version, sender, mid, ts, reply_to, wants_reply, body = head
+            codec = _BY_TAG.get(tag) if type(tag) is str else None
+            if (codec is not None and codec.fast is not None and type(body) is dict and type(version) is int
+                    and version in READABLE_VERSIONS and type(sender) is str and type(mid) is str
+                    and (type(ts) is float or type(ts) is int) and type(wants_reply) is bool
+                    and (reply_to is None or type(reply_to) is str)):
+                ctx = _Ctx(frames)
+                try:
+                    msg = codec.fast(body, ctx)
+                except Exception:
+                    msg = _MISS
+                if msg is not _MISS and ctx.used == 0:
+                    return Header(tag, version, sender, mid, ts, reply_to, wants_reply), msg
+    header, body = _parse_header(first)
     try:
-        if max_frame_bytes is not None:
+        if max_frame_bytes is not None and len(frames) > 1:
             for i, f in enumerate(frames[1:], 1):
                 n = _frame_len(f)
                 if n > max_frame_bytes:
@@ -605,6 +762,7 @@ def decode(frames: list, max_frame_bytes: int | None = None) -> tuple[Header, An
         if ctx.used != len(frames) - 1:
             raise TensorFrameMismatch(f"{header.kind}: {len(frames) - 1} extra frames but "
                                       f"{ctx.used} tensor fields reference them")
+        _BY_TAG[header.kind] = _CODECS[cls]
         return header, msg
     except DecodeError as exc:
         exc.header = header
@@ -612,6 +770,42 @@ def decode(frames: list, max_frame_bytes: int | None = None) -> tuple[Header, An
     except TypeError as exc:
         # e.g. a dataclass __post_init__ rejecting a value
         raise FieldError(f"{header.kind}: {exc}", header) from None
+
+
+# ------------------------------------------------------------------------------------------- batches
+
+_BATCH_PREFIX = b"\x98" + msgpack.packb(BATCH_TAG)     # fixarray(8), then the tag as a msgpack str
+
+
+def is_batch(frame: Any) -> bool:
+    """True when ``frame`` (a frame 0) is a batch container (cheap: a prefix test)."""
+    return type(frame) is bytes and frame.startswith(_BATCH_PREFIX)
+
+
+def encode_batch(firsts: list[bytes], sender: str = "") -> bytes:
+    """One container frame carrying ``firsts`` (each a tensor-free message's frame 0 from :func:`encode`)."""
+    return _packb([BATCH_TAG, SCHEMA_VERSION, sender, "", time.time(), None, False, firsts])
+
+
+def split_batch(frames: list) -> list[bytes]:
+    """The messages (frame 0 each) inside a batch container; raises MalformedFrame / SchemaMismatch."""
+    if len(frames) != 1:
+        raise MalformedFrame(f"a batch container is one frame, got {len(frames)}")
+    header, body = _parse_header(_as_bytes(frames[0]))
+    if header.kind != BATCH_TAG:
+        raise MalformedFrame(f"not a batch container: kind {header.kind!r}", header)
+    if header.version != SCHEMA_VERSION:
+        raise SchemaMismatch(f"batch container of schema version {header.version} from {header.sender!r}, "
+                             f"this process speaks {SCHEMA_VERSION}", header)
+    if type(body) is not list or not body or len(body) > BATCH_MAX_MESSAGES:
+        raise MalformedFrame(f"batch container from {header.sender!r}: body must be a list of 1 to "
+                             f"{BATCH_MAX_MESSAGES} messages, got {_type_name(body)}"
+                             + (f" of length {len(body)}" if isinstance(body, list) else ""), header)
+    for i, item in enumerate(body):
+        if type(item) is not bytes:
+            raise MalformedFrame(f"batch container from {header.sender!r}: element {i} is "
+                                 f"{_type_name(item)}, expected bytes", header)
+    return body
 
 
 def to_plain(value: Any) -> Any:

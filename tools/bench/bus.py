@@ -6,7 +6,9 @@ same machine load:
 
   small  ~100 bytes of fields per message. raw: msgpack.packb(dict) / recv_multipart + unpackb on plain
          blocking sockets. ours: ``await bus.send(peer, Small(...))`` -> decoded, validated and dispatched
-         to a handler. Rate measured at the receiver from the first to the last message.
+         to a handler, one by one (the bus coalesces the sends of one event-loop tick into one ZeroMQ
+         message; the raw side sends one ZeroMQ message per payload, as a plain pyzmq program would).
+         Rate measured at the receiver from the first to the last message.
   bulk   one 64 MiB float32 tensor per message. raw: send_multipart([header, memoryview], copy=False) /
          recv_multipart(copy=False). ours: a message with a torch.Tensor field (zero-copy both ways, the
          receiver gets a torch tensor). Bandwidth in GB/s (1e9 bytes).
@@ -14,7 +16,8 @@ same machine load:
          DEALER/ROUTER ping-pong for reference.
 
 JSON keys: small_ratio, bulk_ratio, ours_msgs_per_s, raw_msgs_per_s, ours_bulk_gb_per_s,
-raw_bulk_gb_per_s, rtt_p50_us, rtt_p99_us, raw_rtt_p50_us, raw_rtt_p99_us, plus the parameters.
+raw_bulk_gb_per_s, rtt_p50_us, rtt_p99_us, raw_rtt_p50_us, raw_rtt_p99_us, the per-run rates and the
+ratio of each alternating pair (small_pair_ratios, bulk_pair_ratios), plus the parameters.
 """
 from __future__ import annotations
 
@@ -141,7 +144,7 @@ def _rx(mode: str, endpoint: str, n: int, ready: Any, results: Any, done: Any) -
 
 # -------------------------------------------------------------------------------------------- senders
 
-def _tx(mode: str, endpoint: str, n: int, results: Any, done: Any) -> None:
+def _tx(mode: str, endpoint: str, n: int, results: Any, done: Any, coalesce: bool = True) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if mode.startswith("raw"):
         import msgpack
@@ -183,7 +186,8 @@ def _tx(mode: str, endpoint: str, n: int, results: Any, done: Any) -> None:
     from transport.bus import Bus
 
     async def main() -> None:
-        bus = await Bus("tx", "tcp://127.0.0.1:*", {"rx": endpoint}, hwm=HWM, heartbeat_interval=None).start()
+        bus = await Bus("tx", "tcp://127.0.0.1:*", {"rx": endpoint}, hwm=HWM, heartbeat_interval=None,
+                        coalesce=coalesce).start()
         if mode == "ours_small":
             for _ in range(n):
                 await bus.send("rx", Small(**SMALL_FIELDS))
@@ -206,7 +210,7 @@ def _tx(mode: str, endpoint: str, n: int, results: Any, done: Any) -> None:
     uvloop.run(main())
 
 
-def _run_case(mode: str, n: int) -> dict[str, Any]:
+def _run_case(mode: str, n: int, coalesce: bool = True) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     ready, done = ctx.Event(), ctx.Event()
     results = ctx.Queue()
@@ -215,7 +219,7 @@ def _run_case(mode: str, n: int) -> dict[str, Any]:
     rx.start()
     if not ready.wait(60):
         raise RuntimeError(f"{mode}: receiver did not start")
-    tx = ctx.Process(target=_tx, args=(mode, endpoint, n, results, done), daemon=True)
+    tx = ctx.Process(target=_tx, args=(mode, endpoint, n, results, done, coalesce), daemon=True)
     tx.start()
     out: dict[str, Any] = {}
     wanted = 2 if mode.endswith("rtt") else 1
@@ -250,10 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bulk-n", type=int, default=24, help="64 MiB messages per run")
     ap.add_argument("--rtt-n", type=int, default=5_000, help="request/reply round trips")
     ap.add_argument("--repeat", type=int, default=3, help="alternating raw/ours runs per case (median)")
+    ap.add_argument("--no-coalesce", action="store_true",
+                    help="our sender hands every message to ZeroMQ on its own (the per-message cost of the typed layer)")
     args = ap.parse_args(argv)
 
     def rates(mode: str, n: int, unit: float) -> float:
-        return (n - 1) * unit / _run_case(mode, n)[mode]
+        return (n - 1) * unit / _run_case(mode, n, coalesce=not args.no_coalesce)[mode]
 
     small = {"raw": [], "ours": []}
     bulk = {"raw": [], "ours": []}
@@ -274,8 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         "raw_rtt_p50_us": round(_pct(raw_rtt, 0.5), 1), "raw_rtt_p99_us": round(_pct(raw_rtt, 0.99), 1),
         "small_runs": {k: [round(x) for x in v] for k, v in small.items()},
         "bulk_runs": {k: [round(x, 3) for x in v] for k, v in bulk.items()},
+        "small_pair_ratios": [round(o / r, 3) for o, r in zip(small["ours"], small["raw"])],
+        "bulk_pair_ratios": [round(o / r, 3) for o, r in zip(bulk["ours"], bulk["raw"])],
         "small_n": args.small_n, "bulk_n": args.bulk_n, "bulk_bytes": BULK_BYTES, "rtt_n": args.rtt_n,
-        "repeat": args.repeat, "cpus": len(os.sched_getaffinity(0)), "transport": "tcp loopback",
+        "repeat": args.repeat, "coalesce": not args.no_coalesce, "cpus": len(os.sched_getaffinity(0)), "transport": "tcp loopback",
     }
     if args.json:
         print(json.dumps(result))
