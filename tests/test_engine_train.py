@@ -154,3 +154,20 @@ def test_checkpoint_resumes_exactly_and_loads_in_transformers(tmp_path):
     os.remove(tmp_path / "trainer_state.pt")
     with pytest.raises(CheckpointError, match="no trainer_state.pt"):
         b.load(str(tmp_path))
+
+
+def test_checkpoints_keep_the_tokenizer_after_the_start_directory_is_gone(tmp_path):
+    # A resumed run starts from a checkpoint that checkpoint rotation later deletes; every checkpoint written
+    # after that must still carry the tokenizer (the final evaluation and the rollouts load it from there).
+    from actors.engines.checkpoint import save_model
+    start = tmp_path / "start"
+    save_model(tiny_model(seed=0), str(start))
+    (start / "tokenizer.json").write_text('{"stand-in": true}')
+    (start / "generation_config.json").write_text('{"eos_token_id": 1}')
+    e = TorchTrainEngine(str(start), TrainConfig())
+    for f in start.iterdir():
+        f.unlink()
+    start.rmdir()
+    e.save(str(tmp_path / "later"))
+    assert (tmp_path / "later" / "tokenizer.json").read_text() == '{"stand-in": true}'
+    assert (tmp_path / "later" / "generation_config.json").read_text() == '{"eos_token_id": 1}'

@@ -187,3 +187,12 @@ def test_keep_last_stops_when_accuracy_stops_changing_and_keeps_the_final_weight
     assert summary["kept_accuracy"] == accs[-1]
     with pytest.raises(sft.SFTError, match="--keep"):
         config(tiny, tmp_path / "x", keep="worst").check()
+
+
+def test_max_seconds_stops_on_time_and_saves_the_weights(tiny, tmp_path):
+    # Any step takes longer than a nanosecond: the budget is spent after the first step, whatever the machine.
+    summary = sft.run_sft(config(tiny, tmp_path / "out", steps=50, max_seconds=1e-9), lambda _: None)
+    assert summary["stop_reason"] == "time" and summary["steps"] == 1
+    load_model(str(tmp_path / "out"))
+    with pytest.raises(sft.SFTError, match="--max-seconds must be > 0"):
+        sft.run_sft(config(tiny, tmp_path / "bad", max_seconds=0), lambda _: None)

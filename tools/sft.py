@@ -88,6 +88,7 @@ class SFTConfig:
     keep: Literal["best", "last"] = "best"
     patience: int = 3                        # evaluations without enough improvement before stopping
     min_delta: float = 0.005                 # accuracy gain (fraction) that counts as an improvement
+    max_seconds: float | None = None         # stop after this much training wall time (held-out evaluations excluded)
     log_every: int = 10
 
     def check(self) -> None:
@@ -110,6 +111,8 @@ class SFTConfig:
             raise SFTError("--eval-data and --eval-every go together")
         if self.keep not in ("best", "last"):
             raise SFTError(f"--keep must be best or last, got {self.keep!r}")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise SFTError(f"--max-seconds must be > 0, got {self.max_seconds}")
         if self.until_plateau and not self.eval_data:
             raise SFTError("--until-plateau needs --eval-data and --eval-every")
 
@@ -193,9 +196,8 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any
                             grad_clip=cfg.grad_clip, schedule=cfg.schedule,
                             warmup_steps=warmup, total_steps=steps, min_lr_ratio=cfg.min_lr_ratio,
                             device=cfg.device, seed=cfg.seed)
-    engine = TorchTrainEngine(model=model, config=train_cfg)
-    # The checkpoint is a complete model directory: save() copies the tokenizer files from here.
-    engine.model_dir = cfg.model
+    # The checkpoint is a complete model directory: it carries the tokenizer files of cfg.model.
+    engine = TorchTrainEngine(model=model, config=train_cfg, tokenizer_dir=cfg.model)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / METRICS_FILE
@@ -251,6 +253,7 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any
         # Continuing from weights: they are the baseline a kept checkpoint must beat.
         if cfg.eval_every and not initialised:
             held_out(0)
+        t_loop = time.perf_counter()
         for step in range(1, steps + 1):
             chosen = [examples[i] for i in next(batches)]
             t0 = time.perf_counter()
@@ -279,6 +282,10 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any
                     log(f"sft: held-out accuracy has not improved by more than {100 * cfg.min_delta:.2f} points "
                         f"for {cfg.patience} evaluations: stopping at step {step}")
                     break
+            if cfg.max_seconds is not None and time.perf_counter() - t_loop - eval_seconds >= cfg.max_seconds:
+                stop_reason = "time"
+                log(f"sft: {cfg.max_seconds:.1f} s of training done (--max-seconds): stopping at step {step}")
+                break
         steps_done = engine.step
     if not cfg.eval_every or cfg.keep == "last":
         engine.save(str(out))
@@ -343,6 +350,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[SFTConfig, bool]:
                          "stops changing")
     ap.add_argument("--patience", type=int, default=3, help="evaluations without improvement before stopping")
     ap.add_argument("--min-delta", type=float, default=0.005, help="accuracy gain (fraction) that counts")
+    ap.add_argument("--max-seconds", type=float, help="stop after this much training wall time "
+                                                      "(evaluations excluded); --steps stays the upper bound")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--json", action="store_true", help="progress to stderr, one JSON summary line to stdout")
     args = ap.parse_args(argv)

@@ -19,6 +19,7 @@ from .model import ConfigError, Qwen2Config, Qwen2ForCausalLM, dtype_from_name
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
 
 class CheckpointError(ValueError):
@@ -175,5 +176,24 @@ def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> I
         yield bucket
 
 
+def read_tokenizer_files(model_dir: str) -> dict[str, bytes]:
+    """The tokenizer files of ``model_dir``, read once so that every checkpoint a trainer writes carries them,
+    even after the directory it started from is gone (a resumed run's start checkpoint is rotated away)."""
+    files = {}
+    for name in TOKENIZER_FILES:
+        path = os.path.join(model_dir, name)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                files[name] = f.read()
+    return files
+
+
+def write_tokenizer_files(files: dict[str, bytes], out_dir: str) -> None:
+    for name, data in files.items():
+        with open(os.path.join(out_dir, name), "wb") as f:
+            f.write(data)
+
+
 __all__ = ["CheckpointError", "ConfigError", "load_config", "load_model", "save_model", "hf_state_dict",
-           "assign_weights", "iter_checkpoint_tensors", "bucketize"]
+           "assign_weights", "iter_checkpoint_tensors", "bucketize", "TOKENIZER_FILES", "read_tokenizer_files",
+           "write_tokenizer_files"]

@@ -37,7 +37,6 @@ import datetime
 import json
 import os
 import random
-import shutil
 import socket
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -50,7 +49,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .base import EngineError, LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine, WeightBucket
-from .checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError, _weight_files, load_config)
+from .checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError, _weight_files, load_config,
+                         read_tokenizer_files, write_tokenizer_files)
 from .model import Qwen2Config
 from .torch_train import TrainConfig
 
@@ -73,7 +73,6 @@ except ImportError as _e:  # pragma: no cover - exercised where megatron-core is
     MegatronModule = torch.nn.Module  # type: ignore[misc,assignment]
 
 TRAINER_STATE = "trainer_state.pt"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
 
 class MegatronUnavailableError(EngineError):
@@ -418,6 +417,7 @@ class MegatronTrainEngine(TrainEngine):
         _require_megatron()
         self.config = config or MegatronConfig()
         self.model_dir = model_dir
+        self._tokenizer_files = read_tokenizer_files(model_dir)
         self.device = torch.device(self.config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -750,10 +750,7 @@ class MegatronTrainEngine(TrainEngine):
             config["torch_dtype"] = "bfloat16" if self.config.bf16 else "float32"
             with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
                 json.dump(config, f, indent=2)
-            for name in _TOKENIZER_FILES:
-                src = os.path.join(self.model_dir, name)
-                if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, name)):
-                    shutil.copyfile(src, os.path.join(path, name))
+            write_tokenizer_files(self._tokenizer_files, path)
             state = {"step": self.step, "initial_version": self._initial_version, "layout": self._layout(),
                      "config": dataclasses.asdict(self.config),
                      "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),

@@ -15,7 +15,6 @@ import dataclasses
 import math
 import os
 import random
-import shutil
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -23,12 +22,12 @@ import numpy as np
 import torch
 
 from .base import LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine, WeightBucket
-from .checkpoint import CheckpointError, assign_weights, bucketize, hf_state_dict, load_model, save_model
+from .checkpoint import (CheckpointError, assign_weights, bucketize, hf_state_dict, load_model, read_tokenizer_files,
+                         save_model, write_tokenizer_files)
 from .model import PackedAttn, Qwen2ForCausalLM, token_logprobs
 
 TRAINER_STATE = "trainer_state.pt"
 # Files of a model directory that travel with a checkpoint so it is a complete model directory.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
 
 @dataclasses.dataclass
@@ -71,12 +70,15 @@ class TorchTrainEngine(TrainEngine):
     """Embedded `TrainEngine` on one torch device."""
 
     def __init__(self, model_dir: str | None = None, config: TrainConfig | None = None, *,
-                 model: Qwen2ForCausalLM | None = None, version: int = 0) -> None:
+                 model: Qwen2ForCausalLM | None = None, version: int = 0, tokenizer_dir: str | None = None) -> None:
+        """``tokenizer_dir`` (default ``model_dir``): whose tokenizer files every saved checkpoint carries."""
         if (model_dir is None) == (model is None):
             raise ValueError("TorchTrainEngine needs exactly one of model_dir or model")
         self.config = config or TrainConfig()
         torch.manual_seed(self.config.seed)
         self.model_dir = model_dir
+        tokenizer_dir = tokenizer_dir or model_dir
+        self._tokenizer_files = read_tokenizer_files(tokenizer_dir) if tokenizer_dir else {}
         self.model = (model if model is not None else load_model(model_dir)).to(self.config.device).float()
         self.model.train()
         self.device = torch.device(self.config.device)
@@ -188,11 +190,7 @@ class TorchTrainEngine(TrainEngine):
 
     def save(self, path: str) -> None:
         save_model(self.model, path)
-        if self.model_dir:
-            for name in _TOKENIZER_FILES:
-                src = os.path.join(self.model_dir, name)
-                if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(os.path.join(path, name)):
-                    shutil.copyfile(src, os.path.join(path, name))
+        write_tokenizer_files(self._tokenizer_files, path)
         state = {
             "step": self.step, "initial_version": self._initial_version,
             "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
