@@ -9,12 +9,15 @@ number of training steps (so the same number of trained samples):
               placement: the seeds' comparison, generation and training taking turns
   colocated   synchronous again, but each phase gets every core (rollouts and trainer both on cores
               0-1 with 2 threads): the best a synchronous user gets from this machine
+  sft         the control: no RL, the warm start's last supervised stage continued from the same
+              checkpoint for the async run's wall time (`python -m tools.sft --max-seconds`, both cores),
+              then the same held-out evaluation; RL must beat it
 
 Each run goes through `python -m tools.up topology/local.yaml`; the figures come from the run's own
 summary.json (held-out greedy accuracy of the final checkpoint; tokens trained and wall time from the
 trainer's metrics, actor start-up excluded). Printed as a table; `--json` prints one object with
 throughput_ratio (async / sync), colocated_ratio (async / colocated), time_ratio (sync / async wall
-time) and the accuracies.
+time), the accuracies, and with the control sft_accuracy and rl_over_sft_points.
 """
 from __future__ import annotations
 
@@ -56,13 +59,50 @@ def run_mode(mode: str, steps: int, extra: list[str], out: Path, log: Any) -> di
     return summary
 
 
+def run_sft_control(async_run: dict[str, Any], extra: list[str], out: Path, log: Any) -> dict[str, Any]:
+    """Continue the warm start's last supervised stage from the RL run's start checkpoint for its wall time."""
+    from tools import topology
+    from tools.eval import evaluate
+
+    experiment = topology.load(ROOT / TOPOLOGY, extra).topology.experiment
+    stages = ((experiment.get("prepare") or {}).get("warm_start") or {}).get("stages") or []
+    if not stages:
+        raise RuntimeError("sft control: the config has no prepare.warm_start.stages to continue")
+    stage = stages[-1]
+    # the stage's optimisation settings, without its stopping rule: the control stops on time only
+    args = {k: v for k, v in (stage.get("args") or {}).items()
+            if k not in ("steps", "epochs", "until_plateau", "keep", "patience", "min_delta", "eval_every")}
+    args["warmup_steps"] = 0
+    seconds = async_run["wall_seconds"]
+    control = out / "sft"
+    cmd = [sys.executable, "-m", "tools.sft", "--model", async_run["start_model"],
+           "--data", str(Path(stage["data"]) / "train.jsonl"), "--out", str(control),
+           "--steps", "1000000", "--max-seconds", f"{seconds:.1f}", "--json"]
+    for k, v in args.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    log(f"bench e2e: sft: {' '.join(cmd[2:])}")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"sft control failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    sft = json.loads(proc.stdout.strip().splitlines()[-1])
+    ev = experiment.get("eval") or {}
+    report = evaluate(str(control), str(ROOT / (experiment.get("data") or {})["test"]), samples=None,
+                      max_per_level=ev.get("max_per_level"),
+                      max_new_tokens=int((experiment.get("gen") or {}).get("max_new_tokens", 64)))
+    return {"steps": sft["steps"], "tokens_trained": sft["tokens"], "wall_seconds": sft["seconds"],
+            "effective_throughput": sft["tokens_per_s"], "staleness_max": 0,
+            "greedy_accuracy": {"start": async_run["greedy_accuracy"].get("start"),
+                                "final": report["overall"]["greedy_accuracy"]},
+            "run_dir": str(control)}
+
+
 def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     a, s, c = results["async"], results["sync"], results["colocated"]
 
     def acc(r: dict[str, Any]) -> float:
         return r["greedy_accuracy"]["final"]
 
-    return {
+    out = {
         "throughput_ratio": a["effective_throughput"] / s["effective_throughput"],
         "colocated_ratio": a["effective_throughput"] / c["effective_throughput"],
         "time_ratio": s["wall_seconds"] / a["wall_seconds"],
@@ -72,27 +112,41 @@ def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         **{f"{m}_{k}": r[k] for m, r in results.items()
            for k in ("effective_throughput", "wall_seconds", "tokens_trained", "staleness_max")},
     }
+    return out
+
+
+def compare_control(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    rl, sft = results["async"]["greedy_accuracy"], results["sft"]["greedy_accuracy"]
+    return {"async_accuracy": rl["final"], "sft_accuracy": sft["final"], "start_accuracy": rl.get("start"),
+            "rl_over_sft_points": 100 * (rl["final"] - sft["final"])}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench e2e", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
-    ap.add_argument("--modes", default="async,sync,colocated", help="comma list of runs (default all three)")
+    ap.add_argument("--modes", default="async,sync,colocated,sft",
+                    help="comma list of runs (default all: async,sync,colocated,sft; sft needs async)")
     ap.add_argument("--out", default=None, help="folder for the three run directories (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every run")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in MODES and m != "sft"]
     if unknown:
-        ap.error(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
+        ap.error(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}, sft")
+    if "sft" in modes and "async" not in modes:
+        ap.error("the sft control runs for the async run's wall time: add async to --modes")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     # The first run prepares the shared data and warm start; the others reuse them (tools/prepare.py).
-    results = {m: run_mode(m, args.steps, args.overrides, out, log) for m in modes}
+    results = {m: run_mode(m, args.steps, args.overrides, out, log) for m in modes if m in MODES}
+    if "sft" in modes:
+        results["sft"] = run_sft_control(results["async"], args.overrides, out, log)
     report: dict[str, Any] = {"steps": args.steps, "runs": results}
     if set(MODES) <= set(results):
         report.update(compare(results))
+    if "sft" in results:
+        report.update(compare_control(results))
     if args.json:
         print(json.dumps(report, default=str))
         return 0
@@ -108,5 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"throughput async/sync {report['throughput_ratio']:.2f}x, async/colocated "
               f"{report['colocated_ratio']:.2f}x, wall time sync/async {report['time_ratio']:.2f}x, "
               f"accuracy async - best sync {report['accuracy_gap_points']:+.1f} points")
+    if "rl_over_sft_points" in report:
+        print(f"held-out accuracy: async RL {100 * report['async_accuracy']:.1f}% vs SFT continued for the same "
+              f"wall time {100 * report['sft_accuracy']:.1f}% ({report['rl_over_sft_points']:+.1f} points; "
+              f"start {100 * (report['start_accuracy'] or 0):.1f}%)")
     print(f"run directories under {out}")
     return 0
