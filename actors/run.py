@@ -3,7 +3,8 @@
 Order matters: the spec's ``env`` is applied to os.environ and AREAL_CPU_AFFINITY ("0,1": core ids) is
 applied with os.sched_setaffinity before anything imports torch, so thread pools size themselves to the
 pinned cores (OMP_NUM_THREADS comes from the same env). Then the actor class is imported, checked to be an
-Actor subclass, and run under uvloop. The exit code is the actor's (0 after a clean stop).
+Actor subclass, and run under uvloop. The exit code is the actor's (0 after a clean stop), given with
+os._exit (see exit_now).
 """
 from __future__ import annotations
 
@@ -80,5 +81,15 @@ def main(argv: list[str] | None = None) -> int:
     return int(uvloop.run(actor.run()) or 0)
 
 
+def exit_now(code: int) -> None:
+    """Leave without interpreter teardown once the actor has stopped (logs flushed, bus closed). A bulk-link
+    rendezvous still blocked in a daemon thread (a peer that never came) would otherwise be destroyed by
+    C++ static teardown, which aborts ("terminate called without an active exception"): the supervisor
+    would see a crash instead of the actor's own exit code, and restart it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

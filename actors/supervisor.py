@@ -86,7 +86,10 @@ class Supervisor:
                  stop_timeout: float = 30.0,
                  on_restart: Callable[[str, int, int | None], Any] | None = None,
                  on_giveup: Callable[[str, str], Any] | None = None,
+                 run_over: Callable[[], bool] | None = None,
                  log: Any = None) -> None:
+        """``run_over``: when it returns True, an actor that exits is finished whatever its exit code (the
+        run's work is done; a restart would wait forever for peers that have already left)."""
         names = [s.name for s in specs]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -101,6 +104,7 @@ class Supervisor:
         self.stop_timeout = stop_timeout
         self.on_restart = on_restart
         self.on_giveup = on_giveup
+        self.run_over = run_over
         self.log = log if log is not None else structlog.get_logger("actors.supervisor")
         self.children = {s.name: _Child(s) for s in specs}
         self.restarts: Counter[str] = Counter()
@@ -235,6 +239,11 @@ class Supervisor:
                 if code == 0:
                     child.finished = True
                     self.log.info("actor_finished", actor=name)
+                    return
+                if self.run_over is not None and self.run_over():
+                    child.finished = True
+                    self.log.warning("actor_exited_after_run_end", actor=name, exit_code=code,
+                                     last_lines=self._last_lines(name))
                     return
                 now = time.monotonic()
                 while child.restart_times and now - child.restart_times[0] > self.restart_window:

@@ -131,6 +131,23 @@ def test_restart_after_crash_with_backoff_and_report(tmp_path: Any) -> None:
     run(main())
 
 
+def test_an_actor_that_crashes_after_the_run_is_over_is_not_restarted(tmp_path: Any) -> None:
+    async def main() -> None:
+        over = [False]
+        sup = Supervisor([spec(tmp_path, "w")], tmp_path, backoff_initial=0.05, run_over=lambda: over[0])
+        await sup.start()
+        client = await client_for(tmp_path, "w")
+        await client.request("w", InfoRequest(), timeout=10)
+        over[0] = True          # e.g. the trainer wrote FINISHED; the actor then dies on its way out
+        await client.send("w", Crash("exit"))
+        await until(lambda: sup.children["w"].finished)
+        assert sup.restarts["w"] == 0 and sup.children["w"].last_exit == 5
+        await sup.stop()
+        await client.close()
+
+    run(main())
+
+
 def test_gives_up_after_restart_limit_with_clear_message(tmp_path: Any) -> None:
     async def main() -> None:
         given_up: list[str] = []

@@ -365,7 +365,9 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig.name)
-    sup = Supervisor([ActorSpec.from_dict(s) for s in specs], run_dir, **options)
+    from actors.recovery import run_finished
+    sup = Supervisor([ActorSpec.from_dict(s) for s in specs], run_dir, run_over=lambda: run_finished(run_dir),
+                     **options)
     view = ProgressView(title, progress)
     t0 = time.monotonic()
     outcome, code = "finished", EXIT_OK
