@@ -103,6 +103,8 @@ class BufferActor(Actor):
         self.ready: deque[tuple[Key, ScoredGroup]] = deque()
         self.attempts = 0
         self.stats = BufferStats()
+        self.rollout_clocks: dict[str, tuple[float, float]] = {}    # latest (busy, up) seconds per rollout
+        self.clocks_at_batch: dict[str, tuple[float, float]] = {}   # the same at the previous batch
         self.batches_served = 0
         self.finished = False
         self.ledger_path = self.run_dir / "buffer" / "ledger.jsonl"
@@ -222,6 +224,8 @@ class BufferActor(Actor):
         if f is None:  # a late answer to a group already re-issued elsewhere: the re-issue wins
             self.counters["late_groups"] += 1
             return
+        if msg.up_seconds > 0:
+            self.rollout_clocks[msg.rollout] = (msg.busy_seconds, msg.up_seconds)
         rewards = [s.reward for s in msg.samples]
         if self.dynamic_sampling and len(set(rewards)) <= 1:
             self.gate.finish(accepted=False)  # no learning signal: drop it, its slot is refilled
@@ -281,7 +285,20 @@ class BufferActor(Actor):
         self.stats.depth = len(self.ready)
         self.stats.running = self.gate.running
         self.stats.accepted = self.gate.accepted
+        self.stats.rollout_utilisation = self._rollout_utilisation()
         return Batch(step=msg.step, groups=[g for _, g in taken], stats=BufferStats(**vars(self.stats)))
+
+    def _rollout_utilisation(self) -> float:
+        """Time the rollouts had work in hand over time they were up, since the previous batch (-1: no data).
+        A restarted rollout's clocks start again from zero; its new clocks count from there."""
+        busy = up = 0.0
+        for name, (b, u) in self.rollout_clocks.items():
+            b0, u0 = self.clocks_at_batch.get(name, (0.0, 0.0))
+            if u < u0:
+                b0 = u0 = 0.0
+            busy, up = busy + b - b0, up + u - u0
+        self.clocks_at_batch = dict(self.rollout_clocks)
+        return busy / up if up > 0 else -1.0
 
     def _ledger(self, record: dict[str, Any]) -> None:
         with open(self.ledger_path, "a") as f:

@@ -23,6 +23,13 @@ At start the server holds the start weights (:func:`actors.recovery.start_weight
 starts late or restarts is brought to the current version even before the trainer publishes anything new.
 :class:`WeightsStatusRequest` (this module) reports the per-rollout state and can wait for a version.
 
+Direct weights (GPU topologies: one link of ``[trainer.0, rollout]``, the parameter server in none). The
+trainer keeps its last two exported versions and is rank 0 of the rollouts' link; this server holds no
+weights and runs the same pusher, but forms the group by sending :class:`LinkReform` to the trainer as a
+request too, and has the trainer broadcast (:class:`WeightsBroadcast`) instead of broadcasting itself. The
+rollouts cannot tell the difference. The start version's hash is not known here (nothing is loaded), so a
+rollout at the start version counts as up to date, as in the relay mode.
+
 Settings (all optional): ``train_link`` (default "train_to_ps"), ``rollout_link`` (default
 "ps_to_rollout"), ``ack_timeout_s`` (default 120), ``retry_s`` (default 2), ``bucket_bytes`` for the start
 weights (default 64 MiB), ``model.dtype`` (the dtype the start weights are held in, as the rollouts load them).
@@ -41,14 +48,14 @@ from actors.engines.checkpoint import bucketize, iter_checkpoint_tensors
 from actors.recovery import start_weights
 from actors.rollout import in_thread, link_config
 from actors.weights import weights_hash
-from transport.bulk import BulkError, BulkLink, LinkConfig, PackedBucket, pack_bucket
+from transport.bulk import BulkError, BulkLink, PackedBucket, pack_bucket
 from transport.bus import BusError
 from transport.messages import Message, message
-from transport.protocol import (LinkReform, RolloutHello, RunFinished, WeightsAck, WeightsPublished, WeightsReady,
-                                WeightsStored)
+from transport.protocol import (LinkReform, RolloutHello, RunFinished, WeightsAck, WeightsBroadcast,
+                                WeightsPublished, WeightsReady, WeightsStored)
 
 __all__ = ["ParamServerActor", "ParamServerConfigError", "WeightsRejected", "WeightsStatusRequest",
-           "WeightsStatus", "RolloutWeights", "StoredVersion"]
+           "WeightsStatus", "RolloutWeights", "StoredVersion", "pack_buckets"]
 
 
 class ParamServerConfigError(ValueError):
@@ -98,11 +105,16 @@ class WeightsStatus(Message):
 class StoredVersion:
     version: int
     weights_hash: str
-    packed: list[PackedBucket]
+    packed: list[PackedBucket]      # empty with direct weights: the trainer keeps them
     nbytes: int
+    n_buckets: int = -1
+
+    def __post_init__(self) -> None:
+        if self.n_buckets < 0:
+            self.n_buckets = len(self.packed)
 
 
-def _pack_all(buckets: list[list[tuple[str, torch.Tensor]]]) -> list[PackedBucket]:
+def pack_buckets(buckets: list[list[tuple[str, torch.Tensor]]]) -> list[PackedBucket]:
     return [pack_bucket(b, i) for i, b in enumerate(buckets)]
 
 
@@ -116,7 +128,7 @@ def load_start_weights(settings: dict[str, Any], run_dir: Any, bucket_bytes: int
     named = [(n, t.to(dtype) if dtype is not None else t) for n, t in iter_checkpoint_tensors(model_dir)]
     named = [(n, t) for n, t in named if not n.endswith("rotary_emb.inv_freq")]
     buckets = list(bucketize(named, bucket_bytes))
-    packed = _pack_all(buckets)
+    packed = pack_buckets(buckets)
     return StoredVersion(version, weights_hash(named), packed, sum(p.flat.numel() for p in packed))
 
 
@@ -128,6 +140,9 @@ class ParamServerActor(Actor):
         self.rollouts: dict[str, RolloutWeights] = {}
         self.up: BulkLink | None = None
         self.down: BulkLink | None = None
+        self.direct_from: str | None = None     # the trainer that broadcasts, with direct weights
+        self._acks: dict[str, asyncio.Future] = {}   # the running push's WeightsReady requests, by rollout
+        self._abandoned: dict[str, str] = {}         # ... given up on, and why
         self.trainer_rank = 0
         self.generation: int | None = None      # generation of the formed rollout link, None if not formed
         self.next_generation = 0
@@ -147,6 +162,11 @@ class ParamServerActor(Actor):
     # ------------------------------------------------------------------------------------ lifecycle
 
     async def on_start(self) -> None:
+        self.ack_timeout = float(self.settings.get("ack_timeout_s", 120.0))
+        self.retry_s = float(self.settings.get("retry_s", 2.0))
+        if not self.settings.get("links"):
+            self._start_direct()
+            return
         up_cfg = link_config(self.settings, "train_to_ps", key="train_link")
         down_cfg = link_config(self.settings, "ps_to_rollout", key="rollout_link")
         if up_cfg is None or down_cfg is None or up_cfg.name == down_cfg.name:
@@ -161,8 +181,6 @@ class ParamServerActor(Actor):
                                          f"server, got {up_cfg.members}")
         self.trainer_rank = up_cfg.rank_of(trainers[0])
         self.rollouts = {m: RolloutWeights() for m in down_cfg.members if m != self.name}
-        self.ack_timeout = float(self.settings.get("ack_timeout_s", 120.0))
-        self.retry_s = float(self.settings.get("retry_s", 2.0))
         bucket_bytes = int(self.settings.get("bucket_bytes", 64 << 20))
         t0 = time.monotonic()
         self.current = await asyncio.to_thread(load_start_weights, self.settings, self.run_dir, bucket_bytes)
@@ -172,6 +190,23 @@ class ParamServerActor(Actor):
                       seconds=round(time.monotonic() - t0, 3))
         self.up, self.down = BulkLink(up_cfg), BulkLink(down_cfg)
         self._open_up()
+        self._mark_started()
+
+    def _start_direct(self) -> None:
+        groups = self.settings.get("groups") or {}
+        trainers, rollouts = groups.get("trainer") or [], groups.get("rollout") or []
+        if not trainers or not rollouts:
+            raise ParamServerConfigError(f"links: none lists the parameter server, so weights go directly from "
+                                         f"the trainer to the rollouts, but groups has trainer {trainers} and "
+                                         f"rollout {rollouts}")
+        self.direct_from = trainers[0]
+        self.rollouts = {m: RolloutWeights() for m in rollouts}
+        self.start_version, _ = start_weights(self.settings, self.run_dir)
+        self.current = StoredVersion(self.start_version, "", [], 0, n_buckets=0)
+        self.log.info("direct_weights", trainer=self.direct_from, rollouts=len(rollouts), version=self.start_version)
+        self._mark_started()
+
+    def _mark_started(self) -> None:
         self._started.set()
         for sender, version in self._early_hellos.items():
             self._hello(sender, version)
@@ -215,6 +250,7 @@ class ParamServerActor(Actor):
             state.alive = False
             if self.generation is not None:
                 self.need_reform = True  # the group lost a member: it must be formed again
+            self._abandon_ack(peer, "it is dead")
             self.log.warning("rollout_dead", rollout=peer)
             self._kick.set()
 
@@ -246,6 +282,7 @@ class ParamServerActor(Actor):
         if self.generation is not None:
             # Any hello after the link was formed comes from a (re)started member: it needs a new group.
             self.need_reform = True
+        self._abandon_ack(sender, "it restarted")
         self.log.info("rollout_hello", rollout=sender, version=version, first=first,
                       current=self.current.version if self.current else None, reform=self.need_reform)
         self._kick.set()
@@ -255,6 +292,8 @@ class ParamServerActor(Actor):
     @handles(WeightsPublished)
     async def on_published(self, msg: WeightsPublished, env: Any) -> WeightsStored:
         await self._started.wait()
+        if self.direct_from is not None:
+            return self._published_direct(msg)
         assert self.up is not None
         async with self._up_lock:
             if self._up_open is not None:
@@ -285,7 +324,7 @@ class ParamServerActor(Actor):
         if self.current is not None and msg.version <= self.current.version:
             self.log.warning("stale_version_ignored", version=msg.version, current=self.current.version)
             return WeightsStored(version=msg.version, receive_seconds=receive_s)
-        packed = await asyncio.to_thread(_pack_all, buckets)
+        packed = await asyncio.to_thread(pack_buckets, buckets)
         self.current = StoredVersion(msg.version, digest, packed, sum(p.flat.numel() for p in packed))
         self.counters["versions_stored"] += 1
         self.log.info("weights_stored", version=msg.version, buckets=msg.n_buckets, nbytes=self.current.nbytes,
@@ -293,7 +332,25 @@ class ParamServerActor(Actor):
         self._kick.set()
         return WeightsStored(version=msg.version, receive_seconds=receive_s)
 
+    def _published_direct(self, msg: WeightsPublished) -> WeightsStored:
+        assert self.current is not None
+        if msg.version <= self.current.version:
+            self.log.warning("stale_version_ignored", version=msg.version, current=self.current.version)
+        else:
+            self.current = StoredVersion(msg.version, msg.weights_hash, [], 0, n_buckets=msg.n_buckets)
+            self.counters["versions_stored"] += 1
+            self._kick.set()
+        return WeightsStored(version=msg.version, receive_seconds=0.0)
+
     # ---------------------------------------------------------------------------- storage -> rollouts
+
+    def _abandon_ack(self, rollout: str, why: str) -> None:
+        """A rollout that died or restarted will never ack the running push: stop waiting for it now rather
+        than after ack_timeout_s (the others' acks still count; it gets the weights on the next group)."""
+        fut = self._acks.get(rollout)
+        if fut is not None and not fut.done():
+            self._abandoned[rollout] = why
+            fut.cancel()
 
     def _blockers(self) -> tuple[list[str], list[str]]:
         no_hello = sorted(n for n, s in self.rollouts.items() if not s.hello)
@@ -336,7 +393,6 @@ class ParamServerActor(Actor):
             self._kick.set()  # look again: a newer version may have arrived meanwhile (coalesced)
 
     async def _form(self) -> bool:
-        assert self.down is not None
         generation = self.next_generation
         self.next_generation += 1
         self.generation = None
@@ -344,8 +400,12 @@ class ParamServerActor(Actor):
             await self.bus.send(name, LinkReform(generation=generation))
         t0 = time.monotonic()
         try:
-            await in_thread(self.down.reform, generation)
-        except BulkError as exc:
+            if self.direct_from is not None:
+                await self.bus.request(self.direct_from, LinkReform(generation=generation), timeout=self.ack_timeout)
+            else:
+                assert self.down is not None
+                await in_thread(self.down.reform, generation)
+        except (BulkError, BusError, TimeoutError) as exc:
             self.counters["link_form_failures"] += 1
             self.log.error("rollout_link_form_failed", generation=generation, error=str(exc),
                            retry_in_s=self.retry_s)
@@ -358,26 +418,35 @@ class ParamServerActor(Actor):
         return True
 
     async def _push(self, stored: StoredVersion) -> bool:
-        assert self.down is not None and self.generation is not None
+        assert self.generation is not None
         generation = self.generation
         t0 = time.monotonic()
-        ready = WeightsReady(version=stored.version, n_buckets=len(stored.packed), weights_hash=stored.weights_hash,
+        ready = WeightsReady(version=stored.version, n_buckets=stored.n_buckets, weights_hash=stored.weights_hash,
                              generation=generation)
         acks = {name: asyncio.ensure_future(self.bus.request(name, ready, timeout=self.ack_timeout))
                 for name in self.rollouts}
+        self._acks = acks
         try:
-            for packed in stored.packed:
-                await in_thread(self.down.broadcast_packed, packed, 0)
-        except BulkError as exc:
+            if self.direct_from is not None:
+                await self.bus.request(self.direct_from, WeightsBroadcast(version=stored.version, generation=generation),
+                                       timeout=self.ack_timeout)
+            else:
+                assert self.down is not None
+                for packed in stored.packed:
+                    await in_thread(self.down.broadcast_packed, packed, 0)
+        except (BulkError, BusError, TimeoutError) as exc:
             for fut in acks.values():
                 fut.cancel()
             await asyncio.gather(*acks.values(), return_exceptions=True)
+            self._acks = {}
             self.need_reform = True
             self.counters["push_failures"] += 1
             self.log.error("weights_push_failed", version=stored.version, generation=generation, error=str(exc))
             return False
         sent_s = time.monotonic() - t0
         results = await asyncio.gather(*acks.values(), return_exceptions=True)
+        self._acks = {}
+        abandoned, self._abandoned = self._abandoned, {}
         sync_s = time.monotonic() - t0
         ok = True
         summary = {}
@@ -397,12 +466,14 @@ class ParamServerActor(Actor):
             else:
                 ok = False
                 self.counters["ack_failures"] += 1
-                reason = str(res) if isinstance(res, (BusError, TimeoutError)) else repr(res)
+                reason = (str(res) if isinstance(res, (BusError, TimeoutError))
+                          else f"abandoned: {abandoned.get(name, 'cancelled')}"
+                          if isinstance(res, asyncio.CancelledError) else repr(res))
                 self.log.error("weights_ack_failed", rollout=name, version=stored.version, error=reason)
                 summary[name] = {"error": reason[:200]}
         self.pushes += 1
         self.sync_seconds.append(sync_s)
-        self.log.info("weights_pushed", version=stored.version, generation=generation, buckets=len(stored.packed),
+        self.log.info("weights_pushed", version=stored.version, generation=generation, buckets=stored.n_buckets,
                       nbytes=stored.nbytes, broadcast_s=round(sent_s, 4), sync_s=round(sync_s, 4), rollouts=summary)
         await self._notify()
         return ok

@@ -275,7 +275,7 @@ class RolloutActor(Actor):
         self._rr += 1
         await self.bus.send(reward, Trajectories(group_id=msg.group_id, query_id=msg.query_id,
                                                  prompt_ids=list(msg.prompt_ids), task=msg.task, samples=samples,
-                                                 rollout=self.name, gen_seconds=seconds))
+                                                 rollout=self.name, gen_seconds=seconds, **self._clocks()))
 
     async def _return(self, group_id: str, reason: str) -> None:
         self.counters["groups_returned"] += 1
@@ -296,10 +296,15 @@ class RolloutActor(Actor):
                 self._busy_total += time.monotonic() - self._busy_since
                 self._busy_since = None
 
-    def stats(self) -> dict[str, Any]:
+    def _clocks(self) -> dict[str, float]:
+        """Seconds with at least one group in hand, and seconds up, since this rollout started."""
         now = time.monotonic()
         busy = self._busy_total + (now - self._busy_since if self._busy_since is not None else 0.0)
-        wall = max(now - self._t0, 1e-9)
+        return {"busy_seconds": busy, "up_seconds": now - self._t0}
+
+    def stats(self) -> dict[str, Any]:
+        clocks = self._clocks()
+        busy, wall = clocks["busy_seconds"], max(clocks["up_seconds"], 1e-9)
         return {"groups": self.counters["groups_generated"], "returned": self.counters["groups_returned"],
                 "tokens": self._tokens, "gen_seconds": round(self._gen_seconds, 3),
                 "busy_fraction": round(busy / wall, 4), "active": len(self.active),

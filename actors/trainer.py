@@ -9,7 +9,9 @@ One training step (version v -> v + 1):
        each on micro-batches under a token budget (algo.packing), loss = decoupled PPO (algo.ppo)
        normalised by the minibatch's global token count
     -> VersionUpdate(v + 1) to the buffer (opens the staleness gate)
-    -> weights to the parameter server over the train_to_ps bulk link (WeightsPublished + buckets)
+    -> weights to the parameter server over the train_to_ps bulk link (WeightsPublished + buckets), or,
+       with direct weights (a link of [trainer.0, rollout] and none to the parameter server, as GPU
+       topologies have), kept here and broadcast to the rollouts when the parameter server asks
     -> metrics (metrics.jsonl + TensorBoard), and a checkpoint every `run.checkpoint_every_steps`
 
 Versions count training steps; the engine's own optimizer-step counter (several per step) only drives
@@ -32,20 +34,23 @@ from typing import Any
 
 import torch
 
-from actors.base import Actor
+from actors.base import Actor, handles
 from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
-from actors.param_server import WeightsStatus, WeightsStatusRequest
+from actors.param_server import WeightsStatus, WeightsStatusRequest, pack_buckets
 from actors.recovery import (checkpoint_dir, mark_complete, mark_run_finished, refuse_restart_within_launch,
                              start_weights)
+from actors.rollout import in_thread
 from actors.weights import weights_hash
 from algo.advantages import compute_advantages
 from algo.packing import allocate_micro_batches
 from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
 from algo.staleness import sample_staleness
-from transport.bulk import BulkLink, LinkConfig
-from transport.protocol import (Batch, BatchRequest, CheckpointDone, CheckpointRequest, RunFinished,
-                                VersionUpdate, WeightsPublished, WeightsStored)
+from transport.bulk import BulkLink, LinkConfig, PackedBucket
+from transport.bus import BusError
+from transport.protocol import (Batch, BatchRequest, CheckpointDone, CheckpointRequest, LinkFormed, LinkReform,
+                                RunFinished, VersionUpdate, WeightsBroadcast, WeightsBroadcastDone,
+                                WeightsPublished, WeightsStored)
 
 
 def make_train_engine(settings: dict[str, Any], model_dir: str, version: int) -> TrainEngine:
@@ -144,11 +149,26 @@ class TrainerActor(Actor):
         self.bucket_bytes = int(s.get("weight_bucket_mb", 64)) << 20
         self.param_server = ((s.get("groups") or {}).get("param_server") or [None])[0]
         self.link: BulkLink | None = None
-        link_cfg = (s.get("links") or {}).get("train_to_ps")
+        self.direct = False
+        links = s.get("links") or {}
+        link_cfg = links.get("train_to_ps")
+        if link_cfg is None and len(links) == 1 and self.param_server is not None:
+            # Direct weights: rank 0 of the rollouts' link. The parameter server forms it (LinkReform) and
+            # asks for each broadcast (WeightsBroadcast); the last published versions are kept for that.
+            link_cfg = next(iter(links.values()))
+            self.direct = True
         if link_cfg is not None and self.param_server is not None:
             self.link_cfg = LinkConfig.from_dict(link_cfg)
             self.link = BulkLink(self.link_cfg)
-            self.link_opening = asyncio.ensure_future(asyncio.to_thread(self.link.open, 0))
+            if self.direct:
+                if self.link_cfg.rank != 0:
+                    raise ValueError(f"links.{self.link_cfg.name}.members: the trainer broadcasts direct weights "
+                                     f"as rank 0 and must be listed first, got {self.link_cfg.members}")
+                self.link_opening = asyncio.ensure_future(asyncio.sleep(0))
+            else:
+                self.link_opening = asyncio.ensure_future(asyncio.to_thread(self.link.open, 0))
+        self.kept: dict[int, list[PackedBucket]] = {}    # direct weights: version -> buckets, the last two
+        self._link_lock = asyncio.Lock()
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.tb = None
         try:
@@ -196,28 +216,42 @@ class TrainerActor(Actor):
                          step_seconds=end - last_end, time=end, buffer_depth=batch.stats.depth,
                          buffer_running=batch.stats.running, dropped_stale=batch.stats.dropped_stale,
                          dropped_uniform=batch.stats.dropped_uniform, reissued=batch.stats.returned,
-                         epoch=batch.stats.epoch)
+                         epoch=batch.stats.epoch, **await self._push_stats())
+            if batch.stats.rollout_utilisation >= 0:   # -1: no rollout clocks arrived since the last batch
+                stats["rollout_utilisation"] = batch.stats.rollout_utilisation
             stats["effective_throughput"] = stats["n_tokens"] / max(stats["step_seconds"], 1e-9)
             last_end = end
             self._record(stats)
             if self.version % self.ckpt_every == 0 or self.version == self.total_steps:
                 await self._checkpoint()
+        # Marked before telling anyone: the supervisor must know the run is over when the others exit.
+        mark_run_finished(self.run_dir, self.version)
         for peer in self.bus.peers:
             try:
                 await asyncio.wait_for(self.bus.send(peer, RunFinished(step=self.version)), timeout=5)
             except (asyncio.TimeoutError, Exception) as e:  # a dead peer must not keep the run alive
                 self.log.warning("run_finished_not_delivered", peer=peer, error=str(e))
-        mark_run_finished(self.run_dir, self.version)
         self.log.info("run_finished", step=self.version)
         self.request_stop("run finished")
 
     async def _publish(self) -> float:
-        """Weights of the new version to the parameter server; returns the seconds it took."""
+        """Weights of the new version to the parameter server (or kept for direct broadcast); returns the
+        seconds it took."""
         if self.link is None:
             return 0.0
         t0 = time.time()
         buckets = await asyncio.to_thread(lambda: list(self.engine.export_weights(self.bucket_bytes)))
         digest = await asyncio.to_thread(weights_hash, [kv for b in buckets for kv in b])
+        if self.direct:
+            # Two versions kept: the parameter server may still be asking for the previous one.
+            self.kept[self.version] = await asyncio.to_thread(pack_buckets, buckets)
+            for old in [v for v in self.kept if v < self.version - 1]:
+                del self.kept[old]
+            reply = await self.bus.request(self.param_server, WeightsPublished(
+                version=self.version, n_buckets=len(buckets), weights_hash=digest), timeout=60.0)
+            if not isinstance(reply, WeightsStored) or reply.version != self.version:
+                raise RuntimeError(f"param server answered {reply!r} to version {self.version}")
+            return time.time() - t0
         dst = self.link_cfg.rank_of(self.param_server)
 
         def send_all() -> None:
@@ -231,6 +265,48 @@ class TrainerActor(Actor):
         if not isinstance(reply, WeightsStored) or reply.version != self.version:
             raise RuntimeError(f"param server answered {reply!r} to version {self.version}")
         return time.time() - t0
+
+    @handles(LinkReform)
+    async def on_link_reform(self, msg: LinkReform) -> LinkFormed:
+        """Direct weights: join the rollouts' group of this generation as its rank 0 (the rendezvous master)."""
+        if not self.direct or self.link is None:
+            raise RuntimeError(f"{self.name} has no direct weights link to re-form")
+        async with self._link_lock:
+            t0 = time.monotonic()
+            await in_thread(self.link.reform, msg.generation)
+        self.log.info("weights_link_formed", generation=msg.generation, seconds=round(time.monotonic() - t0, 3))
+        return LinkFormed(generation=msg.generation, seconds=time.monotonic() - t0)
+
+    @handles(WeightsBroadcast)
+    async def on_weights_broadcast(self, msg: WeightsBroadcast) -> WeightsBroadcastDone:
+        """Direct weights: broadcast a kept version to the rollouts (they receive after WeightsReady)."""
+        if not self.direct or self.link is None:
+            raise RuntimeError(f"{self.name} has no direct weights link")
+        packed = self.kept.get(msg.version)
+        if packed is None:
+            raise RuntimeError(f"version {msg.version} is not kept here (kept: {sorted(self.kept)})")
+        async with self._link_lock:
+            if self.link.generation != msg.generation:
+                raise RuntimeError(f"link {self.link.config.name!r} is at generation {self.link.generation}, "
+                                   f"not {msg.generation}")
+            t0 = time.monotonic()
+            for bucket in packed:
+                await in_thread(self.link.broadcast_packed, bucket, 0)
+        return WeightsBroadcastDone(version=msg.version, seconds=time.monotonic() - t0)
+
+    async def _push_stats(self) -> dict[str, float]:
+        """The parameter server's latest view: how long the last push to every rollout took until acked, and
+        how long generation stalled for it (mean over rollouts of their last ack's stall_seconds)."""
+        if self.link is None:
+            return {}
+        try:
+            status = await self.bus.request(self.param_server, WeightsStatusRequest(), timeout=10.0)
+        except (BusError, TimeoutError) as exc:   # metrics must not stop training
+            self.log.warning("weights_status_unavailable", error=str(exc))
+            return {}
+        stalls = [r.stall_seconds for r in status.rollouts.values()]
+        return {"weight_push_seconds": status.last_sync_seconds,
+                "gen_stall_seconds": sum(stalls) / len(stalls) if stalls else 0.0}
 
     async def _wait_rollouts_at(self, version: int) -> None:
         if self.link is None:

@@ -21,7 +21,8 @@ def full_rows(n: int = 6) -> list[dict]:
     return [{"step": i + 1, "time": 1_700_000_000.0 + 2.5 * i, "task_reward": -5 + i, "accuracy": 0.1 * i,
              "accuracy_by_level": {"1": 0.2 * i, "2": 0.05 * i}, "effective_throughput": 1000.0 + 10 * i,
              "staleness_mean": 0.5, "staleness_max": 2, "weight_sync_seconds": 0.01, "step_seconds": 2.5,
-             "train_seconds": 2.0, "wait_seconds": 0.4} for i in range(n)]
+             "train_seconds": 2.0, "wait_seconds": 0.4, "weight_push_seconds": 0.15, "gen_stall_seconds": 0.002,
+             "rollout_utilisation": 0.9} for i in range(n)]
 
 
 def test_writes_every_plot(tmp_path):
@@ -30,7 +31,8 @@ def test_writes_every_plot(tmp_path):
     write_metrics(run, [{"step": 3, "time": 1_700_000_005.0, "overall": {"greedy_accuracy": 0.3},
                          "by_level": {"1": {"greedy_accuracy": 0.5}}}], plot.EVAL_FILE)
     written, notes = plot.plot_run(run)
-    assert sorted(p.name for p in written) == ["reward.png", "staleness.png", "throughput.png", "timing.png"]
+    assert sorted(p.name for p in written) == ["reward.png", "staleness.png", "throughput.png", "timing.png",
+                                               "utilisation.png"]
     for path in written:
         assert path.parent == run / "plots" and path.read_bytes()[:8] == PNG_MAGIC
     assert notes == []
@@ -70,4 +72,4 @@ def test_missing_empty_and_malformed_files_are_clear_errors(tmp_path, capsys):
     # A torn last line (a run still writing) is skipped with a note.
     (run / "metrics.jsonl").write_text("\n".join(rows[:2] + [rows[2][:20]]))
     written, notes = plot.plot_run(run, axis="step")
-    assert len(written) == 4 and any("incomplete last line" in n for n in notes)
+    assert len(written) == len(plot.PLOTS) and any("incomplete last line" in n for n in notes)

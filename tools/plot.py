@@ -8,7 +8,9 @@ into `--out` (default RUN_DIR/plots):
   reward.png       task_reward, accuracy, accuracy_by_level per level, held-out accuracy
   throughput.png   effective_throughput (trained tokens per second of step time)
   staleness.png    staleness_mean, staleness_max
-  timing.png       step_seconds, train_seconds, weight_sync_seconds, wait_seconds (the trainer's stall)
+  timing.png       step_seconds, train_seconds, weight_sync_seconds, wait_seconds (the trainer's stall),
+                   weight_push_seconds, gen_stall_seconds
+  utilisation.png  rollout_utilisation
 
 The x axis is seconds since the first step ("time"), or the step number with `--x step` (or when
 the metrics carry no time). Keys a run does not record are skipped with a note; a plot with nothing
@@ -37,7 +39,10 @@ PLOTS: dict[str, tuple[str, list[tuple[str, list[tuple[str, str]]]]]] = {
     "staleness": ("Sample staleness", [("versions", [("staleness_mean", "mean"), ("staleness_max", "max")])]),
     "timing": ("Step, weight-sync and stall times",
                [("seconds", [("step_seconds", "step"), ("train_seconds", "train"),
-                             ("weight_sync_seconds", "weight sync"), ("wait_seconds", "trainer stall (waiting for a batch)")])]),
+                             ("weight_sync_seconds", "weight sync"), ("wait_seconds", "trainer stall (waiting for a batch)"),
+                             ("weight_push_seconds", "weight push to rollouts (until acked)"),
+                             ("gen_stall_seconds", "generation stall (weight swap)")])]),
+    "utilisation": ("Rollout utilisation", [("fraction of time with work", [("rollout_utilisation", "rollouts")])]),
 }
 
 

@@ -12,6 +12,15 @@
     param_server --LinkReform--> rollout         (re-form the bulk link after a member restarted)
     trainer --RunFinished--> everyone            (the run is over: stop cleanly)
 
+Direct weights (a GPU topology's link of [trainer.0, rollout], no parameter-server link): the trainer keeps
+its exported version and broadcasts it itself; the parameter server only coordinates.
+    trainer --WeightsPublished--> param_server   (replies WeightsStored at once: no buckets travel to it)
+    param_server --LinkReform--> trainer         (a request: the trainer joins the new group as rank 0,
+                                                  replies LinkFormed)
+    param_server --WeightsBroadcast--> trainer   (broadcast that stored version on the formed group while the
+                                                  rollouts receive it after WeightsReady; replies
+                                                  WeightsBroadcastDone)
+
 Token-level data is small next to weights, so it travels as plain lists in the message body; weights
 never travel here (transport/bulk.py carries them).
 """
@@ -80,6 +89,8 @@ class Trajectories(Message):
     samples: list[Sample]
     rollout: str
     gen_seconds: float = 0.0
+    busy_seconds: float = 0.0  # the rollout's clocks since its start, when it sent this group: time with work
+    up_seconds: float = 0.0    # in hand, and time up (the buffer turns them into rollout utilisation)
 
 
 @message("rl.scored_group")
@@ -95,6 +106,8 @@ class ScoredGroup(Message):
     gen_seconds: float = 0.0
     score_seconds: float = 0.0
     score_failures: int = 0
+    busy_seconds: float = 0.0  # passed on from Trajectories
+    up_seconds: float = 0.0
 
 
 @message("rl.group_returned")
@@ -121,6 +134,7 @@ class BufferStats:
     dropped_uniform: int = 0
     returned: int = 0
     epoch: int = 0
+    rollout_utilisation: float = -1.0   # rollouts' time with work / time up since the previous batch (-1: unknown)
 
 
 @message("rl.batch")
@@ -191,9 +205,32 @@ class WorkerHello(Message):
 
 @message("rl.link_reform")
 class LinkReform(Message):
-    """param_server -> rollout: re-form the ps_to_rollout bulk link at `generation` (a member restarted)."""
+    """param_server -> rollout (and, with direct weights, -> trainer as a request): re-form the weights link at
+    `generation` (a member restarted)."""
 
     generation: int
+
+
+@message("rl.link_formed")
+class LinkFormed(Message):
+    """trainer -> param_server (direct weights): the trainer joined the group of `generation`."""
+
+    generation: int
+    seconds: float
+
+
+@message("rl.weights_broadcast")
+class WeightsBroadcast(Message):
+    """param_server -> trainer (direct weights): broadcast stored `version` on the group of `generation`."""
+
+    version: int
+    generation: int
+
+
+@message("rl.weights_broadcast_done")
+class WeightsBroadcastDone(Message):
+    version: int
+    seconds: float
 
 
 @message("rl.checkpoint_request")

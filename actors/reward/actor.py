@@ -122,7 +122,7 @@ class RewardActor(Actor):
         await self.bus.send(self.buffer, ScoredGroup(
             group_id=msg.group_id, query_id=msg.query_id, prompt_ids=list(msg.prompt_ids), task=msg.task,
             samples=samples, rollout=msg.rollout, gen_seconds=msg.gen_seconds, score_seconds=seconds,
-            score_failures=failures))
+            score_failures=failures, busy_seconds=msg.busy_seconds, up_seconds=msg.up_seconds))
 
     @handles(RunFinished)
     def on_run_finished(self, msg: RunFinished) -> None:
