@@ -204,3 +204,9 @@ def test_direct_weights_trainer_broadcasts_to_rollouts(assets: dict[str, Path], 
     assert failed <= {("rollout.1", "abandoned")}, failed   # not waited for until the ack timeout
     # the restarted rollout got weights from the trainer on the re-formed group (hashes checked above)
     assert any(p["generation"] == formed[-1]["generation"] and "rollout.1" in p["rollouts"] for p in pushes)
+    # the final evaluation sits on the metrics' clock, so tools.plot draws it with the curves
+    from tools import plot
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert sorted(e["model"] for e in evals) == ["final", "start"] and all("time" in e for e in evals)
+    _, notes = plot.plot_run(run_dir)
+    assert not [n for n in notes if "eval.jsonl" in n], notes

@@ -500,8 +500,11 @@ def final_evaluation(experiment: dict[str, Any], run_dir: Path, start_model: str
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     with open(run_dir / "eval.jsonl", "a") as f:
         for name, r in reports.items():
-            f.write(json.dumps({"model": name, "step": step if name == "final" else 0,
-                                "overall": r["overall"], "by_level": r["by_level"]}) + "\n")
+            entry = {"model": name, "step": step if name == "final" else 0,
+                     "overall": r["overall"], "by_level": r["by_level"]}
+            if metrics:  # on the metrics' clock, so tools.plot can place it on its time axis
+                entry["time"] = metrics[-1]["time"] if name == "final" else metrics[0]["time"] - metrics[0]["step_seconds"]
+            f.write(json.dumps(entry) + "\n")
     print(f"held-out greedy accuracy ({test}):")
     print("\n".join(_table(rows)))
     if "gain_points" in summary:
