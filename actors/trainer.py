@@ -133,9 +133,19 @@ class StepConfig:
                    decoupled=bool(algo.get("decoupled", True)), group_std=bool(algo.get("group_std", True)))
 
 
+class TrainerConfigError(ValueError):
+    """The trainer's settings or placement cannot work; the message says why."""
+
+
 class TrainerActor(Actor):
     async def on_start(self) -> None:
         s = self.settings
+        instance = s.get("instance") or {}
+        if int(instance.get("count", 1)) > 1:
+            raise TrainerConfigError(
+                f"the trainer group has {instance['count']} instances, but the trainer actor runs one process: "
+                f"a multi-rank trainer (ranks > 0 following rank 0's steps) is not built yet, and separate "
+                f"instances would each train on their own. Use count: 1 (docs/engines-megatron.md)")
         refuse_restart_within_launch(self)
         self.step_cfg = StepConfig.from_settings(s)
         self.eta = int((s.get("algo") or {}).get("eta", 4))

@@ -85,6 +85,19 @@ def test_dry_run_64node_table(capsys: pytest.CaptureFixture) -> None:
     assert "NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7" in out
     assert "NCCL_NET_GDR_LEVEL=PHB" in out and "NCCL_SOCKET_IFNAME=bond0" in out
     assert "srun -N64 --ntasks-per-node=1 --kill-on-bad-exit=1" in out
+    assert "not yet launchable: the trainer group has 128 ranks" in out
+
+
+def test_a_trainer_group_of_several_instances_is_refused_at_start(tmp_path: Path) -> None:
+    import asyncio
+
+    from actors.base import ActorSpec
+    from actors.trainer import TrainerActor, TrainerConfigError
+    spec = ActorSpec("trainer.1", "actors.trainer:TrainerActor", f"ipc://{tmp_path}/t",
+                     settings={"instance": {"group": "trainer", "index": 1, "count": 2}, "log_console": False},
+                     run_dir=str(tmp_path))
+    with pytest.raises(TrainerConfigError, match="trainer group has 2 instances"):
+        asyncio.run(TrainerActor(spec).on_start())
 
 
 def test_invalid_topology_exits_2_with_every_problem(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -95,6 +95,12 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
         for node_idx, insts in plan.by_node().items():
             lines.append(f"    on {topo.nodes[node_idx].name}: node agent -> supervisor -> {len(insts)} actor(s): "
                          f"{_ranges([i.name for i in insts]) or '-'}")
+    trainers = topo.groups.get("trainer")
+    if trainers is not None and trainers.count > 1:
+        lines.append("")
+        lines.append(f"not yet launchable: the trainer group has {trainers.count} ranks, and the trainer actor runs "
+                     f"one process (a multi-rank trainer, ranks > 0 following rank 0, is not built yet); every "
+                     f"trainer instance stops at start saying so")
     return "\n".join(lines)
 
 
