@@ -71,20 +71,11 @@ class Record:
 
 
 def last_boxed(text: str) -> str | None:
-    """Contents of the last ``\\boxed{...}`` in ``text`` (braces may nest), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    i = start + len("\\boxed{")
-    depth = 1
-    for j in range(i, len(text)):
-        if text[j] == "{":
-            depth += 1
-        elif text[j] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i:j].strip()
-    return None
+    """Contents of the last ``\\boxed{...}`` in ``text``, or None: the math grader's own extraction, so a
+    reference answer taken from a worked solution is read exactly as answers are graded."""
+    from actors.reward.math_grader import extract_boxed  # here: only records without an answer need sympy
+
+    return extract_boxed(text)[0]
 
 
 def parse_record(obj: Any, *, path: str | Path = "<memory>", line_no: int | None = None,
