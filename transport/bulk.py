@@ -23,12 +23,12 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import os
-import zlib
 from typing import Any, Sequence
 
 import msgpack
 import torch
 import torch.distributed as dist
+import xxhash
 
 __all__ = [
     "BulkError",
@@ -45,7 +45,7 @@ __all__ = [
 Bucket = list[tuple[str, torch.Tensor]]
 
 _ALIGN = 16
-_HEADER_VERSION = 1
+_HEADER_VERSION = 2   # 2: XXH3-64 checksums on CPU (1: CRC32)
 
 
 class BulkError(RuntimeError):
@@ -118,10 +118,11 @@ class PackedBucket:
 
 
 def bucket_checksum(flat: torch.Tensor) -> int:
-    """Checksum of a flat uint8 buffer. CRC32 on CPU; on GPU a position-weighted sum of 32-bit words
+    """Checksum of a flat uint8 buffer. XXH3-64 on CPU (3 ms for 64 MiB here, where zlib's CRC32 took 27 ms:
+    the sender and every receiver pay it once per bucket); on GPU a position-weighted sum of 32-bit words
     computed on the device, so the bytes never cross PCIe just to be hashed."""
     if flat.device.type == "cpu":
-        return zlib.crc32(memoryview(flat.numpy())) & 0xFFFFFFFF
+        return xxhash.xxh3_64_intdigest(memoryview(flat.numpy()))
     n = flat.numel() - flat.numel() % 4
     words = flat[:n].view(torch.int32).to(torch.int64)
     weights = torch.arange(words.numel(), device=flat.device, dtype=torch.int64) % 65521 + 1
@@ -146,13 +147,15 @@ def pack_bucket(bucket: Bucket, bucket_id: int = 0) -> PackedBucket:
         entries.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."),
                         "shape": list(tensor.shape), "offset": offset, "nbytes": nbytes})
         offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    flat = torch.zeros(max(offset, 1), dtype=torch.uint8, device=device)
-    for entry, (_, tensor) in zip(entries, bucket):
+    flat = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
+    ends = [e["offset"] for e in entries[1:]] + [flat.numel()]
+    for entry, end, (_, tensor) in zip(entries, ends, bucket):
+        start, stop = entry["offset"], entry["offset"] + entry["nbytes"]
         if entry["nbytes"]:
-            src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            flat[entry["offset"]: entry["offset"] + entry["nbytes"]].copy_(src)
+            flat[start:stop].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        flat[stop:end].zero_()  # alignment padding: the same bucket always packs to the same bytes
     header = {"v": _HEADER_VERSION, "bucket": bucket_id, "size": flat.numel(), "tensors": entries,
-              "algo": "crc32" if device.type == "cpu" else "wsum", "checksum": bucket_checksum(flat)}
+              "algo": "xxh3_64" if device.type == "cpu" else "wsum", "checksum": bucket_checksum(flat)}
     return PackedBucket(header, flat)
 
 
@@ -401,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{'transfer':<34}{'GB/s':>8}")
         print(f"{'raw gloo broadcast, one tensor':<34}{out['raw_gb_per_s']:>8.2f}")
-        print(f"{'bucket: pack + crc32 + header':<34}{out['bucket_gb_per_s']:>8.2f}")
+        print(f"{'bucket: pack + xxh3 + header':<34}{out['bucket_gb_per_s']:>8.2f}")
         print(f"ratio bucket/raw: {out['bucket_ratio']:.2f}")
     return 0
 
