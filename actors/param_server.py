@@ -69,6 +69,7 @@ class WeightsRejected(RuntimeError):
 @dataclasses.dataclass
 class RolloutWeights:
     version: int = -1
+    weight_ranks: int = 0     # > 0: its server joins the direct weights group itself, as this many ranks
     weights_hash: str = ""
     hash_ok: bool = False
     alive: bool = True
@@ -108,6 +109,7 @@ class StoredVersion:
     packed: list[PackedBucket]      # empty with direct weights: the trainer keeps them
     nbytes: int
     n_buckets: int = -1
+    specs: list = dataclasses.field(default_factory=list)   # direct weights: TensorMeta lists per bucket
 
     def __post_init__(self) -> None:
         if self.n_buckets < 0:
@@ -157,7 +159,7 @@ class ParamServerActor(Actor):
         self._waiting_logged: tuple = ()
         # Hellos can arrive while on_start still loads the start weights; they are applied once it is done.
         self._started = asyncio.Event()
-        self._early_hellos: dict[str, int] = {}
+        self._early_hellos: dict[str, RolloutHello] = {}
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -208,8 +210,8 @@ class ParamServerActor(Actor):
 
     def _mark_started(self) -> None:
         self._started.set()
-        for sender, version in self._early_hellos.items():
-            self._hello(sender, version)
+        for sender, hello in self._early_hellos.items():
+            self._hello(sender, hello)
         self._early_hellos.clear()
 
     async def on_ready(self) -> None:
@@ -267,18 +269,19 @@ class ParamServerActor(Actor):
     @handles(RolloutHello)
     def on_hello(self, msg: RolloutHello, env: Any) -> None:
         if not self._started.is_set():
-            self._early_hellos[env.sender] = msg.version
+            self._early_hellos[env.sender] = msg
             return
-        self._hello(env.sender, msg.version)
+        self._hello(env.sender, msg)
 
-    def _hello(self, sender: str, version: int) -> None:
+    def _hello(self, sender: str, hello: RolloutHello) -> None:
         state = self.rollouts.get(sender)
         if state is None:
             self.log.warning("hello_from_unknown", sender=sender, members=sorted(self.rollouts))
             return
         first = not state.hello
+        version = hello.version
         state.hello, state.alive = True, True
-        state.version, state.hash_ok = version, False
+        state.version, state.hash_ok, state.weight_ranks = version, False, hello.weight_ranks
         if self.generation is not None:
             # Any hello after the link was formed comes from a (re)started member: it needs a new group.
             self.need_reform = True
@@ -337,7 +340,8 @@ class ParamServerActor(Actor):
         if msg.version <= self.current.version:
             self.log.warning("stale_version_ignored", version=msg.version, current=self.current.version)
         else:
-            self.current = StoredVersion(msg.version, msg.weights_hash, [], 0, n_buckets=msg.n_buckets)
+            self.current = StoredVersion(msg.version, msg.weights_hash, [], 0, n_buckets=msg.n_buckets,
+                                         specs=msg.specs)
             self.counters["versions_stored"] += 1
             self._kick.set()
         return WeightsStored(version=msg.version, receive_seconds=0.0)
@@ -396,9 +400,12 @@ class ParamServerActor(Actor):
         generation = self.next_generation
         self.next_generation += 1
         self.generation = None
+        t0 = time.monotonic()
+        ranks = [s.weight_ranks for s in self.rollouts.values()]
+        if self.direct_from is not None and any(ranks):
+            return await self._form_with_servers(generation, t0)
         for name in self.rollouts:
             await self.bus.send(name, LinkReform(generation=generation))
-        t0 = time.monotonic()
         try:
             if self.direct_from is not None:
                 await self.bus.request(self.direct_from, LinkReform(generation=generation), timeout=self.ack_timeout)
@@ -417,12 +424,42 @@ class ParamServerActor(Actor):
         await self._notify()
         return True
 
+    async def _form_with_servers(self, generation: int, t0: float) -> bool:
+        """Direct weights to servers that join themselves (SGLang): the trainer hosts a group of 1 + the
+        servers' ranks; each rollout's server joins at its rank offset. The group is complete when the
+        trainer's first broadcast finds every rank joined (it waits for that, bounded by the link timeout)."""
+        if not all(s.weight_ranks > 0 for s in self.rollouts.values()):
+            self.counters["link_form_failures"] += 1
+            self.log.error("rollout_link_form_failed", generation=generation, retry_in_s=self.retry_s,
+                           error="some rollouts receive on the link and some through their servers: "
+                                 f"{ {n: s.weight_ranks for n, s in self.rollouts.items()} }")
+            return False
+        world = 1 + sum(s.weight_ranks for s in self.rollouts.values())
+        try:
+            formed = await self.bus.request(self.direct_from, LinkReform(generation=generation, world_size=world),
+                                            timeout=self.ack_timeout)
+        except (BusError, TimeoutError) as exc:
+            self.counters["link_form_failures"] += 1
+            self.log.error("rollout_link_form_failed", generation=generation, error=str(exc), retry_in_s=self.retry_s)
+            return False
+        offset = 1
+        for name, state in self.rollouts.items():
+            await self.bus.send(name, LinkReform(generation=generation, master_port=formed.master_port,
+                                                 rank_offset=offset, world_size=world))
+            offset += state.weight_ranks
+        self.generation, self.need_reform = generation, False
+        self.counters["link_formations"] += 1
+        self.log.info("rollout_link_formed", generation=generation, members=len(self.rollouts) + 1, ranks=world,
+                      servers=True, seconds=round(time.monotonic() - t0, 3))
+        await self._notify()
+        return True
+
     async def _push(self, stored: StoredVersion) -> bool:
         assert self.generation is not None
         generation = self.generation
         t0 = time.monotonic()
         ready = WeightsReady(version=stored.version, n_buckets=stored.n_buckets, weights_hash=stored.weights_hash,
-                             generation=generation)
+                             generation=generation, specs=stored.specs)
         acks = {name: asyncio.ensure_future(self.bus.request(name, ready, timeout=self.ack_timeout))
                 for name in self.rollouts}
         self._acks = acks

@@ -102,7 +102,43 @@ def link_config(settings: dict[str, Any], default: str, key: str = "link") -> Li
         raise RolloutConfigError(f"links.{name}: {exc}") from exc
 
 
-def make_engine(settings: dict[str, Any], version: int, model_dir: str) -> GenerationEngine:
+class ServerWeightGroup:
+    """Direct weights received by the rollout's server itself (SGLang's /init_weights_update_group and
+    /update_weights_from_distributed), in place of a BulkLink: the same generation bookkeeping, but the
+    server joins the trainer's group (as ``ranks`` ranks, one per tensor-parallel rank) and receives."""
+
+    def __init__(self, engine: Any, config: LinkConfig, ranks: int) -> None:
+        self.engine, self.config, self.ranks = engine, config, max(1, ranks)
+        self.generation: int | None = None
+        self.group: str | None = None
+
+    async def join(self, msg: LinkReform) -> None:
+        if msg.world_size <= 0 or msg.rank_offset < 1 or msg.master_port <= 0:
+            raise EngineError(f"link {self.config.name!r}: LinkReform {msg} has no server group to join")
+        if self.group is not None:
+            try:
+                await self.engine.destroy_weights_group(self.group)
+            except EngineError:  # a restarted server no longer has it
+                pass
+            self.group, self.generation = None, None
+        name = f"{self.config.name}-g{msg.generation}"
+        await self.engine.init_weights_group(self.config.master_addr, msg.master_port, msg.rank_offset,
+                                             msg.world_size, group_name=name, backend=self.config.backend)
+        self.group, self.generation = name, msg.generation
+
+    async def receive(self, msg: WeightsReady) -> None:
+        from actors.engines.sglang import TensorSpec
+
+        if len(msg.specs) != msg.n_buckets:
+            raise EngineError(f"version {msg.version}: {msg.n_buckets} buckets but specs for {len(msg.specs)}")
+        buckets = [[TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in bucket] for bucket in msg.specs]
+        await self.engine.update_weights_from_distributed(msg.version, buckets, group_name=self.group)
+
+    def close(self) -> None:
+        self.group, self.generation = None, None
+
+
+def make_engine(settings: dict[str, Any], version: int, model_dir: str, run_dir: str | None = None) -> GenerationEngine:
     """The one place that turns ``settings["engine"]`` into an engine (SGLang plugs in here later)."""
     kind = str(settings.get("engine", "torch"))
     if kind == "torch":
@@ -116,7 +152,7 @@ def make_engine(settings: dict[str, Any], version: int, model_dir: str) -> Gener
     if kind == "sglang":  # an SGLang server, started here or attached by settings["sglang_url"]
         from actors.engines.sglang import SGLangEngine
 
-        return SGLangEngine.from_settings(settings, version, model_dir)
+        return SGLangEngine.from_settings(settings, version, model_dir, run_dir=run_dir)
     raise RolloutConfigError(f"engine: {kind!r} is not available here (known: 'torch', 'sglang')")
 
 
@@ -138,6 +174,7 @@ class RolloutActor(Actor):
         self._engine_ready = asyncio.Event()
         self.link: BulkLink | None = None
         self._link_target: int | None = None
+        self._link_msg: LinkReform | None = None
         self._link_requests = 0          # LinkReform messages seen; each one re-forms, even at an equal number
         self._link_wanted = asyncio.Event()
         self._link_changed = asyncio.Condition()
@@ -165,10 +202,16 @@ class RolloutActor(Actor):
         self.buffer = (groups.get("buffer") or ["buffer"])[0]
         self.param_server = (groups.get("param_server") or [None])[0]
         config = link_config(self.settings, "ps_to_rollout")
-        if config is not None:
-            self.link = BulkLink(config)
         version, model_dir = start_weights(self.settings, self.run_dir)
-        self.engine = make_engine(self.settings, version, model_dir)
+        self.engine = make_engine(self.settings, version, model_dir, run_dir=str(self.run_dir))
+        if config is not None:
+            # Direct weights (the trainer is rank 0) to an engine whose server can join the group itself
+            # (SGLang): the server receives; otherwise this process receives on the bulk link.
+            direct = config.members and config.members[0] != self.param_server
+            server_side = direct and hasattr(self.engine, "init_weights_group") \
+                and bool(self.settings.get("weights_via_server", True))
+            tp = int(((self.settings.get("instance") or {}).get("parallel") or {}).get("tp", 1))
+            self.link = ServerWeightGroup(self.engine, config, tp) if server_side else BulkLink(config)
         await self.engine.start()
         self._engine_ready.set()
         self.log.info("engine_started", engine=type(self.engine).__name__, version=version, model_dir=model_dir,
@@ -218,7 +261,8 @@ class RolloutActor(Actor):
     async def _hello(self) -> None:
         if self.param_server is None or self.engine is None:
             return
-        await self.bus.send(self.param_server, RolloutHello(version=self.engine.version))
+        ranks = self.link.ranks if isinstance(self.link, ServerWeightGroup) else 0
+        await self.bus.send(self.param_server, RolloutHello(version=self.engine.version, weight_ranks=ranks))
         self.log.info("hello_sent", version=self.engine.version, param_server=self.param_server)
 
     # ----------------------------------------------------------------------------------- generation
@@ -324,6 +368,7 @@ class RolloutActor(Actor):
             self.log.warning("link_reform_without_link", generation=msg.generation)
             return
         self._link_target = msg.generation
+        self._link_msg = msg
         self._link_requests += 1
         self._link_wanted.set()
 
@@ -336,11 +381,14 @@ class RolloutActor(Actor):
             self._link_wanted.clear()
             if self._link_requests == done:
                 continue
-            done, generation = self._link_requests, self._link_target
+            done, generation, msg = self._link_requests, self._link_target, self._link_msg
             t0 = time.monotonic()
             try:
-                await in_thread(self.link.reform, generation)
-            except BulkError as exc:
+                if isinstance(self.link, ServerWeightGroup):
+                    await self.link.join(msg)
+                else:
+                    await in_thread(self.link.reform, generation)
+            except (BulkError, EngineError) as exc:
                 # The parameter server retries at a newer generation and tells us; wait for that.
                 self.counters["link_reform_failures"] += 1
                 self.log.error("link_reform_failed", generation=generation, error=str(exc))
@@ -350,7 +398,7 @@ class RolloutActor(Actor):
             async with self._link_changed:
                 self._link_changed.notify_all()
 
-    async def _wait_link(self, generation: int, timeout: float) -> BulkLink:
+    async def _wait_link(self, generation: int, timeout: float) -> "BulkLink | ServerWeightGroup":
         link = self.link
         if link is None:
             raise WeightSyncError(f"{self.name} has no weights link (settings.links has none for it)")
@@ -406,6 +454,8 @@ class RolloutActor(Actor):
                         raise WeightSyncError(f"version {msg.version}: receiving buckets failed: {item}") from item
                     yield item
 
+            if isinstance(link, ServerWeightGroup):
+                return await self._update_through_server(msg, link, t0)
             receiver = asyncio.ensure_future(receive())
             interruptible = bool((self.settings.get("gen") or {}).get("interruptible", True))
             swaps_before = len(getattr(engine, "swaps", []))
@@ -442,6 +492,27 @@ class RolloutActor(Actor):
                           active_groups=len(self.active))
             return WeightsAck(version=msg.version, weights_hash=digest, receive_seconds=receive_s,
                               stall_seconds=stall)
+
+    async def _update_through_server(self, msg: WeightsReady, group: "ServerWeightGroup", t0: float) -> WeightsAck:
+        """The server receives the buckets the trainer broadcasts, one /update_weights_from_distributed each,
+        inside one pause of its generation (the engine's interruption)."""
+        engine = self.engine
+        try:
+            await group.receive(msg)
+        except Exception as exc:
+            self.counters["weight_update_failures"] += 1
+            self.log.error("weights_update_failed", version=msg.version, error=repr(exc))
+            raise WeightSyncError(f"version {msg.version}: {exc}") from exc
+        seconds = time.monotonic() - t0
+        digest = await asyncio.to_thread(engine_weights_hash, engine)
+        if digest != msg.weights_hash:
+            self.counters["hash_mismatches"] += 1
+            self.log.error("weights_hash_mismatch", version=msg.version, expected=msg.weights_hash, got=digest)
+        self.counters["weight_updates"] += 1
+        self.log.info("weights_updated", version=msg.version, generation=msg.generation, buckets=msg.n_buckets,
+                      total_s=round(seconds, 4), through_server=True, active_groups=len(self.active))
+        # generation pauses for the whole receive (SGLang aborts and resumes around it)
+        return WeightsAck(version=msg.version, weights_hash=digest, receive_seconds=seconds, stall_seconds=seconds)
 
     @handles(RunFinished)
     def on_run_finished(self, msg: RunFinished) -> None:

@@ -46,10 +46,10 @@ from algo.advantages import compute_advantages
 from algo.packing import allocate_micro_batches
 from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
 from algo.staleness import sample_staleness
-from transport.bulk import BulkLink, LinkConfig, PackedBucket
+from transport.bulk import BulkLink, LinkConfig, PackedBucket, unpack_bucket
 from transport.bus import BusError
 from transport.protocol import (Batch, BatchRequest, CheckpointDone, CheckpointRequest, LinkFormed, LinkReform,
-                                RunFinished, VersionUpdate, WeightsBroadcast, WeightsBroadcastDone,
+                                RunFinished, TensorMeta, VersionUpdate, WeightsBroadcast, WeightsBroadcastDone,
                                 WeightsPublished, WeightsStored)
 
 
@@ -179,6 +179,11 @@ class TrainerActor(Actor):
                 self.link_opening = asyncio.ensure_future(asyncio.to_thread(self.link.open, 0))
         self.kept: dict[int, list[PackedBucket]] = {}    # direct weights: version -> buckets, the last two
         self._link_lock = asyncio.Lock()
+        # Direct weights to servers that join the group themselves (SGLang): the group of this generation,
+        # hosted here, and its formation running in a thread until every server rank has joined.
+        self.server_group: Any = None
+        self.server_generation: int | None = None
+        self.server_joining: asyncio.Future | None = None
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.tb = None
         try:
@@ -257,8 +262,9 @@ class TrainerActor(Actor):
             self.kept[self.version] = await asyncio.to_thread(pack_buckets, buckets)
             for old in [v for v in self.kept if v < self.version - 1]:
                 del self.kept[old]
+            specs = [[TensorMeta(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in b] for b in buckets]
             reply = await self.bus.request(self.param_server, WeightsPublished(
-                version=self.version, n_buckets=len(buckets), weights_hash=digest), timeout=60.0)
+                version=self.version, n_buckets=len(buckets), weights_hash=digest, specs=specs), timeout=60.0)
             if not isinstance(reply, WeightsStored) or reply.version != self.version:
                 raise RuntimeError(f"param server answered {reply!r} to version {self.version}")
             return time.time() - t0
@@ -278,14 +284,36 @@ class TrainerActor(Actor):
 
     @handles(LinkReform)
     async def on_link_reform(self, msg: LinkReform) -> LinkFormed:
-        """Direct weights: join the rollouts' group of this generation as its rank 0 (the rendezvous master)."""
+        """Direct weights: join the rollouts' group of this generation as its rank 0 (the rendezvous master).
+        With ``world_size`` set, the rollouts' servers join themselves: host a fresh group on a free port,
+        reply with it at once, and finish joining in the background while they come."""
         if not self.direct or self.link is None:
             raise RuntimeError(f"{self.name} has no direct weights link to re-form")
         async with self._link_lock:
             t0 = time.monotonic()
+            if msg.world_size > 0:
+                port = self._host_server_group(msg.generation, msg.world_size)
+                return LinkFormed(generation=msg.generation, seconds=time.monotonic() - t0, master_port=port)
             await in_thread(self.link.reform, msg.generation)
         self.log.info("weights_link_formed", generation=msg.generation, seconds=round(time.monotonic() - t0, 3))
         return LinkFormed(generation=msg.generation, seconds=time.monotonic() - t0)
+
+    def _host_server_group(self, generation: int, world_size: int) -> int:
+        from actors.engines.sglang import WeightGroupSender, free_port
+
+        if self.server_group is not None:
+            self.server_group.close()
+        cfg = self.link_cfg
+        port = free_port(cfg.bind_addr or "0.0.0.0")
+        self.server_group = WeightGroupSender(cfg.master_addr, port, world_size, group_name=self._group_name(generation),
+                                              backend=cfg.backend, timeout_s=cfg.timeout_s)
+        self.server_generation = generation
+        self.server_joining = in_thread(self.server_group.open)
+        self.log.info("weights_group_hosted", generation=generation, port=port, world_size=world_size)
+        return port
+
+    def _group_name(self, generation: int) -> str:
+        return f"{self.link_cfg.name}-g{generation}"
 
     @handles(WeightsBroadcast)
     async def on_weights_broadcast(self, msg: WeightsBroadcast) -> WeightsBroadcastDone:
@@ -296,13 +324,24 @@ class TrainerActor(Actor):
         if packed is None:
             raise RuntimeError(f"version {msg.version} is not kept here (kept: {sorted(self.kept)})")
         async with self._link_lock:
+            t0 = time.monotonic()
+            if self.server_generation == msg.generation and self.server_group is not None:
+                await self._broadcast_to_servers(packed)
+                return WeightsBroadcastDone(version=msg.version, seconds=time.monotonic() - t0)
             if self.link.generation != msg.generation:
                 raise RuntimeError(f"link {self.link.config.name!r} is at generation {self.link.generation}, "
                                    f"not {msg.generation}")
-            t0 = time.monotonic()
             for bucket in packed:
                 await in_thread(self.link.broadcast_packed, bucket, 0)
         return WeightsBroadcastDone(version=msg.version, seconds=time.monotonic() - t0)
+
+    async def _broadcast_to_servers(self, packed: list[PackedBucket]) -> None:
+        """One SGLang-format broadcast per bucket (the servers run /update_weights_from_distributed for each),
+        once every server rank has joined the group."""
+        assert self.server_joining is not None and self.server_group is not None
+        await asyncio.wait_for(asyncio.shield(self.server_joining), self.link_cfg.timeout_s + 5)
+        for bucket in packed:
+            await in_thread(self.server_group.send, unpack_bucket(bucket, self.link_cfg.name))
 
     async def _push_stats(self) -> dict[str, float]:
         """The parameter server's latest view: how long the last push to every rollout took until acked, and

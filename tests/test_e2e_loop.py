@@ -174,15 +174,22 @@ def test_killed_run_recovers_from_its_last_checkpoint(assets: dict[str, Path], t
     assert resumed[-1]["version"] == complete[-1], (resumed, complete)  # from the newest complete checkpoint
 
 
-def test_direct_weights_trainer_broadcasts_to_rollouts(assets: dict[str, Path], tmp_path: Path) -> None:
-    # The GPU topologies' weight path on gloo: one link of [trainer.0, rollout], none to the parameter
-    # server, which only coordinates. A killed rollout makes it re-form the group with the trainer.
+def direct_topology(tmp_path: Path, rollout_settings: str = "{engine: torch}") -> Path:
+    """topology/local.yaml with the GPU topologies' weight path: one link of [trainer.0, rollout]."""
     local = (ROOT / "topology" / "local.yaml").read_text()
     links = local[local.index("\nlinks:"):local.index("\nactors:")]
     direct = local.replace(links, "\nlinks:\n  weights: {backend: gloo, members: [trainer.0, rollout], port: auto, "
                                   "timeout_s: 30}\n")
+    direct = direct.replace("settings: {engine: torch}", f"settings: {rollout_settings}")
     topology = tmp_path / "direct.yaml"
     topology.write_text(direct)
+    return topology
+
+
+def test_direct_weights_trainer_broadcasts_to_rollouts(assets: dict[str, Path], tmp_path: Path) -> None:
+    # The GPU topologies' weight path on gloo: one link of [trainer.0, rollout], none to the parameter
+    # server, which only coordinates. A killed rollout makes it re-form the group with the trainer.
+    topology = direct_topology(tmp_path)
     run_dir = tmp_path / "run"
     proc = launch(assets, run_dir, steps=12, ckpt_every=6, topology=str(topology))
     try:
@@ -210,3 +217,41 @@ def test_direct_weights_trainer_broadcasts_to_rollouts(assets: dict[str, Path], 
     assert sorted(e["model"] for e in evals) == ["final", "start"] and all("time" in e for e in evals)
     _, notes = plot.plot_run(run_dir)
     assert not [n for n in notes if "eval.jsonl" in n], notes
+
+
+def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: Path) -> None:
+    # Rollouts driving SGLang servers (the stand-in, over the real HTTP routes): each server joins the
+    # trainer's group itself (/init_weights_update_group at the rank offset the parameter server assigns)
+    # and receives every version with /update_weights_from_distributed while the trainer broadcasts.
+    # (A rollout killed mid-broadcast can leave the other servers inside the broken group's collective
+    # until its timeout: docs/engines-sglang.md. Not exercised here.)
+    standin = f"{{engine: sglang, sglang: {{command: [{sys.executable}, -m, actors.engines.sglang_standin]}}}}"
+    run_dir = tmp_path / "run"
+    proc = launch(assets, run_dir, steps=8, ckpt_every=8, topology=str(direct_topology(tmp_path, standin)))
+    try:
+        finish(proc)
+    finally:
+        if proc.poll() is None:
+            kill_run(proc, run_dir)
+    check_invariants(run_dir, 8)
+    ps_log = [json.loads(line) for line in (run_dir / "logs" / "param_server.jsonl").read_text().splitlines()]
+    formed = [e for e in ps_log if e.get("event") == "rollout_link_formed"]
+    assert formed and all(e.get("servers") and e["ranks"] == 3 for e in formed), formed
+    pushes = [e for e in ps_log if e.get("event") == "weights_pushed"]
+    assert len(pushes) >= 6 and all(set(p["rollouts"]) == {"rollout.0", "rollout.1"} for p in pushes)
+    for name in ("rollout.0", "rollout.1"):
+        log = [json.loads(line) for line in (run_dir / "logs" / f"{name}.jsonl").read_text().splitlines()]
+        updates = [e for e in log if e.get("event") == "weights_updated"]
+        assert updates and all(e.get("through_server") for e in updates), name
+        assert not [e for e in log if e.get("event") == "weights_hash_mismatch"], name
+    # no server outlives the run
+    servers = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "sglang_standin" in text and (str(assets["model"]) in text or str(run_dir) in text):
+            servers.append(text)
+    assert not servers, servers
+    assert (run_dir / "logs" / "rollout.1.sglang.log").exists()   # in the run directory, not the cwd

@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -271,6 +274,43 @@ def test_launched_server_distributed_weights_and_restart(tmp_path):
     assert after.versions == [2] * 6 and after.output_ids == greedy_reference(new[1], [1, 2], 6)
     assert restarts == [1] and health["restarts"] == 1 and health["ok"]
     assert again.versions == [0] * 6 and again.output_ids == greedy_reference(tiny_model(seed=0), [1, 2], 6)
+
+
+def test_a_server_dies_with_the_process_that_started_it(tmp_path):
+    # A rollout actor killed by SIGKILL cannot stop its server; the kernel sends the server SIGTERM then.
+    model_dir = str(tmp_path / "start")
+    save_model(tiny_model(seed=0), model_dir)
+    script = (f"import asyncio, sys\n"
+              f"from actors.engines.sglang import LaunchConfig, SGLangEngine\n"
+              f"async def main():\n"
+              f"    e = SGLangEngine(launch=LaunchConfig(model_path={model_dir!r}, command=[sys.executable, '-m', "
+              f"'actors.engines.sglang_standin'], health_timeout_s=60.0, env={{'OMP_NUM_THREADS': '1'}}))\n"
+              f"    await e.start()\n"
+              f"    print(e.server.proc.pid, flush=True)\n"
+              f"    await asyncio.sleep(600)\n"
+              f"asyncio.run(main())\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=str(Path(__file__).resolve().parents[1]))
+    try:
+        server_pid = int(parent.stdout.readline())
+        os.kill(server_pid, 0)                       # the server is up
+        parent.kill()
+        parent.wait(30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(server_pid, 0)
+            except ProcessLookupError:
+                break
+            if Path(f"/proc/{server_pid}/stat").read_text().split()[2] == "Z":
+                break                                 # exited, not yet reaped
+            time.sleep(0.1)
+        else:
+            os.kill(server_pid, signal.SIGKILL)
+            pytest.fail("the server outlived the process that started it")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
 
 
 def test_launch_that_fails_names_the_exit_and_log(tmp_path):

@@ -153,13 +153,25 @@ class VersionUpdate(Message):
     version: int
 
 
+@dataclass
+class TensorMeta:
+    """Name, dtype and shape of one tensor of a weight bucket: what an SGLang server must be told to receive
+    it (`/update_weights_from_distributed`)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+
 @message("rl.weights_published")
 class WeightsPublished(Message):
-    """trainer -> param_server: the buckets of `version` follow on the train_to_ps bulk link."""
+    """trainer -> param_server: the buckets of `version` follow on the train_to_ps bulk link (relay), or
+    are kept by the trainer (direct weights). `specs`: per bucket, its tensors (direct weights only)."""
 
     version: int
     n_buckets: int
     weights_hash: str
+    specs: list[list[TensorMeta]] = field(default_factory=list)
 
 
 @message("rl.weights_stored")
@@ -176,6 +188,7 @@ class WeightsReady(Message):
     n_buckets: int
     weights_hash: str
     generation: int
+    specs: list[list[TensorMeta]] = field(default_factory=list)   # direct weights: for servers that receive
 
 
 @message("rl.weights_ack")
@@ -190,9 +203,12 @@ class WeightsAck(Message):
 
 @message("rl.rollout_hello")
 class RolloutHello(Message):
-    """rollout -> param_server: a (re)started rollout at `version` joins; it needs the current weights."""
+    """rollout -> param_server: a (re)started rollout at `version` joins; it needs the current weights.
+    `weight_ranks` > 0: its server joins the direct weights group itself, as that many ranks (an SGLang
+    server, one per tensor-parallel rank); 0: the actor receives on the bulk link."""
 
     version: int
+    weight_ranks: int = 0
 
 
 @message("rl.worker_hello")
@@ -206,17 +222,24 @@ class WorkerHello(Message):
 @message("rl.link_reform")
 class LinkReform(Message):
     """param_server -> rollout (and, with direct weights, -> trainer as a request): re-form the weights link at
-    `generation` (a member restarted)."""
+    `generation` (a member restarted). Direct weights to servers that join themselves: the trainer gets
+    `world_size` and hosts the group (replies LinkFormed with its port); each rollout gets `master_port`,
+    its `rank_offset` and `world_size`."""
 
     generation: int
+    master_port: int = 0
+    rank_offset: int = -1
+    world_size: int = 0
 
 
 @message("rl.link_formed")
 class LinkFormed(Message):
-    """trainer -> param_server (direct weights): the trainer joined the group of `generation`."""
+    """trainer -> param_server (direct weights): the trainer joined the group of `generation` (or, for a
+    group of servers, is hosting it on `master_port` and joins while they do)."""
 
     generation: int
     seconds: float
+    master_port: int = 0
 
 
 @message("rl.weights_broadcast")
