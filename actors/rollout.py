@@ -481,11 +481,7 @@ class RolloutActor(Actor):
             swaps = getattr(engine, "swaps", [])
             if interruptible and len(swaps) > swaps_before:
                 stall = swaps[-1].swap_s + swaps[-1].rebuild_s   # the decode loop's pause at the boundary
-            digest = await asyncio.to_thread(engine_weights_hash, engine)
-            if digest != msg.weights_hash:
-                self.counters["hash_mismatches"] += 1
-                self.log.error("weights_hash_mismatch", version=msg.version, expected=msg.weights_hash, got=digest)
-            self.counters["weight_updates"] += 1
+            digest = await self._checked_hash(msg)
             self.log.info("weights_updated", version=msg.version, generation=msg.generation, buckets=msg.n_buckets,
                           receive_s=round(receive_s, 4), stall_s=round(stall, 4),
                           total_s=round(time.monotonic() - t0, 4), interruptible=interruptible,
@@ -493,10 +489,19 @@ class RolloutActor(Actor):
             return WeightsAck(version=msg.version, weights_hash=digest, receive_seconds=receive_s,
                               stall_seconds=stall)
 
+    async def _checked_hash(self, msg: WeightsReady) -> str:
+        """The engine's own hash of the weights it now samples with; a mismatch with the trainer's is an
+        error in the log and a counter (the parameter server counts it too, from the ack)."""
+        digest = await asyncio.to_thread(engine_weights_hash, self.engine)
+        if digest != msg.weights_hash:
+            self.counters["hash_mismatches"] += 1
+            self.log.error("weights_hash_mismatch", version=msg.version, expected=msg.weights_hash, got=digest)
+        self.counters["weight_updates"] += 1
+        return digest
+
     async def _update_through_server(self, msg: WeightsReady, group: "ServerWeightGroup", t0: float) -> WeightsAck:
         """The server receives the buckets the trainer broadcasts, one /update_weights_from_distributed each,
         inside one pause of its generation (the engine's interruption)."""
-        engine = self.engine
         try:
             await group.receive(msg)
         except Exception as exc:
@@ -504,11 +509,7 @@ class RolloutActor(Actor):
             self.log.error("weights_update_failed", version=msg.version, error=repr(exc))
             raise WeightSyncError(f"version {msg.version}: {exc}") from exc
         seconds = time.monotonic() - t0
-        digest = await asyncio.to_thread(engine_weights_hash, engine)
-        if digest != msg.weights_hash:
-            self.counters["hash_mismatches"] += 1
-            self.log.error("weights_hash_mismatch", version=msg.version, expected=msg.weights_hash, got=digest)
-        self.counters["weight_updates"] += 1
+        digest = await self._checked_hash(msg)
         self.log.info("weights_updated", version=msg.version, generation=msg.generation, buckets=msg.n_buckets,
                       total_s=round(seconds, 4), through_server=True, active_groups=len(self.active))
         # generation pauses for the whole receive (SGLang aborts and resumes around it)

@@ -101,6 +101,12 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
     return out
 
 
+def events(run_dir: Path, actor: str, event: str | None = None) -> list[dict]:
+    """An actor's structlog JSON records (those of one event kind, if given)."""
+    records = [json.loads(line) for line in (run_dir / "logs" / f"{actor}.jsonl").read_text().splitlines()]
+    return [r for r in records if event is None or r.get("event") == event]
+
+
 def trained_batches(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, (run_dir / "buffer" / "ledger.jsonl").read_text().splitlines())
             if r["event"] == "batch"]
@@ -122,8 +128,7 @@ def check_invariants(run_dir: Path, steps: int) -> None:
     utilisation = [m["rollout_utilisation"] for m in final.values() if "rollout_utilisation" in m]
     assert len(utilisation) >= steps // 2 and all(0.0 <= u <= 1.0 + 1e-6 for u in utilisation), utilisation
     assert all(m["weight_push_seconds"] >= 0 and m["gen_stall_seconds"] >= 0 for m in final.values())
-    pushes = [json.loads(line) for line in (run_dir / "logs" / "param_server.jsonl").read_text().splitlines()
-              if '"weights_pushed"' in line]
+    pushes = events(run_dir, "param_server", "weights_pushed")
     assert pushes, "the parameter server pushed no weights"
     for p in pushes:  # an ack is missing only from a rollout killed during that push
         assert all(r["hash_ok"] for r in p["rollouts"].values() if "error" not in r), p
@@ -169,8 +174,7 @@ def test_killed_run_recovers_from_its_last_checkpoint(assets: dict[str, Path], t
         if proc.poll() is None:
             kill_run(proc, run_dir)
     check_invariants(run_dir, steps)
-    log = (run_dir / "logs" / "trainer.jsonl").read_text()
-    resumed = [json.loads(line) for line in log.splitlines() if '"trainer_started"' in line]
+    resumed = events(run_dir, "trainer", "trainer_started")
     assert resumed[-1]["version"] == complete[-1], (resumed, complete)  # from the newest complete checkpoint
 
 
@@ -200,13 +204,11 @@ def test_direct_weights_trainer_broadcasts_to_rollouts(assets: dict[str, Path], 
         if proc.poll() is None:
             kill_run(proc, run_dir)
     check_invariants(run_dir, 12)
-    ps_log = [json.loads(line) for line in (run_dir / "logs" / "param_server.jsonl").read_text().splitlines()]
-    assert any(e.get("event") == "direct_weights" for e in ps_log)
-    formed = [e for e in ps_log if e.get("event") == "rollout_link_formed"]
+    assert events(run_dir, "param_server", "direct_weights")
+    formed = events(run_dir, "param_server", "rollout_link_formed")
     assert len(formed) >= 2, "the group was not formed again after the rollout restarted"
-    trainer_log = (run_dir / "logs" / "trainer.jsonl").read_text()
-    assert trainer_log.count('"weights_link_formed"') >= len(formed)
-    pushes = [e for e in ps_log if e.get("event") == "weights_pushed"]
+    assert len(events(run_dir, "trainer", "weights_link_formed")) >= len(formed)
+    pushes = events(run_dir, "param_server", "weights_pushed")
     failed = {(name, r["error"].split(":")[0]) for p in pushes for name, r in p["rollouts"].items() if "error" in r}
     assert failed <= {("rollout.1", "abandoned")}, failed   # not waited for until the ack timeout
     # the restarted rollout got weights from the trainer on the re-formed group (hashes checked above)
@@ -234,16 +236,14 @@ def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: P
         if proc.poll() is None:
             kill_run(proc, run_dir)
     check_invariants(run_dir, 8)
-    ps_log = [json.loads(line) for line in (run_dir / "logs" / "param_server.jsonl").read_text().splitlines()]
-    formed = [e for e in ps_log if e.get("event") == "rollout_link_formed"]
+    formed = events(run_dir, "param_server", "rollout_link_formed")
     assert formed and all(e.get("servers") and e["ranks"] == 3 for e in formed), formed
-    pushes = [e for e in ps_log if e.get("event") == "weights_pushed"]
+    pushes = events(run_dir, "param_server", "weights_pushed")
     assert len(pushes) >= 6 and all(set(p["rollouts"]) == {"rollout.0", "rollout.1"} for p in pushes)
     for name in ("rollout.0", "rollout.1"):
-        log = [json.loads(line) for line in (run_dir / "logs" / f"{name}.jsonl").read_text().splitlines()]
-        updates = [e for e in log if e.get("event") == "weights_updated"]
+        updates = events(run_dir, name, "weights_updated")
         assert updates and all(e.get("through_server") for e in updates), name
-        assert not [e for e in log if e.get("event") == "weights_hash_mismatch"], name
+        assert not events(run_dir, name, "weights_hash_mismatch"), name
     # no server outlives the run
     servers = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
