@@ -167,15 +167,14 @@ class TrainerActor(Actor):
             # asks for each broadcast (WeightsBroadcast); the last published versions are kept for that.
             link_cfg = next(iter(links.values()))
             self.direct = True
+        self.link_opening: asyncio.Future | None = None   # the train_to_ps link joining (relay mode)
         if link_cfg is not None and self.param_server is not None:
             self.link_cfg = LinkConfig.from_dict(link_cfg)
             self.link = BulkLink(self.link_cfg)
-            if self.direct:
-                if self.link_cfg.rank != 0:
-                    raise ValueError(f"links.{self.link_cfg.name}.members: the trainer broadcasts direct weights "
-                                     f"as rank 0 and must be listed first, got {self.link_cfg.members}")
-                self.link_opening = asyncio.ensure_future(asyncio.sleep(0))
-            else:
+            if self.direct and self.link_cfg.rank != 0:
+                raise TrainerConfigError(f"links.{self.link_cfg.name}.members: the trainer broadcasts direct "
+                                         f"weights as rank 0 and must be listed first, got {self.link_cfg.members}")
+            if not self.direct:
                 self.link_opening = asyncio.ensure_future(asyncio.to_thread(self.link.open, 0))
         self.kept: dict[int, list[PackedBucket]] = {}    # direct weights: version -> buckets, the last two
         self._link_lock = asyncio.Lock()
@@ -204,7 +203,7 @@ class TrainerActor(Actor):
 
     # --- the loop ---------------------------------------------------------------------------------
     async def _train_loop(self) -> None:
-        if self.link is not None:
+        if self.link_opening is not None:
             await self.link_opening
         last_end = time.time()
         while self.version < self.total_steps:
