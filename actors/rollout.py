@@ -22,6 +22,9 @@ Settings (besides the shared experiment keys ``model.path``, ``model.dtype``, ``
     link:              name of the weights link (default "ps_to_rollout", or the only link listed)
     weights_timeout_s: bound on waiting for the link to reach a WeightsReady's generation (default: the
                        link's timeout_s)
+    weights_via_server: with direct weights (the trainer is the link's rank 0) and an SGLang engine, the
+                       server joins the trainer's group and receives itself (default true; false: this
+                       process receives on the bulk link and hands the weights to the server through disk)
     stats_every_s:     period of the ``rollout_stats`` log line (default 30; 0 disables it)
 """
 from __future__ import annotations
@@ -172,7 +175,7 @@ class RolloutActor(Actor):
         # Everything a handler may touch exists before the bus starts: messages can arrive during on_start.
         self.engine: GenerationEngine | None = None
         self._engine_ready = asyncio.Event()
-        self.link: BulkLink | None = None
+        self.link: BulkLink | ServerWeightGroup | None = None
         self._link_target: int | None = None
         self._link_msg: LinkReform | None = None
         self._link_requests = 0          # LinkReform messages seen; each one re-forms, even at an equal number
