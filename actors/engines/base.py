@@ -222,6 +222,13 @@ class PackedBatch:
     def seq_lens(self) -> list[int]:
         return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
 
+    def loss_tokens(self) -> float:
+        """How many tokens the loss counts: the loss mask's sum, or, without a mask, every token but each
+        sequence's first (the ones a next-token loss predicts)."""
+        if "loss_mask" in self.fields:
+            return float(self.fields["loss_mask"].sum())
+        return float(self.num_tokens - self.num_seqs)
+
     def to(self, device: torch.device | str) -> PackedBatch:
         return PackedBatch(self.input_ids.to(device), self.cu_seqlens.to(device), self.position_ids.to(device),
                            {k: v.to(device) for k, v in self.fields.items()})

@@ -588,8 +588,7 @@ class MegatronTrainEngine(TrainEngine):
         if not micro_batches:
             raise RequestError("train_step: no micro-batches")
         batches = [self._check(mb) for mb in micro_batches]
-        weights = [float(mb.fields["loss_mask"].sum()) if "loss_mask" in mb.fields
-                   else float(mb.num_tokens - mb.num_seqs) for mb in batches]
+        weights = [mb.loss_tokens() for mb in batches]
         denominator = float(loss_denominator) if loss_denominator is not None else self._dp_sum([sum(weights)])[0]
         if not denominator > 0:
             raise RequestError(f"train_step: loss denominator must be positive, got {denominator}")

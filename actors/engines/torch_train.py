@@ -142,9 +142,7 @@ class TorchTrainEngine(TrainEngine):
         if not micro_batches:
             raise RequestError("train_step: no micro-batches")
         batches = [self._check(mb) for mb in micro_batches]
-        # Without a mask every token but each sequence's first is predicted (and counted).
-        weights = [float(mb.fields["loss_mask"].sum()) if "loss_mask" in mb.fields
-                   else float(mb.num_tokens - mb.num_seqs) for mb in batches]
+        weights = [mb.loss_tokens() for mb in batches]
         denominator = float(loss_denominator) if loss_denominator is not None else sum(weights)
         if not denominator > 0:
             raise RequestError(f"train_step: loss denominator must be positive, got {denominator}")
