@@ -10,7 +10,7 @@ import torch
 
 from actors.engines.base import EngineError, GenerationRequest, PackedBatch, RequestError, SamplingParams
 from actors.engines.checkpoint import CheckpointError, hf_state_dict
-from actors.engines.testing import random_sequences, tiny_model
+from actors.engines.testing import greedy_reference, random_sequences, tiny_model
 from actors.engines.torch_gen import TorchGenerationEngine, counter_uniform, sample_tokens
 from actors.engines.torch_train import TorchTrainEngine
 
@@ -26,14 +26,6 @@ async def started(model=None, **kwargs) -> TorchGenerationEngine:
     engine = TorchGenerationEngine(model=model if model is not None else tiny_model(seed=0), **kwargs)
     await engine.start()
     return engine
-
-
-def greedy_reference(model, prompt: list[int], count: int) -> list[int]:
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(count):
-            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    return seq[len(prompt):]
 
 
 def test_greedy_tokens_and_logprobs_match_full_forward_and_trainer():

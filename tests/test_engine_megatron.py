@@ -194,19 +194,24 @@ def test_fused_qkv_shard_holds_whole_query_groups() -> None:
         "model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.up_proj.weight")  # pipeline layer offset
 
 
+def _run_on_new_model(tmp_path, world: int, settings: dict[str, Any], **overrides: Any) -> tuple[Any, list[dict]]:
+    """A fresh model directory; the torch backend's reference on it and the outputs of `world` Megatron ranks
+    (a checkpoint, when asked for, lands in tmp_path/out/ckpt)."""
+    model_dir = _model_dir(tmp_path, **overrides)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    return _reference(model_dir), _run(world, model_dir, str(out_dir), settings)
+
+
 # --- against the torch backend ------------------------------------------------------------------------------
 @needs_megatron
 def test_world_size_1_matches_torch_backend_and_checkpoint_resumes(tmp_path) -> None:
-    model_dir = _model_dir(tmp_path)
-    ref = _reference(model_dir)
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    [got] = _run(1, model_dir, str(out_dir), {"config": {}, "checkpoint": True})
+    ref, [got] = _run_on_new_model(tmp_path, 1, {"config": {}, "checkpoint": True})
     report: dict[str, float] = {}
     _check_against_reference(ref, got, report)
     print("megatron ws=1 vs torch:", report)
     # The checkpoint is a Hugging Face model directory holding the weights after the first step ...
-    saved = hf_state_dict(load_model(str(out_dir / "ckpt")))
+    saved = hf_state_dict(load_model(str(tmp_path / "out" / "ckpt")))
     assert _max_diff(saved, got["weights"]) == 0.0
     # ... and resuming from it replays the second step bit for bit.
     assert got["version_after_load"] == 1
@@ -217,11 +222,7 @@ def test_world_size_1_matches_torch_backend_and_checkpoint_resumes(tmp_path) -> 
 @needs_megatron
 def test_tensor_parallel_2_matches_torch_backend(tmp_path) -> None:
     # vocab 97 padded to 98: rank 1's shard mixes real columns with one padding column.
-    model_dir = _model_dir(tmp_path)
-    ref = _reference(model_dir)
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    ranks = _run(2, model_dir, str(out_dir), {"config": {"tensor_parallel": 2, "vocab_pad_multiple": 1}})
+    ref, ranks = _run_on_new_model(tmp_path, 2, {"config": {"tensor_parallel": 2, "vocab_pad_multiple": 1}})
     report: dict[str, float] = {}
     for got in ranks:  # every TP rank has the full log-probs and the same stats
         _check_against_reference(ref, {**got, "weights": ranks[0]["weights"]}, report)
@@ -232,11 +233,7 @@ def test_tensor_parallel_2_matches_torch_backend(tmp_path) -> None:
 @needs_megatron
 def test_data_parallel_2_matches_torch_backend(tmp_path) -> None:
     # Each DP rank trains on its own micro-batch; the default denominator is the global token count.
-    model_dir = _model_dir(tmp_path, tie_word_embeddings=True)
-    ref = _reference(model_dir)
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    ranks = _run(2, model_dir, str(out_dir), {"config": {}})
+    ref, ranks = _run_on_new_model(tmp_path, 2, {"config": {}}, tie_word_embeddings=True)
     report: dict[str, float] = {}
     for got in ranks:
         _check_against_reference(ref, {**got, "weights": ranks[0]["weights"]}, report)
@@ -248,11 +245,8 @@ def test_data_parallel_2_matches_torch_backend(tmp_path) -> None:
 @needs_megatron
 def test_pipeline_parallel_2_matches_torch_backend_and_checkpoint_resumes(tmp_path) -> None:
     # Tied embeddings across stages (Megatron all-reduces the embedding and output-layer gradients).
-    model_dir = _model_dir(tmp_path, tie_word_embeddings=True)
-    ref = _reference(model_dir)
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    ranks = _run(2, model_dir, str(out_dir), {"config": {"pipeline_parallel": 2}, "checkpoint": True})
+    ref, ranks = _run_on_new_model(tmp_path, 2, {"config": {"pipeline_parallel": 2}, "checkpoint": True},
+                                   tie_word_embeddings=True)
     # Each stage exports its own layers; together they are the whole model.
     first, last = ranks[0]["weights"], ranks[1]["weights"]
     assert "model.embed_tokens.weight" in first and "model.norm.weight" in last
@@ -264,7 +258,7 @@ def test_pipeline_parallel_2_matches_torch_backend_and_checkpoint_resumes(tmp_pa
         _check_against_reference(ref, {**got, "weights": both}, report)
     print("megatron pp=2 vs torch:", report)
     # One safetensors file per stage with an index: a Hugging Face model directory.
-    assert _max_diff(hf_state_dict(load_model(str(out_dir / "ckpt"))), both) == 0.0
+    assert _max_diff(hf_state_dict(load_model(str(tmp_path / "out" / "ckpt"))), both) == 0.0
     for got in ranks:
         assert got["replayed_step"] == got["second_step"]
         assert _max_diff(got["replayed_weights"], got["second_weights"]) == 0.0  # each stage: its own layers

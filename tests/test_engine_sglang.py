@@ -24,7 +24,7 @@ from actors.engines.checkpoint import hf_state_dict, save_model
 from actors.engines.sglang import (LaunchConfig, SGLangEngine, SGLangLaunchError, WeightGroupSender, _sample_seed,
                                    bucket_specs, free_port)
 from actors.engines.sglang_standin import StandinThread
-from actors.engines.testing import random_sequences, tiny_model
+from actors.engines.testing import greedy_reference, random_sequences, tiny_model
 from actors.engines.torch_gen import TorchGenerationEngine
 from actors.weights import weights_hash
 
@@ -34,14 +34,6 @@ VOCAB = 97
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
-
-
-def greedy_reference(model, prompt: list[int], count: int) -> list[int]:
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(count):
-            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    return seq[len(prompt):]
 
 
 @pytest.fixture
@@ -83,25 +75,28 @@ def test_samples_equal_the_embedded_engine_and_logprobs_come_back(standin):
     assert health["ok"] and health["version"] == 0
 
 
-def test_weight_update_from_disk_interrupts_and_resumes_with_new_version(standin, tmp_path):
-    new_model = tiny_model(seed=5)
-    save_model(new_model, str(tmp_path / "v1"))
-    prompt = random_sequences(1, 4, 8, VOCAB, seed=4)[0]
-    engine_core = standin.engine
-    reached, fired = threading.Event(), []
-    cut = 6  # decode steps under the old weights before the update's abort lands
+def hold_decoding_at(engine_core: TorchGenerationEngine, step: int) -> threading.Event:
+    """Once, in the decode thread: hold decoding at `step` until an abort is queued, so the point where a
+    pause or abort cuts in is exact whatever the machine's speed. The event says the step was reached."""
+    reached = threading.Event()
 
-    def hook(step: int) -> None:
-        # Runs in the decode thread: hold decoding at step `cut` until the pause's abort is queued, so the
-        # split point is exact whatever the machine's speed.
-        if fired or step < cut:
+    def hook(at: int) -> None:
+        if reached.is_set() or at < step:
             return
-        fired.append(step)
         reached.set()
         with engine_core._cond:
             engine_core._cond.wait_for(lambda: engine_core._aborts, timeout=30)
 
     engine_core.on_step = hook
+    return reached
+
+
+def test_weight_update_from_disk_interrupts_and_resumes_with_new_version(standin, tmp_path):
+    new_model = tiny_model(seed=5)
+    save_model(new_model, str(tmp_path / "v1"))
+    prompt = random_sequences(1, 4, 8, VOCAB, seed=4)[0]
+    cut = 6  # decode steps under the old weights before the update's abort lands
+    reached = hold_decoding_at(standin.engine, cut)
 
     async def main():
         engine = SGLangEngine(url=standin.url)
@@ -150,17 +145,7 @@ def test_update_weights_from_buckets_goes_through_disk(standin, tmp_path):
 
 
 def test_abort_returns_partial_tokens_and_pause_holds_requests(standin):
-    engine_core = standin.engine
-    started, fired = threading.Event(), []
-
-    def hook(step: int) -> None:
-        if not fired and step >= 3:
-            fired.append(step)
-            started.set()
-            with engine_core._cond:
-                engine_core._cond.wait_for(lambda: engine_core._aborts, timeout=30)
-
-    engine_core.on_step = hook
+    started = hold_decoding_at(standin.engine, 3)
 
     async def main():
         engine = SGLangEngine(url=standin.url)

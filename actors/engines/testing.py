@@ -1,4 +1,5 @@
-"""Small random Qwen2 models for the engine tests and the engine benchmark (no checkpoint needed)."""
+"""Small random Qwen2 models for the engine tests and the engine benchmark (no checkpoint needed), and the
+greedy continuation a full forward pass gives, to check engines against."""
 from __future__ import annotations
 
 import torch
@@ -30,3 +31,12 @@ def random_sequences(count: int, low: int, high: int, vocab: int, seed: int = 0)
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (count,), generator=gen).tolist()
     return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def greedy_reference(model: Qwen2ForCausalLM, prompt: list[int], count: int) -> list[int]:
+    """The next ``count`` greedy tokens after ``prompt``, one full forward pass per token (no KV cache)."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(count):
+            seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt):]
