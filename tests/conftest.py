@@ -10,3 +10,12 @@ from hypothesis import settings  # noqa: E402
 # derandomize fixes each test's examples, and no per-example wall-clock deadline.
 settings.register_profile("project", derandomize=True, deadline=None, print_blob=True)
 settings.load_profile("project")
+
+
+def pytest_unconfigure(config: object) -> None:
+    # Anything still hanging once the session has reported (a thread or a ZeroMQ context waiting at
+    # exit) must fail the run with every thread's stack, not hold CI until its time limit.
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(120, exit=True, file=sys.__stderr__)

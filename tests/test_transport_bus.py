@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
+import textwrap
 from typing import Any, Awaitable, Callable
 
 import msgpack
@@ -391,6 +394,41 @@ def test_pending_batch_is_flushed_on_close() -> None:
     run(main())
 
 
+def test_a_bus_dropped_without_close_does_not_hang_its_process() -> None:
+    # An actor or test that fails with a bus open, its sender blocked on a full queue: garbage collection
+    # used to clear the context's references to its sockets and then term() waited for them forever.
+    code = textwrap.dedent("""
+        import asyncio, gc, uvloop
+        from transport.bus import Bus
+        from transport.messages import Message, message
+
+        @message("test.bus.dropped_count")
+        class Count(Message):
+            n: int
+
+        async def main():
+            async def stuck(env):
+                await asyncio.Event().wait()
+            server = await Bus("server", "tcp://127.0.0.1:*", handler=stuck, hwm=5, max_inflight=1,
+                               heartbeat_interval=None).start()
+            client = await Bus("client", "tcp://127.0.0.1:*", {"server": server.endpoint}, hwm=5,
+                               heartbeat_interval=None).start()
+            for i in range(100_000):
+                await asyncio.wait_for(client.send("server", Count(i)), 0.5)
+
+        try:
+            uvloop.run(main())
+        except TimeoutError:
+            print("sender blocked")
+        gc.collect()
+        print("collected")
+    """)
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["sender", "blocked", "collected"]
+
+
 @pytest.mark.parametrize("hwm", [5, 64])
 def test_backpressure_sender_waits_and_nothing_is_dropped(hwm: int) -> None:
     # hwm 5: one ZeroMQ message per bus message (coalescing off); hwm 64: containers of up to 4 messages
@@ -418,7 +456,10 @@ def test_backpressure_sender_waits_and_nothing_is_dropped(hwm: int) -> None:
 
         producer = asyncio.create_task(produce())
         await until(lambda: client.stats["send_waits"] >= 1, timeout=30)
-        assert not producer.done() and len(got) == 0     # held back, not dropping
+        # The sender had to wait while the handler had taken nothing: held back, not dropping. (Whether
+        # the producer is still waiting at this instant is a race: the queues drain into the kernel's
+        # buffers in bursts, so it may already have passed its 50 waits.)
+        assert len(got) == 0
         release.set()
         await asyncio.wait_for(producer, 30)
         await until(lambda: len(got) == sent, timeout=30)

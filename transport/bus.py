@@ -35,6 +35,7 @@ import contextvars
 import errno
 import os
 import time
+import weakref
 from collections import Counter
 from typing import Any, Awaitable, Callable
 
@@ -59,6 +60,18 @@ _COALESCE_ITEM_MAX = 4096   # tensor-free messages up to this size (frame 0) may
 _LOG_FIRST = 20             # rejections of one reason logged in full before sampling
 _LOG_EVERY = 1000
 
+
+
+def _release_zmq(sockets: list[zmq.Socket], ctx: zmq.Context, auth: Any) -> None:
+    """Close a dropped bus's sockets (no linger) and its context; runs at garbage collection or exit."""
+    if auth is not None:
+        auth.stop()
+    for sock in sockets:
+        try:
+            sock.close(linger=0)
+        except Exception:       # its event loop may be gone already; the handle still closes
+            pass
+    ctx.term()
 
 class BusError(RuntimeError):
     pass
@@ -208,8 +221,14 @@ class Bus:
         self._ctx = zmq.asyncio.Context()
         if self.curve is not None:
             self._auth = start_authenticator(self._ctx, self.curve, on_deny=self._on_auth_denied)
+        # A bus dropped without close() (a failed test, an actor dying of an exception) must not hang its
+        # process at exit: garbage collection clears the context's weak references to its sockets before
+        # the context's own finaliser runs term(), which then waits forever for sockets nobody will close.
+        self._zmq_sockets: list[zmq.Socket] = []
+        self._release = weakref.finalize(self, _release_zmq, self._zmq_sockets, self._ctx, self._auth)
         # The asyncio socket waits for readiness; a plain shadow of it does the non-blocking fast path.
         self._arouter = self._ctx.socket(zmq.ROUTER)
+        self._zmq_sockets.append(self._arouter)
         router = self._router = zmq.Socket.shadow(self._arouter.underlying)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, self.hwm)
@@ -255,6 +274,7 @@ class Bus:
         if self._ctx is not None:
             # term() waits for the DEALERs' linger (bounded above); run it off the loop.
             await asyncio.get_running_loop().run_in_executor(None, self._ctx.term)
+            self._release.detach()
 
     async def _flush_all(self, linger: float) -> None:
         """Hand every pending coalesced batch to ZeroMQ, waiting for room up to ``linger`` seconds."""
@@ -318,6 +338,7 @@ class Bus:
             if old.reader is not None:
                 old.reader.cancel()
             old.asock.close(linger=0)
+            self._zmq_sockets.remove(old.asock)
         self._peer_endpoints[name] = endpoint
         if self._started and not self._closed:
             self._connect(name, endpoint)
@@ -510,6 +531,7 @@ class Bus:
 
     def _connect(self, peer: str, endpoint: str) -> None:
         asock = self._ctx.socket(zmq.DEALER)
+        self._zmq_sockets.append(asock)
         sock = zmq.Socket.shadow(asock.underlying)
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.RCVHWM, self.hwm)
