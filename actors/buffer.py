@@ -33,7 +33,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from actors.base import Actor, handles
 from actors.dataset import load_dataset
@@ -104,6 +104,7 @@ class BufferActor(Actor):
         self.attempts = 0
         self.stats = BufferStats()
         self.rollout_clocks: dict[str, tuple[float, float]] = {}    # latest (busy, up) seconds per rollout
+        self.rollout_versions: dict[str, int] = {}                   # newest weight version seen per rollout
         self.clocks_at_batch: dict[str, tuple[float, float]] = {}   # the same at the previous batch
         self.batches_served = 0
         self.finished = False
@@ -140,21 +141,30 @@ class BufferActor(Actor):
         self.position += 1
         return key
 
-    def _least_loaded(self, names: list[str], attr: str, cap: int | None) -> str | None:
+    def _least_loaded(self, names: list[str], attr: str, cap: Callable[[str], int | None]) -> str | None:
         load = {r: 0 for r in names if r in self.greeted and self.bus.peer_alive(r)}
         for f in self.inflight.values():
             if getattr(f, attr) in load:
                 load[getattr(f, attr)] += 1
-        free = [(n, r) for r, n in load.items() if cap is None or n < cap]
+        free = [(n, r) for r, n in load.items() if cap(r) is None or n < cap(r)]
         return min(free)[1] if free else None
+
+    def _rollout_cap(self, rollout: str) -> int:
+        """Groups a rollout may hold. One while its newest weights are already older than the gate allows:
+        everything it generates now will be dropped as stale, and a flood of such work would crowd out the
+        heartbeats and weight pushes that let it catch up (the one group tells when it has)."""
+        seen = self.rollout_versions.get(rollout)
+        if seen is not None and self.gate.version - seen > self.eta:
+            return 1
+        return self.max_per_rollout
 
     async def _dispatch_loop(self) -> None:
         while not self.finished:
             await self.changed.wait()
             self.changed.clear()
             while not self.finished and self.gate.can_admit():
-                rollout = self._least_loaded(self.rollouts, "rollout", self.max_per_rollout)
-                reward = self._least_loaded(self.rewards, "reward", None)
+                rollout = self._least_loaded(self.rollouts, "rollout", self._rollout_cap)
+                reward = self._least_loaded(self.rewards, "reward", lambda _: None)
                 if rollout is None or reward is None:
                     break
                 key = self._next_key()
@@ -192,6 +202,7 @@ class BufferActor(Actor):
     def on_worker_hello(self, msg: WorkerHello, env: Any) -> None:
         # Anything assigned to this worker before its (re)start will not come back from it.
         self._hand_back_held_by(env.sender, f"{env.sender} (re)started")
+        self.rollout_versions.pop(env.sender, None)
         self.greeted.add(env.sender)
         self.changed.set()
 
@@ -220,6 +231,9 @@ class BufferActor(Actor):
     # --- collecting results -----------------------------------------------------------------------
     @handles(ScoredGroup)
     def on_scored(self, msg: ScoredGroup) -> None:
+        newest = max((v for s in msg.samples for v in s.versions), default=None)
+        if newest is not None:
+            self.rollout_versions[msg.rollout] = newest      # the weights it finished this group with
         f = self.inflight.pop(msg.group_id, None)
         if f is None:  # a late answer to a group already re-issued elsewhere: the re-issue wins
             self.counters["late_groups"] += 1

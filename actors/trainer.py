@@ -38,12 +38,13 @@ from actors.base import Actor, handles
 from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.param_server import WeightsStatus, WeightsStatusRequest, pack_buckets
+from actors.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup
 from actors.recovery import (checkpoint_dir, mark_complete, mark_run_finished, refuse_restart_within_launch,
                              start_weights)
 from actors.rollout import in_thread
 from actors.weights import weights_hash
 from algo.advantages import compute_advantages
-from algo.packing import allocate_micro_batches
+from algo.packing import allocate_micro_batches, split_by_rank
 from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
 from algo.staleness import sample_staleness
 from transport.bulk import BulkLink, LinkConfig, PackedBucket, unpack_bucket
@@ -141,11 +142,17 @@ class TrainerActor(Actor):
     async def on_start(self) -> None:
         s = self.settings
         instance = s.get("instance") or {}
-        if int(instance.get("count", 1)) > 1:
-            raise TrainerConfigError(
-                f"the trainer group has {instance['count']} instances, but the trainer actor runs one process: "
-                f"a multi-rank trainer (ranks > 0 following rank 0's steps) is not built yet, and separate "
-                f"instances would each train on their own. Use count: 1 (docs/engines-megatron.md)")
+        count = int(instance.get("count", 1))
+        self.world = instance.get("world")
+        if count > 1 and not self.world:
+            raise TrainerConfigError(f"the trainer group has {count} instances but no world_port: its instances "
+                                     f"would each train on their own. Set world_port on the group (topology)")
+        if self.world and s.get("backend", "torch") != "megatron":
+            raise TrainerConfigError(f"a trainer world of {count} ranks needs backend: megatron (the torch backend "
+                                     f"trains on one process)")
+        if self.world and int((instance.get("parallel") or {}).get("pp", 1)) > 1:
+            raise TrainerConfigError("parallel.pp > 1: only rank 0 sends weights, and with pipeline stages the "
+                                     "later stages' layers live on other ranks. Use pp: 1 (docs/engines-megatron.md)")
         refuse_restart_within_launch(self)
         self.step_cfg = StepConfig.from_settings(s)
         self.eta = int((s.get("algo") or {}).get("eta", 4))
@@ -154,8 +161,16 @@ class TrainerActor(Actor):
         self.keep_ckpts = int((s.get("run") or {}).get("keep_checkpoints", 2))
         self.version, model_dir = start_weights(s, self.run_dir)
         self.engine = await asyncio.to_thread(make_train_engine, s, model_dir, self.version)
+        # A trainer world: rank 0 leads (bus, weights, metrics), the others follow its engine calls.
+        self.ranks = await asyncio.to_thread(RankGroup) if self.world else None
         if self.version > 0:
             await asyncio.to_thread(self.engine.load, model_dir)
+        if self.ranks is not None and not self.ranks.leader:
+            if s.get("links"):
+                raise TrainerConfigError(f"{self.name} is in links {sorted(s['links'])}: only trainer.0 sends "
+                                         f"weights; list trainer.0 in the link, not the whole trainer group")
+            self.log.info("trainer_rank_started", rank=self.ranks.rank, world=self.ranks.size, version=self.version)
+            return
         self.bucket_bytes = int(s.get("weight_bucket_mb", 64)) << 20
         self.param_server = ((s.get("groups") or {}).get("param_server") or [None])[0]
         self.link: BulkLink | None = None
@@ -193,13 +208,68 @@ class TrainerActor(Actor):
         self.log.info("trainer_started", version=self.version, model=model_dir, total_steps=self.total_steps)
 
     async def on_ready(self) -> None:
-        self.spawn(self._train_loop(), name="train_loop")
+        if self.ranks is not None and not self.ranks.leader:
+            self.spawn(self._follow(), name="follow_rank0")
+        else:
+            self.spawn(self._train_loop(), name="train_loop")
 
     async def on_stop(self) -> None:
-        if self.tb is not None:
+        if getattr(self, "tb", None) is not None:
             self.tb.close()
-        if self.link is not None:
+        if getattr(self, "link", None) is not None:
             self.link.close()
+
+    def on_peer_dead(self, peer: str) -> None:
+        # A torch.distributed world cannot take a rank back: the others would wait in a collective for it.
+        ranks = getattr(self, "ranks", None)
+        if ranks is not None and peer in ((self.settings.get("groups") or {}).get("trainer") or []):
+            self.log.error("trainer_rank_died", peer=peer)
+            self.request_stop(f"trainer rank {peer} stopped answering; the trainer world cannot continue without "
+                              f"it (relaunch with run.recover: auto to resume from the last checkpoint)", exit_code=1)
+
+    # --- ranks > 0 --------------------------------------------------------------------------------
+    async def _follow(self) -> None:
+        await in_thread(self._follow_commands)
+        self.request_stop("run finished")
+
+    def _follow_commands(self) -> None:
+        """Make rank 0's engine calls, in its order, until it says stop."""
+        assert self.ranks is not None
+        while True:
+            command, args = self.ranks.next_command()
+            if command == TRAIN:
+                batch, version = args
+                self.ranks.gather(train_share(self.engine, batch, self.step_cfg, version))
+            elif command == EXPORT:
+                for _ in self.engine.export_weights(*args):
+                    pass
+            elif command == SAVE:
+                self.engine.save(*args)
+            else:
+                self.log.info("trainer_rank_done", rank=self.ranks.rank)
+                return
+
+    @handles(RunFinished)
+    def on_run_finished(self, msg: RunFinished) -> None:
+        """Sent by rank 0 to every actor; ranks > 0 have already had its stop command."""
+
+    # --- rank 0: every engine call is led, so that the other ranks make it too ----------------------
+    def _train_step(self, batch: Batch) -> dict[str, Any]:
+        if self.ranks is None:
+            return train_on_batch(self.engine, batch, self.step_cfg, self.version)
+        self.ranks.lead(TRAIN, batch, self.version)
+        share = train_share(self.engine, batch, self.step_cfg, self.version)
+        return step_metrics(batch, self.version, self.ranks.gather(share) or [share])
+
+    def _export(self) -> list[Any]:
+        if self.ranks is not None:
+            self.ranks.lead(EXPORT, self.bucket_bytes)
+        return list(self.engine.export_weights(self.bucket_bytes))
+
+    def _save(self, path: str) -> None:
+        if self.ranks is not None:
+            self.ranks.lead(SAVE, path)
+        self.engine.save(path)
 
     # --- the loop ---------------------------------------------------------------------------------
     async def _train_loop(self) -> None:
@@ -211,7 +281,7 @@ class TrainerActor(Actor):
             batch = await self.bus.request("buffer", BatchRequest(step=self.version + 1), timeout=None)
             assert isinstance(batch, Batch)
             t0 = time.time()
-            stats = await asyncio.to_thread(train_on_batch, self.engine, batch, self.step_cfg, self.version)
+            stats = await asyncio.to_thread(self._train_step, batch)
             self.version += 1
             train_seconds = time.time() - t0
             if self.eta == 0:
@@ -240,6 +310,8 @@ class TrainerActor(Actor):
                 await self._checkpoint()
         # Marked before telling anyone: the supervisor must know the run is over when the others exit.
         mark_run_finished(self.run_dir, self.version)
+        if self.ranks is not None:
+            await asyncio.to_thread(self.ranks.lead, STOP)
         for peer in self.bus.peers:
             try:
                 await asyncio.wait_for(self.bus.send(peer, RunFinished(step=self.version)), timeout=5)
@@ -254,7 +326,7 @@ class TrainerActor(Actor):
         if self.link is None:
             return 0.0
         t0 = time.time()
-        buckets = await asyncio.to_thread(lambda: list(self.engine.export_weights(self.bucket_bytes)))
+        buckets = await asyncio.to_thread(self._export)
         digest = await asyncio.to_thread(weights_hash, [kv for b in buckets for kv in b])
         if self.direct:
             # Two versions kept: the parameter server may still be asking for the previous one.
@@ -381,7 +453,7 @@ class TrainerActor(Actor):
     async def _checkpoint(self) -> None:
         ckpt = checkpoint_dir(self.run_dir, self.version)
         ckpt.mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(self.engine.save, str(ckpt / "model"))
+        await asyncio.to_thread(self._save, str(ckpt / "model"))
         reply = await self.bus.request("buffer", CheckpointRequest(step=self.version, path=str(ckpt)), timeout=60)
         if not isinstance(reply, CheckpointDone):
             raise RuntimeError(f"buffer answered {reply!r} to a checkpoint request")
@@ -392,52 +464,84 @@ class TrainerActor(Actor):
             shutil.rmtree(old, ignore_errors=True)
 
 
+@dataclass
+class ShareResult:
+    """What one trainer rank did with its share of a step; rank 0 merges every rank's into the metrics."""
+
+    ppo: PPOStats                       # empty on ranks whose loss statistics duplicate another's
+    logprob_gap: float                  # max |proximal - behaviour| on tokens sampled by these very weights
+    updates: list[dict[str, float]]     # engine.train_step reports (already global: summed over replicas)
+
+
 def train_on_batch(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int) -> dict[str, Any]:
-    """One training step on `batch` with the engine at `version` (steps completed); returns the metrics."""
+    """One training step on `batch` with a single-rank engine at `version` (steps completed); the metrics."""
+    return step_metrics(batch, version, [train_share(engine, batch, cfg, version)])
+
+
+def train_share(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int) -> ShareResult:
+    """This rank's part of one training step. Every rank of a multi-rank trainer calls it with the same
+    batch: each data-parallel replica takes the same number of micro-batches of every PPO minibatch
+    (`algo.packing` balances them), computes their proximal log-probs and trains on them; the gradients
+    and the loss denominator (the minibatch's global token count) are summed across replicas."""
     flat = batch_to_sequences(batch)
-    n_seqs = len(flat["seqs"])
-    lengths = [len(x) for x in flat["seqs"]]
-    full = PackedBatch.from_sequences(flat["seqs"], {k: flat[k] for k in ("loss_mask", "behav", "versions")})
+    dp_rank, dp_size = engine.data_parallel
+    seqs, group_ids = flat["seqs"], flat["group_ids"]
+    lengths = [len(x) for x in seqs]
+    full = PackedBatch.from_sequences(seqs, {k: flat[k] for k in ("loss_mask", "behav", "versions")})
     mask = full.fields["loss_mask"].bool()
-    rewards = torch.tensor(flat["rewards"], dtype=torch.float32)
-    adv = compute_advantages(rewards, torch.tensor(flat["group_ids"]), mask, cu_seqlens=full.cu_seqlens,
-                             group_std=cfg.group_std).advantages
-
-    # Proximal log-probs: the current weights before this step's updates, one micro-batch at a time.
-    order = allocate_micro_batches(lengths, max(cfg.max_tokens_per_mb, max(lengths)))
-    prox = torch.zeros(full.num_tokens)
-    starts = full.cu_seqlens[:-1].tolist()
-    for idx in order:
-        mb = PackedBatch.from_sequences([flat["seqs"][i] for i in idx])
-        lp = engine.compute_logprobs(mb, temperature=cfg.temperature).logprobs if cfg.decoupled else None
-        for j, i in enumerate(idx):
-            a, b = int(mb.cu_seqlens[j]), int(mb.cu_seqlens[j + 1])
-            src = lp[a:b] if lp is not None else full.fields["behav"][starts[i]:starts[i] + lengths[i]]
-            prox[starts[i]:starts[i] + lengths[i]] = src
     behav = full.fields["behav"]
-    current = full.fields["versions"] == float(version)  # sampled by exactly these weights
-    gap = float(((prox - behav).abs() * (current & mask)).max()) if bool((current & mask).any()) else 0.0
+    rewards = torch.tensor(flat["rewards"], dtype=torch.float32)
+    adv = compute_advantages(rewards, torch.tensor(group_ids), mask, cu_seqlens=full.cu_seqlens,
+                             group_std=cfg.group_std).advantages
+    starts = full.cu_seqlens[:-1].tolist()
+    budget = max(cfg.max_tokens_per_mb, max(lengths))
 
-    # PPO minibatches: contiguous slices of whole groups, so a group never straddles two updates.
-    seq_of_token = torch.repeat_interleave(torch.arange(n_seqs), torch.tensor(lengths))
-    per_token = {"loss_mask": full.fields["loss_mask"], "behav": behav, "prox": prox, "adv": adv}
-    stats_all = PPOStats()
-    step_stats: list[dict[str, float]] = []
-    groups = sorted(set(flat["group_ids"]))
+    # PPO minibatches: contiguous slices of whole groups, so a group never straddles two updates; each as
+    # this rank's micro-batches (lists of sequence indices).
+    groups = sorted(set(group_ids))
+    minibatches: list[list[list[int]]] = []
     for m in range(cfg.minibatches):
         gsel = set(groups[m::cfg.minibatches])
-        seq_ids = [i for i in range(n_seqs) if flat["group_ids"][i] in gsel]
+        seq_ids = [i for i in range(len(seqs)) if group_ids[i] in gsel]
         if not seq_ids:
             continue
-        sel = torch.isin(seq_of_token, torch.tensor(seq_ids))
-        n_tokens = count_loss_tokens(mask[sel], prox[sel], behav[sel], cfg.ppo.behav_cap)
+        if len(seq_ids) < dp_size:
+            raise TrainerConfigError(f"PPO minibatch {m} has {len(seq_ids)} sequences for {dp_size} data-parallel "
+                                     f"ranks: use fewer algo.ppo_minibatches or a larger batch")
+        ranks = split_by_rank(allocate_micro_batches([lengths[i] for i in seq_ids], budget, n_groups=dp_size), dp_size)
+        minibatches.append([[seq_ids[i] for i in idx] for idx in ranks[dp_rank]])
+
+    def tokens_of(ids: list[int]) -> torch.Tensor:
+        sel = torch.zeros(full.num_tokens, dtype=torch.bool)
+        for i in ids:
+            sel[starts[i]:starts[i] + lengths[i]] = True
+        return sel
+
+    # Proximal log-probs: the current weights before this step's updates, for this rank's sequences.
+    prox = behav.clone()
+    if cfg.decoupled:
+        for ids in (ids for mbs in minibatches for ids in mbs):
+            mb = PackedBatch.from_sequences([seqs[i] for i in ids])
+            lp = engine.compute_logprobs(mb, temperature=cfg.temperature).logprobs
+            for j, i in enumerate(ids):
+                prox[starts[i]:starts[i] + lengths[i]] = lp[int(mb.cu_seqlens[j]):int(mb.cu_seqlens[j + 1])]
+    mine = tokens_of([i for mbs in minibatches for ids in mbs for i in ids])
+    current = (full.fields["versions"] == float(version)) & mask & mine  # sampled by exactly these weights
+    gap = float(((prox - behav).abs() * current).max()) if bool(current.any()) else 0.0
+
+    per_token = {"loss_mask": full.fields["loss_mask"], "behav": behav, "prox": prox, "adv": adv}
+    stats_all = PPOStats()
+    updates: list[dict[str, float]] = []
+    for mbs_ids in minibatches:
+        sel = tokens_of([i for ids in mbs_ids for i in ids])
+        local = count_loss_tokens(mask[sel], prox[sel], behav[sel], cfg.ppo.behav_cap)
+        n_tokens = engine.data_parallel_sum([float(local)])[0]   # the same decision on every rank
         if n_tokens == 0:
             continue
-        mbs = []
-        for idx in allocate_micro_batches([lengths[i] for i in seq_ids], max(cfg.max_tokens_per_mb, max(lengths))):
-            ids = [seq_ids[i] for i in idx]
-            fields = {k: [v[starts[i]:starts[i] + lengths[i]].tolist() for i in ids] for k, v in per_token.items()}
-            mbs.append(PackedBatch.from_sequences([flat["seqs"][i] for i in ids], fields))
+        mbs = [PackedBatch.from_sequences([seqs[i] for i in ids],
+                                          {k: [v[starts[i]:starts[i] + lengths[i]].tolist() for i in ids]
+                                           for k, v in per_token.items()})
+               for ids in mbs_ids]
         collected: list[PPOStats] = []
 
         def loss_fn(outputs: TokenLogProbs, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -447,30 +551,40 @@ def train_on_batch(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: 
             collected.append(st)
             return loss, {}
 
-        step_stats.append(engine.train_step(mbs, loss_fn, temperature=cfg.temperature,
-                                                 loss_denominator=float(n_tokens), with_entropy=True))
+        updates.append(engine.train_step(mbs, loss_fn, temperature=cfg.temperature,
+                                         loss_denominator=float(n_tokens), with_entropy=True))
         for st in collected:
             stats_all = stats_all.merge(st)
-    summary = stats_all.summary()
+    return ShareResult(ppo=stats_all if engine.reports_stats else PPOStats(), logprob_gap=gap, updates=updates)
+
+
+def step_metrics(batch: Batch, version: int, shares: list[ShareResult]) -> dict[str, Any]:
+    """The step's metrics from the batch and every rank's share (rank 0's first)."""
+    flat = batch_to_sequences(batch)
+    ppo = PPOStats()
+    for share in shares:
+        ppo = ppo.merge(share.ppo)
+    summary = ppo.summary()
+    updates = shares[0].updates
+    rewards = torch.tensor(flat["rewards"], dtype=torch.float32)
     starts_v = [min([v for v in vs if v >= 0], default=version) for vs in flat["versions"]]
     staleness = sample_staleness(torch.tensor(starts_v), version).float()
     out_lens = torch.tensor(flat["out_lens"], dtype=torch.float32)
-    n_trained = float(mask.sum())
     return {
         "task_reward": float(rewards.mean()), "accuracy": float(torch.tensor(flat["correct"]).float().mean()),
-        "n_tokens": n_trained, "n_seqs": float(n_seqs), "avg_seq_len": float(out_lens.mean()),
+        "n_tokens": float(sum(sum(m) for m in flat["loss_mask"])), "n_seqs": float(len(flat["seqs"])),
+        "avg_seq_len": float(out_lens.mean()),
         "no_eos_ratio": float(torch.tensor(flat["no_eos"]).float().mean()),
         "importance_weight": summary["importance_weight_mean"],
         "importance_weight_max": summary["importance_weight_max"],
         "actor_clip_ratio": summary["clip_ratio"], "ppo_approx_kl": summary["approx_kl"],
         "behav_masked_frac": summary["behav_masked_frac"], "entropy": summary.get("entropy", 0.0),
         "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max()),
-        "logprob_gap_max": gap,
-        "loss": sum(x["loss"] for x in step_stats), "grad_norm": max((x["grad_norm"] for x in step_stats), default=0.0),
-        "lr": step_stats[-1]["lr"] if step_stats else 0.0,
+        "logprob_gap_max": max(share.logprob_gap for share in shares),
+        "loss": sum(x["loss"] for x in updates), "grad_norm": max((x["grad_norm"] for x in updates), default=0.0),
+        "lr": updates[-1]["lr"] if updates else 0.0,
         "accuracy_by_level": _accuracy_by_level(batch),
     }
-
 
 
 def _accuracy_by_level(batch: Batch) -> dict[str, float]:

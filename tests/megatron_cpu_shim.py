@@ -18,6 +18,7 @@ that megatron calls become CPU equivalents. It is never imported by product code
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -130,7 +131,9 @@ class _NullEvent:
 
 
 def install() -> None:
-    """Map megatron's CUDA requests to CPU for the rest of this process (idempotent).
+    """Map megatron's CUDA requests to CPU for the rest of this process (idempotent), in this thread and
+    in every thread started after (torch function modes are per thread; an actor runs engine calls in
+    worker threads).
 
     Call it only in a process that runs megatron on CPU (the tests spawn one per rank)."""
     global _installed
@@ -138,6 +141,13 @@ def install() -> None:
         return
     _patch_cuda_module()
     _CudaToCpu().__enter__()  # stays active for the whole (test child) process
+    run = threading.Thread.run
+
+    def run_on_cpu(self: threading.Thread) -> None:
+        _CudaToCpu().__enter__()
+        run(self)
+
+    threading.Thread.run = run_on_cpu  # type: ignore[method-assign]
     _installed = True
 
 

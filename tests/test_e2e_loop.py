@@ -101,6 +101,18 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
     return out
 
 
+def run_to_end(assets: dict[str, Path], run_dir: Path, steps: int, ckpt_every: int,
+               topology: str = "topology/local.yaml") -> None:
+    """Launch a run, let it finish (killing whatever is left if it does not) and check the invariants."""
+    proc = launch(assets, run_dir, steps=steps, ckpt_every=ckpt_every, topology=topology)
+    try:
+        finish(proc)
+    finally:
+        if proc.poll() is None:
+            kill_run(proc, run_dir)
+    check_invariants(run_dir, steps)
+
+
 def events(run_dir: Path, actor: str, event: str | None = None) -> list[dict]:
     """An actor's structlog JSON records (those of one event kind, if given)."""
     records = [json.loads(line) for line in (run_dir / "logs" / f"{actor}.jsonl").read_text().splitlines()]
@@ -167,13 +179,7 @@ def test_killed_run_recovers_from_its_last_checkpoint(assets: dict[str, Path], t
             kill_run(proc, run_dir)
     complete = sorted(int(c.parent.name.split("_")[1]) for c in (run_dir / "checkpoints").glob("*/COMPLETE"))
     assert complete and 2 <= complete[-1] < steps, complete
-    proc = launch(assets, run_dir, steps=steps, ckpt_every=2)
-    try:
-        finish(proc)
-    finally:
-        if proc.poll() is None:
-            kill_run(proc, run_dir)
-    check_invariants(run_dir, steps)
+    run_to_end(assets, run_dir, steps, ckpt_every=2)
     resumed = events(run_dir, "trainer", "trainer_started")
     assert resumed[-1]["version"] == complete[-1], (resumed, complete)  # from the newest complete checkpoint
 
@@ -229,13 +235,7 @@ def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: P
     # until its timeout: docs/engines-sglang.md. Not exercised here.)
     standin = f"{{engine: sglang, sglang: {{command: [{sys.executable}, -m, actors.engines.sglang_standin]}}}}"
     run_dir = tmp_path / "run"
-    proc = launch(assets, run_dir, steps=8, ckpt_every=8, topology=str(direct_topology(tmp_path, standin)))
-    try:
-        finish(proc)
-    finally:
-        if proc.poll() is None:
-            kill_run(proc, run_dir)
-    check_invariants(run_dir, 8)
+    run_to_end(assets, run_dir, 8, ckpt_every=8, topology=str(direct_topology(tmp_path, standin)))
     formed = events(run_dir, "param_server", "rollout_link_formed")
     assert formed and all(e.get("servers") and e["ranks"] == 3 for e in formed), formed
     pushes = events(run_dir, "param_server", "weights_pushed")
@@ -255,3 +255,31 @@ def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: P
             servers.append(text)
     assert not servers, servers
     assert (run_dir / "logs" / "rollout.1.sglang.log").exists()   # in the run directory, not the cwd
+
+
+def test_multi_rank_megatron_trainer_runs_the_loop(assets: dict[str, Path], tmp_path: Path) -> None:
+    # The GPU topologies' trainer shape on CPU: one torch.distributed world of two data-parallel Megatron
+    # ranks (world_port), trainer.0 on the bus and in the weights link, trainer.1 following its calls.
+    from actors.engines import megatron
+    if not megatron.is_available():
+        pytest.skip(f"megatron-core not importable ({megatron.MEGATRON_IMPORT_ERROR})")
+    local = (ROOT / "topology" / "local.yaml").read_text()
+    links = local[local.index("\nlinks:"):local.index("\nactors:")]
+    trainer = local[local.index("\n  trainer:"):local.index("\n  param_server:")]
+    text = local.replace(links, "\nlinks:\n"
+                                "  train_to_ps: {backend: gloo, members: [trainer.0, param_server], port: auto, timeout_s: 30}\n"
+                                "  ps_to_rollout: {backend: gloo, members: [param_server, rollout], port: auto, timeout_s: 30}\n")
+    text = text.replace(trainer, "\n  trainer:\n"
+                                 "    class: tests.megatron_trainer:CPUMegatronTrainerActor\n"
+                                 "    count: 2\n    cpus: [1]\n    threads: 1\n"
+                                 "    parallel: {dp: 2, tp: 1, pp: 1}\n    world_port: auto\n"
+                                 "    settings: {backend: megatron}")
+    topology = tmp_path / "megatron_dp2.yaml"
+    topology.write_text(text)
+    run_dir = tmp_path / "run"
+    steps = 4
+    run_to_end(assets, run_dir, steps, ckpt_every=2, topology=str(topology))
+    assert [m["step"] for m in metrics(run_dir)] == list(range(1, steps + 1))
+    assert events(run_dir, "trainer.1", "trainer_rank_started")[0]["world"] == 2
+    assert events(run_dir, "trainer.1", "trainer_rank_done")        # it followed rank 0 to the end
+    assert (run_dir / "checkpoints" / f"step_{steps:06d}" / "COMPLETE").exists()

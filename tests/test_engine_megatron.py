@@ -56,6 +56,8 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, settings: dict[str, Any]) -> None:
+    """One Megatron rank: joins the world, builds the engine, runs settings["body"] (default: the engine
+    checks below) and leaves what it returns in out_dir/rank{rank}.pt (a traceback in rank{rank}.err)."""
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_RANK=str(rank))
@@ -63,31 +65,36 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sett
         from tests import megatron_cpu_shim
         megatron_cpu_shim.install()
         engine = mg.MegatronTrainEngine(model_dir, mg.MegatronConfig(lr=LR, **settings["config"]))
-        batches = _batches(engine.hf_config.vocab_size)
-        out: dict[str, Any] = {"dp_rank": engine.dp_rank, "tp_rank": engine.tp_rank}
-        whole = _whole(batches)
-        for temperature in (1.0, 0.7):
-            res = engine.compute_logprobs(whole, temperature=temperature, with_entropy=True)
-            out[f"logprobs_{temperature}"], out[f"entropy_{temperature}"] = res.logprobs, res.entropy
-        mine = batches if engine.dp_size == 1 else [batches[engine.dp_rank]]
-        out["stats"] = engine.train_step(mine, token_nll_loss)
-        out["weights"] = {k: v for bucket in engine.export_weights(settings.get("bucket_bytes", 8192))
-                          for k, v in bucket}
-        out["after_step_logprobs"] = engine.compute_logprobs(whole).logprobs
-        if settings.get("checkpoint"):
-            ckpt = os.path.join(out_dir, "ckpt")
-            engine.save(ckpt)
-            out["second_step"] = engine.train_step(batches, token_nll_loss)
-            out["second_weights"] = {k: v for b in engine.export_weights() for k, v in b}
-            engine.load(ckpt)
-            out["version_after_load"] = engine.version
-            out["replayed_step"] = engine.train_step(batches, token_nll_loss)
-            out["replayed_weights"] = {k: v for b in engine.export_weights() for k, v in b}
+        out = settings.get("body", _engine_checks)(engine, out_dir, settings)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     except BaseException:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         raise
+
+
+def _engine_checks(engine: Any, out_dir: str, settings: dict[str, Any]) -> dict[str, Any]:
+    batches = _batches(engine.hf_config.vocab_size)
+    out: dict[str, Any] = {"dp_rank": engine.dp_rank, "tp_rank": engine.tp_rank}
+    whole = _whole(batches)
+    for temperature in (1.0, 0.7):
+        res = engine.compute_logprobs(whole, temperature=temperature, with_entropy=True)
+        out[f"logprobs_{temperature}"], out[f"entropy_{temperature}"] = res.logprobs, res.entropy
+    mine = batches if engine.dp_size == 1 else [batches[engine.dp_rank]]
+    out["stats"] = engine.train_step(mine, token_nll_loss)
+    out["weights"] = {k: v for bucket in engine.export_weights(settings.get("bucket_bytes", 8192))
+                      for k, v in bucket}
+    out["after_step_logprobs"] = engine.compute_logprobs(whole).logprobs
+    if settings.get("checkpoint"):
+        ckpt = os.path.join(out_dir, "ckpt")
+        engine.save(ckpt)
+        out["second_step"] = engine.train_step(batches, token_nll_loss)
+        out["second_weights"] = {k: v for b in engine.export_weights() for k, v in b}
+        engine.load(ckpt)
+        out["version_after_load"] = engine.version
+        out["replayed_step"] = engine.train_step(batches, token_nll_loss)
+        out["replayed_weights"] = {k: v for b in engine.export_weights() for k, v in b}
+    return out
 
 
 def _run(world: int, model_dir: str, out_dir: str, settings: dict[str, Any]) -> list[dict[str, Any]]:
@@ -275,3 +282,42 @@ def test_config_errors_name_the_cause() -> None:
         mg.MegatronConfig(tensor_parallel=0)
     with pytest.raises(ValueError, match="attention"):
         mg.MegatronConfig(attention="flash")
+
+
+# --- the trainer's step over a data-parallel world ----------------------------------------------------------
+def _trainer_share(engine: Any, out_dir: str, settings: dict[str, Any]) -> dict[str, Any]:
+    from actors.trainer import StepConfig, train_share
+    batch = torch.load(settings["batch"], weights_only=False)
+    share = train_share(engine, batch, StepConfig(minibatches=2), version=0)
+    return {"share": share, "data_parallel": engine.data_parallel,
+            "weights": {k: v for b in engine.export_weights() for k, v in b}}
+
+
+@needs_megatron
+def test_trainer_step_over_two_data_parallel_ranks_matches_one_torch_process(tmp_path) -> None:
+    # What trainer ranks > 0 do in a multi-rank trainer: the same train_share on the same batch, each
+    # replica on its own micro-batches of every PPO minibatch; rank 0 merges the shares' statistics.
+    from actors.engines.testing import sampled_batch
+    from actors.trainer import StepConfig, step_metrics, train_on_batch
+    model_dir = _model_dir(tmp_path)
+    batch = sampled_batch(load_model(model_dir), groups=4, n=4)
+    torch.save(batch, tmp_path / "batch.pt")
+    reference = TorchTrainEngine(model_dir, TrainConfig(lr=LR))
+    expected = train_on_batch(reference, batch, StepConfig(minibatches=2), version=0)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    ranks = _run(2, model_dir, str(out_dir), {"config": {}, "body": _trainer_share, "batch": str(tmp_path / "batch.pt")})
+    assert [r["data_parallel"] for r in ranks] == [(0, 2), (1, 2)]
+    shares = [r["share"] for r in ranks]
+    assert all(s.ppo.n_tokens > 0 for s in shares)              # both replicas trained on part of the batch
+    assert sum(s.ppo.n_tokens for s in shares) == expected["n_tokens"]
+    got = step_metrics(batch, 0, shares)
+    for key in ("loss", "grad_norm", "importance_weight", "importance_weight_max", "ppo_approx_kl",
+                "actor_clip_ratio", "entropy", "behav_masked_frac", "lr"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5), key
+    assert got["logprob_gap_max"] < 1e-4 and expected["logprob_gap_max"] < 1e-4
+    torch_weights = {k: v for b in reference.export_weights() for k, v in b}
+    d_w = _max_diff(ranks[0]["weights"], torch_weights)
+    moved = _max_diff(torch_weights, hf_state_dict(load_model(model_dir)))
+    assert d_w < 1e-5 and moved > 100 * d_w, (d_w, moved)
+    assert ranks[1]["weights"] == {}                             # buckets come out on rank 0 only

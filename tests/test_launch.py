@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tools import up
+from tools import topology as topo_mod
 from tools.topology import load
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,18 +86,51 @@ def test_dry_run_64node_table(capsys: pytest.CaptureFixture) -> None:
     assert "NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7" in out
     assert "NCCL_NET_GDR_LEVEL=PHB" in out and "NCCL_SOCKET_IFNAME=bond0" in out
     assert "srun -N64 --ntasks-per-node=1 --kill-on-bad-exit=1" in out
-    assert "not yet launchable: the trainer group has 128 ranks" in out
+    assert ("trainer world: nccl world of 128 ranks (trainer.0-127), rank 0 = trainer.0 leads, rendezvous #48:29400"
+            in out)
 
 
-def test_a_trainer_group_of_several_instances_is_refused_at_start(tmp_path: Path) -> None:
+def test_a_world_gives_each_instance_its_rank_and_rendezvous() -> None:
+    plan = topo_mod.load(REPO / "topology" / "1node.yaml", check_imports=False)
+    specs = {s["name"]: s for s in plan.specs("/tmp/run")}
+    for rank in (0, 1):
+        spec = specs[f"trainer.{rank}"]
+        assert {k: spec["env"][k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")} == {
+            "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_PORT": "29400"}
+        assert spec["env"]["CUDA_VISIBLE_DEVICES"] == str(6 + rank)     # its own GPU: LOCAL_RANK 0 within it
+        assert spec["settings"]["instance"]["world"]["rank"] == rank
+    assert "RANK" not in specs["rollout.0"]["env"] and "world" not in specs["rollout.0"]["settings"]["instance"]
+
+
+@pytest.mark.parametrize("group, problem", [
+    ("{class: 'actors.demo:Echoer', count: 2, world_port: auto}", "auto needs a one-node topology"),
+    ("{class: 'actors.demo:Echoer', count: 2, gpus: 2, world_port: 29400}", "one rank per instance"),
+    ("{class: 'actors.demo:Echoer', count: 2, world_port: 99999}", "is not a port"),
+])
+def test_bad_world_ports_are_refused(tmp_path: Path, group: str, problem: str) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cluster: {nodes: [a, b], node: {gpus: 4}}\nbus: {transport: tcp}\n"
+                   f"actors:\n  t: {group}\n")
+    with pytest.raises(topo_mod.TopologyError, match=problem):
+        topo_mod.load(bad, check_imports=False)
+
+
+@pytest.mark.parametrize("settings, problem", [
+    ({}, "no world_port"),                                     # separate instances would each train alone
+    ({"world": {"rank": 1}}, "needs backend: megatron"),
+    ({"world": {"rank": 1}, "backend": "megatron", "parallel": {"pp": 2}}, "parallel.pp > 1"),
+])
+def test_a_trainer_group_that_cannot_train_together_is_refused_at_start(tmp_path: Path, settings: dict,
+                                                                       problem: str) -> None:
     import asyncio
 
     from actors.base import ActorSpec
     from actors.trainer import TrainerActor, TrainerConfigError
+    instance = {"group": "trainer", "index": 1, "count": 2, **{k: v for k, v in settings.items() if k != "backend"}}
     spec = ActorSpec("trainer.1", "actors.trainer:TrainerActor", f"ipc://{tmp_path}/t",
-                     settings={"instance": {"group": "trainer", "index": 1, "count": 2}, "log_console": False},
+                     settings={"instance": instance, "log_console": False, "backend": settings.get("backend", "torch")},
                      run_dir=str(tmp_path))
-    with pytest.raises(TrainerConfigError, match="trainer group has 2 instances"):
+    with pytest.raises(TrainerConfigError, match=problem):
         asyncio.run(TrainerActor(spec).on_start())
 
 
@@ -208,3 +242,18 @@ def test_ctrl_c_stops_every_actor_cleanly(tmp_path: Path) -> None:
     assert "demo_test: stopped by SIGINT" in out
     assert not any(alive(pid) for pid in pids)
     assert_clean_stop(run_dir, ["echo", "ping.0", "ping.1"])
+
+
+def test_a_trainer_rank_that_dies_stops_the_other_ranks() -> None:
+    # A torch.distributed world cannot take a rank back: the others would wait in a collective for it.
+    from actors.trainer import TrainerActor
+    trainer = TrainerActor.__new__(TrainerActor)      # only what the callback reads
+    stops: list[tuple[str, int]] = []
+    trainer.request_stop = lambda reason, exit_code=0: stops.append((reason, exit_code))  # type: ignore[method-assign]
+    trainer.settings = {"groups": {"trainer": ["trainer.0", "trainer.1"], "rollout": ["rollout.0"]}}
+    trainer.log = type("Log", (), {"error": lambda *a, **k: None})()
+    trainer.ranks = object()
+    trainer.on_peer_dead("rollout.0")                  # not a rank of the world: nothing to do here
+    assert stops == []
+    trainer.on_peer_dead("trainer.1")
+    assert len(stops) == 1 and stops[0][1] == 1 and "trainer rank trainer.1 stopped answering" in stops[0][0]

@@ -53,7 +53,7 @@ NODE_KEYS = {"gpus", "gpu_kind", "gpu_memory_gb", "cpus", "memory_gb", "nics"}
 NIC_KEYS = {"ib", "socket"}
 BUS_KEYS = {"transport", "host", "base_port", "port_range", "curve", "heartbeat_s"}
 LINK_KEYS = {"backend", "members", "port", "gdr", "env", "timeout_s"}
-GROUP_KEYS = {"class", "count", "nodes", "per_node", "gpus", "cpus", "threads", "cpu_workers", "parallel",
+GROUP_KEYS = {"class", "count", "nodes", "per_node", "gpus", "cpus", "threads", "cpu_workers", "parallel", "world_port",
               "settings", "env"}
 PARALLEL_KEYS = {"dp", "tp", "pp"}
 # Keys the launcher writes into every actor's settings; a topology may not set them.
@@ -106,6 +106,7 @@ class GroupSpec:
     parallel: dict[str, int] = dataclasses.field(default_factory=dict)
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    world_port: int | None = None  # the instances form one torch.distributed world (0: a free port at launch)
 
 
 @dataclasses.dataclass
@@ -155,6 +156,7 @@ class Plan:
     topology: Topology
     instances: list[Instance]
     links: dict[str, LinkPlan]
+    worlds: dict[str, LinkPlan] = dataclasses.field(default_factory=dict)  # by group: one rank per instance
 
     def by_node(self) -> dict[int, list[Instance]]:
         out: dict[int, list[Instance]] = {i: [] for i in range(len(self.topology.nodes))}
@@ -184,10 +186,20 @@ class Plan:
             settings["groups"] = groups
             settings["links"] = {name: self.link_config(name, inst) for name, link in self.links.items()
                                  if inst.name in link.members}
+            env = dict(inst.env)
+            world = self.worlds.get(inst.group)
+            if world is not None:
+                # torchrun's variables: the engine joins with env://. LOCAL_RANK 0: CUDA_VISIBLE_DEVICES
+                # already narrows each instance to its own GPU.
+                settings["instance"]["world"] = {"master_addr": resolve_host(world.master_host),
+                                                 "master_port": world.port, "rank": inst.index,
+                                                 "world_size": len(world.members)}
+                env.update(world.env, MASTER_ADDR=resolve_host(world.master_host), MASTER_PORT=str(world.port),
+                           RANK=str(inst.index), WORLD_SIZE=str(len(world.members)), LOCAL_RANK="0")
             out.append({
                 "name": inst.name, "cls": group.cls, "endpoint": inst.endpoint,
                 "peers": {n: e for n, e in peers.items() if n != inst.name}, "settings": settings,
-                "run_dir": str(run_dir), "curve": curve, "env": dict(inst.env),
+                "run_dir": str(run_dir), "curve": curve, "env": env,
             })
         return out
 
@@ -545,6 +557,15 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
             threads=c.int_(gdoc.get("threads"), f"{key}.threads", None, minimum=1),
             cpu_workers=c.int_(gdoc.get("cpu_workers"), f"{key}.cpu_workers", 0),
             parallel={}, settings={}, env=c.env(gdoc.get("env"), f"{key}.env"))
+        if gdoc.get("world_port") is not None:
+            # like a link's port: "auto" picks a free one at launch (one node only: other nodes could not know it)
+            wp = gdoc["world_port"]
+            group.world_port = 0 if wp == "auto" else c.int_(wp, f"{key}.world_port", None, minimum=1024)
+            if group.world_port is not None and group.world_port > 65535:
+                c.add(f"{key}.world_port", f"{wp} is not a port")
+            if group.gpus > 1:
+                c.add(f"{key}.world_port", f"a world has one rank per instance, and each instance has {group.gpus} "
+                                           f"GPUs: use gpus: 1 and count: ranks")
         par = c.keys(gdoc.get("parallel"), PARALLEL_KEYS, f"{key}.parallel")
         for pk, pv in par.items():
             if pk in PARALLEL_KEYS:
@@ -796,6 +817,19 @@ def _check_placement(c: _Checker, topo: Topology) -> None:
             if slot in used:
                 c.add(f"{key}.port", f"{link.port} is already the rendezvous port of {used[slot]} on the same node")
             used[slot] = f"links.{link.name}"
+    for gname, g in topo.groups.items():   # a group's world: rendezvous at its instance 0, like a link
+        if g.world_port is None:
+            continue
+        key = f"actors.{gname}.world_port"
+        if g.world_port == 0 and len(topo.nodes) > 1:
+            c.add(key, "auto needs a one-node topology: every node must know the rendezvous port")
+        if bus.transport == "tcp" and bus_lo <= g.world_port <= bus_hi:
+            c.add(key, f"{g.world_port} collides with the bus ports {bus_lo}-{bus_hi}")
+        master_node = plan_nodes.get(gname, [None])[0]
+        if g.world_port and (master_node, g.world_port) in used:
+            c.add(key, f"{g.world_port} is already the rendezvous port of {used[(master_node, g.world_port)]} "
+                       f"on the same node")
+        used[(master_node, g.world_port)] = key
     # one process takes its NCCL settings from its environment: two links may not disagree on one
     env_of: dict[str, dict[str, tuple[str, str]]] = {}
     for link in topo.links.values():
@@ -905,7 +939,17 @@ def place(topo: Topology) -> Plan:
             inst.env.update(env)
         links[link.name] = LinkPlan(name=link.name, backend=link.backend, members=[m.name for m in members],
                                     master_host=members[0].host, port=link.port, env=env, timeout_s=link.timeout_s)
-    return Plan(topology=topo, instances=instances, links=links)
+    worlds = {}
+    for gname, g in topo.groups.items():
+        if g.world_port is None:
+            continue
+        members = by_group[gname]
+        spec = LinkSpec(name=f"{gname}.world", backend="nccl" if g.gpus else "gloo", members=[gname],
+                        port=g.world_port, gdr=g.gpus > 0 and bool(topo.nodes[members[0].node].nics.get("ib")))
+        worlds[gname] = LinkPlan(name=spec.name, backend=spec.backend, members=[m.name for m in members],
+                                 master_host=members[0].host, port=g.world_port, env=_link_env(topo, spec),
+                                 timeout_s=spec.timeout_s)
+    return Plan(topology=topo, instances=instances, links=links, worlds=worlds)
 
 
 def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

@@ -85,6 +85,10 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
         lines.append(f"    ranks: {members}")
         if link.env:
             lines.append("    env: " + " ".join(f"{k}={v}" for k, v in sorted(link.env.items())))
+    for gname, world in plan.worlds.items():
+        lines.append(f"  {gname} world: {world.backend} world of {len(world.members)} ranks "
+                     f"({_ranges(world.members)}), rank 0 = {world.members[0]} leads, rendezvous "
+                     f"{world.master_host}:{world.port or 'auto'} (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE)")
     lines.append("")
     lines.append("commands")
     if len(topo.nodes) == 1 and not topo.nodes_from_allocation:
@@ -95,12 +99,6 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
         for node_idx, insts in plan.by_node().items():
             lines.append(f"    on {topo.nodes[node_idx].name}: node agent -> supervisor -> {len(insts)} actor(s): "
                          f"{_ranges([i.name for i in insts]) or '-'}")
-    trainers = topo.groups.get("trainer")
-    if trainers is not None and trainers.count > 1:
-        lines.append("")
-        lines.append(f"not yet launchable: the trainer group has {trainers.count} ranks, and the trainer actor runs "
-                     f"one process (a multi-rank trainer, ranks > 0 following rank 0, is not built yet); every "
-                     f"trainer instance stops at start saying so")
     return "\n".join(lines)
 
 
@@ -230,7 +228,7 @@ def build_specs(plan: Plan, run_dir: Path) -> list[dict[str, Any]]:
     if plan.topology.bus.curve:
         from transport.auth import generate_run_keys
         curve = {"keys_dir": generate_run_keys(str(run_dir), [i.name for i in plan.instances])}
-    for link in plan.links.values():
+    for link in [*plan.links.values(), *plan.worlds.values()]:
         if link.port == 0:  # `port: auto`
             link.port = _free_port(link.master_host)
     specs = plan.specs(run_dir, curve=curve)

@@ -285,3 +285,19 @@ class TrainEngine(abc.ABC):
     @abc.abstractmethod
     def version(self) -> int:
         """Weight version: the initial version plus the optimizer steps taken."""
+
+    # A single-process engine is its own data-parallel world; distributed ones override these three.
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, size) among data-parallel replicas: each trains on its own share of a batch."""
+        return 0, 1
+
+    @property
+    def reports_stats(self) -> bool:
+        """Whether this rank's loss-function statistics count: one rank per data-parallel replica (the
+        others of its tensor/pipeline group see the same data or no loss at all)."""
+        return True
+
+    def data_parallel_sum(self, values: list[float]) -> list[float]:
+        """Element-wise sums over the data-parallel replicas (a collective: every rank calls it)."""
+        return [float(v) for v in values]

@@ -497,6 +497,14 @@ class MegatronTrainEngine(TrainEngine):
     def is_export_sender(self) -> bool:
         return self.dp_rank == 0 and self.tp_rank == 0
 
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        return self.dp_rank, self.dp_size
+
+    @property
+    def reports_stats(self) -> bool:
+        return self.tp_rank == 0 and self.pp_rank == self.pp_size - 1   # loss_fn runs on the last stage only
+
     # --- forward -----------------------------------------------------------------------------------
     def _check(self, batch: PackedBatch) -> PackedBatch:
         vocab = self.hf_config.vocab_size
@@ -570,7 +578,7 @@ class MegatronTrainEngine(TrainEngine):
         # calculate_per_token_loss) without Megatron's division by the token count.
         finalize_model_grads(model, None)
 
-    def _dp_sum(self, values: list[float]) -> list[float]:
+    def data_parallel_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         if self.dp_size > 1:
             dist.all_reduce(t, group=mpu.get_data_parallel_group())
@@ -589,7 +597,7 @@ class MegatronTrainEngine(TrainEngine):
             raise RequestError("train_step: no micro-batches")
         batches = [self._check(mb) for mb in micro_batches]
         weights = [mb.loss_tokens() for mb in batches]
-        denominator = float(loss_denominator) if loss_denominator is not None else self._dp_sum([sum(weights)])[0]
+        denominator = float(loss_denominator) if loss_denominator is not None else self.data_parallel_sum([sum(weights)])[0]
         if not denominator > 0:
             raise RequestError(f"train_step: loss denominator must be positive, got {denominator}")
         self.ddp.train()
@@ -638,7 +646,7 @@ class MegatronTrainEngine(TrainEngine):
             dist.broadcast_object_list(box, src=mpu.get_pipeline_model_parallel_last_rank(),
                                        group=mpu.get_pipeline_model_parallel_group())
             local, keys = box[0]
-        total = self._dp_sum(local)
+        total = self.data_parallel_sum(local)
         out = {"loss": total[0] / denominator, "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped),
                "tokens": total[2], "seqs": total[3], "step": float(self.step), "version": float(self.version)}
         for key, value in zip(keys, total[4:]):

@@ -1,10 +1,16 @@
 """Small random Qwen2 models for the engine tests and the engine benchmark (no checkpoint needed), and the
-greedy continuation a full forward pass gives, to check engines against."""
+greedy continuation a full forward pass gives, to check engines against, and sampled trainer batches."""
 from __future__ import annotations
+
+import asyncio
+import copy
 
 import torch
 
+from actors.engines.base import GenerationRequest, SamplingParams
 from actors.engines.model import Qwen2Config, Qwen2ForCausalLM
+from actors.engines.torch_gen import TorchGenerationEngine
+from transport.protocol import Batch, BufferStats, Sample, ScoredGroup, Task
 
 
 def tiny_config(**overrides) -> Qwen2Config:
@@ -40,3 +46,24 @@ def greedy_reference(model: Qwen2ForCausalLM, prompt: list[int], count: int) -> 
         for _ in range(count):
             seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
     return seq[len(prompt):]
+
+
+def sampled_batch(model: Qwen2ForCausalLM, groups: int = 3, n: int = 4, version: int = 0) -> Batch:
+    """A trainer Batch of `groups` prompts x `n` answers sampled from `model`, half of them rewarded."""
+    async def run() -> list[ScoredGroup]:
+        gen = TorchGenerationEngine(model=copy.deepcopy(model), version=version)
+        await gen.start()
+        out = []
+        try:
+            for g in range(groups):
+                res = await gen.generate(GenerationRequest(
+                    rid=f"r{g}", input_ids=(1 + g, 2, 3), sampling=SamplingParams(max_new_tokens=10, seed=g), n=n))
+                samples = [Sample(output_ids=r.output_ids, logprobs=r.logprobs, versions=r.versions,
+                                  finish_reason=r.finish_reason, reward=5.0 if i % 2 else -5.0, correct=bool(i % 2))
+                           for i, r in enumerate(res)]
+                out.append(ScoredGroup(group_id=str(g), query_id=str(g), prompt_ids=[1 + g, 2, 3],
+                                       task=Task(level=g % 2), samples=samples, rollout="r"))
+        finally:
+            await gen.stop()
+        return out
+    return Batch(step=version + 1, groups=asyncio.run(run()), stats=BufferStats())

@@ -1,0 +1,55 @@
+"""The ranks of a multi-rank trainer: rank 0 says which engine call comes next, the others follow.
+
+A Megatron trainer is one torch.distributed world (one rank per GPU) whose collectives need every rank to
+make the same engine calls in the same order. Only rank 0 (`trainer.0`) talks to the buffer and the
+parameter server; before each engine call it broadcasts the command (with the step's batch) to the other
+ranks over a gloo group of the world, and gathers their statistics back after a training step. Gloo, not
+NCCL: the commands are small pickled objects that must not queue behind the GPUs' kernels.
+
+The group's timeout only bounds a broadcast that never completes; a follower waits for rank 0's next
+command as long as the run waits for its next batch. Liveness is the bus's job: every trainer rank
+watches the others' heartbeats and stops the run when one dies (a torch.distributed world cannot take a
+rank back).
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch.distributed as dist
+
+TRAIN, EXPORT, SAVE, STOP = "train", "export", "save", "stop"
+COMMANDS = (TRAIN, EXPORT, SAVE, STOP)
+
+
+class RankGroup:
+    """The control channel of a trainer world (every rank constructs it, in the same order relative to
+    other process groups)."""
+
+    def __init__(self, timeout_s: float = 24 * 3600.0) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("RankGroup: torch.distributed is not initialised (the engine joins the world first)")
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def lead(self, command: str, *args: Any) -> None:
+        """Rank 0: tell every other rank to make the engine call `command` with `args`."""
+        if command not in COMMANDS:
+            raise ValueError(f"unknown trainer command {command!r} (one of {', '.join(COMMANDS)})")
+        dist.broadcast_object_list([(command, args)], src=0, group=self.group)
+
+    def next_command(self) -> tuple[str, tuple[Any, ...]]:
+        """Ranks > 0: wait for rank 0's next command."""
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's value on rank 0 (in rank order); None elsewhere."""
+        out: list[Any] | None = [None] * self.size if self.leader else None
+        dist.gather_object(value, out, dst=0, group=self.group)
+        return out
