@@ -143,14 +143,14 @@ class TrainerActor(Actor):
         s = self.settings
         instance = s.get("instance") or {}
         count = int(instance.get("count", 1))
-        self.world = instance.get("world")
-        if count > 1 and not self.world:
+        world = instance.get("world")
+        if count > 1 and not world:
             raise TrainerConfigError(f"the trainer group has {count} instances but no world_port: its instances "
                                      f"would each train on their own. Set world_port on the group (topology)")
-        if self.world and s.get("backend", "torch") != "megatron":
+        if world and s.get("backend", "torch") != "megatron":
             raise TrainerConfigError(f"a trainer world of {count} ranks needs backend: megatron (the torch backend "
                                      f"trains on one process)")
-        if self.world and int((instance.get("parallel") or {}).get("pp", 1)) > 1:
+        if world and int((instance.get("parallel") or {}).get("pp", 1)) > 1:
             raise TrainerConfigError("parallel.pp > 1: only rank 0 sends weights, and with pipeline stages the "
                                      "later stages' layers live on other ranks. Use pp: 1 (docs/engines-megatron.md)")
         refuse_restart_within_launch(self)
@@ -162,7 +162,7 @@ class TrainerActor(Actor):
         self.version, model_dir = start_weights(s, self.run_dir)
         self.engine = await asyncio.to_thread(make_train_engine, s, model_dir, self.version)
         # A trainer world: rank 0 leads (bus, weights, metrics), the others follow its engine calls.
-        self.ranks = await asyncio.to_thread(RankGroup) if self.world else None
+        self.ranks = await asyncio.to_thread(RankGroup) if world else None
         if self.version > 0:
             await asyncio.to_thread(self.engine.load, model_dir)
         if self.ranks is not None and not self.ranks.leader:
@@ -559,22 +559,22 @@ def train_share(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int
 
 
 def step_metrics(batch: Batch, version: int, shares: list[ShareResult]) -> dict[str, Any]:
-    """The step's metrics from the batch and every rank's share (rank 0's first)."""
-    flat = batch_to_sequences(batch)
+    """The step's metrics from the batch's answers and every rank's share (rank 0's first)."""
+    samples = [s for g in batch.groups for s in g.samples]
     ppo = PPOStats()
     for share in shares:
         ppo = ppo.merge(share.ppo)
     summary = ppo.summary()
     updates = shares[0].updates
-    rewards = torch.tensor(flat["rewards"], dtype=torch.float32)
-    starts_v = [min([v for v in vs if v >= 0], default=version) for vs in flat["versions"]]
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    starts_v = [min([v for v in s.versions if v >= 0], default=version) for s in samples]
     staleness = sample_staleness(torch.tensor(starts_v), version).float()
-    out_lens = torch.tensor(flat["out_lens"], dtype=torch.float32)
+    out_lens = torch.tensor([len(s.output_ids) for s in samples], dtype=torch.float32)
     return {
-        "task_reward": float(rewards.mean()), "accuracy": float(torch.tensor(flat["correct"]).float().mean()),
-        "n_tokens": float(sum(sum(m) for m in flat["loss_mask"])), "n_seqs": float(len(flat["seqs"])),
+        "task_reward": float(rewards.mean()), "accuracy": float(torch.tensor([s.correct for s in samples]).float().mean()),
+        "n_tokens": float(out_lens.sum()), "n_seqs": float(len(samples)),   # the loss mask: every answer token
         "avg_seq_len": float(out_lens.mean()),
-        "no_eos_ratio": float(torch.tensor(flat["no_eos"]).float().mean()),
+        "no_eos_ratio": float(torch.tensor([s.finish_reason != "stop" for s in samples]).float().mean()),
         "importance_weight": summary["importance_weight_mean"],
         "importance_weight_max": summary["importance_weight_max"],
         "actor_clip_ratio": summary["clip_ratio"], "ppo_approx_kl": summary["approx_kl"],

@@ -558,11 +558,7 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
             cpu_workers=c.int_(gdoc.get("cpu_workers"), f"{key}.cpu_workers", 0),
             parallel={}, settings={}, env=c.env(gdoc.get("env"), f"{key}.env"))
         if gdoc.get("world_port") is not None:
-            # like a link's port: "auto" picks a free one at launch (one node only: other nodes could not know it)
-            wp = gdoc["world_port"]
-            group.world_port = 0 if wp == "auto" else c.int_(wp, f"{key}.world_port", None, minimum=1024)
-            if group.world_port is not None and group.world_port > 65535:
-                c.add(f"{key}.world_port", f"{wp} is not a port")
+            group.world_port = _rendezvous_port(c, gdoc["world_port"], f"{key}.world_port")
             if group.gpus > 1:
                 c.add(f"{key}.world_port", f"a world has one rank per instance, and each instance has {group.gpus} "
                                            f"GPUs: use gpus: 1 and count: ranks")
@@ -598,14 +594,9 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
         backend = c.str_(ldoc.get("backend"), f"{key}.backend", None, ("gloo", "nccl"))
         if ldoc.get("backend") is None:
             c.add(f"{key}.backend", "missing: gloo (CPU) or nccl (GPU)")
-        # "auto": the launcher picks a free port at launch (one-node topologies only: other nodes could
-        # not know it), so two runs on one machine never fight over a rendezvous port.
-        auto_port = ldoc.get("port") == "auto"
-        port = 0 if auto_port else c.int_(ldoc.get("port"), f"{key}.port", None, minimum=1024)
+        port = _rendezvous_port(c, ldoc.get("port"), f"{key}.port")
         if ldoc.get("port") is None:
             c.add(f"{key}.port", "missing: the rendezvous port on the first member's node (or auto on one node)")
-        if port is not None and port > 65535:
-            c.add(f"{key}.port", f"{port} is not a port")
         members = ldoc.get("members")
         if not (isinstance(members, list) and members and all(isinstance(m, str) for m in members)):
             c.add(f"{key}.members", f"expected a list of actor groups or instances, got {members!r}")
@@ -628,6 +619,17 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
     if c.problems:
         raise TopologyError(c.problems, source)
     return topo
+
+
+def _rendezvous_port(c: _Checker, value: Any, key: str) -> int | None:
+    """A link's or a world's rendezvous port. "auto" (0): the launcher picks a free port at launch (one-node
+    topologies only: other nodes could not know it), so two runs on one machine never fight over one."""
+    if value == "auto":
+        return 0
+    port = c.int_(value, key, None, minimum=1024)
+    if port is not None and port > 65535:
+        c.add(key, f"{port} is not a port")
+    return port
 
 
 def _node_selection(c: _Checker, value: Any, key: str, names: list[str]) -> list[int]:
@@ -779,7 +781,7 @@ def _check_placement(c: _Checker, topo: Topology) -> None:
         c.add("bus.port_range", f"{n_instances} actor instances need {n_instances} ports but the range has "
                                 f"{bus.port_range}")
     bus_lo, bus_hi = bus.base_port, bus.base_port + bus.port_range - 1
-    used: dict[tuple[int, int], str] = {}
+    rendezvous: list[tuple[str, str, int, int | None]] = []   # (key, owner, port, node of rank 0)
     for link in topo.links.values():
         key = f"links.{link.name}"
         members, complete = [], True
@@ -807,29 +809,22 @@ def _check_placement(c: _Checker, topo: Topology) -> None:
             for gname in dict.fromkeys(g for g, _ in members):
                 if topo.groups[gname].gpus == 0:
                     c.add(f"{key}.backend", f"nccl needs GPUs but member group {gname} has none (use gloo)")
-        if link.port == 0 and len(topo.nodes) > 1:
-            c.add(f"{key}.port", "auto needs a one-node topology: every node must know the rendezvous port")
-        if bus.transport == "tcp" and bus_lo <= link.port <= bus_hi:
-            c.add(f"{key}.port", f"{link.port} collides with the bus ports {bus_lo}-{bus_hi}")
-        if members and link.port:
-            master_node = plan_nodes.get(members[0][0], [None] * (members[0][1] + 1))[members[0][1]]
-            slot = (master_node, link.port)
-            if slot in used:
-                c.add(f"{key}.port", f"{link.port} is already the rendezvous port of {used[slot]} on the same node")
-            used[slot] = f"links.{link.name}"
+        master_node = plan_nodes.get(members[0][0], [None] * (members[0][1] + 1))[members[0][1]] if members else None
+        rendezvous.append((f"{key}.port", key, link.port, master_node))
     for gname, g in topo.groups.items():   # a group's world: rendezvous at its instance 0, like a link
-        if g.world_port is None:
-            continue
-        key = f"actors.{gname}.world_port"
-        if g.world_port == 0 and len(topo.nodes) > 1:
+        if g.world_port is not None:
+            key = f"actors.{gname}.world_port"
+            rendezvous.append((key, key, g.world_port, plan_nodes.get(gname, [None])[0]))
+    used: dict[tuple[int, int], str] = {}
+    for key, owner, port, node in rendezvous:
+        if port == 0 and len(topo.nodes) > 1:
             c.add(key, "auto needs a one-node topology: every node must know the rendezvous port")
-        if bus.transport == "tcp" and bus_lo <= g.world_port <= bus_hi:
-            c.add(key, f"{g.world_port} collides with the bus ports {bus_lo}-{bus_hi}")
-        master_node = plan_nodes.get(gname, [None])[0]
-        if g.world_port and (master_node, g.world_port) in used:
-            c.add(key, f"{g.world_port} is already the rendezvous port of {used[(master_node, g.world_port)]} "
-                       f"on the same node")
-        used[(master_node, g.world_port)] = key
+        if bus.transport == "tcp" and bus_lo <= port <= bus_hi:
+            c.add(key, f"{port} collides with the bus ports {bus_lo}-{bus_hi}")
+        if node is not None and port:
+            if (node, port) in used:
+                c.add(key, f"{port} is already the rendezvous port of {used[(node, port)]} on the same node")
+            used[(node, port)] = owner
     # one process takes its NCCL settings from its environment: two links may not disagree on one
     env_of: dict[str, dict[str, tuple[str, str]]] = {}
     for link in topo.links.values():

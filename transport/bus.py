@@ -61,7 +61,6 @@ _LOG_FIRST = 20             # rejections of one reason logged in full before sam
 _LOG_EVERY = 1000
 
 
-
 def _release_zmq(sockets: list[zmq.Socket], ctx: zmq.Context, auth: Any) -> None:
     """Close a dropped bus's sockets (no linger) and its context; runs at garbage collection or exit."""
     if auth is not None:
@@ -72,6 +71,7 @@ def _release_zmq(sockets: list[zmq.Socket], ctx: zmq.Context, auth: Any) -> None
         except Exception:       # its event loop may be gone already; the handle still closes
             pass
     ctx.term()
+
 
 class BusError(RuntimeError):
     pass
