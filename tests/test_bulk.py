@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import socket
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from transport.bulk import (BulkError, BulkLink, ChecksumMismatch, LinkConfig, LinkRendezvousError,
-                            pack_bucket, unpack_bucket)
+                            bucket_checksum, pack_bucket, unpack_bucket)
 
 CTX = mp.get_context("fork")  # the parent has torch imported already: forking is ~100x cheaper than spawn
 WAIT_S = 60
@@ -46,17 +47,18 @@ def config(name: str, port: int, rank: int, world: int) -> LinkConfig:
                       world_size=world, timeout_s=30, env={"GLOO_TEST_MARKER": name})
 
 
-def run_procs(targets: list[Callable[..., Any]]) -> list[Any]:
-    """Run each target in its own forked process; return what each put on its queue (or raise)."""
-    queue = CTX.Queue()
+def _report(queue: Any, i: int, fn: Callable[[], Any]) -> None:
+    try:
+        queue.put((i, "ok", fn()))
+    except BaseException as exc:  # report to the parent rather than dying silently
+        queue.put((i, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
-    def wrap(i: int, fn: Callable[[], Any]) -> None:
-        try:
-            queue.put((i, "ok", fn()))
-        except BaseException as exc:  # report to the parent rather than dying silently
-            queue.put((i, "err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
-    procs = [CTX.Process(target=wrap, args=(i, fn)) for i, fn in enumerate(targets)]
+def run_procs(targets: list[Callable[..., Any]], ctx: Any = CTX) -> list[Any]:
+    """Run each target in its own process (forked; `spawn` for CUDA, with picklable targets); return what
+    each returned (or raise with its traceback)."""
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_report, args=(queue, i, fn)) for i, fn in enumerate(targets)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -87,6 +89,53 @@ def test_pack_roundtrip_and_corruption_in_process() -> None:
     packed.flat[3] ^= 0xFF
     with pytest.raises(ChecksumMismatch, match=r"bucket 7 checksum mismatch.*layer\.0\.weight"):
         unpack_bucket(packed, link="weights")
+
+
+def test_receiver_verifies_with_the_algorithm_the_sender_named() -> None:
+    """A GPU sender checksums with `wsum` on its device; a CPU receiver (a parameter server on a gloo link)
+    must verify with the same algorithm, not its own default."""
+    bucket = make_bucket(2)
+    packed = pack_bucket(bucket)
+    packed.header.update(algo="wsum", checksum=bucket_checksum(packed.flat, "wsum"))  # as a CUDA sender writes it
+    assert packed.header["checksum"] != bucket_checksum(packed.flat)  # the CPU default would disagree
+    assert same_bucket(unpack_bucket(packed), bucket)
+    packed.flat[5] ^= 0x01
+    with pytest.raises(ChecksumMismatch):
+        unpack_bucket(packed)
+    packed.header["algo"] = "md5"
+    with pytest.raises(BulkError, match="link 'w': bucket 0: unknown bucket checksum algorithm 'md5'"):
+        unpack_bucket(packed, link="w")
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _gpu_sender(port: int, nccl_port: int) -> bool:
+    link = BulkLink(config("mixed", port, 0, 2))
+    link.open(0)
+    link.send([(n, t.cuda()) for n, t in make_bucket(3)], dst=1)
+    solo = BulkLink(LinkConfig(name="solo", backend="nccl", master_addr="127.0.0.1", master_port=nccl_port,
+                               rank=0, world_size=1, timeout_s=30))
+    solo.open(0)
+    packed = pack_bucket([(n, t.cuda()) for n, t in make_bucket(3)])
+    got = unpack_bucket(solo.broadcast_packed(packed), "solo")
+    return packed.header["algo"] == "wsum" and all(t.is_cuda for _, t in got) and same_bucket(
+        [(n, t.cpu()) for n, t in got], make_bucket(3))
+
+
+def _cpu_receiver(port: int) -> bool:
+    link = BulkLink(config("mixed", port, 1, 2))
+    link.open(0)
+    return same_bucket(link.recv(src=0), make_bucket(3))
+
+
+@needs_cuda
+def test_gpu_bucket_over_gloo_and_nccl_links() -> None:
+    """A trainer on a GPU in a gloo link (its tensors go to host memory for gloo) and in an NCCL link of
+    one (tensors stay on the GPU; the checksum is computed there)."""
+    port, nccl_port = free_port(), free_port()
+    targets = [functools.partial(_gpu_sender, port, nccl_port), functools.partial(_cpu_receiver, port)]
+    assert run_procs(targets, ctx=mp.get_context("spawn")) == [True, True]
 
 
 def test_bad_inputs_are_typed_errors() -> None:

@@ -117,12 +117,19 @@ class PackedBucket:
     flat: torch.Tensor
 
 
-def bucket_checksum(flat: torch.Tensor) -> int:
-    """Checksum of a flat uint8 buffer. XXH3-64 on CPU (about 5x faster than zlib's CRC32 on 64 MiB, see
-    ``parts_ms`` of the benchmark below: the sender and every receiver pay it once per bucket); on GPU a position-weighted sum of 32-bit words
-    computed on the device, so the bytes never cross PCIe just to be hashed."""
-    if flat.device.type == "cpu":
-        return xxhash.xxh3_64_intdigest(memoryview(flat.numpy()))
+def bucket_checksum(flat: torch.Tensor, algo: str | None = None) -> int:
+    """Checksum of a flat uint8 buffer by ``algo`` (default: the one native to the buffer's device).
+
+    ``xxh3_64`` (CPU): about 5x faster than zlib's CRC32 on 64 MiB (``parts_ms`` of the benchmark below;
+    the sender and every receiver pay it once per bucket). ``wsum`` (GPU): a position-weighted sum of
+    32-bit words computed on the device, so the bytes never cross PCIe just to be hashed. A receiver
+    verifies with the sender's algorithm (the header names it), whatever its own device: a GPU trainer
+    can send to a CPU parameter server."""
+    algo = algo or ("xxh3_64" if flat.device.type == "cpu" else "wsum")
+    if algo == "xxh3_64":
+        return xxhash.xxh3_64_intdigest(memoryview(flat.cpu().numpy()))
+    if algo != "wsum":
+        raise BulkError(f"unknown bucket checksum algorithm {algo!r}")
     n = flat.numel() - flat.numel() % 4
     words = flat[:n].view(torch.int32).to(torch.int64)
     weights = torch.arange(words.numel(), device=flat.device, dtype=torch.int64) % 65521 + 1
@@ -162,7 +169,10 @@ def pack_bucket(bucket: Bucket, bucket_id: int = 0) -> PackedBucket:
 def unpack_bucket(packed: PackedBucket, link: str = "?") -> Bucket:
     """Verify a received bucket's checksum and return views into its flat buffer."""
     header, flat = packed.header, packed.flat
-    got = bucket_checksum(flat)
+    try:
+        got = bucket_checksum(flat, header.get("algo"))
+    except BulkError as exc:
+        raise BulkError(f"link {link!r}: bucket {header.get('bucket')}: {exc}") from None
     if got != header["checksum"]:
         raise ChecksumMismatch(link, header["bucket"], header["checksum"], got,
                                [e["name"] for e in header["tensors"]])
@@ -271,39 +281,39 @@ class BulkLink:
         if self.config.rank == src:
             if bucket is None:
                 raise BulkError(f"link {self.config.name!r}: the source rank must pass a bucket")
-            self.broadcast_packed(pack_bucket(bucket, self._take_bucket_id()), src)
+            self.broadcast_packed(pack_bucket(self._on_link_device(bucket), self._take_bucket_id()), src)
             return bucket
         return unpack_bucket(self.broadcast_packed(None, src), self.config.name)
 
     def broadcast_packed(self, packed: PackedBucket | None, src: int = 0) -> PackedBucket:
         """Lower-level :meth:`broadcast` of an already packed bucket; receivers get it unverified."""
         header_bytes = msgpack.packb(packed.header) if packed is not None else b""
-        length = torch.tensor([len(header_bytes)], dtype=torch.int64)
+        length = self._to_link(torch.tensor([len(header_bytes)], dtype=torch.int64))
         self._run("broadcast", [length], dist.BroadcastOptions(), root=src)
-        head = torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8) if packed is not None \
-            else torch.empty(int(length.item()), dtype=torch.uint8)
+        head = self._to_link(torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8)) if packed is not None \
+            else torch.empty(int(length.item()), dtype=torch.uint8, device=self._device)
         self._run("broadcast", [head], dist.BroadcastOptions(), root=src)
         header = packed.header if packed is not None else self._decode_header(head)
-        flat = packed.flat if packed is not None else torch.empty(header["size"], dtype=torch.uint8,
+        flat = self._to_link(packed.flat) if packed is not None else torch.empty(header["size"], dtype=torch.uint8,
                                                                     device=self._device)
         self._run("broadcast", [flat], dist.BroadcastOptions(), root=src)
         return PackedBucket(header, flat)
 
     def send(self, bucket: Bucket, dst: int) -> None:
         """Point-to-point: send ``bucket`` to rank ``dst`` (which calls :meth:`recv`)."""
-        self.send_packed(pack_bucket(bucket, self._take_bucket_id()), dst)
+        self.send_packed(pack_bucket(self._on_link_device(bucket), self._take_bucket_id()), dst)
 
     def send_packed(self, packed: PackedBucket, dst: int) -> None:
         header_bytes = msgpack.packb(packed.header)
-        self._run("send", [torch.tensor([len(header_bytes)], dtype=torch.int64)], dst, 0)
-        self._run("send", [torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8)], dst, 1)
-        self._run("send", [packed.flat], dst, 2)
+        self._run("send", [self._to_link(torch.tensor([len(header_bytes)], dtype=torch.int64))], dst, 0)
+        self._run("send", [self._to_link(torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8))], dst, 1)
+        self._run("send", [self._to_link(packed.flat)], dst, 2)
 
     def recv(self, src: int) -> Bucket:
         """Receive one bucket sent by rank ``src`` with :meth:`send`; checksum verified."""
-        length = torch.empty(1, dtype=torch.int64)
+        length = torch.empty(1, dtype=torch.int64, device=self._device)
         self._run("recv", [length], src, 0)
-        head = torch.empty(int(length.item()), dtype=torch.uint8)
+        head = torch.empty(int(length.item()), dtype=torch.uint8, device=self._device)
         self._run("recv", [head], src, 1)
         header = self._decode_header(head)
         flat = torch.empty(header["size"], dtype=torch.uint8, device=self._device)
@@ -316,13 +326,23 @@ class BulkLink:
 
     # -- internals -------------------------------------------------------------------------------
 
+    def _to_link(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the device this link's backend moves: CPU for gloo, this process's GPU for NCCL (which
+        moves CUDA tensors only, lengths and headers included)."""
+        return t if t.device == self._device else t.to(self._device)
+
+    def _on_link_device(self, bucket: Bucket) -> Bucket:
+        """The bucket's tensors on the device this link's backend moves (CPU for gloo, this process's GPU
+        for NCCL): a trainer on a GPU may sit in a gloo link, whose send/recv read host memory only."""
+        return [(name, self._to_link(t)) for name, t in bucket]
+
     def _take_bucket_id(self) -> int:
         self._next_bucket += 1
         return self._next_bucket - 1
 
     def _decode_header(self, head: torch.Tensor) -> dict[str, Any]:
         try:
-            header = msgpack.unpackb(head.numpy().tobytes())
+            header = msgpack.unpackb(head.cpu().numpy().tobytes())
         except Exception as exc:
             raise BulkError(f"link {self.config.name!r}: undecodable bucket header: {exc}") from exc
         if not isinstance(header, dict) or header.get("v") != _HEADER_VERSION:

@@ -51,7 +51,7 @@ from safetensors.torch import save_file
 from .base import EngineError, LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine, WeightBucket
 from .checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError, _weight_files, load_config,
                          read_tokenizer_files, write_tokenizer_files)
-from .model import Qwen2Config
+from .model import Qwen2Config, sdpa
 from .torch_train import TrainConfig
 
 try:  # megatron-core is an optional (GPU-cluster) dependency; importing this module without it is fine
@@ -165,13 +165,13 @@ class TorchPackedAttention(MegatronModule):
             outs = []
             for s, e in zip(cu[:-1], cu[1:]):
                 q, k, v = (x[s:e].transpose(0, 1) for x in (query, key, value))  # [heads, L, d]
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                o = sdpa(q, k, v, is_causal=True, scale=self.softmax_scale,
                                                    enable_gqa=gqa)
                 outs.append(o.transpose(0, 1))
             out = torch.cat(outs, dim=0)
             return out.reshape(out.shape[0], -1)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
+        o = sdpa(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
         s, b = query.shape[0], query.shape[1]
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)
 

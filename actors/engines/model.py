@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class ConfigError(ValueError):
@@ -238,6 +239,20 @@ def block_diagonal_mask(cu_seqlens: list[int], device: torch.device | str = "cpu
     return (seq_id[:, None] == seq_id[None, :]) & (idx[None, :] <= idx[:, None])
 
 
+# cuDNN's fused attention builds an execution plan for every new shape: about 3 ms of CPU per call on an
+# H100, which was 70% of a decode step's time (docs/gpu.md). Decoding and per-sequence packed
+# training present a new shape almost every call, so it is left out; the other backends keep torch's order.
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+         is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` restricted to SDPA_BACKENDS (both train engines and decoding use it)."""
+    with sdpa_kernel(SDPA_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, config: Qwen2Config, layer_idx: int) -> None:
         super().__init__()
@@ -262,17 +277,17 @@ class Attention(nn.Module):
             # One causal attention per sequence: no N x N mask, no wasted cross-sequence work.
             cu = ctx.cu_seqlens
             out = torch.cat([
-                F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True,
+                sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True,
                                                enable_gqa=gqa)
                 for s, e in zip(cu[:-1], cu[1:])], dim=2)
         elif ctx.kind == "packed":
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.packed_mask, enable_gqa=gqa)
+            out = sdpa(q, k, v, attn_mask=ctx.packed_mask, enable_gqa=gqa)
         else:
             if ctx.kind == "prefill":
                 rows = slice(ctx.row_start, ctx.row_start + b)
                 ctx.cache.k[self.layer_idx, rows, :, :t] = k
                 ctx.cache.v[self.layer_idx, rows, :, :t] = v
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
@@ -287,7 +302,7 @@ class Attention(nn.Module):
         # so keys/values are read once instead of being repeated per query head.
         group = self.num_heads // self.num_kv_heads
         qg = q.view(b, self.num_kv_heads, group, self.head_dim)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.decode_mask)
+        out = sdpa(qg, keys, values, attn_mask=ctx.decode_mask)
         return out.reshape(b, self.num_heads, 1, self.head_dim)
 
 

@@ -256,6 +256,8 @@ class WeightGroupSender:
     def send(self, bucket: WeightBucket) -> None:
         if self.pg is None:
             raise SGLangError(f"weight group {self.group_name!r}: not open (call open() first)")
+        if self.backend == "nccl":  # NCCL moves CUDA tensors only; a bucket kept in host memory goes up first
+            bucket = [(name, t.cuda()) for name, t in bucket]
         try:
             broadcast_bucket(self.pg, bucket, self.flattened)
         except Exception as exc:

@@ -49,9 +49,16 @@ def long_tailed(count: int, low: int, high: int, gen: torch.Generator, sigma: fl
     return [int(min(high, max(low, v))) for v in values.tolist()]
 
 
+def _sync(device: str | torch.device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
 # --- (a) and (b): generation ---------------------------------------------------------------------------
 
-async def ours_generate(model: Qwen2ForCausalLM, prompts: list[list[int]], budgets: list[int]) -> tuple[int, float]:
+async def ours_generate(model: Qwen2ForCausalLM, prompts: list[list[int]], budgets: list[int],
+                        ) -> tuple[int, float, list[tuple[float, float, int]]]:
+    """Tokens generated, seconds, and the engine's per-step log (end time, seconds, rows)."""
     engine = TorchGenerationEngine(model=model)
     await engine.start()
     try:
@@ -64,25 +71,28 @@ async def ours_generate(model: Qwen2ForCausalLM, prompts: list[list[int]], budge
         elapsed = time.perf_counter() - start
     finally:
         await engine.stop()
-    return sum(len(r[0].output_ids) for r in results), elapsed
+    return sum(len(r[0].output_ids) for r in results), elapsed, list(engine.step_log)
 
 
-def hf_generate(model_dir: str, prompts: list[list[int]], budgets: list[int], pad_id: int) -> tuple[int, int, float]:
+def hf_generate(model_dir: str, prompts: list[list[int]], budgets: list[int], pad_id: int,
+                device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[int, int, float]:
     import transformers
     transformers.logging.set_verbosity_error()
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     longest = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding, as generate() requires for decoder-only models
         ids[i, longest - len(p):] = torch.tensor(p)
         mask[i, longest - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
     kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=pad_id, eos_token_id=None)
     with torch.no_grad():
         hf.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=8, **kwargs)
         torch.manual_seed(0)
         start = time.perf_counter()
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(budgets), min_new_tokens=max(budgets), **kwargs)
+        _sync(device)
         elapsed = time.perf_counter() - start
     raw = (out.shape[1] - longest) * len(prompts)
     return sum(budgets), raw, elapsed
@@ -217,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         save_model(model, tmp)
-        ours_tokens, ours_s = asyncio.run(ours_generate(load_model(tmp), prompts, budgets))
+        ours_tokens, ours_s, _ = asyncio.run(ours_generate(load_model(tmp), prompts, budgets))
         hf_useful, hf_raw, hf_s = hf_generate(tmp, prompts, budgets, pad_id)
 
     other = Qwen2ForCausalLM(cfg).init_weights(args.seed + 1)
