@@ -71,7 +71,8 @@ class RolloutWeights:
     version: int = -1
     weight_ranks: int = 0     # > 0: its server joins the direct weights group itself, as this many ranks
     weights_hash: str = ""
-    hash_ok: bool = False
+    verified: str = ""        # how its last ack was checked: "hash" or "version" (WeightsAck.verified)
+    ack_ok: bool = False      # the last ack passed that check for the version pushed
     alive: bool = True
     hello: bool = False
     receive_seconds: float = 0.0
@@ -82,8 +83,9 @@ class RolloutWeights:
 class WeightsStatusRequest(Message):
     """Ask the parameter server for its state. With ``min_version`` >= 0 and ``timeout_s`` > 0 the reply
     waits (up to ``timeout_s``; ``reached`` says whether it happened) until every rollout is alive, has
-    said hello and acked at least that version with a matching hash (a rollout still at the start
-    version has nothing to ack), on a link generation >= ``min_generation``."""
+    said hello and acked at least that version, the ack passing its check (the hash, or the version an
+    SGLang server reports; a rollout still at the start version has nothing to ack), on a link generation
+    >= ``min_generation``."""
 
     min_version: int = -1
     min_generation: int = -1
@@ -281,7 +283,7 @@ class ParamServerActor(Actor):
         first = not state.hello
         version = hello.version
         state.hello, state.alive = True, True
-        state.version, state.hash_ok, state.weight_ranks = version, False, hello.weight_ranks
+        state.version, state.ack_ok, state.weight_ranks = version, False, hello.weight_ranks
         if self.generation is not None:
             # Any hello after the link was formed comes from a (re)started member: it needs a new group.
             self.need_reform = True
@@ -490,16 +492,19 @@ class ParamServerActor(Actor):
         for name, res in zip(acks, results):
             state = self.rollouts[name]
             if isinstance(res, WeightsAck):
-                state.version, state.weights_hash = res.version, res.weights_hash
+                state.version, state.weights_hash, state.verified = res.version, res.weights_hash, res.verified
                 state.receive_seconds, state.stall_seconds = res.receive_seconds, res.stall_seconds
-                state.hash_ok = res.weights_hash == stored.weights_hash and res.version == stored.version
-                if not state.hash_ok:
+                # A server that cannot read its weights back (SGLang) acks the version it reports after
+                # loading every bucket, instead of a hash.
+                state.ack_ok = res.version == stored.version and (
+                    res.verified == "version" or res.weights_hash == stored.weights_hash)
+                if not state.ack_ok:
                     self.hash_mismatches += 1
                     self.counters["hash_mismatches"] += 1
                     self.log.error("ROLLOUT_WEIGHTS_HASH_MISMATCH", rollout=name, version=stored.version,
                                    acked_version=res.version, expected=stored.weights_hash, got=res.weights_hash)
                 summary[name] = {"recv_s": round(res.receive_seconds, 4), "stall_s": round(res.stall_seconds, 4),
-                                 "hash_ok": state.hash_ok}
+                                 "ack_ok": state.ack_ok, "verified": res.verified}
             else:
                 ok = False
                 self.counters["ack_failures"] += 1
@@ -528,7 +533,7 @@ class ParamServerActor(Actor):
         # A rollout still at the start version has had nothing pushed, so there is no ack hash to check.
         reached = (generation >= req.min_generation
                    and all(s.hello and s.alive and s.version >= req.min_version
-                           and (s.hash_ok or s.version <= self.start_version) for s in self.rollouts.values()))
+                           and (s.ack_ok or s.version <= self.start_version) for s in self.rollouts.values()))
         return WeightsStatus(version=current.version, weights_hash=current.weights_hash, generation=generation,
                              rollouts={n: dataclasses.replace(s) for n, s in self.rollouts.items()},
                              pushes=self.pushes, hash_mismatches=self.hash_mismatches,

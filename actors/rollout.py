@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from actors.base import Actor, ActorSpec, handles
@@ -44,7 +44,7 @@ from transport.bulk import BulkError, BulkLink, LinkConfig
 from transport.protocol import (GenerateGroup, GroupReturned, LinkReform, RolloutHello, RunFinished, Sample,
                                 Trajectories, WeightsAck, WeightsReady, WorkerHello)
 
-__all__ = ["RolloutActor", "RolloutConfigError", "WeightSyncError", "make_engine", "engine_weights_hash",
+__all__ = ["RolloutActor", "RolloutConfigError", "WeightSyncError", "make_engine", "verify_engine_weights",
            "in_thread", "link_config"]
 
 T = TypeVar("T")
@@ -141,8 +141,10 @@ class ServerWeightGroup:
         self.group, self.generation = None, None
 
 
-def make_engine(settings: dict[str, Any], version: int, model_dir: str, run_dir: str | None = None) -> GenerationEngine:
-    """The one place that turns ``settings["engine"]`` into an engine (SGLang plugs in here later)."""
+def make_engine(settings: dict[str, Any], version: int, model_dir: str, run_dir: str | None = None,
+                on_restart: Callable[[int], Awaitable[None]] | None = None) -> GenerationEngine:
+    """The one place that turns ``settings["engine"]`` into an engine. ``on_restart``: called when the
+    engine's server process died and was restarted (SGLang engines that launch their server)."""
     kind = str(settings.get("engine", "torch"))
     if kind == "torch":
         from actors.engines.torch_gen import TorchGenerationEngine
@@ -155,18 +157,19 @@ def make_engine(settings: dict[str, Any], version: int, model_dir: str, run_dir:
     if kind == "sglang":  # an SGLang server, started here or attached by settings["sglang_url"]
         from actors.engines.sglang import SGLangEngine
 
-        return SGLangEngine.from_settings(settings, version, model_dir, run_dir=run_dir)
+        return SGLangEngine.from_settings(settings, version, model_dir, run_dir=run_dir, on_restart=on_restart)
     raise RolloutConfigError(f"engine: {kind!r} is not available here (known: 'torch', 'sglang')")
 
 
-def engine_weights_hash(engine: GenerationEngine) -> str:
-    """The engine's own fingerprint of the weights it samples with (actors.weights.weights_hash)."""
-    own = getattr(engine, "weights_hash", None)
-    if callable(own):  # a remote engine computes it where the weights live
-        return str(own())
+def verify_engine_weights(engine: GenerationEngine, version: int) -> tuple[str, str]:
+    """``(weights_hash, "hash")`` of the weights the engine samples with, computed where they live; or, for an
+    engine whose server cannot read them back (SGLang), ``("", "version")`` once it reports ``version``."""
+    own = getattr(engine, "verify_weights", None)
+    if callable(own):
+        return own(version)
     from actors.engines.checkpoint import hf_state_dict
 
-    return weights_hash(hf_state_dict(engine.model).items())  # type: ignore[attr-defined]
+    return weights_hash(hf_state_dict(engine.model).items()), "hash"  # type: ignore[attr-defined]
 
 
 class RolloutActor(Actor):
@@ -206,7 +209,8 @@ class RolloutActor(Actor):
         self.param_server = (groups.get("param_server") or [None])[0]
         config = link_config(self.settings, "ps_to_rollout")
         version, model_dir = start_weights(self.settings, self.run_dir)
-        self.engine = make_engine(self.settings, version, model_dir, run_dir=str(self.run_dir))
+        self.engine = make_engine(self.settings, version, model_dir, run_dir=str(self.run_dir),
+                                  on_restart=self._engine_restarted)
         if config is not None:
             # Direct weights (the trainer is rank 0) to an engine whose server can join the group itself
             # (SGLang): the server receives; otherwise this process receives on the bulk link.
@@ -260,6 +264,16 @@ class RolloutActor(Actor):
         # again so it learns our version and re-forms the link with us.
         if peer == self.param_server and self.link is not None and self._engine_ready.is_set():
             self.spawn(self._hello(), name="hello", critical=False)
+
+    async def _engine_restarted(self, count: int) -> None:
+        """The engine's server died and came back on its launch weights, outside every weights group: say
+        hello again, as a restarted rollout does, so the parameter server re-forms the group with its new
+        ranks and pushes the current version (on this engine's restart task, not a handler's)."""
+        self.log.warning("engine_server_restarted", restarts=count, version=self.engine.version if self.engine else -1)
+        if isinstance(self.link, ServerWeightGroup):
+            self.link.close()
+        if self.link is not None:
+            await self._hello()
 
     async def _hello(self) -> None:
         if self.param_server is None or self.engine is None:
@@ -484,23 +498,27 @@ class RolloutActor(Actor):
             swaps = getattr(engine, "swaps", [])
             if interruptible and len(swaps) > swaps_before:
                 stall = swaps[-1].swap_s + swaps[-1].rebuild_s   # the decode loop's pause at the boundary
-            digest = await self._checked_hash(msg)
+            digest, how = await self._verified(msg)
             self.log.info("weights_updated", version=msg.version, generation=msg.generation, buckets=msg.n_buckets,
                           receive_s=round(receive_s, 4), stall_s=round(stall, 4),
                           total_s=round(time.monotonic() - t0, 4), interruptible=interruptible,
-                          active_groups=len(self.active))
+                          active_groups=len(self.active), verified=how)
             return WeightsAck(version=msg.version, weights_hash=digest, receive_seconds=receive_s,
-                              stall_seconds=stall)
+                              stall_seconds=stall, verified=how)
 
-    async def _checked_hash(self, msg: WeightsReady) -> str:
-        """The engine's own hash of the weights it now samples with; a mismatch with the trainer's is an
-        error in the log and a counter (the parameter server counts it too, from the ack)."""
-        digest = await asyncio.to_thread(engine_weights_hash, self.engine)
-        if digest != msg.weights_hash:
+    async def _verified(self, msg: WeightsReady) -> tuple[str, str]:
+        """(hash, how) of the weights the engine now samples with (`verify_engine_weights`); a hash that
+        differs from the trainer's is an error in the log and a counter (the parameter server counts it too)."""
+        try:
+            digest, how = await asyncio.to_thread(verify_engine_weights, self.engine, msg.version)
+        except EngineError as exc:
+            raise WeightSyncError(f"version {msg.version}: the engine's weights could not be checked: {exc}") from exc
+        if how == "hash" and digest != msg.weights_hash:
             self.counters["hash_mismatches"] += 1
             self.log.error("weights_hash_mismatch", version=msg.version, expected=msg.weights_hash, got=digest)
         self.counters["weight_updates"] += 1
-        return digest
+        self.counters[f"weights_verified_by_{how}"] += 1
+        return digest, how
 
     async def _update_through_server(self, msg: WeightsReady, group: "ServerWeightGroup", t0: float) -> WeightsAck:
         """The server receives the buckets the trainer broadcasts, one /update_weights_from_distributed each,
@@ -512,11 +530,12 @@ class RolloutActor(Actor):
             self.log.error("weights_update_failed", version=msg.version, error=repr(exc))
             raise WeightSyncError(f"version {msg.version}: {exc}") from exc
         seconds = time.monotonic() - t0
-        digest = await self._checked_hash(msg)
+        digest, how = await self._verified(msg)
         self.log.info("weights_updated", version=msg.version, generation=msg.generation, buckets=msg.n_buckets,
-                      total_s=round(seconds, 4), through_server=True, active_groups=len(self.active))
+                      total_s=round(seconds, 4), through_server=True, active_groups=len(self.active), verified=how)
         # generation pauses for the whole receive (SGLang aborts and resumes around it)
-        return WeightsAck(version=msg.version, weights_hash=digest, receive_seconds=seconds, stall_seconds=seconds)
+        return WeightsAck(version=msg.version, weights_hash=digest, receive_seconds=seconds, stall_seconds=seconds,
+                          verified=how)
 
     @handles(RunFinished)
     def on_run_finished(self, msg: RunFinished) -> None:

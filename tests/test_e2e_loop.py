@@ -143,7 +143,7 @@ def check_invariants(run_dir: Path, steps: int) -> None:
     pushes = events(run_dir, "param_server", "weights_pushed")
     assert pushes, "the parameter server pushed no weights"
     for p in pushes:  # an ack is missing only from a rollout killed during that push
-        assert all(r["hash_ok"] for r in p["rollouts"].values() if "error" not in r), p
+        assert all(r["ack_ok"] for r in p["rollouts"].values() if "error" not in r), p
 
 
 def test_async_loop_survives_killed_rollout_and_reward(assets: dict[str, Path], tmp_path: Path) -> None:
@@ -228,22 +228,24 @@ def test_direct_weights_trainer_broadcasts_to_rollouts(assets: dict[str, Path], 
 
 
 def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: Path) -> None:
-    # Rollouts driving SGLang servers (the stand-in, over the real HTTP routes): each server joins the
-    # trainer's group itself (/init_weights_update_group at the rank offset the parameter server assigns)
-    # and receives every version with /update_weights_from_distributed while the trainer broadcasts.
-    # (A rollout killed mid-broadcast can leave the other servers inside the broken group's collective
-    # until its timeout: docs/engines-sglang.md. Not exercised here.)
-    standin = f"{{engine: sglang, sglang: {{command: [{sys.executable}, -m, actors.engines.sglang_standin]}}}}"
+    # Rollouts driving SGLang servers: the stand-in over the real HTTP routes, serving exactly SGLang's
+    # (`--no-weights-hash`: no route reads weights back, so every ack is checked by the version the server
+    # reports). Each server joins the trainer's group itself (/init_weights_update_group at the rank offset
+    # the parameter server assigns) and receives every version with /update_weights_from_distributed while
+    # the trainer broadcasts. (A server killed mid-run is restarted and its rollout says hello again, but
+    # the re-formed group does not yet recover reliably: docs/engines-sglang.md, "Known limits".)
+    standin = (f"{{engine: sglang, sglang: {{command: [{sys.executable}, -m, actors.engines.sglang_standin, "
+               f"--no-weights-hash]}}}}")
     run_dir = tmp_path / "run"
     run_to_end(assets, run_dir, 8, ckpt_every=8, topology=str(direct_topology(tmp_path, standin)))
     formed = events(run_dir, "param_server", "rollout_link_formed")
     assert formed and all(e.get("servers") and e["ranks"] == 3 for e in formed), formed
     pushes = events(run_dir, "param_server", "weights_pushed")
     assert len(pushes) >= 6 and all(set(p["rollouts"]) == {"rollout.0", "rollout.1"} for p in pushes)
+    assert all(r["ack_ok"] and r["verified"] == "version" for p in pushes for r in p["rollouts"].values()), pushes
     for name in ("rollout.0", "rollout.1"):
         updates = events(run_dir, name, "weights_updated")
-        assert updates and all(e.get("through_server") for e in updates), name
-        assert not events(run_dir, name, "weights_hash_mismatch"), name
+        assert updates and all(e.get("through_server") and e["verified"] == "version" for e in updates), name
     # no server outlives the run
     servers = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):

@@ -21,7 +21,7 @@ import torch
 
 from actors.engines.base import EngineError, GenerationRequest, RequestError, SamplingParams
 from actors.engines.checkpoint import hf_state_dict, save_model
-from actors.engines.sglang import (LaunchConfig, SGLangEngine, SGLangLaunchError, WeightGroupSender, _sample_seed,
+from actors.engines.sglang import (LaunchConfig, SGLangEngine, SGLangError, SGLangLaunchError, WeightGroupSender, _sample_seed,
                                    bucket_specs, free_port)
 from actors.engines.sglang_standin import StandinThread
 from actors.engines.testing import greedy_reference, random_sequences, tiny_model
@@ -319,12 +319,45 @@ def test_make_engine_builds_the_sglang_engine(tmp_path):
     engine = make_engine({"engine": "sglang", "sglang_url": "http://127.0.0.1:1", "run_dir": str(tmp_path)}, 4,
                          str(tmp_path))
     assert isinstance(engine, SGLangEngine) and engine.version == 4 and engine.url == "http://127.0.0.1:1"
+    async def on_restart(count: int) -> None:  # the rollout's: hello again after its server came back
+        pass
+
     launched = make_engine({"engine": "sglang", "instance": {"group": "rollout", "index": 2, "parallel": {"tp": 2}},
                             "sglang": {"command": ["python", "-m", "actors.engines.sglang_standin"],
-                                       "mem_fraction_static": 0.8}, "run_dir": str(tmp_path)}, 0, "/models/m")
+                                       "mem_fraction_static": 0.8}, "run_dir": str(tmp_path)}, 0, "/models/m",
+                           on_restart=on_restart)
+    assert launched.user_on_restart is on_restart
     args = launched.server.config.args(30001, 0)
     assert args[:3] == ["python", "-m", "actors.engines.sglang_standin"]
     assert args[args.index("--tp-size") + 1] == "2" and args[args.index("--mem-fraction-static") + 1] == "0.8"
     assert args[args.index("--model-path") + 1] == "/models/m" and "--skip-tokenizer-init" in args
     with pytest.raises(EngineError, match="unknown key"):
         make_engine({"engine": "sglang", "sglang": {"bogus": 1}}, 0, str(tmp_path))
+
+
+@pytest.mark.parametrize("hash_route", [True, False])
+def test_weights_are_verified_by_hash_or_by_the_version_the_server_reports(hash_route, tmp_path):
+    # Real SGLang (0.5.6) has no route that reads Qwen2 weights back: the rollout then checks the version
+    # the server reports after the update; the stand-in with its hash route proves the bytes themselves.
+    server = StandinThread(TorchGenerationEngine(model=tiny_model(seed=0)), weights_hash_route=hash_route).start()
+    named = list(hf_state_dict(tiny_model(seed=1)).items())
+
+    async def main():
+        engine = SGLangEngine(url=server.url, weights_dir=str(tmp_path / "w"))
+        await engine.start()
+        try:
+            await engine.update_weights(3, [named])
+            if hash_route:  # the hash is the proof; the version number adds nothing to it
+                for version in (3, 4):
+                    assert await asyncio.to_thread(engine.verify_weights, version) == (weights_hash(named), "hash")
+                return
+            assert await asyncio.to_thread(engine.verify_weights, 3) == ("", "version")
+            with pytest.raises(SGLangError, match="reports weight version '3' after the update to 4"):
+                await asyncio.to_thread(engine.verify_weights, 4)
+        finally:
+            await engine.stop()
+
+    try:
+        run(main())
+    finally:
+        server.stop()

@@ -193,12 +193,15 @@ class WeightsReady(Message):
 
 @message("rl.weights_ack")
 class WeightsAck(Message):
-    """rollout -> param_server: `version` is live; `weights_hash` is the engine's own hash after the swap."""
+    """rollout -> param_server: `version` is live. `verified` says how the rollout knows: "hash" (the
+    engine's own hash of the weights it samples with is `weights_hash`) or "version" (a server that cannot
+    read its weights back, such as SGLang, reports `version` after a successful update; `weights_hash` "")."""
 
     version: int
     weights_hash: str
     receive_seconds: float
     stall_seconds: float = 0.0
+    verified: str = "hash"
 
 
 @message("rl.rollout_hello")

@@ -40,6 +40,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import sys
 import time
 import urllib.error
@@ -204,6 +205,21 @@ def join_weight_group(master_address: str, master_port: int, rank: int, world_si
     return pg
 
 
+def drop_weight_group(pg: Any) -> None:
+    """Destroy a weights group without waiting for it. Destroying a group whose peer died mid-collective
+    blocks until its pending work gives up (or for good); a caller on an event loop would stop answering
+    (heartbeats, HTTP) meanwhile. The group is unusable either way, so its teardown runs on its own thread."""
+    import torch.distributed as dist
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group(pg)
+        except Exception:  # a group whose peers died cannot always be torn down cleanly
+            pass
+
+    threading.Thread(target=destroy, name="drop-weight-group", daemon=True).start()
+
+
 def broadcast_bucket(pg: Any, bucket: WeightBucket, flattened: bool) -> None:
     """The trainer's half of one /update_weights_from_distributed call (rank 0 is the source)."""
     import torch.distributed as dist
@@ -266,11 +282,7 @@ class WeightGroupSender:
 
     def close(self) -> None:
         if self.pg is not None:
-            import torch.distributed as dist
-            try:
-                dist.destroy_process_group(self.pg)
-            except Exception:  # a group whose peers died cannot always be torn down cleanly
-                pass
+            drop_weight_group(self.pg)
             self.pg = None
 
 
@@ -505,6 +517,7 @@ class SGLangEngine(GenerationEngine):
         self.request_timeout_s, self.control_timeout_s = request_timeout_s, control_timeout_s
         self.drain_timeout_s, self.attach_timeout_s = drain_timeout_s, attach_timeout_s
         self.user_on_restart = on_restart
+        self._hashes_weights: bool | None = None   # whether the server answers GET /standin/weights_hash
         self._session: Any = None
         self._open = asyncio.Event()       # cleared while paused / updating: samples wait before (re)sending
         self._open.set()
@@ -525,11 +538,12 @@ class SGLangEngine(GenerationEngine):
 
     # --- construction from rollout settings -----------------------------------------------------------
     @classmethod
-    def from_settings(cls, settings: dict[str, Any], version: int, model_dir: str,
-                      run_dir: str | None = None) -> SGLangEngine:
+    def from_settings(cls, settings: dict[str, Any], version: int, model_dir: str, run_dir: str | None = None,
+                      on_restart: Callable[[int], Awaitable[None]] | None = None) -> SGLangEngine:
         """Settings: ``sglang_url`` (attach) or ``sglang: {command, host, port, mem_fraction_static, dtype,
         extra_args, env, health_timeout_s, max_restarts, backoff_s, request_timeout_s}``; tp from
-        ``instance.parallel.tp``; the model from ``model_dir`` (the rollout's start weights)."""
+        ``instance.parallel.tp``; the model from ``model_dir`` (the rollout's start weights). ``on_restart``
+        runs after a server this engine launched died and came back (the count of restarts so far)."""
         sg = dict(settings.get("sglang") or {})
         known = {"command", "host", "port", "mem_fraction_static", "dtype", "extra_args", "env", "health_timeout_s",
                  "max_restarts", "backoff_s", "backoff_max_s", "request_timeout_s", "control_timeout_s",
@@ -559,7 +573,7 @@ class SGLangEngine(GenerationEngine):
             log_path=sg.get("log_path") or str(base / "logs" / f"{name}.sglang.log"),
             health_timeout_s=float(sg.get("health_timeout_s", 600.0)), max_restarts=int(sg.get("max_restarts", 5)),
             backoff_s=float(sg.get("backoff_s", 1.0)), backoff_max_s=float(sg.get("backoff_max_s", 30.0)))
-        return cls(launch=launch, **common)
+        return cls(launch=launch, on_restart=on_restart, **common)
 
     # --- lifecycle ------------------------------------------------------------------------------------
     @property
@@ -928,6 +942,33 @@ class SGLangEngine(GenerationEngine):
         except (OSError, urllib.error.URLError, KeyError, ValueError) as exc:
             raise SGLangError(f"SGLang server {self.url} cannot report a weights hash (GET /standin/weights_hash: "
                               f"{exc}); real SGLang servers have no such route") from exc
+
+    def verify_weights(self, version: int) -> tuple[str, str]:
+        """How the rollout checks the weights it acknowledges: ``(hash, "hash")`` where the server can hash
+        what it serves (the stand-in), else ``("", "version")`` once GET /weight_version reports ``version``.
+
+        SGLang 0.5.6 has no route that reads Qwen2 weights back (`/get_weights_by_name` is implemented for
+        Llama models only), so a real server is checked by the version it reports: it records the
+        ``weight_version`` of an update only after every tensor-parallel rank loaded it. Which kind of server
+        this is gets found once, on the first check."""
+        if self._hashes_weights is not False:
+            try:
+                digest = self.weights_hash()
+                self._hashes_weights = True
+                return digest, "hash"
+            except SGLangError:
+                if self._hashes_weights:  # it could before: a real failure, not a missing route
+                    raise
+                self._hashes_weights = False
+        try:
+            with urllib.request.urlopen(self.url + "/weight_version", timeout=60.0) as r:
+                reported = str(json.loads(r.read())["weight_version"])
+        except (OSError, urllib.error.URLError, KeyError, ValueError) as exc:
+            raise SGLangError(f"SGLang server {self.url}: GET /weight_version failed: {exc}") from exc
+        if reported != str(version):
+            raise SGLangError(f"SGLang server {self.url} reports weight version {reported!r} after the update to "
+                              f"{version}")
+        return "", "version"
 
 
 def _sample_seed(base: int, index: int) -> int:

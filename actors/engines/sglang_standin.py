@@ -24,7 +24,8 @@ actors.engines.sglang.SGLANG_VERSION) that the SGLang engine uses, over a `Torch
 Semantics follow SGLang's: a weight update outside a pause waits until running requests finish; inside a
 pause it is applied at once and (as in SGLang) does not relabel weight_version, which /update_weight_version
 does. One extension that SGLang lacks: GET /standin/weights_hash (actors.weights.weights_hash of the
-weights in use) so tests can prove which weights the server samples with. Fields SGLang has but the
+weights in use) so tests can prove which weights the server samples with; ``--no-weights-hash`` leaves it
+out, to serve exactly as SGLang does (rollouts then check the version the server reports). Fields SGLang has but the
 stand-in does not implement are refused with HTTP 400 naming them, rather than silently ignored.
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from .base import EngineError, GenerationRequest, RequestError, SamplingParams
-from .sglang import SGLANG_VERSION, TensorSpec, join_weight_group, receive_bucket
+from .sglang import SGLANG_VERSION, TensorSpec, drop_weight_group, join_weight_group, receive_bucket
 from .torch_gen import TorchGenerationEngine
 
 __all__ = ["StandinServer", "main"]
@@ -80,8 +81,9 @@ class StandinServer:
     """The aiohttp application; `engine` is the embedded engine it serves."""
 
     def __init__(self, engine: TorchGenerationEngine, model_path: str, weight_version: str = "0",
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", weights_hash_route: bool = True) -> None:
         self.engine = engine
+        self.weights_hash_route = weights_hash_route
         self.model_path = model_path
         self.weight_version = weight_version
         self.device = device
@@ -107,7 +109,8 @@ class StandinServer:
         app.router.add_get("/model_info", self.model_info)
         app.router.add_get("/server_info", self.server_info)
         app.router.add_get("/weight_version", self.get_weight_version)
-        app.router.add_get("/standin/weights_hash", self.weights_hash)
+        if self.weights_hash_route:
+            app.router.add_get("/standin/weights_hash", self.weights_hash)
         routes = {"/generate": self.generate, "/abort_request": self.abort_request,
                   "/pause_generation": self.pause_generation, "/continue_generation": self.continue_generation,
                   "/update_weights_from_disk": self.update_weights_from_disk,
@@ -316,11 +319,7 @@ class StandinServer:
         pg = self.groups.pop(name, None)
         if pg is None:
             return 400, {"success": False, "message": "The group to be destroyed does not exist."}
-        import torch.distributed as dist
-        try:
-            dist.destroy_process_group(pg)
-        except Exception as exc:  # reported, not raised: the group is dropped either way
-            return 200, {"success": True, "message": f"Dropped the group ({exc})."}
+        drop_weight_group(pg)  # in the background: a broken group's teardown must not stall this server
         return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
 
     async def update_weights_from_distributed(self, body: dict[str, Any]) -> tuple[int, Any]:
@@ -359,8 +358,9 @@ class StandinThread:
     """The stand-in server on its own event loop in a daemon thread (for in-process tests)."""
 
     def __init__(self, engine: TorchGenerationEngine, model_path: str = "<in-memory>", host: str = "127.0.0.1",
-                 port: int = 0, weight_version: str = "0") -> None:
+                 port: int = 0, weight_version: str = "0", weights_hash_route: bool = True) -> None:
         self.engine, self.model_path, self.host, self.port = engine, model_path, host, port
+        self.weights_hash_route = weights_hash_route
         self.weight_version = weight_version
         self.server: StandinServer | None = None
         self.loop = asyncio.new_event_loop()
@@ -390,7 +390,8 @@ class StandinThread:
         from aiohttp import web
         try:
             await self.engine.start()
-            self.server = StandinServer(self.engine, self.model_path, self.weight_version)
+            self.server = StandinServer(self.engine, self.model_path, self.weight_version,
+                                        weights_hash_route=self.weights_hash_route)
             self._runner = web.AppRunner(self.server.app())
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.host, self.port)
@@ -427,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--no-weights-hash", action="store_true",
+                    help="no GET /standin/weights_hash: serve as SGLang does, with no route reading weights back")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     dtype = None if args.dtype in (None, "auto") else args.dtype
@@ -437,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
 
     async def serve() -> None:
         await engine.start()
-        server = StandinServer(engine, args.model_path, args.weight_version, device=args.device)
+        server = StandinServer(engine, args.model_path, args.weight_version, device=args.device,
+                               weights_hash_route=not args.no_weights_hash)
         runner = web.AppRunner(server.app())
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
