@@ -165,8 +165,7 @@ class TorchPackedAttention(MegatronModule):
             outs = []
             for s, e in zip(cu[:-1], cu[1:]):
                 q, k, v = (x[s:e].transpose(0, 1) for x in (query, key, value))  # [heads, L, d]
-                o = sdpa(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                                   enable_gqa=gqa)
+                o = sdpa(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
                 outs.append(o.transpose(0, 1))
             out = torch.cat(outs, dim=0)
             return out.reshape(out.shape[0], -1)

@@ -277,8 +277,7 @@ class Attention(nn.Module):
             # One causal attention per sequence: no N x N mask, no wasted cross-sequence work.
             cu = ctx.cu_seqlens
             out = torch.cat([
-                sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True,
-                                               enable_gqa=gqa)
+                sdpa(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, enable_gqa=gqa)
                 for s, e in zip(cu[:-1], cu[1:])], dim=2)
         elif ctx.kind == "packed":
             out = sdpa(q, k, v, attn_mask=ctx.packed_mask, enable_gqa=gqa)

@@ -40,8 +40,8 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request

@@ -49,7 +49,8 @@ def long_tailed(count: int, low: int, high: int, gen: torch.Generator, sigma: fl
     return [int(min(high, max(low, v))) for v in values.tolist()]
 
 
-def _sync(device: str | torch.device) -> None:
+def sync_device(device: str | torch.device) -> None:
+    """Wait for the device's queued work, so a wall-clock timer measures it (a no-op on the CPU)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
@@ -92,7 +93,7 @@ def hf_generate(model_dir: str, prompts: list[list[int]], budgets: list[int], pa
         torch.manual_seed(0)
         start = time.perf_counter()
         out = hf.generate(ids, attention_mask=mask, max_new_tokens=max(budgets), min_new_tokens=max(budgets), **kwargs)
-        _sync(device)
+        sync_device(device)
         elapsed = time.perf_counter() - start
     raw = (out.shape[1] - longest) * len(prompts)
     return sum(budgets), raw, elapsed

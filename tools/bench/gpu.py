@@ -38,7 +38,7 @@ from actors.engines.checkpoint import load_config, save_model
 from actors.engines.model import Qwen2Config, Qwen2ForCausalLM
 from actors.engines.testing import random_sequences, tiny_model
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss
-from tools.bench.engine import build_model, hf_generate, long_tailed, ours_generate, pack_groups
+from tools.bench.engine import build_model, hf_generate, long_tailed, ours_generate, pack_groups, sync_device
 from transport.bulk import BulkLink, LinkConfig, bucket_checksum, pack_bucket, unpack_bucket
 
 # Qwen2.5 base models' config.json values (the architecture; weights are random here).
@@ -53,15 +53,11 @@ SHAPES: dict[str, dict[str, Any]] = {
 BUCKET_BYTES = 64 << 20
 
 
-def _sync() -> None:
-    torch.cuda.synchronize()
-
-
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    _sync()
+    sync_device("cuda")
     t0 = time.perf_counter()
     out = fn()
-    _sync()
+    sync_device("cuda")
     return out, time.perf_counter() - t0
 
 
@@ -182,9 +178,9 @@ def bench_agreement(args: argparse.Namespace) -> dict[str, Any]:
     torch.backends.cudnn.allow_tf32 = False
     lr = 1e-3
     with tempfile.TemporaryDirectory() as tmp:
-        save_model(tiny_model(0), tmp)
-        vocab = tiny_model(0).config.vocab_size
-        seqs = random_sequences(6, 3, 14, vocab, seed=11)
+        model = tiny_model(0)
+        save_model(model, tmp)
+        seqs = random_sequences(6, 3, 14, model.config.vocab_size, seed=11)
         batches = [PackedBatch.from_sequences(seqs[i:i + 3]) for i in (0, 3)]
         whole = PackedBatch.from_sequences(seqs)
         ref = TorchTrainEngine(tmp, TrainConfig(lr=lr))
