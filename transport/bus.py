@@ -403,6 +403,7 @@ class Bus:
         if not p.waiters and (not p.batch or self._flush(p)):
             try:
                 p.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                _rearm(p.asock)
                 self.stats["sent"] += 1
                 return
             except zmq.Again:
@@ -430,6 +431,7 @@ class Bus:
             p.sock.send(batch[0] if len(batch) == 1 else encode_batch(batch, self.name), zmq.NOBLOCK)
         except zmq.Again:
             return False
+        _rearm(p.asock)
         self.stats["sent"] += len(batch)
         if len(batch) > 1:
             self.stats["batches"] += 1
@@ -502,6 +504,7 @@ class Bus:
         """True when sent or definitively undeliverable; False when the requester's queue is full."""
         try:
             self._router.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            _rearm(self._arouter)
             self.stats["replies"] += 1
             return True
         except zmq.Again:
@@ -783,8 +786,18 @@ class Bus:
                 try:
                     # Heartbeats are lossy on purpose: a full queue to a stuck peer must not block us.
                     p.sock.send_multipart(encode(Ping(seq), self.name, wants_reply=True), zmq.NOBLOCK)
+                    _rearm(p.asock)
                 except zmq.Again:
                     self.stats["heartbeat_skipped"] += 1
+
+
+def _rearm(asock: zmq.asyncio.Socket) -> None:
+    """Call after a send on a socket's plain shadow. ZeroMQ's notification fd is edge-triggered and any
+    call on the socket may consume its edge: a send that happens to process the "messages arrived" command
+    leaves the asyncio twin's pending poll() asleep while messages wait, for good if no other command
+    follows (an actor that stops answering pings). pyzmq re-checks after its own calls; reading EVENTS
+    through the twin makes it re-check after ours."""
+    asock.get(zmq.EVENTS)
 
 
 def _prepare_ipc(endpoint: str) -> None:
