@@ -375,6 +375,11 @@ class Actor:
                 installed.append(sig)
             except (RuntimeError, ValueError, NotImplementedError):
                 pass    # not the main thread (in-process tests): request_stop() still works
+        try:
+            loop.add_signal_handler(signal.SIGUSR1, self.dump_stacks)
+            installed.append(signal.SIGUSR1)
+        except (RuntimeError, ValueError, NotImplementedError, AttributeError):
+            pass
         started = False
         try:
             self.bus = self._make_bus()
@@ -414,6 +419,27 @@ class Actor:
                           bus=self.bus.counters() if self.bus is not None else {})
             _close_logger(self.name)
         return self.exit_code
+
+    def dump_stacks(self) -> Path:
+        """Write where every asyncio task and thread of this actor is waiting to
+        ``<run_dir>/logs/<name>.stacks.txt`` (``kill -USR1 <pid>`` on a stuck actor)."""
+        import faulthandler
+        import io
+
+        out = io.StringIO()
+        out.write(f"{self.name} pid {os.getpid()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+        for task in sorted(asyncio.all_tasks(), key=lambda t: t.get_name()):
+            out.write(f"\n--- task {task.get_name()} ({task.get_coro()!r})\n")
+            task.print_stack(limit=12, file=out)
+        path = Path(self.run_dir) / "logs" / f"{self.name}.stacks.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(out.getvalue())
+            f.write("\n--- threads\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        self.log.warning("stacks_dumped", path=str(path))
+        return path
 
     @staticmethod
     async def _unless(event: asyncio.Event, coro: Coroutine) -> bool:

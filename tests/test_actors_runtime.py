@@ -85,6 +85,18 @@ async def wait_ready(tmp_path: Any, actor_task: asyncio.Task) -> None:
         await asyncio.sleep(0.005)
 
 
+async def busy_echo(tmp_path: Any, text: str, **settings: Any) -> tuple[EchoActor, asyncio.Task, Bus, asyncio.Task]:
+    """An EchoActor running, a client, and one request the actor is holding (until ``actor.release``)."""
+    actor = EchoActor(make_spec(tmp_path, **settings))
+    task = asyncio.create_task(actor.run())
+    await wait_ready(tmp_path, task)
+    client = await Bus("client", "tcp://127.0.0.1:*", {"echo": f"ipc://{tmp_path}/echo"},
+                       heartbeat_interval=None).start()
+    slow = asyncio.create_task(client.request("echo", Ask(text, slow=True), timeout=10))
+    await asyncio.wait_for(actor.slow_started.wait(), 5)
+    return actor, task, client, slow
+
+
 def test_spec_roundtrip_and_errors_name_the_key(tmp_path: Any) -> None:
     spec = ActorSpec("rollout.0", "actors.rollout:Rollout", "tcp://127.0.0.1:5555", {"buffer": "ipc:///x"},
                      {"group_size": 4}, "/runs/1", None, {"OMP_NUM_THREADS": "1"})
@@ -135,13 +147,7 @@ def test_handlers_readiness_logs_and_clean_stop(tmp_path: Any) -> None:
 
 def test_drain_finishes_inflight_work(tmp_path: Any) -> None:
     async def main() -> None:
-        actor = EchoActor(make_spec(tmp_path, drain_timeout=10))
-        task = asyncio.create_task(actor.run())
-        await wait_ready(tmp_path, task)
-        client = await Bus("client", "tcp://127.0.0.1:*", {"echo": f"ipc://{tmp_path}/echo"},
-                           heartbeat_interval=None).start()
-        slow = asyncio.create_task(client.request("echo", Ask("slow", slow=True), timeout=10))
-        await asyncio.wait_for(actor.slow_started.wait(), 5)
+        actor, task, client, slow = await busy_echo(tmp_path, "slow", drain_timeout=10)
         actor.request_stop("test")
         # while draining, new requests are refused (the requester can send them elsewhere) ...
         with pytest.raises(RemoteError) as err:
@@ -156,15 +162,28 @@ def test_drain_finishes_inflight_work(tmp_path: Any) -> None:
     run(main())
 
 
+def test_stack_dump_shows_where_each_task_waits(tmp_path: Any) -> None:
+    # What `kill -USR1 <pid>` writes for a stuck actor: every asyncio task's stack and every thread's.
+    async def main() -> str:
+        actor, task, client, slow = await busy_echo(tmp_path, "slow")
+        path = actor.dump_stacks()
+        actor.release.set()
+        await slow
+        actor.request_stop("test over")
+        assert await task == 0
+        await client.close()
+        return path.read_text()
+
+    text = run(main())
+    assert text.startswith("echo pid ")
+    assert "bus-echo-inbound" in text and "await asock.poll" in text          # the bus reading its socket
+    assert "in ask" in text and "await self.release.wait()" in text          # the handler, at its await
+    assert "--- threads" in text and "Current thread" in text
+
+
 def test_drain_timeout_hands_work_back(tmp_path: Any) -> None:
     async def main() -> None:
-        actor = EchoActor(make_spec(tmp_path, drain_timeout=0.2))
-        task = asyncio.create_task(actor.run())
-        await wait_ready(tmp_path, task)
-        client = await Bus("client", "tcp://127.0.0.1:*", {"echo": f"ipc://{tmp_path}/echo"},
-                           heartbeat_interval=None).start()
-        slow = asyncio.create_task(client.request("echo", Ask("stuck", slow=True), timeout=10))
-        await asyncio.wait_for(actor.slow_started.wait(), 5)
+        actor, task, client, slow = await busy_echo(tmp_path, "stuck", drain_timeout=0.2)
         actor.request_stop("test")
         with pytest.raises(RemoteError) as err:
             await slow
