@@ -12,6 +12,8 @@ One task, the *pusher*, owns the rollout link, so formation and transfers never 
   :class:`RolloutHello` and none is dead by the bus heartbeats. Each formation takes a fresh generation
   ``g``: :class:`LinkReform` (g) to every rollout, then this side joins in a thread. A hello after the link
   was formed (a restarted rollout), a dead member, or a failed transfer marks the link for re-forming.
+  A rollout whose SGLang server died says :class:`ServerDown`; it counts as not yet hello'd until its
+  server is back and it says hello again, so no formation waits out a link timeout for it.
   A failed rendezvous (a member did not come) is retried at a newer generation after ``retry_s``.
 * Pushing. Whenever some rollout's version is behind the newest stored one, the pusher sends
   :class:`WeightsReady` to every rollout as a request, broadcasts the stored buckets, and collects the
@@ -51,7 +53,7 @@ from actors.weights import weights_hash
 from transport.bulk import BulkError, BulkLink, PackedBucket, pack_bucket
 from transport.bus import BusError
 from transport.messages import Message, message
-from transport.protocol import (LinkReform, RolloutHello, RunFinished, WeightsAck, WeightsBroadcast,
+from transport.protocol import (LinkReform, RolloutHello, RunFinished, ServerDown, WeightsAck, WeightsBroadcast,
                                 WeightsPublished, WeightsReady, WeightsStored)
 
 __all__ = ["ParamServerActor", "ParamServerConfigError", "WeightsRejected", "WeightsStatusRequest",
@@ -290,6 +292,24 @@ class ParamServerActor(Actor):
         self._abandon_ack(sender, "it restarted")
         self.log.info("rollout_hello", rollout=sender, version=version, first=first,
                       current=self.current.version if self.current else None, reform=self.need_reform)
+        self._kick.set()
+
+    @handles(ServerDown)
+    def on_server_down(self, msg: ServerDown, env: Any) -> None:
+        """A rollout's server died: wait for its hello (sent once the server is back) before forming a group,
+        rather than form one now that waits the link timeout for ranks that cannot join."""
+        if not self._started.is_set():
+            self._early_hellos.pop(env.sender, None)
+            return
+        state = self.rollouts.get(env.sender)
+        if state is None:
+            self.log.warning("server_down_from_unknown", sender=env.sender, members=sorted(self.rollouts))
+            return
+        state.hello = False
+        if self.generation is not None:
+            self.need_reform = True
+        self._abandon_ack(env.sender, "its server died")
+        self.log.warning("rollout_server_down", rollout=env.sender, restarts=msg.restarts)
         self._kick.set()
 
     # ---------------------------------------------------------------------------- trainer -> storage

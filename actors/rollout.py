@@ -42,7 +42,7 @@ from actors.recovery import start_weights
 from actors.weights import weights_hash
 from transport.bulk import BulkError, BulkLink, LinkConfig
 from transport.protocol import (GenerateGroup, GroupReturned, LinkReform, RolloutHello, RunFinished, Sample,
-                                Trajectories, WeightsAck, WeightsReady, WorkerHello)
+                                ServerDown, Trajectories, WeightsAck, WeightsReady, WorkerHello)
 
 __all__ = ["RolloutActor", "RolloutConfigError", "WeightSyncError", "make_engine", "verify_engine_weights",
            "in_thread", "link_config"]
@@ -142,9 +142,9 @@ class ServerWeightGroup:
 
 
 def make_engine(settings: dict[str, Any], version: int, model_dir: str, run_dir: str | None = None,
-                on_restart: Callable[[int], Awaitable[None]] | None = None) -> GenerationEngine:
-    """The one place that turns ``settings["engine"]`` into an engine. ``on_restart``: called when the
-    engine's server process died and was restarted (SGLang engines that launch their server)."""
+                on_server_event: Callable[[str, int], Awaitable[None]] | None = None) -> GenerationEngine:
+    """The one place that turns ``settings["engine"]`` into an engine. ``on_server_event(event, restarts)``:
+    the engine's server process "died" or was "restarted" (SGLang engines that launch their server)."""
     kind = str(settings.get("engine", "torch"))
     if kind == "torch":
         from actors.engines.torch_gen import TorchGenerationEngine
@@ -157,7 +157,8 @@ def make_engine(settings: dict[str, Any], version: int, model_dir: str, run_dir:
     if kind == "sglang":  # an SGLang server, started here or attached by settings["sglang_url"]
         from actors.engines.sglang import SGLangEngine
 
-        return SGLangEngine.from_settings(settings, version, model_dir, run_dir=run_dir, on_restart=on_restart)
+        return SGLangEngine.from_settings(settings, version, model_dir, run_dir=run_dir,
+                                          on_server_event=on_server_event)
     raise RolloutConfigError(f"engine: {kind!r} is not available here (known: 'torch', 'sglang')")
 
 
@@ -210,7 +211,7 @@ class RolloutActor(Actor):
         config = link_config(self.settings, "ps_to_rollout")
         version, model_dir = start_weights(self.settings, self.run_dir)
         self.engine = make_engine(self.settings, version, model_dir, run_dir=str(self.run_dir),
-                                  on_restart=self._engine_restarted)
+                                  on_server_event=self._engine_server_event)
         if config is not None:
             # Direct weights (the trainer is rank 0) to an engine whose server can join the group itself
             # (SGLang): the server receives; otherwise this process receives on the bulk link.
@@ -265,13 +266,20 @@ class RolloutActor(Actor):
         if peer == self.param_server and self.link is not None and self._engine_ready.is_set():
             self.spawn(self._hello(), name="hello", critical=False)
 
-    async def _engine_restarted(self, count: int) -> None:
-        """The engine's server died and came back on its launch weights, outside every weights group: say
-        hello again, as a restarted rollout does, so the parameter server re-forms the group with its new
-        ranks and pushes the current version (on this engine's restart task, not a handler's)."""
-        self.log.warning("engine_server_restarted", restarts=count, version=self.engine.version if self.engine else -1)
+    async def _engine_server_event(self, event: str, restarts: int) -> None:
+        """The engine's server "died": its weights group went with it; tell the parameter server at once, so
+        it forms no group that would wait a whole link timeout for the missing ranks. "restarted": it is back
+        on its launch weights, outside every group; say hello again, as a restarted rollout does, so the
+        group is re-formed with its ranks and the current version pushed (on the engine's watcher task)."""
+        version = self.engine.version if self.engine else -1
         if isinstance(self.link, ServerWeightGroup):
             self.link.close()
+        if event == "died":
+            self.log.warning("engine_server_died", restarts=restarts, version=version)
+            if self.link is not None and self.param_server is not None:
+                await self.bus.send(self.param_server, ServerDown(restarts=restarts))
+            return
+        self.log.warning("engine_server_restarted", restarts=restarts, version=version)
         if self.link is not None:
             await self._hello()
 

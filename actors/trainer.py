@@ -410,9 +410,16 @@ class TrainerActor(Actor):
         """One SGLang-format broadcast per bucket (the servers run /update_weights_from_distributed for each),
         once every server rank has joined the group."""
         assert self.server_joining is not None and self.server_group is not None
-        await asyncio.wait_for(asyncio.shield(self.server_joining), self.link_cfg.timeout_s + 5)
-        for bucket in packed:
-            await in_thread(self.server_group.send, unpack_bucket(bucket, self.link_cfg.name))
+        group = self.server_group
+        try:
+            await asyncio.wait_for(asyncio.shield(self.server_joining), self.link_cfg.timeout_s + 5)
+            for bucket in packed:
+                await in_thread(group.send, unpack_bucket(bucket, self.link_cfg.name))
+        except BaseException:
+            # Tear the broken group down now: the servers still inside its collective then fail at once
+            # instead of waiting out their own timeout, and the next group can form.
+            group.close()
+            raise
 
     async def _push_stats(self) -> dict[str, float]:
         """The parameter server's latest view: how long the last push to every rollout took until acked, and

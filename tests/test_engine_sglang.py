@@ -91,6 +91,37 @@ def hold_decoding_at(engine_core: TorchGenerationEngine, step: int) -> threading
     return reached
 
 
+def test_a_request_held_at_the_pause_gate_does_not_block_an_update(standin, tmp_path):
+    # SGLang holds a /generate that arrives during a pause at its gate until /continue_generation. The
+    # engine's own pause once waited for every open /generate to return, so a request sent just before
+    # the pause and held there stalled the update until the drain timeout (a rollout then blocked every
+    # later weight group). Here another client pauses the server before the request is sent.
+    new_model = tiny_model(seed=5)
+    save_model(new_model, str(tmp_path / "v1"))
+    prompt = random_sequences(1, 4, 8, VOCAB, seed=6)[0]
+
+    async def main():
+        engine, other = SGLangEngine(url=standin.url, drain_timeout_s=5.0), SGLangEngine(url=standin.url)
+        await engine.start()
+        await other.start()
+        try:
+            await other.pause()
+            task = asyncio.ensure_future(engine.generate(GenerationRequest(
+                "held", prompt, SamplingParams(temperature=0.0, max_new_tokens=10))))
+            while engine._http_inflight == 0:   # sent; the server holds it at the gate
+                await asyncio.sleep(0.01)
+            await engine.update_weights_from_disk(1, str(tmp_path / "v1"))   # continues the server too
+            [result] = await task
+            return result
+        finally:
+            await other.stop()
+            await engine.stop()
+
+    result = run(main())
+    assert result.versions == [1] * 10   # nothing ran before the update
+    assert result.output_ids == greedy_reference(new_model, prompt, 10)
+
+
 def test_weight_update_from_disk_interrupts_and_resumes_with_new_version(standin, tmp_path):
     new_model = tiny_model(seed=5)
     save_model(new_model, str(tmp_path / "v1"))
@@ -207,10 +238,10 @@ def test_launched_server_distributed_weights_and_restart(tmp_path):
     model_dir = str(tmp_path / "start")
     save_model(tiny_model(seed=0), model_dir)
     new = [tiny_model(seed=21), tiny_model(seed=22)]
-    restarts: list[int] = []
+    events: list[tuple[str, int]] = []
 
-    async def on_restart(count: int) -> None:
-        restarts.append(count)
+    async def on_server_event(event: str, restarts: int) -> None:
+        events.append((event, restarts))
 
     async def push(engine: SGLangEngine, sender: WeightGroupSender, version: int, model, flattened: bool):
         named = list(hf_state_dict(model).items())
@@ -227,7 +258,7 @@ def test_launched_server_distributed_weights_and_restart(tmp_path):
         return weights_hash(named)
 
     async def main():
-        engine = SGLangEngine(launch=_standin_launch(model_dir, tmp_path), on_restart=on_restart)
+        engine = SGLangEngine(launch=_standin_launch(model_dir, tmp_path), on_server_event=on_server_event)
         await engine.start()
         sender = WeightGroupSender("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=30)
         try:
@@ -242,7 +273,7 @@ def test_launched_server_distributed_weights_and_restart(tmp_path):
             results = await long
             [after] = await engine.generate(GenerationRequest("a", [1, 2], SamplingParams(temperature=0.0,
                                                                                           max_new_tokens=6)))
-            # Kill the server: the engine restarts it (start weights, version 0) and says so.
+            # Kill the server: the engine says it died, restarts it (start weights, version 0) and says so.
             os.killpg(engine.server.proc.pid, signal.SIGKILL)
             [again] = await engine.generate(GenerationRequest("b", [1, 2], SamplingParams(temperature=0.0,
                                                                                           max_new_tokens=6)))
@@ -257,7 +288,7 @@ def test_launched_server_distributed_weights_and_restart(tmp_path):
     for r in results:  # the long answers span the updates; versions never go back
         assert len(r.output_ids) == 200 and r.versions == sorted(r.versions) and r.versions[0] == 0
     assert after.versions == [2] * 6 and after.output_ids == greedy_reference(new[1], [1, 2], 6)
-    assert restarts == [1] and health["restarts"] == 1 and health["ok"]
+    assert events == [("died", 0), ("restarted", 1)] and health["restarts"] == 1 and health["ok"]
     assert again.versions == [0] * 6 and again.output_ids == greedy_reference(tiny_model(seed=0), [1, 2], 6)
 
 
@@ -319,14 +350,14 @@ def test_make_engine_builds_the_sglang_engine(tmp_path):
     engine = make_engine({"engine": "sglang", "sglang_url": "http://127.0.0.1:1", "run_dir": str(tmp_path)}, 4,
                          str(tmp_path))
     assert isinstance(engine, SGLangEngine) and engine.version == 4 and engine.url == "http://127.0.0.1:1"
-    async def on_restart(count: int) -> None:  # the rollout's: hello again after its server came back
+    async def on_server_event(event: str, restarts: int) -> None:  # the rollout's: ServerDown, hello again
         pass
 
     launched = make_engine({"engine": "sglang", "instance": {"group": "rollout", "index": 2, "parallel": {"tp": 2}},
                             "sglang": {"command": ["python", "-m", "actors.engines.sglang_standin"],
                                        "mem_fraction_static": 0.8}, "run_dir": str(tmp_path)}, 0, "/models/m",
-                           on_restart=on_restart)
-    assert launched.user_on_restart is on_restart
+                           on_server_event=on_server_event)
+    assert launched.user_on_server_event is on_server_event
     args = launched.server.config.args(30001, 0)
     assert args[:3] == ["python", "-m", "actors.engines.sglang_standin"]
     assert args[args.index("--tp-size") + 1] == "2" and args[args.index("--mem-fraction-static") + 1] == "0.8"

@@ -16,7 +16,7 @@ from actors.engines.checkpoint import hf_state_dict, load_model
 from tests.test_weight_sync import free_port, link, make_model_dir, trainer_weights
 from transport.bulk import BulkLink, LinkConfig
 from transport.bus import Bus, RemoteError
-from transport.protocol import WeightsPublished, WeightsStored
+from transport.protocol import RolloutHello, ServerDown, WeightsPublished, WeightsStored
 
 
 def run(coro: Any, timeout: float = 60.0) -> Any:
@@ -84,6 +84,39 @@ def test_publish_checks_the_hash_and_stores_the_newest(tmp_path: Path) -> None:
         await trainer.close(linger=0)
 
     run(main())
+
+
+def test_a_rollout_whose_server_died_is_waited_for_until_its_hello(tmp_path: Path) -> None:
+    # ServerDown makes a rollout count as not yet hello'd: no group is formed that would wait out the link
+    # timeout for ranks that cannot join. rollout.1 never says hello here, so nothing is formed at all.
+    ports = {"train_to_ps": free_port(), "ps_to_rollout": free_port()}
+    s = spec(tmp_path, make_model_dir(tmp_path / "model"), ports, ["param_server", "rollout.0", "rollout.1"])
+    s.peers["rollout.1"] = f"ipc://{tmp_path}/rollout.1"
+
+    async def main() -> None:
+        actor = ParamServerActor(s)
+        task = asyncio.create_task(actor.run())
+        rollout = await Bus("rollout.0", s.peers["rollout.0"], {"param_server": s.endpoint},
+                            heartbeat_interval=None).start()
+
+        async def hello_flag() -> bool:
+            status = await rollout.request("param_server", WeightsStatusRequest(), timeout=30)
+            return status.rollouts["rollout.0"].hello
+
+        await rollout.send("param_server", RolloutHello(version=0))
+        assert await hello_flag()
+        await rollout.send("param_server", ServerDown(restarts=0))
+        assert not await hello_flag()
+        await rollout.send("param_server", RolloutHello(version=0))   # its server is back
+        assert await hello_flag()
+        assert actor.counters["link_formations"] == 0
+        actor.request_stop("test over")
+        assert await task == 0
+        await rollout.close(linger=0)
+
+    run(main())
+    log = (tmp_path / "logs" / "param_server.jsonl").read_text()
+    assert '"rollout_server_down"' in log and '"no_hello": ["rollout.0", "rollout.1"]' in log
 
 
 def test_param_server_must_be_first_on_the_rollout_link(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@
     trainer --CheckpointRequest--> buffer        (buffer saves its state for that step; replies CheckpointDone)
     rollout --GroupReturned--> buffer            (work handed back on drain: re-issued, never lost)
     rollout --RolloutHello--> param_server       (a new or restarted rollout asks for the current weights)
+    rollout --ServerDown--> param_server         (its SGLang server died: form no group with it until hello)
     rollout, reward --WorkerHello--> buffer      (a new or restarted worker: what it held before is re-issued)
     param_server --LinkReform--> rollout         (re-form the bulk link after a member restarted)
     trainer --RunFinished--> everyone            (the run is over: stop cleanly)
@@ -212,6 +213,15 @@ class RolloutHello(Message):
 
     version: int
     weight_ranks: int = 0
+
+
+@message("rl.server_down")
+class ServerDown(Message):
+    """rollout -> param_server: the server that receives this rollout's weights died and is being restarted
+    (its ``restarts`` so far). A group formed meanwhile would wait its whole link timeout for the missing
+    ranks; the parameter server forms none with this rollout until it says RolloutHello again."""
+
+    restarts: int = 0
 
 
 @message("rl.worker_hello")

@@ -90,6 +90,10 @@ GET_ROUTES = frozenset({"/health", "/health_generate", "/model_info", "/server_i
 # The process group SGLang's model runner joins for update_weights_from_distributed (its default name).
 DEFAULT_GROUP = "weight_update_group"
 
+# A launched server's life events: ("died", restarts so far) as soon as its process is gone, then
+# ("restarted", restarts) once it is healthy again.
+ServerEvents = Callable[[str, int], Awaitable[None]]
+
 
 class SGLangError(EngineError):
     """Talking to the SGLang server failed; the message names the server, the route and the cause."""
@@ -325,12 +329,12 @@ class LaunchConfig:
 class SGLangServer:
     """One server process: start, wait for health (bounded), watch, restart with backoff after a death."""
 
-    def __init__(self, config: LaunchConfig, on_restart: Callable[[int], Awaitable[None]] | None = None) -> None:
+    def __init__(self, config: LaunchConfig, on_event: ServerEvents | None = None) -> None:
         self.config = config
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.restarts = 0
-        self.on_restart = on_restart
+        self.on_event = on_event
         self.weight_version = 0
         self.model_path = config.model_path
         self._log_file: Any = None
@@ -422,6 +426,8 @@ class SGLangServer:
                 return
             self.healthy.clear()
             await self._notify()
+            if self.on_event is not None:
+                await self.on_event("died", self.restarts)
             if self.restarts >= self.config.max_restarts:
                 self.failed = SGLangLaunchError(f"SGLang server at {self.url} died (exit {code}) and was "
                                                 f"restarted {self.restarts} times already (max_restarts)")
@@ -436,8 +442,8 @@ class SGLangServer:
                 self.failed = exc
                 await self._notify()
                 return
-            if self.on_restart is not None:
-                await self.on_restart(self.restarts)
+            if self.on_event is not None:
+                await self.on_event("restarted", self.restarts)
 
     async def kill(self) -> None:
         proc = self.proc
@@ -507,16 +513,17 @@ class SGLangEngine(GenerationEngine):
 
     def __init__(self, *, url: str | None = None, launch: LaunchConfig | None = None, version: int = 0,
                  weights_dir: str | None = None, request_timeout_s: float = 3600.0, control_timeout_s: float = 600.0,
-                 drain_timeout_s: float = 120.0, attach_timeout_s: float = 30.0, on_restart: Callable[[int], Awaitable[None]] | None = None) -> None:
+                 drain_timeout_s: float = 120.0, attach_timeout_s: float = 30.0,
+                 on_server_event: ServerEvents | None = None) -> None:
         if (url is None) == (launch is None):
             raise EngineError("SGLangEngine needs exactly one of url (attach) or launch (start a server)")
         self._attach_url = url.rstrip("/") if url else None
-        self.server = SGLangServer(launch, self._restarted) if launch is not None else None
+        self.server = SGLangServer(launch, self._server_event) if launch is not None else None
         self._version = version
         self.weights_dir = weights_dir
         self.request_timeout_s, self.control_timeout_s = request_timeout_s, control_timeout_s
         self.drain_timeout_s, self.attach_timeout_s = drain_timeout_s, attach_timeout_s
-        self.user_on_restart = on_restart
+        self.user_on_server_event = on_server_event
         self._hashes_weights: bool | None = None   # whether the server answers GET /standin/weights_hash
         self._session: Any = None
         self._open = asyncio.Event()       # cleared while paused / updating: samples wait before (re)sending
@@ -539,11 +546,11 @@ class SGLangEngine(GenerationEngine):
     # --- construction from rollout settings -----------------------------------------------------------
     @classmethod
     def from_settings(cls, settings: dict[str, Any], version: int, model_dir: str, run_dir: str | None = None,
-                      on_restart: Callable[[int], Awaitable[None]] | None = None) -> SGLangEngine:
+                      on_server_event: ServerEvents | None = None) -> SGLangEngine:
         """Settings: ``sglang_url`` (attach) or ``sglang: {command, host, port, mem_fraction_static, dtype,
         extra_args, env, health_timeout_s, max_restarts, backoff_s, request_timeout_s}``; tp from
-        ``instance.parallel.tp``; the model from ``model_dir`` (the rollout's start weights). ``on_restart``
-        runs after a server this engine launched died and came back (the count of restarts so far)."""
+        ``instance.parallel.tp``; the model from ``model_dir`` (the rollout's start weights). ``on_server_event``
+        hears when a server this engine launched died and when it came back (:data:`ServerEvents`)."""
         sg = dict(settings.get("sglang") or {})
         known = {"command", "host", "port", "mem_fraction_static", "dtype", "extra_args", "env", "health_timeout_s",
                  "max_restarts", "backoff_s", "backoff_max_s", "request_timeout_s", "control_timeout_s",
@@ -573,7 +580,7 @@ class SGLangEngine(GenerationEngine):
             log_path=sg.get("log_path") or str(base / "logs" / f"{name}.sglang.log"),
             health_timeout_s=float(sg.get("health_timeout_s", 600.0)), max_restarts=int(sg.get("max_restarts", 5)),
             backoff_s=float(sg.get("backoff_s", 1.0)), backoff_max_s=float(sg.get("backoff_max_s", 30.0)))
-        return cls(launch=launch, on_restart=on_restart, **common)
+        return cls(launch=launch, on_server_event=on_server_event, **common)
 
     # --- lifecycle ------------------------------------------------------------------------------------
     @property
@@ -631,13 +638,15 @@ class SGLangEngine(GenerationEngine):
         await self._session.close()
         self._session = None
 
-    async def _restarted(self, count: int) -> None:
-        """A restarted server runs the weights it was launched with (the last checkpoint loaded from disk, or
-        the start weights); weights that came over a process group must be sent again."""
+    async def _server_event(self, event: str, restarts: int) -> None:
+        """The launched server "died" (its weight groups went with it) or was "restarted": it runs the weights
+        it was launched with (the last checkpoint loaded from disk, or the start weights), so weights that
+        came over a process group must be sent again."""
         self.groups.clear()
-        self._version = self.server.weight_version if self.server is not None else self._version
-        if self.user_on_restart is not None:
-            await self.user_on_restart(count)
+        if event == "restarted" and self.server is not None:
+            self._version = self.server.weight_version
+        if self.user_on_server_event is not None:
+            await self.user_on_server_event(event, restarts)
 
     async def health(self) -> dict[str, Any]:
         ok = self._session is not None and await asyncio.to_thread(_get_ok, self.url + "/health", 5.0)
@@ -834,13 +843,11 @@ class SGLangEngine(GenerationEngine):
         self._open.clear()
         self._epoch += 1
         self._paused = True
+        # SGLang returns once no request holds its model lock: every request that ran has its answer
+        # (labelled with the version it ran on) on the way back to us. /generate calls still open are held
+        # at the server's pause gate and run on the new weights after /continue_generation, so waiting
+        # here for them to return would wait for ever.
         await self._post("/pause_generation", payload("/pause_generation", mode="abort"))
-        # SGLang returns once no request holds its model lock; our side of those answers follows.
-        try:
-            await asyncio.wait_for(self._http_idle.wait(), self.drain_timeout_s)
-        except TimeoutError:
-            raise SGLangError(f"SGLang server {self.url}: {self._http_inflight} /generate calls still open "
-                              f"{self.drain_timeout_s:g} s after /pause_generation") from None
 
     async def _resume(self) -> None:
         if not self._paused:
