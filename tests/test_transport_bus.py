@@ -514,3 +514,40 @@ def test_sends_between_polls_never_strand_arrived_messages(tmp_path: Any) -> Non
             await server.close()
 
     run(main(), timeout=120)
+
+
+def test_an_actor_with_every_handler_busy_stays_alive_to_its_peers(tmp_path: Any) -> None:
+    # With max_inflight handlers running the bus stops reading, so it answers no pings; its own pings still
+    # reach its peers, which must not declare it dead (they did: a rollout whose generate handlers all
+    # waited on a paused engine was taken out of the weights group).
+    async def main() -> None:
+        release = asyncio.Event()
+        started = asyncio.Event()
+
+        async def hold(env: Any) -> Echo:
+            started.set()
+            await release.wait()
+            return Echo("done")
+
+        def handler(env: Any) -> Any:
+            return hold(env) if isinstance(env.msg, Echo) else None
+
+        busy_ep, watcher_ep = f"ipc://{tmp_path}/busy", f"ipc://{tmp_path}/watcher"
+        busy = await Bus("busy", busy_ep, {"watcher": watcher_ep}, handler=handler, max_inflight=1,
+                         heartbeat_interval=0.1, heartbeat_timeout=1.0).start()
+        watcher = await Bus("watcher", watcher_ep, {"busy": busy_ep}, heartbeat_interval=0.1,
+                            heartbeat_timeout=1.0).start()
+        first = asyncio.ensure_future(watcher.request("busy", Echo("a"), timeout=30))
+        await asyncio.wait_for(started.wait(), 5)
+        queued = asyncio.ensure_future(watcher.request("busy", Echo("b"), timeout=30))
+        await until(lambda: busy.stats["received"] == 2)        # read; the loop now waits for a slot
+        pongs = busy.stats["replies"]
+        await asyncio.sleep(2.5)   # observing an absence: 2.5 heartbeat timeouts with busy unreading
+        assert busy.stats["replies"] == pongs                   # it really answered no ping meanwhile
+        assert watcher.stats["peer_dead"] == 0 and watcher.peer_alive("busy")
+        release.set()
+        assert await first == Echo("done") and await queued == Echo("done")
+        await watcher.close()
+        await busy.close()
+
+    run(main())

@@ -20,8 +20,8 @@ reply gets an :class:`~transport.messages.Error` reply, which ``request()`` rais
 Frames over ``hard_max_frame_bytes`` (default 2x the limit) are cut off by libzmq (ZMQ_MAXMSGSIZE) before
 they are buffered in full, which protects memory.
 
-Heartbeats. Every ``heartbeat_interval`` seconds the bus pings each peer; any message from a peer's
-connection counts as a sign of life. A peer silent for ``heartbeat_timeout`` is declared dead
+Heartbeats. Every ``heartbeat_interval`` seconds the bus pings each peer; any message from a peer (a
+reply or pong on its connection, or its own pings and requests) counts as a sign of life. A peer silent for ``heartbeat_timeout`` is declared dead
 (``on_peer_dead(name)``, ``stats["peer_dead"]``); ``on_peer_alive(name)`` fires when it answers again.
 Pings and pongs are handled inside the bus and never reach the actor.
 
@@ -620,6 +620,11 @@ class Bus:
         except DecodeError as exc:
             self._reject(exc.reason, str(exc), exc.header, ident, frames, time.time())
             return None
+        sender = self._peers.get(header.sender)
+        if sender is not None:
+            # Its own pings and requests show a peer is alive too: one whose handlers are all busy stops
+            # reading (and answering our pings) but keeps pinging us.
+            self._mark_alive(sender)
         if type(msg) is Ping:
             if header.wants_reply:
                 self._send_reply(ident, Pong(msg.seq), header)
