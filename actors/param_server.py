@@ -114,6 +114,7 @@ class StoredVersion:
     nbytes: int
     n_buckets: int = -1
     specs: list = dataclasses.field(default_factory=list)   # direct weights: TensorMeta lists per bucket
+    stage_buckets: list[int] = dataclasses.field(default_factory=list)   # per trainer pipeline stage
 
     def __post_init__(self) -> None:
         if self.n_buckets < 0:
@@ -363,7 +364,7 @@ class ParamServerActor(Actor):
             self.log.warning("stale_version_ignored", version=msg.version, current=self.current.version)
         else:
             self.current = StoredVersion(msg.version, msg.weights_hash, [], 0, n_buckets=msg.n_buckets,
-                                         specs=msg.specs)
+                                         specs=msg.specs, stage_buckets=msg.stage_buckets)
             self.counters["versions_stored"] += 1
             self._kick.set()
         return WeightsStored(version=msg.version, receive_seconds=0.0)
@@ -466,13 +467,14 @@ class ParamServerActor(Actor):
             return False
         offset = 1
         for name, state in self.rollouts.items():
-            await self.bus.send(name, LinkReform(generation=generation, master_port=formed.master_port,
-                                                 rank_offset=offset, world_size=world))
+            await self.bus.send(name, LinkReform(generation=generation, master_addrs=formed.master_addrs,
+                                                 master_ports=formed.master_ports, rank_offset=offset,
+                                                 world_size=world))
             offset += state.weight_ranks
         self.generation, self.need_reform = generation, False
         self.counters["link_formations"] += 1
         self.log.info("rollout_link_formed", generation=generation, members=len(self.rollouts) + 1, ranks=world,
-                      servers=True, seconds=round(time.monotonic() - t0, 3))
+                      servers=True, stages=len(formed.master_ports), seconds=round(time.monotonic() - t0, 3))
         await self._notify()
         return True
 
@@ -481,7 +483,7 @@ class ParamServerActor(Actor):
         generation = self.generation
         t0 = time.monotonic()
         ready = WeightsReady(version=stored.version, n_buckets=stored.n_buckets, weights_hash=stored.weights_hash,
-                             generation=generation, specs=stored.specs)
+                             generation=generation, specs=stored.specs, stage_buckets=stored.stage_buckets)
         acks = {name: asyncio.ensure_future(self.bus.request(name, ready, timeout=self.ack_timeout))
                 for name in self.rollouts}
         self._acks = acks

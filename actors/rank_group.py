@@ -6,6 +6,12 @@ parameter server; before each engine call it broadcasts the command (with the st
 ranks over a gloo group of the world, and gathers their statistics back after a training step. Gloo, not
 NCCL: the commands are small pickled objects that must not queue behind the GPUs' kernels.
 
+A pipeline-parallel trainer has a second channel, for weights: each stage's sender (data- and
+tensor-parallel rank 0 of the stage) hosts its own group with the rollouts' servers and broadcasts its own
+layers there. Forming those groups and broadcasting are asked for by the parameter server while a training
+step may be running, so they are led on a channel of their own, which the other ranks follow on a thread
+of their own (HOST, BROADCAST; STOP ends it).
+
 The group's timeout only bounds a broadcast that never completes; a follower waits for rank 0's next
 command as long as the run waits for its next batch. Liveness is the bus's job: every trainer rank
 watches the others' heartbeats and stops the run when one dies (a torch.distributed world cannot take a
@@ -19,7 +25,8 @@ from typing import Any
 import torch.distributed as dist
 
 TRAIN, EXPORT, SAVE, STOP = "train", "export", "save", "stop"
-COMMANDS = (TRAIN, EXPORT, SAVE, STOP)
+HOST, BROADCAST = "host", "broadcast"        # the weights channel of a pipeline-parallel trainer
+COMMANDS = (TRAIN, EXPORT, SAVE, STOP, HOST, BROADCAST)
 
 
 class RankGroup:

@@ -45,7 +45,7 @@ from transport.protocol import (GenerateGroup, GroupReturned, LinkReform, Rollou
                                 ServerDown, Trajectories, WeightsAck, WeightsReady, WorkerHello)
 
 __all__ = ["RolloutActor", "RolloutConfigError", "WeightSyncError", "make_engine", "verify_engine_weights",
-           "in_thread", "link_config"]
+           "in_thread", "link_config", "weight_group_name"]
 
 T = TypeVar("T")
 
@@ -105,40 +105,56 @@ def link_config(settings: dict[str, Any], default: str, key: str = "link") -> Li
         raise RolloutConfigError(f"links.{name}: {exc}") from exc
 
 
+def weight_group_name(link: str, generation: int, stage: int) -> str:
+    """The name of a weights group the servers join: one per link generation and trainer pipeline stage."""
+    return f"{link}-g{generation}" + (f"-pp{stage}" if stage else "")
+
+
 class ServerWeightGroup:
     """Direct weights received by the rollout's server itself (SGLang's /init_weights_update_group and
     /update_weights_from_distributed), in place of a BulkLink: the same generation bookkeeping, but the
-    server joins the trainer's group (as ``ranks`` ranks, one per tensor-parallel rank) and receives."""
+    server joins the trainer's groups (as ``ranks`` ranks, one per tensor-parallel rank; one group per
+    trainer pipeline stage, each stage sending its own layers) and receives."""
 
     def __init__(self, engine: Any, config: LinkConfig, ranks: int) -> None:
         self.engine, self.config, self.ranks = engine, config, max(1, ranks)
         self.generation: int | None = None
-        self.group: str | None = None
+        self.groups: list[str] = []     # in stage order
 
     async def join(self, msg: LinkReform) -> None:
-        if msg.world_size <= 0 or msg.rank_offset < 1 or msg.master_port <= 0:
+        stages = len(msg.master_ports)
+        if (msg.world_size <= 0 or msg.rank_offset < 1 or not stages or len(msg.master_addrs) != stages
+                or min(msg.master_ports) <= 0):
             raise EngineError(f"link {self.config.name!r}: LinkReform {msg} has no server group to join")
-        if self.group is not None:
+        for name in self.groups:
             try:
-                await self.engine.destroy_weights_group(self.group)
+                await self.engine.destroy_weights_group(name)
             except EngineError:  # a restarted server no longer has it
                 pass
-            self.group, self.generation = None, None
-        name = f"{self.config.name}-g{msg.generation}"
-        await self.engine.init_weights_group(self.config.master_addr, msg.master_port, msg.rank_offset,
-                                             msg.world_size, group_name=name, backend=self.config.backend)
-        self.group, self.generation = name, msg.generation
+        self.groups, self.generation = [], None
+        # One stage at a time, in order: every member joins stage k's group before any joins k + 1.
+        for stage, (addr, port) in enumerate(zip(msg.master_addrs, msg.master_ports)):
+            name = weight_group_name(self.config.name, msg.generation, stage)
+            await self.engine.init_weights_group(addr, port, msg.rank_offset, msg.world_size, group_name=name,
+                                                 backend=self.config.backend)
+            self.groups.append(name)
+        self.generation = msg.generation
 
     async def receive(self, msg: WeightsReady) -> None:
         from actors.engines.sglang import TensorSpec
 
         if len(msg.specs) != msg.n_buckets:
             raise EngineError(f"version {msg.version}: {msg.n_buckets} buckets but specs for {len(msg.specs)}")
+        per_stage = list(msg.stage_buckets) or [msg.n_buckets]
+        if sum(per_stage) != msg.n_buckets or len(per_stage) != len(self.groups):
+            raise EngineError(f"version {msg.version}: buckets per stage {per_stage} do not fit {msg.n_buckets} "
+                              f"buckets on {len(self.groups)} groups")
         buckets = [[TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in bucket] for bucket in msg.specs]
-        await self.engine.update_weights_from_distributed(msg.version, buckets, group_name=self.group)
+        groups = [name for name, n in zip(self.groups, per_stage) for _ in range(n)]
+        await self.engine.update_weights_from_distributed(msg.version, buckets, group_name=groups)
 
     def close(self) -> None:
-        self.group, self.generation = None, None
+        self.groups, self.generation = [], None
 
 
 def make_engine(settings: dict[str, Any], version: int, model_dir: str, run_dir: str | None = None,

@@ -26,8 +26,10 @@ consistently from the last checkpoint.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,11 +40,11 @@ from actors.base import Actor, handles
 from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.param_server import WeightsStatus, WeightsStatusRequest, pack_buckets
-from actors.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup
+from actors.rank_group import BROADCAST, EXPORT, HOST, SAVE, STOP, TRAIN, RankGroup
 from actors.recovery import (checkpoint_dir, mark_complete, mark_run_finished, refuse_restart_within_launch,
                              start_weights)
-from actors.rollout import in_thread
-from actors.weights import weights_hash
+from actors.rollout import in_thread, weight_group_name
+from actors.weights import TensorDigest, combine_digests, tensor_digests
 from algo.advantages import compute_advantages
 from algo.packing import allocate_micro_batches, split_by_rank
 from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
@@ -138,6 +140,76 @@ class TrainerConfigError(ValueError):
     """The trainer's settings or placement cannot work; the message says why."""
 
 
+def bucket_metas(buckets: list[Any]) -> list[list[TensorMeta]]:
+    """Per bucket, the names, dtypes and shapes a server that receives it must be told."""
+    return [[TensorMeta(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in b] for b in buckets]
+
+
+@dataclass
+class StageExport:
+    """What a pipeline stage's sender (a rank > 0) exported and keeps: rank 0 announces it with its own."""
+
+    stage: int
+    specs: list[list[TensorMeta]]
+    digests: list[TensorDigest]
+
+
+class ServerGroupHost:
+    """One trainer rank's weights group with the rollouts' servers (SGLang's weight-update group): hosted on
+    a free port, joined on a thread while the servers join, broadcast into once every rank is in. Rank 0
+    hosts stage 0's; each other pipeline stage's sender hosts its own."""
+
+    def __init__(self, address: str, backend: str, timeout_s: float, bind_addr: str = "") -> None:
+        self.address, self.backend, self.timeout_s = address, backend, timeout_s
+        self.bind_addr = bind_addr or "0.0.0.0"
+        self.generation: int | None = None
+        self._sender: Any = None
+        self._joined: concurrent.futures.Future | None = None
+
+    def host(self, generation: int, world_size: int, group_name: str) -> int:
+        """Start a group of this generation (closing the previous one); returns its port at once."""
+        from actors.engines.sglang import WeightGroupSender, free_port
+
+        self.close()
+        port = free_port(self.bind_addr)
+        sender = WeightGroupSender(self.address, port, world_size, group_name=group_name, backend=self.backend,
+                                   timeout_s=self.timeout_s)
+        joined: concurrent.futures.Future = concurrent.futures.Future()
+
+        def join() -> None:
+            try:
+                sender.open()
+            except BaseException as exc:
+                joined.set_exception(exc)
+            else:
+                joined.set_result(None)
+
+        threading.Thread(target=join, name=f"join-{group_name}", daemon=True).start()
+        self._sender, self._joined, self.generation = sender, joined, generation
+        return port
+
+    def broadcast(self, packed: list[PackedBucket], link_name: str) -> None:
+        """One SGLang-format broadcast per bucket (the servers run /update_weights_from_distributed for
+        each), once every server rank has joined; blocking."""
+        sender, joined = self._sender, self._joined
+        if sender is None or joined is None:
+            raise RuntimeError("no weights group is hosted")
+        try:
+            joined.result(timeout=self.timeout_s + 5)
+            for bucket in packed:
+                sender.send(unpack_bucket(bucket, link_name))
+        except BaseException:
+            # Tear the broken group down now: the servers still inside its collective then fail at once
+            # instead of waiting out their own timeout, and the next group can form.
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+        self._sender, self._joined, self.generation = None, None, None
+
+
 class TrainerActor(Actor):
     async def on_start(self) -> None:
         s = self.settings
@@ -150,9 +222,12 @@ class TrainerActor(Actor):
         if world and s.get("backend", "torch") != "megatron":
             raise TrainerConfigError(f"a trainer world of {count} ranks needs backend: megatron (the torch backend "
                                      f"trains on one process)")
-        if world and int((instance.get("parallel") or {}).get("pp", 1)) > 1:
-            raise TrainerConfigError("parallel.pp > 1: only rank 0 sends weights, and with pipeline stages the "
-                                     "later stages' layers live on other ranks. Use pp: 1 (docs/engines-megatron.md)")
+        pp = int((instance.get("parallel") or {}).get("pp", 1)) if world else 1
+        if pp > 1 and "train_to_ps" in (s.get("links") or {}):
+            raise TrainerConfigError("parallel.pp > 1 needs direct weights to rollouts whose servers join the "
+                                     "weights group (SGLang): every pipeline stage sends its own layers on a group "
+                                     "of its own; the relay through the parameter server (train_to_ps) takes one "
+                                     "sender (docs/engines-megatron.md)")
         refuse_restart_within_launch(self)
         self.step_cfg = StepConfig.from_settings(s)
         self.eta = int((s.get("algo") or {}).get("eta", 4))
@@ -163,12 +238,20 @@ class TrainerActor(Actor):
         self.engine = await asyncio.to_thread(make_train_engine, s, model_dir, self.version)
         # A trainer world: rank 0 leads (bus, weights, metrics), the others follow its engine calls.
         self.ranks = await asyncio.to_thread(RankGroup) if world else None
+        # Pipeline stages each send their own layers, on a weights channel followed beside the training one.
+        self.weight_ranks = await asyncio.to_thread(RankGroup) if pp > 1 else None
+        self.kept: dict[int, list[PackedBucket]] = {}    # direct weights: version -> buckets, the last two
+        self.server_host: ServerGroupHost | None = None  # direct weights to servers: this rank's group
         if self.version > 0:
             await asyncio.to_thread(self.engine.load, model_dir)
         if self.ranks is not None and not self.ranks.leader:
             if s.get("links"):
                 raise TrainerConfigError(f"{self.name} is in links {sorted(s['links'])}: only trainer.0 sends "
                                          f"weights; list trainer.0 in the link, not the whole trainer group")
+            self.address = str(instance.get("address") or "")
+            if self.weight_ranks is not None and not self.address:
+                raise TrainerConfigError(f"{self.name}: settings.instance.address is not set (the topology launcher "
+                                         f"sets it): a pipeline stage's sender hosts its weights group there")
             self.log.info("trainer_rank_started", rank=self.ranks.rank, world=self.ranks.size, version=self.version)
             return
         self.bucket_bytes = int(s.get("weight_bucket_mb", 64)) << 20
@@ -191,13 +274,7 @@ class TrainerActor(Actor):
                                          f"weights as rank 0 and must be listed first, got {self.link_cfg.members}")
             if not self.direct:
                 self.link_opening = asyncio.ensure_future(asyncio.to_thread(self.link.open, 0))
-        self.kept: dict[int, list[PackedBucket]] = {}    # direct weights: version -> buckets, the last two
         self._link_lock = asyncio.Lock()
-        # Direct weights to servers that join the group themselves (SGLang): the group of this generation,
-        # hosted here, and its formation running in a thread until every server rank has joined.
-        self.server_group: Any = None
-        self.server_generation: int | None = None
-        self.server_joining: asyncio.Future | None = None
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.tb = None
         try:
@@ -210,6 +287,8 @@ class TrainerActor(Actor):
     async def on_ready(self) -> None:
         if self.ranks is not None and not self.ranks.leader:
             self.spawn(self._follow(), name="follow_rank0")
+            if self.weight_ranks is not None:
+                self.spawn(self._follow_weights(), name="follow_rank0_weights")
         else:
             self.spawn(self._train_loop(), name="train_loop")
 
@@ -218,6 +297,8 @@ class TrainerActor(Actor):
             self.tb.close()
         if getattr(self, "link", None) is not None:
             self.link.close()
+        if getattr(self, "server_host", None) is not None:
+            self.server_host.close()
 
     def on_peer_dead(self, peer: str) -> None:
         # A torch.distributed world cannot take a rank back: the others would wait in a collective for it.
@@ -241,13 +322,77 @@ class TrainerActor(Actor):
                 batch, version = args
                 self.ranks.gather(train_share(self.engine, batch, self.step_cfg, version))
             elif command == EXPORT:
-                for _ in self.engine.export_weights(*args):
-                    pass
+                bucket_bytes, version = args
+                buckets = list(self.engine.export_weights(bucket_bytes))
+                if self.weight_ranks is not None:
+                    self.ranks.gather(self._keep_stage(version, buckets))
             elif command == SAVE:
                 self.engine.save(*args)
             else:
                 self.log.info("trainer_rank_done", rank=self.ranks.rank)
                 return
+
+    def _keep_stage(self, version: int, buckets: list[Any]) -> "StageExport | None":
+        """A pipeline stage's sender keeps its own buckets of `version` to broadcast them itself, and tells
+        rank 0 their names, shapes and digests (for the specs every server receives by, and the hash)."""
+        if not buckets:
+            return None   # not a stage sender (data- or tensor-parallel rank > 0)
+        self.kept[version] = pack_buckets(buckets)
+        for old in [v for v in self.kept if v < version - 1]:
+            del self.kept[old]
+        return StageExport(self.engine.pp_rank, bucket_metas(buckets),
+                           tensor_digests(kv for b in buckets for kv in b))
+
+    async def _follow_weights(self) -> None:
+        await in_thread(self._follow_weight_commands)
+
+    def _follow_weight_commands(self) -> None:
+        """Ranks > 0 of a pipeline-parallel trainer: rank 0's weights commands, on a thread of their own
+        (they come while a training step runs). A stage's sender hosts that stage's group and broadcasts
+        its kept buckets there; the other ranks only answer."""
+        assert self.weight_ranks is not None
+        sender = self.engine.is_export_sender and self.engine.pp_rank > 0
+        link_name = ""
+        while True:
+            command, args = self.weight_ranks.next_command()
+            if command == HOST:
+                generation, world_size, link_name, backend, timeout_s = args
+                hosted = None
+                if sender:
+                    if self.server_host is None:
+                        self.server_host = ServerGroupHost(self.address, backend, timeout_s)
+                    stage = self.engine.pp_rank
+                    port = self.server_host.host(generation, world_size,
+                                                 weight_group_name(link_name, generation, stage))
+                    hosted = (stage, self.address, port)
+                    self.log.info("weights_group_hosted", generation=generation, stage=stage, port=port,
+                                  world_size=world_size)
+                self.weight_ranks.gather(hosted)
+            elif command == BROADCAST:
+                version, generation = args
+                error = ""
+                if sender:
+                    t0 = time.monotonic()
+                    try:
+                        self._broadcast_kept(version, generation, link_name)
+                    except Exception as exc:
+                        error = f"stage {self.engine.pp_rank} ({self.name}): {exc}"
+                    self.log.info("stage_weights_sent", version=version, generation=generation,
+                                  stage=self.engine.pp_rank, buckets=len(self.kept.get(version, [])),
+                                  seconds=round(time.monotonic() - t0, 4), error=error or None)
+                self.weight_ranks.gather(error)
+            else:
+                if self.server_host is not None:
+                    self.server_host.close()
+                return
+
+    def _broadcast_kept(self, version: int, generation: int, link_name: str) -> None:
+        packed = self.kept.get(version)
+        if packed is None:
+            raise RuntimeError(f"version {version} is not kept here (kept: {sorted(self.kept)})")
+        if self.server_host is None or self.server_host.generation != generation:
+            raise RuntimeError(f"no weights group of generation {generation} is hosted here")
+        self.server_host.broadcast(packed, link_name)
 
     @handles(RunFinished)
     def on_run_finished(self, msg: RunFinished) -> None:
@@ -261,10 +406,15 @@ class TrainerActor(Actor):
         share = train_share(self.engine, batch, self.step_cfg, self.version)
         return step_metrics(batch, self.version, self.ranks.gather(share) or [share])
 
-    def _export(self) -> list[Any]:
+    def _export(self) -> tuple[list[Any], list["StageExport"]]:
+        """This rank's buckets, and with pipeline stages what the other stages' senders keep."""
         if self.ranks is not None:
-            self.ranks.lead(EXPORT, self.bucket_bytes)
-        return list(self.engine.export_weights(self.bucket_bytes))
+            self.ranks.lead(EXPORT, self.bucket_bytes, self.version)
+        buckets = list(self.engine.export_weights(self.bucket_bytes))
+        if self.weight_ranks is None:
+            return buckets, []
+        stages = [s for s in self.ranks.gather(None) or [] if s is not None]
+        return buckets, sorted(stages, key=lambda s: s.stage)
 
     def _save(self, path: str) -> None:
         if self.ranks is not None:
@@ -312,6 +462,9 @@ class TrainerActor(Actor):
         mark_run_finished(self.run_dir, self.version)
         if self.ranks is not None:
             await asyncio.to_thread(self.ranks.lead, STOP)
+        if self.weight_ranks is not None:
+            async with self._link_lock:
+                await asyncio.to_thread(self.weight_ranks.lead, STOP)
         for peer in self.bus.peers:
             try:
                 await asyncio.wait_for(self.bus.send(peer, RunFinished(step=self.version)), timeout=5)
@@ -326,16 +479,19 @@ class TrainerActor(Actor):
         if self.link is None:
             return 0.0
         t0 = time.time()
-        buckets = await asyncio.to_thread(self._export)
-        digest = await asyncio.to_thread(weights_hash, [kv for b in buckets for kv in b])
+        buckets, stages = await asyncio.to_thread(self._export)
+        digests = await asyncio.to_thread(tensor_digests, [kv for b in buckets for kv in b])
+        digest = combine_digests(digests + [d for s in stages for d in s.digests])
         if self.direct:
             # Two versions kept: the parameter server may still be asking for the previous one.
             self.kept[self.version] = await asyncio.to_thread(pack_buckets, buckets)
             for old in [v for v in self.kept if v < self.version - 1]:
                 del self.kept[old]
-            specs = [[TensorMeta(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in b] for b in buckets]
+            specs = bucket_metas(buckets) + [m for s in stages for m in s.specs]
+            stage_buckets = [len(buckets)] + [len(s.specs) for s in stages] if stages else []
             reply = await self.bus.request(self.param_server, WeightsPublished(
-                version=self.version, n_buckets=len(buckets), weights_hash=digest, specs=specs), timeout=60.0)
+                version=self.version, n_buckets=len(specs), weights_hash=digest, specs=specs,
+                stage_buckets=stage_buckets), timeout=60.0)
             if not isinstance(reply, WeightsStored) or reply.version != self.version:
                 raise RuntimeError(f"param server answered {reply!r} to version {self.version}")
             return time.time() - t0
@@ -356,35 +512,45 @@ class TrainerActor(Actor):
     @handles(LinkReform)
     async def on_link_reform(self, msg: LinkReform) -> LinkFormed:
         """Direct weights: join the rollouts' group of this generation as its rank 0 (the rendezvous master).
-        With ``world_size`` set, the rollouts' servers join themselves: host a fresh group on a free port,
-        reply with it at once, and finish joining in the background while they come."""
+        With ``world_size`` set, the rollouts' servers join themselves: host a fresh group on a free port
+        (each pipeline stage's sender one of its own), reply with them at once, and finish joining in the
+        background while the servers come."""
         if not self.direct or self.link is None:
             raise RuntimeError(f"{self.name} has no direct weights link to re-form")
         async with self._link_lock:
             t0 = time.monotonic()
             if msg.world_size > 0:
-                port = self._host_server_group(msg.generation, msg.world_size)
-                return LinkFormed(generation=msg.generation, seconds=time.monotonic() - t0, master_port=port)
+                addrs, ports = await self._host_server_groups(msg.generation, msg.world_size)
+                return LinkFormed(generation=msg.generation, seconds=time.monotonic() - t0, master_addrs=addrs,
+                                  master_ports=ports)
+            if self.weight_ranks is not None:   # a placement error no retry can mend: stop the run
+                why = ("parallel.pp > 1: every pipeline stage sends its own layers, which needs rollouts whose "
+                       "servers join the weights group (SGLang); these rollouts receive on the bulk link")
+                self.request_stop(why, exit_code=1)
+                raise TrainerConfigError(why)
             await in_thread(self.link.reform, msg.generation)
         self.log.info("weights_link_formed", generation=msg.generation, seconds=round(time.monotonic() - t0, 3))
         return LinkFormed(generation=msg.generation, seconds=time.monotonic() - t0)
 
-    def _host_server_group(self, generation: int, world_size: int) -> int:
-        from actors.engines.sglang import WeightGroupSender, free_port
-
-        if self.server_group is not None:
-            self.server_group.close()
+    async def _host_server_groups(self, generation: int, world_size: int) -> tuple[list[str], list[int]]:
+        """Stage 0's group here, the other stages' on their senders; (addresses, ports) in stage order."""
         cfg = self.link_cfg
-        port = free_port(cfg.bind_addr or "0.0.0.0")
-        self.server_group = WeightGroupSender(cfg.master_addr, port, world_size, group_name=self._group_name(generation),
-                                              backend=cfg.backend, timeout_s=cfg.timeout_s)
-        self.server_generation = generation
-        self.server_joining = in_thread(self.server_group.open)
-        self.log.info("weights_group_hosted", generation=generation, port=port, world_size=world_size)
-        return port
+        if self.server_host is None:
+            self.server_host = ServerGroupHost(cfg.master_addr, cfg.backend, cfg.timeout_s, cfg.bind_addr)
+        port = self.server_host.host(generation, world_size, weight_group_name(cfg.name, generation, 0))
+        addrs, ports = [cfg.master_addr], [port]
+        if self.weight_ranks is not None:
+            ranks = self.weight_ranks
 
-    def _group_name(self, generation: int) -> str:
-        return f"{self.link_cfg.name}-g{generation}"
+            def host_stages() -> list[Any]:
+                ranks.lead(HOST, generation, world_size, cfg.name, cfg.backend, cfg.timeout_s)
+                return ranks.gather(None) or []
+
+            for _, addr, stage_port in sorted(h for h in await in_thread(host_stages) if h is not None):
+                addrs.append(addr)
+                ports.append(stage_port)
+        self.log.info("weights_group_hosted", generation=generation, ports=ports, world_size=world_size)
+        return addrs, ports
 
     @handles(WeightsBroadcast)
     async def on_weights_broadcast(self, msg: WeightsBroadcast) -> WeightsBroadcastDone:
@@ -396,8 +562,8 @@ class TrainerActor(Actor):
             raise RuntimeError(f"version {msg.version} is not kept here (kept: {sorted(self.kept)})")
         async with self._link_lock:
             t0 = time.monotonic()
-            if self.server_generation == msg.generation and self.server_group is not None:
-                await self._broadcast_to_servers(packed)
+            if self.server_host is not None and self.server_host.generation == msg.generation:
+                await in_thread(self._broadcast_to_servers, msg.version, msg.generation)
                 return WeightsBroadcastDone(version=msg.version, seconds=time.monotonic() - t0)
             if self.link.generation != msg.generation:
                 raise RuntimeError(f"link {self.link.config.name!r} is at generation {self.link.generation}, "
@@ -406,20 +572,23 @@ class TrainerActor(Actor):
                 await in_thread(self.link.broadcast_packed, bucket, 0)
         return WeightsBroadcastDone(version=msg.version, seconds=time.monotonic() - t0)
 
-    async def _broadcast_to_servers(self, packed: list[PackedBucket]) -> None:
-        """One SGLang-format broadcast per bucket (the servers run /update_weights_from_distributed for each),
-        once every server rank has joined the group."""
-        assert self.server_joining is not None and self.server_group is not None
-        group = self.server_group
+    def _broadcast_to_servers(self, version: int, generation: int) -> None:
+        """Stage 0's buckets on its group; with pipeline stages every other stage's sender broadcasts its
+        own at the same time (the servers take the stages in order), and says whether that worked."""
+        if self.weight_ranks is None:
+            self._broadcast_kept(version, generation, self.link_cfg.name)
+            return
+        self.weight_ranks.lead(BROADCAST, version, generation)
+        failure: Exception | None = None
         try:
-            await asyncio.wait_for(asyncio.shield(self.server_joining), self.link_cfg.timeout_s + 5)
-            for bucket in packed:
-                await in_thread(group.send, unpack_bucket(bucket, self.link_cfg.name))
-        except BaseException:
-            # Tear the broken group down now: the servers still inside its collective then fail at once
-            # instead of waiting out their own timeout, and the next group can form.
-            group.close()
-            raise
+            self._broadcast_kept(version, generation, self.link_cfg.name)
+        except Exception as exc:   # the other stages still answer: gather before raising
+            failure = exc
+        errors = [e for e in self.weight_ranks.gather("") or [] if e]
+        if failure is not None:
+            raise failure
+        if errors:
+            raise RuntimeError("; ".join(errors))
 
     async def _push_stats(self) -> dict[str, float]:
         """The parameter server's latest view: how long the last push to every rollout took until acked, and

@@ -316,3 +316,44 @@ def test_multi_rank_megatron_trainer_runs_the_loop(assets: dict[str, Path], tmp_
     assert events(run_dir, "trainer.1", "trainer_rank_started")[0]["world"] == 2
     assert events(run_dir, "trainer.1", "trainer_rank_done")        # it followed rank 0 to the end
     assert (run_dir / "checkpoints" / f"step_{steps:06d}" / "COMPLETE").exists()
+
+
+def test_pipeline_stages_each_send_their_own_layers_to_sglang_servers(assets: dict[str, Path],
+                                                                     tmp_path: Path) -> None:
+    # The 64-node shape of the weight path on CPU: a Megatron trainer of two pipeline stages (one layer
+    # each) and two SGLang stand-in servers. Each stage's sender hosts a group of its own that both servers
+    # join, and broadcasts only its own layers there (stage 1's never pass through trainer.0); the servers
+    # take the stages' buckets in one interruption per version. The stand-in can read its weights back,
+    # so every ack is checked against the trainer's hash, combined from the stages' per-tensor digests.
+    from actors.engines import megatron
+    if not megatron.is_available():
+        pytest.skip(f"megatron-core not importable ({megatron.MEGATRON_IMPORT_ERROR})")
+    standin = f"{{engine: sglang, sglang: {{command: [{sys.executable}, -m, actors.engines.sglang_standin]}}}}"
+    text = direct_topology(tmp_path, standin).read_text()
+    trainer = text[text.index("\n  trainer:"):text.index("\n  param_server:")]
+    text = text.replace(trainer, "\n  trainer:\n"
+                                 "    class: tests.megatron_trainer:CPUMegatronTrainerActor\n"
+                                 "    count: 2\n    cpus: [1]\n    threads: 1\n"
+                                 "    parallel: {dp: 1, tp: 1, pp: 2}\n    world_port: auto\n"
+                                 "    settings: {backend: megatron}")
+    topology = tmp_path / "megatron_pp2.yaml"
+    topology.write_text(text)
+    run_dir = tmp_path / "run"
+    steps = 4
+    run_to_end(assets, run_dir, steps, ckpt_every=steps, topology=str(topology))
+    formed = events(run_dir, "param_server", "rollout_link_formed")
+    assert formed and all(e["stages"] == 2 and e["ranks"] == 3 for e in formed), formed
+    pushes = events(run_dir, "param_server", "weights_pushed")
+    assert len(pushes) >= steps - 1 and all(set(p["rollouts"]) == {"rollout.0", "rollout.1"} for p in pushes)
+    assert all(r["ack_ok"] and r["verified"] == "hash" for p in pushes for r in p["rollouts"].values()), pushes
+    for name in ("rollout.0", "rollout.1"):
+        hashes = events(run_dir, name, "weights_updated")
+        assert hashes and all(e.get("through_server") and e["verified"] == "hash" for e in hashes), name
+        assert not events(run_dir, name, "weights_hash_mismatch"), name
+    hosted = events(run_dir, "trainer.0", "weights_group_hosted")
+    assert hosted and all(len(e["ports"]) == 2 for e in hosted), hosted
+    assert [e["stage"] for e in events(run_dir, "trainer.1", "weights_group_hosted")] == [1] * len(hosted)
+    # trainer.1 broadcast stage 1's buckets itself for every version pushed
+    sent = events(run_dir, "trainer.1", "stage_weights_sent")
+    assert sorted(e["version"] for e in sent) == sorted(p["version"] for p in pushes), (sent, pushes)
+    assert all(e["stage"] == 1 and e["buckets"] >= 1 and e["error"] is None for e in sent), sent

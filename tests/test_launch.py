@@ -88,6 +88,17 @@ def test_dry_run_64node_table(capsys: pytest.CaptureFixture) -> None:
     assert "srun -N64 --ntasks-per-node=1 --kill-on-bad-exit=1" in out
     assert ("trainer world: nccl world of 128 ranks (trainer.0-127), rank 0 = trainer.0 leads, rendezvous #48:29400"
             in out)
+    assert "pipeline stages" not in out
+
+
+def test_dry_run_names_each_pipeline_stage_sender(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    text = (REPO / "topology" / "64node.yaml").read_text()
+    assert "dp: 32, tp: 4, pp: 1" in text
+    pp2 = tmp_path / "64node_pp2.yaml"
+    pp2.write_text(text.replace("dp: 32, tp: 4, pp: 1", "dp: 16, tp: 4, pp: 2"))
+    assert up.main([str(pp2), "--dry-run", "--no-import-check"]) == 0
+    assert ("2 pipeline stages: each stage's sender hosts a weights group of its own with the rollouts' servers: "
+            "trainer.0, trainer.64") in capsys.readouterr().out
 
 
 def test_a_world_gives_each_instance_its_rank_and_rendezvous() -> None:
@@ -118,7 +129,8 @@ def test_bad_world_ports_are_refused(tmp_path: Path, group: str, problem: str) -
 @pytest.mark.parametrize("settings, problem", [
     ({}, "no world_port"),                                     # separate instances would each train alone
     ({"world": {"rank": 1}}, "needs backend: megatron"),
-    ({"world": {"rank": 1}, "backend": "megatron", "parallel": {"pp": 2}}, "parallel.pp > 1"),
+    ({"world": {"rank": 0}, "backend": "megatron", "parallel": {"pp": 2}, "links": {"train_to_ps": {}}},
+     "parallel.pp > 1 needs direct weights"),
 ])
 def test_a_trainer_group_that_cannot_train_together_is_refused_at_start(tmp_path: Path, settings: dict,
                                                                        problem: str) -> None:
@@ -126,10 +138,11 @@ def test_a_trainer_group_that_cannot_train_together_is_refused_at_start(tmp_path
 
     from actors.base import ActorSpec
     from actors.trainer import TrainerActor, TrainerConfigError
-    instance = {"group": "trainer", "index": 1, "count": 2, **{k: v for k, v in settings.items() if k != "backend"}}
+    instance = {"group": "trainer", "index": 1, "count": 2,
+                **{k: v for k, v in settings.items() if k not in ("backend", "links")}}
     spec = ActorSpec("trainer.1", "actors.trainer:TrainerActor", f"ipc://{tmp_path}/t",
-                     settings={"instance": instance, "log_console": False, "backend": settings.get("backend", "torch")},
-                     run_dir=str(tmp_path))
+                     settings={"instance": instance, "log_console": False, "backend": settings.get("backend", "torch"),
+                               "links": settings.get("links", {})}, run_dir=str(tmp_path))
     with pytest.raises(TrainerConfigError, match=problem):
         asyncio.run(TrainerActor(spec).on_start())
 

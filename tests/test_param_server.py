@@ -45,6 +45,19 @@ def test_start_weights_hash_matches_a_loaded_model(tmp_path: Path) -> None:
     assert stored.weights_hash == weights_hash(hf_state_dict(load_model(str(model_dir))).items())
 
 
+def test_hashes_of_parts_combine_into_the_hash_of_the_whole(tmp_path: Path) -> None:
+    # A pipeline-parallel trainer hashes each stage's tensors where they live and combines the digests.
+    from actors.weights import combine_digests, tensor_digests
+
+    named = list(hf_state_dict(load_model(str(make_model_dir(tmp_path / "model")))).items())
+    stage0, stage1 = named[: len(named) // 2], named[len(named) // 2:]
+    assert combine_digests(tensor_digests(stage1) + tensor_digests(stage0)) == weights_hash(named)
+    changed = [(n, t + 1 if i == 3 else t) for i, (n, t) in enumerate(named)]
+    assert weights_hash(changed) != weights_hash(named)
+    renamed = [(n + "x" if i == 0 else n, t) for i, (n, t) in enumerate(named)]
+    assert weights_hash(renamed) != weights_hash(named)
+
+
 def test_publish_checks_the_hash_and_stores_the_newest(tmp_path: Path) -> None:
     model_dir = make_model_dir(tmp_path / "model")
     ports = {"train_to_ps": free_port(), "ps_to_rollout": free_port()}

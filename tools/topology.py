@@ -180,7 +180,7 @@ class Plan:
             settings = _deep_merge(copy.deepcopy(topo.experiment), copy.deepcopy(group.settings))
             settings["instance"] = {
                 "group": inst.group, "index": inst.index, "count": group.count, "node": inst.host,
-                "node_index": inst.node, "gpus": inst.gpus, "cpus": inst.cpus, "cpu_workers": group.cpu_workers,
+                "address": resolve_host(inst.host), "node_index": inst.node, "gpus": inst.gpus, "cpus": inst.cpus, "cpu_workers": group.cpu_workers,
                 "parallel": dict(group.parallel),
             }
             settings["groups"] = groups

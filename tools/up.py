@@ -89,6 +89,12 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
         lines.append(f"  {gname} world: {world.backend} world of {len(world.members)} ranks "
                      f"({_ranges(world.members)}), rank 0 = {world.members[0]} leads, rendezvous "
                      f"{world.master_host}:{world.port or 'auto'} (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE)")
+        pp = int(topo.groups[gname].parallel.get("pp", 1))
+        if pp > 1:
+            # Megatron's rank order (tp-cp-ep-dp-pp): stage k begins at rank k * world / pp.
+            senders = [world.members[k * len(world.members) // pp] for k in range(pp)]
+            lines.append(f"    {pp} pipeline stages: each stage's sender hosts a weights group of its own with the "
+                         f"rollouts' servers: {', '.join(senders)}")
     lines.append("")
     lines.append("commands")
     if len(topo.nodes) == 1 and not topo.nodes_from_allocation:

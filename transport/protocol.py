@@ -167,12 +167,15 @@ class TensorMeta:
 @message("rl.weights_published")
 class WeightsPublished(Message):
     """trainer -> param_server: the buckets of `version` follow on the train_to_ps bulk link (relay), or
-    are kept by the trainer (direct weights). `specs`: per bucket, its tensors (direct weights only)."""
+    are kept by the trainer (direct weights). `specs`: per bucket, its tensors (direct weights only).
+    `stage_buckets`: with a pipeline-parallel trainer, how many of the buckets each stage sends, in stage
+    order (each stage broadcasts its own layers on its own group); empty: one sender."""
 
     version: int
     n_buckets: int
     weights_hash: str
     specs: list[list[TensorMeta]] = field(default_factory=list)
+    stage_buckets: list[int] = field(default_factory=list)
 
 
 @message("rl.weights_stored")
@@ -190,6 +193,7 @@ class WeightsReady(Message):
     weights_hash: str
     generation: int
     specs: list[list[TensorMeta]] = field(default_factory=list)   # direct weights: for servers that receive
+    stage_buckets: list[int] = field(default_factory=list)        # as in WeightsPublished
 
 
 @message("rl.weights_ack")
@@ -236,11 +240,13 @@ class WorkerHello(Message):
 class LinkReform(Message):
     """param_server -> rollout (and, with direct weights, -> trainer as a request): re-form the weights link at
     `generation` (a member restarted). Direct weights to servers that join themselves: the trainer gets
-    `world_size` and hosts the group (replies LinkFormed with its port); each rollout gets `master_port`,
-    its `rank_offset` and `world_size`."""
+    `world_size` and hosts the group (replies LinkFormed with its address and port); each rollout gets them,
+    its `rank_offset` and `world_size`. A pipeline-parallel trainer hosts one group per stage, each stage's
+    sender as its rank 0: one address and port per stage, in stage order, and the servers join every one."""
 
     generation: int
-    master_port: int = 0
+    master_addrs: list[str] = field(default_factory=list)
+    master_ports: list[int] = field(default_factory=list)
     rank_offset: int = -1
     world_size: int = 0
 
@@ -248,11 +254,12 @@ class LinkReform(Message):
 @message("rl.link_formed")
 class LinkFormed(Message):
     """trainer -> param_server (direct weights): the trainer joined the group of `generation` (or, for a
-    group of servers, is hosting it on `master_port` and joins while they do)."""
+    group of servers, is hosting it, one group per pipeline stage, and joins while they do)."""
 
     generation: int
     seconds: float
-    master_port: int = 0
+    master_addrs: list[str] = field(default_factory=list)
+    master_ports: list[int] = field(default_factory=list)
 
 
 @message("rl.weights_broadcast")

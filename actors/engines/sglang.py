@@ -921,20 +921,27 @@ class SGLangEngine(GenerationEngine):
         self.groups.pop(group_name, None)
 
     async def update_weights_from_distributed(self, version: int, buckets: Iterable[Sequence[TensorSpec]], *,
-                                              group_name: str = DEFAULT_GROUP, flattened: bool = True) -> None:
+                                              group_name: str | Sequence[str] = DEFAULT_GROUP,
+                                              flattened: bool = True) -> None:
         """Receive ``version`` over the weight group, one /update_weights_from_distributed call per bucket
-        while the trainer broadcasts that bucket (:class:`WeightGroupSender`), inside one interruption."""
-        if group_name not in self.groups:
-            raise EngineError(f"weight group {group_name!r} is not initialised on {self.url} "
-                              f"(call init_weights_group first; a restarted server needs it again)")
+        while the trainer broadcasts that bucket (:class:`WeightGroupSender`), inside one interruption.
+        ``group_name``: the group of every bucket, or one per bucket (a pipeline-parallel trainer's stages
+        each broadcast their own buckets on their own group)."""
         specs_list = [list(b) for b in buckets]
+        names = [group_name] * len(specs_list) if isinstance(group_name, str) else list(group_name)
+        if len(names) != len(specs_list):
+            raise EngineError(f"{len(specs_list)} buckets but {len(names)} group names")
+        missing = sorted(set(names) - set(self.groups))
+        if missing:
+            raise EngineError(f"weight group(s) {missing} not initialised on {self.url} "
+                              f"(call init_weights_group first; a restarted server needs it again)")
 
         async def update() -> None:
-            for i, specs in enumerate(specs_list):
+            for i, (specs, name) in enumerate(zip(specs_list, names)):
                 last = i == len(specs_list) - 1
                 body = payload("/update_weights_from_distributed", names=[s.name for s in specs],
                                dtypes=[s.dtype for s in specs], shapes=[list(s.shape) for s in specs],
-                               group_name=group_name, flush_cache=last, abort_all_requests=False,
+                               group_name=name, flush_cache=last, abort_all_requests=False,
                                weight_version=str(version),
                                **({"load_format": "flattened_bucket"} if flattened else {}))
                 await self._post("/update_weights_from_distributed", body)
