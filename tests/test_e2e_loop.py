@@ -353,7 +353,10 @@ def test_pipeline_stages_each_send_their_own_layers_to_sglang_servers(assets: di
     hosted = events(run_dir, "trainer.0", "weights_group_hosted")
     assert hosted and all(len(e["ports"]) == 2 for e in hosted), hosted
     assert [e["stage"] for e in events(run_dir, "trainer.1", "weights_group_hosted")] == [1] * len(hosted)
-    # trainer.1 broadcast stage 1's buckets itself for every version pushed
-    sent = events(run_dir, "trainer.1", "stage_weights_sent")
-    assert sorted(e["version"] for e in sent) == sorted(p["version"] for p in pushes), (sent, pushes)
-    assert all(e["stage"] == 1 and e["buckets"] >= 1 and e["error"] is None for e in sent), sent
+    # trainer.1 broadcast stage 1's buckets itself for every version pushed (the last broadcast's push may
+    # still be collecting acks when the run ends, so it can be missing from the parameter server's log)
+    sent = sorted(e["version"] for e in events(run_dir, "trainer.1", "stage_weights_sent"))
+    pushed = sorted(p["version"] for p in pushes)
+    assert sent[:len(pushed)] == pushed and len(sent) - len(pushed) <= 1, (sent, pushed)
+    assert all(e["stage"] == 1 and e["buckets"] >= 1 and e["error"] is None
+               for e in events(run_dir, "trainer.1", "stage_weights_sent"))
