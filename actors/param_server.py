@@ -255,11 +255,8 @@ class ParamServerActor(Actor):
         state = self.rollouts.get(peer)
         if state is not None:
             state.alive = False
-            if self.generation is not None:
-                self.need_reform = True  # the group lost a member: it must be formed again
-            self._abandon_ack(peer, "it is dead")
             self.log.warning("rollout_dead", rollout=peer)
-            self._kick.set()
+            self._member_changed(peer, "it is dead")
 
     def on_peer_alive(self, peer: str) -> None:
         state = self.rollouts.get(peer)
@@ -287,13 +284,10 @@ class ParamServerActor(Actor):
         version = hello.version
         state.hello, state.alive = True, True
         state.version, state.ack_ok, state.weight_ranks = version, False, hello.weight_ranks
-        if self.generation is not None:
-            # Any hello after the link was formed comes from a (re)started member: it needs a new group.
-            self.need_reform = True
-        self._abandon_ack(sender, "it restarted")
+        # Any hello after the link was formed comes from a (re)started member: it needs a new group.
+        self._member_changed(sender, "it restarted")
         self.log.info("rollout_hello", rollout=sender, version=version, first=first,
                       current=self.current.version if self.current else None, reform=self.need_reform)
-        self._kick.set()
 
     @handles(ServerDown)
     def on_server_down(self, msg: ServerDown, env: Any) -> None:
@@ -307,10 +301,15 @@ class ParamServerActor(Actor):
             self.log.warning("server_down_from_unknown", sender=env.sender, members=sorted(self.rollouts))
             return
         state.hello = False
+        self.log.warning("rollout_server_down", rollout=env.sender, restarts=msg.restarts)
+        self._member_changed(env.sender, "its server died")
+
+    def _member_changed(self, rollout: str, why: str) -> None:
+        """A member died, restarted or lost its server: a formed group must be formed again, its ack in the
+        running push is not waited for, and the pusher looks again."""
         if self.generation is not None:
             self.need_reform = True
-        self._abandon_ack(env.sender, "its server died")
-        self.log.warning("rollout_server_down", rollout=env.sender, restarts=msg.restarts)
+        self._abandon_ack(rollout, why)
         self._kick.set()
 
     # ---------------------------------------------------------------------------- trainer -> storage

@@ -337,11 +337,16 @@ class TrainerActor(Actor):
         rank 0 their names, shapes and digests (for the specs every server receives by, and the hash)."""
         if not buckets:
             return None   # not a stage sender (data- or tensor-parallel rank > 0)
+        self._keep(version, buckets)
+        return StageExport(self.engine.pp_rank, bucket_metas(buckets),
+                           tensor_digests(kv for b in buckets for kv in b))
+
+    def _keep(self, version: int, buckets: list[Any]) -> None:
+        """Direct weights: this rank's buckets of `version`, packed, kept with the previous version only
+        (the parameter server may still be asking for it)."""
         self.kept[version] = pack_buckets(buckets)
         for old in [v for v in self.kept if v < version - 1]:
             del self.kept[old]
-        return StageExport(self.engine.pp_rank, bucket_metas(buckets),
-                           tensor_digests(kv for b in buckets for kv in b))
 
     async def _follow_weights(self) -> None:
         await in_thread(self._follow_weight_commands)
@@ -483,10 +488,7 @@ class TrainerActor(Actor):
         digests = await asyncio.to_thread(tensor_digests, [kv for b in buckets for kv in b])
         digest = combine_digests(digests + [d for s in stages for d in s.digests])
         if self.direct:
-            # Two versions kept: the parameter server may still be asking for the previous one.
-            self.kept[self.version] = await asyncio.to_thread(pack_buckets, buckets)
-            for old in [v for v in self.kept if v < self.version - 1]:
-                del self.kept[old]
+            await asyncio.to_thread(self._keep, self.version, buckets)
             specs = bucket_metas(buckets) + [m for s in stages for m in s.specs]
             stage_buckets = [len(buckets)] + [len(s.specs) for s in stages] if stages else []
             reply = await self.bus.request(self.param_server, WeightsPublished(

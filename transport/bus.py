@@ -21,8 +21,9 @@ Frames over ``hard_max_frame_bytes`` (default 2x the limit) are cut off by libzm
 they are buffered in full, which protects memory.
 
 Heartbeats. Every ``heartbeat_interval`` seconds the bus pings each peer; any message from a peer (a
-reply or pong on its connection, or its own pings and requests) counts as a sign of life. A peer silent for ``heartbeat_timeout`` is declared dead
-(``on_peer_dead(name)``, ``stats["peer_dead"]``); ``on_peer_alive(name)`` fires when it answers again.
+reply or pong on its connection, or its own pings and requests) counts as a sign of life. A peer silent
+for ``heartbeat_timeout`` is declared dead (``on_peer_dead(name)``, ``stats["peer_dead"]``);
+``on_peer_alive(name)`` fires when it answers again.
 Pings and pongs are handled inside the bus and never reach the actor.
 
 CurveZMQ (``curve=CurveConfig``): the ROUTER is a CURVE server whose ZAP handler admits only the run's
