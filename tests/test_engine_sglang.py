@@ -207,6 +207,42 @@ def test_abort_returns_partial_tokens_and_pause_holds_requests(standin):
     assert done.finish_reason == "length" and done.output_ids == greedy_reference(tiny_model(seed=0), [5, 6, 7], 4)
 
 
+def test_a_request_aborted_while_queued_resumes_after_the_pause(standin):
+    # SGLang 0.5.6 answers a request still in its waiting queue at /pause_generation {"mode": "abort"}
+    # without weight_version or prompt_tokens (TokenizerManager._handle_abort_req). The engine once
+    # failed the whole request on it, and the rollout dropped the group's partial answers.
+    standin.engine.max_running = 1    # b waits in the queue while a runs
+    started = hold_decoding_at(standin.engine, 2)
+    prompt_a, prompt_b = [5, 6, 7], [8, 9, 10, 11]
+
+    async def main():
+        engine = SGLangEngine(url=standin.url)
+        await engine.start()
+        try:
+            running = asyncio.ensure_future(engine.generate(GenerationRequest(
+                "a", prompt_a, SamplingParams(temperature=0.0, max_new_tokens=12))))
+            assert await asyncio.to_thread(started.wait, 30)
+            queued = asyncio.ensure_future(engine.generate(GenerationRequest(
+                "b", prompt_b, SamplingParams(temperature=0.0, max_new_tokens=6))))
+            for _ in range(3000):   # bounded: b reaches the embedded engine's waiting list
+                if len(standin.engine._in_flight) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(standin.engine._in_flight) == 2
+            await engine.pause()
+            await engine.resume()
+            return await running, await queued
+        finally:
+            await engine.stop()
+
+    [a], [b] = run(main())
+    assert standin.server.counters["aborted"] == 2
+    model = tiny_model(seed=0)
+    assert a.finish_reason == "length" and a.output_ids == greedy_reference(model, prompt_a, 12)
+    assert b.finish_reason == "length" and b.output_ids == greedy_reference(model, prompt_b, 6)
+    assert b.versions == [0] * 6
+
+
 def test_typed_errors(standin):
     async def main():
         engine = SGLangEngine(url=standin.url)

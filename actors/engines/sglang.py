@@ -732,7 +732,7 @@ class SGLangEngine(GenerationEngine):
             sample.segments += 1
             body = payload("/generate", rid=sample.sglang_rid, input_ids=[*sample.prompt, *sample.output],
                            sampling_params=sampling, return_logprob=True)
-            epoch = self._epoch
+            epoch, sent_version = self._epoch, self._version
             starts = self.server.starts if self.server is not None else 0
             self._http_enter()
             try:
@@ -751,7 +751,7 @@ class SGLangEngine(GenerationEngine):
             finally:
                 sample.sglang_rid = None
                 self._http_exit()
-            reason = self._take_answer(request, sample, answer)
+            reason = self._take_answer(request, sample, answer, sent_version)
             if reason != "abort":
                 return reason
             if request.rid in self._user_aborted or self._stopping:
@@ -763,7 +763,13 @@ class SGLangEngine(GenerationEngine):
             raise EngineError(f"request {request.rid!r} sample {index}: aborted by the server: "
                               f"{finish.get('message') or finish}")
 
-    def _take_answer(self, request: GenerationRequest, sample: _Sample, answer: Any) -> str:
+    def _take_answer(self, request: GenerationRequest, sample: _Sample, answer: Any, sent_version: int) -> str:
+        """Appends one /generate answer's tokens to `sample`; returns its finish type.
+
+        SGLang 0.5.6 answers a request aborted before it ran (or retracted for memory) through
+        ``TokenizerManager._handle_abort_req``, whose meta_info has no ``weight_version`` and no
+        ``prompt_tokens``: its tokens, if any, ran on the weights the server had when the request was sent,
+        because weights change only while we hold the server paused."""
         if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
             raise SGLangError(f"SGLang server {self.url}: /generate answer has no meta_info: {str(answer)[:200]}")
         meta = answer["meta_info"]
@@ -775,8 +781,11 @@ class SGLangEngine(GenerationEngine):
         reason = finish.get("type") if isinstance(finish, dict) else None
         if reason not in ("stop", "length", "abort"):
             raise SGLangError(f"SGLang server {self.url}: /generate finish_reason {finish!r} not understood")
+        label = meta.get("weight_version")
+        if label is None and reason == "abort":
+            label = sent_version
         try:
-            version = int(meta.get("weight_version"))
+            version = int(label)
         except (TypeError, ValueError):
             raise SGLangError(f"SGLang server {self.url}: meta_info.weight_version {meta.get('weight_version')!r} "
                               f"is not an integer version (another client relabelled the server?)") from None

@@ -209,10 +209,19 @@ class StandinServer:
                 del self.running[rid]
             if not self.running:
                 self._idle.set()
+        if result.finish_reason == "abort" and not result.output_ids:
+            # SGLang 0.5.6 drops a request still in the waiting queue in Scheduler.abort_request and answers
+            # through TokenizerManager._handle_abort_req: meta_info is only id, finish_reason, the logprob
+            # lists (when asked for) and completion_tokens; no weight_version and no prompt_tokens.
+            self.counters["aborted"] += 1
+            meta = {"id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"}}
+            if body.get("return_logprob"):
+                meta["input_token_logprobs"], meta["output_token_logprobs"] = [], []
+            meta["completion_tokens"] = 0
+            return 200, {"text": "", "output_ids": [], "meta_info": meta}
         if result.finish_reason == "abort":
             self.counters["aborted"] += 1
-            finish: dict[str, Any] = {"type": "abort", "message": "Abort in waiting queue" if not result.output_ids
-                                      else "Abort", "status_code": None, "err_type": None}
+            finish: dict[str, Any] = {"type": "abort", "message": "Abort", "status_code": None, "err_type": None}
         elif result.finish_reason == "stop":
             finish = {"type": "stop", "matched": result.output_ids[-1]}
         else:
