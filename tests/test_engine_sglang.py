@@ -243,6 +243,80 @@ def test_a_request_aborted_while_queued_resumes_after_the_pause(standin):
     assert b.versions == [0] * 6
 
 
+def _post_generate(url: str, ids: list[int], **sampling) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+    body = json.dumps({"input_ids": ids, "sampling_params": sampling}).encode()
+    req = urllib.request.Request(url + "/generate", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_standin_refuses_what_sglang_refuses(standin):
+    # SGLang 0.5.6: SamplingParams.__init__/verify and TokenizerManager._validate_one_request, HTTP 400.
+    context = standin.engine.model.config.max_position_embeddings
+    cases = [({"top_k": 0, "temperature": 1.0}, "top_k must be -1 (disable) or at least 1, got 0."),
+             ({"top_k": -2, "temperature": 1.0}, "top_k must be -1 (disable) or at least 1, got -2."),
+             ({"temperature": -0.5}, "temperature must be non-negative"),
+             ({"max_new_tokens": context - 3}, "exceeds the model's maximum context length"),]
+    for sampling, message in cases:
+        status, answer = _post_generate(standin.url, [1, 2, 3], **sampling)
+        assert status == 400 and message in answer["error"]["message"], (sampling, answer)
+    status, answer = _post_generate(standin.url, list(range(1, 10)) * (context // 9 + 1), max_new_tokens=1)
+    assert status == 400 and "longer than the model's context length" in answer["error"]["message"]
+    # Greedy sampling turns top_k into 1 before the check, so top_k 0 passes there.
+    status, _ = _post_generate(standin.url, [1, 2, 3], top_k=0, temperature=0.0, max_new_tokens=2)
+    assert status == 200
+    status, _ = _post_generate(standin.url, [1, 2, 3], max_new_tokens=context - 4)
+    assert status == 200
+
+
+def test_top_k_off_is_sent_as_sglangs_minus_one(standin):
+    prompt = [5, 6, 7]
+
+    async def main():
+        engine = SGLangEngine(url=standin.url)
+        await engine.start()
+        try:
+            return await engine.generate(GenerationRequest(
+                "k", prompt, SamplingParams(temperature=1.0, top_k=0, max_new_tokens=4, seed=1)))
+        finally:
+            await engine.stop()
+
+    [result] = run(main())
+    assert len(result.output_ids) == 4
+
+
+def test_a_paused_server_is_not_reported_down(standin, monkeypatch):
+    # SGLang's /health generates one token, held at the pause gate: 503 after SGLANG_HEALTH_CHECK_TIMEOUT.
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
+    import urllib.error
+    import urllib.request
+
+    async def main():
+        engine = SGLangEngine(url=standin.url)
+        await engine.start()
+        try:
+            await engine.pause()
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                await asyncio.to_thread(urllib.request.urlopen, standin.url + "/health", timeout=30)
+            paused = await engine.health()
+            await engine.resume()
+            resumed = await engine.health()
+            return refused.value.code, paused, resumed
+        finally:
+            await engine.stop()
+
+    code, paused, resumed = run(main())
+    assert code == 503
+    assert paused["ok"] and paused["paused"]
+    assert resumed["ok"] and not resumed["paused"]
+
+
 def test_typed_errors(standin):
     async def main():
         engine = SGLangEngine(url=standin.url)
@@ -400,6 +474,26 @@ def test_make_engine_builds_the_sglang_engine(tmp_path):
     assert args[args.index("--model-path") + 1] == "/models/m" and "--skip-tokenizer-init" in args
     with pytest.raises(EngineError, match="unknown key"):
         make_engine({"engine": "sglang", "sglang": {"bogus": 1}}, 0, str(tmp_path))
+    with pytest.raises(EngineError, match=r"settings.mem_fraction_static: .* under settings.sglang"):
+        make_engine({"engine": "sglang", "mem_fraction_static": 0.8}, 0, str(tmp_path))
+
+
+@pytest.mark.parametrize("topology", sorted(p.name for p in (Path(__file__).parent.parent / "topology").glob("*.yaml")))
+def test_shipped_sglang_rollouts_build_their_launch_command(topology, tmp_path):
+    # Every setting a shipped topology gives an SGLang rollout reaches the server's command line.
+    from actors.rollout import make_engine
+    from tools.topology import load
+
+    plan = load(Path(__file__).parent.parent / "topology" / topology, check_imports=False)
+    for spec in plan.specs(tmp_path):
+        settings = spec["settings"]
+        if settings.get("engine") != "sglang":
+            continue
+        engine = make_engine({**settings, "run_dir": str(tmp_path)}, 0, "/models/m")
+        args = engine.server.config.args(30001, 0)
+        for key, value in (settings.get("sglang") or {}).items():
+            if key == "mem_fraction_static":
+                assert args[args.index("--mem-fraction-static") + 1] == str(value)
 
 
 @pytest.mark.parametrize("hash_route", [True, False])

@@ -558,6 +558,11 @@ class SGLangEngine(GenerationEngine):
         unknown = sorted(set(sg) - known)
         if unknown:
             raise EngineError(f"sglang: unknown key(s) {unknown} (known: {sorted(known)})")
+        misplaced = sorted(set(settings) & known)
+        if misplaced:
+            raise EngineError(f"settings.{misplaced[0]}: the SGLang server's settings go under settings.sglang "
+                              f"(e.g. settings: {{engine: sglang, sglang: {{{misplaced[0]}: ...}}}}); at the top of "
+                              f"settings they would be ignored")
         instance = settings.get("instance") or {}
         name = f"{instance.get('group', 'rollout')}.{instance.get('index', 0)}"
         base = Path(run_dir) if run_dir else Path(settings.get("run_dir") or ".")
@@ -649,7 +654,12 @@ class SGLangEngine(GenerationEngine):
             await self.user_on_server_event(event, restarts)
 
     async def health(self) -> dict[str, Any]:
-        ok = self._session is not None and await asyncio.to_thread(_get_ok, self.url + "/health", 5.0)
+        if self._paused:
+            # SGLang's /health generates a token, which waits at the pause gate and answers 503 after
+            # SGLANG_HEALTH_CHECK_TIMEOUT: a server we paused is judged by its process, not by that route.
+            ok = self._session is not None and (self.server is None or self.server.healthy.is_set())
+        else:
+            ok = self._session is not None and await asyncio.to_thread(_get_ok, self.url + "/health", 5.0)
         running = sum(1 for samples in self._requests.values() for s in samples if s.sglang_rid is not None)
         total = sum(len(samples) for samples in self._requests.values())
         return {"ok": bool(ok), "version": self._version, "running": running, "waiting": total - running,
@@ -725,7 +735,11 @@ class SGLangEngine(GenerationEngine):
             if request.rid in self._user_aborted or self._stopping:
                 return "abort"
             remaining = sp.max_new_tokens - len(sample.output)
-            sampling = sampling_payload(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+            if remaining <= 0:   # the interruption came after its last token
+                return "length"
+            # Our top_k <= 0 means "no filter"; SGLang refuses any value below 1 but -1 (HTTP 400).
+            sampling = sampling_payload(temperature=sp.temperature, top_p=sp.top_p,
+                                        top_k=sp.top_k if sp.top_k > 0 else -1,
                                         max_new_tokens=remaining, stop_token_ids=list(sp.stop_token_ids),
                                         sampling_seed=(seed + len(sample.output)) % (1 << 62))
             sample.sglang_rid = f"{request.rid}/{index}/{sample.segments}"

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -145,7 +146,16 @@ class StandinServer:
 
     # --- info ---------------------------------------------------------------------------------------
     async def health(self, request: Any) -> Any:
+        # SGLang 0.5.6 (http_server.health_generate) answers /health by generating one token; while the
+        # server is paused that request waits at the pause gate, and after HEALTH_CHECK_TIMEOUT seconds
+        # (SGLANG_HEALTH_CHECK_TIMEOUT, default 20) the route answers 503.
         from aiohttp import web
+        if self.paused:
+            timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+            try:
+                await asyncio.wait_for(self._resumed.wait(), timeout)
+            except TimeoutError:
+                return web.Response(status=503)
         state = await self.engine.health()
         return web.Response(status=200 if state["ok"] else 503)
 
@@ -186,6 +196,7 @@ class StandinServer:
             raise _BadRequest(f"sampling_params: key(s) {unknown} are not implemented by the stand-in server")
         if int(sp.get("n", 1)) != 1:
             raise _BadRequest("sampling_params.n: only n = 1 is implemented by the stand-in server")
+        check_sampling(sp, len(ids), self.engine.model.config.max_position_embeddings)
         sampling = SamplingParams(temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
                                   top_k=int(sp.get("top_k", -1)), max_new_tokens=int(sp.get("max_new_tokens", 128)),
                                   stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
@@ -362,6 +373,33 @@ class StandinServer:
 # --------------------------------------------------------------------------------------------------------
 # Running it: in a thread (tests) or as a process (python -m actors.engines.sglang_standin)
 # --------------------------------------------------------------------------------------------------------
+
+def check_sampling(sp: dict[str, Any], input_tokens: int, context_len: int) -> None:
+    """Refuses what SGLang 0.5.6 refuses with HTTP 400, in its words: ``SamplingParams.__init__`` (greedy
+    temperature turns top_k into 1 first) and ``.verify`` (sampling/sampling_params.py), then
+    ``TokenizerManager._validate_one_request`` (context length; ``--allow-auto-truncate`` is off by default)."""
+    temperature, top_p = float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0))
+    top_k, max_new_tokens = int(sp.get("top_k", -1)), sp.get("max_new_tokens", 128)
+    if 0 <= temperature < 1e-6:
+        top_k = 1
+    if temperature < 0.0:
+        raise _BadRequest(f"temperature must be non-negative, got {temperature}.")
+    if not 0.0 < top_p <= 1.0:
+        raise _BadRequest(f"top_p must be in (0, 1], got {top_p}.")
+    if top_k != -1 and top_k < 1:
+        raise _BadRequest(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
+    if max_new_tokens is not None and int(max_new_tokens) < 0:
+        raise _BadRequest(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
+    if input_tokens >= context_len:
+        raise _BadRequest(f"The input ({input_tokens} tokens) is longer than the model's context length "
+                          f"({context_len} tokens).")
+    if max_new_tokens is not None and int(max_new_tokens) + input_tokens >= context_len:
+        raise _BadRequest(f"Requested token count exceeds the model's maximum context length of {context_len} "
+                          f"tokens. You requested a total of {int(max_new_tokens) + input_tokens} tokens: "
+                          f"{input_tokens} tokens from the input messages and {max_new_tokens} tokens for the "
+                          f"completion. Please reduce the number of tokens in the input messages or the "
+                          f"completion to fit within the limit.")
+
 
 class StandinThread:
     """The stand-in server on its own event loop in a daemon thread (for in-process tests)."""
