@@ -17,7 +17,7 @@ answers :class:`WeightsAck` with the engine's own weights hash, the receive time
 
 Settings (besides the shared experiment keys ``model.path``, ``model.dtype``, ``gen.interruptible``):
     engine:            "torch" (default); see :func:`make_engine`
-    device:            torch device for the embedded engine (default "cpu")
+    device:            "cpu" or "cuda" for the embedded engine (default: the instance's GPU if it has one)
     max_running:       most sequences the embedded engine decodes at once (default 256)
     link:              name of the weights link (default "ps_to_rollout", or the only link listed)
     weights_timeout_s: bound on waiting for the link to reach a WeightsReady's generation (default: the
@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from actors.base import Actor, ActorSpec, handles
 from actors.engines.base import (EngineError, GenerationEngine, GenerationRequest, RequestError, SamplingParams,
-                                 WeightBucket)
+                                 WeightBucket, engine_device, require_device)
 from actors.recovery import start_weights
 from actors.weights import weights_hash
 from transport.bulk import BulkError, BulkLink, LinkConfig
@@ -157,6 +157,21 @@ class ServerWeightGroup:
         self.groups, self.generation = [], None
 
 
+def rollout_placement(settings: dict[str, Any]) -> dict[str, str]:
+    """Where and how the rollout's engine runs, as --dry-run prints it. An SGLang server always runs on the
+    instance's GPUs, in ``sglang.dtype`` or ``model.dtype`` ("auto": SGLang takes the checkpoint's)."""
+    kind = str(settings.get("engine", "torch"))
+    tp = int(((settings.get("instance") or {}).get("parallel") or {}).get("tp", 1))
+    model_dtype = (settings.get("model") or {}).get("dtype")
+    if kind == "sglang":
+        dtype = (settings.get("sglang") or {}).get("dtype") or model_dtype or "auto"
+        return {"engine": "sglang", "device": "cuda", "dtype": str(dtype), "parallel": f"tp={tp}",
+                "process_group": "nccl (weights group)"}
+    device = engine_device(settings)
+    return {"engine": kind, "device": device, "dtype": str(model_dtype or "float32"), "parallel": f"tp={tp}",
+            "process_group": "nccl" if device == "cuda" else "gloo"}
+
+
 def make_engine(settings: dict[str, Any], version: int, model_dir: str, run_dir: str | None = None,
                 on_server_event: Callable[[str, int], Awaitable[None]] | None = None) -> GenerationEngine:
     """The one place that turns ``settings["engine"]`` into an engine. ``on_server_event(event, restarts)``:
@@ -167,7 +182,9 @@ def make_engine(settings: dict[str, Any], version: int, model_dir: str, run_dir:
 
         model = settings.get("model") or {}
         index = int((settings.get("instance") or {}).get("index", 0))
-        return TorchGenerationEngine(model_dir, version=version, device=str(settings.get("device", "cpu")),
+        device = engine_device(settings)
+        require_device(device)
+        return TorchGenerationEngine(model_dir, version=version, device=device,
                                      dtype=model.get("dtype"), max_running=int(settings.get("max_running", 256)),
                                      seed=int(settings.get("seed", 0)) * 1000 + index)
     if kind == "sglang":  # an SGLang server, started here or attached by settings["sglang_url"]
@@ -190,6 +207,8 @@ def verify_engine_weights(engine: GenerationEngine, version: int) -> tuple[str, 
 
 
 class RolloutActor(Actor):
+    placement = staticmethod(rollout_placement)   # what --dry-run prints for the group
+
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec)
         # Everything a handler may touch exists before the bus starts: messages can arrive during on_start.

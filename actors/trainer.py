@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from actors.base import Actor, handles
-from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine
+from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine, engine_device, require_device
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.param_server import WeightsStatus, WeightsStatusRequest, pack_buckets
 from actors.rank_group import BROADCAST, EXPORT, HOST, SAVE, STOP, TRAIN, RankGroup
@@ -56,19 +56,36 @@ from transport.protocol import (Batch, BatchRequest, CheckpointDone, CheckpointR
                                 WeightsPublished, WeightsStored)
 
 
+def trainer_placement(settings: dict[str, Any]) -> dict[str, str]:
+    """Where and how the trainer's engine runs, as the engine will be built and as --dry-run prints it: the
+    device (the instance's GPU by default), the parameter dtype (Megatron: bf16 by default on a GPU; the
+    torch backend keeps float32 weights and autocasts to bf16 on a GPU), the parallel layout and the
+    process-group backend of its world."""
+    backend = str(settings.get("backend", "torch"))
+    device = engine_device(settings)
+    parallel = (settings.get("instance") or {}).get("parallel") or {}
+    if backend == "megatron":
+        dtype = "bfloat16" if bool(settings.get("bf16", device == "cuda")) else "float32"
+    else:
+        dtype = "float32 (bf16 autocast)" if device == "cuda" else "float32"
+    layout = " ".join(f"{k}={parallel[k]}" for k in ("dp", "tp", "pp") if k in parallel) or "dp=1"
+    return {"engine": backend, "device": device, "dtype": dtype, "parallel": layout,
+            "process_group": "nccl" if device == "cuda" else "gloo"}
+
+
 def make_train_engine(settings: dict[str, Any], model_dir: str, version: int) -> TrainEngine:
     """The trainer backend named by `backend` (torch here; megatron on GPU clusters)."""
     backend = settings.get("backend", "torch")
+    if backend not in ("torch", "megatron"):
+        raise ValueError(f"backend: {backend!r} is not available in this build (use 'torch' or 'megatron')")
+    require_device(engine_device(settings))
     if backend == "megatron":
         return _make_megatron_engine(settings, model_dir, version)
-    if backend != "torch":
-        raise ValueError(f"backend: {backend!r} is not available in this build (use 'torch' or 'megatron')")
     algo = settings.get("algo") or {}
     cfg = TrainConfig(lr=float(algo.get("lr", 2e-5)), adam_eps=float(algo.get("adam_eps", 1e-5)),
                       betas=(float(algo.get("adam_beta1", 0.9)), float(algo.get("adam_beta2", 0.999))),
                       grad_clip=float(algo.get("grad_clip", 1.0)), weight_decay=float(algo.get("weight_decay", 0.0)),
-                      seed=int(settings.get("seed", 1)),
-                      device="cuda" if torch.cuda.is_available() and settings.get("device") == "cuda" else "cpu")
+                      seed=int(settings.get("seed", 1)), device=engine_device(settings))
     return TorchTrainEngine(model_dir, cfg, version=version)
 
 
@@ -82,9 +99,9 @@ def _make_megatron_engine(settings: dict[str, Any], model_dir: str, version: int
                          betas=(float(algo.get("adam_beta1", 0.9)), float(algo.get("adam_beta2", 0.999))),
                          grad_clip=float(algo.get("grad_clip", 1.0)),
                          weight_decay=float(algo.get("weight_decay", 0.0)), seed=int(settings.get("seed", 1)),
-                         device="cuda" if torch.cuda.is_available() and settings.get("device") == "cuda" else "cpu",
+                         device=engine_device(settings),
                          tensor_parallel=int(parallel.get("tp", 1)), pipeline_parallel=int(parallel.get("pp", 1)),
-                         bf16=bool(settings.get("bf16", False)))
+                         bf16=trainer_placement(settings)["dtype"] == "bfloat16")
     return MegatronTrainEngine(model_dir, cfg, version=version)
 
 
@@ -211,6 +228,8 @@ class ServerGroupHost:
 
 
 class TrainerActor(Actor):
+    placement = staticmethod(trainer_placement)   # what --dry-run prints for the group
+
     async def on_start(self) -> None:
         s = self.settings
         instance = s.get("instance") or {}

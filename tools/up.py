@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib
 import json
 import os
 import shlex
@@ -96,6 +97,8 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
             lines.append(f"    {pp} pipeline stages: each stage's sender hosts a weights group of its own with the "
                          f"rollouts' servers: {', '.join(senders)}")
     lines.append("")
+    lines.extend(_engines(plan))
+    lines.append("")
     lines.append("commands")
     if len(topo.nodes) == 1 and not topo.nodes_from_allocation:
         lines.append(f"  local: supervisor on this machine starts {len(plan.instances)} process(es): "
@@ -106,6 +109,31 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
             lines.append(f"    on {topo.nodes[node_idx].name}: node agent -> supervisor -> {len(insts)} actor(s): "
                          f"{_ranges([i.name for i in insts]) or '-'}")
     return "\n".join(lines)
+
+
+def engine_placements(plan: Plan) -> dict[str, dict[str, str]]:
+    """Group -> where its engine runs (device, dtype, parallel layout, process-group backend), from the
+    settings its first instance will get, by the actor class's own ``placement`` (the rule its engine is
+    built by). Groups whose class drives no engine are left out."""
+    first: dict[str, dict[str, Any]] = {}
+    for spec in plan.specs("RUN_DIR"):
+        first.setdefault(spec["name"].split(".")[0], spec)
+    out = {}
+    for gname, group in plan.topology.groups.items():
+        module, _, name = group.cls.partition(":")
+        placement = getattr(getattr(importlib.import_module(module), name), "placement", None)
+        if placement is not None and gname in first:
+            out[gname] = placement(first[gname]["settings"])
+    return out
+
+
+def _engines(plan: Plan) -> list[str]:
+    placements = engine_placements(plan)
+    if not placements:
+        return ["engines: none"]
+    rows = [("group", "engine", "device", "dtype", "parallel", "process group")]
+    rows += [(g, p["engine"], p["device"], p["dtype"], p["parallel"], p["process_group"]) for g, p in placements.items()]
+    return ["engines", *_table(rows)]
 
 
 def _compress(plan: Plan, insts: list) -> list[dict[str, str]]:

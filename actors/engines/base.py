@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import os
+import socket
 from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, Union
 
@@ -39,6 +41,26 @@ class EngineError(RuntimeError):
 
 class RequestError(EngineError, ValueError):
     """A request or batch is malformed; the message names the field at fault."""
+
+
+def engine_device(settings: dict[str, Any]) -> str:
+    """Where an actor's engine runs: ``settings.device`` if set, else the GPU the topology gave the instance
+    (``instance.gpus``; CUDA_VISIBLE_DEVICES narrows each instance to its own), else the CPU. Asking for a GPU
+    that this process cannot see is an error, never a silent fall back to the CPU."""
+    gpus = (settings.get("instance") or {}).get("gpus") or []
+    device = str(settings.get("device") or ("cuda" if gpus else "cpu"))
+    if device not in ("cpu", "cuda"):
+        raise EngineError(f"device: {device!r} is not one of 'cpu', 'cuda'")
+    return device
+
+
+def require_device(device: str) -> None:
+    """Raises unless `device` is usable in this process (called where the engine is built, not at dry run)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        where = (os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+        raise EngineError(f"device: 'cuda' but this process sees no CUDA device on {where} "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                          f"set the group's settings.device: cpu to run on the CPU")
 
 
 @dataclasses.dataclass(frozen=True)
