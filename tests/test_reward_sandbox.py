@@ -199,6 +199,30 @@ def test_cpu_time_limit_stops_a_busy_program_before_the_wall_time(box):
     assert "CPU" in verdict.message
 
 
+def test_nested_user_namespaces_are_refused(box):
+    # `unshare -r` would make the program uid 0 in a user namespace of its own.
+    result = box.run(["/usr/bin/unshare", "-r", "/usr/bin/id", "-u"])
+    assert result.returncode != 0 and result.stdout.strip() != b"0", result
+
+
+def test_a_result_nested_beyond_the_parsers_reach_is_a_failure_not_a_crash(box):
+    # The program writes straight to the harness's result pipe: 400k nested brackets once made
+    # grade_code raise RecursionError.
+    program = textwrap.dedent("""
+        import os
+        payload = b'{"value": ' + b'[' * 400000 + b']' * 400000 + b'}\\n'
+        for fd in range(3, 64):
+            try:
+                os.write(fd, payload)
+            except OSError:
+                pass
+        def f():
+            return 1
+    """)
+    verdict = grade_code(program, [{"fn_name": "f", "args": [], "expected": 1}], sandbox=box)
+    assert not verdict.passed and verdict.detail in (RUNTIME_ERROR, OUTPUT_LIMIT), verdict
+
+
 def test_memory_bomb_is_stopped(box):
     verdict = grade_code("x = bytearray(2 * 1024 ** 3)\nprint(len(x))", [{"input": "", "output": "0"}],
                          sandbox=box, limits=LIMITS)
@@ -327,3 +351,15 @@ def test_unsandboxed_runs_keep_limits_and_kill_the_group(no_bwrap):
     verdict = grade_code("x = bytearray(2 * 1024 ** 3)", [{"input": "", "output": ""}], sandbox=allowed,
                          limits=LIMITS)
     assert verdict.detail in (MEMORY_LIMIT, RUNTIME_ERROR) and not verdict.passed
+
+
+def test_a_program_that_kills_itself_is_a_runtime_error_not_a_cpu_limit(no_bwrap):
+    # In bwrap the program is its namespace's PID 1, which its own SIGKILL cannot end; unsandboxed it can,
+    # and a SIGKILL before the CPU limit was reached is the program's doing.
+    allowed = Sandbox(LIMITS, allow_unsandboxed=True)
+    verdict = grade_code("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", [{"input": "", "output": ""}],
+                         sandbox=allowed, limits=SandboxLimits(wall_time_s=8.0, cpu_time_s=2.0))
+    assert verdict.detail == RUNTIME_ERROR and "SIGKILL" in verdict.message and "CPU" not in verdict.message
+    busy = grade_code("while True: pass", [{"input": "", "output": ""}], sandbox=allowed,
+                      limits=SandboxLimits(wall_time_s=8.0, cpu_time_s=1.0))
+    assert busy.detail == TIMEOUT and "CPU time exceeded" in busy.message

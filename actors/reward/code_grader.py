@@ -232,6 +232,9 @@ def _grade_functional(program: str, tests: Sequence[dict], sandbox: Sandbox, lim
             records.append(json.loads(line))
         except ValueError:
             break  # a torn last line after a kill
+        except RecursionError:  # the program chose how deep its result nests
+            records.append({"error": "result is nested too deeply to read"})
+            break
     for index, test in enumerate(tests):
         if index >= len(records):
             failure = _run_failure(run) or (RUNTIME_ERROR, "the program ended before returning a result")
@@ -244,8 +247,12 @@ def _grade_functional(program: str, tests: Sequence[dict], sandbox: Sandbox, lim
             return CodeVerdict(False, detail, index, len(tests), f"test {index}: {str(error)[:_MESSAGE_CHARS]}",
                                sandboxed=run.sandboxed)
         expected = expected_values[index]
-        if not values_equal(record["value"], expected):
-            got = json.dumps(record["value"])[:120]
+        try:
+            equal = values_equal(record["value"], expected)
+            got = "" if equal else json.dumps(record["value"])[:120]
+        except RecursionError:
+            equal, got = False, "a result nested too deeply to compare"
+        if not equal:
             want = json.dumps(expected)[:120]
             return CodeVerdict(False, WRONG_ANSWER, index, len(tests), f"test {index}: got {got}, expected {want}",
                                sandboxed=run.sandboxed)
@@ -262,8 +269,8 @@ def _run_failure(run: RunResult) -> tuple[str, str] | None:
         return OUTPUT_LIMIT, "output exceeded the limit"
     if run.timed_out:
         return TIMEOUT, f"wall time exceeded ({run.wall_s:.2f} s)"
-    if run.signal_name == "SIGXCPU" or (run.signal_name == "SIGKILL" and not run.timed_out):
-        return TIMEOUT, f"CPU time exceeded ({run.signal_name})"
+    if run.cpu_limited:
+        return TIMEOUT, f"CPU time exceeded ({run.signal_name}, {run.cpu_s or 0:.2f} s CPU)"
     if run.returncode != 0:
         if "MemoryError" in stderr_tail:
             return MEMORY_LIMIT, stderr_tail.splitlines()[-1]

@@ -93,6 +93,8 @@ class RunResult:
     output_limited: bool  # a stream went past SandboxLimits.output_bytes
     wall_s: float
     sandboxed: bool
+    cpu_s: float | None = None  # CPU time of the run's processes (None if it could not be read)
+    cpu_limited: bool = False   # ended by RLIMIT_CPU (SIGXCPU, or SIGKILL past the soft limit)
 
     @property
     def signal_name(self) -> str | None:
@@ -215,7 +217,10 @@ class Sandbox:
         # host disk where other users could read it, and no size limit applies as it would to a pipe.
         file_handles = []
         try:
-            args = [bwrap, "--unshare-all", "--die-with-parent", "--as-pid-1", *_system_dir_args()]
+            # --disable-userns: without it the program could make a nested user namespace (`unshare -r`)
+            # and be uid 0 there, with the kernel attack surface that brings.
+            args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1",
+                    *_system_dir_args()]
             args += ["--proc", "/proc", "--dev", "/dev"]
             args += ["--size", str(limits.tmpfs_bytes), "--tmpfs", SANDBOX_WORK_DIR]
             # bwrap's /dev is itself an unbounded tmpfs: keep only a size-capped /dev/shm writable.
@@ -364,6 +369,21 @@ class _Run:
         self.info = bytearray()
         self.init_pidfd: int | None = None  # the sandbox's PID 1 (bwrap only)
         self.killed = False
+        self.pidfd = os.pidfd_open(proc.pid)   # the process we started: reaped through it, with its rusage
+        self.cpu_s: float | None = None
+
+    def reaped(self, timeout: float = 0.0) -> bool:
+        """Reap the started process if it exits within `timeout`. os.wait4 rather than Popen.wait: its rusage
+        (which includes every descendant the process reaped, so the sandboxed program) tells a CPU-limit
+        kill from a program that sent itself SIGKILL."""
+        if self.proc.returncode is not None:
+            return True
+        if not select.select([self.pidfd], [], [], timeout)[0]:
+            return False
+        _, status, usage = os.wait4(self.proc.pid, 0)
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        self.cpu_s = usage.ru_utime + usage.ru_stime
+        return True
 
     def collect(self, limits: SandboxLimits, started: float, sandboxed: bool) -> RunResult:
         deadline = started + limits.wall_time_s
@@ -391,7 +411,7 @@ class _Run:
                         output_limited = True
                         self.kill()
                         deadline = time.monotonic() + 1.0
-                if not self.killed and self.proc.poll() is not None:
+                if not self.killed and self.reaped():
                     # The main process is gone. Anything it left in its group must not outlive it
                     # (unsandboxed, a daemon would otherwise hold our pipes open until the deadline).
                     self.kill()
@@ -403,8 +423,16 @@ class _Run:
             self.proc.stderr.close()
             if self.init_pidfd is not None:
                 os.close(self.init_pidfd)
+            os.close(self.pidfd)
+        returncode = self.proc.returncode
+        # bwrap exits 128+N when its program died of signal N; a plain run reports -N.
+        signum = -returncode if returncode is not None and returncode < 0 else (
+            returncode - 128 if sandboxed and returncode is not None and 128 < returncode < 128 + signal.NSIG else 0)
+        soft_limit = max(1, math.ceil(limits.cpu_time_s))
+        cpu_limited = signum == signal.SIGXCPU or (
+            signum == signal.SIGKILL and not timed_out and self.cpu_s is not None and self.cpu_s >= soft_limit)
         return RunResult(
-            returncode=self.proc.returncode,
+            returncode=returncode,
             stdout=bytes(self.buffers[self.out_fd]),
             stderr=bytes(self.buffers[self.err_fd]),
             result=bytes(self.buffers[self.result_r]),
@@ -412,6 +440,8 @@ class _Run:
             output_limited=output_limited,
             wall_s=time.monotonic() - started,
             sandboxed=sandboxed,
+            cpu_s=self.cpu_s,
+            cpu_limited=cpu_limited,
         )
 
     def _keep(self, fd: int, chunk: bytes, cap: int) -> bool:
@@ -441,22 +471,16 @@ class _Run:
         reaps its child and exits. Killing bwrap first would orphan that child to the host's PID 1.
         """
         self.killed = True
-        if self.init_pidfd is not None and self.proc.poll() is None:
+        if self.init_pidfd is not None and not self.reaped():
             try:
                 signal.pidfd_send_signal(self.init_pidfd, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            try:
-                self.proc.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                pass
+            self.reaped(timeout=2.0)
         # Also the fallback when bwrap had not yet reported its PID 1, and the stragglers of an unsandboxed
         # run (while any member lives, the group id cannot be reused by another process).
         _kill_group(self.proc)
-        try:
-            self.proc.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
-            pass
+        self.reaped(timeout=5.0)
         if self.init_pidfd is not None:
             # Returns at once normally; after the fallback group kill it waits for the namespace teardown.
             select.select([self.init_pidfd], [], [], 5.0)
