@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from actors.base import Actor, handles
-from actors.dataset import load_dataset
+from actors.dataset import DEFAULT_MAX_LINE_BYTES, load_dataset
 from actors.engines.tokenizer import load_tokenizer
 from actors.recovery import latest_checkpoint, recovering, refuse_restart_within_launch
 from algo.staleness import StalenessGate
@@ -80,7 +80,8 @@ class BufferActor(Actor):
         data = s.get("data") or {}
         # Math records need an answer; a code task's records carry `tests` instead (data.require: none).
         self.dataset = await asyncio.to_thread(
-            load_dataset, data["train"], require=data.get("require", "answer"), on_error=data.get("on_bad_line", "skip"))
+            load_dataset, data["train"], require=data.get("require", "answer"), on_error=data.get("on_bad_line", "skip"),
+            max_line_bytes=int(data.get("max_line_bytes", DEFAULT_MAX_LINE_BYTES)))
         tok = await asyncio.to_thread(load_tokenizer, (s.get("model") or {})["path"])
         self.stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
         self.prompt_ids = [tok.encode(r.prompt) for r in self.dataset.records]

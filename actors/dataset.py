@@ -17,8 +17,10 @@ field          type                        meaning
 ``level``      non-negative integer         difficulty level, optional
 =============  ==========================  =====================================================
 
-Other fields are kept in ``Record.extra``. A malformed line raises `DatasetError` naming the file,
-the line number and the field; with ``on_error="skip"`` it is logged, counted and skipped instead.
+Other fields are kept in ``Record.extra``. A malformed line (bad JSON, a bad field, bytes that are not
+UTF-8, a line longer than ``max_line_bytes``) raises `DatasetError` naming the file, the line number and
+the cause; with ``on_error="skip"`` it is logged, counted and skipped instead. A line over the length limit
+is never held in memory whole: it is read past in chunks.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ log = structlog.get_logger("dataset")
 OnError = Literal["skip", "fail"]
 Require = Literal["answer", "solutions", "none"]
 KNOWN_FIELDS = ("query_id", "prompt", "answer", "solutions", "level")
+# A prompt of the longest recipes (32k tokens) is well under 1 MiB of text; a longer line is a broken file.
+DEFAULT_MAX_LINE_BYTES = 1 << 20
 
 
 class DatasetError(ValueError):
@@ -123,48 +127,68 @@ def parse_record(obj: Any, *, path: str | Path = "<memory>", line_no: int | None
 
 
 def iter_jsonl(path: str | Path, *, require: Require = "answer", on_error: OnError = "fail",
-               on_skip: Callable[[DatasetError], None] | None = None) -> Iterator[Record]:
+               on_skip: Callable[[DatasetError], None] | None = None,
+               max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[Record]:
     """Streams validated records; blank lines are ignored, duplicate query ids are errors."""
     if on_error not in ("skip", "fail"):
         raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
     if require not in ("answer", "solutions", "none"):
         raise ValueError(f"require must be 'answer', 'solutions' or 'none', got {require!r}")
+    if max_line_bytes < 1:
+        raise ValueError(f"max_line_bytes must be >= 1, got {max_line_bytes}")
     path = Path(path)
     if not path.is_file():
         raise DatasetError(path, None, "no such file")
     seen: dict[str, int] = {}
-    with path.open("r", encoding="utf-8", errors="strict") as f:
-        line_no = 0
-        while True:
+    for line_no, raw in _lines(path, max_line_bytes):
+        try:
+            if raw is None:
+                raise DatasetError(path, line_no, f"longer than max_line_bytes ({max_line_bytes} bytes; the "
+                                   f"data.max_line_bytes setting)")
             try:
-                line = f.readline()
+                line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                # The decoder reads ahead, so the exact line is unknown; the next one is the best guess.
-                raise DatasetError(path, line_no + 1, f"not valid UTF-8 ({e.reason})") from None
-            if not line:
-                return
-            line_no += 1
+                raise DatasetError(path, line_no, f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DatasetError(path, line_no, f"not valid JSON ({e.msg} at column {e.colno})") from None
-                rec = parse_record(obj, path=path, line_no=line_no, require=require)
-                if rec.query_id in seen:
-                    raise DatasetError(path, line_no, f"duplicate {rec.query_id!r} (first on line "
-                                       f"{seen[rec.query_id]})", "query_id")
-            except DatasetError as err:
-                if on_error == "fail":
-                    raise
-                log.warning("dataset_line_skipped", path=str(path), line=line_no, field=err.field,
-                            reason=err.reason)
-                if on_skip is not None:
-                    on_skip(err)
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(path, line_no, f"not valid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise DatasetError(path, line_no, "not usable JSON (nested too deeply)") from None
+            rec = parse_record(obj, path=path, line_no=line_no, require=require)
+            if rec.query_id in seen:
+                raise DatasetError(path, line_no, f"duplicate {rec.query_id!r} (first on line "
+                                   f"{seen[rec.query_id]})", "query_id")
+        except DatasetError as err:
+            if on_error == "fail":
+                raise
+            log.warning("dataset_line_skipped", path=str(path), line=line_no, field=err.field,
+                        reason=err.reason)
+            if on_skip is not None:
+                on_skip(err)
+            continue
+        seen[rec.query_id] = line_no
+        yield rec
+
+
+def _lines(path: Path, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, the line's bytes) for each line; None for a line over `max_bytes`, read past in chunks
+    so that it never sits in memory whole."""
+    with path.open("rb") as f:
+        line_no = 0
+        while True:
+            raw = f.readline(max_bytes + 1)
+            if not raw:
+                return
+            line_no += 1
+            if len(raw) > max_bytes and not raw.endswith(b"\n"):
+                while raw and not raw.endswith(b"\n"):
+                    raw = f.readline(1 << 20)
+                yield line_no, None
                 continue
-            seen[rec.query_id] = line_no
-            yield rec
+            yield line_no, raw
 
 
 @dataclass
@@ -199,14 +223,16 @@ class Dataset:
         return Dataset(self.path, kept, list(self.skipped))
 
 
-def load_dataset(path: str | Path, *, require: Require = "answer", on_error: OnError = "fail") -> Dataset:
+def load_dataset(path: str | Path, *, require: Require = "answer", on_error: OnError = "fail",
+                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Dataset:
     """Reads a JSON-lines file. ``require``: "answer" (RL, eval), "solutions" (SFT) or "none".
 
     Raises `DatasetError` on the first bad line when ``on_error="fail"``; with "skip" bad lines are
     logged and counted in ``Dataset.skipped``, and only a file with no usable line at all is an error.
     """
     skipped: list[DatasetError] = []
-    records = list(iter_jsonl(path, require=require, on_error=on_error, on_skip=skipped.append))
+    records = list(iter_jsonl(path, require=require, on_error=on_error, on_skip=skipped.append,
+                              max_line_bytes=max_line_bytes))
     if not records:
         detail = f" ({len(skipped)} malformed lines skipped, first: {skipped[0]})" if skipped else ""
         raise DatasetError(path, None, f"no usable records{detail}")

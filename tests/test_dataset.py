@@ -115,3 +115,28 @@ def test_missing_file_invalid_utf8_and_bad_flags(tmp_path):
 ])
 def test_last_boxed(text, expected):
     assert last_boxed(text) == expected
+
+
+def test_invalid_utf8_is_skipped_on_its_own_line(tmp_path):
+    # Once a bad byte failed the whole file in skip mode too, and was reported on line 1 (here it is on 33).
+    lines = [json.dumps({**GOOD, "query_id": f"q{i}"}).encode() for i in range(40)]
+    lines[32] = b'{"query_id": "bad", "prompt": "caf\xe9"}'
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    dataset = load_dataset(path, on_error="skip")
+    assert len(dataset) == 39 and [e.line_no for e in dataset.skipped] == [33]
+    assert "not valid UTF-8" in str(dataset.skipped[0])
+    with pytest.raises(DatasetError, match=r"mixed.jsonl:33: not valid UTF-8"):
+        load_dataset(path, on_error="fail")
+
+
+def test_a_line_over_the_length_limit_is_refused_without_reading_it_whole(tmp_path):
+    huge = json.dumps({**GOOD, "query_id": "huge", "prompt": "x" * 10_000_000})
+    path = tmp_path / "long.jsonl"
+    path.write_text("\n".join([json.dumps(GOOD), huge, json.dumps({**GOOD, "query_id": "q2"})]) + "\n")
+    dataset = load_dataset(path, on_error="skip")
+    assert [r.query_id for r in dataset] == ["q1", "q2"]
+    assert dataset.skipped[0].line_no == 2 and "max_line_bytes" in str(dataset.skipped[0])
+    with pytest.raises(DatasetError, match=r"long.jsonl:2: longer than max_line_bytes \(1048576 bytes"):
+        load_dataset(path)
+    assert len(load_dataset(path, max_line_bytes=20_000_000)) == 3
