@@ -239,9 +239,12 @@ def load_document(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping; a syntax error becomes a TopologyError naming the file and line."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise TopologyError([f"cannot read {path}: {exc.strerror}"], str(path)) from exc
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise TopologyError([f"line {line}: not a YAML text file (byte {exc.start} is not UTF-8)"], str(path)) from None
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
