@@ -185,7 +185,7 @@ def test_yaml_syntax_error_names_the_line(tmp_path: Path) -> None:
 def test_a_binary_file_is_refused_in_one_line(tmp_path: Path) -> None:
     binary = tmp_path / "model.bin"
     binary.write_bytes(b"cluster:\n  nodes: 1\n\x00\xff\xfe\x89PNG")
-    with pytest.raises(TopologyError, match=r"line 3: not a YAML text file \(byte 22 is not UTF-8\)"):
+    with pytest.raises(TopologyError, match=r"line 3: not a YAML text file \(byte 21 is not UTF-8\)"):
         T.load(binary)
     from tools.up import main
     assert main([str(binary), "--dry-run"]) == 2
