@@ -22,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -95,6 +97,7 @@ class Supervisor:
         if dupes:
             raise SupervisorError(f"duplicate actor names: {dupes}")
         self.run_dir = Path(run_dir)
+        self._tmp_dirs: dict[str, Path] = {}   # actor name -> the TMPDIR of its current process
         self.python = python
         self.max_restarts = max_restarts
         self.restart_window = restart_window
@@ -182,6 +185,9 @@ class Supervisor:
                     except ProcessLookupError:
                         pass
             await asyncio.gather(*waits.values(), return_exceptions=True)
+        for path in self._tmp_dirs.values():
+            shutil.rmtree(path, ignore_errors=True)
+        self._tmp_dirs.clear()
         if self._done is not None:
             self._done.set()
         return {n: p.returncode for n, p in procs.items()}
@@ -199,6 +205,7 @@ class Supervisor:
         ready_path(self.run_dir, spec.name).unlink(missing_ok=True)
         env = dict(os.environ)
         env.update(spec.env)
+        env["TMPDIR"] = str(self._fresh_tmp(spec.name))
         root = _project_root()
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         out = open(self.run_dir / "logs" / f"{spec.name}.out", "ab")
@@ -211,6 +218,21 @@ class Supervisor:
         child.started_at = time.monotonic()
         child.ready = False
         self.log.info("actor_started", actor=spec.name, pid=child.proc.pid)
+
+    def _fresh_tmp(self, name: str) -> Path:
+        """An empty temporary directory for one actor process (its TMPDIR), removed when that process is
+        replaced and when the supervisor stops: what the actor and its children leave there
+        (multiprocessing's pymp-* directories, reward runs) goes with it, even after a kill -9. It lives
+        in the system's temporary directory, not the run directory: multiprocessing puts unix sockets
+        there, whose paths may not exceed 107 bytes. 0711: an unsandboxed reward run's uid must pass
+        through it to its own files."""
+        old = self._tmp_dirs.pop(name, None)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        path = Path(tempfile.mkdtemp(prefix=f"areal-{name}-"))
+        path.chmod(0o711)
+        self._tmp_dirs[name] = path
+        return path
 
     def _check_ready(self, child: _Child) -> bool:
         try:

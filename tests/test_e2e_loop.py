@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -43,7 +44,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def launch(assets: dict[str, Path], run_dir: Path, steps: int, ckpt_every: int,
-           topology: str = "topology/local.yaml") -> subprocess.Popen:
+           topology: str = "topology/local.yaml", env: dict[str, str] | None = None) -> subprocess.Popen:
     overrides = [f"experiment.model.path={assets['model']}", f"experiment.data.train={assets['data'] / 'train.jsonl'}",
                  f"experiment.data.test={assets['data'] / 'test.jsonl'}", f"experiment.run.total_steps={steps}",
                  f"experiment.run.checkpoint_every_steps={ckpt_every}", "experiment.algo.batch_size=4",
@@ -52,7 +53,8 @@ def launch(assets: dict[str, Path], run_dir: Path, steps: int, ckpt_every: int,
                  "experiment.algo.dynamic_sampling=false"]
     return subprocess.Popen([sys.executable, "-m", "tools.up", topology, *overrides,
                              "--run-dir", str(run_dir), "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {})})
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -147,8 +149,9 @@ def check_invariants(run_dir: Path, steps: int) -> None:
 
 
 def test_async_loop_survives_killed_rollout_and_reward(assets: dict[str, Path], tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    proc = launch(assets, run_dir, steps=6, ckpt_every=3)
+    # A private TMPDIR, short: multiprocessing puts unix sockets (at most 107 bytes of path) under it.
+    run_dir, tmp = tmp_path / "run", Path(tempfile.mkdtemp(prefix="e2e-"))
+    proc = launch(assets, run_dir, steps=6, ckpt_every=3, env={"TMPDIR": str(tmp)})
     try:
         wait_for_step(proc, run_dir, 2)
         os.kill(actor_pid(run_dir, "rollout.0"), signal.SIGKILL)
@@ -162,6 +165,10 @@ def test_async_loop_survives_killed_rollout_and_reward(assets: dict[str, Path], 
                 if line.strip().startswith(("rollout.0 ", "reward "))}
     assert restarts == {"rollout.0": 1, "reward": 1}, out[-2000:]
     assert (run_dir / "checkpoints" / "step_000006" / "COMPLETE").exists()
+    # Nothing of the run is left in the temporary directory, not even by the processes killed with -9.
+    # (torchinductor_<user> is torch's compile cache, one per user, reused by every run.)
+    assert sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")) == []
+    shutil.rmtree(tmp)
 
 
 def test_killed_run_recovers_from_its_last_checkpoint(assets: dict[str, Path], tmp_path: Path) -> None:
