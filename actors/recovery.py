@@ -5,7 +5,14 @@ A checkpoint of training step k is the directory ``RUN_DIR/checkpoints/step_<k>/
     model/         the trainer's checkpoint: Hugging Face layout (config.json, model.safetensors,
                    tokenizer files) plus optimizer, scheduler, RNG and step (TorchTrainEngine.save)
     buffer.json    the buffer's state for step k (dataset cursor, staleness counters, work to re-issue)
-    COMPLETE       written last, by the trainer, once both parts are on disk
+    COMPLETE       written last, by the trainer, once both parts are on disk: the step and a manifest of
+                   every file (bytes, XXH3-64), written under a temporary name, fsynced, then renamed,
+                   after every file of the checkpoint was fsynced
+
+A checkpoint whose COMPLETE is missing (a crash mid-save) or whose files disagree with its manifest (a
+file truncated or changed afterwards) is skipped with a warning naming it, and the previous complete one
+is used. The launcher checks the checksums of the one it resumes from and renames a corrupt one to
+``step_<k>.corrupt``, so that every actor, which checks sizes only, agrees on the same checkpoint.
 
 Every actor that needs weights (trainer, rollouts, parameter server) calls :func:`start_weights`, so
 they all agree on version k after a recovery without talking to each other first.
@@ -17,35 +24,112 @@ import os
 from pathlib import Path
 from typing import Any
 
+import structlog
+import xxhash
+
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
+CORRUPT_SUFFIX = ".corrupt"
+
+log = structlog.get_logger("recovery")
 
 
 def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS / f"step_{step:06d}"
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> tuple[int, Path] | None:
-    """The newest checkpoint with its COMPLETE marker; partial ones (a crash mid-save) are ignored."""
+def complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Checkpoint directories with a COMPLETE marker, newest first."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
-        return None
-    best: tuple[int, Path] | None = None
+        return []
+    found = []
     for d in root.iterdir():
         if d.name.startswith("step_") and (d / COMPLETE).exists():
             try:
-                step = int(d.name[len("step_"):])
-            except ValueError:
+                found.append((int(d.name[len("step_"):]), d))
+            except ValueError:   # step_<k>.corrupt and other leftovers
                 continue
-            if best is None or step > best[0]:
-                best = (step, d)
-    return best
+    return sorted(found, reverse=True)
+
+
+def checkpoint_problem(ckpt: Path, checksums: bool = False) -> str | None:
+    """Why `ckpt` cannot be resumed from (a file missing, of the wrong size or, with `checksums`, of other
+    content than its manifest says), or None. A COMPLETE without a manifest is trusted as written."""
+    try:
+        meta = json.loads((ckpt / COMPLETE).read_text())
+    except (OSError, ValueError) as exc:
+        return f"{COMPLETE} is unreadable ({exc})"
+    for rel, want in (meta.get("files") or {}).items():
+        path = ckpt / rel
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return f"{rel} is missing"
+        if size != want["bytes"]:
+            return f"{rel} has {size} bytes, the manifest says {want['bytes']}"
+        if checksums and _file_digest(path) != want["xxh3"]:
+            return f"{rel} does not match its checksum"
+    return None
+
+
+def latest_checkpoint(run_dir: str | os.PathLike, checksums: bool = False) -> tuple[int, Path] | None:
+    """The newest checkpoint that is complete and agrees with its manifest (sizes; also the checksums with
+    `checksums`). One that does not is skipped with a warning naming it."""
+    for step, d in complete_checkpoints(run_dir):
+        problem = checkpoint_problem(d, checksums)
+        if problem is None:
+            return step, d
+        log.warning("checkpoint_skipped", path=str(d), reason=problem)
+    return None
+
+
+def resume_checkpoint(run_dir: str | os.PathLike) -> tuple[int, Path] | None:
+    """The launcher's choice before any actor starts: the newest checkpoint whose checksums all match.
+    Corrupt ones newer than it are renamed to ``step_<k>.corrupt`` (kept for inspection), so that the
+    actors' cheaper size check finds the same one."""
+    for step, d in complete_checkpoints(run_dir):
+        problem = checkpoint_problem(d, checksums=True)
+        if problem is None:
+            return step, d
+        aside = d.with_name(d.name + CORRUPT_SUFFIX)
+        os.replace(d, aside)
+        log.warning("checkpoint_corrupt", path=str(d), reason=problem, moved_to=str(aside))
+        print(f"checkpoint {d} is corrupt ({problem}); moved to {aside}, trying the previous one", flush=True)
+    return None
 
 
 def mark_complete(ckpt: Path, meta: dict[str, Any]) -> None:
+    """The checkpoint's commit point: every file is fsynced and listed (bytes, XXH3-64) in COMPLETE,
+    which is written under a temporary name, fsynced and renamed into place."""
+    files = {}
+    for path in sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name not in (COMPLETE, COMPLETE + ".tmp")):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        files[str(path.relative_to(ckpt))] = {"bytes": path.stat().st_size, "xxh3": _file_digest(path)}
     tmp = ckpt / (COMPLETE + ".tmp")
-    tmp.write_text(json.dumps(meta, sort_keys=True))
+    with open(tmp, "w") as f:
+        f.write(json.dumps({**meta, "files": files}, sort_keys=True))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, ckpt / COMPLETE)
+    _fsync_dir(ckpt)
+
+
+def _file_digest(path: Path) -> str:
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def refuse_restart_within_launch(actor: Any) -> None:

@@ -41,8 +41,8 @@ from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine, engine_
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.param_server import WeightsStatus, WeightsStatusRequest, pack_buckets
 from actors.rank_group import BROADCAST, EXPORT, HOST, SAVE, STOP, TRAIN, RankGroup
-from actors.recovery import (checkpoint_dir, mark_complete, mark_run_finished, refuse_restart_within_launch,
-                             start_weights)
+from actors.recovery import (checkpoint_dir, complete_checkpoints, mark_complete, mark_run_finished,
+                             refuse_restart_within_launch, start_weights)
 from actors.rollout import in_thread, weight_group_name
 from actors.weights import TensorDigest, combine_digests, tensor_digests
 from algo.advantages import compute_advantages
@@ -656,8 +656,8 @@ class TrainerActor(Actor):
             raise RuntimeError(f"buffer answered {reply!r} to a checkpoint request")
         mark_complete(ckpt, {"step": self.version, "time": time.time()})
         self.log.info("checkpoint_saved", step=self.version, path=str(ckpt))
-        done = sorted(p for p in ckpt.parent.iterdir() if (p / "COMPLETE").exists())
-        for old in done[:-self.keep_ckpts] if self.keep_ckpts > 0 else []:
+        done = [path for _, path in complete_checkpoints(self.run_dir)]   # newest first; .corrupt ones stay
+        for old in done[self.keep_ckpts:] if self.keep_ckpts > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
 
 

@@ -178,17 +178,22 @@ def test_killed_run_recovers_from_its_last_checkpoint(assets: dict[str, Path], t
     run_dir = tmp_path / "run"
     proc = launch(assets, run_dir, steps=steps, ckpt_every=2)
     try:
-        wait_for_step(proc, run_dir, 3)
+        wait_for_step(proc, run_dir, 5)
         # A crash of the whole run: the launcher and every actor die at once, nothing shuts down cleanly.
         kill_run(proc, run_dir)
     finally:
         if proc.poll() is None:
             kill_run(proc, run_dir)
     complete = sorted(int(c.parent.name.split("_")[1]) for c in (run_dir / "checkpoints").glob("*/COMPLETE"))
-    assert complete and 2 <= complete[-1] < steps, complete
+    assert len(complete) >= 2 and complete[-1] < steps, complete
+    # And the newest checkpoint's weights were truncated afterwards (once: SafetensorError, no fallback).
+    newest = run_dir / "checkpoints" / f"step_{complete[-1]:06d}"
+    weights = newest / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
     run_to_end(assets, run_dir, steps, ckpt_every=2)
     resumed = events(run_dir, "trainer", "trainer_started")
-    assert resumed[-1]["version"] == complete[-1], (resumed, complete)  # from the newest complete checkpoint
+    assert resumed[-1]["version"] == complete[-2], (resumed, complete)  # from the newest sound checkpoint
+    assert newest.with_name(newest.name + ".corrupt").is_dir()
 
 
 def direct_topology(tmp_path: Path, rollout_settings: str = "{engine: torch}") -> Path:

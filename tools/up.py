@@ -218,20 +218,22 @@ def load_plan(args: argparse.Namespace) -> Plan:
 def make_run_dir(plan: Plan, requested: str | None) -> Path:
     """The requested directory; else, with `run.recover: auto`, the newest run of this topology that
     has a checkpoint but did not finish (it is resumed); else a new timestamped one."""
-    from actors.recovery import latest_checkpoint, recovering, run_finished
+    from actors.recovery import latest_checkpoint, recovering, resume_checkpoint, run_finished
 
+    recover = recovering(plan.topology.experiment)
     if requested:
         path = Path(requested)
     else:
         root = Path(plan.topology.run_root) / plan.topology.name
         unfinished = sorted(d for d in root.glob("*") if d.is_dir() and latest_checkpoint(d) and not run_finished(d)) \
-            if root.is_dir() and recovering(plan.topology.experiment) else []
-        if unfinished:
-            path = unfinished[-1]
-            print(f"resuming {path} from its checkpoint of step {latest_checkpoint(path)[0]} (run.recover: auto; "
+            if root.is_dir() and recover else []
+        path = unfinished[-1] if unfinished else root / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if recover and path.is_dir() and not run_finished(path):
+        # Checked here, once, with checksums: every actor then resumes from the same complete checkpoint.
+        found = resume_checkpoint(path)
+        if found is not None:
+            print(f"resuming {path} from its checkpoint of step {found[0]} (run.recover: auto; "
                   f"experiment.run.recover=off starts afresh)", flush=True)
-        else:
-            path = root / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     path.mkdir(parents=True, exist_ok=True)
     return path.resolve()
 

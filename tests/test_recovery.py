@@ -1,0 +1,65 @@
+"""Checkpoints are committed by a manifest written last; a resume skips an incomplete or corrupt one,
+naming it, and falls back to the previous complete one."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from structlog.testing import capture_logs
+
+from actors.recovery import (COMPLETE, checkpoint_dir, checkpoint_problem, latest_checkpoint, mark_complete,
+                             resume_checkpoint)
+
+
+def make_checkpoint(run_dir: Path, step: int, complete: bool = True) -> Path:
+    ckpt = checkpoint_dir(run_dir, step)
+    (ckpt / "model").mkdir(parents=True)
+    (ckpt / "model" / "model.safetensors").write_bytes(bytes(range(256)) * (step + 10))
+    (ckpt / "buffer.json").write_text(json.dumps({"step": step}))
+    if complete:
+        mark_complete(ckpt, {"step": step})
+    return ckpt
+
+
+def test_the_manifest_lists_every_file(tmp_path):
+    ckpt = make_checkpoint(tmp_path, 2)
+    meta = json.loads((ckpt / COMPLETE).read_text())
+    assert meta["step"] == 2 and sorted(meta["files"]) == ["buffer.json", "model/model.safetensors"]
+    assert meta["files"]["buffer.json"]["bytes"] == len('{"step": 2}')
+    assert checkpoint_problem(ckpt, checksums=True) is None
+    assert not (ckpt / (COMPLETE + ".tmp")).exists()
+
+
+def test_an_incomplete_newest_checkpoint_is_ignored(tmp_path):
+    make_checkpoint(tmp_path, 2)
+    make_checkpoint(tmp_path, 4, complete=False)   # the run died while saving it
+    assert latest_checkpoint(tmp_path)[0] == 2
+
+
+def test_a_truncated_newest_checkpoint_falls_back_with_a_warning_naming_it(tmp_path):
+    make_checkpoint(tmp_path, 2)
+    bad = make_checkpoint(tmp_path, 4)
+    weights = bad / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with capture_logs() as logs:
+        assert latest_checkpoint(tmp_path)[0] == 2
+    [warning] = [e for e in logs if e["event"] == "checkpoint_skipped"]
+    assert warning["path"] == str(bad) and "model/model.safetensors has 100 bytes" in warning["reason"]
+
+
+def test_changed_content_is_caught_by_the_checksums_and_set_aside_at_resume(tmp_path, capsys):
+    make_checkpoint(tmp_path, 2)
+    bad = make_checkpoint(tmp_path, 4)
+    (bad / "buffer.json").write_text(json.dumps({"step": 5}))   # same size, other content
+    assert latest_checkpoint(tmp_path)[0] == 4                   # the actors' size check cannot see it
+    assert "does not match its checksum" in checkpoint_problem(bad, checksums=True)
+    assert resume_checkpoint(tmp_path)[0] == 2                   # the launcher's can, and moves it aside
+    assert not bad.exists() and bad.with_name(bad.name + ".corrupt").is_dir()
+    assert latest_checkpoint(tmp_path)[0] == 2                   # so every actor agrees
+    assert "step_000004 is corrupt (buffer.json does not match its checksum)" in capsys.readouterr().out
+
+
+def test_nothing_sound_means_no_checkpoint(tmp_path):
+    bad = make_checkpoint(tmp_path, 2)
+    (bad / "buffer.json").unlink()
+    assert latest_checkpoint(tmp_path) is None and resume_checkpoint(tmp_path) is None
