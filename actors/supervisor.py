@@ -60,6 +60,7 @@ class _Child:
     restart_times: deque = field(default_factory=deque)
     last_exit: int | None = None
     monitor: asyncio.Task | None = None
+    first_error: str | None = None   # the error of its first death: what went wrong, before any restart
 
 
 def _project_root() -> str:
@@ -258,6 +259,8 @@ class Supervisor:
                 child.ready = False
                 if self._stopping:
                     return
+                if code != 0 and child.first_error is None:
+                    child.first_error = self._error_of(name)
                 if code == 0:
                     child.finished = True
                     self.log.info("actor_finished", actor=name)
@@ -295,12 +298,26 @@ class Supervisor:
             self.log.error("supervisor_failed", actor=name, error=repr(exc))
             asyncio.get_running_loop().create_task(self.stop())
 
+    def _error_of(self, name: str) -> str | None:
+        """The error an actor process logged as it failed (its last ``actor_failed`` line), if any."""
+        for line in reversed(tail(self.run_dir / "logs" / f"{name}.jsonl", 50)):
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "actor_failed":
+                return str(event.get("error"))
+        return None
+
     async def _give_up(self, child: _Child, code: int | None) -> None:
         name = child.spec.name
         lines = self._last_lines(name)
+        # A restart can fail for a reason of its own (a stateful actor refuses one): the first error is the
+        # cause, and it leads the message.
+        cause = f"; its first failure: {child.first_error}" if child.first_error else ""
         self._failure = (f"actor {name} died {len(child.restart_times) + 1} times within "
-                         f"{self.restart_window:.0f}s (last exit code {code}); giving up and stopping the run. "
-                         f"Last log lines:\n    " + "\n    ".join(lines or ["<none>"]))
+                         f"{self.restart_window:.0f}s (last exit code {code}){cause}; giving up and stopping the "
+                         f"run. Last log lines:\n    " + "\n    ".join(lines or ["<none>"]))
         self.log.error("actor_given_up", actor=name, exit_code=code, restarts=self.restarts[name], last_lines=lines)
         if self.on_giveup is not None:
             try:

@@ -45,6 +45,12 @@ class WorkerActor(Actor):
         if self.settings.get("crash_on_start"):
             print("worker: refusing to start (crash_on_start)", flush=True)
             os._exit(3)
+        if self.settings.get("bad_setting_then_refuse_restart"):
+            marker = self.run_dir / f"{self.name}.started"
+            if marker.exists():   # like a stateful actor: a restart refuses to run
+                raise RuntimeError(f"{self.name} was restarted inside a running launch")
+            marker.write_text("")
+            raise ValueError("algo.eta: must be >= 0, got -1")
         if self.settings.get("hang_on_start"):
             print("worker: stuck in on_start", flush=True)
             await asyncio.Event().wait()
@@ -161,6 +167,21 @@ def test_gives_up_after_restart_limit_with_clear_message(tmp_path: Any) -> None:
         assert "refusing to start" in text                     # its last log lines are in the message
         assert given_up == ["bad"] and sup.restarts["bad"] == 2
         assert all(pid is None for pid in sup.pids().values())   # the run was stopped, nothing left behind
+
+    run(main())
+
+
+def test_the_give_up_message_leads_with_the_first_failure(tmp_path: Any) -> None:
+    # The first start failed on a bad setting; the restarts failed for another reason. The run's summary
+    # once showed only the restarts' error, which hid the cause.
+    async def main() -> None:
+        sup = Supervisor([spec(tmp_path, "bad", bad_setting_then_refuse_restart=True)], tmp_path,
+                         backoff_initial=0.02, max_restarts=1, ready_timeout=30)
+        with pytest.raises(SupervisorError) as err:
+            await sup.start()
+        text = str(err.value)
+        assert "its first failure: ValueError('algo.eta: must be >= 0, got -1')" in text, text
+        assert text.index("first failure") < text.index("Last log lines")
 
     run(main())
 
