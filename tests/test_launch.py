@@ -270,3 +270,21 @@ def test_a_trainer_rank_that_dies_stops_the_other_ranks() -> None:
     assert stops == []
     trainer.on_peer_dead("trainer.1")
     assert len(stops) == 1 and stops[0][1] == 1 and "trainer rank trainer.1 stopped answering" in stops[0][0]
+
+
+def test_a_port_already_in_use_fails_the_dry_run_naming_its_key(tmp_path, capsys):
+    import socket
+
+    from tools.up import main
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        topo = tmp_path / "t.yaml"
+        topo.write_text("cluster: {nodes: 1}\nbus: {transport: ipc}\n"
+                        f"links: {{demo: {{backend: gloo, members: [echo, ping], port: {port}}}}}\n"
+                        "actors:\n  echo: {class: 'actors.demo:Echoer'}\n  ping: {class: 'actors.demo:Pinger'}\n")
+        assert main([str(topo), "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert f"links.demo.port: port {port} is already in use on this node" in err, err
+    assert main([str(topo), "--dry-run"]) == 0

@@ -20,6 +20,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -109,6 +110,36 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
             lines.append(f"    on {topo.nodes[node_idx].name}: node agent -> supervisor -> {len(insts)} actor(s): "
                          f"{_ranges([i.name for i in insts]) or '-'}")
     return "\n".join(lines)
+
+
+def busy_ports(plan: Plan) -> list[str]:
+    """One problem per port the plan binds on this machine that something else already holds: each actor's
+    tcp bus port and each link's and world's fixed rendezvous port ("auto" ports are picked free at launch).
+    Ports on other nodes cannot be checked from here."""
+    local = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
+    wanted: list[tuple[str, str, int]] = []   # (key, host, port)
+    base = plan.topology.bus.base_port
+    for inst in plan.instances:
+        if inst.port:
+            wanted.append((f"bus.base_port (+{inst.port - base}: {inst.name})", inst.host, inst.port))
+    for link in plan.links.values():
+        if link.port:
+            wanted.append((f"links.{link.name}.port", link.master_host, link.port))
+    for gname, world in plan.worlds.items():
+        if world.port:
+            wanted.append((f"actors.{gname}.world_port", world.master_host, world.port))
+    problems = []
+    for key, host, port in wanted:
+        if host not in local:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a port in TIME_WAIT is free to us
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError as exc:
+                problems.append(f"{key}: port {port} is already in use on this node ({exc.strerror}); "
+                                f"choose another or \"auto\"")
+    return problems
 
 
 def engine_placements(plan: Plan) -> dict[str, dict[str, str]]:
@@ -481,6 +512,9 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
 
     experiment = plan.topology.experiment
     start_model = (experiment.get("model") or {}).get("path")
+    if problems := busy_ports(plan):
+        print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
+        return EXIT_INVALID
     try:
         prepare(experiment)
     except PrepareError as exc:
@@ -703,6 +737,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID
     if args.dry_run:
         print(describe(plan, args.overrides))
+        if problems := busy_ports(plan):
+            print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
+            return EXIT_INVALID
         return EXIT_OK
     if args.sbatch:
         return submit_sbatch(plan, args)
