@@ -59,3 +59,28 @@ def test_a_gpu_actor_without_cuda_is_an_error_not_a_cpu_run(tmp_path):
         require_device("cuda")
     with pytest.raises(EngineError, match="sees no CUDA device"):
         make_train_engine({"backend": "torch", "instance": {"gpus": [0]}}, str(tmp_path), 0)
+
+
+def test_every_rank_of_a_world_gets_the_same_nccl_settings_and_the_socket_nic():
+    plan = load(Path(__file__).resolve().parent.parent / "topology" / "64node.yaml", check_imports=False)
+    specs = {s["name"]: s for s in plan.specs("RUN_DIR")}
+    nccl = [{k: v for k, v in specs[f"trainer.{i}"]["env"].items() if k.startswith("NCCL_")} for i in range(128)]
+    # trainer.0 alone is in the weights link, whose RoCE settings once reached no other trainer rank.
+    assert nccl[0]["NCCL_IB_GID_INDEX"] == "3" and nccl[0]["NCCL_IB_TC"] == "106"
+    assert all(n == nccl[0] for n in nccl), "the trainer world's ranks disagree on NCCL settings"
+    assert all(s["env"]["GLOO_SOCKET_IFNAME"] == "bond0" for s in specs.values())
+
+
+def test_slurm_asks_for_what_each_node_has():
+    from tools.up import slurm_resources
+    plan = load(Path(__file__).resolve().parent.parent / "topology" / "64node.yaml", check_imports=False)
+    assert slurm_resources(plan) == ["--cpus-per-task=48", "--mem=0", "--gpus-per-node=8"]
+    assert "--cpus-per-task=48 --mem=0 --gpus-per-node=8" in describe(plan)
+
+
+def test_an_allocation_too_small_for_the_topology_is_refused_with_the_command_that_fits():
+    from tools.up import allocation_shortfall
+    plan = load(Path(__file__).resolve().parent.parent / "topology" / "64node.yaml", check_imports=False)
+    short = allocation_shortfall(plan, {"SLURM_CPUS_ON_NODE": "1"})
+    assert "1 core(s) and 0 GPU(s)" in short and "salloc -N64 --exclusive --gpus-per-node=8" in short
+    assert allocation_shortfall(plan, {"SLURM_CPUS_ON_NODE": "48", "SLURM_GPUS_ON_NODE": "8"}) is None

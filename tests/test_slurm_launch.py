@@ -74,7 +74,7 @@ def check_demo_run(run_dir: Path, rounds: int) -> None:
 
 def test_multi_node_launch_inside_salloc(cluster: SlurmCluster, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cmd = ["salloc", "-N2", sys.executable, "-m", "tools.up", str(TOPOLOGY), *port_overrides(),
+    cmd = ["salloc", "-N2", "--exclusive", sys.executable, "-m", "tools.up", str(TOPOLOGY), *port_overrides(),
            "--run-dir", str(run_dir), "--no-progress"]
     res = subprocess.run(cmd, cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=TIMEOUT)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -85,7 +85,7 @@ def test_multi_node_launch_inside_salloc(cluster: SlurmCluster, tmp_path: Path) 
 
 def test_sigterm_stops_every_node_cleanly(cluster: SlurmCluster, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cmd = ["salloc", "-N2", sys.executable, "-m", "tools.up", str(TOPOLOGY), *port_overrides(),
+    cmd = ["salloc", "-N2", "--exclusive", sys.executable, "-m", "tools.up", str(TOPOLOGY), *port_overrides(),
            "actors.ping.settings.rounds=100000000", "--run-dir", str(run_dir), "--no-progress"]
     salloc = subprocess.Popen(cmd, cwd=REPO, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)

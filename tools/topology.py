@@ -916,6 +916,10 @@ def place(topo: Topology) -> Plan:
                 endpoint, inst_port = f"tcp://{addr}:{port}", port
                 port += 1
             env = {"OMP_NUM_THREADS": str(g.threads or (len(cpus) if cpus else 1))}
+            if topo.nodes[node].nics.get("socket"):
+                # Every gloo group of the process (the trainer's control groups, Megatron's CPU groups) and
+                # NCCL's bootstrap talk over the node's socket NIC, not whichever interface comes first.
+                env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = topo.nodes[node].nics["socket"]
             if cpus:
                 env["AREAL_CPU_AFFINITY"] = ",".join(map(str, cpus))
             if topo.nodes[node].gpus:
@@ -944,9 +948,16 @@ def place(topo: Topology) -> Plan:
         members = by_group[gname]
         spec = LinkSpec(name=f"{gname}.world", backend="nccl" if g.gpus else "gloo", members=[gname],
                         port=g.world_port, gdr=g.gpus > 0 and bool(topo.nodes[members[0].node].nics.get("ib")))
+        env = _link_env(topo, spec)
+        # NCCL reads its variables once per process, and every rank of a world must agree: what a link gives
+        # some of the world's ranks (trainer.0 in the weights link: NCCL_IB_GID_INDEX, NCCL_IB_TC) every
+        # rank gets. The validator has already refused links that disagree on one group.
+        names = {m.name for m in members}
+        for link_plan in links.values():
+            if names & set(link_plan.members):
+                env.update({k: v for k, v in link_plan.env.items() if k.startswith("NCCL_")})
         worlds[gname] = LinkPlan(name=spec.name, backend=spec.backend, members=[m.name for m in members],
-                                 master_host=members[0].host, port=g.world_port, env=_link_env(topo, spec),
-                                 timeout_s=spec.timeout_s)
+                                 master_host=members[0].host, port=g.world_port, env=env, timeout_s=spec.timeout_s)
     return Plan(topology=topo, instances=instances, links=links, worlds=worlds)
 
 

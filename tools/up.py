@@ -91,6 +91,8 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
         lines.append(f"  {gname} world: {world.backend} world of {len(world.members)} ranks "
                      f"({_ranges(world.members)}), rank 0 = {world.members[0]} leads, rendezvous "
                      f"{world.master_host}:{world.port or 'auto'} (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE)")
+        if world.env:
+            lines.append("    env: " + " ".join(f"{k}={v}" for k, v in sorted(world.env.items())))
         pp = int(topo.groups[gname].parallel.get("pp", 1))
         if pp > 1:
             # Megatron's rank order (tp-cp-ep-dp-pp): stage k begins at rank k * world / pp.
@@ -105,7 +107,8 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
         lines.append(f"  local: supervisor on this machine starts {len(plan.instances)} process(es): "
                      f"{shlex.quote(sys.executable)} -m actors.run RUN_DIR/specs/<actor>.json")
     else:
-        lines.append(f"  srun -N{len(topo.nodes)} --ntasks-per-node=1 --kill-on-bad-exit=1 {node_command(plan)}")
+        lines.append(f"  srun -N{len(topo.nodes)} --ntasks-per-node=1 {' '.join(slurm_resources(plan))} "
+                     f"--kill-on-bad-exit=1 {node_command(plan)}")
         for node_idx, insts in plan.by_node().items():
             lines.append(f"    on {topo.nodes[node_idx].name}: node agent -> supervisor -> {len(insts)} actor(s): "
                          f"{_ranges([i.name for i in insts]) or '-'}")
@@ -610,6 +613,9 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
     except TopologyError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_INVALID
+    if short := allocation_shortfall(plan, os.environ):
+        print(f"{plan.topology.source}: {short}", file=sys.stderr)
+        return EXIT_INVALID
     run_dir = make_run_dir(plan, args.run_dir)
     specs = build_specs(plan, run_dir)
     write_plan(plan, run_dir, specs, args.overrides)
@@ -622,7 +628,7 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
             "host": host, "title": f"{plan.topology.name}@{host}", "supervisor": supervisor_options(plan, args),
             "specs": [by_name[i.name] for i in insts]}, indent=1))
     cmd = ["srun", f"-N{len(hosts)}", f"-n{len(hosts)}", "--ntasks-per-node=1", f"--nodelist={','.join(hosts)}",
-           "--kill-on-bad-exit=1", f"--chdir={topo_mod.REPO_ROOT}", "--overlap",
+           *slurm_resources(plan), "--kill-on-bad-exit=1", f"--chdir={topo_mod.REPO_ROOT}", "--overlap",
            sys.executable, "-m", "tools.node_agent", str(run_dir)]
     print(f"run {plan.topology.name}: {len(specs)} actor(s) on {len(hosts)} node(s), run directory {run_dir}\n"
           f"  {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
@@ -699,11 +705,36 @@ def _slurm_rows(run_dir: Path, hosts: list[str], node_of: dict[str, str]) -> dic
     return rows
 
 
+def slurm_resources(plan: Plan) -> list[str]:
+    """What each node's task needs, as srun and sbatch flags: every GPU and core of the node (the node agent
+    places the actors on them itself) and all its memory. Without them a step gets one core and, where
+    SLURM confines GPUs, no GPU at all."""
+    node = plan.topology.nodes[0] if plan.topology.nodes else None
+    flags = [f"--cpus-per-task={node.cpus if node else 1}", "--mem=0"]
+    if node is not None and node.gpus:
+        flags.append(f"--gpus-per-node={node.gpus}")
+    return flags
+
+
+def allocation_shortfall(plan: Plan, env: dict[str, str]) -> str | None:
+    """Why this SLURM allocation cannot hold the topology's nodes (too few cores or GPUs per node), or None.
+    A plain `salloc -N64` grants one core per node on many clusters; the step would then fail."""
+    node = plan.topology.nodes[0] if plan.topology.nodes else None
+    if node is None:
+        return None
+    cpus = int(env.get("SLURM_CPUS_ON_NODE") or 0)
+    gpus = int(env.get("SLURM_GPUS_ON_NODE") or 0)
+    if (cpus and cpus < node.cpus) or gpus < node.gpus:
+        return (f"the allocation gives each node {cpus or '?'} core(s) and {gpus} GPU(s); the topology's nodes "
+                f"have {node.cpus} and {node.gpus}: allocate whole nodes, e.g. `salloc -N{len(plan.topology.nodes)} "
+                f"--exclusive{f' --gpus-per-node={node.gpus}' if node.gpus else ''}`, or use --sbatch")
+    return None
+
+
 def submit_sbatch(plan: Plan, args: argparse.Namespace) -> int:
     """Submit a batch job that reruns this launcher inside its own allocation."""
     run_dir = make_run_dir(plan, args.run_dir)
     n = len(plan.topology.nodes)
-    gpus = plan.topology.nodes[0].gpus if plan.topology.nodes else 0
     argv = [sys.executable, "-m", "tools.up", str(Path(plan.topology.source).resolve()), *args.overrides,
             "--run-dir", str(run_dir), "--no-progress", "--ready-timeout", str(args.ready_timeout)]
     if args.duration is not None:
@@ -714,7 +745,8 @@ def submit_sbatch(plan: Plan, args: argparse.Namespace) -> int:
         f"#SBATCH --job-name={plan.topology.name}",
         f"#SBATCH --nodes={n}",
         "#SBATCH --ntasks-per-node=1",
-        *([f"#SBATCH --gpus-per-node={gpus}"] if gpus else []),
+        "#SBATCH --exclusive",                      # the nodes are the run's alone
+        *(f"#SBATCH {flag}" for flag in slurm_resources(plan)),
         f"#SBATCH --output={run_dir}/sbatch.out",
         f"cd {shlex.quote(str(topo_mod.REPO_ROOT))}",
         "exec " + " ".join(shlex.quote(a) for a in argv), ""]))
