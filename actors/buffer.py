@@ -38,7 +38,7 @@ from typing import Any, Callable
 from actors.base import Actor, handles
 from actors.dataset import DEFAULT_MAX_LINE_BYTES, load_dataset
 from actors.engines.tokenizer import load_tokenizer
-from actors.recovery import latest_checkpoint, recovering, refuse_restart_within_launch
+from actors.recovery import checkpoint_dir, latest_checkpoint, recovering, refuse_restart_within_launch
 from algo.staleness import StalenessGate
 from transport.protocol import (Batch, BatchRequest, BufferStats, CheckpointDone, CheckpointRequest,
                                 GenerateGroup, GroupReturned, RunFinished, ScoredGroup, Task, VersionUpdate,
@@ -332,7 +332,9 @@ class BufferActor(Actor):
         state = {"step": msg.step, "epoch": self.epoch, "position": self.position, "gate": gate,
                  "reissue": [list(k) for k in pending], "stats": vars(self.stats), "attempts": self.attempts,
                  "dataset": {"path": self.dataset.path, "records": len(self.dataset)}}
-        path = Path(msg.path) / "buffer.json"
+        if msg.step < 0:
+            raise ValueError(f"step: {msg.step} is not a training step")
+        path = checkpoint_dir(self.run_dir, msg.step) / "buffer.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))

@@ -651,7 +651,7 @@ class TrainerActor(Actor):
         ckpt = checkpoint_dir(self.run_dir, self.version)
         ckpt.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self._save, str(ckpt / "model"))
-        reply = await self.bus.request("buffer", CheckpointRequest(step=self.version, path=str(ckpt)), timeout=60)
+        reply = await self.bus.request("buffer", CheckpointRequest(step=self.version), timeout=60)
         if not isinstance(reply, CheckpointDone):
             raise RuntimeError(f"buffer answered {reply!r} to a checkpoint request")
         mark_complete(ckpt, {"step": self.version, "time": time.time()})

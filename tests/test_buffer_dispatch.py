@@ -35,3 +35,17 @@ def test_a_rollout_behind_the_gate_gets_one_group_at_a_time() -> None:
     assert buf._rollout_cap("rollout.0") == 1                   # 5 - 3 > eta: one group, to learn when it caught up
     buf.on_scored(_scored("rollout.0", 5))
     assert buf._rollout_cap("rollout.0") == 8
+
+
+def test_the_buffer_checkpoints_into_its_own_run_directory_only(tmp_path) -> None:
+    import json
+
+    from actors.recovery import checkpoint_dir
+    from transport.protocol import CheckpointRequest
+    buf = _buffer(eta=1)
+    buf.run_dir, buf.ready, buf.reissue, buf.epoch, buf.position, buf.attempts = tmp_path, [], [], 0, 5, {}
+    buf.stats = type("Stats", (), {})()
+    buf.dataset = type("Data", (), {"path": "d.jsonl", "__len__": lambda self: 9})()
+    done = buf.on_checkpoint(CheckpointRequest(step=3))
+    assert done.step == 3
+    assert json.loads((checkpoint_dir(tmp_path, 3) / "buffer.json").read_text())["position"] == 5

@@ -85,7 +85,7 @@ def test_dry_run_64node_table(capsys: pytest.CaptureFixture) -> None:
     assert "weights: nccl group of 193, rank 0 = trainer.0" in out
     assert "NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7" in out
     assert "NCCL_NET_GDR_LEVEL=PHB" in out and "NCCL_SOCKET_IFNAME=bond0" in out
-    assert "srun -N64 --ntasks-per-node=1 --kill-on-bad-exit=1" in out
+    assert "srun -N64 --ntasks-per-node=1 --cpus-per-task=48 --mem=0 --gpus-per-node=8 --kill-on-bad-exit=1" in out
     assert ("trainer world: nccl world of 128 ranks (trainer.0-127), rank 0 = trainer.0 leads, rendezvous #48:29400"
             in out)
     assert "pipeline stages" not in out

@@ -262,3 +262,17 @@ def test_64node_matches_the_seeds_split() -> None:
     assert trainer_nodes == set(range(48, 64))
     assert {i.node for i in plan.instances if i.group == "reward"} == set(range(48))  # CPUs of rollout nodes
     assert plan.links["weights"].env["NCCL_NET_GDR_LEVEL"] == "PHB"
+
+
+def test_curve_is_on_by_default_on_tcp_and_ipc_sockets_are_private(tmp_path: Path) -> None:
+    # Without CURVE any local user could send a tcp bus messages (a spoofed BatchRequest stole a batch).
+    tcp = {"cluster": {"nodes": 1}, "bus": {"transport": "tcp"}, "actors": {"a": {"class": "m:A"}}}
+    assert T.validate(tcp, check_imports=False).bus.curve
+    tcp["bus"]["curve"] = False
+    assert not T.validate(tcp, check_imports=False).bus.curve
+    ipc = {"cluster": {"nodes": 1}, "bus": {"transport": "ipc"}, "actors": {"a": {"class": "m:A"}}}
+    assert not T.validate(ipc, check_imports=False).bus.curve
+    from tools.up import build_specs
+    [spec] = build_specs(T.place(T.validate(ipc, check_imports=False)), tmp_path)
+    ipc_dir = Path(spec["endpoint"].removeprefix("ipc://")).parent
+    assert ipc_dir.stat().st_mode & 0o777 == 0o700

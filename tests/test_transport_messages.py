@@ -197,6 +197,9 @@ def _body_of(msg: Any) -> tuple[dict, list]:
     ([_head(body={"seq": "one"})], FieldError, "field 'seq': expected int, got str"),
     ([_head(body={"seq": True})], FieldError, "field 'seq': expected int, got bool"),
     ([_head(body={"bogus": 1})], FieldError, "field 'bogus': unknown field"),
+    # a checkpoint request names no file: a spoofed one once made the buffer write where it said
+    ([_head("rl.checkpoint_request", body={"step": 3, "path": "/etc/cron.d/x"})], FieldError,
+     "field 'path': unknown field"),
     ([_head("error", body={"code": "x"})], FieldError, "field 'text': missing"),
 ])
 def test_bad_frames_raise_typed_errors_naming_the_cause(frames: list, exc: type, words: str) -> None:

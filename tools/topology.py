@@ -523,12 +523,15 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
 
     # bus
     bus_doc = c.keys(doc.get("bus"), BUS_KEYS, "bus")
+    transport = c.str_(bus_doc.get("transport"), "bus.transport", "tcp", ("tcp", "ipc"))
     bus = BusSpec(
-        transport=c.str_(bus_doc.get("transport"), "bus.transport", "tcp", ("tcp", "ipc")),
+        transport=transport,
         host=c.str_(bus_doc.get("host"), "bus.host"),
         base_port=c.int_(bus_doc.get("base_port"), "bus.base_port", 20000, minimum=1024),
         port_range=c.int_(bus_doc.get("port_range"), "bus.port_range", 1000, minimum=1),
-        curve=c.bool_(bus_doc.get("curve"), "bus.curve", False),
+        # Any user of a machine can connect to a tcp port: CurveZMQ (the run's keys) is on unless the
+        # topology turns it off. ipc sockets live in a directory only the run's user can enter.
+        curve=c.bool_(bus_doc.get("curve"), "bus.curve", transport == "tcp"),
         heartbeat_s=c.num(bus_doc.get("heartbeat_s"), "bus.heartbeat_s"))
     if bus.base_port + bus.port_range - 1 > 65535:
         c.add("bus.port_range", f"ports {bus.base_port}-{bus.base_port + bus.port_range - 1} go past 65535")

@@ -70,6 +70,9 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
                          inst["threads"], inst["workers"]))
     lines.extend(_table(rows))
     lines.append("")
+    if topo.bus.transport == "tcp" and not topo.bus.curve:
+        lines.append("WARNING: bus.curve is false on a tcp bus: any user who can reach these ports can send "
+                     "this run messages")
     lines.append(f"bus: {topo.bus.transport}, CurveZMQ {'on' if topo.bus.curve else 'off'}"
                  + (f", ports {topo.bus.base_port}-{topo.bus.base_port + topo.bus.port_range - 1}"
                     if topo.bus.transport == "tcp" else ""))
@@ -310,6 +313,7 @@ def build_specs(plan: Plan, run_dir: Path) -> list[dict[str, Any]]:
             ipc_dir = Path(tempfile.mkdtemp(prefix="areal-ipc-"))
             (run_dir / "ipc_dir").write_text(str(ipc_dir))
         ipc_dir.mkdir(parents=True, exist_ok=True)
+        ipc_dir.chmod(0o700)   # the sockets are the bus: only the run's user may reach them
         for spec in specs:
             spec["endpoint"] = spec["endpoint"].replace("{ipc_dir}", str(ipc_dir))
             spec["peers"] = {n: e.replace("{ipc_dir}", str(ipc_dir)) for n, e in spec["peers"].items()}

@@ -278,10 +278,11 @@ class WeightsBroadcastDone(Message):
 
 @message("rl.checkpoint_request")
 class CheckpointRequest(Message):
-    """trainer -> buffer: save your state for training step `step` into `path` (reply CheckpointDone)."""
+    """trainer -> buffer: save your state for training step `step` (reply CheckpointDone). No path: the
+    buffer writes into its own run directory's checkpoint of that step, so no sender can make it write
+    anywhere else."""
 
     step: int
-    path: str
 
 
 @message("rl.checkpoint_done")
