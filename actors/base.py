@@ -352,7 +352,10 @@ class Actor:
         curve = None
         if self.spec.curve:
             curve = CurveConfig.from_spec(self.spec.curve, self.name, list(self.spec.peers))
-        return Bus(self.name, self.spec.endpoint, self.spec.peers, handler=self.dispatch, curve=curve,
+        # The launcher lists every actor of the run by group: the group is the role messages are checked by.
+        groups = self.settings.get("groups")
+        roles = {name: group for group, names in groups.items() for name in names} if groups else None
+        return Bus(self.name, self.spec.endpoint, self.spec.peers, handler=self.dispatch, curve=curve, roles=roles,
                    recorder=recorder, record_outbound=outbound, log=self.log.bind(component="bus"),
                    on_peer_dead=self.on_peer_dead, on_peer_alive=self.on_peer_alive, **bus_kw)
 

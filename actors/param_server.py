@@ -81,7 +81,7 @@ class RolloutWeights:
     stall_seconds: float = 0.0
 
 
-@message("ps.weights_status_request")
+@message("ps.weights_status_request", senders=("trainer",))
 class WeightsStatusRequest(Message):
     """Ask the parameter server for its state. With ``min_version`` >= 0 and ``timeout_s`` > 0 the reply
     waits (up to ``timeout_s``; ``reached`` says whether it happened) until every rollout is alive, has

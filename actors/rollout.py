@@ -165,11 +165,11 @@ def rollout_placement(settings: dict[str, Any]) -> dict[str, str]:
     model_dtype = (settings.get("model") or {}).get("dtype")
     if kind == "sglang":
         dtype = (settings.get("sglang") or {}).get("dtype") or model_dtype or "auto"
-        return {"engine": "sglang", "device": "cuda", "dtype": str(dtype), "parallel": f"tp={tp}",
+        return {"engine": "sglang", "device": "cuda", "dtype": str(dtype), "parallel": f"tp={tp}", "memory": "-",
                 "process_group": "nccl (weights group)"}
     device = engine_device(settings)
     return {"engine": kind, "device": device, "dtype": str(model_dtype or "float32"), "parallel": f"tp={tp}",
-            "process_group": "nccl" if device == "cuda" else "gloo"}
+            "memory": "-", "process_group": "nccl" if device == "cuda" else "gloo"}
 
 
 def make_engine(settings: dict[str, Any], version: int, model_dir: str, run_dir: str | None = None,

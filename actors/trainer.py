@@ -69,7 +69,13 @@ def trainer_placement(settings: dict[str, Any]) -> dict[str, str]:
     else:
         dtype = "float32 (bf16 autocast)" if device == "cuda" else "float32"
     layout = " ".join(f"{k}={parallel[k]}" for k in ("dp", "tp", "pp") if k in parallel) or "dp=1"
-    return {"engine": backend, "device": device, "dtype": dtype, "parallel": layout,
+    if backend == "megatron":
+        memory = (("sp " if settings.get("sequence_parallel") and int(parallel.get("tp", 1)) > 1 else "")
+                  + f"recompute={settings.get('recompute', 'none')} "
+                  + f"logprob_chunk={settings.get('logprob_chunk_tokens') or 'off'}")
+    else:
+        memory = "-"
+    return {"engine": backend, "device": device, "dtype": dtype, "parallel": layout, "memory": memory,
             "process_group": "nccl" if device == "cuda" else "gloo"}
 
 
@@ -101,7 +107,10 @@ def _make_megatron_engine(settings: dict[str, Any], model_dir: str, version: int
                          weight_decay=float(algo.get("weight_decay", 0.0)), seed=int(settings.get("seed", 1)),
                          device=engine_device(settings),
                          tensor_parallel=int(parallel.get("tp", 1)), pipeline_parallel=int(parallel.get("pp", 1)),
-                         bf16=trainer_placement(settings)["dtype"] == "bfloat16")
+                         bf16=trainer_placement(settings)["dtype"] == "bfloat16",
+                         sequence_parallel=bool(settings.get("sequence_parallel", False)),
+                         recompute=str(settings.get("recompute", "none")),
+                         logprob_chunk_tokens=int(settings.get("logprob_chunk_tokens", 0)))
     return MegatronTrainEngine(model_dir, cfg, version=version)
 
 

@@ -72,7 +72,7 @@ def _patch_cuda_module() -> None:
     cuda.current_device = lambda: 0  # an int ordinal: the mode maps it to cpu wherever it is used
     cuda.device_count = lambda: 1
     cuda.synchronize = lambda *a, **k: None
-    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.get_rng_state = cuda.random.get_rng_state = lambda *a, **k: torch.get_rng_state()
     cuda.set_rng_state = lambda state, *a, **k: None
     cuda.manual_seed = lambda seed: None
     cuda.manual_seed_all = lambda seed: None

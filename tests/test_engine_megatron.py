@@ -64,7 +64,12 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sett
         torch.set_num_threads(1)
         from tests import megatron_cpu_shim
         megatron_cpu_shim.install()
-        engine = mg.MegatronTrainEngine(model_dir, mg.MegatronConfig(lr=LR, **settings["config"]))
+        config = mg.MegatronConfig(lr=LR, **settings["config"])
+        engine = mg.MegatronTrainEngine(model_dir, config)
+        if engine.device.type == "cpu":
+            # On a GPU, init_distributed seeds Megatron's CUDA RNG tracker (sequence parallelism and full
+            # recompute fork it); the shim runs that tracker on the CPU generator, seeded the same way here.
+            mg.tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
         out = settings.get("body", _engine_checks)(engine, out_dir, settings)
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     except BaseException:
@@ -235,6 +240,68 @@ def test_tensor_parallel_2_matches_torch_backend(tmp_path) -> None:
         _check_against_reference(ref, {**got, "weights": ranks[0]["weights"]}, report)
     assert ranks[1]["weights"] == {}  # buckets come out on TP rank 0 only
     print("megatron tp=2 vs torch:", report)
+
+
+@needs_megatron
+@pytest.mark.parametrize("memory", [
+    {"sequence_parallel": True, "recompute": "selective", "logprob_chunk_tokens": 7},
+    {"sequence_parallel": False, "recompute": "full", "logprob_chunk_tokens": 5},
+], ids=["sp-selective-chunk7", "full-chunk5"])
+def test_memory_savers_at_tensor_parallel_2_give_the_same_step(tmp_path, memory) -> None:
+    # Sequence parallelism (the 2 x 3-sequence micro-batches have odd token counts: padded for the split),
+    # activation recompute and chunked log-probs change where memory goes, not one number of the step.
+    ref, ranks = _run_on_new_model(tmp_path, 2, {"config": {"tensor_parallel": 2, "vocab_pad_multiple": 1, **memory}})
+    report: dict[str, float] = {}
+    for got in ranks:
+        _check_against_reference(ref, {**got, "weights": ranks[0]["weights"]}, report)
+    print("megatron tp=2", memory, "vs torch:", report)
+
+
+def _largest_float32_intermediates(engine: Any, out_dir: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """The largest float32 tensor any op makes while computing log-probs and entropy of bf16 logits and their
+    gradient, chunked and not (bf16 logits, as on a GPU: the float32 ones are the computation's own)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    n, vocab = settings["tokens"], 1000
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(n, vocab, generator=gen).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    out: dict[str, Any] = {}
+    for chunk in (0, settings["chunk"]):
+        x = logits.clone().requires_grad_()
+        with Largest() as largest:
+            lp, ent = mg.chunked_vocab_parallel_logprobs(x, targets, 0, vocab, 1.0, True, chunk)
+            (lp.sum() + ent.sum()).backward()
+        out[chunk] = {"largest": largest.numel, "logprobs": lp.detach(), "grad": x.grad.float()}
+    return out
+
+
+@needs_megatron
+def test_chunked_logprobs_peak_is_bounded_by_the_chunk_not_the_sequence(tmp_path) -> None:
+    model_dir = _model_dir(tmp_path)
+    (tmp_path / "out").mkdir()
+    tokens, chunk = 512, 64
+    [got] = _run(1, model_dir, str(tmp_path / "out"), {"config": {}, "body": _largest_float32_intermediates,
+                                                        "tokens": tokens, "chunk": chunk})
+    whole, chunked = got[0], got[chunk]
+    assert whole["largest"] >= tokens * 1000                  # unchunked: float32 tensors as large as the logits
+    assert chunked["largest"] <= chunk * 1000                 # chunked: never more than one chunk's worth
+    assert torch.equal(chunked["logprobs"], whole["logprobs"])
+    torch.testing.assert_close(chunked["grad"], whole["grad"], atol=0, rtol=0)
+    print(f"largest float32 intermediate: {whole['largest'] * 4 / 2**20:.2f} MiB for {tokens} tokens, "
+          f"{chunked['largest'] * 4 / 2**20:.2f} MiB in chunks of {chunk}")
 
 
 @needs_megatron

@@ -43,6 +43,10 @@ def test_gpu_topologies_train_on_gpus_in_bf16():
     for plan in gpu_plans:
         trainer = engine_placements(plan)["trainer"]
         assert (trainer["engine"], trainer["device"], trainer["dtype"]) == ("megatron", "cuda", "bfloat16")
+        # 7B at 32k fits only with the memory savers on (docs/engines-megatron.md)
+        assert "recompute=full logprob_chunk=4096" in trainer["memory"], trainer
+        if int(plan.topology.groups["trainer"].parallel.get("tp", 1)) > 1:
+            assert trainer["memory"].startswith("sp "), trainer
 
 
 def test_device_rule():

@@ -35,7 +35,8 @@ def test_rollout_generates_returns_and_drains(tmp_path: Path) -> None:
     spec = ActorSpec(name="rollout.0", cls="actors.rollout:RolloutActor", endpoint=eps["rollout.0"],
                      peers={n: e for n, e in eps.items() if n != "rollout.0"}, run_dir=str(tmp_path),
                      settings={"model": {"path": str(model_dir)}, "run": {"recover": "off"}, "log_console": False,
-                               "groups": {"reward": ["reward.0", "reward.1"], "buffer": ["buffer"]},
+                               "groups": {"reward": ["reward.0", "reward.1"], "buffer": ["buffer"],
+                                          "param_server": ["param_server"]},
                                "bus": {"heartbeat_interval": None}, "stats_every_s": 0})
 
     async def main() -> None:
@@ -48,7 +49,7 @@ def test_rollout_generates_returns_and_drains(tmp_path: Path) -> None:
             return put
 
         buses = [await Bus(n, eps[n], {"rollout.0": eps["rollout.0"]}, handler=sink(n),
-                           heartbeat_interval=None).start() for n in ("reward.0", "reward.1", "buffer")]
+                           heartbeat_interval=None).start() for n in ("reward.0", "reward.1", "buffer", "param_server")]
         actor = RolloutActor(spec)
         task = asyncio.create_task(actor.run())
         buffer = buses[2]
@@ -69,10 +70,12 @@ def test_rollout_generates_returns_and_drains(tmp_path: Path) -> None:
         assert name == "buffer" and isinstance(msg, GroupReturned) and msg.reason.startswith("invalid:")
         # Sent on ready, before anything else to the buffer: a restarted rollout's old groups get re-issued.
         assert hellos == [("buffer", WorkerHello(role="rollout"))]
-        # Weights without a link are refused with a reason.
+        # Only the parameter server announces weights; and weights without a link are refused with a reason.
+        ready = WeightsReady(version=1, n_buckets=1, weights_hash="x", generation=0)
+        with pytest.raises(RemoteError, match=r"\[sender_not_allowed\] rl.weights_ready is sent by param_server"):
+            await buffer.request("rollout.0", ready, timeout=10)
         with pytest.raises(RemoteError, match="no weights link"):
-            await buffer.request("rollout.0", WeightsReady(version=1, n_buckets=1, weights_hash="x", generation=0),
-                                 timeout=10)
+            await buses[3].request("rollout.0", ready, timeout=10)
         # Stopping mid-generation hands the group back to the buffer.
         decoding = asyncio.Event()
         loop = asyncio.get_running_loop()

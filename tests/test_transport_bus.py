@@ -240,6 +240,46 @@ def test_curve_accepts_authorised_and_rejects_others(tmp_path: Any) -> None:
     run(main())
 
 
+@message("test.bus.order", senders=("boss",))
+class Order(Message):
+    text: str
+
+
+def test_a_kind_is_accepted_only_from_its_roles_and_a_curve_key_cannot_claim_another_name(tmp_path: Any) -> None:
+    # Once any holder of a run key (or, without CURVE, anyone) could send any kind under any name: a
+    # spoofed BatchRequest stole a batch, a spoofed VersionUpdate made the buffer drop every group.
+    async def main() -> None:
+        keys = generate_run_keys(str(tmp_path), ["server", "boss", "worker"])
+        roles = {"server": "server", "boss": "boss", "worker": "worker"}
+
+        def handler(env: Any) -> Any:
+            return Echo(env.msg.text.upper())
+
+        server = await Bus("server", "tcp://127.0.0.1:*", handler=handler, roles=roles, heartbeat_interval=None,
+                           curve=CurveConfig.from_keys_dir(keys, "server")).start()
+        peers = {"server": server.endpoint}
+
+        def client(name: str, key_of: str) -> Bus:
+            own = CurveConfig.from_keys_dir(keys, key_of, ["server"])
+            return Bus(name, "tcp://127.0.0.1:*", peers, heartbeat_interval=None, curve=own)
+
+        boss, worker, impostor = [await client(n, k).start() for n, k in
+                                  (("boss", "boss"), ("worker", "worker"), ("boss", "worker"))]
+        assert (await boss.request("server", Order("go"), timeout=5)).text == "GO"
+        assert (await worker.request("server", Echo("hi"), timeout=5)).text == "HI"   # no senders declared
+        with pytest.raises(RemoteError, match=r"\[sender_not_allowed\] test.bus.order is sent by boss only; "
+                                              r"'worker' is worker"):
+            await worker.request("server", Order("go"), timeout=5)
+        with pytest.raises(RemoteError, match=r"\[spoofed_sender\] the message says it is from 'boss', but its "
+                                              r"CURVE key is worker's"):
+            await impostor.request("server", Order("go"), timeout=5)
+        assert server.rejected == {"sender_not_allowed": 1, "spoofed_sender": 1}
+        for bus in (impostor, worker, boss, server):
+            await bus.close()
+
+    run(main())
+
+
 def test_heartbeat_detects_dead_peer_and_its_return(tmp_path: Any) -> None:
     async def main() -> None:
         endpoint = f"ipc://{tmp_path}/hb"

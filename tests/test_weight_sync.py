@@ -126,7 +126,8 @@ class System:
                                                                self.train_members, "trainer")))
         # The trainer is the train link's rendezvous master: it joins while the actors start.
         opening = asyncio.ensure_future(asyncio.to_thread(self.trainer_link.open, 0))
-        self.trainer = await Bus("trainer", self.endpoints["trainer"], {"param_server": self.endpoints["param_server"]},
+        self.trainer = await Bus("trainer", self.endpoints["trainer"],
+                                 {n: self.endpoints[n] for n in ["param_server", *ROLLOUTS, "reward.0"]},
                                  heartbeat_interval=None).start()
         self.buffer = await Bus("buffer", self.endpoints["buffer"],
                                 {n: self.endpoints[n] for n in ["param_server", *ROLLOUTS, "reward.0"]},
@@ -152,8 +153,8 @@ class System:
         return stored
 
     async def status(self, min_version: int = -1, min_generation: int = -1, timeout_s: float = 0.0) -> WeightsStatus:
-        reply = await self.buffer.request("param_server", WeightsStatusRequest(min_version, min_generation, timeout_s),
-                                          timeout=timeout_s + 10)
+        reply = await self.trainer.request("param_server", WeightsStatusRequest(min_version, min_generation, timeout_s),
+                                           timeout=timeout_s + 10)
         assert isinstance(reply, WeightsStatus)
         return reply
 
@@ -261,7 +262,7 @@ def test_run_finished_hands_unfinished_groups_back(system: System) -> None:
         for r in ROLLOUTS:
             await system.generate(r, f"unfinished-{r}", max_new_tokens=4000)
         for name in ["param_server", *ROLLOUTS, "reward.0"]:
-            await system.buffer.send(name, RunFinished(step=4))
+            await system.trainer.send(name, RunFinished(step=4))
         returned = await system.collect(system.returned, len(ROLLOUTS))
         assert set(returned) == {f"unfinished-{r}" for r in ROLLOUTS}
         assert all(g.reason in ("draining", "aborted") for g in returned.values()), returned

@@ -168,8 +168,9 @@ def _engines(plan: Plan) -> list[str]:
     placements = engine_placements(plan)
     if not placements:
         return ["engines: none"]
-    rows = [("group", "engine", "device", "dtype", "parallel", "process group")]
-    rows += [(g, p["engine"], p["device"], p["dtype"], p["parallel"], p["process_group"]) for g, p in placements.items()]
+    rows = [("group", "engine", "device", "dtype", "parallel", "memory", "process group")]
+    rows += [(g, p["engine"], p["device"], p["dtype"], p["parallel"], p["memory"], p["process_group"])
+             for g, p in placements.items()]
     return ["engines", *_table(rows)]
 
 

@@ -30,6 +30,7 @@ class CurveConfig:
     secret: str
     peers: dict[str, str] = field(default_factory=dict)        # peer name -> its public key
     authorized: list[str] = field(default_factory=list)        # client public keys we accept
+    key_names: dict[str, str] = field(default_factory=dict)    # public key -> the actor it was made for
 
     @classmethod
     def from_spec(cls, d: dict[str, Any], self_name: str, peer_names: list[str] | None = None) -> "CurveConfig":
@@ -44,7 +45,7 @@ class CurveConfig:
         authorized = d.get("authorized") or []
         if not isinstance(peers, dict) or not isinstance(authorized, list):
             raise CurveError("curve.peers must be a map and curve.authorized a list")
-        return cls(d["public"], d["secret"], dict(peers), list(authorized))
+        return cls(d["public"], d["secret"], dict(peers), list(authorized), {k: n for n, k in peers.items()})
 
     @classmethod
     def from_keys_dir(cls, keys_dir: str, self_name: str, peer_names: list[str] | None = None) -> "CurveConfig":
@@ -57,7 +58,7 @@ class CurveConfig:
             if fname.endswith(".key"):
                 all_public[fname[:-4]] = _read_key(os.path.join(keys_dir, fname))
         peers = {n: k for n, k in all_public.items() if peer_names is None or n in peer_names}
-        return cls(public, secret, peers, sorted(set(all_public.values())))
+        return cls(public, secret, peers, sorted(set(all_public.values())), {k: n for n, k in all_public.items()})
 
     def to_dict(self) -> dict[str, Any]:
         return {"public": self.public, "secret": self.secret, "peers": dict(self.peers),

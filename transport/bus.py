@@ -169,6 +169,7 @@ class Bus:
                  recorder: Any = None,
                  record_outbound: bool = False,
                  coalesce: bool = True,
+                 roles: dict[str, str] | None = None,
                  log: Any = None) -> None:
         if heartbeat_interval is not None and heartbeat_timeout <= heartbeat_interval:
             raise ValueError("heartbeat_timeout must be longer than heartbeat_interval")
@@ -176,6 +177,10 @@ class Bus:
         self.endpoint = endpoint
         self.handler = handler
         self.curve = curve
+        # name -> role (its actor group) of everyone who may send us messages: with it, a kind that declares
+        # its senders (@message(..., senders=...)) is accepted only from those roles, and under CURVE the
+        # sender is the actor its key was made for, whatever name the header claims.
+        self.roles = roles
         self.hwm = hwm
         self.max_frame_bytes = max_frame_bytes
         self.hard_max_frame_bytes = hard_max_frame_bytes or 2 * max_frame_bytes
@@ -560,12 +565,18 @@ class Bus:
             self.log.error("bus_task_failed", task=t.get_name(), error=repr(t.exception()))
 
     @staticmethod
-    def _recv_message(sock: zmq.Socket, with_ident: bool) -> tuple[bytes | None, list]:
+    def _recv_message(sock: zmq.Socket, with_ident: bool, user: list | None = None) -> tuple[bytes | None, list]:
         """One whole message, without blocking (raises zmq.Again when none is queued).
 
         The header frame is copied (small); further frames stay zmq.Frame objects so tensors alias them.
+        With `user`, the ZAP User-Id of the connection (the z85 CURVE key that sent it) is put in it.
         """
-        ident = sock.recv(zmq.NOBLOCK) if with_ident else None
+        if user is not None:
+            first = sock.recv(zmq.NOBLOCK, copy=False)
+            user[:] = [first.get("User-Id")]
+            ident = first.bytes
+        else:
+            ident = sock.recv(zmq.NOBLOCK) if with_ident else None
         if with_ident and not sock.getsockopt(zmq.RCVMORE):
             return ident, []
         frames: list = [sock.recv(zmq.NOBLOCK)]
@@ -575,25 +586,27 @@ class Bus:
 
     async def _inbound_loop(self) -> None:
         sock, asock, slots = self._router, self._arouter, self._slots
+        user: list | None = [] if self.curve is not None and self.roles is not None else None
         while True:
             await asock.poll(flags=zmq.POLLIN)
             for _ in range(_DRAIN_BATCH):
                 try:
-                    ident, frames = self._recv_message(sock, True)
+                    ident, frames = self._recv_message(sock, True, user)
                 except zmq.Again:
                     break
+                key = user[0] if user else None
                 if frames and is_batch(frames[0]):
                     items = self._split_batch(ident, frames)
                     if not items:
                         continue
                     # each message in the container is handled exactly as if it had arrived alone
                     for item in items:
-                        coro = self._handle_inbound(ident, [item])
+                        coro = self._handle_inbound(ident, [item], key)
                         if coro is not None:
                             await slots.acquire()
                             self._start_handler(coro)
                     continue
-                coro = self._handle_inbound(ident, frames)
+                coro = self._handle_inbound(ident, frames, key)
                 if coro is not None:
                     # Bounded concurrency: when max_inflight handlers run, stop reading (backpressure).
                     await slots.acquire()
@@ -614,12 +627,16 @@ class Bus:
         self.stats["batches_received"] += 1
         return items
 
-    def _handle_inbound(self, ident: bytes | None, frames: list) -> tuple | None:
+    def _handle_inbound(self, ident: bytes | None, frames: list, key: str | None = None) -> tuple | None:
         """Decode and dispatch one inbound message; returns (env, coroutine) for async handlers."""
         try:
             header, msg = decode(frames, self.max_frame_bytes)
         except DecodeError as exc:
             self._reject(exc.reason, str(exc), exc.header, ident, frames, time.time())
+            return None
+        refusal = self._refusal(header, type(msg), key)
+        if refusal is not None:
+            self._reject(refusal[0], refusal[1], header, ident, frames, time.time())
             return None
         sender = self._peers.get(header.sender)
         if sender is not None:
@@ -701,6 +718,22 @@ class Bus:
                        exc_info=exc)
         if env.wants_reply and not env.replied:
             env.reply(Error("handler_error", f"{type(exc).__name__}: {exc}", env.header.kind))
+
+    def _refusal(self, header: Header, cls: type, key: str | None) -> tuple[str, str] | None:
+        """(reason, text) when the sender may not send this message, else None (see ``roles``)."""
+        if self.roles is None:
+            return None
+        sender = header.sender
+        if self.curve is not None:
+            sender = self.curve.key_names.get(key or "", "")
+            if sender != header.sender:
+                return ("spoofed_sender", f"the message says it is from {header.sender!r}, but its CURVE key is "
+                                          f"{sender or 'no actor'}'s")
+        allowed = getattr(cls, "SENDERS", None)
+        if allowed is not None and self.roles.get(sender) not in allowed:
+            return ("sender_not_allowed", f"{header.kind} is sent by {', '.join(sorted(allowed))} only; "
+                                          f"{sender!r} is {self.roles.get(sender) or 'not an actor of this run'}")
+        return None
 
     def _reject(self, reason: str, text: str, header: Header | None, ident: bytes | None, frames: list,
                 now: float, record: bool = True) -> None:

@@ -28,7 +28,7 @@ import time
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, TypeVar
+from typing import Any, Callable, ClassVar, Iterable, TypeVar
 
 import msgpack
 
@@ -104,6 +104,7 @@ class Message:
     """Base of every message kind. Subclass it and decorate with ``@message("tag")``."""
 
     KIND: ClassVar[str] = ""
+    SENDERS: ClassVar[frozenset[str] | None] = None   # roles allowed to send it; None: any peer
 
 
 M = TypeVar("M", bound=type)
@@ -111,8 +112,11 @@ M = TypeVar("M", bound=type)
 _REGISTRY: dict[str, type] = {}
 
 
-def message(tag: str) -> Callable[[M], M]:
-    """Class decorator: make ``cls`` a dataclass (if it is not already) and register it under ``tag``."""
+def message(tag: str, senders: Iterable[str] | None = None) -> Callable[[M], M]:
+    """Class decorator: make ``cls`` a dataclass (if it is not already) and register it under ``tag``.
+
+    ``senders``: the roles (actor groups) allowed to send this kind; a bus that knows its peers' roles
+    refuses it from anyone else (see ``Bus(roles=...)``). None: any peer of the run."""
     if not isinstance(tag, str) or not tag:
         raise ValueError("message tag must be a non-empty string")
     if tag.startswith("$"):
@@ -125,6 +129,7 @@ def message(tag: str) -> Callable[[M], M]:
         if existing is not None and existing.__qualname__ != cls.__qualname__:
             raise ValueError(f"message tag {tag!r} already registered by {existing.__module__}.{existing.__qualname__}")
         cls.KIND = tag
+        cls.SENDERS = frozenset(senders) if senders is not None else None
         _REGISTRY[tag] = cls
         _CODECS.pop(cls, None)
         _KINDS.clear()

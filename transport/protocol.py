@@ -61,7 +61,7 @@ class Sample:
     score_detail: str = ""
 
 
-@message("rl.generate_group")
+@message("rl.generate_group", senders=("buffer",))
 class GenerateGroup(Message):
     """buffer -> rollout: generate `n` answers to one prompt."""
 
@@ -79,7 +79,7 @@ class GenerateGroup(Message):
     reward: str = ""  # the reward actor that scores this group (chosen by the buffer); "" = rollout's choice
 
 
-@message("rl.trajectories")
+@message("rl.trajectories", senders=("rollout",))
 class Trajectories(Message):
     """rollout -> reward: the answers of one group, unscored."""
 
@@ -94,7 +94,7 @@ class Trajectories(Message):
     up_seconds: float = 0.0    # in hand, and time up (the buffer turns them into rollout utilisation)
 
 
-@message("rl.scored_group")
+@message("rl.scored_group", senders=("reward",))
 class ScoredGroup(Message):
     """reward -> buffer: the group with a reward per sample."""
 
@@ -111,7 +111,7 @@ class ScoredGroup(Message):
     up_seconds: float = 0.0
 
 
-@message("rl.group_returned")
+@message("rl.group_returned", senders=("rollout",))
 class GroupReturned(Message):
     """rollout -> buffer: a group handed back unfinished (drain, engine failure); the buffer re-issues it."""
 
@@ -119,7 +119,7 @@ class GroupReturned(Message):
     reason: str
 
 
-@message("rl.batch_request")
+@message("rl.batch_request", senders=("trainer",))
 class BatchRequest(Message):
     """trainer -> buffer: the batch for training step `step` (the reply is a Batch)."""
 
@@ -147,7 +147,7 @@ class Batch(Message):
     stats: BufferStats
 
 
-@message("rl.version_update")
+@message("rl.version_update", senders=("trainer",))
 class VersionUpdate(Message):
     """trainer -> buffer: the trainer finished step `version` (versions count training steps)."""
 
@@ -164,7 +164,7 @@ class TensorMeta:
     shape: list[int]
 
 
-@message("rl.weights_published")
+@message("rl.weights_published", senders=("trainer",))
 class WeightsPublished(Message):
     """trainer -> param_server: the buckets of `version` follow on the train_to_ps bulk link (relay), or
     are kept by the trainer (direct weights). `specs`: per bucket, its tensors (direct weights only).
@@ -184,7 +184,7 @@ class WeightsStored(Message):
     receive_seconds: float
 
 
-@message("rl.weights_ready")
+@message("rl.weights_ready", senders=("param_server",))
 class WeightsReady(Message):
     """param_server -> rollout: the buckets of `version` follow on the ps_to_rollout link (broadcast)."""
 
@@ -209,7 +209,7 @@ class WeightsAck(Message):
     verified: str = "hash"
 
 
-@message("rl.rollout_hello")
+@message("rl.rollout_hello", senders=("rollout",))
 class RolloutHello(Message):
     """rollout -> param_server: a (re)started rollout at `version` joins; it needs the current weights.
     `weight_ranks` > 0: its server joins the direct weights group itself, as that many ranks (an SGLang
@@ -219,7 +219,7 @@ class RolloutHello(Message):
     weight_ranks: int = 0
 
 
-@message("rl.server_down")
+@message("rl.server_down", senders=("rollout",))
 class ServerDown(Message):
     """rollout -> param_server: the server that receives this rollout's weights died and is being restarted
     (its ``restarts`` so far). A group formed meanwhile would wait its whole link timeout for the missing
@@ -228,7 +228,7 @@ class ServerDown(Message):
     restarts: int = 0
 
 
-@message("rl.worker_hello")
+@message("rl.worker_hello", senders=("rollout", "reward"))
 class WorkerHello(Message):
     """rollout/reward -> buffer, on every start: groups the buffer had assigned to an earlier incarnation
     of this worker died with it and are issued again (a restart can be faster than heartbeats notice)."""
@@ -236,7 +236,7 @@ class WorkerHello(Message):
     role: str
 
 
-@message("rl.link_reform")
+@message("rl.link_reform", senders=("param_server",))
 class LinkReform(Message):
     """param_server -> rollout (and, with direct weights, -> trainer as a request): re-form the weights link at
     `generation` (a member restarted). Direct weights to servers that join themselves: the trainer gets
@@ -262,7 +262,7 @@ class LinkFormed(Message):
     master_ports: list[int] = field(default_factory=list)
 
 
-@message("rl.weights_broadcast")
+@message("rl.weights_broadcast", senders=("param_server",))
 class WeightsBroadcast(Message):
     """param_server -> trainer (direct weights): broadcast stored `version` on the group of `generation`."""
 
@@ -276,7 +276,7 @@ class WeightsBroadcastDone(Message):
     seconds: float
 
 
-@message("rl.checkpoint_request")
+@message("rl.checkpoint_request", senders=("trainer",))
 class CheckpointRequest(Message):
     """trainer -> buffer: save your state for training step `step` (reply CheckpointDone). No path: the
     buffer writes into its own run directory's checkpoint of that step, so no sender can make it write
@@ -290,7 +290,7 @@ class CheckpointDone(Message):
     step: int
 
 
-@message("rl.run_finished")
+@message("rl.run_finished", senders=("trainer",))
 class RunFinished(Message):
     """trainer -> every actor: the run reached its last step; stop cleanly."""
 

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -67,6 +68,7 @@ try:  # megatron-core is an optional (GPU-cluster) dependency; importing this mo
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     MEGATRON_IMPORT_ERROR: str | None = None
 except ImportError as _e:  # pragma: no cover - exercised where megatron-core is absent
     MEGATRON_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
@@ -100,6 +102,10 @@ class MegatronConfig(TrainConfig):
     attention: str = "auto"                 # "auto": TE on a GPU when importable, else "torch"; or "te"/"torch"
     bf16: bool = False                      # bfloat16 model weights with float32 main params (GPU)
     dist_timeout_s: float = 600.0
+    # Memory at long context (docs/engines-megatron.md, "Memory at 32k"):
+    sequence_parallel: bool = False         # with tp > 1: norms and residuals hold 1/tp of the sequence
+    recompute: str = "none"                 # "selective": core attention; "full": every layer's activations
+    logprob_chunk_tokens: int = 0           # log-probs over the vocabulary this many tokens at a time (0: all)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -109,6 +115,16 @@ class MegatronConfig(TrainConfig):
                 raise ValueError(f"MegatronConfig.{key} must be an integer >= 1, got {value!r}")
         if self.attention not in ("auto", "te", "torch"):
             raise ValueError(f"MegatronConfig.attention must be 'auto', 'te' or 'torch', got {self.attention!r}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"MegatronConfig.recompute must be 'none', 'selective' or 'full', got {self.recompute!r}")
+        if not isinstance(self.logprob_chunk_tokens, int) or self.logprob_chunk_tokens < 0:
+            raise ValueError(f"MegatronConfig.logprob_chunk_tokens must be an integer >= 0, got "
+                             f"{self.logprob_chunk_tokens!r}")
+
+    @property
+    def sequence_parallel_on(self) -> bool:
+        """Sequence parallelism splits the sequence over the TP ranks: without TP there is nothing to split."""
+        return self.sequence_parallel and self.tensor_parallel > 1
 
 
 # --- model ---------------------------------------------------------------------------------------------
@@ -137,6 +153,10 @@ def qwen2_transformer_config(cfg: Qwen2Config, mc: MegatronConfig) -> Transforme
         variable_seq_lengths=True,      # packed micro-batches differ in length (pipeline shapes are sent)
         moe_token_dispatcher_type="alltoall",  # unused (dense model); the default rejects variable lengths
         deallocate_pipeline_outputs=True,
+        sequence_parallel=mc.sequence_parallel_on,
+        **({"recompute_granularity": "selective"} if mc.recompute == "selective" else
+           {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+           if mc.recompute == "full" else {}),
     )
 
 
@@ -190,13 +210,27 @@ def _use_te(mc: MegatronConfig, device: torch.device) -> bool:
     return has_te and device.type == "cuda"
 
 
-def layer_spec(mc: MegatronConfig, device: torch.device) -> ModuleSpec:
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm for Megatron's local (non-Transformer-Engine) layers, which Megatron's own torch norm
+    refuses under sequence parallelism: each TP rank normalises its share of the tokens, so the weight is
+    marked ``sequence_parallel`` and Megatron's finalize_model_grads sums its gradient over the TP ranks."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(mc: MegatronConfig, device: torch.device, tc: TransformerConfig) -> ModuleSpec | Any:
     if _use_te(mc, device):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
         return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = TorchPackedAttention
-    return spec
+    if not mc.sequence_parallel_on:
+        return spec
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tc),
+                                      layer_norm=SequenceParallelRMSNorm)
 
 
 def padded_vocab_size(vocab: int, mc: MegatronConfig) -> int:
@@ -208,7 +242,7 @@ def build_gpt_model(cfg: Qwen2Config, mc: MegatronConfig, device: torch.device) 
     """This rank's stage of the model (parallel_state must be initialised)."""
     tc = qwen2_transformer_config(cfg, mc)
     model = GPTModel(
-        config=tc, transformer_layer_spec=layer_spec(mc, device), vocab_size=padded_vocab_size(cfg.vocab_size, mc),
+        config=tc, transformer_layer_spec=layer_spec(mc, device, tc), vocab_size=padded_vocab_size(cfg.vocab_size, mc),
         max_sequence_length=cfg.max_position_embeddings, pre_process=mpu.is_pipeline_first_stage(),
         post_process=mpu.is_pipeline_last_stage(), parallel_output=True,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings, position_embedding_type="rope",
@@ -349,6 +383,29 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_s
         expected = tensor_parallel.reduce_from_tensor_model_parallel_region((p * zf).sum(dim=-1))
         entropy = logz - expected
     return logp, entropy
+
+
+def chunked_vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, vocab_size: int,
+                                    temperature: float = 1.0, with_entropy: bool = False, chunk_tokens: int = 0,
+                                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`vocab_parallel_logprobs` `chunk_tokens` rows at a time, each chunk recomputed in the backward
+    pass: its float32 intermediates (the logits cast, their exponentials, the probabilities) then exist for
+    one chunk at a time instead of for the whole micro-batch. Same values and gradients; every TP rank runs
+    the same chunks, so the chunks' all-reduces pair up."""
+    n = logits.shape[0]
+    if chunk_tokens <= 0 or n <= chunk_tokens:
+        return vocab_parallel_logprobs(logits, targets, vocab_start, vocab_size, temperature, with_entropy)
+
+    def one(chunk: torch.Tensor, chunk_targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        lp, ent = vocab_parallel_logprobs(chunk, chunk_targets, vocab_start, vocab_size, temperature, with_entropy)
+        return (lp, ent) if ent is not None else (lp,)
+
+    # split, not slicing: the gradient of a split is one cat of the chunks' gradients, while each slice's
+    # backward would allocate a zero tensor the size of all the logits.
+    parts = [torch.utils.checkpoint.checkpoint(one, chunk, chunk_targets, use_reentrant=False)
+             for chunk, chunk_targets in zip(logits.split(chunk_tokens), targets.split(chunk_tokens))]
+    logp = torch.cat([p[0] for p in parts])
+    return logp, (torch.cat([p[1] for p in parts]) if with_entropy else None)
 
 
 # --- distributed setup ---------------------------------------------------------------------------------
@@ -518,16 +575,28 @@ class MegatronTrainEngine(TrainEngine):
                                max_seqlen_kv=max_len)
 
     def _forward(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-        return model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=None,
-                     packed_seq_params=self._packed_params(batch))
+        tokens = batch.num_tokens
+        if self.config.sequence_parallel_on and tokens % self.tp_size:
+            # Sequence parallelism splits the tokens evenly over the TP ranks: pad with a sequence of its
+            # own (attention never crosses sequences), whose outputs are cut off again below.
+            pad = self.tp_size - tokens % self.tp_size
+            batch = PackedBatch(torch.cat([batch.input_ids, batch.input_ids.new_zeros(pad)]),
+                                torch.cat([batch.cu_seqlens, batch.cu_seqlens.new_tensor([tokens + pad])]),
+                                torch.cat([batch.position_ids, torch.arange(pad, dtype=batch.position_ids.dtype,
+                                                                            device=batch.position_ids.device)]))
+        out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=None,
+                    packed_seq_params=self._packed_params(batch))
+        if batch.num_tokens != tokens and mpu.is_pipeline_last_stage():
+            out = out[:, :tokens]   # logits [b, s, V_local] on the last stage
+        return out
 
     def _token_outputs(self, logits: torch.Tensor, batch: PackedBatch, temperature: float,
                        with_entropy: bool) -> TokenLogProbs:
         """Aligned with the input tokens: position t is predicted by position t-1's logits."""
         local = logits.reshape(-1, logits.shape[-1])[:-1]
         vocab_start = self.tp_rank * (self.padded_vocab // self.tp_size)
-        lp, ent = vocab_parallel_logprobs(local, batch.input_ids[1:], vocab_start, self.hf_config.vocab_size,
-                                          temperature, with_entropy)
+        lp, ent = chunked_vocab_parallel_logprobs(local, batch.input_ids[1:], vocab_start, self.hf_config.vocab_size,
+                                                  temperature, with_entropy, self.config.logprob_chunk_tokens)
         zero = lp.new_zeros(1)
         starts = torch.zeros(batch.num_tokens, dtype=torch.bool, device=lp.device)
         starts[batch.cu_seqlens[:-1]] = True
