@@ -197,9 +197,9 @@ def test_overrides_topology_and_experiment(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"config": "exp.yaml", "cluster": {"nodes": 1}, "bus": {"transport": "ipc"},
                                     "actors": {"a": {"class": "m:A"}}}))
     plan = T.load(path, ["actors.a.count=3", "actors.a.cpus=[[0],[0],[0]]", "experiment.algo.eta=0",
-                         "+experiment.algo.new_key=x"], check_imports=False)
+                         "+experiment.algo.dual_clip=3.0"], check_imports=False)
     assert [i.name for i in plan.instances] == ["a.0", "a.1", "a.2"]
-    assert plan.topology.experiment["algo"] == {"lr": 1e-5, "eta": 0, "new_key": "x"}
+    assert plan.topology.experiment["algo"] == {"lr": 1e-5, "eta": 0, "dual_clip": 3.0}
     with pytest.raises(TopologyError) as info:
         T.load(path, ["experiment.algo.etta=0", "actors.a.cuont=2"], check_imports=False)
     found = info.value.problems
@@ -276,3 +276,26 @@ def test_curve_is_on_by_default_on_tcp_and_ipc_sockets_are_private(tmp_path: Pat
     [spec] = build_specs(T.place(T.validate(ipc, check_imports=False)), tmp_path)
     ipc_dir = Path(spec["endpoint"].removeprefix("ipc://")).parent
     assert ipc_dir.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("override, words", [
+    ("experiment.algo.eta=-1", "experiment.algo.eta: input should be greater than or equal to 0 (value: -1)"),
+    ("experiment.algo.batch_size=0", "experiment.algo.batch_size: input should be greater than or equal to 1"),
+    ("experiment.algo.group_size=1.5", "experiment.algo.group_size: input should be a valid integer"),
+    ("experiment.run.total_steps=abc", "experiment.run.total_steps: input should be a valid integer"),
+    ("experiment.gen.temperature=-1", "experiment.gen.temperature: input should be greater than or equal to 0"),
+    ("experiment.algo.lr=.nan", "experiment.algo.lr: input should be a finite number"),
+    ("experiment.algo.kl_coef=0.1", "experiment.algo.kl_coef: must be 0: a KL penalty needs a reference model"),
+    ("+experiment.mem_fraction_static=0.8", "experiment.mem_fraction_static: unknown key"),
+])
+def test_experiment_values_are_checked_before_anything_runs(override: str, words: str) -> None:
+    # Each of these once passed --dry-run; at launch the error surfaced only in an actor's log, or never.
+    with pytest.raises(TopologyError) as err:
+        T.load(REPO / "topology" / "local.yaml", [override], check_imports=False)
+    assert words in str(err.value), str(err.value)
+
+
+def test_every_shipped_experiment_config_passes_the_schema() -> None:
+    from tools.experiment import experiment_problems
+    for config in sorted((REPO / "configs").glob("*.yaml")):
+        assert experiment_problems(yaml.safe_load(config.read_text())) == [], config

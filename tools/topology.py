@@ -22,6 +22,8 @@ from typing import Any, Iterable
 
 import yaml
 
+from tools.experiment import experiment_problems
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 __all__ = [
@@ -324,6 +326,7 @@ def load(path: str | Path, overrides: Iterable[str] = (), *, check_imports: bool
                     problems.extend(f"config ({config_path}): {p}" for p in exc.problems)
     exp_wrapper = {"experiment": experiment}
     problems += apply_overrides(exp_wrapper, exp_overrides, strict=True)
+    problems += experiment_problems(exp_wrapper["experiment"])
     topo = validate(doc, source=str(path), experiment=exp_wrapper["experiment"],
                     config_path=str(config_path) if config_path else None, check_imports=check_imports,
                     prior_problems=problems)
