@@ -53,7 +53,7 @@ from actors.weights import weights_hash
 from transport.bulk import BulkError, BulkLink, PackedBucket, pack_bucket
 from transport.bus import BusError
 from transport.messages import Message, message
-from transport.protocol import (LinkReform, RolloutHello, RunFinished, ServerDown, WeightsAck, WeightsBroadcast,
+from transport.protocol import (HelloRequest, LinkReform, RolloutHello, RunFinished, ServerDown, WeightsAck, WeightsBroadcast,
                                 WeightsPublished, WeightsReady, WeightsStored)
 
 __all__ = ["ParamServerActor", "ParamServerConfigError", "WeightsRejected", "WeightsStatusRequest",
@@ -160,7 +160,7 @@ class ParamServerActor(Actor):
         self._kick = asyncio.Event()
         self._changed = asyncio.Condition()
         self._up_lock = asyncio.Lock()
-        self._up_open: asyncio.Future | None = None
+        self._up_epoch = 0   # the newest train-link epoch the trainer has named
         self._waiting_logged: tuple = ()
         # Hellos can arrive while on_start still loads the start weights; they are applied once it is done.
         self._started = asyncio.Event()
@@ -195,8 +195,8 @@ class ParamServerActor(Actor):
         self.log.info("start_weights", version=self.current.version, hash=self.current.weights_hash,
                       buckets=len(self.current.packed), nbytes=self.current.nbytes,
                       seconds=round(time.monotonic() - t0, 3))
+        # The train link is joined at the epoch the trainer's first WeightsPublished names (on_published).
         self.up, self.down = BulkLink(up_cfg), BulkLink(down_cfg)
-        self._open_up()
         self._mark_started()
 
     def _start_direct(self) -> None:
@@ -221,6 +221,8 @@ class ParamServerActor(Actor):
 
     async def on_ready(self) -> None:
         self.spawn(self._pusher(), name="pusher")
+        for name in self.rollouts:   # after a restart in place this is how it learns where they are
+            await self.bus.send(name, HelloRequest())
 
     async def on_stop(self) -> None:
         for link in (self.up, self.down):
@@ -230,24 +232,6 @@ class ParamServerActor(Actor):
         self.log.info("param_server_stats", pushes=self.pushes, hash_mismatches=self.hash_mismatches,
                       version=self.current.version if self.current else None,
                       sync_median_s=round(times[len(times) // 2], 4) if times else None)
-
-    def _open_up(self) -> None:
-        """(Re)join the trainer's link at generation 0. The trainer is its rendezvous master, so a restarted
-        trainer brings a fresh store and a fresh generation 0; this side reconnects on every open."""
-        assert self.up is not None
-        link = self.up
-        self._up_open = asyncio.ensure_future(in_thread(link.reform, 0))
-
-        def done(f: asyncio.Future) -> None:
-            if f.cancelled():
-                return
-            if f.exception() is not None:
-                self.counters["train_link_failures"] += 1
-                self.log.error("train_link_open_failed", error=str(f.exception()))
-            else:
-                self.log.info("train_link_formed", link=link.config.name)
-
-        self._up_open.add_done_callback(done)
 
     # ------------------------------------------------------------------------------ peers and hellos
 
@@ -264,9 +248,6 @@ class ParamServerActor(Actor):
             state.alive = True
             self.log.info("rollout_alive", rollout=peer)
             self._kick.set()
-        elif self.up is not None and peer in self.up.config.members and not self._up_lock.locked():
-            # The trainer was silent long enough to be declared dead: it may have restarted with a new store.
-            self._open_up()
 
     @handles(RolloutHello)
     def on_hello(self, msg: RolloutHello, env: Any) -> None:
@@ -320,12 +301,25 @@ class ParamServerActor(Actor):
         if self.direct_from is not None:
             return self._published_direct(msg)
         assert self.up is not None
+        self._up_epoch = max(self._up_epoch, msg.link_epoch)
+        if self.up.generation != msg.link_epoch:
+            # First contact, a restart of either side, or a transfer that failed: meet the trainer on the epoch
+            # it names (it is the rendezvous master and joins that epoch too), on a link object of its own: an
+            # announcement older than a restart may still be waiting for its epoch in another thread.
+            link = BulkLink(self.up.config)
+            try:
+                await in_thread(link.open, msg.link_epoch)
+            except BulkError as exc:
+                self.counters["train_link_failures"] += 1
+                raise WeightsRejected(f"version {msg.version}: the train link did not form at epoch "
+                                      f"{msg.link_epoch}: {exc}") from None
+            if msg.link_epoch == self._up_epoch:
+                self.up = link
+                self.log.info("train_link_formed", link=link.config.name, epoch=msg.link_epoch)
         async with self._up_lock:
-            if self._up_open is not None:
-                try:
-                    await asyncio.wait_for(asyncio.shield(self._up_open), self.up.config.timeout_s + 5)
-                except BaseException as exc:
-                    raise WeightsRejected(f"version {msg.version}: the train link is not formed: {exc}") from None
+            if self.up.generation != msg.link_epoch:
+                raise WeightsRejected(f"version {msg.version}: epoch {msg.link_epoch} of the train link was "
+                                      f"superseded by epoch {self._up_epoch}")
             t0 = time.monotonic()
             buckets = []
             try:
@@ -335,7 +329,6 @@ class ParamServerActor(Actor):
                 self.counters["receive_failures"] += 1
                 self.log.error("weights_receive_failed", version=msg.version, received=len(buckets),
                                expected=msg.n_buckets, error=str(exc))
-                self._open_up()  # the trainer probably restarted; be ready for its new group
                 raise WeightsRejected(f"version {msg.version}: receiving bucket {len(buckets)} of "
                                       f"{msg.n_buckets} failed: {exc}") from exc
             receive_s = time.monotonic() - t0

@@ -41,7 +41,7 @@ from actors.engines.base import (EngineError, GenerationEngine, GenerationReques
 from actors.recovery import start_weights
 from actors.weights import weights_hash
 from transport.bulk import BulkError, BulkLink, LinkConfig
-from transport.protocol import (GenerateGroup, GroupReturned, LinkReform, RolloutHello, RunFinished, Sample,
+from transport.protocol import (GenerateGroup, GroupReturned, HelloRequest, LinkReform, RolloutHello, RunFinished, Sample,
                                 ServerDown, Trajectories, WeightsAck, WeightsReady, WorkerHello)
 
 __all__ = ["RolloutActor", "RolloutConfigError", "WeightSyncError", "make_engine", "verify_engine_weights",
@@ -315,6 +315,12 @@ class RolloutActor(Actor):
                 await self.bus.send(self.param_server, ServerDown(restarts=restarts))
             return
         self.log.warning("engine_server_restarted", restarts=restarts, version=version)
+        if self.link is not None:
+            await self._hello()
+
+    @handles(HelloRequest)
+    async def on_hello_request(self, msg: HelloRequest) -> None:
+        await self._engine_ready.wait()
         if self.link is not None:
             await self._hello()
 

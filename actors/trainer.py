@@ -49,7 +49,7 @@ from algo.advantages import compute_advantages
 from algo.packing import allocate_micro_batches, split_by_rank
 from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
 from algo.staleness import sample_staleness
-from transport.bulk import BulkLink, LinkConfig, PackedBucket, unpack_bucket
+from transport.bulk import BulkError, BulkLink, LinkConfig, PackedBucket, unpack_bucket
 from transport.bus import BusError
 from transport.protocol import (Batch, BatchRequest, CheckpointDone, CheckpointRequest, LinkFormed, LinkReform,
                                 RunFinished, TensorMeta, VersionUpdate, WeightsBroadcast, WeightsBroadcastDone,
@@ -160,6 +160,11 @@ class StepConfig:
                    max_tokens_per_mb=int(algo.get("max_tokens_per_mb", 4096)),
                    temperature=float((settings.get("gen") or {}).get("temperature", 1.0)) or 1.0,
                    decoupled=bool(algo.get("decoupled", True)), group_std=bool(algo.get("group_std", True)))
+
+
+# A parameter server restarted in place answers within a few seconds; each attempt is bounded by the link's
+# timeout, so this bounds how long a step waits for one that does not come back.
+PUBLISH_ATTEMPTS = 10
 
 
 class TrainerConfigError(ValueError):
@@ -293,15 +298,13 @@ class TrainerActor(Actor):
             # asks for each broadcast (WeightsBroadcast); the last published versions are kept for that.
             link_cfg = next(iter(links.values()))
             self.direct = True
-        self.link_opening: asyncio.Future | None = None   # the train_to_ps link joining (relay mode)
+        self.link_epoch = 0   # relay: the train link's epoch; a failed transfer moves both sides to a new one
         if link_cfg is not None and self.param_server is not None:
             self.link_cfg = LinkConfig.from_dict(link_cfg)
             self.link = BulkLink(self.link_cfg)
             if self.direct and self.link_cfg.rank != 0:
                 raise TrainerConfigError(f"links.{self.link_cfg.name}.members: the trainer broadcasts direct "
                                          f"weights as rank 0 and must be listed first, got {self.link_cfg.members}")
-            if not self.direct:
-                self.link_opening = asyncio.ensure_future(asyncio.to_thread(self.link.open, 0))
         self._link_lock = asyncio.Lock()
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.tb = None
@@ -456,8 +459,6 @@ class TrainerActor(Actor):
 
     # --- the loop ---------------------------------------------------------------------------------
     async def _train_loop(self) -> None:
-        if self.link_opening is not None:
-            await self.link_opening
         last_end = time.time()
         while self.version < self.total_steps:
             t_wait = time.time()
@@ -525,19 +526,44 @@ class TrainerActor(Actor):
             if not isinstance(reply, WeightsStored) or reply.version != self.version:
                 raise RuntimeError(f"param server answered {reply!r} to version {self.version}")
             return time.time() - t0
-        dst = self.link_cfg.rank_of(self.param_server)
+        for attempt in range(1, PUBLISH_ATTEMPTS + 1):
+            try:
+                await self._relay(buckets, digest)
+                return time.time() - t0
+            except (BusError, BulkError, TimeoutError) as exc:
+                # The parameter server died or restarted mid-transfer (a restart is in place): meet it on a
+                # fresh epoch of the link, which its next WeightsPublished names.
+                self.counters["publish_retries"] += 1
+                self.log.warning("publish_failed", version=self.version, attempt=attempt, epoch=self.link_epoch,
+                                 error=str(exc)[:300])
+                self.link_epoch += 1
+        raise RuntimeError(f"version {self.version} could not reach the parameter server in {PUBLISH_ATTEMPTS} "
+                           f"attempts")
+
+    async def _relay(self, buckets: list[Any], digest: str) -> None:
+        """One attempt: announce the version and the link epoch, join that epoch if the link is elsewhere
+        (the parameter server joins it on the announcement), send the buckets."""
+        assert self.link is not None
+        dst, epoch = self.link_cfg.rank_of(self.param_server), self.link_epoch
+        reply = asyncio.ensure_future(self.bus.request(self.param_server, WeightsPublished(
+            version=self.version, n_buckets=len(buckets), weights_hash=digest, link_epoch=epoch),
+            timeout=self.link_cfg.timeout_s + 30))
 
         def send_all() -> None:
+            if self.link.generation != epoch:
+                self.link.reform(epoch)
             for b in buckets:
                 self.link.send(b, dst)
 
-        sending = asyncio.ensure_future(asyncio.to_thread(send_all))
-        reply = await self.bus.request(self.param_server, WeightsPublished(
-            version=self.version, n_buckets=len(buckets), weights_hash=digest), timeout=self.link_cfg.timeout_s + 30)
-        await sending
-        if not isinstance(reply, WeightsStored) or reply.version != self.version:
-            raise RuntimeError(f"param server answered {reply!r} to version {self.version}")
-        return time.time() - t0
+        try:
+            await asyncio.to_thread(send_all)
+        except BaseException:
+            reply.cancel()
+            await asyncio.gather(reply, return_exceptions=True)
+            raise
+        answer = await reply
+        if not isinstance(answer, WeightsStored) or answer.version != self.version:
+            raise RuntimeError(f"param server answered {answer!r} to version {self.version}")
 
     @handles(LinkReform)
     async def on_link_reform(self, msg: LinkReform) -> LinkFormed:

@@ -171,6 +171,25 @@ def test_async_loop_survives_killed_rollout_and_reward(assets: dict[str, Path], 
     shutil.rmtree(tmp)
 
 
+def test_a_killed_parameter_server_is_restarted_in_place(assets: dict[str, Path], tmp_path: Path) -> None:
+    # Once the trainer then failed (WeightsRejected: the train link is not formed) and the run with it.
+    run_dir = tmp_path / "run"
+    proc = launch(assets, run_dir, steps=6, ckpt_every=3)
+    try:
+        wait_for_step(proc, run_dir, 2)
+        os.kill(actor_pid(run_dir, "param_server"), signal.SIGKILL)
+        out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            kill_run(proc, run_dir)
+    check_invariants(run_dir, 6)
+    restarts = {line.split()[0]: int(line.split()[-1]) for line in out.splitlines()
+                if line.strip().startswith(("param_server ", "trainer "))}
+    assert restarts == {"param_server": 1, "trainer": 0}, out[-2000:]
+    pushed = [p["version"] for p in events(run_dir, "param_server", "weights_pushed")]
+    assert pushed and pushed[-1] >= 5, pushed   # the restarted server went on pushing new versions
+
+
 def test_killed_run_recovers_from_its_last_checkpoint(assets: dict[str, Path], tmp_path: Path) -> None:
     # Steps of this tiny model take about 0.1 s: a run long enough that it cannot finish between seeing
     # step 3 and the kill, whatever the machine's speed.

@@ -68,7 +68,8 @@ def test_publish_checks_the_hash_and_stores_the_newest(tmp_path: Path) -> None:
         task = asyncio.create_task(actor.run())
         trainer_link = BulkLink(LinkConfig.from_dict(link("train_to_ps", ports["train_to_ps"],
                                                           ["trainer", "param_server"], "trainer")))
-        await asyncio.to_thread(trainer_link.open, 0)
+        # The parameter server joins the train link at the epoch the first announcement names.
+        opening = asyncio.ensure_future(asyncio.to_thread(trainer_link.open, 0))
         trainer = await Bus("trainer", f"ipc://{tmp_path}/trainer", {"param_server": s.endpoint},
                             heartbeat_interval=None).start()
 
@@ -76,6 +77,7 @@ def test_publish_checks_the_hash_and_stores_the_newest(tmp_path: Path) -> None:
             buckets, digest = trainer_weights(seed)
             reply = asyncio.ensure_future(trainer.request("param_server", WeightsPublished(
                 version=version, n_buckets=len(buckets), weights_hash=announced or digest), timeout=30))
+            await opening
             await asyncio.to_thread(lambda: [trainer_link.send(b, dst=1) for b in buckets])
             return await reply, digest
 

@@ -124,8 +124,9 @@ class System:
         self.sup = Supervisor(specs, self.run_dir, backoff_initial=0.2, ready_timeout=WAIT_S, stop_timeout=20)
         self.trainer_link = BulkLink(LinkConfig.from_dict(link("train_to_ps", self.ports["train_to_ps"],
                                                                self.train_members, "trainer")))
-        # The trainer is the train link's rendezvous master: it joins while the actors start.
-        opening = asyncio.ensure_future(asyncio.to_thread(self.trainer_link.open, 0))
+        # The trainer is the train link's rendezvous master; the parameter server joins at the epoch the first
+        # announcement names.
+        self.opening = asyncio.ensure_future(asyncio.to_thread(self.trainer_link.open, 0))
         self.trainer = await Bus("trainer", self.endpoints["trainer"],
                                  {n: self.endpoints[n] for n in ["param_server", *ROLLOUTS, "reward.0"]},
                                  heartbeat_interval=None).start()
@@ -133,7 +134,6 @@ class System:
                                 {n: self.endpoints[n] for n in ["param_server", *ROLLOUTS, "reward.0"]},
                                 handler=self.on_buffer, heartbeat_interval=None).start()
         await self.sup.start()
-        await opening
 
     def on_buffer(self, env: Envelope) -> None:
         if isinstance(env.msg, ScoredGroup):
@@ -147,6 +147,7 @@ class System:
         reply = asyncio.ensure_future(self.trainer.request(
             "param_server", WeightsPublished(version=version, n_buckets=len(buckets), weights_hash=digest),
             timeout=WAIT_S))
+        await self.opening
         await asyncio.to_thread(lambda: [self.trainer_link.send(b, dst=1) for b in buckets])
         stored = await reply
         assert isinstance(stored, WeightsStored) and stored.version == version

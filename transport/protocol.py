@@ -169,13 +169,16 @@ class WeightsPublished(Message):
     """trainer -> param_server: the buckets of `version` follow on the train_to_ps bulk link (relay), or
     are kept by the trainer (direct weights). `specs`: per bucket, its tensors (direct weights only).
     `stage_buckets`: with a pipeline-parallel trainer, how many of the buckets each stage sends, in stage
-    order (each stage broadcasts its own layers on its own group); empty: one sender."""
+    order (each stage broadcasts its own layers on its own group); empty: one sender. `link_epoch` (relay):
+    the train link's epoch the buckets come on; the parameter server joins it first if it is elsewhere (it
+    restarted, or the trainer moved to a fresh epoch after a failed transfer)."""
 
     version: int
     n_buckets: int
     weights_hash: str
     specs: list[list[TensorMeta]] = field(default_factory=list)
     stage_buckets: list[int] = field(default_factory=list)
+    link_epoch: int = 0
 
 
 @message("rl.weights_stored")
@@ -217,6 +220,12 @@ class RolloutHello(Message):
 
     version: int
     weight_ranks: int = 0
+
+
+@message("rl.hello_request", senders=("param_server",))
+class HelloRequest(Message):
+    """param_server -> rollout, when it starts: say RolloutHello again. A parameter server restarted in place
+    knows nothing of the rollouts, and one restarted faster than the heartbeat timeout is never missed."""
 
 
 @message("rl.server_down", senders=("rollout",))
