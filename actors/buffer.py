@@ -33,11 +33,16 @@ from typing import Any
 
 from actors.base import Actor, handles
 from actors.buffer_state import BufferState, InFlight
-from actors.dataset import load_dataset
+from actors.dataset import Record, load_dataset
 from actors.engines.tokenizer import load_tokenizer
 from actors.recovery import latest_checkpoint, recovering, refuse_restart_within_launch
-from transport.protocol import (Batch, BatchRequest, CheckpointDone, CheckpointRequest, GenerateGroup, GroupReturned,
-                                RunFinished, ScoredGroup, Task, VersionUpdate, WorkerHello)
+from transport.protocol import (Batch, BatchGroup, BatchRequest, CheckpointDone, CheckpointRequest, GenerateGroup,
+                                GroupReturned, RunFinished, ScoredGroup, Task, VersionUpdate, WorkerHello)
+
+
+def level_of(rec: Record) -> int:
+    """The record's difficulty level; -1 (the wire's "none") when it has none."""
+    return rec.level if rec.level is not None else -1
 
 
 class BufferActor(Actor):
@@ -62,8 +67,8 @@ class BufferActor(Actor):
         groups = s.get("groups") or {}
         max_conc = buf.get("max_concurrent_groups")
         self.state = BufferState(
-            n_records=len(self.dataset), rollouts=list(groups.get("rollout", [])), rewards=list(groups.get("reward", [])),
-            batch_size=self.batch_size, eta=self.eta, seed=int(s.get("seed", 1)),
+            n_records=len(self.dataset), rollouts=list(groups.get("rollout", [])),
+            rewards=list(groups.get("reward", [])), batch_size=self.batch_size, eta=self.eta, seed=int(s.get("seed", 1)),
             dynamic_sampling=bool(algo.get("dynamic_sampling", False)),
             max_per_rollout=int(buf.get("max_groups_per_rollout", 8)),
             max_concurrent=int(max_conc) if max_conc else None,
@@ -92,12 +97,12 @@ class BufferActor(Actor):
             self.changed.clear()
             # One group at a time: a worker declared dead while a send awaits gets no more work.
             while not self.finished and (issue := self.state.issue_next(self.bus.peer_alive, time.time())):
-                rec = self.dataset.records[issue.key[1]]
+                index = issue.key[1]
+                rec = self.dataset.records[index]
                 await self.bus.send(issue.rollout, GenerateGroup(
-                    group_id=issue.group_id, query_id=rec.query_id, prompt_ids=self.prompt_ids[issue.key[1]],
-                    n=self.group_size,
+                    group_id=issue.group_id, prompt_ids=self.prompt_ids[index], n=self.group_size,
                     task=Task(kind=str(rec.extra.get("task", "math")), answer=rec.answer or "",
-                              tests=list(rec.extra.get("tests", [])), level=rec.level if rec.level is not None else -1),
+                              tests=list(rec.extra.get("tests", [])), level=level_of(rec)),
                     stop_token_ids=self.stop_ids, seed=issue.seed, reward=issue.reward, **self.gen))
 
     def _handed_back(self, handed_back: dict[str, InFlight], reason: str) -> None:
@@ -138,7 +143,7 @@ class BufferActor(Actor):
     # --- collecting results -----------------------------------------------------------------------
     @handles(ScoredGroup)
     def on_scored(self, msg: ScoredGroup) -> None:
-        result = self.state.scored(msg.group_id, msg)
+        result = self.state.scored(msg.group_id, msg.answers)
         if result.outcome == "late":
             self.counters["late_groups"] += 1
             return
@@ -182,7 +187,9 @@ class BufferActor(Actor):
             await self.arrived.wait()
         self._ledger({"event": "batch", "step": msg.step, "keys": [list(g.key) for g in taken],
                       "start_versions": [g.start_version for g in taken], "version": self.state.gate.version})
-        return Batch(step=msg.step, groups=[g.answers for g in taken], stats=self.state.batch_stats())
+        groups = [BatchGroup(prompt_ids=self.prompt_ids[g.key[1]], level=level_of(self.dataset.records[g.key[1]]),
+                             samples=g.answers.samples) for g in taken]
+        return Batch(step=msg.step, groups=groups, stats=self.state.batch_stats())
 
     def _ledger(self, record: dict[str, Any]) -> None:
         with open(self.ledger_path, "a") as f:

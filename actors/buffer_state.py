@@ -21,7 +21,7 @@ import torch
 
 from algo.dynamic_sampling import filter_uniform_groups
 from algo.staleness import StalenessGate, filter_stale, sample_staleness, sample_start_versions
-from transport.protocol import BufferStats, ScoredGroup
+from transport.protocol import Answers, BufferStats
 
 Key = tuple[int, int]  # (epoch, index into the dataset): one prompt of one pass over the data
 
@@ -53,7 +53,7 @@ class ReadyGroup:
     its tokens (-1: no token, never stale)."""
 
     key: Key
-    answers: ScoredGroup
+    answers: Answers
     start_version: int
 
 
@@ -66,13 +66,13 @@ class Scored:
     key: Key | None = None
 
 
-def group_start_version(answers: ScoredGroup) -> int:
+def group_start_version(answers: Answers) -> int:
     """The oldest weight version among the group's tokens (-1 when it has none)."""
     versions = [v for s in answers.samples for v in s.versions]
     return int(sample_start_versions(torch.tensor([versions], dtype=torch.int64))[0])
 
 
-def is_uniform(answers: ScoredGroup) -> bool:
+def is_uniform(answers: Answers) -> bool:
     """Every answer got the same reward: with group-normalised advantages the group teaches nothing."""
     rewards = torch.tensor([s.reward for s in answers.samples], dtype=torch.float64)
     return filter_uniform_groups(rewards, torch.zeros(len(rewards), dtype=torch.int64)).n_kept_groups == 0
@@ -200,7 +200,7 @@ class BufferState:
         return f
 
     # --- collecting results -----------------------------------------------------------------------
-    def scored(self, group_id: str, answers: ScoredGroup) -> Scored:
+    def scored(self, group_id: str, answers: Answers) -> Scored:
         """A reward actor scored a group: accept it for a batch or drop it (dynamic sampling)."""
         newest = max((v for s in answers.samples for v in s.versions), default=None)
         if newest is not None:

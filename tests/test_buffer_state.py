@@ -8,7 +8,7 @@ import random
 import pytest
 
 from actors.buffer_state import BufferState
-from transport.protocol import Sample, ScoredGroup, Task
+from transport.protocol import Answers, Sample
 
 
 def everyone_alive(name: str) -> bool:
@@ -26,11 +26,10 @@ def state(eta: int = 1, batch_size: int = 4, rollouts: int = 2, rewards: int = 1
 
 
 def answers(rollout: str = "rollout.0", versions: tuple[int, ...] = (0, 0), rewards: tuple[float, ...] = (5.0, -5.0),
-            busy: float = 0.0, up: float = 0.0) -> ScoredGroup:
+            busy: float = 0.0, up: float = 0.0) -> Answers:
     samples = [Sample(output_ids=[2] * len(versions), logprobs=[-1.0] * len(versions), versions=list(versions),
                       finish_reason="stop", reward=r) for r in rewards]
-    return ScoredGroup(group_id="g", query_id="q", prompt_ids=[1], task=Task(), rollout=rollout, samples=samples,
-                       busy_seconds=busy, up_seconds=up)
+    return Answers(samples=samples, rollout=rollout, busy_seconds=busy, up_seconds=up)
 
 
 def issue_all(st: BufferState, alive=everyone_alive, now: float = 0.0) -> list:
