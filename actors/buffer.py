@@ -50,9 +50,7 @@ class BufferActor(Actor):
         s = self.settings
         refuse_restart_within_launch(self)
         algo = s.get("algo") or {}
-        self.batch_size = int(algo.get("batch_size", 32))
         self.group_size = int(algo.get("group_size", 8))
-        self.eta = int(algo.get("eta", 4))
         buf = s.get("buffer") or {}
         gen = s.get("gen") or {}
         self.gen = {"temperature": float(gen.get("temperature", 1.0)), "top_p": float(gen.get("top_p", 1.0)),
@@ -68,7 +66,8 @@ class BufferActor(Actor):
         max_conc = buf.get("max_concurrent_groups")
         self.state = BufferState(
             n_records=len(self.dataset), rollouts=list(groups.get("rollout", [])),
-            rewards=list(groups.get("reward", [])), batch_size=self.batch_size, eta=self.eta, seed=int(s.get("seed", 1)),
+            rewards=list(groups.get("reward", [])), batch_size=int(algo.get("batch_size", 32)),
+            eta=int(algo.get("eta", 4)), seed=int(s.get("seed", 1)),
             dynamic_sampling=bool(algo.get("dynamic_sampling", False)),
             max_per_rollout=int(buf.get("max_groups_per_rollout", 8)),
             max_concurrent=int(max_conc) if max_conc else None,
@@ -82,7 +81,7 @@ class BufferActor(Actor):
         self.changed = asyncio.Event()   # something that may let the dispatcher hand out work
         self.arrived = asyncio.Event()   # a scored group arrived or the version moved (batch waiters)
         self.log.info("buffer_started", prompts=len(self.dataset), skipped_lines=self.dataset.n_skipped,
-                      batch_size=self.batch_size, group_size=self.group_size, eta=self.eta,
+                      batch_size=self.state.batch_size, group_size=self.group_size, eta=self.state.eta,
                       rollouts=self.state.rollouts, version=self.state.gate.version)
 
     async def on_ready(self) -> None:
@@ -151,7 +150,7 @@ class BufferActor(Actor):
             assert result.key is not None
             self._ledger({"event": "dropped_uniform", "key": list(result.key)})
             streak = self.state.uniform_streak
-            if streak % (20 * self.batch_size) == 0:
+            if streak % (20 * self.state.batch_size) == 0:
                 self.log.warning("dynamic_sampling_starving", dropped_in_a_row=streak,
                                  hint="every group got the same reward for every answer; the trainer gets no "
                                       "batch. Is the model able to solve any prompt? (algo.dynamic_sampling=false "
@@ -169,7 +168,7 @@ class BufferActor(Actor):
         before = self.state.stats.dropped_stale
         dropped = self.state.drop_stale()
         for i, group in enumerate(dropped, start=before + 1):
-            if i % (10 * self.batch_size) == 0:
+            if i % (10 * self.state.batch_size) == 0:
                 self.log.warning("stale_groups_dropped", total=i, version=self.state.gate.version,
                                  rollout=group.answers.rollout, start_version=group.start_version,
                                  hint="rollouts generate with weights older than eta allows: is the weight "

@@ -15,12 +15,12 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 
 from algo.dynamic_sampling import filter_uniform_groups
-from algo.staleness import StalenessGate, filter_stale, sample_staleness, sample_start_versions
+from algo.staleness import StalenessGate, filter_stale, sample_staleness
 from transport.protocol import Answers, BufferStats
 
 Key = tuple[int, int]  # (epoch, index into the dataset): one prompt of one pass over the data
@@ -38,7 +38,7 @@ class InFlight:
 
 @dataclass
 class Issue:
-    """One group to send: the prompt `key[1]` of the dataset, `n` answers, to `rollout`, scored by `reward`."""
+    """One group to send: the dataset's prompt `key[1]`, to `rollout`, scored by `reward`, sampled with `seed`."""
 
     group_id: str
     key: Key
@@ -60,16 +60,17 @@ class ReadyGroup:
 @dataclass
 class Scored:
     """What became of a scored group: "late" (not in flight: it was issued again, the re-issue wins),
-    "uniform" (dropped by dynamic sampling) or "accepted" (waits for a batch)."""
+    "uniform" (dropped by dynamic sampling) or "accepted" (waits for a batch). `key`: its prompt (None
+    when late)."""
 
-    outcome: str
+    outcome: Literal["late", "uniform", "accepted"]
     key: Key | None = None
 
 
 def group_start_version(answers: Answers) -> int:
-    """The oldest weight version among the group's tokens (-1 when it has none)."""
-    versions = [v for s in answers.samples for v in s.versions]
-    return int(sample_start_versions(torch.tensor([versions], dtype=torch.int64))[0])
+    """The oldest weight version among the group's tokens (-1 when it has none, as algo.staleness counts
+    it). Taken on the lists as they arrive: converting a long group's lists to a tensor costs more."""
+    return min((min(s.versions) for s in answers.samples if s.versions), default=-1)
 
 
 def is_uniform(answers: Answers) -> bool:
