@@ -41,8 +41,8 @@ from actors.engines.base import (EngineError, GenerationEngine, GenerationReques
 from actors.recovery import start_weights
 from actors.weights import weights_hash
 from transport.bulk import BulkError, BulkLink, LinkConfig
-from transport.protocol import (GenerateGroup, GroupReturned, HelloRequest, LinkReform, RolloutHello, RunFinished, Sample,
-                                ServerDown, Trajectories, WeightsAck, WeightsReady, WorkerHello)
+from transport.protocol import (Answers, GenerateGroup, GroupReturned, HelloRequest, LinkReform, RolloutHello,
+                                RunFinished, Sample, ServerDown, Trajectories, WeightsAck, WeightsReady, WorkerHello)
 
 __all__ = ["RolloutActor", "RolloutConfigError", "WeightSyncError", "make_engine", "verify_engine_weights",
            "in_thread", "link_config", "weight_group_name"]
@@ -383,9 +383,8 @@ class RolloutActor(Actor):
         self.counters["tokens_generated"] += tokens
         reward = msg.reward or self.rewards[self._rr % len(self.rewards)]
         self._rr += 1
-        await self.bus.send(reward, Trajectories(group_id=msg.group_id, query_id=msg.query_id,
-                                                 prompt_ids=list(msg.prompt_ids), task=msg.task, samples=samples,
-                                                 rollout=self.name, gen_seconds=seconds, **self._clocks()))
+        await self.bus.send(reward, Trajectories(group_id=msg.group_id, task=msg.task, answers=Answers(
+            samples=samples, rollout=self.name, gen_seconds=seconds, **self._clocks())))
 
     async def _return(self, group_id: str, reason: str) -> None:
         self.counters["groups_returned"] += 1

@@ -822,5 +822,5 @@ def step_metrics(batch: Batch, version: int, shares: list[ShareResult]) -> dict[
 def _accuracy_by_level(batch: Batch) -> dict[str, float]:
     by: dict[str, list[bool]] = {}
     for g in batch.groups:
-        by.setdefault(str(g.task.level), []).extend(s.correct for s in g.samples)
+        by.setdefault(str(g.level), []).extend(s.correct for s in g.samples)
     return {k: sum(v) / len(v) for k, v in sorted(by.items())}

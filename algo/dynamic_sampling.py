@@ -7,7 +7,7 @@ keeps sampling until the batch holds B informative groups.
 Accounting with the staleness gate (algo.staleness): the gate counts groups. A group dropped here never
 counts as accepted: report it with `gate.finish(accepted=False, n=...)` when it comes back from reward,
 or with `gate.discard(n)` if it had already been accepted, so that the gate admits a replacement instead of
-waiting for a batch that can never fill. `needed_groups` says how many more groups the batch still needs.
+waiting for a batch that can never fill.
 """
 from __future__ import annotations
 
@@ -49,11 +49,3 @@ def filter_uniform_groups(rewards: torch.Tensor, group_ids: torch.Tensor, atol: 
     informative = (hi - lo) > atol
     return GroupFilter(keep=informative[inverse], kept_groups=groups[informative], dropped_groups=groups[~informative])
 
-
-def needed_groups(batch_size: int, kept_so_far: int) -> int:
-    """Groups the batch still needs (never negative); the buffer forms a batch when this reaches 0."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size: must be positive, got {batch_size}")
-    if kept_so_far < 0:
-        raise ValueError(f"kept_so_far: must be >= 0, got {kept_so_far}")
-    return max(0, batch_size - kept_so_far)

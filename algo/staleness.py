@@ -13,8 +13,8 @@ it must be checkpointed: a recovered run that restarted it at 0 would admit (v +
 at once, far more than the bound allows (a known failure of the original system).
 
 Per-sample check. Rollout records the weight version of every generated token; a sample's start version
-is the oldest of them and its staleness is current version - start version. `filter_stale` drops or
-down-weights samples beyond eta when a batch is formed.
+is the oldest of them (-1 when it has none) and `sample_staleness` is current version - start version (0
+without a start version). `filter_stale` drops or down-weights samples beyond eta when a batch is formed.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from algo._validate import as_tensor, check_cu_seqlens, check_finite, check_mask
+from algo._validate import as_tensor
 
 _STATE_KEYS = ("batch_size", "max_staleness", "max_concurrent", "version", "accepted", "running",
                "admitted_total", "dropped_total")
@@ -121,43 +121,6 @@ class StalenessGate:
     def __repr__(self) -> str:
         return (f"StalenessGate(B={self.batch_size}, eta={self.max_staleness}, v={self.version}, "
                 f"accepted={self.accepted}, running={self.running}, capacity={self.capacity()})")
-
-
-def sample_start_versions(
-    token_versions: torch.Tensor,
-    loss_mask: torch.Tensor | None = None,
-    *,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The oldest weight version among each sample's generated tokens (int64 [B]).
-
-    `token_versions` is [B, T] (with `loss_mask` selecting generated tokens) or a 1-D packed stream with
-    `cu_seqlens`. A sample without any generated token gets -1 (no version: staleness 0 by convention).
-    """
-    v = as_tensor("token_versions", token_versions)
-    if v.is_floating_point():
-        check_finite("token_versions", v)
-        if not bool((v == v.round()).all()):
-            raise ValueError("token_versions: must be whole numbers")
-    v = v.to(torch.int64)
-    mask = torch.ones_like(v, dtype=torch.bool) if loss_mask is None else check_mask("loss_mask", as_tensor("loss_mask", loss_mask))
-    if mask.shape != v.shape:
-        raise ValueError(f"loss_mask: shape {tuple(mask.shape)} does not match token_versions {tuple(v.shape)}")
-    if bool((v[mask] < 0).any()):
-        raise ValueError("token_versions: negative version on a generated token")
-    big = torch.iinfo(torch.int64).max
-    filled = torch.where(mask, v, torch.full_like(v, big))
-    if cu_seqlens is None:
-        if v.dim() != 2:
-            raise ValueError(f"token_versions: must be [B, T] (or 1-D with cu_seqlens), got {tuple(v.shape)}")
-        oldest = filled.min(dim=1).values if v.shape[1] else torch.full((v.shape[0],), big)
-    else:
-        if v.dim() != 1:
-            raise ValueError(f"token_versions: must be 1-D when cu_seqlens is given, got {tuple(v.shape)}")
-        cu = check_cu_seqlens("cu_seqlens", cu_seqlens, total=v.numel())
-        seq = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
-        oldest = torch.full((cu.numel() - 1,), big).scatter_reduce(0, seq, filled, reduce="amin")
-    return torch.where(oldest == big, torch.full_like(oldest, -1), oldest)
 
 
 def sample_staleness(start_versions: torch.Tensor, current_version: int) -> torch.Tensor:

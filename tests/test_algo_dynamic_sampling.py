@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from algo.dynamic_sampling import filter_uniform_groups, needed_groups
+from algo.dynamic_sampling import filter_uniform_groups
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -37,9 +37,4 @@ def test_bad_input_is_rejected_by_name():
         filter_uniform_groups(torch.tensor([1.0, 2.0]), torch.tensor([0, 0, 1]))
     with pytest.raises(ValueError, match="atol"):
         filter_uniform_groups(torch.tensor([1.0]), torch.tensor([0]), atol=-1.0)
-    with pytest.raises(ValueError, match="batch_size"):
-        needed_groups(0, 0)
 
-
-def test_needed_groups():
-    assert needed_groups(8, 3) == 5 and needed_groups(8, 11) == 0

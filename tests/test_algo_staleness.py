@@ -10,8 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from algo.dynamic_sampling import filter_uniform_groups
-from algo.packing import cu_seqlens_from_lengths
-from algo.staleness import StalenessGate, filter_stale, sample_staleness, sample_start_versions
+from algo.staleness import StalenessGate, filter_stale, sample_staleness
 
 HYP = settings(max_examples=60, deadline=None, derandomize=True)
 
@@ -133,27 +132,12 @@ def test_synchronous_gate_admits_exactly_one_batch_per_version():
 # ---------------------------------------------------------------- per-sample staleness
 
 
-def test_start_versions_padded_and_packed_agree_and_ignore_prompt_tokens():
-    versions = torch.tensor([[0, 0, 3, 4, 4], [0, 5, 5, 6, 0], [0, 0, 0, 0, 0]])
-    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 0], [0, 0, 0, 0, 0]])
-    assert sample_start_versions(versions, mask).tolist() == [3, 5, -1]
-    lengths = [5, 4, 2]
-    packed_v = torch.cat([versions[0], versions[1, :4], versions[2, :2]])
-    packed_m = torch.cat([mask[0], mask[1, :4], mask[2, :2]])
-    got = sample_start_versions(packed_v, packed_m, cu_seqlens=cu_seqlens_from_lengths(lengths))
-    assert got.tolist() == [3, 5, -1]
-    assert sample_staleness(got, 7).tolist() == [4, 2, 0]
-
-
-def test_staleness_inputs_are_checked():
-    with pytest.raises(ValueError, match="token_versions"):
-        sample_start_versions(torch.tensor([[1.0, float("nan")]]))
-    with pytest.raises(ValueError, match="token_versions"):
-        sample_start_versions(torch.tensor([[1, -2]]))
+def test_staleness_per_sample_and_its_inputs_checked():
+    assert sample_staleness(torch.tensor([3, 5, -1]), 7).tolist() == [4, 2, 0]   # -1: no version, staleness 0
     with pytest.raises(ValueError, match="start_versions"):
         sample_staleness(torch.tensor([3]), 2)
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        sample_start_versions(torch.tensor([1, 2, 3]), cu_seqlens=torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="current_version"):
+        sample_staleness(torch.tensor([3]), -1)
 
 
 def test_filter_drop_and_downweight():

@@ -23,7 +23,7 @@ from actors.reward.math_grader import MathVerdict, grade_math
 from actors.reward.sandbox import probe_sandbox
 from actors.supervisor import Supervisor
 from transport.bus import Bus, Envelope
-from transport.protocol import Sample, ScoredGroup, Task, Trajectories
+from transport.protocol import Answers, Sample, ScoredGroup, Task, Trajectories
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "configs" / "models" / "arith-tiny"   # only its tokenizer is used
@@ -97,9 +97,9 @@ class Rig:
         return Sample(output_ids=ids, logprobs=[-0.5] * len(ids), versions=[3] * len(ids), finish_reason="stop")
 
     async def score(self, actor: str, group_id: str, task: Task, texts: list[str]) -> ScoredGroup:
-        await self.rollout.send(actor, Trajectories(group_id=group_id, query_id="q", prompt_ids=[5, 6, 7], task=task,
-                                                    samples=[self.sample(t) for t in texts], rollout="rollout.0",
-                                                    gen_seconds=1.25))
+        await self.rollout.send(actor, Trajectories(group_id=group_id, task=task, answers=Answers(
+            samples=[self.sample(t) for t in texts], rollout="rollout.0", gen_seconds=1.25, busy_seconds=2.0,
+            up_seconds=3.0)))
         while True:
             group = await self.scored.get()
             if group.group_id == group_id:
@@ -127,31 +127,34 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
 def test_math_rewards_right_wrong_garbage(rig: Rig) -> None:
     texts = ["7+5 is \\boxed{12}.", "so \\boxed{13}", "}{\\boxed{", "", "\\boxed{\\frac{24}{2}}"]
     group = rig.run(rig.score("reward.math", "m1", Task(kind="math", answer="12"), texts))
-    assert [s.correct for s in group.samples] == [True, False, False, False, True]
-    assert [s.reward for s in group.samples] == [5.0, -5.0, -5.0, -5.0, 5.0]
-    assert group.score_failures == 0 and group.rollout == "rollout.0" and group.gen_seconds == 1.25
-    assert group.prompt_ids == [5, 6, 7] and group.samples[0].versions == [3] * len(group.samples[0].output_ids)
-    assert all(s.score_detail for s in group.samples)
+    assert [s.correct for s in group.answers.samples] == [True, False, False, False, True]
+    assert [s.reward for s in group.answers.samples] == [5.0, -5.0, -5.0, -5.0, 5.0]
+    answers = group.answers                               # passed on as generated, with the scores filled in
+    assert group.score_failures == 0 and answers.rollout == "rollout.0"
+    assert (answers.gen_seconds, answers.busy_seconds, answers.up_seconds) == (1.25, 2.0, 3.0)
+    assert answers.samples[0].versions == [3] * len(answers.samples[0].output_ids)
+    assert all(s.score_detail for s in group.answers.samples)
 
 
 def test_hung_check_scores_wrong_and_is_counted_not_lost(rig: Rig) -> None:
     texts = ["\\boxed{12}", f"{HANG_MARK} \\boxed{{12}}", "\\boxed{11}"]
     t0 = time.monotonic()
     group = rig.run(rig.score("reward.hang", "h1", Task(kind="math", answer="12"), texts))
-    assert [s.correct for s in group.samples] == [True, False, False]
-    assert [s.reward for s in group.samples] == [5.0, -5.0, -5.0]
+    assert [s.correct for s in group.answers.samples] == [True, False, False]
+    assert [s.reward for s in group.answers.samples] == [5.0, -5.0, -5.0]
     assert group.score_failures == 1
-    assert group.samples[1].score_detail.startswith("checker timeout after 2 attempt(s)")
+    assert group.answers.samples[1].score_detail.startswith("checker timeout after 2 attempt(s)")
     assert time.monotonic() - t0 < 30   # bounded by the pool's kill, not by the grader
     # The pool replaced its killed worker: the actor keeps scoring.
     again = rig.run(rig.score("reward.hang", "h2", Task(kind="math", answer="12"), ["\\boxed{12}"]))
-    assert again.samples[0].correct and again.score_failures == 0
+    assert again.answers.samples[0].correct and again.score_failures == 0
 
 
 def test_wrong_task_kind_is_a_counted_failure(rig: Rig) -> None:
     group = rig.run(rig.score("reward.math", "k1", Task(kind="code", tests=[{"input": "", "output": ""}]),
                               ["\\boxed{1}"]))
-    assert not group.samples[0].correct and group.samples[0].reward == -5.0 and group.score_failures == 1
+    first = group.answers.samples[0]
+    assert not first.correct and first.reward == -5.0 and group.score_failures == 1
 
 
 def test_code_rewards_in_the_sandbox(rig: Rig) -> None:
@@ -161,9 +164,9 @@ def test_code_rewards_in_the_sandbox(rig: Rig) -> None:
              "I cannot solve this )(*&",
              "```python\nwhile True:\n    pass\n```"]
     group = rig.run(rig.score("reward.code", "c1", Task(kind="code", tests=tests, mode="stdio"), texts))
-    assert [s.correct for s in group.samples] == [True, False, False, False]
-    assert [s.reward for s in group.samples] == [5.0, -5.0, -5.0, -5.0]
-    details = [s.score_detail for s in group.samples]
+    assert [s.correct for s in group.answers.samples] == [True, False, False, False]
+    assert [s.reward for s in group.answers.samples] == [5.0, -5.0, -5.0, -5.0]
+    details = [s.score_detail for s in group.answers.samples]
     assert details[0].startswith("passed (2/2)") and details[1].startswith("wrong_answer")
     assert details[2].startswith("runtime_error") and details[3].startswith("timeout"), details
     assert group.score_failures == 0

@@ -25,7 +25,7 @@ def run(coro: Any, timeout: float = 60.0) -> Any:
 
 
 def group(group_id: str, max_new_tokens: int = 8, prompt: list[int] | None = None, n: int = 3) -> GenerateGroup:
-    return GenerateGroup(group_id=group_id, query_id="q", prompt_ids=prompt or [3, 4, 5, 6], n=n,
+    return GenerateGroup(group_id=group_id, prompt_ids=prompt or [3, 4, 5, 6], n=n,
                          task=Task(kind="math", answer="1"), temperature=1.0, max_new_tokens=max_new_tokens, seed=5)
 
 
@@ -60,8 +60,9 @@ def test_rollout_generates_returns_and_drains(tmp_path: Path) -> None:
         second = await got.get()
         assert [first[0], second[0]] == ["reward.0", "reward.1"]          # round-robin over reward actors
         for _, traj in (first, second):
-            assert isinstance(traj, Trajectories) and traj.rollout == "rollout.0" and len(traj.samples) == 3
-            for s in traj.samples:
+            assert isinstance(traj, Trajectories) and traj.answers.rollout == "rollout.0"
+            assert traj.task == Task(kind="math", answer="1") and len(traj.answers.samples) == 3
+            for s in traj.answers.samples:
                 assert len(s.output_ids) == len(s.logprobs) == len(s.versions) == 8 and s.finish_reason == "length"
                 assert s.versions == [0] * 8 and all(math.isfinite(x) and x <= 0 for x in s.logprobs)
         # A token outside the vocabulary cannot be generated from: handed back as invalid, not retried forever.

@@ -291,13 +291,21 @@ def test_fast_path_and_general_path_agree() -> None:
     assert decode(encode(Error("c", "t")))[1] == Error("c", "t", None)
 
 
-def test_version_1_messages_still_decode() -> None:
-    # version 2 only added the batch container; single messages (and message logs) of version 1 read fine
-    assert SCHEMA_VERSION == 2 and M.READABLE_VERSIONS == {1, 2}
-    header, msg = decode([_head(body={"seq": 3}, version=1)])
-    assert msg == Ping(3) and header.version == 1
+def test_older_versions_still_decode_except_the_rl_messages_version_3_changed() -> None:
+    # version 2 only added the batch container; version 3 changed four rl message bodies (composition):
+    # single messages (and message logs) of versions 1 and 2 read fine, except those four kinds
+    assert SCHEMA_VERSION == 3 and M.READABLE_VERSIONS == {1, 2, 3}
+    for version in (1, 2):
+        header, msg = decode([_head(body={"seq": 3}, version=version)])
+        assert msg == Ping(3) and header.version == version
     with pytest.raises(SchemaMismatch, match="schema version 0"):
         decode([_head(version=0)])
+    importlib.import_module("transport.protocol")
+    task = {"kind": "math", "answer": "2", "tests": [], "mode": "", "level": 1}
+    version_2_trajectories = {"group_id": "g", "query_id": "q", "prompt_ids": [1], "task": task, "samples": [],
+                              "rollout": "rollout.0"}
+    with pytest.raises(FieldError, match="field 'query_id': unknown field"):
+        decode([_head("rl.trajectories", body=version_2_trajectories, version=2)])
 
 
 def test_batch_container_round_trip_and_errors() -> None:

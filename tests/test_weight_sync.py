@@ -161,8 +161,8 @@ class System:
 
     async def generate(self, rollout: str, group_id: str, max_new_tokens: int, n: int = 2) -> None:
         prompt = [int(t) for t in torch.randint(1, 272, (12,), generator=torch.Generator().manual_seed(len(group_id)))]
-        await self.buffer.send(rollout, GenerateGroup(group_id=group_id, query_id=f"q-{group_id}", prompt_ids=prompt,
-                                                      n=n, task=Task(kind="math", answer="42"), temperature=1.0,
+        await self.buffer.send(rollout, GenerateGroup(group_id=group_id, prompt_ids=prompt, n=n,
+                                                      task=Task(kind="math", answer="42"), temperature=1.0,
                                                       max_new_tokens=max_new_tokens, seed=17))
 
     async def collect(self, queue: asyncio.Queue, count: int) -> dict[str, Any]:
@@ -209,7 +209,7 @@ def test_weights_reach_every_rollout_while_generation_continues(system: System) 
             assert st.rollouts[name].version == 1 and st.rollouts[name].weights_hash == system.hashes[1], name
         groups = await system.collect(system.scored, len(ROLLOUTS))
         for r in ROLLOUTS:
-            group = groups[f"live-{r}"]
+            group = groups[f"live-{r}"].answers
             assert group.rollout == r and group.gen_seconds > 0 and len(group.samples) == 2
             for s in group.samples:
                 assert s.finish_reason == "length" and len(s.output_ids) == 1500
@@ -253,7 +253,7 @@ def test_killed_rollout_is_restarted_and_brought_to_the_current_version(system: 
         assert st.reached and st.hash_mismatches == 0, st
         await system.generate("rollout.1", "after-restart", max_new_tokens=20)
         group = (await system.collect(system.scored, 1))["after-restart"]
-        assert all(s.versions == [4] * 20 for s in group.samples)
+        assert all(s.versions == [4] * 20 for s in group.answers.samples)
 
     system.run(body(), timeout=180)
 

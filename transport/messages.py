@@ -32,16 +32,19 @@ from typing import Any, Callable, ClassVar, Iterable, TypeVar
 
 import msgpack
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Versions whose single-message layout this process reads. Version 2 added the batch container (below);
-# a version-1 frame is laid out identically, so message logs written by version 1 still decode.
-READABLE_VERSIONS = frozenset({1, 2})
+# a version-1 frame is laid out identically, so message logs written by version 1 still decode. Version 3
+# changed the bodies of rl.generate_group, rl.trajectories, rl.scored_group and rl.batch (transport/
+# protocol.py): such a message of an older version is refused naming its first unknown field; every
+# other kind of version 1 or 2 still decodes.
+READABLE_VERSIONS = frozenset({1, 2, 3})
 
 # A batch container: several small tensor-free messages to one peer in one ZeroMQ frame,
 #     msgpack [BATCH_TAG, SCHEMA_VERSION, sender, "", ts, None, False, [frame0, frame0, ...]]
 # where every element is one message's frame 0 exactly as it would travel alone. The receiver decodes,
 # validates, counts, logs and answers each element as if it had arrived alone. A version-1 receiver reads
-# the container's header, sees version 2 and rejects it as a schema mismatch (counted, logged).
+# the container's header, sees a version it cannot read and rejects it as a schema mismatch (counted, logged).
 BATCH_TAG = "$batch"
 BATCH_MAX_MESSAGES = 64
 BATCH_MAX_BYTES = 32 << 10      # protocol cap on a container; receivers accept it whatever their frame limit

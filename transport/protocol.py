@@ -35,7 +35,7 @@ from transport.messages import Message, message
 
 @dataclass
 class Task:
-    """What a sample is checked against; travels with every sample so any reward actor can score it.
+    """What a group's answers are checked against; travels with the group to its reward actor.
 
     kind "math": `answer` holds the reference answer. kind "code": `tests` holds the unit tests (the
     code checker's format) and `mode` optionally "stdio" or "functional".
@@ -61,12 +61,17 @@ class Sample:
     score_detail: str = ""
 
 
+# A group's messages carry only what their receiver lacks: the prompt goes to the rollout and, in the Batch,
+# to the trainer; the task to the rollout, which passes it to the reward actor; the answers (`Answers`)
+# travel from the rollout through the reward actor, which scores them, to the buffer, which knows each
+# group's prompt and task by its group id.
+
+
 @message("rl.generate_group", senders=("buffer",))
 class GenerateGroup(Message):
-    """buffer -> rollout: generate `n` answers to one prompt."""
+    """buffer -> rollout: generate `n` answers to one prompt. `task` is for the reward actor that scores them."""
 
     group_id: str
-    query_id: str
     prompt_ids: list[int]
     n: int
     task: Task
@@ -79,14 +84,11 @@ class GenerateGroup(Message):
     reward: str = ""  # the reward actor that scores this group (chosen by the buffer); "" = rollout's choice
 
 
-@message("rl.trajectories", senders=("rollout",))
-class Trajectories(Message):
-    """rollout -> reward: the answers of one group, unscored."""
+@dataclass
+class Answers:
+    """The answers a rollout generated to one prompt, with its clocks. Unscored in Trajectories; the reward
+    actor fills in each sample's reward, correct and score_detail and sends them on in ScoredGroup."""
 
-    group_id: str
-    query_id: str
-    prompt_ids: list[int]
-    task: Task
     samples: list[Sample]
     rollout: str
     gen_seconds: float = 0.0
@@ -94,21 +96,23 @@ class Trajectories(Message):
     up_seconds: float = 0.0    # in hand, and time up (the buffer turns them into rollout utilisation)
 
 
-@message("rl.scored_group", senders=("reward",))
-class ScoredGroup(Message):
-    """reward -> buffer: the group with a reward per sample."""
+@message("rl.trajectories", senders=("rollout",))
+class Trajectories(Message):
+    """rollout -> reward: one group's answers, unscored, and the task they are checked against."""
 
     group_id: str
-    query_id: str
-    prompt_ids: list[int]
     task: Task
-    samples: list[Sample]
-    rollout: str
-    gen_seconds: float = 0.0
+    answers: Answers
+
+
+@message("rl.scored_group", senders=("reward",))
+class ScoredGroup(Message):
+    """reward -> buffer: the group's answers, scored."""
+
+    group_id: str
+    answers: Answers
     score_seconds: float = 0.0
     score_failures: int = 0
-    busy_seconds: float = 0.0  # passed on from Trajectories
-    up_seconds: float = 0.0
 
 
 @message("rl.group_returned", senders=("rollout",))
@@ -138,12 +142,22 @@ class BufferStats:
     rollout_utilisation: float = -1.0   # rollouts' time with work / time up since the previous batch (-1: unknown)
 
 
+@dataclass
+class BatchGroup:
+    """One prompt of a Batch: its tokens and difficulty level (-1: none), which the buffer holds, and its
+    scored answers."""
+
+    prompt_ids: list[int]
+    level: int
+    samples: list[Sample]
+
+
 @message("rl.batch")
 class Batch(Message):
     """buffer -> trainer: B scored groups, each started no more than eta versions ago."""
 
     step: int
-    groups: list[ScoredGroup]
+    groups: list[BatchGroup]
     stats: BufferStats
 
 

@@ -10,7 +10,7 @@ import torch
 from actors.engines.base import GenerationRequest, SamplingParams
 from actors.engines.model import Qwen2Config, Qwen2ForCausalLM
 from actors.engines.torch_gen import TorchGenerationEngine
-from transport.protocol import Batch, BufferStats, Sample, ScoredGroup, Task
+from transport.protocol import Batch, BatchGroup, BufferStats, Sample
 
 
 def tiny_config(**overrides) -> Qwen2Config:
@@ -50,7 +50,7 @@ def greedy_reference(model: Qwen2ForCausalLM, prompt: list[int], count: int) -> 
 
 def sampled_batch(model: Qwen2ForCausalLM, groups: int = 3, n: int = 4, version: int = 0) -> Batch:
     """A trainer Batch of `groups` prompts x `n` answers sampled from `model`, half of them rewarded."""
-    async def run() -> list[ScoredGroup]:
+    async def run() -> list[BatchGroup]:
         gen = TorchGenerationEngine(model=copy.deepcopy(model), version=version)
         await gen.start()
         out = []
@@ -61,8 +61,7 @@ def sampled_batch(model: Qwen2ForCausalLM, groups: int = 3, n: int = 4, version:
                 samples = [Sample(output_ids=r.output_ids, logprobs=r.logprobs, versions=r.versions,
                                   finish_reason=r.finish_reason, reward=5.0 if i % 2 else -5.0, correct=bool(i % 2))
                            for i, r in enumerate(res)]
-                out.append(ScoredGroup(group_id=str(g), query_id=str(g), prompt_ids=[1 + g, 2, 3],
-                                       task=Task(level=g % 2), samples=samples, rollout="r"))
+                out.append(BatchGroup(prompt_ids=[1 + g, 2, 3], level=g % 2, samples=samples))
         finally:
             await gen.stop()
         return out

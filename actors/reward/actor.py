@@ -3,7 +3,7 @@
 A :class:`Trajectories` message is decoded with the model's tokenizer (``model.path``), every sample is
 scored by the subclass's :meth:`RewardActor.score` (which runs its checker in a :class:`RewardPool` of
 ``settings["instance"]["cpu_workers"]`` worker processes with a hard per-item timeout, so CPU work never
-runs on the event loop), and the group goes to the buffer (``settings["groups"]["buffer"][0]``) as
+runs on the event loop), and the answers go on to the buffer (``settings["groups"]["buffer"][0]``) in
 :class:`ScoredGroup`. Each sample gets ``reward`` (``algo.reward_correct`` if correct, else
 ``algo.reward_wrong``; +5 / -5 by default), ``correct`` and ``score_detail``. An item whose check fails
 (timeout after the pool's retry, a crash, a checker error, an unusable task) scores as wrong and is
@@ -104,11 +104,11 @@ class RewardActor(Actor):
         assert self.tokenizer is not None
         t0 = time.monotonic()
         tok = self.tokenizer
-        texts = await asyncio.to_thread(lambda: [tok.decode(s.output_ids) for s in msg.samples])
+        texts = await asyncio.to_thread(lambda: [tok.decode(s.output_ids) for s in msg.answers.samples])
         scores = await asyncio.gather(*(self._score_safely(text, msg.task) for text in texts))
         failures = 0
         samples: list[Sample] = []
-        for sample, score in zip(msg.samples, scores):
+        for sample, score in zip(msg.answers.samples, scores):
             failures += int(score.failed)
             samples.append(dataclasses.replace(sample, correct=score.correct, score_detail=score.detail,
                                                reward=self.reward_correct if score.correct else self.reward_wrong))
@@ -120,9 +120,8 @@ class RewardActor(Actor):
         if failures:
             self.log.warning("score_failures", group_id=msg.group_id, failures=failures, samples=len(samples))
         await self.bus.send(self.buffer, ScoredGroup(
-            group_id=msg.group_id, query_id=msg.query_id, prompt_ids=list(msg.prompt_ids), task=msg.task,
-            samples=samples, rollout=msg.rollout, gen_seconds=msg.gen_seconds, score_seconds=seconds,
-            score_failures=failures, busy_seconds=msg.busy_seconds, up_seconds=msg.up_seconds))
+            group_id=msg.group_id, answers=dataclasses.replace(msg.answers, samples=samples), score_seconds=seconds,
+            score_failures=failures))
 
     @handles(RunFinished)
     def on_run_finished(self, msg: RunFinished) -> None:

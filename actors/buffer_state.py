@@ -1,0 +1,292 @@
+"""The buffer's decisions as plain state: what to hand out, to whom, what to keep and what forms a batch.
+
+`BufferState` holds the dataset cursor, the groups in flight and ready, and the staleness gate
+(algo/staleness.py); it takes plain data (worker names, group ids, answers, clock readings) and returns
+plain data. It sends nothing, reads no clock and writes no file: actors/buffer.py turns messages into
+calls on it and its answers into messages, log lines and the ledger.
+
+Every prompt it admits is either trained exactly once, issued again (its worker died, restarted or
+handed it back, or its answers got too stale before a batch took them), or dropped on purpose (dynamic
+sampling: all answers got the same reward; or the prompt itself cannot be generated). Units: the gate
+counts prompt *groups*; a batch is `batch_size` groups.
+"""
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+import torch
+
+from algo.dynamic_sampling import filter_uniform_groups
+from algo.staleness import StalenessGate, filter_stale, sample_staleness
+from transport.protocol import Answers, BufferStats
+
+Key = tuple[int, int]  # (epoch, index into the dataset): one prompt of one pass over the data
+
+
+@dataclass
+class InFlight:
+    """A group handed to a rollout (and the reward actor that scores it) and not yet back."""
+
+    key: Key
+    rollout: str
+    reward: str
+    issued_at: float
+
+
+@dataclass
+class Issue:
+    """One group to send: the dataset's prompt `key[1]`, to `rollout`, scored by `reward`, sampled with `seed`."""
+
+    group_id: str
+    key: Key
+    rollout: str
+    reward: str
+    seed: int
+
+
+@dataclass
+class ReadyGroup:
+    """A scored group waiting for a batch. `start_version`: the oldest weight version that produced any of
+    its tokens (-1: no token, never stale)."""
+
+    key: Key
+    answers: Answers
+    start_version: int
+
+
+@dataclass
+class Scored:
+    """What became of a scored group: "late" (not in flight: it was issued again, the re-issue wins),
+    "uniform" (dropped by dynamic sampling) or "accepted" (waits for a batch). `key`: its prompt (None
+    when late)."""
+
+    outcome: Literal["late", "uniform", "accepted"]
+    key: Key | None = None
+
+
+def group_start_version(answers: Answers) -> int:
+    """The oldest weight version among the group's tokens (-1 when it has none, as algo.staleness counts
+    it). Taken on the lists as they arrive: converting a long group's lists to a tensor costs more."""
+    return min((min(s.versions) for s in answers.samples if s.versions), default=-1)
+
+
+def is_uniform(answers: Answers) -> bool:
+    """Every answer got the same reward: with group-normalised advantages the group teaches nothing."""
+    rewards = torch.tensor([s.reward for s in answers.samples], dtype=torch.float64)
+    return filter_uniform_groups(rewards, torch.zeros(len(rewards), dtype=torch.int64)).n_kept_groups == 0
+
+
+class BufferState:
+    """The buffer's state and decisions. Not thread-safe: the buffer actor's event loop owns it."""
+
+    def __init__(self, *, n_records: int, rollouts: list[str], rewards: list[str], batch_size: int, eta: int,
+                 seed: int, dynamic_sampling: bool = False, max_per_rollout: int = 8,
+                 max_concurrent: int | None = None, group_timeout_s: float = 1800.0) -> None:
+        if not rollouts:
+            raise ValueError("groups.rollout: the buffer needs at least one rollout actor")
+        if not rewards:
+            raise ValueError("groups.reward: the buffer needs at least one reward actor")
+        self.n_records = n_records
+        self.rollouts, self.rewards = list(rollouts), list(rewards)
+        self.batch_size, self.eta, self.seed = batch_size, eta, seed
+        self.dynamic_sampling = dynamic_sampling
+        self.max_per_rollout = max_per_rollout
+        self.group_timeout_s = group_timeout_s
+        self.gate = StalenessGate(batch_size, eta, max_concurrent)
+
+        self.epoch, self.position = 0, 0
+        self.order = self._permutation(0)
+        self.reissue: deque[Key] = deque()
+        self.inflight: dict[str, InFlight] = {}
+        self.ready: deque[ReadyGroup] = deque()
+        self.attempts = 0
+        self.stats = BufferStats()
+        self.uniform_streak = 0                                     # uniform groups dropped in a row
+        self.greeted: set[str] = set()                              # workers whose current incarnation said hello
+        self.rollout_versions: dict[str, int] = {}                  # newest weight version seen per rollout
+        self.rollout_clocks: dict[str, tuple[float, float]] = {}    # latest (busy, up) seconds per rollout
+        self.clocks_at_batch: dict[str, tuple[float, float]] = {}   # the same at the previous batch
+
+    # --- handing out work -------------------------------------------------------------------------
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(self.n_records))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def _next_key(self) -> Key:
+        if self.reissue:
+            return self.reissue.popleft()
+        if self.position >= len(self.order):
+            self.epoch += 1
+            self.position = 0
+            self.order = self._permutation(self.epoch)
+            self.stats.epoch = self.epoch
+        key = (self.epoch, self.order[self.position])
+        self.position += 1
+        return key
+
+    def rollout_cap(self, rollout: str) -> int:
+        """Groups a rollout may hold. One while its newest weights are already older than the gate allows:
+        everything it generates now will be dropped as stale, and a flood of such work would crowd out the
+        heartbeats and weight pushes that let it catch up (the one group tells when it has)."""
+        seen = self.rollout_versions.get(rollout)
+        if seen is not None and self.gate.version - seen > self.eta:
+            return 1
+        return self.max_per_rollout
+
+    def _least_loaded(self, names: list[str], attr: str, alive: Callable[[str], bool],
+                      cap: Callable[[str], int | None]) -> str | None:
+        load = {r: 0 for r in names if r in self.greeted and alive(r)}
+        for f in self.inflight.values():
+            if getattr(f, attr) in load:
+                load[getattr(f, attr)] += 1
+        free = [(n, r) for r, n in load.items() if cap(r) is None or n < cap(r)]
+        return min(free)[1] if free else None
+
+    def issue_next(self, alive: Callable[[str], bool], now: float) -> Issue | None:
+        """The next group to hand out, to the least-loaded greeted live rollout and reward actor, or None
+        while the gate is closed or no worker has room. `alive(name)`: the bus's view of that worker."""
+        if not self.gate.can_admit():
+            return None
+        rollout = self._least_loaded(self.rollouts, "rollout", alive, self.rollout_cap)
+        reward = self._least_loaded(self.rewards, "reward", alive, lambda _: None)
+        if rollout is None or reward is None:
+            return None
+        key = self._next_key()
+        self.gate.admit(1)
+        self.attempts += 1
+        gid = f"{key[0]}-{key[1]}-{self.attempts}"
+        self.inflight[gid] = InFlight(key, rollout, reward, now)
+        # A fresh sampling seed per attempt: a re-issued prompt gets new answers, a replay the same ones.
+        seed = 1 + (hash((self.seed, key, self.attempts)) & 0x7FFFFFFF)
+        return Issue(gid, key, rollout, reward, seed)
+
+    # --- work that will not come back -------------------------------------------------------------
+    def hand_back(self, group_id: str) -> InFlight | None:
+        """A group in flight will not come back scored: free its slot and issue its prompt again. None if
+        the group is not in flight (already back or already handed back)."""
+        f = self.inflight.pop(group_id, None)
+        if f is None:
+            return None
+        self.gate.finish(accepted=False)
+        self.reissue.append(f.key)
+        self.stats.returned += 1
+        return f
+
+    def hand_back_held_by(self, worker: str) -> dict[str, InFlight]:
+        """Every group `worker` held (as its rollout or its reward actor), handed back."""
+        held = [g for g, f in self.inflight.items() if worker in (f.rollout, f.reward)]
+        return {g: f for g in held if (f := self.hand_back(g)) is not None}
+
+    def worker_hello(self, worker: str) -> dict[str, InFlight]:
+        """A worker (re)started: what it held before will not come back from it; it may get work now."""
+        handed_back = self.hand_back_held_by(worker)
+        self.rollout_versions.pop(worker, None)
+        self.greeted.add(worker)
+        return handed_back
+
+    def expire(self, now: float) -> dict[str, InFlight]:
+        """Groups with no result after `group_timeout_s` (lost without any sign), handed back."""
+        late = [g for g, f in self.inflight.items() if now - f.issued_at > self.group_timeout_s]
+        return {g: f for g in late if (f := self.hand_back(g)) is not None}
+
+    def drop_invalid(self, group_id: str) -> InFlight | None:
+        """The prompt itself cannot be generated: issuing it again cannot help, so it is dropped."""
+        f = self.inflight.pop(group_id, None)
+        if f is not None:
+            self.gate.finish(accepted=False)
+        return f
+
+    # --- collecting results -----------------------------------------------------------------------
+    def scored(self, group_id: str, answers: Answers) -> Scored:
+        """A reward actor scored a group: accept it for a batch or drop it (dynamic sampling)."""
+        newest = max((v for s in answers.samples for v in s.versions), default=None)
+        if newest is not None:
+            self.rollout_versions[answers.rollout] = newest      # the weights it finished this group with
+        f = self.inflight.pop(group_id, None)
+        if f is None:
+            return Scored("late")
+        if answers.up_seconds > 0:
+            self.rollout_clocks[answers.rollout] = (answers.busy_seconds, answers.up_seconds)
+        if self.dynamic_sampling and is_uniform(answers):
+            self.gate.finish(accepted=False)  # no learning signal: drop it, its slot is refilled
+            self.stats.dropped_uniform += 1
+            self.uniform_streak += 1
+            return Scored("uniform", f.key)
+        self.uniform_streak = 0
+        self.gate.finish(accepted=True)
+        self.ready.append(ReadyGroup(f.key, answers, group_start_version(answers)))
+        return Scored("accepted", f.key)
+
+    def set_version(self, version: int) -> None:
+        """The trainer finished step `version`: the gate opens for it (a late, older update changes nothing)."""
+        if version > self.gate.version:
+            self.gate.set_version(version)
+
+    # --- forming batches --------------------------------------------------------------------------
+    def drop_stale(self) -> list[ReadyGroup]:
+        """The second staleness check, at batch time: a ready group whose oldest token is more than eta
+        versions old is not trained; its prompt is issued again so nothing is lost. Returns those dropped."""
+        if not self.ready:
+            return []
+        version = self.gate.version
+        # A rollout can hold weights newer than this version for a moment (its VersionUpdate is still on
+        # the way, or a recovery rolled the version back): such a group is fresh, not an error.
+        starts = torch.tensor([g.start_version for g in self.ready], dtype=torch.int64).clamp(max=version)
+        keep = filter_stale(sample_staleness(starts, version), self.eta).keep.tolist()
+        dropped = [g for g, k in zip(self.ready, keep) if not k]
+        if dropped:
+            self.ready = deque(g for g, k in zip(self.ready, keep) if k)
+            self.gate.discard(len(dropped))
+            self.reissue.extend(g.key for g in dropped)
+            self.stats.dropped_stale += len(dropped)
+        return dropped
+
+    def take_batch(self) -> list[ReadyGroup] | None:
+        """The oldest `batch_size` ready groups, or None while fewer are ready. Call `drop_stale` first."""
+        if len(self.ready) < self.batch_size:
+            return None
+        return [self.ready.popleft() for _ in range(self.batch_size)]
+
+    def batch_stats(self) -> BufferStats:
+        """The counters sent with a batch; rollout utilisation counts from the previous call."""
+        self.stats.depth = len(self.ready)
+        self.stats.running = self.gate.running
+        self.stats.accepted = self.gate.accepted
+        self.stats.rollout_utilisation = self._rollout_utilisation()
+        return BufferStats(**vars(self.stats))
+
+    def _rollout_utilisation(self) -> float:
+        """Time the rollouts had work in hand over time they were up, since the previous batch (-1: no data).
+        A restarted rollout's clocks start again from zero; its new clocks count from there."""
+        busy = up = 0.0
+        for name, (b, u) in self.rollout_clocks.items():
+            b0, u0 = self.clocks_at_batch.get(name, (0.0, 0.0))
+            if u < u0:
+                b0 = u0 = 0.0
+            busy, up = busy + b - b0, up + u - u0
+        self.clocks_at_batch = dict(self.rollout_clocks)
+        return busy / up if up > 0 else -1.0
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor and counters as they must be after a restart: work not yet trained (in flight, ready
+        or waiting to be re-issued) is recorded for re-issue, and the gate counts it as it will once it is.
+        Valid between steps, when exactly the batches served so far have been trained."""
+        pending = [f.key for f in self.inflight.values()] + [g.key for g in self.ready] + list(self.reissue)
+        gate = self.gate.state_dict()
+        gate["accepted"] -= len(self.ready)
+        gate["running"] = 0
+        return {"epoch": self.epoch, "position": self.position, "gate": gate,
+                "reissue": [list(k) for k in pending], "stats": vars(self.stats).copy(), "attempts": self.attempts}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.order = self._permutation(self.epoch)
+        self.gate.load_state_dict(state["gate"])
+        self.reissue = deque((int(k[0]), int(k[1])) for k in state["reissue"])
+        self.stats = BufferStats(**state["stats"])
+        self.attempts = int(state["attempts"])

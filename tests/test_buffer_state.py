@@ -1,0 +1,270 @@
+"""The buffer's decisions (actors/buffer_state.py) on plain data: dispatch under the staleness gate,
+dynamic sampling, batches with the second staleness check, re-issue of lost work, and checkpoints that
+lose no prompt and train none twice. The actor around it runs in tests/test_e2e_loop.py."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from actors.buffer_state import BufferState
+from transport.protocol import Answers, Sample
+
+
+def everyone_alive(name: str) -> bool:
+    """The bus's liveness view in these tests: every worker is up."""
+    return True
+
+
+def state(eta: int = 1, batch_size: int = 4, rollouts: int = 2, rewards: int = 1, n_records: int = 10,
+          **kw: object) -> BufferState:
+    st = BufferState(n_records=n_records, rollouts=[f"rollout.{i}" for i in range(rollouts)],
+                     rewards=[f"reward.{i}" for i in range(rewards)], batch_size=batch_size, eta=eta, seed=7, **kw)
+    for w in st.rollouts + st.rewards:
+        st.worker_hello(w)
+    return st
+
+
+def answers(rollout: str = "rollout.0", versions: tuple[int, ...] = (0, 0), rewards: tuple[float, ...] = (5.0, -5.0),
+            busy: float = 0.0, up: float = 0.0) -> Answers:
+    samples = [Sample(output_ids=[2] * len(versions), logprobs=[-1.0] * len(versions), versions=list(versions),
+                      finish_reason="stop", reward=r) for r in rewards]
+    return Answers(samples=samples, rollout=rollout, busy_seconds=busy, up_seconds=up)
+
+
+def issue_all(st: BufferState, alive=everyone_alive, now: float = 0.0) -> list:
+    out = []
+    for _ in range(1000):
+        issue = st.issue_next(alive, now)
+        if issue is None:
+            return out
+        out.append(issue)
+    raise AssertionError("the gate never closed")
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def test_work_goes_to_the_least_loaded_greeted_live_worker_under_the_gate() -> None:
+    st = state(eta=1, batch_size=4, rollouts=3)
+    st.greeted.discard("rollout.2")                               # no hello yet: gets nothing
+    issues = issue_all(st, alive=lambda name: name != "rollout.1")
+    assert len(issues) == (0 + 1 + 1) * 4                         # (v + eta + 1) * B
+    assert {i.rollout for i in issues} == {"rollout.0"} and {i.reward for i in issues} == {"reward.0"}
+    st.set_version(1)
+    more = issue_all(st)                                          # everyone up now: rollout.1 catches up first
+    assert [i.rollout for i in more] == ["rollout.1"] * 4
+    assert len({i.group_id for i in issues + more}) == 12 and len({i.seed for i in issues + more}) == 12
+
+
+def test_a_rollout_holds_at_most_max_per_rollout_groups() -> None:
+    st = state(eta=4, rollouts=2, max_per_rollout=3)
+    issues = issue_all(st)
+    assert sorted(i.rollout for i in issues) == ["rollout.0"] * 3 + ["rollout.1"] * 3
+    assert st.gate.running == 6 and st.gate.can_admit()            # the gate has room, the workers do not
+
+
+def test_max_concurrent_caps_the_groups_in_flight() -> None:
+    st = state(eta=4, max_concurrent=5)
+    assert len(issue_all(st)) == 5
+
+
+def test_a_rollout_behind_the_gate_gets_one_group_at_a_time() -> None:
+    # A rollout whose weights are older than eta allows generates only stale groups; sending it a full
+    # load again and again flooded its queues until its heartbeats went unanswered (the run stalled).
+    st = state(eta=1)
+    assert st.rollout_cap("rollout.0") == 8                        # nothing seen yet
+    assert st.scored("not-in-flight", answers("rollout.0", (2, 3))).outcome == "late"   # version noted
+    st.set_version(4)
+    assert st.rollout_cap("rollout.0") == 8                        # 4 - 3 <= eta
+    st.set_version(5)
+    assert st.rollout_cap("rollout.0") == 1                        # 5 - 3 > eta: one group, to learn when it caught up
+    st.scored("not-in-flight", answers("rollout.0", (4, 5)))
+    assert st.rollout_cap("rollout.0") == 8
+    st.set_version(7)
+    st.worker_hello("rollout.0")                                   # restarted: its old weights are forgotten
+    assert st.rollout_cap("rollout.0") == 8
+
+
+def test_the_cursor_walks_a_seeded_permutation_and_starts_a_new_epoch() -> None:
+    st = state(eta=8, batch_size=4, n_records=5)
+    keys = [i.key for i in issue_all(st)][:12]
+    assert [e for e, _ in keys] == [0] * 5 + [1] * 5 + [2] * 2
+    assert sorted(k for e, k in keys if e == 0) == list(range(5)) == sorted(k for e, k in keys if e == 1)
+    assert [k for e, k in keys if e == 0] == [k for e, k in [i.key for i in issue_all(state(eta=8, n_records=5))][:5]]
+    assert st.stats.epoch == 3
+
+
+# ---------------------------------------------------------------- results and batches
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_refills_their_slot() -> None:
+    st = state(eta=0, batch_size=2, dynamic_sampling=True)
+    a, b = issue_all(st)
+    assert st.scored(a.group_id, answers(rewards=(5.0, 5.0))).outcome == "uniform"
+    assert st.uniform_streak == 1 and st.stats.dropped_uniform == 1 and not st.ready
+    assert st.scored(b.group_id, answers(rewards=(5.0, -5.0))).outcome == "accepted" and st.uniform_streak == 0
+    assert len(issue_all(st)) == 1                                  # the dropped group's slot, nothing more
+    off = state(eta=0, batch_size=2)
+    assert off.scored(issue_all(off)[0].group_id, answers(rewards=(5.0, 5.0))).outcome == "accepted"
+
+
+def test_a_batch_takes_the_oldest_fresh_groups_and_reissues_the_stale_first() -> None:
+    st = state(eta=1, batch_size=2)
+    first = issue_all(st)                                           # 4 groups at version 0
+    for i, versions in zip(first, [(0, 1), (0, 0), (1, 1), (1, 2)]):
+        assert st.scored(i.group_id, answers(versions=versions)).outcome == "accepted"
+    st.set_version(2)
+    stale = st.drop_stale()
+    assert [g.key for g in stale] == [first[0].key, first[1].key] and st.stats.dropped_stale == 2
+    assert st.gate.accepted == 2 and [k for k in st.reissue] == [first[0].key, first[1].key]
+    batch = st.take_batch()
+    assert batch is not None and [g.key for g in batch] == [first[2].key, first[3].key]
+    assert [g.start_version for g in batch] == [1, 1]
+    assert st.take_batch() is None
+    again = issue_all(st)
+    assert [i.key for i in again[:2]] == [first[0].key, first[1].key]   # the stale prompts come back first
+    stats = st.batch_stats()
+    assert (stats.depth, stats.running, stats.accepted, stats.dropped_stale) == (0, len(again), 2, 2)
+
+
+def test_a_group_newer_than_the_buffers_version_is_fresh() -> None:
+    st = state(eta=0, batch_size=1)
+    (i,) = issue_all(st)
+    st.scored(i.group_id, answers(versions=(1, 2)))                  # weights ahead of the VersionUpdate
+    assert st.drop_stale() == [] and st.take_batch() is not None
+
+
+def test_rollout_utilisation_counts_since_the_previous_batch() -> None:
+    st = state(eta=4, batch_size=1)
+    a, b, c = issue_all(st)[:3]
+    assert st.batch_stats().rollout_utilisation == -1.0             # no clocks yet
+    st.scored(a.group_id, answers("rollout.0", busy=3.0, up=4.0))
+    st.scored(b.group_id, answers("rollout.1", busy=1.0, up=4.0))
+    assert st.batch_stats().rollout_utilisation == pytest.approx(0.5)
+    st.scored(c.group_id, answers("rollout.0", busy=1.0, up=2.0))   # restarted: its clocks began again
+    assert st.batch_stats().rollout_utilisation == pytest.approx(0.5)
+
+
+# ---------------------------------------------------------------- lost work
+
+
+def test_a_dead_or_restarted_workers_groups_are_issued_again_and_late_answers_ignored() -> None:
+    st = state(eta=0, batch_size=4, rollouts=2, rewards=2)
+    issues = issue_all(st)
+    held = {i.group_id for i in issues if "rollout.1" in (i.rollout, i.reward) or i.reward == "reward.1"}
+    gone = st.hand_back_held_by("rollout.1") | st.worker_hello("reward.1")
+    assert set(gone) == held and st.stats.returned == len(held) and st.gate.running == 4 - len(held)
+    again = issue_all(st)
+    assert sorted(i.key for i in again) == sorted(f.key for f in gone.values())
+    lost = next(iter(gone))
+    assert st.scored(lost, answers()).outcome == "late"               # the re-issue wins
+    assert st.hand_back(lost) is None                                 # handed back once only
+
+
+def test_groups_with_no_result_expire_and_invalid_prompts_are_dropped() -> None:
+    st = state(eta=0, batch_size=2, group_timeout_s=10.0)
+    a, b = issue_all(st, now=0.0)
+    assert st.expire(5.0) == {}
+    assert set(st.expire(11.0)) == {a.group_id, b.group_id} and list(st.reissue) == [a.key, b.key]
+    c, d = issue_all(st, now=20.0)
+    assert (c.key, d.key) == (a.key, b.key)
+    dropped = st.drop_invalid(c.group_id)
+    assert dropped is not None and dropped.key == c.key and c.key not in st.reissue
+    assert st.drop_invalid(c.group_id) is None and st.gate.running == 1 and st.gate.accepted == 0
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_records_untrained_work_for_reissue_and_the_gate_as_it_will_be() -> None:
+    st = state(eta=1, batch_size=2)
+    issues = issue_all(st)
+    st.scored(issues[0].group_id, answers())
+    st.scored(issues[1].group_id, answers())
+    assert [g.key for g in st.take_batch()] == [issues[0].key, issues[1].key]
+    st.scored(issues[2].group_id, answers())                          # ready, not trained
+    st.hand_back(issues[3].group_id)                                  # waiting for re-issue
+    saved = st.state_dict()
+    assert saved["gate"]["accepted"] == 2 and saved["gate"]["running"] == 0
+    assert [tuple(k) for k in saved["reissue"]] == [issues[2].key, issues[3].key]
+    back = state(eta=1, batch_size=2)
+    back.load_state_dict(saved)
+    assert (back.epoch, back.position, back.attempts) == (st.epoch, st.position, st.attempts)
+    resumed = issue_all(back)
+    assert [i.key for i in resumed[:2]] == [issues[2].key, issues[3].key]
+    assert len(resumed) == 2 and back.gate.running == 2               # (1 + 1 + 1) * 2 - 2 accepted - 2 running
+    fresh = state(eta=1, batch_size=2)
+    assert back.order == fresh._permutation(back.epoch)
+
+
+def test_the_buffer_actor_checkpoints_into_its_own_run_directory_only(tmp_path) -> None:
+    """CheckpointRequest names only a step: where the state goes is the buffer's own run directory."""
+    import json
+
+    from actors.buffer import BufferActor
+    from actors.recovery import checkpoint_dir
+    from transport.protocol import CheckpointRequest
+    buf = BufferActor.__new__(BufferActor)   # the adapter's file I/O only; the decisions are tested above
+    buf.run_dir, buf.state = tmp_path, state()
+    buf.dataset = type("Data", (), {"path": "d.jsonl", "__len__": lambda self: 10})()
+    buf.state.position = 5
+    assert buf.on_checkpoint(CheckpointRequest(step=3)).step == 3
+    assert json.loads((checkpoint_dir(tmp_path, 3) / "buffer.json").read_text())["position"] == 5
+    with pytest.raises(ValueError, match="not a training step"):
+        buf.on_checkpoint(CheckpointRequest(step=-1))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_run_with_deaths_drops_and_restores_trains_every_prompt_once_within_eta(seed: int, dynamic: bool) -> None:
+    """Random arrivals, worker deaths, uniform and stale groups, and restores from the last checkpoint
+    (what happened after it is rolled back, as the trainer's and the ledger's steps are): every prompt
+    the cursor handed out is trained once, dropped as uniform once, or still pending, and every trained
+    group is within eta; the run keeps making progress."""
+    rng = random.Random(seed)
+    B, eta, steps = 3, 1, 25
+
+    def make() -> BufferState:
+        return state(eta=eta, batch_size=B, rollouts=2, n_records=7, dynamic_sampling=dynamic)
+
+    st = make()
+    events: list[tuple[str, tuple[int, int]]] = []                     # ("trained" | "uniform", key)
+    version, checkpoint = 0, (0, 0, st.state_dict())                  # (version, len(events), state)
+    for _ in range(20_000):
+        if version >= steps:
+            break
+        issue_all(st)
+        roll = rng.random()
+        if st.inflight and roll < 0.6:
+            gid = rng.choice(list(st.inflight))
+            lag = rng.choice([0, 0, 0, 1, 2])
+            rewards = (5.0, 5.0) if rng.random() < 0.2 else (5.0, -5.0)
+            result = st.scored(gid, answers(versions=(max(0, version - lag), version), rewards=rewards))
+            if result.outcome == "uniform":
+                events.append(("uniform", result.key))
+        elif st.inflight and roll < 0.65:
+            st.hand_back_held_by(rng.choice(st.rollouts))
+        elif roll < 0.9:
+            st.drop_stale()
+            batch = st.take_batch()
+            if batch is not None:
+                assert all(version - g.start_version <= eta for g in batch)
+                events.extend(("trained", g.key) for g in batch)
+                version += 1
+                st.set_version(version)
+                if rng.random() < 0.3:
+                    checkpoint = (version, len(events), st.state_dict())
+        elif roll < 0.93:                                                # crash: back to the last checkpoint
+            version, n_events, saved = checkpoint
+            st = make()
+            st.load_state_dict(saved)
+            st.set_version(version)
+            events = events[:n_events]
+    assert version >= steps, f"stalled at version {version}: {st.gate}"
+    assert sum(kind == "trained" for kind, _ in events) == B * steps
+    pending = [tuple(k) for k in st.state_dict()["reissue"]]
+    accounted = [k for _, k in events] + pending
+    handed_out = [(e, i) for e in range(st.epoch) for i in range(7)] + [(st.epoch, i) for i in st.order[:st.position]]
+    assert len(accounted) == len(set(accounted)), "a prompt was trained or dropped twice"
+    assert set(accounted) == set(handed_out), "a prompt was lost"
