@@ -8,18 +8,22 @@ the broadcaster and the link's rendezvous master.
 
 One task, the *pusher*, owns the rollout link, so formation and transfers never interleave:
 
-* Forming. The link needs every member, so it is formed only once every rollout has said
-  :class:`RolloutHello` and none is dead by the bus heartbeats. Each formation takes a fresh generation
-  ``g``: :class:`LinkReform` (g) to every rollout, then this side joins in a thread. A hello after the link
-  was formed (a restarted rollout), a dead member, or a failed transfer marks the link for re-forming.
-  A rollout whose SGLang server died says :class:`ServerDown`; it counts as not yet hello'd until its
-  server is back and it says hello again, so no formation waits out a link timeout for it.
-  A failed rendezvous (a member did not come) is retried at a newer generation after ``retry_s``.
-* Pushing. Whenever some rollout's version is behind the newest stored one, the pusher sends
-  :class:`WeightsReady` to every rollout as a request, broadcasts the stored buckets, and collects the
-  :class:`WeightsAck` replies (``ack_timeout_s``). Each ack's hash is compared with the trainer's; a
+* Forming. A generation ``g`` of the link is formed by the rollouts that are *ready*: they said
+  :class:`RolloutHello` and are alive by the bus heartbeats. :class:`LinkReform` (g, its members) goes to
+  each of them, then this side joins in a thread. The first formation waits until every live rollout has
+  said hello (they start together); after that no rollout is waited for: one that is dead, hung (its
+  heartbeats stop), or whose SGLang server died (:class:`ServerDown`, until its next hello) is left out,
+  and the others form without it. When the ready set changes (a member is lost, one comes back or
+  restarts and says hello) the link is formed again. A failed rendezvous is retried at a newer generation
+  after ``retry_s``.
+* Pushing. Whenever a member of the formed generation is behind the newest stored version, the pusher
+  sends :class:`WeightsReady` to every member as a request, broadcasts the stored buckets, and collects
+  the :class:`WeightsAck` replies (``ack_timeout_s``). Each ack's hash is compared with the trainer's; a
   mismatch is logged as an error and counted. Versions that arrive while a push runs are coalesced: the
-  next push sends only the newest.
+  next push sends only the newest. A member lost while a formation or a push runs ends it at once: the
+  blocked transfer is abandoned on its old generation (its thread ends there, see transport/bulk.py) and
+  the rest form a new one and get the version without waiting for the lost one, which catches up when it
+  is back.
 
 At start the server holds the start weights (:func:`actors.recovery.start_weights`), so a rollout that
 starts late or restarts is brought to the current version even before the trainer publishes anything new.
@@ -77,6 +81,7 @@ class RolloutWeights:
     ack_ok: bool = False      # the last ack passed that check for the version pushed
     alive: bool = True
     hello: bool = False
+    incarnation: str = ""     # of the process that said hello last
     receive_seconds: float = 0.0
     stall_seconds: float = 0.0
 
@@ -154,6 +159,9 @@ class ParamServerActor(Actor):
         self.generation: int | None = None      # generation of the formed rollout link, None if not formed
         self.next_generation = 0
         self.need_reform = False
+        self.formed: list[str] = []             # the rollouts of the formed generation, in link order
+        self._busy_with: set[str] = set()       # the rollouts the running formation or push waits on
+        self._lost = asyncio.Event()            # one of them was lost: abandon it
         self.pushes = 0
         self.hash_mismatches = 0
         self.sync_seconds: list[float] = []
@@ -261,9 +269,11 @@ class ParamServerActor(Actor):
         if state is None:
             self.log.warning("hello_from_unknown", sender=sender, members=sorted(self.rollouts))
             return
+        if state.hello and hello.incarnation and hello.incarnation == state.incarnation:
+            return   # the same process saying hello again (it answers HelloRequest too): nothing changed
         first = not state.hello
         version = hello.version
-        state.hello, state.alive = True, True
+        state.hello, state.alive, state.incarnation = True, True, hello.incarnation
         state.version, state.ack_ok, state.weight_ranks = version, False, hello.weight_ranks
         # Any hello after the link was formed comes from a (re)started member: it needs a new group.
         self._member_changed(sender, "it restarted")
@@ -286,10 +296,12 @@ class ParamServerActor(Actor):
         self._member_changed(env.sender, "its server died")
 
     def _member_changed(self, rollout: str, why: str) -> None:
-        """A member died, restarted or lost its server: a formed group must be formed again, its ack in the
-        running push is not waited for, and the pusher looks again."""
+        """A member died, restarted or lost its server: a formed group must be formed again, the running
+        formation or push stops waiting for it, and the pusher looks again."""
         if self.generation is not None:
             self.need_reform = True
+        if rollout in self._busy_with:
+            self._lost.set()
         self._abandon_ack(rollout, why)
         self._kick.set()
 
@@ -371,10 +383,34 @@ class ParamServerActor(Actor):
             self._abandoned[rollout] = why
             fut.cancel()
 
+    def _ready(self) -> list[str]:
+        """The rollouts a generation is formed of now: said hello and alive, in link order."""
+        return [n for n, s in self.rollouts.items() if s.hello and s.alive]
+
     def _blockers(self) -> tuple[list[str], list[str]]:
         no_hello = sorted(n for n, s in self.rollouts.items() if not s.hello)
         dead = sorted(n for n, s in self.rollouts.items() if not s.alive)
         return no_hello, dead
+
+    async def _unless_lost(self, members: list[str], work: "asyncio.Future[Any]", what: str) -> Any:
+        """Await ``work`` (a formation or transfer in a thread) unless one of ``members`` is lost first; then
+        abandon it with a BulkError (the thread ends on its own generation, which nothing uses again)."""
+        self._busy_with, lost = set(members), asyncio.ensure_future(self._lost.wait())
+        self._lost.clear()
+        if any(not (self.rollouts[n].alive and self.rollouts[n].hello) for n in members):
+            self._lost.set()   # lost before it started
+        try:
+            await asyncio.wait({work, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            self._busy_with = set()
+        if work.done():
+            return work.result()
+        work.cancel()
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())   # its late error is expected
+        gone = sorted(n for n in members if not (self.rollouts[n].alive and self.rollouts[n].hello))
+        self.counters["transfers_abandoned"] += 1
+        raise BulkError(f"{what} abandoned: {', '.join(gone) or 'a member'} was lost while it ran")
 
     async def _pusher(self) -> None:
         failures = 0
@@ -389,19 +425,22 @@ class ParamServerActor(Actor):
                 await self._kick.wait()
             self._kick.clear()
             no_hello, dead = self._blockers()
-            if no_hello or dead:
+            ready = self._ready()
+            # Before the first formation every live rollout is waited for (they are starting); after it, nobody.
+            starting = self.next_generation == 0 and any(n not in dead for n in no_hello)
+            if starting or not ready:
                 if (no_hello, dead) != self._waiting_logged:
                     self._waiting_logged = (no_hello, dead)
                     self.log.info("waiting_for_rollouts", no_hello=no_hello, dead=dead)
                 failures = 0
                 continue
-            if self.generation is None or self.need_reform:
-                if not await self._form():
+            if self.generation is None or self.need_reform or ready != self.formed:
+                if not await self._form(ready):
                     failures += 1
                     continue
             current = self.current
             assert current is not None
-            behind = [n for n, s in self.rollouts.items() if s.version < current.version]
+            behind = [n for n in self.formed if self.rollouts[n].version < current.version]
             if not behind:
                 failures = 0
                 continue
@@ -411,45 +450,55 @@ class ParamServerActor(Actor):
                 failures += 1
             self._kick.set()  # look again: a newer version may have arrived meanwhile (coalesced)
 
-    async def _form(self) -> bool:
+    async def _form(self, members: list[str]) -> bool:
         generation = self.next_generation
         self.next_generation += 1
-        self.generation = None
+        self.generation, self.formed = None, []
         t0 = time.monotonic()
-        ranks = [s.weight_ranks for s in self.rollouts.values()]
+        ranks = [self.rollouts[n].weight_ranks for n in members]
         if self.direct_from is not None and any(ranks):
-            return await self._form_with_servers(generation, t0)
-        for name in self.rollouts:
-            await self.bus.send(name, LinkReform(generation=generation))
+            return await self._form_with_servers(generation, members, t0)
+        names = [self.direct_from or self.name, *members]   # the link's master first
+        for name in members:
+            await self.bus.send(name, LinkReform(generation=generation, members=names))
         try:
             if self.direct_from is not None:
-                await self.bus.request(self.direct_from, LinkReform(generation=generation), timeout=self.ack_timeout)
+                await self._unless_lost(members, asyncio.ensure_future(self.bus.request(
+                    self.direct_from, LinkReform(generation=generation, members=names), timeout=self.ack_timeout)),
+                    f"forming generation {generation}")
             else:
                 assert self.down is not None
-                await in_thread(self.down.reform, generation)
+                await self._unless_lost(members, in_thread(self.down.reform, generation, names),
+                                        f"forming generation {generation}")
         except (BulkError, BusError, TimeoutError) as exc:
             self.counters["link_form_failures"] += 1
             self.log.error("rollout_link_form_failed", generation=generation, error=str(exc),
                            retry_in_s=self.retry_s)
             return False
-        self.generation, self.need_reform = generation, False
-        self.counters["link_formations"] += 1
-        self.log.info("rollout_link_formed", generation=generation, members=len(self.rollouts) + 1,
-                      seconds=round(time.monotonic() - t0, 3))
+        self._formed(generation, members, t0)
         await self._notify()
         return True
 
-    async def _form_with_servers(self, generation: int, t0: float) -> bool:
+    def _formed(self, generation: int, members: list[str], t0: float, **info: Any) -> None:
+        self.generation, self.formed, self.need_reform = generation, members, False
+        self.counters["link_formations"] += 1
+        left_out = [n for n in self.rollouts if n not in members]
+        if left_out:
+            self.counters["formations_without_some"] += 1
+        self.log.info("rollout_link_formed", generation=generation, members=len(members) + 1, left_out=left_out,
+                      seconds=round(time.monotonic() - t0, 3), **info)
+
+    async def _form_with_servers(self, generation: int, members: list[str], t0: float) -> bool:
         """Direct weights to servers that join themselves (SGLang): the trainer hosts a group of 1 + the
         servers' ranks; each rollout's server joins at its rank offset. The group is complete when the
         trainer's first broadcast finds every rank joined (it waits for that, bounded by the link timeout)."""
-        if not all(s.weight_ranks > 0 for s in self.rollouts.values()):
+        if not all(self.rollouts[n].weight_ranks > 0 for n in members):
             self.counters["link_form_failures"] += 1
             self.log.error("rollout_link_form_failed", generation=generation, retry_in_s=self.retry_s,
                            error="some rollouts receive on the link and some through their servers: "
-                                 f"{ {n: s.weight_ranks for n, s in self.rollouts.items()} }")
+                                 f"{ {n: self.rollouts[n].weight_ranks for n in members} }")
             return False
-        world = 1 + sum(s.weight_ranks for s in self.rollouts.values())
+        world = 1 + sum(self.rollouts[n].weight_ranks for n in members)
         try:
             formed = await self.bus.request(self.direct_from, LinkReform(generation=generation, world_size=world),
                                             timeout=self.ack_timeout)
@@ -458,15 +507,12 @@ class ParamServerActor(Actor):
             self.log.error("rollout_link_form_failed", generation=generation, error=str(exc), retry_in_s=self.retry_s)
             return False
         offset = 1
-        for name, state in self.rollouts.items():
+        for name in members:
             await self.bus.send(name, LinkReform(generation=generation, master_addrs=formed.master_addrs,
                                                  master_ports=formed.master_ports, rank_offset=offset,
                                                  world_size=world))
-            offset += state.weight_ranks
-        self.generation, self.need_reform = generation, False
-        self.counters["link_formations"] += 1
-        self.log.info("rollout_link_formed", generation=generation, members=len(self.rollouts) + 1, ranks=world,
-                      servers=True, stages=len(formed.master_ports), seconds=round(time.monotonic() - t0, 3))
+            offset += self.rollouts[name].weight_ranks
+        self._formed(generation, members, t0, ranks=world, servers=True, stages=len(formed.master_ports))
         await self._notify()
         return True
 
@@ -476,17 +522,18 @@ class ParamServerActor(Actor):
         t0 = time.monotonic()
         ready = WeightsReady(version=stored.version, n_buckets=stored.n_buckets, weights_hash=stored.weights_hash,
                              generation=generation, specs=stored.specs, stage_buckets=stored.stage_buckets)
+        members = self.formed
         acks = {name: asyncio.ensure_future(self.bus.request(name, ready, timeout=self.ack_timeout))
-                for name in self.rollouts}
+                for name in members}
         self._acks = acks
         try:
             if self.direct_from is not None:
-                await self.bus.request(self.direct_from, WeightsBroadcast(version=stored.version, generation=generation),
-                                       timeout=self.ack_timeout)
+                sending = asyncio.ensure_future(self.bus.request(
+                    self.direct_from, WeightsBroadcast(version=stored.version, generation=generation),
+                    timeout=self.ack_timeout))
             else:
-                assert self.down is not None
-                for packed in stored.packed:
-                    await in_thread(self.down.broadcast_packed, packed, 0)
+                sending = asyncio.ensure_future(self._broadcast(stored, generation))
+            await self._unless_lost(members, sending, f"pushing version {stored.version}")
         except (BulkError, BusError, TimeoutError) as exc:
             for fut in acks.values():
                 fut.cancel()
@@ -533,6 +580,11 @@ class ParamServerActor(Actor):
                       nbytes=stored.nbytes, broadcast_s=round(sent_s, 4), sync_s=round(sync_s, 4), rollouts=summary)
         await self._notify()
         return ok
+
+    async def _broadcast(self, stored: StoredVersion, generation: int) -> None:
+        assert self.down is not None
+        for packed in stored.packed:
+            await in_thread(self.down.broadcast_packed, packed, 0, generation)
 
     async def _notify(self) -> None:
         async with self._changed:

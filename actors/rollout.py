@@ -30,6 +30,7 @@ Settings (besides the shared experiment keys ``model.path``, ``model.dtype``, ``
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -221,6 +222,8 @@ class RolloutActor(Actor):
         self._link_wanted = asyncio.Event()
         self._link_changed = asyncio.Condition()
         self._weights_lock = asyncio.Lock()
+        self._receiving: tuple[int, asyncio.Future] | None = None   # (generation, task) of a running receive
+        self._incarnation = f"{os.getpid()}-{time.time_ns()}"
         self.rewards: list[str] = []
         self.buffer = "buffer"
         self.param_server: str | None = None
@@ -328,7 +331,8 @@ class RolloutActor(Actor):
         if self.param_server is None or self.engine is None:
             return
         ranks = self.link.ranks if isinstance(self.link, ServerWeightGroup) else 0
-        await self.bus.send(self.param_server, RolloutHello(version=self.engine.version, weight_ranks=ranks))
+        await self.bus.send(self.param_server, RolloutHello(version=self.engine.version, weight_ranks=ranks,
+                                                            incarnation=self._incarnation))
         self.log.info("hello_sent", version=self.engine.version, param_server=self.param_server)
 
     # ----------------------------------------------------------------------------------- generation
@@ -436,6 +440,9 @@ class RolloutActor(Actor):
         self._link_msg = msg
         self._link_requests += 1
         self._link_wanted.set()
+        if self._receiving is not None and self._receiving[0] < msg.generation:
+            # The parameter server left that transfer (a member it waited for was lost): nobody finishes it.
+            self._receiving[1].cancel()
 
     async def _link_keeper(self) -> None:
         """Re-form the link at the newest generation the parameter server asked for, one at a time."""
@@ -451,8 +458,8 @@ class RolloutActor(Actor):
             try:
                 if isinstance(self.link, ServerWeightGroup):
                     await self.link.join(msg)
-                else:
-                    await in_thread(self.link.reform, generation)
+                elif not await self._formed_unless_newer(generation, msg):
+                    continue
             except (BulkError, EngineError) as exc:
                 # The parameter server retries at a newer generation and tells us; wait for that.
                 self.counters["link_reform_failures"] += 1
@@ -462,6 +469,22 @@ class RolloutActor(Actor):
             self.log.info("link_formed", generation=generation, seconds=round(time.monotonic() - t0, 3))
             async with self._link_changed:
                 self._link_changed.notify_all()
+
+    async def _formed_unless_newer(self, generation: int, msg: LinkReform) -> bool:
+        """Form the bulk link at ``generation``, unless a newer LinkReform comes first (a member this one
+        waits for was left out of the next): then abandon it, its thread ending on its own generation."""
+        assert isinstance(self.link, BulkLink)
+        forming = in_thread(self.link.reform, generation, msg.members or None)
+        newer = asyncio.ensure_future(self._link_wanted.wait())
+        await asyncio.wait({forming, newer}, return_when=asyncio.FIRST_COMPLETED)
+        newer.cancel()
+        if forming.done():
+            forming.result()
+            return True
+        forming.add_done_callback(lambda f: f.cancelled() or f.exception())   # its late error is expected
+        self.counters["link_formations_abandoned"] += 1
+        self.log.warning("link_formation_abandoned", generation=generation, newer=self._link_target)
+        return False
 
     async def _wait_link(self, generation: int, timeout: float) -> "BulkLink | ServerWeightGroup":
         link = self.link
@@ -503,7 +526,7 @@ class RolloutActor(Actor):
             async def receive() -> None:
                 try:
                     for _ in range(msg.n_buckets):
-                        queue.put_nowait(await in_thread(link.broadcast, None, 0))
+                        queue.put_nowait(await in_thread(link.broadcast, None, 0, msg.generation))
                 except BaseException as exc:
                     queue.put_nowait(exc)
                     raise
@@ -522,6 +545,9 @@ class RolloutActor(Actor):
             if isinstance(link, ServerWeightGroup):
                 return await self._update_through_server(msg, link, t0)
             receiver = asyncio.ensure_future(receive())
+            self._receiving = (msg.generation, receiver)
+            receiver.add_done_callback(lambda done: self._receiving is not None and self._receiving[1] is done
+                                       and setattr(self, "_receiving", None))
             interruptible = bool((self.settings.get("gen") or {}).get("interruptible", True))
             swaps_before = len(getattr(engine, "swaps", []))
             stall = 0.0

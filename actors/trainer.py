@@ -306,6 +306,7 @@ class TrainerActor(Actor):
                 raise TrainerConfigError(f"links.{self.link_cfg.name}.members: the trainer broadcasts direct "
                                          f"weights as rank 0 and must be listed first, got {self.link_cfg.members}")
         self._link_lock = asyncio.Lock()
+        self._broadcasting: tuple[int, asyncio.Future] | None = None   # (generation, task) of a running broadcast
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.tb = None
         try:
@@ -573,6 +574,9 @@ class TrainerActor(Actor):
         background while the servers come."""
         if not self.direct or self.link is None:
             raise RuntimeError(f"{self.name} has no direct weights link to re-form")
+        if self._broadcasting is not None and self._broadcasting[0] < msg.generation:
+            # The parameter server left that broadcast (a member it waited for was lost): nobody finishes it.
+            self._broadcasting[1].cancel()
         async with self._link_lock:
             t0 = time.monotonic()
             if msg.world_size > 0:
@@ -584,8 +588,9 @@ class TrainerActor(Actor):
                        "servers join the weights group (SGLang); these rollouts receive on the bulk link")
                 self.request_stop(why, exit_code=1)
                 raise TrainerConfigError(why)
-            await in_thread(self.link.reform, msg.generation)
-        self.log.info("weights_link_formed", generation=msg.generation, seconds=round(time.monotonic() - t0, 3))
+            await in_thread(self.link.reform, msg.generation, msg.members or None)
+        self.log.info("weights_link_formed", generation=msg.generation, members=msg.members,
+                      seconds=round(time.monotonic() - t0, 3))
         return LinkFormed(generation=msg.generation, seconds=time.monotonic() - t0)
 
     async def _host_server_groups(self, generation: int, world_size: int) -> tuple[list[str], list[int]]:
@@ -624,8 +629,22 @@ class TrainerActor(Actor):
             if self.link.generation != msg.generation:
                 raise RuntimeError(f"link {self.link.config.name!r} is at generation {self.link.generation}, "
                                    f"not {msg.generation}")
-            for bucket in packed:
-                await in_thread(self.link.broadcast_packed, bucket, 0)
+            link = self.link
+
+            async def broadcast() -> None:
+                for bucket in packed:
+                    await in_thread(link.broadcast_packed, bucket, 0, msg.generation)
+            task = asyncio.ensure_future(broadcast())
+            self._broadcasting = (msg.generation, task)
+            try:
+                await task
+            except asyncio.CancelledError:
+                if not task.cancelled() or asyncio.current_task().cancelling():
+                    raise
+                raise RuntimeError(f"broadcast of version {msg.version} on generation {msg.generation} "
+                                   f"abandoned: the link is being formed again") from None
+            finally:
+                self._broadcasting = None
         return WeightsBroadcastDone(version=msg.version, seconds=time.monotonic() - t0)
 
     def _broadcast_to_servers(self, version: int, generation: int) -> None:

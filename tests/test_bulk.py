@@ -257,6 +257,70 @@ def test_reform_after_member_restart() -> None:
     assert results == {0: [True, True, True], 1: [True, True, True], 2: True}, results
 
 
+def test_a_generation_of_some_members_leaves_a_hung_one_out() -> None:
+    """r1 hangs (it takes no part in generation 0's broadcast). The master and r0 abandon that transfer, form
+    generation 1 of the two of them and move a bucket at once; their abandoned threads still end on their
+    own group (an error naming generation 0), never on the new one. When r1 is back, generation 2 of all
+    three moves the next bucket to everyone."""
+    import threading
+
+    port, members = free_port(), ["ps", "r0", "r1"]
+    back = CTX.Event()
+
+    def link_of(rank: int) -> BulkLink:
+        return BulkLink(LinkConfig(name="weights", backend="gloo", master_addr="127.0.0.1", master_port=port,
+                                   rank=rank, world_size=3, members=members, timeout_s=4))
+
+    def abandoned(fn: Callable[[], Any]) -> tuple[threading.Thread, list[str]]:
+        errors: list[str] = []
+
+        def body() -> None:
+            try:
+                fn()
+            except BulkError as exc:
+                errors.append(str(exc))
+        thread = threading.Thread(target=body, daemon=True)
+        thread.start()
+        return thread, errors
+
+    def healthy(rank: int) -> list[Any]:
+        link = link_of(rank)
+        link.open(0)
+        big = [("w", torch.randn(4 << 20))]   # 16 MiB: more than the socket buffers take without a reader
+        thread, errors = abandoned(lambda: link.broadcast(big if rank == 0 else None, src=0, generation=0))
+        link.reform(1, ["ps", "r0"])
+        got1 = link.broadcast(make_bucket(1) if rank == 0 else None, src=0)
+        rank_in_1 = link.rank
+        back.wait(timeout=WAIT_S)
+        link.reform(2)
+        got2 = link.broadcast(make_bucket(2) if rank == 0 else None, src=0)
+        thread.join(timeout=WAIT_S)
+        return [same_bucket(got1, make_bucket(1)), rank_in_1, same_bucket(got2, make_bucket(2)), link.members,
+                [e.split(":")[0] for e in errors]]
+
+    def hung() -> list[Any]:
+        link = link_of(2)
+        link.open(0)
+        back.set()   # "SIGCONT": it sat out generation 0's broadcast and generation 1 entirely
+        link.reform(2)
+        return [same_bucket(link.broadcast(None, src=0), make_bucket(2)), link.rank]
+
+    ps, r0, r1 = run_procs([lambda: healthy(0), lambda: healthy(1), hung])
+    assert ps[:4] == [True, 0, True, members] and r0[:4] == [True, 1, True, members]
+    assert r1 == [True, 2]
+    for errors in (ps[4], r0[4]):   # the abandoned transfer failed on generation 0, if it did not finish
+        assert all(e == "link 'weights' generation 0" for e in errors), errors
+
+
+def test_a_subset_must_be_configured_members_with_the_master_first() -> None:
+    link = BulkLink(LinkConfig(name="w", backend="gloo", master_addr="127.0.0.1", master_port=1, rank=1,
+                               world_size=3, members=["ps", "r0", "r1"]))
+    for members, why in ((["r0", "ps"], "must come first"), (["ps", "r1"], "is not among"),
+                         (["ps", "r0", "r9"], "not distinct configured")):
+        with pytest.raises(BulkError, match=why):
+            link.open(0, members)
+
+
 def test_two_links_in_one_process_relay() -> None:
     """The parameter server's shape: it receives from the trainer on one link and broadcasts to two
     rollouts on another, both in the same process."""

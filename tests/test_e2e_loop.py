@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -188,6 +189,36 @@ def test_a_killed_parameter_server_is_restarted_in_place(assets: dict[str, Path]
     assert pushed and pushed[-1] >= 5, pushed   # the restarted server went on pushing new versions
 
 
+def test_a_hung_rollout_holds_up_neither_the_weights_nor_the_trainer(assets: dict[str, Path],
+                                                                   tmp_path: Path) -> None:
+    # SIGSTOP of one rollout once held every weight push for the link timeout and then kept failing: the
+    # healthy rollout got no new weights and the trainer made no step while the other hung.
+    run_dir, steps = tmp_path / "run", 14
+    proc = launch(assets, run_dir, steps=steps, ckpt_every=7)
+    try:
+        wait_for_step(proc, run_dir, 2)
+        hung = actor_pid(run_dir, "rollout.1")
+        os.kill(hung, signal.SIGSTOP)
+        try:
+            stopped_at = max(m["step"] for m in metrics(run_dir))
+            wait_for_step(proc, run_dir, stopped_at + 5, timeout=120)   # training goes on without it
+        finally:
+            os.kill(hung, signal.SIGCONT)
+        out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            kill_run(proc, run_dir)
+    check_invariants(run_dir, steps)
+    assert re.search(r"rollout\.1 .* \(restarts 0\)", out), out[-2000:]   # it was never restarted
+    pushes = events(run_dir, "param_server", "weights_pushed")
+    without = [p["version"] for p in pushes if "rollout.1" not in p["rollouts"] and p["rollouts"]["rollout.0"]["ack_ok"]]
+    assert len(without) >= 3, pushes   # rollout.0 kept getting new versions while rollout.1 was left out
+    caught_up = [p["version"] for p in pushes if p["rollouts"].get("rollout.1", {}).get("ack_ok")]
+    assert caught_up and caught_up[-1] > without[0], pushes   # ... and rollout.1 caught up once it was back
+    formed = events(run_dir, "param_server", "rollout_link_formed")
+    assert any(f["left_out"] == ["rollout.1"] for f in formed), formed
+
+
 def test_killed_run_recovers_from_its_last_checkpoint(assets: dict[str, Path], tmp_path: Path) -> None:
     # Steps of this tiny model take about 0.1 s: a run long enough that it cannot finish between seeing
     # step 3 and the kill, whatever the machine's speed.
@@ -267,35 +298,47 @@ def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: P
     # (`--no-weights-hash`: no route reads weights back, so every ack is checked by the version the server
     # reports). Each server joins the trainer's group itself (/init_weights_update_group at the rank offset
     # the parameter server assigns) and receives every version with /update_weights_from_distributed while
-    # the trainer broadcasts. rollout.1's server is SIGKILLed mid-run: its engine restarts it, the rollout
-    # says hello again, the group is formed anew and the run finishes with both servers on the last version.
+    # the trainer broadcasts. rollout.1's server is SIGKILLed mid-run and rollout.0 hangs (SIGSTOP) at the same
+    # moment, so that nothing trains until rollout.1's server is back: its engine restarts it, the rollout
+    # says hello again, a group of it alone is formed (the hung one left out) and training goes on; then
+    # rollout.0 comes back, a group of both is formed and the run finishes with both on the last version.
     standin = (f"{{engine: sglang, sglang: {{command: [{sys.executable}, -m, actors.engines.sglang_standin, "
                f"--no-weights-hash]}}}}")
     topology = direct_topology(tmp_path, standin)
     topology.write_text(topology.read_text().replace("timeout_s: 30", "timeout_s: 10"))  # faster recovery
     run_dir = tmp_path / "run"
-    steps = 16
+    steps = 24
     proc = launch(assets, run_dir, steps=steps, ckpt_every=steps, topology=str(topology))
     try:
         wait_for_step(proc, run_dir, 3)
         killed = server_pids(run_dir, "rollout.1")
         assert len(killed) == 1, killed
+        hung = actor_pid(run_dir, "rollout.0")
+        os.kill(hung, signal.SIGSTOP)
         os.kill(killed[0], signal.SIGKILL)
+        try:
+            deadline = time.monotonic() + 180
+            while not [e for e in events(run_dir, "rollout.1", "weights_updated")
+                       if e["timestamp"] > max([r["timestamp"] for r in events(
+                           run_dir, "rollout.1", "engine_server_restarted")] or ["9"])]:
+                assert time.monotonic() < deadline and proc.poll() is None, "rollout.1 got no weights after its restart"
+                time.sleep(0.2)
+        finally:
+            os.kill(hung, signal.SIGCONT)
         finish(proc)
     finally:
         if proc.poll() is None:
             kill_run(proc, run_dir)
     check_invariants(run_dir, steps)
     assert [e["restarts"] for e in events(run_dir, "rollout.1", "engine_server_restarted")] == [1]
-    # the parameter server heard of the death at once and formed no group until the server was back
+    # the parameter server heard of the death at once: no group waited for rollout.1 until its server was back
     [down] = events(run_dir, "param_server", "rollout_server_down")
     back = min(e["timestamp"] for e in events(run_dir, "param_server", "rollout_hello")
                if e["rollout"] == "rollout.1" and e["timestamp"] > down["timestamp"])
-    formed_meanwhile = [e for e in events(run_dir, "param_server", "rollout_link_formed")
-                        if down["timestamp"] < e["timestamp"] < back]
-    assert not formed_meanwhile, formed_meanwhile
     formed = events(run_dir, "param_server", "rollout_link_formed")
-    assert len(formed) >= 2 and all(e.get("servers") and e["ranks"] == 3 for e in formed), formed
+    assert all("rollout.1" in e["left_out"] for e in formed if down["timestamp"] < e["timestamp"] < back), formed
+    assert any(e["left_out"] == ["rollout.0"] for e in formed), formed   # the hung one was left out
+    assert all(e.get("servers") and e["ranks"] == 1 + 2 - len(e["left_out"]) for e in formed), formed
     pushes = events(run_dir, "param_server", "weights_pushed")
     assert all(r["ack_ok"] and r["verified"] == "version" for p in pushes for r in p["rollouts"].values()
                if "error" not in r), pushes

@@ -10,6 +10,10 @@ default group: it builds its process group directly on a ``TCPStore`` wrapped in
 The prefix carries a *generation* number. When a member dies and is restarted, the survivors and the
 newcomer agree (through the control bus) on generation g+1 and call :meth:`BulkLink.reform` /
 :meth:`BulkLink.open` with it; the fresh prefix keeps the new rendezvous clear of the dead group's keys.
+A generation may also be formed by some of the members only (``members``), so that a member that hangs
+does not hold the others: each member's rank in that generation is its place in the list. An operation
+runs to its end on the group it started on, so a transfer abandoned on an old generation (a thread still
+blocked in it) never touches the group formed after it.
 
 A bucket is a list of ``(name, tensor)``. It travels as three pieces: a length, a msgpack header
 (names, dtypes, shapes, byte offsets, checksum) and one flat byte buffer holding every tensor, each at
@@ -23,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 import torch
@@ -200,39 +204,72 @@ class BulkLink:
     def __init__(self, config: LinkConfig):
         self.config = config
         self.generation: int | None = None
-        self._store: dist.TCPStore | None = None
+        self.members: list[str] = list(config.members)   # who formed the current generation, in rank order
+        self._server: dist.TCPStore | None = None   # the rendezvous server, on the master
+        self._store: dist.TCPStore | None = None    # this member's connection to it, for the current generation
         self._pg: Any = None
+        self._rank = config.rank
+        self._wanted: int | None = None   # the generation the newest open() call is forming
         self._next_bucket = 0
         self._device = torch.device("cpu")
 
     # -- forming and re-forming ------------------------------------------------------------------
 
-    def open(self, generation: int = 0) -> None:
-        """Join the link's rendezvous at ``generation`` and build its process group.
-        Blocks until every member has joined, or raises :class:`LinkRendezvousError`."""
+    def open(self, generation: int = 0, members: Sequence[str] | None = None) -> None:
+        """Join the link's rendezvous at ``generation`` and build its process group, of every configured
+        member or of ``members`` only (configured names, this one and the master among them; ranks follow
+        their order, the master first). Blocks until every one of them has joined, or raises
+        :class:`LinkRendezvousError`."""
         cfg = self.config
+        members = list(members) if members else list(cfg.members)
+        rank, world = self._place(members), len(members) if members else cfg.world_size
+        self._wanted = generation
         os.environ.update(cfg.env)  # NCCL reads its settings from the environment at init
         timeout = _dt.timedelta(seconds=cfg.timeout_s)
         try:
-            if self._store is None or cfg.rank != 0:
-                # Non-masters reconnect every time: the master may itself be the member that restarted.
-                self._store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size,
-                                            is_master=cfg.rank == 0, timeout=timeout,
-                                            wait_for_workers=False)
-            prefix = dist.PrefixStore(f"{cfg.name}/gen{generation}", self._store)
-            self._pg = self._make_group(prefix, timeout)
+            if cfg.rank == 0 and self._server is None:
+                self._server = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=True,
+                                             timeout=timeout, wait_for_workers=False)
+            # A connection of its own per formation: the master may itself be the member that restarted, and
+            # a formation abandoned while it waits must not hold the connection the next one talks on.
+            store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=False,
+                                  timeout=timeout, wait_for_workers=False)
+            prefix = dist.PrefixStore(f"{cfg.name}/gen{generation}", store)
+            pg = self._make_group(prefix, timeout, rank, world)
+            if self._wanted != generation:   # abandoned while it waited for a member: a newer one is forming
+                raise BulkError(f"link {cfg.name!r} generation {generation}: superseded by generation "
+                                f"{self._wanted} while forming")
+            self._pg, self._store = pg, store
             if cfg.rank == 0:
-                self._store.set(f"{cfg.name}/latest_generation", str(generation))
+                store.set(f"{cfg.name}/latest_generation", str(generation))
         except BulkError:
             raise
         except Exception as exc:  # torch raises DistStoreError/RuntimeError with little context
             raise LinkRendezvousError(
-                f"link {cfg.name!r} generation {generation}: rank {cfg.rank}/{cfg.world_size} could not "
+                f"link {cfg.name!r} generation {generation}: rank {rank}/{world} could not "
                 f"form the group at {cfg.master_addr}:{cfg.master_port} within {cfg.timeout_s:g} s: {exc}"
             ) from exc
-        self.generation = generation
+        self.generation, self.members, self._rank = generation, members, rank
 
-    def _make_group(self, store: dist.Store, timeout: _dt.timedelta) -> Any:
+    def _place(self, members: list[str]) -> int:
+        """This member's rank among ``members`` (the configured rank when the link names no members)."""
+        cfg = self.config
+        if not cfg.members:
+            if len(members) not in (0, cfg.world_size):
+                raise BulkError(f"link {cfg.name!r}: a subset of members needs the configured member names")
+            return cfg.rank
+        unknown = sorted(set(members) - set(cfg.members))
+        if unknown or len(set(members)) != len(members):
+            raise BulkError(f"link {cfg.name!r}: members {members} are not distinct configured members "
+                            f"({cfg.members})")
+        if members[0] != cfg.members[0]:
+            raise BulkError(f"link {cfg.name!r}: the master {cfg.members[0]!r} must come first in {members}")
+        me = cfg.members[cfg.rank]
+        if me not in members:
+            raise BulkError(f"link {cfg.name!r}: {me!r} is not among the members {members} of this generation")
+        return members.index(me)
+
+    def _make_group(self, store: dist.Store, timeout: _dt.timedelta, rank: int, world: int) -> Any:
         cfg = self.config
         if cfg.backend == "gloo":
             opts = dist.ProcessGroupGloo._Options()
@@ -248,18 +285,24 @@ class BulkLink:
                 device = dist.ProcessGroupGloo.create_device()
             opts._devices = [device]
             self._device = torch.device("cpu")
-            return dist.ProcessGroupGloo(store, cfg.rank, cfg.world_size, opts)
+            return dist.ProcessGroupGloo(store, rank, world, opts)
         if not hasattr(dist, "ProcessGroupNCCL") or not torch.cuda.is_available():
             raise BulkError(f"link {cfg.name!r}: backend nccl needs CUDA and a torch built with NCCL")
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         self._device = torch.device("cuda", torch.cuda.current_device())
-        return dist.ProcessGroupNCCL(store, cfg.rank, cfg.world_size, opts)
+        return dist.ProcessGroupNCCL(store, rank, world, opts)
 
-    def reform(self, generation: int) -> None:
-        """Drop the current group and form a new one at ``generation`` (after a member restarted)."""
+    def reform(self, generation: int, members: Sequence[str] | None = None) -> None:
+        """Drop the current group and form a new one at ``generation`` (after a member restarted or hung),
+        of ``members`` only if given (see :meth:`open`)."""
         self._pg = None
-        self.open(generation)
+        self.open(generation, members)
+
+    @property
+    def rank(self) -> int:
+        """This member's rank in the current generation."""
+        return self._rank
 
     def latest_generation(self) -> int | None:
         """The generation the link's master formed last, or None if it has not formed one yet."""
@@ -270,59 +313,67 @@ class BulkLink:
 
     def close(self) -> None:
         self._pg = None
-        self._store = None
+        self._store = self._server = None
         self.generation = None
 
     # -- moving buckets --------------------------------------------------------------------------
 
-    def broadcast(self, bucket: Bucket | None, src: int = 0) -> Bucket:
+    def broadcast(self, bucket: Bucket | None, src: int = 0, generation: int | None = None) -> Bucket:
         """Send ``bucket`` from rank ``src`` to every other member; receivers pass None and get it back.
-        Returns the bucket on every rank (receivers get views into one buffer, checksum verified)."""
-        if self.config.rank == src:
+        Returns the bucket on every rank (receivers get views into one buffer, checksum verified).
+        ``generation``: the group it is meant for; a :class:`BulkError` if the link is on another one."""
+        if self._rank == src:
             if bucket is None:
                 raise BulkError(f"link {self.config.name!r}: the source rank must pass a bucket")
-            self.broadcast_packed(pack_bucket(self._on_link_device(bucket), self._take_bucket_id()), src)
+            run = self._operation(generation)
+            self._broadcast(run, pack_bucket(self._on_link_device(bucket), self._take_bucket_id()), src)
             return bucket
-        return unpack_bucket(self.broadcast_packed(None, src), self.config.name)
+        return unpack_bucket(self.broadcast_packed(None, src, generation), self.config.name)
 
-    def broadcast_packed(self, packed: PackedBucket | None, src: int = 0) -> PackedBucket:
+    def broadcast_packed(self, packed: PackedBucket | None, src: int = 0,
+                         generation: int | None = None) -> PackedBucket:
         """Lower-level :meth:`broadcast` of an already packed bucket; receivers get it unverified."""
+        return self._broadcast(self._operation(generation), packed, src)
+
+    def _broadcast(self, run: Callable[..., None], packed: PackedBucket | None, src: int) -> PackedBucket:
         header_bytes = msgpack.packb(packed.header) if packed is not None else b""
         length = self._to_link(torch.tensor([len(header_bytes)], dtype=torch.int64))
-        self._run("broadcast", [length], dist.BroadcastOptions(), root=src)
+        run("broadcast", [length], dist.BroadcastOptions(), root=src)
         head = self._to_link(torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8)) if packed is not None \
             else torch.empty(int(length.item()), dtype=torch.uint8, device=self._device)
-        self._run("broadcast", [head], dist.BroadcastOptions(), root=src)
+        run("broadcast", [head], dist.BroadcastOptions(), root=src)
         header = packed.header if packed is not None else self._decode_header(head)
         flat = self._to_link(packed.flat) if packed is not None else torch.empty(header["size"], dtype=torch.uint8,
                                                                     device=self._device)
-        self._run("broadcast", [flat], dist.BroadcastOptions(), root=src)
+        run("broadcast", [flat], dist.BroadcastOptions(), root=src)
         return PackedBucket(header, flat)
 
-    def send(self, bucket: Bucket, dst: int) -> None:
+    def send(self, bucket: Bucket, dst: int, generation: int | None = None) -> None:
         """Point-to-point: send ``bucket`` to rank ``dst`` (which calls :meth:`recv`)."""
-        self.send_packed(pack_bucket(self._on_link_device(bucket), self._take_bucket_id()), dst)
+        self.send_packed(pack_bucket(self._on_link_device(bucket), self._take_bucket_id()), dst, generation)
 
-    def send_packed(self, packed: PackedBucket, dst: int) -> None:
+    def send_packed(self, packed: PackedBucket, dst: int, generation: int | None = None) -> None:
+        run = self._operation(generation)
         header_bytes = msgpack.packb(packed.header)
-        self._run("send", [self._to_link(torch.tensor([len(header_bytes)], dtype=torch.int64))], dst, 0)
-        self._run("send", [self._to_link(torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8))], dst, 1)
-        self._run("send", [self._to_link(packed.flat)], dst, 2)
+        run("send", [self._to_link(torch.tensor([len(header_bytes)], dtype=torch.int64))], dst, 0)
+        run("send", [self._to_link(torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8))], dst, 1)
+        run("send", [self._to_link(packed.flat)], dst, 2)
 
-    def recv(self, src: int) -> Bucket:
+    def recv(self, src: int, generation: int | None = None) -> Bucket:
         """Receive one bucket sent by rank ``src`` with :meth:`send`; checksum verified."""
+        run = self._operation(generation)
         length = torch.empty(1, dtype=torch.int64, device=self._device)
-        self._run("recv", [length], src, 0)
+        run("recv", [length], src, 0)
         head = torch.empty(int(length.item()), dtype=torch.uint8, device=self._device)
-        self._run("recv", [head], src, 1)
+        run("recv", [head], src, 1)
         header = self._decode_header(head)
         flat = torch.empty(header["size"], dtype=torch.uint8, device=self._device)
-        self._run("recv", [flat], src, 2)
+        run("recv", [flat], src, 2)
         return unpack_bucket(PackedBucket(header, flat), self.config.name)
 
     def barrier(self) -> None:
         flag = torch.zeros(1, dtype=torch.int64, device=self._device)
-        self._run("allreduce", [flag])
+        self._operation()("allreduce", [flag])
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -349,17 +400,26 @@ class BulkLink:
             raise BulkError(f"link {self.config.name!r}: bucket header version {header!r:.60} not understood")
         return header
 
-    def _run(self, what: str, *args: Any, root: int | None = None) -> None:
-        """Run one process-group operation and wait for it, turning torch's errors into BulkError."""
-        if self._pg is None:
+    def _operation(self, expected: int | None = None) -> Callable[..., None]:
+        """A runner of process-group operations bound to the current group: every step of one transfer
+        runs on the generation it started on, even if the link is re-formed while it is blocked. With
+        ``expected``, a transfer meant for an older generation fails instead of starting on a newer one."""
+        pg, generation, rank = self._pg, self.generation, self._rank
+        if pg is None:
             raise BulkError(f"link {self.config.name!r}: not open (call open(generation) first)")
-        if root is not None:
-            args[1].rootRank = root
-        try:
-            getattr(self._pg, what)(*args).wait()
-        except Exception as exc:
-            raise BulkError(f"link {self.config.name!r} generation {self.generation}: {what} failed on rank "
-                            f"{self.config.rank}: {exc}") from exc
+        if expected is not None and expected != generation:
+            raise BulkError(f"link {self.config.name!r} generation {expected}: superseded (the link is at "
+                            f"generation {generation})")
+
+        def run(what: str, *args: Any, root: int | None = None) -> None:
+            if root is not None:
+                args[1].rootRank = root
+            try:
+                getattr(pg, what)(*args).wait()
+            except Exception as exc:
+                raise BulkError(f"link {self.config.name!r} generation {generation}: {what} failed on rank "
+                                f"{rank}: {exc}") from exc
+        return run
 
 
 def _is_loopback(addr: str) -> bool:
@@ -384,7 +444,7 @@ def _bench_member(rank: int, port: int, mib: int, reps: int, queue: Any) -> None
         t0 = time.perf_counter()
         for _ in range(reps):
             if mode == "raw":
-                link._run("broadcast", [raw], dist.BroadcastOptions(), root=0)
+                link._operation()("broadcast", [raw], dist.BroadcastOptions(), root=0)
             else:
                 link.broadcast(bucket, src=0)
         link.barrier()

@@ -234,6 +234,7 @@ class RolloutHello(Message):
 
     version: int
     weight_ranks: int = 0
+    incarnation: str = ""   # one per process start: a repeated hello of the same process changes nothing
 
 
 @message("rl.hello_request", senders=("param_server",))
@@ -262,7 +263,8 @@ class WorkerHello(Message):
 @message("rl.link_reform", senders=("param_server",))
 class LinkReform(Message):
     """param_server -> rollout (and, with direct weights, -> trainer as a request): re-form the weights link at
-    `generation` (a member restarted). Direct weights to servers that join themselves: the trainer gets
+    `generation` (a member restarted, or one that hung is left out: `members` names who forms it, the link's
+    master first). Direct weights to servers that join themselves: the trainer gets
     `world_size` and hosts the group (replies LinkFormed with its address and port); each rollout gets them,
     its `rank_offset` and `world_size`. A pipeline-parallel trainer hosts one group per stage, each stage's
     sender as its rank 0: one address and port per stage, in stage order, and the servers join every one."""
@@ -272,6 +274,7 @@ class LinkReform(Message):
     master_ports: list[int] = field(default_factory=list)
     rank_offset: int = -1
     world_size: int = 0
+    members: list[str] = field(default_factory=list)   # who forms this generation (empty: every member)
 
 
 @message("rl.link_formed")
