@@ -31,13 +31,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgpack
+
 from actors.base import Actor, handles
 from actors.buffer_state import BufferState, InFlight
 from actors.dataset import DEFAULT_MAX_LINE_BYTES, Record, load_dataset
 from actors.engines.tokenizer import load_tokenizer
-from actors.recovery import checkpoint_dir, latest_checkpoint, recovering, refuse_restart_within_launch
+from actors.recovery import checkpoint_dir, fsync_write, latest_checkpoint, recovering, restarted_in_place
+from transport.messages import decode, encode
 from transport.protocol import (Batch, BatchGroup, BatchRequest, CheckpointDone, CheckpointRequest, GenerateGroup,
-                                GroupReturned, RunFinished, ScoredGroup, Task, VersionUpdate, WorkerHello)
+                                GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task, VersionUpdate,
+                                WorkerHello)
 
 
 def level_of(rec: Record) -> int:
@@ -48,7 +52,7 @@ def level_of(rec: Record) -> int:
 class BufferActor(Actor):
     async def on_start(self) -> None:
         s = self.settings
-        refuse_restart_within_launch(self)
+        in_place = restarted_in_place(self)
         algo = s.get("algo") or {}
         self.group_size = int(algo.get("group_size", 8))
         buf = s.get("buffer") or {}
@@ -76,9 +80,13 @@ class BufferActor(Actor):
             group_timeout_s=float(buf.get("group_timeout_s", 1800.0)))
         self.finished = False
         self.ledger_path = self.run_dir / "buffer" / "ledger.jsonl"
-        self.ledger_path.parent.mkdir(parents=True, exist_ok=True)
-        if recovering(s) and (found := latest_checkpoint(self.run_dir)) is not None:
-            self._restore(found[1] / "buffer.json")
+        self.served_dir = self.run_dir / "buffer" / "served"
+        self.served_dir.mkdir(parents=True, exist_ok=True)
+        self._serving = asyncio.Lock()
+        self.served_through = 0   # the newest step a batch was served for
+        found = latest_checkpoint(self.run_dir) if recovering(s) else None
+        if found is not None or in_place:
+            self._restore(found[0] if found else 0, found[1] / "buffer.json" if found else None)
         self.changed = asyncio.Event()   # something that may let the dispatcher hand out work
         self.arrived = asyncio.Event()   # a scored group arrived or the version moved (batch waiters)
         self.log.info("buffer_started", prompts=len(self.dataset), skipped_lines=self.dataset.n_skipped,
@@ -86,6 +94,10 @@ class BufferActor(Actor):
                       rollouts=self.state.rollouts, version=self.state.gate.version)
 
     async def on_ready(self) -> None:
+        # A restarted buffer knows no worker yet, and the trainer may be waiting on a request it never got.
+        trainers = ((self.settings.get("groups") or {}).get("trainer") or [])[:1]
+        for peer in self.state.rollouts + self.state.rewards + trainers:
+            await self.bus.send(peer, HelloRequest())
         self.spawn(self._dispatch_loop(), name="dispatch")
         self.spawn(self._expire_loop(), name="expire", critical=False)
         self.changed.set()
@@ -179,17 +191,49 @@ class BufferActor(Actor):
 
     @handles(BatchRequest)
     async def on_batch_request(self, msg: BatchRequest) -> Batch:
-        while True:
-            self._drop_stale()
-            if (taken := self.state.take_batch()) is not None:
-                break
-            self.arrived.clear()
-            await self.arrived.wait()
-        self._ledger({"event": "batch", "step": msg.step, "keys": [list(g.key) for g in taken],
-                      "start_versions": [g.start_version for g in taken], "version": self.state.gate.version})
-        groups = [BatchGroup(prompt_ids=self.prompt_ids[g.key[1]], level=level_of(self.dataset.records[g.key[1]]),
-                             samples=g.answers.samples) for g in taken]
-        return Batch(step=msg.step, groups=groups, stats=self.state.batch_stats())
+        self.state.set_version(msg.step - 1)   # it finished that step: a VersionUpdate lost in a restart
+        async with self._serving:   # one step at a time: a restarted trainer may ask while its old request waits
+            if msg.step <= self.served_through:
+                # Served before, to a trainer that died before its next checkpoint (or a relaunched run): the
+                # same batch again, so nothing is lost and nothing trained twice.
+                batch = self._served(msg.step)[0]
+                self.counters["batches_served_again"] += 1
+                self.log.info("batch_served_again", step=msg.step, groups=len(batch.groups))
+                return batch
+            while True:
+                self._drop_stale()
+                if (taken := self.state.take_batch()) is not None:
+                    break
+                self.arrived.clear()
+                await self.arrived.wait()
+            record = {"event": "batch", "step": msg.step, "keys": [list(g.key) for g in taken],
+                      "start_versions": [g.start_version for g in taken], "version": self.state.gate.version}
+            groups = [BatchGroup(prompt_ids=self.prompt_ids[g.key[1]],
+                                 level=level_of(self.dataset.records[g.key[1]]), samples=g.answers.samples)
+                      for g in taken]
+            batch = Batch(step=msg.step, groups=groups, stats=self.state.batch_stats())
+            # On disk before the reply: a restart of either side resumes from here (see _restore).
+            fsync_write(self._served_path(msg.step), msgpack.packb(
+                {"batch": encode(batch)[0], "ledger": record, "state": self._state_dict()}))
+            self._ledger(record)
+            self.served_through = msg.step
+            return batch
+
+    def _state_dict(self) -> dict[str, Any]:
+        return {**self.state.state_dict(), "dataset": {"path": self.dataset.path, "records": len(self.dataset)}}
+
+    def _served_path(self, step: int) -> Path:
+        return self.served_dir / f"step_{step:06d}.msgpack"
+
+    def _served(self, step: int) -> tuple[Batch, dict[str, Any], dict[str, Any]]:
+        """The batch served for `step`, its ledger record, and the buffer's state right after serving it."""
+        path = self._served_path(step)
+        try:
+            saved = msgpack.unpackb(path.read_bytes())
+            _, batch = decode([saved["batch"]])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise RuntimeError(f"{path}: the batch served for step {step} cannot be read back: {exc}") from exc
+        return batch, saved["ledger"], saved["state"]
 
     def _ledger(self, record: dict[str, Any]) -> None:
         with open(self.ledger_path, "a") as f:
@@ -200,33 +244,63 @@ class BufferActor(Actor):
     def on_checkpoint(self, msg: CheckpointRequest) -> CheckpointDone:
         """Called between steps (the trainer asks before requesting the next batch), so exactly the
         batches of steps <= msg.step have been served."""
-        state = {"step": msg.step, **self.state.state_dict(),
-                 "dataset": {"path": self.dataset.path, "records": len(self.dataset)}}
+        state = {"step": msg.step, **self._state_dict()}
         if msg.step < 0:
             raise ValueError(f"step: {msg.step} is not a training step")
+        state["served_through"] = self.served_through   # ahead of msg.step after a trainer restarted in place
         path = checkpoint_dir(self.run_dir, msg.step) / "buffer.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, path)
+        # Batches up to the newest complete checkpoint will never be asked for again (msg.step's is not
+        # complete yet: until it is, a resume starts from the one before).
+        if (done := latest_checkpoint(self.run_dir)) is not None:
+            for old in self.served_dir.glob("step_*.msgpack"):
+                if int(old.stem.split("_")[1]) <= done[0]:
+                    old.unlink(missing_ok=True)
         return CheckpointDone(step=msg.step)
 
-    def _restore(self, path: Path) -> None:
-        state = json.loads(path.read_text())
+    def _restore(self, step: int, checkpoint: Path | None) -> None:
+        """Take up the run after a restart in place or a relaunch from the checkpoint of `step`. The newest
+        served batch carries the state right after it was served; every batch served since the checkpoint is
+        kept, so the trainer, which resumes at `step`, gets exactly those batches again. Without them (none
+        was served since) the checkpoint's buffer.json is the state."""
+        served = sorted(int(p.stem.split("_")[1]) for p in self.served_dir.glob("step_*.msgpack"))
+        since = [k for k in served if k > step]
+        if since != list(range(step + 1, step + 1 + len(since))):   # a gap: they cannot be served in order
+            self.log.warning("served_batches_discarded", steps=since, checkpoint=step)
+            for k in since:
+                self._served_path(k).unlink()
+            since = []
+        records: dict[int, dict[str, Any]] = {}
+        if since:
+            for k in since:
+                _, records[k], state = self._served(k)
+            self.served_through = since[-1]
+        elif checkpoint is not None:
+            state = json.loads(checkpoint.read_text())
+            self.served_through = step
+        else:
+            return   # restarted in place before any batch was served: a fresh start is the state
         if state["dataset"]["records"] != len(self.dataset):
-            raise ValueError(f"{path}: saved for a dataset of {state['dataset']['records']} records, "
-                             f"but {self.dataset.path} has {len(self.dataset)}")
+            raise ValueError(f"the buffer's saved state (step {self.served_through}) is for a dataset of "
+                             f"{state['dataset']['records']} records, but {self.dataset.path} has {len(self.dataset)}")
         self.state.load_state_dict(state)
-        # The ledger is the record of what was trained; batches after the checkpoint were rolled back.
-        kept = []
+        # The ledger records what was trained or served: batches after the newest one kept were rolled back,
+        # and one written to disk just before a crash may still lack its line.
+        kept, logged = [], set()
         if self.ledger_path.exists():
             for line in self.ledger_path.read_text().splitlines():
                 rec = json.loads(line)
-                if rec["event"] != "batch" or rec["step"] <= state["step"]:
+                if rec["event"] != "batch" or rec["step"] <= self.served_through:
                     kept.append(line)
+                if rec["event"] == "batch":
+                    logged.add(rec["step"])
+        kept += [json.dumps(records[k]) for k in since if k not in logged]
         self.ledger_path.write_text("".join(line + "\n" for line in kept))
-        self.log.info("buffer_restored", step=state["step"], epoch=self.state.epoch, position=self.state.position,
-                      reissue=len(self.state.reissue), gate=repr(self.state.gate))
+        self.log.info("buffer_restored", step=step, served_through=self.served_through, epoch=self.state.epoch,
+                      position=self.state.position, reissue=len(self.state.reissue), gate=repr(self.state.gate))
 
     @handles(RunFinished)
     def on_run_finished(self, msg: RunFinished) -> None:

@@ -169,6 +169,7 @@ class ParamServerActor(Actor):
         self._changed = asyncio.Condition()
         self._up_lock = asyncio.Lock()
         self._up_epoch = 0   # the newest train-link epoch the trainer has named
+        self._trainer_incarnation = ""
         self._waiting_logged: tuple = ()
         # Hellos can arrive while on_start still loads the start weights; they are applied once it is done.
         self._started = asyncio.Event()
@@ -313,6 +314,8 @@ class ParamServerActor(Actor):
         if self.direct_from is not None:
             return self._published_direct(msg)
         assert self.up is not None
+        if msg.incarnation != self._trainer_incarnation:   # the trainer restarted: its epochs start again
+            self._trainer_incarnation, self._up_epoch = msg.incarnation, msg.link_epoch
         self._up_epoch = max(self._up_epoch, msg.link_epoch)
         if self.up.generation != msg.link_epoch:
             # First contact, a restart of either side, or a transfer that failed: meet the trainer on the epoch

@@ -107,13 +107,18 @@ def mark_complete(ckpt: Path, meta: dict[str, Any]) -> None:
         with open(path, "rb") as f:
             os.fsync(f.fileno())
         files[str(path.relative_to(ckpt))] = {"bytes": path.stat().st_size, "xxh3": _file_digest(path)}
-    tmp = ckpt / (COMPLETE + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps({**meta, "files": files}, sort_keys=True))
+    fsync_write(ckpt / COMPLETE, json.dumps({**meta, "files": files}, sort_keys=True).encode())
+
+
+def fsync_write(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all: under a temporary name, fsynced, renamed, the directory fsynced."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, ckpt / COMPLETE)
-    _fsync_dir(ckpt)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 def _file_digest(path: Path) -> str:
@@ -132,18 +137,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def refuse_restart_within_launch(actor: Any) -> None:
-    """Stateful actors (trainer, buffer) must not be restarted alone: the others hold work and weights
-    newer than the last checkpoint, so a lone restart would train a history that never happened. A
-    restart under the same launcher (same parent process) raises; relaunching with `run.recover: auto`
-    resumes every actor consistently from the last checkpoint."""
+def restarted_in_place(actor: Any) -> bool:
+    """Whether this process replaces one of the same actor under the same launcher (the supervisor restarted
+    it after it died), as opposed to the first start of a launch or a relaunch. Stateful actors (trainer,
+    buffer) then take up the run where the others are, not where the last checkpoint was."""
     marker = Path(actor.run_dir) / "launch" / f"{actor.name}.json"
     marker.parent.mkdir(parents=True, exist_ok=True)
-    if marker.exists() and json.loads(marker.read_text()).get("ppid") == os.getppid():
-        raise RuntimeError(f"{actor.name} was restarted inside a running launch; the other actors hold work newer "
-                           "than the last checkpoint, so the run must be relaunched to recover consistently "
-                           "(run.recover: auto resumes from the last checkpoint)")
+    again = marker.exists() and json.loads(marker.read_text()).get("ppid") == os.getppid()
     marker.write_text(json.dumps({"ppid": os.getppid(), "pid": os.getpid()}))
+    return again
 
 
 FINISHED = "FINISHED"

@@ -322,7 +322,10 @@ class RolloutActor(Actor):
             await self._hello()
 
     @handles(HelloRequest)
-    async def on_hello_request(self, msg: HelloRequest) -> None:
+    async def on_hello_request(self, msg: HelloRequest, env: Any) -> None:
+        if env.sender == self.buffer:   # a restarted buffer: it has no work of ours and may give some
+            await self.bus.send(self.buffer, WorkerHello(role="rollout"))
+            return
         await self._engine_ready.wait()
         if self.link is not None:
             await self._hello()

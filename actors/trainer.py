@@ -26,6 +26,7 @@ consistently from the last checkpoint.
 from __future__ import annotations
 
 import asyncio
+import os
 import concurrent.futures
 import json
 import shutil
@@ -36,13 +37,13 @@ from typing import Any
 
 import torch
 
-from actors.base import Actor, handles
+from actors.base import Actor, ActorSpec, handles
 from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine, engine_device, require_device
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.param_server import WeightsStatus, WeightsStatusRequest, pack_buckets
 from actors.rank_group import BROADCAST, EXPORT, HOST, SAVE, STOP, TRAIN, RankGroup
-from actors.recovery import (checkpoint_dir, complete_checkpoints, mark_complete, mark_run_finished,
-                             refuse_restart_within_launch, start_weights)
+from actors.recovery import (COMPLETE, checkpoint_dir, complete_checkpoints, mark_complete, mark_run_finished,
+                             recovering, restarted_in_place, start_weights)
 from actors.rollout import in_thread, weight_group_name
 from actors.weights import TensorDigest, combine_digests, tensor_digests
 from algo.advantages import compute_advantages
@@ -51,8 +52,8 @@ from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
 from algo.staleness import sample_staleness
 from transport.bulk import BulkError, BulkLink, LinkConfig, PackedBucket, unpack_bucket
 from transport.bus import BusError
-from transport.protocol import (Batch, BatchRequest, CheckpointDone, CheckpointRequest, LinkFormed, LinkReform,
-                                RunFinished, TensorMeta, VersionUpdate, WeightsBroadcast, WeightsBroadcastDone,
+from transport.protocol import (Batch, BatchRequest, CheckpointDone, CheckpointRequest, HelloRequest, LinkFormed,
+                                LinkReform, RunFinished, TensorMeta, VersionUpdate, WeightsBroadcast, WeightsBroadcastDone,
                                 WeightsPublished, WeightsStored)
 
 
@@ -165,6 +166,9 @@ class StepConfig:
 # A parameter server restarted in place answers within a few seconds; each attempt is bounded by the link's
 # timeout, so this bounds how long a step waits for one that does not come back.
 PUBLISH_ATTEMPTS = 10
+# A request to the buffer is asked again each time the buffer restarts while it waits (a restarted buffer
+# says so with HelloRequest); this bounds how many restarts one request outlives.
+BUFFER_ATTEMPTS = 10
 
 
 class TrainerConfigError(ValueError):
@@ -244,6 +248,12 @@ class ServerGroupHost:
 class TrainerActor(Actor):
     placement = staticmethod(trainer_placement)   # what --dry-run prints for the group
 
+    def __init__(self, spec: ActorSpec) -> None:
+        super().__init__(spec)
+        # The buffer restarted: what was asked of it must be asked again (see _ask_buffer).
+        self._buffer_back = asyncio.Event()
+        self._buffer_lost = False
+
     async def on_start(self) -> None:
         s = self.settings
         instance = s.get("instance") or {}
@@ -261,7 +271,19 @@ class TrainerActor(Actor):
                                      "weights group (SGLang): every pipeline stage sends its own layers on a group "
                                      "of its own; the relay through the parameter server (train_to_ps) takes one "
                                      "sender (docs/engines-megatron.md)")
-        refuse_restart_within_launch(self)
+        if restarted_in_place(self):
+            # The buffer keeps every batch served since the last checkpoint, so a trainer restarted alone
+            # resumes from that checkpoint and is served the same batches again. A world cannot take one
+            # rank back (the others wait in a collective for it): that needs a relaunch.
+            if world:
+                raise RuntimeError(f"{self.name} was restarted inside a running launch, but a trainer world "
+                                   f"cannot take one rank back: relaunch the run (run.recover: auto resumes "
+                                   f"from the last checkpoint)")
+            if not recovering(s):
+                raise RuntimeError(f"{self.name} was restarted inside a running launch, which resumes from the "
+                                   f"last checkpoint, but run.recover is off: relaunch the run")
+            self.log.warning("trainer_restarted_in_place")
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
         self.step_cfg = StepConfig.from_settings(s)
         self.eta = int((s.get("algo") or {}).get("eta", 4))
         self.total_steps = int((s.get("run") or {}).get("total_steps", 100))
@@ -333,12 +355,43 @@ class TrainerActor(Actor):
             self.server_host.close()
 
     def on_peer_dead(self, peer: str) -> None:
+        if peer == "buffer":
+            self._buffer_lost = True
         # A torch.distributed world cannot take a rank back: the others would wait in a collective for it.
         ranks = getattr(self, "ranks", None)
         if ranks is not None and peer in ((self.settings.get("groups") or {}).get("trainer") or []):
             self.log.error("trainer_rank_died", peer=peer)
             self.request_stop(f"trainer rank {peer} stopped answering; the trainer world cannot continue without "
                               f"it (relaunch with run.recover: auto to resume from the last checkpoint)", exit_code=1)
+
+    def on_peer_alive(self, peer: str) -> None:
+        if peer == "buffer" and self._buffer_lost:
+            self._buffer_lost = False
+            self._buffer_back.set()
+
+    @handles(HelloRequest)
+    def on_hello_request(self, msg: HelloRequest, env: Any) -> None:
+        if env.sender == "buffer":
+            self._buffer_back.set()
+
+    async def _ask_buffer(self, msg: Any, timeout: float | None) -> Any:
+        """A request to the buffer that outlives the buffer's restart: asked again once it is back. (The
+        buffer serves a step's batch again if it served it already: nothing is taken twice.)"""
+        for attempt in range(1, BUFFER_ATTEMPTS + 1):
+            self._buffer_back.clear()
+            ask = asyncio.ensure_future(self.bus.request("buffer", msg, timeout=timeout))
+            back = asyncio.ensure_future(self._buffer_back.wait())
+            try:
+                await asyncio.wait({ask, back}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                back.cancel()
+            if ask.done():
+                return ask.result()
+            ask.cancel()
+            await asyncio.gather(ask, return_exceptions=True)
+            self.counters["buffer_requests_repeated"] += 1
+            self.log.warning("buffer_restarted", asking_again=type(msg).KIND, attempt=attempt)
+        raise RuntimeError(f"the buffer restarted {BUFFER_ATTEMPTS} times while {type(msg).KIND} waited for it")
 
     # --- ranks > 0 --------------------------------------------------------------------------------
     async def _follow(self) -> None:
@@ -463,7 +516,7 @@ class TrainerActor(Actor):
         last_end = time.time()
         while self.version < self.total_steps:
             t_wait = time.time()
-            batch = await self.bus.request("buffer", BatchRequest(step=self.version + 1), timeout=None)
+            batch = await self._ask_buffer(BatchRequest(step=self.version + 1), timeout=None)
             assert isinstance(batch, Batch)
             t0 = time.time()
             stats = await asyncio.to_thread(self._train_step, batch)
@@ -547,7 +600,8 @@ class TrainerActor(Actor):
         assert self.link is not None
         dst, epoch = self.link_cfg.rank_of(self.param_server), self.link_epoch
         reply = asyncio.ensure_future(self.bus.request(self.param_server, WeightsPublished(
-            version=self.version, n_buckets=len(buckets), weights_hash=digest, link_epoch=epoch),
+            version=self.version, n_buckets=len(buckets), weights_hash=digest, link_epoch=epoch,
+            incarnation=self.incarnation),
             timeout=self.link_cfg.timeout_s + 30))
 
         def send_all() -> None:
@@ -704,8 +758,9 @@ class TrainerActor(Actor):
     async def _checkpoint(self) -> None:
         ckpt = checkpoint_dir(self.run_dir, self.version)
         ckpt.mkdir(parents=True, exist_ok=True)
+        (ckpt / COMPLETE).unlink(missing_ok=True)   # written again by a trainer restarted in place
         await asyncio.to_thread(self._save, str(ckpt / "model"))
-        reply = await self.bus.request("buffer", CheckpointRequest(step=self.version), timeout=60)
+        reply = await self._ask_buffer(CheckpointRequest(step=self.version), timeout=60)
         if not isinstance(reply, CheckpointDone):
             raise RuntimeError(f"buffer answered {reply!r} to a checkpoint request")
         mark_complete(ckpt, {"step": self.version, "time": time.time()})

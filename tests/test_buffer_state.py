@@ -206,7 +206,7 @@ def test_the_buffer_actor_checkpoints_into_its_own_run_directory_only(tmp_path) 
     from actors.recovery import checkpoint_dir
     from transport.protocol import CheckpointRequest
     buf = BufferActor.__new__(BufferActor)   # the adapter's file I/O only; the decisions are tested above
-    buf.run_dir, buf.state = tmp_path, state()
+    buf.run_dir, buf.state, buf.served_through, buf.served_dir = tmp_path, state(), 3, tmp_path / "served"
     buf.dataset = type("Data", (), {"path": "d.jsonl", "__len__": lambda self: 10})()
     buf.state.position = 5
     assert buf.on_checkpoint(CheckpointRequest(step=3)).step == 3

@@ -189,6 +189,24 @@ def test_a_killed_parameter_server_is_restarted_in_place(assets: dict[str, Path]
     assert pushed and pushed[-1] >= 5, pushed   # the restarted server went on pushing new versions
 
 
+@pytest.mark.parametrize("victim", ["trainer", "buffer"])
+def test_a_killed_trainer_or_buffer_is_restarted_in_place(victim: str, assets: dict[str, Path],
+                                                          tmp_path: Path) -> None:
+    # Both were refused a restart once, so the run failed and needed a relaunch. Now the buffer keeps every
+    # batch served since the last checkpoint: a restarted trainer resumes from that checkpoint and is served
+    # the same batches again; a restarted buffer takes up from the newest batch it served.
+    run_dir = tmp_path / "run"
+    restarts = run_killing(assets, run_dir, [victim])
+    assert {name: n for name, n in restarts.items() if n} == {victim: 1}, restarts
+    if victim == "trainer":
+        first, resumed = events(run_dir, "trainer", "trainer_started")   # from the last checkpoint (or the start)
+        again = [e["step"] for e in events(run_dir, "buffer", "batch_served_again")]
+        assert again and again == list(range(resumed["version"] + 1, resumed["version"] + 1 + len(again))), again
+    else:
+        [restored] = events(run_dir, "buffer", "buffer_restored")
+        assert restored["served_through"] >= 2, restored
+
+
 def test_a_hung_rollout_holds_up_neither_the_weights_nor_the_trainer(assets: dict[str, Path],
                                                                    tmp_path: Path) -> None:
     # SIGSTOP of one rollout once held every weight push for the link timeout and then kept failing: the

@@ -193,6 +193,7 @@ class WeightsPublished(Message):
     specs: list[list[TensorMeta]] = field(default_factory=list)
     stage_buckets: list[int] = field(default_factory=list)
     link_epoch: int = 0
+    incarnation: str = ""   # of the trainer process: a restarted trainer counts its epochs from 0 again
 
 
 @message("rl.weights_stored")
@@ -237,10 +238,11 @@ class RolloutHello(Message):
     incarnation: str = ""   # one per process start: a repeated hello of the same process changes nothing
 
 
-@message("rl.hello_request", senders=("param_server",))
+@message("rl.hello_request", senders=("param_server", "buffer"))
 class HelloRequest(Message):
-    """param_server -> rollout, when it starts: say RolloutHello again. A parameter server restarted in place
-    knows nothing of the rollouts, and one restarted faster than the heartbeat timeout is never missed."""
+    """param_server -> rollout, or buffer -> rollout and reward, when it starts: say RolloutHello (to the
+    parameter server) or WorkerHello (to the buffer) again. One restarted in place knows nothing of the
+    workers, and one restarted faster than the heartbeat timeout is never missed."""
 
 
 @message("rl.server_down", senders=("rollout",))

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 from actors.base import Actor, ActorSpec, handles
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
 from actors.reward.pool import RewardPool, TaskFailure
-from transport.protocol import RunFinished, Sample, ScoredGroup, Task, Trajectories, WorkerHello
+from transport.protocol import HelloRequest, RunFinished, Sample, ScoredGroup, Task, Trajectories, WorkerHello
 
 __all__ = ["RewardActor", "RewardConfigError", "Score", "failure_detail"]
 
@@ -79,6 +79,11 @@ class RewardActor(Actor):
         self.log.info("reward_ready", grader=self.grader, workers=workers, timeout_s=self.timeout_s)
 
     async def on_ready(self) -> None:
+        await self.bus.send(self.buffer, WorkerHello(role="reward"))
+
+    @handles(HelloRequest)
+    async def on_hello_request(self, msg: HelloRequest) -> None:
+        """A restarted buffer asks: it has no work of ours and may give some."""
         await self.bus.send(self.buffer, WorkerHello(role="reward"))
 
     async def on_stop(self) -> None:
