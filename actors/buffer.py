@@ -302,6 +302,13 @@ class BufferActor(Actor):
         self.log.info("buffer_restored", step=step, served_through=self.served_through, epoch=self.state.epoch,
                       position=self.state.position, reissue=len(self.state.reissue), gate=repr(self.state.gate))
 
+    async def on_stop(self) -> None:
+        # What became of every prompt handed out: tools/bench/chaos.py counts lost and twice-trained ones.
+        if getattr(self, "state", None) is not None:
+            final = {**self._state_dict(), "served_through": self.served_through,
+                     "issued": [list(k) for k in self.state.issued_keys()]}
+            (self.run_dir / "buffer" / "final_state.json").write_text(json.dumps(final))
+
     @handles(RunFinished)
     def on_run_finished(self, msg: RunFinished) -> None:
         self.finished = True

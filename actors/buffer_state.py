@@ -128,6 +128,12 @@ class BufferState:
         self.position += 1
         return key
 
+    def issued_keys(self) -> list[Key]:
+        """Every prompt the cursor has handed out so far, in order: each is trained, dropped on purpose,
+        or still pending (in flight, ready or waiting to be issued again). tools/bench/chaos.py checks it."""
+        done = [(e, i) for e in range(self.epoch) for i in self._permutation(e)]
+        return done + [(self.epoch, i) for i in self.order[:self.position]]
+
     def rollout_cap(self, rollout: str) -> int:
         """Groups a rollout may hold. One while its newest weights are already older than the gate allows:
         everything it generates now will be dropped as stale, and a flood of such work would crowd out the

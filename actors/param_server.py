@@ -37,7 +37,8 @@ rollouts cannot tell the difference. The start version's hash is not known here 
 rollout at the start version counts as up to date, as in the relay mode.
 
 Settings (all optional): ``train_link`` (default "train_to_ps"), ``rollout_link`` (default
-"ps_to_rollout"), ``ack_timeout_s`` (default 120), ``retry_s`` (default 2), ``bucket_bytes`` for the start
+"ps_to_rollout"), ``ack_timeout_s`` (default 120), ``retry_s`` (default 2), ``probation_s`` (default 30: how
+long a rollout back from a hang is first left out if the transfer fails with it), ``bucket_bytes`` for the start
 weights (default 64 MiB), ``model.dtype`` (the dtype the start weights are held in, as the rollouts load them).
 """
 from __future__ import annotations
@@ -162,6 +163,8 @@ class ParamServerActor(Actor):
         self.formed: list[str] = []             # the rollouts of the formed generation, in link order
         self._busy_with: set[str] = set()       # the rollouts the running formation or push waits on
         self._lost = asyncio.Event()            # one of them was lost: abandon it
+        self._last_good: set[str] = set()       # the rollouts of the last formation whose push went through
+        self._probation: dict[str, tuple[float, float]] = {}   # rollout -> (left out until, next period)
         self.pushes = 0
         self.hash_mismatches = 0
         self.sync_seconds: list[float] = []
@@ -180,6 +183,7 @@ class ParamServerActor(Actor):
     async def on_start(self) -> None:
         self.ack_timeout = float(self.settings.get("ack_timeout_s", 120.0))
         self.retry_s = float(self.settings.get("retry_s", 2.0))
+        self.probation_s = float(self.settings.get("probation_s", 30.0))
         if not self.settings.get("links"):
             self._start_direct()
             return
@@ -275,6 +279,7 @@ class ParamServerActor(Actor):
         first = not state.hello
         version = hello.version
         state.hello, state.alive, state.incarnation = True, True, hello.incarnation
+        self._probation.pop(sender, None)
         state.version, state.ack_ok, state.weight_ranks = version, False, hello.weight_ranks
         # Any hello after the link was formed comes from a (re)started member: it needs a new group.
         self._member_changed(sender, "it restarted")
@@ -387,8 +392,26 @@ class ParamServerActor(Actor):
             fut.cancel()
 
     def _ready(self) -> list[str]:
-        """The rollouts a generation is formed of now: said hello and alive, in link order."""
-        return [n for n, s in self.rollouts.items() if s.hello and s.alive]
+        """The rollouts a generation is formed of now: said hello, alive, and not on probation."""
+        now = time.monotonic()
+        return [n for n, s in self.rollouts.items()
+                if s.hello and s.alive and self._probation.get(n, (0.0, 0.0))[0] <= now]
+
+    def _failed_with(self, members: list[str]) -> None:
+        """A formation or push failed. If it had members the last good one did not (one back from a hang, its
+        server perhaps still stuck in the transfer it was left out of), leave those out for a while, doubling
+        each time, so that they cannot keep the others from their weights; their next hello lets them in."""
+        newcomers = [n for n in members if n not in self._last_good]
+        if not newcomers or len(newcomers) == len(members):
+            return
+        now = time.monotonic()
+        for name in newcomers:
+            period = self._probation.get(name, (0.0, self.probation_s / 2))[1] * 2
+            self._probation[name] = (now + period, min(period, 16 * self.probation_s))
+            asyncio.get_running_loop().call_later(period, self._kick.set)
+            self.counters["rollouts_on_probation"] += 1
+            self.log.warning("rollout_on_probation", rollout=name, seconds=round(period, 1),
+                             hint="a formation or push failed with it just back; the others go on without it")
 
     def _blockers(self) -> tuple[list[str], list[str]]:
         no_hello = sorted(n for n, s in self.rollouts.items() if not s.hello)
@@ -477,6 +500,7 @@ class ParamServerActor(Actor):
             self.counters["link_form_failures"] += 1
             self.log.error("rollout_link_form_failed", generation=generation, error=str(exc),
                            retry_in_s=self.retry_s)
+            self._failed_with(members)
             return False
         self._formed(generation, members, t0)
         await self._notify()
@@ -543,6 +567,7 @@ class ParamServerActor(Actor):
             await asyncio.gather(*acks.values(), return_exceptions=True)
             self._acks = {}
             self.need_reform = True
+            self._failed_with(members)
             self.counters["push_failures"] += 1
             self.log.error("weights_push_failed", version=stored.version, generation=generation, error=str(exc))
             return False
@@ -579,6 +604,10 @@ class ParamServerActor(Actor):
                 summary[name] = {"error": reason[:200]}
         self.pushes += 1
         self.sync_seconds.append(sync_s)
+        if ok:
+            self._last_good = set(members)
+            for name in members:
+                self._probation.pop(name, None)
         self.log.info("weights_pushed", version=stored.version, generation=generation, buckets=stored.n_buckets,
                       nbytes=stored.nbytes, broadcast_s=round(sent_s, 4), sync_s=round(sync_s, 4), rollouts=summary)
         await self._notify()

@@ -459,9 +459,7 @@ class RolloutActor(Actor):
             done, generation, msg = self._link_requests, self._link_target, self._link_msg
             t0 = time.monotonic()
             try:
-                if isinstance(self.link, ServerWeightGroup):
-                    await self.link.join(msg)
-                elif not await self._formed_unless_newer(generation, msg):
+                if not await self._formed_unless_newer(generation, msg):
                     continue
             except (BulkError, EngineError) as exc:
                 # The parameter server retries at a newer generation and tells us; wait for that.
@@ -474,16 +472,19 @@ class RolloutActor(Actor):
                 self._link_changed.notify_all()
 
     async def _formed_unless_newer(self, generation: int, msg: LinkReform) -> bool:
-        """Form the bulk link at ``generation``, unless a newer LinkReform comes first (a member this one
-        waits for was left out of the next): then abandon it, its thread ending on its own generation."""
-        assert isinstance(self.link, BulkLink)
-        forming = in_thread(self.link.reform, generation, msg.members or None)
+        """Form the link at ``generation``, unless a newer LinkReform comes first (a member this one waits for
+        was left out of the next): then abandon it (a bulk link's thread ends on its own generation; a
+        server's join is cancelled and the next join drops what it left)."""
+        assert self.link is not None
+        forming = (asyncio.ensure_future(self.link.join(msg)) if isinstance(self.link, ServerWeightGroup)
+                   else in_thread(self.link.reform, generation, msg.members or None))
         newer = asyncio.ensure_future(self._link_wanted.wait())
         await asyncio.wait({forming, newer}, return_when=asyncio.FIRST_COMPLETED)
         newer.cancel()
         if forming.done():
             forming.result()
             return True
+        forming.cancel()
         forming.add_done_callback(lambda f: f.cancelled() or f.exception())   # its late error is expected
         self.counters["link_formations_abandoned"] += 1
         self.log.warning("link_formation_abandoned", generation=generation, newer=self._link_target)
@@ -546,7 +547,19 @@ class RolloutActor(Actor):
                     yield item
 
             if isinstance(link, ServerWeightGroup):
-                return await self._update_through_server(msg, link, t0)
+                update = asyncio.ensure_future(self._update_through_server(msg, link, t0))
+                self._receiving = (msg.generation, update)
+                try:
+                    return await update
+                except asyncio.CancelledError:
+                    if not update.cancelled() or asyncio.current_task().cancelling():
+                        raise
+                    self.counters["weight_updates_abandoned"] += 1
+                    raise WeightSyncError(f"version {msg.version}: abandoned, the weights group is being formed "
+                                          f"again without this transfer") from None
+                finally:
+                    if self._receiving is not None and self._receiving[1] is update:
+                        self._receiving = None
             receiver = asyncio.ensure_future(receive())
             self._receiving = (msg.generation, receiver)
             receiver.add_done_callback(lambda done: self._receiving is not None and self._receiving[1] is done

@@ -402,6 +402,35 @@ def test_launched_server_distributed_weights_and_restart(tmp_path):
     assert again.versions == [0] * 6 and again.output_ids == greedy_reference(tiny_model(seed=0), [1, 2], 6)
 
 
+def test_a_server_that_dies_while_paused_comes_back_unpaused(tmp_path):
+    # Killed during a weight update (paused; /continue_generation then fails), the server was restarted
+    # but the engine stayed paused, so every later request waited at the pause gate for good.
+    model_dir = str(tmp_path / "start")
+    save_model(tiny_model(seed=0), model_dir)
+    events: list[tuple[str, int]] = []
+
+    async def on_server_event(event: str, restarts: int) -> None:
+        events.append((event, restarts))
+
+    async def main():
+        engine = SGLangEngine(launch=_standin_launch(model_dir, tmp_path), on_server_event=on_server_event)
+        await engine.start()
+        try:
+            await engine.pause()
+            os.killpg(engine.server.proc.pid, signal.SIGKILL)
+            with pytest.raises(EngineError):
+                await engine.resume()            # the server is gone
+            request = GenerationRequest("after", [1, 2], SamplingParams(temperature=0.0, max_new_tokens=4))
+            [answer] = await asyncio.wait_for(engine.generate(request), 120)
+            return answer, await engine.health()
+        finally:
+            await engine.stop()
+
+    answer, health = run(main())
+    assert ("restarted", 1) in events and not health["paused"]
+    assert answer.output_ids == greedy_reference(tiny_model(seed=0), [1, 2], 4)
+
+
 def test_a_server_dies_with_the_process_that_started_it(tmp_path):
     # A rollout actor killed by SIGKILL cannot stop its server; the kernel sends the server SIGTERM then.
     model_dir = str(tmp_path / "start")

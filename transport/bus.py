@@ -74,6 +74,9 @@ def _release_zmq(sockets: list[zmq.Socket], ctx: zmq.Context, auth: Any) -> None
     ctx.term()
 
 
+HEARTBEAT_TIMEOUT_S = 5.0   # a peer silent this long is dead (pings go every second by default)
+
+
 class BusError(RuntimeError):
     pass
 
@@ -162,7 +165,7 @@ class Bus:
                  hard_max_frame_bytes: int | None = None,
                  max_inflight: int = 64,
                  heartbeat_interval: float | None = 1.0,
-                 heartbeat_timeout: float = 5.0,
+                 heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
                  on_peer_dead: Callable[[str], Any] | None = None,
                  on_peer_alive: Callable[[str], Any] | None = None,
                  reply_timeout: float = 30.0,

@@ -650,6 +650,10 @@ class SGLangEngine(GenerationEngine):
         self.groups.clear()
         if event == "restarted" and self.server is not None:
             self._version = self.server.weight_version
+            # A fresh server is not paused: a pause whose /continue_generation died with the old one must not
+            # hold every request at the gate for good.
+            self._paused = False
+            self._open.set()
         if self.user_on_server_event is not None:
             await self.user_on_server_event(event, restarts)
 
