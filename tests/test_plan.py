@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from actors.engines.model import Qwen2Config, Qwen2ForCausalLM, param_count
@@ -83,3 +84,69 @@ def test_every_shipped_topology_plans_and_its_gpu_groups_fit(path):
     assert len(groups) == len(gpu_groups)
     for m in groups:
         assert m.fits, m.problem()
+
+
+# --- simulation ---------------------------------------------------------------------------------------
+from tools.plan import costs, hardware, sim  # noqa: E402
+
+
+def _config(**kw) -> sim.SimConfig:
+    base = dict(shape=BUILTIN["1.5B"], gpu=hardware.GPUS["H800"], gpus_per_node=8, servers=1, server_tp=1,
+                trainer=costs.TrainerShape(tp=1, pp=1, dp=1, micro_batch_tokens=4096, minibatches=1,
+                                           recompute="full", gpus_per_node=8),
+                batch_size=2, group_size=2, eta=0, max_new_tokens=1000, max_groups_per_server=2,
+                lengths={"kind": "fixed", "tokens": 100}, prompt_tokens=10, reward_latency_s=1.0, steps=3)
+    return sim.SimConfig(**{**base, **kw})
+
+
+def test_one_server_fixed_lengths_and_eta_0_give_the_synchronous_step_time_exactly():
+    cfg = _config()
+    r = sim.simulate(cfg)
+    shape, gpu = cfg.shape, cfg.gpu
+    prefill = costs.prefill_seconds(shape, gpu, 1, 10, 10 ** 2)
+    n = cfg.batch_size * cfg.group_size
+    decode = costs.decode_cost(shape, gpu, 1, n).steps(n * 10, n, 100)
+    train = costs.train_step_seconds(shape, gpu, cfg.trainer, [110] * n, [0, 0, 1, 1])
+    sync = costs.weight_sync_seconds(shape, gpu, 1, 1, 8, across_nodes=True)
+    expected = cfg.batch_size * prefill + decode + cfg.reward_latency_s + train + sync
+    assert r.step_time == pytest.approx(expected, rel=1e-12)
+    assert [s.end for s in r.steps] == pytest.approx([expected, 2 * expected, 3 * expected], rel=1e-12)
+    assert r.staleness == {0: 1.0}
+
+
+def test_decode_steps_sum_in_closed_form_as_step_by_step():
+    c = costs.decode_cost(BUILTIN["7B"], hardware.GPUS["H800"], 2, 128)
+    for kv0, n, j in [(1e6, 128, 1000), (0, 128, 3000), (5e7, 1, 10), (3e6, 256, 777)]:
+        assert c.steps(kv0, n, j) == pytest.approx(sum(c.step(kv0 + i * n) for i in range(j)), rel=1e-9)
+
+
+@pytest.mark.parametrize("servers,dp", [(1, 8), (8, 1)], ids=["rollout-bound", "trainer-bound"])
+def test_throughput_never_exceeds_the_slower_side_s_rate(servers, dp):
+    cfg = _config(servers=servers, eta=2, batch_size=8, group_size=4, max_groups_per_server=4, steps=5,
+                  trainer=costs.TrainerShape(tp=1, pp=1, dp=dp, micro_batch_tokens=4096, minibatches=1,
+                                             recompute="full", gpus_per_node=8))
+    r = sim.simulate(cfg)
+    tokens = cfg.batch_size * cfg.group_size * 110
+    trainer_rate = tokens / (r.measured[0].train_s + r.measured[0].sync_s)
+    n = cfg.max_groups_per_server * cfg.group_size   # the fullest batch a server runs, at its smallest KV
+    rollout_rate = cfg.servers * n * 110 / (100 * costs.decode_cost(cfg.shape, cfg.gpu, 1, n).step(n * 10))
+    assert r.throughput <= min(trainer_rate, rollout_rate) * (1 + 1e-9)
+    assert max(r.staleness) <= cfg.eta
+
+
+def test_lognormal_lengths_have_the_cited_mean_and_tail_share():
+    mu, sigma = sim.lognormal_for(7692, 0.125, 16384)
+    x = np.random.default_rng(0).lognormal(mu, sigma, 400_000)
+    assert np.mean(x > 16384) == pytest.approx(0.125, abs=0.003)
+    assert np.minimum(x, 16384).mean() == pytest.approx(7692, rel=0.01)
+
+
+def test_tools_plan_prints_memory_and_the_comparison_for_a_gpu_topology(capsys, monkeypatch):
+    from tools.plan.__main__ import main
+    monkeypatch.chdir(ROOT)
+    assert main(["topology/1node.yaml", "experiment.algo.batch_size=8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {m["group"] for m in out["memory"]} == {"rollout", "trainer"}
+    sims = out["simulation"]
+    assert sims["async"]["effective_throughput_tok_s"] > sims["sync (eta=0, same split)"]["effective_throughput_tok_s"]
+    assert main(["topology/1node.yaml", "actors.trainer.settings.recompute=none"]) == 2

@@ -11,6 +11,8 @@ from actors.rollout import rollout_placement
 from actors.trainer import trainer_placement
 from tools.plan import hardware, memory
 from tools.plan.shapes import ModelShape, resolve
+from tools.plan.costs import TrainerShape
+from tools.plan.sim import SimConfig
 from tools.topology import Plan
 
 
@@ -85,3 +87,47 @@ def group_memory(setup: Setup) -> list[memory.GroupMemory]:
 def memory_problems(plan: Plan) -> list[str]:
     """One line per GPU group that does not fit (what `tools.up --dry-run` refuses)."""
     return [p for m in group_memory(read(plan)) if (p := m.problem())]
+
+
+def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None = None,
+               colocated: bool = False, steps: int = 4, seed: int = 0) -> SimConfig:
+    """The simulation of this topology's run: its trainer and rollout groups and the experiment's algo,
+    gen and buffer settings. `eta` overrides the staleness bound; `rollout_gpus` moves the split between
+    inference and training (whole servers and whole trainer replicas); `colocated` runs generation and then
+    training on all the GPUs, the synchronous baseline of systems that time-share them."""
+    trainers, rollouts = setup.of_kind("trainer"), setup.of_kind("rollout")
+    if len(trainers) != 1 or len(rollouts) != 1:
+        raise ValueError(f"the simulation needs one trainer and one rollout group, found "
+                         f"{len(trainers)} and {len(rollouts)}")
+    if setup.shape is None:
+        raise ValueError("experiment.model.path: no model shape")
+    tr, ro = trainers[0], rollouts[0]
+    exp = setup.experiment
+    algo, gen, buf = exp.get("algo") or {}, exp.get("gen") or {}, exp.get("buffer") or {}
+    par = (tr.settings.get("instance") or {}).get("parallel") or {}
+    tp, pp = int(par.get("tp", 1)), int(par.get("pp", 1))
+    server_tp = int(((ro.settings.get("instance") or {}).get("parallel") or {}).get("tp", 1))
+    train_gpus, infer_gpus = tr.count * max(tr.gpus_each, 1), ro.count * max(ro.gpus_each, 1)
+    total = train_gpus + infer_gpus
+    if colocated:
+        train_gpus = infer_gpus = total
+        eta = 0
+    elif rollout_gpus is not None:
+        infer_gpus, train_gpus = rollout_gpus, total - rollout_gpus
+    servers, dp = infer_gpus // server_tp, train_gpus // (tp * pp)
+    if servers < 1 or dp < 1:
+        raise ValueError(f"a split of {infer_gpus} inference and {train_gpus} training GPUs leaves no "
+                         f"{'server' if servers < 1 else 'trainer replica'}")
+    rollout_mem = memory.rollout_memory(ro.name, setup.shape, memory.rollout_layout(ro.settings), setup.gpu.memory_bytes)
+    lay = memory.trainer_layout(tr.settings, False)
+    return SimConfig(
+        shape=setup.shape, gpu=setup.gpu, gpus_per_node=setup.gpus_per_node, servers=servers, server_tp=server_tp,
+        trainer=TrainerShape(tp=tp, pp=pp, dp=dp, micro_batch_tokens=lay.micro_batch_tokens,
+                             minibatches=int(algo.get("ppo_minibatches", 1)), recompute=lay.recompute,
+                             gpus_per_node=setup.gpus_per_node),
+        batch_size=int(algo.get("batch_size", 32)), group_size=int(algo.get("group_size", 8)),
+        eta=int(algo.get("eta", 4)) if eta is None else eta, max_new_tokens=int(gen.get("max_new_tokens", 64)),
+        max_groups_per_server=int(buf.get("max_groups_per_rollout", 8)),
+        kv_tokens_per_server=int(rollout_mem.kv_tokens or 0), interruptible=bool(gen.get("interruptible", True)),
+        dynamic_sampling=bool(algo.get("dynamic_sampling", False)),
+        weights_across_nodes=total > setup.gpus_per_node, steps=steps, seed=seed)
