@@ -209,6 +209,7 @@ class Simulation:
         self.gate = StalenessGate(cfg.batch_size, cfg.eta)
         self.servers = [_Server(i) for i in range(cfg.servers)]
         self.open = set(range(cfg.servers))   # servers that may take another group now
+        self.open_heap = [(0, i) for i in range(cfg.servers)]   # (groups, index), lazily kept current
         mean_ctx = cfg.prompt_tokens + float(np.mean(cfg.draw_lengths(np.random.default_rng(cfg.seed + 1), 4096)))
         self.group_cap = max(1, min(cfg.max_groups_per_server,
                                     int(cfg.kv_tokens_per_server // (cfg.group_size * mean_ctx))))
@@ -226,6 +227,7 @@ class Simulation:
         self.steps: list[Step] = []
         self.trainer_busy = 0.0
         self.timeline: list[tuple[str, float, float]] = []
+        self._last_span: dict[str, int] = {}
         self.sync_s = costs.weight_sync_seconds(cfg.shape, cfg.gpu, cfg.trainer.tp, cfg.trainer.pp,
                                                 cfg.gpus_per_node, cfg.weights_across_nodes)
         self._decode: dict[int, costs.DecodeCost] = {}
@@ -250,7 +252,11 @@ class Simulation:
             s.t = now
             return
         cost, kv0, n = self._cost(s.n), s.kv(), s.n
-        lo, hi = 0, s.finish[0][0] - s.counter   # smallest j with t + steps(j) >= now
+        limit = s.finish[0][0] - s.counter
+        # smallest j <= limit with t + steps(j) >= now; steps only lengthen, which brackets j
+        dt = now - s.t
+        lo = min(limit, int(dt / cost.step(kv0 + limit * n)))
+        hi = min(limit, int(math.ceil(dt / cost.step(kv0))))
         while lo < hi:
             mid = (lo + hi) // 2
             if s.t + cost.steps(kv0, n, mid) >= now:
@@ -269,8 +275,16 @@ class Simulation:
     def _busy(self, s: _Server, t0: float, dt: float) -> None:
         if dt > 0:
             s.busy += dt
-            if len(self.timeline) < 20000:
-                self.timeline.append((f"rollout.{s.index}", t0, t0 + dt))
+            self._span(f"rollout.{s.index}", t0, t0 + dt)
+
+    def _span(self, lane: str, t0: float, t1: float) -> None:
+        """Record a busy interval for the plots, merged with the lane's previous one when they touch."""
+        last = self._last_span.get(lane)
+        if last is not None and self.timeline[last][2] >= t0 - 1e-9:
+            self.timeline[last] = (lane, self.timeline[last][1], max(t1, self.timeline[last][2]))
+        else:
+            self._last_span[lane] = len(self.timeline)
+            self.timeline.append((lane, t0, t1))
 
     def _schedule(self, s: _Server) -> None:
         s.epoch += 1
@@ -284,7 +298,7 @@ class Simulation:
         if s.groups[group] == 0:
             del s.groups[group]
             if not s.paused:
-                self.open.add(s.index)
+                self._mark_open(s)
         self.group_left[group] -= 1
         if self.group_left[group] == 0:
             self._push(t + self.cfg.reward_latency_s, "reward", group)
@@ -298,7 +312,7 @@ class Simulation:
     def _dispatch(self, now: float) -> None:
         cfg = self.cfg
         while self.open and self.gate.can_admit():
-            s = self.servers[min(self.open, key=lambda i: (len(self.servers[i].groups), i))]
+            s = self._emptiest_open()
             self.gate.admit(1)
             self._advance(s, now)
             group = self.next_group
@@ -318,7 +332,22 @@ class Simulation:
                 s.groups[group] += 1
             if len(s.groups) >= self.group_cap:
                 self.open.discard(s.index)
+            else:
+                heapq.heappush(self.open_heap, (len(s.groups), s.index))
             self._schedule(s)
+
+    def _emptiest_open(self) -> _Server:
+        """The open server with the fewest groups (lowest index on ties); stale heap entries are skipped."""
+        while True:
+            count, index = self.open_heap[0]
+            s = self.servers[index]
+            if index in self.open and count == len(s.groups):
+                return s
+            heapq.heappop(self.open_heap)   # every open server has a current entry pushed when it changed
+
+    def _mark_open(self, s: _Server) -> None:
+        self.open.add(s.index)
+        heapq.heappush(self.open_heap, (len(s.groups), s.index))
 
     def _on_reward(self, group: int, now: float) -> None:
         cfg = self.cfg
@@ -346,8 +375,8 @@ class Simulation:
         staleness = sample_staleness(starts, self.version).tolist()
         train_s = costs.train_step_seconds(cfg.shape, cfg.gpu, cfg.trainer, lengths, group_of)
         self.trainer_free = False
-        self.timeline.append(("trainer", now, now + train_s))
-        self.timeline.append(("weights", now + train_s, now + train_s + self.sync_s))
+        self._span("trainer", now, now + train_s)
+        self._span("weights", now + train_s, now + train_s + self.sync_s)
         self.trainer_busy += train_s + self.sync_s
         self.steps.append(Step(self.version + 1, now, math.nan, int(sum(lengths)), train_s, self.sync_s, staleness))
         self._push(now + train_s, "trained", None)
@@ -375,7 +404,7 @@ class Simulation:
         for s in self.servers:
             s.paused = False
             if len(s.groups) < self.group_cap:
-                self.open.add(s.index)
+                self._mark_open(s)
             s.t = max(s.t, now)
             if self.cfg.interruptible and s.n:   # the KV cache is rebuilt under the new weights
                 ctx = np.array([s.counter - self.join[a] + self.cfg.prompt_tokens for _, a in s.finish])
