@@ -150,3 +150,13 @@ def test_tools_plan_prints_memory_and_the_comparison_for_a_gpu_topology(capsys, 
     sims = out["simulation"]
     assert sims["async"]["effective_throughput_tok_s"] > sims["sync (eta=0, same split)"]["effective_throughput_tok_s"]
     assert main(["topology/1node.yaml", "actors.trainer.settings.recompute=none"]) == 2
+
+
+def test_every_published_configuration_fits_and_splits_75_25():
+    from tools.plan import published
+    for model, nodes, group_size, _ in published.TUTORIAL_STEPS:
+        found = published.cluster(model, nodes, group_size)
+        assert all(m.fits for m in setup.group_memory(found)), (model, nodes)
+        cfg = setup.sim_config(found)
+        infer = cfg.servers * cfg.server_tp
+        assert infer == 0.75 * nodes * 8, (model, nodes)
