@@ -152,6 +152,18 @@ def test_tools_plan_prints_memory_and_the_comparison_for_a_gpu_topology(capsys, 
     assert main(["topology/1node.yaml", "actors.trainer.settings.recompute=none"]) == 2
 
 
+def test_tools_plan_plots_the_timeline_and_the_sweep(tmp_path, capsys, monkeypatch):
+    from tools.plan import __main__ as cli
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(cli, "SWEEP_ETAS", (0, 2))
+    monkeypatch.setattr(cli, "SWEEP_SPLITS", (0.5, 0.75))
+    assert cli.main(["topology/1node.yaml", "experiment.algo.batch_size=4", "--sweep", "--plot", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "best:" in text
+    for name in ("timeline.png", "sweep.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_every_published_configuration_fits_and_splits_75_25():
     from tools.plan import published
     for model, nodes, group_size, _ in published.TUTORIAL_STEPS:

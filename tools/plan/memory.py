@@ -144,10 +144,10 @@ def rollout_memory(group: str, shape: ModelShape, lay: RolloutLayout, capacity: 
     static = lay.mem_fraction_static * capacity
     kv_pool = max(0.0, static - weights)
     kv_tokens = int(kv_pool * lay.tp // shape.kv_bytes_per_token(lay.weight_bytes))
-    terms = {"weights": weights, "KV cache": kv_pool,
-             "outside mem_fraction_static": capacity - max(static, weights)}
+    terms = {"weights": weights, "KV cache": kv_pool}
     notes = [f"mem_fraction_static {lay.mem_fraction_static:g}: KV pool {kv_tokens:,} tokens "
-             f"({shape.kv_bytes_per_token(lay.weight_bytes) / 1024:.0f} KiB per token over tp={lay.tp})"]
+             f"({shape.kv_bytes_per_token(lay.weight_bytes) / 1024:.0f} KiB per token over tp={lay.tp}); the rest "
+             f"({(capacity - max(static, weights)) / hardware.GB:.1f} GB) is SGLang's for activations and CUDA graphs"]
     return GroupMemory(group, "rollout", terms, capacity, notes, answers_at_once=kv_tokens // lay.answer_tokens,
                        kv_tokens=kv_tokens)
 
