@@ -105,6 +105,8 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
     lines.append("")
     lines.extend(_engines(plan))
     lines.append("")
+    lines.extend(_memory(plan))
+    lines.append("")
     lines.append("commands")
     if len(topo.nodes) == 1 and not topo.nodes_from_allocation:
         lines.append(f"  local: supervisor on this machine starts {len(plan.instances)} process(es): "
@@ -148,6 +150,17 @@ def busy_ports(plan: Plan) -> list[str]:
     return problems
 
 
+def memory_problems(plan: Plan) -> list[str]:
+    """GPU groups that do not fit their GPUs by the planner's estimate (tools/plan), naming the largest term."""
+    from tools.plan import setup
+    from tools.plan.shapes import ShapeError
+
+    try:
+        return setup.memory_problems(plan)
+    except (ShapeError, ValueError):
+        return []   # no model shape: _memory says so in the report
+
+
 def engine_placements(plan: Plan) -> dict[str, dict[str, str]]:
     """Group -> where its engine runs (device, dtype, parallel layout, process-group backend), from the
     settings its first instance will get, by the actor class's own ``placement`` (the rule its engine is
@@ -172,6 +185,19 @@ def _engines(plan: Plan) -> list[str]:
     rows += [(g, p["engine"], p["device"], p["dtype"], p["parallel"], p["memory"], p["process_group"])
              for g, p in placements.items()]
     return ["engines", *_table(rows)]
+
+
+def _memory(plan: Plan) -> list[str]:
+    """The planner's memory estimate per GPU of every GPU group (tools/plan)."""
+    from tools.plan import report, setup
+    from tools.plan.shapes import ShapeError
+
+    try:
+        found = setup.read(plan)
+    except (ShapeError, ValueError) as exc:
+        return [f"memory per GPU: not estimated ({exc})"]
+    line = f"{found.shape.name if found.shape else '-'}, {found.gpu.name} {found.gpu.memory_bytes / 1e9:.0f} GB"
+    return report.memory_table(line, setup.group_memory(found))
 
 
 def _compress(plan: Plan, insts: list) -> list[dict[str, str]]:
@@ -774,7 +800,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID
     if args.dry_run:
         print(describe(plan, args.overrides))
-        if problems := busy_ports(plan):
+        if problems := busy_ports(plan) + memory_problems(plan):
             print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
             return EXIT_INVALID
         return EXIT_OK

@@ -1,0 +1,135 @@
+"""The cost model: seconds of GPU work from FLOPs and bytes moved, at the utilisations of `hardware`.
+
+Decode: one step of a continuous batch of n answers holding K tokens of KV cache reads the server's share of
+the weights and of the KV cache, and does 2 FLOPs per parameter per answer plus 4 * layers * hidden per KV
+token read; it takes the longer of the two (a roofline). Prefill and training are compute-bound: causal
+attention adds 2 * layers * hidden * L^2 FLOPs per forward pass of a sequence of L tokens; a training pass is
+three forward passes' worth, full recompute adds one more, and the trainer first recomputes the proximal
+log-probs (one forward pass) as `actors.trainer` does.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from algo.packing import allocate_micro_batches
+from tools.plan import hardware
+from tools.plan.shapes import ModelShape
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCost:
+    """One decode step's seconds as max(a_mem + b_mem * K, a_flop + b_flop * K) for a batch of n answers
+    holding K KV tokens in all: linear pieces, so that sums over many steps have a closed form."""
+
+    a_mem: float
+    b_mem: float
+    a_flop: float
+    b_flop: float
+
+    def step(self, kv_tokens: float) -> float:
+        return max(self.a_mem + self.b_mem * kv_tokens, self.a_flop + self.b_flop * kv_tokens)
+
+    def steps(self, kv0: float, n: int, j: int) -> float:
+        """Seconds of steps 0..j-1, where step i reads kv0 + i * n KV tokens."""
+        if j <= 0:
+            return 0.0
+        # l_mem(i) - l_flop(i) is linear in i: one crossover at most.
+        da = (self.a_mem - self.a_flop) + (self.b_mem - self.b_flop) * kv0
+        db = (self.b_mem - self.b_flop) * n
+        if db == 0:
+            cross = j if da >= 0 else 0
+            mem_first = True
+        else:
+            root = -da / db          # l_mem >= l_flop for i <= root when db < 0, for i >= root when db > 0
+            mem_first = db < 0
+            cross = int(min(j, max(0.0, np.floor(root) + 1))) if mem_first else int(min(j, max(0.0, np.ceil(root))))
+        first, second = ((self.a_mem, self.b_mem), (self.a_flop, self.b_flop)) if mem_first else \
+            ((self.a_flop, self.b_flop), (self.a_mem, self.b_mem))
+        return _linear_sum(*first, kv0, n, 0, cross) + _linear_sum(*second, kv0, n, cross, j)
+
+
+def _linear_sum(a: float, b: float, kv0: float, n: int, p: int, q: int) -> float:
+    """sum over i in [p, q) of a + b * (kv0 + i * n)."""
+    if q <= p:
+        return 0.0
+    k = q - p
+    return k * (a + b * kv0) + b * n * k * (p + q - 1) / 2
+
+
+def decode_cost(shape: ModelShape, gpu: hardware.GPU, tp: int, n: int) -> DecodeCost:
+    bw = gpu.hbm_bytes_per_s * hardware.HBM_EFFICIENCY * tp
+    flops = gpu.bf16_flops * hardware.DECODE_MFU * tp
+    return DecodeCost(a_mem=shape.params * 2 / bw, b_mem=shape.kv_bytes_per_token() / bw,
+                      a_flop=2 * shape.params * n / flops, b_flop=4 * shape.layers * shape.hidden / flops)
+
+
+def forward_flops(shape: ModelShape, tokens: float, sum_sq: float) -> float:
+    """One forward pass over sequences with `tokens` tokens in all and sum of squared lengths `sum_sq`."""
+    return 2 * shape.params * tokens + 2 * shape.layers * shape.hidden * sum_sq
+
+
+def prefill_seconds(shape: ModelShape, gpu: hardware.GPU, tp: int, tokens: float, sum_sq: float) -> float:
+    return forward_flops(shape, tokens, sum_sq) / (gpu.bf16_flops * hardware.PREFILL_MFU * tp)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerShape:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_tokens: int
+    minibatches: int
+    recompute: str
+    gpus_per_node: int
+
+
+def train_step_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape, lengths: list[int],
+                       group_of: list[int]) -> float:
+    """One training step as the trainer runs it: PPO minibatches of every minibatches-th group, each packed
+    by `algo.packing.allocate_micro_batches` over the data-parallel ranks; the slowest rank sets the pace,
+    pipeline bubbles add (pp - 1) micro-batch slots per minibatch, and every minibatch ends with the
+    distributed optimizer's gradient reduce-scatter and parameter all-gather over the data-parallel group."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    groups = sorted(set(group_of))
+    passes = 3 + (1 if lay.recompute == "full" else 0) + 1   # forward+backward, recompute, proximal log-probs
+    rate = gpu.bf16_flops * hardware.TRAIN_MFU * lay.tp * lay.pp
+    total = 0.0
+    for m in range(lay.minibatches):
+        chosen = set(groups[m::lay.minibatches])
+        ids = [i for i, g in enumerate(group_of) if g in chosen]
+        if not ids:
+            continue
+        sub = lens[ids]
+        mbs = allocate_micro_batches(sub, lay.micro_batch_tokens, n_groups=lay.dp)
+        per_rank = len(mbs) // lay.dp
+        rank_flops = []
+        for r in range(lay.dp):
+            rank = [i for mb in mbs[r * per_rank:(r + 1) * per_rank] for i in mb]
+            rank_flops.append(passes * forward_flops(shape, float(sub[rank].sum()), float((sub[rank] ** 2).sum())))
+        bubble = (lay.pp - 1) / max(per_rank, 1)
+        total += max(rank_flops) / rate * (1 + bubble) + dp_sync_seconds(shape, gpu, lay)
+    return total
+
+
+def dp_sync_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape) -> float:
+    """Reduce-scatter of float32 gradients and all-gather of bf16 weights over the data-parallel group (ring)."""
+    if lay.dp == 1:
+        return 0.0
+    rank_params = shape.params / (lay.tp * lay.pp)
+    across_nodes = lay.dp * lay.tp * lay.pp > lay.gpus_per_node
+    bw = (hardware.ROCE_NODE_BYTES_PER_S / lay.gpus_per_node if across_nodes else gpu.nvlink_bytes_per_s / 2)
+    return (4 + 2) * rank_params * (lay.dp - 1) / lay.dp / (bw * hardware.LINK_EFFICIENCY)
+
+
+def weight_sync_seconds(shape: ModelShape, gpu: hardware.GPU, tp: int, pp: int, gpus_per_node: int,
+                        across_nodes: bool, bucket_bytes: int = 64 << 20) -> float:
+    """trainer.0 gathers its stage's tensor-parallel shards (NVLink), then broadcasts the bf16 weights in
+    buckets to every server (NCCL, pipelined, so the time is the bytes over the slowest link, not per
+    receiver); pipeline stages send their own parts in parallel."""
+    stage_bytes = shape.params * 2 / pp
+    gather = stage_bytes * (1 - 1 / tp) / (gpu.nvlink_bytes_per_s / 2 * hardware.LINK_EFFICIENCY)
+    bw = hardware.ROCE_NODE_BYTES_PER_S / gpus_per_node if across_nodes else gpu.nvlink_bytes_per_s / 2
+    send = stage_bytes / (bw * hardware.LINK_EFFICIENCY) + -(-stage_bytes // bucket_bytes) * hardware.BUCKET_LATENCY_S
+    return gather + send

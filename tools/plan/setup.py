@@ -1,0 +1,133 @@
+"""What the planner reads from a topology: the model's shape, the GPU, and the trainer and rollout groups
+with the settings their first instance gets (the same settings `tools.up` hands the actors)."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from pathlib import Path
+from typing import Any
+
+from actors.rollout import rollout_placement
+from actors.trainer import trainer_placement
+from tools.plan import hardware, memory
+from tools.plan.shapes import ModelShape, resolve
+from tools.plan.costs import TrainerShape
+from tools.plan.sim import SimConfig
+from tools.topology import Plan
+
+
+@dataclasses.dataclass
+class Group:
+    name: str
+    kind: str                 # "trainer" | "rollout"
+    count: int
+    gpus_each: int
+    settings: dict[str, Any]
+    device: str               # "cuda" | "cpu"
+
+
+@dataclasses.dataclass
+class Setup:
+    shape: ModelShape | None       # None when no trainer or rollout group needs it
+    gpu: hardware.GPU
+    gpus_per_node: int
+    groups: list[Group]
+    experiment: dict[str, Any]
+
+    def of_kind(self, kind: str) -> list[Group]:
+        return [g for g in self.groups if g.kind == kind]
+
+
+def read(plan: Plan) -> Setup:
+    topo = plan.topology
+    first: dict[str, dict[str, Any]] = {}
+    for spec in plan.specs("RUN_DIR"):
+        first.setdefault(spec["name"].split(".")[0], spec["settings"])
+    groups = []
+    for gname, group in topo.groups.items():
+        module, _, cls_name = group.cls.partition(":")
+        placement = getattr(getattr(importlib.import_module(module), cls_name), "placement", None)
+        kind = {trainer_placement: "trainer", rollout_placement: "rollout"}.get(placement)
+        if kind is None or gname not in first:
+            continue
+        device = placement(first[gname])["device"]
+        groups.append(Group(gname, kind, group.count, group.gpus or 0, first[gname], device))
+    root = Path(topo.source).resolve().parent.parent if topo.source else Path(".")
+    model_path = (topo.experiment.get("model") or {}).get("path")
+    shape = resolve(model_path, root if (root / str(model_path or "")).exists() else ".") if groups else None
+    node = topo.nodes[0] if topo.nodes else None
+    gpu = hardware.gpu(node.gpu_kind if node else None)
+    if node is not None and node.gpu_memory_gb:
+        gpu = dataclasses.replace(gpu, memory_bytes=node.gpu_memory_gb * hardware.GB)
+    return Setup(shape, gpu, (node.gpus if node else 0) or 8, groups, topo.experiment)
+
+
+def keeps_weights(settings: dict[str, Any]) -> bool:
+    """The trainer broadcasts to the rollouts itself (one link, no train_to_ps; `TrainerActor.direct`), so
+    its stage sender keeps the last versions' buckets."""
+    links = settings.get("links") or {}
+    return "train_to_ps" not in links and len(links) == 1 and bool((settings.get("groups") or {}).get("param_server"))
+
+
+def group_memory(setup: Setup) -> list[memory.GroupMemory]:
+    """Memory per GPU of every GPU trainer and rollout group (CPU groups are left out)."""
+    out: list[memory.GroupMemory] = []
+    for g in setup.groups:
+        if g.device != "cuda" or setup.shape is None:
+            continue
+        if g.kind == "trainer":
+            lay = memory.trainer_layout(g.settings, keeps_weights(g.settings))
+            out.append(memory.trainer_memory(g.name, setup.shape, lay, setup.gpu.memory_bytes))
+        else:
+            out.append(memory.rollout_memory(g.name, setup.shape, memory.rollout_layout(g.settings),
+                                             setup.gpu.memory_bytes))
+    return out
+
+
+def memory_problems(plan: Plan) -> list[str]:
+    """One line per GPU group that does not fit (what `tools.up --dry-run` refuses)."""
+    return [p for m in group_memory(read(plan)) if (p := m.problem())]
+
+
+def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None = None,
+               colocated: bool = False, steps: int = 4, seed: int = 0) -> SimConfig:
+    """The simulation of this topology's run: its trainer and rollout groups and the experiment's algo,
+    gen and buffer settings. `eta` overrides the staleness bound; `rollout_gpus` moves the split between
+    inference and training (whole servers and whole trainer replicas); `colocated` runs generation and then
+    training on all the GPUs, the synchronous baseline of systems that time-share them."""
+    trainers, rollouts = setup.of_kind("trainer"), setup.of_kind("rollout")
+    if len(trainers) != 1 or len(rollouts) != 1:
+        raise ValueError(f"the simulation needs one trainer and one rollout group, found "
+                         f"{len(trainers)} and {len(rollouts)}")
+    if setup.shape is None:
+        raise ValueError("experiment.model.path: no model shape")
+    tr, ro = trainers[0], rollouts[0]
+    exp = setup.experiment
+    algo, gen, buf = exp.get("algo") or {}, exp.get("gen") or {}, exp.get("buffer") or {}
+    par = (tr.settings.get("instance") or {}).get("parallel") or {}
+    tp, pp = int(par.get("tp", 1)), int(par.get("pp", 1))
+    server_tp = int(((ro.settings.get("instance") or {}).get("parallel") or {}).get("tp", 1))
+    train_gpus, infer_gpus = tr.count * max(tr.gpus_each, 1), ro.count * max(ro.gpus_each, 1)
+    total = train_gpus + infer_gpus
+    if colocated:
+        train_gpus = infer_gpus = total
+        eta = 0
+    elif rollout_gpus is not None:
+        infer_gpus, train_gpus = rollout_gpus, total - rollout_gpus
+    servers, dp = infer_gpus // server_tp, train_gpus // (tp * pp)
+    if servers < 1 or dp < 1:
+        raise ValueError(f"a split of {infer_gpus} inference and {train_gpus} training GPUs leaves no "
+                         f"{'server' if servers < 1 else 'trainer replica'}")
+    rollout_mem = memory.rollout_memory(ro.name, setup.shape, memory.rollout_layout(ro.settings), setup.gpu.memory_bytes)
+    lay = memory.trainer_layout(tr.settings, False)
+    return SimConfig(
+        shape=setup.shape, gpu=setup.gpu, gpus_per_node=setup.gpus_per_node, servers=servers, server_tp=server_tp,
+        trainer=TrainerShape(tp=tp, pp=pp, dp=dp, micro_batch_tokens=lay.micro_batch_tokens,
+                             minibatches=int(algo.get("ppo_minibatches", 1)), recompute=lay.recompute,
+                             gpus_per_node=setup.gpus_per_node),
+        batch_size=int(algo.get("batch_size", 32)), group_size=int(algo.get("group_size", 8)),
+        eta=int(algo.get("eta", 4)) if eta is None else eta, max_new_tokens=int(gen.get("max_new_tokens", 64)),
+        max_groups_per_server=int(buf.get("max_groups_per_rollout", 8)),
+        kv_tokens_per_server=int(rollout_mem.kv_tokens or 0), interruptible=bool(gen.get("interruptible", True)),
+        dynamic_sampling=bool(algo.get("dynamic_sampling", False)),
+        weights_across_nodes=total > setup.gpus_per_node, steps=steps, seed=seed)
