@@ -352,23 +352,31 @@ class ParamServerActor(Actor):
                 raise WeightsRejected(f"version {msg.version}: receiving bucket {len(buckets)} of "
                                       f"{msg.n_buckets} failed: {exc}") from exc
             receive_s = time.monotonic() - t0
-        named = [kv for b in buckets for kv in b]
-        digest = await asyncio.to_thread(weights_hash, named)
-        if digest != msg.weights_hash:
-            self.counters["published_hash_mismatches"] += 1
-            self.log.error("published_hash_mismatch", version=msg.version, announced=msg.weights_hash, got=digest)
-            raise WeightsRejected(f"version {msg.version}: buckets hash to {digest}, the trainer announced "
-                                  f"{msg.weights_hash}")
         if self.current is not None and msg.version <= self.current.version:
             self.log.warning("stale_version_ignored", version=msg.version, current=self.current.version)
             return WeightsStored(version=msg.version, receive_seconds=receive_s)
+        if msg.weights_hash:   # announced: checked before the answer, so a mismatch fails the publish
+            await self._store(msg.version, buckets, receive_s, msg.weights_hash)
+        else:   # hashed and packed here after the answer: off the trainer's step (the rollouts wait for it)
+            self.spawn(self._store(msg.version, buckets, receive_s), name=f"store-v{msg.version}")
+        return WeightsStored(version=msg.version, receive_seconds=receive_s)
+
+    async def _store(self, version: int, buckets: list, receive_s: float, announced: str = "") -> None:
+        """Hash and pack a received version and make it the one pushed, unless a newer one got there first."""
+        named = [kv for b in buckets for kv in b]
+        digest = await asyncio.to_thread(weights_hash, named)
+        if announced and digest != announced:
+            self.counters["published_hash_mismatches"] += 1
+            self.log.error("published_hash_mismatch", version=version, announced=announced, got=digest)
+            raise WeightsRejected(f"version {version}: buckets hash to {digest}, the trainer announced {announced}")
         packed = await asyncio.to_thread(pack_buckets, buckets)
-        self.current = StoredVersion(msg.version, digest, packed, sum(p.flat.numel() for p in packed))
+        if self.current is not None and version <= self.current.version:
+            return
+        self.current = StoredVersion(version, digest, packed, sum(p.flat.numel() for p in packed))
         self.counters["versions_stored"] += 1
-        self.log.info("weights_stored", version=msg.version, buckets=msg.n_buckets, nbytes=self.current.nbytes,
+        self.log.info("weights_stored", version=version, buckets=len(buckets), nbytes=self.current.nbytes,
                       receive_s=round(receive_s, 4))
         self._kick.set()
-        return WeightsStored(version=msg.version, receive_seconds=receive_s)
 
     def _published_direct(self, msg: WeightsPublished) -> WeightsStored:
         assert self.current is not None
@@ -585,8 +593,10 @@ class ParamServerActor(Actor):
                 state.receive_seconds, state.stall_seconds = res.receive_seconds, res.stall_seconds
                 # A server that cannot read its weights back (SGLang) acks the version it reports after
                 # loading every bucket, instead of a hash.
+                # With no hash from the trainer (it hashes only where a receiver checks one), a version
+                # check is all there is to do.
                 state.ack_ok = res.version == stored.version and (
-                    res.verified == "version" or res.weights_hash == stored.weights_hash)
+                    res.verified == "version" or not stored.weights_hash or res.weights_hash == stored.weights_hash)
                 if not state.ack_ok:
                     self.hash_mismatches += 1
                     self.counters["hash_mismatches"] += 1

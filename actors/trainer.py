@@ -232,6 +232,8 @@ class ServerGroupHost:
         try:
             joined.result(timeout=self.timeout_s + 5)
             for bucket in packed:
+                if self.backend == "nccl":   # kept in host memory: up to the GPU, and checked there
+                    bucket = PackedBucket(bucket.header, bucket.flat.cuda(non_blocking=True))
                 sender.send(unpack_bucket(bucket, link_name))
         except BaseException:
             # Tear the broken group down now: the servers still inside its collective then fail at once
@@ -423,13 +425,14 @@ class TrainerActor(Actor):
         if not buckets:
             return None   # not a stage sender (data- or tensor-parallel rank > 0)
         self._keep(version, buckets)
-        return StageExport(self.engine.pp_rank, bucket_metas(buckets),
-                           tensor_digests(kv for b in buckets for kv in b))
+        # No digests: the servers are checked by the version they report (see _publish).
+        return StageExport(self.engine.pp_rank, bucket_metas(buckets), [])
 
     def _keep(self, version: int, buckets: list[Any]) -> None:
         """Direct weights: this rank's buckets of `version`, packed, kept with the previous version only
-        (the parameter server may still be asking for it)."""
-        self.kept[version] = pack_buckets(buckets)
+        (the parameter server may still be asking for it). In host memory: two copies of the weights on the
+        GPU would cost a 7B trainer 30 GB (tools/plan); each bucket goes up again as it is broadcast."""
+        self.kept[version] = [p.to_host() for p in pack_buckets(buckets)]
         for old in [v for v in self.kept if v < version - 1]:
             del self.kept[old]
 
@@ -568,8 +571,13 @@ class TrainerActor(Actor):
             return 0.0
         t0 = time.time()
         buckets, stages = await asyncio.to_thread(self._export)
-        digests = await asyncio.to_thread(tensor_digests, [kv for b in buckets for kv in b])
-        digest = combine_digests(digests + [d for s in stages for d in s.digests])
+        digest = ""
+        if self.direct and self.server_host is None and self.weight_ranks is None:
+            # Only rollouts that receive on the bulk link check a hash against the trainer's. SGLang servers
+            # are checked by the version they report, and the relay's parameter server hashes what it
+            # received itself, after it answered: hashing 15 GB here would hold every step.
+            digests = await asyncio.to_thread(tensor_digests, [kv for b in buckets for kv in b])
+            digest = combine_digests(digests + [d for s in stages for d in s.digests])
         if self.direct:
             await asyncio.to_thread(self._keep, self.version, buckets)
             specs = bucket_metas(buckets) + [m for s in stages for m in s.specs]

@@ -76,7 +76,8 @@ def test_publish_checks_the_hash_and_stores_the_newest(tmp_path: Path) -> None:
         async def publish(version: int, seed: int, announced: str | None = None) -> Any:
             buckets, digest = trainer_weights(seed)
             reply = asyncio.ensure_future(trainer.request("param_server", WeightsPublished(
-                version=version, n_buckets=len(buckets), weights_hash=announced or digest), timeout=30))
+                version=version, n_buckets=len(buckets), weights_hash=digest if announced is None else announced),
+                timeout=30))
             await opening
             await asyncio.to_thread(lambda: [trainer_link.send(b, dst=1) for b in buckets])
             return await reply, digest
@@ -94,6 +95,16 @@ def test_publish_checks_the_hash_and_stores_the_newest(tmp_path: Path) -> None:
         assert isinstance(stale, WeightsStored)
         status = await trainer.request("param_server", WeightsStatusRequest(), timeout=10)
         assert status.weights_hash == h1 and actor.counters["versions_stored"] == 1
+        # A trainer that announces no hash (it hashes only where a receiver checks one) is answered at once;
+        # the server hashes what it received itself, after answering, and pushes with that.
+        stored, h2 = await publish(2, seed=2, announced="")
+        assert isinstance(stored, WeightsStored) and stored.version == 2
+        for _ in range(100):
+            status = await trainer.request("param_server", WeightsStatusRequest(), timeout=10)
+            if status.version == 2:
+                break
+            await asyncio.sleep(0.05)   # polling the background hash: bounded
+        assert status.version == 2 and status.weights_hash == h2
         actor.request_stop("test over")
         assert await task == 0
         await trainer.close(linger=0)

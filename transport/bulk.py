@@ -120,6 +120,15 @@ class PackedBucket:
     header: dict[str, Any]
     flat: torch.Tensor
 
+    def to_host(self) -> "PackedBucket":
+        """The same bucket in host memory, page-locked where there is a GPU (so it goes back up at full
+        speed, and without holding GPU memory while it waits to be sent)."""
+        if self.flat.device.type == "cpu":
+            return self
+        host = torch.empty(self.flat.shape, dtype=self.flat.dtype, pin_memory=torch.cuda.is_available())
+        host.copy_(self.flat)
+        return PackedBucket(self.header, host)
+
 
 def bucket_checksum(flat: torch.Tensor, algo: str | None = None) -> int:
     """Checksum of a flat uint8 buffer by ``algo`` (default: the one native to the buffer's device).
