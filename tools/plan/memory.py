@@ -8,8 +8,9 @@ attention (no s^2 term: `recompute: selective`, which recomputes core attention,
 nothing), split over tensor-parallel ranks and, with sequence parallelism, the hidden-sized ones too;
 `recompute: full` keeps each layer's input plus one layer's activations while it is recomputed; pipeline
 stages hold up to pp micro-batches in flight (1F1B); the logits and the float32 log-softmax intermediates,
-over `logprob_chunk_tokens` rows at a time; and, where the trainer broadcasts weights itself, the kept
-buckets of the current and previous version on the stage sender (`TrainerActor._keep`).
+over `logprob_chunk_tokens` rows at a time. Where the trainer broadcasts weights itself, the stage sender
+keeps the buckets of the current and previous version in host memory (`TrainerActor._keep`): a note, not a
+GPU term.
 
 Rollout (SGLang): weights over tp GPUs; the KV pool is what `mem_fraction_static` of the GPU leaves after
 the weights (SGLang sizes it so), hence the most answers of the configured length that fit at once.
@@ -125,8 +126,6 @@ def trainer_terms(shape: ModelShape, lay: TrainerLayout) -> dict[str, float]:
     logits = 2 * (2 * s * vocab_rank) + LOGSOFTMAX_FP32_COPIES * 4 * chunk * vocab_rank
     terms = {"weights": rank_params * wbytes, "gradients": rank_params * 4, "optimizer": optimizer,
              "activations": activations, "logits": logits}
-    if lay.keeps_weights:
-        terms["kept buckets"] = KEPT_VERSIONS * stage_params * 2
     terms["CUDA/NCCL reserve"] = hardware.PROCESS_RESERVE_BYTES
     return terms
 
@@ -152,8 +151,17 @@ def rollout_memory(group: str, shape: ModelShape, lay: RolloutLayout, capacity: 
                        kv_tokens=kv_tokens)
 
 
+def kept_bytes(shape: ModelShape, lay: TrainerLayout) -> float:
+    """Host memory the stage sender's kept buckets take (bf16, KEPT_VERSIONS versions of its stage)."""
+    layers_per_stage = -(-shape.layers // lay.pp)
+    stage_params = layers_per_stage * shape.layer_params + shape.embedding_params * (1 if lay.pp > 1 or shape.tied else 2)
+    return KEPT_VERSIONS * stage_params * 2
+
+
 def trainer_memory(group: str, shape: ModelShape, lay: TrainerLayout, capacity: float) -> GroupMemory:
     notes = []
+    if lay.keeps_weights:
+        notes.append(f"kept buckets: {kept_bytes(shape, lay) / hardware.GB:.1f} GB of host memory (pinned), not GPU")
     if lay.recompute == "selective":
         notes.append("recompute: selective saves little here: with flash attention core attention keeps no "
                      "s^2 scores")
