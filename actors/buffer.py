@@ -84,9 +84,13 @@ class BufferActor(Actor):
         self.served_dir.mkdir(parents=True, exist_ok=True)
         self._serving = asyncio.Lock()
         self.served_through = 0   # the newest step a batch was served for
-        found = latest_checkpoint(self.run_dir) if recovering(s) else None
-        if found is not None or in_place:
+        if in_place or recovering(s):
+            found = latest_checkpoint(self.run_dir) if recovering(s) else None
             self._restore(found[0] if found else 0, found[1] / "buffer.json" if found else None)
+        else:   # run.recover: off: a fresh start, whatever an earlier run left here
+            for old in self.served_dir.glob("step_*.msgpack"):
+                old.unlink()
+            self.ledger_path.unlink(missing_ok=True)
         self.changed = asyncio.Event()   # something that may let the dispatcher hand out work
         self.arrived = asyncio.Event()   # a scored group arrived or the version moved (batch waiters)
         self.log.info("buffer_started", prompts=len(self.dataset), skipped_lines=self.dataset.n_skipped,
@@ -281,12 +285,14 @@ class BufferActor(Actor):
         elif checkpoint is not None:
             state = json.loads(checkpoint.read_text())
             self.served_through = step
-        else:
-            return   # restarted in place before any batch was served: a fresh start is the state
-        if state["dataset"]["records"] != len(self.dataset):
-            raise ValueError(f"the buffer's saved state (step {self.served_through}) is for a dataset of "
-                             f"{state['dataset']['records']} records, but {self.dataset.path} has {len(self.dataset)}")
-        self.state.load_state_dict(state)
+        else:   # nothing served and no checkpoint: a fresh start is the state
+            state = None
+        if state is not None:
+            if state["dataset"]["records"] != len(self.dataset):
+                raise ValueError(f"the buffer's saved state (step {self.served_through}) is for a dataset of "
+                                 f"{state['dataset']['records']} records, but {self.dataset.path} has "
+                                 f"{len(self.dataset)}")
+            self.state.load_state_dict(state)
         # The ledger records what was trained or served: batches after the newest one kept were rolled back,
         # and one written to disk just before a crash may still lack its line.
         kept, logged = [], set()

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tools.bench import chaos
 
 
@@ -33,8 +35,13 @@ def test_the_target_needs_every_fault_survived_nothing_lost_and_short_gaps() -> 
         assert not chaos.target_met([{**good, **bad}])
 
 
-def test_a_killed_reward_actor_run_reports_it_survived_with_nothing_lost(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", ["kill_reward", "relaunch"])
+def test_a_fault_run_reports_it_survived_with_nothing_lost(fault: str, tmp_path: Path) -> None:
+    # relaunch at step 1, before the first checkpoint (step 2): the relaunched buffer once started afresh beside the
+    # old ledger, and the first steps' prompts were trained twice.
     assets = chaos.make_assets(tmp_path / "assets")
-    result = chaos.run_fault("kill_reward", assets, tmp_path, steps=6, at=2, hang_s=0, flood_n=0, log=print)
-    assert result["survived_in_place"] and result["restarted"] == {"reward.0": 1}, result
+    result = chaos.run_fault(fault, assets, tmp_path, steps=6, at=1, hang_s=0, flood_n=0, log=print)
+    assert result["exit_code"] == 0 and result["launches"] == (2 if fault == "relaunch" else 1), result
+    if fault == "kill_reward":
+        assert result["survived_in_place"] and result["restarted"] == {"reward.0": 1}, result
     assert result["lost"] == 0 and result["twice"] == 0 and result["trained"] == 6 * 4, result
