@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -155,6 +156,7 @@ class ParamServerActor(Actor):
         self.down: BulkLink | None = None
         self.direct_from: str | None = None     # the trainer that broadcasts, with direct weights
         self._acks: dict[str, asyncio.Future] = {}   # the running push's WeightsReady requests, by rollout
+        self._lanes: dict[str, asyncio.Future] = {}  # relay: each rollout's running transfer and ack
         self._abandoned: dict[str, str] = {}         # ... given up on, and why
         self.trainer_rank = 0
         self.generation: int | None = None      # generation of the formed rollout link, None if not formed
@@ -184,6 +186,7 @@ class ParamServerActor(Actor):
         self.ack_timeout = float(self.settings.get("ack_timeout_s", 120.0))
         self.retry_s = float(self.settings.get("retry_s", 2.0))
         self.probation_s = float(self.settings.get("probation_s", 30.0))
+        self.late_s = float(self.settings.get("late_s", 2.0))
         if not self.settings.get("links"):
             self._start_direct()
             return
@@ -308,6 +311,8 @@ class ParamServerActor(Actor):
             self.need_reform = True
         if rollout in self._busy_with:
             self._lost.set()
+        if (lane := self._lanes.get(rollout)) is not None:
+            lane.cancel(f"{rollout}: {why}")
         self._abandon_ack(rollout, why)
         self._kick.set()
 
@@ -474,7 +479,7 @@ class ParamServerActor(Actor):
                     continue
             current = self.current
             assert current is not None
-            behind = [n for n in self.formed if self.rollouts[n].version < current.version]
+            behind = [n for n in self.formed if self.rollouts[n].version < current.version and n not in self._lanes]
             if not behind:
                 failures = 0
                 continue
@@ -552,6 +557,77 @@ class ParamServerActor(Actor):
         return True
 
     async def _push(self, stored: StoredVersion) -> bool:
+        return await (self._push_direct(stored) if self.direct_from is not None else self._push_relay(stored))
+
+    async def _push_relay(self, stored: StoredVersion) -> bool:
+        """A lane per member: its buckets sent point to point on a thread of its own, then its ack, so a late
+        or hung member holds up nobody else. The push ends when every lane has, or `late_s` after the first
+        one did; a late lane runs on (its member is skipped until it ends, then catches up), and a lost
+        member's lane is abandoned."""
+        assert self.generation is not None and self.down is not None
+        generation, link = self.generation, self.down
+        members = [n for n in self.formed if n not in self._lanes]
+        t0 = time.monotonic()
+        ready = WeightsReady(version=stored.version, n_buckets=stored.n_buckets, weights_hash=stored.weights_hash,
+                             generation=generation, point_to_point=True)
+        summary: dict[str, dict[str, Any]] = {}
+
+        def send(rank: int) -> None:
+            for packed in stored.packed:
+                link.send_packed(packed, rank, generation)
+
+        async def lane(name: str) -> None:
+            ack = asyncio.ensure_future(self.bus.request(name, ready, timeout=self.ack_timeout))
+            try:
+                await in_thread(send, link.members.index(name))
+                self._record_ack(name, await ack, stored, summary)
+            finally:
+                ack.cancel()
+
+        def ended(name: str, fut: asyncio.Future) -> None:
+            if self._lanes.get(name) is fut:
+                del self._lanes[name]
+            if not fut.cancelled() and fut.exception() is not None:
+                self.need_reform = True   # its side of the group is broken: it joins a fresh one
+            self._kick.set()
+
+        lanes = {name: asyncio.ensure_future(lane(name)) for name in members}
+        for name, fut in lanes.items():
+            self._lanes[name] = fut
+            fut.add_done_callback(functools.partial(ended, name))
+        _, running = await asyncio.wait(lanes.values(), return_when=asyncio.FIRST_COMPLETED)
+        if running:
+            await asyncio.wait(running, timeout=self.late_s)
+        sync_s = time.monotonic() - t0
+        for name, fut in lanes.items():
+            if not fut.done():
+                self.counters["late_rollouts"] += 1
+                summary[name] = {"error": f"late: no ack {self.late_s:g} s after the first (it runs on)"}
+            elif fut.cancelled() or fut.exception() is not None:
+                reason = (f"abandoned: {fut.cancelled() and 'member lost'}" if fut.cancelled() else str(fut.exception()))
+                self.counters["ack_failures"] += 1
+                self.log.error("weights_ack_failed", rollout=name, version=stored.version, error=reason)
+                summary[name] = {"error": reason[:200]}
+        return self._pushed(stored, generation, members, summary, sync_s, sync_s)
+
+    def _pushed(self, stored: StoredVersion, generation: int, members: list[str], summary: dict[str, dict[str, Any]],
+                sent_s: float, sync_s: float) -> bool:
+        ok = all(summary.get(name, {}).get("ack_ok") for name in members)
+        self.pushes += 1
+        self.sync_seconds.append(sync_s)
+        if ok:
+            self._last_good = set(members)
+            for name in members:
+                self._probation.pop(name, None)
+        elif any(not r.get("error", "").startswith("late") for r in summary.values() if "error" in r):
+            self._failed_with(members)
+        self.log.info("weights_pushed", version=stored.version, generation=generation, buckets=stored.n_buckets,
+                      nbytes=stored.nbytes, broadcast_s=round(sent_s, 4), sync_s=round(sync_s, 4), rollouts=summary)
+        self._notify_soon()
+        return ok
+
+    async def _push_direct(self, stored: StoredVersion) -> bool:
+        """The trainer broadcasts (WeightsBroadcast) on the group it hosts; every member acks."""
         assert self.generation is not None
         generation = self.generation
         t0 = time.monotonic()
@@ -560,14 +636,15 @@ class ParamServerActor(Actor):
         members = self.formed
         acks = {name: asyncio.ensure_future(self.bus.request(name, ready, timeout=self.ack_timeout))
                 for name in members}
+        summary: dict[str, dict[str, Any]] = {}
+        for name, fut in acks.items():   # each ack counts as it comes: a late member holds nobody else's
+            fut.add_done_callback(lambda f, name=name: f.cancelled() or f.exception() is not None
+                                  or self._record_ack(name, f.result(), stored, summary))
         self._acks = acks
         try:
-            if self.direct_from is not None:
-                sending = asyncio.ensure_future(self.bus.request(
-                    self.direct_from, WeightsBroadcast(version=stored.version, generation=generation),
-                    timeout=self.ack_timeout))
-            else:
-                sending = asyncio.ensure_future(self._broadcast(stored, generation))
+            sending = asyncio.ensure_future(self.bus.request(
+                self.direct_from, WeightsBroadcast(version=stored.version, generation=generation),
+                timeout=self.ack_timeout))
             await self._unless_lost(members, sending, f"pushing version {stored.version}")
         except (BulkError, BusError, TimeoutError) as exc:
             for fut in acks.values():
@@ -577,56 +654,44 @@ class ParamServerActor(Actor):
             self.need_reform = True
             self._failed_with(members)
             self.counters["push_failures"] += 1
-            self.log.error("weights_push_failed", version=stored.version, generation=generation, error=str(exc))
+            self.log.error("weights_push_failed", version=stored.version, generation=generation, error=str(exc),
+                           acked=sorted(summary))
             return False
         sent_s = time.monotonic() - t0
         results = await asyncio.gather(*acks.values(), return_exceptions=True)
         self._acks = {}
         abandoned, self._abandoned = self._abandoned, {}
         sync_s = time.monotonic() - t0
-        ok = True
-        summary = {}
         for name, res in zip(acks, results):
-            state = self.rollouts[name]
             if isinstance(res, WeightsAck):
-                state.version, state.weights_hash, state.verified = res.version, res.weights_hash, res.verified
-                state.receive_seconds, state.stall_seconds = res.receive_seconds, res.stall_seconds
-                # A server that cannot read its weights back (SGLang) acks the version it reports after
-                # loading every bucket, instead of a hash.
-                # With no hash from the trainer (it hashes only where a receiver checks one), a version
-                # check is all there is to do.
-                state.ack_ok = res.version == stored.version and (
-                    res.verified == "version" or not stored.weights_hash or res.weights_hash == stored.weights_hash)
-                if not state.ack_ok:
-                    self.hash_mismatches += 1
-                    self.counters["hash_mismatches"] += 1
-                    self.log.error("ROLLOUT_WEIGHTS_HASH_MISMATCH", rollout=name, version=stored.version,
-                                   acked_version=res.version, expected=stored.weights_hash, got=res.weights_hash)
-                summary[name] = {"recv_s": round(res.receive_seconds, 4), "stall_s": round(res.stall_seconds, 4),
-                                 "ack_ok": state.ack_ok, "verified": res.verified}
-            else:
-                ok = False
-                self.counters["ack_failures"] += 1
-                reason = (str(res) if isinstance(res, (BusError, TimeoutError))
-                          else f"abandoned: {abandoned.get(name, 'cancelled')}"
-                          if isinstance(res, asyncio.CancelledError) else repr(res))
-                self.log.error("weights_ack_failed", rollout=name, version=stored.version, error=reason)
-                summary[name] = {"error": reason[:200]}
-        self.pushes += 1
-        self.sync_seconds.append(sync_s)
-        if ok:
-            self._last_good = set(members)
-            for name in members:
-                self._probation.pop(name, None)
-        self.log.info("weights_pushed", version=stored.version, generation=generation, buckets=stored.n_buckets,
-                      nbytes=stored.nbytes, broadcast_s=round(sent_s, 4), sync_s=round(sync_s, 4), rollouts=summary)
-        await self._notify()
-        return ok
+                continue
+            self.counters["ack_failures"] += 1
+            reason = (str(res) if isinstance(res, (BusError, TimeoutError))
+                      else f"abandoned: {abandoned.get(name, 'cancelled')}"
+                      if isinstance(res, asyncio.CancelledError) else repr(res))
+            self.log.error("weights_ack_failed", rollout=name, version=stored.version, error=reason)
+            summary[name] = {"error": reason[:200]}
+        return self._pushed(stored, generation, members, summary, sent_s, sync_s)
 
-    async def _broadcast(self, stored: StoredVersion, generation: int) -> None:
-        assert self.down is not None
-        for packed in stored.packed:
-            await in_thread(self.down.broadcast_packed, packed, 0, generation)
+    def _record_ack(self, name: str, ack: Any, stored: StoredVersion, summary: dict[str, dict[str, Any]]) -> None:
+        state = self.rollouts[name]
+        state.version, state.weights_hash, state.verified = ack.version, ack.weights_hash, ack.verified
+        state.receive_seconds, state.stall_seconds = ack.receive_seconds, ack.stall_seconds
+        # A server that cannot read its weights back (SGLang) acks the version it reports after loading every
+        # bucket, and with no hash from the trainer (it hashes only where a receiver checks one) a version
+        # check is all there is to do.
+        state.ack_ok = ack.version == stored.version and (
+            ack.verified == "version" or not stored.weights_hash or ack.weights_hash == stored.weights_hash)
+        if not state.ack_ok:
+            self.hash_mismatches += 1
+            self.counters["hash_mismatches"] += 1
+            self.log.error("ROLLOUT_WEIGHTS_HASH_MISMATCH", rollout=name, version=stored.version,
+                           acked_version=ack.version, expected=stored.weights_hash, got=ack.weights_hash)
+        summary[name] = {"recv_s": round(ack.receive_seconds, 4), "stall_s": round(ack.stall_seconds, 4),
+                         "ack_ok": state.ack_ok, "verified": ack.verified}
+
+    def _notify_soon(self) -> None:
+        self.spawn(self._notify(), name="notify", critical=False)
 
     async def _notify(self) -> None:
         async with self._changed:

@@ -530,7 +530,8 @@ class RolloutActor(Actor):
             async def receive() -> None:
                 try:
                     for _ in range(msg.n_buckets):
-                        queue.put_nowait(await in_thread(link.broadcast, None, 0, msg.generation))
+                        queue.put_nowait(await in_thread(link.recv, 0, msg.generation) if msg.point_to_point
+                                         else await in_thread(link.broadcast, None, 0, msg.generation))
                 except BaseException as exc:
                     queue.put_nowait(exc)
                     raise

@@ -229,12 +229,14 @@ def test_a_hung_rollout_holds_up_neither_the_weights_nor_the_trainer(assets: dic
     check_invariants(run_dir, steps)
     assert re.search(r"rollout\.1 .* \(restarts 0\)", out), out[-2000:]   # it was never restarted
     pushes = events(run_dir, "param_server", "weights_pushed")
-    without = [p["version"] for p in pushes if "rollout.1" not in p["rollouts"] and p["rollouts"]["rollout.0"]["ack_ok"]]
+    without = [p["version"] for p in pushes if "ack_ok" not in p["rollouts"].get("rollout.1", {})
+               and p["rollouts"]["rollout.0"]["ack_ok"]]
     assert len(without) >= 3, pushes   # rollout.0 kept getting new versions while rollout.1 was left out
     caught_up = [p["version"] for p in pushes if p["rollouts"].get("rollout.1", {}).get("ack_ok")]
     assert caught_up and caught_up[-1] > without[0], pushes   # ... and rollout.1 caught up once it was back
-    formed = events(run_dir, "param_server", "rollout_link_formed")
-    assert any(f["left_out"] == ["rollout.1"] for f in formed), formed
+    # While it was stopped its lane ran late (or it was found dead and left out of the group): never waited on.
+    assert any("late" in p["rollouts"].get("rollout.1", {}).get("error", "") for p in pushes) or any(
+        f["left_out"] == ["rollout.1"] for f in events(run_dir, "param_server", "rollout_link_formed")), pushes
 
 
 def test_killed_run_recovers_from_its_last_checkpoint(assets: dict[str, Path], tmp_path: Path) -> None:

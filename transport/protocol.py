@@ -204,7 +204,9 @@ class WeightsStored(Message):
 
 @message("rl.weights_ready", senders=("param_server",))
 class WeightsReady(Message):
-    """param_server -> rollout: the buckets of `version` follow on the ps_to_rollout link (broadcast)."""
+    """param_server -> rollout: the buckets of `version` follow on the weights link: sent to each rollout on
+    its own (`point_to_point`, the relay: a late member holds up nobody else) or broadcast (the trainer's
+    direct weights)."""
 
     version: int
     n_buckets: int
@@ -212,6 +214,7 @@ class WeightsReady(Message):
     generation: int
     specs: list[list[TensorMeta]] = field(default_factory=list)   # direct weights: for servers that receive
     stage_buckets: list[int] = field(default_factory=list)        # as in WeightsPublished
+    point_to_point: bool = False
 
 
 @message("rl.weights_ack")
