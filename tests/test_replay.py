@@ -5,6 +5,12 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,6 +72,14 @@ class ChangedAccumulator(Accumulator):
 
     def bump(self, n: int) -> int:
         return n + 1 if self.total > 40 else n
+
+
+class HangingAccumulator(Accumulator):
+    """Leaves a mark in its run directory, then never finishes starting."""
+
+    async def on_start(self) -> None:
+        (Path(self.run_dir) / "started").write_text("")
+        await asyncio.sleep(3600)
 
 
 MODULE = __name__
@@ -154,3 +168,25 @@ def test_torn_log_still_prints_and_bad_path_is_a_clear_error(tmp_path: Any, caps
     captured = capsys.readouterr()
     assert "torn record" in captured.err and "test.replay.query" in captured.out
     assert replay.main([str(tmp_path / "missing.msglog")]) == 2
+
+
+def test_a_replay_stopped_with_sigterm_removes_its_temporary_directory(tmp_path: Any) -> None:
+    # A replay that hung and was stopped once left /tmp/replay-* behind.
+    path, _ = record_log(tmp_path / "rec")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tools.replay", path, "--into", f"tests.test_replay:HangingAccumulator"],
+                            cwd=root, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp.glob("replay-*/started")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.05)   # polling the child's file
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert list(tmp.iterdir()) == []

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import signal
 import sys
 import tempfile
 from collections import defaultdict
@@ -316,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--into", metavar="MODULE:Class", help="replay the inbound messages into a fresh actor")
     ap.add_argument("--segment", type=int, default=0, help="which run of the actor to replay (default 0)")
     args = ap.parse_args(argv)
+    # Stopped with SIGTERM (a replay that hangs), it still removes its temporary run directory on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         if not args.into:
             return print_log(args.log, args.type, args.sender, args.dir, args.limit, args.json)
