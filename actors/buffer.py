@@ -52,7 +52,7 @@ def level_of(rec: Record) -> int:
 class BufferActor(Actor):
     async def on_start(self) -> None:
         s = self.settings
-        in_place = restarted_in_place(self)
+        in_place = self.restarted = restarted_in_place(self)
         algo = s.get("algo") or {}
         self.group_size = int(algo.get("group_size", 8))
         buf = s.get("buffer") or {}
@@ -98,10 +98,10 @@ class BufferActor(Actor):
                       rollouts=self.state.rollouts, version=self.state.gate.version)
 
     async def on_ready(self) -> None:
-        # A restarted buffer knows no worker yet, and the trainer may be waiting on a request it never got.
-        trainers = ((self.settings.get("groups") or {}).get("trainer") or [])[:1]
-        for peer in self.state.rollouts + self.state.rewards + trainers:
-            await self.bus.send(peer, HelloRequest())
+        if self.restarted:   # it knows no worker yet, and the trainer may be waiting on a request it never got
+            trainers = ((self.settings.get("groups") or {}).get("trainer") or [])[:1]
+            for peer in self.state.rollouts + self.state.rewards + trainers:
+                await self.bus.send(peer, HelloRequest())
         self.spawn(self._dispatch_loop(), name="dispatch")
         self.spawn(self._expire_loop(), name="expire", critical=False)
         self.changed.set()
@@ -287,6 +287,7 @@ class BufferActor(Actor):
             self.served_through = step
         else:   # nothing served and no checkpoint: a fresh start is the state
             state = None
+            self.served_through = 0
         if state is not None:
             if state["dataset"]["records"] != len(self.dataset):
                 raise ValueError(f"the buffer's saved state (step {self.served_through}) is for a dataset of "
@@ -305,6 +306,8 @@ class BufferActor(Actor):
                     logged.add(rec["step"])
         kept += [json.dumps(records[k]) for k in since if k not in logged]
         self.ledger_path.write_text("".join(line + "\n" for line in kept))
+        if state is None:
+            return
         self.log.info("buffer_restored", step=step, served_through=self.served_through, epoch=self.state.epoch,
                       position=self.state.position, reissue=len(self.state.reissue), gate=repr(self.state.gate))
 

@@ -604,7 +604,7 @@ class RolloutActor(Actor):
             digest, how = await asyncio.to_thread(verify_engine_weights, self.engine, msg.version)
         except EngineError as exc:
             raise WeightSyncError(f"version {msg.version}: the engine's weights could not be checked: {exc}") from exc
-        if how == "hash" and digest != msg.weights_hash:
+        if how == "hash" and msg.weights_hash and digest != msg.weights_hash:   # "": the trainer announced none
             self.counters["hash_mismatches"] += 1
             self.log.error("weights_hash_mismatch", version=msg.version, expected=msg.weights_hash, got=digest)
         self.counters["weight_updates"] += 1

@@ -20,82 +20,19 @@ from pathlib import Path
 
 import pytest
 
-from actors.engines.checkpoint import save_model
-from actors.engines.model import Qwen2Config, Qwen2ForCausalLM
+from tools.bench.chaos import ETA, kill_everything as kill_run, launch, make_assets, ready_info
+from tools.bench.chaos import step_records as metrics, wait_for_step
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "models" / "arith-tiny"
-ETA = 1
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("e2e")
-    subprocess.run([sys.executable, "-m", "tools.make_task", "--out", str(base / "data"), "--levels", "1-3",
-                    "--train-per-level", "40", "--test-per-level", "5"], cwd=ROOT, check=True, capture_output=True)
-    vocab = json.loads((TINY / "config.json").read_text())["vocab_size"]
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=True)
-    model_dir = base / "model"
-    save_model(Qwen2ForCausalLM(cfg).init_weights(0), str(model_dir))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(TINY / name, model_dir / name)
-    return {"data": base / "data", "model": model_dir}
-
-
-def launch(assets: dict[str, Path], run_dir: Path, steps: int, ckpt_every: int,
-           topology: str = "topology/local.yaml", env: dict[str, str] | None = None) -> subprocess.Popen:
-    overrides = [f"experiment.model.path={assets['model']}", f"experiment.data.train={assets['data'] / 'train.jsonl'}",
-                 f"experiment.data.test={assets['data'] / 'test.jsonl'}", f"experiment.run.total_steps={steps}",
-                 f"experiment.run.checkpoint_every_steps={ckpt_every}", "experiment.algo.batch_size=4",
-                 "experiment.algo.group_size=4", f"experiment.algo.eta={ETA}", "experiment.gen.max_new_tokens=12",
-                 # a random model answers everything wrong: every group would be dropped as uniform
-                 "experiment.algo.dynamic_sampling=false"]
-    return subprocess.Popen([sys.executable, "-m", "tools.up", topology, *overrides,
-                             "--run-dir", str(run_dir), "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, **(env or {})})
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-
-
-def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(m["step"] >= step for m in metrics(run_dir)):
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended (exit {proc.returncode}) before step {step}:\n{proc.stdout.read()[-3000:]}")
-        time.sleep(0.2)
-    pytest.fail(f"no step {step} within {timeout} s")
+    return make_assets(tmp_path_factory.mktemp("e2e"), train_per_level=40)
 
 
 def actor_pid(run_dir: Path, name: str) -> int:
-    return int(json.loads((run_dir / "ready" / f"{name}.json").read_text())["pid"])
-
-
-def kill_run(proc: subprocess.Popen, run_dir: Path) -> None:
-    """SIGKILL the launcher and every actor it started (actors run in their own sessions)."""
-    pids = []
-    for ready in (run_dir / "ready").glob("*.json"):
-        try:
-            pids.append(int(json.loads(ready.read_text())["pid"]))
-        except (OSError, ValueError, KeyError):
-            pass  # a ready file being rewritten by a restarting actor
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=30)
+    return int(ready_info(run_dir, name)["pid"])
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:

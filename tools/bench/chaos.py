@@ -48,13 +48,14 @@ FAULTS = ("none", *(f"kill_{k}" for k in VICTIMS), "hang_rollout", "hang_reward"
 ETA = 1
 
 
-def make_assets(base: Path) -> dict[str, Path]:
-    """A synthetic dataset and a small random model with the shipped tokenizer (nothing to download)."""
+def make_assets(base: Path, train_per_level: int = 200) -> dict[str, Path]:
+    """A synthetic dataset and a small random model with the shipped tokenizer (nothing to download); the
+    end-to-end tests run on the same."""
     from actors.engines.checkpoint import save_model
     from actors.engines.model import Qwen2Config, Qwen2ForCausalLM
 
     subprocess.run([sys.executable, "-m", "tools.make_task", "--out", str(base / "data"), "--levels", "1-3",
-                    "--train-per-level", "200", "--test-per-level", "5"], cwd=ROOT, check=True, capture_output=True)
+                    "--train-per-level", str(train_per_level), "--test-per-level", "5"], cwd=ROOT, check=True, capture_output=True)
     vocab = json.loads((TINY / "config.json").read_text())["vocab_size"]
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -65,15 +66,18 @@ def make_assets(base: Path) -> dict[str, Path]:
     return {"data": base / "data", "model": base / "model"}
 
 
-def launch(assets: dict[str, Path], run_dir: Path, steps: int) -> subprocess.Popen:
+def launch(assets: dict[str, Path], run_dir: Path, steps: int, ckpt_every: int, topology: str = TOPOLOGY,
+           extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A short run of `topology` on the assets: 4 groups of 4 answers a step, eta 1, answers of at most 12
+    tokens, every group trained (a random model answers everything wrong: dynamic sampling would drop all)."""
     overrides = [f"experiment.model.path={assets['model']}", f"experiment.data.train={assets['data'] / 'train.jsonl'}",
                  f"experiment.data.test={assets['data'] / 'test.jsonl'}", f"experiment.run.total_steps={steps}",
-                 f"experiment.run.checkpoint_every_steps={max(2, steps // 4)}", "experiment.algo.batch_size=4",
+                 f"experiment.run.checkpoint_every_steps={ckpt_every}", "experiment.algo.batch_size=4",
                  "experiment.algo.group_size=4", f"experiment.algo.eta={ETA}", "experiment.gen.max_new_tokens=12",
-                 "experiment.algo.dynamic_sampling=false", "actors.reward.count=2"]
-    return subprocess.Popen([sys.executable, "-m", "tools.up", TOPOLOGY, *overrides, "--run-dir", str(run_dir),
+                 "experiment.algo.dynamic_sampling=false", *extra]
+    return subprocess.Popen([sys.executable, "-m", "tools.up", topology, *overrides, "--run-dir", str(run_dir),
                              "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True, env={**os.environ, **(env or {})})
 
 
 def step_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -170,7 +174,7 @@ def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: in
               flood_n: int, log: Callable[[str], None]) -> dict[str, Any]:
     run_dir = out / fault
     t0 = time.monotonic()
-    proc = launch(assets, run_dir, steps)
+    proc = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2",))
     launches = 1
     try:
         wait_for_step(proc, run_dir, at)
@@ -188,7 +192,7 @@ def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: in
             log(f"bench chaos: flood: {flood(run_dir, flood_n)} malformed messages sent")
         elif fault == "relaunch":
             kill_everything(proc, run_dir)
-            proc, launches = launch(assets, run_dir, steps), 2
+            proc, launches = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2",)), 2
         output, _ = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
