@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import uvloop
 
@@ -83,6 +84,7 @@ class HangingAccumulator(Accumulator):
 
 
 MODULE = __name__
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def record_log(tmp_path: Any) -> tuple[str, list[int]]:
@@ -175,9 +177,8 @@ def test_a_replay_stopped_with_sigterm_removes_its_temporary_directory(tmp_path:
     path, _ = record_log(tmp_path / "rec")
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    root = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen([sys.executable, "-m", "tools.replay", path, "--into", f"tests.test_replay:HangingAccumulator"],
-                            cwd=root, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
+                            cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -190,3 +191,52 @@ def test_a_replay_stopped_with_sigterm_removes_its_temporary_directory(tmp_path:
         if proc.poll() is None:
             proc.kill()
     assert list(tmp.iterdir()) == []
+
+
+def _rl_log(path: Any, n: int = 100) -> str:
+    """A log of ``n`` rl.* records, written the way an actor writes them."""
+    from transport.messages import encode
+    from transport.msglog import MessageLogWriter
+    from transport.protocol import BatchRequest, GroupReturned
+
+    with MessageLogWriter(path, meta={"actor": "buffer"}) as log:
+        for i in range(n):
+            msg = GroupReturned(f"g{i}", "drain") if i % 2 else BatchRequest(i)
+            log.record("in", encode(msg, "rollout0" if i % 2 else "trainer"), peer="x")
+    return str(path)
+
+
+def _run_replay(*args: str) -> subprocess.CompletedProcess:
+    """tools.replay in a fresh interpreter: nothing imported by the test process helps it decode."""
+    return subprocess.run([sys.executable, "-m", "tools.replay", *args], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def test_read_mode_decodes_rl_messages(tmp_path: Any) -> None:
+    path = _rl_log(tmp_path / "buffer.msglog", n=6)
+    out = _run_replay(path)
+    assert out.returncode == 0 and "unknown message kind" not in out.stdout, out.stdout
+    assert out.stdout.count("rl.batch_request") == 3 and out.stdout.count("rl.group_returned") == 3
+    only = _run_replay(path, "--type", "rl.group_returned")
+    lines = only.stdout.strip().splitlines()
+    assert len(lines) == 3 and all('"reason":"drain"' in ln for ln in lines), only.stdout
+
+
+def test_corrupt_length_mid_log_is_an_error_not_a_torn_tail(tmp_path: Any, capsys: Any) -> None:
+    from transport.msglog import MAGIC, MessageLogError, MessageLogReader
+
+    path = _rl_log(tmp_path / "buffer.msglog")
+    data = bytearray(open(path, "rb").read())
+    # record 0 is the meta record; walk to record 2 and claim it is 2 GiB long
+    pos = len(MAGIC)
+    for _ in range(2):
+        pos += 8 + int.from_bytes(data[pos:pos + 4], "little")
+    data[pos:pos + 4] = (1 << 31).to_bytes(4, "little")
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(MessageLogError, match=f"record 2 at offset {pos} has a corrupt length"):
+        list(MessageLogReader(path))
+    assert replay.main([path]) == 2
+    assert f"record 2 at offset {pos}" in capsys.readouterr().err
+    assert replay.main([path, "--into", "actors.buffer:BufferActor"]) == 2
+    captured = capsys.readouterr()
+    assert "corrupt length" in captured.err and "identical" not in captured.out

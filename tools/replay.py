@@ -28,6 +28,7 @@ from typing import Any
 
 import msgpack
 
+import transport.protocol  # noqa: F401  (registers the rl.* message kinds so records decode)
 from transport.bus import Envelope, RemoteError, current_cause
 from transport.messages import DecodeError, Error, Message, decode, decode_header, encode, to_plain
 from transport.msglog import LogRecord, MessageLogError, read_log

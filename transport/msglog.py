@@ -14,12 +14,14 @@ checksums (``tensors="checksum"``, then ``frames`` holds frame 0 alone and repla
 Every record is written with one ``os.write`` (flushed per record by default, or per small batch with
 ``flush_every``), so a crashed process loses at most the unflushed batch; a torn final record (short or
 failing its CRC) is reported by :class:`MessageLogReader` and skipped. Damage before the last record is an
-error naming the byte offset.
+error naming the record and byte offset, including a corrupt length that overruns the file while intact
+records follow it (a crash tears only the last write, so that is not a torn tail).
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import struct
 import time
 import zlib
@@ -160,6 +162,11 @@ class MessageLogReader:
             length, crc = _HEAD.unpack_from(data, pos)
             end = pos + _HEAD.size + length
             if end > size:
+                later = _next_record_offset(data, pos + _HEAD.size)
+                if later is not None:
+                    raise MessageLogError(f"{self.path}: record {index} at offset {pos} has a corrupt length "
+                                          f"({length} bytes, {size - pos - _HEAD.size} left) but a valid "
+                                          f"record follows at offset {later}")
                 self.torn = f"torn record at offset {pos}: needs {length} bytes, {size - pos - _HEAD.size} present"
                 return
             payload = data[pos + _HEAD.size:end]
@@ -184,6 +191,25 @@ class MessageLogReader:
                                 rec.get("rejected"), rec.get("cause"), max(segment, 0))
             index += 1
             pos = end
+
+
+# Every record's payload is a msgpack map whose first key is "k": a fixmap or map16 head, then the string "k".
+_RECORD_START = re.compile(rb"(?:[\x81-\x8f]|\xde..)\xa1k", re.DOTALL)
+
+
+def _next_record_offset(data: bytes, start: int) -> int | None:
+    """Offset of the first intact record (length fits, CRC matches) whose header begins at or after ``start``.
+
+    A crash can only tear the last write, so an intact record after a record whose length overruns the file
+    means that length is corrupt, not torn.
+    """
+    for m in _RECORD_START.finditer(data, start + _HEAD.size):
+        head = m.start() - _HEAD.size
+        length, crc = _HEAD.unpack_from(data, head)
+        end = m.start() + length
+        if end <= len(data) and zlib.crc32(data[m.start():end]) == crc:
+            return head
+    return None
 
 
 def read_log(path: str | os.PathLike) -> tuple[list[LogRecord], str | None]:
