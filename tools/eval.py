@@ -27,7 +27,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from actors.dataset import DatasetError, Dataset, OnError, Record, load_dataset
+from actors.dataset import AREAL, LAYOUTS, DatasetError, Dataset, Layout, OnError, Record, load_dataset
 from actors.engines.base import SamplingParams
 from actors.engines.checkpoint import CheckpointError, load_model
 from actors.engines.model import Qwen2ForCausalLM
@@ -208,8 +208,8 @@ def evaluate_model(model: Qwen2ForCausalLM, tokenizer: LoadedTokenizer, records:
 
 
 def load_eval_records(data_path: str, levels: Sequence[int] | None = None, max_per_level: int | None = None,
-                      on_error: OnError = "fail") -> tuple[list[Record], Dataset]:
-    dataset = load_dataset(data_path, require="answer", on_error=on_error)
+                      on_error: OnError = "fail", layout: Layout = AREAL) -> tuple[list[Record], Dataset]:
+    dataset = load_dataset(data_path, require="answer", on_error=on_error, layout=layout)
     records = select_records(dataset.records, levels, max_per_level)
     if not records:
         raise EvalError(f"{data_path}: no records of levels {list(levels or [])}")
@@ -220,7 +220,7 @@ async def aevaluate(model_dir: str, data_path: str, *, k: int = 8, samples: int 
                     greedy: bool = True, temperature: float = 1.0, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                     seed: int = 0, levels: Sequence[int] | None = None, max_per_level: int | None = None,
                     device: str = "cpu", workers: int = 1, on_error: OnError = "fail",
-                    details: bool = False) -> dict[str, Any]:
+                    details: bool = False, layout: Layout = AREAL) -> dict[str, Any]:
     """Load the checkpoint and its tokenizer, evaluate on the dataset; see `aevaluate_model`.
 
     The report also names "model_dir", "data", "skipped_lines" and the total "seconds.total".
@@ -231,7 +231,7 @@ async def aevaluate(model_dir: str, data_path: str, *, k: int = 8, samples: int 
     t0 = time.perf_counter()
     if not has_weights(model_dir):
         raise EvalError(f"{model_dir}: no model weights (model.safetensors or an index) to evaluate")
-    records, dataset = load_eval_records(data_path, levels, max_per_level, on_error)
+    records, dataset = load_eval_records(data_path, levels, max_per_level, on_error, layout)
     tokenizer = load_tokenizer(model_dir)
     model = await asyncio.to_thread(load_model, model_dir, None, device)
     report = await aevaluate_model(model, tokenizer, records, settings, details=details)
@@ -305,18 +305,24 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, default=1, help="grader processes for answers the fast path leaves open")
     ap.add_argument("--on-error", choices=("fail", "skip"), default="fail", help="malformed dataset lines")
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default="areal",
+                    help="the dataset's field layout (actors/dataset.py): areal, gsm8k or math")
+    ap.add_argument("--id2info", help="AReaL's answer file for a prompt file without answers")
+    ap.add_argument("--prompt-template", help="wraps each prompt; {prompt} marks where it goes")
     ap.add_argument("--details", metavar="FILE", help="write per-prompt rows (responses included) as JSON lines")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args(argv)
     try:
         levels = _levels(args.levels)
+        layout = Layout.from_settings({"layout": args.layout, "id2info": args.id2info,
+                                       "prompt_template": args.prompt_template})
     except ValueError as e:
         ap.error(str(e))
     try:
         report = evaluate(args.checkpoint, args.data, k=args.k, samples=args.samples, greedy=not args.no_greedy,
                           temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
                           levels=levels, max_per_level=args.max_per_level, device=args.device,
-                          workers=args.workers, on_error=args.on_error, details=bool(args.details))
+                          workers=args.workers, on_error=args.on_error, details=bool(args.details), layout=layout)
     except (EvalError, DatasetError, CheckpointError, TokenizerError, LMToolError) as e:
         print(f"eval: error: {e}", file=sys.stderr)
         return 2

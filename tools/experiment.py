@@ -26,9 +26,25 @@ class ModelSection(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="engine dtype (default float32)")
 
 
+class DataFields(_Section):
+    query_id: str | None = Field(None, description="field holding the unique id; null numbers the lines")
+    prompt: str | None = Field(None, min_length=1, description="field holding the question")
+    answer: str | None = Field(None, description="field holding the final answer")
+    solutions: str | None = Field(None, description="field holding a list of worked solutions")
+    solution: str | None = Field(None, description="field holding one worked solution (a string)")
+    level: str | None = Field(None, description="field holding the difficulty level")
+
+
 class DataSection(_Section):
     train: str | None = Field(None, description="JSON-lines prompts the buffer serves")
     test: str | None = Field(None, description="held-out JSON-lines file for the final evaluation")
+    layout: Literal["areal", "gsm8k", "math"] | None = Field(
+        None, description="field layout of train and test (actors/dataset.py): areal (boba/orz and ours), gsm8k "
+                          "(question/answer after ####), math (problem/solution with \\boxed{}) (default areal)")
+    fields: DataFields | None = Field(None, description="field names that differ from the layout's")
+    answer_after: str | None = Field(None, min_length=1, description="the answer is the text after this marker (gsm8k: ####)")
+    id2info: str | None = Field(None, description="AReaL's answer file {query_id: {solutions: [...]}} for prompt files without answers")
+    prompt_template: str | None = Field(None, pattern=r"\{prompt\}", description="wraps each prompt; {prompt} marks where it goes")
     on_bad_line: Literal["skip", "fail"] | None = Field(None, description="a malformed line: skip it or stop (default skip)")
     require: Literal["answer", "solutions", "none"] | None = Field(None, description="what each record must carry (default answer)")
     max_line_bytes: int | None = Field(None, ge=1, description="longer lines are refused at load (default 1 MiB)")
