@@ -45,7 +45,7 @@ from actors.recovery import (checkpoint_dir, complete_checkpoints, mark_complete
                              refuse_restart_within_launch, start_weights)
 from actors.rollout import in_thread, weight_group_name
 from actors.weights import TensorDigest, combine_digests, tensor_digests
-from algo.advantages import compute_advantages
+from algo.advantages import AdvNorm, compute_advantages
 from algo.packing import allocate_micro_batches, split_by_rank
 from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
 from algo.staleness import sample_staleness
@@ -147,6 +147,7 @@ class StepConfig:
     temperature: float = 1.0
     decoupled: bool = True    # False: proximal = behaviour log-probs, i.e. standard PPO
     group_std: bool = True
+    adv_norm: AdvNorm = "batch"
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> "StepConfig":
@@ -159,7 +160,8 @@ class StepConfig:
         return cls(ppo=ppo, minibatches=int(algo.get("ppo_minibatches", 1)),
                    max_tokens_per_mb=int(algo.get("max_tokens_per_mb", 4096)),
                    temperature=float((settings.get("gen") or {}).get("temperature", 1.0)) or 1.0,
-                   decoupled=bool(algo.get("decoupled", True)), group_std=bool(algo.get("group_std", True)))
+                   decoupled=bool(algo.get("decoupled", True)), group_std=bool(algo.get("group_std", True)),
+                   adv_norm=algo.get("adv_norm", "batch"))
 
 
 # A parameter server restarted in place answers within a few seconds; each attempt is bounded by the link's
@@ -724,7 +726,7 @@ def train_share(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int
     behav = full.fields["behav"]
     rewards = torch.tensor(flat["rewards"], dtype=torch.float32)
     adv = compute_advantages(rewards, torch.tensor(group_ids), mask, cu_seqlens=full.cu_seqlens,
-                             group_std=cfg.group_std).advantages
+                             group_std=cfg.group_std, adv_norm=cfg.adv_norm).advantages
     starts = full.cu_seqlens[:-1].tolist()
     budget = max(cfg.max_tokens_per_mb, max(lengths))
 

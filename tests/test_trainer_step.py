@@ -41,3 +41,25 @@ def test_batch_flattening_aligns_fields_with_tokens():
     for seq, mask, behav in zip(flat["seqs"], flat["loss_mask"], flat["behav"]):
         assert len(seq) == len(mask) == len(behav)
         assert mask[:3] == [0.0, 0.0, 0.0] and all(m == 1.0 for m in mask[3:])
+
+
+def test_adv_norm_setting_reaches_the_step():
+    model = tiny_model(3)
+    batch = sampled_batch(model, groups=2, n=4)
+    # groups of different spreads (one right answer in four; two in four), no division by the group's std:
+    # only then do the three normalisations give advantages of different scales
+    for group, rewards in zip(batch.groups, ([5.0, -5.0, -5.0, -5.0], [5.0, 5.0, -5.0, -5.0])):
+        for sample, reward in zip(group.samples, rewards):
+            sample.reward = reward
+    deltas = {}
+    for mode in ("batch", "group", "none"):
+        cfg = StepConfig.from_settings({"algo": {"adv_norm": mode, "group_std": False}})
+        assert cfg.adv_norm == mode
+        # a large Adam epsilon keeps the first update proportional to the gradient (not its sign)
+        engine = TorchTrainEngine(model=copy.deepcopy(model), config=TrainConfig(lr=1e-3, adam_eps=1.0,
+                                                                                 grad_clip=0.0))
+        train_on_batch(engine, batch, cfg, version=0)
+        deltas[mode] = torch.cat([(p.detach() - q.detach()).flatten() for p, q in
+                                  zip(engine.model.parameters(), model.parameters())])
+    assert not torch.allclose(deltas["batch"], deltas["group"])
+    assert not torch.allclose(deltas["batch"], deltas["none"])

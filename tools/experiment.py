@@ -68,6 +68,8 @@ class AlgoSection(_Section):
     behav_imp_weight_cap: float | None = Field(None, ge=0, description="cap of the behaviour importance weight; 0 disables (default 5)")
     decoupled: bool | None = Field(None, description="decoupled PPO objective; false is plain PPO (default true)")
     group_std: bool | None = Field(None, description="divide group-relative advantages by the group's std (default true)")
+    adv_norm: Literal["batch", "group", "none"] | None = Field(
+        None, description="advantage normalisation: over all tokens of the batch, within each group, or none (default batch)")
     dynamic_sampling: bool | None = Field(None, description="drop groups whose answers all got one reward (default false)")
     reward_correct: float | None = Field(None, description="reward of a correct answer (default 5)")
     reward_wrong: float | None = Field(None, description="reward of a wrong answer (default -5)")
