@@ -18,7 +18,7 @@ Lost work: the buffer picks the rollout AND the reward actor of every group, so 
 the groups it held are issued again; late answers of re-issued groups are ignored. A group with no result
 after `buffer.group_timeout_s` is issued again as a last resort.
 
-Settings read: model.path (tokenizer), data.train, data.on_bad_line, data.require, seed, algo.batch_size,
+Settings read: model.path (tokenizer), data.train (through its layout), data.on_bad_line, data.require, seed, algo.batch_size,
 algo.group_size, algo.eta, algo.dynamic_sampling, gen.* (sampling of the GenerateGroup),
 buffer.max_groups_per_rollout, buffer.max_concurrent_groups, buffer.group_timeout_s.
 """
@@ -35,7 +35,7 @@ import msgpack
 
 from actors.base import Actor, handles
 from actors.buffer_state import BufferState, InFlight
-from actors.dataset import DEFAULT_MAX_LINE_BYTES, Record, load_dataset
+from actors.dataset import DEFAULT_MAX_LINE_BYTES, Layout, Record, load_dataset
 from actors.engines.tokenizer import load_tokenizer
 from actors.recovery import checkpoint_dir, fsync_write, latest_checkpoint, recovering, restarted_in_place
 from transport.messages import decode, encode
@@ -63,7 +63,7 @@ class BufferActor(Actor):
         # Math records need an answer; a code task's records carry `tests` instead (data.require: none).
         self.dataset = await asyncio.to_thread(
             load_dataset, data["train"], require=data.get("require", "answer"), on_error=data.get("on_bad_line", "skip"),
-            max_line_bytes=int(data.get("max_line_bytes", DEFAULT_MAX_LINE_BYTES)))
+            max_line_bytes=int(data.get("max_line_bytes", DEFAULT_MAX_LINE_BYTES)), layout=Layout.from_settings(data))
         tok = await asyncio.to_thread(load_tokenizer, (s.get("model") or {})["path"])
         self.stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
         self.prompt_ids = [tok.encode(r.prompt) for r in self.dataset.records]

@@ -17,7 +17,28 @@ field          type                        meaning
 ``level``      non-negative integer         difficulty level, optional
 =============  ==========================  =====================================================
 
-Other fields are kept in ``Record.extra``. A malformed line (bad JSON, a bad field, bytes that are not
+Other fields are kept in ``Record.extra``.
+
+Other layouts are read through a `Layout`, the field mapping of the config's ``data`` section
+(``data.layout``, ``data.fields``, ``data.id2info``, ``data.prompt_template``; `Layout.from_settings`):
+
+===========  ==========================================================================================
+layout       what a line holds
+===========  ==========================================================================================
+``areal``    the table above (the default): our generated task, the tutorial's ``boba_106k_0319.jsonl``
+             and ``orz-zero_56k_0319.jsonl`` (``query_id``, ``prompt``, ``solutions`` of boxed answers)
+``gsm8k``    ``question`` and ``answer``, whose final answer follows ``####``; the line number is the id
+``math``     ``problem`` and a worked ``solution`` whose last ``\\boxed{...}`` is the answer (an ``answer``
+             field, as MATH-500 has, wins), ``level`` as ``"Level 3"``; the line number is the id
+===========  ==========================================================================================
+
+``data.fields`` renames any field of the chosen layout (``{prompt: input, query_id: uid}``); naming
+``query_id: null`` numbers lines instead. ``data.id2info`` names AReaL's answer file, a JSON object
+``{query_id: {"solutions": [...]}}`` for prompt files that carry none: a prompt whose id is missing there is
+an error on its line. ``data.prompt_template`` wraps every prompt (``{prompt}`` marks where it goes), for
+base models that need the instructions around the question. Errors name the file's own field names.
+
+A malformed line (bad JSON, a bad field, bytes that are not
 UTF-8, a line longer than ``max_line_bytes``) raises `DatasetError` naming the file, the line number and
 the cause; with ``on_error="skip"`` it is logged, counted and skipped instead. A line over the length limit
 is never held in memory whole: it is read past in chunks.
@@ -25,7 +46,8 @@ is never held in memory whole: it is read past in chunks.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal
 
@@ -35,7 +57,7 @@ log = structlog.get_logger("dataset")
 
 OnError = Literal["skip", "fail"]
 Require = Literal["answer", "solutions", "none"]
-KNOWN_FIELDS = ("query_id", "prompt", "answer", "solutions", "level")
+LAYOUT_FIELDS = ("query_id", "prompt", "answer", "solutions", "solution", "level")
 # A prompt of the longest recipes (32k tokens) is well under 1 MiB of text; a longer line is a broken file.
 DEFAULT_MAX_LINE_BYTES = 1 << 20
 
@@ -48,6 +70,78 @@ class DatasetError(ValueError):
         where = f"{self.path}:{line_no}" if line_no is not None else self.path
         what = f"field {field_name!r}: " if field_name else ""
         super().__init__(f"{where}: {what}{reason}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a line keeps each field of a `Record` (None: the line has no such field), and what to do to it."""
+
+    query_id: str | None = "query_id"     # None: the line number is the id
+    prompt: str = "prompt"
+    answer: str | None = "answer"
+    solutions: str | None = "solutions"   # a list of worked solutions
+    solution: str | None = None           # one worked solution (a string)
+    level: str | None = "level"
+    answer_after: str | None = None       # the answer is the text after the last occurrence of this marker
+    id2info: str | None = None            # AReaL's answer file: {query_id: {"solutions": [...]}}
+    prompt_template: str | None = None    # "{prompt}" is replaced by the line's prompt
+
+    def __post_init__(self) -> None:
+        if self.prompt_template is not None and "{prompt}" not in self.prompt_template:
+            raise ValueError(f"prompt_template: must contain {{prompt}}, got {_short(self.prompt_template)}")
+
+    @classmethod
+    def from_settings(cls, data: dict[str, Any] | None) -> "Layout":
+        """The layout the config's ``data`` section describes (`tools/experiment.py` documents the keys)."""
+        data = data or {}
+        name = data.get("layout") or "areal"
+        if name not in LAYOUTS:
+            raise ValueError(f"data.layout: must be one of {sorted(LAYOUTS)}, got {name!r}")
+        fields = dict(data.get("fields") or {})
+        unknown = sorted(set(fields) - set(LAYOUT_FIELDS))
+        if unknown:
+            raise ValueError(f"data.fields: unknown field(s) {unknown}; known: {list(LAYOUT_FIELDS)}")
+        if "prompt" in fields and not fields["prompt"]:
+            raise ValueError("data.fields.prompt: every line needs a prompt field")
+        extra = {k: data[k] for k in ("answer_after", "id2info", "prompt_template") if data.get(k) is not None}
+        return replace(LAYOUTS[name], **fields, **extra)
+
+    @property
+    def consumed(self) -> tuple[str, ...]:
+        """The line's fields this layout reads (the rest go to `Record.extra`)."""
+        return tuple(n for n in (self.query_id, self.prompt, self.answer, self.solutions, self.solution, self.level)
+                     if n is not None)
+
+
+LAYOUTS: dict[str, Layout] = {
+    "areal": Layout(),
+    "gsm8k": Layout(query_id=None, prompt="question", answer="answer", solutions=None, level=None,
+                    answer_after="####"),
+    "math": Layout(query_id=None, prompt="problem", answer="answer", solutions=None, solution="solution"),
+}
+AREAL = LAYOUTS["areal"]
+_MATH_LEVEL = re.compile(r"Level (\d+|\?)")
+
+
+def load_id2info(path: str | Path) -> dict[str, list[str]]:
+    """AReaL's answer file: query id -> its worked solutions (at least one, each a non-empty string)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(path, None, "no such file (data.id2info)")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DatasetError(path, None, f"not a JSON file ({e})") from None
+    if not isinstance(doc, dict):
+        raise DatasetError(path, None, f"expected a JSON object of query ids, got {type(doc).__name__}")
+    out: dict[str, list[str]] = {}
+    for qid, info in doc.items():
+        sols = info.get("solutions") if isinstance(info, dict) else None
+        if not isinstance(sols, list) or not sols or not all(isinstance(x, str) and x for x in sols):
+            raise DatasetError(path, None, f"entry {qid!r}: expected {{\"solutions\": [non-empty strings]}}, got "
+                               f"{_short(info)}")
+        out[str(qid)] = sols
+    return out
 
 
 @dataclass(frozen=True)
@@ -83,53 +177,82 @@ def last_boxed(text: str) -> str | None:
 
 
 def parse_record(obj: Any, *, path: str | Path = "<memory>", line_no: int | None = None,
-                 require: Require = "answer") -> Record:
-    """Validates one decoded JSON value; raises `DatasetError` naming the offending field."""
+                 require: Require = "answer", layout: Layout = AREAL,
+                 id2info: dict[str, list[str]] | None = None) -> Record:
+    """Validates one decoded JSON value read through `layout`; raises `DatasetError` naming the offending
+    field as the file spells it. ``id2info`` (`load_id2info`) supplies solutions the line lacks."""
     def bad(reason: str, name: str | None = None) -> DatasetError:
         return DatasetError(path, line_no, reason, name)
 
     if not isinstance(obj, dict):
         raise bad(f"expected a JSON object, got {type(obj).__name__}")
-    for name in ("query_id", "prompt"):
-        if name not in obj:
+    for name in (layout.query_id, layout.prompt):
+        if name is not None and name not in obj:
             raise bad("missing", name)
-    query_id = obj["query_id"]
+    if layout.query_id is None:
+        if line_no is None:
+            raise bad("this layout numbers lines for ids, and no line number was given")
+        query_id: Any = str(line_no)
+    else:
+        query_id = obj[layout.query_id]
     # bool is an int subclass; an id of `true` is a mistake, not a number.
     if isinstance(query_id, bool) or not isinstance(query_id, (str, int)) or query_id == "":
-        raise bad(f"expected a non-empty string, got {query_id!r}", "query_id")
-    prompt = obj["prompt"]
+        raise bad(f"expected a non-empty string, got {query_id!r}", layout.query_id)
+    prompt = obj[layout.prompt]
     if not isinstance(prompt, str) or not prompt:
-        raise bad(f"expected a non-empty string, got {_short(prompt)}", "prompt")
+        raise bad(f"expected a non-empty string, got {_short(prompt)}", layout.prompt)
+    if layout.prompt_template is not None:
+        prompt = layout.prompt_template.replace("{prompt}", prompt)
 
-    solutions = obj.get("solutions", [])
+    solutions = obj.get(layout.solutions, []) if layout.solutions else []
     if not isinstance(solutions, list) or not all(isinstance(s, str) and s for s in solutions):
-        raise bad(f"expected a list of non-empty strings, got {_short(solutions)}", "solutions")
+        raise bad(f"expected a list of non-empty strings, got {_short(solutions)}", layout.solutions)
+    if layout.solution is not None and layout.solution in obj:
+        text = obj[layout.solution]
+        if not isinstance(text, str) or not text:
+            raise bad(f"expected a non-empty string, got {_short(text)}", layout.solution)
+        solutions = [text, *solutions]
+    if not solutions and id2info is not None:
+        if str(query_id) not in id2info:
+            raise bad(f"{str(query_id)!r} has no entry in the answer file (data.id2info: {layout.id2info})",
+                      layout.query_id)
+        solutions = id2info[str(query_id)]
 
-    answer = obj.get("answer")
+    answer = obj.get(layout.answer) if layout.answer else None
     if answer is not None:
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or answer == "":
-            raise bad(f"expected a non-empty string or a number, got {_short(answer)}", "answer")
+            raise bad(f"expected a non-empty string or a number, got {_short(answer)}", layout.answer)
         answer = str(answer)
+        if layout.answer_after is not None:
+            if layout.answer_after not in answer:
+                raise bad(f"no {layout.answer_after!r} before the final answer in {_short(answer)}", layout.answer)
+            answer = answer.rsplit(layout.answer_after, 1)[1].strip().replace(",", "")
+            if not answer:
+                raise bad(f"nothing after {layout.answer_after!r}", layout.answer)
     elif solutions:
         answer = last_boxed(solutions[0])
 
-    level = obj.get("level")
+    level = obj.get(layout.level) if layout.level else None
+    if isinstance(level, str) and (m := _MATH_LEVEL.fullmatch(level)):   # MATH spells levels "Level 3"
+        level = None if m.group(1) == "?" else int(m.group(1))
     if level is not None and (isinstance(level, bool) or not isinstance(level, int) or level < 0):
-        raise bad(f"expected a non-negative integer, got {level!r}", "level")
+        raise bad(f"expected a non-negative integer, got {level!r}", layout.level)
 
     if require == "answer" and answer is None:
-        raise bad("missing, and no \\boxed{...} answer in the first solution to take it from", "answer")
+        raise bad("missing, and no \\boxed{...} answer in the first solution to take it from",
+                  layout.answer or layout.solution or layout.solutions)
     if require == "solutions" and not solutions:
-        raise bad("missing or empty: this use needs worked solutions", "solutions")
+        raise bad("missing or empty: this use needs worked solutions", layout.solutions or layout.solution)
 
-    extra = {k: v for k, v in obj.items() if k not in KNOWN_FIELDS}
+    extra = {k: v for k, v in obj.items() if k not in layout.consumed}
     return Record(str(query_id), prompt, answer, tuple(solutions), level, extra)
 
 
 def iter_jsonl(path: str | Path, *, require: Require = "answer", on_error: OnError = "fail",
                on_skip: Callable[[DatasetError], None] | None = None,
-               max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Iterator[Record]:
-    """Streams validated records; blank lines are ignored, duplicate query ids are errors."""
+               max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, layout: Layout = AREAL) -> Iterator[Record]:
+    """Streams validated records read through `layout`; blank lines are ignored, duplicate query ids are
+    errors. A broken ``layout.id2info`` file is an error whatever ``on_error`` says."""
     if on_error not in ("skip", "fail"):
         raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
     if require not in ("answer", "solutions", "none"):
@@ -139,6 +262,7 @@ def iter_jsonl(path: str | Path, *, require: Require = "answer", on_error: OnErr
     path = Path(path)
     if not path.is_file():
         raise DatasetError(path, None, "no such file")
+    id2info = load_id2info(layout.id2info) if layout.id2info else None
     seen: dict[str, int] = {}
     for line_no, raw in _lines(path, max_line_bytes):
         try:
@@ -157,10 +281,10 @@ def iter_jsonl(path: str | Path, *, require: Require = "answer", on_error: OnErr
                 raise DatasetError(path, line_no, f"not valid JSON ({e.msg} at column {e.colno})") from None
             except RecursionError:
                 raise DatasetError(path, line_no, "not usable JSON (nested too deeply)") from None
-            rec = parse_record(obj, path=path, line_no=line_no, require=require)
+            rec = parse_record(obj, path=path, line_no=line_no, require=require, layout=layout, id2info=id2info)
             if rec.query_id in seen:
                 raise DatasetError(path, line_no, f"duplicate {rec.query_id!r} (first on line "
-                                   f"{seen[rec.query_id]})", "query_id")
+                                   f"{seen[rec.query_id]})", layout.query_id)
         except DatasetError as err:
             if on_error == "fail":
                 raise
@@ -224,15 +348,15 @@ class Dataset:
 
 
 def load_dataset(path: str | Path, *, require: Require = "answer", on_error: OnError = "fail",
-                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> Dataset:
-    """Reads a JSON-lines file. ``require``: "answer" (RL, eval), "solutions" (SFT) or "none".
+                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, layout: Layout = AREAL) -> Dataset:
+    """Reads a JSON-lines file through `layout`. ``require``: "answer" (RL, eval), "solutions" (SFT) or "none".
 
     Raises `DatasetError` on the first bad line when ``on_error="fail"``; with "skip" bad lines are
     logged and counted in ``Dataset.skipped``, and only a file with no usable line at all is an error.
     """
     skipped: list[DatasetError] = []
     records = list(iter_jsonl(path, require=require, on_error=on_error, on_skip=skipped.append,
-                              max_line_bytes=max_line_bytes))
+                              max_line_bytes=max_line_bytes, layout=layout))
     if not records:
         detail = f" ({len(skipped)} malformed lines skipped, first: {skipped[0]})" if skipped else ""
         raise DatasetError(path, None, f"no usable records{detail}")

@@ -46,7 +46,7 @@ from actors.recovery import (COMPLETE, checkpoint_dir, complete_checkpoints, mar
                              recovering, restarted_in_place, start_weights)
 from actors.rollout import in_thread, weight_group_name
 from actors.weights import TensorDigest, combine_digests, tensor_digests
-from algo.advantages import compute_advantages
+from algo.advantages import AdvNorm, KLEstimator, compute_advantages, kl_penalty
 from algo.packing import allocate_micro_batches, split_by_rank
 from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
 from algo.staleness import sample_staleness
@@ -94,6 +94,16 @@ def make_train_engine(settings: dict[str, Any], model_dir: str, version: int) ->
                       grad_clip=float(algo.get("grad_clip", 1.0)), weight_decay=float(algo.get("weight_decay", 0.0)),
                       seed=int(settings.get("seed", 1)), device=engine_device(settings))
     return TorchTrainEngine(model_dir, cfg, version=version)
+
+
+def make_reference_engine(settings: dict[str, Any]) -> TrainEngine:
+    """The KL penalty's reference (`algo.kl_coef` > 0): an engine of the same backend and layout holding the
+    run's starting weights (model.path, also when the run resumes from a checkpoint); only its log-probs are
+    used, so it never changes."""
+    path = (settings.get("model") or {}).get("path")
+    if not path:
+        raise TrainerConfigError("algo.kl_coef > 0: model.path (the reference model's weights) is not set")
+    return make_train_engine(settings, str(path), 0)
 
 
 def _make_megatron_engine(settings: dict[str, Any], model_dir: str, version: int) -> TrainEngine:
@@ -148,6 +158,9 @@ class StepConfig:
     temperature: float = 1.0
     decoupled: bool = True    # False: proximal = behaviour log-probs, i.e. standard PPO
     group_std: bool = True
+    adv_norm: AdvNorm = "batch"
+    kl_coef: float = 0.0      # > 0: a KL penalty to the frozen starting weights, in the token rewards
+    kl_estimator: KLEstimator = "k1"
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> "StepConfig":
@@ -160,7 +173,9 @@ class StepConfig:
         return cls(ppo=ppo, minibatches=int(algo.get("ppo_minibatches", 1)),
                    max_tokens_per_mb=int(algo.get("max_tokens_per_mb", 4096)),
                    temperature=float((settings.get("gen") or {}).get("temperature", 1.0)) or 1.0,
-                   decoupled=bool(algo.get("decoupled", True)), group_std=bool(algo.get("group_std", True)))
+                   decoupled=bool(algo.get("decoupled", True)), group_std=bool(algo.get("group_std", True)),
+                   adv_norm=algo.get("adv_norm", "batch"), kl_coef=float(algo.get("kl_coef", 0.0)),
+                   kl_estimator=algo.get("kl_estimator", "k1"))
 
 
 # A parameter server restarted in place answers within a few seconds; each attempt is bounded by the link's
@@ -293,6 +308,7 @@ class TrainerActor(Actor):
         self.keep_ckpts = int((s.get("run") or {}).get("keep_checkpoints", 2))
         self.version, model_dir = start_weights(s, self.run_dir)
         self.engine = await asyncio.to_thread(make_train_engine, s, model_dir, self.version)
+        self.ref_engine = await asyncio.to_thread(make_reference_engine, s) if self.step_cfg.kl_coef > 0 else None
         # A trainer world: rank 0 leads (bus, weights, metrics), the others follow its engine calls.
         self.ranks = await asyncio.to_thread(RankGroup) if world else None
         # Pipeline stages each send their own layers, on a weights channel followed beside the training one.
@@ -407,7 +423,7 @@ class TrainerActor(Actor):
             command, args = self.ranks.next_command()
             if command == TRAIN:
                 batch, version = args
-                self.ranks.gather(train_share(self.engine, batch, self.step_cfg, version))
+                self.ranks.gather(train_share(self.engine, batch, self.step_cfg, version, self.ref_engine))
             elif command == EXPORT:
                 bucket_bytes, version = args
                 buckets = list(self.engine.export_weights(bucket_bytes))
@@ -494,9 +510,9 @@ class TrainerActor(Actor):
     # --- rank 0: every engine call is led, so that the other ranks make it too ----------------------
     def _train_step(self, batch: Batch) -> dict[str, Any]:
         if self.ranks is None:
-            return train_on_batch(self.engine, batch, self.step_cfg, self.version)
+            return train_on_batch(self.engine, batch, self.step_cfg, self.version, self.ref_engine)
         self.ranks.lead(TRAIN, batch, self.version)
-        share = train_share(self.engine, batch, self.step_cfg, self.version)
+        share = train_share(self.engine, batch, self.step_cfg, self.version, self.ref_engine)
         return step_metrics(batch, self.version, self.ranks.gather(share) or [share])
 
     def _export(self) -> tuple[list[Any], list["StageExport"]]:
@@ -785,14 +801,28 @@ class ShareResult:
     ppo: PPOStats                       # empty on ranks whose loss statistics duplicate another's
     logprob_gap: float                  # max |proximal - behaviour| on tokens sampled by these very weights
     updates: list[dict[str, float]]     # engine.train_step reports (already global: summed over replicas)
+    kl_reward: float | None = None      # mean over answer tokens of -kl_coef * KL to the reference (kl_coef > 0)
 
 
-def train_on_batch(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int) -> dict[str, Any]:
+def train_on_batch(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int,
+                   ref_engine: TrainEngine | None = None) -> dict[str, Any]:
     """One training step on `batch` with a single-rank engine at `version` (steps completed); the metrics."""
-    return step_metrics(batch, version, [train_share(engine, batch, cfg, version)])
+    return step_metrics(batch, version, [train_share(engine, batch, cfg, version, ref_engine)])
 
 
-def train_share(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int) -> ShareResult:
+def packed_logprobs(engine: TrainEngine, seqs: list[list[int]], micro_batches: Any, out: torch.Tensor,
+                    starts: list[int], temperature: float) -> None:
+    """Log-probs of `seqs` under `engine`, computed micro-batch by micro-batch (lists of sequence indices)
+    and written into `out` (the packed layout of every sequence, `starts` their offsets)."""
+    for ids in micro_batches:
+        mb = PackedBatch.from_sequences([seqs[i] for i in ids])
+        lp = engine.compute_logprobs(mb, temperature=temperature).logprobs
+        for j, i in enumerate(ids):
+            out[starts[i]:starts[i] + len(seqs[i])] = lp[int(mb.cu_seqlens[j]):int(mb.cu_seqlens[j + 1])]
+
+
+def train_share(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int,
+                ref_engine: TrainEngine | None = None) -> ShareResult:
     """This rank's part of one training step. Every rank of a multi-rank trainer calls it with the same
     batch: each data-parallel replica takes the same number of micro-batches of every PPO minibatch
     (`algo.packing` balances them), computes their proximal log-probs and trains on them; the gradients
@@ -805,10 +835,21 @@ def train_share(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int
     mask = full.fields["loss_mask"].bool()
     behav = full.fields["behav"]
     rewards = torch.tensor(flat["rewards"], dtype=torch.float32)
-    adv = compute_advantages(rewards, torch.tensor(group_ids), mask, cu_seqlens=full.cu_seqlens,
-                             group_std=cfg.group_std).advantages
     starts = full.cu_seqlens[:-1].tolist()
     budget = max(cfg.max_tokens_per_mb, max(lengths))
+    kl_reward = None
+    ref = None
+    if cfg.kl_coef > 0:
+        # KL(behaviour || reference) on the sampled tokens, for the whole batch on every rank: the penalty
+        # enters the token rewards before the batch-wide advantage normalisation.
+        if ref_engine is None:
+            raise TrainerConfigError("algo.kl_coef > 0 needs the reference engine (the frozen starting weights)")
+        ref = torch.zeros_like(behav)
+        packed_logprobs(ref_engine, seqs, allocate_micro_batches(lengths, budget), ref, starts, cfg.temperature)
+        kl_reward = -cfg.kl_coef * float(kl_penalty(behav[mask], ref[mask], cfg.kl_estimator).mean())
+    adv = compute_advantages(rewards, torch.tensor(group_ids), mask, cu_seqlens=full.cu_seqlens,
+                             group_std=cfg.group_std, adv_norm=cfg.adv_norm, logp=behav, logp_ref=ref,
+                             kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator).advantages
 
     # PPO minibatches: contiguous slices of whole groups, so a group never straddles two updates; each as
     # this rank's micro-batches (lists of sequence indices).
@@ -834,11 +875,7 @@ def train_share(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int
     # Proximal log-probs: the current weights before this step's updates, for this rank's sequences.
     prox = behav.clone()
     if cfg.decoupled:
-        for ids in (ids for mbs in minibatches for ids in mbs):
-            mb = PackedBatch.from_sequences([seqs[i] for i in ids])
-            lp = engine.compute_logprobs(mb, temperature=cfg.temperature).logprobs
-            for j, i in enumerate(ids):
-                prox[starts[i]:starts[i] + lengths[i]] = lp[int(mb.cu_seqlens[j]):int(mb.cu_seqlens[j + 1])]
+        packed_logprobs(engine, seqs, [ids for mbs in minibatches for ids in mbs], prox, starts, cfg.temperature)
     mine = tokens_of([i for mbs in minibatches for ids in mbs for i in ids])
     current = (full.fields["versions"] == float(version)) & mask & mine  # sampled by exactly these weights
     gap = float(((prox - behav).abs() * current).max()) if bool(current.any()) else 0.0
@@ -869,7 +906,8 @@ def train_share(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int
                                          loss_denominator=float(n_tokens), with_entropy=True))
         for st in collected:
             stats_all = stats_all.merge(st)
-    return ShareResult(ppo=stats_all if engine.reports_stats else PPOStats(), logprob_gap=gap, updates=updates)
+    return ShareResult(ppo=stats_all if engine.reports_stats else PPOStats(), logprob_gap=gap, updates=updates,
+                       kl_reward=kl_reward)
 
 
 def step_metrics(batch: Batch, version: int, shares: list[ShareResult]) -> dict[str, Any]:
@@ -880,6 +918,7 @@ def step_metrics(batch: Batch, version: int, shares: list[ShareResult]) -> dict[
         ppo = ppo.merge(share.ppo)
     summary = ppo.summary()
     updates = shares[0].updates
+    kl_reward = {} if shares[0].kl_reward is None else {"kl_reward": shares[0].kl_reward}
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     starts_v = [min([v for v in s.versions if v >= 0], default=version) for s in samples]
     staleness = sample_staleness(torch.tensor(starts_v), version).float()
@@ -897,7 +936,7 @@ def step_metrics(batch: Batch, version: int, shares: list[ShareResult]) -> dict[
         "logprob_gap_max": max(share.logprob_gap for share in shares),
         "loss": sum(x["loss"] for x in updates), "grad_norm": max((x["grad_norm"] for x in updates), default=0.0),
         "lr": updates[-1]["lr"] if updates else 0.0,
-        "accuracy_by_level": _accuracy_by_level(batch),
+        "accuracy_by_level": _accuracy_by_level(batch), **kl_reward,
     }
 
 

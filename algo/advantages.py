@@ -12,6 +12,8 @@ The pipeline the seeds use (AReaL v0.1/v0.2 recipes), each step a function of it
    and no critic by default (then every token of an answer gets its reward), a value baseline works too.
 5. `normalize_advantages`: mean/std normalisation over all valid tokens of the (global) batch; the
    moments can be computed per rank with `masked_moments`, summed across ranks, and passed in.
+   `group_normalize_tokens` does the same within each group (the answers to one prompt) instead, and
+   `apply_adv_norm` picks one by name (`algo.adv_norm`: batch, group or none).
 
 `compute_advantages` chains them. Tensors are [B, T] padded with a loss mask, or 1-D packed streams
 with `cu_seqlens` (see algo.packing). The mask may have gaps (multi-turn): the GAE recursion runs over
@@ -28,6 +30,8 @@ from algo._validate import as_tensor, check_finite, check_grouped_rewards, check
 from algo.packing import pad_packed, unpad
 
 KLEstimator = Literal["k1", "k2", "k3"]
+AdvNorm = Literal["batch", "group", "none"]
+ADV_NORMS: tuple[str, ...] = ("batch", "group", "none")
 
 
 def sequence_rewards(
@@ -220,6 +224,63 @@ def normalize_advantages(
     return (x * mask).to(advantages.dtype)
 
 
+def group_normalize_tokens(
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    use_std: bool = True,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """(A - mean_g) / (std_g + eps) with the mean and population std over the valid tokens of each group g
+    (`group_ids[b]` names the prompt sequence b answers); zero on masked tokens. A group whose tokens all
+    hold one value gets zero advantage."""
+    view = _PaddedView(cu_seqlens, loss_mask)
+    mask = view.mask
+    gid = as_tensor("group_ids", group_ids)
+    if gid.shape != (mask.shape[0],) or gid.is_floating_point() or gid.dtype == torch.bool:
+        raise ValueError(f"group_ids: must be {mask.shape[0]} integers (one per sequence), got "
+                         f"{gid.dtype} of shape {tuple(gid.shape)}")
+    a = view.pad("advantages", advantages).to(torch.float64)
+    if mask.shape[0] == 0:
+        return advantages.clone()
+    _, inverse = torch.unique(gid, return_inverse=True)
+    n_groups = int(inverse.max()) + 1
+    m = mask.to(torch.float64)
+    count = torch.bincount(inverse, weights=m.sum(1), minlength=n_groups).clamp(min=1.0)
+    mean = torch.bincount(inverse, weights=(a * m).sum(1), minlength=n_groups) / count
+    dev = (a - mean[inverse].unsqueeze(1)) * m
+    if use_std:
+        var = torch.bincount(inverse, weights=(dev * dev).sum(1), minlength=n_groups) / count
+        dev = dev / (var.sqrt()[inverse].unsqueeze(1) + eps)
+    return view.unpad(dev.to(advantages.dtype))
+
+
+def apply_adv_norm(
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    mode: AdvNorm,
+    *,
+    group_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    moments: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """The advantage normalisation `algo.adv_norm` names: "batch" over all valid tokens of the batch
+    (`moments` from `masked_moments`, summed over ranks, make it global), "group" over the valid tokens of
+    each group (`group_ids` per sequence), "none" leaves the advantages as they are."""
+    if mode == "batch":
+        return normalize_advantages(advantages, loss_mask, moments=moments, eps=eps)
+    if mode == "group":
+        if group_ids is None:
+            raise ValueError("group_ids: needed to normalise advantages per group")
+        return group_normalize_tokens(advantages, loss_mask, group_ids, cu_seqlens=cu_seqlens, eps=eps)
+    if mode == "none":
+        return advantages
+    raise ValueError(f"adv_norm: must be one of {list(ADV_NORMS)}, got {mode!r}")
+
+
 @dataclass(frozen=True)
 class Advantages:
     advantages: torch.Tensor  # per token, zero on masked tokens
@@ -243,12 +304,13 @@ def compute_advantages(
     lam: float = 1.0,
     group_norm: bool = True,
     group_std: bool = True,
-    token_norm: bool = True,
+    adv_norm: AdvNorm = "batch",
     token_norm_moments: torch.Tensor | None = None,
     eps: float = 1e-5,
 ) -> Advantages:
     """The seeds' recipe in one call: group-normalised sequence rewards, KL folded into token rewards
-    (when kl_coef != 0 and logp/logp_ref are given), GAE, then normalisation over all valid tokens.
+    (when kl_coef != 0 and logp/logp_ref are given), GAE, then `apply_adv_norm` (by default over all valid
+    tokens of the batch, as the seeds' v0.2 does).
 
     Per-token tensors are [B, T] (with `loss_mask` [B, T]) or 1-D packed with `cu_seqlens` [B + 1].
     """
@@ -260,8 +322,8 @@ def compute_advantages(
         kl = kl_penalty(logp, logp_ref, kl_estimator)
     tok_r = token_rewards(r, loss_mask, kl=kl, kl_coef=kl_coef, cu_seqlens=cu_seqlens)
     adv, ret = gae(tok_r, loss_mask, values=values, gamma=gamma, lam=lam, cu_seqlens=cu_seqlens)
-    if token_norm:
-        adv = normalize_advantages(adv, loss_mask, moments=token_norm_moments, eps=eps)
+    adv = apply_adv_norm(adv, loss_mask, adv_norm, group_ids=group_ids, cu_seqlens=cu_seqlens,
+                         moments=token_norm_moments, eps=eps)
     return Advantages(advantages=adv, returns=ret, token_rewards=tok_r, seq_rewards=as_tensor("seq_rewards", r))
 
 

@@ -8,9 +8,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from algo.advantages import (
+    apply_adv_norm,
     compute_advantages,
     gae,
     group_normalize,
+    group_normalize_tokens,
     kl_penalty,
     masked_moments,
     normalize_advantages,
@@ -182,7 +184,7 @@ def test_default_recipe_gives_every_token_its_group_normalised_reward():
     rewards = torch.tensor([5.0, -5.0, -5.0, 5.0])
     gids = torch.tensor([0, 0, 1, 1])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
-    out = compute_advantages(rewards, gids, mask, token_norm=False)
+    out = compute_advantages(rewards, gids, mask, adv_norm="none")
     for b, r in enumerate([1.0, -1.0, -1.0, 1.0]):
         assert out.advantages[b][mask[b].bool()].tolist() == pytest.approx([r] * int(mask[b].sum()), abs=1e-4)
 
@@ -262,3 +264,60 @@ def test_shape_mismatch_and_missing_kl_inputs_are_rejected():
         token_rewards(rewards[:-1], mask)
     with pytest.raises(ValueError, match="gamma"):
         gae(torch.zeros_like(values), mask, gamma=1.5)
+
+
+# --- algo.adv_norm: batch | group | none ----------------------------------------------------------------
+
+def _two_groups():
+    # two groups of two answers; group 1's advantages are ten times group 0's, lengths differ
+    adv = torch.tensor([[1.0, 1.0, 0.0], [-1.0, 0.0, 0.0], [10.0, 10.0, 10.0], [-10.0, -10.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    return adv, mask, torch.tensor([0, 0, 1, 1])
+
+
+def test_adv_norm_batch_standardises_over_every_token_of_the_batch():
+    adv, mask, gids = _two_groups()
+    out = apply_adv_norm(adv, mask, "batch")
+    assert torch.allclose(out, normalize_advantages(adv, mask))
+    vals = out[mask].double()
+    assert abs(float(vals.mean())) < 1e-6 and abs(float(vals.std(unbiased=False)) - 1) < 1e-4
+    # group 0's tokens stay small next to group 1's: one scale for the whole batch
+    assert float(out[0, 0].abs()) < 0.5 * float(out[2, 0].abs())
+
+
+def test_adv_norm_group_standardises_within_each_group():
+    adv, mask, gids = _two_groups()
+    out = apply_adv_norm(adv, mask, "group", group_ids=gids)
+    for g in (0, 1):
+        vals = out[gids == g][mask[gids == g]].double()
+        assert abs(float(vals.mean())) < 1e-6 and abs(float(vals.std(unbiased=False)) - 1) < 1e-4
+    # group 0 (1, 1, -1) and group 1 (10, 10, 10, -10, -10) differ only in scale and length: per group,
+    # a token's sign and its group's token balance decide it, not the raw scale
+    assert torch.allclose(out[0, :2], out[0, :1].expand(2)) and float(out[0, 0]) > 0 > float(out[1, 0])
+    assert bool((out[~mask] == 0).all())
+    with pytest.raises(ValueError, match="group_ids"):
+        apply_adv_norm(adv, mask, "group")
+
+
+def test_adv_norm_none_keeps_the_advantages_and_packed_equals_padded():
+    adv, mask, gids = _two_groups()
+    assert torch.equal(apply_adv_norm(adv, mask, "none"), adv)
+    with pytest.raises(ValueError, match="adv_norm: must be one of"):
+        apply_adv_norm(adv, mask, "token")
+    lengths = mask.sum(1)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    packed = apply_adv_norm(adv[mask], torch.ones(int(cu[-1]), dtype=torch.bool), "group", group_ids=gids,
+                            cu_seqlens=cu)
+    assert torch.allclose(packed, apply_adv_norm(adv, mask, "group", group_ids=gids)[mask])
+
+
+def test_compute_advantages_modes_change_the_advantages_as_named():
+    rewards, gids = torch.tensor([5.0, -5.0, 5.0, 5.0, -5.0, -5.0]), torch.tensor([0, 0, 0, 1, 1, 1])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]],
+                        dtype=torch.bool)
+    raw = compute_advantages(rewards, gids, mask, adv_norm="none").advantages
+    batch = compute_advantages(rewards, gids, mask).advantages
+    group = compute_advantages(rewards, gids, mask, adv_norm="group").advantages
+    assert torch.allclose(batch, normalize_advantages(raw, mask))
+    assert torch.allclose(group, group_normalize_tokens(raw, mask, gids))
+    assert not torch.allclose(batch, group) and not torch.allclose(raw, batch)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from actors.dataset import DatasetError, Record, iter_jsonl, last_boxed, load_dataset, parse_record
+from actors.dataset import LAYOUTS, DatasetError, Layout, Record, iter_jsonl, last_boxed, load_dataset, parse_record
 
 GOOD = {"query_id": "q1", "prompt": "Compute: 1+2\n", "answer": "3", "solutions": ["3 \\boxed{3}"], "level": 1}
 
@@ -140,3 +140,82 @@ def test_a_line_over_the_length_limit_is_refused_without_reading_it_whole(tmp_pa
     with pytest.raises(DatasetError, match=r"long.jsonl:2: longer than max_line_bytes \(1048576 bytes"):
         load_dataset(path)
     assert len(load_dataset(path, max_line_bytes=20_000_000)) == 3
+
+
+# --- layouts: the seeds' files and the common public ones, through the config's field mapping ----------
+
+def test_boba_and_orz_layout_reads_answers_from_boxed_solutions(tmp_path):
+    # The tutorial's boba_106k_0319.jsonl / orz-zero_56k_0319.jsonl: query_id, prompt, task, boxed solutions.
+    path = write(tmp_path, [{"query_id": "b1", "prompt": "What is 1/2+1/2?", "task": "math",
+                             "solutions": ["\\boxed{1}"]},
+                            {"query_id": "b2", "prompt": "2*3?", "task": "math", "solutions": ["\\boxed{6}", "6"]}])
+    ds = load_dataset(path, layout=Layout.from_settings({"layout": "areal"}))
+    assert [(r.query_id, r.answer, r.extra) for r in ds] == [("b1", "1", {"task": "math"}), ("b2", "6", {"task": "math"})]
+
+
+def test_areal_prompt_file_takes_answers_from_id2info(tmp_path):
+    path = write(tmp_path, [{"query_id": "p1", "prompt": "1+1?"}, {"query_id": "p2", "prompt": "2+2?"}])
+    info = tmp_path / "id2info.json"
+    info.write_text(json.dumps({"p1": {"solutions": ["\\boxed{2}"]}, "p2": {"solutions": ["so \\boxed{4}"]}}))
+    ds = load_dataset(path, layout=Layout.from_settings({"id2info": str(info)}))
+    assert [(r.query_id, r.answer, r.solutions) for r in ds] == [("p1", "2", ("\\boxed{2}",)),
+                                                                  ("p2", "4", ("so \\boxed{4}",))]
+
+
+def test_id2info_missing_entry_or_broken_file_is_named(tmp_path):
+    path = write(tmp_path, [{"query_id": "p1", "prompt": "1+1?"}, {"query_id": "p9", "prompt": "?"}])
+    info = tmp_path / "id2info.json"
+    info.write_text(json.dumps({"p1": {"solutions": ["\\boxed{2}"]}}))
+    with pytest.raises(DatasetError) as err:
+        load_dataset(path, layout=Layout(id2info=str(info)))
+    assert (err.value.line_no, err.value.field) == (2, "query_id") and "'p9' has no entry" in str(err.value)
+    info.write_text(json.dumps({"p1": {"answer": "2"}}))
+    with pytest.raises(DatasetError, match="entry 'p1': expected"):
+        load_dataset(path, layout=Layout(id2info=str(info)), on_error="skip")
+
+
+def test_gsm8k_layout_takes_the_answer_after_the_marker(tmp_path):
+    path = write(tmp_path, [{"question": "Natalia sold 48 clips...", "answer": "48/2 = <<48/2=24>>24\n#### 72"},
+                            {"question": "Big?", "answer": "lots\n#### 1,000"}])
+    ds = load_dataset(path, layout=Layout.from_settings({"layout": "gsm8k"}))
+    assert [(r.query_id, r.prompt, r.answer) for r in ds] == [("1", "Natalia sold 48 clips...", "72"),
+                                                              ("2", "Big?", "1000")]
+    bad = write(tmp_path, [{"question": "q", "answer": "72"}], name="bad.jsonl")
+    with pytest.raises(DatasetError) as err:
+        load_dataset(bad, layout=LAYOUTS["gsm8k"])
+    assert str(err.value).startswith(f"{bad}:1: field 'answer': no '####'")
+    with pytest.raises(DatasetError, match="field 'question': missing"):
+        load_dataset(write(tmp_path, [{"prompt": "q", "answer": "#### 1"}], name="b2.jsonl"), layout=LAYOUTS["gsm8k"])
+
+
+def test_math_layout_reads_the_boxed_answer_and_level(tmp_path):
+    path = write(tmp_path, [{"problem": "Find x.", "solution": "So $x=\\boxed{\\frac{1}{2}}$.", "level": "Level 3",
+                             "type": "Algebra"},
+                            {"problem": "y?", "solution": "\\boxed{2}", "answer": "2", "level": "Level ?"},
+                            {"problem": "z?", "solution": "no box", "level": "Level 1"}])
+    ds = load_dataset(path, layout=Layout.from_settings({"layout": "math"}), on_error="skip")
+    assert [(r.query_id, r.answer, r.level, r.solutions[0][:2]) for r in ds] == [("1", "\\frac{1}{2}", 3, "So"),
+                                                                                  ("2", "2", None, "\\b")]
+    assert ds[0].extra == {"type": "Algebra"}
+    assert [(e.line_no, e.field) for e in ds.skipped] == [(3, "answer")]
+
+
+def test_field_mapping_and_prompt_template(tmp_path):
+    path = write(tmp_path, [{"uid": "m-1", "input": "1+1?", "target": 2}])
+    layout = Layout.from_settings({"layout": "areal", "fields": {"query_id": "uid", "prompt": "input", "answer": "target"},
+                                   "prompt_template": "User: {prompt}\nAssistant: <think>"})
+    (rec,) = load_dataset(path, layout=layout)
+    assert (rec.query_id, rec.prompt, rec.answer) == ("m-1", "User: 1+1?\nAssistant: <think>", "2")
+    with pytest.raises(DatasetError, match="field 'uid': missing"):
+        load_dataset(write(tmp_path, [{"input": "x", "target": 1}], name="b.jsonl"), layout=layout)
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"layout": "csv"}, "data.layout: must be one of"),
+    ({"fields": {"question": "q"}}, "data.fields: unknown field"),
+    ({"fields": {"prompt": None}}, "data.fields.prompt"),
+    ({"prompt_template": "no placeholder"}, "prompt_template: must contain {prompt}"),
+])
+def test_bad_layout_settings_are_refused(data, message):
+    with pytest.raises(ValueError, match=message):
+        Layout.from_settings(data)

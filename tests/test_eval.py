@@ -137,3 +137,33 @@ def test_cli_json_table_and_errors(trained, tmp_path, capsys):
         ev.evaluate(str(trained["ckpt"]), str(bad), samples=0)
     report = ev.evaluate(str(trained["ckpt"]), str(bad), samples=0, max_new_tokens=16, on_error="skip")
     assert report["skipped_lines"] == 1 and report["n_prompts"] == 5
+
+
+def test_cli_seeds_protocol_top_p_more_pass_k_config_and_tutorial_table(trained, tmp_path, capsys):
+    config = tmp_path / "exp.yaml"
+    config.write_text("gen: {max_new_tokens: 12}\ndata: {layout: areal}\n")
+    args = [str(trained["ckpt"]), "--data", str(trained["data"]), "--k", "2", "--samples", "4", "--pass-k", "4",
+            "--top-p", "0.95", "--temperature", "0.6", "--max-per-level", "3", "--config", str(config)]
+    assert ev.main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["max_new_tokens"], report["top_p"], report["pass_ks"]) == (12, 0.95, [2, 4])
+    overall = report["overall"]
+    assert overall["pass@1"] <= overall["pass@2"] <= overall["pass@4"]
+    # top-p changes what is sampled (same seeds)
+    full = ev.evaluate(str(trained["ckpt"]), str(trained["data"]), k=2, samples=4, temperature=0.6, top_p=1.0,
+                       max_new_tokens=12, max_per_level=3, details=True)
+    nucleus = ev.evaluate(str(trained["ckpt"]), str(trained["data"]), k=2, samples=4, temperature=0.6, top_p=0.05,
+                          max_new_tokens=12, max_per_level=3, details=True)
+    assert [r["sample_responses"] for r in full["prompts"]] != [r["sample_responses"] for r in nucleus["prompts"]]
+
+    assert ev.main([*args, "--table", "tutorial"]) == 0
+    table = capsys.readouterr().out
+    for column in ("dataset", "num_questions", "greedy_length", "sample_length", "greedy_acc", "sample_pass@1",
+                   "pass@2", "pass@4"):
+        assert column in table, column
+    assert "train" in table and f"{100 * overall['pass@4']:.1f}" in table
+
+    assert ev.main([*args, "--top-p", "0"]) == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert ev.main([*args, "--pass-k", "8"]) == 2
+    assert "pass@8 needs 1 <= k <= samples (4)" in capsys.readouterr().err

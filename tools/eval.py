@@ -8,6 +8,12 @@ Per level and overall, on a JSON-lines dataset with answers (`actors/dataset.py`
 * average answer lengths in tokens (without the eos), greedy and sampled, and the share of answers cut
   off by `--max-new-tokens`.
 
+pass@1 is the mean accuracy over the sampled answers (avg@n): the seeds' "Pass@1 averaged over 32 samples at
+temperature 0.6" is `--samples 32 --temperature 0.6 --top-p 0.95`. `--pass-k 8,16` adds more pass@k columns,
+`--table tutorial` prints the tutorial's table (dataset, num_questions, greedy_length, sample_length,
+greedy_acc, sample_pass@1, pass@k...), and `--config` takes `gen.max_new_tokens` and the dataset layout from
+an experiment config.
+
 All prompts go to one `TorchGenerationEngine` at once (continuous batching); answers are checked by the
 math grader, its undecided cases in a `RewardPool`. Sampling is seeded per prompt, so a run is
 reproducible. Other tools call `evaluate(model_dir, data_path, ...) -> dict` (or `aevaluate` from an
@@ -25,9 +31,10 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
-from actors.dataset import DatasetError, Dataset, OnError, Record, load_dataset
+from actors.dataset import AREAL, LAYOUTS, DatasetError, Dataset, Layout, OnError, Record, load_dataset
 from actors.engines.base import SamplingParams
 from actors.engines.checkpoint import CheckpointError, load_model
 from actors.engines.model import Qwen2ForCausalLM
@@ -54,6 +61,7 @@ class EvalSettings:
     top_p: float = 1.0
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     seed: int = 0
+    pass_ks: tuple[int, ...] = ()       # more pass@k values beside k's
     max_running: int = 256
     workers: int = 1                    # grader processes for what the fast path leaves undecided
     grade_timeout_s: float = 10.0
@@ -73,6 +81,11 @@ class EvalSettings:
             raise EvalError("nothing to evaluate: greedy is off and samples is 0")
         if self.temperature <= 0 and self.n_samples:
             raise EvalError(f"sampled answers need temperature > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise EvalError(f"top_p must be in (0, 1], got {self.top_p}")
+        for k in self.pass_ks:
+            if not 1 <= k <= self.n_samples:
+                raise EvalError(f"pass@{k} needs 1 <= k <= samples ({self.n_samples})")
         if self.max_new_tokens < 1:
             raise EvalError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
@@ -113,7 +126,8 @@ def _summary(rows: list[dict[str, Any]], settings: EvalSettings) -> dict[str, An
         n = [len(r["sample_correct"]) for r in rows]
         c = [sum(r["sample_correct"]) for r in rows]
         out["pass@1"] = pass_at_k(n, c, 1)
-        out[f"pass@{k}"] = pass_at_k(n, c, k)
+        for kk in sorted({k, *settings.pass_ks}):
+            out[f"pass@{kk}"] = pass_at_k(n, c, kk)
         out[f"maj@{k}"] = maj_at_k([r["sample_answers"] for r in rows], [r["sample_correct"] for r in rows], k)
         out["sample_len"] = _mean([x for r in rows for x in r["sample_lens"]])
         out["sample_truncated"] = _mean([float(x) for r in rows for x in r["sample_truncated"]])
@@ -190,6 +204,7 @@ async def aevaluate_model(model: Qwen2ForCausalLM, tokenizer: LoadedTokenizer, r
         by_level[row["level"]].append(row)
     report: dict[str, Any] = {
         "n_prompts": len(records), "k": settings.k, "samples": n, "temperature": settings.temperature,
+        "top_p": settings.top_p, "pass_ks": sorted({settings.k, *settings.pass_ks}) if n else [],
         "max_new_tokens": settings.max_new_tokens, "seed": settings.seed,
         "overall": _summary(rows, settings),
         "by_level": {key: _summary(by_level[key], settings) for key in sorted(by_level, key=_level_sort)},
@@ -208,8 +223,8 @@ def evaluate_model(model: Qwen2ForCausalLM, tokenizer: LoadedTokenizer, records:
 
 
 def load_eval_records(data_path: str, levels: Sequence[int] | None = None, max_per_level: int | None = None,
-                      on_error: OnError = "fail") -> tuple[list[Record], Dataset]:
-    dataset = load_dataset(data_path, require="answer", on_error=on_error)
+                      on_error: OnError = "fail", layout: Layout = AREAL) -> tuple[list[Record], Dataset]:
+    dataset = load_dataset(data_path, require="answer", on_error=on_error, layout=layout)
     records = select_records(dataset.records, levels, max_per_level)
     if not records:
         raise EvalError(f"{data_path}: no records of levels {list(levels or [])}")
@@ -217,21 +232,21 @@ def load_eval_records(data_path: str, levels: Sequence[int] | None = None, max_p
 
 
 async def aevaluate(model_dir: str, data_path: str, *, k: int = 8, samples: int | None = None,
-                    greedy: bool = True, temperature: float = 1.0, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                    seed: int = 0, levels: Sequence[int] | None = None, max_per_level: int | None = None,
+                    greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
+                    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, pass_ks: Sequence[int] = (), seed: int = 0, levels: Sequence[int] | None = None, max_per_level: int | None = None,
                     device: str = "cpu", workers: int = 1, on_error: OnError = "fail",
-                    details: bool = False) -> dict[str, Any]:
+                    details: bool = False, layout: Layout = AREAL) -> dict[str, Any]:
     """Load the checkpoint and its tokenizer, evaluate on the dataset; see `aevaluate_model`.
 
     The report also names "model_dir", "data", "skipped_lines" and the total "seconds.total".
     """
-    settings = EvalSettings(k=k, samples=samples, greedy=greedy, temperature=temperature,
-                            max_new_tokens=max_new_tokens, seed=seed, workers=workers)
+    settings = EvalSettings(k=k, samples=samples, greedy=greedy, temperature=temperature, top_p=top_p,
+                            max_new_tokens=max_new_tokens, pass_ks=tuple(pass_ks), seed=seed, workers=workers)
     settings.check()
     t0 = time.perf_counter()
     if not has_weights(model_dir):
         raise EvalError(f"{model_dir}: no model weights (model.safetensors or an index) to evaluate")
-    records, dataset = load_eval_records(data_path, levels, max_per_level, on_error)
+    records, dataset = load_eval_records(data_path, levels, max_per_level, on_error, layout)
     tokenizer = load_tokenizer(model_dir)
     model = await asyncio.to_thread(load_model, model_dir, None, device)
     report = await aevaluate_model(model, tokenizer, records, settings, details=details)
@@ -283,6 +298,46 @@ def render_table(report: dict[str, Any], stream: TextIO | None = None) -> None:
     console.print("seconds: " + ", ".join(f"{name} {v:.1f}" for name, v in report["seconds"].items()))
 
 
+def render_tutorial_table(report: dict[str, Any], stream: TextIO | None = None) -> None:
+    """The seeds' tutorial table (AReaL's eval_and_aggregate.py): one row for the dataset, accuracies in %."""
+    from rich.console import Console
+    from rich.table import Table
+
+    overall = report["overall"]
+    columns = [("num_questions", str(overall["n"])),
+               ("greedy_length", _fmt(overall.get("greedy_len"), False)),
+               ("sample_length", _fmt(overall.get("sample_len"), False)),
+               ("greedy_acc", _fmt(overall.get("greedy_accuracy"))),
+               ("sample_pass@1", _fmt(overall.get("pass@1")))]
+    columns += [(f"pass@{k}", _fmt(overall.get(f"pass@{k}"))) for k in report["pass_ks"] if k > 1]
+    table = Table()
+    table.add_column("dataset")
+    for title, _ in columns:
+        table.add_column(title, justify="center")
+    table.add_row(Path(str(report.get("data", "data"))).stem, *[cell for _, cell in columns])
+    out = stream or sys.stdout
+    Console(file=out, width=None if out.isatty() else 160).print(table)
+
+
+def _ks(text: str | None) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")] if text else []
+    except ValueError:
+        raise ValueError(f"--pass-k: expected integers separated by commas, got {text!r}") from None
+
+
+def _from_config(path: str | None) -> dict[str, Any]:
+    """The experiment config's `gen` and `data` sections (for --config)."""
+    if not path:
+        return {}
+    import yaml
+    try:
+        doc = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: {e}") from None
+    return doc if isinstance(doc, dict) else {}
+
+
 def _levels(text: str | None) -> list[int] | None:
     if not text:
         return None
@@ -298,25 +353,45 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     ap.add_argument("--samples", type=int, default=None, help="sampled answers per prompt (default k; 0: greedy only)")
     ap.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling of the sampled answers")
+    ap.add_argument("--pass-k", help="more pass@k values, e.g. 8,16 (each at most --samples)")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help=f"answer length limit (default: the --config's gen.max_new_tokens, else {DEFAULT_MAX_NEW_TOKENS})")
+    ap.add_argument("--config", help="experiment config: its gen.max_new_tokens and data layout are the defaults")
     ap.add_argument("--levels", help="only these levels, e.g. 1-3,5")
     ap.add_argument("--max-per-level", type=int, help="the first N prompts of each level")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, default=1, help="grader processes for answers the fast path leaves open")
     ap.add_argument("--on-error", choices=("fail", "skip"), default="fail", help="malformed dataset lines")
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default=None,
+                    help="the dataset's field layout (actors/dataset.py): areal (default), gsm8k or math")
+    ap.add_argument("--id2info", help="AReaL's answer file for a prompt file without answers")
+    ap.add_argument("--prompt-template", help="wraps each prompt; {prompt} marks where it goes")
     ap.add_argument("--details", metavar="FILE", help="write per-prompt rows (responses included) as JSON lines")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--table", choices=("levels", "tutorial"), default="levels",
+                    help="per-level rows, or the seeds' tutorial table (one row, its columns)")
     args = ap.parse_args(argv)
     try:
         levels = _levels(args.levels)
+        pass_ks = _ks(args.pass_k)
+        config = _from_config(args.config)
+        # Command-line layout options replace the config's data mapping as a whole.
+        explicit = {"layout": args.layout, "id2info": args.id2info, "prompt_template": args.prompt_template}
+        data = {k: v for k, v in explicit.items() if v is not None} \
+            if any(v is not None for v in explicit.values()) else (config.get("data") or {})
+        layout = Layout.from_settings(data)
+        max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else \
+            int((config.get("gen") or {}).get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
     except ValueError as e:
         ap.error(str(e))
     try:
         report = evaluate(args.checkpoint, args.data, k=args.k, samples=args.samples, greedy=not args.no_greedy,
-                          temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                          temperature=args.temperature, top_p=args.top_p, max_new_tokens=max_new_tokens,
+                          pass_ks=pass_ks, seed=args.seed,
                           levels=levels, max_per_level=args.max_per_level, device=args.device,
-                          workers=args.workers, on_error=args.on_error, details=bool(args.details))
+                          workers=args.workers, on_error=args.on_error, details=bool(args.details), layout=layout)
     except (EvalError, DatasetError, CheckpointError, TokenizerError, LMToolError) as e:
         print(f"eval: error: {e}", file=sys.stderr)
         return 2
@@ -327,6 +402,8 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     out = stdout or sys.stdout
     if args.json:
         print(json.dumps(report), file=out)
+    elif args.table == "tutorial":
+        render_tutorial_table(report, out)
     else:
         render_table(report, out)
     return 0

@@ -26,9 +26,25 @@ class ModelSection(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="engine dtype (default float32)")
 
 
+class DataFields(_Section):
+    query_id: str | None = Field(None, description="field holding the unique id; null numbers the lines")
+    prompt: str | None = Field(None, min_length=1, description="field holding the question")
+    answer: str | None = Field(None, description="field holding the final answer")
+    solutions: str | None = Field(None, description="field holding a list of worked solutions")
+    solution: str | None = Field(None, description="field holding one worked solution (a string)")
+    level: str | None = Field(None, description="field holding the difficulty level")
+
+
 class DataSection(_Section):
     train: str | None = Field(None, description="JSON-lines prompts the buffer serves")
     test: str | None = Field(None, description="held-out JSON-lines file for the final evaluation")
+    layout: Literal["areal", "gsm8k", "math"] | None = Field(
+        None, description="field layout of train and test (actors/dataset.py): areal (boba/orz and ours), gsm8k "
+                          "(question/answer after ####), math (problem/solution with \\boxed{}) (default areal)")
+    fields: DataFields | None = Field(None, description="field names that differ from the layout's")
+    answer_after: str | None = Field(None, min_length=1, description="the answer is the text after this marker (gsm8k: ####)")
+    id2info: str | None = Field(None, description="AReaL's answer file {query_id: {solutions: [...]}} for prompt files without answers")
+    prompt_template: str | None = Field(None, pattern=r"\{prompt\}", description="wraps each prompt; {prompt} marks where it goes")
     on_bad_line: Literal["skip", "fail"] | None = Field(None, description="a malformed line: skip it or stop (default skip)")
     require: Literal["answer", "solutions", "none"] | None = Field(None, description="what each record must carry (default answer)")
     max_line_bytes: int | None = Field(None, ge=1, description="longer lines are refused at load (default 1 MiB)")
@@ -52,10 +68,13 @@ class AlgoSection(_Section):
     behav_imp_weight_cap: float | None = Field(None, ge=0, description="cap of the behaviour importance weight; 0 disables (default 5)")
     decoupled: bool | None = Field(None, description="decoupled PPO objective; false is plain PPO (default true)")
     group_std: bool | None = Field(None, description="divide group-relative advantages by the group's std (default true)")
+    adv_norm: Literal["batch", "group", "none"] | None = Field(
+        None, description="advantage normalisation: over all tokens of the batch, within each group, or none (default batch)")
     dynamic_sampling: bool | None = Field(None, description="drop groups whose answers all got one reward (default false)")
     reward_correct: float | None = Field(None, description="reward of a correct answer (default 5)")
     reward_wrong: float | None = Field(None, description="reward of a wrong answer (default -5)")
-    kl_coef: float | None = Field(None, ge=0, le=0, description="KL penalty to a reference model: not implemented, so only 0")
+    kl_coef: float | None = Field(None, ge=0, description="KL penalty to the frozen starting weights (model.path) in the token rewards; 0 is off (default 0)")
+    kl_estimator: Literal["k1", "k2", "k3"] | None = Field(None, description="per-token KL estimator of the penalty (default k1)")
 
 
 class GenSection(_Section):
@@ -110,6 +129,4 @@ def _line(err: Any, prefix: str) -> str:
     if err["type"] == "extra_forbidden":
         return f"{path}: unknown key"
     got = err.get("input")
-    if err["type"] == "less_than_equal" and path.endswith("kl_coef"):
-        return f"{path}: must be 0: a KL penalty needs a reference model, which is not implemented yet (got {got!r})"
     return f"{path}: {err['msg'][0].lower() + err['msg'][1:]} (value: {got!r})"

@@ -571,6 +571,7 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
 def final_evaluation(experiment: dict[str, Any], run_dir: Path, start_model: str | None) -> dict[str, Any] | None:
     """Greedy held-out accuracy of the model the run started from and of its last checkpoint, side by
     side, per level; written to RUN_DIR/summary.json and RUN_DIR/eval.jsonl (read by tools.plot)."""
+    from actors.dataset import Layout
     from actors.recovery import latest_checkpoint
     from tools.eval import evaluate
     from tools.lm import has_weights
@@ -582,7 +583,8 @@ def final_evaluation(experiment: dict[str, Any], run_dir: Path, start_model: str
     step, ckpt = found
     ev = experiment.get("eval") or {}
     kwargs = {"samples": None, "max_per_level": ev.get("max_per_level"),
-              "max_new_tokens": int((experiment.get("gen") or {}).get("max_new_tokens", 64))}
+              "max_new_tokens": int((experiment.get("gen") or {}).get("max_new_tokens", 64)),
+              "layout": Layout.from_settings(experiment.get("data"))}
     models = {"start": (experiment.get("model") or {}).get("path"), "final": str(ckpt / "model")}
     reports = {name: evaluate(path, test, **kwargs) for name, path in models.items() if path and has_weights(path)}
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
