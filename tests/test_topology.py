@@ -291,12 +291,20 @@ def test_curve_is_on_by_default_on_tcp_and_ipc_sockets_are_private(tmp_path: Pat
     ("+experiment.data.layout=csv", "experiment.data.layout: input should be 'areal', 'gsm8k' or 'math'"),
     ("+experiment.data.fields.question=q", "experiment.data.fields.question: unknown key"),
     ("+experiment.data.prompt_template=Question", "experiment.data.prompt_template: string should match pattern"),
+    ("experiment.run.recover=maybe", "experiment.run.recover: input should be 'auto' or 'off' (value: 'maybe')"),
 ])
 def test_experiment_values_are_checked_before_anything_runs(override: str, words: str) -> None:
     # Each of these once passed --dry-run; at launch the error surfaced only in an actor's log, or never.
     with pytest.raises(TopologyError) as err:
         T.load(REPO / "topology" / "local.yaml", [override], check_imports=False)
     assert words in str(err.value), str(err.value)
+
+
+def test_recover_off_is_accepted_though_yaml_reads_it_as_false() -> None:
+    # `experiment.run.recover=off`, the launcher's own advice and tools.bench e2e's override, was refused.
+    from actors.recovery import recovering
+    loaded = T.load(REPO / "topology" / "local.yaml", ["experiment.run.recover=off"], check_imports=False)
+    assert not recovering(loaded.topology.experiment)
 
 
 def test_every_shipped_experiment_config_passes_the_schema() -> None:

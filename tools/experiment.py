@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = ["ExperimentConfig", "experiment_problems"]
 
@@ -95,6 +95,13 @@ class RunSection(_Section):
     keep_checkpoints: int | None = Field(None, ge=0, description="complete checkpoints kept; 0 keeps all (default 2)")
     recover: Literal["auto", "off"] | None = Field(None, description="resume from the last checkpoint (default auto)")
     final_eval: bool | None = Field(None, description="evaluate the last checkpoint on data.test at the end (default true)")
+
+    @field_validator("recover", mode="before")
+    @classmethod
+    def _yaml_boolean(cls, value: Any) -> Any:
+        # YAML reads a bare `off` (in a file, or in `experiment.run.recover=off`) as false; actors.recovery
+        # reads false as off too.
+        return {False: "off", True: "auto"}[value] if isinstance(value, bool) else value
 
 
 class BufferSection(_Section):
