@@ -43,20 +43,26 @@ MODES: dict[str, list[str]] = {
 }
 
 
-def run_mode(mode: str, steps: int, extra: list[str], out: Path, log: Any) -> dict[str, Any]:
-    run_dir = out / mode
+def run_local(name: str, steps: int, overrides: list[str], out: Path, log: Any,
+              bench: str = "e2e") -> dict[str, Any]:
+    """One fresh run of the embedded default for `steps` steps into out/name; its summary.json."""
+    run_dir = out / name
     cmd = [sys.executable, "-m", "tools.up", TOPOLOGY, f"experiment.run.total_steps={steps}",
-           f"experiment.run.checkpoint_every_steps={steps}", "experiment.run.recover=off", *MODES[mode], *extra,
+           f"experiment.run.checkpoint_every_steps={steps}", "experiment.run.recover=off", *overrides,
            "--run-dir", str(run_dir), "--no-progress"]
-    log(f"bench e2e: {mode}: {' '.join(cmd[2:])}")
+    log(f"bench {bench}: {name}: {' '.join(cmd[2:])}")
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{mode} run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"{name} run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["launch_seconds"] = time.time() - t0
     summary["run_dir"] = str(run_dir)
     return summary
+
+
+def run_mode(mode: str, steps: int, extra: list[str], out: Path, log: Any) -> dict[str, Any]:
+    return run_local(mode, steps, [*MODES[mode], *extra], out, log)
 
 
 def run_sft_control(async_run: dict[str, Any], extra: list[str], out: Path, log: Any) -> dict[str, Any]:

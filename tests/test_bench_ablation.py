@@ -1,0 +1,47 @@
+"""tools/bench/ablation.py: its arguments, and one real cell of the grid through the launcher."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tools.bench import ablation, chaos
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--etas", "1,x"], "--etas: expected comma-separated integers"),
+    (["--etas", "-1"], "--etas: staleness must be >= 0"),
+    (["--objectives", "decoupled,grpo"], "--objectives: choose from decoupled, ppo"),
+    (["--steps", "4", "--eval-every", "5"], "--eval-every must be in 1..--steps (4)"),
+    (["--minibatches", "0"], "--minibatches must be >= 1"),
+])
+def test_bad_arguments_are_refused_naming_the_option(args: list[str], error: str, capsys: Any) -> None:
+    with pytest.raises(SystemExit) as exc:
+        ablation.main(args)
+    assert exc.value.code == 2 and error in capsys.readouterr().err
+
+
+def test_one_cell_trains_evaluates_each_checkpoint_and_plots(tmp_path: Path, capsys: Any) -> None:
+    assets = chaos.make_assets(tmp_path / "assets")
+    overrides = [f"experiment.model.path={assets['model']}", f"experiment.data.train={assets['data'] / 'train.jsonl'}",
+                 f"experiment.data.test={assets['data'] / 'test.jsonl'}", "experiment.algo.batch_size=4",
+                 "experiment.algo.group_size=4", "experiment.gen.max_new_tokens=12",
+                 "experiment.algo.dynamic_sampling=false"]
+    png = tmp_path / "ablation.png"
+    assert ablation.main(["--etas", "1", "--objectives", "ppo", "--steps", "4", "--eval-every", "2",
+                          "--minibatches", "2", "--out", str(tmp_path / "runs"), "--plot", str(png), "--json",
+                          *overrides]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (cell,) = report["cells"]
+    assert (cell["eta"], cell["objective"], cell["steps"]) == (1, "ppo", 4)
+    assert cell["staleness_max"] <= 1
+    # start, step 2, step 4: samples trained are 16 a step (4 prompts x 4 answers)
+    assert [s for s, _ in cell["held_out_curve"]] == [0, 32, 64]
+    assert all(0 <= a <= 1 for _, a in cell["held_out_curve"])
+    assert cell["held_out_curve"][-1][1] == cell["final_accuracy"]
+    assert [s for s, _ in cell["reward_curve"]] == [16, 32, 48, 64]
+    assert png.stat().st_size > 10_000
+    header, row = ablation.table(report["cells"])
+    assert row.split()[:3] == ["1", "ppo", "4"] and f"{100 * cell['final_accuracy']:.1f}%" in row

@@ -1,0 +1,166 @@
+"""`python -m tools.bench ablation [--json] [--steps N] [--etas 0,1,4,16] [--plot FILE]`: the staleness ablation.
+
+AReaL's central algorithmic claim (arXiv 2505.24298, section 5.3): with large staleness, plain PPO degrades
+while the decoupled objective keeps the final accuracy. This runs, from the same warm start, data and seed,
+the embedded default (`topology/local.yaml`) once per eta x objective:
+
+  decoupled   the trust region around the proximal policy, the behaviour policy only in the importance
+              weight (algo.decoupled=true, the default)
+  ppo         plain PPO: the trust region around the behaviour policy (algo.decoupled=false)
+
+Each run checkpoints every `--eval-every` steps and every checkpoint is evaluated afterwards on the held-out
+split (greedy), so held-out accuracy is known along the run, against samples trained. The training reward
+comes from the trainer's metrics.jsonl. The staleness the runs actually reached is reported next to eta:
+a cell whose staleness never reached its eta says nothing about that eta (see `--minibatches`).
+
+Printed as a table; `--json` prints one object; `--plot FILE` writes a PNG of held-out accuracy and
+training reward against samples, one line per run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tools.bench.e2e import ROOT, TOPOLOGY, run_local
+
+OBJECTIVES = {"decoupled": "true", "ppo": "false"}
+
+
+def run_cell(eta: int, objective: str, steps: int, eval_every: int, extra: list[str], out: Path,
+             log: Any) -> dict[str, Any]:
+    """One run of the grid, its held-out accuracy at each checkpoint, and its staleness."""
+    name = f"eta{eta}-{objective}"
+    overrides = [f"experiment.algo.eta={eta}", f"+experiment.algo.decoupled={OBJECTIVES[objective]}",
+                 f"experiment.run.checkpoint_every_steps={eval_every}",
+                 "+experiment.run.keep_checkpoints=0", *extra]
+    summary = run_local(name, steps, overrides, out, log, bench="ablation")
+    run_dir = Path(summary["run_dir"])
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    samples, seen = [], 0.0
+    for m in metrics:
+        seen += m["n_seqs"]
+        samples.append(seen)
+    curve = held_out_curve(run_dir, summary, samples, extra, log, name)
+    stale = [m["staleness_mean"] for m in metrics]
+    return {"eta": eta, "objective": objective, "run_dir": str(run_dir), "steps": len(metrics),
+            "final_accuracy": summary["greedy_accuracy"]["final"],
+            "start_accuracy": summary["greedy_accuracy"].get("start"),
+            "staleness_max": max(m["staleness_max"] for m in metrics),
+            "staleness_mean": sum(stale) / len(stale),
+            "reward_curve": [[s, m["task_reward"]] for s, m in zip(samples, metrics)],
+            "held_out_curve": curve, "wall_seconds": summary.get("wall_seconds")}
+
+
+def held_out_curve(run_dir: Path, summary: dict[str, Any], samples: list[float], extra: list[str], log: Any,
+                   name: str) -> list[list[float]]:
+    """[samples trained, held-out greedy accuracy] at the start and at every kept checkpoint."""
+    from actors.dataset import Layout
+    from actors.recovery import checkpoint_dir
+    from tools import topology
+    from tools.eval import evaluate
+
+    experiment = topology.load(ROOT / TOPOLOGY, extra).topology.experiment
+    kwargs = {"samples": None, "max_per_level": (experiment.get("eval") or {}).get("max_per_level"),
+              "max_new_tokens": int((experiment.get("gen") or {}).get("max_new_tokens", 64)),
+              "layout": Layout.from_settings(experiment.get("data"))}
+    test = str(ROOT / (experiment.get("data") or {})["test"])
+    curve = [[0.0, summary["greedy_accuracy"].get("start", float("nan"))]]
+    for step in range(1, len(samples) + 1):
+        model = checkpoint_dir(run_dir, step) / "model"
+        if not model.is_dir():
+            continue
+        if step == len(samples):
+            acc = summary["greedy_accuracy"]["final"]   # the launcher evaluated it already
+        else:
+            log(f"bench ablation: {name}: held-out evaluation of step {step}")
+            acc = evaluate(str(model), test, **kwargs)["overall"]["greedy_accuracy"]
+        curve.append([samples[step - 1], acc])
+    return curve
+
+
+def plot(cells: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_acc, ax_rew) = plt.subplots(1, 2, figsize=(12, 4.5))
+    etas = sorted({c["eta"] for c in cells})
+    colours = {eta: plt.get_cmap("viridis")(i / max(len(etas) - 1, 1)) for i, eta in enumerate(etas)}
+    for c in cells:
+        style = "-" if c["objective"] == "decoupled" else "--"
+        label = f"eta {c['eta']} {c['objective']}"
+        ax_acc.plot(*zip(*c["held_out_curve"]), style, marker="o", color=colours[c["eta"]], label=label)
+        ax_rew.plot(*zip(*c["reward_curve"]), style, color=colours[c["eta"]], label=label)
+    ax_acc.set(title="Held-out greedy accuracy", xlabel="samples trained", ylabel="accuracy")
+    ax_rew.set(title="Training reward (task_reward)", xlabel="samples trained", ylabel="reward")
+    ax_acc.legend(fontsize=7)
+    fig.suptitle("Staleness ablation: decoupled PPO (solid) vs plain PPO (dashed)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(cells: list[dict[str, Any]]) -> list[str]:
+    rows = [("eta", "objective", "steps", "staleness mean/max", "held-out start", "held-out final", "best")]
+    for c in cells:
+        best = max(a for _, a in c["held_out_curve"])
+        rows.append((str(c["eta"]), c["objective"], str(c["steps"]),
+                     f"{c['staleness_mean']:.2f} / {c['staleness_max']:.0f}",
+                     f"{100 * (c['start_accuracy'] or 0):.1f}%", f"{100 * c['final_accuracy']:.1f}%",
+                     f"{100 * best:.1f}%"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(col.ljust(w) for col, w in zip(r, widths)) for r in rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.bench ablation", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
+    ap.add_argument("--etas", default="0,1,4,16", help="comma list of max staleness values (default 0,1,4,16)")
+    ap.add_argument("--objectives", default="decoupled,ppo", help="comma list of decoupled, ppo (default both)")
+    ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N steps (default 10)")
+    ap.add_argument("--minibatches", type=int, default=4,
+                    help="PPO minibatches per step (default 4, AReaL's recipe): 4 updates per batch, which also "
+                         "slows the trainer so that the rollouts run ahead and staleness reaches eta")
+    ap.add_argument("--out", default=None, help="folder for the run directories (default: a temp dir)")
+    ap.add_argument("--plot", default=None, help="write the PNG here")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every run")
+    args = ap.parse_args(argv)
+    try:
+        etas = [int(e) for e in args.etas.split(",") if e]
+    except ValueError:
+        ap.error(f"--etas: expected comma-separated integers, got {args.etas!r}")
+    if any(e < 0 for e in etas):
+        ap.error(f"--etas: staleness must be >= 0, got {etas}")
+    objectives = [o for o in args.objectives.split(",") if o]
+    if not objectives or any(o not in OBJECTIVES for o in objectives):
+        ap.error(f"--objectives: choose from {', '.join(OBJECTIVES)}, got {args.objectives!r}")
+    if not 0 < args.eval_every <= args.steps:
+        ap.error(f"--eval-every must be in 1..--steps ({args.steps}), got {args.eval_every}")
+    if args.minibatches < 1:
+        ap.error(f"--minibatches must be >= 1, got {args.minibatches}")
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-ablation-"))
+    log = (lambda m: print(m, file=sys.stderr, flush=True))
+    extra = [f"experiment.algo.ppo_minibatches={args.minibatches}", *args.overrides]
+    # The first run prepares the shared data and warm start; the others reuse them (tools/prepare.py).
+    cells = [run_cell(eta, obj, args.steps, args.eval_every, extra, out, log) for eta in etas for obj in objectives]
+    report = {"steps": args.steps, "minibatches": args.minibatches, "overrides": args.overrides, "cells": cells}
+    if args.plot:
+        plot(cells, Path(args.plot))
+        report["plot"] = args.plot
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print("\n".join(table(cells)))
+    print(f"run directories under {out}" + (f"; plot {args.plot}" if args.plot else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
