@@ -45,8 +45,9 @@ MODES: dict[str, list[str]] = {
 
 def run_mode(mode: str, steps: int, extra: list[str], out: Path, log: Any) -> dict[str, Any]:
     run_dir = out / mode
+    # 'off' quoted: an override's value is read as YAML, where a bare off is the boolean false
     cmd = [sys.executable, "-m", "tools.up", TOPOLOGY, f"experiment.run.total_steps={steps}",
-           f"experiment.run.checkpoint_every_steps={steps}", "experiment.run.recover=off", *MODES[mode], *extra,
+           f"experiment.run.checkpoint_every_steps={steps}", "experiment.run.recover='off'", *MODES[mode], *extra,
            "--run-dir", str(run_dir), "--no-progress"]
     log(f"bench e2e: {mode}: {' '.join(cmd[2:])}")
     t0 = time.time()
