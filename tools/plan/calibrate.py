@@ -91,6 +91,8 @@ async def _decode_run(model: Any, n: int, new_tokens: int, seed: int) -> list[tu
 
 
 def measure_decode(model: Any, sizes: Sequence[int], new_tokens: int, repeats: int) -> dict[str, Any]:
+    """The decode step's fit over batches of `sizes` answers (the fastest of `repeats` for each step: the
+    machine is shared, and other jobs only ever add time)."""
     rows_x, ys, per_n = [], [], {}
     for n in sizes:
         best: list[float] | None = None
@@ -111,6 +113,7 @@ def measure_decode(model: Any, sizes: Sequence[int], new_tokens: int, repeats: i
 
 
 def measure_prefill(model: Any, repeats: int) -> dict[str, Any]:
+    """The prefill's fit over right-padded batches of 1-64 rows of 8-60 tokens (median of `repeats`)."""
     xs, ys = [], []
     with torch.inference_mode():
         cache = model.new_cache(8, 64)
@@ -251,6 +254,7 @@ def _free_port() -> int:
 
 
 def measure_weights(model_dir: str, reps: int) -> dict[str, Any]:
+    """One weight update over the topology's two bulk links, four forked members (median of `reps`)."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     ports = (_free_port(), _free_port())
@@ -271,6 +275,7 @@ def measure_weights(model_dir: str, reps: int) -> dict[str, Any]:
 # --- reward ---------------------------------------------------------------------------------------------
 
 def measure_reward(group_size: int, repeats: int) -> dict[str, Any]:
+    """Grading one group of answers with the math reward's fast path (median of `repeats`)."""
     from actors.reward.math_grader import grade_math_fast
 
     answers = [f"6-8=-2, -2-2=-4, -4+2=-2 \\boxed{{{v}}}" for v in (-2, -3, -2, 0, -2, -2, 1, -2)]
@@ -323,6 +328,7 @@ def _timed(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def measure(model_dir: str, quick: bool, experiment: dict[str, Any]) -> dict[str, Any]:
+    """Every cost of the cost file, each on the core its actor has in topology/local.yaml."""
     reps = 1 if quick else 3
     sizes = (1, 8, 32, 64) if quick else (1, 4, 8, 16, 32, 64, 128)
     t0, load0 = time.time(), os.getloadavg()
