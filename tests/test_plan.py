@@ -174,3 +174,119 @@ def test_every_published_configuration_fits_and_splits_75_25():
         cfg = setup.sim_config(found)
         infer = cfg.servers * cfg.server_tp
         assert infer == 0.75 * nodes * 8, (model, nodes)
+
+
+# --- CPU topologies: measured costs -------------------------------------------------------------------
+#: A synthetic cost file in tools.plan.calibrate's format, with round numbers so the step time can be
+#: written down by hand.
+COSTS = {"decode": {"a_s": 0.004, "b_row_s": 5e-5, "b_kv_s": 1e-6}, "prefill": {"a_s": 0.002, "b_token_s": 4e-5},
+         "train": {"a_s": 0.1, "b_token_s": 3e-4}, "weights": {"seconds": 0.03}, "reward": {"seconds": 0.001},
+         "workloads": {"async": {"prompt_tokens": 8.0, "mean_answer_tokens": 20.0, "cut_share": 0.0,
+                                 "kept_group_share": 1.0}}}
+
+
+def _costs(tmp_path: Path, **workload) -> Path:
+    data = json.loads(json.dumps(COSTS))
+    data["workloads"]["async"].update(workload)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_cpu_topology_s_sync_step_is_the_cost_file_s_sum_exactly(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    found = setup.read(topology.load("topology/local.yaml", check_imports=False))
+    data = json.loads(_costs(tmp_path).read_text())
+    cfg = setup.sim_config(found, eta=0, steps=3, measured=costs.MeasuredCosts.from_dict(data),
+                           workload=data["workloads"]["async"])
+    # topology/local.yaml pins both rollouts to core 0: one simulated server, two engines time-sharing it
+    assert (cfg.servers, cfg.engines_per_server, cfg.max_groups_per_server) == (1, 2, 16)
+    r = sim.simulate(cfg)
+    b, g, prompt, answer = 16, 8, 8, 20
+    n = b * g
+    prefill = b * (0.002 + 4e-5 * prompt)
+    # both engines busy every step: each pays its 4 ms; step i reads n * (prompt + i) KV tokens
+    decode = sum(2 * 0.004 + 5e-5 * n + 1e-6 * n * (prompt + i) for i in range(answer))
+    train = 0.1 + 3e-4 * n * (prompt + answer)
+    expected = prefill + decode + 0.001 + train + 0.03
+    assert r.step_time == pytest.approx(expected, rel=1e-12)
+    assert r.summary()["weight_sync_s"] == pytest.approx(0.03)
+
+
+def test_a_cpu_topology_needs_a_cost_file(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    found = setup.read(topology.load("topology/local.yaml", check_imports=False))
+    with pytest.raises(ValueError, match="measured costs"):
+        setup.sim_config(found)
+
+
+def test_tools_plan_simulates_a_cpu_topology_and_compares_with_a_measured_run(tmp_path, capsys, monkeypatch):
+    from tools.plan.__main__ import main
+    monkeypatch.chdir(ROOT)
+    costs_file = _costs(tmp_path, cut_share=0.05, mean_answer_tokens=18.0, kept_group_share=0.5)
+    e2e = tmp_path / "e2e.json"
+    e2e.write_text(json.dumps({"steps": 5, "runs": {
+        "async": {"effective_throughput": 900.0, "wall_seconds": 10.0, "steps": 5},
+        "sync": {"effective_throughput": 450.0, "wall_seconds": 20.0, "steps": 5}}}))
+    assert main(["topology/local.yaml", "--costs", str(costs_file), "--against", str(e2e), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workloads"]["async"]["name"] == "async" == out["workloads"]["sync"]["name"]   # the only one
+    assert out["costs"] == str(costs_file)
+    sims = out["simulation"]
+    assert set(sims) == {"async", "sync (eta=0, same split)"}
+    assert sims["async"]["effective_throughput_tok_s"] > sims["sync (eta=0, same split)"]["effective_throughput_tok_s"]
+    assert max(int(k) for k in sims["async"]["staleness"]) <= 4
+    rows = {r["figure"]: r for r in out["comparison"]["rows"]}
+    assert set(rows) == {"throughput_ratio", "async_step_s", "sync_step_s"}
+    assert rows["throughput_ratio"]["measured"] == pytest.approx(2.0)
+    assert rows["sync_step_s"]["measured"] == pytest.approx(4.0)
+    for r in rows.values():
+        assert r["ratio"] == pytest.approx(r["predicted"] / r["measured"])
+        assert r["within_15pct"] == (abs(r["ratio"] - 1) <= 0.15)
+    # the text form carries the same table
+    assert main(["topology/local.yaml", "--costs", str(costs_file), "--against", str(e2e), "--steps", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "simulation on CPUs" in text and "against the measured run" in text and "throughput_ratio" in text
+
+
+@pytest.mark.parametrize("name", ["local", "demo_local", "demo_slurm"])
+def test_tools_plan_answers_for_every_shipped_cpu_topology_with_the_committed_costs(name, capsys, monkeypatch):
+    from tools.plan.__main__ import main
+    monkeypatch.chdir(ROOT)
+    assert main([f"topology/{name}.yaml"]) == 0
+    text = capsys.readouterr().out
+    assert "memory per GPU" in text
+    if name == "local":
+        assert "simulation on CPUs" in text and "async / sync on the same split" in text
+    else:
+        assert "nothing to simulate" in text
+
+
+def test_calibrate_reads_a_run_s_workload_from_its_metrics(tmp_path):
+    from tools.plan.calibrate import workload_from_run
+    # the buffer's counters are running totals; 4 accepted groups still wait in the buffer at the end
+    rows = [{"avg_seq_len": 20.0, "no_eos_ratio": 0.0, "dropped_uniform": 16, "buffer_depth": 2, "accuracy": 0.5},
+            {"avg_seq_len": 30.0, "no_eos_ratio": 0.1, "dropped_uniform": 64, "buffer_depth": 4, "accuracy": 0.9}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    w = workload_from_run(tmp_path, batch_size=16, prompt=8.3)
+    assert w["mean_answer_tokens"] == 25.0 and w["cut_share"] == pytest.approx(0.05)
+    assert w["kept_group_share"] == pytest.approx(36 / (36 + 64))
+    assert w["prompt_tokens"] == 8.3 and w["steps"] == 2
+
+
+def test_each_run_is_simulated_with_its_own_workload_when_the_cost_file_names_them(tmp_path, capsys, monkeypatch):
+    from tools.plan.__main__ import main
+    monkeypatch.chdir(ROOT)
+    data = json.loads(_costs(tmp_path).read_text())
+    data["workloads"]["sync"] = dict(data["workloads"]["async"], mean_answer_tokens=40.0)
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps(data))
+    assert main(["topology/local.yaml", "--costs", str(path), "--steps", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["workloads"]["async"]["name"], out["workloads"]["sync"]["name"]) == ("async", "sync")
+    sims = out["simulation"]
+    # 128 answers of 8 + 20 tokens against 8 + 40 tokens
+    assert sims["async"]["tokens_per_step"] == 128 * 28 and sims["sync (eta=0, same split)"]["tokens_per_step"] == 128 * 48
+    assert main(["topology/local.yaml", "--costs", str(path), "--steps", "3", "--workload", "sync", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["simulation"]["async"]["tokens_per_step"] == 128 * 48
+    assert main(["topology/local.yaml", "--costs", str(path), "--workload", "nope"]) == 2

@@ -1,4 +1,4 @@
-"""`python -m tools.plan TOPOLOGY [key.sub=value ...] [--json] [--plot DIR] [--sweep] [--steps N]`
+"""`python -m tools.plan TOPOLOGY [key.sub=value ...] [--json] [--plot DIR] [--sweep] [--steps N] [--costs FILE]`
 
 Prints the memory per GPU of every trainer and rollout group, then simulates the run in virtual time:
 asynchronous (the configured eta) against synchronous on the same GPUs (eta = 0 with the same split, and
@@ -7,6 +7,12 @@ fractions. `--sweep` also simulates inference/training splits and values of eta 
 `--plot DIR` writes timeline.png (which GPU group is busy when) and, with --sweep, sweep.png.
 Overrides are those of `tools.up` (topology keys, or experiment.* for the config). Exit status 2: a group
 does not fit its GPUs, or the topology is invalid.
+
+A topology whose engines run on CPUs is simulated from costs measured on the machine (`--costs FILE`, made
+by `python -m tools.plan.calibrate`; default docs/measurements/local-costs.json) and the workload recorded
+in it (`--workload NAME`), async against sync on the same cores; `--against E2E_JSON` (default for
+topology/local.yaml: docs/measurements/local-e2e.json) puts `python -m tools.bench e2e --json`'s measured
+async/sync throughput ratio and step times beside the simulated ones.
 """
 from __future__ import annotations
 
@@ -18,7 +24,14 @@ from typing import Any, Sequence
 
 from tools import topology as topo_mod
 from tools.plan import report, setup, sim
+from tools.plan.costs import MeasuredCosts
 from tools.plan.shapes import ShapeError
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_COSTS = "docs/measurements/local-costs.json"
+#: The measured e2e run the local topology's simulation is compared with (docs/plan.md).
+DEFAULT_AGAINST = {"local": "docs/measurements/local-e2e.json"}
+SYNC = "sync (eta=0, same split)"
 
 SWEEP_ETAS = (0, 1, 2, 4, 8)
 SWEEP_SPLITS = (0.5, 0.625, 0.75, 0.875)
@@ -27,8 +40,46 @@ SWEEP_SPLITS = (0.5, 0.625, 0.75, 0.875)
 def compare(found: setup.Setup, steps: int) -> dict[str, sim.Result]:
     """The configured run, its synchronous twin on the same split, and the colocated synchronous baseline."""
     return {"async": sim.simulate(setup.sim_config(found, steps=steps)),
-            "sync (eta=0, same split)": sim.simulate(setup.sim_config(found, eta=0, steps=steps)),
+            SYNC: sim.simulate(setup.sim_config(found, eta=0, steps=steps)),
             "sync (colocated, all GPUs)": sim.simulate(setup.sim_config(found, colocated=True, steps=steps))}
+
+
+def compare_cpu(found: setup.Setup, steps: int, measured: MeasuredCosts,
+                workloads: dict[str, dict[str, Any] | None]) -> dict[str, sim.Result]:
+    """The configured run and its synchronous twin on the same cores, from measured costs, each with its
+    workload (`workloads["async"]`, `workloads["sync"]`). (No colocated row: there every actor gets both
+    cores with two threads, which a one-thread calibration does not cover.)"""
+    return {"async": sim.simulate(setup.sim_config(found, steps=steps, measured=measured,
+                                                   workload=workloads["async"])),
+            SYNC: sim.simulate(setup.sim_config(found, eta=0, steps=steps, measured=measured,
+                                                workload=workloads["sync"]))}
+
+
+def against(results: dict[str, sim.Result], e2e: dict[str, Any], source: str) -> dict[str, Any]:
+    """Simulated against measured (`tools.bench e2e --json`): the async/sync effective-throughput ratio and
+    each run's step time, both as tools.up's summary counts them: every step, the first included (from the
+    trainer's start, so the pipeline's fill too), tokens over wall time and wall time over steps."""
+    runs = e2e["runs"]
+    measured = {"throughput_ratio": runs["async"]["effective_throughput"] / runs["sync"]["effective_throughput"],
+                "async_step_s": runs["async"]["wall_seconds"] / runs["async"]["steps"],
+                "sync_step_s": runs["sync"]["wall_seconds"] / runs["sync"]["steps"]}
+
+    def whole(r: sim.Result) -> tuple[float, float]:   # (tokens per second, seconds per step) from t = 0
+        return sum(s.tokens for s in r.steps) / r.end, r.end / len(r.steps)
+    (a_tps, a_step), (s_tps, s_step) = whole(results["async"]), whole(results[SYNC])
+    predicted = {"throughput_ratio": a_tps / s_tps, "async_step_s": a_step, "sync_step_s": s_step}
+    return {"source": source, "steps": e2e.get("steps"), "rows": [
+        {"figure": k, "predicted": predicted[k], "measured": measured[k], "ratio": predicted[k] / measured[k],
+         "within_15pct": abs(predicted[k] / measured[k] - 1) <= 0.15} for k in measured]}
+
+
+def _fmt_against(cmp: dict[str, Any]) -> list[str]:
+    lines = [f"against the measured run ({cmp['source']}, {cmp['steps']} steps each):",
+             "  figure            predicted  measured  ratio"]
+    for r in cmp["rows"]:
+        lines.append(f"  {r['figure']:<16} {r['predicted']:>10.3f} {r['measured']:>9.3f}  {r['ratio']:.2f}"
+                     f"{'' if r['within_15pct'] else '  (off by more than 15 %)'}")
+    return lines
 
 
 def sweep(found: setup.Setup, steps: int) -> list[dict[str, Any]]:
@@ -57,9 +108,11 @@ def _fmt_results(results: dict[str, sim.Result]) -> list[str]:
                      f"{r.weight_sync_s:.2f}", f"{r.rollout_idle:.0%}", f"{r.trainer_idle:.0%}", stale))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-    base = results["sync (eta=0, same split)"].throughput
-    lines.append(f"  async / sync on the same split: {results['async'].throughput / base:.2f}x; async / colocated "
-                 f"sync: {results['async'].throughput / results['sync (colocated, all GPUs)'].throughput:.2f}x")
+    base = results[SYNC].throughput
+    line = f"  async / sync on the same split: {results['async'].throughput / base:.2f}x"
+    if "sync (colocated, all GPUs)" in results:
+        line += f"; async / colocated sync: {results['async'].throughput / results['sync (colocated, all GPUs)'].throughput:.2f}x"
+    lines.append(line)
     return lines
 
 
@@ -71,13 +124,44 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     ap.add_argument("--plot", metavar="DIR", help="write timeline.png (and sweep.png with --sweep) here")
     ap.add_argument("--sweep", action="store_true", help="also sweep inference/training splits and eta")
-    ap.add_argument("--steps", type=int, default=3, help="training steps per simulation (the first is warm-up)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="training steps per simulation, the first is warm-up (default 3; on CPUs the measured "
+                         "run's steps, else 40)")
+    ap.add_argument("--costs", metavar="FILE", help=f"measured costs for CPU topologies (default {DEFAULT_COSTS})")
+    ap.add_argument("--workload", metavar="NAME", help="the cost file's workload to simulate both runs with "
+                    "(default: the async run with the one named 'async' and the sync run with 'sync' where the "
+                    "file has them, else its first for both)")
+    ap.add_argument("--against", metavar="E2E_JSON", help="a `tools.bench e2e --json` result to compare with "
+                    "(CPU topologies; default for topology/local.yaml: docs/measurements/local-e2e.json)")
     return ap.parse_args(argv)
+
+
+def _resolve(path: str) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() or p.exists() else ROOT / p
+
+
+def _cpu_inputs(args: argparse.Namespace, name: str) -> tuple[MeasuredCosts, dict[str, dict[str, Any] | None],
+                                                              str | None, dict[str, Any] | None]:
+    """The cost file's costs and each run's workload, and the e2e result to compare with (if any)."""
+    path = _resolve(args.costs or DEFAULT_COSTS)
+    data = json.loads(path.read_text())
+    workloads = data.get("workloads") or {}
+    if args.workload and args.workload not in workloads:
+        raise ValueError(f"--workload: {args.workload!r} is not in {path} (it has: {', '.join(workloads) or 'none'})")
+    first = next(iter(workloads), None)
+    chosen = {mode: args.workload or (mode if mode in workloads else first) for mode in ("async", "sync")}
+    e2e_path = args.against or DEFAULT_AGAINST.get(name)
+    e2e = None
+    if e2e_path and (args.against or _resolve(e2e_path).exists()):
+        e2e = json.loads(_resolve(e2e_path).read_text())
+    return MeasuredCosts.from_dict(data, str(args.costs or DEFAULT_COSTS)), \
+        {m: dict(workloads[w], name=w) if w else None for m, w in chosen.items()}, e2e_path if e2e else None, e2e
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.steps < 2:
+    if args.steps is not None and args.steps < 2:
         print("--steps: must be >= 2 (the first step is warm-up)", file=sys.stderr)
         return 2
     try:
@@ -96,13 +180,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems = [p for m in groups if (p := m.problem())]
     results: dict[str, sim.Result] = {}
     if any(g.device == "cuda" for g in found.groups) and not problems:
+        args.steps = args.steps or 3
         results = compare(found, args.steps)
         out["simulation"] = {k: r.summary() for k, r in results.items()}
         text += ["", f"simulation ({args.steps} steps each, the first is warm-up)", *_fmt_results(results)]
+    elif setup.on_cpus(found) and found.of_kind("trainer") and found.of_kind("rollout"):
+        try:
+            measured, workloads, e2e_path, e2e = _cpu_inputs(args, plan.topology.name)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"--costs: {exc}", file=sys.stderr)
+            return 2
+        args.steps = args.steps or int((e2e or {}).get("steps") or 40)
+        results = compare_cpu(found, args.steps, measured, workloads)
+        devices, engines = setup.cpu_servers(found.of_kind("rollout")[0])
+        out["costs"], out["workloads"] = measured.source, workloads
+        out["simulation"] = {k: r.summary() for k, r in results.items()}
+        text += ["", f"simulation on CPUs ({args.steps} steps each, the first is warm-up), costs {measured.source}; "
+                 f"{devices} rollout core(s), {engines} engine(s) each"]
+        for mode, w in workloads.items():
+            text.append(f"  {mode} workload " + (
+                f"{w['name']!r}: answers {w['mean_answer_tokens']:.1f} tokens ({w['cut_share']:.0%} cut), prompts "
+                f"{w['prompt_tokens']:.1f} tokens, {w['kept_group_share']:.0%} of groups kept" if w else
+                "none in the cost file: answers at max_new_tokens"))
+        text += _fmt_results(results)
+        if e2e is not None:
+            out["comparison"] = against(results, e2e, str(e2e_path))
+            text += ["", *_fmt_against(out["comparison"])]
     elif not problems:
-        text += ["", "simulation: this topology runs on CPUs; the cost model covers GPU groups (docs/plan.md)"]
+        text += ["", "simulation: no trainer and rollout group in this topology, nothing to simulate"]
     rows: list[dict[str, Any]] = []
-    if args.sweep and results:
+    if args.sweep and results and not setup.on_cpus(found):   # the split of a CPU topology is its cores
         rows = sweep(found, args.steps)
         best = max(rows, key=lambda r: r["throughput"])
         out["sweep"], out["best"] = rows, best

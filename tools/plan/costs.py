@@ -6,10 +6,17 @@ token read; it takes the longer of the two (a roofline). Prefill and training ar
 attention adds 2 * layers * hidden * L^2 FLOPs per forward pass of a sequence of L tokens; a training pass is
 three forward passes' worth, full recompute adds one more, and the trainer first recomputes the proximal
 log-probs (one forward pass) as `actors.trainer` does.
+
+On CPUs (`MeasuredCosts`) the same quantities come from a cost file measured on the machine: a decode step
+is a + b_row * n + b_kv * K, a prefill a + b * tokens + c * sum of squared lengths, a training step
+a + b * tokens, and a weight update and a group's grading take their measured seconds.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -133,3 +140,46 @@ def weight_sync_seconds(shape: ModelShape, gpu: hardware.GPU, tp: int, pp: int, 
     bw = hardware.ROCE_NODE_BYTES_PER_S / gpus_per_node if across_nodes else gpu.nvlink_bytes_per_s / 2
     send = stage_bytes / (bw * hardware.LINK_EFFICIENCY) + -(-stage_bytes // bucket_bytes) * hardware.BUCKET_LATENCY_S
     return gather + send
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredCosts:
+    """Per-token costs measured on a machine by `python -m tools.plan.calibrate` (a JSON cost file), in
+    place of the roofline when the engines run on CPUs: there a step's fixed Python and kernel-launch cost,
+    not its bytes or FLOPs, sets the pace of a tiny model."""
+
+    decode_a_s: float        # per decode step, whatever its size
+    decode_row_s: float      # per answer in the step
+    decode_kv_s: float       # per KV token the step reads
+    prefill_a_s: float
+    prefill_token_s: float
+    prefill_sq_s: float      # per squared sequence length (attention)
+    train_a_s: float         # per training step (proximal log-probs + forward/backward + optimizer)
+    train_token_s: float
+    weights_s: float         # one weight update, trainer to every rollout
+    reward_s: float          # a group's grading
+    source: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "") -> MeasuredCosts:
+        d, p, t = data["decode"], data["prefill"], data["train"]
+        return cls(decode_a_s=d["a_s"], decode_row_s=d["b_row_s"], decode_kv_s=d["b_kv_s"], prefill_a_s=p["a_s"],
+                   prefill_token_s=p["b_token_s"], prefill_sq_s=p.get("b_sq_s", 0.0), train_a_s=t["a_s"],
+                   train_token_s=t["b_token_s"], weights_s=data["weights"]["seconds"],
+                   reward_s=data["reward"]["seconds"], source=source)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> MeasuredCosts:
+        return cls.from_dict(json.loads(Path(path).read_text()), str(path))
+
+    def decode(self, n: int, engines: int = 1) -> DecodeCost:
+        """A step of n answers on a device that `engines` busy engines time-share: each engine pays its own
+        fixed cost per step, the answers' costs add up. One linear piece (the other is zero, never larger)."""
+        return DecodeCost(a_mem=engines * self.decode_a_s + self.decode_row_s * n, b_mem=self.decode_kv_s,
+                          a_flop=0.0, b_flop=0.0)
+
+    def prefill(self, tokens: float, sum_sq: float) -> float:
+        return max(0.0, self.prefill_a_s + self.prefill_token_s * tokens + self.prefill_sq_s * sum_sq)
+
+    def train_step(self, lengths: list[int]) -> float:
+        return self.train_a_s + self.train_token_s * float(sum(lengths))

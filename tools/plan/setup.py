@@ -11,7 +11,7 @@ from actors.rollout import rollout_placement
 from actors.trainer import trainer_placement
 from tools.plan import hardware, memory
 from tools.plan.shapes import ModelShape, resolve
-from tools.plan.costs import TrainerShape
+from tools.plan.costs import MeasuredCosts, TrainerShape
 from tools.plan.sim import SimConfig
 from tools.topology import Plan
 
@@ -24,6 +24,7 @@ class Group:
     gpus_each: int
     settings: dict[str, Any]
     device: str               # "cuda" | "cpu"
+    cpus: list[list[int]] | None = None   # per instance core list, where the topology pins them
 
 
 @dataclasses.dataclass
@@ -51,7 +52,7 @@ def read(plan: Plan) -> Setup:
         if kind is None or gname not in first:
             continue
         device = placement(first[gname])["device"]
-        groups.append(Group(gname, kind, group.count, group.gpus or 0, first[gname], device))
+        groups.append(Group(gname, kind, group.count, group.gpus or 0, first[gname], device, group.cpus))
     root = Path(topo.source).resolve().parent.parent if topo.source else Path(".")
     model_path = (topo.experiment.get("model") or {}).get("path")
     shape = resolve(model_path, root if (root / str(model_path or "")).exists() else ".") if groups else None
@@ -89,12 +90,41 @@ def memory_problems(plan: Plan) -> list[str]:
     return [p for m in group_memory(read(plan)) if (p := m.problem())]
 
 
+def on_cpus(setup: Setup) -> bool:
+    """Every trainer and rollout group runs on CPUs (the embedded engines): the roofline does not apply."""
+    return bool(setup.groups) and all(g.device == "cpu" for g in setup.groups)
+
+
+def cpu_servers(group: Group) -> tuple[int, int]:
+    """(devices, engines per device) of a CPU rollout group: instances pinned to the same cores time-share
+    them, so each distinct core list is one simulated server; unpinned instances are servers of their own."""
+    if not group.cpus:
+        return group.count, 1
+    devices = len({tuple(c) for c in group.cpus})
+    return devices, -(-group.count // devices)
+
+
+def workload_fields(workload: dict[str, Any] | None, max_new_tokens: int) -> dict[str, Any]:
+    """SimConfig fields of a measured workload (`tools.plan.calibrate --workload-from`): answer lengths as a
+    lognormal with the run's mean and share cut at max_new_tokens (fixed at the mean when none was cut),
+    the prompt's mean length, and the share of groups dynamic sampling kept."""
+    if not workload:
+        return {}
+    mean, cut = float(workload["mean_answer_tokens"]), float(workload["cut_share"])
+    lengths = ({"kind": "lognormal", "mean_tokens_at_cut": mean, "cut_share": cut, "cut": max_new_tokens}
+               if 0.001 <= cut < 0.5 and mean < max_new_tokens else {"kind": "fixed", "tokens": round(mean)})
+    return {"lengths": lengths, "prompt_tokens": max(1, round(float(workload["prompt_tokens"]))),
+            "kept_group_share": float(workload["kept_group_share"])}
+
+
 def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None = None,
-               colocated: bool = False, steps: int = 4, seed: int = 0) -> SimConfig:
+               colocated: bool = False, steps: int = 4, seed: int = 0, measured: MeasuredCosts | None = None,
+               workload: dict[str, Any] | None = None) -> SimConfig:
     """The simulation of this topology's run: its trainer and rollout groups and the experiment's algo,
     gen and buffer settings. `eta` overrides the staleness bound; `rollout_gpus` moves the split between
     inference and training (whole servers and whole trainer replicas); `colocated` runs generation and then
-    training on all the GPUs, the synchronous baseline of systems that time-share them."""
+    training on all the GPUs, the synchronous baseline of systems that time-share them. On CPUs `measured`
+    (required) gives the costs and `workload` the answers (`workload_fields`); the split is the topology's."""
     trainers, rollouts = setup.of_kind("trainer"), setup.of_kind("rollout")
     if len(trainers) != 1 or len(rollouts) != 1:
         raise ValueError(f"the simulation needs one trainer and one rollout group, found "
@@ -104,6 +134,8 @@ def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None
     tr, ro = trainers[0], rollouts[0]
     exp = setup.experiment
     algo, gen, buf = exp.get("algo") or {}, exp.get("gen") or {}, exp.get("buffer") or {}
+    if on_cpus(setup):
+        return _cpu_sim_config(setup, tr, ro, eta, steps, seed, measured, workload)
     par = (tr.settings.get("instance") or {}).get("parallel") or {}
     tp, pp = int(par.get("tp", 1)), int(par.get("pp", 1))
     server_tp = int(((ro.settings.get("instance") or {}).get("parallel") or {}).get("tp", 1))
@@ -131,3 +163,29 @@ def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None
         kv_tokens_per_server=int(rollout_mem.kv_tokens or 0), interruptible=bool(gen.get("interruptible", True)),
         dynamic_sampling=bool(algo.get("dynamic_sampling", False)),
         weights_across_nodes=total > setup.gpus_per_node, steps=steps, seed=seed)
+
+
+def _cpu_sim_config(setup: Setup, tr: Group, ro: Group, eta: int | None, steps: int, seed: int,
+                    measured: MeasuredCosts | None, workload: dict[str, Any] | None) -> SimConfig:
+    if measured is None:
+        raise ValueError("a CPU topology is simulated from measured costs: pass a cost file "
+                         "(python -m tools.plan.calibrate; docs/plan.md)")
+    assert setup.shape is not None
+    exp = setup.experiment
+    algo, gen, buf = exp.get("algo") or {}, exp.get("gen") or {}, exp.get("buffer") or {}
+    devices, engines = cpu_servers(ro)
+    max_new = int(gen.get("max_new_tokens", 64))
+    per_engine = int(buf.get("max_groups_per_rollout", 8))
+    group_size = int(algo.get("group_size", 8))
+    # the engine's own row limit (actors.rollout's max_running) caps the groups it decodes at once
+    per_engine = min(per_engine, max(1, int(ro.settings.get("max_running", 256)) // group_size))
+    return SimConfig(
+        shape=setup.shape, gpu=setup.gpu, gpus_per_node=1, servers=devices, server_tp=1,
+        trainer=TrainerShape(tp=1, pp=1, dp=1, micro_batch_tokens=int(algo.get("max_tokens_per_mb", 4096)),
+                             minibatches=int(algo.get("ppo_minibatches", 1)), recompute="none", gpus_per_node=1),
+        batch_size=int(algo.get("batch_size", 32)), group_size=group_size,
+        eta=int(algo.get("eta", 4)) if eta is None else eta, max_new_tokens=max_new,
+        max_groups_per_server=per_engine * engines, interruptible=bool(gen.get("interruptible", True)),
+        dynamic_sampling=bool(algo.get("dynamic_sampling", False)), weights_across_nodes=False, steps=steps,
+        seed=seed, measured=measured, engines_per_server=engines, reward_latency_s=measured.reward_s,
+        **workload_fields(workload, max_new))

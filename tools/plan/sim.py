@@ -9,6 +9,10 @@ each finished group waits the reward latency; the buffer admits groups through t
 when dynamic sampling is on, and forms a batch of the B oldest accepted groups; the trainer's step packs
 them with `algo.packing` (`costs.train_step_seconds`) and then broadcasts the weights.
 
+On CPU topologies the same simulation runs on costs measured on the machine (`costs.MeasuredCosts`, from
+`python -m tools.plan.calibrate`), and one simulated server can stand for a core that several rollout
+engines time-share (`SimConfig.engines_per_server`).
+
 Simplifications (named so that their effect can be judged): a server takes at most
 `buffer.max_groups_per_rollout` groups and no more than its KV pool holds at the mean answer length
 (SGLang's retraction when the pool overflows is not modelled); changes to a server's batch take effect at
@@ -90,6 +94,14 @@ class SimConfig:
     weights_across_nodes: bool = True
     steps: int = 6
     seed: int = 0
+    #: Costs measured on the machine (CPU topologies) in place of the GPU roofline (`costs.MeasuredCosts`).
+    measured: costs.MeasuredCosts | None = None
+    #: Engines that time-share one simulated server's device (two rollouts pinned to one core): each busy
+    #: engine adds its fixed per-step cost to the device's steps. A server then stands for the device.
+    engines_per_server: int = 1
+    #: With dynamic sampling, the measured share of finished groups kept (not all answers equally rewarded);
+    #: None draws each group's rewards from `accuracy` and filters them with the project's own filter.
+    kept_group_share: float | None = None
 
     def draw_lengths(self, rng: np.random.Generator, n: int) -> np.ndarray:
         spec = self.lengths
@@ -228,19 +240,24 @@ class Simulation:
         self.trainer_busy = 0.0
         self.timeline: list[tuple[str, float, float]] = []
         self._last_span: dict[str, int] = {}
-        self.sync_s = costs.weight_sync_seconds(cfg.shape, cfg.gpu, cfg.trainer.tp, cfg.trainer.pp,
-                                                cfg.gpus_per_node, cfg.weights_across_nodes)
-        self._decode: dict[int, costs.DecodeCost] = {}
+        self.sync_s = cfg.measured.weights_s if cfg.measured else costs.weight_sync_seconds(
+            cfg.shape, cfg.gpu, cfg.trainer.tp, cfg.trainer.pp, cfg.gpus_per_node, cfg.weights_across_nodes)
+        self._decode: dict[tuple[int, int], costs.DecodeCost] = {}
 
     # --- event plumbing -------------------------------------------------------------------------
     def _push(self, t: float, kind: str, payload: Any) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, payload))
 
-    def _cost(self, n: int) -> costs.DecodeCost:
-        if n not in self._decode:
-            self._decode[n] = costs.decode_cost(self.cfg.shape, self.cfg.gpu, self.cfg.server_tp, n)
-        return self._decode[n]
+    def _cost(self, s: _Server) -> costs.DecodeCost:
+        """The step cost at s's current batch. Time-sharing engines: groups go to the emptiest engine, so as
+        many engines are busy as there are groups, up to the engines the server stands for."""
+        key = (s.n, min(self.cfg.engines_per_server, max(1, len(s.groups))))
+        if key not in self._decode:
+            m = self.cfg.measured
+            self._decode[key] = m.decode(*key) if m else costs.decode_cost(self.cfg.shape, self.cfg.gpu,
+                                                                           self.cfg.server_tp, key[0])
+        return self._decode[key]
 
     # --- servers ---------------------------------------------------------------------------------
     def _advance(self, s: _Server, now: float) -> None:
@@ -251,7 +268,7 @@ class Simulation:
         if s.paused or s.n == 0:
             s.t = now
             return
-        cost, kv0, n = self._cost(s.n), s.kv(), s.n
+        cost, kv0, n = self._cost(s), s.kv(), s.n
         limit = s.finish[0][0] - s.counter
         # smallest j <= limit with t + steps(j) >= now; steps only lengthen, which brackets j
         dt = now - s.t
@@ -291,7 +308,7 @@ class Simulation:
         if s.paused or s.n == 0:
             return
         j = s.finish[0][0] - s.counter
-        self._push(s.t + self._cost(s.n).steps(s.kv(), s.n, j), "server", (s.index, s.epoch))
+        self._push(s.t + self._cost(s).steps(s.kv(), s.n, j), "server", (s.index, s.epoch))
 
     def _finish_answer(self, s: _Server, group: int, t: float) -> None:
         s.groups[group] -= 1
@@ -304,7 +321,9 @@ class Simulation:
             self._push(t + self.cfg.reward_latency_s, "reward", group)
 
     def _prefill(self, s: _Server, tokens: float, sum_sq: float) -> None:
-        dt = costs.prefill_seconds(self.cfg.shape, self.cfg.gpu, self.cfg.server_tp, tokens, sum_sq)
+        m = self.cfg.measured
+        dt = m.prefill(tokens, sum_sq) if m else costs.prefill_seconds(self.cfg.shape, self.cfg.gpu,
+                                                                      self.cfg.server_tp, tokens, sum_sq)
         self._busy(s, s.t, dt)
         s.t += dt
 
@@ -352,7 +371,9 @@ class Simulation:
     def _on_reward(self, group: int, now: float) -> None:
         cfg = self.cfg
         accepted = True
-        if cfg.dynamic_sampling:
+        if cfg.dynamic_sampling and cfg.kept_group_share is not None:
+            accepted = bool(self.rng.random() < cfg.kept_group_share)
+        elif cfg.dynamic_sampling:
             p = self.rng.beta(2 * cfg.accuracy, 2 * (1 - cfg.accuracy))
             rewards = torch.tensor((self.rng.random(cfg.group_size) < p).astype(np.float32))
             accepted = filter_uniform_groups(rewards, torch.zeros(cfg.group_size, dtype=torch.int64)).n_kept_groups == 1
@@ -373,7 +394,8 @@ class Simulation:
         group_of = [self.answers[a][0] for a in ids]
         starts = torch.tensor([self.answers[a][2] for a in ids])
         staleness = sample_staleness(starts, self.version).tolist()
-        train_s = costs.train_step_seconds(cfg.shape, cfg.gpu, cfg.trainer, lengths, group_of)
+        train_s = cfg.measured.train_step(lengths) if cfg.measured else \
+            costs.train_step_seconds(cfg.shape, cfg.gpu, cfg.trainer, lengths, group_of)
         self.trainer_free = False
         self._span("trainer", now, now + train_s)
         self._span("weights", now + train_s, now + train_s + self.sync_s)
