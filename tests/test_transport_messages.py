@@ -291,11 +291,12 @@ def test_fast_path_and_general_path_agree() -> None:
     assert decode(encode(Error("c", "t")))[1] == Error("c", "t", None)
 
 
-def test_older_versions_still_decode_except_the_rl_messages_version_3_changed() -> None:
-    # version 2 only added the batch container; version 3 changed four rl message bodies (composition):
-    # single messages (and message logs) of versions 1 and 2 read fine, except those four kinds
-    assert SCHEMA_VERSION == 3 and M.READABLE_VERSIONS == {1, 2, 3}
-    for version in (1, 2):
+def test_older_versions_still_decode_except_the_rl_messages_versions_3_and_4_changed() -> None:
+    # version 2 only added the batch container; version 3 changed four rl message bodies (composition),
+    # version 4 rl.batch (columns and tensor frames): single messages (and message logs) of versions 1 to 3
+    # read fine, except those kinds
+    assert SCHEMA_VERSION == 4 and M.READABLE_VERSIONS == {1, 2, 3, 4}
+    for version in (1, 2, 3):
         header, msg = decode([_head(body={"seq": 3}, version=version)])
         assert msg == Ping(3) and header.version == version
     with pytest.raises(SchemaMismatch, match="schema version 0"):
@@ -306,6 +307,9 @@ def test_older_versions_still_decode_except_the_rl_messages_version_3_changed() 
                               "rollout": "rollout.0"}
     with pytest.raises(FieldError, match="field 'query_id': unknown field"):
         decode([_head("rl.trajectories", body=version_2_trajectories, version=2)])
+    version_3_batch = {"step": 1, "groups": [], "stats": {}}
+    with pytest.raises(FieldError, match="field 'groups': unknown field"):
+        decode([_head("rl.batch", body=version_3_batch, version=3)])
 
 
 def test_batch_container_round_trip_and_errors() -> None:
