@@ -215,15 +215,30 @@ class BufferActor(Actor):
             groups = [BatchGroup(prompt_ids=self.prompt_ids[g.key[1]],
                                  level=level_of(self.dataset.records[g.key[1]]), samples=g.answers.samples)
                       for g in taken]
-            batch = BatchTensors.from_batch(Batch(step=msg.step, groups=groups, stats=self.state.batch_stats()))
-            # On disk before the reply: a restart of either side resumes from here (see _restore). The
-            # batch as its wire frames: header frame, then the token tensors' frames.
-            frames = encode(batch)
-            fsync_write(self._served_path(msg.step), msgpack.packb(
-                {"batch": frames[0], "tensors": frames[1:], "ledger": record, "state": self._state_dict()}))
+            listed = Batch(step=msg.step, groups=groups, stats=self.state.batch_stats())
+            state = self._state_dict()
+            # Converting and writing a recipe-sized batch (GBs) takes seconds: off the event loop, which
+            # must keep answering heartbeats and taking scored groups meanwhile. Nothing here touches the
+            # state; the taken groups are no longer the state's.
+            batch = await asyncio.to_thread(self._persist_served, listed, record, state)
             self._ledger(record)
             self.served_through = msg.step
             return batch
+
+    def _persist_served(self, listed: Batch, record: dict[str, Any], state: dict[str, Any]) -> BatchTensors:
+        """The batch in its wire form, on disk before the reply: a restart of either side resumes from here
+        (see _restore). The file is one msgpack map whose "batch" is the header frame and "tensors" the
+        tensor frames, written frame by frame (not joined in memory)."""
+        batch = BatchTensors.from_batch(listed)
+        frames = encode(batch)
+        packer = msgpack.Packer()
+        parts: list[Any] = [packer.pack_map_header(4), packer.pack("batch"), packer.pack(frames[0]),
+                            packer.pack("tensors"), packer.pack_array_header(len(frames) - 1)]
+        for frame in frames[1:]:
+            parts += [b"\xc6" + memoryview(frame).nbytes.to_bytes(4, "big"), frame]   # msgpack bin 32
+        parts += [packer.pack("ledger"), packer.pack(record), packer.pack("state"), packer.pack(state)]
+        fsync_write(self._served_path(listed.step), parts)
+        return batch
 
     def _state_dict(self) -> dict[str, Any]:
         return {**self.state.state_dict(), "dataset": {"path": self.dataset.path, "records": len(self.dataset)}}

@@ -173,3 +173,17 @@ def test_trainer_zero_sends_each_rank_its_replicas_share_over_gloo(tmp_path) -> 
     for rank, dp in ((1, 0), (2, 1), (3, 1)):
         assert got[rank].carried == samples[dp] and len(samples[dp]) < batch.n_samples
         assert_same_batch(got[rank], batch.share(samples[dp]))
+
+
+def test_the_buffer_keeps_a_served_batch_as_its_frames_and_reads_it_back(tmp_path) -> None:
+    # What a restarted buffer serves again is the very batch it served (the file is written frame by frame)
+    from actors.buffer import BufferActor
+    buf = BufferActor.__new__(BufferActor)   # the adapter's file I/O only
+    buf.served_dir = tmp_path
+    listed = sampled_batch(tiny_model(4), groups=2, n=3)
+    listed.groups[0].samples[1].score_detail = "boxed 7 != 8"
+    record, state = {"event": "batch", "step": listed.step}, {"epoch": 0, "position": 2}
+    sent = buf._persist_served(listed, record, state)
+    got, got_record, got_state = buf._served(listed.step)
+    assert_same_batch(got, sent)
+    assert got.to_batch() == listed and (got_record, got_state) == (record, state)

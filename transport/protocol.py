@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from transport.messages import Message, message
@@ -255,18 +256,19 @@ class BatchTensors(Message):
     def from_batch(cls, batch: Batch, frame_bytes: int = BATCH_FRAME_BYTES) -> "BatchTensors":
         samples = [s for g in batch.groups for s in g.samples]
 
-        def cat(rows: list[list[Any]], dtype: torch.dtype) -> torch.Tensor:
-            # One tensor per row, then one concatenation: far faster than flattening the lists in Python.
-            return torch.cat([torch.tensor(r, dtype=dtype) for r in rows]) if rows else torch.empty(0, dtype=dtype)
+        def cat(rows: list[list[Any]], dtype: type) -> torch.Tensor:
+            # One array per row, then one concatenation: numpy reads a list of numbers 2-4x faster than
+            # torch.tensor does, and far faster than flattening the lists in Python.
+            return torch.from_numpy(np.concatenate([np.asarray(r, dtype=dtype) for r in rows] or [np.empty(0, dtype)]))
 
         return cls.from_columns(
             step=batch.step, stats=batch.stats, levels=[g.level for g in batch.groups],
             group_sizes=[len(g.samples) for g in batch.groups],
-            prompt_ids=cat([g.prompt_ids for g in batch.groups], torch.int32),
+            prompt_ids=cat([g.prompt_ids for g in batch.groups], np.int32),
             prompt_lens=[len(g.prompt_ids) for g in batch.groups],
-            output_ids=cat([s.output_ids for s in samples], torch.int32), output_lens=[len(s.output_ids) for s in samples],
-            logprobs=cat([s.logprobs for s in samples], torch.float32),
-            versions=cat([s.versions for s in samples], torch.int32), rewards=[s.reward for s in samples],
+            output_ids=cat([s.output_ids for s in samples], np.int32), output_lens=[len(s.output_ids) for s in samples],
+            logprobs=cat([s.logprobs for s in samples], np.float32),
+            versions=cat([s.versions for s in samples], np.int32), rewards=[s.reward for s in samples],
             correct=[s.correct for s in samples], finish_reasons=[s.finish_reason for s in samples],
             score_details=[s.score_detail for s in samples], frame_bytes=frame_bytes)
 
