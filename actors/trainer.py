@@ -529,9 +529,9 @@ class TrainerActor(Actor):
         replica trains on (tensor- and pipeline-parallel ranks of one replica get the same share)."""
         assert self.ranks is not None
         samples = rank_samples(batch, self.step_cfg, self.engine.data_parallel[1])
-        encoded: dict[int, list[Any]] = {}
-        for dp in sorted(set(self.rank_dp[1:])):
-            encoded[dp] = encode(batch.share(samples[dp]), sender=self.name)
+        replicas = sorted(set(self.rank_dp[1:]))
+        shares = batch.shares([samples[dp] for dp in replicas])
+        encoded = {dp: encode(share, sender=self.name) for dp, share in zip(replicas, shares)}
         return {r: encoded[dp] for r, dp in enumerate(self.rank_dp) if r > 0}
 
     def _export(self) -> tuple[list[Any], list["StageExport"]]:

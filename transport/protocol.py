@@ -31,6 +31,7 @@ Weights never travel here (transport/bulk.py carries them).
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,10 +186,19 @@ def _joined(chunks: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
-def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(x.numel() + 1, dtype=torch.int64)
-    out[1:] = torch.cumsum(x.to(torch.int64), 0)
-    return out
+def _gather_ranges(chunks: list[torch.Tensor], ranges: list[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
+    """The elements [a, b) of each range of the column that `chunks` split, concatenated in order."""
+    starts = [0]
+    for c in chunks:
+        starts.append(starts[-1] + c.numel())
+    pieces = []
+    for a, b in ranges:
+        k = bisect.bisect_right(starts, a) - 1
+        while a < b:
+            end = min(b, starts[k + 1])
+            pieces.append(chunks[k][a - starts[k]:end - starts[k]])
+            a, k = end, k + 1
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
 
 
 @message("rl.batch")
@@ -291,27 +301,33 @@ class BatchTensors(Message):
 
     def share(self, samples: list[int], frame_bytes: int = BATCH_FRAME_BYTES) -> "BatchTensors":
         """The same batch carrying the tokens of `samples` only (every scalar column stays whole)."""
-        wanted = sorted(set(samples))
+        return self.shares([samples], frame_bytes)[0]
+
+    def shares(self, per_rank: list[list[int]], frame_bytes: int = BATCH_FRAME_BYTES) -> list["BatchTensors"]:
+        """`share` of each list of samples. Each sample's tokens are one contiguous range of the carried
+        columns, so a share is a concatenation of slices of the chunks (one copy of the share, no index)."""
         have = self.carried_samples()
         position = {s: k for k, s in enumerate(have)}
-        missing = [s for s in wanted if s not in position]
-        if missing:
-            raise ValueError(f"samples {missing[:8]} are not carried by this batch")
-        lens = torch.tensor([self.output_lens[s] for s in have], dtype=torch.int64)
-        offsets = _exclusive_cumsum(lens)
-        rows = torch.tensor([position[s] for s in wanted], dtype=torch.int64)
-        # Token positions of the wanted rows in the carried columns, in one gather per column.
-        counts = lens[rows]
-        starts = offsets[rows]
-        index = (torch.repeat_interleave(starts - _exclusive_cumsum(counts)[:-1], counts)
-                 + torch.arange(int(counts.sum()), dtype=torch.int64))
-        return BatchTensors.from_columns(
-            step=self.step, stats=self.stats, levels=self.levels, group_sizes=self.group_sizes,
-            prompt_ids=self.flat("prompt_ids"), prompt_lens=self.prompt_lens,
-            output_ids=self.flat("output_ids")[index], output_lens=self.output_lens,
-            logprobs=self.flat("logprobs")[index], versions=self.flat("versions")[index], rewards=self.rewards,
-            correct=self.correct, finish_reasons=self.finish_reasons, score_details=self.score_details,
-            carried=wanted, frame_bytes=frame_bytes)
+        offsets = [0]
+        for s in have:
+            offsets.append(offsets[-1] + self.output_lens[s])
+        prompts = self.flat("prompt_ids")
+        out = []
+        for samples in per_rank:
+            wanted = sorted(set(samples))
+            missing = [s for s in wanted if s not in position]
+            if missing:
+                raise ValueError(f"samples {missing[:8]} are not carried by this batch")
+            ranges = [(offsets[position[s]], offsets[position[s] + 1]) for s in wanted]
+            out.append(BatchTensors.from_columns(
+                step=self.step, stats=self.stats, levels=self.levels, group_sizes=self.group_sizes,
+                prompt_ids=prompts, prompt_lens=self.prompt_lens,
+                output_ids=_gather_ranges(self.output_ids, ranges, torch.int32), output_lens=self.output_lens,
+                logprobs=_gather_ranges(self.logprobs, ranges, torch.float32),
+                versions=_gather_ranges(self.versions, ranges, torch.int32), rewards=self.rewards,
+                correct=self.correct, finish_reasons=self.finish_reasons, score_details=self.score_details,
+                carried=wanted, frame_bytes=frame_bytes))
+        return out
 
     def to_batch(self) -> Batch:
         """The list form (every sample must be carried)."""

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import socket
 import time
 from typing import Any
 
@@ -47,15 +48,23 @@ def token_bytes(batch: BatchTensors) -> int:
                                                         batch.versions) for t in col)
 
 
-def _buffer_side(args: argparse.Namespace, endpoint_q: Any, done: Any) -> None:
+def _free_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _buffer_side(args: argparse.Namespace, endpoints: dict[str, str], ready: Any, done: Any) -> None:
     from transport.bus import Bus
 
     batch = synthetic_batch(args.groups, args.answers, args.max_new, args.prompt_len, full_length=not args.uniform)
 
     async def serve() -> None:
-        bus = await Bus("buffer", "tcp://127.0.0.1:*",
+        # Each side knows the other as a peer, as in a run: the buffer's own pings reach the trainer on
+        # a connection of their own while the reply (and the pongs behind it) is on the way.
+        bus = await Bus("buffer", endpoints["buffer"], {"trainer": endpoints["trainer"]},
                         handler=lambda env: batch if isinstance(env.msg, BatchRequest) else None).start()
-        endpoint_q.put(bus.endpoint)
+        ready.set()
         await asyncio.to_thread(done.wait)
         await bus.close(linger=1.0)
 
@@ -80,15 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     ctx = mp.get_context("fork")
-    endpoint_q, done = ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=_buffer_side, args=(args, endpoint_q, done), daemon=True)
+    endpoints = {"buffer": _free_endpoint(), "trainer": _free_endpoint()}
+    ready, done = ctx.Event(), ctx.Event()
+    server = ctx.Process(target=_buffer_side, args=(args, endpoints, ready, done), daemon=True)
     server.start()
-    result: dict[str, Any] = {}
     try:
-        endpoint = endpoint_q.get(timeout=600)
+        if not ready.wait(timeout=600):
+            raise RuntimeError("the buffer side did not start within 600 s")
 
         async def ask() -> tuple[list[float], BatchTensors]:
-            bus = await Bus("trainer", "tcp://127.0.0.1:*", {"buffer": endpoint}).start()
+            bus = await Bus("trainer", endpoints["trainer"], {"buffer": endpoints["buffer"]}).start()
             seconds, batch = [], None
             try:
                 for step in range(args.repeat):
@@ -111,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     median = sorted(seconds)[len(seconds) // 2]
     cfg = StepConfig(minibatches=args.minibatches, max_tokens_per_mb=args.max_tokens_per_mb)
     t0 = time.perf_counter()
-    shares = [batch.share(s) for s in rank_samples(batch, cfg, args.dp)]
+    shares = batch.shares(rank_samples(batch, cfg, args.dp))
     share_seconds = time.perf_counter() - t0
     share_bytes = [token_bytes(s) for s in shares]
     result = {
