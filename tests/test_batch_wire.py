@@ -187,3 +187,21 @@ def test_the_buffer_keeps_a_served_batch_as_its_frames_and_reads_it_back(tmp_pat
     got, got_record, got_state = buf._served(listed.step)
     assert_same_batch(got, sent)
     assert got.to_batch() == listed and (got_record, got_state) == (record, state)
+
+
+def test_a_batch_whose_columns_disagree_is_refused_naming_the_column() -> None:
+    import msgpack
+
+    from transport.messages import FieldError
+    batch = BatchTensors.from_batch(sampled_batch(tiny_model(5), groups=2, n=2))
+    frames = encode(batch)
+    head = msgpack.unpackb(frames[0])
+    for column, value, says in (("output_lens", [1, 2, 3, 4], "output_ids: .* tokens"),
+                                ("rewards", [0.0], "rewards: 1 values for 4 answers"),
+                                ("group_sizes", [2, 1], "group_sizes"),
+                                ("carried", [2, 1], "carried: must be ascending")):
+        bad = {**head[7], column: value}
+        with pytest.raises(FieldError, match=says):
+            decode([msgpack.packb(head[:7] + [bad]), *frames[1:]])
+    with pytest.raises(TypeError, match="logprobs: chunks must be 1-D float32"):
+        BatchTensors(**{**vars(batch), "logprobs": [c.double() for c in batch.logprobs]})

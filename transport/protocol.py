@@ -238,20 +238,9 @@ class BatchTensors(Message):
                      output_lens: list[int], logprobs: torch.Tensor, versions: torch.Tensor, rewards: list[float],
                      correct: list[bool], finish_reasons: list[str], score_details: list[str] | None = None,
                      carried: list[int] | None = None, frame_bytes: int = BATCH_FRAME_BYTES) -> "BatchTensors":
-        """A batch from flat 1-D token tensors (converted to the wire dtypes), split into frames."""
+        """A batch from flat 1-D token tensors (converted to the wire dtypes), split into frames. Columns
+        that disagree raise TypeError naming the column (see __post_init__)."""
         n = len(output_lens)
-        if sum(group_sizes) != n or len(levels) != len(group_sizes) or len(prompt_lens) != len(group_sizes):
-            raise ValueError(f"batch columns disagree: {len(group_sizes)} groups of {sum(group_sizes)} answers, "
-                             f"{len(levels)} levels, {len(prompt_lens)} prompt lengths, {n} answer lengths")
-        for name, column in (("rewards", rewards), ("correct", correct), ("finish_reasons", finish_reasons)):
-            if len(column) != n:
-                raise ValueError(f"batch column {name}: {len(column)} values for {n} answers")
-        want = sum(output_lens[i] for i in (range(n) if carried is None else carried))
-        for name, t in (("output_ids", output_ids), ("logprobs", logprobs), ("versions", versions)):
-            if t.numel() != want:
-                raise ValueError(f"batch column {name}: {t.numel()} tokens, the carried answers have {want}")
-        if prompt_ids.numel() != sum(prompt_lens):
-            raise ValueError(f"batch column prompt_ids: {prompt_ids.numel()} tokens, the prompts have {sum(prompt_lens)}")
         return cls(step=step, stats=stats, levels=list(levels), group_sizes=list(group_sizes),
                    prompt_lens=list(prompt_lens), output_lens=list(output_lens), rewards=[float(r) for r in rewards],
                    correct=[bool(c) for c in correct], finish_reasons=list(finish_reasons),
@@ -261,6 +250,36 @@ class BatchTensors(Message):
                    logprobs=_chunks(logprobs.reshape(-1).to(torch.float32), frame_bytes),
                    versions=_chunks(versions.reshape(-1).to(torch.int32), frame_bytes),
                    carried=None if carried is None else list(carried))
+
+    def __post_init__(self) -> None:
+        # What arrives must add up before a trainer rank indexes with it: a message whose columns disagree is
+        # refused at decoding (a TypeError here is a FieldError there), naming the column.
+        n_groups, n = len(self.group_sizes), len(self.output_lens)
+        for name in ("levels", "prompt_lens"):
+            if len(getattr(self, name)) != n_groups:
+                raise TypeError(f"batch column {name}: {len(getattr(self, name))} values for {n_groups} groups")
+        if any(x < 0 for x in self.group_sizes) or sum(self.group_sizes) != n:
+            raise TypeError(f"batch column group_sizes: groups of {self.group_sizes[:8]}... hold "
+                            f"{sum(self.group_sizes)} answers, output_lens has {n}")
+        for name in ("rewards", "correct", "finish_reasons", "score_details"):
+            if len(getattr(self, name)) != n:
+                raise TypeError(f"batch column {name}: {len(getattr(self, name))} values for {n} answers")
+        if any(x < 0 for x in self.output_lens) or any(x < 0 for x in self.prompt_lens):
+            raise TypeError("batch columns output_lens, prompt_lens: lengths must not be negative")
+        carried = range(n) if self.carried is None else self.carried
+        if self.carried is not None and (any(not 0 <= s < n for s in carried)
+                                         or any(a >= b for a, b in zip(carried, carried[1:]))):
+            raise TypeError(f"batch column carried: must be ascending sample indices below {n}")
+        answer_tokens = sum(self.output_lens[s] for s in carried)
+        for name, dtype, want in (("prompt_ids", torch.int32, sum(self.prompt_lens)),
+                                  ("output_ids", torch.int32, answer_tokens), ("logprobs", torch.float32, answer_tokens),
+                                  ("versions", torch.int32, answer_tokens)):
+            chunks = getattr(self, name)
+            if any(c.dtype != dtype or c.dim() != 1 for c in chunks):
+                raise TypeError(f"batch column {name}: chunks must be 1-D {str(dtype).removeprefix('torch.')}")
+            if sum(c.numel() for c in chunks) != want:
+                raise TypeError(f"batch column {name}: {sum(c.numel() for c in chunks)} tokens, the "
+                                f"{'prompts' if name == 'prompt_ids' else 'carried answers'} have {want}")
 
     @classmethod
     def from_batch(cls, batch: Batch, frame_bytes: int = BATCH_FRAME_BYTES) -> "BatchTensors":
@@ -318,6 +337,9 @@ class BatchTensors(Message):
             missing = [s for s in wanted if s not in position]
             if missing:
                 raise ValueError(f"samples {missing[:8]} are not carried by this batch")
+            if wanted == have:   # every sample (a KL penalty's shares): the batch itself, no copy
+                out.append(self)
+                continue
             ranges = [(offsets[position[s]], offsets[position[s] + 1]) for s in wanted]
             out.append(BatchTensors.from_columns(
                 step=self.step, stats=self.stats, levels=self.levels, group_sizes=self.group_sizes,
