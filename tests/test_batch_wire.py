@@ -17,7 +17,7 @@ from actors.trainer import StepConfig, rank_samples, train_share
 from tools.bench.batch import synthetic_batch
 from transport.bus import Bus
 from transport.messages import decode, encode
-from transport.protocol import BATCH_FRAME_BYTES, BatchRequest, BatchTensors
+from transport.protocol import BATCH_FRAME_BYTES, BatchRequest, BatchTensors, BufferStats
 
 FRAME_LIMIT = 256 << 20   # the bus's default max_frame_bytes
 COLUMNS = ("prompt_ids", "output_ids", "logprobs", "versions")
@@ -40,7 +40,7 @@ def test_the_7b_recipes_batch_encodes_into_frames_under_the_limit() -> None:
     n = groups * answers
     empty = lambda dtype: torch.empty(n * new, dtype=dtype)   # noqa: E731
     batch = BatchTensors.from_columns(
-        step=1, stats=synthetic_batch(1, 1, 1).stats, levels=[0] * groups, group_sizes=[answers] * groups,
+        step=1, stats=BufferStats(), levels=[0] * groups, group_sizes=[answers] * groups,
         prompt_ids=torch.zeros(groups * 300, dtype=torch.int32), prompt_lens=[300] * groups,
         output_ids=empty(torch.int32), output_lens=[new] * n, logprobs=empty(torch.float32),
         versions=empty(torch.int32), rewards=[0.0] * n, correct=[False] * n, finish_reasons=["length"] * n)
