@@ -6,7 +6,7 @@ counters. This actor is the adapter around it: messages in, calls on the state, 
 the ledger (buffer/ledger.jsonl: every batch's keys, every prompt dropped on purpose) out.
 
 Flow: GenerateGroup -> least-loaded live rollout; ScoredGroup (from a reward actor) -> ready queue;
-BatchRequest (from the trainer) -> waits until B fresh groups are ready, then replies with a Batch;
+BatchRequest (from the trainer) -> waits until B fresh groups are ready, then replies with a BatchTensors;
 VersionUpdate -> opens the gate; CheckpointRequest -> writes buffer.json for that step.
 
 After a recovery (actors/recovery.py) the buffer restores the cursor and gate from the checkpoint of step
@@ -39,7 +39,7 @@ from actors.dataset import DEFAULT_MAX_LINE_BYTES, Layout, Record, load_dataset
 from actors.engines.tokenizer import load_tokenizer
 from actors.recovery import checkpoint_dir, fsync_write, latest_checkpoint, recovering, restarted_in_place
 from transport.messages import decode, encode
-from transport.protocol import (Batch, BatchGroup, BatchRequest, CheckpointDone, CheckpointRequest, GenerateGroup,
+from transport.protocol import (Batch, BatchGroup, BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, GenerateGroup,
                                 GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task, VersionUpdate,
                                 WorkerHello)
 
@@ -194,7 +194,7 @@ class BufferActor(Actor):
             self.changed.set()
 
     @handles(BatchRequest)
-    async def on_batch_request(self, msg: BatchRequest) -> Batch:
+    async def on_batch_request(self, msg: BatchRequest) -> BatchTensors:
         self.state.set_version(msg.step - 1)   # it finished that step: a VersionUpdate lost in a restart
         async with self._serving:   # one step at a time: a restarted trainer may ask while its old request waits
             if msg.step <= self.served_through:
@@ -202,7 +202,7 @@ class BufferActor(Actor):
                 # same batch again, so nothing is lost and nothing trained twice.
                 batch = self._served(msg.step)[0]
                 self.counters["batches_served_again"] += 1
-                self.log.info("batch_served_again", step=msg.step, groups=len(batch.groups))
+                self.log.info("batch_served_again", step=msg.step, groups=len(batch.levels))
                 return batch
             while True:
                 self._drop_stale()
@@ -215,13 +215,30 @@ class BufferActor(Actor):
             groups = [BatchGroup(prompt_ids=self.prompt_ids[g.key[1]],
                                  level=level_of(self.dataset.records[g.key[1]]), samples=g.answers.samples)
                       for g in taken]
-            batch = Batch(step=msg.step, groups=groups, stats=self.state.batch_stats())
-            # On disk before the reply: a restart of either side resumes from here (see _restore).
-            fsync_write(self._served_path(msg.step), msgpack.packb(
-                {"batch": encode(batch)[0], "ledger": record, "state": self._state_dict()}))
+            listed = Batch(step=msg.step, groups=groups, stats=self.state.batch_stats())
+            state = self._state_dict()
+            # Converting and writing a recipe-sized batch (GBs) takes seconds: off the event loop, which
+            # must keep answering heartbeats and taking scored groups meanwhile. Nothing here touches the
+            # state; the taken groups are no longer the state's.
+            batch = await asyncio.to_thread(self._persist_served, listed, record, state)
             self._ledger(record)
             self.served_through = msg.step
             return batch
+
+    def _persist_served(self, listed: Batch, record: dict[str, Any], state: dict[str, Any]) -> BatchTensors:
+        """The batch in its wire form, on disk before the reply: a restart of either side resumes from here
+        (see _restore). The file is one msgpack map whose "batch" is the header frame and "tensors" the
+        tensor frames, written frame by frame (not joined in memory)."""
+        batch = BatchTensors.from_batch(listed)
+        frames = encode(batch)
+        packer = msgpack.Packer()
+        parts: list[Any] = [packer.pack_map_header(4), packer.pack("batch"), packer.pack(frames[0]),
+                            packer.pack("tensors"), packer.pack_array_header(len(frames) - 1)]
+        for frame in frames[1:]:
+            parts += [b"\xc6" + memoryview(frame).nbytes.to_bytes(4, "big"), frame]   # msgpack bin 32
+        parts += [packer.pack("ledger"), packer.pack(record), packer.pack("state"), packer.pack(state)]
+        fsync_write(self._served_path(listed.step), parts)
+        return batch
 
     def _state_dict(self) -> dict[str, Any]:
         return {**self.state.state_dict(), "dataset": {"path": self.dataset.path, "records": len(self.dataset)}}
@@ -229,12 +246,14 @@ class BufferActor(Actor):
     def _served_path(self, step: int) -> Path:
         return self.served_dir / f"step_{step:06d}.msgpack"
 
-    def _served(self, step: int) -> tuple[Batch, dict[str, Any], dict[str, Any]]:
+    def _served(self, step: int) -> tuple[BatchTensors, dict[str, Any], dict[str, Any]]:
         """The batch served for `step`, its ledger record, and the buffer's state right after serving it."""
         path = self._served_path(step)
         try:
             saved = msgpack.unpackb(path.read_bytes())
-            _, batch = decode([saved["batch"]])
+            _, batch = decode([saved["batch"], *saved["tensors"]])
+            if not isinstance(batch, BatchTensors):
+                raise TypeError(f"it holds a {type(batch).__name__}")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise RuntimeError(f"{path}: the batch served for step {step} cannot be read back: {exc}") from exc
         return batch, saved["ledger"], saved["state"]

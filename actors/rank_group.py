@@ -2,9 +2,11 @@
 
 A Megatron trainer is one torch.distributed world (one rank per GPU) whose collectives need every rank to
 make the same engine calls in the same order. Only rank 0 (`trainer.0`) talks to the buffer and the
-parameter server; before each engine call it broadcasts the command (with the step's batch) to the other
-ranks over a gloo group of the world, and gathers their statistics back after a training step. Gloo, not
-NCCL: the commands are small pickled objects that must not queue behind the GPUs' kernels.
+parameter server; before each engine call it broadcasts the command to the other ranks over a gloo group of
+the world, and gathers their statistics back after a training step. Gloo, not NCCL: the commands are small
+pickled objects that must not queue behind the GPUs' kernels. A training step's data is not broadcast: rank 0
+sends each rank only its share of the batch, point to point, as the frames of a typed message
+(`send_frames`, `recv_frames`: the wire's own encoding, tensors as raw bytes, never pickled).
 
 A pipeline-parallel trainer has a second channel, for weights: each stage's sender (data- and
 tensor-parallel rank 0 of the stage) hosts its own group with the rollouts' servers and broadcasts its own
@@ -22,6 +24,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 TRAIN, EXPORT, SAVE, STOP = "train", "export", "save", "stop"
@@ -60,3 +63,34 @@ class RankGroup:
         out: list[Any] | None = [None] * self.size if self.leader else None
         dist.gather_object(value, out, dst=0, group=self.group)
         return out
+
+    def send_frames(self, frames_by_rank: dict[int, list[Any]]) -> None:
+        """Rank 0: send each rank its message frames (bytes or buffers, as `transport.messages.encode`
+        makes them), to every rank at once; returns when all are sent."""
+        pending, held = [], []   # the tensors stay referenced until every send has completed
+        for dst, frames in frames_by_rank.items():
+            sizes = torch.tensor([len(frames)] + [memoryview(f).nbytes for f in frames], dtype=torch.int64)
+            tensors = [torch.tensor([sizes.numel()], dtype=torch.int64), sizes]
+            for frame in frames:
+                if memoryview(frame).nbytes:
+                    # bytes are read-only; the buffers of a tensor frame are sent in place
+                    buf = bytearray(frame) if isinstance(frame, bytes) else frame
+                    tensors.append(torch.frombuffer(buf, dtype=torch.uint8))
+            held.extend(tensors)
+            pending.extend(dist.isend(t, dst, group=self.group) for t in tensors)
+        for work in pending:
+            work.wait()
+
+    def recv_frames(self) -> list[memoryview]:
+        """Ranks > 0: the frames rank 0 sent this rank (`send_frames`), for `transport.messages.decode`."""
+        count = torch.zeros(1, dtype=torch.int64)
+        dist.recv(count, 0, group=self.group)
+        sizes = torch.zeros(int(count), dtype=torch.int64)
+        dist.recv(sizes, 0, group=self.group)
+        frames = []
+        for n in sizes[1:].tolist():
+            buf = torch.empty(n, dtype=torch.uint8)
+            if n:
+                dist.recv(buf, 0, group=self.group)
+            frames.append(memoryview(buf.numpy()))
+        return frames

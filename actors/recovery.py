@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import structlog
 import xxhash
@@ -110,11 +110,13 @@ def mark_complete(ckpt: Path, meta: dict[str, Any]) -> None:
     fsync_write(ckpt / COMPLETE, json.dumps({**meta, "files": files}, sort_keys=True).encode())
 
 
-def fsync_write(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all: under a temporary name, fsynced, renamed, the directory fsynced."""
+def fsync_write(path: Path, data: bytes | Iterable[bytes | memoryview]) -> None:
+    """Write `path` whole or not at all: under a temporary name, fsynced, renamed, the directory fsynced.
+    `data` may come in parts (written in order), so a large file need not be joined in memory first."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(data)
+        for part in (data,) if isinstance(data, (bytes, bytearray)) else data:
+            f.write(part)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

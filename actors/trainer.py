@@ -2,7 +2,8 @@
 
 One training step (version v -> v + 1):
 
-    Batch (B groups x n answers) from the buffer
+    BatchTensors (B groups x n answers, token columns as tensor frames) from the buffer; in a trainer
+    world, trainer.0 sends each other rank only the tokens of its data-parallel replica's sequences
     -> pack prompt+answer sequences (padding-free), loss mask on answer tokens
     -> proximal log-probs under the current weights (before this step's updates)
     -> group-normalised advantages (algo.advantages), then `algo.ppo_minibatches` optimizer updates,
@@ -52,7 +53,8 @@ from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
 from algo.staleness import sample_staleness
 from transport.bulk import BulkError, BulkLink, LinkConfig, PackedBucket, unpack_bucket
 from transport.bus import BusError
-from transport.protocol import (Batch, BatchRequest, CheckpointDone, CheckpointRequest, HelloRequest, LinkFormed,
+from transport.messages import decode, encode
+from transport.protocol import (Batch, BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, HelloRequest, LinkFormed,
                                 LinkReform, RunFinished, TensorMeta, VersionUpdate, WeightsBroadcast, WeightsBroadcastDone,
                                 WeightsPublished, WeightsStored)
 
@@ -313,6 +315,9 @@ class TrainerActor(Actor):
         self.ranks = await asyncio.to_thread(RankGroup) if world else None
         # Pipeline stages each send their own layers, on a weights channel followed beside the training one.
         self.weight_ranks = await asyncio.to_thread(RankGroup) if pp > 1 else None
+        # Rank 0 sends each rank the share of its data-parallel replica: it learns every rank's replica once.
+        self.rank_dp = (await asyncio.to_thread(self.ranks.gather, self.engine.data_parallel[0]) or []
+                        if self.ranks is not None else [])
         self.kept: dict[int, list[PackedBucket]] = {}    # direct weights: version -> buckets, the last two
         self.server_host: ServerGroupHost | None = None  # direct weights to servers: this rank's group
         if self.version > 0:
@@ -422,8 +427,11 @@ class TrainerActor(Actor):
         while True:
             command, args = self.ranks.next_command()
             if command == TRAIN:
-                batch, version = args
-                self.ranks.gather(train_share(self.engine, batch, self.step_cfg, version, self.ref_engine))
+                (version,) = args
+                _, share = decode(self.ranks.recv_frames())
+                if not isinstance(share, BatchTensors):
+                    raise TypeError(f"trainer rank {self.ranks.rank}: expected a batch share, got {type(share).__name__}")
+                self.ranks.gather(train_share(self.engine, share, self.step_cfg, version, self.ref_engine))
             elif command == EXPORT:
                 bucket_bytes, version = args
                 buckets = list(self.engine.export_weights(bucket_bytes))
@@ -508,12 +516,23 @@ class TrainerActor(Actor):
         """Sent by rank 0 to every actor; ranks > 0 have already had its stop command."""
 
     # --- rank 0: every engine call is led, so that the other ranks make it too ----------------------
-    def _train_step(self, batch: Batch) -> dict[str, Any]:
+    def _train_step(self, batch: BatchTensors) -> dict[str, Any]:
         if self.ranks is None:
             return train_on_batch(self.engine, batch, self.step_cfg, self.version, self.ref_engine)
-        self.ranks.lead(TRAIN, batch, self.version)
+        self.ranks.lead(TRAIN, self.version)
+        self.ranks.send_frames(self._shares(batch))
         share = train_share(self.engine, batch, self.step_cfg, self.version, self.ref_engine)
         return step_metrics(batch, self.version, self.ranks.gather(share) or [share])
+
+    def _shares(self, batch: BatchTensors) -> dict[int, list[Any]]:
+        """Each other rank's share of `batch`, encoded: the tokens of the sequences its data-parallel
+        replica trains on (tensor- and pipeline-parallel ranks of one replica get the same share)."""
+        assert self.ranks is not None
+        samples = rank_samples(batch, self.step_cfg, self.engine.data_parallel[1])
+        replicas = sorted(set(self.rank_dp[1:]))
+        shares = batch.shares([samples[dp] for dp in replicas])
+        encoded = {dp: encode(share, sender=self.name) for dp, share in zip(replicas, shares)}
+        return {r: encoded[dp] for r, dp in enumerate(self.rank_dp) if r > 0}
 
     def _export(self) -> tuple[list[Any], list["StageExport"]]:
         """This rank's buckets, and with pipeline stages what the other stages' senders keep."""
@@ -536,7 +555,7 @@ class TrainerActor(Actor):
         while self.version < self.total_steps:
             t_wait = time.time()
             batch = await self._ask_buffer(BatchRequest(step=self.version + 1), timeout=None)
-            assert isinstance(batch, Batch)
+            assert isinstance(batch, BatchTensors)
             t0 = time.time()
             stats = await asyncio.to_thread(self._train_step, batch)
             self.version += 1
@@ -804,13 +823,19 @@ class ShareResult:
     kl_reward: float | None = None      # mean over answer tokens of -kl_coef * KL to the reference (kl_coef > 0)
 
 
-def train_on_batch(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int,
+def as_columns(batch: Batch | BatchTensors) -> BatchTensors:
+    """The batch in the trainer's working form (what the buffer sends); a list-form Batch is converted."""
+    return batch if isinstance(batch, BatchTensors) else BatchTensors.from_batch(batch)
+
+
+def train_on_batch(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfig, version: int,
                    ref_engine: TrainEngine | None = None) -> dict[str, Any]:
     """One training step on `batch` with a single-rank engine at `version` (steps completed); the metrics."""
-    return step_metrics(batch, version, [train_share(engine, batch, cfg, version, ref_engine)])
+    cols = as_columns(batch)
+    return step_metrics(cols, version, [train_share(engine, cols, cfg, version, ref_engine)])
 
 
-def packed_logprobs(engine: TrainEngine, seqs: list[list[int]], micro_batches: Any, out: torch.Tensor,
+def packed_logprobs(engine: TrainEngine, seqs: list[list[int] | None], micro_batches: Any, out: torch.Tensor,
                     starts: list[int], temperature: float) -> None:
     """Log-probs of `seqs` under `engine`, computed micro-batch by micro-batch (lists of sequence indices)
     and written into `out` (the packed layout of every sequence, `starts` their offsets)."""
@@ -821,21 +846,115 @@ def packed_logprobs(engine: TrainEngine, seqs: list[list[int]], micro_batches: A
             out[starts[i]:starts[i] + len(seqs[i])] = lp[int(mb.cu_seqlens[j]):int(mb.cu_seqlens[j + 1])]
 
 
-def train_share(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int,
+def sequence_lengths(batch: BatchTensors) -> tuple[list[int], list[int]]:
+    """Each sequence's (prompt + answer) length and group index, in sample order."""
+    group_ids = batch.sample_groups()
+    return [batch.prompt_lens[g] + n for g, n in zip(group_ids, batch.output_lens)], group_ids
+
+
+def minibatch_plan(lengths: list[int], group_ids: list[int], cfg: StepConfig, dp_size: int) -> list[list[list[list[int]]]]:
+    """Per data-parallel rank, its micro-batches (sequence indices) of every PPO minibatch. PPO minibatches
+    are contiguous slices of whole groups, so a group never straddles two updates; each is split into the
+    same number of micro-batches per replica, balanced by tokens (algo.packing). A pure function of the
+    lengths: trainer.0 computes it to send each rank its share, and each rank computes it again to train."""
+    budget = max(cfg.max_tokens_per_mb, max(lengths))
+    groups = sorted(set(group_ids))
+    plan: list[list[list[list[int]]]] = [[] for _ in range(dp_size)]
+    for m in range(cfg.minibatches):
+        gsel = set(groups[m::cfg.minibatches])
+        seq_ids = [i for i in range(len(lengths)) if group_ids[i] in gsel]
+        if not seq_ids:
+            continue
+        if len(seq_ids) < dp_size:
+            raise TrainerConfigError(f"PPO minibatch {m} has {len(seq_ids)} sequences for {dp_size} data-parallel "
+                                     f"ranks: use fewer algo.ppo_minibatches or a larger batch")
+        ranks = split_by_rank(allocate_micro_batches([lengths[i] for i in seq_ids], budget, n_groups=dp_size), dp_size)
+        for r in range(dp_size):
+            plan[r].append([[seq_ids[i] for i in idx] for idx in ranks[r]])
+    return plan
+
+
+def rank_samples(batch: BatchTensors, cfg: StepConfig, dp_size: int) -> list[list[int]]:
+    """Per data-parallel rank, the samples whose tokens it needs: those it trains on, or with a KL penalty
+    every one (the reference log-probs of the whole batch enter every rank's advantages)."""
+    if cfg.kl_coef > 0:
+        return [list(range(batch.n_samples))] * dp_size
+    lengths, group_ids = sequence_lengths(batch)
+    return [sorted(i for mbs in minibatches for ids in mbs for i in ids)
+            for minibatches in minibatch_plan(lengths, group_ids, cfg, dp_size)]
+
+
+@dataclass
+class _Layout:
+    """The packed layout of every sequence of a batch, with the tokens and per-token fields of the carried
+    ones filled in (the others are zero: a rank reads only its own sequences' tokens)."""
+
+    seqs: list[list[int] | None]   # token ids of the carried sequences
+    lengths: list[int]
+    starts: list[int]
+    cu_seqlens: torch.Tensor
+    loss_mask: torch.Tensor        # float32, 1 on answer tokens
+    behav: torch.Tensor            # float32 behaviour log-probs on answer tokens
+    versions: torch.Tensor         # float32 weight version on answer tokens, -1 on prompts
+
+
+def _layout(batch: BatchTensors, lengths: list[int], group_ids: list[int]) -> _Layout:
+    n = len(lengths)
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    cu = torch.zeros(n + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lens, 0)
+    total = int(cu[-1])
+    prompt_of = torch.tensor([batch.prompt_lens[g] for g in group_ids], dtype=torch.int64)
+    pos = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(cu[:-1], lens)
+    on_answer = pos >= torch.repeat_interleave(prompt_of, lens)
+    carried = batch.carried_samples()
+    c = torch.tensor(carried, dtype=torch.int64)
+    out_lens = torch.tensor([batch.output_lens[i] for i in carried], dtype=torch.int64)
+    out_cu = torch.zeros(len(carried) + 1, dtype=torch.int64)
+    out_cu[1:] = torch.cumsum(out_lens, 0)
+    # Where each carried answer token sits in the layout: its sequence's start + prompt length + offset.
+    answer_pos = (torch.repeat_interleave(cu[:-1][c] + prompt_of[c] - out_cu[:-1], out_lens)
+                  + torch.arange(int(out_cu[-1]), dtype=torch.int64))
+    behav = torch.zeros(total, dtype=torch.float32)
+    behav[answer_pos] = batch.flat("logprobs")
+    versions = torch.full((total,), -1.0, dtype=torch.float32)
+    versions[answer_pos] = batch.flat("versions").to(torch.float32)
+    tokens = torch.zeros(total, dtype=torch.int64)
+    tokens[answer_pos] = batch.flat("output_ids").to(torch.int64)
+    prompts = batch.flat("prompt_ids").to(torch.int64)
+    p_cu = [0]
+    for plen in batch.prompt_lens:
+        p_cu.append(p_cu[-1] + plen)
+    starts = cu[:-1].tolist()
+    seqs: list[list[int] | None] = [None] * n
+    for i in carried:
+        g, s = group_ids[i], starts[i]
+        tokens[s:s + batch.prompt_lens[g]] = prompts[p_cu[g]:p_cu[g + 1]]
+        seqs[i] = tokens[s:s + lengths[i]].tolist()
+    return _Layout(seqs, lengths, starts, cu, on_answer.to(torch.float32), behav, versions)
+
+
+def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfig, version: int,
                 ref_engine: TrainEngine | None = None) -> ShareResult:
-    """This rank's part of one training step. Every rank of a multi-rank trainer calls it with the same
-    batch: each data-parallel replica takes the same number of micro-batches of every PPO minibatch
-    (`algo.packing` balances them), computes their proximal log-probs and trains on them; the gradients
-    and the loss denominator (the minibatch's global token count) are summed across replicas."""
-    flat = batch_to_sequences(batch)
+    """This rank's part of one training step. Every rank of a multi-rank trainer calls it on the same batch,
+    or on its share of it (`BatchTensors.share` of `rank_samples`: the same scalar columns, the tokens of
+    its own sequences): each data-parallel replica takes the same number of micro-batches of every PPO
+    minibatch (`minibatch_plan`), computes their proximal log-probs and trains on them; the gradients and
+    the loss denominator (the minibatch's global token count) are summed across replicas."""
+    batch = as_columns(batch)
     dp_rank, dp_size = engine.data_parallel
-    seqs, group_ids = flat["seqs"], flat["group_ids"]
-    lengths = [len(x) for x in seqs]
-    full = PackedBatch.from_sequences(seqs, {k: flat[k] for k in ("loss_mask", "behav", "versions")})
-    mask = full.fields["loss_mask"].bool()
-    behav = full.fields["behav"]
-    rewards = torch.tensor(flat["rewards"], dtype=torch.float32)
-    starts = full.cu_seqlens[:-1].tolist()
+    lengths, group_ids = sequence_lengths(batch)
+    minibatches = minibatch_plan(lengths, group_ids, cfg, dp_size)[dp_rank]
+    mine_ids = [i for mbs in minibatches for ids in mbs for i in ids]
+    lay = _layout(batch, lengths, group_ids)
+    missing = [i for i in (range(len(lengths)) if cfg.kl_coef > 0 else mine_ids) if lay.seqs[i] is None]
+    if missing:
+        raise ValueError(f"train_share: data-parallel rank {dp_rank} was not sent the tokens of sequences "
+                         f"{missing[:8]} (of {len(missing)}) it needs")
+    seqs, starts = lay.seqs, lay.starts
+    mask = lay.loss_mask.bool()
+    behav = lay.behav
+    rewards = torch.tensor(batch.rewards, dtype=torch.float32)
     budget = max(cfg.max_tokens_per_mb, max(lengths))
     kl_reward = None
     ref = None
@@ -847,27 +966,12 @@ def train_share(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int
         ref = torch.zeros_like(behav)
         packed_logprobs(ref_engine, seqs, allocate_micro_batches(lengths, budget), ref, starts, cfg.temperature)
         kl_reward = -cfg.kl_coef * float(kl_penalty(behav[mask], ref[mask], cfg.kl_estimator).mean())
-    adv = compute_advantages(rewards, torch.tensor(group_ids), mask, cu_seqlens=full.cu_seqlens,
+    adv = compute_advantages(rewards, torch.tensor(group_ids), mask, cu_seqlens=lay.cu_seqlens,
                              group_std=cfg.group_std, adv_norm=cfg.adv_norm, logp=behav, logp_ref=ref,
                              kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator).advantages
 
-    # PPO minibatches: contiguous slices of whole groups, so a group never straddles two updates; each as
-    # this rank's micro-batches (lists of sequence indices).
-    groups = sorted(set(group_ids))
-    minibatches: list[list[list[int]]] = []
-    for m in range(cfg.minibatches):
-        gsel = set(groups[m::cfg.minibatches])
-        seq_ids = [i for i in range(len(seqs)) if group_ids[i] in gsel]
-        if not seq_ids:
-            continue
-        if len(seq_ids) < dp_size:
-            raise TrainerConfigError(f"PPO minibatch {m} has {len(seq_ids)} sequences for {dp_size} data-parallel "
-                                     f"ranks: use fewer algo.ppo_minibatches or a larger batch")
-        ranks = split_by_rank(allocate_micro_batches([lengths[i] for i in seq_ids], budget, n_groups=dp_size), dp_size)
-        minibatches.append([[seq_ids[i] for i in idx] for idx in ranks[dp_rank]])
-
     def tokens_of(ids: list[int]) -> torch.Tensor:
-        sel = torch.zeros(full.num_tokens, dtype=torch.bool)
+        sel = torch.zeros(behav.numel(), dtype=torch.bool)
         for i in ids:
             sel[starts[i]:starts[i] + lengths[i]] = True
         return sel
@@ -876,11 +980,11 @@ def train_share(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int
     prox = behav.clone()
     if cfg.decoupled:
         packed_logprobs(engine, seqs, [ids for mbs in minibatches for ids in mbs], prox, starts, cfg.temperature)
-    mine = tokens_of([i for mbs in minibatches for ids in mbs for i in ids])
-    current = (full.fields["versions"] == float(version)) & mask & mine  # sampled by exactly these weights
+    mine = tokens_of(mine_ids)
+    current = (lay.versions == float(version)) & mask & mine  # sampled by exactly these weights
     gap = float(((prox - behav).abs() * current).max()) if bool(current.any()) else 0.0
 
-    per_token = {"loss_mask": full.fields["loss_mask"], "behav": behav, "prox": prox, "adv": adv}
+    per_token = {"loss_mask": lay.loss_mask, "behav": behav, "prox": prox, "adv": adv}
     stats_all = PPOStats()
     updates: list[dict[str, float]] = []
     for mbs_ids in minibatches:
@@ -910,24 +1014,34 @@ def train_share(engine: TrainEngine, batch: Batch, cfg: StepConfig, version: int
                        kl_reward=kl_reward)
 
 
-def step_metrics(batch: Batch, version: int, shares: list[ShareResult]) -> dict[str, Any]:
-    """The step's metrics from the batch's answers and every rank's share (rank 0's first)."""
-    samples = [s for g in batch.groups for s in g.samples]
+def step_metrics(batch: Batch | BatchTensors, version: int, shares: list[ShareResult]) -> dict[str, Any]:
+    """The step's metrics from the batch's answers (every sample carried: rank 0's batch) and every rank's
+    share (rank 0's first)."""
+    batch = as_columns(batch)
     ppo = PPOStats()
     for share in shares:
         ppo = ppo.merge(share.ppo)
     summary = ppo.summary()
     updates = shares[0].updates
     kl_reward = {} if shares[0].kl_reward is None else {"kl_reward": shares[0].kl_reward}
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    starts_v = [min([v for v in s.versions if v >= 0], default=version) for s in samples]
+    rewards = torch.tensor(batch.rewards, dtype=torch.float32)
+    if batch.carried is not None and batch.carried != list(range(batch.n_samples)):
+        raise ValueError("step_metrics: needs every sample's versions (the whole batch), got a rank's share")
+    versions = batch.flat("versions")
+    # Each sample's oldest weight version (prompt and unknown tokens are -1 and do not count).
+    starts_v, o = [], 0
+    for n in batch.output_lens:
+        mine = versions[o:o + n]
+        mine = mine[mine >= 0]
+        starts_v.append(int(mine.min()) if mine.numel() else version)
+        o += n
     staleness = sample_staleness(torch.tensor(starts_v), version).float()
-    out_lens = torch.tensor([len(s.output_ids) for s in samples], dtype=torch.float32)
+    out_lens = torch.tensor(batch.output_lens, dtype=torch.float32)
     return {
-        "task_reward": float(rewards.mean()), "accuracy": float(torch.tensor([s.correct for s in samples]).float().mean()),
-        "n_tokens": float(out_lens.sum()), "n_seqs": float(len(samples)),   # the loss mask: every answer token
+        "task_reward": float(rewards.mean()), "accuracy": float(torch.tensor(batch.correct).float().mean()),
+        "n_tokens": float(out_lens.sum()), "n_seqs": float(batch.n_samples),   # the loss mask: every answer token
         "avg_seq_len": float(out_lens.mean()),
-        "no_eos_ratio": float(torch.tensor([s.finish_reason != "stop" for s in samples]).float().mean()),
+        "no_eos_ratio": float(torch.tensor([r != "stop" for r in batch.finish_reasons]).float().mean()),
         "importance_weight": summary["importance_weight_mean"],
         "importance_weight_max": summary["importance_weight_max"],
         "actor_clip_ratio": summary["clip_ratio"], "ppo_approx_kl": summary["approx_kl"],
@@ -940,8 +1054,8 @@ def step_metrics(batch: Batch, version: int, shares: list[ShareResult]) -> dict[
     }
 
 
-def _accuracy_by_level(batch: Batch) -> dict[str, float]:
+def _accuracy_by_level(batch: BatchTensors) -> dict[str, float]:
     by: dict[str, list[bool]] = {}
-    for g in batch.groups:
-        by.setdefault(str(g.level), []).extend(s.correct for s in g.samples)
+    for g, correct in zip(batch.sample_groups(), batch.correct):
+        by.setdefault(str(batch.levels[g]), []).append(correct)
     return {k: sum(v) / len(v) for k, v in sorted(by.items())}
