@@ -142,12 +142,14 @@ def test_replay_identical_and_divergence_at_the_right_message(tmp_path: Any, cap
     first_over = next(i for i, t in enumerate(totals) if t > 40) + 1
     assert d is not None and d.inbound_position == first_over == 8
     assert d.cause_kind == "test.replay.add" and d.outbound_position == 0
-    assert '"total": 51' in d.actual and '"total": 50' in d.expected
+    # named by message and field, with the two values
+    assert d.message == "test.replay.total" and d.field == "total" and (d.expected, d.actual) == ("50", "51")
 
     assert replay.main([path, "--into", f"{MODULE}:Accumulator"]) == 0
     assert "identical" in capsys.readouterr().out
     assert replay.main([path, "--into", f"{MODULE}:ChangedAccumulator"]) == 1
-    assert "first divergence at inbound message #8" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "first divergence at inbound message #8" in out and "message test.replay.total, field total" in out
 
 
 def test_print_filters_and_json(tmp_path: Any, capsys: Any) -> None:

@@ -127,6 +127,46 @@ class _Sent:
     kind: str
     key: tuple
     plain: Any
+    body: Any
+    sums: list[str]
+
+
+def _first_field_diff(a: Any, b: Any, sums_a: list[str], sums_b: list[str], path: str = "") -> str | None:
+    """The path of the first field where two wire bodies differ (tensors by their checksums), or None."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if "$t" in a and "$t" in b:
+            sa = sums_a[a["$t"] - 1] if 0 < a["$t"] <= len(sums_a) else None
+            sb = sums_b[b["$t"] - 1] if 0 < b["$t"] <= len(sums_b) else None
+            if (a.get("dtype"), a.get("shape")) != (b.get("dtype"), b.get("shape")) or sa != sb:
+                return path or "(body)"
+            return None
+        for k in list(a) + [k for k in b if k not in a]:
+            if k not in a or k not in b:
+                return f"{path}.{k}" if path else str(k)
+            d = _first_field_diff(a[k], b[k], sums_a, sums_b, f"{path}.{k}" if path else str(k))
+            if d is not None:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = _first_field_diff(x, y, sums_a, sums_b, f"{path}[{i}]")
+            if d is not None:
+                return d
+        return None if len(a) == len(b) else f"{path} (length {len(a)} vs {len(b)})"
+    return None if (type(a) is type(b) and a == b) else (path or "(body)")
+
+
+def _field_value(body: Any, path: str) -> Any:
+    """The value at ``path`` (as _first_field_diff names it) in a plain body, for the report."""
+    import re
+
+    cur = body
+    for name, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", path.split(" (length")[0]):
+        try:
+            cur = cur[int(index)] if index else cur[name]
+        except (KeyError, IndexError, TypeError):
+            return "(absent)"
+    return cur
 
 
 @dataclass
@@ -137,11 +177,15 @@ class Divergence:
     outbound_position: int         # position among the messages caused by that inbound message
     expected: str
     actual: str
+    message: str | None = None     # the kind of the outbound message that differs
+    field: str | None = None       # the first field that differs, when both sides sent the same kind
 
     def __str__(self) -> str:
-        where = ("during startup (on_start/on_ready)" if self.inbound_position < 0 else
+        where = ("during startup or in background work (on_start/on_ready/timers)" if self.inbound_position < 0 else
                  f"at inbound message #{self.inbound_position} (log record {self.record_index}, {self.cause_kind})")
-        return (f"first divergence {where}, outbound #{self.outbound_position}:\n"
+        what = f"\n  message {self.message}, field {self.field}" if self.field else \
+            (f"\n  message {self.message}" if self.message else "")
+        return (f"first divergence {where}, outbound #{self.outbound_position}:{what}\n"
                 f"  original: {self.expected}\n  replay:   {self.actual}")
 
 
@@ -162,15 +206,24 @@ class ReplayBus:
         self.endpoint = "replay://"
         self.draining = False
         self.sent: dict[str | None, list[_Sent]] = defaultdict(list)
+        self.count = 0                           # messages sent so far, all causes
+        self.order: list[tuple[str | None, int]] = []    # (cause, position within that cause) of each send
+        self.progress = asyncio.Event()          # set on every send: the driver waits for the actor with it
         self._replies = replies                  # (cause, ordinal of that cause's requests) -> frames
         self._request_counts: dict[str | None, int] = defaultdict(int)
+        self._handler_tasks: set[asyncio.Task] = set()
         from collections import Counter
         self.stats: Counter = Counter()
         self.rejected: Counter = Counter()
 
     def _capture(self, peer: str, msg: Message, cause: str | None, **kw: Any) -> None:
         frames = encode(msg, self.name, **kw)
-        self.sent[cause].append(_Sent(peer, type(msg).KIND, _wire_key(frames, peer), to_plain(msg)))
+        key = _wire_key(frames, peer)
+        self.sent[cause].append(_Sent(peer, type(msg).KIND, key, to_plain(msg),
+                                      msgpack.unpackb(key[2], raw=False), list(key[3])))
+        self.order.append((cause, len(self.sent[cause]) - 1))
+        self.count += 1
+        self.progress.set()
 
     async def send(self, peer: str, msg: Message) -> None:
         self._capture(peer, msg, current_cause.get())
@@ -196,7 +249,24 @@ class ReplayBus:
         return {}
 
     def peer_alive(self, peer: str) -> bool:
+        # Heartbeats are not logged: every peer counts as alive (a run in which one died diverges there).
         return True
+
+    # The parts of Bus that Actor._drain uses.
+    async def wait_handlers(self, timeout: float | None = None) -> bool:
+        if not self._handler_tasks:
+            return True
+        _, pending = await asyncio.wait(set(self._handler_tasks), timeout=timeout)
+        return not pending
+
+    def cancel_handlers(self) -> int:
+        for t in self._handler_tasks:
+            t.cancel()
+        return len(self._handler_tasks)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._handler_tasks)
 
 
 def _load(path: str, segment: int) -> tuple[dict, list[LogRecord], str | None]:
@@ -207,7 +277,46 @@ def _load(path: str, segment: int) -> tuple[dict, list[LogRecord], str | None]:
     return metas[segment].meta, [r for r in records if r.kind != "meta" and r.segment == segment], torn
 
 
-async def _replay(path: str, cls_path: str, segment: int) -> ReplayResult:
+async def _caught_up(bus: ReplayBus, count: int, idle_timeout: float) -> bool:
+    """Wait until the actor has sent ``count`` messages; False once it sent nothing for ``idle_timeout`` s."""
+    while bus.count < count:
+        bus.progress.clear()
+        try:
+            await asyncio.wait_for(bus.progress.wait(), idle_timeout)
+        except TimeoutError:
+            return False
+    return True
+
+
+def _start_handler(actor: Any, bus: ReplayBus, env: Envelope, result: ReplayResult) -> None:
+    """Deliver one message as the Bus does: the handler's cause set, a coroutine run as a task, its reply sent."""
+    token = current_cause.set(env.header.id)
+    try:
+        out = actor.dispatch(env)
+        if asyncio.iscoroutine(out):
+            task = asyncio.get_running_loop().create_task(out)
+            bus._handler_tasks.add(task)
+
+            def done(t: asyncio.Task) -> None:
+                bus._handler_tasks.discard(t)
+                if t.cancelled():
+                    return
+                if t.exception() is not None:
+                    result.notes.append(f"handler of {env.header.kind} failed: {t.exception()!r}")
+                elif isinstance(t.result(), Message):
+                    env.reply(t.result())
+
+            task.add_done_callback(done)
+        elif isinstance(out, Message):
+            env.reply(out)
+    except Exception as exc:   # the Bus logs and goes on; so does the replay, noting it
+        result.notes.append(f"handler of {env.header.kind} failed: {exc!r}")
+    finally:
+        current_cause.reset(token)
+
+
+async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 60.0,
+                  overrides: dict[str, Any] | None = None) -> ReplayResult:
     from actors.base import ActorSpec, load_actor_class
 
     meta, records, torn = _load(path, segment)
@@ -218,10 +327,15 @@ async def _replay(path: str, cls_path: str, segment: int) -> ReplayResult:
         raise ReplayError(f"{path}: segment {segment} has no actor spec (not written by an Actor)")
     outbound_recorded = bool(meta.get("outbound"))
 
-    # The original's requests in order per cause, and the replies it received (by the request's id).
-    inbound, replies_by_id = [], {}
+    # The original's requests in order per cause, the replies it received (by the request's id), and for
+    # every inbound message how many outbound ones the original had sent before it arrived: the replay
+    # delivers it only once the actor has caught up that far, so background work (a dispatch loop, a
+    # handler still waiting) interleaves with the inbound messages as it did in the original.
+    inbound: list[tuple[LogRecord, Any, int]] = []
+    replies_by_id = {}
     originals: dict[str | None, list[tuple]] = defaultdict(list)
     original_requests: dict[str | None, list[str]] = defaultdict(list)
+    n_out = 0
     for rec in records:
         if rec.rejected:
             continue
@@ -230,8 +344,9 @@ async def _replay(path: str, cls_path: str, segment: int) -> ReplayResult:
             if header.reply_to is not None:
                 replies_by_id[header.reply_to] = rec
             else:
-                inbound.append((rec, header))
+                inbound.append((rec, header, n_out))
         else:
+            n_out += 1
             originals[rec.cause].append((rec, header))
             if header.wants_reply:
                 original_requests[rec.cause].append(header.id)
@@ -249,62 +364,167 @@ async def _replay(path: str, cls_path: str, segment: int) -> ReplayResult:
         spec_dict = dict(meta["spec"])
         settings = {k: v for k, v in (spec_dict.get("settings") or {}).items() if k != "message_log"}
         settings["log_console"] = False
+        for dotted, value in (overrides or {}).items():
+            _set_dotted(settings, dotted, value)
         spec_dict.update(cls=cls_path, run_dir=run_dir, settings=settings, curve=None)
         spec = ActorSpec.from_dict(spec_dict)
+        _apply_threads(spec.env)
         actor = load_actor_class(cls_path)(spec)
         bus = ReplayBus(spec.name, replies)
         actor.bus = bus
-        await actor.start()
-        await actor.on_ready()
-        for rec, header in inbound:
-            if not rec.tensors_stored:
-                raise ReplayError(f"{path}: record {rec.index} kept tensor checksums only; replay needs tensors='store'")
-            header, msg = decode(rec.frames)
-            env = Envelope(header, msg, rec.frames, None, bus)
-            token = current_cause.set(header.id)
-            try:
-                out = actor.dispatch(env)
-                if asyncio.iscoroutine(out):
-                    out = await out
-                if isinstance(out, Message):
-                    env.reply(out)
-            finally:
-                current_cause.reset(token)
-            result.fed += 1
-        for t in list(actor._background):
-            t.cancel()
-        await asyncio.gather(*actor._background, return_exceptions=True)
-    result.sent = sum(len(v) for v in bus.sent.values())
+        # request_stop() works as in a run: a handler that ends the actor (RunFinished) gets its drain.
+        actor._stop_event, actor._force_event = asyncio.Event(), asyncio.Event()
+        stopped_early = False
+        expected_keys = {cause: [_expected_key(e) for e in recs] for cause, recs in originals.items()}
+        checked = [0]
+        max_inflight = int((settings.get("bus") or {}).get("max_inflight", 64))
+        try:
+            await actor.start()
+            await actor.on_ready()
+            stalled = None
+            for rec, header, before in inbound:
+                # A pair that already differs is the answer: no need to wait for what can no longer match.
+                if outbound_recorded and _differs_so_far(bus, expected_keys, checked):
+                    stopped_early = True
+                    break
+                if not rec.tensors_stored:
+                    raise ReplayError(f"{path}: record {rec.index} kept tensor checksums only; replay needs tensors='store'")
+                if not await _caught_up(bus, before, idle_timeout):
+                    stalled = (rec, before)
+                    break
+                if bus.inflight >= max_inflight:   # the Bus stops reading while max_inflight handlers run
+                    _, pending = await asyncio.wait(set(bus._handler_tasks), timeout=idle_timeout,
+                                                    return_when=asyncio.FIRST_COMPLETED)
+                    if len(pending) >= max_inflight:
+                        stalled = (rec, before)
+                        break
+                header, msg = decode(rec.frames)
+                _start_handler(actor, bus, Envelope(header, msg, rec.frames, None, bus), result)
+                # No yield here: the next message follows at once unless the original sent something in
+                # between (then _caught_up waits for it), as messages that arrived together are handled
+                # together by the Bus before any handler task runs.
+                result.fed += 1
+            if stalled is None and not stopped_early and not await _caught_up(bus, n_out, idle_timeout):
+                stalled = (None, n_out)
+            if stalled is not None:
+                rec, count = stalled
+                where = f"before log record {rec.index}" if rec is not None else "by the end of the log"
+                result.notes.append(f"the original had sent {count} messages {where}; the replay sent "
+                                    f"{bus.count} and then nothing for {idle_timeout:g} s")
+                stopped_early = True
+            elif actor._stop_event.is_set() and not stopped_early:
+                async with asyncio.timeout(idle_timeout):
+                    await actor._drain()
+                    await actor.on_stop()
+        finally:
+            for t in [*actor._background, *bus._handler_tasks]:
+                t.cancel()
+            await asyncio.gather(*actor._background, *bus._handler_tasks, return_exceptions=True)
+    result.sent = bus.count
     if not outbound_recorded:
         result.notes.append("the log has no outbound records (message_log.outbound was off): nothing to compare")
         return result
     result.compared = True
+    # Stopped early, the replay lacks what it never got to send: a pair that differs is the divergence, and
+    # only without one is the first missing message.
+    result.divergence = (stopped_early and _first_divergence(inbound, originals, bus, skip_missing=True)) or \
+        _first_divergence(inbound, originals, bus, skip_missing=False)
+    return result
+
+
+def _expected_key(exp: tuple) -> tuple:
+    rec = exp[0]
+    return _wire_key(rec.frames if rec.tensors_stored else rec.frames[:1], rec.peer, rec.sums)
+
+
+def _differs_so_far(bus: ReplayBus, expected_keys: dict, checked: list[int]) -> bool:
+    """Whether a message sent since the last call differs from the original's at its place."""
+    for cause, j in bus.order[checked[0]:]:
+        checked[0] += 1
+        exp = expected_keys.get(cause, [])
+        if j < len(exp) and exp[j] != bus.sent[cause][j].key:
+            return True
+    return False
+
+
+def _first_divergence(inbound: list, originals: dict, bus: ReplayBus, skip_missing: bool) -> Divergence | None:
+    """Compare the replay's outbound messages with the original's, cause by cause in delivery order.
+    ``skip_missing``: only a pair that differs counts (the replay was stopped before it could finish)."""
     order: list[tuple[int, LogRecord | None, str | None]] = [(-1, None, None)]
-    order += [(i, rec, h.id) for i, (rec, h) in enumerate(inbound)]
+    order += [(i, rec, h.id) for i, (rec, h, _) in enumerate(inbound)]
     for pos, rec, cause in order:
         expected = originals.get(cause, [])
         actual = bus.sent.get(cause, [])
         for j in range(max(len(expected), len(actual))):
             exp = expected[j] if j < len(expected) else None
             act = actual[j] if j < len(actual) else None
-            exp_key = _wire_key(exp[0].frames[:1] if not exp[0].tensors_stored else exp[0].frames, exp[0].peer,
-                                exp[0].sums) if exp else None
+            if skip_missing and (exp is None or act is None):
+                continue
+            exp_key = _expected_key(exp) if exp else None
             if exp is not None and act is not None and exp_key == act.key:
                 continue
             exp_text = "nothing" if exp is None else \
                 f"{exp[1].kind} -> {exp[0].peer} {json.dumps(_jsonable(_describe(exp[0]).get('fields')))}"
             act_text = "nothing" if act is None else f"{act.kind} -> {act.peer} {json.dumps(_jsonable(act.plain))}"
-            result.divergence = Divergence(pos, rec.index if rec else None,
-                                           inbound[pos][1].kind if pos >= 0 else None, j, exp_text, act_text)
-            return result
-    return result
+            d = Divergence(pos, rec.index if rec else None, inbound[pos][1].kind if pos >= 0 else None, j,
+                           exp_text, act_text, message=(exp[1].kind if exp else act.kind))
+            if exp is not None and act is not None and exp[1].kind == act.kind:
+                if exp[0].peer != act.peer:
+                    d.field = "(peer)"
+                    d.expected, d.actual = f"{exp[1].kind} -> {exp[0].peer}", f"{act.kind} -> {act.peer}"
+                else:
+                    exp_body = msgpack.unpackb(exp_key[2], raw=False)
+                    d.field = _first_field_diff(exp_body, act.body, list(exp_key[3]), act.sums)
+                    if d.field is not None:
+                        d.expected = json.dumps(_jsonable(_field_value(to_plain_body(exp, exp_body), d.field)))
+                        d.actual = json.dumps(_jsonable(_field_value(act.plain, d.field)))
+            return d
+    return None
 
 
-def replay_into(path: str, cls_path: str, segment: int = 0) -> ReplayResult:
-    """Replay ``path``'s inbound messages into a fresh ``cls_path`` actor and compare what it sends."""
+def to_plain_body(exp: tuple, body: Any) -> Any:
+    """The original's fields as to_plain gives them (tensors described), for the report."""
+    return _describe(exp[0]).get("fields", body)
+
+
+def _set_dotted(settings: dict, dotted: str, value: Any) -> None:
+    node = settings
+    *parents, last = dotted.split(".")
+    for name in parents:
+        if not isinstance(node.get(name), dict):
+            node[name] = {}
+        node = node[name]
+    node[last] = value
+
+
+def _apply_threads(env: dict[str, str]) -> None:
+    """The original's thread count (float sums depend on it): OMP_NUM_THREADS from its spec's env."""
+    if env.get("OMP_NUM_THREADS"):
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+
+
+def replay_into(path: str, cls_path: str, segment: int = 0, idle_timeout: float = 60.0,
+                overrides: dict[str, Any] | None = None) -> ReplayResult:
+    """Replay ``path``'s inbound messages into a fresh ``cls_path`` actor and compare what it sends.
+    ``overrides``: settings changed for the replay (dotted keys, e.g. {"algo.batch_size": 8})."""
     import uvloop
 
-    return uvloop.run(_replay(path, cls_path, segment))
+    return uvloop.run(_replay(path, cls_path, segment, idle_timeout, overrides))
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """``--set algo.eps_clip=0.1`` -> {"algo.eps_clip": 0.1} (values read as YAML, so 0.1 is a float)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ReplayError(f"--set {item!r}: expected KEY=VALUE")
+        out[key.removeprefix("experiment.")] = yaml.safe_load(value)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,13 +537,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object per record")
     ap.add_argument("--into", metavar="MODULE:Class", help="replay the inbound messages into a fresh actor")
     ap.add_argument("--segment", type=int, default=0, help="which run of the actor to replay (default 0)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="change one of the actor's settings for the replay (dotted key, YAML value; repeatable)")
+    ap.add_argument("--idle-timeout", type=float, default=60.0, metavar="S",
+                    help="give up waiting for the actor once it has sent nothing for S seconds (default 60)")
     args = ap.parse_args(argv)
     # Stopped with SIGTERM (a replay that hangs), it still removes its temporary run directory on the way out.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         if not args.into:
             return print_log(args.log, args.type, args.sender, args.dir, args.limit, args.json)
-        result = replay_into(args.log, args.into, args.segment)
+        result = replay_into(args.log, args.into, args.segment, args.idle_timeout, parse_sets(args.set))
     except (MessageLogError, ReplayError, OSError) as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return 2
