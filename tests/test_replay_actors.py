@@ -49,3 +49,15 @@ def test_buffer_with_a_changed_setting_reports_the_first_divergence(recorded: Pa
     d = r.divergence
     assert d is not None and d.message == "rl.generate_group" and d.actual == "nothing", d
     assert any("then nothing for 5 s" in n for n in r.notes), r.notes
+
+
+def test_reward_replays_identically_and_a_changed_grader_setting_is_caught(recorded: Path) -> None:
+    log = str(recorded / "reward.msglog")
+    same = replay.replay_into(log, "actors.reward.math:MathReward")
+    # score_seconds differs in any rerun: ScoredGroup declares it VOLATILE, so it is not compared
+    assert same.compared and same.divergence is None and same.fed > 0, same
+    # a random model answers every prompt wrong (algo.reward_wrong, -5 here); another value for a wrong answer
+    # changes the first scored group's first sample
+    d = replay.replay_into(log, "actors.reward.math:MathReward", overrides={"algo.reward_wrong": -0.5}).divergence
+    assert d is not None and d.inbound_position == 0 and d.message == "rl.scored_group", d
+    assert d.field == "answers.samples[0].reward" and (d.expected, d.actual) == ("-5.0", "-0.5"), d

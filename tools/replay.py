@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import json
 import signal
 import sys
 import tempfile
+import typing
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +32,7 @@ import msgpack
 
 import transport.protocol  # noqa: F401  (registers the rl.* message kinds so records decode)
 from transport.bus import Envelope, RemoteError, current_cause
-from transport.messages import DecodeError, Error, Message, decode, decode_header, encode, to_plain
+from transport.messages import DecodeError, Error, Message, decode, decode_header, encode, registry, to_plain
 from transport.msglog import LogRecord, MessageLogError, read_log
 
 __all__ = ["main", "replay_into", "ReplayResult", "Divergence", "ReplayError"]
@@ -114,11 +116,47 @@ def print_log(path: str, types: list[str], senders: list[str], direction: str | 
 # ------------------------------------------------------------------------------------------ replaying
 
 def _wire_key(frames: list, peer: str, sums: list[str] | None = None) -> tuple:
-    """What must match between the original and the replay: peer, kind, body, tensor checksums."""
+    """What must match between the original and the replay: peer, kind, body (its VOLATILE fields left
+    out), tensor checksums."""
     head = msgpack.unpackb(bytes(frames[0]), raw=False)
     tensor_sums = sums if sums is not None else [hashlib.sha256(memoryview(f).cast("B")).hexdigest()
                                                  for f in frames[1:]]
-    return peer, head[0], msgpack.packb(head[7]), tuple(tensor_sums)
+    cls = registry().get(head[0])
+    body = _without_volatile(head[7], cls) if cls is not None else head[7]
+    return peer, head[0], msgpack.packb(body), tuple(tensor_sums)
+
+
+def _without_volatile(body: Any, cls: Any) -> Any:
+    """``body`` with the fields that ``cls`` (and the dataclasses nested in it) declare VOLATILE replaced by
+    a marker: wall-clock measurements and process identities differ in any rerun."""
+    if isinstance(body, list):
+        return [_without_volatile(x, cls) for x in body]
+    if not (isinstance(body, dict) and dataclasses.is_dataclass(cls)):
+        return body
+    hints = _hints(cls)
+    volatile = getattr(cls, "VOLATILE", ())
+    out = {}
+    for k, v in body.items():
+        out[k] = "(volatile)" if k in volatile else _without_volatile(v, _dataclass_in(hints.get(k)))
+    return out
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:    # an annotation that cannot be resolved: compare that class's fields as they are
+        return {}
+
+
+def _dataclass_in(tp: Any) -> Any:
+    """The dataclass inside an annotation such as ``X``, ``list[X]``, ``X | None`` or ``list[list[X]]``."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        found = _dataclass_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 @dataclass
@@ -205,6 +243,7 @@ class ReplayBus:
         self.name = name
         self.endpoint = "replay://"
         self.draining = False
+        self.frozen = False                      # set once the comparison is done: later sends are dropped
         self.sent: dict[str | None, list[_Sent]] = defaultdict(list)
         self.count = 0                           # messages sent so far, all causes
         self.order: list[tuple[str | None, int]] = []    # (cause, position within that cause) of each send
@@ -217,6 +256,8 @@ class ReplayBus:
         self.rejected: Counter = Counter()
 
     def _capture(self, peer: str, msg: Message, cause: str | None, **kw: Any) -> None:
+        if self.frozen:
+            return
         frames = encode(msg, self.name, **kw)
         key = _wire_key(frames, peer)
         self.sent[cause].append(_Sent(peer, type(msg).KIND, key, to_plain(msg),
@@ -378,8 +419,10 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
         expected_keys = {cause: [_expected_key(e) for e in recs] for cause, recs in originals.items()}
         checked = [0]
         max_inflight = int((settings.get("bus") or {}).get("max_inflight", 64))
+        started = stopped = False
         try:
             await actor.start()
+            started = True
             await actor.on_ready()
             stalled = None
             for rec, header, before in inbound:
@@ -416,10 +459,19 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
                 async with asyncio.timeout(idle_timeout):
                     await actor._drain()
                     await actor.on_stop()
+                stopped = True
         finally:
             for t in [*actor._background, *bus._handler_tasks]:
                 t.cancel()
             await asyncio.gather(*actor._background, *bus._handler_tasks, return_exceptions=True)
+            if started and not stopped:
+                # Its worker pools, threads and links still need closing; what it sends now is not compared.
+                bus.frozen = True
+                try:
+                    async with asyncio.timeout(idle_timeout):
+                        await actor.on_stop()
+                except Exception as exc:
+                    result.notes.append(f"on_stop after the replay failed: {exc!r}")
     result.sent = bus.count
     if not outbound_recorded:
         result.notes.append("the log has no outbound records (message_log.outbound was off): nothing to compare")
