@@ -271,6 +271,13 @@ class Actor:
     def on_peer_alive(self, peer: str) -> None:
         """A peer declared dead answers again."""
 
+    def make_link(self, config: Any) -> Any:
+        """This actor's end of a bulk link (a transport.bulk.LinkConfig): its buckets go into the message log
+        when the actor keeps one; tools.replay puts a stand-in fed from the log in its place."""
+        from transport.bulk import BulkLink   # torch: only the actors that move tensors pay for the import
+
+        return BulkLink(config, recorder=self.msglog)
+
     # ---------------------------------------------------------------------------------- dispatching
 
     def dispatch(self, env: Envelope) -> Any:

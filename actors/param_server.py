@@ -47,7 +47,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -87,6 +87,8 @@ class RolloutWeights:
     receive_seconds: float = 0.0
     stall_seconds: float = 0.0
 
+    VOLATILE: ClassVar[tuple[str, ...]] = ("incarnation", "receive_seconds", "stall_seconds")
+
 
 @message("ps.weights_status_request", senders=("trainer",))
 class WeightsStatusRequest(Message):
@@ -103,6 +105,8 @@ class WeightsStatusRequest(Message):
 
 @message("ps.weights_status")
 class WeightsStatus(Message):
+    VOLATILE: ClassVar[tuple[str, ...]] = ("last_sync_seconds",)
+
     version: int
     weights_hash: str
     generation: int
@@ -212,7 +216,7 @@ class ParamServerActor(Actor):
                       buckets=len(self.current.packed), nbytes=self.current.nbytes,
                       seconds=round(time.monotonic() - t0, 3))
         # The train link is joined at the epoch the trainer's first WeightsPublished names (on_published).
-        self.up, self.down = BulkLink(up_cfg), BulkLink(down_cfg)
+        self.up, self.down = self.make_link(up_cfg), self.make_link(down_cfg)
         self._mark_started()
 
     def _start_direct(self) -> None:
@@ -331,7 +335,7 @@ class ParamServerActor(Actor):
             # First contact, a restart of either side, or a transfer that failed: meet the trainer on the epoch
             # it names (it is the rendezvous master and joins that epoch too), on a link object of its own: an
             # announcement older than a restart may still be waiting for its epoch in another thread.
-            link = BulkLink(self.up.config)
+            link = self.make_link(self.up.config)
             try:
                 await in_thread(link.open, msg.link_epoch)
             except BulkError as exc:

@@ -17,16 +17,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
+import math
 import signal
 import sys
 import tempfile
+import threading
+import types
 import typing
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 
@@ -48,6 +52,10 @@ def _describe(rec: LogRecord) -> dict[str, Any]:
     out: dict[str, Any] = {"index": rec.index, "t": rec.t, "dir": rec.kind, "segment": rec.segment}
     if rec.kind == "meta":
         out["meta"] = {k: v for k, v in rec.meta.items() if k != "spec"}
+        return out
+    if rec.kind.startswith("bulk_"):   # a bucket on a bulk link: its header (names, shapes, checksum)
+        out.update(peer=rec.peer, kind="bulk", sender=rec.peer if rec.kind == "bulk_in" else None,
+                   fields=msgpack.unpackb(rec.frames[0], raw=False))
         return out
     out["peer"] = rec.peer
     if rec.rejected:
@@ -94,7 +102,7 @@ def print_log(path: str, types: list[str], senders: list[str], direction: str | 
             continue
         if senders and d.get("sender") not in senders:
             continue
-        if direction and rec.kind != direction:
+        if direction and rec.kind.removeprefix("bulk_") != direction:
             continue
         if limit is not None and shown >= limit:
             break
@@ -102,11 +110,11 @@ def print_log(path: str, types: list[str], senders: list[str], direction: str | 
         if as_json:
             print(json.dumps(_jsonable(d)), file=out)
             continue
-        arrow = f"{d.get('sender', '?')} ->" if rec.kind == "in" else f"-> {rec.peer}"
+        arrow = f"{d.get('sender', '?')} ->" if rec.kind in ("in", "bulk_in") else f"-> {rec.peer}"
         extra = f" REJECTED[{rec.rejected}]" if rec.rejected else ""
         extra += f" reply_to={d['reply_to']}" if d.get("reply_to") else ""
         body = json.dumps(_jsonable(d.get("fields", d.get("error"))), separators=(",", ":"))
-        print(f"#{rec.index:<6} +{rec.t - start:9.4f}s {rec.kind:<3} {d.get('kind', '?'):<24} {arrow:<20}{extra} {body}",
+        print(f"#{rec.index:<6} +{rec.t - start:9.4f}s {rec.kind.removeprefix('bulk_'):<3} {d.get('kind', '?'):<24} {arrow:<20}{extra} {body}",
               file=out)
     if torn:
         print(f"warning: {torn} (skipped)", file=sys.stderr)
@@ -126,19 +134,23 @@ def _wire_key(frames: list, peer: str, sums: list[str] | None = None) -> tuple:
     return peer, head[0], msgpack.packb(body), tuple(tensor_sums)
 
 
-def _without_volatile(body: Any, cls: Any) -> Any:
-    """``body`` with the fields that ``cls`` (and the dataclasses nested in it) declare VOLATILE replaced by
-    a marker: wall-clock measurements and process identities differ in any rerun."""
-    if isinstance(body, list):
-        return [_without_volatile(x, cls) for x in body]
-    if not (isinstance(body, dict) and dataclasses.is_dataclass(cls)):
+def _without_volatile(body: Any, tp: Any) -> Any:
+    """``body`` with the fields that its annotation ``tp`` (a message class, and the dataclasses nested in
+    it, in lists, dicts and optionals) declares VOLATILE replaced by a marker: wall-clock measurements and
+    process identities differ in any rerun."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list and isinstance(body, list) and args:
+        return [_without_volatile(x, args[0]) for x in body]
+    if origin is dict and isinstance(body, dict) and len(args) == 2:
+        return {k: _without_volatile(v, args[1]) for k, v in body.items()}
+    if args and origin not in (list, dict):   # X | None and the like
+        inner = [a for a in args if a is not type(None)]
+        return _without_volatile(body, inner[0]) if len(inner) == 1 else body
+    if not (isinstance(body, dict) and dataclasses.is_dataclass(tp)):
         return body
-    hints = _hints(cls)
-    volatile = getattr(cls, "VOLATILE", ())
-    out = {}
-    for k, v in body.items():
-        out[k] = "(volatile)" if k in volatile else _without_volatile(v, _dataclass_in(hints.get(k)))
-    return out
+    hints = _hints(tp)
+    volatile = getattr(tp, "VOLATILE", ())
+    return {k: "(volatile)" if k in volatile else _without_volatile(v, hints.get(k)) for k, v in body.items()}
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -146,17 +158,6 @@ def _hints(cls: type) -> dict[str, Any]:
         return typing.get_type_hints(cls)
     except Exception:    # an annotation that cannot be resolved: compare that class's fields as they are
         return {}
-
-
-def _dataclass_in(tp: Any) -> Any:
-    """The dataclass inside an annotation such as ``X``, ``list[X]``, ``X | None`` or ``list[list[X]]``."""
-    if dataclasses.is_dataclass(tp):
-        return tp
-    for arg in typing.get_args(tp):
-        found = _dataclass_in(arg)
-        if found is not None:
-            return found
-    return None
 
 
 @dataclass
@@ -169,8 +170,12 @@ class _Sent:
     sums: list[str]
 
 
-def _first_field_diff(a: Any, b: Any, sums_a: list[str], sums_b: list[str], path: str = "") -> str | None:
-    """The path of the first field where two wire bodies differ (tensors by their checksums), or None."""
+def _first_field_diff(a: Any, b: Any, sums_a: list[str], sums_b: list[str], path: str = "",
+                     tol: float = 0.0) -> str | None:
+    """The path of the first field where two wire bodies differ (tensors by their checksums, floats within a
+    relative and absolute ``tol``), or None."""
+    if tol and isinstance(a, float) and isinstance(b, float):
+        return None if math.isclose(a, b, rel_tol=tol, abs_tol=tol) else (path or "(body)")
     if isinstance(a, dict) and isinstance(b, dict):
         if "$t" in a and "$t" in b:
             sa = sums_a[a["$t"] - 1] if 0 < a["$t"] <= len(sums_a) else None
@@ -181,13 +186,13 @@ def _first_field_diff(a: Any, b: Any, sums_a: list[str], sums_b: list[str], path
         for k in list(a) + [k for k in b if k not in a]:
             if k not in a or k not in b:
                 return f"{path}.{k}" if path else str(k)
-            d = _first_field_diff(a[k], b[k], sums_a, sums_b, f"{path}.{k}" if path else str(k))
+            d = _first_field_diff(a[k], b[k], sums_a, sums_b, f"{path}.{k}" if path else str(k), tol)
             if d is not None:
                 return d
         return None
     if isinstance(a, list) and isinstance(b, list):
         for i, (x, y) in enumerate(zip(a, b)):
-            d = _first_field_diff(x, y, sums_a, sums_b, f"{path}[{i}]")
+            d = _first_field_diff(x, y, sums_a, sums_b, f"{path}[{i}]", tol)
             if d is not None:
                 return d
         return None if len(a) == len(b) else f"{path} (length {len(a)} vs {len(b)})"
@@ -212,18 +217,19 @@ class Divergence:
     inbound_position: int          # 0-based position among the replayed inbound messages (-1: startup)
     record_index: int | None       # index of that inbound record in the log
     cause_kind: str | None
-    outbound_position: int         # position among the messages caused by that inbound message
+    outbound_position: int         # position among the messages to one peer caused by that inbound message
     expected: str
     actual: str
     message: str | None = None     # the kind of the outbound message that differs
     field: str | None = None       # the first field that differs, when both sides sent the same kind
+    peer: str | None = None        # the peer (or bulk link#rank) the messages went to
 
     def __str__(self) -> str:
         where = ("during startup or in background work (on_start/on_ready/timers)" if self.inbound_position < 0 else
                  f"at inbound message #{self.inbound_position} (log record {self.record_index}, {self.cause_kind})")
         what = f"\n  message {self.message}, field {self.field}" if self.field else \
             (f"\n  message {self.message}" if self.message else "")
-        return (f"first divergence {where}, outbound #{self.outbound_position}:{what}\n"
+        return (f"first divergence {where}, outbound #{self.outbound_position} to {self.peer}:{what}\n"
                 f"  original: {self.expected}\n  replay:   {self.actual}")
 
 
@@ -239,16 +245,24 @@ class ReplayResult:
 class ReplayBus:
     """Stands in for transport.bus.Bus: captures what the actor sends, answers requests from the log."""
 
-    def __init__(self, name: str, replies: dict[tuple, list]) -> None:
+    def __init__(self, name: str, replies: dict[tuple, list], peers: dict[str, str] | None = None) -> None:
         self.name = name
+        self.peers = dict(peers or {})
         self.endpoint = "replay://"
         self.draining = False
         self.frozen = False                      # set once the comparison is done: later sends are dropped
+        self._lock = threading.Lock()            # bulk links send from their own threads
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self.sent: dict[str | None, list[_Sent]] = defaultdict(list)
         self.count = 0                           # messages sent so far, all causes
         self.order: list[tuple[str | None, int]] = []    # (cause, position within that cause) of each send
+        self.per_peer_seen: dict[tuple, int] = defaultdict(int)   # (cause, peer) -> sends checked so far
+        self.stream_counts: dict[tuple, int] = defaultdict(int)   # (cause, peer) -> sends so far
         self.progress = asyncio.Event()          # set on every send: the driver waits for the actor with it
         self._replies = replies                  # (cause, ordinal of that cause's requests) -> frames
+        self._released: dict[tuple, list] = {}   # replies whose place in the log the replay has reached
+        self._waiting: dict[tuple, asyncio.Future] = {}
         self._request_counts: dict[str | None, int] = defaultdict(int)
         self._handler_tasks: set[asyncio.Task] = set()
         from collections import Counter
@@ -256,15 +270,27 @@ class ReplayBus:
         self.rejected: Counter = Counter()
 
     def _capture(self, peer: str, msg: Message, cause: str | None, **kw: Any) -> None:
-        if self.frozen:
-            return
         frames = encode(msg, self.name, **kw)
         key = _wire_key(frames, peer)
-        self.sent[cause].append(_Sent(peer, type(msg).KIND, key, to_plain(msg),
-                                      msgpack.unpackb(key[2], raw=False), list(key[3])))
-        self.order.append((cause, len(self.sent[cause]) - 1))
-        self.count += 1
-        self.progress.set()
+        self._add(cause, _Sent(peer, type(msg).KIND, key, to_plain(msg), msgpack.unpackb(key[2], raw=False),
+                               list(key[3])))
+
+    def capture_bulk(self, peer: str, header: dict) -> None:
+        """A bucket the actor sent on a (stand-in) bulk link; called from the thread the transfer runs in."""
+        self._add(current_cause.get(), _Sent(peer, "bulk", _bulk_key(peer, header), header, header, []))
+
+    def _add(self, cause: str | None, sent: _Sent) -> None:
+        with self._lock:
+            if self.frozen:
+                return
+            self.sent[cause].append(sent)
+            self.stream_counts[(cause, sent.peer)] += 1
+            self.order.append((cause, len(self.sent[cause]) - 1))
+            self.count += 1
+        if threading.get_ident() == self._loop_thread:
+            self.progress.set()
+        else:
+            self._loop.call_soon_threadsafe(self.progress.set)
 
     async def send(self, peer: str, msg: Message) -> None:
         self._capture(peer, msg, current_cause.get())
@@ -274,14 +300,26 @@ class ReplayBus:
         self._capture(peer, msg, cause, wants_reply=True)
         n = self._request_counts[cause]
         self._request_counts[cause] += 1
-        frames = self._replies.get((cause, n))
-        if frames is None:
+        if (cause, n) not in self._replies:
             raise ReplayError(f"the actor made request #{n} ({type(msg).KIND} to {peer}) in response to {cause!r}, "
                               f"but the log holds no reply for it")
+        # The reply comes when the original got it (the driver releases it at its place in the log): a status
+        # asked for meanwhile must not see the answer early.
+        frames = self._released.get((cause, n))
+        if frames is None:
+            waiter = self._waiting[(cause, n)] = asyncio.get_running_loop().create_future()
+            frames = await waiter
         _, reply = decode(frames)
         if type(reply) is Error:
             raise RemoteError(peer, reply.code, reply.text, reply.kind)
         return reply
+
+    def release(self, key: tuple) -> None:
+        """The original received the reply to request ``key`` at this point: hand it over."""
+        self._released[key] = self._replies[key]
+        waiter = self._waiting.pop(key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(self._replies[key])
 
     def _send_reply(self, ident: Any, msg: Message, to: Any) -> None:
         self._capture(to.sender, msg, to.id, reply_to=to.id)
@@ -318,9 +356,16 @@ def _load(path: str, segment: int) -> tuple[dict, list[LogRecord], str | None]:
     return metas[segment].meta, [r for r in records if r.kind != "meta" and r.segment == segment], torn
 
 
-async def _caught_up(bus: ReplayBus, count: int, idle_timeout: float) -> bool:
-    """Wait until the actor has sent ``count`` messages; False once it sent nothing for ``idle_timeout`` s."""
-    while bus.count < count:
+async def _caught_up(bus: ReplayBus, streams: list[tuple], done: list[int], upto: int, idle_timeout: float) -> bool:
+    """Wait until the actor has sent what the original had sent before a record: for each of the first
+    ``upto`` outbound records (``streams``: its (cause, peer) and its place there), as many messages on that
+    stream. False once the actor sent nothing for ``idle_timeout`` s. ``done``: how far it got, kept between
+    calls (what was sent stays sent)."""
+    while done[0] < upto:
+        stream, k = streams[done[0]]
+        if bus.stream_counts[stream] > k:
+            done[0] += 1
+            continue
         bus.progress.clear()
         try:
             await asyncio.wait_for(bus.progress.wait(), idle_timeout)
@@ -329,35 +374,99 @@ async def _caught_up(bus: ReplayBus, count: int, idle_timeout: float) -> bool:
     return True
 
 
-def _start_handler(actor: Any, bus: ReplayBus, env: Envelope, result: ReplayResult) -> None:
-    """Deliver one message as the Bus does: the handler's cause set, a coroutine run as a task, its reply sent."""
-    token = current_cause.set(env.header.id)
+class _CountingExecutor(concurrent.futures.ThreadPoolExecutor):
+    """The replayed actor's default executor (asyncio.to_thread): counts the work in hand so the replay can
+    let it finish before the next message, as the original (it was not racing a replay) mostly did."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(max_workers=4, thread_name_prefix="replay-work")
+        self.busy = 0
+        self.changed = asyncio.Event()
+        self._loop = loop
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        with self._lock:
+            self.busy += 1
+        fut = super().submit(fn, *args, **kwargs)
+        fut.add_done_callback(self._finished)
+        return fut
+
+    def _finished(self, _: Any) -> None:
+        with self._lock:
+            self.busy -= 1
+        self._loop.call_soon_threadsafe(self.changed.set)
+
+
+async def _settle(executor: _CountingExecutor, idle_timeout: float) -> bool:
+    """Let work the actor has handed to threads finish and its continuations run; False if it is still
+    busy after ``idle_timeout`` s. Nothing to do (no work in threads) costs no yield, so messages that
+    arrived together are still handled together."""
     try:
-        out = actor.dispatch(env)
+        async with asyncio.timeout(idle_timeout):
+            while executor.busy:
+                while executor.busy:
+                    executor.changed.clear()
+                    await executor.changed.wait()
+                for _ in range(8):   # the awaiting coroutines resume, and may hand over more work
+                    await asyncio.sleep(0)
+    except TimeoutError:
+        return False
+    return True
+
+
+class _Deliverer:
+    """Delivers messages as the Bus does: the handler is called on receipt (a plain ``def`` runs there and
+    then), a coroutine handler is started as a task once fewer than ``max_inflight`` run (the Bus stops
+    reading meanwhile, so the log already holds the later messages after it), its reply sent when it ends."""
+
+    def __init__(self, actor: Any, bus: ReplayBus, result: ReplayResult, max_inflight: int) -> None:
+        self.actor, self.bus, self.result, self.max_inflight = actor, bus, result, max_inflight
+        self.waiting: deque[tuple[Envelope, Any]] = deque()
+
+    def deliver(self, env: Envelope) -> None:
+        token = current_cause.set(env.header.id)
+        try:
+            out = self.actor.dispatch(env)
+        except Exception as exc:   # the Bus logs it and goes on; so does the replay, noting it
+            self.result.notes.append(f"handler of {env.header.kind} failed: {exc!r}")
+            return
+        finally:
+            current_cause.reset(token)
         if asyncio.iscoroutine(out):
-            task = asyncio.get_running_loop().create_task(out)
-            bus._handler_tasks.add(task)
-
-            def done(t: asyncio.Task) -> None:
-                bus._handler_tasks.discard(t)
-                if t.cancelled():
-                    return
-                if t.exception() is not None:
-                    result.notes.append(f"handler of {env.header.kind} failed: {t.exception()!r}")
-                elif isinstance(t.result(), Message):
-                    env.reply(t.result())
-
-            task.add_done_callback(done)
+            self.waiting.append((env, out))
+            self._pump()
         elif isinstance(out, Message):
             env.reply(out)
-    except Exception as exc:   # the Bus logs and goes on; so does the replay, noting it
-        result.notes.append(f"handler of {env.header.kind} failed: {exc!r}")
-    finally:
-        current_cause.reset(token)
+
+    def _pump(self) -> None:
+        while self.waiting and self.bus.inflight < self.max_inflight:
+            env, coro = self.waiting.popleft()
+            token = current_cause.set(env.header.id)
+            try:
+                task = asyncio.get_running_loop().create_task(coro)
+            finally:
+                current_cause.reset(token)
+            self.bus._handler_tasks.add(task)
+            task.add_done_callback(lambda t, env=env: self._done(env, t))
+
+    def _done(self, env: Envelope, t: asyncio.Task) -> None:
+        self.bus._handler_tasks.discard(t)
+        if not t.cancelled():
+            if t.exception() is not None:
+                self.result.notes.append(f"handler of {env.header.kind} failed: {t.exception()!r}")
+            elif isinstance(t.result(), Message):
+                env.reply(t.result())
+        self._pump()
+
+    def close(self) -> None:
+        for _, coro in self.waiting:
+            coro.close()
+        self.waiting.clear()
 
 
 async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 60.0,
-                  overrides: dict[str, Any] | None = None) -> ReplayResult:
+                  overrides: dict[str, Any] | None = None, float_tol: float = 0.0) -> ReplayResult:
     from actors.base import ActorSpec, load_actor_class
 
     meta, records, torn = _load(path, segment)
@@ -376,24 +485,38 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
     replies_by_id = {}
     originals: dict[str | None, list[tuple]] = defaultdict(list)
     original_requests: dict[str | None, list[str]] = defaultdict(list)
+    schedule: list[tuple[LogRecord, Any, int]] = []   # inbound messages and replies, in log order
     n_out = 0
+    streams: list[tuple] = []          # each outbound record's (cause, peer) and its place on that stream
+    stream_len: dict[tuple, int] = defaultdict(int)
+    buckets: dict[str, deque] = defaultdict(deque)     # link -> the buckets the original received, in order
     for rec in records:
         if rec.rejected:
             continue
-        header, _ = decode_header(rec.frames)
+        if rec.kind == "bulk_in":
+            if not rec.tensors_stored:
+                raise ReplayError(f"{path}: bucket record {rec.index} has a checksum only; replay needs tensors='store'")
+            buckets[rec.peer.split("#")[0]].append(rec.frames)
+            continue
+        header = _BULK_HEADER if rec.kind == "bulk_out" else decode_header(rec.frames)[0]
         if rec.kind == "in":
             if header.reply_to is not None:
                 replies_by_id[header.reply_to] = rec
             else:
                 inbound.append((rec, header, n_out))
+            schedule.append((rec, header, n_out))
         else:
             n_out += 1
+            stream = (rec.cause, rec.peer)
+            streams.append((stream, stream_len[stream]))
+            stream_len[stream] += 1
             originals[rec.cause].append((rec, header))
             if header.wants_reply:
                 original_requests[rec.cause].append(header.id)
-    replies = {}
+    replies, reply_key = {}, {}
     for cause, ids in original_requests.items():
         for n, mid in enumerate(ids):
+            reply_key[mid] = (cause, n)
             if mid in replies_by_id:
                 rec = replies_by_id[mid]
                 if not rec.tensors_stored:
@@ -411,49 +534,59 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
         spec = ActorSpec.from_dict(spec_dict)
         _apply_threads(spec.env)
         actor = load_actor_class(cls_path)(spec)
-        bus = ReplayBus(spec.name, replies)
+        bus = ReplayBus(spec.name, replies, spec.peers)
         actor.bus = bus
+        actor.make_link = lambda config: ReplayLink(config, buckets, bus)
         # request_stop() works as in a run: a handler that ends the actor (RunFinished) gets its drain.
         actor._stop_event, actor._force_event = asyncio.Event(), asyncio.Event()
         stopped_early = False
-        expected_keys = {cause: [_expected_key(e) for e in recs] for cause, recs in originals.items()}
-        checked = [0]
+        expected_keys: dict[tuple, list] = defaultdict(list)
+        for cause, recs in originals.items():
+            for e in recs:
+                expected_keys[(cause, e[0].peer)].append(_expected_key(e))
+        checked, caught = [0], [0]
         max_inflight = int((settings.get("bus") or {}).get("max_inflight", 64))
         started = stopped = False
+        deliverer = _Deliverer(actor, bus, result, max_inflight)
+        executor = _CountingExecutor(asyncio.get_running_loop())
+        asyncio.get_running_loop().set_default_executor(executor)
         try:
             await actor.start()
             started = True
             await actor.on_ready()
             stalled = None
-            for rec, header, before in inbound:
+            for rec, header, before in schedule:
                 # A pair that already differs is the answer: no need to wait for what can no longer match.
-                if outbound_recorded and _differs_so_far(bus, expected_keys, checked):
+                if outbound_recorded and _differs_so_far(bus, expected_keys, checked, float_tol):
                     stopped_early = True
                     break
                 if not rec.tensors_stored:
                     raise ReplayError(f"{path}: record {rec.index} kept tensor checksums only; replay needs tensors='store'")
-                if not await _caught_up(bus, before, idle_timeout):
+                if not await _caught_up(bus, streams, caught, before, idle_timeout):
                     stalled = (rec, before)
                     break
-                if bus.inflight >= max_inflight:   # the Bus stops reading while max_inflight handlers run
-                    _, pending = await asyncio.wait(set(bus._handler_tasks), timeout=idle_timeout,
-                                                    return_when=asyncio.FIRST_COMPLETED)
-                    if len(pending) >= max_inflight:
-                        stalled = (rec, before)
-                        break
+                if not await _settle(executor, idle_timeout):
+                    stalled = (rec, before)
+                    break
+                if header.reply_to is not None:    # a reply to one of the actor's requests
+                    if header.reply_to in reply_key:
+                        bus.release(reply_key[header.reply_to])
+                    continue
                 header, msg = decode(rec.frames)
-                _start_handler(actor, bus, Envelope(header, msg, rec.frames, None, bus), result)
+                deliverer.deliver(Envelope(header, msg, rec.frames, None, bus))
                 # No yield here: the next message follows at once unless the original sent something in
                 # between (then _caught_up waits for it), as messages that arrived together are handled
                 # together by the Bus before any handler task runs.
                 result.fed += 1
-            if stalled is None and not stopped_early and not await _caught_up(bus, n_out, idle_timeout):
+            if stalled is None and not stopped_early and not await _caught_up(bus, streams, caught, n_out, idle_timeout):
                 stalled = (None, n_out)
             if stalled is not None:
                 rec, count = stalled
                 where = f"before log record {rec.index}" if rec is not None else "by the end of the log"
-                result.notes.append(f"the original had sent {count} messages {where}; the replay sent "
-                                    f"{bus.count} and then nothing for {idle_timeout:g} s")
+                (cause, peer), k = streams[caught[0]]
+                result.notes.append(f"the original had sent {count} messages {where}; the replay never sent "
+                                    f"message #{k} to {peer} caused by {cause or 'startup/background work'} "
+                                    f"(it sent {bus.count} in all, then nothing for {idle_timeout:g} s)")
                 stopped_early = True
             elif actor._stop_event.is_set() and not stopped_early:
                 async with asyncio.timeout(idle_timeout):
@@ -461,6 +594,7 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
                     await actor.on_stop()
                 stopped = True
         finally:
+            deliverer.close()
             for t in [*actor._background, *bus._handler_tasks]:
                 t.cancel()
             await asyncio.gather(*actor._background, *bus._handler_tasks, return_exceptions=True)
@@ -473,65 +607,186 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
                 except Exception as exc:
                     result.notes.append(f"on_stop after the replay failed: {exc!r}")
     result.sent = bus.count
+    if actor.exit_code:    # a critical background task failed (Actor.spawn): say why, not just "nothing"
+        result.notes.append(f"the replayed actor stopped with exit code {actor.exit_code}: {actor._stop_reason}")
     if not outbound_recorded:
         result.notes.append("the log has no outbound records (message_log.outbound was off): nothing to compare")
         return result
     result.compared = True
     # Stopped early, the replay lacks what it never got to send: a pair that differs is the divergence, and
     # only without one is the first missing message.
-    result.divergence = (stopped_early and _first_divergence(inbound, originals, bus, skip_missing=True)) or \
-        _first_divergence(inbound, originals, bus, skip_missing=False)
+    result.divergence = (stopped_early and _first_divergence(inbound, originals, bus, True, float_tol)) or \
+        _first_divergence(inbound, originals, bus, False, float_tol)
     return result
 
 
-def _expected_key(exp: tuple) -> tuple:
-    rec = exp[0]
-    return _wire_key(rec.frames if rec.tensors_stored else rec.frames[:1], rec.peer, rec.sums)
+def _same(exp_key: tuple, act: _Sent, tol: float) -> bool:
+    """Whether a replayed message matches the original's: the same wire body, or with ``tol``, the same up
+    to floats within it."""
+    if exp_key == act.key:
+        return True
+    if not tol or exp_key[:2] != act.key[:2] or exp_key[3] != act.key[3]:
+        return False
+    return _first_field_diff(msgpack.unpackb(exp_key[2], raw=False), act.body, [], [], tol=tol) is None
 
 
-def _differs_so_far(bus: ReplayBus, expected_keys: dict, checked: list[int]) -> bool:
-    """Whether a message sent since the last call differs from the original's at its place."""
-    for cause, j in bus.order[checked[0]:]:
-        checked[0] += 1
-        exp = expected_keys.get(cause, [])
-        if j < len(exp) and exp[j] != bus.sent[cause][j].key:
-            return True
-    return False
+def _by_peer(items: list, peer_of: Callable[[Any], str]) -> dict[str, list]:
+    """Items split by peer, in order, the peers in order of first appearance."""
+    out: dict[str, list] = {}
+    for item in items:
+        out.setdefault(peer_of(item), []).append(item)
+    return out
 
 
-def _first_divergence(inbound: list, originals: dict, bus: ReplayBus, skip_missing: bool) -> Divergence | None:
-    """Compare the replay's outbound messages with the original's, cause by cause in delivery order.
+def _first_divergence(inbound: list, originals: dict, bus: ReplayBus, skip_missing: bool,
+                      tol: float = 0.0) -> Divergence | None:
+    """Compare the replay's outbound messages with the original's, cause by cause in delivery order and, for
+    one cause, peer by peer: what one peer receives comes in order, but messages to different peers (a
+    weight push to every rollout at once, on threads) may interleave differently in any rerun.
     ``skip_missing``: only a pair that differs counts (the replay was stopped before it could finish)."""
     order: list[tuple[int, LogRecord | None, str | None]] = [(-1, None, None)]
     order += [(i, rec, h.id) for i, (rec, h, _) in enumerate(inbound)]
     for pos, rec, cause in order:
-        expected = originals.get(cause, [])
-        actual = bus.sent.get(cause, [])
-        for j in range(max(len(expected), len(actual))):
-            exp = expected[j] if j < len(expected) else None
-            act = actual[j] if j < len(actual) else None
-            if skip_missing and (exp is None or act is None):
-                continue
-            exp_key = _expected_key(exp) if exp else None
-            if exp is not None and act is not None and exp_key == act.key:
-                continue
-            exp_text = "nothing" if exp is None else \
-                f"{exp[1].kind} -> {exp[0].peer} {json.dumps(_jsonable(_describe(exp[0]).get('fields')))}"
-            act_text = "nothing" if act is None else f"{act.kind} -> {act.peer} {json.dumps(_jsonable(act.plain))}"
-            d = Divergence(pos, rec.index if rec else None, inbound[pos][1].kind if pos >= 0 else None, j,
-                           exp_text, act_text, message=(exp[1].kind if exp else act.kind))
-            if exp is not None and act is not None and exp[1].kind == act.kind:
-                if exp[0].peer != act.peer:
-                    d.field = "(peer)"
-                    d.expected, d.actual = f"{exp[1].kind} -> {exp[0].peer}", f"{act.kind} -> {act.peer}"
-                else:
+        expected = _by_peer(originals.get(cause, []), lambda e: e[0].peer)
+        actual = _by_peer(bus.sent.get(cause, []), lambda a: a.peer)
+        for peer in [*expected, *(p for p in actual if p not in expected)]:
+            exp_list, act_list = expected.get(peer, []), actual.get(peer, [])
+            for j in range(max(len(exp_list), len(act_list))):
+                exp = exp_list[j] if j < len(exp_list) else None
+                act = act_list[j] if j < len(act_list) else None
+                if skip_missing and (exp is None or act is None):
+                    continue
+                exp_key = _expected_key(exp) if exp else None
+                if exp is not None and act is not None and _same(exp_key, act, tol):
+                    continue
+                exp_text = "nothing" if exp is None else \
+                    f"{exp[1].kind} -> {exp[0].peer} {json.dumps(_jsonable(_describe(exp[0]).get('fields')))}"
+                act_text = "nothing" if act is None else f"{act.kind} -> {act.peer} {json.dumps(_jsonable(act.plain))}"
+                d = Divergence(pos, rec.index if rec else None, inbound[pos][1].kind if pos >= 0 else None, j,
+                               exp_text, act_text, message=(exp[1].kind if exp else act.kind), peer=peer)
+                if exp is not None and act is not None and exp[1].kind == act.kind:
                     exp_body = msgpack.unpackb(exp_key[2], raw=False)
-                    d.field = _first_field_diff(exp_body, act.body, list(exp_key[3]), act.sums)
+                    d.field = _first_field_diff(exp_body, act.body, list(exp_key[3]), act.sums, tol=tol)
                     if d.field is not None:
                         d.expected = json.dumps(_jsonable(_field_value(to_plain_body(exp, exp_body), d.field)))
                         d.actual = json.dumps(_jsonable(_field_value(act.plain, d.field)))
-            return d
+                return d
     return None
+
+
+def _differs_so_far(bus: ReplayBus, expected_keys: dict, checked: list[int], tol: float) -> bool:
+    """Whether a message sent since the last call differs from the original's at its place."""
+    seen = bus.per_peer_seen
+    for cause, j in bus.order[checked[0]:]:
+        checked[0] += 1
+        sent = bus.sent[cause][j]
+        k = seen[(cause, sent.peer)]
+        seen[(cause, sent.peer)] += 1
+        exp = expected_keys.get((cause, sent.peer), [])
+        if k < len(exp) and not _same(exp[k], sent, tol):
+            return True
+    return False
+
+
+def _expected_key(exp: tuple) -> tuple:
+    rec = exp[0]
+    if rec.kind == "bulk_out":
+        return _bulk_key(rec.peer, msgpack.unpackb(rec.frames[0], raw=False))
+    return _wire_key(rec.frames if rec.tensors_stored else rec.frames[:1], rec.peer, rec.sums)
+
+
+def _bulk_key(peer: str, header: dict) -> tuple:
+    """A bucket sent on a bulk link compares by its header: names, shapes, offsets and its bytes' checksum."""
+    return peer, "bulk", msgpack.packb(header), ()
+
+
+# The header that stands for a bucket sent on a bulk link among the outbound messages.
+_BULK_HEADER = types.SimpleNamespace(kind="bulk", id=None, wants_reply=False, reply_to=None)
+
+
+class ReplayLink:
+    """Stands in for transport.bulk.BulkLink: hands the replayed actor the buckets the original received
+    (from the log), and captures the headers of the buckets it sends for comparison. Forming a generation
+    always succeeds at once: no peer is there to wait for."""
+
+    def __init__(self, config: Any, buckets: dict[str, deque], bus: ReplayBus) -> None:
+        self.config = config
+        self.generation: int | None = None
+        self.members: list[str] = list(config.members)
+        self._rank = config.rank
+        self._in = buckets[config.name]
+        self._bus = bus
+        self._next_bucket = 0
+
+    def open(self, generation: int = 0, members: Any = None) -> None:
+        self.members = list(members) if members else list(self.config.members)
+        if self.config.members:
+            self._rank = self.members.index(self.config.members[self.config.rank])
+        self.generation = generation
+
+    def reform(self, generation: int, members: Any = None) -> None:
+        self.open(generation, members)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def latest_generation(self) -> int | None:
+        return self.generation
+
+    def close(self) -> None:
+        self.generation = None
+
+    def barrier(self) -> None:
+        pass
+
+    def _take(self) -> Any:
+        import torch
+
+        from transport.bulk import PackedBucket
+
+        if not self._in:
+            raise ReplayError(f"link {self.config.name!r}: the replayed actor receives one more bucket than the "
+                              f"original did")
+        frames = self._in.popleft()
+        header = msgpack.unpackb(frames[0], raw=False)
+        return PackedBucket(header, torch.frombuffer(bytearray(frames[1]), dtype=torch.uint8))
+
+    def _sent(self, peer: str, packed: Any) -> None:
+        self._bus.capture_bulk(f"{self.config.name}#{peer}", packed.header)
+
+    def broadcast(self, bucket: Any, src: int = 0, generation: int | None = None) -> Any:
+        from transport.bulk import pack_bucket, unpack_bucket
+
+        if self._rank == src:
+            self._sent("all", pack_bucket(bucket, self._take_id()))
+            return bucket
+        return unpack_bucket(self._take(), self.config.name)
+
+    def broadcast_packed(self, packed: Any, src: int = 0, generation: int | None = None) -> Any:
+        if self._rank == src:
+            self._sent("all", packed)
+            return packed
+        return self._take()
+
+    def send(self, bucket: Any, dst: int, generation: int | None = None) -> None:
+        from transport.bulk import pack_bucket
+
+        self._sent(str(dst), pack_bucket(bucket, self._take_id()))
+
+    def send_packed(self, packed: Any, dst: int, generation: int | None = None) -> None:
+        self._sent(str(dst), packed)
+
+    def recv(self, src: int, generation: int | None = None) -> Any:
+        from transport.bulk import unpack_bucket
+
+        return unpack_bucket(self._take(), self.config.name)
+
+    def _take_id(self) -> int:
+        self._next_bucket += 1
+        return self._next_bucket - 1
+
+
 
 
 def to_plain_body(exp: tuple, body: Any) -> Any:
@@ -558,12 +813,12 @@ def _apply_threads(env: dict[str, str]) -> None:
 
 
 def replay_into(path: str, cls_path: str, segment: int = 0, idle_timeout: float = 60.0,
-                overrides: dict[str, Any] | None = None) -> ReplayResult:
+                overrides: dict[str, Any] | None = None, float_tol: float = 0.0) -> ReplayResult:
     """Replay ``path``'s inbound messages into a fresh ``cls_path`` actor and compare what it sends.
     ``overrides``: settings changed for the replay (dotted keys, e.g. {"algo.batch_size": 8})."""
     import uvloop
 
-    return uvloop.run(_replay(path, cls_path, segment, idle_timeout, overrides))
+    return uvloop.run(_replay(path, cls_path, segment, idle_timeout, overrides, float_tol))
 
 
 def parse_sets(items: list[str]) -> dict[str, Any]:
@@ -593,13 +848,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="change one of the actor's settings for the replay (dotted key, YAML value; repeatable)")
     ap.add_argument("--idle-timeout", type=float, default=60.0, metavar="S",
                     help="give up waiting for the actor once it has sent nothing for S seconds (default 60)")
+    ap.add_argument("--float-tol", type=float, default=0.0, metavar="T",
+                    help="floats match within relative and absolute T (default 0: exactly). Batched generation "
+                         "on CPU sums in an order that depends on which sequences share a batch, so a rollout's "
+                         "log-probs differ in the 7th digit between runs: 1e-5 compares them")
     args = ap.parse_args(argv)
     # Stopped with SIGTERM (a replay that hangs), it still removes its temporary run directory on the way out.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         if not args.into:
             return print_log(args.log, args.type, args.sender, args.dir, args.limit, args.json)
-        result = replay_into(args.log, args.into, args.segment, args.idle_timeout, parse_sets(args.set))
+        result = replay_into(args.log, args.into, args.segment, args.idle_timeout, parse_sets(args.set),
+                             args.float_tol)
     except (MessageLogError, ReplayError, OSError) as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return 2
