@@ -178,6 +178,7 @@ class ParamServerActor(Actor):
         self._changed = asyncio.Condition()
         self._up_lock = asyncio.Lock()
         self._up_epoch = 0   # the newest train-link epoch the trainer has named
+        self._storing: set[asyncio.Task] = set()   # published versions being hashed and packed
         self._trainer_incarnation = ""
         self._waiting_logged: tuple = ()
         # Hellos can arrive while on_start still loads the start weights; they are applied once it is done.
@@ -367,7 +368,9 @@ class ParamServerActor(Actor):
         if msg.weights_hash:   # announced: checked before the answer, so a mismatch fails the publish
             await self._store(msg.version, buckets, receive_s, msg.weights_hash)
         else:   # hashed and packed here after the answer: off the trainer's step (the rollouts wait for it)
-            self.spawn(self._store(msg.version, buckets, receive_s), name=f"store-v{msg.version}")
+            task = self.spawn(self._store(msg.version, buckets, receive_s), name=f"store-v{msg.version}")
+            self._storing.add(task)
+            task.add_done_callback(self._storing.discard)
         return WeightsStored(version=msg.version, receive_seconds=receive_s)
 
     async def _store(self, version: int, buckets: list, receive_s: float, announced: str = "") -> None:
@@ -720,6 +723,11 @@ class ParamServerActor(Actor):
     @handles(WeightsStatusRequest)
     async def on_status(self, msg: WeightsStatusRequest) -> WeightsStatus:
         await self._started.wait()
+        if self._storing:
+            # A published version still being hashed and packed is answered for once stored (milliseconds):
+            # the answer then depends on the messages received, not on how fast the hashing thread ran,
+            # so a replay of the log gives the same answer.
+            await asyncio.wait(set(self._storing), timeout=30.0)
         if msg.min_version < 0 or msg.timeout_s <= 0:
             return self._status(msg)
         try:

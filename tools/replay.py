@@ -30,6 +30,7 @@ import types
 import typing
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
@@ -84,12 +85,24 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
+def _import_quietly(module: str) -> None:
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception as exc:   # printing goes on; those records stay undecoded
+        print(f"warning: cannot import {module} for its message kinds: {exc}", file=sys.stderr)
+
+
 def print_log(path: str, types: list[str], senders: list[str], direction: str | None, limit: int | None,
               as_json: bool, out: Any = None) -> int:
     out = out if out is not None else sys.stdout
     records, torn = read_log(path)
     start = 0.0
     shown = 0
+    spec_module = next((r.meta["spec"]["cls"].partition(":")[0] for r in records
+                        if r.kind == "meta" and isinstance(r.meta.get("spec"), dict) and r.meta["spec"].get("cls")),
+                       None)
     for rec in records:
         if rec.kind == "meta":
             start = rec.t
@@ -98,6 +111,11 @@ def print_log(path: str, types: list[str], senders: list[str], direction: str | 
                       file=out)
             continue
         d = _describe(rec)
+        if d.get("kind") == "?" and "unknown message kind" in str(d.get("error")) and spec_module:
+            # a kind the actor's own module defines (ps.weights_status): import it once, then decode
+            _import_quietly(spec_module)
+            spec_module = None
+            d = _describe(rec)
         if types and d.get("kind") not in types:
             continue
         if senders and d.get("sender") not in senders:
@@ -240,6 +258,7 @@ class ReplayResult:
     compared: bool = False
     divergence: Divergence | None = None
     notes: list[str] = field(default_factory=list)
+    metrics: list[dict] = field(default_factory=list)   # what the replayed actor wrote to metrics.jsonl
 
 
 class ReplayBus:
@@ -301,8 +320,9 @@ class ReplayBus:
         n = self._request_counts[cause]
         self._request_counts[cause] += 1
         if (cause, n) not in self._replies:
-            raise ReplayError(f"the actor made request #{n} ({type(msg).KIND} to {peer}) in response to {cause!r}, "
-                              f"but the log holds no reply for it")
+            # The original got no answer either (the run ended first, or it timed out: then the replay
+            # stalls where the original went on, and says so): it waits, as the original did.
+            await asyncio.get_running_loop().create_future()
         # The reply comes when the original got it (the driver releases it at its place in the log): a status
         # asked for meanwhile must not see the answer early.
         frames = self._released.get((cause, n))
@@ -466,7 +486,8 @@ class _Deliverer:
 
 
 async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 60.0,
-                  overrides: dict[str, Any] | None = None, float_tol: float = 0.0) -> ReplayResult:
+                  overrides: dict[str, Any] | None = None, float_tol: float = 0.0,
+                  to_end: bool = False) -> ReplayResult:
     from actors.base import ActorSpec, load_actor_class
 
     meta, records, torn = _load(path, segment)
@@ -557,7 +578,7 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
             stalled = None
             for rec, header, before in schedule:
                 # A pair that already differs is the answer: no need to wait for what can no longer match.
-                if outbound_recorded and _differs_so_far(bus, expected_keys, checked, float_tol):
+                if outbound_recorded and not to_end and _differs_so_far(bus, expected_keys, checked, float_tol):
                     stopped_early = True
                     break
                 if not rec.tensors_stored:
@@ -593,6 +614,7 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
                     await actor._drain()
                     await actor.on_stop()
                 stopped = True
+            result.metrics = _read_metrics(Path(run_dir) / "metrics.jsonl")
         finally:
             deliverer.close()
             for t in [*actor._background, *bus._handler_tasks]:
@@ -813,12 +835,48 @@ def _apply_threads(env: dict[str, str]) -> None:
 
 
 def replay_into(path: str, cls_path: str, segment: int = 0, idle_timeout: float = 60.0,
-                overrides: dict[str, Any] | None = None, float_tol: float = 0.0) -> ReplayResult:
+                overrides: dict[str, Any] | None = None, float_tol: float = 0.0, to_end: bool = False) -> ReplayResult:
     """Replay ``path``'s inbound messages into a fresh ``cls_path`` actor and compare what it sends.
-    ``overrides``: settings changed for the replay (dotted keys, e.g. {"algo.batch_size": 8})."""
+    ``overrides``: settings changed for the replay (dotted keys, e.g. {"algo.batch_size": 8}). ``to_end``:
+    deliver the whole log even after a divergence (offline re-training with changed settings)."""
     import uvloop
 
-    return uvloop.run(_replay(path, cls_path, segment, idle_timeout, overrides, float_tol))
+    return uvloop.run(_replay(path, cls_path, segment, idle_timeout, overrides, float_tol, to_end))
+
+
+# Per step, side by side: what an algorithm change does to the update (the trainer's metrics.jsonl keys).
+TRAIN_COLUMNS = (("loss", "loss"), ("kl", "ppo_approx_kl"), ("clip ratio", "actor_clip_ratio"),
+                 ("grad norm", "grad_norm"))
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    """A metrics.jsonl's records, the last one of each step (a restarted trainer writes re-done steps again)."""
+    if not path.exists():
+        return []
+    by_step: dict[Any, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.endswith("}"):
+            rec = json.loads(line)
+            by_step[rec.get("step")] = rec
+    return list(by_step.values())
+
+
+def metrics_table(recorded: list[dict], replayed: list[dict]) -> str:
+    """The recorded run's and the replay's loss, KL, clip ratio and grad norm, one row per step."""
+    old = {r.get("step"): r for r in recorded}
+    head = f"{'step':>5} " + " ".join(f"{name + ' (rec/new)':>27}" for name, _ in TRAIN_COLUMNS)
+    rows = [head]
+    for rec in replayed:
+        step = rec.get("step")
+        cells = []
+        for _, key in TRAIN_COLUMNS:
+            a, b = old.get(step, {}).get(key), rec.get(key)
+            fmt = lambda v: f"{v:.6g}" if isinstance(v, (int, float)) else "-"   # noqa: E731
+            cells.append(f"{fmt(a):>13}/{fmt(b):<13}")
+        rows.append(f"{step:>5} " + " ".join(cells))
+    if not recorded:
+        rows.append("(the recorded run's metrics.jsonl, next to its msglog directory, was not found)")
+    return "\n".join(rows)
 
 
 def parse_sets(items: list[str]) -> dict[str, Any]:
@@ -858,13 +916,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.into:
             return print_log(args.log, args.type, args.sender, args.dir, args.limit, args.json)
-        result = replay_into(args.log, args.into, args.segment, args.idle_timeout, parse_sets(args.set),
-                             args.float_tol)
+        overrides = parse_sets(args.set)
+        # With changed settings a divergence is expected: the whole log is delivered, so a trainer re-trains
+        # on every recorded batch.
+        result = replay_into(args.log, args.into, args.segment, args.idle_timeout, overrides, args.float_tol,
+                             to_end=bool(overrides))
     except (MessageLogError, ReplayError, OSError) as exc:
         print(f"replay: {exc}", file=sys.stderr)
         return 2
     for note in result.notes:
         print(f"note: {note}")
+    if result.metrics:
+        print(metrics_table(_read_metrics(Path(args.log).resolve().parent.parent / "metrics.jsonl"), result.metrics))
     print(f"replayed {result.fed} inbound messages into {args.into}; it sent {result.sent}")
     if result.divergence is not None:
         print(result.divergence)
