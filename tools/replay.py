@@ -2,16 +2,20 @@
 
 Printing: one line per record (index, time since the segment start, direction, kind, sender/peer, fields),
 filtered with ``--type KIND`` and ``--sender NAME`` (repeatable), ``--dir in|out``, ``--limit N``, or one
-JSON object per line with ``--json``. A torn last record is reported and skipped.
+JSON object per line with ``--json``. Buckets moved on bulk links print as kind ``bulk`` with their header.
+A torn last record is reported and skipped.
 
 Replaying: a fresh instance of the class is built from the spec stored in the log (run_dir replaced by a
-temporary directory, message logging off) with a capture bus instead of the network. ``on_start`` and
-``on_ready`` run, then every recorded inbound message of the chosen segment (not replies, not rejected
-ones) is dispatched in order, each handler finishing before the next message. Requests the actor makes are
-answered with the replies recorded for the original requests. What the actor sends (one-way, requests,
-replies) is grouped by the inbound message that caused it and compared, wire body by wire body (tensors by
-sha256), with the outbound messages the original recorded; the first divergence is reported with the
-inbound message that caused it. Exit status: 0 identical, 1 divergence, 2 usage or log errors.
+temporary directory, message logging off, ``--set KEY=VALUE`` applied to its settings) with a ReplayBus
+instead of the network and a ReplayLink for every bulk link. ``on_start`` and ``on_ready`` run, then the
+recorded inbound messages and replies of the chosen segment are delivered in log order, each once the actor
+has sent, stream by stream, what the original had sent before it arrived (see docs/transport.md). What
+the actor sends is compared, per (cause, peer) stream in order, with what the original sent (wire bodies
+without their VOLATILE fields, tensors by sha256, link buckets by header); the first divergence is reported
+naming the inbound message that caused it, the outbound message and its first differing field. A wait is
+bounded by ``--idle-timeout``: a replay never hangs. With ``--set`` the whole log is delivered even past a
+divergence, and a replayed trainer's metrics print beside the recorded run's (offline re-training).
+Exit status: 0 identical, 1 divergence, 2 usage or log errors.
 """
 from __future__ import annotations
 
