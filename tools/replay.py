@@ -58,6 +58,9 @@ def _describe(rec: LogRecord) -> dict[str, Any]:
     if rec.kind == "meta":
         out["meta"] = {k: v for k, v in rec.meta.items() if k != "spec"}
         return out
+    if rec.kind == "event":   # the bus's heartbeat verdict on a peer
+        out.update(peer=rec.peer, kind=rec.event, sender=rec.peer, fields={})
+        return out
     if rec.kind.startswith("bulk_"):   # a bucket on a bulk link: its header (names, shapes, checksum)
         out.update(peer=rec.peer, kind="bulk", sender=rec.peer if rec.kind == "bulk_in" else None,
                    fields=msgpack.unpackb(rec.frames[0], raw=False))
@@ -132,7 +135,7 @@ def print_log(path: str, types: list[str], senders: list[str], direction: str | 
         if as_json:
             print(json.dumps(_jsonable(d)), file=out)
             continue
-        arrow = f"{d.get('sender', '?')} ->" if rec.kind in ("in", "bulk_in") else f"-> {rec.peer}"
+        arrow = f"{d.get('sender', '?')} ->" if rec.kind in ("in", "bulk_in", "event") else f"-> {rec.peer}"
         extra = f" REJECTED[{rec.rejected}]" if rec.rejected else ""
         extra += f" reply_to={d['reply_to']}" if d.get("reply_to") else ""
         body = json.dumps(_jsonable(d.get("fields", d.get("error"))), separators=(",", ":"))
@@ -271,6 +274,7 @@ class ReplayBus:
     def __init__(self, name: str, replies: dict[tuple, list], peers: dict[str, str] | None = None) -> None:
         self.name = name
         self.peers = dict(peers or {})
+        self.alive: dict[str, bool] = {}
         self.endpoint = "replay://"
         self.draining = False
         self.frozen = False                      # set once the comparison is done: later sends are dropped
@@ -352,8 +356,8 @@ class ReplayBus:
         return {}
 
     def peer_alive(self, peer: str) -> bool:
-        # Heartbeats are not logged: every peer counts as alive (a run in which one died diverges there).
-        return True
+        # As the original's heartbeats said, from the log's peer_dead/peer_alive events.
+        return self.alive.get(peer, True)
 
     # The parts of Bus that Actor._drain uses.
     async def wait_handlers(self, timeout: float | None = None) -> bool:
@@ -518,6 +522,9 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
     for rec in records:
         if rec.rejected:
             continue
+        if rec.kind == "event":
+            schedule.append((rec, None, n_out))
+            continue
         if rec.kind == "bulk_in":
             if not rec.tensors_stored:
                 raise ReplayError(f"{path}: bucket record {rec.index} has a checksum only; replay needs tensors='store'")
@@ -585,7 +592,7 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
                 if outbound_recorded and not to_end and _differs_so_far(bus, expected_keys, checked, float_tol):
                     stopped_early = True
                     break
-                if not rec.tensors_stored:
+                if rec.kind != "event" and not rec.tensors_stored:
                     raise ReplayError(f"{path}: record {rec.index} kept tensor checksums only; replay needs tensors='store'")
                 if not await _caught_up(bus, streams, caught, before, idle_timeout):
                     stalled = (rec, before)
@@ -593,6 +600,10 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
                 if not await _settle(executor, idle_timeout):
                     stalled = (rec, before)
                     break
+                if rec.kind == "event":            # the original's bus declared a peer dead or alive here
+                    bus.alive[rec.peer] = rec.event == "peer_alive"
+                    (actor.on_peer_alive if bus.alive[rec.peer] else actor.on_peer_dead)(rec.peer)
+                    continue
                 if header.reply_to is not None:    # a reply to one of the actor's requests
                     if header.reply_to in reply_key:
                         bus.release(reply_key[header.reply_to])

@@ -8,6 +8,7 @@ File layout: an 8-byte magic ``AREALML1`` then records, each ``<u32 length><u32 
      "sums": [sha256 hex of each tensor frame], "rejected": reason?, "cause": id?}
     {"k": "bulk_in" | "bulk_out", "t": time, "peer": "link#rank", "link": name,
      "frames": [msgpack bucket header, bucket bytes (bulk_in, tensors="store")], "sums": [sha256]?, "cause": id?}
+    {"k": "event", "t": time, "peer": name, "event": "peer_dead" | "peer_alive"}     # the bus's heartbeat verdicts
 
 ``frames[0]`` is the message's header+body frame exactly as it crossed the wire, so a record decodes with
 :func:`transport.messages.decode`. Tensor frames are stored whole (``tensors="store"``) or only as
@@ -112,6 +113,11 @@ class MessageLogWriter:
             rec["cause"] = cause
         self._append(rec)
 
+    def record_event(self, event: str, peer: str) -> None:
+        """Append what the bus concluded from heartbeats (``peer_dead``, ``peer_alive``): no message carries
+        it, and an actor acts on it (re-issues work, asks again)."""
+        self._append({"k": "event", "t": time.time(), "peer": peer, "event": event})
+
     def _append(self, rec: dict, force: bool = False) -> None:
         if self._fd < 0:
             return
@@ -153,7 +159,7 @@ class MessageLogWriter:
 class LogRecord:
     index: int
     offset: int
-    kind: str                  # "meta", "in", "out", "bulk_in" or "bulk_out"
+    kind: str                  # "meta", "in", "out", "bulk_in", "bulk_out" or "event"
     t: float
     peer: str = ""
     frames: list[bytes] = field(default_factory=list)
@@ -161,6 +167,7 @@ class LogRecord:
     rejected: str | None = None
     cause: str | None = None
     segment: int = 0           # which open() of the file (a restarted actor appends a new segment)
+    event: str | None = None   # kind "event": peer_dead or peer_alive
     meta: dict = field(default_factory=dict)
 
     @property
@@ -215,7 +222,7 @@ class MessageLogReader:
             else:
                 yield LogRecord(index, pos, kind, rec.get("t", 0.0), rec.get("peer", ""),
                                 list(rec.get("frames", [])), list(rec.get("sums", [])),
-                                rec.get("rejected"), rec.get("cause"), max(segment, 0))
+                                rec.get("rejected"), rec.get("cause"), max(segment, 0), event=rec.get("event"))
             index += 1
             pos = end
 
