@@ -271,6 +271,13 @@ class Actor:
     def on_peer_alive(self, peer: str) -> None:
         """A peer declared dead answers again."""
 
+    def make_link(self, config: Any) -> Any:
+        """This actor's end of a bulk link (a transport.bulk.LinkConfig): its buckets go into the message log
+        when the actor keeps one; tools.replay puts a stand-in fed from the log in its place."""
+        from transport.bulk import BulkLink   # torch: only the actors that move tensors pay for the import
+
+        return BulkLink(config, recorder=self.msglog)
+
     # ---------------------------------------------------------------------------------- dispatching
 
     def dispatch(self, env: Envelope) -> Any:
@@ -357,7 +364,19 @@ class Actor:
         roles = {name: group for group, names in groups.items() for name in names} if groups else None
         return Bus(self.name, self.spec.endpoint, self.spec.peers, handler=self.dispatch, curve=curve, roles=roles,
                    recorder=recorder, record_outbound=outbound, log=self.log.bind(component="bus"),
-                   on_peer_dead=self.on_peer_dead, on_peer_alive=self.on_peer_alive, **bus_kw)
+                   on_peer_dead=self._peer_dead, on_peer_alive=self._peer_alive, **bus_kw)
+
+    # Heartbeat verdicts go into the message log too: an actor acts on them (a trainer asks the buffer again
+    # once it is back), so a replay must deliver them where they happened.
+    def _peer_dead(self, peer: str) -> None:
+        if self.msglog is not None:
+            self.msglog.record_event("peer_dead", peer)
+        self.on_peer_dead(peer)
+
+    def _peer_alive(self, peer: str) -> None:
+        if self.msglog is not None:
+            self.msglog.record_event("peer_alive", peer)
+        self.on_peer_alive(peer)
 
     def _announce_ready(self) -> None:
         path = ready_path(self.run_dir, self.name)

@@ -99,7 +99,7 @@ class Echoer(Actor):
         self.link_lock = asyncio.Lock()
         config = _link_config(self)
         if config is not None:
-            self.link = BulkLink(config)
+            self.link = self.make_link(config)
             # Forming the group is collective: it completes once every pinger has joined too.
             self.spawn(asyncio.to_thread(self.link.open, 0), name="link_open")
 
@@ -147,7 +147,7 @@ class Pinger(Actor):
         marker.parent.mkdir(parents=True, exist_ok=True)
         restarts_seen = 1 if marker.exists() else 0
         config = _link_config(self)
-        link = BulkLink(config) if config is not None else None
+        link = self.make_link(config) if config is not None else None
         opening = asyncio.ensure_future(asyncio.to_thread(link.open, 0)) if link is not None else None
         for seq in range(rounds):
             payload = f"{self.name}:{seq}"

@@ -47,7 +47,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -87,6 +87,8 @@ class RolloutWeights:
     receive_seconds: float = 0.0
     stall_seconds: float = 0.0
 
+    VOLATILE: ClassVar[tuple[str, ...]] = ("incarnation", "receive_seconds", "stall_seconds")
+
 
 @message("ps.weights_status_request", senders=("trainer",))
 class WeightsStatusRequest(Message):
@@ -103,6 +105,8 @@ class WeightsStatusRequest(Message):
 
 @message("ps.weights_status")
 class WeightsStatus(Message):
+    VOLATILE: ClassVar[tuple[str, ...]] = ("last_sync_seconds",)
+
     version: int
     weights_hash: str
     generation: int
@@ -174,6 +178,7 @@ class ParamServerActor(Actor):
         self._changed = asyncio.Condition()
         self._up_lock = asyncio.Lock()
         self._up_epoch = 0   # the newest train-link epoch the trainer has named
+        self._storing: set[asyncio.Task] = set()   # published versions being hashed and packed
         self._trainer_incarnation = ""
         self._waiting_logged: tuple = ()
         # Hellos can arrive while on_start still loads the start weights; they are applied once it is done.
@@ -212,7 +217,7 @@ class ParamServerActor(Actor):
                       buckets=len(self.current.packed), nbytes=self.current.nbytes,
                       seconds=round(time.monotonic() - t0, 3))
         # The train link is joined at the epoch the trainer's first WeightsPublished names (on_published).
-        self.up, self.down = BulkLink(up_cfg), BulkLink(down_cfg)
+        self.up, self.down = self.make_link(up_cfg), self.make_link(down_cfg)
         self._mark_started()
 
     def _start_direct(self) -> None:
@@ -331,7 +336,7 @@ class ParamServerActor(Actor):
             # First contact, a restart of either side, or a transfer that failed: meet the trainer on the epoch
             # it names (it is the rendezvous master and joins that epoch too), on a link object of its own: an
             # announcement older than a restart may still be waiting for its epoch in another thread.
-            link = BulkLink(self.up.config)
+            link = self.make_link(self.up.config)
             try:
                 await in_thread(link.open, msg.link_epoch)
             except BulkError as exc:
@@ -363,7 +368,9 @@ class ParamServerActor(Actor):
         if msg.weights_hash:   # announced: checked before the answer, so a mismatch fails the publish
             await self._store(msg.version, buckets, receive_s, msg.weights_hash)
         else:   # hashed and packed here after the answer: off the trainer's step (the rollouts wait for it)
-            self.spawn(self._store(msg.version, buckets, receive_s), name=f"store-v{msg.version}")
+            task = self.spawn(self._store(msg.version, buckets, receive_s), name=f"store-v{msg.version}")
+            self._storing.add(task)
+            task.add_done_callback(self._storing.discard)
         return WeightsStored(version=msg.version, receive_seconds=receive_s)
 
     async def _store(self, version: int, buckets: list, receive_s: float, announced: str = "") -> None:
@@ -716,6 +723,11 @@ class ParamServerActor(Actor):
     @handles(WeightsStatusRequest)
     async def on_status(self, msg: WeightsStatusRequest) -> WeightsStatus:
         await self._started.wait()
+        if self._storing:
+            # A published version still being hashed and packed is answered for once stored (milliseconds):
+            # the answer then depends on the messages received, not on how fast the hashing thread ran,
+            # so a replay of the log gives the same answer.
+            await asyncio.wait(set(self._storing), timeout=30.0)
         if msg.min_version < 0 or msg.timeout_s <= 0:
             return self._status(msg)
         try:

@@ -30,6 +30,7 @@ Settings (besides the shared experiment keys ``model.path``, ``model.dtype``, ``
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import threading
 import time
@@ -86,7 +87,9 @@ def in_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
         if not loop.is_closed():
             loop.call_soon_threadsafe(settle, True, result)
 
-    threading.Thread(target=body, name=f"blocking-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    # In the caller's context: what a link sends or receives is logged as caused by the caller's message.
+    threading.Thread(target=contextvars.copy_context().run, args=(body,),
+                     name=f"blocking-{getattr(fn, '__name__', 'call')}", daemon=True).start()
     return fut
 
 
@@ -257,7 +260,7 @@ class RolloutActor(Actor):
             server_side = direct and hasattr(self.engine, "init_weights_group") \
                 and bool(self.settings.get("weights_via_server", True))
             tp = int(((self.settings.get("instance") or {}).get("parallel") or {}).get("tp", 1))
-            self.link = ServerWeightGroup(self.engine, config, tp) if server_side else BulkLink(config)
+            self.link = ServerWeightGroup(self.engine, config, tp) if server_side else self.make_link(config)
         await self.engine.start()
         self._engine_ready.set()
         self.log.info("engine_started", engine=type(self.engine).__name__, version=version, model_dir=model_dir,

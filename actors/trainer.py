@@ -346,7 +346,7 @@ class TrainerActor(Actor):
         self.link_epoch = 0   # relay: the train link's epoch; a failed transfer moves both sides to a new one
         if link_cfg is not None and self.param_server is not None:
             self.link_cfg = LinkConfig.from_dict(link_cfg)
-            self.link = BulkLink(self.link_cfg)
+            self.link = self.make_link(self.link_cfg)
             if self.direct and self.link_cfg.rank != 0:
                 raise TrainerConfigError(f"links.{self.link_cfg.name}.members: the trainer broadcasts direct "
                                          f"weights as rank 0 and must be listed first, got {self.link_cfg.members}")

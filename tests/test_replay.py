@@ -142,12 +142,14 @@ def test_replay_identical_and_divergence_at_the_right_message(tmp_path: Any, cap
     first_over = next(i for i, t in enumerate(totals) if t > 40) + 1
     assert d is not None and d.inbound_position == first_over == 8
     assert d.cause_kind == "test.replay.add" and d.outbound_position == 0
-    assert '"total": 51' in d.actual and '"total": 50' in d.expected
+    # named by message and field, with the two values
+    assert d.message == "test.replay.total" and d.field == "total" and (d.expected, d.actual) == ("50", "51")
 
     assert replay.main([path, "--into", f"{MODULE}:Accumulator"]) == 0
     assert "identical" in capsys.readouterr().out
     assert replay.main([path, "--into", f"{MODULE}:ChangedAccumulator"]) == 1
-    assert "first divergence at inbound message #8" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "first divergence at inbound message #8" in out and "message test.replay.total, field total" in out
 
 
 def test_print_filters_and_json(tmp_path: Any, capsys: Any) -> None:
@@ -240,3 +242,49 @@ def test_corrupt_length_mid_log_is_an_error_not_a_torn_tail(tmp_path: Any, capsy
     assert replay.main([path, "--into", "actors.buffer:BufferActor"]) == 2
     captured = capsys.readouterr()
     assert "corrupt length" in captured.err and "identical" not in captured.out
+
+
+class Watcher(Accumulator):
+    """Tells the oracle when the sink is gone: work done on a heartbeat verdict, not on a message."""
+
+    def on_peer_dead(self, peer: str) -> None:
+        if peer == "sink":
+            self.spawn(self.bus.send("oracle", Add(-1)), name="report")
+
+
+def test_heartbeat_verdicts_are_logged_and_replayed(tmp_path: Any) -> None:
+    async def main() -> None:
+        told = asyncio.Event()
+
+        def oracle(env: Any) -> None:
+            if type(env.msg) is Add and env.msg.n == -1:
+                told.set()
+
+        oracle_bus = await Bus("oracle", "tcp://127.0.0.1:*", handler=oracle, heartbeat_interval=None).start()
+        sink_bus = await Bus("sink", "tcp://127.0.0.1:*", handler=lambda env: None, heartbeat_interval=None).start()
+        spec = ActorSpec("watch", f"{MODULE}:Watcher", f"ipc://{tmp_path}/watch",
+                         {"oracle": oracle_bus.endpoint, "sink": sink_bus.endpoint},
+                         {"log_console": False, "message_log": {"outbound": True},
+                          "bus": {"heartbeat_interval": 0.05, "heartbeat_timeout": 0.5}}, str(tmp_path))
+        actor = Watcher(spec)
+        task = asyncio.create_task(actor.run())
+        async with asyncio.timeout(10):
+            while not ready_path(tmp_path, "watch").exists():
+                await asyncio.sleep(0.005)
+        await sink_bus.close()          # the sink goes silent: the watcher's heartbeats declare it dead
+        async with asyncio.timeout(30):
+            await told.wait()
+        actor.request_stop()
+        assert await task == 0
+        await oracle_bus.close()
+
+    uvloop.run(main())
+    path = str(tmp_path / "msglog" / "watch.msglog")
+    from transport.msglog import read_log
+    events = [(r.event, r.peer) for r in read_log(path)[0] if r.kind == "event"]
+    assert ("peer_dead", "sink") in events, events
+    same = replay.replay_into(path, f"{MODULE}:Watcher", idle_timeout=10)
+    assert same.compared and same.divergence is None and same.sent >= 1, same
+    # an actor that does nothing on the verdict: the report to the oracle is missing
+    d = replay.replay_into(path, f"{MODULE}:Accumulator", idle_timeout=5).divergence
+    assert d is not None and d.peer == "oracle" and d.actual == "nothing" and d.message == "test.replay.add", d

@@ -1,5 +1,7 @@
 """`python -m tools.up TOPOLOGY [key.sub=value ...] [--dry-run]`: validate a topology and start the run.
 
+* ``--record`` turns message logs on for every actor (``RUN_DIR/msglog/<name>.msglog``, inbound and
+  outbound, tensors stored) so that any actor can be replayed with ``tools.replay --into``.
 * ``--dry-run`` prints the placement (node -> actors -> GPUs / cores / CPU workers), the bus endpoints,
   the NCCL/gloo group of every link and the command each node would run, then exits 0.
 * One node and no SLURM allocation: every actor starts on this machine under ``actors.supervisor``.
@@ -271,6 +273,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=None, help="stop the run after this many seconds")
     ap.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live display")
     ap.add_argument("--sbatch", action="store_true", help="submit a SLURM allocation and launch inside it")
+    ap.add_argument("--record", action="store_true",
+                    help="message logs for every actor (in and out, tensors stored): RUN_DIR/msglog/<name>.msglog, "
+                         "replayable with tools.replay --into")
     ap.add_argument("--no-import-check", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -322,8 +327,14 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def build_specs(plan: Plan, run_dir: Path) -> list[dict[str, Any]]:
-    """ActorSpec dictionaries for the run: ipc paths made concrete, CurveZMQ keys made when asked."""
+# What `--record` turns on in every actor: tools.replay --into needs the outbound records to compare with
+# and the tensors themselves to rebuild the inbound messages, not their checksums.
+RECORD_SETTINGS = {"outbound": True, "tensors": "store"}
+
+
+def build_specs(plan: Plan, run_dir: Path, record: bool = False) -> list[dict[str, Any]]:
+    """ActorSpec dictionaries for the run: ipc paths made concrete, CurveZMQ keys made when asked, message
+    logs on for every actor with ``record``."""
     curve = None
     if plan.topology.bus.curve:
         from transport.auth import generate_run_keys
@@ -344,6 +355,9 @@ def build_specs(plan: Plan, run_dir: Path) -> list[dict[str, Any]]:
         for spec in specs:
             spec["endpoint"] = spec["endpoint"].replace("{ipc_dir}", str(ipc_dir))
             spec["peers"] = {n: e.replace("{ipc_dir}", str(ipc_dir)) for n, e in spec["peers"].items()}
+    if record:
+        for spec in specs:
+            spec["settings"]["message_log"] = dict(RECORD_SETTINGS)
     return specs
 
 
@@ -555,7 +569,7 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
         print(f"{plan.topology.source}: experiment.{exc}", file=sys.stderr)
         return EXIT_INVALID
     run_dir = make_run_dir(plan, args.run_dir)
-    specs = build_specs(plan, run_dir)
+    specs = build_specs(plan, run_dir, record=args.record)
     write_plan(plan, run_dir, specs, args.overrides)
     print(f"run {plan.topology.name}: {len(specs)} actor(s), run directory {run_dir}", flush=True)
     node_of = {i.name: i.host for i in plan.instances}
@@ -650,7 +664,7 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
         print(f"{plan.topology.source}: {short}", file=sys.stderr)
         return EXIT_INVALID
     run_dir = make_run_dir(plan, args.run_dir)
-    specs = build_specs(plan, run_dir)
+    specs = build_specs(plan, run_dir, record=args.record)
     write_plan(plan, run_dir, specs, args.overrides)
     by_name = {s["name"]: s for s in specs}
     hosts = [n.name for n in plan.topology.nodes]
@@ -772,6 +786,8 @@ def submit_sbatch(plan: Plan, args: argparse.Namespace) -> int:
             "--run-dir", str(run_dir), "--no-progress", "--ready-timeout", str(args.ready_timeout)]
     if args.duration is not None:
         argv += ["--duration", str(args.duration)]
+    if args.record:
+        argv.append("--record")
     script = run_dir / "sbatch.sh"
     script.write_text("\n".join([
         "#!/bin/bash",

@@ -210,8 +210,11 @@ class BulkLink:
         link.close()
     """
 
-    def __init__(self, config: LinkConfig):
+    def __init__(self, config: LinkConfig, recorder: Any = None):
         self.config = config
+        # A transport.msglog.MessageLogWriter: every bucket received is logged whole and every bucket sent
+        # by its header, so tools.replay can stand in for the link.
+        self.recorder = recorder
         self.generation: int | None = None
         self.members: list[str] = list(config.members)   # who formed the current generation, in rank order
         self._server: dist.TCPStore | None = None   # the rendezvous server, on the master
@@ -355,7 +358,15 @@ class BulkLink:
         flat = self._to_link(packed.flat) if packed is not None else torch.empty(header["size"], dtype=torch.uint8,
                                                                     device=self._device)
         run("broadcast", [flat], dist.BroadcastOptions(), root=src)
+        self._record("out" if packed is not None else "in", "all" if packed is not None else str(src), header, flat)
         return PackedBucket(header, flat)
+
+    def _record(self, direction: str, peer: str, header: dict[str, Any], flat: torch.Tensor) -> None:
+        if self.recorder is not None:
+            from transport.bus import current_cause   # the message whose handler started this transfer
+
+            self.recorder.record_bulk(direction, self.config.name, f"{self.config.name}#{peer}", header,
+                                      flat.cpu().numpy() if direction == "in" else None, cause=current_cause.get())
 
     def send(self, bucket: Bucket, dst: int, generation: int | None = None) -> None:
         """Point-to-point: send ``bucket`` to rank ``dst`` (which calls :meth:`recv`)."""
@@ -367,6 +378,7 @@ class BulkLink:
         run("send", [self._to_link(torch.tensor([len(header_bytes)], dtype=torch.int64))], dst, 0)
         run("send", [self._to_link(torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8))], dst, 1)
         run("send", [self._to_link(packed.flat)], dst, 2)
+        self._record("out", str(dst), packed.header, packed.flat)
 
     def recv(self, src: int, generation: int | None = None) -> Bucket:
         """Receive one bucket sent by rank ``src`` with :meth:`send`; checksum verified."""
@@ -378,6 +390,7 @@ class BulkLink:
         header = self._decode_header(head)
         flat = torch.empty(header["size"], dtype=torch.uint8, device=self._device)
         run("recv", [flat], src, 2)
+        self._record("in", str(src), header, flat)
         return unpack_bucket(PackedBucket(header, flat), self.config.name)
 
     def barrier(self) -> None:

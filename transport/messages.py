@@ -108,6 +108,10 @@ class Message:
 
     KIND: ClassVar[str] = ""
     SENDERS: ClassVar[frozenset[str] | None] = None   # roles allowed to send it; None: any peer
+    # Fields no rerun can reproduce (wall-clock measurements, a process's own identity): tools.replay leaves
+    # them out when it compares a replayed actor's messages with the original's. A plain dataclass nested
+    # in a message may declare its own.
+    VOLATILE: ClassVar[tuple[str, ...]] = ()
 
 
 M = TypeVar("M", bound=type)

@@ -6,6 +6,9 @@ File layout: an 8-byte magic ``AREALML1`` then records, each ``<u32 length><u32 
     {"k": "meta", "t": time, "actor": name, "spec": {...}, "schema": SCHEMA_VERSION}   # once per open
     {"k": "in" | "out", "t": time, "peer": name, "frames": [frame0, tensor bytes...],
      "sums": [sha256 hex of each tensor frame], "rejected": reason?, "cause": id?}
+    {"k": "bulk_in" | "bulk_out", "t": time, "peer": "link#rank", "link": name,
+     "frames": [msgpack bucket header, bucket bytes (bulk_in, tensors="store")], "sums": [sha256]?, "cause": id?}
+    {"k": "event", "t": time, "peer": name, "event": "peer_dead" | "peer_alive"}     # the bus's heartbeat verdicts
 
 ``frames[0]`` is the message's header+body frame exactly as it crossed the wire, so a record decodes with
 :func:`transport.messages.decode`. Tensor frames are stored whole (``tensors="store"``) or only as
@@ -23,6 +26,7 @@ import hashlib
 import os
 import re
 import struct
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -67,6 +71,8 @@ class MessageLogWriter:
         self.tensors = tensors
         self.flush_every = flush_every
         self._pending: list[bytes] = []
+        # Bulk links record from the threads their transfers run in, alongside the event loop's records.
+        self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.records = 0
         if os.fstat(self._fd).st_size == 0:
@@ -91,16 +97,42 @@ class MessageLogWriter:
             rec["cause"] = cause
         self._append(rec)
 
+    def record_bulk(self, direction: str, link: str, peer: str, header: dict, flat: Any = None,
+                    cause: str | None = None) -> None:
+        """Append one bucket of a bulk link (transport.bulk). ``direction`` "in": a received bucket, its
+        bytes kept when tensors are stored (replay hands them to the replayed actor); "out": a sent one,
+        its header only (names, shapes, offsets and the checksum of its bytes: enough to compare)."""
+        rec: dict[str, Any] = {"k": f"bulk_{direction}", "t": time.time(), "peer": peer, "link": link,
+                               "frames": [msgpack.packb(header, use_bin_type=True)]}
+        if direction == "in" and flat is not None:
+            data = _frame_bytes(flat)
+            rec["sums"] = [hashlib.sha256(data).hexdigest()]
+            if self.tensors == "store":
+                rec["frames"].append(data)
+        if cause is not None:
+            rec["cause"] = cause
+        self._append(rec)
+
+    def record_event(self, event: str, peer: str) -> None:
+        """Append what the bus concluded from heartbeats (``peer_dead``, ``peer_alive``): no message carries
+        it, and an actor acts on it (re-issues work, asks again)."""
+        self._append({"k": "event", "t": time.time(), "peer": peer, "event": event})
+
     def _append(self, rec: dict, force: bool = False) -> None:
         if self._fd < 0:
             return
         payload = msgpack.packb(rec, use_bin_type=True)
-        self._pending.append(_HEAD.pack(len(payload), zlib.crc32(payload)) + payload)
-        self.records += 1
-        if force or len(self._pending) >= self.flush_every:
-            self.flush()
+        with self._lock:
+            self._pending.append(_HEAD.pack(len(payload), zlib.crc32(payload)) + payload)
+            self.records += 1
+            if force or len(self._pending) >= self.flush_every:
+                self._flush()
 
     def flush(self) -> None:
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
         if self._pending and self._fd >= 0:
             data = b"".join(self._pending)
             self._pending.clear()
@@ -110,10 +142,11 @@ class MessageLogWriter:
                 view = view[n:]
 
     def close(self) -> None:
-        if self._fd >= 0:
-            self.flush()
-            os.close(self._fd)
-            self._fd = -1
+        with self._lock:
+            if self._fd >= 0:
+                self._flush()
+                os.close(self._fd)
+                self._fd = -1
 
     def __enter__(self) -> "MessageLogWriter":
         return self
@@ -126,7 +159,7 @@ class MessageLogWriter:
 class LogRecord:
     index: int
     offset: int
-    kind: str                  # "meta", "in" or "out"
+    kind: str                  # "meta", "in", "out", "bulk_in", "bulk_out" or "event"
     t: float
     peer: str = ""
     frames: list[bytes] = field(default_factory=list)
@@ -134,6 +167,7 @@ class LogRecord:
     rejected: str | None = None
     cause: str | None = None
     segment: int = 0           # which open() of the file (a restarted actor appends a new segment)
+    event: str | None = None   # kind "event": peer_dead or peer_alive
     meta: dict = field(default_factory=dict)
 
     @property
@@ -188,7 +222,7 @@ class MessageLogReader:
             else:
                 yield LogRecord(index, pos, kind, rec.get("t", 0.0), rec.get("peer", ""),
                                 list(rec.get("frames", [])), list(rec.get("sums", [])),
-                                rec.get("rejected"), rec.get("cause"), max(segment, 0))
+                                rec.get("rejected"), rec.get("cause"), max(segment, 0), event=rec.get("event"))
             index += 1
             pos = end
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -101,6 +101,8 @@ class Answers:
     """The answers a rollout generated to one prompt, with its clocks. Unscored in Trajectories; the reward
     actor fills in each sample's reward, correct and score_detail and sends them on in ScoredGroup."""
 
+    VOLATILE: ClassVar[tuple[str, ...]] = ("gen_seconds", "busy_seconds", "up_seconds")
+
     samples: list[Sample]
     rollout: str
     gen_seconds: float = 0.0
@@ -120,6 +122,8 @@ class Trajectories(Message):
 @message("rl.scored_group", senders=("reward",))
 class ScoredGroup(Message):
     """reward -> buffer: the group's answers, scored."""
+
+    VOLATILE: ClassVar[tuple[str, ...]] = ("score_seconds",)
 
     group_id: str
     answers: Answers
@@ -397,6 +401,8 @@ class WeightsPublished(Message):
     the train link's epoch the buckets come on; the parameter server joins it first if it is elsewhere (it
     restarted, or the trainer moved to a fresh epoch after a failed transfer)."""
 
+    VOLATILE: ClassVar[tuple[str, ...]] = ("incarnation",)
+
     version: int
     n_buckets: int
     weights_hash: str
@@ -408,6 +414,7 @@ class WeightsPublished(Message):
 
 @message("rl.weights_stored")
 class WeightsStored(Message):
+    VOLATILE: ClassVar[tuple[str, ...]] = ("receive_seconds",)
     version: int
     receive_seconds: float
 
@@ -433,6 +440,8 @@ class WeightsAck(Message):
     engine's own hash of the weights it samples with is `weights_hash`) or "version" (a server that cannot
     read its weights back, such as SGLang, reports `version` after a successful update; `weights_hash` "")."""
 
+    VOLATILE: ClassVar[tuple[str, ...]] = ("receive_seconds", "stall_seconds")
+
     version: int
     weights_hash: str
     receive_seconds: float
@@ -445,6 +454,8 @@ class RolloutHello(Message):
     """rollout -> param_server: a (re)started rollout at `version` joins; it needs the current weights.
     `weight_ranks` > 0: its server joins the direct weights group itself, as that many ranks (an SGLang
     server, one per tensor-parallel rank); 0: the actor receives on the bulk link."""
+
+    VOLATILE: ClassVar[tuple[str, ...]] = ("incarnation",)
 
     version: int
     weight_ranks: int = 0
@@ -497,6 +508,8 @@ class LinkFormed(Message):
     """trainer -> param_server (direct weights): the trainer joined the group of `generation` (or, for a
     group of servers, is hosting it, one group per pipeline stage, and joins while they do)."""
 
+    VOLATILE: ClassVar[tuple[str, ...]] = ("seconds",)
+
     generation: int
     seconds: float
     master_addrs: list[str] = field(default_factory=list)
@@ -513,6 +526,7 @@ class WeightsBroadcast(Message):
 
 @message("rl.weights_broadcast_done")
 class WeightsBroadcastDone(Message):
+    VOLATILE: ClassVar[tuple[str, ...]] = ("seconds",)
     version: int
     seconds: float
 

@@ -1,0 +1,170 @@
+"""tools.replay --into on the real actors, from the message logs of one real recorded run (`tools.up --record`):
+each replays identically, and a changed setting is reported as the first divergence naming message and field."""
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tools import replay
+from tools.bench.chaos import kill_everything, launch, make_assets
+
+
+@pytest.fixture(scope="module")
+def recorded() -> Iterator[Path]:
+    """A 3-step run of topology/local.yaml with every actor's messages logged; yields its msglog dir.
+
+    In a directory of its own, not pytest's: the basetemp of a session is removed by later sessions (they
+    keep three), and other sessions run on this machine while the replays read the run's model."""
+    with tempfile.TemporaryDirectory(prefix="replay-actors-") as tmp:
+        yield _record(Path(tmp))
+
+
+def _record(base: Path) -> Path:
+    assets = make_assets(base, train_per_level=40)
+    run_dir = base / "run"
+    # A random model answers everything wrong, so every group's rewards are equal and GRPO's advantages zero;
+    # a KL penalty to the starting weights (the rollout engine's and the trainer's log-probs differ in the
+    # last digits) gives the trainer something to learn, and two minibatches a clip ratio to report.
+    proc = launch(assets, run_dir, steps=3, ckpt_every=3,
+                  extra=("experiment.run.final_eval=false", "experiment.algo.kl_coef=0.1",
+                         "experiment.algo.ppo_minibatches=2", "--record"))
+    try:
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-4000:]
+    except subprocess.TimeoutExpired:
+        kill_everything(proc, run_dir)
+        raise
+    logs = run_dir / "msglog"
+    assert sorted(p.name for p in logs.iterdir()) == sorted(
+        f"{n}.msglog" for n in ("buffer", "reward", "trainer", "param_server", "rollout.0", "rollout.1"))
+    return logs
+
+
+def test_buffer_replays_identically(recorded: Path, capsys: pytest.CaptureFixture) -> None:
+    # It used to hang: the trainer's first BatchRequest arrives before any scored group, and a replay that
+    # waited for each handler to finish before the next message waited for ever.
+    assert replay.main([str(recorded / "buffer.msglog"), "--into", "actors.buffer:BufferActor"]) == 0
+    out = capsys.readouterr().out
+    assert "identical: every outbound message matches the original" in out, out
+
+
+def test_buffer_with_a_changed_setting_reports_the_first_divergence(recorded: Path) -> None:
+    log = str(recorded / "buffer.msglog")
+    # Another seed shuffles the dataset differently: the first group handed out is another prompt.
+    d = replay.replay_into(log, "actors.buffer:BufferActor", overrides={"seed": 2}).divergence
+    assert d is not None and d.inbound_position == -1 and d.outbound_position == 0
+    assert d.message == "rl.generate_group" and d.field == "group_id" and d.expected != d.actual
+    # A smaller batch admits fewer groups at once: the original's later groups never go out.
+    r = replay.replay_into(log, "actors.buffer:BufferActor", idle_timeout=5, overrides={"algo.batch_size": 3})
+    d = r.divergence
+    assert d is not None and d.message == "rl.generate_group" and d.actual == "nothing", d
+    assert any("then nothing for 5 s" in n for n in r.notes), r.notes
+
+
+def test_reward_replays_identically_and_a_changed_grader_setting_is_caught(recorded: Path) -> None:
+    log = str(recorded / "reward.msglog")
+    same = replay.replay_into(log, "actors.reward.math:MathReward")
+    # score_seconds differs in any rerun: ScoredGroup declares it VOLATILE, so it is not compared
+    assert same.compared and same.divergence is None and same.fed > 0, same
+    # a random model answers every prompt wrong (algo.reward_wrong, -5 here); another value for a wrong answer
+    # changes the first scored group's first sample
+    d = replay.replay_into(log, "actors.reward.math:MathReward", overrides={"algo.reward_wrong": -0.5}).divergence
+    assert d is not None and d.inbound_position == 0 and d.message == "rl.scored_group", d
+    assert d.field == "answers.samples[0].reward" and (d.expected, d.actual) == ("-5.0", "-0.5"), d
+
+
+def test_parameter_server_replays_with_its_links_stood_in_for(recorded: Path) -> None:
+    log = str(recorded / "param_server.msglog")
+    # The trainer's buckets come from the log; the buckets pushed to each rollout compare by header (names,
+    # shapes, checksum of the bytes).
+    # Timers run at the replay's own pace: on this shared machine the replay's second ack can come more than
+    # late_s (2 s) after the first, and the push would end without it, as it never did in the original.
+    # (Were it a late ack in the original, the longer late_s would show as a divergence there.)
+    same = replay.replay_into(log, "actors.param_server:ParamServerActor", overrides={"late_s": 600})
+    assert same.compared and same.divergence is None, (same.divergence, same.notes)
+    assert same.sent > 0 and not same.notes, same.notes
+    # the rollout link's members in another order: the link is formed with the rollouts' ranks swapped
+    d = replay.replay_into(log, "actors.param_server:ParamServerActor", idle_timeout=10,
+                           overrides={"late_s": 600,
+                                      "links.ps_to_rollout.members": ["param_server", "rollout.1", "rollout.0"]}
+                           ).divergence
+    assert d is not None and (d.message, d.field) == ("rl.link_reform", "members[1]"), d
+    assert (d.expected, d.actual) == ('"rollout.0"', '"rollout.1"'), d
+
+
+def test_trainer_replays_identically_and_a_changed_step_count_is_caught(recorded: Path) -> None:
+    log = str(recorded / "trainer.msglog")
+    # Batches come as the buffer's recorded replies; the weights it publishes go on a stood-in link and are
+    # compared by their buckets' checksums, so identical means the same training, bit for bit.
+    same = replay.replay_into(log, "actors.trainer:TrainerActor")
+    assert same.compared and same.divergence is None, (same.divergence, same.notes)
+    assert same.sent > 0 and not same.notes, same.notes
+    d = replay.replay_into(log, "actors.trainer:TrainerActor", idle_timeout=10,
+                           overrides={"run.total_steps": 2}).divergence
+    # after step 2 it checkpoints where the original asked for the third batch
+    assert d is not None and d.inbound_position == -1 and d.peer == "buffer", d
+    assert (d.message, d.field) == ("rl.batch_request", None) and "rl.checkpoint_request" in d.actual, d
+
+
+def test_offline_retraining_prints_recorded_and_new_metrics_per_step(recorded: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    log = str(recorded / "trainer.msglog")
+    # the recorded batches trained again with a ten times larger KL coefficient
+    assert replay.main([log, "--into", "actors.trainer:TrainerActor", "--set", "algo.kl_coef=1.0"]) == 1
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["step", "loss"])
+    assert "kl (rec/new)" in lines[head] and "clip ratio (rec/new)" in lines[head] and "grad norm" in lines[head]
+    rows = [ln.split() for ln in lines[head + 1: head + 4]]
+    assert [r[0] for r in rows] == ["1", "2", "3"], out
+    recorded_loss, new_loss = (float(x) for x in rows[0][1].split("/"))
+    assert recorded_loss != new_loss, out      # every step trained, each with its recorded and its new loss
+    # the recorded column is the run's own metrics.jsonl
+    import json
+    first = json.loads((recorded.parent / "metrics.jsonl").read_text().splitlines()[0])
+    assert recorded_loss == pytest.approx(first["loss"], rel=1e-5)
+    # the weights it publishes differ from the first step on: named by link and field
+    assert "message bulk, field checksum" in out and "train_to_ps#1" in out, out
+
+
+def _trajectory_versions(log: Path) -> dict[str, list[int]]:
+    """Per inbound GenerateGroup id: the weight versions of every token the original generated for it."""
+    from transport.messages import decode
+    from transport.msglog import read_log
+
+    out: dict[str, list[int]] = {}
+    for rec in read_log(log)[0]:
+        if rec.kind == "out" and rec.cause:
+            header, msg = decode(rec.frames)
+            if header.kind == "rl.trajectories":
+                out[rec.cause] = [v for s in msg.answers.samples for v in s.versions]
+    return out
+
+
+@pytest.mark.parametrize("name", ["rollout.0", "rollout.1"])
+def test_rollout_replays_the_same_tokens_until_weights_change_mid_generation(recorded: Path, name: str) -> None:
+    log = recorded / f"{name}.msglog"
+    # The embedded engine samples each group with the seed in its GenerateGroup: the same tokens come out.
+    # Log-probs agree to about 1e-7 (which sequences share a batch changes the order of float sums), so
+    # floats compare within 1e-5. Where the original swapped weights in the middle of a generation, the
+    # replay (which takes the buckets when the message is delivered) swaps at another decode step: that is
+    # the first divergence it may report, and only there.
+    r = replay.replay_into(str(log), "actors.rollout:RolloutActor", float_tol=1e-5)
+    assert r.compared and r.fed > 0, r
+    if r.divergence is not None:
+        from transport.messages import decode_header
+        from transport.msglog import read_log
+
+        cause = next(decode_header(rec.frames)[0].id for rec in read_log(log)[0] if rec.index == r.divergence.record_index)
+        versions = _trajectory_versions(log).get(cause, [])
+        assert r.divergence.message == "rl.trajectories" and max(versions, default=0) > 0, (r.divergence, versions)
+    # weights held in bfloat16 instead: a group's log-probs, or the hash of the weights it acks, differ
+    d = replay.replay_into(str(log), "actors.rollout:RolloutActor", float_tol=1e-5,
+                           overrides={"model.dtype": "bfloat16"}).divergence
+    assert d is not None and d.inbound_position >= 0, d
+    assert (d.message, d.field) == ("rl.weights_ack", "weights_hash") or \
+        (d.message == "rl.trajectories" and d.field is not None and d.field.startswith("answers.samples[0].")), d
