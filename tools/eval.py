@@ -33,12 +33,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from actors.dataset import AREAL, LAYOUTS, DatasetError, Dataset, Layout, OnError, Record, load_dataset
+from actors.engines.base import EngineError
 from actors.engines.checkpoint import CheckpointError, load_model
 from actors.engines.model import Qwen2ForCausalLM
 from actors.engines.tokenizer import TokenizerError, load_tokenizer
 from actors.evaluation import (DEFAULT_MAX_NEW_TOKENS, NO_LEVEL, EvalError, EvalSettings, aevaluate_model,  # noqa: F401
-                               aevaluate_with, evaluate_model, level_key, select_records)
+                               aevaluate_with, engine_generator, evaluate_model, level_key, select_records)
 from tools.lm import LMToolError, has_weights
+
+ENGINES = ("torch", "sglang")
 
 
 def load_eval_records(data_path: str, levels: Sequence[int] | None = None, max_per_level: int | None = None,
@@ -54,23 +57,42 @@ async def aevaluate(model_dir: str, data_path: str, *, k: int = 8, samples: int 
                     greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
                     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, pass_ks: Sequence[int] = (), seed: int = 0, levels: Sequence[int] | None = None, max_per_level: int | None = None,
                     device: str = "cpu", workers: int = 1, on_error: OnError = "fail",
-                    details: bool = False, layout: Layout = AREAL) -> dict[str, Any]:
-    """Load the checkpoint and its tokenizer, evaluate on the dataset; see `aevaluate_model`.
+                    details: bool = False, layout: Layout = AREAL, engine: str = "torch",
+                    url: str | None = None) -> dict[str, Any]:
+    """Load the checkpoint and its tokenizer, evaluate on the dataset; see `aevaluate_model`. With
+    engine "sglang" the answers come from the SGLang server at `url` (its /generate), and `model_dir` need
+    only hold the tokenizer of the model it serves.
 
-    The report also names "model_dir", "data", "skipped_lines" and the total "seconds.total".
+    The report also names "model_dir", "data", "skipped_lines", "engine" and the total "seconds.total".
     """
     settings = EvalSettings(k=k, samples=samples, greedy=greedy, temperature=temperature, top_p=top_p,
                             max_new_tokens=max_new_tokens, pass_ks=tuple(pass_ks), seed=seed, workers=workers)
     settings.check()
     t0 = time.perf_counter()
-    if not has_weights(model_dir):
+    if engine not in ENGINES:
+        raise EvalError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
+    if engine == "sglang" and not url:
+        raise EvalError("--engine sglang needs the server's --url")
+    if engine == "torch" and url:
+        raise EvalError("--url is for --engine sglang (the torch engine runs here, on the checkpoint)")
+    if engine == "torch" and not has_weights(model_dir):
         raise EvalError(f"{model_dir}: no model weights (model.safetensors or an index) to evaluate")
     records, dataset = load_eval_records(data_path, levels, max_per_level, on_error, layout)
     tokenizer = load_tokenizer(model_dir)
-    model = await asyncio.to_thread(load_model, model_dir, None, device)
-    report = await aevaluate_model(model, tokenizer, records, settings, details=details)
+    if engine == "sglang":
+        from actors.engines.sglang import SGLangEngine
+        server = SGLangEngine(url=url, version=None)   # version None: read the server's label, do not change it
+        await server.start()
+        try:
+            report = await aevaluate_with(engine_generator(server), tokenizer, records, settings, details=details)
+        finally:
+            await server.stop()
+    else:
+        model = await asyncio.to_thread(load_model, model_dir, None, device)
+        report = await aevaluate_model(model, tokenizer, records, settings, details=details)
     report["seconds"]["total"] = time.perf_counter() - t0
-    return {"model_dir": str(model_dir), "data": str(data_path), "skipped_lines": dataset.n_skipped, **report}
+    return {"model_dir": str(model_dir), "data": str(data_path), "skipped_lines": dataset.n_skipped,
+            "engine": engine if engine == "torch" else f"sglang {url}", **report}
 
 
 def evaluate(model_dir: str, data_path: str, **kwargs: Any) -> dict[str, Any]:
@@ -181,6 +203,10 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     ap.add_argument("--max-per-level", type=int, help="the first N prompts of each level")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--engine", choices=ENGINES, default="torch",
+                    help="torch: the embedded engine on CHECKPOINT here; sglang: the server at --url answers "
+                         "(CHECKPOINT then needs only the tokenizer)")
+    ap.add_argument("--url", help="the SGLang server, e.g. http://127.0.0.1:30000 (with --engine sglang)")
     ap.add_argument("--workers", type=int, default=1, help="grader processes for answers the fast path leaves open")
     ap.add_argument("--on-error", choices=("fail", "skip"), default="fail", help="malformed dataset lines")
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default=None,
@@ -210,8 +236,9 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
                           temperature=args.temperature, top_p=args.top_p, max_new_tokens=max_new_tokens,
                           pass_ks=pass_ks, seed=args.seed,
                           levels=levels, max_per_level=args.max_per_level, device=args.device,
-                          workers=args.workers, on_error=args.on_error, details=bool(args.details), layout=layout)
-    except (EvalError, DatasetError, CheckpointError, TokenizerError, LMToolError) as e:
+                          workers=args.workers, on_error=args.on_error, details=bool(args.details), layout=layout,
+                          engine=args.engine, url=args.url)
+    except (EvalError, DatasetError, CheckpointError, TokenizerError, LMToolError, EngineError) as e:
         print(f"eval: error: {e}", file=sys.stderr)
         return 2
     if args.details:
