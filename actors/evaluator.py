@@ -170,6 +170,9 @@ class EvalActor(Actor):
                 self.log.warning("eval_weights_unavailable", error=str(exc)[:300])
                 await asyncio.sleep(min(self.wait_s, 5.0))
                 continue
+            if isinstance(got, str):   # this run's parameter server can never give weights: say so once, idle
+                self.log.error("evaluation_unavailable", why=got)
+                return
             if got is None:
                 continue
             version, newest = got
@@ -181,13 +184,16 @@ class EvalActor(Actor):
             self._write(eval_entry(version, newest, report, time.monotonic() - t0, time.time()))
             self.done.add(version)
 
-    async def _fetch(self, after: int) -> tuple[int, int] | None:
-        """Load the newest kept version after ``after`` into the model: (version, server's newest), or None
-        when there was none within wait_s or it was replaced while being fetched."""
+    async def _fetch(self, after: int) -> tuple[int, int] | str | None:
+        """Load the newest kept version after ``after`` into the model: (version, server's newest), None
+        when there was none within wait_s or it was replaced while being fetched, or why the server can
+        never give one."""
         first = await self.bus.request(self.param_server, EvalWeightsRequest(after=after, timeout_s=self.wait_s),
                                        timeout=self.wait_s + 30)
         if not isinstance(first, EvalWeights):
             raise BusError(f"{self.param_server} answered {type(first).__name__} to an eval weights request")
+        if first.unavailable:
+            return first.unavailable
         if first.version < 0:
             return None
         replies = [first]

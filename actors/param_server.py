@@ -143,6 +143,7 @@ class EvalWeights(Message):
     bucket: int
     header: dict[str, Any]
     flat: torch.Tensor
+    unavailable: str = ""    # why this server can never give any (then version is -1)
 
 
 def kept_for_eval(version: int, every: int) -> bool:
@@ -219,6 +220,7 @@ class ParamServerActor(Actor):
         self.eval_every = 0
         self.eval_kept: StoredVersion | None = None   # the newest version kept for the evaluator
         self._eval_changed = asyncio.Condition()
+        self._eval_closing = False                   # stopping: an evaluator's waiting request returns at once
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -781,12 +783,24 @@ class ParamServerActor(Actor):
         async with self._eval_changed:
             self._eval_changed.notify_all()
 
+    async def on_drain(self) -> None:
+        # A request waiting for the next kept version would hold the drain for up to its timeout_s.
+        self._eval_closing = True
+        await self._notify_eval()
+
     @handles(EvalWeightsRequest)
     async def on_eval_weights(self, msg: EvalWeightsRequest) -> EvalWeights:
         await self._started.wait()
+        newest = self.current.version if self.current is not None else -1
         if self.direct_from is not None:
-            raise ParamServerConfigError("evaluation during the run needs the relay through the parameter server: "
-                                         "with direct weights it holds none")
+            return EvalWeights(version=-1, newest=newest, weights_hash="", n_buckets=0, bucket=msg.bucket, header={},
+                               flat=torch.empty(0, dtype=torch.uint8),
+                               unavailable="evaluation during the run needs the relay through the parameter "
+                                           "server: with direct weights it holds none")
+        if self.eval_every <= 0:
+            return EvalWeights(version=-1, newest=newest, weights_hash="", n_buckets=0, bucket=msg.bucket, header={},
+                               flat=torch.empty(0, dtype=torch.uint8),
+                               unavailable="eval.every_versions is 0 in the parameter server's settings")
 
         def wanted() -> StoredVersion | None:
             kept = self.eval_kept
@@ -800,7 +814,7 @@ class ParamServerActor(Actor):
             try:
                 async with asyncio.timeout(msg.timeout_s):
                     async with self._eval_changed:
-                        await self._eval_changed.wait_for(lambda: wanted() is not None)
+                        await self._eval_changed.wait_for(lambda: wanted() is not None or self._eval_closing)
             except TimeoutError:
                 pass
         kept = wanted()
