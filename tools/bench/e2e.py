@@ -45,8 +45,11 @@ MODES: dict[str, list[str]] = {
 
 def run_mode(mode: str, steps: int, extra: list[str], out: Path, log: Any) -> dict[str, Any]:
     run_dir = out / mode
+    # No evaluation during the runs: the modes compare training alone (the figures in the README were
+    # measured so), and the evaluator's core-0 time would differ between placements. `extra` may turn it on.
     cmd = [sys.executable, "-m", "tools.up", TOPOLOGY, f"experiment.run.total_steps={steps}",
-           f"experiment.run.checkpoint_every_steps={steps}", "experiment.run.recover=off", *MODES[mode], *extra,
+           f"experiment.run.checkpoint_every_steps={steps}", "experiment.run.recover=off",
+           "experiment.eval.every_versions=0", *MODES[mode], *extra,
            "--run-dir", str(run_dir), "--no-progress"]
     log(f"bench e2e: {mode}: {' '.join(cmd[2:])}")
     t0 = time.time()
