@@ -154,6 +154,7 @@ class Record:
     solutions: tuple[str, ...] = ()
     level: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    line_no: int | None = field(default=None, compare=False)   # where it was read (tools.filter_data copies the line)
 
     def to_dict(self) -> dict[str, Any]:
         """The record as a JSON line would hold it (round-trips through `parse_record`)."""
@@ -245,7 +246,7 @@ def parse_record(obj: Any, *, path: str | Path = "<memory>", line_no: int | None
         raise bad("missing or empty: this use needs worked solutions", layout.solutions or layout.solution)
 
     extra = {k: v for k, v in obj.items() if k not in layout.consumed}
-    return Record(str(query_id), prompt, answer, tuple(solutions), level, extra)
+    return Record(str(query_id), prompt, answer, tuple(solutions), level, extra, line_no)
 
 
 def iter_jsonl(path: str | Path, *, require: Require = "answer", on_error: OnError = "fail",

@@ -36,6 +36,12 @@ request too, and has the trainer broadcast (:class:`WeightsBroadcast`) instead o
 rollouts cannot tell the difference. The start version's hash is not known here (nothing is loaded), so a
 rollout at the start version counts as up to date, as in the relay mode.
 
+Evaluation during the run (``eval.every_versions`` N > 0): every stored version that is a multiple of N
+(the start version included) is also kept for the evaluator (``actors/evaluator.py``), which asks for it
+bucket by bucket with :class:`EvalWeightsRequest` on the bus, at its own pace: nothing here waits for it,
+and a newer multiple replaces a kept one it has not fetched yet. Relay mode only (with direct weights
+this server holds no weights).
+
 Settings (all optional): ``train_link`` (default "train_to_ps"), ``rollout_link`` (default
 "ps_to_rollout"), ``ack_timeout_s`` (default 120), ``retry_s`` (default 2), ``probation_s`` (default 30: how
 long a rollout back from a hang is first left out if the transfer fails with it), ``bucket_bytes`` for the start
@@ -63,7 +69,7 @@ from transport.protocol import (HelloRequest, LinkReform, RolloutHello, RunFinis
                                 WeightsPublished, WeightsReady, WeightsStored)
 
 __all__ = ["ParamServerActor", "ParamServerConfigError", "WeightsRejected", "WeightsStatusRequest",
-           "WeightsStatus", "RolloutWeights", "StoredVersion", "pack_buckets"]
+           "WeightsStatus", "EvalWeightsRequest", "EvalWeights", "kept_for_eval", "RolloutWeights", "StoredVersion", "pack_buckets"]
 
 
 class ParamServerConfigError(ValueError):
@@ -115,6 +121,38 @@ class WeightsStatus(Message):
     hash_mismatches: int
     last_sync_seconds: float
     reached: bool
+
+
+@message("ps.eval_weights_request", senders=("evaluator",))
+class EvalWeightsRequest(Message):
+    """The evaluator's request for bucket ``bucket`` of the weights kept for evaluation. With ``version``
+    -1: of the newest kept version newer than ``after``, waiting up to ``timeout_s`` for one; otherwise of
+    that version (if it is no longer kept, the reply's version is -1 and the evaluator starts again)."""
+
+    after: int = -1
+    version: int = -1
+    bucket: int = 0
+    timeout_s: float = 0.0
+
+
+@message("ps.eval_weights")
+class EvalWeights(Message):
+    """One bucket of a kept version (``version`` -1: none to give; ``flat`` is then empty). ``newest`` is
+    the newest version stored here when it was sent: how far training has got beyond the one evaluated."""
+
+    version: int
+    newest: int
+    weights_hash: str
+    n_buckets: int
+    bucket: int
+    header: dict[str, Any]
+    flat: torch.Tensor
+    unavailable: str = ""    # why this server can never give any (then version is -1)
+
+
+def kept_for_eval(version: int, every: int) -> bool:
+    """Whether a version is one the evaluator evaluates: a multiple of ``eval.every_versions`` (0: off)."""
+    return every > 0 and version % every == 0
 
 
 @dataclasses.dataclass
@@ -184,6 +222,10 @@ class ParamServerActor(Actor):
         # Hellos can arrive while on_start still loads the start weights; they are applied once it is done.
         self._started = asyncio.Event()
         self._early_hellos: dict[str, RolloutHello] = {}
+        self.eval_every = 0
+        self.eval_kept: StoredVersion | None = None   # the newest version kept for the evaluator
+        self._eval_changed = asyncio.Condition()
+        self._eval_closing = False                   # stopping: an evaluator's waiting request returns at once
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -192,6 +234,7 @@ class ParamServerActor(Actor):
         self.retry_s = float(self.settings.get("retry_s", 2.0))
         self.probation_s = float(self.settings.get("probation_s", 30.0))
         self.late_s = float(self.settings.get("late_s", 2.0))
+        self.eval_every = int((self.settings.get("eval") or {}).get("every_versions") or 0)
         if not self.settings.get("links"):
             self._start_direct()
             return
@@ -213,6 +256,7 @@ class ParamServerActor(Actor):
         t0 = time.monotonic()
         self.current = await asyncio.to_thread(load_start_weights, self.settings, self.run_dir, bucket_bytes)
         self.start_version = self.current.version
+        self._keep_for_eval(self.current)
         self.log.info("start_weights", version=self.current.version, hash=self.current.weights_hash,
                       buckets=len(self.current.packed), nbytes=self.current.nbytes,
                       seconds=round(time.monotonic() - t0, 3))
@@ -386,6 +430,7 @@ class ParamServerActor(Actor):
             return
         self.current = StoredVersion(version, digest, packed, sum(p.flat.numel() for p in packed))
         self.counters["versions_stored"] += 1
+        self._keep_for_eval(self.current)
         self.log.info("weights_stored", version=version, buckets=len(buckets), nbytes=self.current.nbytes,
                       receive_s=round(receive_s, 4))
         self._kick.set()
@@ -737,6 +782,62 @@ class ParamServerActor(Actor):
         except TimeoutError:
             pass
         return self._status(msg)
+
+    # ------------------------------------------------------------------------------ the evaluator
+
+    def _keep_for_eval(self, stored: StoredVersion) -> None:
+        """Keep a stored version for the evaluator (a reference: stored buckets are never changed)."""
+        if kept_for_eval(stored.version, self.eval_every) and stored.packed:
+            self.eval_kept = stored
+            self.spawn(self._notify_eval(), name=f"eval-kept-v{stored.version}")
+
+    async def _notify_eval(self) -> None:
+        async with self._eval_changed:
+            self._eval_changed.notify_all()
+
+    async def on_drain(self) -> None:
+        # A request waiting for the next kept version would hold the drain for up to its timeout_s.
+        self._eval_closing = True
+        await self._notify_eval()
+
+    @handles(EvalWeightsRequest)
+    async def on_eval_weights(self, msg: EvalWeightsRequest) -> EvalWeights:
+        await self._started.wait()
+        newest = self.current.version if self.current is not None else -1
+        if self.direct_from is not None:
+            return EvalWeights(version=-1, newest=newest, weights_hash="", n_buckets=0, bucket=msg.bucket, header={},
+                               flat=torch.empty(0, dtype=torch.uint8),
+                               unavailable="evaluation during the run needs the relay through the parameter "
+                                           "server: with direct weights it holds none")
+        if self.eval_every <= 0:
+            return EvalWeights(version=-1, newest=newest, weights_hash="", n_buckets=0, bucket=msg.bucket, header={},
+                               flat=torch.empty(0, dtype=torch.uint8),
+                               unavailable="eval.every_versions is 0 in the parameter server's settings")
+
+        def wanted() -> StoredVersion | None:
+            kept = self.eval_kept
+            if kept is None:
+                return None
+            if msg.version >= 0:
+                return kept if kept.version == msg.version else None
+            return kept if kept.version > msg.after else None
+
+        if msg.version < 0 and wanted() is None and msg.timeout_s > 0:
+            try:
+                async with asyncio.timeout(msg.timeout_s):
+                    async with self._eval_changed:
+                        await self._eval_changed.wait_for(lambda: wanted() is not None or self._eval_closing)
+            except TimeoutError:
+                pass
+        kept = wanted()
+        newest = self.current.version if self.current is not None else -1
+        if kept is None or not 0 <= msg.bucket < len(kept.packed):
+            return EvalWeights(version=-1, newest=newest, weights_hash="", n_buckets=0, bucket=msg.bucket,
+                               header={}, flat=torch.empty(0, dtype=torch.uint8))
+        packed = kept.packed[msg.bucket]
+        self.counters["eval_buckets_sent"] += 1
+        return EvalWeights(version=kept.version, newest=newest, weights_hash=kept.weights_hash,
+                           n_buckets=len(kept.packed), bucket=msg.bucket, header=packed.header, flat=packed.flat)
 
     @handles(RunFinished)
     def on_run_finished(self, msg: RunFinished) -> None:

@@ -290,6 +290,12 @@ class Supervisor:
                 await asyncio.sleep(delay)
                 if self._stopping:
                     return
+                if self.run_over is not None and self.run_over():
+                    # The run ended during the backoff: the RunFinished the others got went to the dead
+                    # process, so a new one would wait forever for peers that have left.
+                    child.finished = True
+                    self.log.warning("actor_not_restarted_after_run_end", actor=name)
+                    return
                 await self._spawn(child)
         except asyncio.CancelledError:
             raise

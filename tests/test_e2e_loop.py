@@ -236,6 +236,8 @@ def test_direct_weights_trainer_broadcasts_to_rollouts(assets: dict[str, Path], 
     assert failed <= {("rollout.1", "abandoned")}, failed   # not waited for until the ack timeout
     # the restarted rollout got weights from the trainer on the re-formed group (hashes checked above)
     assert any(p["generation"] == formed[-1]["generation"] and "rollout.1" in p["rollouts"] for p in pushes)
+    # evaluation during the run needs weights at the parameter server: here the evaluator says why not, once
+    assert len(events(run_dir, "evaluator", "evaluation_unavailable")) == 1
     # the final evaluation sits on the metrics' clock, so tools.plot draws it with the curves
     from tools import plot
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]

@@ -167,3 +167,50 @@ def test_cli_seeds_protocol_top_p_more_pass_k_config_and_tutorial_table(trained,
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
     assert ev.main([*args, "--pass-k", "8"]) == 2
     assert "pass@8 needs 1 <= k <= samples (4)" in capsys.readouterr().err
+
+
+def test_sglang_engine_gives_the_embedded_engines_report(trained, tmp_path, capsys):
+    # The stand-in server (the SGLang engine tests' server) serves the trained checkpoint over /generate.
+    import urllib.request
+
+    from actors.engines.sglang_standin import StandinThread
+    from actors.engines.torch_gen import TorchGenerationEngine
+
+    kwargs = dict(k=4, samples=8, max_new_tokens=16, details=True)
+    local = ev.evaluate(str(trained["ckpt"]), str(trained["data"]), **kwargs)
+    server = StandinThread(TorchGenerationEngine(model=load_model(str(trained["ckpt"]))), weight_version="7").start()
+    try:
+        # only the tokenizer is needed here: the server holds the weights
+        tok_dir = tmp_path / "tok"
+        tok_dir.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+            (tok_dir / name).write_bytes((trained["ckpt"] / name).read_bytes())
+        remote = ev.evaluate(str(tok_dir), str(trained["data"]), engine="sglang", url=server.url, **kwargs)
+        with urllib.request.urlopen(server.url + "/weight_version", timeout=30) as r:
+            label = json.loads(r.read())["weight_version"]
+        assert ev.main([str(tok_dir), "--data", str(trained["data"]), "--engine", "sglang", "--url", server.url,
+                        "--k", "4", "--max-new-tokens", "16", "--json"]) == 0
+        cli = json.loads(capsys.readouterr().out)
+    finally:
+        server.stop()
+    # every answer of both evaluations went through the server: greedy + 8 samples, then greedy + 4 (--k 4)
+    assert server.server.counters["generate"] == 38 * (1 + 8) + 38 * (1 + 4)
+    assert remote["engine"] == f"sglang {server.url}" and local["engine"] == "torch"
+    # Greedy answers are the same model's argmax either way. Sampled ones differ: the SGLang engine seeds each
+    # of a prompt's n samples as a request of its own (actors/engines/sglang.py, _sample_seed).
+    greedy_keys = ("n", "greedy_accuracy", "greedy_len", "greedy_truncated")
+    for name, summary in [("all", local["overall"]), *local["by_level"].items()]:
+        other = remote["overall"] if name == "all" else remote["by_level"][name]
+        assert {k: other[k] for k in greedy_keys} == {k: summary[k] for k in greedy_keys}, name
+    assert [len(r["sample_correct"]) for r in remote["prompts"]] == [8] * 38
+    assert remote["overall"]["pass@1"] == pytest.approx(sum(map(sum, (r["sample_correct"] for r in remote["prompts"])))
+                                                        / (8 * 38))
+    assert [r["greedy_response"] for r in remote["prompts"]] == [r["greedy_response"] for r in local["prompts"]]
+    assert 0 < local["overall"]["greedy_accuracy"] < 1
+    assert label == "7"                      # an evaluation reads the server's label, it does not change it
+    assert cli["overall"]["greedy_accuracy"] == local["overall"]["greedy_accuracy"]
+
+    assert ev.main([str(tok_dir), "--data", str(trained["data"]), "--engine", "sglang"]) == 2
+    assert "--engine sglang needs the server's --url" in capsys.readouterr().err
+    assert ev.main([str(trained["ckpt"]), "--data", str(trained["data"]), "--url", "http://127.0.0.1:1"]) == 2
+    assert "--url is for --engine sglang" in capsys.readouterr().err

@@ -25,201 +25,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import dataclasses
 import json
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from actors.dataset import AREAL, LAYOUTS, DatasetError, Dataset, Layout, OnError, Record, load_dataset
-from actors.engines.base import SamplingParams
+from actors.engines.base import EngineError
 from actors.engines.checkpoint import CheckpointError, load_model
 from actors.engines.model import Qwen2ForCausalLM
-from actors.engines.tokenizer import LoadedTokenizer, TokenizerError, load_tokenizer
-from actors.reward.math_grader import normalize_answer
-from actors.reward.pool import RewardPool
-from algo.eval_stats import greedy_accuracy, maj_at_k, pass_at_k
-from tools.lm import LMToolError, agenerate, answer_length, grade_many, has_weights, response_text
+from actors.engines.tokenizer import TokenizerError, load_tokenizer
+from actors.evaluation import (DEFAULT_MAX_NEW_TOKENS, NO_LEVEL, EvalError, EvalSettings, aevaluate_model,  # noqa: F401
+                               aevaluate_with, engine_generator, evaluate_model, level_key, select_records)
+from tools.lm import LMToolError, has_weights
 
-DEFAULT_MAX_NEW_TOKENS = 64
-NO_LEVEL = "-"
-
-
-class EvalError(ValueError):
-    """An evaluation that cannot run as asked; the message names the setting or file at fault."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalSettings:
-    k: int = 8
-    samples: int | None = None          # answers per prompt for pass@k; None: k; 0: greedy only
-    greedy: bool = True
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    seed: int = 0
-    pass_ks: tuple[int, ...] = ()       # more pass@k values beside k's
-    max_running: int = 256
-    workers: int = 1                    # grader processes for what the fast path leaves undecided
-    grade_timeout_s: float = 10.0
-
-    @property
-    def n_samples(self) -> int:
-        return self.k if self.samples is None else self.samples
-
-    def check(self) -> None:
-        if self.k < 1:
-            raise EvalError(f"k must be >= 1, got {self.k}")
-        if self.n_samples < 0:
-            raise EvalError(f"samples must be >= 0, got {self.n_samples}")
-        if 0 < self.n_samples < self.k:
-            raise EvalError(f"samples ({self.n_samples}) must be at least k ({self.k}) for pass@{self.k}")
-        if not self.greedy and self.n_samples == 0:
-            raise EvalError("nothing to evaluate: greedy is off and samples is 0")
-        if self.temperature <= 0 and self.n_samples:
-            raise EvalError(f"sampled answers need temperature > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise EvalError(f"top_p must be in (0, 1], got {self.top_p}")
-        for k in self.pass_ks:
-            if not 1 <= k <= self.n_samples:
-                raise EvalError(f"pass@{k} needs 1 <= k <= samples ({self.n_samples})")
-        if self.max_new_tokens < 1:
-            raise EvalError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-
-
-def level_key(record: Record) -> str:
-    return str(record.level) if record.level is not None else NO_LEVEL
-
-
-def select_records(records: Sequence[Record], levels: Sequence[int] | None = None,
-                   max_per_level: int | None = None) -> list[Record]:
-    """Records of the given levels, the first max_per_level of each level in file order."""
-    counts: dict[str, int] = defaultdict(int)
-    out = []
-    for rec in records:
-        if levels is not None and rec.level not in levels:
-            continue
-        key = level_key(rec)
-        if max_per_level is not None and counts[key] >= max_per_level:
-            continue
-        counts[key] += 1
-        out.append(rec)
-    return out
-
-
-def _mean(values: Sequence[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def _summary(rows: list[dict[str, Any]], settings: EvalSettings) -> dict[str, Any]:
-    """Statistics of one group of per-prompt rows (see `aevaluate_model` for the row layout)."""
-    out: dict[str, Any] = {"n": len(rows)}
-    k = settings.k
-    if settings.greedy:
-        out["greedy_accuracy"] = greedy_accuracy([r["greedy_correct"] for r in rows])
-        out["greedy_len"] = _mean([r["greedy_len"] for r in rows])
-        out["greedy_truncated"] = _mean([float(r["greedy_truncated"]) for r in rows])
-    if settings.n_samples:
-        n = [len(r["sample_correct"]) for r in rows]
-        c = [sum(r["sample_correct"]) for r in rows]
-        out["pass@1"] = pass_at_k(n, c, 1)
-        for kk in sorted({k, *settings.pass_ks}):
-            out[f"pass@{kk}"] = pass_at_k(n, c, kk)
-        out[f"maj@{k}"] = maj_at_k([r["sample_answers"] for r in rows], [r["sample_correct"] for r in rows], k)
-        out["sample_len"] = _mean([x for r in rows for x in r["sample_lens"]])
-        out["sample_truncated"] = _mean([float(x) for r in rows for x in r["sample_truncated"]])
-    return out
-
-
-def _level_sort(key: str) -> tuple[int, int | str]:
-    return (0, int(key)) if key.isdigit() else (1, key)
-
-
-async def aevaluate_model(model: Qwen2ForCausalLM, tokenizer: LoadedTokenizer, records: Sequence[Record],
-                          settings: EvalSettings = EvalSettings(), pool: RewardPool | None = None,
-                          details: bool = False) -> dict[str, Any]:
-    """Evaluate `model` (used as it is: pass a copy of a model still being trained) on `records`.
-
-    Returns {"n_prompts", "k", "samples", "temperature", "max_new_tokens", "overall": {...},
-    "by_level": {level: {...}}, "seconds": {...}} where each summary holds n, greedy_accuracy,
-    greedy_len, greedy_truncated, pass@1, pass@k, maj@k, sample_len, sample_truncated (the sampled
-    keys only when samples > 0). With details, "prompts" lists per-prompt rows.
-    """
-    settings.check()
-    if not records:
-        raise EvalError("no records to evaluate")
-    if any(r.answer is None for r in records):
-        bad = next(r for r in records if r.answer is None)
-        raise EvalError(f"record {bad.query_id!r} has no answer to check against")
-    eos = tokenizer.eos_token_ids
-    prompts = [tokenizer.encode(r.prompt) for r in records]
-    answers = [str(r.answer) for r in records]
-    rows: list[dict[str, Any]] = [{"query_id": r.query_id, "level": level_key(r)} for r in records]
-    seconds: dict[str, float] = {}
-
-    async def grade(texts: list[str], refs: list[str]) -> list[Any]:
-        return await asyncio.to_thread(grade_many, texts, refs, pool, settings.workers, settings.grade_timeout_s)
-
-    if settings.greedy:
-        t0 = time.perf_counter()
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=settings.max_new_tokens, stop_token_ids=eos)
-        results = await agenerate(model, prompts, [greedy] * len(prompts), 1, settings.max_running)
-        t1 = time.perf_counter()
-        texts = [response_text(tokenizer, res[0]) for res in results]
-        verdicts = await grade(texts, answers)
-        seconds["greedy_generate"] = t1 - t0
-        seconds["greedy_grade"] = time.perf_counter() - t1
-        for row, res, text, v in zip(rows, results, texts, verdicts):
-            row.update(greedy_correct=bool(v and v.correct), greedy_len=answer_length(res[0], eos),
-                       greedy_truncated=res[0].finish_reason != "stop")
-            if details:
-                row["greedy_response"] = text
-    n = settings.n_samples
-    if n:
-        t0 = time.perf_counter()
-        # Seeded per prompt: the samples do not depend on batching or on the other prompts.
-        sampling = [SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
-                                   max_new_tokens=settings.max_new_tokens, stop_token_ids=eos,
-                                   seed=settings.seed * 1_000_003 + i) for i in range(len(prompts))]
-        results = await agenerate(model, prompts, sampling, n, settings.max_running)
-        t1 = time.perf_counter()
-        texts = [response_text(tokenizer, r) for res in results for r in res]
-        verdicts = await grade(texts, [a for a in answers for _ in range(n)])
-        seconds["sample_generate"] = t1 - t0
-        seconds["sample_grade"] = time.perf_counter() - t1
-        for i, (row, res) in enumerate(zip(rows, results)):
-            vs = verdicts[i * n:(i + 1) * n]
-            row.update(sample_correct=[bool(v and v.correct) for v in vs],
-                       sample_answers=[normalize_answer(v.extracted) if v and v.extracted is not None else None
-                                       for v in vs],
-                       sample_lens=[answer_length(r, eos) for r in res],
-                       sample_truncated=[r.finish_reason != "stop" for r in res])
-            if details:
-                row["sample_responses"] = texts[i * n:(i + 1) * n]
-    by_level: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for row in rows:
-        by_level[row["level"]].append(row)
-    report: dict[str, Any] = {
-        "n_prompts": len(records), "k": settings.k, "samples": n, "temperature": settings.temperature,
-        "top_p": settings.top_p, "pass_ks": sorted({settings.k, *settings.pass_ks}) if n else [],
-        "max_new_tokens": settings.max_new_tokens, "seed": settings.seed,
-        "overall": _summary(rows, settings),
-        "by_level": {key: _summary(by_level[key], settings) for key in sorted(by_level, key=_level_sort)},
-        "seconds": seconds,
-    }
-    if details:
-        report["prompts"] = rows
-    return report
-
-
-def evaluate_model(model: Qwen2ForCausalLM, tokenizer: LoadedTokenizer, records: Sequence[Record],
-                   settings: EvalSettings = EvalSettings(), pool: RewardPool | None = None,
-                   details: bool = False) -> dict[str, Any]:
-    """Synchronous `aevaluate_model`."""
-    return asyncio.run(aevaluate_model(model, tokenizer, records, settings, pool, details))
+ENGINES = ("torch", "sglang")
 
 
 def load_eval_records(data_path: str, levels: Sequence[int] | None = None, max_per_level: int | None = None,
@@ -235,23 +57,42 @@ async def aevaluate(model_dir: str, data_path: str, *, k: int = 8, samples: int 
                     greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
                     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, pass_ks: Sequence[int] = (), seed: int = 0, levels: Sequence[int] | None = None, max_per_level: int | None = None,
                     device: str = "cpu", workers: int = 1, on_error: OnError = "fail",
-                    details: bool = False, layout: Layout = AREAL) -> dict[str, Any]:
-    """Load the checkpoint and its tokenizer, evaluate on the dataset; see `aevaluate_model`.
+                    details: bool = False, layout: Layout = AREAL, engine: str = "torch",
+                    url: str | None = None) -> dict[str, Any]:
+    """Load the checkpoint and its tokenizer, evaluate on the dataset; see `aevaluate_model`. With
+    engine "sglang" the answers come from the SGLang server at `url` (its /generate), and `model_dir` need
+    only hold the tokenizer of the model it serves.
 
-    The report also names "model_dir", "data", "skipped_lines" and the total "seconds.total".
+    The report also names "model_dir", "data", "skipped_lines", "engine" and the total "seconds.total".
     """
     settings = EvalSettings(k=k, samples=samples, greedy=greedy, temperature=temperature, top_p=top_p,
                             max_new_tokens=max_new_tokens, pass_ks=tuple(pass_ks), seed=seed, workers=workers)
     settings.check()
     t0 = time.perf_counter()
-    if not has_weights(model_dir):
+    if engine not in ENGINES:
+        raise EvalError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
+    if engine == "sglang" and not url:
+        raise EvalError("--engine sglang needs the server's --url")
+    if engine == "torch" and url:
+        raise EvalError("--url is for --engine sglang (the torch engine runs here, on the checkpoint)")
+    if engine == "torch" and not has_weights(model_dir):
         raise EvalError(f"{model_dir}: no model weights (model.safetensors or an index) to evaluate")
     records, dataset = load_eval_records(data_path, levels, max_per_level, on_error, layout)
     tokenizer = load_tokenizer(model_dir)
-    model = await asyncio.to_thread(load_model, model_dir, None, device)
-    report = await aevaluate_model(model, tokenizer, records, settings, details=details)
+    if engine == "sglang":
+        from actors.engines.sglang import SGLangEngine
+        server = SGLangEngine(url=url, version=None)   # version None: read the server's label, do not change it
+        await server.start()
+        try:
+            report = await aevaluate_with(engine_generator(server), tokenizer, records, settings, details=details)
+        finally:
+            await server.stop()
+    else:
+        model = await asyncio.to_thread(load_model, model_dir, None, device)
+        report = await aevaluate_model(model, tokenizer, records, settings, details=details)
     report["seconds"]["total"] = time.perf_counter() - t0
-    return {"model_dir": str(model_dir), "data": str(data_path), "skipped_lines": dataset.n_skipped, **report}
+    return {"model_dir": str(model_dir), "data": str(data_path), "skipped_lines": dataset.n_skipped,
+            "engine": engine if engine == "torch" else f"sglang {url}", **report}
 
 
 def evaluate(model_dir: str, data_path: str, **kwargs: Any) -> dict[str, Any]:
@@ -362,6 +203,10 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     ap.add_argument("--max-per-level", type=int, help="the first N prompts of each level")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--engine", choices=ENGINES, default="torch",
+                    help="torch: the embedded engine on CHECKPOINT here; sglang: the server at --url answers "
+                         "(CHECKPOINT then needs only the tokenizer)")
+    ap.add_argument("--url", help="the SGLang server, e.g. http://127.0.0.1:30000 (with --engine sglang)")
     ap.add_argument("--workers", type=int, default=1, help="grader processes for answers the fast path leaves open")
     ap.add_argument("--on-error", choices=("fail", "skip"), default="fail", help="malformed dataset lines")
     ap.add_argument("--layout", choices=sorted(LAYOUTS), default=None,
@@ -391,8 +236,9 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
                           temperature=args.temperature, top_p=args.top_p, max_new_tokens=max_new_tokens,
                           pass_ks=pass_ks, seed=args.seed,
                           levels=levels, max_per_level=args.max_per_level, device=args.device,
-                          workers=args.workers, on_error=args.on_error, details=bool(args.details), layout=layout)
-    except (EvalError, DatasetError, CheckpointError, TokenizerError, LMToolError) as e:
+                          workers=args.workers, on_error=args.on_error, details=bool(args.details), layout=layout,
+                          engine=args.engine, url=args.url)
+    except (EvalError, DatasetError, CheckpointError, TokenizerError, LMToolError, EngineError) as e:
         print(f"eval: error: {e}", file=sys.stderr)
         return 2
     if args.details:

@@ -87,6 +87,9 @@ class GenSection(_Section):
 
 class EvalSection(_Section):
     max_per_level: int | None = Field(None, ge=1, description="held-out problems per level in the final evaluation (default all)")
+    every_versions: int | None = Field(None, ge=0, description="evaluate on data.test every N weight versions during the run, in the evaluator actor; 0 is off (default 0)")
+    max_problems: int | None = Field(None, ge=1, description="held-out problems of each evaluation during the run, spread over the levels (default 64)")
+    wait_s: float | None = Field(None, gt=0, description="how long the evaluator's request waits for a new version (default 30)")
 
 
 class RunSection(_Section):

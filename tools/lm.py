@@ -6,14 +6,11 @@
   records with worked solutions (`examples_from_records`) or from {"prompt", "response"} JSON lines
   (`read_pairs`), and packed into padding-free micro-batches whose `loss_mask` covers only the
   response (`pack_examples`);
-* batched generation: `agenerate` submits every prompt to one `TorchGenerationEngine` at once
-  (continuous batching does the rest); `generate` is the synchronous wrapper;
-* grading: `grade_many` checks many responses with the math grader, the sympy-free fast path in the
-  caller and the undecided rest in a `RewardPool` (hard timeouts; a failed check counts as wrong).
+* batched generation (`agenerate`, `generate`) and grading (`grade_many`), re-exported from
+  `actors/evaluation.py`, where the evaluator actor shares them.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
@@ -22,16 +19,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from actors.dataset import DatasetError, OnError, Record
-from actors.engines.base import GenerationRequest, GenerationResult, PackedBatch, SamplingParams
+from actors.engines.base import PackedBatch
 from actors.engines.checkpoint import INDEX_FILE, SINGLE_FILE, load_config, load_model
 from actors.engines.model import Qwen2ForCausalLM
 from actors.engines.tokenizer import LoadedTokenizer
-from actors.engines.torch_gen import TorchGenerationEngine
-from actors.reward.math_grader import MathVerdict, grade_math_fast
-from actors.reward.pool import RewardPool, TaskFailure
 from algo.packing import allocate_micro_batches
-
-MATH_GRADER = "actors.reward.math_grader:grade_math"
 
 
 class LMToolError(ValueError):
@@ -195,65 +187,5 @@ def batch_stream(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
         del order[:batch_size]
 
 
-# --- generation ----------------------------------------------------------------------------------
-
-async def agenerate(model: Qwen2ForCausalLM, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams],
-                    n: int = 1, max_running: int = 256) -> list[list[GenerationResult]]:
-    """All prompts submitted at once to one engine on `model` (which it puts in eval mode without
-    gradients: pass a copy of a model that is being trained). Results per prompt, n each."""
-    if len(sampling) != len(prompts):
-        raise LMToolError(f"agenerate: {len(sampling)} sampling settings for {len(prompts)} prompts")
-    engine = TorchGenerationEngine(model=model, max_running=max_running)
-    await engine.start()
-    try:
-        return list(await asyncio.gather(*(
-            engine.generate(GenerationRequest(f"p{i}", tuple(ids), sp, n))
-            for i, (ids, sp) in enumerate(zip(prompts, sampling)))))
-    finally:
-        await engine.stop()
-
-
-def generate(model: Qwen2ForCausalLM, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams],
-             n: int = 1, max_running: int = 256) -> list[list[GenerationResult]]:
-    """Synchronous `agenerate` (for tools; from a running event loop await `agenerate` instead)."""
-    return asyncio.run(agenerate(model, prompts, sampling, n, max_running))
-
-
-def response_text(tokenizer: LoadedTokenizer, result: GenerationResult) -> str:
-    return tokenizer.decode(result.output_ids, skip_special_tokens=True)
-
-
-def answer_length(result: GenerationResult, eos_ids: Sequence[int]) -> int:
-    """Generated tokens without the final stop token."""
-    n = len(result.output_ids)
-    return n - 1 if n and result.finish_reason == "stop" and result.output_ids[-1] in eos_ids else n
-
-
-# --- grading -------------------------------------------------------------------------------------
-
-def grade_many(responses: Sequence[str], answers: Sequence[str], pool: RewardPool | None = None,
-               workers: int = 1, timeout_s: float = 10.0) -> list[MathVerdict | None]:
-    """Verdict per response (None: the check timed out or crashed, which scores as wrong).
-
-    The grader's bounded sympy-free path settles most answers in the caller; the rest go to `pool`,
-    or to a pool of `workers` processes made for this call.
-    """
-    if len(responses) != len(answers):
-        raise LMToolError(f"grade_many: {len(answers)} answers for {len(responses)} responses")
-    verdicts: list[MathVerdict | None] = [grade_math_fast(r, a) for r, a in zip(responses, answers)]
-    undecided = [i for i, v in enumerate(verdicts) if v is None]
-    if not undecided:
-        return verdicts
-    own = pool is None
-    if pool is None:
-        pool = RewardPool(max(1, min(workers, len(undecided))), timeout=timeout_s,
-                          preload=["actors.reward.math_grader"])
-    try:
-        futures = [pool.submit(MATH_GRADER, responses[i], answers[i], timeout=timeout_s) for i in undecided]
-        for i, future in zip(undecided, futures):
-            result = future.result()
-            verdicts[i] = None if isinstance(result, TaskFailure) else result
-    finally:
-        if own:
-            pool.close()
-    return verdicts
+# --- generation and grading: one implementation in actors/evaluation.py (the evaluator actor uses them) --
+from actors.evaluation import agenerate, answer_length, generate, grade_many, response_text  # noqa: E402,F401

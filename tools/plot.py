@@ -2,10 +2,12 @@
 
 Reads RUN_DIR/metrics.jsonl (one JSON object per trainer step, as `actors/trainer.py` writes it) and,
 when present, RUN_DIR/eval.jsonl (held-out evaluations: objects with "step" or "time" and accuracy keys
-such as `tools.eval`'s "overall"/"by_level" summaries, or flat "accuracy"/"greedy_accuracy"). Writes,
+such as `tools.eval`'s "overall"/"by_level" summaries, or flat "accuracy"/"greedy_accuracy"; the evaluator
+actor's points during the run, "kind": "periodic", are a series of their own). Writes,
 into `--out` (default RUN_DIR/plots):
 
-  reward.png       task_reward, accuracy, accuracy_by_level per level, held-out accuracy
+  reward.png       task_reward, accuracy, accuracy_by_level per level, held-out accuracy (during the
+                   run and final)
   throughput.png   effective_throughput (trained tokens per second of step time)
   staleness.png    staleness_mean, staleness_max
   timing.png       step_seconds, train_seconds, weight_sync_seconds, wait_seconds (the trainer's stall),
@@ -155,7 +157,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, axis: str =
                 here += 1
             if ylabel == "accuracy":
                 here += _plot_levels(ax, rows, xs, notes)
-                here += _plot_evals(ax, evals, axis, t0, notes)
+                here += _plot_evals(ax, evals, rows, axis, t0, notes)
             if here:
                 ax.set_ylabel(ylabel)
                 ax.grid(alpha=0.3)
@@ -193,24 +195,38 @@ def _plot_levels(ax: Any, rows: Sequence[dict[str, Any]], xs: Sequence[float | N
     return len(levels)
 
 
-def _plot_evals(ax: Any, evals: Sequence[dict[str, Any]], axis: str, t0: float | None, notes: list[str]) -> int:
+def _plot_evals(ax: Any, evals: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], axis: str,
+                t0: float | None, notes: list[str]) -> int:
+    """Held-out accuracy: the evaluator's points during the run ("kind": "periodic", placed where the step
+    of their version was trained) and the launcher's final evaluation, as two series."""
     if not evals:
         return 0
     use_time = axis == "time" and t0 is not None
-    px, py = [], []
-    for i, row in enumerate(evals):
-        acc, _ = eval_accuracy(row)
-        x = _number(row.get("time")) if use_time else _number(row.get("step"))
-        if use_time and x is not None:
-            x -= t0
-        if x is not None and acc is not None:
-            px.append(x)
-            py.append(acc)
-    if not px:
+    step_time = {int(r["step"]): _number(r.get("time")) for r in rows if _number(r.get("step")) is not None}
+    drawn = 0
+    for periodic, label, style in ((True, "held-out accuracy during the run (eval/accuracy)", {"color": "tab:green", "marker": "s"}),
+                                   (False, "held-out accuracy", {"color": "black", "marker": "o", "linestyle": "--"})):
+        px, py = [], []
+        for row in evals:
+            if (row.get("kind") == "periodic") != periodic:
+                continue
+            acc, _ = eval_accuracy(row)
+            step = _number(row.get("step"))
+            if use_time:
+                x = step_time.get(int(step)) if periodic and step is not None else None
+                x = _number(row.get("time")) if x is None else x
+                x = None if x is None else max(x - t0, 0.0)
+            else:
+                x = step
+            if x is not None and acc is not None:
+                px.append(x)
+                py.append(acc)
+        if px:
+            ax.plot(px, py, label=label, **style)
+            drawn += 1
+    if not drawn:
         notes.append(f"{EVAL_FILE}: no entry with both {'time' if use_time else 'step'} and an accuracy, skipped")
-        return 0
-    ax.plot(px, py, label="held-out accuracy", color="black", marker="o", linestyle="--")
-    return 1
+    return drawn
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -511,7 +511,7 @@ class SGLangEngine(GenerationEngine):
     loaded with ``/update_weights_from_disk``.
     """
 
-    def __init__(self, *, url: str | None = None, launch: LaunchConfig | None = None, version: int = 0,
+    def __init__(self, *, url: str | None = None, launch: LaunchConfig | None = None, version: int | None = 0,
                  weights_dir: str | None = None, request_timeout_s: float = 3600.0, control_timeout_s: float = 600.0,
                  drain_timeout_s: float = 120.0, attach_timeout_s: float = 30.0,
                  on_server_event: ServerEvents | None = None) -> None:
@@ -519,7 +519,12 @@ class SGLangEngine(GenerationEngine):
             raise EngineError("SGLangEngine needs exactly one of url (attach) or launch (start a server)")
         self._attach_url = url.rstrip("/") if url else None
         self.server = SGLangServer(launch, self._server_event) if launch is not None else None
-        self._version = version
+        if version is None and launch is not None:
+            raise EngineError("SGLangEngine: version None (take the server's) is for attaching to a server by url")
+        # None: a client that only reads (tools.eval) takes the attached server's version instead of
+        # relabelling it, so a server in a run keeps the label its rollout gave it.
+        self._adopt_version = version is None
+        self._version = version or 0
         self.weights_dir = weights_dir
         self.request_timeout_s, self.control_timeout_s = request_timeout_s, control_timeout_s
         self.drain_timeout_s, self.attach_timeout_s = drain_timeout_s, attach_timeout_s
@@ -613,10 +618,15 @@ class SGLangEngine(GenerationEngine):
                         raise SGLangLaunchError(f"SGLang server at {self.url} is not healthy (GET /health failed "
                                                 f"for {self.attach_timeout_s:g} s)")
                     await asyncio.sleep(0.2)  # polling a server we cannot be notified by
-                # An attached server labels its answers with our version from now on.
-                await self._post("/update_weight_version",
-                                 payload("/update_weight_version", new_version=str(self._version),
-                                         abort_all_requests=False))
+                reported = await asyncio.to_thread(self.reported_version) if self._adopt_version else ""
+                if reported.isdigit():
+                    self._version = int(reported)
+                else:
+                    # An attached server labels its answers with our version from now on (a server that
+                    # nobody labelled yet says "default": answers must carry an integer version).
+                    await self._post("/update_weight_version",
+                                     payload("/update_weight_version", new_version=str(self._version),
+                                             abort_all_requests=False))
         except BaseException:
             await self._session.close()
             self._session = None
@@ -1001,15 +1011,19 @@ class SGLangEngine(GenerationEngine):
                 if self._hashes_weights:  # it could before: a real failure, not a missing route
                     raise
                 self._hashes_weights = False
-        try:
-            with urllib.request.urlopen(self.url + "/weight_version", timeout=60.0) as r:
-                reported = str(json.loads(r.read())["weight_version"])
-        except (OSError, urllib.error.URLError, KeyError, ValueError) as exc:
-            raise SGLangError(f"SGLang server {self.url}: GET /weight_version failed: {exc}") from exc
+        reported = self.reported_version()
         if reported != str(version):
             raise SGLangError(f"SGLang server {self.url} reports weight version {reported!r} after the update to "
                               f"{version}")
         return "", "version"
+
+    def reported_version(self) -> str:
+        """The weight version the server reports (GET /weight_version), as it spells it."""
+        try:
+            with urllib.request.urlopen(self.url + "/weight_version", timeout=60.0) as r:
+                return str(json.loads(r.read())["weight_version"])
+        except (OSError, urllib.error.URLError, KeyError, ValueError) as exc:
+            raise SGLangError(f"SGLang server {self.url}: GET /weight_version failed: {exc}") from exc
 
 
 def _sample_seed(base: int, index: int) -> int:

@@ -47,8 +47,11 @@ def run_local(name: str, steps: int, overrides: list[str], out: Path, log: Any,
               bench: str = "e2e") -> dict[str, Any]:
     """One fresh run of the embedded default for `steps` steps into out/name; its summary.json."""
     run_dir = out / name
+    # No evaluation during the runs: the benches compare training alone (the figures in the README were
+    # measured so), and the evaluator's core-0 time would differ between placements. `overrides` may turn it on.
     cmd = [sys.executable, "-m", "tools.up", TOPOLOGY, f"experiment.run.total_steps={steps}",
-           f"experiment.run.checkpoint_every_steps={steps}", "experiment.run.recover=off", *overrides,
+           f"experiment.run.checkpoint_every_steps={steps}", "experiment.run.recover=off",
+           "experiment.eval.every_versions=0", *overrides,
            "--run-dir", str(run_dir), "--no-progress"]
     log(f"bench {bench}: {name}: {' '.join(cmd[2:])}")
     t0 = time.time()

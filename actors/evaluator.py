@@ -1,0 +1,227 @@
+"""EvalActor: held-out accuracy during the run, every ``eval.every_versions`` versions, on that version's weights.
+
+Training never waits for it. It is an actor of its own that nobody sends work to: it asks the parameter
+server for the newest version kept for evaluation (every multiple of N, the start version included:
+`actors.param_server.kept_for_eval`), bucket by bucket on the bus (:class:`EvalWeightsRequest`), checks the
+weights hash against the one the server computed, and answers the first ``eval.max_problems`` problems
+of ``data.test`` (spread over the levels) greedily with the embedded engine. Grading and statistics are
+`actors.evaluation`'s, the same code as ``tools.eval`` and the launcher's final evaluation. When an
+evaluation takes longer than N versions of training, the versions in between are skipped, not queued:
+the next one evaluated is the newest kept.
+
+Each evaluation appends one line to ``RUN_DIR/eval.jsonl`` (read by ``tools.plot``) and writes
+``eval/accuracy`` (and ``eval/accuracy_L<level>``) at step = version to the run's TensorBoard directory::
+
+    {"kind": "periodic", "version": V, "step": V, "time": ..., "eval/accuracy": 0.6, "newest": 23,
+     "eval_seconds": 1.2, "overall": {...}, "by_level": {...}, "n_prompts": 64}
+
+``newest`` is the newest version the parameter server held when the weights were fetched (training's lead).
+A restarted evaluator (the supervisor restarts it like any actor) reads the file and does not evaluate a
+version twice. Settings: ``eval.every_versions`` (0: off, the actor idles), ``eval.max_problems``
+(default 64), ``eval.wait_s`` (how long one request waits for a new version, default 30),
+``gen.max_new_tokens``, ``data.test`` and its layout, ``model.path`` (config and tokenizer).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from actors.base import Actor, ActorSpec, handles
+from actors.dataset import Layout, Record, load_dataset
+from actors.engines.checkpoint import assign_weights, load_config
+from actors.engines.model import Qwen2ForCausalLM
+from actors.engines.tokenizer import load_tokenizer
+from actors.evaluation import EvalSettings, aevaluate_model, level_key
+from actors.param_server import EvalWeights, EvalWeightsRequest
+from actors.recovery import run_finished
+from actors.weights import weights_hash
+from transport.bulk import PackedBucket, unpack_bucket
+from transport.bus import BusError
+from transport.protocol import RunFinished
+
+__all__ = ["EvalActor", "EvalConfigError", "spread_over_levels", "evaluated_versions", "eval_entry", "EVAL_FILE"]
+
+EVAL_FILE = "eval.jsonl"
+KIND = "periodic"
+DEFAULT_MAX_PROBLEMS = 64
+
+
+class EvalConfigError(ValueError):
+    """The evaluator's settings are unusable; the message names the key."""
+
+
+def spread_over_levels(records: Sequence[Record], n: int) -> list[Record]:
+    """The first ``n`` records taken round-robin over the levels (file order within a level), so a small
+    evaluation still sees every level rather than only the first one of a file sorted by level."""
+    by_level: dict[str, list[Record]] = defaultdict(list)
+    for rec in records:
+        by_level[level_key(rec)].append(rec)
+    queues = [list(reversed(v)) for _, v in sorted(by_level.items())]
+    out: list[Record] = []
+    while len(out) < n and any(queues):
+        for q in queues:
+            if q and len(out) < n:
+                out.append(q.pop())
+    return out
+
+
+def evaluated_versions(path: Path) -> set[int]:
+    """Versions a previous incarnation already evaluated (periodic lines of eval.jsonl; a torn last line
+    of one killed while writing is ignored, as is the launcher's final evaluation)."""
+    if not path.is_file():
+        return set()
+    done = set()
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("kind") == KIND and isinstance(row.get("version"), int):
+            done.add(row["version"])
+    return done
+
+
+def eval_entry(version: int, newest: int, report: dict[str, Any], seconds: float, now: float) -> dict[str, Any]:
+    """One eval.jsonl line for a version's report (`actors.evaluation.aevaluate_with`)."""
+    return {"kind": KIND, "version": version, "step": version, "time": now, "newest": newest,
+            "eval/accuracy": report["overall"]["greedy_accuracy"], "eval_seconds": seconds,
+            "n_prompts": report["n_prompts"], "overall": report["overall"], "by_level": report["by_level"]}
+
+
+class EvalActor(Actor):
+    def __init__(self, spec: ActorSpec) -> None:
+        super().__init__(spec)
+        self.tb: Any = None
+
+    async def on_start(self) -> None:
+        s = self.settings
+        ev = s.get("eval") or {}
+        self.every = int(ev.get("every_versions") or 0)
+        self.wait_s = float(ev.get("wait_s", 30.0))
+        self.path = self.run_dir / EVAL_FILE
+        if self.every <= 0:
+            self.log.info("evaluator_off", why="eval.every_versions is 0")
+            return
+        max_problems = int(ev.get("max_problems") or DEFAULT_MAX_PROBLEMS)
+        data = s.get("data") or {}
+        test, model_dir = data.get("test"), (s.get("model") or {}).get("path")
+        if not test:
+            raise EvalConfigError("data.test: eval.every_versions > 0 needs a held-out file")
+        if not model_dir:
+            raise EvalConfigError("model.path: the evaluator needs the model's config and tokenizer")
+        servers = (s.get("groups") or {}).get("param_server") or []
+        if not servers:
+            raise EvalConfigError("groups.param_server: the evaluator takes its weights from the parameter server")
+        self.param_server = servers[0]
+        dataset = await asyncio.to_thread(load_dataset, test, require="answer",
+                                          on_error=data.get("on_bad_line", "fail"), layout=Layout.from_settings(data))
+        self.records = spread_over_levels(dataset.records, max_problems)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model = Qwen2ForCausalLM(load_config(model_dir))
+        self.settings_eval = EvalSettings(samples=0, max_new_tokens=int((s.get("gen") or {}).get("max_new_tokens", 64)))
+        self.done = evaluated_versions(self.path)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        except ImportError as e:
+            self.log.warning("tensorboard_unavailable", error=str(e))
+        self.log.info("evaluator_started", every=self.every, problems=len(self.records), data=test,
+                      already_done=sorted(self.done))
+        self._stop_if_finished()
+
+    def _stop_if_finished(self) -> bool:
+        """A restart can miss the trainer's RunFinished (sent while this process was down): the run's
+        FINISHED mark says it instead, and the evaluator must not wait for a server that has left."""
+        if run_finished(self.run_dir):
+            self.request_stop("the run has finished")
+            return True
+        return False
+
+    def on_peer_dead(self, peer: str) -> None:
+        if peer == getattr(self, "param_server", None):
+            self._stop_if_finished()
+
+    async def on_ready(self) -> None:
+        if self.every > 0:
+            self.spawn(self._loop(), name="eval_loop")
+
+    async def on_stop(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+    @handles(RunFinished)
+    def on_run_finished(self, msg: RunFinished) -> None:
+        self.request_stop(f"run finished at step {msg.step}: {msg.reason}")
+
+    async def _loop(self) -> None:
+        """Fetch and evaluate kept versions until the run ends (the actor is stopped). Each request waits at
+        most wait_s on the server, and a server that is away is retried after a pause of that order."""
+        after = max(self.done, default=-1)
+        while not self._stop_if_finished():
+            try:
+                got = await self._fetch(after)
+            except (BusError, TimeoutError) as exc:   # the server restarts: ask again once it is back
+                self.counters["fetch_failures"] += 1
+                self.log.warning("eval_weights_unavailable", error=str(exc)[:300])
+                await asyncio.sleep(min(self.wait_s, 5.0))
+                continue
+            if isinstance(got, str):   # this run's parameter server can never give weights: say so once, idle
+                self.log.error("evaluation_unavailable", why=got)
+                return
+            if got is None:
+                continue
+            version, newest = got
+            after = version
+            if version in self.done:
+                continue
+            t0 = time.monotonic()
+            report = await aevaluate_model(self.model, self.tokenizer, self.records, self.settings_eval)
+            self._write(eval_entry(version, newest, report, time.monotonic() - t0, time.time()))
+            self.done.add(version)
+
+    async def _fetch(self, after: int) -> tuple[int, int] | str | None:
+        """Load the newest kept version after ``after`` into the model: (version, server's newest), None
+        when there was none within wait_s or it was replaced while being fetched, or why the server can
+        never give one."""
+        first = await self.bus.request(self.param_server, EvalWeightsRequest(after=after, timeout_s=self.wait_s),
+                                       timeout=self.wait_s + 30)
+        if not isinstance(first, EvalWeights):
+            raise BusError(f"{self.param_server} answered {type(first).__name__} to an eval weights request")
+        if first.unavailable:
+            return first.unavailable
+        if first.version < 0:
+            return None
+        replies = [first]
+        for b in range(1, first.n_buckets):
+            reply = await self.bus.request(self.param_server, EvalWeightsRequest(version=first.version, bucket=b),
+                                           timeout=60)
+            if not isinstance(reply, EvalWeights) or reply.version != first.version:
+                self.counters["replaced_while_fetching"] += 1
+                return None
+            replies.append(reply)
+        named = await asyncio.to_thread(
+            lambda: [kv for r in replies for kv in unpack_bucket(PackedBucket(r.header, r.flat), "eval")])
+        digest = await asyncio.to_thread(weights_hash, named)
+        if digest != first.weights_hash:   # a transfer error must not become a plotted accuracy
+            self.counters["hash_mismatches"] += 1
+            self.log.error("eval_weights_hash_mismatch", version=first.version, got=digest,
+                           expected=first.weights_hash)
+            return None
+        await asyncio.to_thread(assign_weights, self.model, named, True, f"eval weights v{first.version}")
+        return first.version, first.newest
+
+    def _write(self, entry: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+        if self.tb is not None:
+            self.tb.add_scalar("eval/accuracy", entry["eval/accuracy"], entry["version"])
+            for level, summary in entry["by_level"].items():
+                self.tb.add_scalar(f"eval/accuracy_L{level}", summary["greedy_accuracy"], entry["version"])
+            self.tb.flush()
+        self.log.info("evaluated", version=entry["version"], accuracy=round(entry["eval/accuracy"], 4),
+                      newest=entry["newest"], seconds=round(entry["eval_seconds"], 3), problems=entry["n_prompts"])

@@ -1,0 +1,120 @@
+"""Evaluation during the run (actors/evaluator.py): its bookkeeping, and a short run through the real launcher
+in which the evaluator is frozen and then killed while training goes on."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from actors.dataset import Record
+from actors.evaluator import EVAL_FILE, eval_entry, evaluated_versions, spread_over_levels
+from actors.param_server import kept_for_eval
+from tools.bench.chaos import kill_everything, launch, make_assets, ready_info, step_records, wait_for_step
+from tools.plot import _plot_evals, eval_accuracy, plot_run
+
+STEPS, EVERY = 24, 2
+
+
+def _rec(i: int, level: int | None) -> Record:
+    return Record(query_id=f"q{i}", prompt=f"p{i}", answer="1", level=level)
+
+
+def test_problems_are_spread_over_the_levels_in_file_order() -> None:
+    records = [_rec(i, 1) for i in range(5)] + [_rec(10 + i, 2) for i in range(2)] + [_rec(20 + i, 3) for i in range(5)]
+    picked = spread_over_levels(records, 7)
+    assert [r.query_id for r in picked] == ["q0", "q10", "q20", "q1", "q11", "q21", "q2"]
+    assert len(spread_over_levels(records, 100)) == len(records)   # fewer than asked: all of them
+    assert [r.query_id for r in spread_over_levels([_rec(0, None), _rec(1, None)], 1)] == ["q0"]
+
+
+def test_kept_versions_are_the_multiples_and_zero_is_off() -> None:
+    assert [v for v in range(9) if kept_for_eval(v, 3)] == [0, 3, 6]
+    assert not any(kept_for_eval(v, 0) for v in range(9))
+
+
+def test_a_restarted_evaluator_knows_what_it_evaluated(tmp_path: Path) -> None:
+    path = tmp_path / EVAL_FILE
+    assert evaluated_versions(path) == set()
+    report = {"n_prompts": 3, "overall": {"n": 3, "greedy_accuracy": 2 / 3},
+              "by_level": {"1": {"n": 2, "greedy_accuracy": 1.0}, "2": {"n": 1, "greedy_accuracy": 0.0}}}
+    lines = [json.dumps(eval_entry(v, v + 3, report, 0.5, 100.0 + v)) for v in (0, 4)]
+    final = json.dumps({"model": "final", "step": 8, "overall": report["overall"], "by_level": report["by_level"]})
+    path.write_text("\n".join([*lines, final, '{"kind": "periodic", "version": 8, "st']))   # torn by a kill
+    assert evaluated_versions(path) == {0, 4}
+    entry = json.loads(lines[1])
+    assert entry["eval/accuracy"] == pytest.approx(2 / 3) and entry["step"] == 4 and entry["newest"] == 7
+    assert eval_accuracy(entry) == (pytest.approx(2 / 3), {"1": 1.0, "2": 0.0})   # what tools.plot reads
+
+
+def periodic(run_dir: Path) -> list[dict]:
+    path = run_dir / EVAL_FILE
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return [r for r in rows if r.get("kind") == "periodic"]
+
+
+def wait_for_evals(proc: subprocess.Popen, run_dir: Path, n: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while len(periodic(run_dir)) < n:
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, f"fewer than {n} periodic evaluations written"
+        time.sleep(0.2)   # polling a file another process writes
+
+
+def test_a_run_evaluates_every_n_versions_without_waiting_for_the_evaluator(tmp_path: Path) -> None:
+    assets = make_assets(tmp_path / "assets", train_per_level=40)
+    run_dir = tmp_path / "run"
+    proc = launch(assets, run_dir, steps=STEPS, ckpt_every=8,
+                  extra=(f"experiment.eval.every_versions={EVERY}", "experiment.eval.max_problems=12"))
+    try:
+        wait_for_evals(proc, run_dir, 3)
+        pid = int(ready_info(run_dir, "evaluator")["pid"])
+        os.kill(pid, signal.SIGSTOP)
+        frozen_at = max((r["step"] for r in step_records(run_dir)), default=0)
+        # Training goes on while the evaluator cannot run at all ...
+        wait_for_step(proc, run_dir, frozen_at + 3)
+        # ... and after it is killed; the supervisor restarts it and it takes up from where it was (or, if the
+        # run ended meanwhile, sees the run's FINISHED mark and leaves).
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-4000:]
+    finally:
+        if proc.poll() is None:
+            kill_everything(proc, run_dir)
+    restarts = {line.split()[0]: int(line.split()[-1]) for line in out.splitlines()
+                if line.split()[:1] == ["evaluator"]}
+    assert restarts == {"evaluator": 1}, out[-3000:]
+    steps = [r["step"] for r in step_records(run_dir)]
+    assert sorted(set(steps)) == list(range(1, STEPS + 1))
+    evals = periodic(run_dir)
+    versions = [e["version"] for e in evals]
+    assert len(versions) == len(set(versions)), versions          # no version evaluated twice across the restart
+    assert len(versions) >= 3 and all(v % EVERY == 0 for v in versions), versions
+    assert all(v <= frozen_at for v in versions[:3]), (versions, frozen_at)
+    started = [json.loads(line) for line in (run_dir / "logs" / "evaluator.jsonl").read_text().splitlines()]
+    started = [e for e in started if e.get("event") == "evaluator_started"]
+    # restarted (the supervisor does not restart it if the run ended during its backoff)
+    assert len(started) in (1, 2), started
+    if len(started) == 2:
+        assert set(versions[:3]) <= set(started[1]["already_done"]), started
+    for e in evals:
+        assert e["n_prompts"] == 12 and 0.0 <= e["eval/accuracy"] <= 1.0
+        assert set(e["by_level"]) == {"1", "2", "3"}
+        assert e["newest"] >= e["version"]
+    written, notes = plot_run(run_dir)
+    assert run_dir / "plots" / "reward.png" in written
+    assert not [n for n in notes if EVAL_FILE in n], notes
+    # the periodic points are a series of their own on the accuracy panel, one point per evaluated version
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    rows = step_records(run_dir)
+    assert _plot_evals(ax, evals, rows, "time", min(r["time"] for r in rows), []) == 1
+    (line,) = [ln for ln in ax.get_lines() if "during the run" in str(ln.get_label())]
+    assert list(line.get_ydata()) == [e["eval/accuracy"] for e in evals]
+    plt.close(fig)

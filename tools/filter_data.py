@@ -1,0 +1,243 @@
+"""`python -m tools.filter_data MODEL --data IN.jsonl --out OUT.jsonl [--n 8]`: drop the prompts a model
+already solves every time.
+
+AReaL v0.2's offline difficulty filter: the current model answers each prompt n times (sampled, at
+`--temperature`), and a prompt whose n answers are all correct teaches RL nothing (every group would be
+dropped by dynamic sampling) and is left out. The other lines are copied to OUT unchanged, in input order,
+so OUT is read with the same layout settings as IN (`--layout`, `--id2info`, `--prompt-template` or
+`--config`, as in `tools.eval`). Answers are generated and graded by `actors.evaluation` (the code of
+`tools.eval`).
+
+Resumable: prompts are done in chunks of `--chunk`; after each chunk the kept lines are appended to OUT and
+`OUT.progress.json` records how far it got (and the size OUT had then). Run again with the same arguments
+and it goes on after the last finished chunk (a chunk cut short is done again, its partial output cut off);
+a finished filter is not redone. Each chunk's samples are seeded from `--seed` and the prompt's position,
+so a resumed filter writes what an uninterrupted one would. A progress bar (tqdm) goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from actors.dataset import AREAL, LAYOUTS, DatasetError, Layout, OnError, Record, load_dataset
+from actors.engines.checkpoint import CheckpointError, load_model
+from actors.engines.tokenizer import TokenizerError, load_tokenizer
+from actors.evaluation import EvalError, EvalSettings, aevaluate_model, level_key
+from tools.eval import DEFAULT_MAX_NEW_TOKENS, _from_config
+from tools.lm import LMToolError, has_weights
+
+PROGRESS_SUFFIX = ".progress.json"
+# What a resumed filter must share with the one it continues (the rest of the progress file is its state).
+IDENTITY_KEYS = ("data", "data_bytes", "model", "n", "seed", "temperature", "top_p", "max_new_tokens", "chunk",
+                 "layout")
+
+
+class FilterError(ValueError):
+    """A filter that cannot run as asked; the message names the file or setting at fault."""
+
+
+def progress_path(out: str | Path) -> Path:
+    return Path(str(out) + PROGRESS_SUFFIX)
+
+
+def _write_progress(path: Path, state: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, path)   # atomic: a kill leaves the old state or the new, never half of one
+
+
+def resume_state(out: Path, identity: dict[str, Any]) -> dict[str, Any]:
+    """The state to continue from: a fresh one, or the progress file's after checking it is the same job.
+    OUT is cut back to the size it had when that progress was recorded."""
+    progress = progress_path(out)
+    fresh = {**identity, "done": 0, "kept": 0, "out_bytes": 0, "complete": False, "by_level": {}}
+    if not progress.exists():
+        if out.exists() and out.stat().st_size > 0:
+            raise FilterError(f"{out} exists and has no {progress.name} beside it: not a filter to continue; "
+                              f"remove it or choose another --out")
+        return fresh
+    try:
+        state = json.loads(progress.read_text())
+        if not isinstance(state, dict) or not isinstance(state.get("done"), int):
+            raise ValueError("no 'done' count")
+    except (OSError, ValueError) as e:
+        raise FilterError(f"{progress}: unreadable progress file ({e}); remove it and {out} to start again") from None
+    for key in IDENTITY_KEYS:
+        if state.get(key) != identity[key]:
+            raise FilterError(f"{progress} was written with {key}={state.get(key)!r}, this run has "
+                              f"{identity[key]!r}: run with the same settings to continue it, or remove "
+                              f"{progress.name} and {out.name} to start again")
+    size = out.stat().st_size if out.exists() else 0
+    if size < state["out_bytes"]:
+        raise FilterError(f"{out} is shorter ({size} bytes) than its progress file records ({state['out_bytes']}): "
+                          f"it was changed; remove both to start again")
+    if size > state["out_bytes"]:   # lines of a chunk whose progress was not recorded: that chunk is redone
+        with open(out, "r+b") as f:
+            f.truncate(state["out_bytes"])
+    return state
+
+
+def all_correct(row: dict[str, Any]) -> bool:
+    """A prompt the model solves every time (its row from `aevaluate_model(..., details=True)`)."""
+    return bool(row["sample_correct"]) and all(row["sample_correct"])
+
+
+async def afilter(model_dir: str, data_path: str, out_path: str, *, n: int = 8, temperature: float = 1.0,
+                  top_p: float = 1.0, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, seed: int = 0, chunk: int = 64,
+                  layout: Layout = AREAL, on_error: OnError = "fail", workers: int = 1, device: str = "cpu",
+                  progress: bool = True, stream: TextIO | None = None) -> dict[str, Any]:
+    """Filter `data_path` into `out_path` (resuming a partial one); returns the summary."""
+    if n < 1:
+        raise FilterError(f"--n must be >= 1, got {n}")
+    if chunk < 1:
+        raise FilterError(f"--chunk must be >= 1, got {chunk}")
+    if not has_weights(model_dir):
+        raise FilterError(f"{model_dir}: no model weights (model.safetensors or an index) to answer with")
+    data, out = Path(data_path), Path(out_path)
+    if not data.is_file():
+        raise FilterError(f"{data}: no such file")
+    if out.resolve() == data.resolve():
+        raise FilterError(f"--out {out} is the input file")
+    settings = EvalSettings(k=n, samples=n, greedy=False, temperature=temperature, top_p=top_p,
+                            max_new_tokens=max_new_tokens, workers=workers)
+    settings.check()
+    identity = {"data": str(data.resolve()), "data_bytes": data.stat().st_size, "model": str(Path(model_dir).resolve()),
+                "n": n, "seed": seed, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+                "chunk": chunk, "layout": repr(layout)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    state = resume_state(out, identity)
+    dataset = load_dataset(data, require="answer", on_error=on_error, layout=layout)
+    records = dataset.records
+    t0 = time.perf_counter()
+    if not state["complete"]:
+        lines = data.read_bytes().split(b"\n")   # the kept records' lines are copied as they are
+        tokenizer = load_tokenizer(model_dir)
+        model = await asyncio.to_thread(load_model, model_dir, None, device)
+        bar = _bar(len(records), state["done"], progress, stream)
+        try:
+            for start in range(state["done"], len(records), chunk):
+                part = records[start:start + chunk]
+                # seeded by the chunk's position: a resumed filter samples what an uninterrupted one did
+                report = await aevaluate_model(model, tokenizer, part,
+                                               dataclasses.replace(settings, seed=seed * 1_000_003 + start),
+                                               details=True)
+                kept = [rec for rec, row in zip(part, report["prompts"]) if not all_correct(row)]
+                with open(out, "ab") as f:
+                    for rec in kept:
+                        f.write(_line_of(rec, lines, data).rstrip(b"\r") + b"\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                for rec, row in zip(part, report["prompts"]):
+                    counts = state["by_level"].setdefault(level_key(rec), {"prompts": 0, "kept": 0})
+                    counts["prompts"] += 1
+                    counts["kept"] += int(not all_correct(row))
+                state.update(done=start + len(part), kept=state["kept"] + len(kept), out_bytes=out.stat().st_size)
+                _write_progress(progress_path(out), state)
+                bar.update(len(part))
+        finally:
+            bar.close()
+        state["complete"] = True
+        _write_progress(progress_path(out), state)
+    return {"data": str(data), "out": str(out), "model_dir": str(model_dir), "n": n, "prompts": len(records),
+            "kept": state["kept"], "dropped_all_correct": state["done"] - state["kept"],
+            "by_level": state["by_level"], "skipped_lines": dataset.n_skipped, "seconds": time.perf_counter() - t0}
+
+
+def _line_of(rec: Record, lines: list[bytes], data: Path) -> bytes:
+    if rec.line_no is None or not 0 < rec.line_no <= len(lines):
+        raise FilterError(f"{data}: record {rec.query_id!r} has no line to copy")
+    return lines[rec.line_no - 1]
+
+
+class _PlainBar:
+    """A progress line on stderr where tqdm is missing."""
+
+    def __init__(self, total: int, done: int, stream: TextIO) -> None:
+        self.total, self.done, self.stream, self.t0 = total, done, stream, time.monotonic()
+
+    def update(self, k: int) -> None:
+        self.done += k
+        rate = self.done / max(time.monotonic() - self.t0, 1e-9)
+        print(f"filter_data: {self.done}/{self.total} prompts ({rate:.1f}/s)", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(total: int, done: int, enabled: bool, stream: TextIO | None) -> Any:
+    out = stream or sys.stderr
+    if not enabled:
+        return _PlainBar(total, done, open(os.devnull, "w"))
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _PlainBar(total, done, out)
+    return tqdm(total=total, initial=done, unit="prompt", file=out, disable=not enabled, desc="filter_data")
+
+
+def filter_data(model_dir: str, data_path: str, out_path: str, **kwargs: Any) -> dict[str, Any]:
+    """Synchronous `afilter`."""
+    return asyncio.run(afilter(model_dir, data_path, out_path, **kwargs))
+
+
+def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.filter_data", description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="model directory (Hugging Face layout, with tokenizer.json): the current model")
+    ap.add_argument("--data", required=True, help="JSON-lines prompts with answers (actors/dataset.py layouts)")
+    ap.add_argument("--out", required=True, help="JSON-lines output: the input lines that are kept")
+    ap.add_argument("--n", type=int, default=8, help="answers per prompt; all n correct drops the prompt")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help=f"answer length limit (default: the --config's gen.max_new_tokens, else {DEFAULT_MAX_NEW_TOKENS})")
+    ap.add_argument("--config", help="experiment config: its gen.max_new_tokens and data layout are the defaults")
+    ap.add_argument("--layout", choices=sorted(LAYOUTS), default=None)
+    ap.add_argument("--id2info", help="AReaL's answer file for a prompt file without answers")
+    ap.add_argument("--prompt-template", help="wraps each prompt; {prompt} marks where it goes")
+    ap.add_argument("--chunk", type=int, default=64, help="prompts per chunk (the unit of progress and resumption)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=1, help="grader processes for answers the fast path leaves open")
+    ap.add_argument("--on-error", choices=("fail", "skip"), default="fail", help="malformed dataset lines")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    args = ap.parse_args(argv)
+    try:
+        config = _from_config(args.config)
+        explicit = {"layout": args.layout, "id2info": args.id2info, "prompt_template": args.prompt_template}
+        data = {k: v for k, v in explicit.items() if v is not None} \
+            if any(v is not None for v in explicit.values()) else (config.get("data") or {})
+        layout = Layout.from_settings(data)
+        max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else \
+            int((config.get("gen") or {}).get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
+    except ValueError as e:
+        ap.error(str(e))
+    try:
+        summary = filter_data(args.model, args.data, args.out, n=args.n, temperature=args.temperature,
+                              top_p=args.top_p, max_new_tokens=max_new_tokens, seed=args.seed, chunk=args.chunk,
+                              layout=layout, on_error=args.on_error, workers=args.workers, device=args.device,
+                              progress=not args.no_progress)
+    except (FilterError, EvalError, DatasetError, CheckpointError, TokenizerError, LMToolError) as e:
+        print(f"filter_data: error: {e}", file=sys.stderr)
+        return 2
+    out = stdout or sys.stdout
+    if args.json:
+        print(json.dumps(summary), file=out)
+    else:
+        print(f"{summary['prompts']} prompts, {summary['kept']} kept, {summary['dropped_all_correct']} dropped "
+              f"(all {summary['n']} answers correct) -> {summary['out']}", file=out)
+        for level, c in sorted(summary["by_level"].items()):
+            print(f"  level {level}: {c['kept']}/{c['prompts']} kept", file=out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
