@@ -90,10 +90,11 @@ class RolloutWeights:
     alive: bool = True
     hello: bool = False
     incarnation: str = ""     # of the process that said hello last
+    hello_at: float = 0.0     # time.monotonic() of that hello
     receive_seconds: float = 0.0
     stall_seconds: float = 0.0
 
-    VOLATILE: ClassVar[tuple[str, ...]] = ("incarnation", "receive_seconds", "stall_seconds")
+    VOLATILE: ClassVar[tuple[str, ...]] = ("incarnation", "hello_at", "receive_seconds", "stall_seconds")
 
 
 @message("ps.weights_status_request", senders=("trainer",))
@@ -331,6 +332,7 @@ class ParamServerActor(Actor):
         first = not state.hello
         version = hello.version
         state.hello, state.alive, state.incarnation = True, True, hello.incarnation
+        state.hello_at = time.monotonic()
         self._probation.pop(sender, None)
         state.version, state.ack_ok, state.weight_ranks = version, False, hello.weight_ranks
         # Any hello after the link was formed comes from a (re)started member: it needs a new group.
@@ -462,11 +464,14 @@ class ParamServerActor(Actor):
         return [n for n, s in self.rollouts.items()
                 if s.hello and s.alive and self._probation.get(n, (0.0, 0.0))[0] <= now]
 
-    def _failed_with(self, members: list[str]) -> None:
+    def _failed_with(self, members: list[str], started: float | None = None) -> None:
         """A formation or push failed. If it had members the last good one did not (one back from a hang, its
         server perhaps still stuck in the transfer it was left out of), leave those out for a while, doubling
-        each time, so that they cannot keep the others from their weights; their next hello lets them in."""
-        newcomers = [n for n in members if n not in self._last_good]
+        each time, so that they cannot keep the others from their weights; their next hello lets them in.
+        A member that said hello after the transfer `started` is a new process, not a hung one: it was the
+        reason the transfer stopped, and the next formation takes it in."""
+        newcomers = [n for n in members if n not in self._last_good
+                     and (started is None or self.rollouts[n].hello_at < started)]
         if not newcomers or len(newcomers) == len(members):
             return
         now = time.monotonic()
@@ -565,7 +570,7 @@ class ParamServerActor(Actor):
             self.counters["link_form_failures"] += 1
             self.log.error("rollout_link_form_failed", generation=generation, error=str(exc),
                            retry_in_s=self.retry_s)
-            self._failed_with(members)
+            self._failed_with(members, started=t0)
             return False
         self._formed(generation, members, t0)
         await self._notify()
@@ -704,7 +709,7 @@ class ParamServerActor(Actor):
             await asyncio.gather(*acks.values(), return_exceptions=True)
             self._acks = {}
             self.need_reform = True
-            self._failed_with(members)
+            self._failed_with(members, started=t0)
             self.counters["push_failures"] += 1
             self.log.error("weights_push_failed", version=stored.version, generation=generation, error=str(exc),
                            acked=sorted(summary))

@@ -218,7 +218,8 @@ def test_direct_weights_trainer_broadcasts_to_rollouts(assets: dict[str, Path], 
     # server, which only coordinates. A killed rollout makes it re-form the group with the trainer.
     topology = direct_topology(tmp_path)
     run_dir = tmp_path / "run"
-    proc = launch(assets, run_dir, steps=12, ckpt_every=6, topology=str(topology))
+    proc = launch(assets, run_dir, steps=12, ckpt_every=6, topology=str(topology),
+                  extra=("experiment.eval.every_versions=5",))
     try:
         wait_for_step(proc, run_dir, 3)
         os.kill(actor_pid(run_dir, "rollout.1"), signal.SIGKILL)

@@ -152,3 +152,29 @@ def test_param_server_must_be_first_on_the_rollout_link(tmp_path: Path) -> None:
     assert run(actor.run()) == 1
     log = (tmp_path / "logs" / "param_server.jsonl").read_text()
     assert "the parameter server must be listed first" in log
+
+
+def test_a_rollout_that_restarted_during_a_failed_formation_is_not_put_on_probation(tmp_path: Path) -> None:
+    # A killed rollout comes back alive before its new process says hello; a formation started then is
+    # abandoned by that hello. The restarted rollout was put on probation as if it hung, and kept out of
+    # the weights for probation_s (a test run ended before it got any). Probation is for one back from a hang.
+    import time
+
+    from actors.param_server import RolloutWeights
+
+    s = spec(tmp_path, make_model_dir(tmp_path / "model"), {"train_to_ps": 1, "ps_to_rollout": 2},
+             ["param_server", "rollout.0", "rollout.1"])
+
+    async def main() -> None:
+        actor = ParamServerActor(s)
+        started = time.monotonic()
+        actor.rollouts = {"rollout.0": RolloutWeights(hello=True, hello_at=started - 10),
+                          "rollout.1": RolloutWeights(hello=True, hello_at=started + 1)}   # hello during it
+        actor._last_good, actor.probation_s = {"rollout.0"}, 30.0   # set in on_start, which needs the links
+        actor._failed_with(["rollout.0", "rollout.1"], started=started)
+        assert actor._ready() == ["rollout.0", "rollout.1"]
+        actor.rollouts["rollout.1"].hello_at = started - 1       # the same process, back from a hang
+        actor._failed_with(["rollout.0", "rollout.1"], started=started)
+        assert actor._ready() == ["rollout.0"] and actor.counters["rollouts_on_probation"] == 1
+
+    run(main())

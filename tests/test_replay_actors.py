@@ -40,7 +40,7 @@ def _record(base: Path) -> Path:
         raise
     logs = run_dir / "msglog"
     assert sorted(p.name for p in logs.iterdir()) == sorted(
-        f"{n}.msglog" for n in ("buffer", "reward", "trainer", "param_server", "rollout.0", "rollout.1"))
+        f"{n}.msglog" for n in ("buffer", "reward", "trainer", "param_server", "rollout.0", "rollout.1", "evaluator"))
     return logs
 
 

@@ -69,12 +69,13 @@ def make_assets(base: Path, train_per_level: int = 200) -> dict[str, Path]:
 def launch(assets: dict[str, Path], run_dir: Path, steps: int, ckpt_every: int, topology: str = TOPOLOGY,
            extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> subprocess.Popen:
     """A short run of `topology` on the assets: 4 groups of 4 answers a step, eta 1, answers of at most 12
-    tokens, every group trained (a random model answers everything wrong: dynamic sampling would drop all)."""
+    tokens, every group trained (a random model answers everything wrong: dynamic sampling would drop all), no
+    evaluation during the run (the figures compare runs without it)."""
     overrides = [f"experiment.model.path={assets['model']}", f"experiment.data.train={assets['data'] / 'train.jsonl'}",
                  f"experiment.data.test={assets['data'] / 'test.jsonl'}", f"experiment.run.total_steps={steps}",
                  f"experiment.run.checkpoint_every_steps={ckpt_every}", "experiment.algo.batch_size=4",
                  "experiment.algo.group_size=4", f"experiment.algo.eta={ETA}", "experiment.gen.max_new_tokens=12",
-                 "experiment.algo.dynamic_sampling=false", *extra]
+                 "experiment.algo.dynamic_sampling=false", "experiment.eval.every_versions=0", *extra]
     return subprocess.Popen([sys.executable, "-m", "tools.up", topology, *overrides, "--run-dir", str(run_dir),
                              "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env={**os.environ, **(env or {})})
