@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--etas", default="0,1,4,16", help="comma list of max staleness values (default 0,1,4,16)")
     ap.add_argument("--objectives", default="decoupled,ppo", help="comma list of decoupled, ppo (default both)")
     ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N steps (default 10)")
-    ap.add_argument("--minibatches", type=int, default=4,
-                    help="PPO minibatches per step (default 4, AReaL's recipe): 4 updates per batch, which also "
+    ap.add_argument("--minibatches", type=int, default=1,
+                    help="PPO minibatches per step (default 1, as configs/local.yaml; AReaL uses 4): more updates per batch "
                          "slows the trainer so that the rollouts run ahead and staleness reaches eta")
     ap.add_argument("--out", default=None, help="folder for the run directories (default: a temp dir)")
     ap.add_argument("--plot", default=None, help="write the PNG here")
