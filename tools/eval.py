@@ -179,6 +179,19 @@ def _from_config(path: str | None) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
+def data_options(args: argparse.Namespace) -> tuple[Layout, int]:
+    """The dataset layout and max_new_tokens from --config, --layout/--id2info/--prompt-template and
+    --max-new-tokens (shared with tools.filter_data). Command-line layout options replace the config's data
+    mapping as a whole. Raises ValueError naming the bad option."""
+    config = _from_config(args.config)
+    explicit = {"layout": args.layout, "id2info": args.id2info, "prompt_template": args.prompt_template}
+    data = {k: v for k, v in explicit.items() if v is not None} \
+        if any(v is not None for v in explicit.values()) else (config.get("data") or {})
+    max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else \
+        int((config.get("gen") or {}).get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
+    return Layout.from_settings(data), max_new_tokens
+
+
 def _levels(text: str | None) -> list[int] | None:
     if not text:
         return None
@@ -221,14 +234,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     try:
         levels = _levels(args.levels)
         pass_ks = _ks(args.pass_k)
-        config = _from_config(args.config)
-        # Command-line layout options replace the config's data mapping as a whole.
-        explicit = {"layout": args.layout, "id2info": args.id2info, "prompt_template": args.prompt_template}
-        data = {k: v for k, v in explicit.items() if v is not None} \
-            if any(v is not None for v in explicit.values()) else (config.get("data") or {})
-        layout = Layout.from_settings(data)
-        max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else \
-            int((config.get("gen") or {}).get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
+        layout, max_new_tokens = data_options(args)
     except ValueError as e:
         ap.error(str(e))
     try:

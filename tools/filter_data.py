@@ -31,7 +31,7 @@ from actors.dataset import AREAL, LAYOUTS, DatasetError, Layout, OnError, Record
 from actors.engines.checkpoint import CheckpointError, load_model
 from actors.engines.tokenizer import TokenizerError, load_tokenizer
 from actors.evaluation import EvalError, EvalSettings, aevaluate_model, level_key
-from tools.eval import DEFAULT_MAX_NEW_TOKENS, _from_config
+from tools.eval import DEFAULT_MAX_NEW_TOKENS, data_options
 from tools.lm import LMToolError, has_weights
 
 PROGRESS_SUFFIX = ".progress.json"
@@ -211,13 +211,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     args = ap.parse_args(argv)
     try:
-        config = _from_config(args.config)
-        explicit = {"layout": args.layout, "id2info": args.id2info, "prompt_template": args.prompt_template}
-        data = {k: v for k, v in explicit.items() if v is not None} \
-            if any(v is not None for v in explicit.values()) else (config.get("data") or {})
-        layout = Layout.from_settings(data)
-        max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else \
-            int((config.get("gen") or {}).get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
+        layout, max_new_tokens = data_options(args)
     except ValueError as e:
         ap.error(str(e))
     try:
