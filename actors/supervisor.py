@@ -40,6 +40,7 @@ from actors.base import ActorSpec, ready_path
 __all__ = ["Supervisor", "SupervisorError", "NotReadyError"]
 
 _POLL_S = 0.05
+AFTER_RUN_GRACE_S = 5.0   # for a restarted actor still running after the run ended to end by itself
 
 
 class SupervisorError(RuntimeError):
@@ -248,12 +249,23 @@ class Supervisor:
             while True:
                 proc = child.proc
                 wait = asyncio.ensure_future(proc.wait())
+                over_since: float | None = None
                 while not wait.done():
                     if not child.ready and self._check_ready(child):
                         child.ready = True
                         self.log.info("actor_ready", actor=name, pid=proc.pid,
                                       after_s=round(time.monotonic() - child.started_at, 3))
-                    await asyncio.wait({wait}, timeout=_POLL_S if not child.ready else None)
+                    # A restarted process can have been starting when the run ended: the RunFinished the others
+                    # got went to its dead predecessor, so it would wait for ever for peers that have left.
+                    restarted = self.restarts[name] > 0 and self.run_over is not None
+                    if restarted and over_since is None and self.run_over():
+                        over_since = time.monotonic()
+                    if over_since is not None and time.monotonic() - over_since > AFTER_RUN_GRACE_S:
+                        self.log.warning("actor_stopped_after_run_end", actor=name, pid=proc.pid,
+                                         grace_s=AFTER_RUN_GRACE_S)
+                        proc.send_signal(signal.SIGTERM)
+                        over_since = float("inf")   # signalled once; stop() escalates if it must
+                    await asyncio.wait({wait}, timeout=_POLL_S if not child.ready else (1.0 if restarted else None))
                 code = proc.returncode
                 child.last_exit = code
                 child.ready = False

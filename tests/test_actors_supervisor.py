@@ -154,6 +154,29 @@ def test_an_actor_that_crashes_after_the_run_is_over_is_not_restarted(tmp_path: 
     run(main())
 
 
+def test_a_restarted_actor_still_running_after_the_run_ended_is_stopped(tmp_path: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A restarted reward actor was starting when the trainer finished the run: the RunFinished went to its
+    # dead predecessor, so the new process waited for ever and the launcher with it (chaos kill_reward, CI).
+    import actors.supervisor as supervisor_module
+    monkeypatch.setattr(supervisor_module, "AFTER_RUN_GRACE_S", 0.2)
+
+    async def main() -> None:
+        over = [False]
+        sup = Supervisor([spec(tmp_path, "w")], tmp_path, backoff_initial=0.05, run_over=lambda: over[0])
+        await sup.start()
+        client = await client_for(tmp_path, "w")
+        await client.send("w", Crash("exit"))
+        await until(lambda: sup.restarts["w"] == 1 and sup.children["w"].ready)
+        over[0] = True          # the run ends; nobody tells the new process
+        await until(lambda: sup.children["w"].finished)
+        assert sup.children["w"].last_exit == 0     # SIGTERM is an actor's clean stop
+        await sup.stop()
+        await client.close()
+
+    run(main())
+
+
 def test_gives_up_after_restart_limit_with_clear_message(tmp_path: Any) -> None:
     async def main() -> None:
         given_up: list[str] = []
