@@ -220,7 +220,8 @@ class ServerGroupHost:
 
     def host(self, generation: int, world_size: int, group_name: str) -> int:
         """Start a group of this generation (closing the previous one); returns its port at once."""
-        from actors.engines.sglang import WeightGroupSender, free_port
+        from actors.engines.sglang import WeightGroupSender
+        from transport.ports import free_port
 
         self.close()
         port = free_port(self.bind_addr)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from transport.ports import free_port
 
 HOSTS = Path("/etc/hosts")
 PACKAGES = ["slurm-wlm", "munge"]
@@ -40,12 +41,6 @@ def ensure_installed(timeout: float = 300) -> None:
     subprocess.run(["apt-get", "update", "-qq"], check=True, timeout=timeout, env=env, capture_output=True)
     subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES], check=True,
                    timeout=timeout, env=env, capture_output=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(predicate, timeout: float, what: str, interval: float = 0.1) -> None:
@@ -87,7 +82,7 @@ class SlurmCluster:
                    f"--socket={munge / 'munge.sock'}", f"--pid-file={munge / 'munged.pid'}",
                    f"--log-file={munge / 'munged.log'}", f"--seed-file={munge / 'munged.seed'}"])
         _wait(lambda: (munge / "munge.sock").exists(), 10, "munged socket")
-        ctld_port = _free_port()
+        ctld_port = free_port()
         lines = [
             "ClusterName=areal_test", "SlurmctldHost=localhost", f"SlurmctldPort={ctld_port}",
             "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", f"AuthInfo=socket={munge / 'munge.sock'}",
@@ -102,7 +97,7 @@ class SlurmCluster:
         ]
         for i, name in enumerate(self.nodes, start=1):
             lines.append(f"NodeName={name} NodeHostname=localhost NodeAddr={self.address(name)} "
-                         f"Port={_free_port()} CPUs={self.cpus} RealMemory=1000")
+                         f"Port={free_port()} CPUs={self.cpus} RealMemory=1000")
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
         self._add_hosts()

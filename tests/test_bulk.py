@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from typing import Any, Callable
 
@@ -14,15 +13,10 @@ import torch
 
 from transport.bulk import (BulkError, BulkLink, ChecksumMismatch, LinkConfig, LinkRendezvousError,
                             bucket_checksum, pack_bucket, unpack_bucket)
+from transport.ports import free_port
 
 CTX = mp.get_context("fork")  # the parent has torch imported already: forking is ~100x cheaper than spawn
 WAIT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_bucket(seed: int) -> list[tuple[str, torch.Tensor]]:

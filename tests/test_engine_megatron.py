@@ -12,7 +12,6 @@ Needs megatron-core 0.11: `pip install --no-deps megatron-core==0.11.0 einops`; 
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
 from typing import Any
@@ -27,6 +26,7 @@ from actors.engines.checkpoint import hf_state_dict, load_model, save_model
 from actors.engines.model import Qwen2Config
 from actors.engines.testing import random_sequences, tiny_model
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss
+from transport.ports import free_port
 
 needs_megatron = pytest.mark.skipif(not mg.is_available(),
                                     reason=f"megatron-core not importable ({mg.MEGATRON_IMPORT_ERROR}); "
@@ -47,12 +47,6 @@ def _whole(batches: list[PackedBatch]) -> PackedBatch:
     a, b = batches
     return PackedBatch(torch.cat([a.input_ids, b.input_ids]), torch.cat([a.cu_seqlens, b.cu_seqlens[1:] + a.num_tokens]),
                        torch.cat([a.position_ids, b.position_ids]))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, settings: dict[str, Any]) -> None:
@@ -103,7 +97,7 @@ def _engine_checks(engine: Any, out_dir: str, settings: dict[str, Any]) -> dict[
 
 
 def _run(world: int, model_dir: str, out_dir: str, settings: dict[str, Any]) -> list[dict[str, Any]]:
-    port = _free_port()
+    port = free_port()
     procs = [CTX.Process(target=_worker, args=(r, world, port, model_dir, out_dir, settings), daemon=True)
              for r in range(world)]
     for p in procs:

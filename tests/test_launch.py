@@ -18,16 +18,11 @@ import pytest
 from tools import up
 from tools import topology as topo_mod
 from tools.topology import load
+from transport.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = sorted(p.name for p in (REPO / "topology").glob("*.yaml"))
 LAUNCH_TIMEOUT = 150
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def missing_actor_modules(path: Path) -> list[str]:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from transport.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_cluster import SlurmCluster, ensure_installed, unavailable_reason  # noqa: E402
@@ -34,12 +35,6 @@ def cluster():
     ensure_installed()
     with SlurmCluster(nodes=2, cpus_per_node=2) as c:
         yield c
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_overrides() -> list[str]:

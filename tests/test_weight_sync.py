@@ -12,7 +12,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,18 +30,13 @@ from transport.bulk import BulkLink, LinkConfig
 from transport.bus import Bus, Envelope
 from transport.protocol import (GenerateGroup, GroupReturned, RunFinished, ScoredGroup, Task, WeightsPublished,
                                 WeightsStored)
+from transport.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = ROOT / "configs" / "models" / "arith-tiny"
 ROLLOUTS = ["rollout.0", "rollout.1", "rollout.2"]      # rollout.2 pauses for weights (not interruptible)
 WAIT_S = 90.0
 LINK_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model_dir(path: Path, seed: int = 0) -> Path:

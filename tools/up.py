@@ -31,6 +31,7 @@ from typing import Any, Sequence
 
 from tools import topology as topo_mod
 from tools.topology import Plan, TopologyError
+from transport.ports import free_port
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 
@@ -319,14 +320,6 @@ def supervisor_options(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((topo_mod.resolve_host(host) if host else "127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 # What `--record` turns on in every actor: tools.replay --into needs the outbound records to compare with
 # and the tensors themselves to rebuild the inbound messages, not their checksums.
 RECORD_SETTINGS = {"outbound": True, "tensors": "store"}
@@ -341,7 +334,7 @@ def build_specs(plan: Plan, run_dir: Path, record: bool = False) -> list[dict[st
         curve = {"keys_dir": generate_run_keys(str(run_dir), [i.name for i in plan.instances])}
     for link in [*plan.links.values(), *plan.worlds.values()]:
         if link.port == 0:  # `port: auto`
-            link.port = _free_port(link.master_host)
+            link.port = free_port(topo_mod.resolve_host(link.master_host) if link.master_host else "127.0.0.1")
     specs = plan.specs(run_dir, curve=curve)
     if plan.topology.bus.transport == "ipc":
         ipc_dir = run_dir / "ipc"

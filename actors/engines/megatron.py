@@ -37,7 +37,6 @@ import datetime
 import json
 import os
 import random
-import socket
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -50,6 +49,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .base import EngineError, LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine, WeightBucket
+from transport.ports import free_port
+
 from .checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError, _weight_files, load_config,
                          read_tokenizer_files, write_tokenizer_files)
 from .model import Qwen2Config, sdpa
@@ -409,12 +410,6 @@ def chunked_vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor,
 
 
 # --- distributed setup ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_distributed(mc: MegatronConfig, device: torch.device) -> None:
     """torch.distributed (env:// when launched by torchrun, else a world of one) and parallel_state."""
     timeout = datetime.timedelta(seconds=mc.dist_timeout_s)
@@ -423,7 +418,7 @@ def init_distributed(mc: MegatronConfig, device: torch.device) -> None:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                     timeout=timeout)
     world = dist.get_world_size()
     if world % (mc.tensor_parallel * mc.pipeline_parallel):

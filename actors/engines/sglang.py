@@ -38,7 +38,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -50,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from transport.ports import free_port
 
 from .base import (EngineError, GenerationEngine, GenerationRequest, GenerationResult, RequestError,
                    WeightBucket, WeightSource)
@@ -126,12 +127,6 @@ def sampling_payload(**fields: Any) -> dict[str, Any]:
     if unknown:
         raise SGLangError(f"sampling_params: field(s) {sorted(unknown)} are not declared in SAMPLING_FIELDS")
     return fields
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -22,7 +22,6 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from actors.engines.testing import random_sequences, tiny_model
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss
 from tools.bench.engine import build_model, hf_generate, long_tailed, ours_generate, pack_groups, sync_device
 from transport.bulk import BulkLink, LinkConfig, bucket_checksum, pack_bucket, unpack_bucket
+from transport.ports import free_port
 
 # Qwen2.5 base models' config.json values (the architecture; weights are random here).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -202,12 +202,6 @@ def bench_agreement(args: argparse.Namespace) -> dict[str, Any]:
 
 # --- (d) bulk link over NCCL ---------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _bucket(mib: int, device: str) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator(device=device).manual_seed(0)
     return [(f"t{i}", torch.randn(mib * 2**20 // 32, generator=g, device=device)) for i in range(8)]
@@ -233,7 +227,7 @@ def _link_member(rank: int, world: int, port: int, mib: int, reps: int, queue: A
 
 def _link_run(world: int, mib: int, reps: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")  # CUDA is initialised in the parent: children must not fork it
-    queue, port = ctx.Queue(), _free_port()
+    queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_link_member, args=(r, world, port, mib, reps, queue)) for r in range(world)]
     for p in procs:
         p.start()

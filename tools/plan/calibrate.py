@@ -30,7 +30,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -39,6 +38,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+
+from transport.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = "configs/models/arith-tiny"
@@ -247,17 +248,11 @@ def _link_member(role: str, ports: tuple[int, int], model_dir: str, reps: int, q
         link.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure_weights(model_dir: str, reps: int) -> dict[str, Any]:
     """One weight update over the topology's two bulk links, four forked members (median of `reps`)."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    ports = (_free_port(), _free_port())
+    ports = (free_port(), free_port())
     procs = [ctx.Process(target=_link_member, args=(role, ports, model_dir, reps, queue))
              for role in ("trainer", "ps", "r0", "r1")]
     for p in procs:
