@@ -40,7 +40,7 @@ from typing import Any, Callable
 import msgpack
 
 import transport.protocol  # noqa: F401  (registers the rl.* message kinds so records decode)
-from transport.bus import Envelope, RemoteError, current_cause
+from transport.bus import Envelope, RemoteError, current_cause, wait_for_tasks
 from transport.messages import DecodeError, Error, Message, decode, decode_header, encode, registry, to_plain
 from transport.msglog import LogRecord, MessageLogError, read_log
 
@@ -361,10 +361,7 @@ class ReplayBus:
 
     # The parts of Bus that Actor._drain uses.
     async def wait_handlers(self, timeout: float | None = None) -> bool:
-        if not self._handler_tasks:
-            return True
-        _, pending = await asyncio.wait(set(self._handler_tasks), timeout=timeout)
-        return not pending
+        return await wait_for_tasks(self._handler_tasks, timeout)
 
     def cancel_handlers(self) -> int:
         for t in self._handler_tasks:

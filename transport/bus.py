@@ -50,7 +50,7 @@ from .messages import (BATCH_MAX_BYTES, BATCH_MAX_MESSAGES, DecodeError, EncodeE
                        split_batch)
 
 __all__ = ["Bus", "Envelope", "BusError", "UnknownPeer", "MessageTooLarge", "RequestTimeout", "RemoteError",
-           "BusClosed", "current_cause"]
+           "BusClosed", "current_cause", "wait_for_tasks"]
 
 # The id of the inbound message whose handler is running; outbound records carry it so replay can
 # attribute every message an actor sends to the message that caused it.
@@ -75,6 +75,14 @@ def _release_zmq(sockets: list[zmq.Socket], ctx: zmq.Context, auth: Any) -> None
 
 
 HEARTBEAT_TIMEOUT_S = 5.0   # a peer silent this long is dead (pings go every second by default)
+
+
+async def wait_for_tasks(tasks: set[asyncio.Task], timeout: float | None = None) -> bool:
+    """Wait until every task of ``tasks`` has ended; False if ``timeout`` expired first."""
+    if not tasks:
+        return True
+    _, pending = await asyncio.wait(set(tasks), timeout=timeout)
+    return not pending
 
 
 class BusError(RuntimeError):
@@ -306,10 +314,7 @@ class Bus:
 
     async def wait_handlers(self, timeout: float | None = None) -> bool:
         """Wait until no handler task runs; False if ``timeout`` expired first."""
-        if not self._handler_tasks:
-            return True
-        _, pending = await asyncio.wait(set(self._handler_tasks), timeout=timeout)
-        return not pending
+        return await wait_for_tasks(self._handler_tasks, timeout)
 
     def cancel_handlers(self) -> int:
         """Cancel running handler tasks (their requesters get Error("draining")); returns how many."""
