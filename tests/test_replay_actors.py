@@ -131,37 +131,21 @@ def test_offline_retraining_prints_recorded_and_new_metrics_per_step(recorded: P
     assert "message bulk, field checksum" in out and "train_to_ps#1" in out, out
 
 
-def _trajectory_versions(log: Path) -> dict[str, list[int]]:
-    """Per inbound GenerateGroup id: the weight versions of every token the original generated for it."""
-    from transport.messages import decode
-    from transport.msglog import read_log
-
-    out: dict[str, list[int]] = {}
-    for rec in read_log(log)[0]:
-        if rec.kind == "out" and rec.cause:
-            header, msg = decode(rec.frames)
-            if header.kind == "rl.trajectories":
-                out[rec.cause] = [v for s in msg.answers.samples for v in s.versions]
-    return out
-
-
 @pytest.mark.parametrize("name", ["rollout.0", "rollout.1"])
 def test_rollout_replays_the_same_tokens_until_weights_change_mid_generation(recorded: Path, name: str) -> None:
     log = recorded / f"{name}.msglog"
-    # The embedded engine samples each group with the seed in its GenerateGroup: the same tokens come out.
-    # Log-probs agree to about 1e-7 (which sequences share a batch changes the order of float sums), so
-    # floats compare within 1e-5. Where the original swapped weights in the middle of a generation, the
-    # replay (which takes the buckets when the message is delivered) swaps at another decode step: that is
-    # the first divergence it may report, and only there.
+    # The embedded engine samples each group with the seed in its GenerateGroup, so the same tokens come out
+    # as a rule. Two things break the rule: which sequences share a decode batch (arrival timing) changes the
+    # order of float sums, by about 1e-7 in a log-prob, and once in a while that flips a sampled token (seen
+    # once in CI at output_ids[10] of a group on the starting weights); and where the original swapped
+    # weights in the middle of a generation, the replay (which takes the buckets when the message is
+    # delivered) swaps at another decode step. So a divergence, if any, is in a group's answers, and every
+    # other message (acks, hellos, returns) replays identically up to it.
     r = replay.replay_into(str(log), "actors.rollout:RolloutActor", float_tol=1e-5)
     assert r.compared and r.fed > 0, r
     if r.divergence is not None:
-        from transport.messages import decode_header
-        from transport.msglog import read_log
-
-        cause = next(decode_header(rec.frames)[0].id for rec in read_log(log)[0] if rec.index == r.divergence.record_index)
-        versions = _trajectory_versions(log).get(cause, [])
-        assert r.divergence.message == "rl.trajectories" and max(versions, default=0) > 0, (r.divergence, versions)
+        assert r.divergence.message == "rl.trajectories", r.divergence
+        assert r.divergence.field is not None and r.divergence.field.startswith("answers.samples["), r.divergence
     # weights held in bfloat16 instead: a group's log-probs, or the hash of the weights it acks, differ
     d = replay.replay_into(str(log), "actors.rollout:RolloutActor", float_tol=1e-5,
                            overrides={"model.dtype": "bfloat16"}).divergence
