@@ -209,36 +209,18 @@ def _link_member(role: str, ports: tuple[int, int], model_dir: str, reps: int, q
         buckets = list(TorchTrainEngine(model=_model(model_dir), config=TrainConfig()).export_weights())
     n_buckets = len(buckets) if buckets is not None else None
     times: dict[str, list[float]] = {"a": [], "b": []}
+    # Link a: trainer -> parameter server; link b: parameter server -> both rollouts.
+    senders = {"a": "trainer", "b": "ps"}
     for _ in range(reps):
-        if "a" in links:
-            links["a"].barrier()
-            t0 = time.perf_counter()
-            if role == "trainer":
-                for bucket in buckets or []:
-                    links["a"].broadcast(bucket, src=0)
-                links["a"].broadcast([("end", torch.zeros(1))], src=0)   # the count travels as a last bucket
-            else:
-                received = []
-                while True:
-                    bucket = links["a"].broadcast(None, src=0)
-                    if bucket[0][0] == "end":
-                        break
-                    received.append(bucket)
-                buckets = received
-            links["a"].barrier()
-            times["a"].append(time.perf_counter() - t0)
-        if "b" in links:
-            links["b"].barrier()
-            t0 = time.perf_counter()
-            if role == "ps":
-                for bucket in buckets or []:
-                    links["b"].broadcast(bucket, src=0)
-                links["b"].broadcast([("end", torch.zeros(1))], src=0)
-            else:
-                while links["b"].broadcast(None, src=0)[0][0] != "end":
-                    pass
-            links["b"].barrier()
-            times["b"].append(time.perf_counter() - t0)
+        for key in ("a", "b"):
+            if key in links:
+                links[key].barrier()
+                t0 = time.perf_counter()
+                got = _relay(links[key], buckets if role == senders[key] else None)
+                if key == "a" and role != "trainer":
+                    buckets = got
+                links[key].barrier()
+                times[key].append(time.perf_counter() - t0)
     if role == "ps":
         queue.put({"trainer_to_ps_s": statistics.median(times["a"]), "ps_to_rollouts_s": statistics.median(times["b"]),
                    "buckets": len(buckets or [])})
@@ -246,6 +228,20 @@ def _link_member(role: str, ports: tuple[int, int], model_dir: str, reps: int, q
         queue.put({"buckets_sent": n_buckets})
     for link in links.values():
         link.close()
+
+
+def _relay(link: Any, buckets: list | None) -> list:
+    """Broadcast `buckets` from this member (the source), or receive them (None): the count travels as a last
+    "end" bucket. Returns what was received (the sender's own buckets at the source)."""
+    if buckets is not None:
+        for bucket in buckets:
+            link.broadcast(bucket, src=0)
+        link.broadcast([("end", torch.zeros(1))], src=0)
+        return buckets
+    received = []
+    while (bucket := link.broadcast(None, src=0))[0][0] != "end":
+        received.append(bucket)
+    return received
 
 
 def measure_weights(model_dir: str, reps: int) -> dict[str, Any]:
