@@ -15,21 +15,14 @@ from actors.dataset import DatasetError, load_dataset
 from actors.engines.checkpoint import load_model
 from actors.engines.tokenizer import load_tokenizer
 from tools import eval as ev
-from tools import sft
-from test_sft import make_tiny_data, make_tiny_model_dir
+from test_sft import train_tiny_model
 
 BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A 30k-parameter model that memorised the level-1 training prompts (level 2 stays unsolved)."""
-    root = tmp_path_factory.mktemp("eval")
-    model_dir, data = make_tiny_model_dir(root / "init"), make_tiny_data(root / "data")
-    cfg = sft.SFTConfig(data=str(data / "train.jsonl"), out=str(root / "ckpt"), model=str(model_dir), steps=120,
-                        batch_size=16, lr=1e-2, warmup_steps=5, log_every=1000)
-    sft.run_sft(cfg, lambda _: None)
-    return {"ckpt": root / "ckpt", "data": data / "train.jsonl"}
+    return train_tiny_model(tmp_path_factory.mktemp("eval"))
 
 
 def reference_greedy(model_dir: Path, prompts: list[str], max_new: int) -> list[tuple[str, int, bool]]:

@@ -10,20 +10,14 @@ import pytest
 
 from tools import eval as ev
 from tools import filter_data as fd
-from tools import sft
-from test_sft import make_tiny_data, make_tiny_model_dir
+from test_sft import train_tiny_model
 
 N, MAX_NEW = 4, 16
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("filter")
-    model_dir, data = make_tiny_model_dir(root / "init"), make_tiny_data(root / "data")
-    cfg = sft.SFTConfig(data=str(data / "train.jsonl"), out=str(root / "ckpt"), model=str(model_dir), steps=120,
-                        batch_size=16, lr=1e-2, warmup_steps=5, log_every=1000)
-    sft.run_sft(cfg, lambda _: None)
-    return {"ckpt": root / "ckpt", "data": data / "train.jsonl", "init": model_dir}
+    return train_tiny_model(tmp_path_factory.mktemp("filter"))
 
 
 def run(trained: dict[str, Path], out: Path, **kw) -> dict:

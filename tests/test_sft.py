@@ -43,6 +43,16 @@ def make_tiny_data(path: Path) -> Path:
     return path
 
 
+def train_tiny_model(root: Path) -> dict[str, Path]:
+    """A 30k-parameter model that memorised the level-1 training prompts (level 2 stays unsolved), for the
+    tests of the tools that read a trained checkpoint (eval, filter_data)."""
+    model_dir, data = make_tiny_model_dir(root / "init"), make_tiny_data(root / "data")
+    cfg = sft.SFTConfig(data=str(data / "train.jsonl"), out=str(root / "ckpt"), model=str(model_dir), steps=120,
+                        batch_size=16, lr=1e-2, warmup_steps=5, log_every=1000)
+    sft.run_sft(cfg, lambda _: None)
+    return {"ckpt": root / "ckpt", "data": data / "train.jsonl", "init": model_dir}
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sft")
