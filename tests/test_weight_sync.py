@@ -28,8 +28,8 @@ from actors.supervisor import Supervisor
 from actors.weights import weights_hash
 from transport.bulk import BulkLink, LinkConfig
 from transport.bus import Bus, Envelope
-from transport.protocol import (GenerateGroup, GroupReturned, RunFinished, ScoredGroup, Task, WeightsPublished,
-                                WeightsStored)
+from transport.protocol import (GenerateGroup, GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task,
+                                WeightsPublished, WeightsStored, WorkerHello)
 from transport.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +75,7 @@ class System:
         self.ports = {"train_to_ps": free_port(), "ps_to_rollout": free_port()}
         self.scored: asyncio.Queue[ScoredGroup] = asyncio.Queue()
         self.returned: asyncio.Queue[GroupReturned] = asyncio.Queue()
+        self.worker_hellos: asyncio.Queue[str] = asyncio.Queue()
         self.hashes: dict[int, str] = {}
 
     def links_of(self, name: str) -> dict[str, Any]:
@@ -134,6 +135,8 @@ class System:
             self.scored.put_nowait(env.msg)
         elif isinstance(env.msg, GroupReturned):
             self.returned.put_nowait(env.msg)
+        elif isinstance(env.msg, WorkerHello):
+            self.worker_hellos.put_nowait(env.sender)
 
     async def publish(self, version: int, seed: int) -> WeightsStored:
         buckets, digest = trainer_weights(seed)
@@ -256,6 +259,17 @@ def test_run_finished_hands_unfinished_groups_back(system: System) -> None:
     async def body() -> None:
         for r in ROLLOUTS:
             await system.generate(r, f"unfinished-{r}", max_new_tokens=4000)
+        # RunFinished comes from the trainer's bus, which has no order with the buffer's: a rollout that got it
+        # first had stopped before the group arrived, and the group was never handed back. A rollout answers the
+        # buffer's HelloRequest after taking the buffer's earlier messages, so its WorkerHello says it has the group.
+        while not system.worker_hellos.empty():      # the hellos every worker sent when it started
+            system.worker_hellos.get_nowait()
+        for r in ROLLOUTS:
+            await system.buffer.send(r, HelloRequest())
+        answered: set[str] = set()
+        while answered != set(ROLLOUTS):
+            sender = await system.worker_hellos.get()
+            answered |= {sender} & set(ROLLOUTS)
         for name in ["param_server", *ROLLOUTS, "reward.0"]:
             await system.trainer.send(name, RunFinished(step=4))
         returned = await system.collect(system.returned, len(ROLLOUTS))
