@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from actors.engines.testing import sampled_batch, tiny_model
+from testsupport.tiny_models import sampled_batch, tiny_model
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.trainer import StepConfig, rank_samples, train_share
 from tools.bench.batch import synthetic_batch

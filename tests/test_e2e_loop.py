@@ -267,7 +267,7 @@ def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: P
     # moment, so that nothing trains until rollout.1's server is back: its engine restarts it, the rollout
     # says hello again, a group of it alone is formed (the hung one left out) and training goes on; then
     # rollout.0 comes back, a group of both is formed and the run finishes with both on the last version.
-    standin = (f"{{engine: sglang, sglang: {{command: [{sys.executable}, -m, actors.engines.sglang_standin, "
+    standin = (f"{{engine: sglang, sglang: {{command: [{sys.executable}, -m, testsupport.sglang_standin, "
                f"--no-weights-hash]}}}}")
     topology = direct_topology(tmp_path, standin)
     topology.write_text(topology.read_text().replace("timeout_s: 30", "timeout_s: 10"))  # faster recovery
@@ -365,7 +365,7 @@ def test_pipeline_stages_each_send_their_own_layers_to_sglang_servers(assets: di
     from actors.engines import megatron
     if not megatron.is_available():
         pytest.skip(f"megatron-core not importable ({megatron.MEGATRON_IMPORT_ERROR})")
-    standin = f"{{engine: sglang, sglang: {{command: [{sys.executable}, -m, actors.engines.sglang_standin]}}}}"
+    standin = f"{{engine: sglang, sglang: {{command: [{sys.executable}, -m, testsupport.sglang_standin]}}}}"
     text = direct_topology(tmp_path, standin).read_text()
     trainer = text[text.index("\n  trainer:"):text.index("\n  param_server:")]
     text = text.replace(trainer, "\n  trainer:\n"

@@ -10,7 +10,7 @@ import torch
 
 from actors.engines.base import EngineError, GenerationRequest, PackedBatch, RequestError, SamplingParams
 from actors.engines.checkpoint import CheckpointError, hf_state_dict
-from actors.engines.testing import greedy_reference, random_sequences, tiny_model
+from testsupport.tiny_models import greedy_reference, random_sequences, tiny_model
 from actors.engines.torch_gen import TorchGenerationEngine, counter_uniform, sample_tokens
 from actors.engines.torch_train import TorchTrainEngine
 

@@ -24,7 +24,7 @@ from actors.engines import megatron as mg
 from actors.engines.base import PackedBatch
 from actors.engines.checkpoint import hf_state_dict, load_model, save_model
 from actors.engines.model import Qwen2Config
-from actors.engines.testing import random_sequences, tiny_model
+from testsupport.tiny_models import random_sequences, tiny_model
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss
 from transport.ports import free_port
 
@@ -358,7 +358,7 @@ def _trainer_share(engine: Any, out_dir: str, settings: dict[str, Any]) -> dict[
 def test_trainer_step_over_two_data_parallel_ranks_matches_one_torch_process(tmp_path) -> None:
     # What trainer ranks > 0 do in a multi-rank trainer: the same train_share on the same batch, each
     # replica on its own micro-batches of every PPO minibatch; rank 0 merges the shares' statistics.
-    from actors.engines.testing import sampled_batch
+    from testsupport.tiny_models import sampled_batch
     from actors.trainer import StepConfig, step_metrics, train_on_batch
     model_dir = _model_dir(tmp_path)
     batch = sampled_batch(load_model(model_dir), groups=4, n=4)

@@ -23,8 +23,8 @@ from actors.engines.base import EngineError, GenerationRequest, RequestError, Sa
 from actors.engines.checkpoint import hf_state_dict, save_model
 from actors.engines.sglang import (LaunchConfig, SGLangEngine, SGLangError, SGLangLaunchError, WeightGroupSender, _sample_seed,
                                    bucket_specs, free_port)
-from actors.engines.sglang_standin import StandinThread
-from actors.engines.testing import greedy_reference, random_sequences, tiny_model
+from testsupport.sglang_standin import StandinThread
+from testsupport.tiny_models import greedy_reference, random_sequences, tiny_model
 from actors.engines.torch_gen import TorchGenerationEngine
 from actors.weights import weights_hash
 
@@ -339,7 +339,7 @@ def test_typed_errors(standin):
 
 
 def _standin_launch(model_dir: str, tmp_path, **kw) -> LaunchConfig:
-    return LaunchConfig(model_path=model_dir, command=[sys.executable, "-m", "actors.engines.sglang_standin"],
+    return LaunchConfig(model_path=model_dir, command=[sys.executable, "-m", "testsupport.sglang_standin"],
                         log_path=str(tmp_path / "server.log"), health_timeout_s=60.0, backoff_s=0.2,
                         env={"OMP_NUM_THREADS": "1"}, **kw)
 
@@ -439,7 +439,7 @@ def test_a_server_dies_with_the_process_that_started_it(tmp_path):
               f"from actors.engines.sglang import LaunchConfig, SGLangEngine\n"
               f"async def main():\n"
               f"    e = SGLangEngine(launch=LaunchConfig(model_path={model_dir!r}, command=[sys.executable, '-m', "
-              f"'actors.engines.sglang_standin'], health_timeout_s=60.0, env={{'OMP_NUM_THREADS': '1'}}))\n"
+              f"'testsupport.sglang_standin'], health_timeout_s=60.0, env={{'OMP_NUM_THREADS': '1'}}))\n"
               f"    await e.start()\n"
               f"    print(e.server.proc.pid, flush=True)\n"
               f"    await asyncio.sleep(600)\n"
@@ -470,7 +470,7 @@ def test_a_server_dies_with_the_process_that_started_it(tmp_path):
 
 def test_launch_that_fails_names_the_exit_and_log(tmp_path):
     config = LaunchConfig(model_path=str(tmp_path / "missing"),
-                          command=[sys.executable, "-m", "actors.engines.sglang_standin"],
+                          command=[sys.executable, "-m", "testsupport.sglang_standin"],
                           log_path=str(tmp_path / "server.log"), health_timeout_s=30.0)
 
     async def main():
@@ -493,12 +493,12 @@ def test_make_engine_builds_the_sglang_engine(tmp_path):
         pass
 
     launched = make_engine({"engine": "sglang", "instance": {"group": "rollout", "index": 2, "parallel": {"tp": 2}},
-                            "sglang": {"command": ["python", "-m", "actors.engines.sglang_standin"],
+                            "sglang": {"command": ["python", "-m", "testsupport.sglang_standin"],
                                        "mem_fraction_static": 0.8}, "run_dir": str(tmp_path)}, 0, "/models/m",
                            on_server_event=on_server_event)
     assert launched.user_on_server_event is on_server_event
     args = launched.server.config.args(30001, 0)
-    assert args[:3] == ["python", "-m", "actors.engines.sglang_standin"]
+    assert args[:3] == ["python", "-m", "testsupport.sglang_standin"]
     assert args[args.index("--tp-size") + 1] == "2" and args[args.index("--mem-fraction-static") + 1] == "0.8"
     assert args[args.index("--model-path") + 1] == "/models/m" and "--skip-tokenizer-init" in args
     with pytest.raises(EngineError, match="unknown key"):

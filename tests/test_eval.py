@@ -166,7 +166,7 @@ def test_sglang_engine_gives_the_embedded_engines_report(trained, tmp_path, caps
     # The stand-in server (the SGLang engine tests' server) serves the trained checkpoint over /generate.
     import urllib.request
 
-    from actors.engines.sglang_standin import StandinThread
+    from testsupport.sglang_standin import StandinThread
     from actors.engines.torch_gen import TorchGenerationEngine
 
     kwargs = dict(k=4, samples=8, max_new_tokens=16, details=True)

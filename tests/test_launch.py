@@ -109,9 +109,9 @@ def test_a_world_gives_each_instance_its_rank_and_rendezvous() -> None:
 
 
 @pytest.mark.parametrize("group, problem", [
-    ("{class: 'actors.demo:Echoer', count: 2, world_port: auto}", "auto needs a one-node topology"),
-    ("{class: 'actors.demo:Echoer', count: 2, gpus: 2, world_port: 29400}", "one rank per instance"),
-    ("{class: 'actors.demo:Echoer', count: 2, world_port: 99999}", "is not a port"),
+    ("{class: 'testsupport.demo:Echoer', count: 2, world_port: auto}", "auto needs a one-node topology"),
+    ("{class: 'testsupport.demo:Echoer', count: 2, gpus: 2, world_port: 29400}", "one rank per instance"),
+    ("{class: 'testsupport.demo:Echoer', count: 2, world_port: 99999}", "is not a port"),
 ])
 def test_bad_world_ports_are_refused(tmp_path: Path, group: str, problem: str) -> None:
     bad = tmp_path / "bad.yaml"
@@ -145,7 +145,7 @@ def test_a_trainer_group_that_cannot_train_together_is_refused_at_start(tmp_path
 def test_invalid_topology_exits_2_with_every_problem(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("cluster: {nodes: 1, node: {gpus: 2}}\nbus: {transport: ipc}\n"
-                   "actors:\n  a: {class: 'actors.demo:Echoer', gpus: 3, cout: 1}\n")
+                   "actors:\n  a: {class: 'testsupport.demo:Echoer', gpus: 3, cout: 1}\n")
     assert up.main([str(bad), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "actors.a.cout: unknown key (did you mean 'count'?)" in err
@@ -163,8 +163,8 @@ def demo_topology(tmp_path: Path, ping_settings: str, supervisor: str = "", link
     path.write_text(
         "name: demo_test\ncluster: {nodes: 1, node: {cpus: 2}}\nbus: {transport: ipc}\n" + links + supervisor +
         "actors:\n"
-        "  echo: {class: 'actors.demo:Echoer', cpus: [0]}\n"
-        f"  ping: {{class: 'actors.demo:Pinger', count: 2, cpus: [[0], [1]], settings: {ping_settings}}}\n")
+        "  echo: {class: 'testsupport.demo:Echoer', cpus: [0]}\n"
+        f"  ping: {{class: 'testsupport.demo:Pinger', count: 2, cpus: [[0], [1]], settings: {ping_settings}}}\n")
     return path
 
 
@@ -278,7 +278,7 @@ def test_a_port_already_in_use_fails_the_dry_run_naming_its_key(tmp_path, capsys
         topo = tmp_path / "t.yaml"
         topo.write_text("cluster: {nodes: 1}\nbus: {transport: ipc}\n"
                         f"links: {{demo: {{backend: gloo, members: [echo, ping], port: {port}}}}}\n"
-                        "actors:\n  echo: {class: 'actors.demo:Echoer'}\n  ping: {class: 'actors.demo:Pinger'}\n")
+                        "actors:\n  echo: {class: 'testsupport.demo:Echoer'}\n  ping: {class: 'testsupport.demo:Pinger'}\n")
         assert main([str(topo), "--dry-run"]) == 2
         err = capsys.readouterr().err
         assert f"links.demo.port: port {port} is already in use on this node" in err, err

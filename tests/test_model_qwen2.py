@@ -9,7 +9,7 @@ import torch
 
 from actors.engines.checkpoint import CheckpointError, load_model, save_model
 from actors.engines.model import ConfigError, Qwen2Config, Qwen2ForCausalLM, block_diagonal_mask
-from actors.engines.testing import random_sequences, tiny_model
+from testsupport.tiny_models import random_sequences, tiny_model
 
 transformers = pytest.importorskip("transformers")
 

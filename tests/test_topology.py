@@ -171,7 +171,7 @@ def test_class_import_and_actor_checks() -> None:
 def test_demo_classes_pass_the_actor_check() -> None:
     pytest.importorskip("actors.base", reason="the actor runtime (actors/base.py) has not landed yet")
     doc = {"cluster": {"nodes": 1}, "bus": {"transport": "ipc"},
-           "actors": {"echo": {"class": "actors.demo:Echoer"}, "ping": {"class": "actors.demo:Pinger"}}}
+           "actors": {"echo": {"class": "testsupport.demo:Echoer"}, "ping": {"class": "testsupport.demo:Pinger"}}}
     T.validate(doc, check_imports=True)
 
 

@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from actors.engines.testing import sampled_batch, tiny_model
+from testsupport.tiny_models import sampled_batch, tiny_model
 from actors.engines.base import PackedBatch
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.trainer import StepConfig, batch_to_sequences, train_on_batch

@@ -22,7 +22,7 @@ import uvloop
 
 from actors.base import ActorSpec
 from actors.engines.checkpoint import bucketize, hf_state_dict, save_model
-from actors.engines.testing import tiny_model
+from testsupport.tiny_models import tiny_model
 from actors.param_server import WeightsStatus, WeightsStatusRequest
 from actors.supervisor import Supervisor
 from actors.weights import weights_hash

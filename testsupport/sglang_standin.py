@@ -1,6 +1,6 @@
 """A stand-in SGLang server over the embedded engine, for running and testing the SGLang path without a GPU.
 
-    python -m actors.engines.sglang_standin --model-path DIR [--host 127.0.0.1] [--port 30000]
+    python -m testsupport.sglang_standin --model-path DIR [--host 127.0.0.1] [--port 30000]
                                             [--weight-version 0] [--random-seed S] [--tp-size 1] ...
 
 It serves the routes and request/response fields of SGLang's HTTP server (the release pinned in
@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
-from .base import EngineError, GenerationRequest, RequestError, SamplingParams
-from .sglang import SGLANG_VERSION, TensorSpec, drop_weight_group, join_weight_group, receive_bucket
-from .torch_gen import TorchGenerationEngine
+from actors.engines.base import EngineError, GenerationRequest, RequestError, SamplingParams
+from actors.engines.sglang import SGLANG_VERSION, TensorSpec, drop_weight_group, join_weight_group, receive_bucket
+from actors.engines.torch_gen import TorchGenerationEngine
 
 __all__ = ["StandinServer", "main"]
 
@@ -371,7 +371,7 @@ class StandinServer:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Running it: in a thread (tests) or as a process (python -m actors.engines.sglang_standin)
+# Running it: in a thread (tests) or as a process (python -m testsupport.sglang_standin)
 # --------------------------------------------------------------------------------------------------------
 
 def check_sampling(sp: dict[str, Any], input_tokens: int, context_len: int) -> None:
@@ -461,7 +461,7 @@ class StandinThread:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m actors.engines.sglang_standin",
+    ap = argparse.ArgumentParser(prog="python -m testsupport.sglang_standin",
                                  description="SGLang-compatible HTTP server over the embedded CPU engine")
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--host", default="127.0.0.1")
