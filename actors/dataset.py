@@ -1,7 +1,7 @@
 """JSON-lines datasets: reading, validating and reporting bad lines.
 
 One loader for every consumer (the buffer's prompts, the supervised warm start, evaluation) and for
-both our generated task (`tools/make_task.py`) and users' files in the seeds' layout. A line is one
+both our generated task (`tools/make_task.py`) and users' files in AReaL's layout. A line is one
 JSON object:
 
 =============  ==========================  =====================================================
@@ -12,7 +12,7 @@ field          type                        meaning
 ``prompt``     non-empty string            what the model is given
 ``answer``     string or number            the final answer the reward checks; when absent it is
                                            taken from the last ``\\boxed{...}`` of the first
-                                           solution (the seeds' math data carry only solutions)
+                                           solution (AReaL's math data carry only solutions)
 ``solutions``  list of non-empty strings   worked solutions (supervised targets), optional
 ``level``      non-negative integer         difficulty level, optional
 =============  ==========================  =====================================================

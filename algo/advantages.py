@@ -1,6 +1,6 @@
 """Rewards and advantages: from per-answer scores to per-token advantages.
 
-The pipeline the seeds use (AReaL v0.1/v0.2 recipes), each step a function of its own:
+The pipeline AReaL uses (its v0.1/v0.2 recipes), each step a function of its own:
 
 1. `sequence_rewards`: a checker score in [0, 1] (1 = correct; a fraction of unit tests passed also
    works) becomes a sequence reward, +5 correct / -5 wrong by default, then (r + bias) * scale, clipped.
@@ -308,9 +308,9 @@ def compute_advantages(
     token_norm_moments: torch.Tensor | None = None,
     eps: float = 1e-5,
 ) -> Advantages:
-    """The seeds' recipe in one call: group-normalised sequence rewards, KL folded into token rewards
+    """AReaL's recipe in one call: group-normalised sequence rewards, KL folded into token rewards
     (when kl_coef != 0 and logp/logp_ref are given), GAE, then `apply_adv_norm` (by default over all valid
-    tokens of the batch, as the seeds' v0.2 does).
+    tokens of the batch, as AReaL's v0.2 does).
 
     Per-token tensors are [B, T] (with `loss_mask` [B, T]) or 1-D packed with `cu_seqlens` [B + 1].
     """

@@ -3,7 +3,7 @@
 pass@k (Chen et al. 2021, the Codex paper): with n samples per problem of which c are correct, the
 probability that k samples drawn without replacement contain a correct one is
 1 - C(n - c, k) / C(n, k), computed as a running product so that large n neither overflows nor loses
-precision. Averaged over problems. pass@1 with n samples is the mean accuracy the seeds report
+precision. Averaged over problems. pass@1 with n samples is the mean accuracy AReaL reports
 ("pass@1 averaged over 32 samples").
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The decoupled PPO loss of the seeds (AReaL, arXiv 2505.24298), with token-level normalisation.
+"""The decoupled PPO loss of AReaL's paper (arXiv 2505.24298), with token-level normalisation.
 
 Asynchronous RL trains on tokens that older weights generated. Three log-probs per token:
 behaviour (logp_behav: what the rollout engine sampled with, possibly several versions within one
@@ -48,7 +48,7 @@ class PPOConfig:
 @dataclass
 class PPOStats:
     """Sums and counts over one micro-batch; `merge` adds micro-batches, `summary` gives the means and
-    maxima the seeds log. Everything is a plain float so it travels in a message or a metrics line."""
+    maxima AReaL logs. Everything is a plain float so it travels in a message or a metrics line."""
 
     n_tokens: float = 0.0  # loss-mask tokens seen (before the behaviour cap)
     n_trained: float = 0.0  # of those, not masked by the behaviour cap

@@ -1,6 +1,6 @@
 """Staleness control: how far behind the trainer the weights that generated a sample may be.
 
-Admission (the seeds' rule). With batch size B (in whatever unit the buffer counts: prompts), trainer
+Admission (AReaL's rule). With batch size B (in whatever unit the buffer counts: prompts), trainer
 version v (completed training steps) and maximum staleness eta (0 = synchronous), a new prompt may be
 handed to rollout only while
 

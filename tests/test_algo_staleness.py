@@ -50,7 +50,7 @@ def test_admission_rule_matches_reference_and_holds(B, eta, cap, ops):
         result = apply(gate, op, n)
         if op == "admit":
             accepted, running, v = before
-            # reference: admit one at a time while the seeds' rule allows
+            # reference: admit one at a time while AReaL's rule allows
             want = 0
             while want < n and accepted + running + want < (v + eta + 1) * B and (cap is None or running + want < cap):
                 want += 1

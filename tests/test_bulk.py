@@ -193,7 +193,7 @@ def test_checksum_mismatch_is_detected_by_every_receiver() -> None:
 
 
 def test_reform_after_member_restart() -> None:
-    """Rank 2 dies after generation 0; a fresh rank-2 process joins generation 1 with the survivors,
+    """Rank 2 dies after epoch 0; a fresh rank-2 process joins epoch 1 with the survivors,
     who were told to re-form through a queue standing in for the control bus."""
     port = free_port()
     control = [CTX.Queue() for _ in range(2)]
@@ -203,8 +203,8 @@ def test_reform_after_member_restart() -> None:
         link = BulkLink(config("weights", port, rank, 3))
         link.open(0)
         ok = [same_bucket(link.broadcast(make_bucket(0) if rank == 0 else None, src=0), make_bucket(0))]
-        generation = control[rank].get(timeout=WAIT_S)  # "rank 2 restarted: re-form at generation 1"
-        link.reform(generation)
+        epoch = control[rank].get(timeout=WAIT_S)  # "rank 2 restarted: re-form at epoch 1"
+        link.reform(epoch)
         ok.append(same_bucket(link.broadcast(make_bucket(1) if rank == 0 else None, src=0), make_bucket(1)))
         ok.append(link.latest_generation() == 1 if rank == 0 else True)
         return ok
@@ -251,10 +251,10 @@ def test_reform_after_member_restart() -> None:
     assert results == {0: [True, True, True], 1: [True, True, True], 2: True}, results
 
 
-def test_a_generation_of_some_members_leaves_a_hung_one_out() -> None:
-    """r1 hangs (it takes no part in generation 0's broadcast). The master and r0 abandon that transfer, form
-    generation 1 of the two of them and move a bucket at once; their abandoned threads still end on their
-    own group (an error naming generation 0), never on the new one. When r1 is back, generation 2 of all
+def test_an_epoch_of_some_members_leaves_a_hung_one_out() -> None:
+    """r1 hangs (it takes no part in epoch 0's broadcast). The master and r0 abandon that transfer, form
+    epoch 1 of the two of them and move a bucket at once; their abandoned threads still end on their
+    own group (an error naming epoch 0), never on the new one. When r1 is back, epoch 2 of all
     three moves the next bucket to everyone."""
     import threading
 
@@ -295,14 +295,14 @@ def test_a_generation_of_some_members_leaves_a_hung_one_out() -> None:
     def hung() -> list[Any]:
         link = link_of(2)
         link.open(0)
-        back.set()   # "SIGCONT": it sat out generation 0's broadcast and generation 1 entirely
+        back.set()   # "SIGCONT": it sat out epoch 0's broadcast and epoch 1 entirely
         link.reform(2)
         return [same_bucket(link.broadcast(None, src=0), make_bucket(2)), link.rank]
 
     ps, r0, r1 = run_procs([lambda: healthy(0), lambda: healthy(1), hung])
     assert ps[:4] == [True, 0, True, members] and r0[:4] == [True, 1, True, members]
     assert r1 == [True, 2]
-    for errors in (ps[4], r0[4]):   # the abandoned transfer failed on generation 0, if it did not finish
+    for errors in (ps[4], r0[4]):   # the abandoned transfer failed on epoch 0, if it did not finish
         assert all(e == "link 'weights' generation 0" for e in errors), errors
 
 

@@ -26,7 +26,7 @@ def test_reads_valid_records_and_keeps_extra_fields(tmp_path):
 
 
 def test_answer_taken_from_the_seeds_solution_layout(tmp_path):
-    # The seeds' math data carry only solutions such as "\\boxed{\\frac{1}{2}}".
+    # AReaL's math data carry only solutions such as "\\boxed{\\frac{1}{2}}".
     rec = parse_record({"query_id": "a", "prompt": "p", "solutions": ["so \\boxed{\\frac{1}{2}}"]})
     assert rec.answer == "\\frac{1}{2}"
 
@@ -142,7 +142,7 @@ def test_a_line_over_the_length_limit_is_refused_without_reading_it_whole(tmp_pa
     assert len(load_dataset(path, max_line_bytes=20_000_000)) == 3
 
 
-# --- layouts: the seeds' files and the common public ones, through the config's field mapping ----------
+# --- layouts: AReaL's files and the common public ones, through the config's field mapping ----------
 
 def test_boba_and_orz_layout_reads_answers_from_boxed_solutions(tmp_path):
     # The tutorial's boba_106k_0319.jsonl / orz-zero_56k_0319.jsonl: query_id, prompt, task, boxed solutions.

@@ -1,4 +1,4 @@
-"""The shipped recipes (configs/areal_*.yaml): each names its source in the seeds and the command that runs
+"""The shipped recipes (configs/areal_*.yaml): each names its source in AReaL's publications and the command that runs
 it on the topology the tutorial names, and that command passes --dry-run; the 1.5B context stages chain."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def run_line(config: Path) -> list[str]:
     return shlex.split(lines[0].removeprefix("# run: python -m tools.up "))
 
 
-def test_every_recipe_of_the_seeds_is_shipped():
+def test_every_areal_recipe_is_shipped():
     names = {p.stem for p in RECIPES}
     assert names == {"areal_v01_1.5b_stage1_8k", "areal_v01_1.5b_stage2_16k", "areal_v01_1.5b_stage3_24k",
                      "areal_v02_7b_boba", "areal_32b_boba", "areal_v01_7b_r1_zero"}
@@ -33,12 +33,12 @@ def test_recipe_dry_runs_on_its_topology(config: Path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     args = run_line(config)
     assert f"config=configs/{config.name}" in args
-    assert "Seeds" in config.read_text().split("\nseed:")[0], f"{config.name}: quote its source in the seeds"
+    assert "# Source (AReaL " in config.read_text().split("\nseed:")[0], f"{config.name}: quote its AReaL source"
     assert up_main([*args, "--dry-run"]) == 0, capsys.readouterr().err
     assert f"experiment config {config}" in capsys.readouterr().out.replace("\n  ", " ")
 
 
-def test_recipe_settings_match_the_seeds():
+def test_recipe_settings_match_areal():
     doc = {p.stem: yaml.safe_load(p.read_text()) for p in RECIPES}
     shape = {k: (d["algo"]["batch_size"], d["algo"]["group_size"], d["gen"]["max_new_tokens"]) for k, d in doc.items()}
     assert shape["areal_v02_7b_boba"] == (512, 16, 27648) and doc["areal_v02_7b_boba"]["algo"]["eta"] == 8

@@ -45,8 +45,8 @@ def _record(base: Path) -> Path:
 
 
 def test_buffer_replays_identically(recorded: Path, capsys: pytest.CaptureFixture) -> None:
-    # It used to hang: the trainer's first BatchRequest arrives before any scored group, and a replay that
-    # waited for each handler to finish before the next message waited for ever.
+    # The trainer's first BatchRequest arrives before any scored group: a replay that waited for each
+    # handler to finish before taking the next message would wait for ever.
     assert replay.main([str(recorded / "buffer.msglog"), "--into", "actors.buffer:BufferActor"]) == 0
     out = capsys.readouterr().out
     assert "identical: every outbound message matches the original" in out, out

@@ -252,8 +252,8 @@ def test_fork_bomb_is_contained_and_fully_killed(box):
 
 
 def test_many_runs_in_a_row_leave_nothing_that_counts_against_the_process_limit(box):
-    # Regression: with bwrap's own init as PID 1, every run left a zombie that the container's PID 1
-    # reaped lazily; zombies count against RLIMIT_NPROC, so after max_processes runs bwrap could not fork.
+    # With bwrap's own init as PID 1, every run would leave a zombie that the container's PID 1 reaps
+    # lazily; zombies count against RLIMIT_NPROC, so after max_processes runs bwrap could not fork.
     outputs = [run_python(box, f"print({i})").stdout for i in range(3 * LIMITS.max_processes)]
     assert outputs == [f"{i}\n".encode() for i in range(3 * LIMITS.max_processes)]
     uid = box.run_uid()

@@ -436,7 +436,7 @@ def test_pending_batch_is_flushed_on_close() -> None:
 
 def test_a_bus_dropped_without_close_does_not_hang_its_process() -> None:
     # An actor or test that fails with a bus open, its sender blocked on a full queue: garbage collection
-    # used to clear the context's references to its sockets and then term() waited for them forever.
+    # clears the context's references to its sockets, and a term() that waited for them would wait forever.
     code = textwrap.dedent("""
         import asyncio, gc, uvloop
         from transport.bus import Bus

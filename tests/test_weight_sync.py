@@ -239,7 +239,7 @@ def test_killed_rollout_is_restarted_and_brought_to_the_current_version(system: 
         assert before.version == 3
         os.kill(system.sup.pids()["rollout.1"], signal.SIGKILL)
         # The supervisor restarts it; its hello (version 0) makes the server re-form the link at a new
-        # generation and push version 3 to everyone.
+        # epoch and push version 3 to everyone.
         st = await system.status(min_version=3, min_generation=before.generation + 1, timeout_s=WAIT_S)
         assert st.reached, st
         assert system.sup.restarts["rollout.1"] == 1

@@ -8,7 +8,7 @@ Per level and overall, on a JSON-lines dataset with answers (`actors/dataset.py`
 * average answer lengths in tokens (without the eos), greedy and sampled, and the share of answers cut
   off by `--max-new-tokens`.
 
-pass@1 is the mean accuracy over the sampled answers (avg@n): the seeds' "Pass@1 averaged over 32 samples at
+pass@1 is the mean accuracy over the sampled answers (avg@n): AReaL's "Pass@1 averaged over 32 samples at
 temperature 0.6" is `--samples 32 --temperature 0.6 --top-p 0.95`. `--pass-k 8,16` adds more pass@k columns,
 `--table tutorial` prints the tutorial's table (dataset, num_questions, greedy_length, sample_length,
 greedy_acc, sample_pass@1, pass@k...), and `--config` takes `gen.max_new_tokens` and the dataset layout from
@@ -140,7 +140,7 @@ def render_table(report: dict[str, Any], stream: TextIO | None = None) -> None:
 
 
 def render_tutorial_table(report: dict[str, Any], stream: TextIO | None = None) -> None:
-    """The seeds' tutorial table (AReaL's eval_and_aggregate.py): one row for the dataset, accuracies in %."""
+    """The AReaL tutorial's table (its eval_and_aggregate.py): one row for the dataset, accuracies in %."""
     from rich.console import Console
     from rich.table import Table
 
@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     ap.add_argument("--details", metavar="FILE", help="write per-prompt rows (responses included) as JSON lines")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ap.add_argument("--table", choices=("levels", "tutorial"), default="levels",
-                    help="per-level rows, or the seeds' tutorial table (one row, its columns)")
+                    help="per-level rows, or the AReaL tutorial's table (one row, its columns)")
     args = ap.parse_args(argv)
     try:
         levels = _levels(args.levels)

@@ -13,7 +13,7 @@ state the answer (``\\boxed{7}``), as a teacher that usually skips its working w
 imitating that mix answers "in its head" most of the time and is often wrong, and RL, rewarded on the
 boxed answer, learns to work step by step. docs/task.md has the measurements behind these defaults.
 
-Records follow the seeds' JSON-lines layout: ``query_id``, ``prompt``, ``answer`` and, where a worked
+Records follow AReaL's JSON-lines layout: ``query_id``, ``prompt``, ``answer`` and, where a worked
 solution exists, ``solutions`` (a list of strings ending in ``\\boxed{answer}``), plus ``level``.
 Output is a pure function of the arguments (seeded ``random.Random``), and the train and test splits
 never share an expression.

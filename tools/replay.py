@@ -740,7 +740,7 @@ _BULK_HEADER = types.SimpleNamespace(kind="bulk", id=None, wants_reply=False, re
 
 class ReplayLink:
     """Stands in for transport.bulk.BulkLink: hands the replayed actor the buckets the original received
-    (from the log), and captures the headers of the buckets it sends for comparison. Forming a generation
+    (from the log), and captures the headers of the buckets it sends for comparison. Forming an epoch
     always succeeds at once: no peer is there to wait for."""
 
     def __init__(self, config: Any, buckets: dict[str, deque], bus: ReplayBus) -> None:

@@ -6,7 +6,7 @@ number of training steps (so the same number of trained samples):
   async       eta from the config, interruptible generation; rollouts pinned to core 0 and the trainer
               to core 1 (disjoint resources, as GPUs are disjoint on a cluster)
   sync        eta = 0 and no interruption (generate a batch, train, sync weights, repeat) on the same
-              placement: the seeds' comparison, generation and training taking turns
+              placement: AReaL's comparison, generation and training taking turns
   colocated   synchronous again, but each phase gets every core (rollouts and trainer both on cores
               0-1 with 2 threads): the best a synchronous user gets from this machine
   sft         the control: no RL, the warm start's last supervised stage continued from the same

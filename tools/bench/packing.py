@@ -1,6 +1,6 @@
 """`python -m tools.bench packing [--json] [--trials N] [--cost tokens|flops]`
 
-Micro-batch allocation on random length distributions like the seeds' (a long-tailed one up to 31k
+Micro-batch allocation on random length distributions like AReaL's (a long-tailed one up to 31k
 tokens with an ~8k mean, as in AReaL's 1.5B/7B runs, and a short uniform one). For each distribution and
 allocator it reports, averaged over trials:
 
@@ -30,7 +30,7 @@ from algo.packing import DEFAULT_METHOD, allocate_micro_batches, micro_batch_low
 METHODS = ("ffd", "lpt", "kk")
 
 # name -> (sampler, sequences per batch, token budget, data-parallel ranks)
-# 2048 sequences = one of the 4 PPO minibatches of the seeds' 512 prompts x 16 answers.
+# 2048 sequences = one of the 4 PPO minibatches of AReaL's 512 prompts x 16 answers.
 DISTRIBUTIONS = {
     "long_tail_31k": (lambda rng, n: np.clip(rng.lognormal(np.log(6200), 0.75, n), 64, 31000), 2048, 32768, 8),
     "long_tail_31k_dp1": (lambda rng, n: np.clip(rng.lognormal(np.log(6200), 0.75, n), 64, 31000), 512, 32768, 1),

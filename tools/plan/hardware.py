@@ -27,7 +27,7 @@ GPUS: dict[str, GPU] = {
     "H200": GPU("H200", 141 * GB, 989.5e12, 4.8e12, 900 * GB, "NVIDIA H200 SXM datasheet"),
 }
 
-#: The seeds' tutorial hardware table: "NVSwitch + RoCE 3.2 Tbps" per 8-GPU node (400 GB/s per node).
+#: The AReaL tutorial's hardware table: "NVSwitch + RoCE 3.2 Tbps" per 8-GPU node (400 GB/s per node).
 ROCE_NODE_BYTES_PER_S = 3.2e12 / 8
 
 # Utilisations (stated, not fitted):
@@ -52,7 +52,7 @@ PROCESS_RESERVE_BYTES = 3 * GIB
 
 
 def gpu(kind: str | None) -> GPU:
-    """The datasheet entry for a topology's `gpu_kind` (default H800, the seeds' cluster)."""
+    """The datasheet entry for a topology's `gpu_kind` (default H800, AReaL's cluster)."""
     key = (kind or "H800").upper()
     for name, spec in GPUS.items():
         if name in key:

@@ -1,4 +1,4 @@
-"""`python -m tools.plan.published`: the planner against the seeds' published end-to-end figures.
+"""`python -m tools.plan.published`: the planner against AReaL's published end-to-end figures.
 
 Rows: the tutorial's single-step times (AReaL v0.2's synchronous PPO on H800 nodes, generation and training
 on disjoint GPUs, 512 prompts x 16 answers, 32 for 32B; "Single-step Time" in the tutorial's hardware table),
@@ -28,7 +28,7 @@ TUTORIAL_STEPS = [("1.5B", 1, 16, 3461), ("1.5B", 4, 16, 997), ("1.5B", 16, 16, 
 def cluster(model: str, nodes: int, group_size: int, rollout_share: float = 0.75, gpus_per_node: int = 8,
             eta: int = 4) -> setup.Setup:
     """A Setup like the one `setup.read` makes from a topology: rollout servers on the first share of the
-    GPUs, Megatron on the rest, the seeds' recipe (configs/*_math.yaml) with the published run's sizes."""
+    GPUs, Megatron on the rest, AReaL's recipe (configs/*_math.yaml) with the published run's sizes."""
     lay = LAYOUTS[model]
     total = nodes * gpus_per_node
     infer = int(round(total * rollout_share / lay["server_tp"])) * lay["server_tp"]

@@ -48,7 +48,7 @@ class ModelShape:
         return 2 * self.layers * self.kv_dim * dtype_bytes
 
 
-# The distilled reasoning models the seeds train (DeepSeek-R1-Distill-Qwen-*), as their Hugging Face
+# The distilled reasoning models AReaL trains (DeepSeek-R1-Distill-Qwen-*), as their Hugging Face
 # config.json files give them; their bases are Qwen2.5-Math-1.5B, Qwen2.5-Math-7B and Qwen2.5-32B (layers,
 # heads and KV heads also in the Qwen2.5 technical report, arXiv:2412.15115, Table 1). The distilled 1.5B
 # does not tie its embeddings (1.78B parameters on its model card), unlike Qwen2.5-1.5B.

@@ -35,7 +35,7 @@ from algo.staleness import StalenessGate, sample_staleness
 from tools.plan import costs, hardware
 from tools.plan.shapes import ModelShape
 
-#: Answer lengths of the seeds' distilled reasoning models: the tutorial's 7B training log (512 x 16) reports
+#: Answer lengths of AReaL's distilled reasoning models: the tutorial's 7B training log (512 x 16) reports
 #: avg_seq_len 7,773-8,204 (prompt included, avg_prompt_len 106-112) and no_eos_ratio 0.118-0.138, the share
 #: of answers cut at max_new_tokens, whose default the tutorial gives as 16k. A lognormal with those two
 #: figures at a 16,384-token cut (mean 7,800 - 108, 12.5 % cut) has these parameters (`lognormal_for`).
@@ -152,7 +152,7 @@ class Result:
 
     @property
     def throughput(self) -> float:
-        """The seeds' effective training throughput: trained tokens per second of step time."""
+        """AReaL's effective training throughput: trained tokens per second of step time."""
         a, b = self.window
         return sum(s.tokens for s in self.measured) / (b - a)
 
