@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 
 
 def apply_cpu_affinity(value: str | None) -> list[int] | None:
@@ -32,19 +33,31 @@ def apply_cpu_affinity(value: str | None) -> list[int] | None:
     return usable
 
 
+def parent_death_signal() -> Callable[[], None] | None:
+    """A call that makes Linux send the calling process SIGTERM when the process that started it dies, even
+    by SIGKILL (prctl PR_SET_PDEATHSIG); None off Linux. libc is looked up here, not in the call, so the
+    call also serves as a Popen ``preexec_fn``: the child then makes only the one system call before exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    PR_SET_PDEATHSIG = 1
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def die_with_parent() -> None:
     """Ask Linux to send SIGTERM when the process that started us dies: actors run in their own sessions
     (so a terminal's Ctrl-C reaches only the launcher), and without this a launcher killed by SIGKILL
     would leave them running, holding ports and cores. SIGTERM is the actor's clean shutdown."""
-    if not sys.platform.startswith("linux"):
+    set_death_signal = parent_death_signal()
+    if set_death_signal is None:
         return
-    import ctypes
-    import signal
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    PR_SET_PDEATHSIG = 1
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    set_death_signal()
     if os.getppid() == 1:  # the parent died before prctl took effect
+        import signal
+
         os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -26,6 +26,23 @@ class CheckpointError(ValueError):
     """A model directory is missing a file, or its tensors do not match the config; names the file/key."""
 
 
+def shard_file_name(index: int, count: int) -> str:
+    """The name of shard ``index`` (from 0) of ``count``, as Hugging Face numbers them (from 1)."""
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def write_weights_file(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """One safetensors file of contiguous CPU tensors, with the metadata Hugging Face's save_pretrained
+    writes (``{"format": "pt"}``), which transformers checks when it loads the file."""
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def write_weights_index(out_dir: str, weight_map: dict[str, str], metadata: dict[str, int]) -> None:
+    """``model.safetensors.index.json``: which shard holds each tensor (``weight_map``)."""
+    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump({"metadata": metadata, "weight_map": weight_map}, f, indent=2)
+
+
 def load_config(model_dir: str) -> Qwen2Config:
     return Qwen2Config.from_json_file(os.path.join(model_dir, CONFIG_FILE))
 
@@ -140,18 +157,17 @@ def save_model(model: Qwen2ForCausalLM, out_dir: str, max_shard_bytes: int | Non
             os.remove(os.path.join(out_dir, stale))
     written = []
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, SINGLE_FILE), metadata={"format": "pt"})
+        write_weights_file(shards[0], os.path.join(out_dir, SINGLE_FILE))
         written.append(SINGLE_FILE)
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
+            name = shard_file_name(i, len(shards))
+            write_weights_file(shard, os.path.join(out_dir, name))
             weight_map.update({k: name for k in shard})
             written.append(name)
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        write_weights_index(out_dir, weight_map, {"total_size": total})
         written.append(INDEX_FILE)
     with open(os.path.join(out_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
@@ -196,4 +212,4 @@ def write_tokenizer_files(files: dict[str, bytes], out_dir: str) -> None:
 
 __all__ = ["CheckpointError", "ConfigError", "load_config", "load_model", "save_model", "hf_state_dict",
            "assign_weights", "iter_checkpoint_tensors", "bucketize", "TOKENIZER_FILES", "read_tokenizer_files",
-           "write_tokenizer_files"]
+           "write_tokenizer_files", "shard_file_name", "write_weights_file", "write_weights_index"]
