@@ -1,9 +1,11 @@
 import os
+from pathlib import Path
 
 # Tests run on 2-core machines next to each other: keep torch from oversubscribing cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # Property tests must be reproducible and must not fail because a loaded CI machine is slow:
@@ -19,3 +21,11 @@ def pytest_unconfigure(config: object) -> None:
     import sys
 
     faulthandler.dump_traceback_later(120, exit=True, file=sys.__stderr__)
+
+
+@pytest.fixture
+def random_model_dir(tmp_path: Path) -> Path:
+    """A tiny random Qwen2 (seed 0) with the shipped arith tokenizer, in Hugging Face layout, that actors load."""
+    from testsupport.tiny_models import tiny_model_dir
+
+    return tiny_model_dir(tmp_path / "model")

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from typing import Any
 
 import pytest
-import uvloop
 
 from actors.base import Actor, ActorSpec, SpecError, handles, load_actor_class, ready_path
+from testsupport.bounded import run_bounded
 from transport.bus import Bus, RemoteError
 from transport.messages import Message, message
 
@@ -66,11 +67,7 @@ class EchoActor(Actor):
         self.notes.append(msg.n)
 
 
-def run(coro: Any, timeout: float = 30.0) -> Any:
-    async def bounded() -> Any:
-        async with asyncio.timeout(timeout):
-            return await coro
-    return uvloop.run(bounded())
+run = functools.partial(run_bounded, timeout=30.0)
 
 
 def make_spec(tmp_path: Any, **settings: Any) -> ActorSpec:

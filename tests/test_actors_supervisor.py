@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 from typing import Any
 
 import pytest
-import uvloop
 
 from actors.base import Actor, ActorSpec, handles
 from actors.supervisor import NotReadyError, Supervisor, SupervisorError
+from testsupport.bounded import run_bounded, until as poll_until
 from transport.bus import Bus
 from transport.messages import Message, decode, message
 from transport.msglog import read_log
@@ -74,11 +75,8 @@ class WorkerActor(Actor):
         os._exit(5)
 
 
-def run(coro: Any, timeout: float = 60.0) -> Any:
-    async def bounded() -> Any:
-        async with asyncio.timeout(timeout):
-            return await coro
-    return uvloop.run(bounded())
+run = functools.partial(run_bounded, timeout=60.0)
+until = functools.partial(poll_until, timeout=20.0)
 
 
 def spec(tmp_path: Any, name: str, **settings: Any) -> ActorSpec:
@@ -90,12 +88,6 @@ def spec(tmp_path: Any, name: str, **settings: Any) -> ActorSpec:
 async def client_for(tmp_path: Any, *names: str) -> Bus:
     return await Bus("client", "tcp://127.0.0.1:*", {n: f"ipc://{tmp_path}/s/{n}" for n in names},
                      heartbeat_interval=None).start()
-
-
-async def until(cond: Any, timeout: float = 20.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.02)
 
 
 def test_start_ready_affinity_env_and_clean_stop(tmp_path: Any) -> None:

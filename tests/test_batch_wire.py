@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from testsupport.tiny_models import sampled_batch, tiny_model
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.trainer import StepConfig, rank_samples, train_share
+from testsupport.tiny_models import sampled_batch, tiny_model
 from tools.bench.batch import synthetic_batch
 from transport.bus import Bus
 from transport.messages import decode, encode

@@ -3,6 +3,7 @@ abort, pause/resume, and interruptible weight updates (versions recorded per tok
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 
 import pytest
@@ -10,16 +11,16 @@ import torch
 
 from actors.engines.base import EngineError, GenerationRequest, PackedBatch, RequestError, SamplingParams
 from actors.engines.checkpoint import CheckpointError, hf_state_dict
-from testsupport.tiny_models import greedy_reference, random_sequences, tiny_model
 from actors.engines.torch_gen import TorchGenerationEngine, counter_uniform, sample_tokens
 from actors.engines.torch_train import TorchTrainEngine
+from testsupport.bounded import run_bounded
+from testsupport.tiny_models import greedy_reference, random_sequences, tiny_model
 
 TIMEOUT = 60.0
 VOCAB = 97
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
+run = functools.partial(run_bounded, timeout=TIMEOUT)
 
 
 async def started(model=None, **kwargs) -> TorchGenerationEngine:

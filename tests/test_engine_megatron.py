@@ -24,8 +24,8 @@ from actors.engines import megatron as mg
 from actors.engines.base import PackedBatch
 from actors.engines.checkpoint import hf_state_dict, load_model, save_model
 from actors.engines.model import Qwen2Config
-from testsupport.tiny_models import random_sequences, tiny_model
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss
+from testsupport.tiny_models import random_sequences, tiny_model
 from transport.ports import free_port
 
 needs_megatron = pytest.mark.skipif(not mg.is_available(),

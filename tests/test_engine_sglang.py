@@ -8,6 +8,7 @@ both of SGLang's layouts while generation runs, restart after the server is kill
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import subprocess
@@ -23,17 +24,17 @@ from actors.engines.base import EngineError, GenerationRequest, RequestError, Sa
 from actors.engines.checkpoint import hf_state_dict, save_model
 from actors.engines.sglang import (LaunchConfig, SGLangEngine, SGLangError, SGLangLaunchError, WeightGroupSender, _sample_seed,
                                    bucket_specs, free_port)
-from testsupport.sglang_standin import StandinThread
-from testsupport.tiny_models import greedy_reference, random_sequences, tiny_model
 from actors.engines.torch_gen import TorchGenerationEngine
 from actors.weights import weights_hash
+from testsupport.bounded import run_bounded
+from testsupport.sglang_standin import StandinThread
+from testsupport.tiny_models import greedy_reference, random_sequences, tiny_model
 
 TIMEOUT = 60.0
 VOCAB = 97
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
+run = functools.partial(run_bounded, timeout=TIMEOUT)
 
 
 @pytest.fixture
@@ -92,10 +93,10 @@ def hold_decoding_at(engine_core: TorchGenerationEngine, step: int) -> threading
 
 
 def test_a_request_held_at_the_pause_gate_does_not_block_an_update(standin, tmp_path):
-    # SGLang holds a /generate that arrives during a pause at its gate until /continue_generation. The
-    # engine's own pause once waited for every open /generate to return, so a request sent just before
-    # the pause and held there stalled the update until the drain timeout (a rollout then blocked every
-    # later weight group). Here another client pauses the server before the request is sent.
+    # SGLang holds a /generate that arrives during a pause at its gate until /continue_generation. A pause
+    # that waited for every open /generate to return would stall the update on a request sent just before
+    # the pause and held there, until the drain timeout (a rollout would then block every later weight
+    # group). Here another client pauses the server before the request is sent.
     new_model = tiny_model(seed=5)
     save_model(new_model, str(tmp_path / "v1"))
     prompt = random_sequences(1, 4, 8, VOCAB, seed=6)[0]

@@ -10,8 +10,8 @@ import torch
 
 from actors.engines.base import PackedBatch, RequestError
 from actors.engines.checkpoint import CheckpointError, load_model
-from testsupport.tiny_models import random_sequences, tiny_model
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss
+from testsupport.tiny_models import random_sequences, tiny_model
 
 VOCAB = 97
 

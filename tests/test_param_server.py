@@ -3,53 +3,50 @@ stale versions, configuration errors. (The push to rollouts is in test_weight_sy
 from __future__ import annotations
 
 import asyncio
+import functools
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvloop
 
 from actors.base import ActorSpec
+from actors.engines.checkpoint import hf_state_dict, load_model
 from actors.param_server import ParamServerActor, WeightsStatus, WeightsStatusRequest, load_start_weights
 from actors.weights import weights_hash
-from actors.engines.checkpoint import hf_state_dict, load_model
-from tests.test_weight_sync import free_port, link, make_model_dir, trainer_weights
+from testsupport.bounded import run_bounded
+from testsupport.local_actors import actor_spec, gloo_link, ipc_endpoints
+from testsupport.tiny_models import tiny_weight_buckets
 from transport.bulk import BulkLink, LinkConfig
 from transport.bus import Bus, RemoteError
+from transport.ports import free_port
 from transport.protocol import RolloutHello, ServerDown, WeightsPublished, WeightsStored
 
-
-def run(coro: Any, timeout: float = 60.0) -> Any:
-    async def bounded() -> Any:
-        async with asyncio.timeout(timeout):
-            return await coro
-    return uvloop.run(bounded())
+run = functools.partial(run_bounded, timeout=60.0)
 
 
 def spec(tmp_path: Path, model_dir: Path, ports: dict[str, int], roll_members: list[str]) -> ActorSpec:
-    eps = {n: f"ipc://{tmp_path}/{n}" for n in ("param_server", "trainer", "rollout.0")}
-    links = {"train_to_ps": link("train_to_ps", ports["train_to_ps"], ["trainer", "param_server"], "param_server"),
-             "ps_to_rollout": link("ps_to_rollout", ports["ps_to_rollout"], roll_members, "param_server")}
-    return ActorSpec(name="param_server", cls="actors.param_server:ParamServerActor", endpoint=eps["param_server"],
-                     peers={n: e for n, e in eps.items() if n != "param_server"}, run_dir=str(tmp_path),
-                     settings={"model": {"path": str(model_dir), "dtype": "float32"}, "run": {"recover": "off"},
-                               "links": links, "log_console": False, "bus": {"heartbeat_interval": None},
-                               "bucket_bytes": 32 << 10})
+    links = {"train_to_ps": gloo_link("train_to_ps", ports["train_to_ps"], ["trainer", "param_server"], "param_server"),
+             "ps_to_rollout": gloo_link("ps_to_rollout", ports["ps_to_rollout"], roll_members, "param_server")}
+    return actor_spec("param_server", "actors.param_server:ParamServerActor",
+                      ipc_endpoints(tmp_path, ["param_server", "trainer", "rollout.0"]),
+                      {"model": {"path": str(model_dir), "dtype": "float32"}, "run": {"recover": "off"},
+                       "links": links, "log_console": False, "bus": {"heartbeat_interval": None},
+                       "bucket_bytes": 32 << 10}, tmp_path, env={})
 
 
-def test_start_weights_hash_matches_a_loaded_model(tmp_path: Path) -> None:
-    model_dir = make_model_dir(tmp_path / "model")
+def test_start_weights_hash_matches_a_loaded_model(tmp_path: Path, random_model_dir: Path) -> None:
+    model_dir = random_model_dir
     stored = load_start_weights({"model": {"path": str(model_dir), "dtype": "float32"}, "run": {"recover": "off"}},
                                 tmp_path, 32 << 10)
     assert stored.version == 0 and len(stored.packed) > 1
     assert stored.weights_hash == weights_hash(hf_state_dict(load_model(str(model_dir))).items())
 
 
-def test_hashes_of_parts_combine_into_the_hash_of_the_whole(tmp_path: Path) -> None:
+def test_hashes_of_parts_combine_into_the_hash_of_the_whole(random_model_dir: Path) -> None:
     # A pipeline-parallel trainer hashes each stage's tensors where they live and combines the digests.
     from actors.weights import combine_digests, tensor_digests
 
-    named = list(hf_state_dict(load_model(str(make_model_dir(tmp_path / "model")))).items())
+    named = list(hf_state_dict(load_model(str(random_model_dir))).items())
     stage0, stage1 = named[: len(named) // 2], named[len(named) // 2:]
     assert combine_digests(tensor_digests(stage1) + tensor_digests(stage0)) == weights_hash(named)
     changed = [(n, t + 1 if i == 3 else t) for i, (n, t) in enumerate(named)]
@@ -58,23 +55,22 @@ def test_hashes_of_parts_combine_into_the_hash_of_the_whole(tmp_path: Path) -> N
     assert weights_hash(renamed) != weights_hash(named)
 
 
-def test_publish_checks_the_hash_and_stores_the_newest(tmp_path: Path) -> None:
-    model_dir = make_model_dir(tmp_path / "model")
+def test_publish_checks_the_hash_and_stores_the_newest(tmp_path: Path, random_model_dir: Path) -> None:
     ports = {"train_to_ps": free_port(), "ps_to_rollout": free_port()}
-    s = spec(tmp_path, model_dir, ports, ["param_server", "rollout.0"])
+    s = spec(tmp_path, random_model_dir, ports, ["param_server", "rollout.0"])
 
     async def main() -> None:
         actor = ParamServerActor(s)
         task = asyncio.create_task(actor.run())
-        trainer_link = BulkLink(LinkConfig.from_dict(link("train_to_ps", ports["train_to_ps"],
-                                                          ["trainer", "param_server"], "trainer")))
+        trainer_link = BulkLink(LinkConfig.from_dict(gloo_link("train_to_ps", ports["train_to_ps"],
+                                                               ["trainer", "param_server"], "trainer")))
         # The parameter server joins the train link at the epoch the first announcement names.
         opening = asyncio.ensure_future(asyncio.to_thread(trainer_link.open, 0))
         trainer = await Bus("trainer", f"ipc://{tmp_path}/trainer", {"param_server": s.endpoint},
                             heartbeat_interval=None).start()
 
         async def publish(version: int, seed: int, announced: str | None = None) -> Any:
-            buckets, digest = trainer_weights(seed)
+            buckets, digest = tiny_weight_buckets(seed)
             reply = asyncio.ensure_future(trainer.request("param_server", WeightsPublished(
                 version=version, n_buckets=len(buckets), weights_hash=digest if announced is None else announced),
                 timeout=30))
@@ -112,11 +108,11 @@ def test_publish_checks_the_hash_and_stores_the_newest(tmp_path: Path) -> None:
     run(main())
 
 
-def test_a_rollout_whose_server_died_is_waited_for_until_its_hello(tmp_path: Path) -> None:
+def test_a_rollout_whose_server_died_is_waited_for_until_its_hello(tmp_path: Path, random_model_dir: Path) -> None:
     # ServerDown makes a rollout count as not yet hello'd: no group is formed that would wait out the link
     # timeout for ranks that cannot join. rollout.1 never says hello here, so nothing is formed at all.
     ports = {"train_to_ps": free_port(), "ps_to_rollout": free_port()}
-    s = spec(tmp_path, make_model_dir(tmp_path / "model"), ports, ["param_server", "rollout.0", "rollout.1"])
+    s = spec(tmp_path, random_model_dir, ports, ["param_server", "rollout.0", "rollout.1"])
     s.peers["rollout.1"] = f"ipc://{tmp_path}/rollout.1"
 
     async def main() -> None:
@@ -145,24 +141,25 @@ def test_a_rollout_whose_server_died_is_waited_for_until_its_hello(tmp_path: Pat
     assert '"rollout_server_down"' in log and '"no_hello": ["rollout.0", "rollout.1"]' in log
 
 
-def test_param_server_must_be_first_on_the_rollout_link(tmp_path: Path) -> None:
+def test_param_server_must_be_first_on_the_rollout_link(tmp_path: Path, random_model_dir: Path) -> None:
     ports = {"train_to_ps": free_port(), "ps_to_rollout": free_port()}
-    s = spec(tmp_path, make_model_dir(tmp_path / "model"), ports, ["rollout.0", "param_server"])
+    s = spec(tmp_path, random_model_dir, ports, ["rollout.0", "param_server"])
     actor = ParamServerActor(s)
     assert run(actor.run()) == 1
     log = (tmp_path / "logs" / "param_server.jsonl").read_text()
     assert "the parameter server must be listed first" in log
 
 
-def test_a_rollout_that_restarted_during_a_failed_formation_is_not_put_on_probation(tmp_path: Path) -> None:
+def test_a_rollout_that_restarted_during_a_failed_formation_is_not_put_on_probation(tmp_path: Path,
+                                                                                      random_model_dir: Path) -> None:
     # A killed rollout comes back alive before its new process says hello; a formation started then is
-    # abandoned by that hello. The restarted rollout was put on probation as if it hung, and kept out of
-    # the weights for probation_s (a test run ended before it got any). Probation is for one back from a hang.
+    # abandoned by that hello. Probation is for one back from a hang: treating the restarted rollout as hung
+    # would keep it out of the weights for probation_s (a test run would end before it got any).
     import time
 
     from actors.param_server import RolloutWeights
 
-    s = spec(tmp_path, make_model_dir(tmp_path / "model"), {"train_to_ps": 1, "ps_to_rollout": 2},
+    s = spec(tmp_path, random_model_dir, {"train_to_ps": 1, "ps_to_rollout": 2},
              ["param_server", "rollout.0", "rollout.1"])
 
     async def main() -> None:

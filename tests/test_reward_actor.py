@@ -22,6 +22,8 @@ from actors.reward.code import extract_program
 from actors.reward.math_grader import MathVerdict, grade_math
 from actors.reward.sandbox import probe_sandbox
 from actors.supervisor import Supervisor
+from testsupport.bounded import run_bounded
+from testsupport.local_actors import actor_spec, ipc_endpoints
 from transport.bus import Bus, Envelope
 from transport.protocol import Answers, Sample, ScoredGroup, Task, Trajectories
 
@@ -52,7 +54,7 @@ class Rig:
         sock = root / "s"
         sock.mkdir()
         self.names = ["reward.math", "reward.hang", "reward.code"]
-        self.endpoints = {n: f"ipc://{sock}/{n}" for n in [*self.names, "buffer", "rollout.0"]}
+        self.endpoints = ipc_endpoints(sock, [*self.names, "buffer", "rollout.0"])
         self.tok = load_tokenizer(str(MODEL_DIR))
         self.scored: asyncio.Queue[ScoredGroup] = asyncio.Queue()
 
@@ -64,15 +66,10 @@ class Rig:
             "bus": {"heartbeat_interval": 0.5, "heartbeat_timeout": 3.0},
         }
         settings.update(extra)
-        return ActorSpec(name=name, cls=cls, endpoint=self.endpoints[name],
-                         peers={n: e for n, e in self.endpoints.items() if n != name}, settings=settings,
-                         run_dir=str(self.run_dir), env={"OMP_NUM_THREADS": "1"})
+        return actor_spec(name, cls, self.endpoints, settings, self.run_dir)
 
     def run(self, coro: Any, timeout: float = WAIT_S) -> Any:
-        async def bounded() -> Any:
-            async with asyncio.timeout(timeout):
-                return await coro
-        return self.loop.run_until_complete(bounded())
+        return run_bounded(coro, timeout, self.loop)
 
     async def start(self) -> None:
         specs = [self.spec("reward.math", "actors.reward.math:MathReward"),

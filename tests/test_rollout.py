@@ -3,25 +3,21 @@ drain hands unfinished groups back, configuration errors name the key."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvloop
 
-from actors.base import ActorSpec
 from actors.rollout import RolloutActor, RolloutConfigError, link_config, make_engine
-from tests.test_weight_sync import make_model_dir
-from transport.bus import Bus, Envelope, RemoteError
+from testsupport.bounded import run_bounded
+from testsupport.local_actors import actor_spec, ipc_endpoints
+from transport.bus import Bus, RemoteError
 from transport.protocol import GenerateGroup, GroupReturned, Task, Trajectories, WeightsReady, WorkerHello
 
 
-def run(coro: Any, timeout: float = 60.0) -> Any:
-    async def bounded() -> Any:
-        async with asyncio.timeout(timeout):
-            return await coro
-    return uvloop.run(bounded())
+run = functools.partial(run_bounded, timeout=60.0)
 
 
 def group(group_id: str, max_new_tokens: int = 8, prompt: list[int] | None = None, n: int = 3) -> GenerateGroup:
@@ -29,15 +25,14 @@ def group(group_id: str, max_new_tokens: int = 8, prompt: list[int] | None = Non
                          task=Task(kind="math", answer="1"), temperature=1.0, max_new_tokens=max_new_tokens, seed=5)
 
 
-def test_rollout_generates_returns_and_drains(tmp_path: Path) -> None:
-    model_dir = make_model_dir(tmp_path / "model")
-    eps = {n: f"ipc://{tmp_path}/{n}" for n in ("rollout.0", "reward.0", "reward.1", "buffer", "param_server")}
-    spec = ActorSpec(name="rollout.0", cls="actors.rollout:RolloutActor", endpoint=eps["rollout.0"],
-                     peers={n: e for n, e in eps.items() if n != "rollout.0"}, run_dir=str(tmp_path),
-                     settings={"model": {"path": str(model_dir)}, "run": {"recover": "off"}, "log_console": False,
-                               "groups": {"reward": ["reward.0", "reward.1"], "buffer": ["buffer"],
-                                          "param_server": ["param_server"]},
-                               "bus": {"heartbeat_interval": None}, "stats_every_s": 0})
+def test_rollout_generates_returns_and_drains(tmp_path: Path, random_model_dir: Path) -> None:
+    model_dir = random_model_dir
+    eps = ipc_endpoints(tmp_path, ["rollout.0", "reward.0", "reward.1", "buffer", "param_server"])
+    spec = actor_spec("rollout.0", "actors.rollout:RolloutActor", eps, run_dir=tmp_path, env={},
+                      settings={"model": {"path": str(model_dir)}, "run": {"recover": "off"}, "log_console": False,
+                                "groups": {"reward": ["reward.0", "reward.1"], "buffer": ["buffer"],
+                                           "param_server": ["param_server"]},
+                                "bus": {"heartbeat_interval": None}, "stats_every_s": 0})
 
     async def main() -> None:
         got: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()

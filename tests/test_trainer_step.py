@@ -4,10 +4,10 @@ import copy
 import pytest
 import torch
 
-from testsupport.tiny_models import sampled_batch, tiny_model
 from actors.engines.base import PackedBatch
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.trainer import StepConfig, batch_to_sequences, train_on_batch
+from testsupport.tiny_models import sampled_batch, tiny_model
 
 
 def test_first_step_is_on_policy_and_updates_weights():

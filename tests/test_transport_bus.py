@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import subprocess
 import sys
 import textwrap
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import msgpack
 import pytest
@@ -15,6 +16,7 @@ import uvloop
 import zmq
 import zmq.asyncio
 
+from testsupport.bounded import run_bounded, until as poll_until
 from transport.auth import CurveConfig, generate_run_keys
 from transport.bus import Bus, MessageTooLarge, RemoteError, RequestTimeout, UnknownPeer
 from transport.messages import SCHEMA_VERSION, Error, Message, decode, encode, message
@@ -54,18 +56,9 @@ class ListLog:
         self._add("error", event, **kw)
 
 
-def run(coro: Awaitable[Any], timeout: float = 30.0) -> Any:
-    async def bounded() -> Any:
-        async with asyncio.timeout(timeout):
-            return await coro
-    return uvloop.run(bounded())
-
-
-async def until(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    """Poll a condition with a deadline (for effects that have no event to await, e.g. ZAP denials)."""
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.005)
+run = functools.partial(run_bounded, timeout=30.0)
+# Effects with no event to await (a ZAP denial, a counter) are polled often: they come within milliseconds.
+until = functools.partial(poll_until, timeout=5.0, poll_s=0.005)
 
 
 def echo_handler(env: Any) -> Any:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,42 +20,20 @@ import torch
 import uvloop
 
 from actors.base import ActorSpec
-from actors.engines.checkpoint import bucketize, hf_state_dict, save_model
-from testsupport.tiny_models import tiny_model
 from actors.param_server import WeightsStatus, WeightsStatusRequest
 from actors.supervisor import Supervisor
-from actors.weights import weights_hash
+from testsupport.bounded import run_bounded
+from testsupport.local_actors import actor_spec, gloo_link, ipc_endpoints
+from testsupport.tiny_models import tiny_model_dir, tiny_weight_buckets
 from transport.bulk import BulkLink, LinkConfig
 from transport.bus import Bus, Envelope
+from transport.ports import free_port
 from transport.protocol import (GenerateGroup, GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task,
                                 WeightsPublished, WeightsStored, WorkerHello)
-from transport.ports import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER_DIR = ROOT / "configs" / "models" / "arith-tiny"
 ROLLOUTS = ["rollout.0", "rollout.1", "rollout.2"]      # rollout.2 pauses for weights (not interruptible)
 WAIT_S = 90.0
 LINK_TIMEOUT_S = 30.0
-
-
-def make_model_dir(path: Path, seed: int = 0) -> Path:
-    """A tiny random Qwen2 in Hugging Face layout with the shipped arith tokenizer (vocab 272)."""
-    save_model(tiny_model(seed, vocab_size=272, max_position_embeddings=4096), str(path))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(TOKENIZER_DIR / name, path / name)
-    return path
-
-
-def trainer_weights(seed: int) -> tuple[list[list[tuple[str, torch.Tensor]]], str]:
-    """The 'trained' weights of one version: another random model's parameters, in ~64 KB buckets."""
-    named = list(hf_state_dict(tiny_model(seed, vocab_size=272, max_position_embeddings=4096)).items())
-    return list(bucketize(named, 64 << 10)), weights_hash(named)
-
-
-def link(name: str, port: int, members: list[str], member: str) -> dict[str, Any]:
-    return LinkConfig(name=name, backend="gloo", master_addr="127.0.0.1", master_port=port,
-                      rank=members.index(member), world_size=len(members), members=members,
-                      timeout_s=LINK_TIMEOUT_S).to_dict()
 
 
 class System:
@@ -66,11 +43,11 @@ class System:
         self.loop = uvloop.new_event_loop()
         self.root = root
         self.run_dir = root / "run"
-        self.model_dir = make_model_dir(root / "model")
+        self.model_dir = tiny_model_dir(root / "model")
         sock = root / "s"
         sock.mkdir()
         names = ["param_server", *ROLLOUTS, "reward.0", "trainer", "buffer"]
-        self.endpoints = {n: f"ipc://{sock}/{n}" for n in names}
+        self.endpoints = ipc_endpoints(sock, names)
         self.train_members, self.roll_members = ["trainer", "param_server"], ["param_server", *ROLLOUTS]
         self.ports = {"train_to_ps": free_port(), "ps_to_rollout": free_port()}
         self.scored: asyncio.Queue[ScoredGroup] = asyncio.Queue()
@@ -82,7 +59,7 @@ class System:
         out = {}
         for lname, members in (("train_to_ps", self.train_members), ("ps_to_rollout", self.roll_members)):
             if name in members:
-                out[lname] = link(lname, self.ports[lname], members, name)
+                out[lname] = gloo_link(lname, self.ports[lname], members, name, LINK_TIMEOUT_S)
         return out
 
     def spec(self, name: str, cls: str, index: int, **extra: Any) -> ActorSpec:
@@ -100,15 +77,10 @@ class System:
             "seed": 3,
         }
         settings.update(extra)
-        peers = {n: e for n, e in self.endpoints.items() if n != name}
-        return ActorSpec(name=name, cls=cls, endpoint=self.endpoints[name], peers=peers, settings=settings,
-                         run_dir=str(self.run_dir), env={"OMP_NUM_THREADS": "1"})
+        return actor_spec(name, cls, self.endpoints, settings, self.run_dir)
 
     def run(self, coro: Any, timeout: float = WAIT_S) -> Any:
-        async def bounded() -> Any:
-            async with asyncio.timeout(timeout):
-                return await coro
-        return self.loop.run_until_complete(bounded())
+        return run_bounded(coro, timeout, self.loop)
 
     async def start(self) -> None:
         specs = [self.spec("param_server", "actors.param_server:ParamServerActor", 0)]
@@ -117,8 +89,8 @@ class System:
             specs.append(self.spec(name, "actors.rollout:RolloutActor", i, **extra))
         specs.append(self.spec("reward.0", "actors.reward.math:MathReward", 0))
         self.sup = Supervisor(specs, self.run_dir, backoff_initial=0.2, ready_timeout=WAIT_S, stop_timeout=20)
-        self.trainer_link = BulkLink(LinkConfig.from_dict(link("train_to_ps", self.ports["train_to_ps"],
-                                                               self.train_members, "trainer")))
+        self.trainer_link = BulkLink(LinkConfig.from_dict(gloo_link("train_to_ps", self.ports["train_to_ps"],
+                                                                    self.train_members, "trainer", LINK_TIMEOUT_S)))
         # The trainer is the train link's rendezvous master; the parameter server joins at the epoch the first
         # announcement names.
         self.opening = asyncio.ensure_future(asyncio.to_thread(self.trainer_link.open, 0))
@@ -139,7 +111,7 @@ class System:
             self.worker_hellos.put_nowait(env.sender)
 
     async def publish(self, version: int, seed: int) -> WeightsStored:
-        buckets, digest = trainer_weights(seed)
+        buckets, digest = tiny_weight_buckets(seed)
         self.hashes[version] = digest
         reply = asyncio.ensure_future(self.trainer.request(
             "param_server", WeightsPublished(version=version, n_buckets=len(buckets), weights_hash=digest),

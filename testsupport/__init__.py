@@ -1,5 +1,5 @@
-"""Test doubles and fixtures that run as real code: the SGLang stand-in server, the demo pinger/echoer
-actors (with their crash hooks), and small random Qwen2 models.
+"""Test doubles and test helpers that run as real code: the SGLang stand-in server, the demo pinger/echoer
+actors (with their crash hooks), small random Qwen2 models, bounded waits and specs for local actors.
 
 They sit beside the product, not inside it: nothing in ``actors``, ``transport`` or ``algo`` imports them.
 The import direction is ``tests, tools -> testsupport -> actors -> (transport, algo)``: the tests use them,

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import shutil
+from pathlib import Path
 
 import torch
 
 from actors.engines.base import GenerationRequest, SamplingParams
+from actors.engines.checkpoint import bucketize, hf_state_dict, save_model
 from actors.engines.model import Qwen2Config, Qwen2ForCausalLM
 from actors.engines.torch_gen import TorchGenerationEngine
+from actors.weights import weights_hash
 from transport.protocol import Batch, BatchGroup, BufferStats, Sample
+
+#: The shipped tokenizer of the embedded default (vocabulary 272), for models the actors can load.
+ARITH_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "configs" / "models" / "arith-tiny"
+ARITH_VOCAB = 272
 
 
 def tiny_config(**overrides) -> Qwen2Config:
@@ -66,3 +74,18 @@ def sampled_batch(model: Qwen2ForCausalLM, groups: int = 3, n: int = 4, version:
             await gen.stop()
         return out
     return Batch(step=version + 1, groups=asyncio.run(run()), stats=BufferStats())
+
+
+def tiny_model_dir(path: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen2 in Hugging Face layout with the shipped arith tokenizer, which actors load."""
+    save_model(tiny_model(seed, vocab_size=ARITH_VOCAB, max_position_embeddings=4096), str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(ARITH_TOKENIZER_DIR / name, path / name)
+    return path
+
+
+def tiny_weight_buckets(seed: int) -> tuple[list[list[tuple[str, torch.Tensor]]], str]:
+    """A 'trained' version of ``tiny_model_dir``'s model (another seed's parameters), in ~64 KB buckets,
+    and its weights hash."""
+    named = list(hf_state_dict(tiny_model(seed, vocab_size=ARITH_VOCAB, max_position_embeddings=4096)).items())
+    return list(bucketize(named, 64 << 10)), weights_hash(named)

@@ -269,6 +269,21 @@ class TokenLogProbs:
 LossFn = Callable[[TokenLogProbs, PackedBatch], tuple[torch.Tensor, Mapping[str, float]]]
 
 
+def step_loss_weights(batches: list[PackedBatch], loss_denominator: float | None,
+                      total: Callable[[float], float] = float) -> tuple[list[float], float]:
+    """Each micro-batch's loss tokens and the step's loss denominator: ``loss_denominator`` when given, else
+    ``total`` of this rank's loss tokens (a data-parallel trainer sums them over its ranks, so that every
+    rank divides by the same count). A step without micro-batches, or a denominator that is not positive,
+    is refused, since the loss would be undefined."""
+    if not batches:
+        raise RequestError("train_step: no micro-batches")
+    weights = [mb.loss_tokens() for mb in batches]
+    denominator = float(loss_denominator) if loss_denominator is not None else total(sum(weights))
+    if not denominator > 0:
+        raise RequestError(f"train_step: loss denominator must be positive, got {denominator}")
+    return weights, denominator
+
+
 class TrainEngine(abc.ABC):
     """The trainer side: forward/backward on packed micro-batches, optimizer, weight export, checkpoints.
 

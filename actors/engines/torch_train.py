@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from .base import LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine, WeightBucket
+from .base import LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine, WeightBucket, step_loss_weights
 from .checkpoint import (CheckpointError, assign_weights, bucketize, hf_state_dict, load_model, read_tokenizer_files,
                          save_model, write_tokenizer_files)
 from .model import PackedAttn, Qwen2ForCausalLM, token_logprobs
@@ -139,13 +139,8 @@ class TorchTrainEngine(TrainEngine):
     # --- optimisation ------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn, temperature: float = 1.0,
                    loss_denominator: float | None = None, with_entropy: bool = False) -> dict[str, float]:
-        if not micro_batches:
-            raise RequestError("train_step: no micro-batches")
         batches = [self._check(mb) for mb in micro_batches]
-        weights = [mb.loss_tokens() for mb in batches]
-        denominator = float(loss_denominator) if loss_denominator is not None else sum(weights)
-        if not denominator > 0:
-            raise RequestError(f"train_step: loss denominator must be positive, got {denominator}")
+        weights, denominator = step_loss_weights(batches, loss_denominator)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0

@@ -44,7 +44,9 @@ def failure_detail(result: TaskFailure) -> str:
 
 
 class RewardActor(Actor):
-    # Subclasses set these: the checker the pool runs and the modules its workers import up front.
+    # Subclasses set these: the Task.kind they score, the checker the pool runs and the modules its
+    # workers import up front.
+    task_kind: ClassVar[str] = ""
     default_grader: ClassVar[str] = ""
     preload: ClassVar[tuple[str, ...]] = ()
     default_timeout_s: ClassVar[float] = 10.0
@@ -93,10 +95,14 @@ class RewardActor(Actor):
             self.log.info("reward_stats", pool=stats, counters=dict(self.counters))
 
     async def score(self, text: str, task: Task) -> Score:
-        """Score one decoded answer; subclasses run their checker through ``self.pool``."""
+        """Score one decoded answer to a task of ``task_kind``; subclasses run their checker through
+        ``self.pool``."""
         raise NotImplementedError
 
     async def _score_safely(self, text: str, task: Task) -> Score:
+        if task.kind != self.task_kind:  # a routing mistake: scored as a failure, not as a wrong answer
+            self.counters["wrong_task_kind"] += 1
+            return Score(False, f"task kind {task.kind!r} is not {self.task_kind}", failed=True)
         try:
             return await self.score(text, task)
         except Exception as exc:  # a checker bug or a malformed task must not lose the group

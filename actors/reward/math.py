@@ -18,14 +18,12 @@ __all__ = ["MathReward"]
 
 
 class MathReward(RewardActor):
+    task_kind = "math"
     default_grader = "actors.reward.math_grader:grade_math"
     preload = ("actors.reward.math_grader",)
     default_timeout_s = 10.0
 
     async def score(self, text: str, task: Task) -> Score:
-        if task.kind != "math":
-            self.counters["wrong_task_kind"] += 1
-            return Score(False, f"task kind {task.kind!r} is not math", failed=True)
         if not task.answer:
             return Score(False, "task has no reference answer", failed=True)
         if not self.custom_grader:

@@ -66,17 +66,28 @@ class Bulk(Message):
 
 # ------------------------------------------------------------------------------------------ receivers
 
+def _raw_socket(kind: str, endpoint: str) -> tuple[Any, Any]:
+    """The plain ZeroMQ baseline's socket and its context: a ROUTER bound at ``endpoint`` (the receiver) or
+    a DEALER connected to it (the sender), with the bus's high-water marks so both sides queue alike."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER if kind == "router" else zmq.DEALER)
+    sock.setsockopt(zmq.RCVHWM, HWM)
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    if kind == "router":
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+    return ctx, sock
+
+
 def _rx(mode: str, endpoint: str, n: int, ready: Any, results: Any, done: Any) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if mode.startswith("raw"):
         import msgpack
-        import zmq
 
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.RCVHWM, HWM)
-        sock.setsockopt(zmq.SNDHWM, HWM)
-        sock.bind(endpoint)
+        ctx, sock = _raw_socket("router", endpoint)
         ready.set()
         if mode == "raw_small":
             frames = sock.recv_multipart()
@@ -148,13 +159,8 @@ def _tx(mode: str, endpoint: str, n: int, results: Any, done: Any, coalesce: boo
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if mode.startswith("raw"):
         import msgpack
-        import zmq
 
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.SNDHWM, HWM)
-        sock.setsockopt(zmq.RCVHWM, HWM)
-        sock.connect(endpoint)
+        ctx, sock = _raw_socket("dealer", endpoint)
         if mode == "raw_small":
             for _ in range(n):
                 sock.send(msgpack.packb(SMALL_FIELDS))

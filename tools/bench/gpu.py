@@ -35,8 +35,8 @@ from actors.engines import model as model_lib
 from actors.engines.base import PackedBatch
 from actors.engines.checkpoint import load_config, save_model
 from actors.engines.model import Qwen2Config, Qwen2ForCausalLM
-from testsupport.tiny_models import random_sequences, tiny_model
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss
+from testsupport.tiny_models import random_sequences, tiny_model
 from tools.bench.engine import build_model, hf_generate, long_tailed, ours_generate, pack_groups, sync_device
 from transport.bulk import BulkLink, LinkConfig, bucket_checksum, pack_bucket, unpack_bucket
 from transport.ports import free_port
