@@ -87,7 +87,7 @@ def test_recovered_gate_admits_no_more_than_the_original():
     restored = StalenessGate(4, 1)
     restored.load_state_dict(state)
     forgetful = StalenessGate(4, 1)
-    forgetful.set_version(state["version"])  # the original system's bug: version restored, counters not
+    forgetful.set_version(state["version"])  # AReaL's known failure: version restored, counters not
     assert restored.capacity() == gate.capacity() == (3 + 1 + 1) * 4 - state["accepted"] - state["running"]
     assert forgetful.capacity() > restored.capacity()
 

@@ -210,8 +210,8 @@ def test_abort_returns_partial_tokens_and_pause_holds_requests(standin):
 
 def test_a_request_aborted_while_queued_resumes_after_the_pause(standin):
     # SGLang 0.5.6 answers a request still in its waiting queue at /pause_generation {"mode": "abort"}
-    # without weight_version or prompt_tokens (TokenizerManager._handle_abort_req). The engine once
-    # failed the whole request on it, and the rollout dropped the group's partial answers.
+    # without weight_version or prompt_tokens (TokenizerManager._handle_abort_req). Failing the whole
+    # request on it would make the rollout drop the group's partial answers.
     standin.engine.max_running = 1    # b waits in the queue while a runs
     started = hold_decoding_at(standin.engine, 2)
     prompt_a, prompt_b = [5, 6, 7], [8, 9, 10, 11]

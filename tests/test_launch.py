@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from testsupport.local_actors import process_alive, ready_pids
 from tools import up
 from tools import topology as topo_mod
 from tools.topology import load
@@ -168,14 +169,6 @@ def demo_topology(tmp_path: Path, ping_settings: str, supervisor: str = "", link
     return path
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            return "zombie" not in fh.read().lower()
-    except OSError:
-        return False
-
-
 def assert_clean_stop(run_dir: Path, names: list[str]) -> None:
     assert not list((run_dir / "ready").glob("*.json")), "a ready file was left behind"
     for name in names:
@@ -226,7 +219,7 @@ def test_run_stops_with_a_clear_message_when_an_actor_cannot_be_kept_up(tmp_path
     assert "demo_test: failed: actor ping." in res.stdout and "giving up and stopping the run" in res.stdout
     # crashed pingers leave their ready file behind (os._exit); every process named in one is gone
     for ready in (run_dir / "ready").glob("*.json"):
-        assert not alive(json.loads(ready.read_text())["pid"]), ready.name
+        assert not process_alive(json.loads(ready.read_text())["pid"]), ready.name
 
 
 def test_ctrl_c_stops_every_actor_cleanly(tmp_path: Path) -> None:
@@ -240,7 +233,7 @@ def test_ctrl_c_stops_every_actor_cleanly(tmp_path: Path) -> None:
         while len(list((run_dir / "ready").glob("*.json"))) < 3:  # every actor announced ready
             assert proc.poll() is None and time.monotonic() < deadline, "run did not come up"
             time.sleep(0.1)
-        pids = [json.loads(p.read_text())["pid"] for p in (run_dir / "ready").glob("*.json")]
+        pids = ready_pids(run_dir)
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     finally:
@@ -248,7 +241,7 @@ def test_ctrl_c_stops_every_actor_cleanly(tmp_path: Path) -> None:
             proc.kill()
     assert proc.returncode == 0, out
     assert "demo_test: stopped by SIGINT" in out
-    assert not any(alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
     assert_clean_stop(run_dir, ["echo", "ping.0", "ping.1"])
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from testsupport.local_actors import process_alive, ready_pids
 from transport.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,13 +41,6 @@ def cluster():
 def port_overrides() -> list[str]:
     base = free_port()
     return [f"bus.base_port={base if base < 65000 else 40000}", f"links.demo.port={free_port()}"]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-    except OSError:
-        return False
 
 
 def check_demo_run(run_dir: Path, rounds: int) -> None:
@@ -89,7 +83,7 @@ def test_sigterm_stops_every_node_cleanly(cluster: SlurmCluster, tmp_path: Path)
         while len(list(run_dir.glob("ready/*.json"))) < 3:  # every actor on both nodes announced ready
             assert salloc.poll() is None and time.monotonic() < deadline, "multi-node run did not come up"
             time.sleep(0.1)
-        pids = [json.loads(p.read_text())["pid"] for p in (run_dir / "ready").glob("*.json")]
+        pids = ready_pids(run_dir)
         launcher = [p for p in _children(salloc.pid) if "tools.up" in _cmdline(p)]
         assert launcher, "launcher process not found under salloc"
         os.kill(launcher[0], signal.SIGTERM)
@@ -99,7 +93,7 @@ def test_sigterm_stops_every_node_cleanly(cluster: SlurmCluster, tmp_path: Path)
             salloc.kill()
     assert salloc.returncode == 0, out
     assert "demo_slurm: stopped by SIGTERM" in out
-    assert not any(alive(p) for p in pids), "an actor outlived the run"
+    assert not any(process_alive(p) for p in pids), "an actor outlived the run"
     assert not list((run_dir / "ready").glob("*.json"))
 
 

@@ -1,6 +1,7 @@
 """Actor specs and link settings for tests that run actors on this machine, over ipc sockets and gloo."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -26,3 +27,16 @@ def gloo_link(name: str, port: int, members: list[str], member: str, timeout_s: 
     return LinkConfig(name=name, backend="gloo", master_addr="127.0.0.1", master_port=port,
                       rank=members.index(member), world_size=len(members), members=members,
                       timeout_s=timeout_s).to_dict()
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, dead but not yet reaped, does not count)."""
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return False
+
+
+def ready_pids(run_dir: Path) -> list[int]:
+    """The process ids in a run's ready files: the actors that came up and have not stopped cleanly."""
+    return [json.loads(p.read_text())["pid"] for p in (Path(run_dir) / "ready").glob("*.json")]
