@@ -23,6 +23,13 @@ Why it is built this way (measured on the project's machines, see docs/reward-co
   process group gets SIGKILL (and with it bwrap's PID namespace).
 * The sandboxed interpreter is the system Python (/usr/bin/python3): the project's own interpreter may
   live under a directory the unprivileged uid cannot enter (pyenv under /root).
+* Two runners give this isolation. `runner="zygote"` (the default) starts bwrap once per process with a
+  small trusted server as its PID 1 (`actors/reward/zygote.py`, `zygote_server.py`); for each program the
+  server forks a process into fresh PID, mount, IPC, UTS and network namespaces with its own /proc, /tmp,
+  /dev/shm and /sandbox, sets the same rlimits, drops every capability and execs the program, which is PID 1
+  of its namespace as above, so its death takes everything it started with it. That saves bwrap's start
+  (about three quarters of a run's wall time). `runner="bwrap"` starts one bwrap per program, as described
+  above; it is also the fallback when a zygote cannot start, or loses a run twice (see `Sandbox.run`).
 
 When no working sandbox exists, `Sandbox.run` raises `SandboxUnavailable` unless the caller passed
 `allow_unsandboxed=True`; then programs run with the same limits, uid drop and process-group kill, but
@@ -45,12 +52,17 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
+from actors.reward import zygote as zygote_module
+
 MiB = 1 << 20
 
 # Directories every sandbox gets read-only; links among them (merged /usr) are recreated as links.
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 SANDBOX_FILES_DIR = "/sandbox"
 SANDBOX_WORK_DIR = "/tmp"
+RUNNERS = ("zygote", "bwrap")
+ZYGOTE_FD_RESULT = 3  # the zygote server puts the result channel at this fd
+_ZYGOTE_DIR_BYTES = 1 * MiB  # the zygote's own /tmp and /dev/shm: every program gets fresh ones over them
 
 
 class SandboxUnavailable(RuntimeError):
@@ -139,6 +151,9 @@ class Sandbox:
 
     `uid` is the unprivileged host uid used when we are root; by default each worker process gets its own
     uid in [uid_base, uid_base + uid_span) so RLIMIT_NPROC is not shared between concurrent runs.
+    `runner` is "zygote" (one long-lived sandbox per process that starts each program fresh) or "bwrap"
+    (one bwrap start per program); both isolate the same way, see the module docstring. The instance is
+    picklable: the zygotes live in the process that runs, not in the Sandbox.
     """
 
     def __init__(
@@ -150,7 +165,11 @@ class Sandbox:
         uid: int | None = None,
         uid_base: int = 200_000,
         uid_span: int = 50_000,
+        runner: str = "zygote",
     ) -> None:
+        if runner not in RUNNERS:
+            raise SandboxConfigError(f"runner must be one of {RUNNERS}, got {runner!r}")
+        self.runner = runner
         self.limits = limits or SandboxLimits()
         self.allow_unsandboxed = allow_unsandboxed
         self._python = python
@@ -196,6 +215,10 @@ class Sandbox:
                 raise SandboxConfigError(f"sandbox file name must be a plain name, got {name!r}")
         status = self.status()
         if status.available:
+            if self.runner == "zygote":
+                result = self._run_zygote(argv, files, stdin, limits)
+                if result is not None:
+                    return result
             return self._run_bwrap(argv, files, stdin, limits)
         if not self.allow_unsandboxed:
             raise SandboxUnavailable(
@@ -207,25 +230,40 @@ class Sandbox:
 
     # -- the two ways of running -------------------------------------------------------------------------
 
+    def _run_zygote(
+        self, argv: Sequence[str], files: Mapping[str, bytes], stdin: bytes, limits: SandboxLimits
+    ) -> RunResult | None:
+        """Run in this process's zygote. A run whose zygote died is run again on a fresh one; None (run it
+        with one bwrap instead) if no zygote can start here or a second one is lost too."""
+        global _zygote_unavailable
+        if _zygote_unavailable is not None:
+            return None
+        uid, python = self.run_uid(), self.python
+        key = (python, uid)
+        for _ in range(2):
+            try:
+                with zygote_module.checkout(key, lambda: zygote_module.Zygote(_zygote_bwrap_args(), python, uid)
+                                            ) as zygote:
+                    return _run_in_zygote(zygote, _substitute(argv, SANDBOX_FILES_DIR, python), files, stdin,
+                                          limits)
+            except zygote_module.ZygoteLost:
+                continue
+            except zygote_module.ZygoteStartError as exc:
+                _zygote_unavailable = str(exc)  # this machine cannot: per-run bwrap from now on
+                return None
+            except zygote_module.ZygoteError:
+                return None  # this program's sandbox could not be set up in the zygote
+        return None
+
     def _run_bwrap(
         self, argv: Sequence[str], files: Mapping[str, bytes], stdin: bytes, limits: SandboxLimits
     ) -> RunResult:
-        bwrap = _bwrap_path()
-        assert bwrap is not None  # status() said available
         python = self.python
         # Files travel as unlinked temp files that bwrap copies into its own tmpfs: nothing lands on the
         # host disk where other users could read it, and no size limit applies as it would to a pipe.
         file_handles = []
         try:
-            # --disable-userns: without it the program could make a nested user namespace (`unshare -r`)
-            # and be uid 0 there, with the kernel attack surface that brings.
-            args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1",
-                    *_system_dir_args()]
-            args += ["--proc", "/proc", "--dev", "/dev"]
-            args += ["--size", str(limits.tmpfs_bytes), "--tmpfs", SANDBOX_WORK_DIR]
-            # bwrap's /dev is itself an unbounded tmpfs: keep only a size-capped /dev/shm writable.
-            args += ["--size", str(limits.tmpfs_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
-            args += ["--dir", SANDBOX_FILES_DIR]
+            args = _bwrap_args(limits.tmpfs_bytes)
             for name, content in files.items():
                 handle = tempfile.TemporaryFile()
                 handle.write(content)
@@ -234,9 +272,8 @@ class Sandbox:
                 file_handles.append(handle)
                 args += ["--perms", "0444", "--file", str(handle.fileno()), f"{SANDBOX_FILES_DIR}/{name}"]
             args += ["--remount-ro", "/", "--chdir", SANDBOX_WORK_DIR, "--clearenv"]
-            env = {"PATH": "/usr/bin:/bin", "HOME": SANDBOX_WORK_DIR, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
             result_r, result_w = os.pipe()
-            env["RESULT_FD"] = str(result_w)
+            env = _sandbox_env(result_w)
             for key, value in env.items():
                 args += ["--setenv", key, value]
             # bwrap reports the host pid of the sandbox's PID 1 on this pipe; see _Run.kill.
@@ -287,25 +324,100 @@ class Sandbox:
             shutil.rmtree(root, ignore_errors=True)
 
 
+def _bwrap_args(tmpfs_bytes: int) -> list[str]:
+    """bwrap and the sandbox it builds, up to the program's own files and command."""
+    bwrap = _bwrap_path()
+    assert bwrap is not None  # status() said available
+    # --disable-userns: without it the program could make a nested user namespace (`unshare -r`)
+    # and be uid 0 there, with the kernel attack surface that brings.
+    args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1",
+            *_system_dir_args()]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    args += ["--size", str(tmpfs_bytes), "--tmpfs", SANDBOX_WORK_DIR]
+    # bwrap's /dev is itself an unbounded tmpfs: keep only a size-capped /dev/shm writable.
+    args += ["--size", str(tmpfs_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+    args += ["--dir", SANDBOX_FILES_DIR]
+    return args
+
+
+def _zygote_bwrap_args() -> list[str]:
+    """The zygote's sandbox: the per-run one, plus the two capabilities its server needs to build each
+    program's namespaces and mounts, inside the sandbox's user namespace only (each program loses them).
+    The server gets the programs' environment, so that its interpreter, forked for a Python program, is
+    configured as that program's own would be (locale, encodings)."""
+    args = [*_bwrap_args(_ZYGOTE_DIR_BYTES), "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP",
+            "--remount-ro", "/", "--chdir", SANDBOX_WORK_DIR, "--clearenv"]
+    for key, value in _sandbox_env(ZYGOTE_FD_RESULT).items():
+        if key != "RESULT_FD":
+            args += ["--setenv", key, value]
+    return args
+
+
+# Set when this process found it cannot start a zygote (the reason); runs then use per-run bwrap.
+_zygote_unavailable: str | None = None
+
+
+def _sandbox_env(result_fd: int) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": SANDBOX_WORK_DIR, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
+            "RESULT_FD": str(result_fd)}
+
+
+def _run_in_zygote(zygote: zygote_module.Zygote, argv: list[str], files: Mapping[str, bytes], stdin: bytes,
+                   limits: SandboxLimits) -> RunResult:
+    """One program in the zygote: the request and stdin as files, stdout, stderr and result as pipes."""
+    header = json.dumps({"argv": argv, "env": _sandbox_env(ZYGOTE_FD_RESULT), "tmpfs_bytes": limits.tmpfs_bytes,
+                         "rlimits": [list(setting) for setting in rlimit_settings(limits)],
+                         "files": [[name, len(content)] for name, content in files.items()]}).encode()
+    pipes = [os.pipe() for _ in range(3)]  # stdout, stderr, result
+    try:
+        with tempfile.TemporaryFile() as request, tempfile.TemporaryFile() as stdin_file:
+            request.write(b"%08d" % len(header) + header + b"".join(files.values()))
+            request.flush()
+            stdin_file.write(stdin)
+            stdin_file.flush()
+            stdin_file.seek(0)
+            started = time.monotonic()
+            zygote.start([request.fileno(), stdin_file.fileno(), *(w for _, w in pipes)])
+        for index, (read_end, write_end) in enumerate(pipes):  # EOF must come when the program is gone
+            os.close(write_end)
+            pipes[index] = (read_end, -1)
+        process = _ZygoteProcess(zygote)
+        run = _Run(process, pipes[0][0], pipes[1][0], pipes[2][0])
+        result = run.collect(limits, started, sandboxed=True)
+        if process.lost:
+            raise zygote_module.ZygoteLost("the zygote ended during the run")
+        return result
+    finally:
+        for read_end, write_end in pipes:
+            for fd in (read_end, write_end):
+                if fd >= 0:
+                    os.close(fd)
+
+
 def _substitute(argv: Sequence[str], files_dir: str, python: str) -> list[str]:
     return [arg.replace("{files}", files_dir).replace("{python}", python) for arg in argv]
 
 
+def rlimit_settings(limits: SandboxLimits) -> list[tuple[int, int, int]]:
+    """(resource, soft, hard) for every rlimit a run gets."""
+    cpu = max(1, math.ceil(limits.cpu_time_s))
+    return [
+        (resource.RLIMIT_CPU, cpu, cpu + 1),  # SIGXCPU at the soft limit, SIGKILL one second later
+        (resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes),
+        (resource.RLIMIT_FSIZE, limits.file_size_bytes, limits.file_size_bytes),
+        (resource.RLIMIT_NPROC, limits.max_processes, limits.max_processes),
+        (resource.RLIMIT_NOFILE, limits.max_open_files, limits.max_open_files),
+        (resource.RLIMIT_CORE, 0, 0),
+    ]
+
+
 def _child_limits(limits: SandboxLimits):
     """The preexec hook: only setrlimit calls, which are async-signal-safe syscalls after fork."""
-    cpu = max(1, math.ceil(limits.cpu_time_s))
-    settings = (
-        (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # SIGXCPU at the soft limit, SIGKILL one second later
-        (resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes)),
-        (resource.RLIMIT_FSIZE, (limits.file_size_bytes, limits.file_size_bytes)),
-        (resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes)),
-        (resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files)),
-        (resource.RLIMIT_CORE, (0, 0)),
-    )
+    settings = rlimit_settings(limits)
 
     def apply() -> None:
-        for which, value in settings:
-            resource.setrlimit(which, value)
+        for which, soft, hard in settings:
+            resource.setrlimit(which, (soft, hard))
 
     return apply
 
@@ -349,7 +461,9 @@ def _spawn_and_collect(
         for _, write_end in pipes:  # only the child writes; EOF must come when it is gone
             os.close(write_end)
         pipes = [(r, -1) for r, _ in pipes]
-        run = _Run(proc, result_pipe[0], info_pipe[0] if info_pipe else None)
+        assert proc.stdout is not None and proc.stderr is not None
+        process = _PopenProcess(proc, info_pipe[0] if info_pipe else None, sandboxed)
+        run = _Run(process, proc.stdout.fileno(), proc.stderr.fileno(), result_pipe[0])
         return run.collect(limits, started, sandboxed)
     finally:
         for read_end, write_end in pipes:
@@ -359,18 +473,96 @@ def _spawn_and_collect(
 
 
 class _Run:
-    """One started process: reads its pipes under the caps and the deadline, and kills it completely."""
+    """One started program: reads its pipes under the caps and the deadline, and has it killed completely."""
 
-    def __init__(self, proc: subprocess.Popen, result_r: int, info_r: int | None) -> None:
-        assert proc.stdout is not None and proc.stderr is not None
+    def __init__(self, process: _PopenProcess | _ZygoteProcess, out_fd: int, err_fd: int, result_r: int) -> None:
+        self.process = process
+        self.out_fd, self.err_fd, self.result_r = out_fd, err_fd, result_r
+        self.buffers = {out_fd: bytearray(), err_fd: bytearray(), result_r: bytearray()}
+
+    def collect(self, limits: SandboxLimits, started: float, sandboxed: bool) -> RunResult:
+        process = self.process
+        deadline = started + limits.wall_time_s
+        timed_out = output_limited = False
+        selector = selectors.DefaultSelector()
+        for fd in [*self.buffers, *process.watched_fds]:
+            os.set_blocking(fd, False)
+            selector.register(fd, selectors.EVENT_READ)
+        try:
+            while selector.get_map():
+                now = time.monotonic()
+                if now >= deadline:
+                    if process.killed:
+                        break  # killed and still no EOF: something outside our reach holds a pipe
+                    timed_out = True
+                    process.kill()
+                    deadline = now + 1.0  # grace for the pipes to reach EOF
+                for key, _ in selector.select(timeout=max(0.0, min(deadline - now, 0.05))):
+                    chunk = os.read(key.fd, 65536)
+                    if key.fd not in self.buffers:
+                        process.on_data(key.fd, chunk)
+                        if not chunk:
+                            selector.unregister(key.fd)
+                    elif not chunk:
+                        selector.unregister(key.fd)
+                    elif self._keep(key.fd, chunk, limits.output_bytes) and not process.killed:
+                        output_limited = True
+                        process.kill()
+                        deadline = time.monotonic() + 1.0
+                if not process.killed and process.reaped():
+                    # The main process is gone. Anything it left behind must not outlive it (unsandboxed,
+                    # a daemon would otherwise hold our pipes open until the deadline).
+                    process.kill()
+                    deadline = min(deadline, time.monotonic() + 1.0)
+        finally:
+            selector.close()
+            process.kill()
+            process.close()
+        returncode = process.returncode
+        # bwrap exits 128+N when its program died of signal N; a plain run or a zygote's reports -N.
+        signum = -returncode if returncode is not None and returncode < 0 else (
+            returncode - 128 if process.exit_status_encodes_signal and returncode is not None
+            and 128 < returncode < 128 + signal.NSIG else 0)
+        soft_limit = max(1, math.ceil(limits.cpu_time_s))
+        cpu_limited = signum == signal.SIGXCPU or (
+            signum == signal.SIGKILL and not timed_out and process.cpu_s is not None and process.cpu_s >= soft_limit)
+        return RunResult(
+            returncode=returncode,
+            stdout=bytes(self.buffers[self.out_fd]),
+            stderr=bytes(self.buffers[self.err_fd]),
+            result=bytes(self.buffers[self.result_r]),
+            timed_out=timed_out,
+            output_limited=output_limited,
+            wall_s=time.monotonic() - started,
+            sandboxed=sandboxed,
+            cpu_s=process.cpu_s,
+            cpu_limited=cpu_limited,
+        )
+
+    def _keep(self, fd: int, chunk: bytes, cap: int) -> bool:
+        """Append up to the cap; True when the stream went past it."""
+        buf = self.buffers[fd]
+        room = cap - len(buf)
+        buf += chunk[:max(room, 0)]
+        return len(chunk) > room
+
+
+class _PopenProcess:
+    """A run we started ourselves: bwrap (which reports its PID 1 on an info pipe) or an unsandboxed program."""
+
+    def __init__(self, proc: subprocess.Popen, info_r: int | None, sandboxed: bool) -> None:
         self.proc = proc
-        self.out_fd, self.err_fd, self.result_r, self.info_r = proc.stdout.fileno(), proc.stderr.fileno(), result_r, info_r
-        self.buffers = {self.out_fd: bytearray(), self.err_fd: bytearray(), result_r: bytearray()}
+        self.watched_fds = [info_r] if info_r is not None else []
+        self.exit_status_encodes_signal = sandboxed  # bwrap exits 128+N for a program killed by signal N
         self.info = bytearray()
         self.init_pidfd: int | None = None  # the sandbox's PID 1 (bwrap only)
         self.killed = False
         self.pidfd = os.pidfd_open(proc.pid)   # the process we started: reaped through it, with its rusage
         self.cpu_s: float | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
 
     def reaped(self, timeout: float = 0.0) -> bool:
         """Reap the started process if it exits within `timeout`. os.wait4 rather than Popen.wait: its rusage
@@ -385,73 +577,7 @@ class _Run:
         self.cpu_s = usage.ru_utime + usage.ru_stime
         return True
 
-    def collect(self, limits: SandboxLimits, started: float, sandboxed: bool) -> RunResult:
-        deadline = started + limits.wall_time_s
-        timed_out = output_limited = False
-        selector = selectors.DefaultSelector()
-        for fd in [*self.buffers, *([self.info_r] if self.info_r is not None else [])]:
-            os.set_blocking(fd, False)
-            selector.register(fd, selectors.EVENT_READ)
-        try:
-            while selector.get_map():
-                now = time.monotonic()
-                if now >= deadline:
-                    if self.killed:
-                        break  # killed and still no EOF: something outside our reach holds a pipe
-                    timed_out = True
-                    self.kill()
-                    deadline = now + 1.0  # grace for the pipes to reach EOF
-                for key, _ in selector.select(timeout=max(0.0, min(deadline - now, 0.05))):
-                    chunk = os.read(key.fd, 65536)
-                    if not chunk:
-                        selector.unregister(key.fd)
-                    elif key.fd == self.info_r:
-                        self._on_info(chunk)
-                    elif self._keep(key.fd, chunk, limits.output_bytes) and not self.killed:
-                        output_limited = True
-                        self.kill()
-                        deadline = time.monotonic() + 1.0
-                if not self.killed and self.reaped():
-                    # The main process is gone. Anything it left in its group must not outlive it
-                    # (unsandboxed, a daemon would otherwise hold our pipes open until the deadline).
-                    self.kill()
-                    deadline = min(deadline, time.monotonic() + 1.0)
-        finally:
-            selector.close()
-            self.kill()
-            self.proc.stdout.close()
-            self.proc.stderr.close()
-            if self.init_pidfd is not None:
-                os.close(self.init_pidfd)
-            os.close(self.pidfd)
-        returncode = self.proc.returncode
-        # bwrap exits 128+N when its program died of signal N; a plain run reports -N.
-        signum = -returncode if returncode is not None and returncode < 0 else (
-            returncode - 128 if sandboxed and returncode is not None and 128 < returncode < 128 + signal.NSIG else 0)
-        soft_limit = max(1, math.ceil(limits.cpu_time_s))
-        cpu_limited = signum == signal.SIGXCPU or (
-            signum == signal.SIGKILL and not timed_out and self.cpu_s is not None and self.cpu_s >= soft_limit)
-        return RunResult(
-            returncode=returncode,
-            stdout=bytes(self.buffers[self.out_fd]),
-            stderr=bytes(self.buffers[self.err_fd]),
-            result=bytes(self.buffers[self.result_r]),
-            timed_out=timed_out,
-            output_limited=output_limited,
-            wall_s=time.monotonic() - started,
-            sandboxed=sandboxed,
-            cpu_s=self.cpu_s,
-            cpu_limited=cpu_limited,
-        )
-
-    def _keep(self, fd: int, chunk: bytes, cap: int) -> bool:
-        """Append up to the cap; True when the stream went past it."""
-        buf = self.buffers[fd]
-        room = cap - len(buf)
-        buf += chunk[:max(room, 0)]
-        return len(chunk) > room
-
-    def _on_info(self, chunk: bytes) -> None:
+    def on_data(self, fd: int, chunk: bytes) -> None:
         self.info += chunk
         try:
             child_pid = json.loads(self.info).get("child-pid")
@@ -479,17 +605,74 @@ class _Run:
             self.reaped(timeout=2.0)
         # Also the fallback when bwrap had not yet reported its PID 1, and the stragglers of an unsandboxed
         # run (while any member lives, the group id cannot be reused by another process).
-        _kill_group(self.proc)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self.reaped(timeout=5.0)
         if self.init_pidfd is not None:
             # Returns at once normally; after the fallback group kill it waits for the namespace teardown.
             select.select([self.init_pidfd], [], [], 5.0)
 
+    def close(self) -> None:
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        if self.init_pidfd is not None:
+            os.close(self.init_pidfd)
+        os.close(self.pidfd)
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+
+class _ZygoteProcess:
+    """A run the zygote started: it reports the exit (wait status and CPU time) and kills on request.
+
+    The program is PID 1 of its own PID namespace, so once the zygote has reaped it nothing of the run is
+    left. A zygote that is gone or silent leaves `lost` set; the run is then not to be trusted.
+    """
+
+    exit_status_encodes_signal = False
+
+    def __init__(self, zygote: zygote_module.Zygote) -> None:
+        self.zygote = zygote
+        self.watched_fds: list[int] = []  # the channel is read here, not by the collector's loop
+        self.returncode: int | None = None
+        self.cpu_s: float | None = None
+        self.killed = False
+        self.lost = False
+
+    def reaped(self, timeout: float = 0.0) -> bool:
+        if self.returncode is not None or self.lost:
+            return True
+        if not select.select([self.zygote], [], [], timeout)[0]:
+            return False
+        try:
+            message = self.zygote.receive(0.0)
+        except zygote_module.ZygoteLost:
+            self.lost = True
+            return True
+        word, _, rest = message.partition(b" ")
+        if word != b"exit":
+            self.zygote.healthy = False
+            self.lost = True
+            return True
+        status, cpu_s = rest.split()
+        self.returncode = os.waitstatus_to_exitcode(int(status))
+        self.cpu_s = float(cpu_s)
+        return True
+
+    def on_data(self, fd: int, chunk: bytes) -> None:
+        raise AssertionError("the zygote process watches no fds")
+
+    def kill(self) -> None:
+        self.killed = True
+        if self.reaped():
+            return
+        self.zygote.kill_program()
+        if not self.reaped(timeout=zygote_module.REPLY_TIMEOUT_S):
+            self.zygote.healthy = False
+            self.lost = True
+
+    def close(self) -> None:
         pass
 
 

@@ -1,0 +1,258 @@
+"""Host side of the zygote: one long-lived bubblewrap sandbox that starts every program fresh inside it.
+
+A bubblewrap start per program costs about 40 ms of wall time on the project machine for a program whose
+own work takes about 10 ms (docs/reward-code.md). A `Zygote` pays that once: it starts bwrap with
+`zygote_server.py` as the sandbox's PID 1, and for each program the server forks a process into fresh
+PID, mount, IPC, UTS and network namespaces with its own /proc, /tmp, /dev/shm and /sandbox, sets the
+rlimits, drops every capability and execs the program (the server's docstring says how and why). What the
+host gives a run never passes through the server: the request (argv, environment, limits, files), stdin
+and the stdout, stderr and result pipes travel as file descriptors straight to the program's process.
+
+Failures: a zygote that dies, or does not answer within `REPLY_TIMEOUT_S`, raises `ZygoteLost`; a setup
+that failed inside raises `ZygoteError`. Either way the zygote is discarded (its sandbox killed) and the
+next run starts a new one, so a broken zygote never decides another program's verdict.
+
+Zygotes belong to the process that started them: a forked child (a pool worker) starts its own, and one
+zygote runs one program at a time (`checkout` hands a thread an idle one or starts another).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+SERVER_SOURCE = Path(__file__).with_name("zygote_server.py")
+START_TIMEOUT_S = 10.0  # bwrap plus the server's interpreter start
+REPLY_TIMEOUT_S = 10.0  # the server answers "started" after a setup of a few ms, "exit" at once after a kill
+
+
+class ZygoteError(RuntimeError):
+    """The zygote could not start, or could not set up a program's sandbox; the message says why."""
+
+
+class ZygoteStartError(ZygoteError):
+    """No zygote can start here (the kernel or bwrap refuses what it needs); the message says why."""
+
+
+class ZygoteLost(ZygoteError):
+    """The zygote died or stopped answering in the middle of a run."""
+
+
+class Zygote:
+    """One bubblewrap sandbox running the zygote server, owned by the process that started it.
+
+    `bwrap_args` is the bwrap command up to (not including) the program; `python` the interpreter inside.
+    The sandbox is started as host uid `uid` (None: our own), like a per-run sandbox.
+    """
+
+    def __init__(self, bwrap_args: Sequence[str], python: str, uid: int | None) -> None:
+        self.owner_pid = os.getpid()
+        self.healthy = True
+        self._stderr = tempfile.TemporaryFile()
+        self._server_pidfd: int | None = None
+        channel, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        info_r, info_w = os.pipe()
+        args = [*bwrap_args, "--info-fd", str(info_w), "--",
+                python, "-I", "-B", "-c", SERVER_SOURCE.read_text(), str(server_end.fileno())]
+        try:
+            self._proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._stderr,
+                pass_fds=(server_end.fileno(), info_w), start_new_session=True,
+                user=uid, group=uid, extra_groups=[] if uid is not None else None,
+                env={"PATH": "/usr/bin:/bin"},  # bwrap's environment is the server's /proc/1/environ
+            )
+        finally:
+            server_end.close()
+            os.close(info_w)
+        self._channel = channel
+        self.server_pid: int | None = None
+        try:
+            self.server_pid, self._server_pidfd = _read_child_pid(info_r, time.monotonic() + START_TIMEOUT_S)
+            reply = self.receive(START_TIMEOUT_S)
+            if reply != b"ready":
+                raise ZygoteError(f"zygote answered {reply!r} instead of ready")
+        except ZygoteError as exc:
+            tail = self._stderr_tail()
+            self.close()
+            raise ZygoteStartError(f"could not start the zygote: {exc}{tail}") from None
+        finally:
+            os.close(info_r)
+
+    def fileno(self) -> int:
+        """The channel to the server: readable when it has a message (or is gone)."""
+        return self._channel.fileno()
+
+    def start(self, fds: Sequence[int]) -> None:
+        """Hand the server one run's fds [request, stdin, stdout, stderr, result]; returns once the program's
+        process is about to exec. Raises ZygoteError (setup failed) or ZygoteLost."""
+        try:
+            socket.send_fds(self._channel, [b"run"], list(fds))
+        except OSError as exc:
+            self.healthy = False
+            raise ZygoteLost(f"could not reach the zygote: {exc}") from None
+        reply = self.receive(REPLY_TIMEOUT_S)
+        if reply == b"started":
+            return
+        self.healthy = False
+        if reply.startswith(b"failed "):
+            raise ZygoteError(f"the zygote could not set up the sandbox: {reply[7:].decode(errors='replace')}")
+        raise ZygoteLost(f"the zygote answered {reply[:80]!r} instead of started")
+
+    def kill_program(self) -> None:
+        """Ask the server to SIGKILL the running program (with it, its whole PID namespace)."""
+        try:
+            self._channel.send(b"kill")
+        except OSError:
+            self.healthy = False
+
+    def receive(self, timeout: float) -> bytes:
+        """The server's next message. Raises ZygoteLost if it is gone or silent for `timeout` seconds."""
+        if not select.select([self._channel], [], [], timeout)[0]:
+            self.healthy = False
+            raise ZygoteLost(f"the zygote did not answer within {timeout:g} s")
+        try:
+            message = self._channel.recv(4096)
+        except OSError as exc:
+            message = b""
+            reason = f": {exc}"
+        else:
+            reason = ""
+        if not message:
+            self.healthy = False
+            raise ZygoteLost(f"the zygote ended{reason}")
+        return message
+
+    def host_pids(self) -> set[int]:
+        """bwrap's and the server's pids: the processes of the sandbox uid that outlive each run."""
+        return {self._proc.pid, *([self.server_pid] if self.server_pid is not None else [])}
+
+    def alive(self) -> bool:
+        if not self.healthy or self._proc.poll() is not None:
+            return False
+        if self._server_pidfd is not None and select.select([self._server_pidfd], [], [], 0)[0]:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Kill the sandbox (the server is its PID 1: everything inside dies with it) and reap bwrap."""
+        self.healthy = False
+        if os.getpid() != self.owner_pid:
+            self._forget()  # a forked child's copy: the sandbox belongs to the parent
+            return
+        if self._server_pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self._server_pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)  # bwrap, if it had not reported the server yet
+        except (ProcessLookupError, PermissionError):
+            pass
+        self._proc.wait()
+        self._forget()
+
+    def _forget(self) -> None:
+        self._channel.close()
+        if self._server_pidfd is not None:
+            os.close(self._server_pidfd)
+            self._server_pidfd = None
+        self._stderr.close()
+
+    def _stderr_tail(self) -> str:
+        try:
+            self._stderr.seek(0)
+            text = self._stderr.read()[-400:].decode(errors="replace").strip()
+        except (OSError, ValueError):
+            return ""
+        return f" (sandbox stderr: {text})" if text else ""
+
+
+def _read_child_pid(info_r: int, deadline: float) -> tuple[int, int]:
+    """bwrap reports the host pid of the sandbox's PID 1 (the server) as JSON on its info fd."""
+    info = b""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([info_r], [], [], remaining)[0]:
+            raise ZygoteError("bwrap did not report the sandbox's pid")
+        chunk = os.read(info_r, 4096)
+        info += chunk
+        try:
+            child_pid = json.loads(info).get("child-pid")
+        except ValueError:
+            if not chunk:
+                raise ZygoteError(f"bwrap ended without reporting the sandbox's pid ({info[:200]!r})") from None
+            continue
+        if not isinstance(child_pid, int):
+            raise ZygoteError(f"bwrap reported {info[:200]!r}")
+        try:
+            return child_pid, os.pidfd_open(child_pid)
+        except ProcessLookupError:
+            raise ZygoteError("the sandbox ended at once") from None
+
+
+# ------------------------------------------------------------------------------ the process's zygotes
+
+_lock = threading.Lock()
+_idle: dict[tuple, list[Zygote]] = {}
+
+
+@contextlib.contextmanager
+def checkout(key: tuple, start: Callable[[], Zygote]) -> Iterator[Zygote]:
+    """An idle zygote of this process for `key` (or a new one from `start()`), for one run.
+
+    It goes back to the idle list afterwards only if it is still healthy; otherwise it is killed.
+    """
+    zygote = None
+    with _lock:
+        idle = _idle.setdefault(key, [])
+        while idle:
+            candidate = idle.pop()
+            if candidate.owner_pid == os.getpid() and candidate.alive():
+                zygote = candidate
+                break
+            candidate.close()
+    if zygote is None:
+        zygote = start()
+    try:
+        yield zygote
+    finally:
+        if zygote.alive():
+            with _lock:
+                _idle.setdefault(key, []).append(zygote)
+        else:
+            zygote.close()
+
+
+def idle_host_pids() -> set[int]:
+    """The host pids of this process's idle zygotes (bwrap and server)."""
+    with _lock:
+        return {pid for idle in _idle.values() for zygote in idle if zygote.owner_pid == os.getpid()
+                for pid in zygote.host_pids()}
+
+
+def close_all() -> None:
+    """Kill every idle zygote of this process (tests; interpreter exit)."""
+    with _lock:
+        zygotes = [zygote for idle in _idle.values() for zygote in idle]
+        _idle.clear()
+    for zygote in zygotes:
+        zygote.close()
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it; the zygotes are forgotten lazily
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(close_all)
