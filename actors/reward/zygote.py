@@ -233,11 +233,15 @@ def checkout(key: tuple, start: Callable[[], Zygote]) -> Iterator[Zygote]:
             zygote.close()
 
 
+def idle_zygotes() -> list[Zygote]:
+    """This process's zygotes that are waiting for a run."""
+    with _lock:
+        return [zygote for idle in _idle.values() for zygote in idle if zygote.owner_pid == os.getpid()]
+
+
 def idle_host_pids() -> set[int]:
     """The host pids of this process's idle zygotes (bwrap and server)."""
-    with _lock:
-        return {pid for idle in _idle.values() for zygote in idle if zygote.owner_pid == os.getpid()
-                for pid in zygote.host_pids()}
+    return {pid for zygote in idle_zygotes() for pid in zygote.host_pids()}
 
 
 def close_all() -> None:
