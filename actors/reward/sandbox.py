@@ -40,11 +40,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
 import resource
 import select
-import selectors
 import shutil
 import signal
 import subprocess
@@ -53,69 +51,25 @@ import time
 from collections.abc import Mapping, Sequence
 
 from actors.reward import zygote as zygote_module
-
-MiB = 1 << 20
+from actors.reward.sandbox_run import (  # noqa: F401 - MiB, RunResult and SandboxLimits are public here too
+    MiB,
+    RunCollector,
+    RunResult,
+    SandboxConfigError,
+    SandboxLimits,
+    rlimit_settings,
+)
 
 # Directories every sandbox gets read-only; links among them (merged /usr) are recreated as links.
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 SANDBOX_FILES_DIR = "/sandbox"
 SANDBOX_WORK_DIR = "/tmp"
 RUNNERS = ("zygote", "bwrap")
-ZYGOTE_FD_RESULT = 3  # the zygote server puts the result channel at this fd
 _ZYGOTE_DIR_BYTES = 1 * MiB  # the zygote's own /tmp and /dev/shm: every program gets fresh ones over them
 
 
 class SandboxUnavailable(RuntimeError):
     """No working sandbox on this machine and unsandboxed execution was not explicitly allowed."""
-
-
-class SandboxConfigError(ValueError):
-    """A sandbox limit or option is invalid; the message names it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SandboxLimits:
-    """Resource limits for one sandboxed run. Sizes are bytes, times seconds."""
-
-    wall_time_s: float = 2.0
-    cpu_time_s: float = 2.0
-    memory_bytes: int = 512 * MiB  # RLIMIT_AS of every process inside
-    file_size_bytes: int = 16 * MiB  # RLIMIT_FSIZE: largest single file written
-    tmpfs_bytes: int = 64 * MiB  # total size of the writable /tmp
-    max_processes: int = 32  # RLIMIT_NPROC for the run's uid
-    max_open_files: int = 256
-    output_bytes: int = 1 * MiB  # per stream (stdout, stderr, result channel)
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise SandboxConfigError(f"SandboxLimits.{field.name} must be a positive number, got {value!r}")
-
-
-@dataclasses.dataclass
-class RunResult:
-    """What one run produced. `returncode` is negative for a signal, as in subprocess."""
-
-    returncode: int | None
-    stdout: bytes
-    stderr: bytes
-    result: bytes  # bytes written to the result channel (fd named by $RESULT_FD)
-    timed_out: bool
-    output_limited: bool  # a stream went past SandboxLimits.output_bytes
-    wall_s: float
-    sandboxed: bool
-    cpu_s: float | None = None  # CPU time of the run's processes (None if it could not be read)
-    cpu_limited: bool = False   # ended by RLIMIT_CPU (SIGXCPU, or SIGKILL past the soft limit)
-
-    @property
-    def signal_name(self) -> str | None:
-        if self.returncode is not None and self.returncode < 0:
-            try:
-                return signal.Signals(-self.returncode).name
-            except ValueError:
-                return f"signal {-self.returncode}"
-        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,8 +198,9 @@ class Sandbox:
             try:
                 with zygote_module.checkout(key, lambda: zygote_module.Zygote(_zygote_bwrap_args(), python, uid)
                                             ) as zygote:
-                    return _run_in_zygote(zygote, _substitute(argv, SANDBOX_FILES_DIR, python), files, stdin,
-                                          limits)
+                    return zygote_module.run_in_zygote(
+                        zygote, _substitute(argv, SANDBOX_FILES_DIR, python), _sandbox_env(zygote_module.RESULT_FD),
+                        files, stdin, limits)
             except zygote_module.ZygoteLost:
                 continue
             except zygote_module.ZygoteStartError as exc:
@@ -276,7 +231,7 @@ class Sandbox:
             env = _sandbox_env(result_w)
             for key, value in env.items():
                 args += ["--setenv", key, value]
-            # bwrap reports the host pid of the sandbox's PID 1 on this pipe; see _Run.kill.
+            # bwrap reports the host pid of the sandbox's PID 1 on this pipe; see _PopenProcess.kill.
             info_r, info_w = os.pipe()
             args += ["--info-fd", str(info_w)]
             args += ["--", *_substitute(argv, SANDBOX_FILES_DIR, python)]
@@ -347,7 +302,7 @@ def _zygote_bwrap_args() -> list[str]:
     configured as that program's own would be (locale, encodings)."""
     args = [*_bwrap_args(_ZYGOTE_DIR_BYTES), "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP",
             "--remount-ro", "/", "--chdir", SANDBOX_WORK_DIR, "--clearenv"]
-    for key, value in _sandbox_env(ZYGOTE_FD_RESULT).items():
+    for key, value in _sandbox_env(zygote_module.RESULT_FD).items():
         if key != "RESULT_FD":
             args += ["--setenv", key, value]
     return args
@@ -362,53 +317,8 @@ def _sandbox_env(result_fd: int) -> dict[str, str]:
             "RESULT_FD": str(result_fd)}
 
 
-def _run_in_zygote(zygote: zygote_module.Zygote, argv: list[str], files: Mapping[str, bytes], stdin: bytes,
-                   limits: SandboxLimits) -> RunResult:
-    """One program in the zygote: the request and stdin as files, stdout, stderr and result as pipes."""
-    header = json.dumps({"argv": argv, "env": _sandbox_env(ZYGOTE_FD_RESULT), "tmpfs_bytes": limits.tmpfs_bytes,
-                         "rlimits": [list(setting) for setting in rlimit_settings(limits)],
-                         "files": [[name, len(content)] for name, content in files.items()]}).encode()
-    pipes = [os.pipe() for _ in range(3)]  # stdout, stderr, result
-    try:
-        with tempfile.TemporaryFile() as request, tempfile.TemporaryFile() as stdin_file:
-            request.write(b"%08d" % len(header) + header + b"".join(files.values()))
-            request.flush()
-            stdin_file.write(stdin)
-            stdin_file.flush()
-            stdin_file.seek(0)
-            started = time.monotonic()
-            zygote.start([request.fileno(), stdin_file.fileno(), *(w for _, w in pipes)])
-        for index, (read_end, write_end) in enumerate(pipes):  # EOF must come when the program is gone
-            os.close(write_end)
-            pipes[index] = (read_end, -1)
-        process = _ZygoteProcess(zygote)
-        run = _Run(process, pipes[0][0], pipes[1][0], pipes[2][0])
-        result = run.collect(limits, started, sandboxed=True)
-        if process.lost:
-            raise zygote_module.ZygoteLost("the zygote ended during the run")
-        return result
-    finally:
-        for read_end, write_end in pipes:
-            for fd in (read_end, write_end):
-                if fd >= 0:
-                    os.close(fd)
-
-
 def _substitute(argv: Sequence[str], files_dir: str, python: str) -> list[str]:
     return [arg.replace("{files}", files_dir).replace("{python}", python) for arg in argv]
-
-
-def rlimit_settings(limits: SandboxLimits) -> list[tuple[int, int, int]]:
-    """(resource, soft, hard) for every rlimit a run gets."""
-    cpu = max(1, math.ceil(limits.cpu_time_s))
-    return [
-        (resource.RLIMIT_CPU, cpu, cpu + 1),  # SIGXCPU at the soft limit, SIGKILL one second later
-        (resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes),
-        (resource.RLIMIT_FSIZE, limits.file_size_bytes, limits.file_size_bytes),
-        (resource.RLIMIT_NPROC, limits.max_processes, limits.max_processes),
-        (resource.RLIMIT_NOFILE, limits.max_open_files, limits.max_open_files),
-        (resource.RLIMIT_CORE, 0, 0),
-    ]
 
 
 def _child_limits(limits: SandboxLimits):
@@ -463,88 +373,13 @@ def _spawn_and_collect(
         pipes = [(r, -1) for r, _ in pipes]
         assert proc.stdout is not None and proc.stderr is not None
         process = _PopenProcess(proc, info_pipe[0] if info_pipe else None, sandboxed)
-        run = _Run(process, proc.stdout.fileno(), proc.stderr.fileno(), result_pipe[0])
+        run = RunCollector(process, proc.stdout.fileno(), proc.stderr.fileno(), result_pipe[0])
         return run.collect(limits, started, sandboxed)
     finally:
         for read_end, write_end in pipes:
             for fd in (read_end, write_end):
                 if fd >= 0:
                     os.close(fd)
-
-
-class _Run:
-    """One started program: reads its pipes under the caps and the deadline, and has it killed completely."""
-
-    def __init__(self, process: _PopenProcess | _ZygoteProcess, out_fd: int, err_fd: int, result_r: int) -> None:
-        self.process = process
-        self.out_fd, self.err_fd, self.result_r = out_fd, err_fd, result_r
-        self.buffers = {out_fd: bytearray(), err_fd: bytearray(), result_r: bytearray()}
-
-    def collect(self, limits: SandboxLimits, started: float, sandboxed: bool) -> RunResult:
-        process = self.process
-        deadline = started + limits.wall_time_s
-        timed_out = output_limited = False
-        selector = selectors.DefaultSelector()
-        for fd in [*self.buffers, *process.watched_fds]:
-            os.set_blocking(fd, False)
-            selector.register(fd, selectors.EVENT_READ)
-        try:
-            while selector.get_map():
-                now = time.monotonic()
-                if now >= deadline:
-                    if process.killed:
-                        break  # killed and still no EOF: something outside our reach holds a pipe
-                    timed_out = True
-                    process.kill()
-                    deadline = now + 1.0  # grace for the pipes to reach EOF
-                for key, _ in selector.select(timeout=max(0.0, min(deadline - now, 0.05))):
-                    chunk = os.read(key.fd, 65536)
-                    if key.fd not in self.buffers:
-                        process.on_data(key.fd, chunk)
-                        if not chunk:
-                            selector.unregister(key.fd)
-                    elif not chunk:
-                        selector.unregister(key.fd)
-                    elif self._keep(key.fd, chunk, limits.output_bytes) and not process.killed:
-                        output_limited = True
-                        process.kill()
-                        deadline = time.monotonic() + 1.0
-                if not process.killed and process.reaped():
-                    # The main process is gone. Anything it left behind must not outlive it (unsandboxed,
-                    # a daemon would otherwise hold our pipes open until the deadline).
-                    process.kill()
-                    deadline = min(deadline, time.monotonic() + 1.0)
-        finally:
-            selector.close()
-            process.kill()
-            process.close()
-        returncode = process.returncode
-        # bwrap exits 128+N when its program died of signal N; a plain run or a zygote's reports -N.
-        signum = -returncode if returncode is not None and returncode < 0 else (
-            returncode - 128 if process.exit_status_encodes_signal and returncode is not None
-            and 128 < returncode < 128 + signal.NSIG else 0)
-        soft_limit = max(1, math.ceil(limits.cpu_time_s))
-        cpu_limited = signum == signal.SIGXCPU or (
-            signum == signal.SIGKILL and not timed_out and process.cpu_s is not None and process.cpu_s >= soft_limit)
-        return RunResult(
-            returncode=returncode,
-            stdout=bytes(self.buffers[self.out_fd]),
-            stderr=bytes(self.buffers[self.err_fd]),
-            result=bytes(self.buffers[self.result_r]),
-            timed_out=timed_out,
-            output_limited=output_limited,
-            wall_s=time.monotonic() - started,
-            sandboxed=sandboxed,
-            cpu_s=process.cpu_s,
-            cpu_limited=cpu_limited,
-        )
-
-    def _keep(self, fd: int, chunk: bytes, cap: int) -> bool:
-        """Append up to the cap; True when the stream went past it."""
-        buf = self.buffers[fd]
-        room = cap - len(buf)
-        buf += chunk[:max(room, 0)]
-        return len(chunk) > room
 
 
 class _PopenProcess:
@@ -621,59 +456,6 @@ class _PopenProcess:
         if self.init_pidfd is not None:
             os.close(self.init_pidfd)
         os.close(self.pidfd)
-
-
-class _ZygoteProcess:
-    """A run the zygote started: it reports the exit (wait status and CPU time) and kills on request.
-
-    The program is PID 1 of its own PID namespace, so once the zygote has reaped it nothing of the run is
-    left. A zygote that is gone or silent leaves `lost` set; the run is then not to be trusted.
-    """
-
-    exit_status_encodes_signal = False
-
-    def __init__(self, zygote: zygote_module.Zygote) -> None:
-        self.zygote = zygote
-        self.watched_fds: list[int] = []  # the channel is read here, not by the collector's loop
-        self.returncode: int | None = None
-        self.cpu_s: float | None = None
-        self.killed = False
-        self.lost = False
-
-    def reaped(self, timeout: float = 0.0) -> bool:
-        if self.returncode is not None or self.lost:
-            return True
-        if not select.select([self.zygote], [], [], timeout)[0]:
-            return False
-        try:
-            message = self.zygote.receive(0.0)
-        except zygote_module.ZygoteLost:
-            self.lost = True
-            return True
-        word, _, rest = message.partition(b" ")
-        if word != b"exit":
-            self.zygote.healthy = False
-            self.lost = True
-            return True
-        status, cpu_s = rest.split()
-        self.returncode = os.waitstatus_to_exitcode(int(status))
-        self.cpu_s = float(cpu_s)
-        return True
-
-    def on_data(self, fd: int, chunk: bytes) -> None:
-        raise AssertionError("the zygote process watches no fds")
-
-    def kill(self) -> None:
-        self.killed = True
-        if self.reaped():
-            return
-        self.zygote.kill_program()
-        if not self.reaped(timeout=zygote_module.REPLY_TIMEOUT_S):
-            self.zygote.healthy = False
-            self.lost = True
-
-    def close(self) -> None:
-        pass
 
 
 def probe_sandbox(python: str | None = None) -> SandboxStatus:

@@ -28,11 +28,14 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+
+from actors.reward.sandbox_run import RunCollector, RunResult, SandboxLimits, rlimit_settings
 
 SERVER_SOURCE = Path(__file__).with_name("zygote_server.py")
 START_TIMEOUT_S = 10.0  # bwrap plus the server's interpreter start
+RESULT_FD = 3  # the server puts each program's result channel here (zygote_server.RESULT_FD)
 REPLY_TIMEOUT_S = 10.0  # the server answers "started" after a setup of a few ms, "exit" at once after a kill
 
 
@@ -198,6 +201,93 @@ def _read_child_pid(info_r: int, deadline: float) -> tuple[int, int]:
             return child_pid, os.pidfd_open(child_pid)
         except ProcessLookupError:
             raise ZygoteError("the sandbox ended at once") from None
+
+
+def run_in_zygote(zygote: Zygote, argv: list[str], env: dict[str, str], files: Mapping[str, bytes], stdin: bytes,
+                  limits: SandboxLimits) -> RunResult:
+    """Run one program in `zygote` (argv and files as inside the sandbox: /sandbox/NAME). The request and
+    stdin travel as files, stdout, stderr and the result channel (fd RESULT_FD) as pipes. Raises ZygoteLost
+    if the zygote died or went silent, ZygoteError if it could not set up the sandbox."""
+    header = json.dumps({"argv": argv, "env": env, "tmpfs_bytes": limits.tmpfs_bytes,
+                         "rlimits": [list(setting) for setting in rlimit_settings(limits)],
+                         "files": [[name, len(content)] for name, content in files.items()]}).encode()
+    pipes = [os.pipe() for _ in range(3)]  # stdout, stderr, result
+    try:
+        with tempfile.TemporaryFile() as request, tempfile.TemporaryFile() as stdin_file:
+            request.write(b"%08d" % len(header) + header + b"".join(files.values()))
+            request.flush()
+            stdin_file.write(stdin)
+            stdin_file.flush()
+            stdin_file.seek(0)
+            started = time.monotonic()
+            zygote.start([request.fileno(), stdin_file.fileno(), *(w for _, w in pipes)])
+        for index, (read_end, write_end) in enumerate(pipes):  # EOF must come when the program is gone
+            os.close(write_end)
+            pipes[index] = (read_end, -1)
+        process = ZygoteProcess(zygote)
+        run = RunCollector(process, pipes[0][0], pipes[1][0], pipes[2][0])
+        result = run.collect(limits, started, sandboxed=True)
+        if process.lost:
+            raise ZygoteLost("the zygote ended during the run")
+        return result
+    finally:
+        for read_end, write_end in pipes:
+            for fd in (read_end, write_end):
+                if fd >= 0:
+                    os.close(fd)
+
+
+class ZygoteProcess:
+    """A run the zygote started: it reports the exit (wait status and CPU time) and kills on request.
+
+    The program is PID 1 of its own PID namespace, so once the zygote has reaped it nothing of the run is
+    left. A zygote that is gone or silent leaves `lost` set; the run is then not to be trusted.
+    """
+
+    exit_status_encodes_signal = False
+
+    def __init__(self, zygote: Zygote) -> None:
+        self.zygote = zygote
+        self.watched_fds: list[int] = []  # the channel is read here, not by the collector's loop
+        self.returncode: int | None = None
+        self.cpu_s: float | None = None
+        self.killed = False
+        self.lost = False
+
+    def reaped(self, timeout: float = 0.0) -> bool:
+        if self.returncode is not None or self.lost:
+            return True
+        if not select.select([self.zygote], [], [], timeout)[0]:
+            return False
+        try:
+            message = self.zygote.receive(0.0)
+        except ZygoteLost:
+            self.lost = True
+            return True
+        word, _, rest = message.partition(b" ")
+        if word != b"exit":
+            self.zygote.healthy = False
+            self.lost = True
+            return True
+        status, cpu_s = rest.split()
+        self.returncode = os.waitstatus_to_exitcode(int(status))
+        self.cpu_s = float(cpu_s)
+        return True
+
+    def on_data(self, fd: int, chunk: bytes) -> None:
+        raise AssertionError("the zygote process watches no fds")
+
+    def kill(self) -> None:
+        self.killed = True
+        if self.reaped():
+            return
+        self.zygote.kill_program()
+        if not self.reaped(timeout=REPLY_TIMEOUT_S):
+            self.zygote.healthy = False
+            self.lost = True
+
+    def close(self) -> None:
+        pass
 
 
 # ------------------------------------------------------------------------------ the process's zygotes
