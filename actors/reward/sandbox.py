@@ -23,13 +23,15 @@ Why it is built this way (measured on the project's machines, see docs/reward-co
   process group gets SIGKILL (and with it bwrap's PID namespace).
 * The sandboxed interpreter is the system Python (/usr/bin/python3): the project's own interpreter may
   live under a directory the unprivileged uid cannot enter (pyenv under /root).
-* Two runners give this isolation. `runner="zygote"` (the default) starts bwrap once per process with a
-  small trusted server as its PID 1 (`actors/reward/zygote.py`, `zygote_server.py`); for each program the
-  server forks a process into fresh PID, mount, IPC, UTS and network namespaces with its own /proc, /tmp,
-  /dev/shm and /sandbox, sets the same rlimits, drops every capability and execs the program, which is PID 1
-  of its namespace as above, so its death takes everything it started with it. That saves bwrap's start
-  (about three quarters of a run's wall time). `runner="bwrap"` starts one bwrap per program, as described
-  above; it is also the fallback when a zygote cannot start, or loses a run twice (see `Sandbox.run`).
+* Two runners give this isolation. `runner="bwrap"` starts one bwrap per program, as described above.
+  `runner="zygote"` (the default) starts bwrap once per process with a small trusted server as its PID 1
+  (`actors/reward/zygote.py`, `zygote_server.py`); for each program the server forks a process into fresh
+  PID, mount, IPC, UTS and network namespaces with its own /proc, /tmp, /dev/shm and /sandbox, sets the
+  same rlimits and drops every capability; that process, PID 1 of its namespace as above (its death takes
+  everything it started with it), then execs the program or, for `{python} -I [-B] FILE`, runs the file in
+  the forked interpreter, which was started as that command would start it. That saves bwrap's and the
+  interpreter's start per program (figures in docs/reward-code.md). A process that cannot start a zygote,
+  or loses one twice in a run, runs with one bwrap per program (see `Sandbox._run_zygote`).
 
 When no working sandbox exists, `Sandbox.run` raises `SandboxUnavailable` unless the caller passed
 `allow_unsandboxed=True`; then programs run with the same limits, uid drop and process-group kill, but

@@ -1,12 +1,13 @@
 """Host side of the zygote: one long-lived bubblewrap sandbox that starts every program fresh inside it.
 
-A bubblewrap start per program costs about 40 ms of wall time on the project machine for a program whose
-own work takes about 10 ms (docs/reward-code.md). A `Zygote` pays that once: it starts bwrap with
-`zygote_server.py` as the sandbox's PID 1, and for each program the server forks a process into fresh
-PID, mount, IPC, UTS and network namespaces with its own /proc, /tmp, /dev/shm and /sandbox, sets the
-rlimits, drops every capability and execs the program (the server's docstring says how and why). What the
-host gives a run never passes through the server: the request (argv, environment, limits, files), stdin
-and the stdout, stderr and result pipes travel as file descriptors straight to the program's process.
+An empty Python program took 41 ms of wall time with a bubblewrap start per program on the project machine,
+idle, where the interpreter alone starts in 10 ms (docs/reward-code.md). A `Zygote` starts bwrap once,
+with `zygote_server.py` as the sandbox's PID 1, and for each program the server forks a process into
+fresh PID, mount, IPC, UTS and network namespaces with its own /proc, /tmp, /dev/shm and /sandbox, sets
+the rlimits, drops every capability and execs the program, or runs a Python file in the forked, already
+started interpreter (the server's docstring says how and why). What the host gives a run never passes
+through the server: the request (argv, environment, limits, files), stdin and the stdout, stderr and
+result pipes travel as file descriptors straight to the program's process.
 
 Failures: a zygote that dies, or does not answer within `REPLY_TIMEOUT_S`, raises `ZygoteLost`; a setup
 that failed inside raises `ZygoteError`. Either way the zygote is discarded (its sandbox killed) and the
@@ -138,6 +139,14 @@ class Zygote:
     def host_pids(self) -> set[int]:
         """bwrap's and the server's pids: the processes of the sandbox uid that outlive each run."""
         return {self._proc.pid, *([self.server_pid] if self.server_pid is not None else [])}
+
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by the server and the processes it reaped (every program run in it)."""
+        if self.server_pid is None:
+            return 0.0
+        with open(f"/proc/{self.server_pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime .. cstime
 
     def alive(self) -> bool:
         if not self.healthy or self._proc.poll() is not None:

@@ -8,7 +8,7 @@ bwrap gives the server (the sandbox's PID 1, an unprivileged host uid) CAP_SYS_A
 the sandbox's own user namespace only, and has already made further user namespaces impossible
 (`--disable-userns`). For each program the server forks a middle process that makes a fresh PID namespace
 and forks the program's process into it as PID 1; the middle process exits at once, so the program's
-process is adopted by the server, which reaps it. Before it execs the program, that process
+process is adopted by the server, which reaps it. Before the program starts, that process
 
 * makes its own mount, IPC, UTS and network namespaces, mounts a fresh /proc (its PID namespace only:
   the server and earlier programs are out of sight and out of reach of kill(2) and ptrace(2)), fresh
@@ -17,6 +17,15 @@ process is adopted by the server, which reaps it. Before it execs the program, t
 * starts a new session (so kill(0, ...) reaches only its own process group), sets the rlimits, keeps only
   fds 0-3 (stdin, stdout, stderr, result channel: pipes and a file the host passed for this program alone),
   and drops every capability (effective, permitted, inheritable, ambient and the bounding set).
+
+Then it execs the program, or, when argv is this interpreter with only `-I` and `-B` before a file (the
+flags the server itself was started with, in the programs' environment), runs that file itself as the
+`__main__` module, exits as the interpreter would (SystemExit, traceback and status 1, thread join,
+atexit, flush) and so skips the interpreter's start. The forked interpreter holds nothing of an earlier
+program (the server never reads one); what a program can tell apart from a fresh interpreter is that
+modules the server imported are already in sys.modules, that sys.flags.dont_write_bytecode is set
+without -B too, and that the programs of one zygote share its hash seed (with -I, PYTHONHASHSEED is
+ignored and a fresh interpreter draws one per run).
 
 When the program's process, PID 1 of its namespace, dies the kernel kills everything else in that
 namespace, and the namespaces (with their tmpfs files and SysV IPC objects) go away, so nothing of one

@@ -7,7 +7,8 @@ sandbox, on both sandbox runners: the zygote (the default) and one bwrap start p
 before it). Each workload runs serially in this process and through a warmed-up `RewardPool`, so the
 ratios are measured side by side. `--json` prints one object with `math_per_s` (serial checks per second
 on one core), `code_per_s` (tasks per second through the zygote sandbox, pool), `code_bwrap_per_s` (the
-same with one bwrap per program), `sandbox_speedup` (their ratio), `parallel_speedup` (the whole
+same with one bwrap per program), `sandbox_speedup` (their ratio), `code_cpu_ms_per_run` and
+`code_bwrap_cpu_ms_per_run` (CPU per run of a one-line program, all processes), `parallel_speedup` (the whole
 workload, serial time / pool time) and the detailed figures; `*_runs_per_s` count sandboxed program runs
 (one per stdio test up to the first failure, one per function-call task) instead of tasks.
 """
@@ -17,11 +18,13 @@ import argparse
 import json
 import os
 import random
+import resource
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from actors.reward import zygote
 from actors.reward.code_grader import grade_code
 from actors.reward.math_grader import grade_math, grade_math_fast
 from actors.reward.pool import RewardPool, TaskFailure
@@ -131,6 +134,25 @@ def _program_runs(items: Sequence[tuple], verdicts: Sequence[Any]) -> int:
     return runs
 
 
+def cpu_ms_per_run(box: Sandbox, runs: int) -> float:
+    """CPU milliseconds per sandboxed run of a one-line program, serially: this process, bwrap and what it
+    reaped (one bwrap per program), and the zygote's server with the programs it reaped."""
+
+    def used() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return (own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+                + sum(z.cpu_s() for z in zygote.idle_zygotes()))
+
+    def one() -> None:
+        box.run(["{python}", "-I", "-B", "{files}/prog.py"], files={"prog.py": b"print(1)"})
+
+    one()  # a zygote starts here, outside the count
+    before = used()
+    for _ in range(runs):
+        one()
+    return (used() - before) / runs * 1000
+
+
 def run(math_count: int, code_count: int, workers: int, seed: int) -> dict[str, Any]:
     maths = math_items(math_count, seed)
     codes = code_items(code_count, seed)
@@ -162,6 +184,7 @@ def run(math_count: int, code_count: int, workers: int, seed: int) -> dict[str, 
         pool_stats = pool.stats()
     math_serial_s, math_serial = _serial(grade_math, maths)
     code_serial = {runner: _serial(grade_code, codes, sandbox=box) for runner, box in sandboxes.items()}
+    cpu_ms = {runner: cpu_ms_per_run(box, 100) for runner, box in sandboxes.items()}
     code_serial_s = code_serial["zygote"][0]
     # All runs must agree, or the timing compares different work.
     math_agree = [_verdict_key(r) for r in math_serial] == [_verdict_key(r) for r in math_parallel]
@@ -194,6 +217,8 @@ def run(math_count: int, code_count: int, workers: int, seed: int) -> dict[str, 
         "code_bwrap_serial_runs_per_s": code_runs / code_serial["bwrap"][0],
         "sandbox_speedup": code_pool["bwrap"][0] / code_parallel_s,
         "sandbox_serial_speedup": code_serial["bwrap"][0] / code_serial_s,
+        "code_cpu_ms_per_run": cpu_ms["zygote"],
+        "code_bwrap_cpu_ms_per_run": cpu_ms["bwrap"],
         "parallel_speedup": (math_serial_s + code_serial_s) / (math_parallel_s + code_parallel_s),
         "results_agree": math_agree and code_agree,
         "load_average": [load_before, os.getloadavg()[0]],
@@ -233,10 +258,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"sandbox: zygote / one bwrap per program {result['sandbox_speedup']:.2f}x in the pool, "
           f"{result['sandbox_serial_speedup']:.2f}x serial; {result['code_runs']} program runs: "
           f"{result['code_runs_per_s']:.1f} vs {result['code_bwrap_runs_per_s']:.1f} runs/s in the pool, "
-          f"{result['code_serial_runs_per_s']:.1f} vs {result['code_bwrap_serial_runs_per_s']:.1f} serial")
+          f"{result['code_serial_runs_per_s']:.1f} vs {result['code_bwrap_serial_runs_per_s']:.1f} serial; "
+          f"CPU per run of print(1) {result['code_cpu_ms_per_run']:.1f} vs "
+          f"{result['code_bwrap_cpu_ms_per_run']:.1f} ms")
     print(f"whole workload speedup {result['parallel_speedup']:.2f}x; serial and pool verdicts agree: "
           f"{result['results_agree']}; math correct {result['math_correct']}/{args.math_items}, "
-          f"code passed {result['code_passed']}/{args.code_items} ({result['code_tests_run']} test runs)")
+          f"code passed {result['code_passed']}/{args.code_items} ({result['code_tests_run']} tests)")
     print(f"math*: sympy-free grade_math_fast in the caller ({100 * result['math_fast_path_share']:.0f}% settled), "
           "the rest in the pool, as tools.score does")
     return 0 if result["results_agree"] else 1
