@@ -8,6 +8,7 @@ zygote, never a wrong result. Program limits are 1-2 s, so the file runs in seco
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import textwrap
 
@@ -120,6 +121,31 @@ def test_a_program_that_exhausts_the_process_limit_leaves_room_for_the_next(box)
     """)
     assert result.returncode == 0 and result.stdout == b"forked until the limit True\n", result
     assert_next_program_sees_a_fresh_sandbox(box)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the program uses x86_64 syscall numbers")
+def test_keys_a_program_adds_to_the_kernel_key_rings_are_gone_for_the_next(box):
+    # The kernel keeps user, user-session and persistent key rings per user namespace and uid, beyond
+    # the life of any process: in one user namespace shared by all programs they were a channel.
+    keyrings = """
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        ADD_KEY, KEYCTL, KEYCTL_GET_PERSISTENT, KEYCTL_SEARCH = 248, 250, 22, 10
+        persistent = libc.syscall(KEYCTL, KEYCTL_GET_PERSISTENT, -1, -2)
+        rings = {"user": -4, "session": -3, "user-session": -5, "persistent": persistent}
+    """
+    written = run_python(box, keyrings + """
+        added = [name for name, ring in rings.items()
+                 if ring != -1 and libc.syscall(ADD_KEY, b"user", b"left-" + name.encode(), b"secret", 6, ring) > 0]
+        print("added", added)
+    """)
+    assert written.returncode == 0 and written.stdout.startswith(b"added ['user'"), written
+    found = run_python(box, keyrings + """
+        print("found", [(ring_name, name) for ring_name, ring in rings.items() for name in rings
+                        if libc.syscall(KEYCTL, KEYCTL_SEARCH, ring, b"user", b"left-" + name.encode(), 0) > 0])
+    """)
+    assert found.returncode == 0 and found.stdout == b"found []\n", found
 
 
 def test_a_program_holds_no_capability_and_no_socket_to_the_zygote(box):

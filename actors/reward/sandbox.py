@@ -25,13 +25,14 @@ Why it is built this way (measured on the project's machines, see docs/reward-co
   live under a directory the unprivileged uid cannot enter (pyenv under /root).
 * Two runners give this isolation. `runner="bwrap"` starts one bwrap per program, as described above.
   `runner="zygote"` (the default) starts bwrap once per process with a small trusted server as its PID 1
-  (`actors/reward/zygote.py`, `zygote_server.py`); for each program the server forks a process into fresh
-  PID, mount, IPC, UTS and network namespaces with its own /proc, /tmp, /dev/shm and /sandbox, sets the
-  same rlimits and drops every capability; that process, PID 1 of its namespace as above (its death takes
-  everything it started with it), then execs the program or, for `{python} -I [-B] FILE`, runs the file in
-  the forked interpreter, which was started as that command would start it. That saves bwrap's and the
-  interpreter's start per program (figures in docs/reward-code.md). A process that cannot start a zygote,
-  or loses one twice in a run, runs with one bwrap per program (see `Sandbox._run_zygote`).
+  (`actors/reward/zygote.py`, `zygote_server.py`); for each program the server forks a process into
+  fresh user, PID, mount, IPC, UTS and network namespaces with its own /proc, /tmp, /dev/shm and
+  /sandbox, sets the same rlimits and drops every capability; that process, PID 1 of its namespace as
+  above (its death takes everything it started with it), then execs the program or, for
+  `{python} -I [-B] FILE`, runs the file in the forked interpreter, which was started as that command
+  would start it. That saves bwrap's and the interpreter's start per program (figures in
+  docs/reward-code.md). A process that cannot start a zygote, or loses one twice in a run, runs with one
+  bwrap per program (see `Sandbox._run_zygote`).
 
 When no working sandbox exists, `Sandbox.run` raises `SandboxUnavailable` unless the caller passed
 `allow_unsandboxed=True`; then programs run with the same limits, uid drop and process-group kill, but
@@ -281,14 +282,15 @@ class Sandbox:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def _bwrap_args(tmpfs_bytes: int) -> list[str]:
+def _bwrap_args(tmpfs_bytes: int, disable_userns: bool = True) -> list[str]:
     """bwrap and the sandbox it builds, up to the program's own files and command."""
     bwrap = _bwrap_path()
     assert bwrap is not None  # status() said available
     # --disable-userns: without it the program could make a nested user namespace (`unshare -r`)
-    # and be uid 0 there, with the kernel attack surface that brings.
-    args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1",
-            *_system_dir_args()]
+    # and be uid 0 there, with the kernel attack surface that brings. (The zygote's server needs one
+    # per program, and forbids them to the program itself.)
+    args = [bwrap, "--unshare-all", "--unshare-user", *(["--disable-userns"] if disable_userns else []),
+            "--die-with-parent", "--as-pid-1", *_system_dir_args()]
     args += ["--proc", "/proc", "--dev", "/dev"]
     args += ["--size", str(tmpfs_bytes), "--tmpfs", SANDBOX_WORK_DIR]
     # bwrap's /dev is itself an unbounded tmpfs: keep only a size-capped /dev/shm writable.
@@ -298,11 +300,12 @@ def _bwrap_args(tmpfs_bytes: int) -> list[str]:
 
 
 def _zygote_bwrap_args() -> list[str]:
-    """The zygote's sandbox: the per-run one, plus the two capabilities its server needs to build each
-    program's namespaces and mounts, inside the sandbox's user namespace only (each program loses them).
-    The server gets the programs' environment, so that its interpreter, forked for a Python program, is
-    configured as that program's own would be (locale, encodings)."""
-    args = [*_bwrap_args(_ZYGOTE_DIR_BYTES), "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_SETPCAP",
+    """The zygote's sandbox: the per-run one, except that its server (with no capability) may make a user
+    namespace, one per program, in which it builds that program's namespaces and mounts and which it
+    closes to further user namespaces before the program starts. The server gets the programs'
+    environment, so that its interpreter, forked for a Python program, is configured as that program's
+    own would be (locale, encodings)."""
+    args = [*_bwrap_args(_ZYGOTE_DIR_BYTES, disable_userns=False),
             "--remount-ro", "/", "--chdir", SANDBOX_WORK_DIR, "--clearenv"]
     for key, value in _sandbox_env(zygote_module.RESULT_FD).items():
         if key != "RESULT_FD":

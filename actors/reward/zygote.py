@@ -3,9 +3,9 @@
 An empty Python program took 41 ms of wall time with a bubblewrap start per program on the project machine,
 idle, where the interpreter alone starts in 10 ms (docs/reward-code.md). A `Zygote` starts bwrap once,
 with `zygote_server.py` as the sandbox's PID 1, and for each program the server forks a process into
-fresh PID, mount, IPC, UTS and network namespaces with its own /proc, /tmp, /dev/shm and /sandbox, sets
-the rlimits, drops every capability and execs the program, or runs a Python file in the forked, already
-started interpreter (the server's docstring says how and why). What the host gives a run never passes
+fresh user, PID, mount, IPC, UTS and network namespaces with its own /proc, /tmp, /dev/shm and
+/sandbox, sets the rlimits, drops every capability and execs the program, or runs a Python file in the
+forked, already started interpreter (the server's docstring says how and why). What the host gives a run never passes
 through the server: the request (argv, environment, limits, files), stdin and the stdout, stderr and
 result pipes travel as file descriptors straight to the program's process.
 

@@ -4,16 +4,20 @@ This file is not imported by the project: `actors/reward/zygote.py` passes its s
 system Python (`python3 -I -B -c SOURCE FD`), so it uses the standard library only. FD is one end of a
 SOCK_SEQPACKET socket pair whose other end the host process keeps.
 
-bwrap gives the server (the sandbox's PID 1, an unprivileged host uid) CAP_SYS_ADMIN and CAP_SETPCAP inside
-the sandbox's own user namespace only, and has already made further user namespaces impossible
-(`--disable-userns`). For each program the server forks a middle process that makes a fresh PID namespace
-and forks the program's process into it as PID 1; the middle process exits at once, so the program's
-process is adopted by the server, which reaps it. Before the program starts, that process
+The server (the sandbox's PID 1, an unprivileged host uid) has no capability. For each program it forks
+a middle process that makes a fresh user namespace (mapping only its own uid and gid) with a fresh PID
+namespace and forks the program's process into them as PID 1; the middle process exits at once, so the
+program's process is adopted by the server, which reaps it. Before the program starts, that process
+(with capabilities in its own user namespace only)
 
 * makes its own mount, IPC, UTS and network namespaces, mounts a fresh /proc (its PID namespace only:
   the server and earlier programs are out of sight and out of reach of kill(2) and ptrace(2)), fresh
   size-capped tmpfs dirs /tmp and /dev/shm, and a /sandbox holding the request's files, then makes
   /sandbox read-only;
+* sets user.max_user_namespaces to 0 in its user namespace, so the program can make no user namespace
+  of its own (as bwrap's --disable-userns does); its own user namespace also gives it fresh key rings
+  (the kernel keeps user and persistent key rings per user namespace and uid: in a shared one, a key
+  one program added was readable by the next);
 * starts a new session (so kill(0, ...) reaches only its own process group), sets the rlimits, keeps only
   fds 0-3 (stdin, stdout, stderr, result channel: pipes and a file the host passed for this program alone),
   and drops every capability (effective, permitted, inheritable, ambient and the bounding set).
@@ -51,6 +55,7 @@ import sys
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 16384, 1 << 18
@@ -124,6 +129,8 @@ def setup_program(fds, keep_fd):
     check(libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET), "unshare")
     mount("none", "/", None, MS_REC | MS_PRIVATE)
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    with open("/proc/sys/user/max_user_namespaces", "w") as limit:  # this user namespace's own limit
+        limit.write("0")
     tmpfs = "size=%d,mode=0755" % header["tmpfs_bytes"]
     mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmpfs)
     mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, tmpfs)
@@ -249,8 +256,17 @@ def start_program(fds, error_w, channel):
     os._exit(127)
 
 
+def enter_new_user_and_pid_namespaces():
+    """Unshare a user namespace that maps our own uid and gid only, and a PID namespace for our children."""
+    uid, gid = os.getuid(), os.getgid()
+    check(libc.unshare(CLONE_NEWUSER | CLONE_NEWPID), "unshare(CLONE_NEWUSER | CLONE_NEWPID)")
+    for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)), ("gid_map", "%d %d 1" % (gid, gid))):
+        with open("/proc/self/" + name, "w") as out:
+            out.write(text)
+
+
 def fork_program(fds, channel):
-    """Fork the program's process as PID 1 of a new PID namespace. Returns (pid, setup error or "")."""
+    """Fork the program's process as PID 1 of new user and PID namespaces. Returns (pid, setup error or "")."""
     error_r, error_w = os.pipe2(os.O_CLOEXEC)
     pid_r, pid_w = os.pipe2(os.O_CLOEXEC)
     middle = os.fork()
@@ -258,7 +274,8 @@ def fork_program(fds, channel):
         try:
             os.close(error_r)
             os.close(pid_r)
-            check(libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+            prctl(PR_SET_DUMPABLE, 1)  # or /proc/self/uid_map is not ours to write
+            enter_new_user_and_pid_namespaces()
             program = os.fork()
             if program == 0:
                 os.close(pid_w)
