@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 
+from actors.reward import sandbox as sandbox_module
 from actors.reward import zygote
 from actors.reward.code_grader import PASSED, grade_code
 from actors.reward.sandbox import RUNNERS, MiB, Sandbox, SandboxLimits, probe_sandbox
@@ -222,3 +223,15 @@ def test_a_zygote_lost_in_the_middle_of_a_run_costs_a_retry_not_a_wrong_verdict(
                          [{"input": "21\n", "output": "42"}], sandbox=box)
     assert killed and verdict.detail == PASSED, verdict
     assert killed[0] not in server_pids()
+
+
+def test_where_no_zygote_starts_programs_run_with_one_bwrap_each(monkeypatch, caplog):
+    zygote.close_all()
+    monkeypatch.setattr(sandbox_module, "_zygote_unavailable", None)
+    monkeypatch.setattr(sandbox_module, "_zygote_bwrap_args", lambda: ["/usr/bin/false"])
+    box = Sandbox(LIMITS, runner="zygote")
+    verdict = grade_code("print(int(input()) * 2)", [{"input": "21\n", "output": "42"}], sandbox=box)
+    assert verdict.detail == PASSED and verdict.sandboxed
+    assert "could not start the zygote" in sandbox_module._zygote_unavailable
+    assert "running one bwrap per program" in caplog.text
+    assert zygote.idle_zygotes() == []

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import resource
 import select
@@ -62,6 +63,8 @@ from actors.reward.sandbox_run import (  # noqa: F401 - MiB, RunResult and Sandb
     SandboxLimits,
     rlimit_settings,
 )
+
+log = logging.getLogger("reward.sandbox")
 
 # Directories every sandbox gets read-only; links among them (merged /usr) are recreated as links.
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -204,13 +207,16 @@ class Sandbox:
                     return zygote_module.run_in_zygote(
                         zygote, _substitute(argv, SANDBOX_FILES_DIR, python), _sandbox_env(zygote_module.RESULT_FD),
                         files, stdin, limits)
-            except zygote_module.ZygoteLost:
+            except zygote_module.ZygoteLost as exc:
+                log.warning("%s; running the program again", exc)
                 continue
             except zygote_module.ZygoteStartError as exc:
                 _zygote_unavailable = str(exc)  # this machine cannot: per-run bwrap from now on
+                log.warning("%s; running one bwrap per program in this process", exc)
                 return None
-            except zygote_module.ZygoteError:
-                return None  # this program's sandbox could not be set up in the zygote
+            except zygote_module.ZygoteError as exc:
+                log.warning("%s; running this program with one bwrap", exc)
+                return None
         return None
 
     def _run_bwrap(
