@@ -61,6 +61,7 @@ from actors.reward.sandbox_run import (  # noqa: F401 - MiB, RunResult and Sandb
     RunResult,
     SandboxConfigError,
     SandboxLimits,
+    close_pipes,
     rlimit_settings,
 )
 
@@ -387,10 +388,7 @@ def _spawn_and_collect(
         run = RunCollector(process, proc.stdout.fileno(), proc.stderr.fileno(), result_pipe[0])
         return run.collect(limits, started, sandboxed)
     finally:
-        for read_end, write_end in pipes:
-            for fd in (read_end, write_end):
-                if fd >= 0:
-                    os.close(fd)
+        close_pipes(pipes)
 
 
 class _PopenProcess:

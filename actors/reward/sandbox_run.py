@@ -81,6 +81,14 @@ def rlimit_settings(limits: SandboxLimits) -> list[tuple[int, int, int]]:
     ]
 
 
+def close_pipes(pipes: list[tuple[int, int]]) -> None:
+    """Close both ends of each (read, write) pair; an end already closed is -1."""
+    for read_end, write_end in pipes:
+        for fd in (read_end, write_end):
+            if fd >= 0:
+                os.close(fd)
+
+
 class RunProcess(Protocol):
     """The started program as a RunCollector sees it."""
 

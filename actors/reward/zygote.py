@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from actors.reward.sandbox_run import RunCollector, RunResult, SandboxLimits, rlimit_settings
+from actors.reward.sandbox_run import RunCollector, RunResult, SandboxLimits, close_pipes, rlimit_settings
 
 SERVER_SOURCE = Path(__file__).with_name("zygote_server.py")
 START_TIMEOUT_S = 10.0  # bwrap plus the server's interpreter start
@@ -240,10 +240,7 @@ def run_in_zygote(zygote: Zygote, argv: list[str], env: dict[str, str], files: M
             raise ZygoteLost("the zygote ended during the run")
         return result
     finally:
-        for read_end, write_end in pipes:
-            for fd in (read_end, write_end):
-                if fd >= 0:
-                    os.close(fd)
+        close_pipes(pipes)
 
 
 class ZygoteProcess:
