@@ -23,6 +23,16 @@ Why it is built this way (measured on the project's machines, see docs/reward-co
   process group gets SIGKILL (and with it bwrap's PID namespace).
 * The sandboxed interpreter is the system Python (/usr/bin/python3): the project's own interpreter may
   live under a directory the unprivileged uid cannot enter (pyenv under /root).
+* Two runners give this isolation. `runner="bwrap"` starts one bwrap per program, as described above.
+  `runner="zygote"` (the default) starts bwrap once per process with a small trusted server as its PID 1
+  (`actors/reward/zygote.py`, `zygote_server.py`); for each program the server forks a process into
+  fresh user, PID, mount, IPC, UTS and network namespaces with its own /proc, /tmp, /dev/shm and
+  /sandbox, sets the same rlimits and drops every capability; that process, PID 1 of its namespace as
+  above (its death takes everything it started with it), then execs the program or, for
+  `{python} -I [-B] FILE`, runs the file in the forked interpreter, which was started as that command
+  would start it. That saves bwrap's and the interpreter's start per program (figures in
+  docs/reward-code.md). A process that cannot start a zygote, or loses one twice in a run, runs with one
+  bwrap per program (see `Sandbox._run_zygote`).
 
 When no working sandbox exists, `Sandbox.run` raises `SandboxUnavailable` unless the caller passed
 `allow_unsandboxed=True`; then programs run with the same limits, uid drop and process-group kill, but
@@ -33,11 +43,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
+import logging
 import os
 import resource
 import select
-import selectors
 import shutil
 import signal
 import subprocess
@@ -45,65 +54,29 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 
-MiB = 1 << 20
+from actors.reward import zygote as zygote_module
+from actors.reward.sandbox_run import (  # noqa: F401 - MiB, RunResult and SandboxLimits are public here too
+    MiB,
+    RunCollector,
+    RunResult,
+    SandboxConfigError,
+    SandboxLimits,
+    close_pipes,
+    rlimit_settings,
+)
+
+log = logging.getLogger("reward.sandbox")
 
 # Directories every sandbox gets read-only; links among them (merged /usr) are recreated as links.
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 SANDBOX_FILES_DIR = "/sandbox"
 SANDBOX_WORK_DIR = "/tmp"
+RUNNERS = ("zygote", "bwrap")
+_ZYGOTE_DIR_BYTES = 1 * MiB  # the zygote's own /tmp and /dev/shm: every program gets fresh ones over them
 
 
 class SandboxUnavailable(RuntimeError):
     """No working sandbox on this machine and unsandboxed execution was not explicitly allowed."""
-
-
-class SandboxConfigError(ValueError):
-    """A sandbox limit or option is invalid; the message names it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SandboxLimits:
-    """Resource limits for one sandboxed run. Sizes are bytes, times seconds."""
-
-    wall_time_s: float = 2.0
-    cpu_time_s: float = 2.0
-    memory_bytes: int = 512 * MiB  # RLIMIT_AS of every process inside
-    file_size_bytes: int = 16 * MiB  # RLIMIT_FSIZE: largest single file written
-    tmpfs_bytes: int = 64 * MiB  # total size of the writable /tmp
-    max_processes: int = 32  # RLIMIT_NPROC for the run's uid
-    max_open_files: int = 256
-    output_bytes: int = 1 * MiB  # per stream (stdout, stderr, result channel)
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise SandboxConfigError(f"SandboxLimits.{field.name} must be a positive number, got {value!r}")
-
-
-@dataclasses.dataclass
-class RunResult:
-    """What one run produced. `returncode` is negative for a signal, as in subprocess."""
-
-    returncode: int | None
-    stdout: bytes
-    stderr: bytes
-    result: bytes  # bytes written to the result channel (fd named by $RESULT_FD)
-    timed_out: bool
-    output_limited: bool  # a stream went past SandboxLimits.output_bytes
-    wall_s: float
-    sandboxed: bool
-    cpu_s: float | None = None  # CPU time of the run's processes (None if it could not be read)
-    cpu_limited: bool = False   # ended by RLIMIT_CPU (SIGXCPU, or SIGKILL past the soft limit)
-
-    @property
-    def signal_name(self) -> str | None:
-        if self.returncode is not None and self.returncode < 0:
-            try:
-                return signal.Signals(-self.returncode).name
-            except ValueError:
-                return f"signal {-self.returncode}"
-        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +112,9 @@ class Sandbox:
 
     `uid` is the unprivileged host uid used when we are root; by default each worker process gets its own
     uid in [uid_base, uid_base + uid_span) so RLIMIT_NPROC is not shared between concurrent runs.
+    `runner` is "zygote" (one long-lived sandbox per process that starts each program fresh) or "bwrap"
+    (one bwrap start per program); both isolate the same way, see the module docstring. The instance is
+    picklable: the zygotes live in the process that runs, not in the Sandbox.
     """
 
     def __init__(
@@ -150,7 +126,11 @@ class Sandbox:
         uid: int | None = None,
         uid_base: int = 200_000,
         uid_span: int = 50_000,
+        runner: str = "zygote",
     ) -> None:
+        if runner not in RUNNERS:
+            raise SandboxConfigError(f"runner must be one of {RUNNERS}, got {runner!r}")
+        self.runner = runner
         self.limits = limits or SandboxLimits()
         self.allow_unsandboxed = allow_unsandboxed
         self._python = python
@@ -196,6 +176,10 @@ class Sandbox:
                 raise SandboxConfigError(f"sandbox file name must be a plain name, got {name!r}")
         status = self.status()
         if status.available:
+            if self.runner == "zygote":
+                result = self._run_zygote(argv, files, stdin, limits)
+                if result is not None:
+                    return result
             return self._run_bwrap(argv, files, stdin, limits)
         if not self.allow_unsandboxed:
             raise SandboxUnavailable(
@@ -207,25 +191,44 @@ class Sandbox:
 
     # -- the two ways of running -------------------------------------------------------------------------
 
+    def _run_zygote(
+        self, argv: Sequence[str], files: Mapping[str, bytes], stdin: bytes, limits: SandboxLimits
+    ) -> RunResult | None:
+        """Run in this process's zygote. A run whose zygote died is run again on a fresh one; None (run it
+        with one bwrap instead) if no zygote can start here or a second one is lost too."""
+        global _zygote_unavailable
+        if _zygote_unavailable is not None:
+            return None
+        uid, python = self.run_uid(), self.python
+        key = (python, uid)
+        for _ in range(2):
+            try:
+                with zygote_module.checkout(key, lambda: zygote_module.Zygote(_zygote_bwrap_args(), python, uid)
+                                            ) as zygote:
+                    return zygote_module.run_in_zygote(
+                        zygote, _substitute(argv, SANDBOX_FILES_DIR, python), _sandbox_env(zygote_module.RESULT_FD),
+                        files, stdin, limits)
+            except zygote_module.ZygoteLost as exc:
+                log.warning("%s; running the program again", exc)
+                continue
+            except zygote_module.ZygoteStartError as exc:
+                _zygote_unavailable = str(exc)  # this machine cannot: per-run bwrap from now on
+                log.warning("%s; running one bwrap per program in this process", exc)
+                return None
+            except zygote_module.ZygoteError as exc:
+                log.warning("%s; running this program with one bwrap", exc)
+                return None
+        return None
+
     def _run_bwrap(
         self, argv: Sequence[str], files: Mapping[str, bytes], stdin: bytes, limits: SandboxLimits
     ) -> RunResult:
-        bwrap = _bwrap_path()
-        assert bwrap is not None  # status() said available
         python = self.python
         # Files travel as unlinked temp files that bwrap copies into its own tmpfs: nothing lands on the
         # host disk where other users could read it, and no size limit applies as it would to a pipe.
         file_handles = []
         try:
-            # --disable-userns: without it the program could make a nested user namespace (`unshare -r`)
-            # and be uid 0 there, with the kernel attack surface that brings.
-            args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--as-pid-1",
-                    *_system_dir_args()]
-            args += ["--proc", "/proc", "--dev", "/dev"]
-            args += ["--size", str(limits.tmpfs_bytes), "--tmpfs", SANDBOX_WORK_DIR]
-            # bwrap's /dev is itself an unbounded tmpfs: keep only a size-capped /dev/shm writable.
-            args += ["--size", str(limits.tmpfs_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
-            args += ["--dir", SANDBOX_FILES_DIR]
+            args = _bwrap_args(limits.tmpfs_bytes)
             for name, content in files.items():
                 handle = tempfile.TemporaryFile()
                 handle.write(content)
@@ -234,12 +237,11 @@ class Sandbox:
                 file_handles.append(handle)
                 args += ["--perms", "0444", "--file", str(handle.fileno()), f"{SANDBOX_FILES_DIR}/{name}"]
             args += ["--remount-ro", "/", "--chdir", SANDBOX_WORK_DIR, "--clearenv"]
-            env = {"PATH": "/usr/bin:/bin", "HOME": SANDBOX_WORK_DIR, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
             result_r, result_w = os.pipe()
-            env["RESULT_FD"] = str(result_w)
+            env = _sandbox_env(result_w)
             for key, value in env.items():
                 args += ["--setenv", key, value]
-            # bwrap reports the host pid of the sandbox's PID 1 on this pipe; see _Run.kill.
+            # bwrap reports the host pid of the sandbox's PID 1 on this pipe; see _PopenProcess.kill.
             info_r, info_w = os.pipe()
             args += ["--info-fd", str(info_w)]
             args += ["--", *_substitute(argv, SANDBOX_FILES_DIR, python)]
@@ -287,25 +289,57 @@ class Sandbox:
             shutil.rmtree(root, ignore_errors=True)
 
 
+def _bwrap_args(tmpfs_bytes: int, disable_userns: bool = True) -> list[str]:
+    """bwrap and the sandbox it builds, up to the program's own files and command."""
+    bwrap = _bwrap_path()
+    assert bwrap is not None  # status() said available
+    # --disable-userns: without it the program could make a nested user namespace (`unshare -r`)
+    # and be uid 0 there, with the kernel attack surface that brings. (The zygote's server needs one
+    # per program, and forbids them to the program itself.)
+    args = [bwrap, "--unshare-all", "--unshare-user", *(["--disable-userns"] if disable_userns else []),
+            "--die-with-parent", "--as-pid-1", *_system_dir_args()]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    args += ["--size", str(tmpfs_bytes), "--tmpfs", SANDBOX_WORK_DIR]
+    # bwrap's /dev is itself an unbounded tmpfs: keep only a size-capped /dev/shm writable.
+    args += ["--size", str(tmpfs_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+    args += ["--dir", SANDBOX_FILES_DIR]
+    return args
+
+
+def _zygote_bwrap_args() -> list[str]:
+    """The zygote's sandbox: the per-run one, except that its server (with no capability) may make a user
+    namespace, one per program, in which it builds that program's namespaces and mounts and which it
+    closes to further user namespaces before the program starts. The server gets the programs'
+    environment, so that its interpreter, forked for a Python program, is configured as that program's
+    own would be (locale, encodings)."""
+    args = [*_bwrap_args(_ZYGOTE_DIR_BYTES, disable_userns=False),
+            "--remount-ro", "/", "--chdir", SANDBOX_WORK_DIR, "--clearenv"]
+    for key, value in _sandbox_env(zygote_module.RESULT_FD).items():
+        if key != "RESULT_FD":
+            args += ["--setenv", key, value]
+    return args
+
+
+# Set when this process found it cannot start a zygote (the reason); runs then use per-run bwrap.
+_zygote_unavailable: str | None = None
+
+
+def _sandbox_env(result_fd: int) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": SANDBOX_WORK_DIR, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
+            "RESULT_FD": str(result_fd)}
+
+
 def _substitute(argv: Sequence[str], files_dir: str, python: str) -> list[str]:
     return [arg.replace("{files}", files_dir).replace("{python}", python) for arg in argv]
 
 
 def _child_limits(limits: SandboxLimits):
     """The preexec hook: only setrlimit calls, which are async-signal-safe syscalls after fork."""
-    cpu = max(1, math.ceil(limits.cpu_time_s))
-    settings = (
-        (resource.RLIMIT_CPU, (cpu, cpu + 1)),  # SIGXCPU at the soft limit, SIGKILL one second later
-        (resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes)),
-        (resource.RLIMIT_FSIZE, (limits.file_size_bytes, limits.file_size_bytes)),
-        (resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes)),
-        (resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files)),
-        (resource.RLIMIT_CORE, (0, 0)),
-    )
+    settings = rlimit_settings(limits)
 
     def apply() -> None:
-        for which, value in settings:
-            resource.setrlimit(which, value)
+        for which, soft, hard in settings:
+            resource.setrlimit(which, (soft, hard))
 
     return apply
 
@@ -349,28 +383,30 @@ def _spawn_and_collect(
         for _, write_end in pipes:  # only the child writes; EOF must come when it is gone
             os.close(write_end)
         pipes = [(r, -1) for r, _ in pipes]
-        run = _Run(proc, result_pipe[0], info_pipe[0] if info_pipe else None)
+        assert proc.stdout is not None and proc.stderr is not None
+        process = _PopenProcess(proc, info_pipe[0] if info_pipe else None, sandboxed)
+        run = RunCollector(process, proc.stdout.fileno(), proc.stderr.fileno(), result_pipe[0])
         return run.collect(limits, started, sandboxed)
     finally:
-        for read_end, write_end in pipes:
-            for fd in (read_end, write_end):
-                if fd >= 0:
-                    os.close(fd)
+        close_pipes(pipes)
 
 
-class _Run:
-    """One started process: reads its pipes under the caps and the deadline, and kills it completely."""
+class _PopenProcess:
+    """A run we started ourselves: bwrap (which reports its PID 1 on an info pipe) or an unsandboxed program."""
 
-    def __init__(self, proc: subprocess.Popen, result_r: int, info_r: int | None) -> None:
-        assert proc.stdout is not None and proc.stderr is not None
+    def __init__(self, proc: subprocess.Popen, info_r: int | None, sandboxed: bool) -> None:
         self.proc = proc
-        self.out_fd, self.err_fd, self.result_r, self.info_r = proc.stdout.fileno(), proc.stderr.fileno(), result_r, info_r
-        self.buffers = {self.out_fd: bytearray(), self.err_fd: bytearray(), result_r: bytearray()}
+        self.watched_fds = [info_r] if info_r is not None else []
+        self.exit_status_encodes_signal = sandboxed  # bwrap exits 128+N for a program killed by signal N
         self.info = bytearray()
         self.init_pidfd: int | None = None  # the sandbox's PID 1 (bwrap only)
         self.killed = False
         self.pidfd = os.pidfd_open(proc.pid)   # the process we started: reaped through it, with its rusage
         self.cpu_s: float | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
 
     def reaped(self, timeout: float = 0.0) -> bool:
         """Reap the started process if it exits within `timeout`. os.wait4 rather than Popen.wait: its rusage
@@ -385,73 +421,7 @@ class _Run:
         self.cpu_s = usage.ru_utime + usage.ru_stime
         return True
 
-    def collect(self, limits: SandboxLimits, started: float, sandboxed: bool) -> RunResult:
-        deadline = started + limits.wall_time_s
-        timed_out = output_limited = False
-        selector = selectors.DefaultSelector()
-        for fd in [*self.buffers, *([self.info_r] if self.info_r is not None else [])]:
-            os.set_blocking(fd, False)
-            selector.register(fd, selectors.EVENT_READ)
-        try:
-            while selector.get_map():
-                now = time.monotonic()
-                if now >= deadline:
-                    if self.killed:
-                        break  # killed and still no EOF: something outside our reach holds a pipe
-                    timed_out = True
-                    self.kill()
-                    deadline = now + 1.0  # grace for the pipes to reach EOF
-                for key, _ in selector.select(timeout=max(0.0, min(deadline - now, 0.05))):
-                    chunk = os.read(key.fd, 65536)
-                    if not chunk:
-                        selector.unregister(key.fd)
-                    elif key.fd == self.info_r:
-                        self._on_info(chunk)
-                    elif self._keep(key.fd, chunk, limits.output_bytes) and not self.killed:
-                        output_limited = True
-                        self.kill()
-                        deadline = time.monotonic() + 1.0
-                if not self.killed and self.reaped():
-                    # The main process is gone. Anything it left in its group must not outlive it
-                    # (unsandboxed, a daemon would otherwise hold our pipes open until the deadline).
-                    self.kill()
-                    deadline = min(deadline, time.monotonic() + 1.0)
-        finally:
-            selector.close()
-            self.kill()
-            self.proc.stdout.close()
-            self.proc.stderr.close()
-            if self.init_pidfd is not None:
-                os.close(self.init_pidfd)
-            os.close(self.pidfd)
-        returncode = self.proc.returncode
-        # bwrap exits 128+N when its program died of signal N; a plain run reports -N.
-        signum = -returncode if returncode is not None and returncode < 0 else (
-            returncode - 128 if sandboxed and returncode is not None and 128 < returncode < 128 + signal.NSIG else 0)
-        soft_limit = max(1, math.ceil(limits.cpu_time_s))
-        cpu_limited = signum == signal.SIGXCPU or (
-            signum == signal.SIGKILL and not timed_out and self.cpu_s is not None and self.cpu_s >= soft_limit)
-        return RunResult(
-            returncode=returncode,
-            stdout=bytes(self.buffers[self.out_fd]),
-            stderr=bytes(self.buffers[self.err_fd]),
-            result=bytes(self.buffers[self.result_r]),
-            timed_out=timed_out,
-            output_limited=output_limited,
-            wall_s=time.monotonic() - started,
-            sandboxed=sandboxed,
-            cpu_s=self.cpu_s,
-            cpu_limited=cpu_limited,
-        )
-
-    def _keep(self, fd: int, chunk: bytes, cap: int) -> bool:
-        """Append up to the cap; True when the stream went past it."""
-        buf = self.buffers[fd]
-        room = cap - len(buf)
-        buf += chunk[:max(room, 0)]
-        return len(chunk) > room
-
-    def _on_info(self, chunk: bytes) -> None:
+    def on_data(self, fd: int, chunk: bytes) -> None:
         self.info += chunk
         try:
             child_pid = json.loads(self.info).get("child-pid")
@@ -479,18 +449,22 @@ class _Run:
             self.reaped(timeout=2.0)
         # Also the fallback when bwrap had not yet reported its PID 1, and the stragglers of an unsandboxed
         # run (while any member lives, the group id cannot be reused by another process).
-        _kill_group(self.proc)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         self.reaped(timeout=5.0)
         if self.init_pidfd is not None:
             # Returns at once normally; after the fallback group kill it waits for the namespace teardown.
             select.select([self.init_pidfd], [], [], 5.0)
 
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    def close(self) -> None:
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        if self.init_pidfd is not None:
+            os.close(self.init_pidfd)
+        os.close(self.pidfd)
 
 
 def probe_sandbox(python: str | None = None) -> SandboxStatus:

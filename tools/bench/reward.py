@@ -3,10 +3,14 @@
 Math: varied answers (numbers, fractions, radicals, polynomials, tuples, sets, intervals, equations,
 percents, units, choices, and wrong or unboxed answers), checked with `grade_math`. Code: varied programs
 (stdio and function-call, right, wrong and crashing) graded with `grade_code` through the bubblewrap
-sandbox. Each workload runs twice in one invocation, serially in this process and through a warmed-up
-`RewardPool`, so the ratio is measured side by side. `--json` prints one object with `math_per_s`
-(serial checks per second on one core), `code_per_s` (programs per second through the sandbox, pool),
-`parallel_speedup` (the whole workload, serial time / pool time) and the detailed figures.
+sandbox, on both sandbox runners: the zygote (the default) and one bwrap start per program (the runner
+before it). Each workload runs serially in this process and through a warmed-up `RewardPool`, so the
+ratios are measured side by side. `--json` prints one object with `math_per_s` (serial checks per second
+on one core), `code_per_s` (tasks per second through the zygote sandbox, pool), `code_bwrap_per_s` (the
+same with one bwrap per program), `sandbox_speedup` (their ratio), `code_cpu_ms_per_run` and
+`code_bwrap_cpu_ms_per_run` (CPU per run of a one-line program, all processes), `parallel_speedup` (the whole
+workload, serial time / pool time) and the detailed figures; `*_runs_per_s` count sandboxed program runs
+(one per stdio test up to the first failure, one per function-call task) instead of tasks.
 """
 from __future__ import annotations
 
@@ -14,15 +18,17 @@ import argparse
 import json
 import os
 import random
+import resource
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from actors.reward import zygote
 from actors.reward.code_grader import grade_code
 from actors.reward.math_grader import grade_math, grade_math_fast
 from actors.reward.pool import RewardPool, TaskFailure
-from actors.reward.sandbox import Sandbox, SandboxLimits, probe_sandbox
+from actors.reward.sandbox import RUNNERS, Sandbox, SandboxLimits, probe_sandbox
 
 MATH_GRADER = "actors.reward.math_grader:grade_math"
 CODE_GRADER = "actors.reward.code_grader:grade_code"
@@ -116,19 +122,59 @@ def _verdict_key(result: Any) -> Any:
     return getattr(result, "correct", getattr(result, "passed", None))
 
 
+def _program_runs(items: Sequence[tuple], verdicts: Sequence[Any]) -> int:
+    """Sandboxed runs behind the verdicts: one per stdio test up to the first failing one, one per
+    function-call task."""
+    runs = 0
+    for (_, tests, _), verdict in zip(items, verdicts):
+        if "fn_name" in tests[0]:
+            runs += 1
+        else:
+            runs += verdict.tests_passed + (0 if verdict.passed else 1)
+    return runs
+
+
+def cpu_ms_per_run(box: Sandbox, runs: int) -> float:
+    """CPU milliseconds per sandboxed run of a one-line program, serially: this process, bwrap and what it
+    reaped (one bwrap per program), and the zygote's server with the programs it reaped."""
+
+    def used() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return (own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+                + sum(z.cpu_s() for z in zygote.idle_zygotes()))
+
+    def one() -> None:
+        box.run(["{python}", "-I", "-B", "{files}/prog.py"], files={"prog.py": b"print(1)"})
+
+    one()  # a zygote starts here, outside the count
+    before = used()
+    for _ in range(runs):
+        one()
+    return (used() - before) / runs * 1000
+
+
 def run(math_count: int, code_count: int, workers: int, seed: int) -> dict[str, Any]:
     maths = math_items(math_count, seed)
     codes = code_items(code_count, seed)
-    sandbox = Sandbox(SandboxLimits(wall_time_s=2.0, cpu_time_s=2.0))
-    # Warm-ups outside the clock: sympy's first use, the sandbox probe, the pool's worker start.
+    limits = SandboxLimits(wall_time_s=2.0, cpu_time_s=2.0)
+    sandboxes = {runner: Sandbox(limits, runner=runner) for runner in RUNNERS}
+    sandbox = sandboxes["zygote"]
+    load_before = os.getloadavg()[0]
+    # Warm-ups outside the clock: sympy's first use, the sandbox probe, the pool's worker start (and each
+    # worker's zygote: started once per process, it is not part of the steady state).
     for response, answer in maths[:20]:
         grade_math(response, answer)
-    grade_code(*codes[0], sandbox=sandbox)
+    for box in sandboxes.values():
+        grade_code(*codes[0], sandbox=box)
+    code_pool: dict[str, tuple[float, list[Any]]] = {}
     with RewardPool(workers, timeout=30.0, preload=["actors.reward.math_grader", "actors.reward.code_grader"]) as pool:
         _parallel(pool, MATH_GRADER, maths[: 20 * workers], 30.0)
-        _parallel(pool, CODE_GRADER, codes[:workers], 30.0, sandbox=sandbox)
+        for box in sandboxes.values():
+            _parallel(pool, CODE_GRADER, codes[:2 * workers], 30.0, sandbox=box)
         math_parallel_s, math_parallel = _parallel(pool, MATH_GRADER, maths, 30.0)
-        code_parallel_s, code_parallel = _parallel(pool, CODE_GRADER, codes, 60.0, sandbox=sandbox)
+        for runner, box in sandboxes.items():
+            code_pool[runner] = _parallel(pool, CODE_GRADER, codes, 60.0, sandbox=box)
+        code_parallel_s, code_parallel = code_pool["zygote"]
         # What tools.score does: the bounded sympy-free path in the caller, the undecided rest in the pool.
         started = time.perf_counter()
         fast = [grade_math_fast(*item) for item in maths]
@@ -137,10 +183,14 @@ def run(math_count: int, code_count: int, workers: int, seed: int) -> dict[str, 
         math_hybrid_s = time.perf_counter() - started
         pool_stats = pool.stats()
     math_serial_s, math_serial = _serial(grade_math, maths)
-    code_serial_s, code_serial = _serial(grade_code, codes, sandbox=sandbox)
-    # The two runs must agree, or the timing compares different work.
+    code_serial = {runner: _serial(grade_code, codes, sandbox=box) for runner, box in sandboxes.items()}
+    cpu_ms = {runner: cpu_ms_per_run(box, 100) for runner, box in sandboxes.items()}
+    code_serial_s = code_serial["zygote"][0]
+    # All runs must agree, or the timing compares different work.
     math_agree = [_verdict_key(r) for r in math_serial] == [_verdict_key(r) for r in math_parallel]
-    code_agree = [_verdict_key(r) for r in code_serial] == [_verdict_key(r) for r in code_parallel]
+    code_keys = [[_verdict_key(r) for r in results] for _, results in [*code_pool.values(), *code_serial.values()]]
+    code_agree = all(keys == code_keys[0] for keys in code_keys)
+    code_runs = _program_runs(codes, code_serial["bwrap"][1])
     return {
         "workers": workers,
         "cpu_count": os.cpu_count(),
@@ -153,13 +203,25 @@ def run(math_count: int, code_count: int, workers: int, seed: int) -> dict[str, 
         "math_fast_path_share": 1 - len(undecided) / math_count,
         "math_fast_path_plus_pool_per_s": math_count / math_hybrid_s,
         "code_items": code_count,
-        "code_passed": sum(1 for r in code_serial if r.passed),
+        "code_passed": sum(1 for r in code_serial["zygote"][1] if r.passed),
         "code_tests_run": sum(len(item[1]) for item in codes),
+        "code_runs": code_runs,
         "code_per_s": code_count / code_parallel_s,
         "code_serial_per_s": code_count / code_serial_s,
         "code_parallel_speedup": code_serial_s / code_parallel_s,
+        "code_runs_per_s": code_runs / code_parallel_s,
+        "code_serial_runs_per_s": code_runs / code_serial_s,
+        "code_bwrap_per_s": code_count / code_pool["bwrap"][0],
+        "code_bwrap_serial_per_s": code_count / code_serial["bwrap"][0],
+        "code_bwrap_runs_per_s": code_runs / code_pool["bwrap"][0],
+        "code_bwrap_serial_runs_per_s": code_runs / code_serial["bwrap"][0],
+        "sandbox_speedup": code_pool["bwrap"][0] / code_parallel_s,
+        "sandbox_serial_speedup": code_serial["bwrap"][0] / code_serial_s,
+        "code_cpu_ms_per_run": cpu_ms["zygote"],
+        "code_bwrap_cpu_ms_per_run": cpu_ms["bwrap"],
         "parallel_speedup": (math_serial_s + code_serial_s) / (math_parallel_s + code_parallel_s),
         "results_agree": math_agree and code_agree,
+        "load_average": [load_before, os.getloadavg()[0]],
         "pool": pool_stats,
     }
 
@@ -191,9 +253,17 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{result['math_fast_path_plus_pool_per_s'] / result['math_per_s']:>8.2f}x")
     print(f"{'code':<10}{args.code_items:>7}{result['code_serial_per_s']:>11.1f}{result['code_per_s']:>10.1f}"
           f"{result['code_parallel_speedup']:>8.2f}x")
+    print(f"{'code bwrap':<10}{args.code_items:>7}{result['code_bwrap_serial_per_s']:>11.1f}"
+          f"{result['code_bwrap_per_s']:>10.1f}{result['code_bwrap_per_s'] / result['code_bwrap_serial_per_s']:>8.2f}x")
+    print(f"sandbox: zygote / one bwrap per program {result['sandbox_speedup']:.2f}x in the pool, "
+          f"{result['sandbox_serial_speedup']:.2f}x serial; {result['code_runs']} program runs: "
+          f"{result['code_runs_per_s']:.1f} vs {result['code_bwrap_runs_per_s']:.1f} runs/s in the pool, "
+          f"{result['code_serial_runs_per_s']:.1f} vs {result['code_bwrap_serial_runs_per_s']:.1f} serial; "
+          f"CPU per run of print(1) {result['code_cpu_ms_per_run']:.1f} vs "
+          f"{result['code_bwrap_cpu_ms_per_run']:.1f} ms")
     print(f"whole workload speedup {result['parallel_speedup']:.2f}x; serial and pool verdicts agree: "
           f"{result['results_agree']}; math correct {result['math_correct']}/{args.math_items}, "
-          f"code passed {result['code_passed']}/{args.code_items} ({result['code_tests_run']} test runs)")
+          f"code passed {result['code_passed']}/{args.code_items} ({result['code_tests_run']} tests)")
     print(f"math*: sympy-free grade_math_fast in the caller ({100 * result['math_fast_path_share']:.0f}% settled), "
           "the rest in the pool, as tools.score does")
     return 0 if result["results_agree"] else 1
