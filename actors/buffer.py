@@ -200,7 +200,7 @@ class BufferActor(Actor):
                 await self.bus.send(issue.rollout, GenerateGroup(
                     group_id=issue.group_id, prompt_ids=self.prompt_ids[index], n=self.group_size,
                     task=Task(kind=str(rec.extra.get("task", "math")), answer=rec.answer or "",
-                              tests=list(rec.extra.get("tests", [])), level=level_of(rec)),
+                              tests=list(rec.extra.get("tests", []))),
                     stop_token_ids=self.stop_ids, seed=issue.seed, reward=issue.reward, **self.gen))
 
     def _handed_back(self, handed_back: dict[str, InFlight], reason: str) -> None:
