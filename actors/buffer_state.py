@@ -75,7 +75,6 @@ class Resume:
     state); `discarded`: served batches after a gap, which cannot be served in order; `served_through`:
     the newest step a batch is held for."""
 
-    step: int
     served_again: list[int]
     discarded: list[int]
     served_through: int
@@ -85,8 +84,8 @@ def plan_resume(served_steps: Iterable[int], step: int) -> Resume:
     """Which of the served batches on disk (`served_steps`) a buffer resuming at checkpoint `step` keeps."""
     since = sorted(k for k in served_steps if k > step)
     if since != list(range(step + 1, step + 1 + len(since))):
-        return Resume(step, served_again=[], discarded=since, served_through=step)
-    return Resume(step, served_again=since, discarded=[], served_through=since[-1] if since else step)
+        return Resume(served_again=[], discarded=since, served_through=step)
+    return Resume(served_again=since, discarded=[], served_through=since[-1] if since else step)
 
 
 def ledger_after_resume(records: list[dict[str, Any]], resume: Resume,

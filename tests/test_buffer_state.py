@@ -221,10 +221,10 @@ def test_the_buffer_checkpoints_into_its_own_run_directory_only(tmp_path) -> Non
 
 
 def test_a_resume_serves_again_the_batches_served_since_its_checkpoint_in_order() -> None:
-    assert plan_resume([1, 2, 3, 4], 2) == Resume(2, served_again=[3, 4], discarded=[], served_through=4)
-    assert plan_resume([3, 5], 2) == Resume(2, served_again=[], discarded=[3, 5], served_through=2)  # a gap
-    assert plan_resume([4], 2) == Resume(2, served_again=[], discarded=[4], served_through=2)
-    assert plan_resume([], 0) == Resume(0, served_again=[], discarded=[], served_through=0)
+    assert plan_resume([1, 2, 3, 4], 2) == Resume(served_again=[3, 4], discarded=[], served_through=4)
+    assert plan_resume([3, 5], 2) == Resume(served_again=[], discarded=[3, 5], served_through=2)  # a gap
+    assert plan_resume([4], 2) == Resume(served_again=[], discarded=[4], served_through=2)
+    assert plan_resume([], 0) == Resume(served_again=[], discarded=[], served_through=0)
     st = state()
     st.served(6)
     st.resume(plan_resume([3, 4], 2), None)
