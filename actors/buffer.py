@@ -1,9 +1,11 @@
 """The buffer actor: hands prompts to rollouts under the staleness gate and forms training batches.
 
 Its decisions live in `BufferState` (actors/buffer_state.py): the dataset cursor, the staleness gate, the
-groups in flight and ready, dynamic sampling, the batch-time staleness check and the checkpointed
-counters. This actor is the adapter around it: messages in, calls on the state, messages, log lines and
-the ledger (buffer/ledger.jsonl: every batch's keys, every prompt dropped on purpose) out.
+groups in flight and ready, dynamic sampling, the batch-time staleness check, the checkpointed counters
+and what a restart serves again. Its files are `BufferFiles`' (below): the ledger (buffer/ledger.jsonl:
+every batch's keys, every prompt dropped on purpose), the batches served since the newest checkpoint and
+the checkpoint's buffer.json. This actor is the adapter between them: messages in, calls on the state,
+messages, log lines and files out.
 
 Flow: GenerateGroup -> least-loaded live rollout; ScoredGroup (from a reward actor) -> ready queue;
 BatchRequest (from the trainer) -> waits until B fresh groups are ready, then replies with a BatchTensors;
@@ -34,7 +36,7 @@ from typing import Any
 import msgpack
 
 from actors.base import Actor, handles
-from actors.buffer_state import BufferState, InFlight
+from actors.buffer_state import BufferState, InFlight, ledger_after_resume, plan_resume
 from actors.dataset import DEFAULT_MAX_LINE_BYTES, Layout, Record, load_dataset
 from actors.engines.tokenizer import load_tokenizer
 from actors.recovery import checkpoint_dir, fsync_write, latest_checkpoint, recovering, restarted_in_place
@@ -42,6 +44,91 @@ from transport.messages import decode, encode
 from transport.protocol import (Batch, BatchGroup, BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, GenerateGroup,
                                 GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task, VersionUpdate,
                                 WorkerHello)
+
+
+class BufferFiles:
+    """What the buffer keeps on disk under `run_dir`: buffer/ledger.jsonl (every batch's keys, every prompt
+    dropped on purpose), buffer/served/step_N.msgpack (each batch served since the newest complete
+    checkpoint, with its ledger record and the buffer's state right after serving it: a restart of either
+    side resumes from there) and the checkpoint's buffer.json."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.ledger_path = self.run_dir / "buffer" / "ledger.jsonl"
+        self.served_dir = self.run_dir / "buffer" / "served"
+        self.served_dir.mkdir(parents=True, exist_ok=True)
+
+    def clear(self) -> None:
+        """A fresh start (run.recover: off), whatever an earlier run left here."""
+        for old in self.served_dir.glob("step_*.msgpack"):
+            old.unlink()
+        self.ledger_path.unlink(missing_ok=True)
+
+    # --- the ledger -------------------------------------------------------------------------------
+    def append_ledger(self, record: dict[str, Any]) -> None:
+        with open(self.ledger_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def ledger(self) -> list[dict[str, Any]]:
+        if not self.ledger_path.exists():
+            return []
+        return [json.loads(line) for line in self.ledger_path.read_text().splitlines()]
+
+    def write_ledger(self, records: list[dict[str, Any]]) -> None:
+        self.ledger_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    # --- served batches ---------------------------------------------------------------------------
+    def served_path(self, step: int) -> Path:
+        return self.served_dir / f"step_{step:06d}.msgpack"
+
+    def served_steps(self) -> list[int]:
+        return sorted(int(p.stem.split("_")[1]) for p in self.served_dir.glob("step_*.msgpack"))
+
+    def write_served(self, listed: Batch, record: dict[str, Any], state: dict[str, Any]) -> BatchTensors:
+        """The batch in its wire form, on disk before the reply. The file is one msgpack map whose "batch" is
+        the header frame and "tensors" the tensor frames, written frame by frame (not joined in memory)."""
+        batch = BatchTensors.from_batch(listed)
+        frames = encode(batch)
+        packer = msgpack.Packer()
+        parts: list[Any] = [packer.pack_map_header(4), packer.pack("batch"), packer.pack(frames[0]),
+                            packer.pack("tensors"), packer.pack_array_header(len(frames) - 1)]
+        for frame in frames[1:]:
+            parts += [b"\xc6" + memoryview(frame).nbytes.to_bytes(4, "big"), frame]   # msgpack bin 32
+        parts += [packer.pack("ledger"), packer.pack(record), packer.pack("state"), packer.pack(state)]
+        fsync_write(self.served_path(listed.step), parts)
+        return batch
+
+    def read_served(self, step: int) -> tuple[BatchTensors, dict[str, Any], dict[str, Any]]:
+        """The batch served for `step`, its ledger record, and the buffer's state right after serving it."""
+        path = self.served_path(step)
+        try:
+            saved = msgpack.unpackb(path.read_bytes())
+            _, batch = decode([saved["batch"], *saved["tensors"]])
+            if not isinstance(batch, BatchTensors):
+                raise TypeError(f"it holds a {type(batch).__name__}")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise RuntimeError(f"{path}: the batch served for step {step} cannot be read back: {exc}") from exc
+        return batch, saved["ledger"], saved["state"]
+
+    def remove_served(self, steps: list[int]) -> None:
+        for step in steps:
+            self.served_path(step).unlink(missing_ok=True)
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def write_checkpoint(self, step: int, state: dict[str, Any]) -> Path:
+        """The state as buffer.json in the checkpoint of `step`, in this run's own directory. Batches up to
+        the newest complete checkpoint will never be asked for again and are removed (`step`'s checkpoint
+        is not complete yet: until it is, a resume starts from the one before)."""
+        if step < 0:
+            raise ValueError(f"step: {step} is not a training step")
+        path = checkpoint_dir(self.run_dir, step) / "buffer.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, path)
+        if (done := latest_checkpoint(self.run_dir)) is not None:
+            self.remove_served([k for k in self.served_steps() if k <= done[0]])
+        return path
 
 
 def level_of(rec: Record) -> int:
@@ -79,18 +166,13 @@ class BufferActor(Actor):
             # Last resort for a group lost without any sign (a message dropped by a dying process): issue again.
             group_timeout_s=float(buf.get("group_timeout_s", 1800.0)))
         self.finished = False
-        self.ledger_path = self.run_dir / "buffer" / "ledger.jsonl"
-        self.served_dir = self.run_dir / "buffer" / "served"
-        self.served_dir.mkdir(parents=True, exist_ok=True)
+        self.files = BufferFiles(self.run_dir)
         self._serving = asyncio.Lock()
-        self.served_through = 0   # the newest step a batch was served for
         if in_place or recovering(s):
             found = latest_checkpoint(self.run_dir) if recovering(s) else None
             self._restore(found[0] if found else 0, found[1] / "buffer.json" if found else None)
-        else:   # run.recover: off: a fresh start, whatever an earlier run left here
-            for old in self.served_dir.glob("step_*.msgpack"):
-                old.unlink()
-            self.ledger_path.unlink(missing_ok=True)
+        else:   # run.recover: off
+            self.files.clear()
         self.changed = asyncio.Event()   # something that may let the dispatcher hand out work
         self.arrived = asyncio.Event()   # a scored group arrived or the version moved (batch waiters)
         self.log.info("buffer_started", prompts=len(self.dataset), skipped_lines=self.dataset.n_skipped,
@@ -118,7 +200,7 @@ class BufferActor(Actor):
                 await self.bus.send(issue.rollout, GenerateGroup(
                     group_id=issue.group_id, prompt_ids=self.prompt_ids[index], n=self.group_size,
                     task=Task(kind=str(rec.extra.get("task", "math")), answer=rec.answer or "",
-                              tests=list(rec.extra.get("tests", [])), level=level_of(rec)),
+                              tests=list(rec.extra.get("tests", []))),
                     stop_token_ids=self.stop_ids, seed=issue.seed, reward=issue.reward, **self.gen))
 
     def _handed_back(self, handed_back: dict[str, InFlight], reason: str) -> None:
@@ -149,7 +231,7 @@ class BufferActor(Actor):
         if msg.reason.startswith("invalid:"):  # the prompt itself cannot be generated: issuing it again cannot help
             f = self.state.drop_invalid(msg.group_id)
             if f is not None:
-                self._ledger({"event": "dropped_invalid", "key": list(f.key), "reason": msg.reason})
+                self.files.append_ledger({"event": "dropped_invalid", "key": list(f.key), "reason": msg.reason})
                 self.log.warning("group_dropped_invalid", group=msg.group_id, reason=msg.reason)
                 self.changed.set()
             return
@@ -165,7 +247,7 @@ class BufferActor(Actor):
             return
         if result.outcome == "uniform":
             assert result.key is not None
-            self._ledger({"event": "dropped_uniform", "key": list(result.key)})
+            self.files.append_ledger({"event": "dropped_uniform", "key": list(result.key)})
             streak = self.state.uniform_streak
             if streak % (20 * self.state.batch_size) == 0:
                 self.log.warning("dynamic_sampling_starving", dropped_in_a_row=streak,
@@ -197,10 +279,8 @@ class BufferActor(Actor):
     async def on_batch_request(self, msg: BatchRequest) -> BatchTensors:
         self.state.set_version(msg.step - 1)   # it finished that step: a VersionUpdate lost in a restart
         async with self._serving:   # one step at a time: a restarted trainer may ask while its old request waits
-            if msg.step <= self.served_through:
-                # Served before, to a trainer that died before its next checkpoint (or a relaunched run): the
-                # same batch again, so nothing is lost and nothing trained twice.
-                batch = self._served(msg.step)[0]
+            if self.state.serves_again(msg.step):
+                batch = self.files.read_served(msg.step)[0]
                 self.counters["batches_served_again"] += 1
                 self.log.info("batch_served_again", step=msg.step, groups=len(batch.levels))
                 return batch
@@ -220,120 +300,52 @@ class BufferActor(Actor):
             # Converting and writing a recipe-sized batch (GBs) takes seconds: off the event loop, which
             # must keep answering heartbeats and taking scored groups meanwhile. Nothing here touches the
             # state; the taken groups are no longer the state's.
-            batch = await asyncio.to_thread(self._persist_served, listed, record, state)
-            self._ledger(record)
-            self.served_through = msg.step
+            batch = await asyncio.to_thread(self.files.write_served, listed, record, state)
+            self.files.append_ledger(record)
+            self.state.served(msg.step)
             return batch
-
-    def _persist_served(self, listed: Batch, record: dict[str, Any], state: dict[str, Any]) -> BatchTensors:
-        """The batch in its wire form, on disk before the reply: a restart of either side resumes from here
-        (see _restore). The file is one msgpack map whose "batch" is the header frame and "tensors" the
-        tensor frames, written frame by frame (not joined in memory)."""
-        batch = BatchTensors.from_batch(listed)
-        frames = encode(batch)
-        packer = msgpack.Packer()
-        parts: list[Any] = [packer.pack_map_header(4), packer.pack("batch"), packer.pack(frames[0]),
-                            packer.pack("tensors"), packer.pack_array_header(len(frames) - 1)]
-        for frame in frames[1:]:
-            parts += [b"\xc6" + memoryview(frame).nbytes.to_bytes(4, "big"), frame]   # msgpack bin 32
-        parts += [packer.pack("ledger"), packer.pack(record), packer.pack("state"), packer.pack(state)]
-        fsync_write(self._served_path(listed.step), parts)
-        return batch
 
     def _state_dict(self) -> dict[str, Any]:
         return {**self.state.state_dict(), "dataset": {"path": self.dataset.path, "records": len(self.dataset)}}
-
-    def _served_path(self, step: int) -> Path:
-        return self.served_dir / f"step_{step:06d}.msgpack"
-
-    def _served(self, step: int) -> tuple[BatchTensors, dict[str, Any], dict[str, Any]]:
-        """The batch served for `step`, its ledger record, and the buffer's state right after serving it."""
-        path = self._served_path(step)
-        try:
-            saved = msgpack.unpackb(path.read_bytes())
-            _, batch = decode([saved["batch"], *saved["tensors"]])
-            if not isinstance(batch, BatchTensors):
-                raise TypeError(f"it holds a {type(batch).__name__}")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise RuntimeError(f"{path}: the batch served for step {step} cannot be read back: {exc}") from exc
-        return batch, saved["ledger"], saved["state"]
-
-    def _ledger(self, record: dict[str, Any]) -> None:
-        with open(self.ledger_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
 
     # --- checkpoints ------------------------------------------------------------------------------
     @handles(CheckpointRequest)
     def on_checkpoint(self, msg: CheckpointRequest) -> CheckpointDone:
         """Called between steps (the trainer asks before requesting the next batch), so exactly the
         batches of steps <= msg.step have been served."""
-        state = {"step": msg.step, **self._state_dict()}
-        if msg.step < 0:
-            raise ValueError(f"step: {msg.step} is not a training step")
-        state["served_through"] = self.served_through   # ahead of msg.step after a trainer restarted in place
-        path = checkpoint_dir(self.run_dir, msg.step) / "buffer.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, path)
-        # Batches up to the newest complete checkpoint will never be asked for again (msg.step's is not
-        # complete yet: until it is, a resume starts from the one before).
-        if (done := latest_checkpoint(self.run_dir)) is not None:
-            for old in self.served_dir.glob("step_*.msgpack"):
-                if int(old.stem.split("_")[1]) <= done[0]:
-                    old.unlink(missing_ok=True)
+        # served_through is ahead of msg.step after a trainer restarted in place
+        self.files.write_checkpoint(msg.step, {"step": msg.step, **self._state_dict(),
+                                               "served_through": self.state.served_through})
         return CheckpointDone(step=msg.step)
 
     def _restore(self, step: int, checkpoint: Path | None) -> None:
-        """Take up the run after a restart in place or a relaunch from the checkpoint of `step`. The newest
-        served batch carries the state right after it was served; every batch served since the checkpoint is
-        kept, so the trainer, which resumes at `step`, gets exactly those batches again. Without them (none
-        was served since) the checkpoint's buffer.json is the state."""
-        served = sorted(int(p.stem.split("_")[1]) for p in self.served_dir.glob("step_*.msgpack"))
-        since = [k for k in served if k > step]
-        if since != list(range(step + 1, step + 1 + len(since))):   # a gap: they cannot be served in order
-            self.log.warning("served_batches_discarded", steps=since, checkpoint=step)
-            for k in since:
-                self._served_path(k).unlink()
-            since = []
+        """Take up the run after a restart in place or a relaunch from the checkpoint of `step` (its
+        buffer.json: `checkpoint`), as `plan_resume` decides from the served batches on disk."""
+        resume = plan_resume(self.files.served_steps(), step)
+        if resume.discarded:
+            self.log.warning("served_batches_discarded", steps=resume.discarded, checkpoint=step)
+            self.files.remove_served(resume.discarded)
         records: dict[int, dict[str, Any]] = {}
-        if since:
-            for k in since:
-                _, records[k], state = self._served(k)
-            self.served_through = since[-1]
-        elif checkpoint is not None:
+        state = None
+        for k in resume.served_again:   # the newest one's state is the state right after it was served
+            _, records[k], state = self.files.read_served(k)
+        if state is None and checkpoint is not None:
             state = json.loads(checkpoint.read_text())
-            self.served_through = step
-        else:   # nothing served and no checkpoint: a fresh start is the state
-            state = None
-            self.served_through = 0
-        if state is not None:
-            if state["dataset"]["records"] != len(self.dataset):
-                raise ValueError(f"the buffer's saved state (step {self.served_through}) is for a dataset of "
-                                 f"{state['dataset']['records']} records, but {self.dataset.path} has "
-                                 f"{len(self.dataset)}")
-            self.state.load_state_dict(state)
-        # The ledger records what was trained or served: batches after the newest one kept were rolled back,
-        # and one written to disk just before a crash may still lack its line.
-        kept, logged = [], set()
-        if self.ledger_path.exists():
-            for line in self.ledger_path.read_text().splitlines():
-                rec = json.loads(line)
-                if rec["event"] != "batch" or rec["step"] <= self.served_through:
-                    kept.append(line)
-                if rec["event"] == "batch":
-                    logged.add(rec["step"])
-        kept += [json.dumps(records[k]) for k in since if k not in logged]
-        self.ledger_path.write_text("".join(line + "\n" for line in kept))
+        if state is not None and state["dataset"]["records"] != len(self.dataset):
+            raise ValueError(f"the buffer's saved state (step {resume.served_through}) is for a dataset of "
+                             f"{state['dataset']['records']} records, but {self.dataset.path} has "
+                             f"{len(self.dataset)}")
+        self.state.resume(resume, state)
+        self.files.write_ledger(ledger_after_resume(self.files.ledger(), resume, records))
         if state is None:
             return
-        self.log.info("buffer_restored", step=step, served_through=self.served_through, epoch=self.state.epoch,
+        self.log.info("buffer_restored", step=step, served_through=resume.served_through, epoch=self.state.epoch,
                       position=self.state.position, reissue=len(self.state.reissue), gate=repr(self.state.gate))
 
     async def on_stop(self) -> None:
         # What became of every prompt handed out: tools/bench/chaos.py counts lost and twice-trained ones.
         if getattr(self, "state", None) is not None:
-            final = {**self._state_dict(), "served_through": self.served_through,
+            final = {**self._state_dict(), "served_through": self.state.served_through,
                      "issued": [list(k) for k in self.state.issued_keys()]}
             (self.run_dir / "buffer" / "final_state.json").write_text(json.dumps(final))
 

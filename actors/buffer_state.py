@@ -15,11 +15,11 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import torch
 
-from algo.dynamic_sampling import filter_uniform_groups
+from algo.dynamic_sampling import is_uniform
 from algo.staleness import StalenessGate, filter_stale, sample_staleness
 from transport.protocol import Answers, BufferStats
 
@@ -67,16 +67,41 @@ class Scored:
     key: Key | None = None
 
 
+@dataclass
+class Resume:
+    """How a restarted buffer takes up the run from the checkpoint of `step`: the batches it served after
+    that step are served again, in order, to the trainer (which resumes at `step`), so nothing is lost and
+    nothing trained twice. `served_again`: those steps (the newest one's saved state is the buffer's
+    state); `discarded`: served batches after a gap, which cannot be served in order; `served_through`:
+    the newest step a batch is held for."""
+
+    served_again: list[int]
+    discarded: list[int]
+    served_through: int
+
+
+def plan_resume(served_steps: Iterable[int], step: int) -> Resume:
+    """Which of the served batches on disk (`served_steps`) a buffer resuming at checkpoint `step` keeps."""
+    since = sorted(k for k in served_steps if k > step)
+    if since != list(range(step + 1, step + 1 + len(since))):
+        return Resume(served_again=[], discarded=since, served_through=step)
+    return Resume(served_again=since, discarded=[], served_through=since[-1] if since else step)
+
+
+def ledger_after_resume(records: list[dict[str, Any]], resume: Resume,
+                        served: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ledger's records as they must be after `resume`: batches after the newest one kept were rolled
+    back (the trainer trains them again), and a kept batch whose line a crash lost just after it was
+    written to disk gets it back. `served`: the ledger record saved with each batch served again."""
+    kept = [r for r in records if r["event"] != "batch" or r["step"] <= resume.served_through]
+    logged = {r["step"] for r in records if r["event"] == "batch"}
+    return kept + [served[k] for k in resume.served_again if k not in logged]
+
+
 def group_start_version(answers: Answers) -> int:
     """The oldest weight version among the group's tokens (-1 when it has none, as algo.staleness counts
     it). Taken on the lists as they arrive: converting a long group's lists to a tensor costs more."""
     return min((min(s.versions) for s in answers.samples if s.versions), default=-1)
-
-
-def is_uniform(answers: Answers) -> bool:
-    """Every answer got the same reward: with group-normalised advantages the group teaches nothing."""
-    rewards = torch.tensor([s.reward for s in answers.samples], dtype=torch.float64)
-    return filter_uniform_groups(rewards, torch.zeros(len(rewards), dtype=torch.int64)).n_kept_groups == 0
 
 
 class BufferState:
@@ -109,6 +134,7 @@ class BufferState:
         self.rollout_versions: dict[str, int] = {}                  # newest weight version seen per rollout
         self.rollout_clocks: dict[str, tuple[float, float]] = {}    # latest (busy, up) seconds per rollout
         self.clocks_at_batch: dict[str, tuple[float, float]] = {}   # the same at the previous batch
+        self.served_through = 0                                     # the newest step a batch was served for
 
     # --- handing out work -------------------------------------------------------------------------
     def _permutation(self, epoch: int) -> list[int]:
@@ -217,7 +243,7 @@ class BufferState:
             return Scored("late")
         if answers.up_seconds > 0:
             self.rollout_clocks[answers.rollout] = (answers.busy_seconds, answers.up_seconds)
-        if self.dynamic_sampling and is_uniform(answers):
+        if self.dynamic_sampling and is_uniform([s.reward for s in answers.samples]):
             self.gate.finish(accepted=False)  # no learning signal: drop it, its slot is refilled
             self.stats.dropped_uniform += 1
             self.uniform_streak += 1
@@ -242,7 +268,7 @@ class BufferState:
         # A rollout can hold weights newer than this version for a moment (its VersionUpdate is still on
         # the way, or a recovery rolled the version back): such a group is fresh, not an error.
         starts = torch.tensor([g.start_version for g in self.ready], dtype=torch.int64).clamp(max=version)
-        keep = filter_stale(sample_staleness(starts, version), self.eta).keep.tolist()
+        keep = filter_stale(sample_staleness(starts, version), self.eta).tolist()
         dropped = [g for g, k in zip(self.ready, keep) if not k]
         if dropped:
             self.ready = deque(g for g, k in zip(self.ready, keep) if k)
@@ -256,6 +282,15 @@ class BufferState:
         if len(self.ready) < self.batch_size:
             return None
         return [self.ready.popleft() for _ in range(self.batch_size)]
+
+    def serves_again(self, step: int) -> bool:
+        """A batch for `step` was served before, to a trainer that died before its next checkpoint (or to a
+        relaunched run): it gets the same batch again, so nothing is lost and nothing trained twice."""
+        return step <= self.served_through
+
+    def served(self, step: int) -> None:
+        """The batch for `step` is on disk and on its way to the trainer."""
+        self.served_through = step
 
     def batch_stats(self) -> BufferStats:
         """The counters sent with a batch; rollout utilisation counts from the previous call."""
@@ -288,6 +323,13 @@ class BufferState:
         gate["running"] = 0
         return {"epoch": self.epoch, "position": self.position, "gate": gate,
                 "reissue": [list(k) for k in pending], "stats": vars(self.stats).copy(), "attempts": self.attempts}
+
+    def resume(self, resume: Resume, saved: dict[str, Any] | None) -> None:
+        """Take up the run as `resume` says, from `saved` (the state saved with the newest batch served
+        again, or the checkpoint's; None: nothing was saved, a fresh start is the state)."""
+        if saved is not None:
+            self.load_state_dict(saved)
+        self.served_through = resume.served_through
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

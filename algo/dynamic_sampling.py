@@ -4,48 +4,27 @@ With group-normalised advantages such a group (all correct or all wrong) has zer
 token: it costs a forward/backward pass and teaches nothing, and it shrinks the effective batch. DAPO
 keeps sampling until the batch holds B informative groups.
 
-Accounting with the staleness gate (algo.staleness): the gate counts groups. A group dropped here never
-counts as accepted: report it with `gate.finish(accepted=False, n=...)` when it comes back from reward,
-or with `gate.discard(n)` if it had already been accepted, so that the gate admits a replacement instead of
-waiting for a batch that can never fill.
+Groups are judged one at a time, as each comes back scored. Accounting with the staleness gate
+(algo.staleness): the gate counts groups. A group dropped here never counts as accepted: report it with
+`gate.finish(accepted=False)` when it comes back from reward, so that the gate admits a replacement instead
+of waiting for a batch that can never fill.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from algo._validate import check_grouped_rewards
+from algo._validate import as_tensor, check_finite
 
 
-@dataclass(frozen=True)
-class GroupFilter:
-    keep: torch.Tensor  # bool [B] per answer: True where its group is informative
-    kept_groups: torch.Tensor  # the group ids kept, ascending
-    dropped_groups: torch.Tensor  # the group ids dropped, ascending
-
-    @property
-    def n_kept_groups(self) -> int:
-        return int(self.kept_groups.numel())
-
-    @property
-    def n_dropped_groups(self) -> int:
-        return int(self.dropped_groups.numel())
-
-
-def filter_uniform_groups(rewards: torch.Tensor, group_ids: torch.Tensor, atol: float = 0.0) -> GroupFilter:
-    """Keep the groups whose rewards spread by more than `atol` (max - min); drop the others.
-    A group of a single answer is uniform by definition and is dropped."""
-    r, gid = check_grouped_rewards(rewards, group_ids)
+def is_uniform(rewards: torch.Tensor | Sequence[float], atol: float = 0.0) -> bool:
+    """True when one group's rewards spread by no more than `atol` (max - min): every answer got the same
+    reward and the group teaches nothing. A group of one answer (or none) is uniform by definition."""
+    r = as_tensor("rewards", rewards, dtype=torch.float64)
+    if r.dim() != 1:
+        raise ValueError(f"rewards: must be 1-D [answers], got shape {tuple(r.shape)}")
+    check_finite("rewards", r)
     if not atol >= 0:
         raise ValueError(f"atol: must be >= 0, got {atol}")
-    if r.numel() == 0:
-        empty = torch.zeros(0, dtype=torch.int64)
-        return GroupFilter(torch.zeros(0, dtype=torch.bool), empty, empty)
-    groups, inverse = torch.unique(gid, return_inverse=True)
-    x = r.to(torch.float64)
-    hi = torch.full((groups.numel(),), -torch.inf, dtype=torch.float64).scatter_reduce(0, inverse, x, reduce="amax")
-    lo = torch.full((groups.numel(),), torch.inf, dtype=torch.float64).scatter_reduce(0, inverse, x, reduce="amin")
-    informative = (hi - lo) > atol
-    return GroupFilter(keep=informative[inverse], kept_groups=groups[informative], dropped_groups=groups[~informative])
-
+    return r.numel() < 2 or float(r.max() - r.min()) <= atol

@@ -14,12 +14,11 @@ at once, far more than the bound allows (a known failure of the original system)
 
 Per-sample check. Rollout records the weight version of every generated token; a sample's start version
 is the oldest of them (-1 when it has none) and `sample_staleness` is current version - start version (0
-without a start version). `filter_stale` drops or down-weights samples beyond eta when a batch is formed.
+without a start version). `filter_stale` drops samples beyond eta when a batch is formed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -132,36 +131,13 @@ def sample_staleness(start_versions: torch.Tensor, current_version: int) -> torc
     return torch.where(sv < 0, torch.zeros_like(sv), current_version - sv)
 
 
-@dataclass(frozen=True)
-class StaleFilter:
-    keep: torch.Tensor  # bool [B]: samples to train on
-    weights: torch.Tensor  # float32 [B]: loss weight per kept sample (1 unless down-weighted)
-    n_dropped: int
-    n_downweighted: int
-
-
-def filter_stale(
-    staleness: torch.Tensor,
-    max_staleness: int,
-    mode: Literal["drop", "downweight"] = "drop",
-    decay: float = 0.5,
-) -> StaleFilter:
-    """Drop samples with staleness > max_staleness, or keep them with weight decay ** (staleness - eta)."""
+def filter_stale(staleness: torch.Tensor, max_staleness: int) -> torch.Tensor:
+    """Which samples to train on (bool [B]): those with staleness <= max_staleness; the rest are dropped."""
     _check_int("max_staleness", max_staleness, minimum=0)
     s = as_tensor("staleness", staleness).to(torch.int64)
     if bool((s < 0).any()):
         raise ValueError("staleness: negative staleness")
-    stale = s > max_staleness
-    if mode == "drop":
-        keep, weights = ~stale, (~stale).to(torch.float32)
-        return StaleFilter(keep, weights, n_dropped=int(stale.sum()), n_downweighted=0)
-    if mode == "downweight":
-        if not 0.0 < decay <= 1.0:
-            raise ValueError(f"decay: must lie in (0, 1], got {decay}")
-        excess = (s - max_staleness).clamp(min=0).to(torch.float64)
-        weights = torch.pow(torch.tensor(decay, dtype=torch.float64), excess).to(torch.float32)
-        return StaleFilter(torch.ones_like(stale), weights, n_dropped=0, n_downweighted=int(stale.sum()))
-    raise ValueError(f"mode: must be 'drop' or 'downweight', got {mode!r}")
+    return s <= max_staleness
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from algo.dynamic_sampling import filter_uniform_groups
+from algo.dynamic_sampling import is_uniform
 from algo.staleness import StalenessGate, filter_stale, sample_staleness
 
 HYP = settings(max_examples=60, deadline=None, derandomize=True)
@@ -140,16 +140,13 @@ def test_staleness_per_sample_and_its_inputs_checked():
         sample_staleness(torch.tensor([3]), -1)
 
 
-def test_filter_drop_and_downweight():
-    s = torch.tensor([0, 2, 3, 5])
-    drop = filter_stale(s, 2)
-    assert drop.keep.tolist() == [True, True, False, False] and drop.n_dropped == 2
-    soft = filter_stale(s, 2, mode="downweight", decay=0.5)
-    assert soft.keep.all() and soft.weights.tolist() == [1.0, 1.0, 0.5, 0.125] and soft.n_downweighted == 2
-    with pytest.raises(ValueError, match="mode"):
-        filter_stale(s, 2, mode="keep")
-    with pytest.raises(ValueError, match="decay"):
-        filter_stale(s, 2, mode="downweight", decay=0.0)
+def test_filter_keeps_what_is_within_eta_and_checks_its_inputs():
+    assert filter_stale(torch.tensor([0, 2, 3, 5]), 2).tolist() == [True, True, False, False]
+    assert filter_stale(torch.tensor([0, 1]), 0).tolist() == [True, False]
+    with pytest.raises(ValueError, match="staleness: negative"):
+        filter_stale(torch.tensor([-1]), 2)
+    with pytest.raises(ValueError, match="max_staleness"):
+        filter_stale(torch.tensor([0]), -1)
 
 
 # ---------------------------------------------------------------- a simulated buffer
@@ -179,7 +176,7 @@ def test_simulated_buffer_trains_nothing_too_stale_and_everything_once(seed, dyn
             # the oldest in-flight group sometimes straggles: it is picked rarely
             gid, start = running.pop(rng.randrange(len(running)) if rng.random() < 0.9 else 0)
             rewards = torch.tensor([float(rng.random() < 0.5) for _ in range(G)])
-            keep = filter_uniform_groups(rewards, torch.zeros(G, dtype=torch.long)).n_kept_groups if dynamic else 1
+            keep = not is_uniform(rewards) if dynamic else True
             gate.finish(accepted=bool(keep))
             if keep:
                 accepted.append((gid, start))
@@ -187,10 +184,10 @@ def test_simulated_buffer_trains_nothing_too_stale_and_everything_once(seed, dyn
         if len(accepted) >= B:
             accepted.sort(key=lambda s: s[1])
             starts = torch.tensor([s for _, s in accepted])
-            verdict = filter_stale(sample_staleness(starts, gate.version), eta)
-            if verdict.n_dropped:
-                gate.discard(verdict.n_dropped)
-                accepted = [s for s, k in zip(accepted, verdict.keep.tolist()) if k]
+            keep = filter_stale(sample_staleness(starts, gate.version), eta).tolist()
+            if not all(keep):
+                gate.discard(keep.count(False))
+                accepted = [s for s, k in zip(accepted, keep) if k]
             if len(accepted) >= B:
                 batch, accepted = accepted[:B], accepted[B:]
                 for gid, start in batch:

@@ -177,14 +177,14 @@ def test_trainer_zero_sends_each_rank_its_replicas_share_over_gloo(tmp_path) -> 
 
 def test_the_buffer_keeps_a_served_batch_as_its_frames_and_reads_it_back(tmp_path) -> None:
     # What a restarted buffer serves again is the very batch it served (the file is written frame by frame)
-    from actors.buffer import BufferActor
-    buf = BufferActor.__new__(BufferActor)   # the adapter's file I/O only
-    buf.served_dir = tmp_path
+    from actors.buffer import BufferFiles
+    files = BufferFiles(tmp_path)
     listed = sampled_batch(tiny_model(4), groups=2, n=3)
     listed.groups[0].samples[1].score_detail = "boxed 7 != 8"
     record, state = {"event": "batch", "step": listed.step}, {"epoch": 0, "position": 2}
-    sent = buf._persist_served(listed, record, state)
-    got, got_record, got_state = buf._served(listed.step)
+    sent = files.write_served(listed, record, state)
+    assert files.served_steps() == [listed.step]
+    got, got_record, got_state = files.read_served(listed.step)
     assert_same_batch(got, sent)
     assert got.to_batch() == listed and (got_record, got_state) == (record, state)
 

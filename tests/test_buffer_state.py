@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from actors.buffer_state import BufferState
+from actors.buffer_state import BufferState, Resume, ledger_after_resume, plan_resume
 from transport.protocol import Answers, Sample
 
 
@@ -198,21 +198,48 @@ def test_checkpoint_records_untrained_work_for_reissue_and_the_gate_as_it_will_b
     assert back.order == fresh._permutation(back.epoch)
 
 
-def test_the_buffer_actor_checkpoints_into_its_own_run_directory_only(tmp_path) -> None:
-    """CheckpointRequest names only a step: where the state goes is the buffer's own run directory."""
+def test_the_buffer_checkpoints_into_its_own_run_directory_only(tmp_path) -> None:
+    """CheckpointRequest names only a step: where the state goes is the buffer's own run directory. Served
+    batches up to the newest complete checkpoint are removed; a step that is none is refused."""
     import json
 
-    from actors.buffer import BufferActor
-    from actors.recovery import checkpoint_dir
-    from transport.protocol import CheckpointRequest
-    buf = BufferActor.__new__(BufferActor)   # the adapter's file I/O only; the decisions are tested above
-    buf.run_dir, buf.state, buf.served_through, buf.served_dir = tmp_path, state(), 3, tmp_path / "served"
-    buf.dataset = type("Data", (), {"path": "d.jsonl", "__len__": lambda self: 10})()
-    buf.state.position = 5
-    assert buf.on_checkpoint(CheckpointRequest(step=3)).step == 3
-    assert json.loads((checkpoint_dir(tmp_path, 3) / "buffer.json").read_text())["position"] == 5
+    from actors.buffer import BufferFiles
+    from actors.recovery import checkpoint_dir, mark_complete
+    files = BufferFiles(tmp_path)
+    for step in (2, 3, 4):
+        files.served_path(step).write_bytes(b"")
+    checkpoint_dir(tmp_path, 3).mkdir(parents=True)
+    mark_complete(checkpoint_dir(tmp_path, 3), {"step": 3})
+    path = files.write_checkpoint(4, {"position": 5})
+    assert path == checkpoint_dir(tmp_path, 4) / "buffer.json" and json.loads(path.read_text()) == {"position": 5}
+    assert files.served_steps() == [4]
     with pytest.raises(ValueError, match="not a training step"):
-        buf.on_checkpoint(CheckpointRequest(step=-1))
+        files.write_checkpoint(-1, {})
+
+
+# ---------------------------------------------------------------- resuming after a restart
+
+
+def test_a_resume_serves_again_the_batches_served_since_its_checkpoint_in_order() -> None:
+    assert plan_resume([1, 2, 3, 4], 2) == Resume(served_again=[3, 4], discarded=[], served_through=4)
+    assert plan_resume([3, 5], 2) == Resume(served_again=[], discarded=[3, 5], served_through=2)  # a gap
+    assert plan_resume([4], 2) == Resume(served_again=[], discarded=[4], served_through=2)
+    assert plan_resume([], 0) == Resume(served_again=[], discarded=[], served_through=0)
+    st = state()
+    st.served(6)
+    st.resume(plan_resume([3, 4], 2), None)
+    assert st.served_through == 4 and st.serves_again(4) and not st.serves_again(5)
+
+
+def test_the_ledger_after_a_resume_drops_rolled_back_batches_and_restores_a_lost_line() -> None:
+    ledger = [{"event": "batch", "step": 1}, {"event": "dropped_uniform", "key": [0, 3]},
+              {"event": "batch", "step": 2}, {"event": "batch", "step": 3}, {"event": "batch", "step": 4}]
+    # steps 3 and 4 are served again; step 5's batch reached the disk but not the ledger before a crash
+    resume = plan_resume([3, 4, 5], 2)
+    saved = {k: {"event": "batch", "step": k, "keys": [[0, k]]} for k in (3, 4, 5)}
+    assert ledger_after_resume(ledger, resume, saved) == ledger + [saved[5]]
+    # a gap: nothing after the checkpoint is served again, so those batches leave the ledger
+    assert ledger_after_resume(ledger, plan_resume([3, 5], 2), saved) == ledger[:3]
 
 
 @pytest.mark.parametrize("seed", range(3))

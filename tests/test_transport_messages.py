@@ -301,17 +301,18 @@ def test_fast_path_and_general_path_agree() -> None:
     assert decode(encode(Error("c", "t")))[1] == Error("c", "t", None)
 
 
-def test_older_versions_still_decode_except_the_rl_messages_versions_3_and_4_changed() -> None:
+def test_older_versions_still_decode_except_the_rl_messages_versions_3_to_5_changed() -> None:
     # version 2 only added the batch container; version 3 changed four rl message bodies (composition),
-    # version 4 rl.batch (columns and tensor frames): single messages (and message logs) of versions 1 to 3
-    # read fine, except those kinds
-    assert SCHEMA_VERSION == 4 and M.READABLE_VERSIONS == {1, 2, 3, 4}
-    for version in (1, 2, 3):
+    # version 4 rl.batch (columns and tensor frames), version 5 the task of rl.generate_group and
+    # rl.trajectories (no level): single messages (and message logs) of versions 1 to 4 read fine, except
+    # those kinds
+    assert SCHEMA_VERSION == 5 and M.READABLE_VERSIONS == {1, 2, 3, 4, 5}
+    for version in (1, 2, 3, 4):
         header, msg = decode([_head(body={"seq": 3}, version=version)])
         assert msg == Ping(3) and header.version == version
     with pytest.raises(SchemaMismatch, match="schema version 0"):
         decode([_head(version=0)])
-    importlib.import_module("transport.protocol")
+    protocol = importlib.import_module("transport.protocol")
     task = {"kind": "math", "answer": "2", "tests": [], "mode": "", "level": 1}
     version_2_trajectories = {"group_id": "g", "query_id": "q", "prompt_ids": [1], "task": task, "samples": [],
                               "rollout": "rollout.0"}
@@ -320,6 +321,14 @@ def test_older_versions_still_decode_except_the_rl_messages_versions_3_and_4_cha
     version_3_batch = {"step": 1, "groups": [], "stats": {}}
     with pytest.raises(FieldError, match="field 'groups': unknown field"):
         decode([_head("rl.batch", body=version_3_batch, version=3)])
+    version_4_trajectories = {"group_id": "g", "task": task, "answers": {"samples": [], "rollout": "rollout.0"}}
+    with pytest.raises(FieldError, match="field 'task.level': unknown field"):
+        decode([_head("rl.trajectories", body=version_4_trajectories, version=4)])
+    version_4_generate = {"group_id": "g", "prompt_ids": [1], "n": 2, "task": task}
+    with pytest.raises(FieldError, match="field 'task.level': unknown field"):
+        decode([_head("rl.generate_group", body=version_4_generate, version=4)])
+    del task["level"]
+    assert decode([_head("rl.trajectories", body=version_4_trajectories, version=5)])[1].task == protocol.Task("math", "2")
 
 
 def test_batch_container_round_trip_and_errors() -> None:

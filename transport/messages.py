@@ -32,13 +32,14 @@ from typing import Any, Callable, ClassVar, Iterable, TypeVar
 
 import msgpack
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # Versions whose single-message layout this process reads. Version 2 added the batch container (below);
 # a version-1 frame is laid out identically, so message logs written by version 1 still decode. Version 3
 # changed the bodies of rl.generate_group, rl.trajectories, rl.scored_group and rl.batch (transport/
-# protocol.py); version 4 changed rl.batch again (columns and tensor frames: BatchTensors). Such a message
-# of an older version is refused naming its first unknown field; every other kind still decodes.
-READABLE_VERSIONS = frozenset({1, 2, 3, 4})
+# protocol.py); version 4 changed rl.batch again (columns and tensor frames: BatchTensors); version 5
+# dropped the task's level from rl.generate_group and rl.trajectories. Such a message of an older version
+# is refused naming its first unknown field; every other kind still decodes.
+READABLE_VERSIONS = frozenset({1, 2, 3, 4, 5})
 
 # A batch container: several small tensor-free messages to one peer in one ZeroMQ frame,
 #     msgpack [BATCH_TAG, SCHEMA_VERSION, sender, "", ts, None, False, [frame0, frame0, ...]]

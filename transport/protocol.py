@@ -57,7 +57,6 @@ class Task:
     answer: str = ""
     tests: list[dict[str, Any]] = field(default_factory=list)
     mode: str = ""
-    level: int = -1
 
 
 @dataclass

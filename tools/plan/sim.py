@@ -5,7 +5,7 @@ FLOPs it does at the batch's size and KV length, summed in closed form between e
 prefilled once, its answers share it); answer lengths come from a long-tailed distribution; every weight
 update pauses the servers for the broadcast and, in interruptible mode, re-prefills the answers in flight;
 each finished group waits the reward latency; the buffer admits groups through the project's own
-`algo.staleness.StalenessGate`, drops uniform groups with `algo.dynamic_sampling.filter_uniform_groups`
+`algo.staleness.StalenessGate`, drops uniform groups with `algo.dynamic_sampling.is_uniform`
 when dynamic sampling is on, and forms a batch of the B oldest accepted groups; the trainer's step packs
 them with `algo.packing` (`costs.train_step_seconds`) and then broadcasts the weights.
 
@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from algo.dynamic_sampling import filter_uniform_groups
+from algo.dynamic_sampling import is_uniform
 from algo.staleness import StalenessGate, sample_staleness
 from tools.plan import costs, hardware
 from tools.plan.shapes import ModelShape
@@ -376,7 +376,7 @@ class Simulation:
         elif cfg.dynamic_sampling:
             p = self.rng.beta(2 * cfg.accuracy, 2 * (1 - cfg.accuracy))
             rewards = torch.tensor((self.rng.random(cfg.group_size) < p).astype(np.float32))
-            accepted = filter_uniform_groups(rewards, torch.zeros(cfg.group_size, dtype=torch.int64)).n_kept_groups == 1
+            accepted = not is_uniform(rewards)
         self.gate.finish(accepted=accepted)
         if accepted:
             self.ready.append(group)
