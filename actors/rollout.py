@@ -145,17 +145,14 @@ class ServerWeightGroup:
         self.generation = msg.generation
 
     async def receive(self, msg: WeightsReady) -> None:
-        from actors.engines.sglang import TensorSpec
-
         if len(msg.specs) != msg.n_buckets:
             raise EngineError(f"version {msg.version}: {msg.n_buckets} buckets but specs for {len(msg.specs)}")
         per_stage = list(msg.stage_buckets) or [msg.n_buckets]
         if sum(per_stage) != msg.n_buckets or len(per_stage) != len(self.groups):
             raise EngineError(f"version {msg.version}: buckets per stage {per_stage} do not fit {msg.n_buckets} "
                               f"buckets on {len(self.groups)} groups")
-        buckets = [[TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in bucket] for bucket in msg.specs]
         groups = [name for name, n in zip(self.groups, per_stage) for _ in range(n)]
-        await self.engine.update_weights_from_distributed(msg.version, buckets, group_name=groups)
+        await self.engine.update_weights_from_distributed(msg.version, msg.specs, group_name=groups)
 
     def close(self) -> None:
         self.groups, self.generation = [], None

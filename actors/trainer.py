@@ -51,11 +51,11 @@ from algo.advantages import AdvNorm, KLEstimator, compute_advantages, kl_penalty
 from algo.packing import allocate_micro_batches, split_by_rank
 from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
 from algo.staleness import sample_staleness
-from transport.bulk import BulkError, BulkLink, LinkConfig, PackedBucket, unpack_bucket
+from transport.bulk import BulkError, BulkLink, LinkConfig, PackedBucket, TensorMeta, bucket_metas, unpack_bucket
 from transport.bus import BusError
 from transport.messages import decode, encode
 from transport.protocol import (Batch, BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, HelloRequest, LinkFormed,
-                                LinkReform, RunFinished, TensorMeta, VersionUpdate, WeightsBroadcast, WeightsBroadcastDone,
+                                LinkReform, RunFinished, VersionUpdate, WeightsBroadcast, WeightsBroadcastDone,
                                 WeightsPublished, WeightsStored)
 
 
@@ -190,11 +190,6 @@ BUFFER_ATTEMPTS = 10
 
 class TrainerConfigError(ValueError):
     """The trainer's settings or placement cannot work; the message says why."""
-
-
-def bucket_metas(buckets: list[Any]) -> list[list[TensorMeta]]:
-    """Per bucket, the names, dtypes and shapes a server that receives it must be told."""
-    return [[TensorMeta(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in b] for b in buckets]
 
 
 @dataclass
@@ -451,7 +446,7 @@ class TrainerActor(Actor):
             return None   # not a stage sender (data- or tensor-parallel rank > 0)
         self._keep(version, buckets)
         # No digests: the servers are checked by the version they report (see _publish).
-        return StageExport(self.engine.pp_rank, bucket_metas(buckets), [])
+        return StageExport(self.engine.pp_rank, [bucket_metas(b) for b in buckets], [])
 
     def _keep(self, version: int, buckets: list[Any]) -> None:
         """Direct weights: this rank's buckets of `version`, packed, kept with the previous version only
@@ -616,7 +611,7 @@ class TrainerActor(Actor):
             digest = combine_digests(digests + [d for s in stages for d in s.digests])
         if self.direct:
             await asyncio.to_thread(self._keep, self.version, buckets)
-            specs = bucket_metas(buckets) + [m for s in stages for m in s.specs]
+            specs = [bucket_metas(b) for b in buckets] + [m for s in stages for m in s.specs]
             stage_buckets = [len(buckets)] + [len(s.specs) for s in stages] if stages else []
             reply = await self.bus.request(self.param_server, WeightsPublished(
                 version=self.version, n_buckets=len(specs), weights_hash=digest, specs=specs,

@@ -22,11 +22,12 @@ import torch
 from actors.engines.base import EngineError, GenerationRequest, RequestError, SamplingParams
 from actors.engines.checkpoint import hf_state_dict, save_model
 from actors.engines.sglang import (LaunchConfig, SGLangEngine, SGLangError, SGLangLaunchError, WeightGroupSender, _sample_seed,
-                                   bucket_specs, free_port)
+                                   free_port)
 from actors.engines.sglang_standin import StandinThread
 from actors.engines.testing import greedy_reference, random_sequences, tiny_model
 from actors.engines.torch_gen import TorchGenerationEngine
 from actors.weights import weights_hash
+from transport.bulk import bucket_metas
 
 TIMEOUT = 60.0
 VOCAB = 97
@@ -362,7 +363,7 @@ def test_launched_server_distributed_weights_and_restart(tmp_path):
             for b in buckets:
                 sender.send(b)
 
-        await asyncio.gather(engine.update_weights_from_distributed(version, [bucket_specs(b) for b in buckets],
+        await asyncio.gather(engine.update_weights_from_distributed(version, [bucket_metas(b) for b in buckets],
                                                                     flattened=flattened),
                              asyncio.to_thread(send_all))
         return weights_hash(named)

@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from transport.bulk import TensorMeta   # a field type of the weights messages: one bucket format
 from transport.messages import Message, message
 
 # Each tensor frame of a BatchTensors holds at most this many bytes: well under the bus's 256 MiB frame
@@ -384,16 +385,6 @@ class VersionUpdate(Message):
     """trainer -> buffer: the trainer finished step `version` (versions count training steps)."""
 
     version: int
-
-
-@dataclass
-class TensorMeta:
-    """Name, dtype and shape of one tensor of a weight bucket: what an SGLang server must be told to receive
-    it (`/update_weights_from_distributed`)."""
-
-    name: str
-    dtype: str
-    shape: list[int]
 
 
 @message("rl.weights_published", senders=("trainer",))

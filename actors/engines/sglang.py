@@ -50,15 +50,15 @@ from typing import Any
 
 import torch
 
+from transport.bulk import FLAT_ALIGN, TensorMeta, pack_bucket, unpack_flat
 from transport.ports import free_port
 
 from .base import (EngineError, GenerationEngine, GenerationRequest, GenerationResult, RequestError,
                    WeightBucket, WeightSource)
 
 __all__ = ["SGLANG_VERSION", "ROUTES", "SAMPLING_FIELDS", "META_INFO_KEYS", "SGLangError", "SGLangHTTPError",
-           "SGLangLaunchError", "TensorSpec", "LaunchConfig", "SGLangServer", "SGLangEngine",
-           "WeightGroupSender", "join_weight_group", "bucket_specs", "flatten_bucket", "unflatten_bucket",
-           "free_port"]
+           "SGLangLaunchError", "LaunchConfig", "SGLangServer", "SGLangEngine",
+           "WeightGroupSender", "join_weight_group", "free_port"]
 
 # The SGLang release whose HTTP API this module speaks (pinned in pyproject.toml's `gpu` extra). 0.5.6 is
 # the first release whose /pause_generation takes a mode (abort / in_place / retract).
@@ -133,53 +133,6 @@ def sampling_payload(**fields: Any) -> dict[str, Any]:
 # Weights over a process group, laid out as SGLang's model runner expects them
 # ------------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """What the server allocates before a broadcast: name, dtype name ("bfloat16"), shape."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
-        return cls(name, str(tensor.dtype).removeprefix("torch."), tuple(int(d) for d in tensor.shape))
-
-    def torch_dtype(self) -> torch.dtype:
-        dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise RequestError(f"tensor {self.name!r}: unknown dtype {self.dtype!r}")
-        return dtype
-
-    def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * torch.empty((), dtype=self.torch_dtype()).element_size()
-
-
-def bucket_specs(bucket: WeightBucket) -> list[TensorSpec]:
-    return [TensorSpec.of(name, t) for name, t in bucket]
-
-
-def flatten_bucket(bucket: WeightBucket) -> torch.Tensor:
-    """SGLang's "flattened_bucket" load format: every tensor's bytes concatenated in order (no padding)."""
-    if not bucket:
-        raise RequestError("flatten_bucket: empty bucket")
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
-
-
-def unflatten_bucket(flat: torch.Tensor, specs: Sequence[TensorSpec]) -> WeightBucket:
-    out, offset = [], 0
-    for spec in specs:
-        n = spec.nbytes()
-        out.append((spec.name, flat[offset:offset + n].view(spec.torch_dtype()).view(spec.shape)))
-        offset += n
-    if offset != flat.numel():
-        raise RequestError(f"flattened bucket has {flat.numel()} bytes, the specs describe {offset}")
-    return out
-
-
 def join_weight_group(master_address: str, master_port: int, rank: int, world_size: int,
                       group_name: str = DEFAULT_GROUP, backend: str = "nccl", timeout_s: float = 300.0) -> Any:
     """Join the weight-update process group the way SGLang's model runner does (``init_custom_process_group``):
@@ -224,21 +177,21 @@ def broadcast_bucket(pg: Any, bucket: WeightBucket, flattened: bool) -> None:
     import torch.distributed as dist
 
     if flattened:
-        dist.broadcast(flatten_bucket(bucket), src=0, group=pg)
+        dist.broadcast(pack_bucket(bucket, align=FLAT_ALIGN, checksum=False).flat, src=0, group=pg)
         return
     handles = [dist.broadcast(t.detach().contiguous(), src=0, group=pg, async_op=True) for _, t in bucket]
     for h in handles:
         h.wait()
 
 
-def receive_bucket(pg: Any, specs: Sequence[TensorSpec], flattened: bool, device: str = "cpu") -> WeightBucket:
+def receive_bucket(pg: Any, specs: Sequence[TensorMeta], flattened: bool, device: str = "cpu") -> WeightBucket:
     """The server's half (what SGLang's model runner does on each rank; used by the stand-in server)."""
     import torch.distributed as dist
 
     if flattened:
         flat = torch.empty(sum(s.nbytes() for s in specs), dtype=torch.uint8, device=device)
         dist.broadcast(flat, src=0, group=pg)
-        return unflatten_bucket(flat, specs)
+        return unpack_flat(flat, specs, "weights group")
     out = [(s.name, torch.empty(s.shape, dtype=s.torch_dtype(), device=device)) for s in specs]
     handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in out]
     for h in handles:
@@ -952,7 +905,7 @@ class SGLangEngine(GenerationEngine):
                                                                   group_name=group_name))
         self.groups.pop(group_name, None)
 
-    async def update_weights_from_distributed(self, version: int, buckets: Iterable[Sequence[TensorSpec]], *,
+    async def update_weights_from_distributed(self, version: int, buckets: Iterable[Sequence[TensorMeta]], *,
                                               group_name: str | Sequence[str] = DEFAULT_GROUP,
                                               flattened: bool = True) -> None:
         """Receive ``version`` over the weight group, one /update_weights_from_distributed call per bucket

@@ -41,8 +41,10 @@ from typing import Any
 
 import torch
 
+from transport.bulk import TensorMeta
+
 from .base import EngineError, GenerationRequest, RequestError, SamplingParams
-from .sglang import SGLANG_VERSION, TensorSpec, drop_weight_group, join_weight_group, receive_bucket
+from .sglang import SGLANG_VERSION, drop_weight_group, join_weight_group, receive_bucket
 from .torch_gen import TorchGenerationEngine
 
 __all__ = ["StandinServer", "main"]
@@ -351,7 +353,7 @@ class StandinServer:
         names, dtypes, shapes = list(body["names"]), list(body["dtypes"]), list(body["shapes"])
         if not (len(names) == len(dtypes) == len(shapes)) or not names:
             raise _BadRequest("names, dtypes and shapes must be non-empty lists of one length")
-        specs = [TensorSpec(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
+        specs = [TensorMeta(n, d, [int(x) for x in s]) for n, d, s in zip(names, dtypes, shapes)]
         flattened = body.get("load_format") == "flattened_bucket"
         try:
             bucket = await asyncio.to_thread(receive_bucket, pg, specs, flattened, self.device)
