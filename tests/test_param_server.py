@@ -10,13 +10,14 @@ import pytest
 import uvloop
 
 from actors.base import ActorSpec
-from actors.param_server import ParamServerActor, WeightsStatus, WeightsStatusRequest, load_start_weights
+from actors.param_server import ParamServerActor, load_start_weights
 from actors.weights import weights_hash
 from actors.engines.checkpoint import hf_state_dict, load_model
 from tests.test_weight_sync import free_port, link, make_model_dir, trainer_weights
 from transport.bulk import BulkLink, LinkConfig
 from transport.bus import Bus, RemoteError
-from transport.protocol import RolloutHello, ServerDown, WeightsPublished, WeightsStored
+from transport.protocol import (RolloutHello, ServerDown, WeightsPublished, WeightsStatus, WeightsStatusRequest,
+                                WeightsStored)
 
 
 def run(coro: Any, timeout: float = 60.0) -> Any:
@@ -160,7 +161,7 @@ def test_a_rollout_that_restarted_during_a_failed_formation_is_not_put_on_probat
     # the weights for probation_s (a test run ended before it got any). Probation is for one back from a hang.
     import time
 
-    from actors.param_server import RolloutWeights
+    from transport.protocol import RolloutWeights
 
     s = spec(tmp_path, make_model_dir(tmp_path / "model"), {"train_to_ps": 1, "ps_to_rollout": 2},
              ["param_server", "rollout.0", "rollout.1"])
@@ -171,10 +172,10 @@ def test_a_rollout_that_restarted_during_a_failed_formation_is_not_put_on_probat
         actor.rollouts = {"rollout.0": RolloutWeights(hello=True, hello_at=started - 10),
                           "rollout.1": RolloutWeights(hello=True, hello_at=started + 1)}   # hello during it
         actor._last_good, actor.probation_s = {"rollout.0"}, 30.0   # set in on_start, which needs the links
-        actor._failed_with(["rollout.0", "rollout.1"], started=started)
+        actor.failed_with(["rollout.0", "rollout.1"], started=started)
         assert actor._ready() == ["rollout.0", "rollout.1"]
         actor.rollouts["rollout.1"].hello_at = started - 1       # the same process, back from a hang
-        actor._failed_with(["rollout.0", "rollout.1"], started=started)
+        actor.failed_with(["rollout.0", "rollout.1"], started=started)
         assert actor._ready() == ["rollout.0"] and actor.counters["rollouts_on_probation"] == 1
 
     run(main())

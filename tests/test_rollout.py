@@ -11,7 +11,8 @@ import pytest
 import uvloop
 
 from actors.base import ActorSpec
-from actors.rollout import RolloutActor, RolloutConfigError, link_config, make_engine
+from actors.rollout import RolloutActor, RolloutConfigError, make_engine
+from actors.weight_sync import WeightSyncConfigError, link_config
 from tests.test_weight_sync import make_model_dir
 from transport.bus import Bus, Envelope, RemoteError
 from transport.protocol import GenerateGroup, GroupReturned, Task, Trajectories, WeightsReady, WorkerHello
@@ -97,6 +98,6 @@ def test_rollout_generates_returns_and_drains(tmp_path: Path) -> None:
 def test_configuration_errors_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(RolloutConfigError, match="engine: 'vllm' is not available"):
         make_engine({"engine": "vllm"}, 0, str(tmp_path))
-    with pytest.raises(RolloutConfigError, match="link: link 'weights' is not in settings.links"):
+    with pytest.raises(WeightSyncConfigError, match="link: link 'weights' is not in settings.links"):
         link_config({"link": "weights", "links": {}}, "ps_to_rollout")
     assert link_config({"links": {}}, "ps_to_rollout") is None

@@ -7,7 +7,7 @@ import torch
 from actors.engines.testing import sampled_batch, tiny_model
 from actors.engines.base import PackedBatch
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
-from actors.trainer import StepConfig, batch_to_sequences, train_on_batch
+from actors.train_step import StepConfig, batch_to_sequences, train_on_batch
 
 
 def test_first_step_is_on_policy_and_updates_weights():

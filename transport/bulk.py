@@ -48,6 +48,7 @@ __all__ = [
     "BulkLink",
     "bucket_metas",
     "pack_bucket",
+    "pack_buckets",
     "unpack_bucket",
     "unpack_flat",
     "bucket_checksum",
@@ -229,6 +230,11 @@ def pack_bucket(bucket: Bucket, bucket_id: int = 0, *, align: int = _ALIGN, chec
     if checksum:
         header.update(algo="xxh3_64" if device.type == "cpu" else "wsum", checksum=bucket_checksum(flat))
     return PackedBucket(header, flat)
+
+
+def pack_buckets(buckets: Sequence[Bucket]) -> list[PackedBucket]:
+    """Each bucket of a version packed for a link, numbered in order."""
+    return [pack_bucket(b, i) for i, b in enumerate(buckets)]
 
 
 def _views(flat: torch.Tensor, entries: Sequence[dict[str, Any]], link: str) -> Bucket:

@@ -4,7 +4,7 @@
                                             [--weight-version 0] [--random-seed S] [--tp-size 1] ...
 
 It serves the routes and request/response fields of SGLang's HTTP server (the release pinned in
-actors.engines.sglang.SGLANG_VERSION) that the SGLang engine uses, over a `TorchGenerationEngine`:
+actors.engines.sglang_routes.SGLANG_VERSION) that the SGLang engine uses, over a `TorchGenerationEngine`:
 
     GET  /health /health_generate /model_info /server_info /weight_version
     POST /generate                 input_ids, sampling_params, return_logprob, rid -> output_ids, meta_info
@@ -44,7 +44,8 @@ import torch
 from transport.bulk import TensorMeta
 
 from .base import EngineError, GenerationRequest, RequestError, SamplingParams
-from .sglang import SGLANG_VERSION, drop_weight_group, join_weight_group, receive_bucket
+from .sglang_group import drop_weight_group, join_weight_group, receive_bucket
+from .sglang_routes import SGLANG_VERSION
 from .torch_gen import TorchGenerationEngine
 
 __all__ = ["StandinServer", "main"]
