@@ -113,7 +113,10 @@ class WeightSender(abc.ABC):
 
 
 class Fanout(abc.ABC):
-    """The parameter server's side: forms a generation's group and moves a stored version over it."""
+    """The parameter server's side: forms a generation's group and moves a stored version over it. It is
+    built with the ParamServerActor that coordinates, and reports back through its coordination calls:
+    ``send_link_reform``, ``await_formation`` and ``unless_lost`` (a transfer ends when a member is lost),
+    ``record_ack``, ``pushed``, ``failed_with`` (probation), ``kick`` (look again)."""
 
     #: whether the parameter server holds the bytes of each version (it can keep some for the evaluator)
     holds_weights: bool = False
@@ -156,6 +159,9 @@ class WeightReceiver(abc.ABC):
     @abc.abstractmethod
     async def receive(self, msg: WeightsReady) -> WeightsAck:
         """Receive ``msg.version`` and make the engine sample with it; the ack."""
+
+    def abandon_before(self, generation: int) -> None:
+        """A LinkReform of ``generation`` came: a transfer of an older generation will never be finished."""
 
     def server_lost(self) -> None:
         """The engine's server died or restarted: whatever group it had joined went with it."""
