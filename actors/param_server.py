@@ -27,13 +27,16 @@ One task, the *pusher*, owns the rollout link, so formation and transfers never 
 
 At start the server holds the start weights (:func:`actors.recovery.start_weights`), so a rollout that
 starts late or restarts is brought to the current version even before the trainer publishes anything new.
-:class:`WeightsStatusRequest` (this module) reports the per-rollout state and can wait for a version.
+:class:`WeightsStatusRequest` reports the per-rollout state and can wait for a version.
 
-Direct weights (GPU topologies: one link of ``[trainer.0, rollout]``, the parameter server in none). The
-trainer keeps its last two exported versions and is rank 0 of the rollouts' link; this server holds no
-weights and runs the same pusher, but forms the group by sending :class:`LinkReform` to the trainer as a
-request too, and has the trainer broadcast (:class:`WeightsBroadcast`) instead of broadcasting itself. The
-rollouts cannot tell the difference. The start version's hash is not known here (nothing is loaded), so a
+How a formation and a push move bytes is the *fanout*'s, picked once at start (actors/weight_sync): the
+relay's :class:`~actors.weight_sync.RelayFanout` (this server is rank 0 of the rollouts' link and sends on
+a lane per rollout), or, with direct weights (GPU topologies: one link of ``[trainer.0, rollout]``, this
+server in none), :class:`~actors.weight_sync.TrainerFanout`: the trainer keeps its last two exported
+versions and is rank 0 of the rollouts' group; this server holds no weights and runs the same pusher, but
+forms the group by sending :class:`LinkReform` to the trainer as a request too, and has the trainer
+broadcast (:class:`WeightsBroadcast`) instead of broadcasting itself. The rollouts cannot tell the
+difference. The start version's hash is not known here (nothing is loaded), so a
 rollout at the start version counts as up to date, as in the relay mode.
 
 Evaluation during the run (``eval.every_versions`` N > 0): every stored version that is a multiple of N
@@ -51,25 +54,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import time
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from actors.base import Actor, ActorSpec, handles
 from actors.engines.checkpoint import bucketize, iter_checkpoint_tensors
 from actors.recovery import start_weights
-from actors.rollout import in_thread, link_config
+from actors.weight_sync import Fanout, RelayFanout, TrainerFanout, in_thread, link_config
 from actors.weights import weights_hash
-from transport.bulk import BulkError, BulkLink, PackedBucket, pack_bucket
+from transport.bulk import BulkError, BulkLink, PackedBucket, pack_buckets
 from transport.bus import BusError
-from transport.messages import Message, message
-from transport.protocol import (HelloRequest, LinkReform, RolloutHello, RunFinished, ServerDown, WeightsAck, WeightsBroadcast,
-                                WeightsPublished, WeightsReady, WeightsStored)
+from transport.protocol import (EvalWeights, EvalWeightsRequest, HelloRequest, LinkReform, RolloutHello,
+                                RolloutWeights, RunFinished, ServerDown, WeightsPublished, WeightsStatus,
+                                WeightsStatusRequest, WeightsStored)
 
-__all__ = ["ParamServerActor", "ParamServerConfigError", "WeightsRejected", "WeightsStatusRequest",
-           "WeightsStatus", "EvalWeightsRequest", "EvalWeights", "kept_for_eval", "RolloutWeights", "StoredVersion", "pack_buckets"]
+__all__ = ["ParamServerActor", "ParamServerConfigError", "WeightsRejected", "kept_for_eval", "StoredVersion"]
 
 
 class ParamServerConfigError(ValueError):
@@ -78,77 +79,6 @@ class ParamServerConfigError(ValueError):
 
 class WeightsRejected(RuntimeError):
     """A published version was not stored (hash mismatch, link failure); the message says why."""
-
-
-@dataclasses.dataclass
-class RolloutWeights:
-    version: int = -1
-    weight_ranks: int = 0     # > 0: its server joins the direct weights group itself, as this many ranks
-    weights_hash: str = ""
-    verified: str = ""        # how its last ack was checked: "hash" or "version" (WeightsAck.verified)
-    ack_ok: bool = False      # the last ack passed that check for the version pushed
-    alive: bool = True
-    hello: bool = False
-    incarnation: str = ""     # of the process that said hello last
-    hello_at: float = 0.0     # time.monotonic() of that hello
-    receive_seconds: float = 0.0
-    stall_seconds: float = 0.0
-
-    VOLATILE: ClassVar[tuple[str, ...]] = ("incarnation", "hello_at", "receive_seconds", "stall_seconds")
-
-
-@message("ps.weights_status_request", senders=("trainer",))
-class WeightsStatusRequest(Message):
-    """Ask the parameter server for its state. With ``min_version`` >= 0 and ``timeout_s`` > 0 the reply
-    waits (up to ``timeout_s``; ``reached`` says whether it happened) until every rollout is alive, has
-    said hello and acked at least that version, the ack passing its check (the hash, or the version an
-    SGLang server reports; a rollout still at the start version has nothing to ack), on a link generation
-    >= ``min_generation``."""
-
-    min_version: int = -1
-    min_generation: int = -1
-    timeout_s: float = 0.0
-
-
-@message("ps.weights_status")
-class WeightsStatus(Message):
-    VOLATILE: ClassVar[tuple[str, ...]] = ("last_sync_seconds",)
-
-    version: int
-    weights_hash: str
-    generation: int
-    rollouts: dict[str, RolloutWeights]
-    pushes: int
-    hash_mismatches: int
-    last_sync_seconds: float
-    reached: bool
-
-
-@message("ps.eval_weights_request", senders=("evaluator",))
-class EvalWeightsRequest(Message):
-    """The evaluator's request for bucket ``bucket`` of the weights kept for evaluation. With ``version``
-    -1: of the newest kept version newer than ``after``, waiting up to ``timeout_s`` for one; otherwise of
-    that version (if it is no longer kept, the reply's version is -1 and the evaluator starts again)."""
-
-    after: int = -1
-    version: int = -1
-    bucket: int = 0
-    timeout_s: float = 0.0
-
-
-@message("ps.eval_weights")
-class EvalWeights(Message):
-    """One bucket of a kept version (``version`` -1: none to give; ``flat`` is then empty). ``newest`` is
-    the newest version stored here when it was sent: how far training has got beyond the one evaluated."""
-
-    version: int
-    newest: int
-    weights_hash: str
-    n_buckets: int
-    bucket: int
-    header: dict[str, Any]
-    flat: torch.Tensor
-    unavailable: str = ""    # why this server can never give any (then version is -1)
 
 
 def kept_for_eval(version: int, every: int) -> bool:
@@ -169,10 +99,6 @@ class StoredVersion:
     def __post_init__(self) -> None:
         if self.n_buckets < 0:
             self.n_buckets = len(self.packed)
-
-
-def pack_buckets(buckets: list[list[tuple[str, torch.Tensor]]]) -> list[PackedBucket]:
-    return [pack_bucket(b, i) for i, b in enumerate(buckets)]
 
 
 def load_start_weights(settings: dict[str, Any], run_dir: Any, bucket_bytes: int) -> StoredVersion:
@@ -196,11 +122,7 @@ class ParamServerActor(Actor):
         self.start_version = 0
         self.rollouts: dict[str, RolloutWeights] = {}
         self.up: BulkLink | None = None
-        self.down: BulkLink | None = None
-        self.direct_from: str | None = None     # the trainer that broadcasts, with direct weights
-        self._acks: dict[str, asyncio.Future] = {}   # the running push's WeightsReady requests, by rollout
-        self._lanes: dict[str, asyncio.Future] = {}  # relay: each rollout's running transfer and ack
-        self._abandoned: dict[str, str] = {}         # ... given up on, and why
+        self.fanout: Fanout | None = None       # how a version reaches the rollouts: the relay, or the trainer
         self.trainer_rank = 0
         self.generation: int | None = None      # generation of the formed rollout link, None if not formed
         self.next_generation = 0
@@ -220,6 +142,7 @@ class ParamServerActor(Actor):
         self._storing: set[asyncio.Task] = set()   # published versions being hashed and packed
         self._trainer_incarnation = ""
         self._waiting_logged: tuple = ()
+        self._form_started = 0.0   # time.monotonic() of the running formation's start
         # Hellos can arrive while on_start still loads the start weights; they are applied once it is done.
         self._started = asyncio.Event()
         self._early_hellos: dict[str, RolloutHello] = {}
@@ -262,7 +185,7 @@ class ParamServerActor(Actor):
                       buckets=len(self.current.packed), nbytes=self.current.nbytes,
                       seconds=round(time.monotonic() - t0, 3))
         # The train link is joined at the epoch the trainer's first WeightsPublished names (on_published).
-        self.up, self.down = self.make_link(up_cfg), self.make_link(down_cfg)
+        self.up, self.fanout = self.make_link(up_cfg), RelayFanout(self, self.make_link(down_cfg))
         self._mark_started()
 
     def _start_direct(self) -> None:
@@ -272,11 +195,11 @@ class ParamServerActor(Actor):
             raise ParamServerConfigError(f"links: none lists the parameter server, so weights go directly from "
                                          f"the trainer to the rollouts, but groups has trainer {trainers} and "
                                          f"rollout {rollouts}")
-        self.direct_from = trainers[0]
+        self.fanout = TrainerFanout(self, trainers[0])
         self.rollouts = {m: RolloutWeights() for m in rollouts}
         self.start_version, _ = start_weights(self.settings, self.run_dir)
         self.current = StoredVersion(self.start_version, "", [], 0, n_buckets=0)
-        self.log.info("direct_weights", trainer=self.direct_from, rollouts=len(rollouts), version=self.start_version)
+        self.log.info("direct_weights", trainer=trainers[0], rollouts=len(rollouts), version=self.start_version)
         self._mark_started()
 
     def _mark_started(self) -> None:
@@ -291,9 +214,10 @@ class ParamServerActor(Actor):
             await self.bus.send(name, HelloRequest())
 
     async def on_stop(self) -> None:
-        for link in (self.up, self.down):
-            if link is not None:
-                link.close()
+        if self.up is not None:
+            self.up.close()
+        if self.fanout is not None:
+            self.fanout.close()
         times = sorted(self.sync_seconds)
         self.log.info("param_server_stats", pushes=self.pushes, hash_mismatches=self.hash_mismatches,
                       version=self.current.version if self.current else None,
@@ -362,9 +286,8 @@ class ParamServerActor(Actor):
             self.need_reform = True
         if rollout in self._busy_with:
             self._lost.set()
-        if (lane := self._lanes.get(rollout)) is not None:
-            lane.cancel(f"{rollout}: {why}")
-        self._abandon_ack(rollout, why)
+        if self.fanout is not None:
+            self.fanout.lost(rollout, why)
         self._kick.set()
 
     # ---------------------------------------------------------------------------- trainer -> storage
@@ -372,7 +295,8 @@ class ParamServerActor(Actor):
     @handles(WeightsPublished)
     async def on_published(self, msg: WeightsPublished, env: Any) -> WeightsStored:
         await self._started.wait()
-        if self.direct_from is not None:
+        assert self.fanout is not None
+        if not self.fanout.holds_weights:   # the trainer keeps them: only the announcement comes here
             return self._published_direct(msg)
         assert self.up is not None
         if msg.incarnation != self._trainer_incarnation:   # the trainer restarted: its epochs start again
@@ -450,21 +374,13 @@ class ParamServerActor(Actor):
 
     # ---------------------------------------------------------------------------- storage -> rollouts
 
-    def _abandon_ack(self, rollout: str, why: str) -> None:
-        """A rollout that died or restarted will never ack the running push: stop waiting for it now rather
-        than after ack_timeout_s (the others' acks still count; it gets the weights on the next group)."""
-        fut = self._acks.get(rollout)
-        if fut is not None and not fut.done():
-            self._abandoned[rollout] = why
-            fut.cancel()
-
     def _ready(self) -> list[str]:
         """The rollouts a generation is formed of now: said hello, alive, and not on probation."""
         now = time.monotonic()
         return [n for n, s in self.rollouts.items()
                 if s.hello and s.alive and self._probation.get(n, (0.0, 0.0))[0] <= now]
 
-    def _failed_with(self, members: list[str], started: float | None = None) -> None:
+    def failed_with(self, members: list[str], started: float | None = None) -> None:
         """A formation or push failed. If it had members the last good one did not (one back from a hang, its
         server perhaps still stuck in the transfer it was left out of), leave those out for a while, doubling
         each time, so that they cannot keep the others from their weights; their next hello lets them in.
@@ -488,7 +404,7 @@ class ParamServerActor(Actor):
         dead = sorted(n for n, s in self.rollouts.items() if not s.alive)
         return no_hello, dead
 
-    async def _unless_lost(self, members: list[str], work: "asyncio.Future[Any]", what: str) -> Any:
+    async def unless_lost(self, members: list[str], work: "asyncio.Future[Any]", what: str) -> Any:
         """Await ``work`` (a formation or transfer in a thread) unless one of ``members`` is lost first; then
         abandon it with a BulkError (the thread ends on its own generation, which nothing uses again)."""
         self._busy_with, lost = set(members), asyncio.ensure_future(self._lost.wait())
@@ -536,45 +452,50 @@ class ParamServerActor(Actor):
                     continue
             current = self.current
             assert current is not None
-            behind = [n for n in self.formed if self.rollouts[n].version < current.version and n not in self._lanes]
+            behind = [n for n in self.formed
+                      if self.rollouts[n].version < current.version and not self.fanout.busy(n)]
             if not behind:
                 failures = 0
                 continue
-            if await self._push(current):
+            if await self.fanout.push(current, self.generation, list(self.formed)):
                 failures = 0
             else:
                 failures += 1
             self._kick.set()  # look again: a newer version may have arrived meanwhile (coalesced)
 
     async def _form(self, members: list[str]) -> bool:
+        assert self.fanout is not None
         generation = self.next_generation
         self.next_generation += 1
         self.generation, self.formed = None, []
-        t0 = time.monotonic()
-        ranks = [self.rollouts[n].weight_ranks for n in members]
-        if self.direct_from is not None and any(ranks):
-            return await self._form_with_servers(generation, members, t0)
-        names = [self.direct_from or self.name, *members]   # the link's master first
-        for name in members:
-            await self.bus.send(name, LinkReform(generation=generation, members=names))
+        self._form_started = time.monotonic()
+        info = await self.fanout.form(generation, members)
+        if info is None:
+            return False
+        self._formed(generation, members, self._form_started, **info)
+        await self._notify()
+        return True
+
+    async def send_link_reform(self, rollout: str, generation: int, members: list[str]) -> None:
+        """Tell a rollout to join ``generation`` of the link, formed by ``members`` (the link's master first)."""
+        await self.bus.send(rollout, LinkReform(generation=generation, members=members))
+
+    async def await_formation(self, members: list[str], work: "asyncio.Future[Any]", generation: int) -> bool:
+        """Await a formation (the fanout's ``work``) unless one of ``members`` is lost first; a failure is
+        logged and counted, and puts members back from a hang on probation."""
         try:
-            if self.direct_from is not None:
-                await self._unless_lost(members, asyncio.ensure_future(self.bus.request(
-                    self.direct_from, LinkReform(generation=generation, members=names), timeout=self.ack_timeout)),
-                    f"forming generation {generation}")
-            else:
-                assert self.down is not None
-                await self._unless_lost(members, in_thread(self.down.reform, generation, names),
-                                        f"forming generation {generation}")
+            await self.unless_lost(members, work, f"forming generation {generation}")
         except (BulkError, BusError, TimeoutError) as exc:
             self.counters["link_form_failures"] += 1
             self.log.error("rollout_link_form_failed", generation=generation, error=str(exc),
                            retry_in_s=self.retry_s)
-            self._failed_with(members, started=t0)
+            self.failed_with(members, started=self._form_started)
             return False
-        self._formed(generation, members, t0)
-        await self._notify()
         return True
+
+    def kick(self) -> None:
+        """Have the pusher look again (a transfer ended)."""
+        self._kick.set()
 
     def _formed(self, generation: int, members: list[str], t0: float, **info: Any) -> None:
         self.generation, self.formed, self.need_reform = generation, members, False
@@ -585,89 +506,7 @@ class ParamServerActor(Actor):
         self.log.info("rollout_link_formed", generation=generation, members=len(members) + 1, left_out=left_out,
                       seconds=round(time.monotonic() - t0, 3), **info)
 
-    async def _form_with_servers(self, generation: int, members: list[str], t0: float) -> bool:
-        """Direct weights to servers that join themselves (SGLang): the trainer hosts a group of 1 + the
-        servers' ranks; each rollout's server joins at its rank offset. The group is complete when the
-        trainer's first broadcast finds every rank joined (it waits for that, bounded by the link timeout)."""
-        if not all(self.rollouts[n].weight_ranks > 0 for n in members):
-            self.counters["link_form_failures"] += 1
-            self.log.error("rollout_link_form_failed", generation=generation, retry_in_s=self.retry_s,
-                           error="some rollouts receive on the link and some through their servers: "
-                                 f"{ {n: self.rollouts[n].weight_ranks for n in members} }")
-            return False
-        world = 1 + sum(self.rollouts[n].weight_ranks for n in members)
-        try:
-            formed = await self.bus.request(self.direct_from, LinkReform(generation=generation, world_size=world),
-                                            timeout=self.ack_timeout)
-        except (BusError, TimeoutError) as exc:
-            self.counters["link_form_failures"] += 1
-            self.log.error("rollout_link_form_failed", generation=generation, error=str(exc), retry_in_s=self.retry_s)
-            return False
-        offset = 1
-        for name in members:
-            await self.bus.send(name, LinkReform(generation=generation, master_addrs=formed.master_addrs,
-                                                 master_ports=formed.master_ports, rank_offset=offset,
-                                                 world_size=world))
-            offset += self.rollouts[name].weight_ranks
-        self._formed(generation, members, t0, ranks=world, servers=True, stages=len(formed.master_ports))
-        await self._notify()
-        return True
-
-    async def _push(self, stored: StoredVersion) -> bool:
-        return await (self._push_direct(stored) if self.direct_from is not None else self._push_relay(stored))
-
-    async def _push_relay(self, stored: StoredVersion) -> bool:
-        """A lane per member: its buckets sent point to point on a thread of its own, then its ack, so a late
-        or hung member holds up nobody else. The push ends when every lane has, or `late_s` after the first
-        one did; a late lane runs on (its member is skipped until it ends, then catches up), and a lost
-        member's lane is abandoned."""
-        assert self.generation is not None and self.down is not None
-        generation, link = self.generation, self.down
-        members = [n for n in self.formed if n not in self._lanes]
-        t0 = time.monotonic()
-        ready = WeightsReady(version=stored.version, n_buckets=stored.n_buckets, weights_hash=stored.weights_hash,
-                             generation=generation, point_to_point=True)
-        summary: dict[str, dict[str, Any]] = {}
-
-        def send(rank: int) -> None:
-            for packed in stored.packed:
-                link.send_packed(packed, rank, generation)
-
-        async def lane(name: str) -> None:
-            ack = asyncio.ensure_future(self.bus.request(name, ready, timeout=self.ack_timeout))
-            try:
-                await in_thread(send, link.members.index(name))
-                self._record_ack(name, await ack, stored, summary)
-            finally:
-                ack.cancel()
-
-        def ended(name: str, fut: asyncio.Future) -> None:
-            if self._lanes.get(name) is fut:
-                del self._lanes[name]
-            if not fut.cancelled() and fut.exception() is not None:
-                self.need_reform = True   # its side of the group is broken: it joins a fresh one
-            self._kick.set()
-
-        lanes = {name: asyncio.ensure_future(lane(name)) for name in members}
-        for name, fut in lanes.items():
-            self._lanes[name] = fut
-            fut.add_done_callback(functools.partial(ended, name))
-        _, running = await asyncio.wait(lanes.values(), return_when=asyncio.FIRST_COMPLETED)
-        if running:
-            await asyncio.wait(running, timeout=self.late_s)
-        sync_s = time.monotonic() - t0
-        for name, fut in lanes.items():
-            if not fut.done():
-                self.counters["late_rollouts"] += 1
-                summary[name] = {"error": f"late: no ack {self.late_s:g} s after the first (it runs on)"}
-            elif fut.cancelled() or fut.exception() is not None:
-                reason = (f"abandoned: {fut.cancelled() and 'member lost'}" if fut.cancelled() else str(fut.exception()))
-                self.counters["ack_failures"] += 1
-                self.log.error("weights_ack_failed", rollout=name, version=stored.version, error=reason)
-                summary[name] = {"error": reason[:200]}
-        return self._pushed(stored, generation, members, summary, sync_s, sync_s)
-
-    def _pushed(self, stored: StoredVersion, generation: int, members: list[str], summary: dict[str, dict[str, Any]],
+    def pushed(self, stored: StoredVersion, generation: int, members: list[str], summary: dict[str, dict[str, Any]],
                 sent_s: float, sync_s: float) -> bool:
         ok = all(summary.get(name, {}).get("ack_ok") for name in members)
         self.pushes += 1
@@ -677,60 +516,13 @@ class ParamServerActor(Actor):
             for name in members:
                 self._probation.pop(name, None)
         elif any(not r.get("error", "").startswith("late") for r in summary.values() if "error" in r):
-            self._failed_with(members)
+            self.failed_with(members)
         self.log.info("weights_pushed", version=stored.version, generation=generation, buckets=stored.n_buckets,
                       nbytes=stored.nbytes, broadcast_s=round(sent_s, 4), sync_s=round(sync_s, 4), rollouts=summary)
         self._notify_soon()
         return ok
 
-    async def _push_direct(self, stored: StoredVersion) -> bool:
-        """The trainer broadcasts (WeightsBroadcast) on the group it hosts; every member acks."""
-        assert self.generation is not None
-        generation = self.generation
-        t0 = time.monotonic()
-        ready = WeightsReady(version=stored.version, n_buckets=stored.n_buckets, weights_hash=stored.weights_hash,
-                             generation=generation, specs=stored.specs, stage_buckets=stored.stage_buckets)
-        members = self.formed
-        acks = {name: asyncio.ensure_future(self.bus.request(name, ready, timeout=self.ack_timeout))
-                for name in members}
-        summary: dict[str, dict[str, Any]] = {}
-        for name, fut in acks.items():   # each ack counts as it comes: a late member holds nobody else's
-            fut.add_done_callback(lambda f, name=name: f.cancelled() or f.exception() is not None
-                                  or self._record_ack(name, f.result(), stored, summary))
-        self._acks = acks
-        try:
-            sending = asyncio.ensure_future(self.bus.request(
-                self.direct_from, WeightsBroadcast(version=stored.version, generation=generation),
-                timeout=self.ack_timeout))
-            await self._unless_lost(members, sending, f"pushing version {stored.version}")
-        except (BulkError, BusError, TimeoutError) as exc:
-            for fut in acks.values():
-                fut.cancel()
-            await asyncio.gather(*acks.values(), return_exceptions=True)
-            self._acks = {}
-            self.need_reform = True
-            self._failed_with(members, started=t0)
-            self.counters["push_failures"] += 1
-            self.log.error("weights_push_failed", version=stored.version, generation=generation, error=str(exc),
-                           acked=sorted(summary))
-            return False
-        sent_s = time.monotonic() - t0
-        results = await asyncio.gather(*acks.values(), return_exceptions=True)
-        self._acks = {}
-        abandoned, self._abandoned = self._abandoned, {}
-        sync_s = time.monotonic() - t0
-        for name, res in zip(acks, results):
-            if isinstance(res, WeightsAck):
-                continue
-            self.counters["ack_failures"] += 1
-            reason = (str(res) if isinstance(res, (BusError, TimeoutError))
-                      else f"abandoned: {abandoned.get(name, 'cancelled')}"
-                      if isinstance(res, asyncio.CancelledError) else repr(res))
-            self.log.error("weights_ack_failed", rollout=name, version=stored.version, error=reason)
-            summary[name] = {"error": reason[:200]}
-        return self._pushed(stored, generation, members, summary, sent_s, sync_s)
-
-    def _record_ack(self, name: str, ack: Any, stored: StoredVersion, summary: dict[str, dict[str, Any]]) -> None:
+    def record_ack(self, name: str, ack: Any, stored: StoredVersion, summary: dict[str, dict[str, Any]]) -> None:
         state = self.rollouts[name]
         state.version, state.weights_hash, state.verified = ack.version, ack.weights_hash, ack.verified
         state.receive_seconds, state.stall_seconds = ack.receive_seconds, ack.stall_seconds
@@ -809,7 +601,7 @@ class ParamServerActor(Actor):
     async def on_eval_weights(self, msg: EvalWeightsRequest) -> EvalWeights:
         await self._started.wait()
         newest = self.current.version if self.current is not None else -1
-        if self.direct_from is not None:
+        if self.fanout is not None and not self.fanout.holds_weights:
             return EvalWeights(version=-1, newest=newest, weights_hash="", n_buckets=0, bucket=msg.bucket, header={},
                                flat=torch.empty(0, dtype=torch.uint8),
                                unavailable="evaluation during the run needs the relay through the parameter "

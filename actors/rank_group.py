@@ -27,6 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from actors.train_step import StepConfig, train_share
+from transport.messages import decode
+from transport.protocol import BatchTensors
+
 TRAIN, EXPORT, SAVE, STOP = "train", "export", "save", "stop"
 HOST, BROADCAST = "host", "broadcast"        # the weights channel of a pipeline-parallel trainer
 COMMANDS = (TRAIN, EXPORT, SAVE, STOP, HOST, BROADCAST)
@@ -94,3 +98,27 @@ class RankGroup:
                 dist.recv(buf, 0, group=self.group)
             frames.append(memoryview(buf.numpy()))
         return frames
+
+
+def follow_commands(ranks: RankGroup, engine: Any, step_cfg: StepConfig, ref_engine: Any, stage_sender: Any,
+                    log: Any) -> None:
+    """Ranks > 0: make rank 0's engine calls, in its order, until it says stop (blocking). A pipeline
+    stage's sender (``stage_sender``, actors/weight_sync/servers.py) keeps what it exports."""
+    while True:
+        command, args = ranks.next_command()
+        if command == TRAIN:
+            (version,) = args
+            _, share = decode(ranks.recv_frames())
+            if not isinstance(share, BatchTensors):
+                raise TypeError(f"trainer rank {ranks.rank}: expected a batch share, got {type(share).__name__}")
+            ranks.gather(train_share(engine, share, step_cfg, version, ref_engine))
+        elif command == EXPORT:
+            bucket_bytes, version = args
+            buckets = list(engine.export_weights(bucket_bytes))
+            if stage_sender is not None:
+                ranks.gather(stage_sender.keep(version, buckets))
+        elif command == SAVE:
+            engine.save(*args)
+        else:
+            log.info("trainer_rank_done", rank=ranks.rank)
+            return

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.engines.sglang import GET_ROUTES, META_INFO_KEYS, ROUTES, SAMPLING_FIELDS, SGLANG_VERSION, LaunchConfig
+from actors.engines.sglang_routes import GET_ROUTES, META_INFO_KEYS, ROUTES, SAMPLING_FIELDS, SGLANG_VERSION
+from actors.engines.sglang_server import LaunchConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

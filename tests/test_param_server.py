@@ -11,7 +11,7 @@ import pytest
 
 from actors.base import ActorSpec
 from actors.engines.checkpoint import hf_state_dict, load_model
-from actors.param_server import ParamServerActor, WeightsStatus, WeightsStatusRequest, load_start_weights
+from actors.param_server import ParamServerActor, load_start_weights
 from actors.weights import weights_hash
 from testsupport.bounded import run_bounded
 from testsupport.local_actors import actor_spec, gloo_link, ipc_endpoints
@@ -19,7 +19,8 @@ from testsupport.tiny_models import tiny_weight_buckets
 from transport.bulk import BulkLink, LinkConfig
 from transport.bus import Bus, RemoteError
 from transport.ports import free_port
-from transport.protocol import RolloutHello, ServerDown, WeightsPublished, WeightsStored
+from transport.protocol import (RolloutHello, ServerDown, WeightsPublished, WeightsStatus, WeightsStatusRequest,
+                                WeightsStored)
 
 run = functools.partial(run_bounded, timeout=60.0)
 
@@ -157,7 +158,7 @@ def test_a_rollout_that_restarted_during_a_failed_formation_is_not_put_on_probat
     # would keep it out of the weights for probation_s (a test run would end before it got any).
     import time
 
-    from actors.param_server import RolloutWeights
+    from transport.protocol import RolloutWeights
 
     s = spec(tmp_path, random_model_dir, {"train_to_ps": 1, "ps_to_rollout": 2},
              ["param_server", "rollout.0", "rollout.1"])
@@ -168,10 +169,10 @@ def test_a_rollout_that_restarted_during_a_failed_formation_is_not_put_on_probat
         actor.rollouts = {"rollout.0": RolloutWeights(hello=True, hello_at=started - 10),
                           "rollout.1": RolloutWeights(hello=True, hello_at=started + 1)}   # hello during it
         actor._last_good, actor.probation_s = {"rollout.0"}, 30.0   # set in on_start, which needs the links
-        actor._failed_with(["rollout.0", "rollout.1"], started=started)
+        actor.failed_with(["rollout.0", "rollout.1"], started=started)
         assert actor._ready() == ["rollout.0", "rollout.1"]
         actor.rollouts["rollout.1"].hello_at = started - 1       # the same process, back from a hang
-        actor._failed_with(["rollout.0", "rollout.1"], started=started)
+        actor.failed_with(["rollout.0", "rollout.1"], started=started)
         assert actor._ready() == ["rollout.0"] and actor.counters["rollouts_on_probation"] == 1
 
     run(main())

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from actors.rollout import RolloutActor, RolloutConfigError, link_config, make_engine
+from actors.rollout import RolloutActor, RolloutConfigError, make_engine
+from actors.weight_sync import WeightSyncConfigError, link_config
 from testsupport.bounded import run_bounded
 from testsupport.local_actors import actor_spec, ipc_endpoints
 from transport.bus import Bus, RemoteError
@@ -92,6 +93,6 @@ def test_rollout_generates_returns_and_drains(tmp_path: Path, random_model_dir: 
 def test_configuration_errors_name_the_key(tmp_path: Path) -> None:
     with pytest.raises(RolloutConfigError, match="engine: 'vllm' is not available"):
         make_engine({"engine": "vllm"}, 0, str(tmp_path))
-    with pytest.raises(RolloutConfigError, match="link: link 'weights' is not in settings.links"):
+    with pytest.raises(WeightSyncConfigError, match="link: link 'weights' is not in settings.links"):
         link_config({"link": "weights", "links": {}}, "ps_to_rollout")
     assert link_config({"links": {}}, "ps_to_rollout") is None

@@ -6,7 +6,7 @@ import torch
 
 from actors.engines.base import PackedBatch
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
-from actors.trainer import StepConfig, batch_to_sequences, train_on_batch
+from actors.train_step import StepConfig, batch_to_sequences, train_on_batch
 from testsupport.tiny_models import sampled_batch, tiny_model
 
 

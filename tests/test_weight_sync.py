@@ -20,7 +20,6 @@ import torch
 import uvloop
 
 from actors.base import ActorSpec
-from actors.param_server import WeightsStatus, WeightsStatusRequest
 from actors.supervisor import Supervisor
 from testsupport.bounded import run_bounded
 from testsupport.local_actors import actor_spec, gloo_link, ipc_endpoints
@@ -29,7 +28,7 @@ from transport.bulk import BulkLink, LinkConfig
 from transport.bus import Bus, Envelope
 from transport.ports import free_port
 from transport.protocol import (GenerateGroup, GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task,
-                                WeightsPublished, WeightsStored, WorkerHello)
+                                WeightsPublished, WeightsStatus, WeightsStatusRequest, WeightsStored, WorkerHello)
 
 ROLLOUTS = ["rollout.0", "rollout.1", "rollout.2"]      # rollout.2 pauses for weights (not interruptible)
 WAIT_S = 90.0
@@ -252,3 +251,53 @@ def test_run_finished_hands_unfinished_groups_back(system: System) -> None:
         assert system.scored.empty()
 
     system.run(body(), timeout=120)
+
+
+def test_sglang_layout_is_the_one_bucket_format_without_padding() -> None:
+    # SGLang's flattened_bucket is the link's packed buffer with the tensors back to back: a server told
+    # the metas finds every tensor, and a buffer of the wrong size is refused naming both sizes.
+    from transport.bulk import FLAT_ALIGN, BulkError, bucket_metas, pack_bucket, unpack_bucket, unpack_flat
+
+    gen = torch.Generator().manual_seed(0)
+    bucket = [("a", torch.randn(3, 5, generator=gen).bfloat16()), ("b", torch.randn(7, generator=gen).bfloat16())]
+    flat = pack_bucket(bucket, align=FLAT_ALIGN, checksum=False)
+    assert torch.equal(flat.flat, torch.cat([t.reshape(-1).view(torch.uint8) for _, t in bucket]))
+    assert "checksum" not in flat.header and flat.metas() == bucket_metas(bucket)
+    for (name, want), (got_name, got) in zip(bucket, unpack_flat(flat.flat, bucket_metas(bucket))):
+        assert name == got_name and torch.equal(want, got)
+    with pytest.raises(BulkError, match="has 45 bytes, its tensors take 44"):
+        unpack_flat(torch.zeros(45, dtype=torch.uint8), bucket_metas(bucket))
+    linked = pack_bucket(bucket)   # the link's layout: aligned offsets and a checksum
+    assert linked.header["tensors"][1]["offset"] == 32 and linked.metas() == bucket_metas(bucket)
+    assert all(torch.equal(t, u) for (_, t), (_, u) in zip(bucket, unpack_bucket(linked)))
+
+
+def test_each_actor_picks_its_weights_path_once_from_the_topology() -> None:
+    from types import SimpleNamespace
+
+    from actors.weight_sync import (DirectSender, LinkReceiver, RelaySender, ServerGroupReceiver,
+                                    WeightSyncConfigError, make_receiver, make_sender)
+
+    def actor(links: dict[str, Any], **settings: Any) -> Any:
+        return SimpleNamespace(settings={"links": links, "groups": {"param_server": ["param_server"]}, **settings},
+                               make_link=BulkLink, bus=None, incarnation="", counters={}, log=None,
+                               param_server="param_server", active={})
+
+    relay = {"train_to_ps": gloo_link("train_to_ps", 1, ["trainer.0", "param_server"], "trainer.0")}
+    direct = gloo_link("weights", 2, ["trainer.0", "rollout.0"], "trainer.0")
+    assert isinstance(make_sender(actor(relay), None, asyncio.Lock()), RelaySender)
+    assert isinstance(make_sender(actor({"weights": direct}), None, asyncio.Lock()), DirectSender)
+    with pytest.raises(WeightSyncConfigError, match="must be listed first"):
+        make_sender(actor({"weights": gloo_link("weights", 2, ["rollout.0", "trainer.0"], "trainer.0")}), None,
+                    asyncio.Lock())
+    alone = actor(relay)
+    alone.settings["groups"] = {}
+    assert make_sender(alone, None, asyncio.Lock()) is None   # no parameter server: nothing to publish to
+
+    server = SimpleNamespace(init_weights_group=None)   # an engine whose server joins the group itself
+    on_rollout = LinkConfig.from_dict(gloo_link("weights", 2, ["trainer.0", "rollout.0"], "rollout.0"))
+    from_ps = LinkConfig.from_dict(gloo_link("ps_to_rollout", 3, ["param_server", "rollout.0"], "rollout.0"))
+    assert isinstance(make_receiver(actor({}), on_rollout, server, None), ServerGroupReceiver)
+    assert isinstance(make_receiver(actor({}, weights_via_server=False), on_rollout, server, None), LinkReceiver)
+    assert isinstance(make_receiver(actor({}), from_ps, server, None), LinkReceiver)   # the relay
+    assert isinstance(make_receiver(actor({}), on_rollout, object(), None), LinkReceiver)

@@ -4,7 +4,7 @@
                                             [--weight-version 0] [--random-seed S] [--tp-size 1] ...
 
 It serves the routes and request/response fields of SGLang's HTTP server (the release pinned in
-actors.engines.sglang.SGLANG_VERSION) that the SGLang engine uses, over a `TorchGenerationEngine`:
+actors.engines.sglang_routes.SGLANG_VERSION) that the SGLang engine uses, over a `TorchGenerationEngine`:
 
     GET  /health /health_generate /model_info /server_info /weight_version
     POST /generate                 input_ids, sampling_params, return_logprob, rid -> output_ids, meta_info
@@ -42,8 +42,10 @@ from typing import Any
 import torch
 
 from actors.engines.base import EngineError, GenerationRequest, RequestError, SamplingParams
-from actors.engines.sglang import SGLANG_VERSION, TensorSpec, drop_weight_group, join_weight_group, receive_bucket
+from actors.engines.sglang_group import drop_weight_group, join_weight_group, receive_bucket
+from actors.engines.sglang_routes import SGLANG_VERSION
 from actors.engines.torch_gen import TorchGenerationEngine
+from transport.bulk import TensorMeta
 
 __all__ = ["StandinServer", "main"]
 
@@ -351,7 +353,7 @@ class StandinServer:
         names, dtypes, shapes = list(body["names"]), list(body["dtypes"]), list(body["shapes"])
         if not (len(names) == len(dtypes) == len(shapes)) or not names:
             raise _BadRequest("names, dtypes and shapes must be non-empty lists of one length")
-        specs = [TensorSpec(n, d, tuple(int(x) for x in s)) for n, d, s in zip(names, dtypes, shapes)]
+        specs = [TensorMeta(n, d, [int(x) for x in s]) for n, d, s in zip(names, dtypes, shapes)]
         flattened = body.get("load_format") == "flattened_bucket"
         try:
             bucket = await asyncio.to_thread(receive_bucket, pg, specs, flattened, self.device)

@@ -15,11 +15,15 @@ does not hold the others: each member's rank in that generation is its place in 
 runs to its end on the group it started on, so a transfer abandoned on an old generation (a thread still
 blocked in it) never touches the group formed after it.
 
-A bucket is a list of ``(name, tensor)``. It travels as three pieces: a length, a msgpack header
-(names, dtypes, shapes, byte offsets, checksum) and one flat byte buffer holding every tensor, each at
-a 16-byte aligned offset, so receivers get views into a single allocation and only one large
-collective runs per bucket. The receiver recomputes the checksum and raises
-:class:`ChecksumMismatch` (naming the link, bucket and checksums) instead of returning bad weights.
+A bucket is a list of ``(name, tensor)``; :func:`pack_bucket` lays it out as the one wire format every
+weight path uses (:class:`PackedBucket`): a header (each tensor's :class:`TensorMeta` and byte offset, a
+checksum) and one flat byte buffer holding every tensor, so receivers get views into a single allocation
+and only one large collective runs per bucket. On a link it travels as three pieces: a length, the
+msgpack header and the buffer, each tensor at a 16-byte aligned offset; the receiver recomputes the
+checksum and raises :class:`ChecksumMismatch` (naming the link, bucket and checksums) instead of returning
+bad weights. SGLang's ``flattened_bucket`` load format is the same buffer with the tensors back to back
+(``align=FLAT_ALIGN``): its servers are told the metas (``/update_weights_from_distributed``), never the
+header, and find each tensor with :func:`unpack_flat`.
 """
 
 from __future__ import annotations
@@ -39,16 +43,22 @@ __all__ = [
     "ChecksumMismatch",
     "LinkRendezvousError",
     "LinkConfig",
+    "TensorMeta",
     "PackedBucket",
     "BulkLink",
+    "bucket_metas",
     "pack_bucket",
+    "pack_buckets",
     "unpack_bucket",
+    "unpack_flat",
     "bucket_checksum",
+    "FLAT_ALIGN",
 ]
 
 Bucket = list[tuple[str, torch.Tensor]]
 
 _ALIGN = 16
+FLAT_ALIGN = 1   # SGLang's "flattened_bucket": every tensor's bytes back to back, no padding
 _HEADER_VERSION = 2   # 2: XXH3-64 checksums on CPU (1: CRC32)
 
 
@@ -114,11 +124,44 @@ class LinkConfig:
 
 
 @dataclasses.dataclass
+class TensorMeta:
+    """Name, dtype name ("bfloat16") and shape of one tensor of a bucket: what a receiver allocates before
+    the bytes come (an SGLang server is told them in /update_weights_from_distributed)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "TensorMeta":
+        return cls(name, str(tensor.dtype).removeprefix("torch."), [int(d) for d in tensor.shape])
+
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise BulkError(f"tensor {self.name!r}: unknown dtype {self.dtype!r}")
+        return dtype
+
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= int(d)
+        return numel * torch.empty((), dtype=self.torch_dtype()).element_size()
+
+
+def bucket_metas(bucket: Bucket) -> list[TensorMeta]:
+    return [TensorMeta.of(name, t) for name, t in bucket]
+
+
+@dataclasses.dataclass
 class PackedBucket:
     """A bucket ready for the wire: the header (plain data) and one flat uint8 tensor."""
 
     header: dict[str, Any]
     flat: torch.Tensor
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta(e["name"], e["dtype"], list(e["shape"])) for e in self.header["tensors"]]
 
     def to_host(self) -> "PackedBucket":
         """The same bucket in host memory, page-locked where there is a GPU (so it goes back up at full
@@ -150,8 +193,21 @@ def bucket_checksum(flat: torch.Tensor, algo: str | None = None) -> int:
     return int(((words * weights).sum() + tail).item()) & 0xFFFFFFFFFFFFFFFF
 
 
-def pack_bucket(bucket: Bucket, bucket_id: int = 0) -> PackedBucket:
-    """Lay a bucket's tensors into one flat byte buffer and describe them in a header."""
+def _layout(metas: Sequence[TensorMeta], align: int) -> tuple[list[dict[str, Any]], int]:
+    """Each tensor's header entry (meta, byte offset, byte count) and the buffer's size."""
+    entries, offset = [], 0
+    for meta in metas:
+        nbytes = meta.nbytes()
+        entries.append({"name": meta.name, "dtype": meta.dtype, "shape": list(meta.shape), "offset": offset,
+                        "nbytes": nbytes})
+        offset += (nbytes + align - 1) // align * align
+    return entries, offset
+
+
+def pack_bucket(bucket: Bucket, bucket_id: int = 0, *, align: int = _ALIGN, checksum: bool = True) -> PackedBucket:
+    """Lay a bucket's tensors into one flat byte buffer and describe them in a header. ``align``: each
+    tensor's offset is a multiple of it (``FLAT_ALIGN``: SGLang's layout). ``checksum`` False: the header
+    has none (SGLang's servers are never told one)."""
     if not bucket:
         raise BulkError("pack_bucket: empty bucket")
     for name, tensor in bucket:
@@ -161,22 +217,35 @@ def pack_bucket(bucket: Bucket, bucket_id: int = 0) -> PackedBucket:
     if len(devices) != 1:
         raise BulkError(f"pack_bucket: tensors on several devices {sorted(map(str, devices))}")
     device = devices.pop()
-    entries, offset = [], 0
-    for name, tensor in bucket:
-        nbytes = tensor.numel() * tensor.element_size()
-        entries.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."),
-                        "shape": list(tensor.shape), "offset": offset, "nbytes": nbytes})
-        offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    flat = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
+    entries, size = _layout(bucket_metas(bucket), align)
+    flat = torch.empty(size if align == FLAT_ALIGN else max(size, 1), dtype=torch.uint8, device=device)
     ends = [e["offset"] for e in entries[1:]] + [flat.numel()]
     for entry, end, (_, tensor) in zip(entries, ends, bucket):
         start, stop = entry["offset"], entry["offset"] + entry["nbytes"]
         if entry["nbytes"]:
             flat[start:stop].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-        flat[stop:end].zero_()  # alignment padding: the same bucket always packs to the same bytes
-    header = {"v": _HEADER_VERSION, "bucket": bucket_id, "size": flat.numel(), "tensors": entries,
-              "algo": "xxh3_64" if device.type == "cpu" else "wsum", "checksum": bucket_checksum(flat)}
+        if end > stop:
+            flat[stop:end].zero_()  # alignment padding: the same bucket always packs to the same bytes
+    header = {"v": _HEADER_VERSION, "bucket": bucket_id, "size": flat.numel(), "tensors": entries}
+    if checksum:
+        header.update(algo="xxh3_64" if device.type == "cpu" else "wsum", checksum=bucket_checksum(flat))
     return PackedBucket(header, flat)
+
+
+def pack_buckets(buckets: Sequence[Bucket]) -> list[PackedBucket]:
+    """Each bucket of a version packed for a link, numbered in order."""
+    return [pack_bucket(b, i) for i, b in enumerate(buckets)]
+
+
+def _views(flat: torch.Tensor, entries: Sequence[dict[str, Any]], link: str) -> Bucket:
+    out: Bucket = []
+    for entry in entries:
+        dtype = getattr(torch, entry["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise BulkError(f"link {link!r}: tensor {entry['name']!r} has unknown dtype {entry['dtype']!r}")
+        raw = flat[entry["offset"]: entry["offset"] + entry["nbytes"]]
+        out.append((entry["name"], raw.view(dtype).view(list(entry["shape"]))))
+    return out
 
 
 def unpack_bucket(packed: PackedBucket, link: str = "?") -> Bucket:
@@ -189,14 +258,15 @@ def unpack_bucket(packed: PackedBucket, link: str = "?") -> Bucket:
     if got != header["checksum"]:
         raise ChecksumMismatch(link, header["bucket"], header["checksum"], got,
                                [e["name"] for e in header["tensors"]])
-    out: Bucket = []
-    for entry in header["tensors"]:
-        dtype = getattr(torch, entry["dtype"], None)
-        if not isinstance(dtype, torch.dtype):
-            raise BulkError(f"link {link!r}: tensor {entry['name']!r} has unknown dtype {entry['dtype']!r}")
-        raw = flat[entry["offset"]: entry["offset"] + entry["nbytes"]]
-        out.append((entry["name"], raw.view(dtype).view(entry["shape"])))
-    return out
+    return _views(flat, header["tensors"], link)
+
+
+def unpack_flat(flat: torch.Tensor, metas: Sequence[TensorMeta], link: str = "?") -> Bucket:
+    """Views into a buffer of SGLang's layout (``FLAT_ALIGN``), found by the metas its receiver was told."""
+    entries, size = _layout(metas, FLAT_ALIGN)
+    if size != flat.numel():
+        raise BulkError(f"link {link!r}: flattened bucket has {flat.numel()} bytes, its tensors take {size}")
+    return _views(flat, entries, link)
 
 
 class BulkLink:

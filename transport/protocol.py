@@ -13,9 +13,12 @@
     rollout, reward --WorkerHello--> buffer      (a new or restarted worker: what it held before is re-issued)
     param_server --LinkReform--> rollout         (re-form the bulk link after a member restarted)
     trainer --RunFinished--> everyone            (the run is over: stop cleanly)
+    trainer, tools --WeightsStatusRequest--> param_server (replies WeightsStatus: per-rollout versions, acks)
+    evaluator --EvalWeightsRequest--> param_server        (replies EvalWeights: one bucket of a kept version)
 
 Direct weights (a GPU topology's link of [trainer.0, rollout], no parameter-server link): the trainer keeps
-its exported version and broadcasts it itself; the parameter server only coordinates.
+its exported version and broadcasts it itself; the parameter server only coordinates. The sequence of
+every weights path is drawn in docs/rl-actors.md (actors/weight_sync/ implements them).
     trainer --WeightsPublished--> param_server   (replies WeightsStored at once: no buckets travel to it)
     param_server --LinkReform--> trainer         (a request: the trainer joins the new group as rank 0,
                                                   replies LinkFormed)
@@ -38,6 +41,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from transport.bulk import TensorMeta   # a field type of the weights messages: one bucket format
 from transport.messages import Message, message
 
 # Each tensor frame of a BatchTensors holds at most this many bytes: well under the bus's 256 MiB frame
@@ -385,16 +389,6 @@ class VersionUpdate(Message):
     version: int
 
 
-@dataclass
-class TensorMeta:
-    """Name, dtype and shape of one tensor of a weight bucket: what an SGLang server must be told to receive
-    it (`/update_weights_from_distributed`)."""
-
-    name: str
-    dtype: str
-    shape: list[int]
-
-
 @message("rl.weights_published", senders=("trainer",))
 class WeightsPublished(Message):
     """trainer -> param_server: the buckets of `version` follow on the train_to_ps bulk link (relay), or
@@ -532,6 +526,77 @@ class WeightsBroadcastDone(Message):
     VOLATILE: ClassVar[tuple[str, ...]] = ("seconds",)
     version: int
     seconds: float
+
+
+@dataclass
+class RolloutWeights:
+    version: int = -1
+    weight_ranks: int = 0     # > 0: its server joins the direct weights group itself, as this many ranks
+    weights_hash: str = ""
+    verified: str = ""        # how its last ack was checked: "hash" or "version" (WeightsAck.verified)
+    ack_ok: bool = False      # the last ack passed that check for the version pushed
+    alive: bool = True
+    hello: bool = False
+    incarnation: str = ""     # of the process that said hello last
+    hello_at: float = 0.0     # time.monotonic() of that hello
+    receive_seconds: float = 0.0
+    stall_seconds: float = 0.0
+
+    VOLATILE: ClassVar[tuple[str, ...]] = ("incarnation", "hello_at", "receive_seconds", "stall_seconds")
+
+
+@message("ps.weights_status_request", senders=("trainer",))
+class WeightsStatusRequest(Message):
+    """Ask the parameter server for its state. With ``min_version`` >= 0 and ``timeout_s`` > 0 the reply
+    waits (up to ``timeout_s``; ``reached`` says whether it happened) until every rollout is alive, has
+    said hello and acked at least that version, the ack passing its check (the hash, or the version an
+    SGLang server reports; a rollout still at the start version has nothing to ack), on a link generation
+    >= ``min_generation``."""
+
+    min_version: int = -1
+    min_generation: int = -1
+    timeout_s: float = 0.0
+
+
+@message("ps.weights_status")
+class WeightsStatus(Message):
+    VOLATILE: ClassVar[tuple[str, ...]] = ("last_sync_seconds",)
+
+    version: int
+    weights_hash: str
+    generation: int
+    rollouts: dict[str, RolloutWeights]
+    pushes: int
+    hash_mismatches: int
+    last_sync_seconds: float
+    reached: bool
+
+
+@message("ps.eval_weights_request", senders=("evaluator",))
+class EvalWeightsRequest(Message):
+    """The evaluator's request for bucket ``bucket`` of the weights kept for evaluation. With ``version``
+    -1: of the newest kept version newer than ``after``, waiting up to ``timeout_s`` for one; otherwise of
+    that version (if it is no longer kept, the reply's version is -1 and the evaluator starts again)."""
+
+    after: int = -1
+    version: int = -1
+    bucket: int = 0
+    timeout_s: float = 0.0
+
+
+@message("ps.eval_weights")
+class EvalWeights(Message):
+    """One bucket of a kept version (``version`` -1: none to give; ``flat`` is then empty). ``newest`` is
+    the newest version stored here when it was sent: how far training has got beyond the one evaluated."""
+
+    version: int
+    newest: int
+    weights_hash: str
+    n_buckets: int
+    bucket: int
+    header: dict[str, Any]
+    flat: torch.Tensor
+    unavailable: str = ""    # why this server can never give any (then version is -1)
 
 
 @message("rl.checkpoint_request", senders=("trainer",))

@@ -23,468 +23,37 @@ version. Because no ``/generate`` call can span an update in abort mode (SGLang'
 request holds the model lock), each response was sampled by one weight version: the server's
 ``meta_info.weight_version``, which the engine keeps equal to our integer version.
 
-Field names. Everything this module sends is declared once in :data:`ROUTES` (route -> SGLang request class
-and the fields we send) and :data:`SAMPLING_FIELDS`; ``tests/test_engine_sglang_fields.py`` checks them
-against SGLang's own ``sglang.srt.managers.io_struct`` dataclasses of :data:`SGLANG_VERSION` (the version
-pinned in pyproject's ``gpu`` extra). See docs/engines-sglang.md.
+The parts beside it: ``sglang_routes.py`` (every route and field this client sends, checked against
+SGLang's own request classes), ``sglang_server.py`` (the launched server process and its restarts),
+``sglang_group.py`` (the weight-update process group the trainer and the servers join) and
+``sglang_disk.py`` (the checkpoint a server loads buckets from). The client speaks only routes of the
+pinned SGLang release (:data:`SGLANG_VERSION`), over one aiohttp session.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime as _dt
 import hashlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from transport.ports import free_port
+from transport.bulk import TensorMeta
 
 from .base import (EngineError, GenerationEngine, GenerationRequest, GenerationResult, RequestError,
                    WeightBucket, WeightSource)
+from .sglang_disk import write_checkpoint
+from .sglang_routes import (DEFAULT_GROUP, SGLANG_VERSION, ServerEvents, SGLangError, SGLangHTTPError,
+                            SGLangLaunchError, payload, sampling_payload)
+from .sglang_server import LaunchConfig, SGLangServer
 
-__all__ = ["SGLANG_VERSION", "ROUTES", "SAMPLING_FIELDS", "META_INFO_KEYS", "SGLangError", "SGLangHTTPError",
-           "SGLangLaunchError", "TensorSpec", "LaunchConfig", "SGLangServer", "SGLangEngine",
-           "WeightGroupSender", "join_weight_group", "bucket_specs", "flatten_bucket", "unflatten_bucket",
-           "free_port"]
+__all__ = ["SGLANG_VERSION", "SGLangError", "SGLangHTTPError", "SGLangLaunchError", "LaunchConfig", "SGLangEngine"]
 
-# The SGLang release whose HTTP API this module speaks (pinned in pyproject.toml's `gpu` extra). 0.5.6 is
-# the first release whose /pause_generation takes a mode (abort / in_place / retract).
-SGLANG_VERSION = "0.5.6"
-
-# route -> (SGLang request dataclass in sglang.srt.managers.io_struct, the fields this module sends).
-ROUTES: dict[str, tuple[str, frozenset[str]]] = {
-    "/generate": ("GenerateReqInput", frozenset({"rid", "input_ids", "sampling_params", "return_logprob"})),
-    "/abort_request": ("AbortReq", frozenset({"rid", "abort_all"})),
-    "/pause_generation": ("PauseGenerationReqInput", frozenset({"mode"})),
-    "/continue_generation": ("ContinueGenerationReqInput", frozenset()),
-    "/update_weights_from_disk": ("UpdateWeightFromDiskReqInput",
-                                  frozenset({"model_path", "abort_all_requests", "weight_version", "flush_cache"})),
-    "/init_weights_update_group": ("InitWeightsUpdateGroupReqInput",
-                                   frozenset({"master_address", "master_port", "rank_offset", "world_size",
-                                              "group_name", "backend"})),
-    "/update_weights_from_distributed": ("UpdateWeightsFromDistributedReqInput",
-                                         frozenset({"names", "dtypes", "shapes", "group_name", "flush_cache",
-                                                    "abort_all_requests", "weight_version", "load_format"})),
-    "/destroy_weights_update_group": ("DestroyWeightsUpdateGroupReqInput", frozenset({"group_name"})),
-    "/update_weight_version": ("UpdateWeightVersionReqInput", frozenset({"new_version", "abort_all_requests"})),
-}
-# Keys of /generate's sampling_params (arguments of sglang.srt.sampling.sampling_params.SamplingParams).
-SAMPLING_FIELDS = frozenset({"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed"})
-# What this module reads from a /generate answer's meta_info (set in SGLang's tokenizer_manager).
-META_INFO_KEYS = frozenset({"finish_reason", "output_token_logprobs", "weight_version", "completion_tokens",
-                            "prompt_tokens"})
-GET_ROUTES = frozenset({"/health", "/health_generate", "/model_info", "/server_info", "/weight_version"})
-
-# The process group SGLang's model runner joins for update_weights_from_distributed (its default name).
-DEFAULT_GROUP = "weight_update_group"
-
-# A launched server's life events: ("died", restarts so far) as soon as its process is gone, then
-# ("restarted", restarts) once it is healthy again.
-ServerEvents = Callable[[str, int], Awaitable[None]]
-
-
-class SGLangError(EngineError):
-    """Talking to the SGLang server failed; the message names the server, the route and the cause."""
-
-
-class SGLangHTTPError(SGLangError):
-    """The server answered a route with an error status."""
-
-    def __init__(self, url: str, route: str, status: int, body: str) -> None:
-        super().__init__(f"SGLang server {url}: {route} answered HTTP {status}: {body[:500]}")
-        self.url, self.route, self.status, self.body = url, route, status, body
-
-
-class SGLangLaunchError(SGLangError):
-    """The server process could not be started, or did not become healthy in time."""
-
-
-def payload(route: str, **fields: Any) -> dict[str, Any]:
-    """The JSON body for ``route``; only the fields declared in :data:`ROUTES` may be sent."""
-    if route not in ROUTES:
-        raise SGLangError(f"{route}: not a route this engine knows ({sorted(ROUTES)})")
-    unknown = set(fields) - ROUTES[route][1]
-    if unknown:
-        raise SGLangError(f"{route}: field(s) {sorted(unknown)} are not declared in ROUTES[{route!r}]")
-    return fields
-
-
-def sampling_payload(**fields: Any) -> dict[str, Any]:
-    unknown = set(fields) - SAMPLING_FIELDS
-    if unknown:
-        raise SGLangError(f"sampling_params: field(s) {sorted(unknown)} are not declared in SAMPLING_FIELDS")
-    return fields
-
-
-# ------------------------------------------------------------------------------------------------------
-# Weights over a process group, laid out as SGLang's model runner expects them
-# ------------------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """What the server allocates before a broadcast: name, dtype name ("bfloat16"), shape."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-
-    @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
-        return cls(name, str(tensor.dtype).removeprefix("torch."), tuple(int(d) for d in tensor.shape))
-
-    def torch_dtype(self) -> torch.dtype:
-        dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise RequestError(f"tensor {self.name!r}: unknown dtype {self.dtype!r}")
-        return dtype
-
-    def nbytes(self) -> int:
-        numel = 1
-        for d in self.shape:
-            numel *= d
-        return numel * torch.empty((), dtype=self.torch_dtype()).element_size()
-
-
-def bucket_specs(bucket: WeightBucket) -> list[TensorSpec]:
-    return [TensorSpec.of(name, t) for name, t in bucket]
-
-
-def flatten_bucket(bucket: WeightBucket) -> torch.Tensor:
-    """SGLang's "flattened_bucket" load format: every tensor's bytes concatenated in order (no padding)."""
-    if not bucket:
-        raise RequestError("flatten_bucket: empty bucket")
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
-
-
-def unflatten_bucket(flat: torch.Tensor, specs: Sequence[TensorSpec]) -> WeightBucket:
-    out, offset = [], 0
-    for spec in specs:
-        n = spec.nbytes()
-        out.append((spec.name, flat[offset:offset + n].view(spec.torch_dtype()).view(spec.shape)))
-        offset += n
-    if offset != flat.numel():
-        raise RequestError(f"flattened bucket has {flat.numel()} bytes, the specs describe {offset}")
-    return out
-
-
-def join_weight_group(master_address: str, master_port: int, rank: int, world_size: int,
-                      group_name: str = DEFAULT_GROUP, backend: str = "nccl", timeout_s: float = 300.0) -> Any:
-    """Join the weight-update process group the way SGLang's model runner does (``init_custom_process_group``):
-    a TCP rendezvous at master_address:master_port (rank 0 hosts the store), keys under ``group_name``, a
-    group of its own beside any default group. The trainer calls it with rank 0, each SGLang server's
-    tensor-parallel rank r joins as rank_offset + r. Returns the process group."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    timeout = _dt.timedelta(seconds=timeout_s)
-    try:
-        store, _, _ = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                           timeout=timeout))
-        store.set_timeout(timeout)
-        store = dist.PrefixStore(group_name, store)
-        pg, _ = c10d._new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
-                                               group_name=group_name, timeout=timeout)
-        c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    except Exception as exc:  # torch raises DistStoreError / RuntimeError with little context
-        raise SGLangError(f"weight group {group_name!r}: rank {rank}/{world_size} could not join at "
-                          f"{master_address}:{master_port} ({backend}) within {timeout_s:g} s: {exc}") from exc
-    return pg
-
-
-def drop_weight_group(pg: Any) -> None:
-    """Destroy a weights group without waiting for it. Destroying a group whose peer died mid-collective
-    blocks until its pending work gives up (or for good); a caller on an event loop would stop answering
-    (heartbeats, HTTP) meanwhile. The group is unusable either way, so its teardown runs on its own thread."""
-    import torch.distributed as dist
-
-    def destroy() -> None:
-        try:
-            dist.destroy_process_group(pg)
-        except Exception:  # a group whose peers died cannot always be torn down cleanly
-            pass
-
-    threading.Thread(target=destroy, name="drop-weight-group", daemon=True).start()
-
-
-def broadcast_bucket(pg: Any, bucket: WeightBucket, flattened: bool) -> None:
-    """The trainer's half of one /update_weights_from_distributed call (rank 0 is the source)."""
-    import torch.distributed as dist
-
-    if flattened:
-        dist.broadcast(flatten_bucket(bucket), src=0, group=pg)
-        return
-    handles = [dist.broadcast(t.detach().contiguous(), src=0, group=pg, async_op=True) for _, t in bucket]
-    for h in handles:
-        h.wait()
-
-
-def receive_bucket(pg: Any, specs: Sequence[TensorSpec], flattened: bool, device: str = "cpu") -> WeightBucket:
-    """The server's half (what SGLang's model runner does on each rank; used by the stand-in server)."""
-    import torch.distributed as dist
-
-    if flattened:
-        flat = torch.empty(sum(s.nbytes() for s in specs), dtype=torch.uint8, device=device)
-        dist.broadcast(flat, src=0, group=pg)
-        return unflatten_bucket(flat, specs)
-    out = [(s.name, torch.empty(s.shape, dtype=s.torch_dtype(), device=device)) for s in specs]
-    handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in out]
-    for h in handles:
-        h.wait()
-    return out
-
-
-class WeightGroupSender:
-    """The trainer side of the direct weight path: rank 0 of the group every SGLang server joins.
-
-    Usage (the trainer, while the rollouts call ``SGLangEngine.init_weights_group`` with rank offsets
-    1, 1 + tp, ...)::
-
-        sender = WeightGroupSender(addr, port, world_size=1 + sum(tp))
-        sender.open()                      # blocks until every server rank joined
-        for bucket in buckets:             # while every rollout runs update_weights_from_distributed
-            sender.send(bucket)
-    """
-
-    def __init__(self, master_address: str, master_port: int, world_size: int, group_name: str = DEFAULT_GROUP,
-                 backend: str = "nccl", flattened: bool = True, timeout_s: float = 300.0) -> None:
-        self.master_address, self.master_port, self.world_size = master_address, master_port, world_size
-        self.group_name, self.backend, self.flattened, self.timeout_s = group_name, backend, flattened, timeout_s
-        self.pg: Any = None
-
-    def open(self) -> None:
-        self.pg = join_weight_group(self.master_address, self.master_port, 0, self.world_size, self.group_name,
-                                    self.backend, self.timeout_s)
-
-    def send(self, bucket: WeightBucket) -> None:
-        if self.pg is None:
-            raise SGLangError(f"weight group {self.group_name!r}: not open (call open() first)")
-        if self.backend == "nccl":  # NCCL moves CUDA tensors only; a bucket kept in host memory goes up first
-            bucket = [(name, t.cuda()) for name, t in bucket]
-        try:
-            broadcast_bucket(self.pg, bucket, self.flattened)
-        except Exception as exc:
-            raise SGLangError(f"weight group {self.group_name!r}: broadcast of {len(bucket)} tensors "
-                              f"failed: {exc}") from exc
-
-    def close(self) -> None:
-        if self.pg is not None:
-            drop_weight_group(self.pg)
-            self.pg = None
-
-
-# ------------------------------------------------------------------------------------------------------
-# The server process
-# ------------------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class LaunchConfig:
-    """How to start the server; ``command`` is the module runner (tests name the stand-in server there)."""
-
-    model_path: str
-    command: list[str] = dataclasses.field(default_factory=lambda: [sys.executable, "-m", "sglang.launch_server"])
-    host: str = "127.0.0.1"
-    port: int = 0                      # 0: a free port, chosen anew for every start
-    tp: int = 1
-    mem_fraction_static: float | None = None
-    dtype: str | None = None
-    seed: int | None = None
-    extra_args: list[str] = dataclasses.field(default_factory=list)
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
-    log_path: str | None = None        # server stdout/stderr (appended); default: a temp file
-    health_timeout_s: float = 600.0    # bound on waiting for /health after a start
-    max_restarts: int = 5
-    backoff_s: float = 1.0             # doubled after each restart, up to backoff_max_s
-    backoff_max_s: float = 30.0
-
-    def args(self, port: int, weight_version: int) -> list[str]:
-        args = [*self.command, "--model-path", self.model_path, "--host", self.host, "--port", str(port),
-                "--tp-size", str(self.tp), "--skip-tokenizer-init", "--weight-version", str(weight_version)]
-        if self.mem_fraction_static is not None:
-            args += ["--mem-fraction-static", str(self.mem_fraction_static)]
-        if self.dtype:
-            args += ["--dtype", self.dtype]
-        if self.seed is not None:
-            args += ["--random-seed", str(self.seed)]
-        return args + list(self.extra_args)
-
-
-class SGLangServer:
-    """One server process: start, wait for health (bounded), watch, restart with backoff after a death."""
-
-    def __init__(self, config: LaunchConfig, on_event: ServerEvents | None = None) -> None:
-        self.config = config
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
-        self.restarts = 0
-        self.on_event = on_event
-        self.weight_version = 0
-        self.model_path = config.model_path
-        self._log_file: Any = None
-        self._watch: asyncio.Task | None = None
-        self._stopping = False
-        self.healthy = asyncio.Event()
-        self.failed: BaseException | None = None
-        self.starts = 0                     # launches so far; a request remembers the one it was sent to
-        self.changed = asyncio.Condition()  # notified on every state change (healthy, died, failed)
-
-    async def died(self, starts: int, grace_s: float = 5.0) -> bool:
-        """Whether the process of launch number `starts` is gone; a request that lost its connection gives
-        the process `grace_s` to finish dying (a killed process resets connections before it is reaped)."""
-        proc = self.proc
-        if self.starts != starts or proc is None:
-            return True
-        try:
-            await asyncio.to_thread(proc.wait, grace_s)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
-
-    async def _notify(self) -> None:
-        async with self.changed:
-            self.changed.notify_all()
-
-    async def start(self, weight_version: int) -> None:
-        self.weight_version = weight_version
-        await self._launch()
-        self._watch = asyncio.ensure_future(self._watcher())
-
-    async def _launch(self) -> None:
-        cfg = self.config
-        port = cfg.port or free_port(cfg.host)
-        self.url = f"http://{cfg.host}:{port}"
-        if cfg.log_path:
-            Path(cfg.log_path).parent.mkdir(parents=True, exist_ok=True)
-            self._log_file = open(cfg.log_path, "ab")
-        else:
-            import tempfile
-            self._log_file = tempfile.NamedTemporaryFile(prefix="sglang-server-", suffix=".log", delete=False)
-        args = dataclasses.replace(cfg, model_path=self.model_path).args(port, self.weight_version)
-        env = {**os.environ, **cfg.env}
-        try:
-            self.proc = subprocess.Popen(args, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=_dies_with_parent())
-        except OSError as exc:
-            raise SGLangLaunchError(f"could not start {args[:4]}: {exc}") from exc
-        self.starts += 1
-        await self._wait_healthy(cfg.health_timeout_s)
-        await self._notify()
-
-    def log_tail(self, chars: int = 2000) -> str:
-        if self._log_file is None:
-            return ""
-        try:
-            self._log_file.flush()
-            with open(self._log_file.name, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - chars))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
-
-    async def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        delay = 0.05
-        while True:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise SGLangLaunchError(f"SGLang server exited with code {self.proc.returncode} before it was "
-                                        f"healthy ({' '.join(self.proc.args[:4])} ...); log tail:\n{self.log_tail()}")
-            if await asyncio.to_thread(_get_ok, self.url + "/health", 2.0):
-                self.healthy.set()
-                return
-            if time.monotonic() > deadline:
-                await self.kill()
-                raise SGLangLaunchError(f"SGLang server at {self.url} was not healthy within {timeout_s:g} s; "
-                                        f"log tail:\n{self.log_tail()}")
-            await asyncio.sleep(delay)  # polling a process we cannot be notified by
-            delay = min(delay * 2, 1.0)
-
-    async def _watcher(self) -> None:
-        backoff = self.config.backoff_s
-        while not self._stopping:
-            proc = self.proc
-            assert proc is not None
-            code = await asyncio.to_thread(proc.wait)
-            if self._stopping:
-                return
-            self.healthy.clear()
-            await self._notify()
-            if self.on_event is not None:
-                await self.on_event("died", self.restarts)
-            if self.restarts >= self.config.max_restarts:
-                self.failed = SGLangLaunchError(f"SGLang server at {self.url} died (exit {code}) and was "
-                                                f"restarted {self.restarts} times already (max_restarts)")
-                await self._notify()  # waiters see `failed`
-                return
-            await asyncio.sleep(backoff)  # restart backoff
-            backoff = min(backoff * 2, self.config.backoff_max_s)
-            self.restarts += 1
-            try:
-                await self._launch()
-            except SGLangLaunchError as exc:
-                self.failed = exc
-                await self._notify()
-                return
-            if self.on_event is not None:
-                await self.on_event("restarted", self.restarts)
-
-    async def kill(self) -> None:
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                await asyncio.to_thread(proc.wait, 20.0)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                await asyncio.to_thread(proc.wait, 10.0)
-
-    async def stop(self) -> None:
-        self._stopping = True
-        await self.kill()
-        if self._watch is not None:
-            await asyncio.gather(self._watch, return_exceptions=True)
-        if self._log_file is not None:
-            self._log_file.close()
-
-
-def _dies_with_parent() -> Callable[[], None] | None:
-    """For Popen's preexec_fn: the server gets SIGTERM when the process that started it dies, even by
-    SIGKILL (a killed rollout actor must not leave its server holding the GPUs). libc is looked up here, in
-    the parent: the child only makes the one system call before exec."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def _get_ok(url: str, timeout: float) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
-    except (OSError, urllib.error.URLError):
-        return False
-
-
-# ------------------------------------------------------------------------------------------------------
-# The engine
-# ------------------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class _Sample:
@@ -513,7 +82,7 @@ class SGLangEngine(GenerationEngine):
         if (url is None) == (launch is None):
             raise EngineError("SGLangEngine needs exactly one of url (attach) or launch (start a server)")
         self._attach_url = url.rstrip("/") if url else None
-        self.server = SGLangServer(launch, self._server_event) if launch is not None else None
+        self.server = SGLangServer(launch, self._get_ok, self._server_event) if launch is not None else None
         if version is None and launch is not None:
             raise EngineError("SGLangEngine: version None (take the server's) is for attaching to a server by url")
         # None: a client that only reads (tools.eval) takes the attached server's version instead of
@@ -524,7 +93,6 @@ class SGLangEngine(GenerationEngine):
         self.request_timeout_s, self.control_timeout_s = request_timeout_s, control_timeout_s
         self.drain_timeout_s, self.attach_timeout_s = drain_timeout_s, attach_timeout_s
         self.user_on_server_event = on_server_event
-        self._hashes_weights: bool | None = None   # whether the server answers GET /standin/weights_hash
         self._session: Any = None
         self._open = asyncio.Event()       # cleared while paused / updating: samples wait before (re)sending
         self._open.set()
@@ -608,12 +176,12 @@ class SGLangEngine(GenerationEngine):
                 await self.server.start(self._version)
             else:
                 deadline = time.monotonic() + self.attach_timeout_s
-                while not await asyncio.to_thread(_get_ok, self.url + "/health", 2.0):
+                while not await self._get_ok(self.url + "/health", 2.0):
                     if time.monotonic() > deadline:
                         raise SGLangLaunchError(f"SGLang server at {self.url} is not healthy (GET /health failed "
                                                 f"for {self.attach_timeout_s:g} s)")
                     await asyncio.sleep(0.2)  # polling a server we cannot be notified by
-                reported = await asyncio.to_thread(self.reported_version) if self._adopt_version else ""
+                reported = await self.reported_version() if self._adopt_version else ""
                 if reported.isdigit():
                     self._version = int(reported)
                 else:
@@ -668,7 +236,7 @@ class SGLangEngine(GenerationEngine):
             # SGLANG_HEALTH_CHECK_TIMEOUT: a server we paused is judged by its process, not by that route.
             ok = self._session is not None and (self.server is None or self.server.healthy.is_set())
         else:
-            ok = self._session is not None and await asyncio.to_thread(_get_ok, self.url + "/health", 5.0)
+            ok = self._session is not None and await self._get_ok(self.url + "/health", 5.0)
         running = sum(1 for samples in self._requests.values() for s in samples if s.sglang_rid is not None)
         total = sum(len(samples) for samples in self._requests.values())
         return {"ok": bool(ok), "version": self._version, "running": running, "waiting": total - running,
@@ -678,23 +246,42 @@ class SGLangEngine(GenerationEngine):
 
     # --- HTTP -----------------------------------------------------------------------------------------
     async def _post(self, route: str, body: dict[str, Any], timeout: float | None = None) -> Any:
+        return await self._request("POST", route, body, timeout or self.control_timeout_s)
+
+    async def _get(self, route: str, timeout: float) -> Any:
+        """GET a JSON route (one of GET_ROUTES)."""
+        return await self._request("GET", route, None, timeout)
+
+    async def _request(self, method: str, route: str, body: dict[str, Any] | None, timeout: float) -> Any:
         import aiohttp
 
         if self._session is None:
             raise SGLangError("SGLang engine is not started (call start())")
-        url = self.url
+        url, what = self.url, route if method == "POST" else f"{method} {route}"
         try:
-            async with self._session.post(url + route, json=body,
-                                          timeout=aiohttp.ClientTimeout(total=timeout or self.control_timeout_s)) as r:
+            async with self._session.request(method, url + route, json=body,
+                                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
                 text = await r.text()
                 if r.status != 200:
                     raise SGLangHTTPError(url, route, r.status, text)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise SGLangError(f"SGLang server {url}: {route} failed: {type(exc).__name__}: {exc}") from exc
+            raise SGLangError(f"SGLang server {url}: {what} failed: {type(exc).__name__}: {exc}") from exc
         try:
             return json.loads(text) if text else None
         except ValueError as exc:
-            raise SGLangError(f"SGLang server {url}: {route} answered non-JSON: {text[:200]!r}") from exc
+            raise SGLangError(f"SGLang server {url}: {what} answered non-JSON: {text[:200]!r}") from exc
+
+    async def _get_ok(self, url: str, timeout: float) -> bool:
+        """Whether ``url`` answers HTTP 200 within ``timeout`` (health probes: any failure is a no)."""
+        import aiohttp
+
+        if self._session is None:
+            return False
+        try:
+            async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
 
     async def _wait_server(self, starts: int) -> None:
         """Wait until the server started after start number `starts` is healthy; raises if it could not be."""
@@ -930,7 +517,7 @@ class SGLangEngine(GenerationEngine):
             done = object()
             while (bucket := await asyncio.to_thread(next, iterator, done)) is not done:
                 buckets.append([(n, t.detach().to("cpu", copy=True)) for n, t in bucket])
-        await asyncio.to_thread(_write_checkpoint, path, buckets, self.server.config.model_path
+        await asyncio.to_thread(write_checkpoint, path, buckets, self.server.config.model_path
                                 if self.server is not None else None)
         await self.update_weights_from_disk(version, str(path))
         # Keep the newest checkpoint and the one before it (a restart may still be loading it).
@@ -952,7 +539,7 @@ class SGLangEngine(GenerationEngine):
                                                                   group_name=group_name))
         self.groups.pop(group_name, None)
 
-    async def update_weights_from_distributed(self, version: int, buckets: Iterable[Sequence[TensorSpec]], *,
+    async def update_weights_from_distributed(self, version: int, buckets: Iterable[Sequence[TensorMeta]], *,
                                               group_name: str | Sequence[str] = DEFAULT_GROUP,
                                               flattened: bool = True) -> None:
         """Receive ``version`` over the weight group, one /update_weights_from_distributed call per bucket
@@ -979,65 +566,28 @@ class SGLangEngine(GenerationEngine):
                 await self._post("/update_weights_from_distributed", body)
         await self._interrupted(version, update)
 
-    def weights_hash(self) -> str:
-        """The server's own fingerprint of its weights (actors.weights.weights_hash). SGLang has no such route;
-        the stand-in server (actors.engines.sglang_standin) answers it at GET /standin/weights_hash."""
-        try:
-            with urllib.request.urlopen(self.url + "/standin/weights_hash", timeout=60.0) as r:
-                return str(json.loads(r.read())["weights_hash"])
-        except (OSError, urllib.error.URLError, KeyError, ValueError) as exc:
-            raise SGLangError(f"SGLang server {self.url} cannot report a weights hash (GET /standin/weights_hash: "
-                              f"{exc}); real SGLang servers have no such route") from exc
-
-    def verify_weights(self, version: int) -> tuple[str, str]:
-        """How the rollout checks the weights it acknowledges: ``(hash, "hash")`` where the server can hash
-        what it serves (the stand-in), else ``("", "version")`` once GET /weight_version reports ``version``.
+    async def verify_weights(self, version: int) -> tuple[str, str]:
+        """How the rollout checks the weights it acknowledges: ``("", "version")`` once GET /weight_version
+        reports ``version``.
 
         SGLang 0.5.6 has no route that reads Qwen2 weights back (`/get_weights_by_name` is implemented for
-        Llama models only), so a real server is checked by the version it reports: it records the
-        ``weight_version`` of an update only after every tensor-parallel rank loaded it. Which kind of server
-        this is gets found once, on the first check."""
-        if self._hashes_weights is not False:
-            try:
-                digest = self.weights_hash()
-                self._hashes_weights = True
-                return digest, "hash"
-            except SGLangError:
-                if self._hashes_weights:  # it could before: a real failure, not a missing route
-                    raise
-                self._hashes_weights = False
-        reported = self.reported_version()
+        Llama models only), so a server is checked by the version it reports: it records the
+        ``weight_version`` of an update only after every tensor-parallel rank loaded it."""
+        reported = await self.reported_version()
         if reported != str(version):
             raise SGLangError(f"SGLang server {self.url} reports weight version {reported!r} after the update to "
                               f"{version}")
         return "", "version"
 
-    def reported_version(self) -> str:
+    async def reported_version(self) -> str:
         """The weight version the server reports (GET /weight_version), as it spells it."""
+        answer = await self._get("/weight_version", 60.0)
         try:
-            with urllib.request.urlopen(self.url + "/weight_version", timeout=60.0) as r:
-                return str(json.loads(r.read())["weight_version"])
-        except (OSError, urllib.error.URLError, KeyError, ValueError) as exc:
-            raise SGLangError(f"SGLang server {self.url}: GET /weight_version failed: {exc}") from exc
+            return str(answer["weight_version"])
+        except (KeyError, TypeError) as exc:
+            raise SGLangError(f"SGLang server {self.url}: GET /weight_version answered {str(answer)[:200]!r}") from exc
 
 
 def _sample_seed(base: int, index: int) -> int:
     digest = hashlib.blake2b(f"{base}/{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2
-
-
-def _write_checkpoint(path: Path, buckets: list[WeightBucket], model_dir: str | None) -> None:
-    from safetensors.torch import save_file
-
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = {n: t.contiguous() for bucket in buckets for n, t in bucket}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    if model_dir:
-        for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-            src = Path(model_dir) / name
-            if src.exists():
-                shutil.copy(src, tmp / name)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)

@@ -9,7 +9,7 @@ nothing), split over tensor-parallel ranks and, with sequence parallelism, the h
 `recompute: full` keeps each layer's input plus one layer's activations while it is recomputed; pipeline
 stages hold up to pp micro-batches in flight (1F1B); the logits and the float32 log-softmax intermediates,
 over `logprob_chunk_tokens` rows at a time. Where the trainer broadcasts weights itself, the stage sender
-keeps the buckets of the current and previous version in host memory (`TrainerActor._keep`): a note, not a
+keeps the buckets of the current and previous version in host memory (`actors.weight_sync.KeptVersions`): a note, not a
 GPU term.
 
 Rollout (SGLang): weights over tp GPUs; the KV pool is what `mem_fraction_static` of the GPU leaves after

@@ -1,0 +1,87 @@
+"""What a training step reports: the step's metrics from the batch and every rank's share, and where they
+are written (metrics.jsonl in the run directory, and TensorBoard)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from actors.train_step import ShareResult, as_columns
+from algo.ppo import PPOStats
+from algo.staleness import sample_staleness
+from transport.protocol import Batch, BatchTensors
+
+
+def step_metrics(batch: Batch | BatchTensors, version: int, shares: list[ShareResult]) -> dict[str, Any]:
+    """The step's metrics from the batch's answers (every sample carried: rank 0's batch) and every rank's
+    share (rank 0's first)."""
+    batch = as_columns(batch)
+    ppo = PPOStats()
+    for share in shares:
+        ppo = ppo.merge(share.ppo)
+    summary = ppo.summary()
+    updates = shares[0].updates
+    kl_reward = {} if shares[0].kl_reward is None else {"kl_reward": shares[0].kl_reward}
+    rewards = torch.tensor(batch.rewards, dtype=torch.float32)
+    if batch.carried is not None and batch.carried != list(range(batch.n_samples)):
+        raise ValueError("step_metrics: needs every sample's versions (the whole batch), got a rank's share")
+    versions = batch.flat("versions")
+    # Each sample's oldest weight version (prompt and unknown tokens are -1 and do not count).
+    starts_v, o = [], 0
+    for n in batch.output_lens:
+        mine = versions[o:o + n]
+        mine = mine[mine >= 0]
+        starts_v.append(int(mine.min()) if mine.numel() else version)
+        o += n
+    staleness = sample_staleness(torch.tensor(starts_v), version).float()
+    out_lens = torch.tensor(batch.output_lens, dtype=torch.float32)
+    return {
+        "task_reward": float(rewards.mean()), "accuracy": float(torch.tensor(batch.correct).float().mean()),
+        "n_tokens": float(out_lens.sum()), "n_seqs": float(batch.n_samples),   # the loss mask: every answer token
+        "avg_seq_len": float(out_lens.mean()),
+        "no_eos_ratio": float(torch.tensor([r != "stop" for r in batch.finish_reasons]).float().mean()),
+        "importance_weight": summary["importance_weight_mean"],
+        "importance_weight_max": summary["importance_weight_max"],
+        "actor_clip_ratio": summary["clip_ratio"], "ppo_approx_kl": summary["approx_kl"],
+        "behav_masked_frac": summary["behav_masked_frac"], "entropy": summary.get("entropy", 0.0),
+        "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max()),
+        "logprob_gap_max": max(share.logprob_gap for share in shares),
+        "loss": sum(x["loss"] for x in updates), "grad_norm": max((x["grad_norm"] for x in updates), default=0.0),
+        "lr": updates[-1]["lr"] if updates else 0.0,
+        "accuracy_by_level": _accuracy_by_level(batch), **kl_reward,
+    }
+
+
+def _accuracy_by_level(batch: BatchTensors) -> dict[str, float]:
+    by: dict[str, list[bool]] = {}
+    for g, correct in zip(batch.sample_groups(), batch.correct):
+        by.setdefault(str(batch.levels[g]), []).append(correct)
+    return {k: sum(v) / len(v) for k, v in sorted(by.items())}
+
+
+class MetricsWriter:
+    """A step's metrics appended to ``metrics.jsonl`` and, where tensorboard imports, to TensorBoard."""
+
+    def __init__(self, run_dir: Path, log: Any) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        except ImportError as e:  # tensorboard is a core dependency; say so rather than fail the run
+            log.warning("tensorboard_unavailable", error=str(e))
+
+    def write(self, stats: dict[str, Any], step: int) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(stats) + "\n")
+        if self.tb is not None:
+            for k, v in stats.items():
+                if isinstance(v, (int, float)) and k != "time":
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

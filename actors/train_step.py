@@ -1,0 +1,276 @@
+"""One training step's math on a batch, for one trainer rank: the packed layout of the sequences, the
+proximal log-probs, the group-normalised advantages and the decoupled PPO updates (algo/), split across
+data-parallel replicas. Pure functions of the engine and the batch; the trainer actor (actors/trainer.py)
+and its rank followers (actors/rank_group.py) call them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine
+from algo.advantages import AdvNorm, KLEstimator, compute_advantages, kl_penalty
+from algo.packing import allocate_micro_batches, split_by_rank
+from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
+from transport.protocol import Batch, BatchTensors
+
+
+class TrainerConfigError(ValueError):
+    """The trainer's settings or placement cannot work; the message says why."""
+
+
+def batch_to_sequences(batch: Batch) -> dict[str, Any]:
+    """Flatten a Batch into per-sequence token lists and per-token fields aligned with the tokens.
+
+    loss_mask marks answer tokens; `behav` holds their behaviour log-probs (aligned: position t holds
+    log p(x_t | x_<t)); `versions` the weight version that sampled each answer token (-1 on prompts).
+    """
+    seqs, mask, behav, versions, rewards, correct, group_ids, no_eos, out_lens = [], [], [], [], [], [], [], [], []
+    for g_idx, group in enumerate(batch.groups):
+        p = list(group.prompt_ids)
+        for s in group.samples:
+            seqs.append(p + list(s.output_ids))
+            mask.append([0.0] * len(p) + [1.0] * len(s.output_ids))
+            behav.append([0.0] * len(p) + [float(x) for x in s.logprobs])
+            versions.append([-1.0] * len(p) + [float(v) for v in s.versions])
+            rewards.append(float(s.reward))
+            correct.append(bool(s.correct))
+            group_ids.append(g_idx)
+            no_eos.append(s.finish_reason != "stop")
+            out_lens.append(len(s.output_ids))
+    return {"seqs": seqs, "loss_mask": mask, "behav": behav, "versions": versions, "rewards": rewards,
+            "correct": correct, "group_ids": group_ids, "no_eos": no_eos, "out_lens": out_lens}
+
+
+@dataclass
+class StepConfig:
+    """How one training step uses a batch (from the `algo` settings)."""
+
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    minibatches: int = 1
+    max_tokens_per_mb: int = 4096
+    temperature: float = 1.0
+    decoupled: bool = True    # False: proximal = behaviour log-probs, i.e. standard PPO
+    group_std: bool = True
+    adv_norm: AdvNorm = "batch"
+    kl_coef: float = 0.0      # > 0: a KL penalty to the frozen starting weights, in the token rewards
+    kl_estimator: KLEstimator = "k1"
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, Any]) -> "StepConfig":
+        algo = settings.get("algo") or {}
+        cap = algo.get("behav_imp_weight_cap", 5.0)
+        ppo = PPOConfig(eps_low=float(algo.get("eps_clip", 0.2)),
+                        eps_high=float(algo["eps_clip_high"]) if algo.get("eps_clip_high") is not None else None,
+                        dual_clip=float(algo["dual_clip"]) if algo.get("dual_clip") else None,
+                        behav_cap=float(cap) if cap else None)
+        return cls(ppo=ppo, minibatches=int(algo.get("ppo_minibatches", 1)),
+                   max_tokens_per_mb=int(algo.get("max_tokens_per_mb", 4096)),
+                   temperature=float((settings.get("gen") or {}).get("temperature", 1.0)) or 1.0,
+                   decoupled=bool(algo.get("decoupled", True)), group_std=bool(algo.get("group_std", True)),
+                   adv_norm=algo.get("adv_norm", "batch"), kl_coef=float(algo.get("kl_coef", 0.0)),
+                   kl_estimator=algo.get("kl_estimator", "k1"))
+
+
+@dataclass
+class ShareResult:
+    """What one trainer rank did with its share of a step; rank 0 merges every rank's into the metrics."""
+
+    ppo: PPOStats                       # empty on ranks whose loss statistics duplicate another's
+    logprob_gap: float                  # max |proximal - behaviour| on tokens sampled by these very weights
+    updates: list[dict[str, float]]     # engine.train_step reports (already global: summed over replicas)
+    kl_reward: float | None = None      # mean over answer tokens of -kl_coef * KL to the reference (kl_coef > 0)
+
+
+def as_columns(batch: Batch | BatchTensors) -> BatchTensors:
+    """The batch in the trainer's working form (what the buffer sends); a list-form Batch is converted."""
+    return batch if isinstance(batch, BatchTensors) else BatchTensors.from_batch(batch)
+
+
+def train_on_batch(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfig, version: int,
+                   ref_engine: TrainEngine | None = None) -> dict[str, Any]:
+    """One training step on `batch` with a single-rank engine at `version` (steps completed); the metrics."""
+    from actors.train_metrics import step_metrics
+
+    cols = as_columns(batch)
+    return step_metrics(cols, version, [train_share(engine, cols, cfg, version, ref_engine)])
+
+
+def packed_logprobs(engine: TrainEngine, seqs: list[list[int] | None], micro_batches: Any, out: torch.Tensor,
+                    starts: list[int], temperature: float) -> None:
+    """Log-probs of `seqs` under `engine`, computed micro-batch by micro-batch (lists of sequence indices)
+    and written into `out` (the packed layout of every sequence, `starts` their offsets)."""
+    for ids in micro_batches:
+        mb = PackedBatch.from_sequences([seqs[i] for i in ids])
+        lp = engine.compute_logprobs(mb, temperature=temperature).logprobs
+        for j, i in enumerate(ids):
+            out[starts[i]:starts[i] + len(seqs[i])] = lp[int(mb.cu_seqlens[j]):int(mb.cu_seqlens[j + 1])]
+
+
+def sequence_lengths(batch: BatchTensors) -> tuple[list[int], list[int]]:
+    """Each sequence's (prompt + answer) length and group index, in sample order."""
+    group_ids = batch.sample_groups()
+    return [batch.prompt_lens[g] + n for g, n in zip(group_ids, batch.output_lens)], group_ids
+
+
+def minibatch_plan(lengths: list[int], group_ids: list[int], cfg: StepConfig, dp_size: int) -> list[list[list[list[int]]]]:
+    """Per data-parallel rank, its micro-batches (sequence indices) of every PPO minibatch. PPO minibatches
+    are contiguous slices of whole groups, so a group never straddles two updates; each is split into the
+    same number of micro-batches per replica, balanced by tokens (algo.packing). A pure function of the
+    lengths: trainer.0 computes it to send each rank its share, and each rank computes it again to train."""
+    budget = max(cfg.max_tokens_per_mb, max(lengths))
+    groups = sorted(set(group_ids))
+    plan: list[list[list[list[int]]]] = [[] for _ in range(dp_size)]
+    for m in range(cfg.minibatches):
+        gsel = set(groups[m::cfg.minibatches])
+        seq_ids = [i for i in range(len(lengths)) if group_ids[i] in gsel]
+        if not seq_ids:
+            continue
+        if len(seq_ids) < dp_size:
+            raise TrainerConfigError(f"PPO minibatch {m} has {len(seq_ids)} sequences for {dp_size} data-parallel "
+                                     f"ranks: use fewer algo.ppo_minibatches or a larger batch")
+        ranks = split_by_rank(allocate_micro_batches([lengths[i] for i in seq_ids], budget, n_groups=dp_size), dp_size)
+        for r in range(dp_size):
+            plan[r].append([[seq_ids[i] for i in idx] for idx in ranks[r]])
+    return plan
+
+
+def rank_samples(batch: BatchTensors, cfg: StepConfig, dp_size: int) -> list[list[int]]:
+    """Per data-parallel rank, the samples whose tokens it needs: those it trains on, or with a KL penalty
+    every one (the reference log-probs of the whole batch enter every rank's advantages)."""
+    if cfg.kl_coef > 0:
+        return [list(range(batch.n_samples))] * dp_size
+    lengths, group_ids = sequence_lengths(batch)
+    return [sorted(i for mbs in minibatches for ids in mbs for i in ids)
+            for minibatches in minibatch_plan(lengths, group_ids, cfg, dp_size)]
+
+
+@dataclass
+class _Layout:
+    """The packed layout of every sequence of a batch, with the tokens and per-token fields of the carried
+    ones filled in (the others are zero: a rank reads only its own sequences' tokens)."""
+
+    seqs: list[list[int] | None]   # token ids of the carried sequences
+    lengths: list[int]
+    starts: list[int]
+    cu_seqlens: torch.Tensor
+    loss_mask: torch.Tensor        # float32, 1 on answer tokens
+    behav: torch.Tensor            # float32 behaviour log-probs on answer tokens
+    versions: torch.Tensor         # float32 weight version on answer tokens, -1 on prompts
+
+
+def _layout(batch: BatchTensors, lengths: list[int], group_ids: list[int]) -> _Layout:
+    n = len(lengths)
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    cu = torch.zeros(n + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lens, 0)
+    total = int(cu[-1])
+    prompt_of = torch.tensor([batch.prompt_lens[g] for g in group_ids], dtype=torch.int64)
+    pos = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(cu[:-1], lens)
+    on_answer = pos >= torch.repeat_interleave(prompt_of, lens)
+    carried = batch.carried_samples()
+    c = torch.tensor(carried, dtype=torch.int64)
+    out_lens = torch.tensor([batch.output_lens[i] for i in carried], dtype=torch.int64)
+    out_cu = torch.zeros(len(carried) + 1, dtype=torch.int64)
+    out_cu[1:] = torch.cumsum(out_lens, 0)
+    # Where each carried answer token sits in the layout: its sequence's start + prompt length + offset.
+    answer_pos = (torch.repeat_interleave(cu[:-1][c] + prompt_of[c] - out_cu[:-1], out_lens)
+                  + torch.arange(int(out_cu[-1]), dtype=torch.int64))
+    behav = torch.zeros(total, dtype=torch.float32)
+    behav[answer_pos] = batch.flat("logprobs")
+    versions = torch.full((total,), -1.0, dtype=torch.float32)
+    versions[answer_pos] = batch.flat("versions").to(torch.float32)
+    tokens = torch.zeros(total, dtype=torch.int64)
+    tokens[answer_pos] = batch.flat("output_ids").to(torch.int64)
+    prompts = batch.flat("prompt_ids").to(torch.int64)
+    p_cu = [0]
+    for plen in batch.prompt_lens:
+        p_cu.append(p_cu[-1] + plen)
+    starts = cu[:-1].tolist()
+    seqs: list[list[int] | None] = [None] * n
+    for i in carried:
+        g, s = group_ids[i], starts[i]
+        tokens[s:s + batch.prompt_lens[g]] = prompts[p_cu[g]:p_cu[g + 1]]
+        seqs[i] = tokens[s:s + lengths[i]].tolist()
+    return _Layout(seqs, lengths, starts, cu, on_answer.to(torch.float32), behav, versions)
+
+
+def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfig, version: int,
+                ref_engine: TrainEngine | None = None) -> ShareResult:
+    """This rank's part of one training step. Every rank of a multi-rank trainer calls it on the same batch,
+    or on its share of it (`BatchTensors.share` of `rank_samples`: the same scalar columns, the tokens of
+    its own sequences): each data-parallel replica takes the same number of micro-batches of every PPO
+    minibatch (`minibatch_plan`), computes their proximal log-probs and trains on them; the gradients and
+    the loss denominator (the minibatch's global token count) are summed across replicas."""
+    batch = as_columns(batch)
+    dp_rank, dp_size = engine.data_parallel
+    lengths, group_ids = sequence_lengths(batch)
+    minibatches = minibatch_plan(lengths, group_ids, cfg, dp_size)[dp_rank]
+    mine_ids = [i for mbs in minibatches for ids in mbs for i in ids]
+    lay = _layout(batch, lengths, group_ids)
+    missing = [i for i in (range(len(lengths)) if cfg.kl_coef > 0 else mine_ids) if lay.seqs[i] is None]
+    if missing:
+        raise ValueError(f"train_share: data-parallel rank {dp_rank} was not sent the tokens of sequences "
+                         f"{missing[:8]} (of {len(missing)}) it needs")
+    seqs, starts = lay.seqs, lay.starts
+    mask = lay.loss_mask.bool()
+    behav = lay.behav
+    rewards = torch.tensor(batch.rewards, dtype=torch.float32)
+    budget = max(cfg.max_tokens_per_mb, max(lengths))
+    kl_reward = None
+    ref = None
+    if cfg.kl_coef > 0:
+        # KL(behaviour || reference) on the sampled tokens, for the whole batch on every rank: the penalty
+        # enters the token rewards before the batch-wide advantage normalisation.
+        if ref_engine is None:
+            raise TrainerConfigError("algo.kl_coef > 0 needs the reference engine (the frozen starting weights)")
+        ref = torch.zeros_like(behav)
+        packed_logprobs(ref_engine, seqs, allocate_micro_batches(lengths, budget), ref, starts, cfg.temperature)
+        kl_reward = -cfg.kl_coef * float(kl_penalty(behav[mask], ref[mask], cfg.kl_estimator).mean())
+    adv = compute_advantages(rewards, torch.tensor(group_ids), mask, cu_seqlens=lay.cu_seqlens,
+                             group_std=cfg.group_std, adv_norm=cfg.adv_norm, logp=behav, logp_ref=ref,
+                             kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator).advantages
+
+    def tokens_of(ids: list[int]) -> torch.Tensor:
+        sel = torch.zeros(behav.numel(), dtype=torch.bool)
+        for i in ids:
+            sel[starts[i]:starts[i] + lengths[i]] = True
+        return sel
+
+    # Proximal log-probs: the current weights before this step's updates, for this rank's sequences.
+    prox = behav.clone()
+    if cfg.decoupled:
+        packed_logprobs(engine, seqs, [ids for mbs in minibatches for ids in mbs], prox, starts, cfg.temperature)
+    mine = tokens_of(mine_ids)
+    current = (lay.versions == float(version)) & mask & mine  # sampled by exactly these weights
+    gap = float(((prox - behav).abs() * current).max()) if bool(current.any()) else 0.0
+
+    per_token = {"loss_mask": lay.loss_mask, "behav": behav, "prox": prox, "adv": adv}
+    stats_all = PPOStats()
+    updates: list[dict[str, float]] = []
+    for mbs_ids in minibatches:
+        sel = tokens_of([i for ids in mbs_ids for i in ids])
+        local = count_loss_tokens(mask[sel], prox[sel], behav[sel], cfg.ppo.behav_cap)
+        n_tokens = engine.data_parallel_sum([float(local)])[0]   # the same decision on every rank
+        if n_tokens == 0:
+            continue
+        mbs = [PackedBatch.from_sequences([seqs[i] for i in ids],
+                                          {k: [v[starts[i]:starts[i] + lengths[i]].tolist() for i in ids]
+                                           for k, v in per_token.items()})
+               for ids in mbs_ids]
+        collected: list[PPOStats] = []
+
+        def loss_fn(outputs: TokenLogProbs, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
+            f = mb.fields
+            loss, st = ppo_loss(outputs.logprobs, f["prox"], f["behav"], f["adv"], f["loss_mask"], 1.0,
+                                cfg.ppo, entropy=outputs.entropy)
+            collected.append(st)
+            return loss, {}
+
+        updates.append(engine.train_step(mbs, loss_fn, temperature=cfg.temperature,
+                                         loss_denominator=float(n_tokens), with_entropy=True))
+        for st in collected:
+            stats_all = stats_all.merge(st)
+    return ShareResult(ppo=stats_all if engine.reports_stats else PPOStats(), logprob_gap=gap, updates=updates,
+                       kl_reward=kl_reward)

@@ -1,0 +1,71 @@
+"""Weight sync: how each new version goes from the trainer to the rollouts.
+
+One interface (``base.py``), one class per path, picked once by each actor from the topology:
+
+| path | trainer rank 0 | parameter server | rollout |
+|---|---|---|---|
+| relay through the parameter server (``train_to_ps`` + ``ps_to_rollout`` links) | :class:`RelaySender` | :class:`RelayFanout` | :class:`LinkReceiver` |
+| direct bulk link (one link of ``[trainer.0, rollout]``) | :class:`DirectSender` + :class:`LinkCarrier` | :class:`TrainerFanout` | :class:`LinkReceiver` |
+| direct into SGLang servers (NCCL groups the servers join) | :class:`DirectSender` + :class:`ServerGroupCarrier` | :class:`TrainerFanout` | :class:`ServerGroupReceiver` |
+| per pipeline stage (each stage's sender, ranks > 0) | :class:`StageSender` | | |
+
+The parameter server coordinates versions, formations and acknowledgements the same way for every path;
+its fanout is the only part that knows which path carries the bytes. Every bucket travels in the one
+format of ``transport/bulk.py``. The message sequence of each path is drawn in docs/rl-actors.md.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from transport.bulk import LinkConfig
+
+from .base import (Fanout, WeightReceiver, WeightSender, WeightSyncConfigError, WeightSyncError, in_thread,
+                   link_config, weight_group_name)
+from .direct import DirectSender, KeptVersions, LinkCarrier, TrainerFanout
+from .receivers import LinkReceiver, ServerGroupReceiver, Verify
+from .relay import PUBLISH_ATTEMPTS, RelayFanout, RelaySender
+from .servers import ServerGroupCarrier, ServerGroupHost, StageExport, StageSender
+
+__all__ = ["Fanout", "WeightReceiver", "WeightSender", "WeightSyncConfigError", "WeightSyncError", "in_thread",
+           "link_config", "weight_group_name", "DirectSender", "KeptVersions", "LinkCarrier", "TrainerFanout",
+           "LinkReceiver", "ServerGroupReceiver", "PUBLISH_ATTEMPTS", "RelayFanout", "RelaySender",
+           "ServerGroupCarrier", "ServerGroupHost", "StageExport", "StageSender", "make_sender", "make_receiver"]
+
+
+def make_sender(trainer: Any, weight_ranks: Any, lock: asyncio.Lock) -> WeightSender | None:
+    """Trainer rank 0's side: the relay if the topology links it to the parameter server, direct weights if
+    its only link is the rollouts' (it is then that link's rank 0), none without a parameter server."""
+    settings = trainer.settings
+    param_server = ((settings.get("groups") or {}).get("param_server") or [None])[0]
+    links = settings.get("links") or {}
+    if param_server is None:
+        return None
+    if "train_to_ps" in links:
+        link = trainer.make_link(LinkConfig.from_dict(links["train_to_ps"]))
+        return RelaySender(link, trainer.bus, param_server, trainer.incarnation, trainer.counters, trainer.log)
+    if len(links) != 1:
+        return None
+    config = LinkConfig.from_dict(next(iter(links.values())))
+    link = trainer.make_link(config)
+    if config.rank != 0:
+        raise WeightSyncConfigError(f"links.{config.name}.members: the trainer broadcasts direct weights as "
+                                    f"rank 0 and must be listed first, got {config.members}")
+    return DirectSender(LinkCarrier(link, trainer.log), ServerGroupCarrier(config, weight_ranks, trainer.log),
+                        trainer.bus, param_server, lock, stages=weight_ranks is not None)
+
+
+def make_receiver(rollout: Any, config: LinkConfig, engine: Any, verify: Verify) -> WeightReceiver:
+    """A rollout's side: with direct weights (the trainer is the link's rank 0) to an engine whose server can
+    join the group itself (SGLang), the server receives; otherwise this process receives on the bulk link.
+    ``weights_via_server: false`` makes an SGLang rollout receive here and load the weights from disk."""
+    settings = rollout.settings
+    direct = bool(config.members) and config.members[0] != rollout.param_server
+    active = lambda: len(rollout.active)   # noqa: E731 - the groups in hand, for the log
+    if direct and hasattr(engine, "init_weights_group") and bool(settings.get("weights_via_server", True)):
+        tp = int(((settings.get("instance") or {}).get("parallel") or {}).get("tp", 1))
+        return ServerGroupReceiver(config, engine, rollout.counters, rollout.log, verify, active, tp)
+    interruptible = bool((settings.get("gen") or {}).get("interruptible", True))
+    return LinkReceiver(rollout.make_link(config), engine, rollout.counters, rollout.log, verify, active,
+                        interruptible)
+

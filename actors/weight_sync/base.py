@@ -1,0 +1,170 @@
+"""What every weights path shares: the interfaces of its three sides, and the helpers they all use.
+
+A path moves each new version from the trainer to the rollouts. Its sides:
+
+* :class:`WeightSender`: trainer rank 0. ``publish`` is called after every training step with the
+  exported buckets; a path whose bytes the trainer sends when the parameter server asks for them also
+  answers ``form`` (:class:`LinkReform`) and ``broadcast`` (:class:`WeightsBroadcast`).
+* :class:`Fanout`: the parameter server's hands. The server decides *when* a group is formed and a
+  version pushed, and records the acks; the fanout decides *how*: it forms the group of a generation and
+  moves the stored version's bytes to its members (itself, or by asking the trainer).
+* :class:`WeightReceiver`: a rollout. It joins each generation the parameter server names and turns a
+  :class:`WeightsReady` into a :class:`WeightsAck`.
+
+Each actor picks its class once, from the topology, when it starts (``actors/weight_sync/__init__.py``).
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextvars
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from transport.bulk import BulkError, LinkConfig
+from transport.protocol import LinkFormed, LinkReform, WeightsAck, WeightsBroadcast, WeightsBroadcastDone, WeightsReady
+
+T = TypeVar("T")
+
+Bucket = list[tuple[str, Any]]
+
+
+class WeightSyncConfigError(ValueError):
+    """A weights link's settings are unusable; the message names the key."""
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update could not be received or applied; the message names the version and cause."""
+
+
+def in_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
+    """Run a blocking call (a bulk-link collective) in a daemon thread and await its result.
+
+    Not asyncio.to_thread: a collective blocked on a dead peer cannot be cancelled, and the default
+    executor is joined at interpreter exit, which would hold a stopping actor until the link timeout.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if fut.done():
+            return
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def body() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting coroutine, never swallowed
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(settle, False, exc)
+            return
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(settle, True, result)
+
+    # In the caller's context: what a link sends or receives is logged as caused by the caller's message.
+    threading.Thread(target=contextvars.copy_context().run, args=(body,),
+                     name=f"blocking-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return fut
+
+
+def link_config(settings: dict[str, Any], default: str, key: str = "link") -> LinkConfig | None:
+    """The LinkConfig named by ``settings[key]`` (default ``default``; the only listed link if just one)."""
+    links = settings.get("links") or {}
+    name = settings.get(key) or default
+    if name not in links:
+        if key in settings:
+            raise WeightSyncConfigError(f"{key}: link {name!r} is not in settings.links ({sorted(links)})")
+        if len(links) != 1:
+            return None
+        name = next(iter(links))
+    try:
+        return LinkConfig.from_dict(dict(links[name]))
+    except (BulkError, TypeError) as exc:
+        raise WeightSyncConfigError(f"links.{name}: {exc}") from exc
+
+
+def weight_group_name(link: str, generation: int, stage: int) -> str:
+    """The name of a weights group the servers join: one per link generation and trainer pipeline stage."""
+    return f"{link}-g{generation}" + (f"-pp{stage}" if stage else "")
+
+
+class WeightSender(abc.ABC):
+    """Trainer rank 0's side of a path."""
+
+    @abc.abstractmethod
+    async def publish(self, version: int, buckets: list[Bucket], stages: list[Any]) -> None:
+        """Make ``version`` (this rank's buckets; with pipeline stages, what the other stages' senders keep)
+        available to the rollouts; returns once the parameter server has it."""
+
+    async def form(self, msg: LinkReform) -> LinkFormed:
+        raise WeightSyncError(f"this trainer's weights path ({type(self).__name__}) forms no group with the "
+                              f"rollouts: the parameter server does")
+
+    async def broadcast(self, msg: WeightsBroadcast) -> WeightsBroadcastDone:
+        raise WeightSyncError(f"this trainer's weights path ({type(self).__name__}) sends to the parameter "
+                              f"server, not to the rollouts")
+
+    def close(self) -> None:
+        """Release the link or groups (the actor stops)."""
+
+
+class Fanout(abc.ABC):
+    """The parameter server's side: forms a generation's group and moves a stored version over it. It is
+    built with the ParamServerActor that coordinates, and reports back through its coordination calls:
+    ``send_link_reform``, ``await_formation`` and ``unless_lost`` (a transfer ends when a member is lost),
+    ``record_ack``, ``pushed``, ``failed_with`` (probation), ``kick`` (look again)."""
+
+    #: whether the parameter server holds the bytes of each version (it can keep some for the evaluator)
+    holds_weights: bool = False
+
+    @abc.abstractmethod
+    async def form(self, generation: int, members: list[str]) -> dict[str, Any] | None:
+        """Form ``generation`` of the rollouts' group of ``members``; returns what to log about it, or None
+        if it failed (logged and counted here; the parameter server retries at a newer generation)."""
+
+    @abc.abstractmethod
+    async def push(self, stored: Any, generation: int, members: list[str]) -> bool:
+        """Move ``stored`` to ``members`` and record their acks; whether every one acked it correctly."""
+
+    def busy(self, rollout: str) -> bool:
+        """Whether a transfer to ``rollout`` still runs (it is not pushed to again until it ends)."""
+        return False
+
+    def lost(self, rollout: str, why: str) -> None:
+        """``rollout`` died, restarted or lost its server: stop waiting for it."""
+
+    def close(self) -> None:
+        """Release the links (the actor stops)."""
+
+
+class WeightReceiver(abc.ABC):
+    """A rollout's side of a path."""
+
+    config: LinkConfig
+    generation: int | None = None
+
+    @property
+    def ranks(self) -> int:
+        """How many ranks this rollout's server joins the trainer's group with (0: this process receives)."""
+        return 0
+
+    @abc.abstractmethod
+    async def form(self, msg: LinkReform) -> None:
+        """Join the group of ``msg.generation`` (cancellable: a newer LinkReform may overtake it)."""
+
+    @abc.abstractmethod
+    async def receive(self, msg: WeightsReady) -> WeightsAck:
+        """Receive ``msg.version`` and make the engine sample with it; the ack."""
+
+    def abandon_before(self, generation: int) -> None:
+        """A LinkReform of ``generation`` came: a transfer of an older generation will never be finished."""
+
+    def server_lost(self) -> None:
+        """The engine's server died or restarted: whatever group it had joined went with it."""
+
+    def close(self) -> None:
+        """Release the link or groups (the actor stops)."""

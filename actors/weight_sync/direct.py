@@ -1,0 +1,277 @@
+"""Direct weights (GPU topologies: one link of ``[trainer.0, rollout]``, the parameter server in none): the
+trainer keeps its last two exported versions and sends them to the rollouts itself, when the parameter
+server, which holds no weights, asks. The group is carried one of two ways, which the parameter server
+picks for each generation from what the rollouts said in their hellos:
+
+* the bulk link (:class:`LinkCarrier`): the rollout actors receive (LinkReform has no world size);
+* the rollouts' SGLang servers (:class:`actors.weight_sync.servers.ServerGroupCarrier`): the trainer hosts
+  an NCCL group per pipeline stage, each server joins at its rank offset (LinkReform has the world size).
+
+    trainer                          param_server                          rollout.i
+      |--WeightsPublished(v, specs)--->|                                       |
+      |<---------WeightsStored(v)------|   (at once: no bytes travel to it)    |
+      |                                |--LinkReform(g, members or offsets)-->|   (when the ready set changes)
+      |<--LinkReform(g[, world_size])--|                                       |
+      |--LinkFormed(g[, addrs, ports])>|                                       |
+      |== group g formed (bulk link, or the servers join the hosted groups) ==|
+      |                                |--WeightsReady(v, g, specs)---------->|   (a request)
+      |<-----WeightsBroadcast(v, g)----|                                       |
+      |== broadcast each bucket of v =========================================>|
+      |--WeightsBroadcastDone--------->|<--------------------WeightsAck(v)-----|
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import time
+from typing import Any
+
+from actors.weights import combine_digests, tensor_digests
+from transport.bulk import BulkError, BulkLink, PackedBucket, bucket_metas, pack_buckets
+from transport.bus import BusError
+from transport.protocol import (LinkFormed, LinkReform, WeightsAck, WeightsBroadcast, WeightsBroadcastDone,
+                                WeightsPublished, WeightsReady, WeightsStored)
+
+from .base import Bucket, Fanout, WeightSender, WeightSyncConfigError, in_thread
+
+
+class KeptVersions:
+    """A sender's packed buckets of its newest two versions (the parameter server may still be asking for
+    the older). In host memory: two copies of the weights on the GPU would cost a 7B trainer 30 GB
+    (tools/plan); each bucket goes up again as it is broadcast."""
+
+    def __init__(self) -> None:
+        self.versions: dict[int, list[PackedBucket]] = {}
+
+    def keep(self, version: int, buckets: list[Bucket]) -> None:
+        self.versions[version] = [p.to_host() for p in pack_buckets(buckets)]
+        for old in [v for v in self.versions if v < version - 1]:
+            del self.versions[old]
+
+    def get(self, version: int) -> list[PackedBucket]:
+        packed = self.versions.get(version)
+        if packed is None:
+            raise RuntimeError(f"version {version} is not kept here (kept: {sorted(self.versions)})")
+        return packed
+
+
+class Carrier(abc.ABC):
+    """How a direct group is formed and a kept version broadcast on it."""
+
+    generation: int | None = None
+
+    @abc.abstractmethod
+    async def form(self, msg: LinkReform) -> LinkFormed: ...
+
+    @abc.abstractmethod
+    async def broadcast(self, version: int, generation: int, packed: list[PackedBucket]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LinkCarrier(Carrier):
+    """The bulk link: the trainer is its rank 0 and broadcasts; the rollout actors receive."""
+
+    def __init__(self, link: BulkLink, log: Any) -> None:
+        self.link, self.log = link, log
+        self._broadcasting: tuple[int, asyncio.Future] | None = None   # (generation, task) of a running broadcast
+
+    @property
+    def generation(self) -> int | None:   # type: ignore[override]
+        return self.link.generation
+
+    def abandon_before(self, generation: int) -> None:
+        # The parameter server left that broadcast (a member it waited for was lost): nobody finishes it.
+        if self._broadcasting is not None and self._broadcasting[0] < generation:
+            self._broadcasting[1].cancel()
+
+    async def form(self, msg: LinkReform) -> LinkFormed:
+        t0 = time.monotonic()
+        await in_thread(self.link.reform, msg.generation, msg.members or None)
+        self.log.info("weights_link_formed", generation=msg.generation, members=msg.members,
+                      seconds=round(time.monotonic() - t0, 3))
+        return LinkFormed(generation=msg.generation, seconds=time.monotonic() - t0)
+
+    async def broadcast(self, version: int, generation: int, packed: list[PackedBucket]) -> None:
+        if self.link.generation != generation:
+            raise RuntimeError(f"link {self.link.config.name!r} is at generation {self.link.generation}, "
+                               f"not {generation}")
+        link = self.link
+
+        async def broadcast() -> None:
+            for bucket in packed:
+                await in_thread(link.broadcast_packed, bucket, 0, generation)
+        task = asyncio.ensure_future(broadcast())
+        self._broadcasting = (generation, task)
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not task.cancelled() or asyncio.current_task().cancelling():
+                raise
+            raise RuntimeError(f"broadcast of version {version} on generation {generation} "
+                               f"abandoned: the link is being formed again") from None
+        finally:
+            self._broadcasting = None
+
+    def close(self) -> None:
+        self.link.close()
+
+
+class DirectSender(WeightSender):
+    """Trainer rank 0 of the rollouts' link: keeps each version and broadcasts it when asked, on the bulk
+    link or into the servers' groups (the LinkReform of each generation says which)."""
+
+    def __init__(self, link: LinkCarrier, servers: Carrier, bus: Any, param_server: str, lock: asyncio.Lock,
+                 stages: bool) -> None:
+        self.link, self.servers, self.bus, self.param_server = link, servers, bus, param_server
+        self.lock = lock          # formation and broadcasts one at a time (they lead the stages' ranks)
+        self.stages = stages      # a pipeline-parallel trainer: every stage's sender broadcasts its own layers
+        self.kept = KeptVersions()
+        self.carrier: Carrier = link
+
+    async def publish(self, version: int, buckets: list[Bucket], stages: list[Any]) -> None:
+        digest = ""
+        if self.carrier is self.link and not self.stages:
+            # Only rollouts that receive on the bulk link check a hash against the trainer's. SGLang servers
+            # are checked by the version they report.
+            digests = await asyncio.to_thread(tensor_digests, [kv for b in buckets for kv in b])
+            digest = combine_digests(digests + [d for s in stages for d in s.digests])
+        await asyncio.to_thread(self.kept.keep, version, buckets)
+        specs = [bucket_metas(b) for b in buckets] + [m for s in stages for m in s.specs]
+        stage_buckets = [len(buckets)] + [len(s.specs) for s in stages] if stages else []
+        reply = await self.bus.request(self.param_server, WeightsPublished(
+            version=version, n_buckets=len(specs), weights_hash=digest, specs=specs,
+            stage_buckets=stage_buckets), timeout=60.0)
+        if not isinstance(reply, WeightsStored) or reply.version != version:
+            raise RuntimeError(f"param server answered {reply!r} to version {version}")
+
+    async def form(self, msg: LinkReform) -> LinkFormed:
+        """Join the rollouts' group of this generation as its rank 0 (the rendezvous master). With
+        ``world_size`` set, the rollouts' servers join themselves: host a fresh group (each pipeline stage's
+        sender one of its own), reply with them at once, and finish joining in the background."""
+        self.link.abandon_before(msg.generation)
+        async with self.lock:
+            if msg.world_size > 0:
+                self.carrier = self.servers
+            elif self.stages:
+                raise WeightSyncConfigError("parallel.pp > 1: every pipeline stage sends its own layers, which needs "
+                                      "rollouts whose servers join the weights group (SGLang); these rollouts "
+                                      "receive on the bulk link")
+            else:
+                self.carrier = self.link
+            return await self.carrier.form(msg)
+
+    async def broadcast(self, msg: WeightsBroadcast) -> WeightsBroadcastDone:
+        """Broadcast a kept version to the rollouts (they receive after WeightsReady)."""
+        packed = self.kept.get(msg.version)
+        async with self.lock:
+            t0 = time.monotonic()
+            await self.carrier.broadcast(msg.version, msg.generation, packed)
+        return WeightsBroadcastDone(version=msg.version, seconds=time.monotonic() - t0)
+
+    def close(self) -> None:
+        self.link.close()
+        self.servers.close()
+
+
+class TrainerFanout(Fanout):
+    """The parameter server's side of direct weights: it holds no bytes; the trainer forms each generation
+    (LinkReform as a request) and broadcasts (WeightsBroadcast) while the rollouts receive."""
+
+    def __init__(self, server: Any, trainer: str) -> None:
+        self.server, self.trainer = server, trainer   # the ParamServerActor that coordinates
+        self._acks: dict[str, asyncio.Future] = {}    # the running push's WeightsReady requests, by rollout
+        self._abandoned: dict[str, str] = {}          # ... given up on, and why
+
+    async def form(self, generation: int, members: list[str]) -> dict[str, Any] | None:
+        ps = self.server
+        if any(ps.rollouts[n].weight_ranks for n in members):
+            return await self._form_with_servers(generation, members)
+        names = [self.trainer, *members]   # the link's master first
+        for name in members:
+            await ps.send_link_reform(name, generation, names)
+        work = asyncio.ensure_future(ps.bus.request(self.trainer, LinkReform(generation=generation, members=names),
+                                                    timeout=ps.ack_timeout))
+        if not await ps.await_formation(members, work, generation):
+            return None
+        return {}
+
+    async def _form_with_servers(self, generation: int, members: list[str]) -> dict[str, Any] | None:
+        """The trainer hosts a group of 1 + the servers' ranks; each rollout's server joins at its rank offset.
+        The group is complete when the trainer's first broadcast finds every rank joined (it waits for that,
+        bounded by the link timeout)."""
+        ps = self.server
+        if not all(ps.rollouts[n].weight_ranks > 0 for n in members):
+            ps.counters["link_form_failures"] += 1
+            ps.log.error("rollout_link_form_failed", generation=generation, retry_in_s=ps.retry_s,
+                         error="some rollouts receive on the link and some through their servers: "
+                               f"{ {n: ps.rollouts[n].weight_ranks for n in members} }")
+            return None
+        world = 1 + sum(ps.rollouts[n].weight_ranks for n in members)
+        try:
+            formed = await ps.bus.request(self.trainer, LinkReform(generation=generation, world_size=world),
+                                          timeout=ps.ack_timeout)
+        except (BusError, TimeoutError) as exc:
+            ps.counters["link_form_failures"] += 1
+            ps.log.error("rollout_link_form_failed", generation=generation, error=str(exc), retry_in_s=ps.retry_s)
+            return None
+        offset = 1
+        for name in members:
+            await ps.bus.send(name, LinkReform(generation=generation, master_addrs=formed.master_addrs,
+                                               master_ports=formed.master_ports, rank_offset=offset,
+                                               world_size=world))
+            offset += ps.rollouts[name].weight_ranks
+        return {"ranks": world, "servers": True, "stages": len(formed.master_ports)}
+
+    def lost(self, rollout: str, why: str) -> None:
+        """A rollout that died or restarted will never ack the running push: stop waiting for it now rather
+        than after ack_timeout_s (the others' acks still count; it gets the weights on the next group)."""
+        fut = self._acks.get(rollout)
+        if fut is not None and not fut.done():
+            self._abandoned[rollout] = why
+            fut.cancel()
+
+    async def push(self, stored: Any, generation: int, members: list[str]) -> bool:
+        """The trainer broadcasts (WeightsBroadcast) on the group it hosts; every member acks."""
+        ps = self.server
+        t0 = time.monotonic()
+        ready = WeightsReady(version=stored.version, n_buckets=stored.n_buckets, weights_hash=stored.weights_hash,
+                             generation=generation, specs=stored.specs, stage_buckets=stored.stage_buckets)
+        acks = {name: asyncio.ensure_future(ps.bus.request(name, ready, timeout=ps.ack_timeout))
+                for name in members}
+        summary: dict[str, dict[str, Any]] = {}
+        for name, fut in acks.items():   # each ack counts as it comes: a late member holds nobody else's
+            fut.add_done_callback(lambda f, name=name: f.cancelled() or f.exception() is not None
+                                  or ps.record_ack(name, f.result(), stored, summary))
+        self._acks = acks
+        try:
+            sending = asyncio.ensure_future(ps.bus.request(
+                self.trainer, WeightsBroadcast(version=stored.version, generation=generation),
+                timeout=ps.ack_timeout))
+            await ps.unless_lost(members, sending, f"pushing version {stored.version}")
+        except (BulkError, BusError, TimeoutError) as exc:
+            for fut in acks.values():
+                fut.cancel()
+            await asyncio.gather(*acks.values(), return_exceptions=True)
+            self._acks = {}
+            ps.need_reform = True
+            ps.failed_with(members, started=t0)
+            ps.counters["push_failures"] += 1
+            ps.log.error("weights_push_failed", version=stored.version, generation=generation, error=str(exc),
+                         acked=sorted(summary))
+            return False
+        sent_s = time.monotonic() - t0
+        results = await asyncio.gather(*acks.values(), return_exceptions=True)
+        self._acks = {}
+        abandoned, self._abandoned = self._abandoned, {}
+        sync_s = time.monotonic() - t0
+        for name, res in zip(acks, results):
+            if isinstance(res, WeightsAck):
+                continue
+            ps.counters["ack_failures"] += 1
+            reason = (str(res) if isinstance(res, (BusError, TimeoutError))
+                      else f"abandoned: {abandoned.get(name, 'cancelled')}"
+                      if isinstance(res, asyncio.CancelledError) else repr(res))
+            ps.log.error("weights_ack_failed", rollout=name, version=stored.version, error=reason)
+            summary[name] = {"error": reason[:200]}
+        return ps.pushed(stored, generation, members, summary, sent_s, sync_s)

@@ -1,0 +1,203 @@
+"""Direct weights into the rollouts' SGLang servers: the trainer hosts an NCCL group per pipeline stage
+(SGLang's weight-update group), each server joins at its rank offset, and every bucket is broadcast in
+SGLang's flattened layout while each server runs /update_weights_from_distributed for it.
+
+Rank 0 hosts stage 0's group (:class:`ServerGroupCarrier`); with a pipeline-parallel trainer each other
+stage's sender hosts its own and broadcasts its own layers (:class:`StageSender`, on a thread of its own
+that follows rank 0's weights channel: HOST, BROADCAST, STOP, see actors/rank_group.py).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from actors.rank_group import BROADCAST, HOST, RankGroup
+from transport.bulk import LinkConfig, PackedBucket, TensorMeta, bucket_metas, unpack_bucket
+from transport.protocol import LinkFormed, LinkReform
+
+from .base import Bucket, in_thread, weight_group_name
+from .direct import Carrier, KeptVersions
+
+
+@dataclass
+class StageExport:
+    """What a pipeline stage's sender (a rank > 0) exported and keeps: rank 0 announces it with its own."""
+
+    stage: int
+    specs: list[list[TensorMeta]]
+    digests: list[Any]
+
+
+class ServerGroupHost:
+    """One trainer rank's weights group with the rollouts' servers: hosted on a free port, joined on a thread
+    while the servers join, broadcast into once every rank is in."""
+
+    def __init__(self, address: str, backend: str, timeout_s: float, bind_addr: str = "") -> None:
+        self.address, self.backend, self.timeout_s = address, backend, timeout_s
+        self.bind_addr = bind_addr or "0.0.0.0"
+        self.generation: int | None = None
+        self._sender: Any = None
+        self._joined: concurrent.futures.Future | None = None
+
+    def host(self, generation: int, world_size: int, group_name: str) -> int:
+        """Start a group of this generation (closing the previous one); returns its port at once."""
+        from actors.engines.sglang_group import WeightGroupSender
+        from transport.ports import free_port
+
+        self.close()
+        port = free_port(self.bind_addr)
+        sender = WeightGroupSender(self.address, port, world_size, group_name=group_name, backend=self.backend,
+                                   timeout_s=self.timeout_s)
+        joined: concurrent.futures.Future = concurrent.futures.Future()
+
+        def join() -> None:
+            try:
+                sender.open()
+            except BaseException as exc:
+                joined.set_exception(exc)
+            else:
+                joined.set_result(None)
+
+        threading.Thread(target=join, name=f"join-{group_name}", daemon=True).start()
+        self._sender, self._joined, self.generation = sender, joined, generation
+        return port
+
+    def broadcast(self, version: int, generation: int, packed: list[PackedBucket], link_name: str) -> None:
+        """One SGLang-format broadcast per bucket (the servers run /update_weights_from_distributed for
+        each), once every server rank has joined; blocking."""
+        sender, joined = self._sender, self._joined
+        if sender is None or joined is None or self.generation != generation:
+            raise RuntimeError(f"no weights group of generation {generation} is hosted here")
+        try:
+            joined.result(timeout=self.timeout_s + 5)
+            for bucket in packed:
+                if self.backend == "nccl":   # kept in host memory: up to the GPU, and checked there
+                    bucket = PackedBucket(bucket.header, bucket.flat.cuda(non_blocking=True))
+                sender.send(unpack_bucket(bucket, link_name))
+        except BaseException:
+            # Tear the broken group down now: the servers still inside its collective then fail at once
+            # instead of waiting out their own timeout, and the next group can form.
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._sender is not None:
+            self._sender.close()
+        self._sender, self._joined, self.generation = None, None, None
+
+
+class ServerGroupCarrier(Carrier):
+    """Trainer rank 0: stage 0's group here; with pipeline stages, rank 0 leads every other stage's sender
+    to host its own (HOST) and to broadcast with it (BROADCAST)."""
+
+    def __init__(self, config: LinkConfig, weight_ranks: RankGroup | None, log: Any) -> None:
+        self.config, self.weight_ranks, self.log = config, weight_ranks, log
+        self.host = ServerGroupHost(config.master_addr, config.backend, config.timeout_s, config.bind_addr)
+
+    @property
+    def generation(self) -> int | None:   # type: ignore[override]
+        return self.host.generation
+
+    async def form(self, msg: LinkReform) -> LinkFormed:
+        """Host a fresh group per stage and answer with them at once; the joining finishes in the background
+        while the servers come (the first broadcast waits for it)."""
+        cfg, generation, world_size = self.config, msg.generation, msg.world_size
+        t0 = time.monotonic()
+        port = self.host.host(generation, world_size, weight_group_name(cfg.name, generation, 0))
+        addrs, ports = [cfg.master_addr], [port]
+        if self.weight_ranks is not None:
+            ranks = self.weight_ranks
+
+            def host_stages() -> list[Any]:
+                ranks.lead(HOST, generation, world_size, cfg.name, cfg.backend, cfg.timeout_s)
+                return ranks.gather(None) or []
+
+            for _, addr, stage_port in sorted(h for h in await in_thread(host_stages) if h is not None):
+                addrs.append(addr)
+                ports.append(stage_port)
+        self.log.info("weights_group_hosted", generation=generation, ports=ports, world_size=world_size)
+        return LinkFormed(generation=generation, seconds=time.monotonic() - t0, master_addrs=addrs,
+                          master_ports=ports)
+
+    async def broadcast(self, version: int, generation: int, packed: list[PackedBucket]) -> None:
+        await in_thread(self._broadcast, version, generation, packed)
+
+    def _broadcast(self, version: int, generation: int, packed: list[PackedBucket]) -> None:
+        """Stage 0's buckets on its group; with pipeline stages every other stage's sender broadcasts its
+        own at the same time (the servers take the stages in order), and says whether that worked."""
+        if self.weight_ranks is None:
+            self.host.broadcast(version, generation, packed, self.config.name)
+            return
+        self.weight_ranks.lead(BROADCAST, version, generation)
+        failure: Exception | None = None
+        try:
+            self.host.broadcast(version, generation, packed, self.config.name)
+        except Exception as exc:   # the other stages still answer: gather before raising
+            failure = exc
+        errors = [e for e in self.weight_ranks.gather("") or [] if e]
+        if failure is not None:
+            raise failure
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+    def close(self) -> None:
+        self.host.close()
+
+
+class StageSender:
+    """A pipeline stage's sender (data- and tensor-parallel rank 0 of a stage > 0): keeps its own layers'
+    buckets of each version and broadcasts them on the group it hosts, as rank 0 leads."""
+
+    def __init__(self, stage: int, sender: bool, address: str, log: Any) -> None:
+        self.stage, self.sender, self.address, self.log = stage, sender, address, log
+        self.kept = KeptVersions()
+        self.host: ServerGroupHost | None = None
+
+    def keep(self, version: int, buckets: list[Bucket]) -> StageExport | None:
+        """Keep this stage's buckets of `version`, and tell rank 0 their names, shapes and digests (for the
+        specs every server receives by). None on ranks that are not a stage's sender."""
+        if not buckets:
+            return None
+        self.kept.keep(version, buckets)
+        # No digests: the servers are checked by the version they report.
+        return StageExport(self.stage, [bucket_metas(b) for b in buckets], [])
+
+    def follow(self, weight_ranks: RankGroup, name: str) -> None:
+        """Rank 0's weights commands, until STOP (blocking: run on a thread of its own, as they come while a
+        training step runs). A stage's sender hosts and broadcasts; the other ranks only answer."""
+        link_name = ""
+        while True:
+            command, args = weight_ranks.next_command()
+            if command == HOST:
+                generation, world_size, link_name, backend, timeout_s = args
+                hosted = None
+                if self.sender:
+                    if self.host is None:
+                        self.host = ServerGroupHost(self.address, backend, timeout_s)
+                    port = self.host.host(generation, world_size, weight_group_name(link_name, generation, self.stage))
+                    hosted = (self.stage, self.address, port)
+                    self.log.info("weights_group_hosted", generation=generation, stage=self.stage, port=port,
+                                  world_size=world_size)
+                weight_ranks.gather(hosted)
+            elif command == BROADCAST:
+                version, generation = args
+                error = ""
+                if self.sender:
+                    t0 = time.monotonic()
+                    try:
+                        if self.host is None:
+                            raise RuntimeError(f"no weights group of generation {generation} is hosted here")
+                        self.host.broadcast(version, generation, self.kept.get(version), link_name)
+                    except Exception as exc:
+                        error = f"stage {self.stage} ({name}): {exc}"
+                    self.log.info("stage_weights_sent", version=version, generation=generation, stage=self.stage,
+                                  buckets=len(self.kept.versions.get(version, [])),
+                                  seconds=round(time.monotonic() - t0, 4), error=error or None)
+                weight_ranks.gather(error)
+            else:
+                if self.host is not None:
+                    self.host.close()
+                return
