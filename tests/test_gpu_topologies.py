@@ -10,7 +10,7 @@ import torch
 
 from actors.engines.base import EngineError, engine_device, require_device
 from actors.trainer import make_train_engine
-from tools.topology import load
+from topology import load
 from tools.up import describe, engine_placements
 
 TOPOLOGIES = sorted((Path(__file__).resolve().parent.parent / "topology").glob("*.yaml"))

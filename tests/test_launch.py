@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tools import up
-from tools import topology as topo_mod
-from tools.topology import load
+import topology as topo_mod
+from topology import load
 from transport.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,4 +1,9 @@
-"""`python -m tools.up TOPOLOGY [key.sub=value ...] [--dry-run]`: validate a topology and start the run.
+"""`python -m tools.up TOPOLOGY [key.sub=value ...] [--dry-run | --show-config]`: validate a topology and start the run.
+
+* ``key.sub=value`` overrides a key of the topology file, or of the experiment config under ``experiment.``;
+  the value is read as YAML and checked by the same models as the files (topology.loading describes the grammar).
+* ``--show-config`` prints every key of the resolved configuration, one ``key = value  # source`` line each,
+  the source being default, topology file, config file or override; then exits 0.
 
 * ``--record`` turns message logs on for every actor (``RUN_DIR/msglog/<name>.msglog``, inbound and
   outbound, tensors stored) so that any actor can be replayed with ``tools.replay --into``.
@@ -29,8 +34,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from tools import topology as topo_mod
-from tools.topology import Plan, TopologyError
+import topology as topo_mod
+from topology import Plan, TopologyError
+from topology.schema import SupervisorSection
 from transport.ports import free_port
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
@@ -267,10 +273,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tools.up", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("topology", help="topology YAML, e.g. topology/local.yaml")
-    ap.add_argument("overrides", nargs="*", help="key.sub=value (topology keys, or experiment.* for the config)")
+    ap.add_argument("overrides", nargs="*",
+                    help="key.sub=value, value read as YAML: a topology key (actors.rollout.count=4), or experiment.* "
+                         "for the experiment config (experiment.algo.eta=2); checked by the same models as the files")
     ap.add_argument("--dry-run", action="store_true", help="print the placement and commands, start nothing")
+    ap.add_argument("--show-config", action="store_true",
+                    help="print every key of the resolved configuration with where its value came from (default, "
+                         "topology file, config file, override), start nothing")
     ap.add_argument("--run-dir", help="run directory (default: <run_root>/<name>/<timestamp>)")
-    ap.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for every actor's ready")
+    ap.add_argument("--ready-timeout", type=float, default=None,
+                    help="seconds to wait for every actor's ready (unset: the topology's supervisor.ready_timeout, "
+                         f"default {SupervisorSection.model_fields['ready_timeout'].default:g})")
     ap.add_argument("--duration", type=float, default=None, help="stop the run after this many seconds")
     ap.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live display")
     ap.add_argument("--sbatch", action="store_true", help="submit a SLURM allocation and launch inside it")
@@ -278,7 +291,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="message logs for every actor (in and out, tensors stored): RUN_DIR/msglog/<name>.msglog, "
                          "replayable with tools.replay --into")
     ap.add_argument("--no-import-check", action="store_true", help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)
 
 
 def load_plan(args: argparse.Namespace) -> Plan:
@@ -314,9 +327,11 @@ def make_run_dir(plan: Plan, requested: str | None) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 def supervisor_options(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for actors.supervisor.Supervisor from the topology's `supervisor:` section."""
-    opts = dict(plan.topology.supervisor)
-    opts.setdefault("ready_timeout", args.ready_timeout)
+    """Keyword arguments for actors.supervisor.Supervisor: the topology's `supervisor:` section over its defaults;
+    --ready-timeout where the file does not say."""
+    opts = SupervisorSection.model_validate(plan.topology.supervisor).model_dump()
+    if args.ready_timeout is not None and "ready_timeout" not in plan.topology.supervisor:
+        opts["ready_timeout"] = args.ready_timeout
     return opts
 
 
@@ -690,7 +705,7 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
         # shared run directory that every node agent watches; srun is signalled only if that stalls.
         stopping.append(reason)
         stop_file.write_text(f"stopped by {reason}\n")
-        forced_at.append(time.monotonic() + float(supervisor_options(plan, args).get("stop_timeout", 30)) + 15)
+        forced_at.append(time.monotonic() + supervisor_options(plan, args)["stop_timeout"] + 15)
 
     def forward(signum: int, _frame: Any) -> None:
         if stopping:  # a second Ctrl-C: do not wait for the clean stop
@@ -776,7 +791,9 @@ def submit_sbatch(plan: Plan, args: argparse.Namespace) -> int:
     run_dir = make_run_dir(plan, args.run_dir)
     n = len(plan.topology.nodes)
     argv = [sys.executable, "-m", "tools.up", str(Path(plan.topology.source).resolve()), *args.overrides,
-            "--run-dir", str(run_dir), "--no-progress", "--ready-timeout", str(args.ready_timeout)]
+            "--run-dir", str(run_dir), "--no-progress"]
+    if args.ready_timeout is not None:
+        argv += ["--ready-timeout", str(args.ready_timeout)]
     if args.duration is not None:
         argv += ["--duration", str(args.duration)]
     if args.record:
@@ -805,6 +822,9 @@ def submit_sbatch(plan: Plan, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.show_config:
+            print(topo_mod.show_config(args.topology, args.overrides, check_imports=not args.no_import_check))
+            return EXIT_OK
         plan = load_plan(args)
     except TopologyError as exc:
         print(str(exc), file=sys.stderr)

@@ -34,9 +34,9 @@ def run_cell(eta: int, objective: str, steps: int, eval_every: int, extra: list[
              log: Any) -> dict[str, Any]:
     """One run of the grid, its held-out accuracy at each checkpoint, and its staleness."""
     name = f"eta{eta}-{objective}"
-    overrides = [f"experiment.algo.eta={eta}", f"+experiment.algo.decoupled={OBJECTIVES[objective]}",
+    overrides = [f"experiment.algo.eta={eta}", f"experiment.algo.decoupled={OBJECTIVES[objective]}",
                  f"experiment.run.checkpoint_every_steps={eval_every}",
-                 "+experiment.run.keep_checkpoints=0", *extra]
+                 "experiment.run.keep_checkpoints=0", *extra]
     summary = run_local(name, steps, overrides, out, log, bench="ablation")
     run_dir = Path(summary["run_dir"])
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -60,7 +60,7 @@ def held_out_curve(run_dir: Path, summary: dict[str, Any], samples: list[float],
     """[samples trained, held-out greedy accuracy] at the start and at every kept checkpoint."""
     from actors.dataset import Layout
     from actors.recovery import checkpoint_dir
-    from tools import topology
+    import topology
     from tools.eval import evaluate
 
     experiment = topology.load(ROOT / TOPOLOGY, extra).topology.experiment

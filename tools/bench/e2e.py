@@ -70,7 +70,7 @@ def run_mode(mode: str, steps: int, extra: list[str], out: Path, log: Any) -> di
 
 def run_sft_control(async_run: dict[str, Any], extra: list[str], out: Path, log: Any) -> dict[str, Any]:
     """Continue the warm start's last supervised stage from the RL run's start checkpoint for its wall time."""
-    from tools import topology
+    import topology
     from tools.eval import evaluate
 
     experiment = topology.load(ROOT / TOPOLOGY, extra).topology.experiment

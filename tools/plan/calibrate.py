@@ -360,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.keep_costs:
         data = json.loads(out_path.read_text())
     else:
-        from tools import topology
+        import topology
 
         experiment = topology.load(ROOT / args.topology, check_imports=False).topology.experiment
         data = measure(args.model, args.quick, experiment)

@@ -13,7 +13,7 @@ from tools.plan import hardware, memory
 from tools.plan.shapes import ModelShape, resolve
 from tools.plan.costs import MeasuredCosts, TrainerShape
 from tools.plan.sim import SimConfig
-from tools.topology import Plan
+from topology import Plan
 
 
 @dataclasses.dataclass
