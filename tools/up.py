@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 import topology as topo_mod
 from topology import Plan, TopologyError
+from topology.experiment import ExperimentConfig
 from topology.schema import SupervisorSection
 from transport.ports import free_port
 
@@ -566,13 +567,12 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
 
     from tools.prepare import PrepareError, prepare
 
-    experiment = plan.topology.experiment
-    start_model = (experiment.get("model") or {}).get("path")
+    config = plan.topology.config
     if problems := busy_ports(plan):
         print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
         return EXIT_INVALID
     try:
-        prepare(experiment)
+        prepare(plan.topology.experiment)
     except PrepareError as exc:
         print(f"{plan.topology.source}: experiment.{exc}", file=sys.stderr)
         return EXIT_INVALID
@@ -581,34 +581,29 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
     write_plan(plan, run_dir, specs, args.overrides)
     print(f"run {plan.topology.name}: {len(specs)} actor(s), run directory {run_dir}", flush=True)
     node_of = {i.name: i.host for i in plan.instances}
-    total = (experiment.get("run") or {}).get("total_steps")
+    total = config.run.total_steps
     code = asyncio.run(supervise(specs, run_dir, supervisor_options(plan, args), title=plan.topology.name,
                                  progress=not args.no_progress, duration=args.duration, node_of=node_of,
                                  training=TrainingProgress(run_dir, total)))
-    if code == EXIT_OK and (experiment.get("run") or {}).get("final_eval", True):
-        final_evaluation(experiment, run_dir, start_model)
+    if code == EXIT_OK and config.run.final_eval:
+        final_evaluation(config, run_dir)
     return code
 
 
-def final_evaluation(experiment: dict[str, Any], run_dir: Path, start_model: str | None) -> dict[str, Any] | None:
+def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] | None:
     """Greedy held-out accuracy of the model the run started from and of its last checkpoint, side by
     side, per level; written to RUN_DIR/summary.json and RUN_DIR/eval.jsonl (read by tools.plot)."""
-    from actors.dataset import Layout
     from actors.recovery import latest_checkpoint
-    from tools.eval import evaluate
+    from tools.eval import evaluate_held_out
     from tools.lm import has_weights
 
-    test = (experiment.get("data") or {}).get("test")
+    test = config.data.test
     found = latest_checkpoint(run_dir)
     if not test or not Path(test).exists() or found is None:
         return None
     step, ckpt = found
-    ev = experiment.get("eval") or {}
-    kwargs = {"samples": None, "max_per_level": ev.get("max_per_level"),
-              "max_new_tokens": int((experiment.get("gen") or {}).get("max_new_tokens", 64)),
-              "layout": Layout.from_settings(experiment.get("data"))}
-    models = {"start": (experiment.get("model") or {}).get("path"), "final": str(ckpt / "model")}
-    reports = {name: evaluate(path, test, **kwargs) for name, path in models.items() if path and has_weights(path)}
+    models = {"start": config.model.path, "final": str(ckpt / "model")}
+    reports = {name: evaluate_held_out(path, config) for name, path in models.items() if path and has_weights(path)}
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
         if (run_dir / "metrics.jsonl").exists() else []
     keys = sorted({k for r in reports.values() for k in r["by_level"]}, key=lambda k: (len(k), k))

@@ -22,6 +22,7 @@ from typing import Any, Iterable, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from topology.experiment import ExperimentConfig
 from topology.schema import (RESERVED_SETTINGS, BusSection, ClusterSection, GroupSection, LinkSection,
                              SupervisorSection, TopologyDocument, problem_lines)
 from topology.settings import settings_model
@@ -96,6 +97,12 @@ class Topology:
     description: str = ""
     supervisor: dict[str, Any] = dataclasses.field(default_factory=dict)  # Supervisor keyword arguments the file sets
     document: dict[str, Any] = dataclasses.field(default_factory=dict)  # after overrides
+
+    @property
+    def config(self) -> ExperimentConfig:
+        """The experiment config, typed (its defaults filled in); ``experiment`` is the document as written,
+        which the actors' settings are merged from."""
+        return ExperimentConfig.model_validate(self.experiment)
 
 
 @dataclasses.dataclass
