@@ -53,7 +53,7 @@ def test_device_rule():
     assert engine_device({}) == "cpu"
     assert engine_device({"instance": {"gpus": [3]}}) == "cuda"
     assert engine_device({"instance": {"gpus": [3]}, "device": "cpu"}) == "cpu"
-    with pytest.raises(EngineError, match="not one of"):
+    with pytest.raises(EngineError, match="device: input should be 'cpu' or 'cuda'"):
         engine_device({"device": "tpu"})
 
 

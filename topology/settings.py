@@ -21,7 +21,7 @@ from topology.experiment import ExperimentConfig, Section
 from topology.schema import problem_lines
 
 __all__ = ["InstanceSettings", "WorldSettings", "ActorSettings", "RewardSettings", "CodeRewardSettings",
-           "EvaluatorSettings", "TrainerSettings", "SGLangSettings", "RolloutSettings", "ParamServerSettings",
+           "EngineSettings", "EvaluatorSettings", "TrainerSettings", "SGLangSettings", "RolloutSettings", "ParamServerSettings",
            "BufferSettings", "MessageLogSettings", "SettingsError", "settings_model", "read_settings"]
 
 
@@ -84,7 +84,14 @@ class ActorSettings(ExperimentConfig):
 class EngineSettings(ActorSettings):
     """Actors that run a model in their own process."""
 
-    device: str | None = Field(None, description="cpu or cuda (unset: the instance's GPU if it has one, else cpu)")
+    device: Literal["cpu", "cuda"] | None = Field(
+        None, description="cpu or cuda (unset: cuda if the topology gave the instance GPUs, else cpu)")
+
+    @property
+    def engine_device(self) -> str:
+        """Where the engine runs: ``device`` if set, else the GPU the topology gave the instance (``instance.gpus``;
+        CUDA_VISIBLE_DEVICES narrows each instance to its own), else the CPU."""
+        return self.device or ("cuda" if self.instance.gpus else "cpu")
 
 
 class RewardSettings(ActorSettings):
