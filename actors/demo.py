@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import socket
-from pathlib import Path
 from typing import Any
 
 import torch

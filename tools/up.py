@@ -283,8 +283,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                          "topology file, config file, override), start nothing")
     ap.add_argument("--run-dir", help="run directory (default: <run_root>/<name>/<timestamp>)")
     ap.add_argument("--ready-timeout", type=float, default=None,
-                    help="seconds to wait for every actor's ready (unset: the topology's supervisor.ready_timeout, "
-                         f"default {SupervisorSection.model_fields['ready_timeout'].default:g})")
+                    help="seconds to wait for every actor's ready, where the topology's supervisor section does not "
+                         "say (the override supervisor.ready_timeout=S sets that key itself; default "
+                         f"{SupervisorSection.model_fields['ready_timeout'].default:g})")
     ap.add_argument("--duration", type=float, default=None, help="stop the run after this many seconds")
     ap.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live display")
     ap.add_argument("--sbatch", action="store_true", help="submit a SLURM allocation and launch inside it")

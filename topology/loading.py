@@ -15,7 +15,7 @@ into the document and validating the result gives both with the models as the on
 """
 from __future__ import annotations
 
-import copy
+import importlib
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from topology.experiment import ExperimentConfig, experiment_problems
 from topology.placement import REPO_ROOT, Plan, TopologyError, place, validate
-from topology.schema import RESERVED_SETTINGS, TopologyDocument
+from topology.schema import RESERVED_SETTINGS, GroupSection, TopologyDocument
 from topology.settings import settings_model
 
 __all__ = ["load", "load_document", "parse_override", "apply_overrides", "resolved_config", "show_config"]
@@ -191,7 +191,7 @@ def resolved_config(path: str | Path, overrides: Iterable[str] = (), *,
     for key, value in _leaves(resolved, ""):
         rows.append((key, value, source(key, over_topo, file_doc, "topology file")))
     for gname, gdoc in doc["actors"].items():
-        group = TopologyDocument.model_fields["actors"].annotation.__args__[1].model_validate(gdoc)
+        group = GroupSection.model_validate(gdoc)
         dumped = group.model_dump(by_alias=True, exclude={"settings"})
         for key, value in _leaves(dumped, f"actors.{gname}"):
             rows.append((key, value, source(key, over_topo, file_doc, "topology file")))
@@ -210,7 +210,7 @@ def resolved_config(path: str | Path, overrides: Iterable[str] = (), *,
 
 
 def _group_model(cls_path: str) -> type[BaseModel]:
-    import importlib
+    """The settings model of the actor class a group names (validation has imported it already)."""
     module, _, attr = cls_path.partition(":")
     return settings_model(getattr(importlib.import_module(module), attr))
 

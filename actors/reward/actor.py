@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from actors.base import Actor, ActorSpec, handles
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
