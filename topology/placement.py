@@ -554,31 +554,20 @@ def _check_parallel(c: _Checker, group: GroupSpec, key: str, node: NodeSpec) -> 
 def _check_placement(c: _Checker, topo: Topology) -> None:
     """Checks that need every section: capacity per node, ports, links."""
     plan_nodes = _assign_nodes(c, topo)
-    gpu_use: dict[int, dict[str, int]] = {}
-    worker_use: dict[int, dict[str, int]] = {}
-    for gname, assignment in plan_nodes.items():
-        g = topo.groups[gname]
-        for node in assignment:
-            if g.gpus:
-                gpu_use.setdefault(node, {}).setdefault(gname, 0)
-                gpu_use[node][gname] += g.gpus
-            if g.cpu_workers:
-                worker_use.setdefault(node, {}).setdefault(gname, 0)
-                worker_use[node][gname] += g.cpu_workers
-    for node, use in sorted(gpu_use.items()):
-        have = topo.nodes[node].gpus
-        if sum(use.values()) > have:
-            last = list(use)[-1]
-            detail = ", ".join(f"{g}: {n}" for g, n in use.items())
-            c.add(f"actors.{last}.gpus", f"GPUs over-subscribed on node {topo.nodes[node].name}: "
-                                         f"{sum(use.values())} requested ({detail}) but it has {have}")
-    for node, use in sorted(worker_use.items()):
-        have = topo.nodes[node].cpus
-        if sum(use.values()) > have:
-            last = list(use)[-1]
-            detail = ", ".join(f"{g}: {n}" for g, n in use.items())
-            c.add(f"actors.{last}.cpu_workers", f"CPU workers over-subscribed on node {topo.nodes[node].name}: "
-                                                f"{sum(use.values())} requested ({detail}) but it has {have} cores")
+    # (group key, node capacity, what it is called, the unit of the capacity)
+    for key, capacity, what, unit in (("gpus", "gpus", "GPUs", ""), ("cpu_workers", "cpus", "CPU workers", " cores")):
+        use: dict[int, dict[str, int]] = {}
+        for gname, assignment in plan_nodes.items():
+            per_instance = getattr(topo.groups[gname], key)
+            for node in assignment if per_instance else ():
+                use.setdefault(node, {}).setdefault(gname, 0)
+                use[node][gname] += per_instance
+        for node, by_group in sorted(use.items()):
+            have, total = getattr(topo.nodes[node], capacity), sum(by_group.values())
+            if total > have:
+                detail = ", ".join(f"{g}: {n}" for g, n in by_group.items())
+                c.add(f"actors.{list(by_group)[-1]}.{key}", f"{what} over-subscribed on node {topo.nodes[node].name}: "
+                                                          f"{total} requested ({detail}) but it has {have}{unit}")
     # ports: the bus takes one port per instance from its range; link ports must stay clear of it
     n_instances = sum(g.count for g in topo.groups.values())
     bus = topo.bus
