@@ -21,13 +21,10 @@ A second SIGTERM/SIGINT skips the rest of the drain. ``run()`` returns the exit 
 Readiness: after on_start the actor writes ``RUN_DIR/ready/<name>.json`` ({"pid", "endpoint", "time"})
 atomically; the supervisor waits for a file with the child's pid. It is removed on stop.
 
-Settings the base reads from ``spec.settings`` (all optional):
-    message_log:    true, or {"outbound": bool, "tensors": "store"|"checksum", "flush_every": int}
-                    -> RUN_DIR/msglog/<name>.msglog (see transport.msglog)
-    bus:            keyword arguments for transport.bus.Bus (hwm, max_frame_bytes, max_inflight,
-                    heartbeat_interval, heartbeat_timeout, reply_timeout)
-    drain_timeout:  seconds running handlers get to finish on stop (default 30)
-    log_console:    false to silence the console copy of the log (default true)
+Settings: ``spec.settings`` is validated by the class's ``Settings`` model (topology.settings; unknown keys and
+wrong types are refused before on_start) into ``actor.cfg``, which actors read (``self.cfg.algo.eta``). The
+base reads ``message_log``, ``bus``, ``drain_timeout``, ``close_linger`` and ``log_console``
+(topology.settings.ActorSettings declares them).
 """
 from __future__ import annotations
 
@@ -46,6 +43,7 @@ from typing import Any, Callable, ClassVar, Coroutine
 
 import structlog
 
+from topology.settings import ActorSettings, read_settings
 from transport.auth import CurveConfig
 from transport.bus import Bus, Envelope
 from transport.messages import Error, Message
@@ -214,6 +212,8 @@ class Actor:
     """Base class of every actor. See the module docstring for the lifecycle and settings."""
 
     _handlers: ClassVar[dict[type, tuple[str, bool]]] = {}
+    # The model of this class's settings; a class with keys of its own names a subclass of ActorSettings.
+    Settings: ClassVar[type[ActorSettings]] = ActorSettings
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
@@ -235,9 +235,11 @@ class Actor:
     def __init__(self, spec: ActorSpec) -> None:
         self.spec = spec
         self.name = spec.name
+        # The untyped mapping, for actors not yet reading `cfg`.
         self.settings: dict[str, Any] = dict(spec.settings)
+        self.cfg = read_settings(type(self), self.settings, self.name)
         self.run_dir = Path(spec.run_dir)
-        self.log = actor_logger(self.name, self.run_dir, console=bool(self.settings.get("log_console", True)))
+        self.log = actor_logger(self.name, self.run_dir, console=self.cfg.log_console)
         self.bus: Any = None
         self.counters: Counter[str] = Counter()
         self.draining = False
@@ -346,21 +348,20 @@ class Actor:
     # ------------------------------------------------------------------------------------- lifecycle
 
     def _make_bus(self) -> Bus:
-        bus_kw = dict(self.settings.get("bus") or {})
-        record = self.settings.get("message_log")
+        bus_kw = dict(self.cfg.bus)
+        record = self.cfg.message_log
         recorder, outbound = None, False
-        if record:
-            opts = record if isinstance(record, dict) else {}
-            outbound = bool(opts.get("outbound", False))
+        if record is not None:
+            opts = record
+            outbound = opts.outbound
             recorder = self.msglog = MessageLogWriter(
-                self.run_dir / "msglog" / f"{self.name}.msglog", tensors=opts.get("tensors", "store"),
-                flush_every=int(opts.get("flush_every", 1)),
+                self.run_dir / "msglog" / f"{self.name}.msglog", tensors=opts.tensors, flush_every=opts.flush_every,
                 meta={"actor": self.name, "spec": self.spec.to_dict(), "outbound": outbound})
         curve = None
         if self.spec.curve:
             curve = CurveConfig.from_spec(self.spec.curve, self.name, list(self.spec.peers))
         # The launcher lists every actor of the run by group: the group is the role messages are checked by.
-        groups = self.settings.get("groups")
+        groups = self.cfg.groups
         roles = {name: group for group, names in groups.items() for name in names} if groups else None
         return Bus(self.name, self.spec.endpoint, self.spec.peers, handler=self.dispatch, curve=curve, roles=roles,
                    recorder=recorder, record_outbound=outbound, log=self.log.bind(component="bus"),
@@ -431,7 +432,7 @@ class Actor:
                     self.exit_code = 1
                     self.log.error("on_stop_failed", error=repr(exc), exc_info=exc)
             if self.bus is not None:
-                await self.bus.close(linger=float(self.settings.get("close_linger", 2.0)))
+                await self.bus.close(linger=self.cfg.close_linger)
             if self.msglog is not None:
                 self.msglog.close()
             ready_path(self.run_dir, self.name).unlink(missing_ok=True)
@@ -481,7 +482,7 @@ class Actor:
         self.draining = True
         self.bus.draining = True
         await self.on_drain()
-        timeout = float(self.settings.get("drain_timeout", 30.0))
+        timeout = self.cfg.drain_timeout
         if not await self.bus.wait_handlers(timeout):
             left = self.bus.inflight
             self.log.warning("drain_timeout", handlers_cancelled=left, timeout_s=timeout)

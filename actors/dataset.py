@@ -52,6 +52,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal
 
 import structlog
+from pydantic import ValidationError
+
+from topology.experiment import DEFAULT_MAX_LINE_BYTES, DataSection
+from topology.schema import problem_lines
 
 log = structlog.get_logger("dataset")
 
@@ -59,7 +63,6 @@ OnError = Literal["skip", "fail"]
 Require = Literal["answer", "solutions", "none"]
 LAYOUT_FIELDS = ("query_id", "prompt", "answer", "solutions", "solution", "level")
 # A prompt of the longest recipes (32k tokens) is well under 1 MiB of text; a longer line is a broken file.
-DEFAULT_MAX_LINE_BYTES = 1 << 20
 
 
 class DatasetError(ValueError):
@@ -91,20 +94,20 @@ class Layout:
             raise ValueError(f"prompt_template: must contain {{prompt}}, got {_short(self.prompt_template)}")
 
     @classmethod
-    def from_settings(cls, data: dict[str, Any] | None) -> "Layout":
-        """The layout the config's ``data`` section describes (`tools/experiment.py` documents the keys)."""
-        data = data or {}
-        name = data.get("layout") or "areal"
-        if name not in LAYOUTS:
-            raise ValueError(f"data.layout: must be one of {sorted(LAYOUTS)}, got {name!r}")
-        fields = dict(data.get("fields") or {})
-        unknown = sorted(set(fields) - set(LAYOUT_FIELDS))
-        if unknown:
-            raise ValueError(f"data.fields: unknown field(s) {unknown}; known: {list(LAYOUT_FIELDS)}")
+    def from_settings(cls, data: DataSection | dict[str, Any] | None) -> "Layout":
+        """The layout the config's ``data`` section describes (topology.experiment.DataSection declares the keys;
+        a mapping is read through that model, so its problems name their keys)."""
+        if not isinstance(data, DataSection):
+            try:
+                data = DataSection.model_validate(data or {})
+            except ValidationError as exc:
+                raise ValueError("; ".join(problem_lines(exc, "data", DataSection))) from None
+        # exclude_unset: `query_id: null` in the file means "number the lines", not "the layout's field"
+        fields = data.fields.model_dump(exclude_unset=True) if data.fields is not None else {}
         if "prompt" in fields and not fields["prompt"]:
             raise ValueError("data.fields.prompt: every line needs a prompt field")
-        extra = {k: data[k] for k in ("answer_after", "id2info", "prompt_template") if data.get(k) is not None}
-        return replace(LAYOUTS[name], **fields, **extra)
+        extra = {k: getattr(data, k) for k in ("answer_after", "id2info", "prompt_template") if getattr(data, k) is not None}
+        return replace(LAYOUTS[data.layout], **fields, **extra)
 
     @property
     def consumed(self) -> tuple[str, ...]:

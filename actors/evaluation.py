@@ -29,6 +29,7 @@ from actors.engines.torch_gen import TorchGenerationEngine
 from actors.reward.math_grader import MathVerdict, grade_math_fast, normalize_answer
 from actors.reward.pool import RewardPool, TaskFailure
 from algo.eval_stats import greedy_accuracy, maj_at_k, pass_at_k
+from topology.experiment import GenSection
 
 MATH_GRADER = "actors.reward.math_grader:grade_math"
 
@@ -36,7 +37,7 @@ MATH_GRADER = "actors.reward.math_grader:grade_math"
 Generate = Callable[[Sequence[Sequence[int]], Sequence[SamplingParams], int], Awaitable[list[list[GenerationResult]]]]
 
 
-DEFAULT_MAX_NEW_TOKENS = 64
+DEFAULT_MAX_NEW_TOKENS = GenSection.model_fields["max_new_tokens"].default  # the run's gen.max_new_tokens
 NO_LEVEL = "-"
 
 

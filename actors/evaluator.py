@@ -40,6 +40,7 @@ from actors.evaluation import EvalSettings, aevaluate_model, level_key
 from actors.param_server import EvalWeights, EvalWeightsRequest
 from actors.recovery import run_finished
 from actors.weights import weights_hash
+from topology.settings import EvaluatorSettings
 from transport.bulk import PackedBucket, unpack_bucket
 from transport.bus import BusError
 from transport.protocol import RunFinished
@@ -48,7 +49,6 @@ __all__ = ["EvalActor", "EvalConfigError", "spread_over_levels", "evaluated_vers
 
 EVAL_FILE = "eval.jsonl"
 KIND = "periodic"
-DEFAULT_MAX_PROBLEMS = 64
 
 
 class EvalConfigError(ValueError):
@@ -94,36 +94,36 @@ def eval_entry(version: int, newest: int, report: dict[str, Any], seconds: float
 
 
 class EvalActor(Actor):
+    Settings = EvaluatorSettings
+    cfg: EvaluatorSettings
+
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec)
         self.tb: Any = None
 
     async def on_start(self) -> None:
-        s = self.settings
-        ev = s.get("eval") or {}
-        self.every = int(ev.get("every_versions") or 0)
-        self.wait_s = float(ev.get("wait_s", 30.0))
+        cfg = self.cfg
+        self.every = cfg.eval.every_versions
+        self.wait_s = cfg.eval.wait_s
         self.path = self.run_dir / EVAL_FILE
         if self.every <= 0:
             self.log.info("evaluator_off", why="eval.every_versions is 0")
             return
-        max_problems = int(ev.get("max_problems") or DEFAULT_MAX_PROBLEMS)
-        data = s.get("data") or {}
-        test, model_dir = data.get("test"), (s.get("model") or {}).get("path")
+        test, model_dir = cfg.data.test, cfg.model.path
         if not test:
             raise EvalConfigError("data.test: eval.every_versions > 0 needs a held-out file")
         if not model_dir:
             raise EvalConfigError("model.path: the evaluator needs the model's config and tokenizer")
-        servers = (s.get("groups") or {}).get("param_server") or []
+        servers = cfg.groups.get("param_server") or []
         if not servers:
             raise EvalConfigError("groups.param_server: the evaluator takes its weights from the parameter server")
         self.param_server = servers[0]
-        dataset = await asyncio.to_thread(load_dataset, test, require="answer",
-                                          on_error=data.get("on_bad_line", "fail"), layout=Layout.from_settings(data))
-        self.records = spread_over_levels(dataset.records, max_problems)
+        dataset = await asyncio.to_thread(load_dataset, test, require="answer", on_error=cfg.data.on_bad_line or "fail",
+                                          layout=Layout.from_settings(cfg.data))
+        self.records = spread_over_levels(dataset.records, cfg.eval.max_problems)
         self.tokenizer = load_tokenizer(model_dir)
         self.model = Qwen2ForCausalLM(load_config(model_dir))
-        self.settings_eval = EvalSettings(samples=0, max_new_tokens=int((s.get("gen") or {}).get("max_new_tokens", 64)))
+        self.settings_eval = EvalSettings(samples=0, max_new_tokens=cfg.gen.max_new_tokens)
         self.done = evaluated_versions(self.path)
         try:
             from torch.utils.tensorboard import SummaryWriter

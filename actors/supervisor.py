@@ -36,6 +36,7 @@ import structlog
 
 import actors
 from actors.base import ActorSpec, ready_path
+from topology.schema import SupervisorSection
 
 __all__ = ["Supervisor", "SupervisorError", "NotReadyError"]
 
@@ -79,15 +80,20 @@ def tail(path: Path, lines: int = 10) -> list[str]:
         return []
 
 
+# The topology's `supervisor:` section declares each option's default once; a Supervisor built in code (tests,
+# tools.replay) gets the same ones.
+_DEFAULTS = SupervisorSection()
+
+
 class Supervisor:
     def __init__(self, specs: list[ActorSpec], run_dir: str | os.PathLike, *,
                  python: str = sys.executable,
-                 max_restarts: int = 3,
-                 restart_window: float = 300.0,
-                 backoff_initial: float = 0.5,
-                 backoff_max: float = 30.0,
-                 ready_timeout: float = 120.0,
-                 stop_timeout: float = 30.0,
+                 max_restarts: int = _DEFAULTS.max_restarts,
+                 restart_window: float = _DEFAULTS.restart_window,
+                 backoff_initial: float = _DEFAULTS.backoff_initial,
+                 backoff_max: float = _DEFAULTS.backoff_max,
+                 ready_timeout: float = _DEFAULTS.ready_timeout,
+                 stop_timeout: float = _DEFAULTS.stop_timeout,
                  on_restart: Callable[[str, int, int | None], Any] | None = None,
                  on_giveup: Callable[[str, str], Any] | None = None,
                  run_over: Callable[[], bool] | None = None,

@@ -12,6 +12,7 @@ import pytest
 from actors.base import Actor, ActorSpec, handles
 from actors.supervisor import NotReadyError, Supervisor, SupervisorError
 from testsupport.bounded import run_bounded, until as poll_until
+from topology.settings import ActorSettings
 from transport.bus import Bus
 from transport.messages import Message, decode, message
 from transport.msglog import read_log
@@ -39,25 +40,35 @@ class Note(Message):
     n: int
 
 
+class WorkerSettings(ActorSettings):
+    crash_on_start: bool = False
+    bad_setting_then_refuse_restart: bool = False
+    hang_on_start: bool = False
+    hang_on_drain: bool = False
+
+
 class WorkerActor(Actor):
     """Behaviour chosen by settings: crash_on_start, hang_on_start, hang_on_drain."""
 
+    Settings = WorkerSettings
+    cfg: WorkerSettings
+
     async def on_start(self) -> None:
-        if self.settings.get("crash_on_start"):
+        if self.cfg.crash_on_start:
             print("worker: refusing to start (crash_on_start)", flush=True)
             os._exit(3)
-        if self.settings.get("bad_setting_then_refuse_restart"):
+        if self.cfg.bad_setting_then_refuse_restart:
             marker = self.run_dir / f"{self.name}.started"
             if marker.exists():   # like a stateful actor: a restart refuses to run
                 raise RuntimeError(f"{self.name} was restarted inside a running launch")
             marker.write_text("")
             raise ValueError("algo.eta: must be >= 0, got -1")
-        if self.settings.get("hang_on_start"):
+        if self.cfg.hang_on_start:
             print("worker: stuck in on_start", flush=True)
             await asyncio.Event().wait()
 
     async def on_drain(self) -> None:
-        if self.settings.get("hang_on_drain"):
+        if self.cfg.hang_on_drain:
             await asyncio.Event().wait()
 
     @handles(InfoRequest)

@@ -211,10 +211,10 @@ def test_field_mapping_and_prompt_template(tmp_path):
 
 
 @pytest.mark.parametrize("data,message", [
-    ({"layout": "csv"}, "data.layout: must be one of"),
-    ({"fields": {"question": "q"}}, "data.fields: unknown field"),
+    ({"layout": "csv"}, "data.layout: input should be 'areal', 'gsm8k' or 'math'"),
+    ({"fields": {"question": "q"}}, "data.fields.question: unknown key"),
     ({"fields": {"prompt": None}}, "data.fields.prompt"),
-    ({"prompt_template": "no placeholder"}, "prompt_template: must contain {prompt}"),
+    ({"prompt_template": "no placeholder"}, "data.prompt_template: string should match pattern"),
 ])
 def test_bad_layout_settings_are_refused(data, message):
     with pytest.raises(ValueError, match=message):

@@ -524,7 +524,7 @@ def test_make_engine_builds_the_sglang_engine(tmp_path):
 def test_shipped_sglang_rollouts_build_their_launch_command(topology, tmp_path):
     # Every setting a shipped topology gives an SGLang rollout reaches the server's command line.
     from actors.rollout import make_engine
-    from tools.topology import load
+    from topology import load
 
     plan = load(Path(__file__).parent.parent / "topology" / topology, check_imports=False)
     for spec in plan.specs(tmp_path):

@@ -10,7 +10,7 @@ import torch
 
 from actors.engines.base import EngineError, engine_device, require_device
 from actors.trainer import make_train_engine
-from tools.topology import load
+from topology import load
 from tools.up import describe, engine_placements
 
 TOPOLOGIES = sorted((Path(__file__).resolve().parent.parent / "topology").glob("*.yaml"))
@@ -53,7 +53,7 @@ def test_device_rule():
     assert engine_device({}) == "cpu"
     assert engine_device({"instance": {"gpus": [3]}}) == "cuda"
     assert engine_device({"instance": {"gpus": [3]}, "device": "cpu"}) == "cpu"
-    with pytest.raises(EngineError, match="not one of"):
+    with pytest.raises(EngineError, match="device: input should be 'cpu' or 'cuda'"):
         engine_device({"device": "tpu"})
 
 

@@ -17,8 +17,8 @@ import pytest
 
 from testsupport.local_actors import process_alive, ready_pids
 from tools import up
-from tools import topology as topo_mod
-from tools.topology import load
+import topology as topo_mod
+from topology import load
 from transport.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent

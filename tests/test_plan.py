@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from actors.engines.model import Qwen2Config, Qwen2ForCausalLM, param_count
-from tools import topology, up
+import topology
+from tools import up
 from tools.plan import memory, setup
 from tools.plan.shapes import BUILTIN, ShapeError, from_hf_config, resolve
 

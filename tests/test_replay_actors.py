@@ -55,11 +55,11 @@ def test_buffer_replays_identically(recorded: Path, capsys: pytest.CaptureFixtur
 def test_buffer_with_a_changed_setting_reports_the_first_divergence(recorded: Path) -> None:
     log = str(recorded / "buffer.msglog")
     # Another seed shuffles the dataset differently: the first group handed out is another prompt.
-    d = replay.replay_into(log, "actors.buffer:BufferActor", overrides={"seed": 2}).divergence
+    d = replay.replay_into(log, "actors.buffer:BufferActor", overrides=["seed=2"]).divergence
     assert d is not None and d.inbound_position == -1 and d.outbound_position == 0
     assert d.message == "rl.generate_group" and d.field == "group_id" and d.expected != d.actual
     # A smaller batch admits fewer groups at once: the original's later groups never go out.
-    r = replay.replay_into(log, "actors.buffer:BufferActor", idle_timeout=5, overrides={"algo.batch_size": 3})
+    r = replay.replay_into(log, "actors.buffer:BufferActor", idle_timeout=5, overrides=["algo.batch_size=3"])
     d = r.divergence
     assert d is not None and d.message == "rl.generate_group" and d.actual == "nothing", d
     assert any("then nothing for 5 s" in n for n in r.notes), r.notes
@@ -72,7 +72,7 @@ def test_reward_replays_identically_and_a_changed_grader_setting_is_caught(recor
     assert same.compared and same.divergence is None and same.fed > 0, same
     # a random model answers every prompt wrong (algo.reward_wrong, -5 here); another value for a wrong answer
     # changes the first scored group's first sample
-    d = replay.replay_into(log, "actors.reward.math:MathReward", overrides={"algo.reward_wrong": -0.5}).divergence
+    d = replay.replay_into(log, "actors.reward.math:MathReward", overrides=["algo.reward_wrong=-0.5"]).divergence
     assert d is not None and d.inbound_position == 0 and d.message == "rl.scored_group", d
     assert d.field == "answers.samples[0].reward" and (d.expected, d.actual) == ("-5.0", "-0.5"), d
 
@@ -84,13 +84,13 @@ def test_parameter_server_replays_with_its_links_stood_in_for(recorded: Path) ->
     # Timers run at the replay's own pace: on this shared machine the replay's second ack can come more than
     # late_s (2 s) after the first, and the push would end without it, as it never did in the original.
     # (Were it a late ack in the original, the longer late_s would show as a divergence there.)
-    same = replay.replay_into(log, "actors.param_server:ParamServerActor", overrides={"late_s": 600})
+    same = replay.replay_into(log, "actors.param_server:ParamServerActor", overrides=["late_s=600"])
     assert same.compared and same.divergence is None, (same.divergence, same.notes)
     assert same.sent > 0 and not same.notes, same.notes
     # the rollout link's members in another order: the link is formed with the rollouts' ranks swapped
     d = replay.replay_into(log, "actors.param_server:ParamServerActor", idle_timeout=10,
-                           overrides={"late_s": 600,
-                                      "links.ps_to_rollout.members": ["param_server", "rollout.1", "rollout.0"]}
+                           overrides=["late_s=600",
+                                      "links.ps_to_rollout.members=[param_server, rollout.1, rollout.0]"]
                            ).divergence
     assert d is not None and (d.message, d.field) == ("rl.link_reform", "members[1]"), d
     assert (d.expected, d.actual) == ('"rollout.0"', '"rollout.1"'), d
@@ -104,7 +104,7 @@ def test_trainer_replays_identically_and_a_changed_step_count_is_caught(recorded
     assert same.compared and same.divergence is None, (same.divergence, same.notes)
     assert same.sent > 0 and not same.notes, same.notes
     d = replay.replay_into(log, "actors.trainer:TrainerActor", idle_timeout=10,
-                           overrides={"run.total_steps": 2}).divergence
+                           overrides=["run.total_steps=2"]).divergence
     # after step 2 it checkpoints where the original asked for the third batch
     assert d is not None and d.inbound_position == -1 and d.peer == "buffer", d
     assert (d.message, d.field) == ("rl.batch_request", None) and "rl.checkpoint_request" in d.actual, d
@@ -148,7 +148,7 @@ def test_rollout_replays_the_same_tokens_until_weights_change_mid_generation(rec
         assert r.divergence.field is not None and r.divergence.field.startswith("answers.samples["), r.divergence
     # weights held in bfloat16 instead: a group's log-probs, or the hash of the weights it acks, differ
     d = replay.replay_into(str(log), "actors.rollout:RolloutActor", float_tol=1e-5,
-                           overrides={"model.dtype": "bfloat16"}).divergence
+                           overrides=["model.dtype=bfloat16"]).divergence
     assert d is not None and d.inbound_position >= 0, d
     assert (d.message, d.field) == ("rl.weights_ack", "weights_hash") or \
         (d.message == "rl.trajectories" and d.field is not None and d.field.startswith("answers.samples[0].")), d

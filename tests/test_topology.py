@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tools import topology as T
-from tools.topology import TopologyError
+import topology as T
+from topology import TopologyError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -123,11 +123,11 @@ def test_cpu_placement_becomes_affinity_and_threads() -> None:
      "links.other.env.NCCL_NET_GDR_LEVEL: 'PHB' conflicts with 'SYS' from links.weights for group trainer"),
     (lambda d: d["bus"].update(port_range=10), "bus.port_range: 14 actor instances need 14 ports but the range has 10"),
     (lambda d: d["bus"].update(transport="ipc"), "bus.transport: ipc works on one node only; the cluster has 2 (use tcp)"),
-    (lambda d: d["bus"].update(transport="udp"), "bus.transport: must be one of tcp, ipc, got 'udp'"),
+    (lambda d: d["bus"].update(transport="udp"), "bus.transport: input should be 'tcp' or 'ipc' (value: 'udp')"),
     (lambda d: d["actors"]["rollout"].update(nodes=[2]),
      "actors.rollout.nodes[0]: node index 2 out of range (cluster has 2 nodes: 0-1)"),
     (lambda d: d["actors"]["rollout"].update(nodes=["gpu03"]), "actors.rollout.nodes[0]: host 'gpu03' is not in cluster.nodes"),
-    (lambda d: d["actors"]["rollout"].update(count="four"), "actors.rollout.count: expected an integer, got 'four'"),
+    (lambda d: d["actors"]["rollout"].update(count="four"), "actors.rollout.count: input should be a valid integer (value: 'four')"),
     (lambda d: d["actors"]["reward"].update(cpus=[[0], [99]]),
      "actors.reward.cpus[1]: core(s) [99] do not exist (nodes have 16 cores: 0-15)"),
     (lambda d: d["actors"]["reward"].update(settings={"links": {}}), "actors.reward.settings.links: reserved: the launcher fills it in"),
@@ -155,14 +155,14 @@ def test_all_problems_are_collected_not_just_the_first() -> None:
 
 def test_class_import_and_actor_checks() -> None:
     doc = {"cluster": {"nodes": 1}, "bus": {"transport": "ipc"},
-           "actors": {"a": {"class": "no_such_module_xyz:Thing"}, "b": {"class": "tools.topology:Plan"},
-                      "c": {"class": "tools.topology:Missing"}, "d": {"class": "not a path"}}}
+           "actors": {"a": {"class": "no_such_module_xyz:Thing"}, "b": {"class": "topology:Plan"},
+                      "c": {"class": "topology:Missing"}, "d": {"class": "not a path"}}}
     with pytest.raises(TopologyError) as info:
         T.validate(doc, check_imports=True)
     found = info.value.problems
     assert ("actors.a.class: cannot import no_such_module_xyz: ModuleNotFoundError: No module named "
             "'no_such_module_xyz'") in found
-    assert "actors.c.class: tools.topology has no attribute 'Missing'" in found
+    assert "actors.c.class: topology has no attribute 'Missing'" in found
     assert "actors.d.class: expected module.path:ClassName, got 'not a path'" in found
     b = [p for p in found if p.startswith("actors.b.class:")]
     assert b and ("is not an Actor subclass" in b[0] or "actors.base does not import" in b[0])
@@ -197,17 +197,18 @@ def test_overrides_topology_and_experiment(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"config": "exp.yaml", "cluster": {"nodes": 1}, "bus": {"transport": "ipc"},
                                     "actors": {"a": {"class": "m:A"}}}))
     plan = T.load(path, ["actors.a.count=3", "actors.a.cpus=[[0],[0],[0]]", "experiment.algo.eta=0",
-                         "+experiment.algo.dual_clip=3.0"], check_imports=False)
+                         "experiment.algo.dual_clip=3.0"], check_imports=False)
     assert [i.name for i in plan.instances] == ["a.0", "a.1", "a.2"]
     assert plan.topology.experiment["algo"] == {"lr": 1e-5, "eta": 0, "dual_clip": 3.0}
     with pytest.raises(TopologyError) as info:
         T.load(path, ["experiment.algo.etta=0", "actors.a.cuont=2"], check_imports=False)
     found = info.value.problems
-    assert any(p.startswith("experiment.algo.etta: override 'experiment.algo.etta=0' names a key the config "
-                            "does not have") for p in found)
+    assert any(p.startswith("experiment.algo.etta: unknown key (did you mean 'eta'?)") for p in found)
     assert any(p.startswith("actors.a.cuont: unknown key (did you mean 'count'?)") for p in found)
     with pytest.raises(TopologyError, match="expected key.sub=value"):
         T.load(path, ["actors.a.count"], check_imports=False)
+    with pytest.raises(TopologyError, match="drop the leading +"):
+        T.load(path, ["+experiment.algo.eta=1"], check_imports=False)
 
 
 def test_missing_config_file_is_reported(tmp_path: Path) -> None:
@@ -286,11 +287,11 @@ def test_curve_is_on_by_default_on_tcp_and_ipc_sockets_are_private(tmp_path: Pat
     ("experiment.gen.temperature=-1", "experiment.gen.temperature: input should be greater than or equal to 0"),
     ("experiment.algo.lr=.nan", "experiment.algo.lr: input should be a finite number"),
     ("experiment.algo.kl_coef=-0.1", "experiment.algo.kl_coef: input should be greater than or equal to 0"),
-    ("+experiment.algo.kl_estimator=k4", "experiment.algo.kl_estimator: input should be 'k1', 'k2' or 'k3'"),
-    ("+experiment.mem_fraction_static=0.8", "experiment.mem_fraction_static: unknown key"),
-    ("+experiment.data.layout=csv", "experiment.data.layout: input should be 'areal', 'gsm8k' or 'math'"),
-    ("+experiment.data.fields.question=q", "experiment.data.fields.question: unknown key"),
-    ("+experiment.data.prompt_template=Question", "experiment.data.prompt_template: string should match pattern"),
+    ("experiment.algo.kl_estimator=k4", "experiment.algo.kl_estimator: input should be 'k1', 'k2' or 'k3'"),
+    ("experiment.mem_fraction_static=0.8", "experiment.mem_fraction_static: unknown key"),
+    ("experiment.data.layout=csv", "experiment.data.layout: input should be 'areal', 'gsm8k' or 'math'"),
+    ("experiment.data.fields.question=q", "experiment.data.fields.question: unknown key"),
+    ("experiment.data.prompt_template=Question", "experiment.data.prompt_template: string should match pattern"),
     ("experiment.run.recover=maybe", "experiment.run.recover: input should be 'auto' or 'off' (value: 'maybe')"),
 ])
 def test_experiment_values_are_checked_before_anything_runs(override: str, words: str) -> None:
@@ -308,6 +309,6 @@ def test_recover_off_is_accepted_though_yaml_reads_it_as_false() -> None:
 
 
 def test_every_shipped_experiment_config_passes_the_schema() -> None:
-    from tools.experiment import experiment_problems
+    from topology.experiment import experiment_problems
     for config in sorted((REPO / "configs").glob("*.yaml")):
         assert experiment_problems(yaml.safe_load(config.read_text())) == [], config

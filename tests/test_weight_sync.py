@@ -31,6 +31,11 @@ from transport.protocol import (GenerateGroup, GroupReturned, HelloRequest, RunF
                                 WeightsPublished, WeightsStatus, WeightsStatusRequest, WeightsStored, WorkerHello)
 
 ROLLOUTS = ["rollout.0", "rollout.1", "rollout.2"]      # rollout.2 pauses for weights (not interruptible)
+# Each actor class accepts its own keys only (topology/settings.py).
+OWN_SETTINGS: dict[str, dict[str, Any]] = {
+    "actors.rollout:RolloutActor": {"stats_every_s": 0},
+    "actors.param_server:ParamServerActor": {"ack_timeout_s": 60, "retry_s": 1.0},
+}
 WAIT_S = 90.0
 LINK_TIMEOUT_S = 30.0
 
@@ -72,8 +77,8 @@ class System:
             "instance": {"index": index, "cpu_workers": 1},
             "links": self.links_of(name),
             "bus": {"heartbeat_interval": 0.5, "heartbeat_timeout": 3.0},
-            "log_console": False, "stats_every_s": 0, "drain_timeout": 10, "ack_timeout_s": 60, "retry_s": 1.0,
-            "seed": 3,
+            "log_console": False, "drain_timeout": 10, "seed": 3,
+            **OWN_SETTINGS.get(cls, {}),
         }
         settings.update(extra)
         return actor_spec(name, cls, self.endpoints, settings, self.run_dir)

@@ -7,11 +7,9 @@ every pinger also asks for a tensor bucket, which the echoer sends point-to-poin
 reports :class:`DemoDone` to the echoer and finishes (exit 0). The echoer finishes once every pinger
 has reported, after writing ``RUN_DIR/demo/summary.json``. So a demo run ends by itself, cleanly.
 
-Settings (all optional): ``rounds`` (default 10), ``tensor_elems`` (default 1024), ``link`` (the link
-name, default the first one listed); the pinger's ``tensor_elems`` sizes the bucket it asks for.
-``crash_once``: a pinger exits 3 after its first round unless
-``RUN_DIR/demo/<name>.crashed`` exists (a supervisor restart inside a launched run);
-``crash_always``: exits 3 every time (the supervisor giving up).
+Settings: :class:`DemoSettings`. ``crash_once``: a pinger exits 3 after its first round unless
+``RUN_DIR/demo/<name>.crashed`` exists (a supervisor restart inside a launched run); ``crash_always``: exits 3
+every time (the supervisor giving up).
 """
 
 from __future__ import annotations
@@ -24,7 +22,10 @@ from typing import Any
 
 import torch
 
+from pydantic import Field
+
 from actors.base import Actor, handles
+from topology.settings import ActorSettings
 from transport.bulk import BulkLink, LinkConfig
 from transport.messages import Message, message
 
@@ -80,19 +81,29 @@ def _node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+class DemoSettings(ActorSettings):
+    rounds: int = Field(10, ge=1, description="pings each pinger sends")
+    tensor_elems: int = Field(1024, ge=1, description="elements of the bucket a pinger asks for over the link")
+    link: str | None = Field(None, description="the bulk link (unset: the first one listed)")
+    crash_once: bool = Field(False, description="a pinger exits 3 after its first round, once")
+    crash_always: bool = Field(False, description="a pinger exits 3 after its first round, every time")
+
+
 def _link_config(actor: Actor) -> LinkConfig | None:
-    links = actor.settings.get("links") or {}
+    links = actor.cfg.links
     if not links:
         return None
-    name = actor.settings.get("link") or next(iter(links))
-    return LinkConfig.from_dict(links[name])
+    return LinkConfig.from_dict(links[actor.cfg.link or next(iter(links))])
 
 
 class Echoer(Actor):
     """Answers pings; serves a bucket over the bulk link to each pinger that asks for one."""
 
+    Settings = DemoSettings
+    cfg: DemoSettings
+
     async def on_start(self) -> None:
-        self.expected = set((self.settings.get("groups") or {}).get("ping", []))
+        self.expected = set(self.cfg.groups.get("ping", []))
         self.done: dict[str, dict[str, Any]] = {}
         self.link: BulkLink | None = None
         self.link_lock = asyncio.Lock()
@@ -136,12 +147,15 @@ class Echoer(Actor):
 class Pinger(Actor):
     """Pings the echoer ``rounds`` times, fetches one bucket over the bulk link, reports, finishes."""
 
+    Settings = DemoSettings
+    cfg: DemoSettings
+
     async def on_ready(self) -> None:
         self.spawn(self.work(), name="work")
 
     async def work(self) -> None:
-        rounds = int(self.settings.get("rounds", 10))
-        echo = (self.settings.get("groups") or {}).get("echo", ["echo"])[0]
+        rounds = self.cfg.rounds
+        echo = self.cfg.groups.get("echo", ["echo"])[0]
         marker = self.run_dir / "demo" / f"{self.name}.crashed"
         marker.parent.mkdir(parents=True, exist_ok=True)
         restarts_seen = 1 if marker.exists() else 0
@@ -153,15 +167,14 @@ class Pinger(Actor):
             reply = await self.bus.request(echo, DemoPing(seq=seq, payload=payload), timeout=30)
             if not (isinstance(reply, DemoPong) and reply.seq == seq and reply.payload == payload):
                 raise RuntimeError(f"bad pong for round {seq}: {reply!r}")
-            if seq == 0 and (self.settings.get("crash_always") or (self.settings.get("crash_once")
-                                                                     and not marker.exists())):
+            if seq == 0 and (self.cfg.crash_always or (self.cfg.crash_once and not marker.exists())):
                 marker.write_text("crashed once on purpose\n")
                 self.log.warning("crashing_on_purpose")
                 os._exit(3)
         bulk_ok = False
         if link is not None:
             await asyncio.wait_for(opening, timeout=config.timeout_s + 5)
-            elems, seed = int(self.settings.get("tensor_elems", 1024)), 7 + config.rank
+            elems, seed = self.cfg.tensor_elems, 7 + config.rank
             sent, bucket = await asyncio.gather(
                 self.bus.request(echo, DemoBulkRequest(rank=config.rank, elems=elems, seed=seed),
                                  timeout=config.timeout_s),

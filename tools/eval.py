@@ -40,6 +40,7 @@ from actors.engines.tokenizer import TokenizerError, load_tokenizer
 from actors.evaluation import (DEFAULT_MAX_NEW_TOKENS, NO_LEVEL, EvalError, EvalSettings, aevaluate_model,  # noqa: F401
                                aevaluate_with, engine_generator, evaluate_model, level_key, select_records)
 from tools.lm import LMToolError, has_weights
+from topology.experiment import ExperimentConfig, experiment_problems
 
 ENGINES = ("torch", "sglang")
 
@@ -98,6 +99,16 @@ async def aevaluate(model_dir: str, data_path: str, *, k: int = 8, samples: int 
 def evaluate(model_dir: str, data_path: str, **kwargs: Any) -> dict[str, Any]:
     """Synchronous `aevaluate` (tools, the launcher's summary, benchmarks)."""
     return asyncio.run(aevaluate(model_dir, data_path, **kwargs))
+
+
+def evaluate_held_out(model_dir: str, config: ExperimentConfig, data_path: str | None = None) -> dict[str, Any]:
+    """Greedy accuracy of a model on the run's held-out file (``data.test`` unless ``data_path``) as a run's final
+    evaluation reads it: the config's layout, ``eval.max_per_level`` and ``gen.max_new_tokens``."""
+    test = data_path or config.data.test
+    if not test:
+        raise EvalError("data.test: the experiment config names no held-out file")
+    return evaluate(model_dir, test, samples=None, max_per_level=config.eval.max_per_level,
+                    max_new_tokens=config.gen.max_new_tokens, layout=Layout.from_settings(config.data))
 
 
 def copy_for_eval(model: Qwen2ForCausalLM) -> Qwen2ForCausalLM:
@@ -167,16 +178,21 @@ def _ks(text: str | None) -> list[int]:
         raise ValueError(f"--pass-k: expected integers separated by commas, got {text!r}") from None
 
 
-def _from_config(path: str | None) -> dict[str, Any]:
-    """The experiment config's `gen` and `data` sections (for --config)."""
+def _from_config(path: str | None) -> ExperimentConfig:
+    """The experiment config of --config, typed (its defaults without one)."""
     if not path:
-        return {}
+        return ExperimentConfig()
     import yaml
     try:
         doc = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
         raise ValueError(f"--config {path}: {e}") from None
-    return doc if isinstance(doc, dict) else {}
+    if not isinstance(doc, dict):
+        raise ValueError(f"--config {path}: expected a mapping, got {type(doc).__name__}")
+    problems = experiment_problems(doc, prefix="")
+    if problems:
+        raise ValueError(f"--config {path}: " + "; ".join(problems))
+    return ExperimentConfig.model_validate(doc)
 
 
 def data_options(args: argparse.Namespace) -> tuple[Layout, int]:
@@ -186,9 +202,8 @@ def data_options(args: argparse.Namespace) -> tuple[Layout, int]:
     config = _from_config(args.config)
     explicit = {"layout": args.layout, "id2info": args.id2info, "prompt_template": args.prompt_template}
     data = {k: v for k, v in explicit.items() if v is not None} \
-        if any(v is not None for v in explicit.values()) else (config.get("data") or {})
-    max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else \
-        int((config.get("gen") or {}).get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS)
+        if any(v is not None for v in explicit.values()) else config.data
+    max_new_tokens = args.max_new_tokens if args.max_new_tokens is not None else config.gen.max_new_tokens
     return Layout.from_settings(data), max_new_tokens
 
 

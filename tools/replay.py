@@ -35,11 +35,12 @@ import typing
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import msgpack
 
 import transport.protocol  # noqa: F401  (registers the rl.* message kinds so records decode)
+from topology import TopologyError, apply_overrides
 from transport.bus import Envelope, RemoteError, current_cause, wait_for_tasks
 from transport.messages import DecodeError, Error, Message, decode, decode_header, encode, registry, to_plain
 from transport.msglog import LogRecord, MessageLogError, read_log
@@ -491,7 +492,7 @@ class _Deliverer:
 
 
 async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 60.0,
-                  overrides: dict[str, Any] | None = None, float_tol: float = 0.0,
+                  overrides: Sequence[str] = (), float_tol: float = 0.0,
                   to_end: bool = False) -> ReplayResult:
     from actors.base import ActorSpec, load_actor_class
 
@@ -557,8 +558,12 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
         spec_dict = dict(meta["spec"])
         settings = {k: v for k, v in (spec_dict.get("settings") or {}).items() if k != "message_log"}
         settings["log_console"] = False
-        for dotted, value in (overrides or {}).items():
-            _set_dotted(settings, dotted, value)
+        try:
+            problems = apply_overrides(settings, [o.removeprefix("experiment.") for o in overrides])
+        except TopologyError as exc:
+            raise ReplayError("; ".join(exc.problems)) from None
+        if problems:
+            raise ReplayError("; ".join(problems))
         spec_dict.update(cls=cls_path, run_dir=run_dir, settings=settings, curve=None)
         spec = ActorSpec.from_dict(spec_dict)
         _apply_threads(spec.env)
@@ -828,16 +833,6 @@ def to_plain_body(exp: tuple, body: Any) -> Any:
     return _describe(exp[0]).get("fields", body)
 
 
-def _set_dotted(settings: dict, dotted: str, value: Any) -> None:
-    node = settings
-    *parents, last = dotted.split(".")
-    for name in parents:
-        if not isinstance(node.get(name), dict):
-            node[name] = {}
-        node = node[name]
-    node[last] = value
-
-
 def _apply_threads(env: dict[str, str]) -> None:
     """The original's thread count (float sums depend on it): OMP_NUM_THREADS from its spec's env."""
     if env.get("OMP_NUM_THREADS"):
@@ -847,9 +842,10 @@ def _apply_threads(env: dict[str, str]) -> None:
 
 
 def replay_into(path: str, cls_path: str, segment: int = 0, idle_timeout: float = 60.0,
-                overrides: dict[str, Any] | None = None, float_tol: float = 0.0, to_end: bool = False) -> ReplayResult:
+                overrides: Sequence[str] = (), float_tol: float = 0.0, to_end: bool = False) -> ReplayResult:
     """Replay ``path``'s inbound messages into a fresh ``cls_path`` actor and compare what it sends.
-    ``overrides``: settings changed for the replay (dotted keys, e.g. {"algo.batch_size": 8}). ``to_end``:
+    ``overrides``: settings changed for the replay (``KEY=VALUE``, the launcher's grammar, e.g. "algo.batch_size=8";
+    the actor's settings model checks them). ``to_end``:
     deliver the whole log even after a divergence (offline re-training with changed settings)."""
     import uvloop
 
@@ -891,19 +887,6 @@ def metrics_table(recorded: list[dict], replayed: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def parse_sets(items: list[str]) -> dict[str, Any]:
-    """``--set algo.eps_clip=0.1`` -> {"algo.eps_clip": 0.1} (values read as YAML, so 0.1 is a float)."""
-    import yaml
-
-    out: dict[str, Any] = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ReplayError(f"--set {item!r}: expected KEY=VALUE")
-        out[key.removeprefix("experiment.")] = yaml.safe_load(value)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("log", help="message log file (RUN_DIR/msglog/<actor>.msglog)")
@@ -928,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.into:
             return print_log(args.log, args.type, args.sender, args.dir, args.limit, args.json)
-        overrides = parse_sets(args.set)
+        overrides = list(args.set)
         # With changed settings a divergence is expected: the whole log is delivered, so a trainer re-trains
         # on every recorded batch.
         result = replay_into(args.log, args.into, args.segment, args.idle_timeout, overrides, args.float_tol,

@@ -43,6 +43,7 @@ from actors.dataset import DatasetError, OnError, Record, load_dataset
 from actors.engines.checkpoint import CheckpointError
 from actors.engines.tokenizer import TokenizerError, load_tokenizer
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss
+from tools.cli import add_dataclass_arguments, dataclass_from_args
 from tools.eval import EvalError, EvalSettings, copy_for_eval, evaluate_model, load_eval_records
 from tools.lm import (LMToolError, SFTExample, batch_stream, examples_from_records, is_pairs_file, load_or_init,
                       make_example, pack_examples, read_pairs)
@@ -56,40 +57,57 @@ class SFTError(ValueError):
     """A warm start that cannot run as configured; the message names the option or file at fault."""
 
 
+def _levels(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    from tools.make_task import parse_levels
+    try:
+        return parse_levels(text)
+    except ValueError as exc:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _opt(default: Any, help: str = "", **metadata: Any) -> Any:
+    """A field with its default and its flag's help (tools.cli derives the command line from these)."""
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
 @dataclasses.dataclass
 class SFTConfig:
-    data: str
-    out: str
-    model: str = DEFAULT_MODEL
-    format: Literal["auto", "records", "pairs"] = "auto"
-    levels: list[int] | None = None          # train only on records of these levels
-    on_error: OnError = "fail"               # malformed dataset lines: stop, or skip and count
-    steps: int | None = None                 # optimizer steps; else from epochs
-    epochs: float | None = None              # passes over the examples (1 when neither is given)
-    batch_size: int = 64                     # sequences per optimizer step
-    lr: float = 1e-3
-    warmup_steps: int = 20
-    schedule: Literal["cosine", "constant", "linear"] = "cosine"
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    max_tokens_per_mb: int = 4096
-    seed: int = 0
-    device: str = "cpu"
-    eval_data: str | None = None
-    eval_every: int = 0
-    eval_max_per_level: int | None = 100
-    eval_levels: list[int] | None = None
-    max_new_tokens: int = 64
-    until_plateau: bool = False
+    data: str = dataclasses.field(metadata={"help": "JSON-lines records with solutions, or prompt/response pairs"})
+    out: str = dataclasses.field(metadata={"help": "output model directory"})
+    model: str = _opt(DEFAULT_MODEL, "model directory (randomly initialised without weights)")
+    format: Literal["auto", "records", "pairs"] = _opt("auto", "dataset format (auto: from the first line)")
+    levels: list[int] | None = _opt(None, "train only on these levels, e.g. 1-3", parse=_levels)
+    on_error: OnError = _opt("fail", "malformed dataset lines: stop, or skip and count")
+    steps: int | None = _opt(None, "optimizer steps (the upper bound with --until-plateau); not with --epochs")
+    epochs: float | None = _opt(None, "passes over the examples (1 when neither --steps nor --epochs is given)")
+    batch_size: int = _opt(64, "sequences per optimizer step")
+    lr: float = _opt(1e-3, "peak learning rate")
+    warmup_steps: int = _opt(20, "steps of linear warm-up")
+    schedule: Literal["cosine", "constant", "linear"] = _opt("cosine", "learning-rate decay after the warm-up")
+    min_lr_ratio: float = _opt(0.1, "floor of the decay, fraction of --lr")
+    weight_decay: float = _opt(0.0, "decoupled weight decay")
+    grad_clip: float = _opt(1.0, "gradient-norm clip")
+    max_tokens_per_mb: int = _opt(4096, "tokens per packed micro-batch")
+    seed: int = _opt(0, "seed of initialisation and data order")
+    device: str = _opt("cpu", "cpu or cuda")
+    eval_data: str | None = _opt(None, "held-out JSON-lines file with answers")
+    eval_every: int = _opt(0, "steps between held-out evaluations; 0 is off")
+    eval_max_per_level: int | None = _opt(100, "held-out prompts per level")
+    eval_levels: list[int] | None = _opt(None, "held-out levels, e.g. 1-5 (unset: all)", parse=_levels)
+    max_new_tokens: int = _opt(64, "answer length limit in evaluations")
+    until_plateau: bool = _opt(False, "stop when held-out accuracy stops improving")
     # "best": keep the checkpoint with the best held-out accuracy, stop when it stops rising. "last": keep the
     # final weights, stop when accuracy stops changing (the mean of the last `patience` evaluations is within
     # `min_delta` of the mean of the `patience` before) -- imitation that lowers accuracy still has a plateau.
-    keep: Literal["best", "last"] = "best"
-    patience: int = 3                        # evaluations without enough improvement before stopping
-    min_delta: float = 0.005                 # accuracy gain (fraction) that counts as an improvement
-    max_seconds: float | None = None         # stop after this much training wall time (held-out evaluations excluded)
-    log_every: int = 10
+    keep: Literal["best", "last"] = _opt("best", "checkpoint to keep: the best held-out accuracy, or the final "
+                                                 "weights once accuracy stops changing")
+    patience: int = _opt(3, "evaluations without enough improvement before stopping")
+    min_delta: float = _opt(0.005, "accuracy gain (fraction) that counts as an improvement")
+    max_seconds: float | None = _opt(None, "stop after this much training wall time (evaluations excluded); "
+                                           "--steps stays the upper bound")
+    log_every: int = _opt(10, "steps between progress lines")
 
     def check(self) -> None:
         if self.steps is not None and self.epochs is not None:
@@ -309,59 +327,16 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any
     return summary
 
 
-def _levels(text: str | None) -> list[int] | None:
-    if not text:
-        return None
-    from tools.make_task import parse_levels
-    return parse_levels(text)
-
-
 def parse_args(argv: Sequence[str] | None) -> tuple[SFTConfig, bool]:
     """(the configuration, whether --json was given)."""
     ap = argparse.ArgumentParser(prog="python -m tools.sft", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--data", required=True, help="JSON-lines records with solutions, or prompt/response pairs")
-    ap.add_argument("--out", required=True, help="output model directory")
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="model directory (randomly initialised without weights)")
-    ap.add_argument("--format", choices=("auto", "records", "pairs"), default="auto")
-    ap.add_argument("--levels", help="train only on these levels, e.g. 1-3")
-    ap.add_argument("--on-error", choices=("fail", "skip"), default="fail", help="malformed dataset lines")
-    length = ap.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, help="optimizer steps (the upper bound with --until-plateau)")
-    length.add_argument("--epochs", type=float, help="passes over the examples (default 1)")
-    ap.add_argument("--batch-size", type=int, default=64, help="sequences per step")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup-steps", type=int, default=20)
-    ap.add_argument("--schedule", choices=("cosine", "constant", "linear"), default="cosine")
-    ap.add_argument("--min-lr-ratio", type=float, default=0.1, help="floor of the decay, fraction of --lr")
-    ap.add_argument("--weight-decay", type=float, default=0.0)
-    ap.add_argument("--grad-clip", type=float, default=1.0)
-    ap.add_argument("--max-tokens-per-mb", type=int, default=4096, help="tokens per packed micro-batch")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--eval-data", help="held-out JSON-lines file with answers")
-    ap.add_argument("--eval-every", type=int, default=0, help="steps between held-out evaluations")
-    ap.add_argument("--eval-max-per-level", type=int, default=100, help="held-out prompts per level")
-    ap.add_argument("--eval-levels", help="held-out levels, e.g. 1-5 (default all)")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit in evaluations")
-    ap.add_argument("--until-plateau", action="store_true", help="stop when held-out accuracy stops improving")
-    ap.add_argument("--keep", choices=("best", "last"), default="best",
-                    help="checkpoint to keep: the best held-out accuracy, or the final weights once accuracy "
-                         "stops changing")
-    ap.add_argument("--patience", type=int, default=3, help="evaluations without improvement before stopping")
-    ap.add_argument("--min-delta", type=float, default=0.005, help="accuracy gain (fraction) that counts")
-    ap.add_argument("--max-seconds", type=float, help="stop after this much training wall time "
-                                                      "(evaluations excluded); --steps stays the upper bound")
-    ap.add_argument("--log-every", type=int, default=10)
+    add_dataclass_arguments(ap, SFTConfig)
     ap.add_argument("--json", action="store_true", help="progress to stderr, one JSON summary line to stdout")
     args = ap.parse_args(argv)
-    cfg = SFTConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SFTConfig)
-                       if f.name not in ("levels", "eval_levels")})
-    try:
-        cfg.levels, cfg.eval_levels = _levels(args.levels), _levels(args.eval_levels)
-    except ValueError as e:
-        ap.error(str(e))
-    return cfg, args.json
+    if args.steps is not None and args.epochs is not None:
+        ap.error("argument --epochs: not allowed with argument --steps")
+    return dataclass_from_args(SFTConfig, args), args.json
 
 
 def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int:

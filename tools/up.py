@@ -1,4 +1,9 @@
-"""`python -m tools.up TOPOLOGY [key.sub=value ...] [--dry-run]`: validate a topology and start the run.
+"""`python -m tools.up TOPOLOGY [key.sub=value ...] [--dry-run | --show-config]`: validate a topology and start the run.
+
+* ``key.sub=value`` overrides a key of the topology file, or of the experiment config under ``experiment.``;
+  the value is read as YAML and checked by the same models as the files (topology.loading describes the grammar).
+* ``--show-config`` prints every key of the resolved configuration, one ``key = value  # source`` line each,
+  the source being default, topology file, config file or override; then exits 0.
 
 * ``--record`` turns message logs on for every actor (``RUN_DIR/msglog/<name>.msglog``, inbound and
   outbound, tensors stored) so that any actor can be replayed with ``tools.replay --into``.
@@ -29,8 +34,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from tools import topology as topo_mod
-from tools.topology import Plan, TopologyError
+import topology as topo_mod
+from topology import Plan, TopologyError
+from topology.experiment import ExperimentConfig
+from topology.schema import SupervisorSection
 from transport.ports import free_port
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
@@ -267,10 +274,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tools.up", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("topology", help="topology YAML, e.g. topology/local.yaml")
-    ap.add_argument("overrides", nargs="*", help="key.sub=value (topology keys, or experiment.* for the config)")
+    ap.add_argument("overrides", nargs="*",
+                    help="key.sub=value, value read as YAML: a topology key (actors.rollout.count=4), or experiment.* "
+                         "for the experiment config (experiment.algo.eta=2); checked by the same models as the files")
     ap.add_argument("--dry-run", action="store_true", help="print the placement and commands, start nothing")
+    ap.add_argument("--show-config", action="store_true",
+                    help="print every key of the resolved configuration with where its value came from (default, "
+                         "topology file, config file, override), start nothing")
     ap.add_argument("--run-dir", help="run directory (default: <run_root>/<name>/<timestamp>)")
-    ap.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for every actor's ready")
+    ap.add_argument("--ready-timeout", type=float, default=None,
+                    help="seconds to wait for every actor's ready, where the topology's supervisor section does not "
+                         "say (the override supervisor.ready_timeout=S sets that key itself; default "
+                         f"{SupervisorSection.model_fields['ready_timeout'].default:g})")
     ap.add_argument("--duration", type=float, default=None, help="stop the run after this many seconds")
     ap.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live display")
     ap.add_argument("--sbatch", action="store_true", help="submit a SLURM allocation and launch inside it")
@@ -278,7 +293,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="message logs for every actor (in and out, tensors stored): RUN_DIR/msglog/<name>.msglog, "
                          "replayable with tools.replay --into")
     ap.add_argument("--no-import-check", action="store_true", help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)
 
 
 def load_plan(args: argparse.Namespace) -> Plan:
@@ -314,9 +329,11 @@ def make_run_dir(plan: Plan, requested: str | None) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 def supervisor_options(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for actors.supervisor.Supervisor from the topology's `supervisor:` section."""
-    opts = dict(plan.topology.supervisor)
-    opts.setdefault("ready_timeout", args.ready_timeout)
+    """Keyword arguments for actors.supervisor.Supervisor: the topology's `supervisor:` section over its defaults;
+    --ready-timeout where the file does not say."""
+    opts = SupervisorSection.model_validate(plan.topology.supervisor).model_dump()
+    if args.ready_timeout is not None and "ready_timeout" not in plan.topology.supervisor:
+        opts["ready_timeout"] = args.ready_timeout
     return opts
 
 
@@ -551,13 +568,12 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
 
     from tools.prepare import PrepareError, prepare
 
-    experiment = plan.topology.experiment
-    start_model = (experiment.get("model") or {}).get("path")
+    config = plan.topology.config
     if problems := busy_ports(plan):
         print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
         return EXIT_INVALID
     try:
-        prepare(experiment)
+        prepare(plan.topology.experiment)
     except PrepareError as exc:
         print(f"{plan.topology.source}: experiment.{exc}", file=sys.stderr)
         return EXIT_INVALID
@@ -566,34 +582,29 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
     write_plan(plan, run_dir, specs, args.overrides)
     print(f"run {plan.topology.name}: {len(specs)} actor(s), run directory {run_dir}", flush=True)
     node_of = {i.name: i.host for i in plan.instances}
-    total = (experiment.get("run") or {}).get("total_steps")
+    total = config.run.total_steps
     code = asyncio.run(supervise(specs, run_dir, supervisor_options(plan, args), title=plan.topology.name,
                                  progress=not args.no_progress, duration=args.duration, node_of=node_of,
                                  training=TrainingProgress(run_dir, total)))
-    if code == EXIT_OK and (experiment.get("run") or {}).get("final_eval", True):
-        final_evaluation(experiment, run_dir, start_model)
+    if code == EXIT_OK and config.run.final_eval:
+        final_evaluation(config, run_dir)
     return code
 
 
-def final_evaluation(experiment: dict[str, Any], run_dir: Path, start_model: str | None) -> dict[str, Any] | None:
+def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] | None:
     """Greedy held-out accuracy of the model the run started from and of its last checkpoint, side by
     side, per level; written to RUN_DIR/summary.json and RUN_DIR/eval.jsonl (read by tools.plot)."""
-    from actors.dataset import Layout
     from actors.recovery import latest_checkpoint
-    from tools.eval import evaluate
+    from tools.eval import evaluate_held_out
     from tools.lm import has_weights
 
-    test = (experiment.get("data") or {}).get("test")
+    test = config.data.test
     found = latest_checkpoint(run_dir)
     if not test or not Path(test).exists() or found is None:
         return None
     step, ckpt = found
-    ev = experiment.get("eval") or {}
-    kwargs = {"samples": None, "max_per_level": ev.get("max_per_level"),
-              "max_new_tokens": int((experiment.get("gen") or {}).get("max_new_tokens", 64)),
-              "layout": Layout.from_settings(experiment.get("data"))}
-    models = {"start": (experiment.get("model") or {}).get("path"), "final": str(ckpt / "model")}
-    reports = {name: evaluate(path, test, **kwargs) for name, path in models.items() if path and has_weights(path)}
+    models = {"start": config.model.path, "final": str(ckpt / "model")}
+    reports = {name: evaluate_held_out(path, config) for name, path in models.items() if path and has_weights(path)}
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
         if (run_dir / "metrics.jsonl").exists() else []
     keys = sorted({k for r in reports.values() for k in r["by_level"]}, key=lambda k: (len(k), k))
@@ -690,7 +701,7 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
         # shared run directory that every node agent watches; srun is signalled only if that stalls.
         stopping.append(reason)
         stop_file.write_text(f"stopped by {reason}\n")
-        forced_at.append(time.monotonic() + float(supervisor_options(plan, args).get("stop_timeout", 30)) + 15)
+        forced_at.append(time.monotonic() + supervisor_options(plan, args)["stop_timeout"] + 15)
 
     def forward(signum: int, _frame: Any) -> None:
         if stopping:  # a second Ctrl-C: do not wait for the clean stop
@@ -776,7 +787,9 @@ def submit_sbatch(plan: Plan, args: argparse.Namespace) -> int:
     run_dir = make_run_dir(plan, args.run_dir)
     n = len(plan.topology.nodes)
     argv = [sys.executable, "-m", "tools.up", str(Path(plan.topology.source).resolve()), *args.overrides,
-            "--run-dir", str(run_dir), "--no-progress", "--ready-timeout", str(args.ready_timeout)]
+            "--run-dir", str(run_dir), "--no-progress"]
+    if args.ready_timeout is not None:
+        argv += ["--ready-timeout", str(args.ready_timeout)]
     if args.duration is not None:
         argv += ["--duration", str(args.duration)]
     if args.record:
@@ -805,6 +818,9 @@ def submit_sbatch(plan: Plan, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.show_config:
+            print(topo_mod.show_config(args.topology, args.overrides, check_imports=not args.no_import_check))
+            return EXIT_OK
         plan = load_plan(args)
     except TopologyError as exc:
         print(str(exc), file=sys.stderr)

@@ -85,7 +85,7 @@ class LinkRendezvousError(BulkError):
 @dataclasses.dataclass
 class LinkConfig:
     """Everything one member needs to join a link. The launcher writes it into
-    ``spec.settings["links"][name]`` (see tools/topology.py); :meth:`from_dict` reads it back."""
+    ``spec.settings["links"][name]`` (see topology/placement.py); :meth:`from_dict` reads it back."""
 
     name: str
     backend: str  # "gloo" | "nccl"

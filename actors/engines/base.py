@@ -28,6 +28,10 @@ from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, Union
 
 import torch
+from pydantic import ValidationError
+
+from topology.schema import problem_lines
+from topology.settings import EngineSettings
 
 FinishReason = Literal["stop", "length", "abort"]
 # One bucket of a weight transfer: Hugging Face parameter names and their tensors.
@@ -44,14 +48,14 @@ class RequestError(EngineError, ValueError):
 
 
 def engine_device(settings: dict[str, Any]) -> str:
-    """Where an actor's engine runs: ``settings.device`` if set, else the GPU the topology gave the instance
-    (``instance.gpus``; CUDA_VISIBLE_DEVICES narrows each instance to its own), else the CPU. Asking for a GPU
-    that this process cannot see is an error, never a silent fall back to the CPU."""
-    gpus = (settings.get("instance") or {}).get("gpus") or []
-    device = str(settings.get("device") or ("cuda" if gpus else "cpu"))
-    if device not in ("cpu", "cuda"):
-        raise EngineError(f"device: {device!r} is not one of 'cpu', 'cuda'")
-    return device
+    """:attr:`topology.settings.EngineSettings.engine_device` of an actor's settings mapping (typed settings
+    read the property itself). Asking for a GPU that this process cannot see is an error (`require_device`),
+    never a silent fall back to the CPU."""
+    try:
+        return EngineSettings.model_validate({k: settings[k] for k in ("device", "instance") if k in settings}
+                                             ).engine_device
+    except ValidationError as exc:
+        raise EngineError("; ".join(problem_lines(exc, "", EngineSettings))) from None
 
 
 def require_device(device: str) -> None:

@@ -17,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from actors.base import Actor, ActorSpec, handles
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
 from actors.reward.pool import RewardPool, TaskFailure
+from topology.settings import RewardSettings
 from transport.protocol import HelloRequest, RunFinished, Sample, ScoredGroup, Task, Trajectories, WorkerHello
 
 __all__ = ["RewardActor", "RewardConfigError", "Score", "failure_detail"]
@@ -50,6 +51,8 @@ class RewardActor(Actor):
     default_grader: ClassVar[str] = ""
     preload: ClassVar[tuple[str, ...]] = ()
     default_timeout_s: ClassVar[float] = 10.0
+    Settings = RewardSettings
+    cfg: RewardSettings
 
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec)
@@ -58,22 +61,20 @@ class RewardActor(Actor):
         self._ready = asyncio.Event()
 
     async def on_start(self) -> None:
-        model_path = (self.settings.get("model") or {}).get("path")
-        if not model_path:
+        cfg = self.cfg
+        if not cfg.model.path:
             raise RewardConfigError("model.path: not set (the tokenizer to decode answers comes from it)")
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, str(model_path))
-        groups = self.settings.get("groups") or {}
-        buffers = groups.get("buffer") or []
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.path)
+        buffers = cfg.groups.get("buffer") or []
         if not buffers:
             raise RewardConfigError("groups.buffer: no buffer to send scored groups to")
         self.buffer = buffers[0]
-        algo = self.settings.get("algo") or {}
-        self.reward_correct = float(algo.get("reward_correct", 5.0))
-        self.reward_wrong = float(algo.get("reward_wrong", -5.0))
-        self.grader = str(self.settings.get("grader") or self.default_grader)
-        self.custom_grader = "grader" in self.settings
-        self.timeout_s = float(self.settings.get("score_timeout_s", self.default_timeout_s))
-        workers = int((self.settings.get("instance") or {}).get("cpu_workers") or 1)
+        self.reward_correct = cfg.algo.reward_correct
+        self.reward_wrong = cfg.algo.reward_wrong
+        self.grader = cfg.grader or self.default_grader
+        self.custom_grader = cfg.grader is not None
+        self.timeout_s = cfg.score_timeout_s or self.default_timeout_s
+        workers = cfg.instance.cpu_workers or 1
         if workers < 1:
             raise RewardConfigError(f"instance.cpu_workers: must be >= 1, got {workers}")
         self.pool = await asyncio.to_thread(RewardPool, workers, timeout=self.timeout_s, preload=self.preload)

@@ -15,6 +15,7 @@ import re
 from actors.reward.actor import RewardActor, RewardConfigError, Score, failure_detail
 from actors.reward.pool import TaskFailure
 from actors.reward.sandbox import Sandbox, SandboxLimits
+from topology.settings import CodeRewardSettings
 from transport.protocol import Task
 
 __all__ = ["CodeReward", "extract_program"]
@@ -38,21 +39,23 @@ class CodeReward(RewardActor):
     default_grader = "actors.reward.code_grader:grade_code"
     preload = ("actors.reward.code_grader",)
     default_timeout_s = 60.0
+    Settings = CodeRewardSettings
+    cfg: CodeRewardSettings
 
     async def on_start(self) -> None:
-        raw = dict(self.settings.get("sandbox") or {})
+        raw = dict(self.cfg.sandbox)
         try:
             self.limits = SandboxLimits(**raw)
         except TypeError as exc:
             raise RewardConfigError(f"sandbox: {exc}") from exc
-        self.sandbox = Sandbox(self.limits, allow_unsandboxed=bool(self.settings.get("allow_unsandboxed", False)))
+        self.sandbox = Sandbox(self.limits, allow_unsandboxed=self.cfg.allow_unsandboxed)
         await super().on_start()
 
     async def score(self, text: str, task: Task) -> Score:
         if not task.tests:
             return Score(False, "task has no tests", failed=True)
         program = extract_program(text)
-        timeout = (float(self.settings["score_timeout_s"]) if "score_timeout_s" in self.settings
+        timeout = (self.cfg.score_timeout_s if self.cfg.score_timeout_s is not None
                    else len(task.tests) * (self.limits.wall_time_s + 1.0) + 10.0)
         assert self.pool is not None
         result = await self.pool.run(self.grader, program, task.tests, task.mode or None, sandbox=self.sandbox,

@@ -34,9 +34,9 @@ def run_cell(eta: int, objective: str, steps: int, eval_every: int, extra: list[
              log: Any) -> dict[str, Any]:
     """One run of the grid, its held-out accuracy at each checkpoint, and its staleness."""
     name = f"eta{eta}-{objective}"
-    overrides = [f"experiment.algo.eta={eta}", f"+experiment.algo.decoupled={OBJECTIVES[objective]}",
+    overrides = [f"experiment.algo.eta={eta}", f"experiment.algo.decoupled={OBJECTIVES[objective]}",
                  f"experiment.run.checkpoint_every_steps={eval_every}",
-                 "+experiment.run.keep_checkpoints=0", *extra]
+                 "experiment.run.keep_checkpoints=0", *extra]
     summary = run_local(name, steps, overrides, out, log, bench="ablation")
     run_dir = Path(summary["run_dir"])
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -58,16 +58,12 @@ def run_cell(eta: int, objective: str, steps: int, eval_every: int, extra: list[
 def held_out_curve(run_dir: Path, summary: dict[str, Any], samples: list[float], extra: list[str], log: Any,
                    name: str) -> list[list[float]]:
     """[samples trained, held-out greedy accuracy] at the start and at every kept checkpoint."""
-    from actors.dataset import Layout
     from actors.recovery import checkpoint_dir
-    from tools import topology
-    from tools.eval import evaluate
+    import topology
+    from tools.eval import evaluate_held_out
 
-    experiment = topology.load(ROOT / TOPOLOGY, extra).topology.experiment
-    kwargs = {"samples": None, "max_per_level": (experiment.get("eval") or {}).get("max_per_level"),
-              "max_new_tokens": int((experiment.get("gen") or {}).get("max_new_tokens", 64)),
-              "layout": Layout.from_settings(experiment.get("data"))}
-    test = str(ROOT / (experiment.get("data") or {})["test"])
+    config = topology.load(ROOT / TOPOLOGY, extra).topology.config
+    test = str(ROOT / str(config.data.test))
     curve = [[0.0, summary["greedy_accuracy"].get("start", float("nan"))]]
     for step in range(1, len(samples) + 1):
         model = checkpoint_dir(run_dir, step) / "model"
@@ -77,7 +73,7 @@ def held_out_curve(run_dir: Path, summary: dict[str, Any], samples: list[float],
             acc = summary["greedy_accuracy"]["final"]   # the launcher evaluated it already
         else:
             log(f"bench ablation: {name}: held-out evaluation of step {step}")
-            acc = evaluate(str(model), test, **kwargs)["overall"]["greedy_accuracy"]
+            acc = evaluate_held_out(str(model), config, test)["overall"]["greedy_accuracy"]
         curve.append([samples[step - 1], acc])
     return curve
 

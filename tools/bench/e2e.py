@@ -70,11 +70,11 @@ def run_mode(mode: str, steps: int, extra: list[str], out: Path, log: Any) -> di
 
 def run_sft_control(async_run: dict[str, Any], extra: list[str], out: Path, log: Any) -> dict[str, Any]:
     """Continue the warm start's last supervised stage from the RL run's start checkpoint for its wall time."""
-    from tools import topology
-    from tools.eval import evaluate
+    import topology
+    from tools.eval import evaluate_held_out
 
-    experiment = topology.load(ROOT / TOPOLOGY, extra).topology.experiment
-    stages = ((experiment.get("prepare") or {}).get("warm_start") or {}).get("stages") or []
+    topo = topology.load(ROOT / TOPOLOGY, extra).topology
+    stages = ((topo.experiment.get("prepare") or {}).get("warm_start") or {}).get("stages") or []
     if not stages:
         raise RuntimeError("sft control: the config has no prepare.warm_start.stages to continue")
     stage = stages[-1]
@@ -94,10 +94,7 @@ def run_sft_control(async_run: dict[str, Any], extra: list[str], out: Path, log:
     if proc.returncode != 0:
         raise RuntimeError(f"sft control failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     sft = json.loads(proc.stdout.strip().splitlines()[-1])
-    ev = experiment.get("eval") or {}
-    report = evaluate(str(control), str(ROOT / (experiment.get("data") or {})["test"]), samples=None,
-                      max_per_level=ev.get("max_per_level"),
-                      max_new_tokens=int((experiment.get("gen") or {}).get("max_new_tokens", 64)))
+    report = evaluate_held_out(str(control), topo.config, str(ROOT / str(topo.config.data.test)))
     return {"steps": sft["steps"], "tokens_trained": sft["tokens"], "wall_seconds": sft["seconds"],
             "effective_throughput": sft["tokens_per_s"], "staleness_max": 0,
             "greedy_accuracy": {"start": async_run["greedy_accuracy"].get("start"),

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from tools import topology as topo_mod
+import topology as topo_mod
 from tools.plan import report, setup, sim
 from tools.plan.costs import MeasuredCosts
 from tools.plan.shapes import ShapeError

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from topology.experiment import ExperimentConfig
 from transport.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,11 +161,11 @@ def measure_train(model_dir: str, repeats: int, experiment: dict[str, Any]) -> d
     from actors.engines.torch_train import TorchTrainEngine, TrainConfig
     from actors.trainer import StepConfig, train_on_batch
 
-    algo = experiment.get("algo") or {}
-    engine = TorchTrainEngine(model=_model(model_dir), config=TrainConfig(lr=float(algo.get("lr", 2e-4))))
+    algo = ExperimentConfig.model_validate(experiment).algo
+    engine = TorchTrainEngine(model=_model(model_dir), config=TrainConfig(lr=algo.lr))
     cfg = StepConfig.from_settings(experiment)
     vocab = engine.model.config.vocab_size
-    group_size = int(algo.get("group_size", 8))
+    group_size = algo.group_size
     gen = torch.Generator().manual_seed(0)
     xs, ys = [], []
     for groups, answer in ((4, 16), (8, 16), (16, 8), (16, 16), (16, 32), (16, 44), (32, 24)):
@@ -360,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.keep_costs:
         data = json.loads(out_path.read_text())
     else:
-        from tools import topology
+        import topology
 
         experiment = topology.load(ROOT / args.topology, check_imports=False).topology.experiment
         data = measure(args.model, args.quick, experiment)

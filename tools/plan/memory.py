@@ -22,6 +22,7 @@ from typing import Any
 
 from tools.plan import hardware
 from tools.plan.shapes import ModelShape
+from topology.settings import RolloutSettings, TrainerSettings
 
 #: SGLang picks mem_fraction_static by a heuristic when it is not set; the planner then assumes this.
 DEFAULT_MEM_FRACTION_STATIC = 0.8
@@ -170,23 +171,22 @@ def trainer_memory(group: str, shape: ModelShape, lay: TrainerLayout, capacity: 
 
 def trainer_layout(settings: dict[str, Any], keeps_weights: bool) -> TrainerLayout:
     """The layout a trainer group's first instance settings give (the rules of `actors.trainer`)."""
-    parallel = (settings.get("instance") or {}).get("parallel") or {}
-    algo = settings.get("algo") or {}
-    backend = str(settings.get("backend", "torch"))
-    megatron = backend == "megatron"
-    return TrainerLayout(tp=int(parallel.get("tp", 1)), pp=int(parallel.get("pp", 1)), dp=int(parallel.get("dp", 1)),
-                         bf16=megatron and bool(settings.get("bf16", True)), distributed_optimizer=megatron,
-                         sequence_parallel=megatron and bool(settings.get("sequence_parallel", False)),
-                         recompute=str(settings.get("recompute", "none")) if megatron else "none",
-                         micro_batch_tokens=int(algo.get("max_tokens_per_mb", 4096)),
-                         logprob_chunk_tokens=int(settings.get("logprob_chunk_tokens", 0)),
+    cfg = TrainerSettings.model_validate(settings)
+    parallel = cfg.instance.parallel
+    megatron = cfg.backend == "megatron"
+    return TrainerLayout(tp=parallel.get("tp", 1), pp=parallel.get("pp", 1), dp=parallel.get("dp", 1),
+                         # Megatron runs on GPUs, where bf16 is on unless the settings turn it off
+                         bf16=megatron and cfg.bf16 is not False, distributed_optimizer=megatron,
+                         sequence_parallel=megatron and cfg.sequence_parallel,
+                         recompute=cfg.recompute if megatron else "none",
+                         micro_batch_tokens=cfg.algo.max_tokens_per_mb,
+                         logprob_chunk_tokens=cfg.logprob_chunk_tokens,
                          keeps_weights=keeps_weights)
 
 
 def rollout_layout(settings: dict[str, Any]) -> RolloutLayout:
-    parallel = (settings.get("instance") or {}).get("parallel") or {}
-    gen = settings.get("gen") or {}
-    fraction = (settings.get("sglang") or {}).get("mem_fraction_static")
-    return RolloutLayout(tp=int(parallel.get("tp", 1)),
-                         mem_fraction_static=float(fraction) if fraction is not None else DEFAULT_MEM_FRACTION_STATIC,
-                         answer_tokens=PROMPT_BUDGET_TOKENS + int(gen.get("max_new_tokens", 64)))
+    cfg = RolloutSettings.model_validate(settings)
+    fraction = cfg.sglang.mem_fraction_static
+    return RolloutLayout(tp=cfg.instance.parallel.get("tp", 1),
+                         mem_fraction_static=fraction if fraction is not None else DEFAULT_MEM_FRACTION_STATIC,
+                         answer_tokens=PROMPT_BUDGET_TOKENS + cfg.gen.max_new_tokens)

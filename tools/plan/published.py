@@ -14,6 +14,7 @@ from typing import Any
 
 from tools.plan import hardware, memory, setup, sim
 from tools.plan.shapes import BUILTIN
+from topology.experiment import ExperimentConfig
 
 #: The v0.2 release notes: "we set the maximum generation length to 27K tokens".
 MAX_NEW_TOKENS = 27 * 1024
@@ -45,7 +46,8 @@ def cluster(model: str, nodes: int, group_size: int, rollout_share: float = 0.75
                "instance": {"parallel": {"tp": lay["server_tp"]}}}
     groups = [setup.Group("rollout", "rollout", infer // lay["server_tp"], lay["server_tp"], rollout, "cuda"),
               setup.Group("trainer", "trainer", train, 1, trainer, "cuda")]
-    return setup.Setup(BUILTIN[model], hardware.GPUS["H800"], gpus_per_node, groups, experiment)
+    return setup.Setup(BUILTIN[model], hardware.GPUS["H800"], gpus_per_node, groups,
+                       ExperimentConfig.model_validate(experiment))
 
 
 def rows(steps: int = 3) -> tuple[list[dict[str, Any]], float, dict[str, Any]]:

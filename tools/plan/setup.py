@@ -13,7 +13,9 @@ from tools.plan import hardware, memory
 from tools.plan.shapes import ModelShape, resolve
 from tools.plan.costs import MeasuredCosts, TrainerShape
 from tools.plan.sim import SimConfig
-from tools.topology import Plan
+from topology import Plan
+from topology.experiment import ExperimentConfig
+from topology.settings import RolloutSettings
 
 
 @dataclasses.dataclass
@@ -33,7 +35,7 @@ class Setup:
     gpu: hardware.GPU
     gpus_per_node: int
     groups: list[Group]
-    experiment: dict[str, Any]
+    experiment: ExperimentConfig
 
     def of_kind(self, kind: str) -> list[Group]:
         return [g for g in self.groups if g.kind == kind]
@@ -54,13 +56,13 @@ def read(plan: Plan) -> Setup:
         device = placement(first[gname])["device"]
         groups.append(Group(gname, kind, group.count, group.gpus or 0, first[gname], device, group.cpus))
     root = Path(topo.source).resolve().parent.parent if topo.source else Path(".")
-    model_path = (topo.experiment.get("model") or {}).get("path")
+    model_path = topo.config.model.path
     shape = resolve(model_path, root if (root / str(model_path or "")).exists() else ".") if groups else None
     node = topo.nodes[0] if topo.nodes else None
     gpu = hardware.gpu(node.gpu_kind if node else None)
     if node is not None and node.gpu_memory_gb:
         gpu = dataclasses.replace(gpu, memory_bytes=node.gpu_memory_gb * hardware.GB)
-    return Setup(shape, gpu, (node.gpus if node else 0) or 8, groups, topo.experiment)
+    return Setup(shape, gpu, (node.gpus if node else 0) or 8, groups, topo.config)
 
 
 def keeps_weights(settings: dict[str, Any]) -> bool:
@@ -133,7 +135,7 @@ def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None
         raise ValueError("experiment.model.path: no model shape")
     tr, ro = trainers[0], rollouts[0]
     exp = setup.experiment
-    algo, gen, buf = exp.get("algo") or {}, exp.get("gen") or {}, exp.get("buffer") or {}
+    algo, gen, buf = exp.algo, exp.gen, exp.buffer
     if on_cpus(setup):
         return _cpu_sim_config(setup, tr, ro, eta, steps, seed, measured, workload)
     par = (tr.settings.get("instance") or {}).get("parallel") or {}
@@ -155,13 +157,13 @@ def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None
     return SimConfig(
         shape=setup.shape, gpu=setup.gpu, gpus_per_node=setup.gpus_per_node, servers=servers, server_tp=server_tp,
         trainer=TrainerShape(tp=tp, pp=pp, dp=dp, micro_batch_tokens=lay.micro_batch_tokens,
-                             minibatches=int(algo.get("ppo_minibatches", 1)), recompute=lay.recompute,
+                             minibatches=algo.ppo_minibatches, recompute=lay.recompute,
                              gpus_per_node=setup.gpus_per_node),
-        batch_size=int(algo.get("batch_size", 32)), group_size=int(algo.get("group_size", 8)),
-        eta=int(algo.get("eta", 4)) if eta is None else eta, max_new_tokens=int(gen.get("max_new_tokens", 64)),
-        max_groups_per_server=int(buf.get("max_groups_per_rollout", 8)),
-        kv_tokens_per_server=int(rollout_mem.kv_tokens or 0), interruptible=bool(gen.get("interruptible", True)),
-        dynamic_sampling=bool(algo.get("dynamic_sampling", False)),
+        batch_size=algo.batch_size, group_size=algo.group_size,
+        eta=algo.eta if eta is None else eta, max_new_tokens=gen.max_new_tokens,
+        max_groups_per_server=buf.max_groups_per_rollout,
+        kv_tokens_per_server=int(rollout_mem.kv_tokens or 0), interruptible=gen.interruptible,
+        dynamic_sampling=algo.dynamic_sampling,
         weights_across_nodes=total > setup.gpus_per_node, steps=steps, seed=seed)
 
 
@@ -172,20 +174,20 @@ def _cpu_sim_config(setup: Setup, tr: Group, ro: Group, eta: int | None, steps: 
                          "(python -m tools.plan.calibrate; docs/plan.md)")
     assert setup.shape is not None
     exp = setup.experiment
-    algo, gen, buf = exp.get("algo") or {}, exp.get("gen") or {}, exp.get("buffer") or {}
+    algo, gen, buf = exp.algo, exp.gen, exp.buffer
     devices, engines = cpu_servers(ro)
-    max_new = int(gen.get("max_new_tokens", 64))
-    per_engine = int(buf.get("max_groups_per_rollout", 8))
-    group_size = int(algo.get("group_size", 8))
+    max_new = gen.max_new_tokens
+    group_size = algo.group_size
     # the engine's own row limit (actors.rollout's max_running) caps the groups it decodes at once
-    per_engine = min(per_engine, max(1, int(ro.settings.get("max_running", 256)) // group_size))
+    max_running = RolloutSettings.model_validate(ro.settings).max_running
+    per_engine = min(buf.max_groups_per_rollout, max(1, max_running // group_size))
     return SimConfig(
         shape=setup.shape, gpu=setup.gpu, gpus_per_node=1, servers=devices, server_tp=1,
-        trainer=TrainerShape(tp=1, pp=1, dp=1, micro_batch_tokens=int(algo.get("max_tokens_per_mb", 4096)),
-                             minibatches=int(algo.get("ppo_minibatches", 1)), recompute="none", gpus_per_node=1),
-        batch_size=int(algo.get("batch_size", 32)), group_size=group_size,
-        eta=int(algo.get("eta", 4)) if eta is None else eta, max_new_tokens=max_new,
-        max_groups_per_server=per_engine * engines, interruptible=bool(gen.get("interruptible", True)),
-        dynamic_sampling=bool(algo.get("dynamic_sampling", False)), weights_across_nodes=False, steps=steps,
+        trainer=TrainerShape(tp=1, pp=1, dp=1, micro_batch_tokens=algo.max_tokens_per_mb,
+                             minibatches=algo.ppo_minibatches, recompute="none", gpus_per_node=1),
+        batch_size=algo.batch_size, group_size=group_size,
+        eta=algo.eta if eta is None else eta, max_new_tokens=max_new,
+        max_groups_per_server=per_engine * engines, interruptible=gen.interruptible,
+        dynamic_sampling=algo.dynamic_sampling, weights_across_nodes=False, steps=steps,
         seed=seed, measured=measured, engines_per_server=engines, reward_latency_s=measured.reward_s,
         **workload_fields(workload, max_new))

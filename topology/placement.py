@@ -1,36 +1,37 @@
-"""Topology files: the schema, loading with an experiment config and `key.sub=value` overrides,
-validation that reports every problem in one line naming its key, and placement of actor instances
-onto nodes, GPUs, CPU cores and ports.
+"""Validation and placement of a topology: the checks that need several sections (node names, core ids,
+capacity per node, ports, links), and the assignment of actor instances to nodes, GPUs, CPU cores and ports.
 
-A topology says which actor runs where. ``load(path, overrides)`` returns a :class:`Plan`: one
-:class:`Instance` per actor process (node, GPUs, cores, bus endpoint) and one :class:`LinkPlan` per
-bulk link (members in rank order, rendezvous address and port, the NCCL/gloo environment). The plan
-turns into ActorSpec dictionaries with :meth:`Plan.specs`; ``tools/up.py`` prints or launches it.
-The full schema is documented in docs/topology.md.
+``validate(doc)`` checks a topology document (its keys, types and bounds by the models of topology.schema,
+the rest here) and returns a :class:`Topology`; ``place(topology)`` returns a :class:`Plan`: one
+:class:`Instance` per actor process (node, GPUs, cores, bus endpoint) and one :class:`LinkPlan` per bulk link
+(members in rank order, rendezvous address and port, the NCCL/gloo environment). The plan turns into ActorSpec
+dictionaries with :meth:`Plan.specs`; ``tools/up.py`` prints or launches it. docs/topology.md has the schema.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import importlib
 import math
 import re
 import socket
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, TypeVar
 
-import yaml
+from pydantic import BaseModel, ValidationError
 
-from tools.experiment import experiment_problems
+from topology.experiment import ExperimentConfig
+from topology.schema import (RESERVED_SETTINGS, BusSection, ClusterSection, GroupSection, LinkSection,
+                             SupervisorSection, TopologyDocument, problem_lines)
+from topology.settings import settings_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+SectionT = TypeVar("SectionT", bound=BaseModel)
 
-__all__ = [
-    "TopologyError", "Topology", "NodeSpec", "BusSpec", "LinkSpec", "GroupSpec", "Instance", "LinkPlan",
-    "Plan", "load", "load_document", "parse_override", "apply_overrides", "validate", "place",
-    "expand_nodelist",
-]
+__all__ = ["TopologyError", "Topology", "NodeSpec", "LinkSpec", "GroupSpec", "Instance", "LinkPlan", "Plan",
+           "validate", "place", "expand_nodelist", "resolve_host"]
 
 
 class TopologyError(ValueError):
@@ -42,26 +43,6 @@ class TopologyError(ValueError):
         super().__init__(f"{source}: {len(self.problems)} problem(s)\n" + "\n".join(f"  {p}" for p in self.problems))
 
 
-# ---------------------------------------------------------------------------------------------
-# schema: the allowed keys of every section (unknown keys are errors, so typos never pass)
-# ---------------------------------------------------------------------------------------------
-
-TOP_KEYS = {"name", "description", "config", "run_root", "cluster", "bus", "links", "actors", "supervisor"}
-# Restart policy and timeouts, passed to actors.supervisor.Supervisor (locally and by every node agent).
-SUPERVISOR_KEYS = {"max_restarts", "restart_window", "backoff_initial", "backoff_max", "ready_timeout",
-                   "stop_timeout"}
-CLUSTER_KEYS = {"nodes", "node", "interconnect"}
-NODE_KEYS = {"gpus", "gpu_kind", "gpu_memory_gb", "cpus", "memory_gb", "nics"}
-NIC_KEYS = {"ib", "socket"}
-BUS_KEYS = {"transport", "host", "base_port", "port_range", "curve", "heartbeat_s"}
-LINK_KEYS = {"backend", "members", "port", "gdr", "env", "timeout_s"}
-GROUP_KEYS = {"class", "count", "nodes", "per_node", "gpus", "cpus", "threads", "cpu_workers", "parallel", "world_port",
-              "settings", "env"}
-PARALLEL_KEYS = {"dp", "tp", "pp"}
-# Keys the launcher writes into every actor's settings; a topology may not set them.
-RESERVED_SETTINGS = {"instance", "groups", "links"}
-
-
 @dataclasses.dataclass
 class NodeSpec:
     name: str  # host name, or "#i" for a node that comes from the SLURM allocation
@@ -71,16 +52,6 @@ class NodeSpec:
     cpus: int = 1
     memory_gb: float | None = None
     nics: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class BusSpec:
-    transport: str = "tcp"  # tcp | ipc
-    host: str | None = None  # bind address for a one-node tcp bus (default 127.0.0.1)
-    base_port: int = 20000
-    port_range: int = 1000
-    curve: bool = False
-    heartbeat_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -117,15 +88,21 @@ class Topology:
     source: str
     nodes: list[NodeSpec]
     nodes_from_allocation: bool  # `cluster.nodes: N`: host names come from the SLURM allocation
-    bus: BusSpec
+    bus: BusSection  # curve resolved (on for tcp unless the file says otherwise)
     links: dict[str, LinkSpec]
     groups: dict[str, GroupSpec]
     experiment: dict[str, Any]
     config_path: str | None
     run_root: str
     description: str = ""
-    supervisor: dict[str, Any] = dataclasses.field(default_factory=dict)  # Supervisor keyword arguments
+    supervisor: dict[str, Any] = dataclasses.field(default_factory=dict)  # Supervisor keyword arguments the file sets
     document: dict[str, Any] = dataclasses.field(default_factory=dict)  # after overrides
+
+    @property
+    def config(self) -> ExperimentConfig:
+        """The experiment config, typed (its defaults filled in); ``experiment`` is the document as written,
+        which the actors' settings are merged from."""
+        return ExperimentConfig.model_validate(self.experiment)
 
 
 @dataclasses.dataclass
@@ -234,114 +211,6 @@ class Plan:
 
 
 # ---------------------------------------------------------------------------------------------
-# loading: YAML, experiment config, overrides
-# ---------------------------------------------------------------------------------------------
-
-def load_document(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping; a syntax error becomes a TopologyError naming the file and line."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise TopologyError([f"cannot read {path}: {exc.strerror}"], str(path)) from exc
-    except UnicodeDecodeError as exc:
-        line = path.read_bytes()[: exc.start].count(b"\n") + 1
-        raise TopologyError([f"line {line}: not a YAML text file (byte {exc.start} is not UTF-8)"], str(path)) from None
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise TopologyError([f"{where}YAML syntax error: {getattr(exc, 'problem', exc)}"], str(path)) from exc
-    if doc is None:
-        doc = {}
-    if not isinstance(doc, dict):
-        raise TopologyError([f"top level: expected a mapping, got {type(doc).__name__}"], str(path))
-    return doc
-
-
-def parse_override(text: str) -> tuple[list[str], Any, bool]:
-    """``a.b.c=value`` -> (["a", "b", "c"], value parsed as YAML, adds_new_key). A leading ``+`` allows
-    creating a key that the experiment config does not have yet."""
-    add = text.startswith("+")
-    body = text[1:] if add else text
-    if "=" not in body:
-        raise TopologyError([f"override {text!r}: expected key.sub=value"], "command line")
-    key, _, raw = body.partition("=")
-    parts = key.strip().split(".")
-    if not all(re.fullmatch(r"[A-Za-z0-9_\-]+", p) for p in parts):
-        raise TopologyError([f"override {text!r}: bad key {key!r}"], "command line")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise TopologyError([f"override {text!r}: value is not valid YAML: {exc}"], "command line") from exc
-    return parts, value, add
-
-
-def apply_overrides(doc: dict[str, Any], overrides: Iterable[str], *, strict: bool, prefix: str = "") -> list[str]:
-    """Apply parsed overrides to ``doc`` in place. With ``strict``, a key that does not exist yet is a
-    problem unless the override starts with ``+``. Returns the problems found."""
-    problems = []
-    for text in overrides:
-        parts, value, add = parse_override(text)
-        node = doc
-        for depth, part in enumerate(parts[:-1]):
-            nxt = node.get(part) if isinstance(node, dict) else None
-            if not isinstance(nxt, dict):
-                if nxt is not None or (strict and not add):
-                    problems.append(f"{prefix}{'.'.join(parts[:depth + 1])}: override {text!r} has no such "
-                                    f"mapping to set a key in (use +key=value to add one)")
-                    break
-                nxt = node[part] = {}
-            node = nxt
-        else:
-            if strict and not add and parts[-1] not in node:
-                problems.append(f"{prefix}{'.'.join(parts)}: override {text!r} names a key the config does not "
-                                f"have (a typo? use +{'.'.join(parts)}=... to add it)")
-            else:
-                node[parts[-1]] = value
-    return problems
-
-
-def load(path: str | Path, overrides: Iterable[str] = (), *, check_imports: bool = True) -> Plan:
-    """Load, override, validate and place a topology. Raises TopologyError listing every problem."""
-    path = Path(path)
-    doc = load_document(path)
-    overrides = list(overrides)
-    exp_overrides = [o for o in overrides if o.lstrip("+").startswith("experiment.")]
-    topo_overrides = [o for o in overrides if o not in exp_overrides]
-    problems = apply_overrides(doc, topo_overrides, strict=False)
-    experiment, config_path = {}, None
-    if doc.get("config") is not None:
-        if not isinstance(doc["config"], str):
-            problems.append(f"config: expected a path to a YAML file under configs/, got {doc['config']!r}")
-        else:
-            config_path = _resolve_config(doc["config"], path)
-            if config_path is None:
-                problems.append(f"config: {doc['config']!r} not found (looked next to {path} and in {REPO_ROOT})")
-            else:
-                try:
-                    experiment = load_document(config_path)
-                except TopologyError as exc:
-                    problems.extend(f"config ({config_path}): {p}" for p in exc.problems)
-    exp_wrapper = {"experiment": experiment}
-    problems += apply_overrides(exp_wrapper, exp_overrides, strict=True)
-    problems += experiment_problems(exp_wrapper["experiment"])
-    topo = validate(doc, source=str(path), experiment=exp_wrapper["experiment"],
-                    config_path=str(config_path) if config_path else None, check_imports=check_imports,
-                    prior_problems=problems)
-    return place(topo)
-
-
-def _resolve_config(ref: str, topology_path: Path) -> Path | None:
-    for base in (topology_path.parent, REPO_ROOT, Path.cwd()):
-        candidate = (base / ref).resolve()
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
 # validation
 # ---------------------------------------------------------------------------------------------
 
@@ -354,19 +223,6 @@ class _Checker:
     def add(self, key: str, msg: str) -> None:
         self.problems.append(f"{key}: {msg}")
 
-    def keys(self, mapping: Any, allowed: set[str], key: str) -> dict[str, Any]:
-        if mapping is None:
-            return {}
-        if not isinstance(mapping, dict):
-            self.add(key, f"expected a mapping, got {type(mapping).__name__}")
-            return {}
-        for k in mapping:
-            if k not in allowed:
-                hint = _closest(str(k), allowed)
-                self.add(f"{key}.{k}" if key else str(k),
-                         f"unknown key{f' (did you mean {hint!r}?)' if hint else ''}; allowed: {', '.join(sorted(allowed))}")
-        return mapping
-
     def int_(self, value: Any, key: str, default: int | None = None, minimum: int = 0) -> int | None:
         if value is None:
             return default
@@ -375,33 +231,6 @@ class _Checker:
             return default
         if value < minimum:
             self.add(key, f"must be >= {minimum}, got {value}")
-            return default
-        return value
-
-    def num(self, value: Any, key: str, default: float | None = None) -> float | None:
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            self.add(key, f"expected a positive number, got {value!r}")
-            return default
-        return float(value)
-
-    def bool_(self, value: Any, key: str, default: bool) -> bool:
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            self.add(key, f"expected true or false, got {value!r}")
-            return default
-        return value
-
-    def str_(self, value: Any, key: str, default: str | None = None, choices: Iterable[str] | None = None) -> str | None:
-        if value is None:
-            return default
-        if not isinstance(value, str):
-            self.add(key, f"expected a string, got {value!r}")
-            return default
-        if choices is not None and value not in choices:
-            self.add(key, f"must be one of {', '.join(choices)}, got {value!r}")
             return default
         return value
 
@@ -423,7 +252,6 @@ class _Checker:
 
 
 def _closest(word: str, options: Iterable[str]) -> str | None:
-    import difflib
     hits = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     return hits[0] if hits else None
 
@@ -460,44 +288,28 @@ def expand_nodelist(pattern: str) -> list[str]:
 def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[str, Any] | None = None,
              config_path: str | None = None, check_imports: bool = True,
              prior_problems: Iterable[str] = ()) -> Topology:
-    """Check a topology document and build a :class:`Topology`; raise TopologyError with every problem."""
+    """Check a topology document and build a :class:`Topology`; raise TopologyError with every problem.
+
+    The schema (topology.schema) checks every key's name, type and bounds in one pass; each section that passes
+    is then read here for what needs other sections (node names, core ids, capacity, ports, links), so a typo in
+    one group does not hide a capacity problem in another."""
     c = _Checker()
     c.problems.extend(prior_problems)
-    c.keys(doc, TOP_KEYS, "")
-    name = c.str_(doc.get("name"), "name", default=Path(source).stem)
-    description = c.str_(doc.get("description"), "description", default="")
-    run_root = c.str_(doc.get("run_root"), "run_root", default="runs")
-
-    sup_doc = c.keys(doc.get("supervisor"), SUPERVISOR_KEYS, "supervisor")
-    supervisor: dict[str, Any] = {}
-    for k, v in sup_doc.items():
-        if k == "max_restarts":
-            v = c.int_(v, f"supervisor.{k}", None)
-        elif k in SUPERVISOR_KEYS:
-            v = c.num(v, f"supervisor.{k}", None)
-        if v is not None and k in SUPERVISOR_KEYS:
-            supervisor[k] = v
-
-    # cluster
-    cluster = c.keys(doc.get("cluster"), CLUSTER_KEYS, "cluster")
-    if "cluster" not in doc:
-        c.add("cluster", "missing (say at least `nodes:`)")
-    node_doc = c.keys(cluster.get("node"), NODE_KEYS, "cluster.node")
-    nics = c.keys(node_doc.get("nics"), NIC_KEYS, "cluster.node.nics")
-    ib = nics.get("ib")
-    if ib is not None and not (isinstance(ib, list) and all(isinstance(x, str) for x in ib)):
-        c.add("cluster.node.nics.ib", f"expected a list of HCA names, got {ib!r}")
-    c.str_(nics.get("socket"), "cluster.node.nics.socket")
-    interconnect = cluster.get("interconnect")
-    if interconnect is not None and not isinstance(interconnect, dict):
-        c.add("cluster.interconnect", "expected a mapping (free-form description of the fabric)")
-    template = NodeSpec(
-        name="", gpus=c.int_(node_doc.get("gpus"), "cluster.node.gpus", 0),
-        gpu_kind=c.str_(node_doc.get("gpu_kind"), "cluster.node.gpu_kind"),
-        gpu_memory_gb=c.num(node_doc.get("gpu_memory_gb"), "cluster.node.gpu_memory_gb"),
-        cpus=c.int_(node_doc.get("cpus"), "cluster.node.cpus", 1, minimum=1),
-        memory_gb=c.num(node_doc.get("memory_gb"), "cluster.node.memory_gb"), nics=dict(nics))
-    raw_nodes = cluster.get("nodes", 1)
+    if not isinstance(doc, dict):
+        raise TopologyError(c.problems + [f"top level: expected a mapping, got {type(doc).__name__}"], source)
+    try:
+        TopologyDocument.model_validate(doc)
+    except ValidationError as exc:
+        c.problems.extend(problem_lines(exc, "", TopologyDocument))
+    top = _section(TopologyDocument, {k: v for k, v in doc.items() if k in ("name", "description", "run_root")}
+                   | {"cluster": {}, "actors": {}})
+    name = top.name or Path(source).stem
+    supervisor = _section(SupervisorSection, doc.get("supervisor"))
+    cluster = _section(ClusterSection, doc.get("cluster"))
+    template = NodeSpec(name="", gpus=cluster.node.gpus, gpu_kind=cluster.node.gpu_kind,
+                        gpu_memory_gb=cluster.node.gpu_memory_gb, cpus=cluster.node.cpus,
+                        memory_gb=cluster.node.memory_gb, nics=cluster.node.nics.model_dump(exclude_none=True))
+    raw_nodes = cluster.nodes
     from_alloc = False
     if isinstance(raw_nodes, bool):
         c.add("cluster.nodes", f"expected a count, a node list pattern or a list of host names, got {raw_nodes!r}")
@@ -524,18 +336,9 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
         c.add("cluster.nodes", f"duplicate host name(s) {', '.join(dupes)}")
     nodes = [dataclasses.replace(template, name=n, nics=dict(template.nics)) for n in names]
 
-    # bus
-    bus_doc = c.keys(doc.get("bus"), BUS_KEYS, "bus")
-    transport = c.str_(bus_doc.get("transport"), "bus.transport", "tcp", ("tcp", "ipc"))
-    bus = BusSpec(
-        transport=transport,
-        host=c.str_(bus_doc.get("host"), "bus.host"),
-        base_port=c.int_(bus_doc.get("base_port"), "bus.base_port", 20000, minimum=1024),
-        port_range=c.int_(bus_doc.get("port_range"), "bus.port_range", 1000, minimum=1),
-        # Any user of a machine can connect to a tcp port: CurveZMQ (the run's keys) is on unless the
-        # topology turns it off. ipc sockets live in a directory only the run's user can enter.
-        curve=c.bool_(bus_doc.get("curve"), "bus.curve", transport == "tcp"),
-        heartbeat_s=c.num(bus_doc.get("heartbeat_s"), "bus.heartbeat_s"))
+    bus = _section(BusSection, doc.get("bus"))
+    if bus.curve is None:
+        bus = bus.model_copy(update={"curve": bus.transport == "tcp"})
     if bus.base_port + bus.port_range - 1 > 65535:
         c.add("bus.port_range", f"ports {bus.base_port}-{bus.base_port + bus.port_range - 1} go past 65535")
     if bus.transport == "ipc" and len(nodes) > 1:
@@ -545,75 +348,52 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
     groups: dict[str, GroupSpec] = {}
     actors = doc.get("actors")
     if not isinstance(actors, dict) or not actors:
-        c.add("actors", "missing or empty: name at least one actor group")
+        if not any(p.startswith("actors:") for p in c.problems):
+            c.add("actors", "missing or empty: name at least one actor group")
         actors = {}
     for gname, gdoc in actors.items():
         key = f"actors.{gname}"
         if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", str(gname)):
             c.add(key, "group names are letters, digits and underscores, starting with a letter")
-        gdoc = c.keys(gdoc, GROUP_KEYS, key)
-        cls = c.str_(gdoc.get("class"), f"{key}.class")
-        if cls is None:
-            c.add(f"{key}.class", "missing: the actor class as module.path:ClassName")
-            cls = ""
-        count = c.int_(gdoc.get("count"), f"{key}.count", 1, minimum=1)
+        try:
+            g = GroupSection.model_validate(gdoc)
+        except ValidationError:
+            continue  # reported by the schema pass above
         group = GroupSpec(
-            name=str(gname), cls=cls, count=count,
-            nodes=_node_selection(c, gdoc.get("nodes"), f"{key}.nodes", names),
-            per_node=c.int_(gdoc.get("per_node"), f"{key}.per_node", None, minimum=1),
-            gpus=c.int_(gdoc.get("gpus"), f"{key}.gpus", 0),
-            cpus=_cpu_lists(c, gdoc.get("cpus"), f"{key}.cpus", count, template.cpus),
-            threads=c.int_(gdoc.get("threads"), f"{key}.threads", None, minimum=1),
-            cpu_workers=c.int_(gdoc.get("cpu_workers"), f"{key}.cpu_workers", 0),
-            parallel={}, settings={}, env=c.env(gdoc.get("env"), f"{key}.env"))
-        if gdoc.get("world_port") is not None:
-            group.world_port = _rendezvous_port(c, gdoc["world_port"], f"{key}.world_port")
+            name=str(gname), cls=g.class_, count=g.count,
+            nodes=_node_selection(c, g.nodes, f"{key}.nodes", names), per_node=g.per_node, gpus=g.gpus,
+            cpus=_cpu_lists(c, g.cpus, f"{key}.cpus", g.count, template.cpus), threads=g.threads,
+            cpu_workers=g.cpu_workers, parallel=g.parallel.model_dump(exclude_none=True), settings=dict(g.settings),
+            env=c.env(g.env, f"{key}.env"))
+        if g.world_port is not None:
+            group.world_port = _rendezvous_port(c, g.world_port, f"{key}.world_port")
             if group.gpus > 1:
                 c.add(f"{key}.world_port", f"a world has one rank per instance, and each instance has {group.gpus} "
                                            f"GPUs: use gpus: 1 and count: ranks")
-        par = c.keys(gdoc.get("parallel"), PARALLEL_KEYS, f"{key}.parallel")
-        for pk, pv in par.items():
-            if pk in PARALLEL_KEYS:
-                v = c.int_(pv, f"{key}.parallel.{pk}", None, minimum=1)
-                if v is not None:
-                    group.parallel[pk] = v
-        settings = gdoc.get("settings") or {}
-        if not isinstance(settings, dict):
-            c.add(f"{key}.settings", f"expected a mapping, got {type(settings).__name__}")
-            settings = {}
-        for reserved in sorted(RESERVED_SETTINGS & set(settings)):
-            c.add(f"{key}.settings.{reserved}", "reserved: the launcher fills it in")
-        group.settings = settings
+        for reserved in RESERVED_SETTINGS:
+            if reserved in group.settings:
+                c.add(f"{key}.settings.{reserved}", "reserved: the launcher fills it in")
         groups[str(gname)] = group
-        if cls and check_imports:
-            _check_class(c, cls, f"{key}.class")
-        elif cls and not re.fullmatch(r"[\w.]+:\w+", cls):
-            c.add(f"{key}.class", f"expected module.path:ClassName, got {cls!r}")
+        if check_imports:
+            actor_cls = _check_class(c, group.cls, f"{key}.class")
+            if actor_cls is not None:
+                _check_settings(c, actor_cls, group.settings, f"{key}.settings")
+        elif not re.fullmatch(r"[\w.]+:\w+", group.cls):
+            c.add(f"{key}.class", f"expected module.path:ClassName, got {group.cls!r}")
         _check_parallel(c, group, key, template)
 
     # links
     links: dict[str, LinkSpec] = {}
     links_doc = doc.get("links") or {}
-    if not isinstance(links_doc, dict):
-        c.add("links", f"expected a mapping of link name to link, got {type(links_doc).__name__}")
-        links_doc = {}
-    for lname, ldoc in links_doc.items():
+    for lname, ldoc in (links_doc.items() if isinstance(links_doc, dict) else ()):
         key = f"links.{lname}"
-        ldoc = c.keys(ldoc, LINK_KEYS, key)
-        backend = c.str_(ldoc.get("backend"), f"{key}.backend", None, ("gloo", "nccl"))
-        if ldoc.get("backend") is None:
-            c.add(f"{key}.backend", "missing: gloo (CPU) or nccl (GPU)")
-        port = _rendezvous_port(c, ldoc.get("port"), f"{key}.port")
-        if ldoc.get("port") is None:
-            c.add(f"{key}.port", "missing: the rendezvous port on the first member's node (or auto on one node)")
-        members = ldoc.get("members")
-        if not (isinstance(members, list) and members and all(isinstance(m, str) for m in members)):
-            c.add(f"{key}.members", f"expected a list of actor groups or instances, got {members!r}")
-            members = []
-        link = LinkSpec(name=str(lname), backend=backend or "gloo", members=members, port=port or 0,
-                        gdr=c.bool_(ldoc.get("gdr"), f"{key}.gdr", False),
-                        env=c.env(ldoc.get("env"), f"{key}.env"),
-                        timeout_s=c.num(ldoc.get("timeout_s"), f"{key}.timeout_s", 300.0))
+        try:
+            spec = LinkSection.model_validate(ldoc)
+        except ValidationError:
+            continue  # reported by the schema pass above
+        port = _rendezvous_port(c, spec.port, f"{key}.port")
+        link = LinkSpec(name=str(lname), backend=spec.backend, members=list(spec.members), port=port or 0,
+                        gdr=spec.gdr, env=c.env(spec.env, f"{key}.env"), timeout_s=spec.timeout_s)
         if link.gdr and link.backend == "gloo":
             c.add(f"{key}.gdr", "GPUDirect RDMA needs backend nccl")
         if link.gdr and link.backend == "nccl" and not template.nics.get("ib"):
@@ -621,13 +401,30 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
         links[str(lname)] = link
 
     topo = Topology(name=name, source=source, nodes=nodes, nodes_from_allocation=from_alloc, bus=bus, links=links,
-                    groups=groups, experiment=experiment or {}, config_path=config_path, run_root=run_root,
-                    description=description, supervisor=supervisor, document=doc)
+                    groups=groups, experiment=experiment or {}, config_path=config_path, run_root=top.run_root,
+                    description=top.description, supervisor=supervisor.model_dump(exclude_unset=True), document=doc)
     if not c.problems:
         _check_placement(c, topo)
     if c.problems:
         raise TopologyError(c.problems, source)
     return topo
+
+
+def _section(model: type[SectionT], value: Any) -> SectionT:
+    """The section as its model, or the model's defaults when it has problems (the schema pass reported them)."""
+    try:
+        return model.model_validate(value if value is not None else {})
+    except ValidationError:
+        return model.model_construct()
+
+
+def _check_settings(c: _Checker, actor_cls: type, settings: dict[str, Any], key: str) -> None:
+    """A group's settings against its actor class's Settings model (the reserved keys are reported apart)."""
+    model = settings_model(actor_cls)
+    try:
+        model.model_validate({k: v for k, v in settings.items() if k not in RESERVED_SETTINGS})
+    except ValidationError as exc:
+        c.problems.extend(problem_lines(exc, key, model))
 
 
 def _rendezvous_port(c: _Checker, value: Any, key: str) -> int | None:
@@ -708,27 +505,26 @@ def _cpu_lists(c: _Checker, value: Any, key: str, count: int, node_cpus: int) ->
     return out if per_instance else out * count
 
 
-def _check_class(c: _Checker, cls: str, key: str) -> None:
+def _check_class(c: _Checker, cls: str, key: str) -> type | None:
+    """Import the actor class; None (and a problem) when it does not import or is not an Actor."""
     if not re.fullmatch(r"[\w.]+:\w+", cls):
         c.add(key, f"expected module.path:ClassName, got {cls!r}")
-        return
+        return None
     module_name, _, attr = cls.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import-time failure is the user's to see, in one line
         c.add(key, f"cannot import {module_name}: {type(exc).__name__}: {exc}")
-        return
+        return None
     obj = getattr(module, attr, None)
     if obj is None:
         c.add(key, f"{module_name} has no attribute {attr!r}")
-        return
-    try:
-        from actors.base import Actor
-    except Exception as exc:
-        c.add(key, f"cannot check {cls} is an Actor: actors.base does not import ({type(exc).__name__}: {exc})")
-        return
-    if not (isinstance(obj, type) and issubclass(obj, Actor)):
+        return None
+    # By name, not by importing actors.base: this package sits below actors in the import direction.
+    if not (isinstance(obj, type) and any(f"{k.__module__}:{k.__qualname__}" == "actors.base:Actor" for k in obj.__mro__)):
         c.add(key, f"{cls} is not an Actor subclass")
+        return None
+    return obj
 
 
 def _check_parallel(c: _Checker, group: GroupSpec, key: str, node: NodeSpec) -> None:
@@ -738,7 +534,7 @@ def _check_parallel(c: _Checker, group: GroupSpec, key: str, node: NodeSpec) -> 
     on_gpus = group.gpus > 0
     total = group.count * group.gpus if on_gpus else group.count
     unit = "GPUs assigned" if on_gpus else "instances (no GPUs)"
-    if set(par) == PARALLEL_KEYS:
+    if set(par) == {"dp", "tp", "pp"}:
         product = par["dp"] * par["tp"] * par["pp"]
         if product != total:
             c.add(f"{key}.parallel", f"dp*tp*pp = {product} but {total} {unit}")
@@ -758,31 +554,20 @@ def _check_parallel(c: _Checker, group: GroupSpec, key: str, node: NodeSpec) -> 
 def _check_placement(c: _Checker, topo: Topology) -> None:
     """Checks that need every section: capacity per node, ports, links."""
     plan_nodes = _assign_nodes(c, topo)
-    gpu_use: dict[int, dict[str, int]] = {}
-    worker_use: dict[int, dict[str, int]] = {}
-    for gname, assignment in plan_nodes.items():
-        g = topo.groups[gname]
-        for node in assignment:
-            if g.gpus:
-                gpu_use.setdefault(node, {}).setdefault(gname, 0)
-                gpu_use[node][gname] += g.gpus
-            if g.cpu_workers:
-                worker_use.setdefault(node, {}).setdefault(gname, 0)
-                worker_use[node][gname] += g.cpu_workers
-    for node, use in sorted(gpu_use.items()):
-        have = topo.nodes[node].gpus
-        if sum(use.values()) > have:
-            last = list(use)[-1]
-            detail = ", ".join(f"{g}: {n}" for g, n in use.items())
-            c.add(f"actors.{last}.gpus", f"GPUs over-subscribed on node {topo.nodes[node].name}: "
-                                         f"{sum(use.values())} requested ({detail}) but it has {have}")
-    for node, use in sorted(worker_use.items()):
-        have = topo.nodes[node].cpus
-        if sum(use.values()) > have:
-            last = list(use)[-1]
-            detail = ", ".join(f"{g}: {n}" for g, n in use.items())
-            c.add(f"actors.{last}.cpu_workers", f"CPU workers over-subscribed on node {topo.nodes[node].name}: "
-                                                f"{sum(use.values())} requested ({detail}) but it has {have} cores")
+    # (group key, node capacity, what it is called, the unit of the capacity)
+    for key, capacity, what, unit in (("gpus", "gpus", "GPUs", ""), ("cpu_workers", "cpus", "CPU workers", " cores")):
+        use: dict[int, dict[str, int]] = {}
+        for gname, assignment in plan_nodes.items():
+            per_instance = getattr(topo.groups[gname], key)
+            for node in assignment if per_instance else ():
+                use.setdefault(node, {}).setdefault(gname, 0)
+                use[node][gname] += per_instance
+        for node, by_group in sorted(use.items()):
+            have, total = getattr(topo.nodes[node], capacity), sum(by_group.values())
+            if total > have:
+                detail = ", ".join(f"{g}: {n}" for g, n in by_group.items())
+                c.add(f"actors.{list(by_group)[-1]}.{key}", f"{what} over-subscribed on node {topo.nodes[node].name}: "
+                                                          f"{total} requested ({detail}) but it has {have}{unit}")
     # ports: the bus takes one port per instance from its range; link ports must stay clear of it
     n_instances = sum(g.count for g in topo.groups.values())
     bus = topo.bus

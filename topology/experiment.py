@@ -1,0 +1,146 @@
+"""The experiment config's schema (configs/*.yaml, and `experiment.*` overrides), checked before anything runs.
+
+Every key an actor reads from the experiment is declared here once with its type, default, bounds and one line
+of doc; the actors read the typed values (``actor.cfg.algo.eta``), so a default lives nowhere else. An unknown
+or misplaced key is refused with its full path (`experiment.algo.kl_coeff: unknown key`), as is a value out of
+bounds (`experiment.algo.eta: input should be greater than or equal to 0`).
+
+A default of None means the key has no single default: its description says what happens when it is left out.
+`prepare` is free-form here: `tools.prepare` checks it against the tools it runs.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = ["Section", "ModelSection", "DataFields", "DataSection", "AlgoSection", "GenSection", "EvalSection",
+           "RunSection", "BufferSection", "ExperimentConfig", "experiment_problems", "DEFAULT_MAX_LINE_BYTES"]
+
+DEFAULT_MAX_LINE_BYTES = 1 << 20
+
+
+class Section(BaseModel):
+    """Base of every configuration model. Unknown keys are errors (a misspelt key would otherwise be silently
+    ignored); values are not coerced (strict: `count: "4"` or `gdr: 1` is refused, not guessed); floats are
+    finite. Validating assignments keeps a model that an override changed as checked as one read from a file."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, validate_assignment=True,
+                              populate_by_name=True)
+
+
+class ModelSection(Section):
+    path: str | None = Field(None, description="starting model: a Hugging Face directory (config, tokenizer, weights)")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="engine dtype (unset: float32 in the torch engines, the checkpoint's own in SGLang)")
+
+
+class DataFields(Section):
+    query_id: str | None = Field(None, description="field holding the unique id; null numbers the lines")
+    prompt: str | None = Field(None, min_length=1, description="field holding the question")
+    answer: str | None = Field(None, description="field holding the final answer")
+    solutions: str | None = Field(None, description="field holding a list of worked solutions")
+    solution: str | None = Field(None, description="field holding one worked solution (a string)")
+    level: str | None = Field(None, description="field holding the difficulty level")
+
+
+class DataSection(Section):
+    train: str | None = Field(None, description="JSON-lines prompts the buffer serves")
+    test: str | None = Field(None, description="held-out JSON-lines file for the final evaluation")
+    layout: Literal["areal", "gsm8k", "math"] = Field(
+        "areal", description="field layout of train and test (actors/dataset.py): areal (boba/orz and ours), gsm8k "
+                             "(question/answer after ####), math (problem/solution with \\boxed{})")
+    fields: DataFields | None = Field(None, description="field names that differ from the layout's")
+    answer_after: str | None = Field(None, min_length=1, description="the answer is the text after this marker (gsm8k: ####)")
+    id2info: str | None = Field(None, description="AReaL's answer file {query_id: {solutions: [...]}} for prompt files without answers")
+    prompt_template: str | None = Field(None, pattern=r"\{prompt\}", description="wraps each prompt; {prompt} marks where it goes")
+    on_bad_line: Literal["skip", "fail"] | None = Field(
+        None, description="a malformed line: skip it or stop (unset: the buffer skips in data.train, the evaluator "
+                          "stops in data.test)")
+    require: Literal["answer", "solutions", "none"] = Field("answer", description="what each training record must carry")
+    max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1, description="longer lines are refused at load")
+
+
+class AlgoSection(Section):
+    batch_size: int = Field(32, ge=1, description="prompts per training step, B")
+    group_size: int = Field(8, ge=1, description="answers sampled per prompt")
+    eta: int = Field(4, ge=0, description="maximum staleness in versions; 0 is synchronous")
+    ppo_minibatches: int = Field(1, ge=1, description="optimizer steps per training step")
+    max_tokens_per_mb: int = Field(4096, ge=1, description="tokens per packed micro-batch")
+    lr: float = Field(2e-5, gt=0, description="Adam learning rate")
+    adam_eps: float = Field(1e-5, gt=0, description="Adam epsilon")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
+    grad_clip: float = Field(1.0, ge=0, description="gradient-norm clip; 0 disables")
+    eps_clip: float = Field(0.2, gt=0, description="PPO clip, lower side")
+    eps_clip_high: float | None = Field(None, gt=0, description="PPO clip, upper side (unset: eps_clip)")
+    dual_clip: float | None = Field(None, gt=1, description="dual-clip bound on negative advantages (unset: off)")
+    behav_imp_weight_cap: float = Field(5.0, ge=0, description="cap of the behaviour importance weight; 0 disables")
+    decoupled: bool = Field(True, description="decoupled PPO objective; false is plain PPO")
+    group_std: bool = Field(True, description="divide group-relative advantages by the group's std")
+    adv_norm: Literal["batch", "group", "none"] = Field(
+        "batch", description="advantage normalisation: over all tokens of the batch, within each group, or none")
+    dynamic_sampling: bool = Field(False, description="drop groups whose answers all got one reward")
+    reward_correct: float = Field(5.0, description="reward of a correct answer")
+    reward_wrong: float = Field(-5.0, description="reward of a wrong answer")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the frozen starting weights (model.path) in the token rewards; 0 is off")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="per-token KL estimator of the penalty")
+
+
+class GenSection(Section):
+    max_new_tokens: int = Field(64, ge=1, description="answer length limit")
+    temperature: float = Field(1.0, ge=0, description="sampling temperature; 0 is greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1 is off")
+    top_k: int = Field(-1, ge=-1, description="top-k sampling; -1 or 0 is off")
+    interruptible: bool = Field(True, description="weights swap mid-answer; false pauses and resumes")
+
+
+class EvalSection(Section):
+    max_per_level: int | None = Field(None, ge=1, description="held-out problems per level in the final evaluation (unset: all)")
+    every_versions: int = Field(0, ge=0, description="evaluate on data.test every N weight versions during the run, in the evaluator actor; 0 is off")
+    max_problems: int = Field(64, ge=1, description="held-out problems of each evaluation during the run, spread over the levels")
+    wait_s: float = Field(30.0, gt=0, description="how long the evaluator's request waits for a new version")
+
+
+class RunSection(Section):
+    total_steps: int = Field(100, ge=1, description="training steps of the run")
+    checkpoint_every_steps: int = Field(20, ge=1, description="steps between checkpoints")
+    keep_checkpoints: int = Field(2, ge=0, description="complete checkpoints kept; 0 keeps all")
+    recover: Literal["auto", "off"] = Field("auto", description="resume from the last checkpoint")
+    final_eval: bool = Field(True, description="evaluate the last checkpoint on data.test at the end")
+
+    @field_validator("recover", mode="before")
+    @classmethod
+    def _yaml_boolean(cls, value: Any) -> Any:
+        # YAML reads a bare `off` (in a file, or in `experiment.run.recover=off`) as false; actors.recovery
+        # reads false as off too.
+        return {False: "off", True: "auto"}[value] if isinstance(value, bool) else value
+
+
+class BufferSection(Section):
+    max_groups_per_rollout: int = Field(8, ge=1, description="groups in flight on one rollout")
+    max_concurrent_groups: int | None = Field(None, ge=1, description="groups in flight in all (unset: no limit)")
+    group_timeout_s: float = Field(1800.0, gt=0, description="a group with no result after this is issued again")
+
+
+class ExperimentConfig(Section):
+    seed: int = Field(1, description="seed of sampling, data order and initialisation")
+    model: ModelSection = Field(default_factory=ModelSection, description="the starting model")
+    data: DataSection = Field(default_factory=DataSection, description="training and held-out data")
+    prepare: dict[str, Any] | None = Field(None, description="data and warm start made before the run (tools.prepare)")
+    algo: AlgoSection = Field(default_factory=AlgoSection, description="the RL algorithm")
+    gen: GenSection = Field(default_factory=GenSection, description="sampling of the answers")
+    eval: EvalSection = Field(default_factory=EvalSection, description="evaluation during and after the run")
+    run: RunSection = Field(default_factory=RunSection, description="length, checkpoints and recovery")
+    buffer: BufferSection = Field(default_factory=BufferSection, description="the buffer's flow control")
+
+
+def experiment_problems(doc: dict[str, Any], prefix: str = "experiment") -> list[str]:
+    """One line per problem of an experiment document, each naming the key's full path."""
+    from topology.schema import problem_lines
+    try:
+        ExperimentConfig.model_validate(doc)
+    except ValidationError as exc:
+        return problem_lines(exc, prefix, ExperimentConfig)
+    return []

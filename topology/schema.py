@@ -1,0 +1,221 @@
+"""The topology file's schema: every key of every section declared once, with its type, default, bounds and one
+line of doc, as pydantic models. `problem_lines` turns a pydantic ValidationError into the project's one line per
+problem, each naming the key's full path (`actors.trainer.cout: unknown key (did you mean 'count'?)`).
+
+Values whose meaning depends on other sections (a group's `nodes:` against the cluster's host names, `cpus:`
+against the node's cores, a rendezvous port that may be "auto") are typed `Any` here, documented in their
+description, and read by `topology.placement`, which names the same key paths.
+"""
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from topology.experiment import Section
+
+__all__ = ["Section", "SupervisorSection", "NicsSection", "NodeSection", "ClusterSection", "BusSection",
+           "LinkSection", "ParallelSection", "GroupSection", "TopologyDocument", "RESERVED_SETTINGS",
+           "problem_lines", "model_at", "key_path"]
+
+# Keys the launcher writes into every actor's settings; a topology may not set them.
+RESERVED_SETTINGS = ("instance", "groups", "links")
+
+
+def _missing(message: str) -> dict[str, Any]:
+    """The message a required key gives when it is left out."""
+    return {"missing": message}
+
+
+class SupervisorSection(Section):
+    """Restart policy and timeouts of actors.supervisor.Supervisor (locally and on every node agent)."""
+
+    max_restarts: int = Field(3, ge=0, description="restarts of one actor within restart_window before the run fails")
+    restart_window: float = Field(300.0, gt=0, description="seconds over which restarts are counted")
+    backoff_initial: float = Field(0.5, gt=0, description="first wait before a restart, doubled on each one")
+    backoff_max: float = Field(30.0, gt=0, description="longest wait before a restart")
+    ready_timeout: float = Field(120.0, gt=0, description="seconds an actor has to report ready")
+    stop_timeout: float = Field(30.0, gt=0, description="seconds an actor has to stop before it is killed")
+
+
+class NicsSection(Section):
+    ib: list[str] | None = Field(None, description="InfiniBand/RoCE HCAs (NCCL_IB_HCA)")
+    socket: str | None = Field(None, description="the socket interface of NCCL's bootstrap and gloo")
+
+
+class NodeSection(Section):
+    """Every node of the cluster is alike."""
+
+    gpus: int = Field(0, ge=0, description="GPUs per node")
+    gpu_kind: str | None = Field(None, description="GPU model, e.g. H800 (reports and memory plans)")
+    gpu_memory_gb: float | None = Field(None, gt=0, description="memory of one GPU")
+    cpus: int = Field(1, ge=1, description="CPU cores per node")
+    memory_gb: float | None = Field(None, gt=0, description="host memory per node")
+    nics: NicsSection = Field(default_factory=NicsSection, description="network interfaces")
+
+
+class ClusterSection(Section):
+    nodes: Any = Field(1, description="a count (>1: host names from the SLURM allocation), a node list pattern "
+                                      "such as node[01-04], or a list of host names")
+    node: NodeSection = Field(default_factory=NodeSection, description="what one node has")
+    interconnect: dict[str, Any] | None = Field(None, description="free-form description of the fabric")
+
+
+class BusSection(Section):
+    transport: Literal["tcp", "ipc"] = Field("tcp", description="tcp, or ipc (one node only)")
+    host: str | None = Field(None, description="bind address for a one-node tcp bus (unset: 127.0.0.1)")
+    base_port: int = Field(20000, ge=1024, le=65535, description="first port of the bus: one per actor instance")
+    port_range: int = Field(1000, ge=1, description="ports the bus may use from base_port")
+    # Any user of a machine can connect to a tcp port: CurveZMQ (the run's keys) is on unless the topology
+    # turns it off. ipc sockets live in a directory only the run's user can enter.
+    curve: bool | None = Field(None, description="CurveZMQ encryption and authentication (unset: on for tcp, off for ipc)")
+    heartbeat_s: float | None = Field(None, gt=0, description="ZeroMQ heartbeat interval (unset: the bus's)")
+
+
+class LinkSection(Section):
+    """A bulk (torch.distributed) group between actor instances."""
+
+    backend: Literal["gloo", "nccl"] = Field(
+        description="gloo (CPU) or nccl (GPU)",
+        json_schema_extra=_missing("missing: gloo (CPU) or nccl (GPU)"))
+    members: list[str] = Field(
+        min_length=1, description="actor groups or instances (group.index) in rank order; rank 0 hosts the rendezvous",
+        json_schema_extra=_missing("missing: the actor groups or instances of the link"))
+    port: Any = Field(description="the rendezvous port on the first member's node, or auto (one-node topologies)",
+                      json_schema_extra=_missing("missing: the rendezvous port on the first member's node (or auto "
+                                                 "on one node)"))
+    gdr: bool = Field(False, description="GPUDirect RDMA (nccl over InfiniBand/RoCE)")
+    env: dict[str, Any] = Field(default_factory=dict, description="environment variables of the link's members")
+    timeout_s: float = Field(300.0, gt=0, description="how long forming the group and one transfer may take")
+
+
+class ParallelSection(Section):
+    dp: int | None = Field(None, ge=1, description="data-parallel degree")
+    tp: int | None = Field(None, ge=1, description="tensor-parallel degree (inside a node)")
+    pp: int | None = Field(None, ge=1, description="pipeline-parallel degree")
+
+
+class GroupSection(Section):
+    """A group of identical actor instances."""
+
+    class_: str = Field(alias="class", description="the actor class as module.path:ClassName",
+                        json_schema_extra=_missing("missing: the actor class as module.path:ClassName"))
+    count: int = Field(1, ge=1, description="instances of the group")
+    nodes: Any = Field(None, description="node indices, a-b index ranges, host names or a node list pattern (unset: every node)")
+    per_node: int | None = Field(None, ge=1, description="instances per node (unset: spread evenly)")
+    gpus: int = Field(0, ge=0, description="GPUs of each instance")
+    cpus: Any = Field(None, description="core ids of every instance, or one list per instance (CPU affinity)")
+    threads: int | None = Field(None, ge=1, description="OMP_NUM_THREADS (unset: the number of cores, or 1)")
+    cpu_workers: int = Field(0, ge=0, description="worker processes of each instance (reward pools), counted against the node's cores")
+    parallel: ParallelSection = Field(default_factory=ParallelSection, description="dp x tp x pp of the group")
+    world_port: Any = Field(None, description="the instances form one torch.distributed world rendezvousing here (auto: a free port at launch)")
+    settings: dict[str, Any] = Field(default_factory=dict, description="the actor's settings (its class's Settings model), merged over the experiment")
+    env: dict[str, Any] = Field(default_factory=dict, description="environment variables of the instances")
+
+
+class TopologyDocument(Section):
+    name: str | None = Field(None, description="the run's name (unset: the file's stem)")
+    description: str = Field("", description="one line for reports")
+    config: str | None = Field(None, description="the experiment config, a YAML file under configs/")
+    run_root: str = Field("runs", description="run directories go under runs/<name>/<timestamp>")
+    cluster: ClusterSection = Field(description="the nodes", json_schema_extra=_missing("missing (say at least `nodes:`)"))
+    bus: BusSection = Field(default_factory=BusSection, description="the message bus")
+    links: dict[str, LinkSection] = Field(default_factory=dict, description="bulk links by name")
+    actors: dict[str, GroupSection] = Field(
+        description="actor groups by name (at least one; topology.placement says so when there is none)",
+        json_schema_extra=_missing("missing or empty: name at least one actor group"))
+    supervisor: SupervisorSection = Field(default_factory=SupervisorSection, description="restart policy")
+
+
+# ---------------------------------------------------------------------------------------------
+# errors: one line per problem, naming the key's full path
+# ---------------------------------------------------------------------------------------------
+
+def key_path(prefix: str, loc: tuple[Any, ...]) -> str:
+    """`actors.reward.cpus[1]`: dots between keys, brackets around list indices."""
+    out = prefix
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out = f"{out}.{part}" if out else str(part)
+    return out
+
+
+def _unwrap(annotation: Any) -> Any:
+    """The model inside Optional[M], dict[str, M] or list[M] (one level); the annotation itself otherwise."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        arms = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return arms[0] if len(arms) == 1 else annotation
+    return annotation
+
+
+def model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model class that holds the key at ``loc`` inside ``model`` (None past a free-form mapping)."""
+    current: Any = model
+    for part in loc:
+        current = _unwrap(current)
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = _field(current, str(part))
+            if field is None:
+                return None
+            current = field.annotation
+        elif typing.get_origin(current) is dict:
+            current = typing.get_args(current)[1]
+        elif typing.get_origin(current) is list:
+            current = typing.get_args(current)[0]
+        else:
+            return None
+    current = _unwrap(current)
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _field(model: type[BaseModel], key: str) -> Any:
+    for name, field in model.model_fields.items():
+        if key in (name, field.alias):
+            return field
+    return None
+
+
+def _keys(model: type[BaseModel]) -> list[str]:
+    return [field.alias or name for name, field in model.model_fields.items()]
+
+
+def _unknown_key_hint(model: type[BaseModel] | None, key: str) -> str:
+    """Where a misspelt or misplaced key probably belongs: a close key of the same section, or the same key one
+    section down (`mem_fraction_static` at the top of a rollout's settings belongs in `sglang`)."""
+    if model is None:
+        return ""
+    close = difflib.get_close_matches(key, _keys(model), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    for name, field in model.model_fields.items():
+        inner = _unwrap(field.annotation)
+        if isinstance(inner, type) and issubclass(inner, BaseModel) and _field(inner, key) is not None:
+            return f" (did you mean '{field.alias or name}.{key}'?)"
+    return ""
+
+
+def problem_lines(exc: ValidationError, prefix: str, model: type[BaseModel]) -> list[str]:
+    """One line per error of validating ``model``: `<full key path>: <what is wrong>`."""
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        path = key_path(prefix, loc)
+        if err["type"] == "extra_forbidden":
+            holder = model_at(model, loc[:-1])
+            allowed = f"; allowed: {', '.join(sorted(_keys(holder)))}" if holder is not None else ""
+            lines.append(f"{path}: unknown key{_unknown_key_hint(holder, str(loc[-1]))}{allowed}")
+        elif err["type"] == "missing":
+            holder = model_at(model, loc[:-1])
+            field = _field(holder, str(loc[-1])) if holder is not None else None
+            extra = (field.json_schema_extra or {}) if field is not None else {}
+            lines.append(f"{path}: {extra.get('missing', 'missing')}")
+        else:
+            msg = err["msg"][0].lower() + err["msg"][1:]
+            lines.append(f"{path}: {msg} (value: {err.get('input')!r})")
+    return lines

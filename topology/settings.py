@@ -1,0 +1,198 @@
+"""The settings every actor receives, typed: the experiment config (topology.experiment), the keys the launcher
+fills in (``instance``, ``groups``, ``links``), the keys the actor runtime reads, and each actor class's own keys.
+
+An actor class names its model in ``Settings`` (a subclass of :class:`ActorSettings`); ``actors.base.Actor``
+validates ``spec.settings`` into ``actor.cfg`` with it, and the topology loader checks every group's
+``settings:`` against the same model before anything starts, so a misspelt or misplaced key is refused at
+launch with its full path (`actors.rollout.settings.mem_fraction_static: unknown key (did you mean
+'sglang.mem_fraction_static'?)`).
+
+This module sits below actors/ in the import direction (tools -> actors -> (topology, transport, algo)): it
+imports nothing of ours but topology.experiment, and finds an actor class's model through the class's own
+``Settings`` attribute, never by importing actors.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+
+from topology.experiment import ExperimentConfig, Section
+from topology.schema import problem_lines
+
+__all__ = ["InstanceSettings", "WorldSettings", "ActorSettings", "RewardSettings", "CodeRewardSettings",
+           "EngineSettings", "EvaluatorSettings", "TrainerSettings", "SGLangSettings", "RolloutSettings", "ParamServerSettings",
+           "BufferSettings", "MessageLogSettings", "SettingsError", "settings_model", "read_settings"]
+
+
+class WorldSettings(Section):
+    """The torch.distributed world of a group with `world_port` (torchrun's variables, also in the environment)."""
+
+    master_addr: str = Field("", description="address of rank 0")
+    master_port: int = Field(0, ge=0, le=65535, description="rendezvous port at rank 0")
+    rank: int = Field(0, ge=0, description="this instance's rank")
+    world_size: int = Field(1, ge=1, description="ranks of the world")
+
+
+class InstanceSettings(Section):
+    """Where this instance runs; the launcher writes it (a topology may not)."""
+
+    group: str = Field("", description="the actor group")
+    index: int = Field(0, ge=0, description="index of the instance in its group")
+    count: int = Field(1, ge=1, description="instances of the group")
+    node: str = Field("localhost", description="host name of the node")
+    address: str = Field("", description="the node's address")
+    node_index: int = Field(0, ge=0, description="index of the node in the cluster")
+    gpus: list[int] = Field(default_factory=list, description="GPU ids of the instance on its node")
+    cpus: list[int] = Field(default_factory=list, description="cores of the instance (CPU affinity)")
+    cpu_workers: int = Field(0, ge=0, description="worker processes of the instance")
+    parallel: dict[Literal["dp", "tp", "pp"], int] = Field(default_factory=dict, description="the group's dp x tp x pp")
+    world: WorldSettings | None = Field(None, description="the group's torch.distributed world, if it has one")
+
+
+class MessageLogSettings(Section):
+    """RUN_DIR/msglog/<name>.msglog (transport.msglog)."""
+
+    outbound: bool = Field(False, description="record outbound messages too (tools.replay --into compares them)")
+    tensors: Literal["store", "checksum"] = Field("store", description="store tensors, or only their checksums")
+    flush_every: int = Field(1, ge=1, description="records between flushes")
+
+
+class ActorSettings(ExperimentConfig):
+    """What every actor may be given. Actor classes with keys of their own subclass it."""
+
+    instance: InstanceSettings = Field(default_factory=InstanceSettings, description="placement (launcher)")
+    groups: dict[str, list[str]] = Field(default_factory=dict, description="instance names of every group (launcher)")
+    links: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="transport.bulk.LinkConfig of every link the instance is in (launcher)")
+    log_console: bool = Field(True, description="false silences the console copy of the log")
+    bus: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of transport.bus.Bus (hwm, max_frame_bytes, "
+                                          "max_inflight, heartbeat_interval, heartbeat_timeout, reply_timeout)")
+    message_log: MessageLogSettings | None = Field(
+        None, description="record the actor's messages: true (the recording's defaults), or its settings")
+    drain_timeout: float = Field(30.0, gt=0, description="seconds running handlers get to finish on stop")
+    close_linger: float = Field(2.0, ge=0, description="seconds the bus may take to send what is queued on close")
+
+    @field_validator("message_log", mode="before")
+    @classmethod
+    def _message_log_switch(cls, value: Any) -> Any:
+        # `message_log: true` records with the defaults; false is off, like leaving it out.
+        return {True: {}, False: None}[value] if isinstance(value, bool) else value
+
+
+class EngineSettings(ActorSettings):
+    """Actors that run a model in their own process."""
+
+    device: Literal["cpu", "cuda"] | None = Field(
+        None, description="cpu or cuda (unset: cuda if the topology gave the instance GPUs, else cpu)")
+
+    @property
+    def engine_device(self) -> str:
+        """Where the engine runs: ``device`` if set, else the GPU the topology gave the instance (``instance.gpus``;
+        CUDA_VISIBLE_DEVICES narrows each instance to its own), else the CPU."""
+        return self.device or ("cuda" if self.instance.gpus else "cpu")
+
+
+class RewardSettings(ActorSettings):
+    grader: str | None = Field(None, description="module:function that checks an answer (unset: the class's own)")
+    score_timeout_s: float | None = Field(
+        None, gt=0, description="hard limit of checking one answer (unset: the class's own: 10 s for math)")
+
+
+class CodeRewardSettings(RewardSettings):
+    sandbox: dict[str, Any] = Field(
+        default_factory=dict, description="actors.reward.sandbox.SandboxLimits: wall_time_s, cpu_time_s, memory_bytes, ...")
+    allow_unsandboxed: bool = Field(False, description="run programs without a working sandbox (never on shared machines)")
+
+
+class EvaluatorSettings(ActorSettings):
+    pass
+
+
+class TrainerSettings(EngineSettings):
+    backend: Literal["torch", "megatron"] = Field("torch", description="training engine")
+    bf16: bool | None = Field(None, description="bfloat16 weights and compute (unset: on cuda)")
+    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism (with tp > 1)")
+    recompute: str = Field("none", description="Megatron activation recomputation: none, selective or full")
+    logprob_chunk_tokens: int = Field(0, ge=0, description="tokens per chunk of the log-prob computation; 0 is off")
+    weight_bucket_mb: int = Field(64, ge=1, description="size of one bucket of published weights, MiB")
+
+
+class SGLangSettings(Section):
+    """The SGLang server a rollout starts (actors/engines/sglang.py)."""
+
+    command: str | list[str] | None = Field(None, description="server command (unset: python -m sglang.launch_server)")
+    host: str = Field("127.0.0.1", description="address the server binds")
+    port: int = Field(0, ge=0, le=65535, description="server port; 0 picks a free one")
+    mem_fraction_static: float | None = Field(None, gt=0, le=1, description="GPU memory fraction for weights and KV cache")
+    dtype: str | None = Field(None, description="server dtype (unset: model.dtype, else the checkpoint's)")
+    extra_args: list[str] = Field(default_factory=list, description="further server arguments")
+    env: dict[str, Any] = Field(default_factory=dict, description="environment of the server")
+    health_timeout_s: float = Field(600.0, gt=0, description="how long the server may take to become healthy")
+    max_restarts: int = Field(5, ge=0, description="restarts of a dead server before the rollout fails")
+    backoff_s: float = Field(1.0, gt=0, description="first wait before a restart")
+    backoff_max_s: float = Field(30.0, gt=0, description="longest wait before a restart")
+    request_timeout_s: float = Field(3600.0, gt=0, description="bound on one generate request")
+    control_timeout_s: float = Field(600.0, gt=0, description="bound on one control request (weights, pause)")
+    weights_dir: str | None = Field(None, description="where weights go through disk (unset: RUN_DIR/sglang_weights/<name>)")
+    log_path: str | None = Field(None, description="server log (unset: RUN_DIR/logs/<name>.sglang.log)")
+
+
+class RolloutSettings(EngineSettings):
+    engine: Literal["torch", "sglang"] = Field("torch", description="generation engine")
+    max_running: int = Field(256, ge=1, description="most sequences the embedded engine decodes at once")
+    sglang: SGLangSettings = Field(default_factory=SGLangSettings, description="the SGLang server (engine: sglang)")
+    sglang_url: str | None = Field(None, description="attach to this running SGLang server instead of starting one")
+    link: str | None = Field(None, description="the weights link (unset: ps_to_rollout, or the only link listed)")
+    weights_timeout_s: float | None = Field(None, gt=0, description="bound on waiting for the weights link (unset: its timeout_s)")
+    weights_via_server: bool = Field(True, description="with direct weights and SGLang, the server joins the trainer's group")
+    stats_every_s: float = Field(30.0, ge=0, description="period of the rollout_stats log line; 0 disables it")
+
+
+class ParamServerSettings(ActorSettings):
+    ack_timeout_s: float = Field(120.0, gt=0, description="how long a rollout has to acknowledge new weights")
+    retry_s: float = Field(2.0, gt=0, description="wait between attempts to reach a rollout")
+    probation_s: float = Field(30.0, ge=0, description="how long a rollout that missed a version is left out")
+    late_s: float = Field(2.0, ge=0, description="an acknowledgement later than this counts as late")
+    train_link: str | None = Field(None, description="link from the trainer (unset: train_to_ps)")
+    rollout_link: str | None = Field(None, description="link to the rollouts (unset: ps_to_rollout)")
+    bucket_bytes: int = Field(64 << 20, ge=1, description="size of one bucket of weights sent to the rollouts")
+
+
+class BufferSettings(ActorSettings):
+    pass
+
+
+# The models of actor classes that do not name theirs yet (their modules are being restructured); each entry
+# goes once its class says `Settings = ...`. Keyed by "module:Class", so this module never imports actors.
+_PENDING: dict[str, type[ActorSettings]] = {
+    "actors.trainer:TrainerActor": TrainerSettings,
+    "actors.rollout:RolloutActor": RolloutSettings,
+    "actors.param_server:ParamServerActor": ParamServerSettings,
+    "actors.buffer:BufferActor": BufferSettings,
+}
+
+
+def settings_model(cls: type) -> type[ActorSettings]:
+    """The settings model of an actor class: the nearest ``Settings`` its class or a base declares."""
+    for klass in cls.__mro__:
+        pending = _PENDING.get(f"{klass.__module__}:{klass.__qualname__}")
+        if pending is not None:
+            return pending
+        if "Settings" in vars(klass):
+            return vars(klass)["Settings"]
+    return ActorSettings
+
+
+class SettingsError(ValueError):
+    """An actor's settings do not fit its class's model; one line per problem, each naming the key."""
+
+
+def read_settings(cls: type, settings: dict[str, Any], who: str) -> ActorSettings:
+    """``settings`` validated by the settings model of actor class ``cls``."""
+    model = settings_model(cls)
+    try:
+        return model.model_validate(settings)
+    except ValidationError as exc:
+        raise SettingsError(f"{who}: " + "; ".join(problem_lines(exc, "settings", model))) from None
