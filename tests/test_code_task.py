@@ -2,7 +2,6 @@
 the demonstrations graded by the real code grader in the sandbox: general programs pass, hard-coded fail."""
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
