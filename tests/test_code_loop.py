@@ -13,6 +13,7 @@ import pytest
 
 from actors.reward.sandbox import probe_sandbox
 from tools.bench.chaos import kill_everything, launch, make_assets, step_records
+from tools.bench.e2e import reward_share
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPOLOGY = "topology/local_code.yaml"
@@ -60,3 +61,7 @@ def test_code_rewards_flow_through_the_loop(tmp_path):
     # the final evaluation scored the code test split the same way
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary["greedy_accuracy"]) == {"start", "final"}
+    # what tools.bench e2e reports as the reward's share of the run
+    share = reward_share(run_dir, summary["wall_seconds"], summary["steps"])
+    assert share["busy_seconds"] == counters["busy_seconds"] and share["groups_scored"] == counters["groups_scored"]
+    assert share["share_of_wall"] == counters["busy_seconds"] / summary["wall_seconds"]

@@ -53,27 +53,23 @@ class Formula:
 
     @property
     def spec(self) -> str:
-        """Math notation, as the prompt states it."""
-        sign = "+" if self.kind.endswith(("+", "add")) else "-"
-        if self.kind == "mul":
-            return f"{self.a}x"
-        if self.kind in ("add", "sub"):
-            return f"x{sign}{self.b}"
-        if self.kind.startswith("lin"):
-            return f"{self.a}x{sign}{self.b}"
-        return f"{self.a}(x{sign}{self.b})"
+        """Math notation, as the prompt states it (``3x+2``, ``3(x-8)``)."""
+        return self._render(times="")
 
     @property
     def python(self) -> str:
-        """The same formula as a Python expression of x."""
+        """The same formula as a Python expression of x (``3*x+2``, ``3*(x-8)``)."""
+        return self._render(times="*")
+
+    def _render(self, times: str) -> str:
         sign = "+" if self.kind.endswith(("+", "add")) else "-"
         if self.kind == "mul":
-            return f"{self.a}*x"
+            return f"{self.a}{times}x"
         if self.kind in ("add", "sub"):
             return f"x{sign}{self.b}"
         if self.kind.startswith("lin"):
-            return f"{self.a}*x{sign}{self.b}"
-        return f"{self.a}*(x{sign}{self.b})"
+            return f"{self.a}{times}x{sign}{self.b}"
+        return f"{self.a}{times}(x{sign}{self.b})"
 
     def __call__(self, x: int) -> int:
         return eval(self.python, {"__builtins__": {}}, {"x": x})  # noqa: S307 - digits, x and + - * ( ) only
