@@ -7,8 +7,10 @@ evaluation, the periodic `EvalActor` and `tools.filter_data`.
   (`engine_generator`);
 * batched generation: `agenerate` submits every prompt to one `TorchGenerationEngine` at once (continuous
   batching does the rest);
-* grading: `grade_many` checks many responses with the math grader, the sympy-free fast path in the
-  caller and the undecided rest in a `RewardPool` (hard timeouts; a failed check counts as wrong).
+* grading: `grade_records` checks each response against its record: math records (`grade_many`) with the
+  math grader, the sympy-free fast path in the caller and the undecided rest in a `RewardPool`; code records
+  (``"task": "code"``, `grade_code_many`) by running the program against the record's unit tests in the
+  sandbox, in the pool (pass = every test passes). Hard timeouts; a failed check counts as wrong.
 
 It lives in actors/ because an actor (the evaluator) runs it and imports flow tools -> actors.
 """
@@ -32,6 +34,7 @@ from algo.eval_stats import greedy_accuracy, maj_at_k, pass_at_k
 from topology.experiment import GenSection
 
 MATH_GRADER = "actors.reward.math_grader:grade_math"
+CODE_GRADER = "actors.reward.code_grader:grade_code"
 
 # (prompts, sampling per prompt, samples per prompt) -> results per prompt, n each
 Generate = Callable[[Sequence[Sequence[int]], Sequence[SamplingParams], int], Awaitable[list[list[GenerationResult]]]]
@@ -172,12 +175,11 @@ async def aevaluate_with(generate: Generate, tokenizer: LoadedTokenizer, records
         raise EvalError(f"record {bad.query_id!r} has no answer to check against")
     eos = tokenizer.eos_token_ids
     prompts = [tokenizer.encode(r.prompt) for r in records]
-    answers = [str(r.answer) for r in records]
     rows: list[dict[str, Any]] = [{"query_id": r.query_id, "level": level_key(r)} for r in records]
     seconds: dict[str, float] = {}
 
-    async def grade(texts: list[str], refs: list[str]) -> list[Any]:
-        return await asyncio.to_thread(grade_many, texts, refs, pool, settings.workers, settings.grade_timeout_s)
+    async def grade(texts: list[str], refs: list[Record]) -> list[Any]:
+        return await asyncio.to_thread(grade_records, texts, refs, pool, settings.workers, settings.grade_timeout_s)
 
     if settings.greedy:
         t0 = time.perf_counter()
@@ -185,7 +187,7 @@ async def aevaluate_with(generate: Generate, tokenizer: LoadedTokenizer, records
         results = await generate(prompts, [greedy] * len(prompts), 1)
         t1 = time.perf_counter()
         texts = [response_text(tokenizer, res[0]) for res in results]
-        verdicts = await grade(texts, answers)
+        verdicts = await grade(texts, list(records))
         seconds["greedy_generate"] = t1 - t0
         seconds["greedy_grade"] = time.perf_counter() - t1
         for row, res, text, v in zip(rows, results, texts, verdicts):
@@ -203,14 +205,13 @@ async def aevaluate_with(generate: Generate, tokenizer: LoadedTokenizer, records
         results = await generate(prompts, sampling, n)
         t1 = time.perf_counter()
         texts = [response_text(tokenizer, r) for res in results for r in res]
-        verdicts = await grade(texts, [a for a in answers for _ in range(n)])
+        verdicts = await grade(texts, [r for r in records for _ in range(n)])
         seconds["sample_generate"] = t1 - t0
         seconds["sample_grade"] = time.perf_counter() - t1
         for i, (row, res) in enumerate(zip(rows, results)):
             vs = verdicts[i * n:(i + 1) * n]
             row.update(sample_correct=[bool(v and v.correct) for v in vs],
-                       sample_answers=[normalize_answer(v.extracted) if v and v.extracted is not None else None
-                                       for v in vs],
+                       sample_answers=[answer_key(v) for v in vs],
                        sample_lens=[answer_length(r, eos) for r in res],
                        sample_truncated=[r.finish_reason != "stop" for r in res])
             if details:
@@ -271,6 +272,78 @@ def answer_length(result: GenerationResult, eos_ids: Sequence[int]) -> int:
 
 
 # --- grading -------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class CodeCheck:
+    """A code record's verdict in the shape evaluation reads: passed every test, and the program run."""
+
+    correct: bool
+    extracted: str
+    detail: str = ""
+
+
+def is_code(record: Record) -> bool:
+    return record.extra.get("task") == "code"
+
+
+def answer_key(verdict: MathVerdict | CodeCheck | None) -> str | None:
+    """What maj@k counts votes on: the normalised math answer, or the program text as run."""
+    if verdict is None or verdict.extracted is None:
+        return None
+    return verdict.extracted.strip() if isinstance(verdict, CodeCheck) else normalize_answer(verdict.extracted)
+
+
+def grade_records(responses: Sequence[str], records: Sequence[Record], pool: RewardPool | None = None,
+                  workers: int = 1, timeout_s: float = 10.0) -> list[MathVerdict | CodeCheck | None]:
+    """Verdict per response against its record: code records through `grade_code_many`, the rest through
+    `grade_many` (None: the check timed out or crashed, which scores as wrong)."""
+    if len(responses) != len(records):
+        raise EvalError(f"grade_records: {len(records)} records for {len(responses)} responses")
+    code = [i for i, r in enumerate(records) if is_code(r)]
+    math = [i for i, r in enumerate(records) if not is_code(r)]
+    verdicts: list[MathVerdict | CodeCheck | None] = [None] * len(responses)
+    if math:
+        for i, v in zip(math, grade_many([responses[i] for i in math], [str(records[i].answer) for i in math],
+                                         pool, workers, timeout_s)):
+            verdicts[i] = v
+    if code:
+        for i, v in zip(code, grade_code_many([responses[i] for i in code], [records[i] for i in code],
+                                              pool, workers)):
+            verdicts[i] = v
+    return verdicts
+
+
+def grade_code_many(responses: Sequence[str], records: Sequence[Record], pool: RewardPool | None = None,
+                    workers: int = 1) -> list[CodeCheck | None]:
+    """Run each response's program (`actors.reward.code.extract_program`) against its record's ``tests`` in
+    the sandbox, in `pool` or a pool of `workers` processes made for this call; the per-item deadline is the
+    reward actor's, (wall time + 1 s) per test + 10 s. Without a working sandbox every program is refused
+    and scores as wrong (detail "blocked")."""
+    from actors.reward.code import extract_program
+    from actors.reward.sandbox import SandboxLimits
+
+    wall = SandboxLimits().wall_time_s
+    programs = [extract_program(text) for text in responses]
+    own = pool is None
+    if pool is None:
+        pool = RewardPool(max(1, min(workers, len(records))), timeout=60.0, preload=["actors.reward.code_grader"])
+    try:
+        futures = []
+        for program, rec in zip(programs, records):
+            tests = rec.extra.get("tests")
+            if not tests:
+                raise EvalError(f"record {rec.query_id!r} is a code task without tests")
+            futures.append(pool.submit(CODE_GRADER, program, tests, rec.extra.get("mode") or None,
+                                       timeout=len(tests) * (wall + 1.0) + 10.0))
+        out: list[CodeCheck | None] = []
+        for program, future in zip(programs, futures):
+            result = future.result()
+            out.append(None if isinstance(result, TaskFailure)
+                       else CodeCheck(bool(result.passed), program, result.detail))
+        return out
+    finally:
+        if own:
+            pool.close()
 
 def grade_many(responses: Sequence[str], answers: Sequence[str], pool: RewardPool | None = None,
                workers: int = 1, timeout_s: float = 10.0) -> list[MathVerdict | None]:

@@ -15,7 +15,9 @@ greedy_acc, sample_pass@1, pass@k...), and `--config` takes `gen.max_new_tokens`
 an experiment config.
 
 All prompts go to one `TorchGenerationEngine` at once (continuous batching); answers are checked by the
-math grader, its undecided cases in a `RewardPool`. Sampling is seeded per prompt, so a run is
+math grader, its undecided cases in a `RewardPool`; answers to code records (``"task": "code"``, e.g.
+`tools.make_task --task code`) by running their program against the record's unit tests in the sandbox, so
+greedy accuracy is then the pass rate (every test passes). Sampling is seeded per prompt, so a run is
 reproducible. Other tools call `evaluate(model_dir, data_path, ...) -> dict` (or `aevaluate` from an
 event loop); `evaluate_model` does the same for a model already in memory (the warm start's held-out
 checks).

@@ -1,4 +1,5 @@
-"""Synthetic multi-step integer arithmetic: the embedded default's math task.
+"""The embedded tasks: synthetic multi-step integer arithmetic (``--task math``, the default) and
+programming problems with hidden unit tests (``--task code``, tools/code_task.py).
 
 A problem of level L is a chain of L additions/subtractions of integers 1..19, e.g. level 3:
 ``7+2-5+3``. The worked solution rewrites the expression one operation at a time, left to right,
@@ -19,6 +20,7 @@ Output is a pure function of the arguments (seeded ``random.Random``), and the t
 never share an expression.
 
     python -m tools.make_task --out data/arith --seed 0
+    python -m tools.make_task --task code --out data/code --seed 0
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
+
+from tools import code_task
 
 PROMPT_TEMPLATE = "Compute: {expr}\n"
 DEFAULT_LEVELS = (1, 2, 3)
@@ -251,31 +255,62 @@ def parse_levels(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.make_task", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("data/arith"), help="directory for train/test.jsonl")
+    ap.add_argument("--task", choices=("math", "code"), default="math",
+                    help="math: +/- chains (default); code: programs with hidden unit tests (tools/code_task.py)")
+    ap.add_argument("--out", type=Path, default=None, help="directory for train/test.jsonl "
+                    "(default data/arith, or data/code with --task code)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--levels", default="1-3", help="levels to generate, e.g. 1-5")
-    ap.add_argument("--solved-levels", default="1-3", help="levels that get worked solutions")
-    ap.add_argument("--train-per-level", type=int, default=6000)
-    ap.add_argument("--test-per-level", type=int, default=200)
-    ap.add_argument("--max-operand", type=int, default=RECIPE_MAX_OPERAND)
-    ap.add_argument("--partial", default="none",
-                    help="worked solutions on the other levels: none, additions, sample:P")
-    ap.add_argument("--direct-fraction", type=float, default=RECIPE_DIRECT_FRACTION,
-                    help="fraction of worked solutions that only state the boxed answer")
-    ap.add_argument("--direct-wrong", type=float, default=RECIPE_DIRECT_WRONG,
-                    help="fraction of the answer-only demonstrations that box a wrong guess (off by 1-3)")
-    ap.add_argument("--style", choices=SOLUTION_STYLES, default="rewrite", help="worked-solution format")
+    ap.add_argument("--levels", default="1-3", help="levels to generate, e.g. 1-5 (code: within 1-3)")
+    ap.add_argument("--train-per-level", type=int, default=None, help="default 6000 (code: 3000)")
+    ap.add_argument("--test-per-level", type=int, default=None, help="default 200 (code: 40)")
+    math_args = ap.add_argument_group("math only")
+    math_args.add_argument("--solved-levels", default=None, help="levels that get worked solutions (default 1-3)")
+    math_args.add_argument("--max-operand", type=int, default=None, help=f"default {RECIPE_MAX_OPERAND}")
+    math_args.add_argument("--partial", default=None,
+                           help="worked solutions on the other levels: none (default), additions, sample:P")
+    math_args.add_argument("--direct-fraction", type=float, default=None,
+                           help=f"fraction of worked solutions that only state the boxed answer "
+                                f"(default {RECIPE_DIRECT_FRACTION})")
+    math_args.add_argument("--direct-wrong", type=float, default=None,
+                           help="fraction of the answer-only demonstrations that box a wrong guess (off by 1-3; "
+                                f"default {RECIPE_DIRECT_WRONG})")
+    math_args.add_argument("--style", choices=SOLUTION_STYLES, default=None,
+                           help="worked-solution format (default rewrite)")
+    code_args = ap.add_argument_group("code only")
+    code_args.add_argument("--hardcode-fraction", type=float, default=None,
+                           help="fraction of demonstrations that hard-code the shown examples "
+                                f"(default {code_task.RECIPE_HARDCODE_FRACTION})")
     args = ap.parse_args(argv)
+    math_only = ("solved_levels", "max_operand", "partial", "direct_fraction", "direct_wrong", "style")
+    wrong = [name for name in (math_only if args.task == "code" else ("hardcode_fraction",))
+             if getattr(args, name) is not None]
+    if wrong:
+        flags = ", ".join("--" + name.replace("_", "-") for name in wrong)
+        print(f"make_task: {flags} do(es) not apply to --task {args.task}", file=sys.stderr)
+        return 2
+    out = args.out or Path("data/arith" if args.task == "math" else "data/code")
     try:
-        splits = make_splits(args.seed, parse_levels(args.levels), parse_levels(args.solved_levels),
-                             args.train_per_level, args.test_per_level, args.max_operand, args.style, args.partial,
-                             args.direct_fraction, args.direct_wrong)
+        if args.task == "code":
+            splits = code_task.make_splits(
+                args.seed, parse_levels(args.levels),
+                3000 if args.train_per_level is None else args.train_per_level,
+                40 if args.test_per_level is None else args.test_per_level,
+                code_task.RECIPE_HARDCODE_FRACTION if args.hardcode_fraction is None else args.hardcode_fraction)
+        else:
+            splits = make_splits(
+                args.seed, parse_levels(args.levels), parse_levels(args.solved_levels or "1-3"),
+                6000 if args.train_per_level is None else args.train_per_level,
+                200 if args.test_per_level is None else args.test_per_level,
+                RECIPE_MAX_OPERAND if args.max_operand is None else args.max_operand,
+                args.style or "rewrite", args.partial or "none",
+                RECIPE_DIRECT_FRACTION if args.direct_fraction is None else args.direct_fraction,
+                RECIPE_DIRECT_WRONG if args.direct_wrong is None else args.direct_wrong)
     except ValueError as e:
         print(f"make_task: {e}", file=sys.stderr)
         return 2
     for name, records in splits.items():
-        n = write_jsonl(records, args.out / f"{name}.jsonl")
-        print(f"wrote {n} records to {args.out / f'{name}.jsonl'}")
+        n = write_jsonl(records, out / f"{name}.jsonl")
+        print(f"wrote {n} records to {out / f'{name}.jsonl'}")
     return 0
 
 

@@ -9,6 +9,10 @@ runs on the event loop), and the answers go on to the buffer (``settings["groups
 (timeout after the pool's retry, a crash, a checker error, an unusable task) scores as wrong and is
 counted in ``score_failures``; the group itself is always sent on, never lost.
 
+Counters (logged with the actor's ``stopped`` event): ``score_seconds``, the sum of every group's scoring
+time (decode and checks, queueing in the pool included), and ``busy_seconds``, the time during which at least
+one group was being scored: ``busy_seconds`` over a run's wall time is the reward's share of it.
+
 Settings (all optional): ``score_timeout_s`` (per-item hard limit), ``grader`` ("module:function", the
 checker the pool runs; for experiments and tests), ``instance.cpu_workers`` (pool size, default 1).
 """
@@ -59,6 +63,8 @@ class RewardActor(Actor):
         self.pool: RewardPool | None = None
         self.tokenizer: LoadedTokenizer | None = None
         self._ready = asyncio.Event()
+        self._scoring = 0            # groups being scored now
+        self._busy_since = 0.0       # when _scoring last went from 0 to 1
 
     async def on_start(self) -> None:
         cfg = self.cfg
@@ -115,9 +121,17 @@ class RewardActor(Actor):
         await self._ready.wait()
         assert self.tokenizer is not None
         t0 = time.monotonic()
+        if self._scoring == 0:
+            self._busy_since = t0
+        self._scoring += 1
         tok = self.tokenizer
-        texts = await asyncio.to_thread(lambda: [tok.decode(s.output_ids) for s in msg.answers.samples])
-        scores = await asyncio.gather(*(self._score_safely(text, msg.task) for text in texts))
+        try:
+            texts = await asyncio.to_thread(lambda: [tok.decode(s.output_ids) for s in msg.answers.samples])
+            scores = await asyncio.gather(*(self._score_safely(text, msg.task) for text in texts))
+        finally:
+            self._scoring -= 1
+            if self._scoring == 0:
+                self.counters["busy_seconds"] += time.monotonic() - self._busy_since
         failures = 0
         samples: list[Sample] = []
         for sample, score in zip(msg.answers.samples, scores):
@@ -126,6 +140,7 @@ class RewardActor(Actor):
                                                reward=self.reward_correct if score.correct else self.reward_wrong))
         seconds = time.monotonic() - t0
         self.counters["groups_scored"] += 1
+        self.counters["score_seconds"] += seconds
         self.counters["samples_scored"] += len(samples)
         self.counters["samples_correct"] += sum(s.correct for s in samples)
         self.counters["score_failures"] += failures

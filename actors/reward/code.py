@@ -62,6 +62,7 @@ class CodeReward(RewardActor):
                                      timeout=timeout)
         if isinstance(result, TaskFailure):
             return Score(False, failure_detail(result), failed=True)
+        self.counters[f"verdict.{result.detail}"] += 1   # passed, wrong_answer, runtime_error, blocked, ...
         detail = f"{result.detail} ({result.tests_passed}/{result.tests_total})"
         if result.message:
             detail += f": {result.message}"

@@ -48,13 +48,13 @@ FAULTS = ("none", *(f"kill_{k}" for k in VICTIMS), "hang_rollout", "hang_reward"
 ETA = 1
 
 
-def make_assets(base: Path, train_per_level: int = 200) -> dict[str, Path]:
-    """A synthetic dataset and a small random model with the shipped tokenizer (nothing to download); the
-    end-to-end tests run on the same."""
+def make_assets(base: Path, train_per_level: int = 200, task: str = "math") -> dict[str, Path]:
+    """A synthetic dataset of `task` (tools.make_task) and a small random model with the shipped tokenizer
+    (nothing to download); the end-to-end tests run on the same."""
     from actors.engines.checkpoint import save_model
     from actors.engines.model import Qwen2Config, Qwen2ForCausalLM
 
-    subprocess.run([sys.executable, "-m", "tools.make_task", "--out", str(base / "data"), "--levels", "1-3",
+    subprocess.run([sys.executable, "-m", "tools.make_task", "--task", task, "--out", str(base / "data"), "--levels", "1-3",
                     "--train-per-level", str(train_per_level), "--test-per-level", "5"], cwd=ROOT, check=True, capture_output=True)
     vocab = json.loads((TINY / "config.json").read_text())["vocab_size"]
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -1,4 +1,5 @@
-"""`python -m tools.bench e2e [--json] [--steps N] [overrides ...]`: asynchronous against synchronous RL.
+"""`python -m tools.bench e2e [--task math|code] [--json] [--steps N] [overrides ...]`: asynchronous against
+synchronous RL, and RL against more supervised training.
 
 Three runs back to back of the same system on the same warm start, data and seed, each for the same
 number of training steps (so the same number of trained samples):
@@ -13,7 +14,13 @@ number of training steps (so the same number of trained samples):
               checkpoint for the async run's wall time (`python -m tools.sft --max-seconds`, both cores),
               then the same held-out evaluation; RL must beat it
 
-Each run goes through `python -m tools.up topology/local.yaml`; the figures come from the run's own
+`--task code` runs the code task's topology (topology/local_code.yaml: the code reward, unit tests in the
+sandbox) and by default only async and the sft control: its question is learning, and the pass rate (all
+hidden tests pass, greedy) is its accuracy. Each RL run also reports the reward's share of the run: the time
+the reward actor spent scoring (at least one group in its hands; its ``busy_seconds`` counter) over the
+training wall time, with the mean scoring time per group and the mean step time.
+
+Each run goes through `python -m tools.up TOPOLOGY`; the figures come from the run's own
 summary.json (held-out greedy accuracy of the final checkpoint; tokens trained and wall time from the
 trainer's metrics, actor start-up excluded). Printed as a table; `--json` prints one object with
 throughput_ratio (async / sync), colocated_ratio (async / colocated), time_ratio (sync / async wall
@@ -32,6 +39,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = "topology/local.yaml"
+TOPOLOGIES = {"math": TOPOLOGY, "code": "topology/local_code.yaml"}
+DEFAULT_MODES = {"math": "async,sync,colocated,sft", "code": "async,sft"}
 
 MODES: dict[str, list[str]] = {
     "async": [],
@@ -44,12 +53,12 @@ MODES: dict[str, list[str]] = {
 
 
 def run_local(name: str, steps: int, overrides: list[str], out: Path, log: Any,
-              bench: str = "e2e") -> dict[str, Any]:
+              bench: str = "e2e", topology: str = TOPOLOGY) -> dict[str, Any]:
     """One fresh run of the embedded default for `steps` steps into out/name; its summary.json."""
     run_dir = out / name
     # No evaluation during the runs: the benches compare training alone (the figures in the README were
     # measured so), and the evaluator's core-0 time would differ between placements. `overrides` may turn it on.
-    cmd = [sys.executable, "-m", "tools.up", TOPOLOGY, f"experiment.run.total_steps={steps}",
+    cmd = [sys.executable, "-m", "tools.up", topology, f"experiment.run.total_steps={steps}",
            f"experiment.run.checkpoint_every_steps={steps}", "experiment.run.recover=off",
            "experiment.eval.every_versions=0", *overrides,
            "--run-dir", str(run_dir), "--no-progress"]
@@ -61,19 +70,48 @@ def run_local(name: str, steps: int, overrides: list[str], out: Path, log: Any,
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["launch_seconds"] = time.time() - t0
     summary["run_dir"] = str(run_dir)
+    share = reward_share(run_dir, summary.get("wall_seconds"), summary.get("steps"))
+    if share:
+        summary["reward"] = share
     return summary
 
 
-def run_mode(mode: str, steps: int, extra: list[str], out: Path, log: Any) -> dict[str, Any]:
-    return run_local(mode, steps, [*MODES[mode], *extra], out, log)
+def reward_share(run_dir: Path, wall_seconds: float | None, steps: int | None) -> dict[str, Any] | None:
+    """The reward actors' scoring time against the run's training wall time, from their ``stopped`` events
+    (actors/reward/actor.py counters); None when no reward actor logged one."""
+    counters = []
+    for path in sorted((run_dir / "logs").glob("reward*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "stopped" and "busy_seconds" in (event.get("counters") or {}):
+                counters.append(event["counters"])
+    if not counters or not wall_seconds or not steps:
+        return None
+    busy = sum(c["busy_seconds"] for c in counters)
+    groups = sum(c.get("groups_scored", 0) for c in counters)
+    return {"busy_seconds": busy, "score_seconds": sum(c.get("score_seconds", 0.0) for c in counters),
+            "groups_scored": groups, "samples_scored": sum(c.get("samples_scored", 0) for c in counters),
+            "samples_correct": sum(c.get("samples_correct", 0) for c in counters),
+            "seconds_per_group": sum(c.get("score_seconds", 0.0) for c in counters) / max(groups, 1),
+            "busy_seconds_per_step": busy / steps, "step_seconds": wall_seconds / steps,
+            "share_of_wall": busy / wall_seconds}
 
 
-def run_sft_control(async_run: dict[str, Any], extra: list[str], out: Path, log: Any) -> dict[str, Any]:
+def run_mode(mode: str, steps: int, extra: list[str], out: Path, log: Any,
+             topology: str = TOPOLOGY) -> dict[str, Any]:
+    return run_local(mode, steps, [*MODES[mode], *extra], out, log, topology=topology)
+
+
+def run_sft_control(async_run: dict[str, Any], extra: list[str], out: Path, log: Any,
+                    topology_path: str = TOPOLOGY) -> dict[str, Any]:
     """Continue the warm start's last supervised stage from the RL run's start checkpoint for its wall time."""
     import topology
     from tools.eval import evaluate_held_out
 
-    topo = topology.load(ROOT / TOPOLOGY, extra).topology
+    topo = topology.load(ROOT / topology_path, extra).topology
     stages = ((topo.experiment.get("prepare") or {}).get("warm_start") or {}).get("stages") or []
     if not stages:
         raise RuntimeError("sft control: the config has no prepare.warm_start.stages to continue")
@@ -129,14 +167,18 @@ def compare_control(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench e2e", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", choices=sorted(TOPOLOGIES), default="math",
+                    help="math: topology/local.yaml (default); code: topology/local_code.yaml")
     ap.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
-    ap.add_argument("--modes", default="async,sync,colocated,sft",
-                    help="comma list of runs (default all: async,sync,colocated,sft; sft needs async)")
+    ap.add_argument("--modes", default=None,
+                    help="comma list of runs (default for math all: async,sync,colocated,sft; for code async,sft; "
+                         "sft needs async)")
     ap.add_argument("--out", default=None, help="folder for the three run directories (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every run")
     args = ap.parse_args(argv)
-    modes = [m for m in args.modes.split(",") if m]
+    topology_path = TOPOLOGIES[args.task]
+    modes = [m for m in (args.modes or DEFAULT_MODES[args.task]).split(",") if m]
     unknown = [m for m in modes if m not in MODES and m != "sft"]
     if unknown:
         ap.error(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}, sft")
@@ -145,10 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     # The first run prepares the shared data and warm start; the others reuse them (tools/prepare.py).
-    results = {m: run_mode(m, args.steps, args.overrides, out, log) for m in modes if m in MODES}
+    results = {m: run_mode(m, args.steps, args.overrides, out, log, topology_path) for m in modes if m in MODES}
     if "sft" in modes:
-        results["sft"] = run_sft_control(results["async"], args.overrides, out, log)
-    report: dict[str, Any] = {"steps": args.steps, "runs": results}
+        results["sft"] = run_sft_control(results["async"], args.overrides, out, log, topology_path)
+    report: dict[str, Any] = {"task": args.task, "topology": topology_path, "steps": args.steps, "runs": results}
     if set(MODES) <= set(results):
         report.update(compare(results))
     if "sft" in results:
@@ -172,5 +214,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"held-out accuracy: async RL {100 * report['async_accuracy']:.1f}% vs SFT continued for the same "
               f"wall time {100 * report['sft_accuracy']:.1f}% ({report['rl_over_sft_points']:+.1f} points; "
               f"start {100 * (report['start_accuracy'] or 0):.1f}%)")
+    for m, r in results.items():
+        if "reward" in r:
+            w = r["reward"]
+            print(f"{m}: reward busy {w['busy_seconds']:.1f} s of {r['wall_seconds']:.1f} s training wall time "
+                  f"({100 * w['share_of_wall']:.0f}%); {w['busy_seconds_per_step']:.2f} s per step of "
+                  f"{w['step_seconds']:.2f} s; {w['seconds_per_group']:.2f} s per group scored "
+                  f"({w['groups_scored']} groups)")
     print(f"run directories under {out}")
     return 0
