@@ -568,7 +568,6 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
 
     from tools.prepare import PrepareError, prepare
 
-    config = plan.topology.config
     if problems := busy_ports(plan):
         print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
         return EXIT_INVALID
@@ -577,6 +576,7 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
     except PrepareError as exc:
         print(f"{plan.topology.source}: experiment.{exc}", file=sys.stderr)
         return EXIT_INVALID
+    config = plan.topology.config  # after prepare, which points model.path at the warm start it made
     run_dir = make_run_dir(plan, args.run_dir)
     specs = build_specs(plan, run_dir, record=args.record)
     write_plan(plan, run_dir, specs, args.overrides)
