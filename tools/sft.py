@@ -1,6 +1,6 @@
 """`python -m tools.sft --data FILE --out DIR`: supervised fine-tuning, and the warm start of an RL run.
 
-Data: a JSON-lines dataset in the seeds' layout (`actors/dataset.py`; every worked solution of a
+Data: a JSON-lines dataset in AReaL's layout (`actors/dataset.py`; every worked solution of a
 record is one training target after its prompt; records without solutions are left out) or a file of
 {"prompt": ..., "response": ...} lines (detected from the first line, or `--format pairs`). Each target
 is followed by eos; the loss is the mean negative log-likelihood of the response tokens only

@@ -46,12 +46,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from .base import EngineError, LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine, WeightBucket
+from .base import (EngineError, LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine, WeightBucket,
+                   step_loss_weights)
 from transport.ports import free_port
 
-from .checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError, _weight_files, load_config,
+from .checkpoint import (CONFIG_FILE, SINGLE_FILE, CheckpointError, _weight_files, load_config,
+                         shard_file_name, write_weights_file, write_weights_index,
                          read_tokenizer_files, write_tokenizer_files)
 from .model import Qwen2Config, sdpa
 from .torch_train import TrainConfig
@@ -656,13 +657,8 @@ class MegatronTrainEngine(TrainEngine):
 
     def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn, temperature: float = 1.0,
                    loss_denominator: float | None = None, with_entropy: bool = False) -> dict[str, float]:
-        if not micro_batches:
-            raise RequestError("train_step: no micro-batches")
         batches = [self._check(mb) for mb in micro_batches]
-        weights = [mb.loss_tokens() for mb in batches]
-        denominator = float(loss_denominator) if loss_denominator is not None else self.data_parallel_sum([sum(weights)])[0]
-        if not denominator > 0:
-            raise RequestError(f"train_step: loss denominator must be positive, got {denominator}")
+        weights, denominator = step_loss_weights(batches, loss_denominator, lambda n: self.data_parallel_sum([n])[0])
         self.ddp.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -803,9 +799,9 @@ class MegatronTrainEngine(TrainEngine):
         tensors: dict[str, torch.Tensor] = {}
         for bucket in self.export_weights(256 << 20):
             tensors.update({name: t.cpu() for name, t in bucket})
-        fname = SINGLE_FILE if self.pp_size == 1 else f"model-{self.pp_rank + 1:05d}-of-{self.pp_size:05d}.safetensors"
+        fname = SINGLE_FILE if self.pp_size == 1 else shard_file_name(self.pp_rank, self.pp_size)
         if self.is_export_sender:
-            save_file(tensors, os.path.join(path, fname), metadata={"format": "pt"})
+            write_weights_file(tensors, os.path.join(path, fname))
         names: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(names, (fname, sorted(tensors)) if self.is_export_sender else None)
         torch.save({"layout": self._layout(), "optimizers": [o.state_dict() for o in self._inner_optimizers()]},
@@ -814,8 +810,7 @@ class MegatronTrainEngine(TrainEngine):
         if rank == 0:
             if self.pp_size > 1:
                 weight_map = {n: f for item in names if item is not None for f, ns in [item] for n in ns}
-                with open(os.path.join(path, INDEX_FILE), "w", encoding="utf-8") as f:
-                    json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+                write_weights_index(path, weight_map, {})
             config = self.hf_config.to_dict()
             config["torch_dtype"] = "bfloat16" if self.config.bf16 else "float32"
             with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:

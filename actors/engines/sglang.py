@@ -9,7 +9,7 @@ Group answers. A request with ``n`` samples becomes ``n`` concurrent ``/generate
 SGLang's radix cache shares the prompt's prefill between them, and each sample can be aborted and resumed
 on its own.
 
-Interruption (the seeds' scheme). A weight update is::
+Interruption (AReaL's scheme). A weight update is::
 
     /pause_generation {"mode": "abort"}   -> every running request comes back with its partial tokens
                                              (finish_reason "abort"); SGLang returns once none is running

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from .base import WeightBucket
+from .checkpoint import SINGLE_FILE, write_weights_file
 
 __all__ = ["write_checkpoint"]
 
@@ -15,13 +16,11 @@ __all__ = ["write_checkpoint"]
 def write_checkpoint(path: Path, buckets: list[WeightBucket], model_dir: str | None) -> None:
     """``buckets`` as ``path``/model.safetensors, with the config and tokenizer files of ``model_dir``; written
     beside and renamed into place, so a server never loads half a checkpoint."""
-    from safetensors.torch import save_file
-
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors = {n: t.contiguous() for bucket in buckets for n, t in bucket}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    write_weights_file(tensors, str(tmp / SINGLE_FILE))
     if model_dir:
         for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
             src = Path(model_dir) / name

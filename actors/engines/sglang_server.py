@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from actors.run import parent_death_signal
 from transport.ports import free_port
 
 from .sglang_routes import ServerEvents, SGLangLaunchError
@@ -111,7 +112,7 @@ class SGLangServer:
         env = {**os.environ, **cfg.env}
         try:
             self.proc = subprocess.Popen(args, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=_dies_with_parent())
+                                         start_new_session=True, preexec_fn=parent_death_signal())
         except OSError as exc:
             raise SGLangLaunchError(f"could not start {args[:4]}: {exc}") from exc
         self.starts += 1
@@ -196,15 +197,3 @@ class SGLangServer:
             await asyncio.gather(self._watch, return_exceptions=True)
         if self._log_file is not None:
             self._log_file.close()
-
-
-def _dies_with_parent() -> Callable[[], None] | None:
-    """For Popen's preexec_fn: the server gets SIGTERM when the process that started it dies, even by
-    SIGKILL (a killed rollout actor must not leave its server holding the GPUs). libc is looked up here, in
-    the parent: the child only makes the one system call before exec."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
