@@ -652,10 +652,19 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
         result.notes.append("the log has no outbound records (message_log.outbound was off): nothing to compare")
         return result
     result.compared = True
+    # What the original received after the last message it answered, and never answered, it received as it
+    # stopped (the run ended): the log cannot say what it would have sent, so the replay's answers to those
+    # are not compared.
+    answered = [pos for pos, (_, h, _) in enumerate(inbound) if h.id in originals]
+    tail = inbound[answered[-1] + 1:] if answered else []
+    unanswered = {h.id for _, h, _ in tail}
+    if extra := sum(len(bus.sent.get(cause, [])) for cause in unanswered):
+        result.notes.append(f"the original answered none of the last {len(tail)} inbound messages (it stopped "
+                            f"first); the replay's {extra} message(s) answering them are not compared")
     # Stopped early, the replay lacks what it never got to send: a pair that differs is the divergence, and
     # only without one is the first missing message.
-    result.divergence = (stopped_early and _first_divergence(inbound, originals, bus, True, float_tol)) or \
-        _first_divergence(inbound, originals, bus, False, float_tol)
+    result.divergence = (stopped_early and _first_divergence(inbound, originals, bus, True, float_tol, unanswered)) or \
+        _first_divergence(inbound, originals, bus, False, float_tol, unanswered)
     return result
 
 
@@ -678,14 +687,17 @@ def _by_peer(items: list, peer_of: Callable[[Any], str]) -> dict[str, list]:
 
 
 def _first_divergence(inbound: list, originals: dict, bus: ReplayBus, skip_missing: bool,
-                      tol: float = 0.0) -> Divergence | None:
+                      tol: float = 0.0, unanswered: frozenset | set = frozenset()) -> Divergence | None:
     """Compare the replay's outbound messages with the original's, cause by cause in delivery order and, for
     one cause, peer by peer: what one peer receives comes in order, but messages to different peers (a
     weight push to every rollout at once, on threads) may interleave differently in any rerun.
-    ``skip_missing``: only a pair that differs counts (the replay was stopped before it could finish)."""
+    ``skip_missing``: only a pair that differs counts (the replay was stopped before it could finish).
+    ``unanswered``: causes the original received as it stopped; the replay's answers to them are skipped."""
     order: list[tuple[int, LogRecord | None, str | None]] = [(-1, None, None)]
     order += [(i, rec, h.id) for i, (rec, h, _) in enumerate(inbound)]
     for pos, rec, cause in order:
+        if cause in unanswered:
+            continue
         expected = _by_peer(originals.get(cause, []), lambda e: e[0].peer)
         actual = _by_peer(bus.sent.get(cause, []), lambda a: a.peer)
         for peer in [*expected, *(p for p in actual if p not in expected)]:
