@@ -37,9 +37,10 @@ import msgpack
 
 from actors.base import Actor, handles
 from actors.buffer_state import BufferState, InFlight, ledger_after_resume, plan_resume
-from actors.dataset import DEFAULT_MAX_LINE_BYTES, Layout, Record, load_dataset
+from actors.dataset import Layout, Record, load_dataset
 from actors.engines.tokenizer import load_tokenizer
 from actors.recovery import checkpoint_dir, fsync_write, latest_checkpoint, recovering, restarted_in_place
+from topology.settings import BufferSettings
 from transport.messages import decode, encode
 from transport.protocol import (Batch, BatchGroup, BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, GenerateGroup,
                                 GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task, VersionUpdate,
@@ -137,39 +138,36 @@ def level_of(rec: Record) -> int:
 
 
 class BufferActor(Actor):
+    Settings = BufferSettings
+    cfg: BufferSettings
+
     async def on_start(self) -> None:
-        s = self.settings
+        cfg = self.cfg
         in_place = self.restarted = restarted_in_place(self)
-        algo = s.get("algo") or {}
-        self.group_size = int(algo.get("group_size", 8))
-        buf = s.get("buffer") or {}
-        gen = s.get("gen") or {}
-        self.gen = {"temperature": float(gen.get("temperature", 1.0)), "top_p": float(gen.get("top_p", 1.0)),
-                    "top_k": int(gen.get("top_k", -1)), "max_new_tokens": int(gen.get("max_new_tokens", 64))}
-        data = s.get("data") or {}
+        self.group_size = cfg.algo.group_size
+        gen = cfg.gen
+        self.gen = {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k,
+                    "max_new_tokens": gen.max_new_tokens}
+        data = cfg.data
         # Math records need an answer; a code task's records carry `tests` instead (data.require: none).
         self.dataset = await asyncio.to_thread(
-            load_dataset, data["train"], require=data.get("require", "answer"), on_error=data.get("on_bad_line", "skip"),
-            max_line_bytes=int(data.get("max_line_bytes", DEFAULT_MAX_LINE_BYTES)), layout=Layout.from_settings(data))
-        tok = await asyncio.to_thread(load_tokenizer, (s.get("model") or {})["path"])
+            load_dataset, data.train, require=data.require, on_error=data.on_bad_line or "skip",
+            max_line_bytes=data.max_line_bytes, layout=Layout.from_settings(data))
+        tok = await asyncio.to_thread(load_tokenizer, cfg.model.path)
         self.stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
         self.prompt_ids = [tok.encode(r.prompt) for r in self.dataset.records]
-        groups = s.get("groups") or {}
-        max_conc = buf.get("max_concurrent_groups")
         self.state = BufferState(
-            n_records=len(self.dataset), rollouts=list(groups.get("rollout", [])),
-            rewards=list(groups.get("reward", [])), batch_size=int(algo.get("batch_size", 32)),
-            eta=int(algo.get("eta", 4)), seed=int(s.get("seed", 1)),
-            dynamic_sampling=bool(algo.get("dynamic_sampling", False)),
-            max_per_rollout=int(buf.get("max_groups_per_rollout", 8)),
-            max_concurrent=int(max_conc) if max_conc else None,
+            n_records=len(self.dataset), rollouts=list(cfg.groups.get("rollout", [])),
+            rewards=list(cfg.groups.get("reward", [])), batch_size=cfg.algo.batch_size,
+            eta=cfg.algo.eta, seed=cfg.seed, dynamic_sampling=cfg.algo.dynamic_sampling,
+            max_per_rollout=cfg.buffer.max_groups_per_rollout, max_concurrent=cfg.buffer.max_concurrent_groups,
             # Last resort for a group lost without any sign (a message dropped by a dying process): issue again.
-            group_timeout_s=float(buf.get("group_timeout_s", 1800.0)))
+            group_timeout_s=cfg.buffer.group_timeout_s)
         self.finished = False
         self.files = BufferFiles(self.run_dir)
         self._serving = asyncio.Lock()
-        if in_place or recovering(s):
-            found = latest_checkpoint(self.run_dir) if recovering(s) else None
+        if in_place or recovering(self.settings):
+            found = latest_checkpoint(self.run_dir) if recovering(self.settings) else None
             self._restore(found[0] if found else 0, found[1] / "buffer.json" if found else None)
         else:   # run.recover: off
             self.files.clear()
@@ -181,7 +179,7 @@ class BufferActor(Actor):
 
     async def on_ready(self) -> None:
         if self.restarted:   # it knows no worker yet, and the trainer may be waiting on a request it never got
-            trainers = ((self.settings.get("groups") or {}).get("trainer") or [])[:1]
+            trainers = (self.cfg.groups.get("trainer") or [])[:1]
             for peer in self.state.rollouts + self.state.rewards + trainers:
                 await self.bus.send(peer, HelloRequest())
         self.spawn(self._dispatch_loop(), name="dispatch")

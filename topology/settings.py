@@ -170,7 +170,6 @@ _PENDING: dict[str, type[ActorSettings]] = {
     "actors.trainer:TrainerActor": TrainerSettings,
     "actors.rollout:RolloutActor": RolloutSettings,
     "actors.param_server:ParamServerActor": ParamServerSettings,
-    "actors.buffer:BufferActor": BufferSettings,
 }
 
 
