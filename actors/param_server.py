@@ -64,6 +64,7 @@ from actors.engines.checkpoint import bucketize, iter_checkpoint_tensors
 from actors.recovery import start_weights
 from actors.weight_sync import Fanout, RelayFanout, TrainerFanout, in_thread, link_config
 from actors.weights import weights_hash
+from topology.settings import ParamServerSettings
 from transport.bulk import BulkError, BulkLink, PackedBucket, pack_buckets
 from transport.bus import BusError
 from transport.protocol import (EvalWeights, EvalWeightsRequest, HelloRequest, LinkReform, RolloutHello,
@@ -116,6 +117,9 @@ def load_start_weights(settings: dict[str, Any], run_dir: Any, bucket_bytes: int
 
 
 class ParamServerActor(Actor):
+    Settings = ParamServerSettings
+    cfg: ParamServerSettings
+
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec)
         self.current: StoredVersion | None = None
@@ -154,19 +158,18 @@ class ParamServerActor(Actor):
     # ------------------------------------------------------------------------------------ lifecycle
 
     async def on_start(self) -> None:
-        self.ack_timeout = float(self.settings.get("ack_timeout_s", 120.0))
-        self.retry_s = float(self.settings.get("retry_s", 2.0))
-        self.probation_s = float(self.settings.get("probation_s", 30.0))
-        self.late_s = float(self.settings.get("late_s", 2.0))
-        self.eval_every = int((self.settings.get("eval") or {}).get("every_versions") or 0)
-        if not self.settings.get("links"):
+        cfg = self.cfg
+        self.ack_timeout, self.retry_s, self.probation_s, self.late_s = \
+            cfg.ack_timeout_s, cfg.retry_s, cfg.probation_s, cfg.late_s
+        self.eval_every = cfg.eval.every_versions
+        if not cfg.links:
             self._start_direct()
             return
         up_cfg = link_config(self.settings, "train_to_ps", key="train_link")
         down_cfg = link_config(self.settings, "ps_to_rollout", key="rollout_link")
         if up_cfg is None or down_cfg is None or up_cfg.name == down_cfg.name:
             raise ParamServerConfigError(f"links: need a train link and a rollout link, got "
-                                         f"{sorted((self.settings.get('links') or {}))}")
+                                         f"{sorted(cfg.links)}")
         if down_cfg.rank != 0:
             raise ParamServerConfigError(f"links.{down_cfg.name}.members: the parameter server must be listed first "
                                          f"(it broadcasts as rank 0), got {down_cfg.members}")
@@ -176,9 +179,8 @@ class ParamServerActor(Actor):
                                          f"server, got {up_cfg.members}")
         self.trainer_rank = up_cfg.rank_of(trainers[0])
         self.rollouts = {m: RolloutWeights() for m in down_cfg.members if m != self.name}
-        bucket_bytes = int(self.settings.get("bucket_bytes", 64 << 20))
         t0 = time.monotonic()
-        self.current = await asyncio.to_thread(load_start_weights, self.settings, self.run_dir, bucket_bytes)
+        self.current = await asyncio.to_thread(load_start_weights, self.settings, self.run_dir, cfg.bucket_bytes)
         self.start_version = self.current.version
         self._keep_for_eval(self.current)
         self.log.info("start_weights", version=self.current.version, hash=self.current.weights_hash,
@@ -189,8 +191,7 @@ class ParamServerActor(Actor):
         self._mark_started()
 
     def _start_direct(self) -> None:
-        groups = self.settings.get("groups") or {}
-        trainers, rollouts = groups.get("trainer") or [], groups.get("rollout") or []
+        trainers, rollouts = self.cfg.groups.get("trainer") or [], self.cfg.groups.get("rollout") or []
         if not trainers or not rollouts:
             raise ParamServerConfigError(f"links: none lists the parameter server, so weights go directly from "
                                          f"the trainer to the rollouts, but groups has trainer {trainers} and "

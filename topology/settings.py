@@ -169,7 +169,6 @@ class BufferSettings(ActorSettings):
 _PENDING: dict[str, type[ActorSettings]] = {
     "actors.trainer:TrainerActor": TrainerSettings,
     "actors.rollout:RolloutActor": RolloutSettings,
-    "actors.param_server:ParamServerActor": ParamServerSettings,
 }
 
 
