@@ -235,9 +235,7 @@ class Actor:
     def __init__(self, spec: ActorSpec) -> None:
         self.spec = spec
         self.name = spec.name
-        # The untyped mapping, for actors not yet reading `cfg`.
-        self.settings: dict[str, Any] = dict(spec.settings)
-        self.cfg = read_settings(type(self), self.settings, self.name)
+        self.cfg = read_settings(type(self), spec.settings, self.name)
         self.run_dir = Path(spec.run_dir)
         self.log = actor_logger(self.name, self.run_dir, console=self.cfg.log_console)
         self.bus: Any = None

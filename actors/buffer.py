@@ -166,8 +166,8 @@ class BufferActor(Actor):
         self.finished = False
         self.files = BufferFiles(self.run_dir)
         self._serving = asyncio.Lock()
-        if in_place or recovering(self.settings):
-            found = latest_checkpoint(self.run_dir) if recovering(self.settings) else None
+        if in_place or recovering(cfg):
+            found = latest_checkpoint(self.run_dir) if recovering(cfg) else None
             self._restore(found[0] if found else 0, found[1] / "buffer.json" if found else None)
         else:   # run.recover: off
             self.files.clear()

@@ -64,6 +64,7 @@ from actors.engines.checkpoint import bucketize, iter_checkpoint_tensors
 from actors.recovery import start_weights
 from actors.weight_sync import Fanout, RelayFanout, TrainerFanout, in_thread, link_config
 from actors.weights import weights_hash
+from topology.experiment import ExperimentConfig
 from topology.settings import ParamServerSettings
 from transport.bulk import BulkError, BulkLink, PackedBucket, pack_buckets
 from transport.bus import BusError
@@ -102,10 +103,10 @@ class StoredVersion:
             self.n_buckets = len(self.packed)
 
 
-def load_start_weights(settings: dict[str, Any], run_dir: Any, bucket_bytes: int) -> StoredVersion:
+def load_start_weights(cfg: ExperimentConfig, run_dir: Any, bucket_bytes: int) -> StoredVersion:
     """The start weights as stored buckets, in the dtype the rollouts hold them (so the hashes agree)."""
-    version, model_dir = start_weights(settings, run_dir)
-    dtype_name = (settings.get("model") or {}).get("dtype")
+    version, model_dir = start_weights(cfg, run_dir)
+    dtype_name = cfg.model.dtype
     dtype = getattr(torch, str(dtype_name)) if dtype_name else None
     if dtype_name and not isinstance(dtype, torch.dtype):
         raise ParamServerConfigError(f"model.dtype: {dtype_name!r} is not a torch dtype")
@@ -158,18 +159,19 @@ class ParamServerActor(Actor):
     # ------------------------------------------------------------------------------------ lifecycle
 
     async def on_start(self) -> None:
-        cfg = self.cfg
-        self.ack_timeout, self.retry_s, self.probation_s, self.late_s = \
-            cfg.ack_timeout_s, cfg.retry_s, cfg.probation_s, cfg.late_s
-        self.eval_every = cfg.eval.every_versions
-        if not cfg.links:
+        self.ack_timeout = self.cfg.ack_timeout_s
+        self.retry_s = self.cfg.retry_s
+        self.probation_s = self.cfg.probation_s
+        self.late_s = self.cfg.late_s
+        self.eval_every = self.cfg.eval.every_versions
+        if not self.cfg.links:
             self._start_direct()
             return
-        up_cfg = link_config(self.settings, "train_to_ps", key="train_link")
-        down_cfg = link_config(self.settings, "ps_to_rollout", key="rollout_link")
+        up_cfg = link_config(self.cfg.links, self.cfg.train_link, "train_to_ps", key="train_link")
+        down_cfg = link_config(self.cfg.links, self.cfg.rollout_link, "ps_to_rollout", key="rollout_link")
         if up_cfg is None or down_cfg is None or up_cfg.name == down_cfg.name:
             raise ParamServerConfigError(f"links: need a train link and a rollout link, got "
-                                         f"{sorted(cfg.links)}")
+                                         f"{sorted(self.cfg.links)}")
         if down_cfg.rank != 0:
             raise ParamServerConfigError(f"links.{down_cfg.name}.members: the parameter server must be listed first "
                                          f"(it broadcasts as rank 0), got {down_cfg.members}")
@@ -179,8 +181,9 @@ class ParamServerActor(Actor):
                                          f"server, got {up_cfg.members}")
         self.trainer_rank = up_cfg.rank_of(trainers[0])
         self.rollouts = {m: RolloutWeights() for m in down_cfg.members if m != self.name}
+        bucket_bytes = self.cfg.bucket_bytes
         t0 = time.monotonic()
-        self.current = await asyncio.to_thread(load_start_weights, self.settings, self.run_dir, cfg.bucket_bytes)
+        self.current = await asyncio.to_thread(load_start_weights, self.cfg, self.run_dir, bucket_bytes)
         self.start_version = self.current.version
         self._keep_for_eval(self.current)
         self.log.info("start_weights", version=self.current.version, hash=self.current.weights_hash,
@@ -191,14 +194,15 @@ class ParamServerActor(Actor):
         self._mark_started()
 
     def _start_direct(self) -> None:
-        trainers, rollouts = self.cfg.groups.get("trainer") or [], self.cfg.groups.get("rollout") or []
+        groups = self.cfg.groups
+        trainers, rollouts = groups.get("trainer") or [], groups.get("rollout") or []
         if not trainers or not rollouts:
             raise ParamServerConfigError(f"links: none lists the parameter server, so weights go directly from "
                                          f"the trainer to the rollouts, but groups has trainer {trainers} and "
                                          f"rollout {rollouts}")
         self.fanout = TrainerFanout(self, trainers[0])
         self.rollouts = {m: RolloutWeights() for m in rollouts}
-        self.start_version, _ = start_weights(self.settings, self.run_dir)
+        self.start_version, _ = start_weights(self.cfg, self.run_dir)
         self.current = StoredVersion(self.start_version, "", [], 0, n_buckets=0)
         self.log.info("direct_weights", trainer=trainers[0], rollouts=len(rollouts), version=self.start_version)
         self._mark_started()

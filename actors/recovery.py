@@ -27,6 +27,8 @@ from typing import Any, Iterable
 import structlog
 import xxhash
 
+from topology.experiment import ExperimentConfig
+
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 CORRUPT_SUFFIX = ".corrupt"
@@ -162,22 +164,19 @@ def run_finished(run_dir: str | os.PathLike) -> bool:
     return (Path(run_dir) / FINISHED).exists()
 
 
-def recovering(settings: dict[str, Any]) -> bool:
+def recovering(cfg: ExperimentConfig) -> bool:
     """`run.recover`: "auto" (default) resumes from the last complete checkpoint, "off" never does."""
-    mode = str((settings.get("run") or {}).get("recover", "auto")).lower()
-    if mode not in ("auto", "off", "true", "false"):
-        raise ValueError(f"run.recover must be 'auto' or 'off', got {mode!r}")
-    return mode in ("auto", "true")
+    return cfg.run.recover == "auto"
 
 
-def start_weights(settings: dict[str, Any], run_dir: str | os.PathLike) -> tuple[int, str]:
+def start_weights(cfg: ExperimentConfig, run_dir: str | os.PathLike) -> tuple[int, str]:
     """(version, model directory) this run starts from: the last checkpoint when recovering, else the
     starting model at version 0."""
-    if recovering(settings):
+    if recovering(cfg):
         found = latest_checkpoint(run_dir)
         if found is not None:
             return found[0], str(found[1] / "model")
-    path = (settings.get("model") or {}).get("path")
+    path = cfg.model.path
     if not path:
         raise ValueError("model.path: not set (the starting model directory, Hugging Face layout)")
     return 0, str(path)

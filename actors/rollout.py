@@ -38,10 +38,11 @@ from typing import Any
 
 from actors.base import Actor, ActorSpec, handles
 from actors.engines.base import (EngineError, GenerationEngine, GenerationRequest, RequestError, SamplingParams,
-                                 engine_device, require_device)
+                                 require_device)
 from actors.recovery import start_weights
 from actors.weight_sync import WeightReceiver, WeightSyncError, link_config, make_receiver
 from actors.weights import weights_hash
+from topology.settings import RolloutSettings
 from transport.bulk import BulkError
 from transport.protocol import (Answers, GenerateGroup, GroupReturned, HelloRequest, LinkReform, RolloutHello,
                                 RunFinished, Sample, ServerDown, Trajectories, WeightsAck, WeightsReady, WorkerHello)
@@ -53,40 +54,38 @@ class RolloutConfigError(ValueError):
     """The rollout's settings are unusable; the message names the key."""
 
 
-def rollout_placement(settings: dict[str, Any]) -> dict[str, str]:
+def rollout_placement(cfg: RolloutSettings) -> dict[str, str]:
     """Where and how the rollout's engine runs, as --dry-run prints it. An SGLang server always runs on the
     instance's GPUs, in ``sglang.dtype`` or ``model.dtype`` ("auto": SGLang takes the checkpoint's)."""
-    kind = str(settings.get("engine", "torch"))
-    tp = int(((settings.get("instance") or {}).get("parallel") or {}).get("tp", 1))
-    model_dtype = (settings.get("model") or {}).get("dtype")
+    kind = cfg.engine
+    tp = cfg.instance.parallel.get("tp", 1)
+    model_dtype = cfg.model.dtype
     if kind == "sglang":
-        dtype = (settings.get("sglang") or {}).get("dtype") or model_dtype or "auto"
+        dtype = cfg.sglang.dtype or model_dtype or "auto"
         return {"engine": "sglang", "device": "cuda", "dtype": str(dtype), "parallel": f"tp={tp}", "memory": "-",
                 "process_group": "nccl (weights group)"}
-    device = engine_device(settings)
+    device = cfg.engine_device
     return {"engine": kind, "device": device, "dtype": str(model_dtype or "float32"), "parallel": f"tp={tp}",
             "memory": "-", "process_group": "nccl" if device == "cuda" else "gloo"}
 
 
-def make_engine(settings: dict[str, Any], version: int, model_dir: str, run_dir: str | None = None,
+def make_engine(cfg: RolloutSettings, version: int, model_dir: str, run_dir: str | None = None,
                 on_server_event: Callable[[str, int], Awaitable[None]] | None = None) -> GenerationEngine:
-    """The one place that turns ``settings["engine"]`` into an engine. ``on_server_event(event, restarts)``:
+    """The one place that turns ``cfg.engine`` into an engine. ``on_server_event(event, restarts)``:
     the engine's server process "died" or was "restarted" (SGLang engines that launch their server)."""
-    kind = str(settings.get("engine", "torch"))
+    kind = cfg.engine
     if kind == "torch":
         from actors.engines.torch_gen import TorchGenerationEngine
 
-        model = settings.get("model") or {}
-        index = int((settings.get("instance") or {}).get("index", 0))
-        device = engine_device(settings)
+        device = cfg.engine_device
         require_device(device)
         return TorchGenerationEngine(model_dir, version=version, device=device,
-                                     dtype=model.get("dtype"), max_running=int(settings.get("max_running", 256)),
-                                     seed=int(settings.get("seed", 0)) * 1000 + index)
-    if kind == "sglang":  # an SGLang server, started here or attached by settings["sglang_url"]
+                                     dtype=cfg.model.dtype, max_running=cfg.max_running,
+                                     seed=cfg.seed * 1000 + cfg.instance.index)
+    if kind == "sglang":  # an SGLang server, started here or attached by cfg.sglang_url
         from actors.engines.sglang import SGLangEngine
 
-        return SGLangEngine.from_settings(settings, version, model_dir, run_dir=run_dir,
+        return SGLangEngine.from_settings(cfg, version, model_dir, run_dir=run_dir,
                                           on_server_event=on_server_event)
     raise RolloutConfigError(f"engine: {kind!r} is not available here (known: 'torch', 'sglang')")
 
@@ -104,6 +103,8 @@ async def verify_engine_weights(engine: GenerationEngine, version: int) -> tuple
 
 
 class RolloutActor(Actor):
+    Settings = RolloutSettings
+    cfg: RolloutSettings
     placement = staticmethod(rollout_placement)   # what --dry-run prints for the group
 
     def __init__(self, spec: ActorSpec) -> None:
@@ -135,15 +136,15 @@ class RolloutActor(Actor):
     # ------------------------------------------------------------------------------------ lifecycle
 
     async def on_start(self) -> None:
-        groups = self.settings.get("groups") or {}
+        groups = self.cfg.groups
         self.rewards = list(groups.get("reward") or [])
         if not self.rewards:
             raise RolloutConfigError("groups.reward: no reward actors to send trajectories to")
         self.buffer = (groups.get("buffer") or ["buffer"])[0]
         self.param_server = (groups.get("param_server") or [None])[0]
-        config = link_config(self.settings, "ps_to_rollout")
-        version, model_dir = start_weights(self.settings, self.run_dir)
-        self.engine = make_engine(self.settings, version, model_dir, run_dir=str(self.run_dir),
+        config = link_config(self.cfg.links, self.cfg.link, "ps_to_rollout")
+        version, model_dir = start_weights(self.cfg, self.run_dir)
+        self.engine = make_engine(self.cfg, version, model_dir, run_dir=str(self.run_dir),
                                   on_server_event=self._engine_server_event)
         if config is not None:
             self.receiver = make_receiver(self, config, self.engine, self._verified)
@@ -157,7 +158,7 @@ class RolloutActor(Actor):
         if self.receiver is not None:
             self.spawn(self._link_keeper(), name="link_keeper")
             await self._hello()
-        every = float(self.settings.get("stats_every_s", 30.0))
+        every = self.cfg.stats_every_s
         if every > 0:
             self.spawn(self._stats_loop(every), name="stats", critical=False)
 
@@ -169,7 +170,7 @@ class RolloutActor(Actor):
         # Abort until every submitted group has come back. More than one round can be needed: a request
         # admitted at the same step boundary as an abort is missed by it (the embedded engine takes the
         # waiting list and the aborts together, then aborts before admitting), so abort again.
-        deadline = time.monotonic() + float(self.settings.get("drain_timeout", 30.0)) / 2
+        deadline = time.monotonic() + self.cfg.drain_timeout / 2
         rounds = 0
         while self.active and time.monotonic() < deadline:
             rounds += 1
@@ -403,7 +404,7 @@ class RolloutActor(Actor):
         await self._engine_ready.wait()
         async with self._weights_lock:
             link_timeout = self.receiver.config.timeout_s if self.receiver is not None else 60.0
-            await self._wait_link(msg.generation, float(self.settings.get("weights_timeout_s", link_timeout)))
+            await self._wait_link(msg.generation, self.cfg.weights_timeout_s or link_timeout)
             assert self.receiver is not None
             return await self.receiver.receive(msg)
 

@@ -13,6 +13,7 @@ from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine
 from algo.advantages import AdvNorm, KLEstimator, compute_advantages, kl_penalty
 from algo.packing import allocate_micro_batches, split_by_rank
 from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
+from topology.experiment import ExperimentConfig
 from transport.protocol import Batch, BatchTensors
 
 
@@ -58,19 +59,13 @@ class StepConfig:
     kl_estimator: KLEstimator = "k1"
 
     @classmethod
-    def from_settings(cls, settings: dict[str, Any]) -> "StepConfig":
-        algo = settings.get("algo") or {}
-        cap = algo.get("behav_imp_weight_cap", 5.0)
-        ppo = PPOConfig(eps_low=float(algo.get("eps_clip", 0.2)),
-                        eps_high=float(algo["eps_clip_high"]) if algo.get("eps_clip_high") is not None else None,
-                        dual_clip=float(algo["dual_clip"]) if algo.get("dual_clip") else None,
-                        behav_cap=float(cap) if cap else None)
-        return cls(ppo=ppo, minibatches=int(algo.get("ppo_minibatches", 1)),
-                   max_tokens_per_mb=int(algo.get("max_tokens_per_mb", 4096)),
-                   temperature=float((settings.get("gen") or {}).get("temperature", 1.0)) or 1.0,
-                   decoupled=bool(algo.get("decoupled", True)), group_std=bool(algo.get("group_std", True)),
-                   adv_norm=algo.get("adv_norm", "batch"), kl_coef=float(algo.get("kl_coef", 0.0)),
-                   kl_estimator=algo.get("kl_estimator", "k1"))
+    def from_settings(cls, cfg: ExperimentConfig) -> "StepConfig":
+        a = cfg.algo
+        ppo = PPOConfig(eps_low=a.eps_clip, eps_high=a.eps_clip_high, dual_clip=a.dual_clip,
+                        behav_cap=a.behav_imp_weight_cap or None)
+        return cls(ppo=ppo, minibatches=a.ppo_minibatches, max_tokens_per_mb=a.max_tokens_per_mb,
+                   temperature=cfg.gen.temperature or 1.0, decoupled=a.decoupled, group_std=a.group_std,
+                   adv_norm=a.adv_norm, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
 
 
 @dataclass

@@ -35,7 +35,7 @@ import time
 from typing import Any
 
 from actors.base import Actor, ActorSpec, handles
-from actors.engines.base import TrainEngine, engine_device, require_device
+from actors.engines.base import TrainEngine, require_device
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup, follow_commands
 from actors.recovery import (COMPLETE, checkpoint_dir, complete_checkpoints, mark_complete, mark_run_finished,
@@ -44,6 +44,7 @@ from actors.train_metrics import MetricsWriter, step_metrics
 # StepConfig, TrainerConfigError, train_on_batch, rank_samples: the step's math, imported here by its users too
 from actors.train_step import StepConfig, TrainerConfigError, rank_samples, train_on_batch, train_share
 from actors.weight_sync import StageExport, StageSender, WeightSender, WeightSyncConfigError, in_thread, make_sender
+from topology.settings import TrainerSettings
 from transport.bus import BusError
 from transport.messages import encode
 from transport.protocol import (BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, HelloRequest, LinkFormed,
@@ -51,72 +52,63 @@ from transport.protocol import (BatchRequest, BatchTensors, CheckpointDone, Chec
                                 WeightsStatus, WeightsStatusRequest)
 
 
-def trainer_placement(settings: dict[str, Any]) -> dict[str, str]:
+def trainer_placement(cfg: TrainerSettings) -> dict[str, str]:
     """Where and how the trainer's engine runs, as the engine will be built and as --dry-run prints it: the
     device (the instance's GPU by default), the parameter dtype (Megatron: bf16 by default on a GPU; the
     torch backend keeps float32 weights and autocasts to bf16 on a GPU), the parallel layout and the
     process-group backend of its world."""
-    backend = str(settings.get("backend", "torch"))
-    device = engine_device(settings)
-    parallel = (settings.get("instance") or {}).get("parallel") or {}
+    backend = cfg.backend
+    device = cfg.engine_device
+    parallel = cfg.instance.parallel
     if backend == "megatron":
-        dtype = "bfloat16" if bool(settings.get("bf16", device == "cuda")) else "float32"
+        dtype = "bfloat16" if (cfg.bf16 if cfg.bf16 is not None else device == "cuda") else "float32"
     else:
         dtype = "float32 (bf16 autocast)" if device == "cuda" else "float32"
     layout = " ".join(f"{k}={parallel[k]}" for k in ("dp", "tp", "pp") if k in parallel) or "dp=1"
     if backend == "megatron":
-        memory = (("sp " if settings.get("sequence_parallel") and int(parallel.get("tp", 1)) > 1 else "")
-                  + f"recompute={settings.get('recompute', 'none')} "
-                  + f"logprob_chunk={settings.get('logprob_chunk_tokens') or 'off'}")
+        memory = (("sp " if cfg.sequence_parallel and parallel.get("tp", 1) > 1 else "")
+                  + f"recompute={cfg.recompute} "
+                  + f"logprob_chunk={cfg.logprob_chunk_tokens or 'off'}")
     else:
         memory = "-"
     return {"engine": backend, "device": device, "dtype": dtype, "parallel": layout, "memory": memory,
             "process_group": "nccl" if device == "cuda" else "gloo"}
 
 
-def make_train_engine(settings: dict[str, Any], model_dir: str, version: int) -> TrainEngine:
+def make_train_engine(cfg: TrainerSettings, model_dir: str, version: int) -> TrainEngine:
     """The trainer backend named by `backend` (torch here; megatron on GPU clusters)."""
-    backend = settings.get("backend", "torch")
-    if backend not in ("torch", "megatron"):
-        raise ValueError(f"backend: {backend!r} is not available in this build (use 'torch' or 'megatron')")
-    require_device(engine_device(settings))
-    if backend == "megatron":
-        return _make_megatron_engine(settings, model_dir, version)
-    algo = settings.get("algo") or {}
-    cfg = TrainConfig(lr=float(algo.get("lr", 2e-5)), adam_eps=float(algo.get("adam_eps", 1e-5)),
-                      betas=(float(algo.get("adam_beta1", 0.9)), float(algo.get("adam_beta2", 0.999))),
-                      grad_clip=float(algo.get("grad_clip", 1.0)), weight_decay=float(algo.get("weight_decay", 0.0)),
-                      seed=int(settings.get("seed", 1)), device=engine_device(settings))
-    return TorchTrainEngine(model_dir, cfg, version=version)
+    require_device(cfg.engine_device)
+    if cfg.backend == "megatron":
+        return _make_megatron_engine(cfg, model_dir, version)
+    a = cfg.algo
+    config = TrainConfig(lr=a.lr, adam_eps=a.adam_eps, betas=(a.adam_beta1, a.adam_beta2), grad_clip=a.grad_clip,
+                         weight_decay=a.weight_decay, seed=cfg.seed, device=cfg.engine_device)
+    return TorchTrainEngine(model_dir, config, version=version)
 
 
-def make_reference_engine(settings: dict[str, Any]) -> TrainEngine:
+def make_reference_engine(cfg: TrainerSettings) -> TrainEngine:
     """The KL penalty's reference (`algo.kl_coef` > 0): an engine of the same backend and layout holding the
     run's starting weights (model.path, also when the run resumes from a checkpoint); only its log-probs are
     used, so it never changes."""
-    path = (settings.get("model") or {}).get("path")
+    path = cfg.model.path
     if not path:
         raise TrainerConfigError("algo.kl_coef > 0: model.path (the reference model's weights) is not set")
-    return make_train_engine(settings, str(path), 0)
+    return make_train_engine(cfg, path, 0)
 
 
-def _make_megatron_engine(settings: dict[str, Any], model_dir: str, version: int) -> TrainEngine:
+def _make_megatron_engine(cfg: TrainerSettings, model_dir: str, version: int) -> TrainEngine:
     """`backend: megatron` (actors/engines/megatron.py): the same algo settings plus the trainer group's
     `parallel` from the topology (tp, pp; dp is what the world size leaves). Every trainer rank builds one."""
     from actors.engines.megatron import MegatronConfig, MegatronTrainEngine  # optional dependency
-    algo = settings.get("algo") or {}
-    parallel = (settings.get("instance") or {}).get("parallel") or {}
-    cfg = MegatronConfig(lr=float(algo.get("lr", 2e-5)), adam_eps=float(algo.get("adam_eps", 1e-5)),
-                         betas=(float(algo.get("adam_beta1", 0.9)), float(algo.get("adam_beta2", 0.999))),
-                         grad_clip=float(algo.get("grad_clip", 1.0)),
-                         weight_decay=float(algo.get("weight_decay", 0.0)), seed=int(settings.get("seed", 1)),
-                         device=engine_device(settings),
-                         tensor_parallel=int(parallel.get("tp", 1)), pipeline_parallel=int(parallel.get("pp", 1)),
-                         bf16=trainer_placement(settings)["dtype"] == "bfloat16",
-                         sequence_parallel=bool(settings.get("sequence_parallel", False)),
-                         recompute=str(settings.get("recompute", "none")),
-                         logprob_chunk_tokens=int(settings.get("logprob_chunk_tokens", 0)))
-    return MegatronTrainEngine(model_dir, cfg, version=version)
+    a = cfg.algo
+    parallel = cfg.instance.parallel
+    config = MegatronConfig(lr=a.lr, adam_eps=a.adam_eps, betas=(a.adam_beta1, a.adam_beta2), grad_clip=a.grad_clip,
+                            weight_decay=a.weight_decay, seed=cfg.seed, device=cfg.engine_device,
+                            tensor_parallel=parallel.get("tp", 1), pipeline_parallel=parallel.get("pp", 1),
+                            bf16=trainer_placement(cfg)["dtype"] == "bfloat16",
+                            sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
+                            logprob_chunk_tokens=cfg.logprob_chunk_tokens)
+    return MegatronTrainEngine(model_dir, config, version=version)
 
 
 # A request to the buffer is asked again each time the buffer restarts while it waits (a restarted buffer
@@ -125,6 +117,8 @@ BUFFER_ATTEMPTS = 10
 
 
 class TrainerActor(Actor):
+    Settings = TrainerSettings
+    cfg: TrainerSettings
     placement = staticmethod(trainer_placement)   # what --dry-run prints for the group
 
     def __init__(self, spec: ActorSpec) -> None:
@@ -134,18 +128,18 @@ class TrainerActor(Actor):
         self._buffer_lost = False
 
     async def on_start(self) -> None:
-        s = self.settings
-        instance = s.get("instance") or {}
-        count = int(instance.get("count", 1))
-        world = instance.get("world")
+        cfg = self.cfg
+        instance = cfg.instance
+        count = instance.count
+        world = instance.world
         if count > 1 and not world:
             raise TrainerConfigError(f"the trainer group has {count} instances but no world_port: its instances "
                                      f"would each train on their own. Set world_port on the group (topology)")
-        if world and s.get("backend", "torch") != "megatron":
+        if world and cfg.backend != "megatron":
             raise TrainerConfigError(f"a trainer world of {count} ranks needs backend: megatron (the torch backend "
                                      f"trains on one process)")
-        pp = int((instance.get("parallel") or {}).get("pp", 1)) if world else 1
-        if pp > 1 and "train_to_ps" in (s.get("links") or {}):
+        pp = instance.parallel.get("pp", 1) if world else 1
+        if pp > 1 and "train_to_ps" in cfg.links:
             raise TrainerConfigError("parallel.pp > 1 needs direct weights to rollouts whose servers join the "
                                      "weights group (SGLang): every pipeline stage sends its own layers on a group "
                                      "of its own; the relay through the parameter server (train_to_ps) takes one "
@@ -158,19 +152,19 @@ class TrainerActor(Actor):
                 raise RuntimeError(f"{self.name} was restarted inside a running launch, but a trainer world "
                                    f"cannot take one rank back: relaunch the run (run.recover: auto resumes "
                                    f"from the last checkpoint)")
-            if not recovering(s):
+            if not recovering(cfg):
                 raise RuntimeError(f"{self.name} was restarted inside a running launch, which resumes from the "
                                    f"last checkpoint, but run.recover is off: relaunch the run")
             self.log.warning("trainer_restarted_in_place")
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
-        self.step_cfg = StepConfig.from_settings(s)
-        self.eta = int((s.get("algo") or {}).get("eta", 4))
-        self.total_steps = int((s.get("run") or {}).get("total_steps", 100))
-        self.ckpt_every = int((s.get("run") or {}).get("checkpoint_every_steps", 20))
-        self.keep_ckpts = int((s.get("run") or {}).get("keep_checkpoints", 2))
-        self.version, model_dir = start_weights(s, self.run_dir)
-        self.engine = await asyncio.to_thread(make_train_engine, s, model_dir, self.version)
-        self.ref_engine = await asyncio.to_thread(make_reference_engine, s) if self.step_cfg.kl_coef > 0 else None
+        self.step_cfg = StepConfig.from_settings(cfg)
+        self.eta = cfg.algo.eta
+        self.total_steps = cfg.run.total_steps
+        self.ckpt_every = cfg.run.checkpoint_every_steps
+        self.keep_ckpts = cfg.run.keep_checkpoints
+        self.version, model_dir = start_weights(cfg, self.run_dir)
+        self.engine = await asyncio.to_thread(make_train_engine, cfg, model_dir, self.version)
+        self.ref_engine = await asyncio.to_thread(make_reference_engine, cfg) if self.step_cfg.kl_coef > 0 else None
         # A trainer world: rank 0 leads (bus, weights, metrics), the others follow its engine calls.
         self.ranks = await asyncio.to_thread(RankGroup) if world else None
         # Pipeline stages each send their own layers, on a weights channel followed beside the training one.
@@ -181,10 +175,10 @@ class TrainerActor(Actor):
         if self.version > 0:
             await asyncio.to_thread(self.engine.load, model_dir)
         if self.ranks is not None and not self.ranks.leader:
-            if s.get("links"):
-                raise TrainerConfigError(f"{self.name} is in links {sorted(s['links'])}: only trainer.0 sends "
+            if cfg.links:
+                raise TrainerConfigError(f"{self.name} is in links {sorted(cfg.links)}: only trainer.0 sends "
                                          f"weights; list trainer.0 in the link, not the whole trainer group")
-            address = str(instance.get("address") or "")
+            address = instance.address
             if self.weight_ranks is not None and not address:
                 raise TrainerConfigError(f"{self.name}: settings.instance.address is not set (the topology launcher "
                                          f"sets it): a pipeline stage's sender hosts its weights group there")
@@ -194,8 +188,8 @@ class TrainerActor(Actor):
                                  if self.weight_ranks is not None else None)
             self.log.info("trainer_rank_started", rank=self.ranks.rank, world=self.ranks.size, version=self.version)
             return
-        self.bucket_bytes = int(s.get("weight_bucket_mb", 64)) << 20
-        self.param_server = ((s.get("groups") or {}).get("param_server") or [None])[0]
+        self.bucket_bytes = cfg.weight_bucket_mb << 20
+        self.param_server = (cfg.groups.get("param_server") or [None])[0]
         self._link_lock = asyncio.Lock()   # the weights channel of a pipeline-parallel trainer, one lead at a time
         try:
             self.weights: WeightSender | None = make_sender(self, self.weight_ranks, self._link_lock)
@@ -223,7 +217,7 @@ class TrainerActor(Actor):
             self._buffer_lost = True
         # A torch.distributed world cannot take a rank back: the others would wait in a collective for it.
         ranks = getattr(self, "ranks", None)
-        if ranks is not None and peer in ((self.settings.get("groups") or {}).get("trainer") or []):
+        if ranks is not None and peer in (self.cfg.groups.get("trainer") or []):
             self.log.error("trainer_rank_died", peer=peer)
             self.request_stop(f"trainer rank {peer} stopped answering; the trainer world cannot continue without "
                               f"it (relaunch with run.recover: auto to resume from the last checkpoint)", exit_code=1)

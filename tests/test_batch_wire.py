@@ -15,6 +15,7 @@ from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.trainer import StepConfig, rank_samples, train_share
 from testsupport.tiny_models import sampled_batch, tiny_model
 from tools.bench.batch import synthetic_batch
+from topology.experiment import ExperimentConfig
 from transport.bus import Bus
 from transport.messages import decode, encode
 from transport.protocol import BATCH_FRAME_BYTES, BatchRequest, BatchTensors, BufferStats
@@ -110,7 +111,8 @@ class _Replica(TorchTrainEngine):
 def test_a_rank_trains_on_its_share_exactly_as_on_the_whole_batch(kl_coef: float) -> None:
     model = tiny_model(1)
     batch = BatchTensors.from_batch(sampled_batch(model, groups=4, n=4))
-    cfg = StepConfig.from_settings({"algo": {"ppo_minibatches": 2, "max_tokens_per_mb": 16, "kl_coef": kl_coef}})
+    cfg = StepConfig.from_settings(ExperimentConfig.model_validate(
+        {"algo": {"ppo_minibatches": 2, "max_tokens_per_mb": 16, "kl_coef": kl_coef}}))
     dp = 2
     per_rank = rank_samples(batch, cfg, dp)
     if kl_coef == 0:   # the replicas' shares are disjoint and cover the batch

@@ -58,14 +58,34 @@ def test_an_unknown_key_at_every_level_is_refused_with_its_full_path(where: tupl
     assert any(p.startswith(f"{path}: unknown key") for p in found), "\n".join(found)
 
 
-def test_an_unknown_key_of_a_class_under_restructuring_is_refused_too() -> None:
-    # actors.rollout does not name its Settings yet; topology.settings maps it until it does.
+CORE_ACTORS = {"trainer": "actors.trainer:TrainerActor", "rollout": "actors.rollout:RolloutActor",
+               "param_server": "actors.param_server:ParamServerActor", "buffer": "actors.buffer:BufferActor"}
+
+
+@pytest.mark.parametrize("group, settings, path, hint", [
+    ("trainer", {"weight_bucket_mbb": 8}, "weight_bucket_mbb", "weight_bucket_mb"),
+    ("trainer", {"algo": {"weight_decy": 0.1}}, "algo.weight_decy", "weight_decay"),
+    ("rollout", {"sglang": {"mem_fraction_statc": 0.8}}, "sglang.mem_fraction_statc", "mem_fraction_static"),
+    ("rollout", {"stats_every": 5.0}, "stats_every", "stats_every_s"),
+    ("param_server", {"ack_timeout": 5.0}, "ack_timeout", "ack_timeout_s"),
+    ("param_server", {"eval": {"every_version": 2}}, "eval.every_version", "every_versions"),
+    ("buffer", {"buffer": {"max_groups_per_rolout": 2}}, "buffer.max_groups_per_rolout", "max_groups_per_rollout"),
+])
+def test_a_misspelt_key_of_a_core_actor_is_refused_naming_its_full_path(
+        tmp_path: Path, group: str, settings: dict, path: str, hint: str) -> None:
+    from actors.base import ActorSpec, load_actor_class
+    # At launch, by the topology's check of the group's settings ...
     doc = {"cluster": {"nodes": 1}, "bus": {"transport": "ipc"},
-           "actors": {"rollout": {"class": "actors.rollout:RolloutActor",
-                                  "settings": {"sglang": {"mem_fraction_statc": 0.8}}}}}
+           "actors": {group: {"class": CORE_ACTORS[group], "settings": settings}}}
     found = problems_of(doc)
-    assert any(p.startswith("actors.rollout.settings.sglang.mem_fraction_statc: unknown key (did you mean "
-                            "'mem_fraction_static'?)") for p in found), found
+    assert any(p.startswith(f"actors.{group}.settings.{path}: unknown key (did you mean '{hint}'?)")
+               for p in found), found
+    # ... and by the actor itself, before it starts, from the spec it is given.
+    spec = ActorSpec(f"{group}.0", CORE_ACTORS[group], f"ipc://{tmp_path}/a", run_dir=str(tmp_path),
+                     settings={"log_console": False, **settings})
+    with pytest.raises(SettingsError) as info:
+        load_actor_class(CORE_ACTORS[group])(spec)
+    assert str(info.value).startswith(f"{group}.0: settings.{path}: unknown key (did you mean '{hint}'?)"), info.value
 
 
 @pytest.mark.parametrize("settings, expected", [
@@ -164,13 +184,17 @@ def test_actors_read_typed_settings(tmp_path: Path) -> None:
 def test_settings_models_of_the_actor_classes() -> None:
     from testsupport.demo import DemoSettings, Echoer
     from actors.reward.math import MathReward
+    from actors.buffer import BufferActor
+    from actors.param_server import ParamServerActor
     from actors.rollout import RolloutActor
     from actors.trainer import TrainerActor
-    from topology.settings import RewardSettings
+    from topology.settings import BufferSettings, ParamServerSettings, RewardSettings
     assert settings_model(Echoer) is DemoSettings
     assert settings_model(MathReward) is RewardSettings
     assert settings_model(RolloutActor) is RolloutSettings
     assert settings_model(TrainerActor) is TrainerSettings
+    assert settings_model(ParamServerActor) is ParamServerSettings
+    assert settings_model(BufferActor) is BufferSettings
     assert settings_model(object) is ActorSettings
 
 

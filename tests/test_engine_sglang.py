@@ -497,27 +497,30 @@ def test_launch_that_fails_names_the_exit_and_log(tmp_path):
 
 
 def test_make_engine_builds_the_sglang_engine(tmp_path):
-    from actors.rollout import make_engine
+    from actors.rollout import RolloutActor, make_engine
+    from topology.settings import RolloutSettings, SettingsError, read_settings
 
-    engine = make_engine({"engine": "sglang", "sglang_url": "http://127.0.0.1:1", "run_dir": str(tmp_path)}, 4,
-                         str(tmp_path))
+    engine = make_engine(RolloutSettings.model_validate({"engine": "sglang", "sglang_url": "http://127.0.0.1:1"}), 4,
+                         str(tmp_path), run_dir=str(tmp_path))
     assert isinstance(engine, SGLangEngine) and engine.version == 4 and engine.url == "http://127.0.0.1:1"
     async def on_server_event(event: str, restarts: int) -> None:  # the rollout's: ServerDown, hello again
         pass
 
-    launched = make_engine({"engine": "sglang", "instance": {"group": "rollout", "index": 2, "parallel": {"tp": 2}},
-                            "sglang": {"command": ["python", "-m", "testsupport.sglang_standin"],
-                                       "mem_fraction_static": 0.8}, "run_dir": str(tmp_path)}, 0, "/models/m",
-                           on_server_event=on_server_event)
+    launched = make_engine(RolloutSettings.model_validate(
+        {"engine": "sglang", "instance": {"group": "rollout", "index": 2, "parallel": {"tp": 2}},
+         "sglang": {"command": ["python", "-m", "testsupport.sglang_standin"], "mem_fraction_static": 0.8}}),
+        0, "/models/m", run_dir=str(tmp_path), on_server_event=on_server_event)
     assert launched.user_on_server_event is on_server_event
     args = launched.server.config.args(30001, 0)
     assert args[:3] == ["python", "-m", "testsupport.sglang_standin"]
     assert args[args.index("--tp-size") + 1] == "2" and args[args.index("--mem-fraction-static") + 1] == "0.8"
     assert args[args.index("--model-path") + 1] == "/models/m" and "--skip-tokenizer-init" in args
-    with pytest.raises(EngineError, match="unknown key"):
-        make_engine({"engine": "sglang", "sglang": {"bogus": 1}}, 0, str(tmp_path))
-    with pytest.raises(EngineError, match=r"settings.mem_fraction_static: .* under settings.sglang"):
-        make_engine({"engine": "sglang", "mem_fraction_static": 0.8}, 0, str(tmp_path))
+    # The settings model refuses an unknown server key, and one put beside sglang instead of under it.
+    with pytest.raises(SettingsError, match=r"rollout.2: settings.sglang.bogus: unknown key"):
+        read_settings(RolloutActor, {"engine": "sglang", "sglang": {"bogus": 1}}, "rollout.2")
+    with pytest.raises(SettingsError, match=r"settings.mem_fraction_static: unknown key \(did you mean "
+                                            r"'sglang.mem_fraction_static'\?\)"):
+        read_settings(RolloutActor, {"engine": "sglang", "mem_fraction_static": 0.8}, "rollout.2")
 
 
 @pytest.mark.parametrize("topology", sorted(p.name for p in (Path(__file__).parent.parent / "topology").glob("*.yaml")))
@@ -525,13 +528,14 @@ def test_shipped_sglang_rollouts_build_their_launch_command(topology, tmp_path):
     # Every setting a shipped topology gives an SGLang rollout reaches the server's command line.
     from actors.rollout import make_engine
     from topology import load
+    from topology.settings import RolloutSettings
 
     plan = load(Path(__file__).parent.parent / "topology" / topology, check_imports=False)
     for spec in plan.specs(tmp_path):
         settings = spec["settings"]
         if settings.get("engine") != "sglang":
             continue
-        engine = make_engine({**settings, "run_dir": str(tmp_path)}, 0, "/models/m")
+        engine = make_engine(RolloutSettings.model_validate(settings), 0, "/models/m", run_dir=str(tmp_path))
         args = engine.server.config.args(30001, 0)
         for key, value in (settings.get("sglang") or {}).items():
             if key == "mem_fraction_static":

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.engines.base import EngineError, engine_device, require_device
-from actors.trainer import make_train_engine
+from actors.engines.base import EngineError, require_device
+from actors.trainer import TrainerActor, make_train_engine
 from topology import load
+from topology.settings import SettingsError, TrainerSettings, read_settings
 from tools.up import describe, engine_placements
 
 TOPOLOGIES = sorted((Path(__file__).resolve().parent.parent / "topology").glob("*.yaml"))
@@ -50,10 +51,13 @@ def test_gpu_topologies_train_on_gpus_in_bf16():
 
 
 def test_device_rule():
+    def engine_device(settings: dict) -> str:
+        return read_settings(TrainerActor, settings, "trainer.0").engine_device
+
     assert engine_device({}) == "cpu"
     assert engine_device({"instance": {"gpus": [3]}}) == "cuda"
     assert engine_device({"instance": {"gpus": [3]}, "device": "cpu"}) == "cpu"
-    with pytest.raises(EngineError, match="device: input should be 'cpu' or 'cuda'"):
+    with pytest.raises(SettingsError, match="trainer.0: settings.device: input should be 'cpu' or 'cuda'"):
         engine_device({"device": "tpu"})
 
 
@@ -62,7 +66,8 @@ def test_a_gpu_actor_without_cuda_is_an_error_not_a_cpu_run(tmp_path):
     with pytest.raises(EngineError, match="sees no CUDA device"):
         require_device("cuda")
     with pytest.raises(EngineError, match="sees no CUDA device"):
-        make_train_engine({"backend": "torch", "instance": {"gpus": [0]}}, str(tmp_path), 0)
+        make_train_engine(TrainerSettings.model_validate({"backend": "torch", "instance": {"gpus": [0]}}),
+                          str(tmp_path), 0)
 
 
 def test_every_rank_of_a_world_gets_the_same_nccl_settings_and_the_socket_nic():

@@ -248,10 +248,12 @@ def test_ctrl_c_stops_every_actor_cleanly(tmp_path: Path) -> None:
 def test_a_trainer_rank_that_dies_stops_the_other_ranks() -> None:
     # A torch.distributed world cannot take a rank back: the others would wait in a collective for it.
     from actors.trainer import TrainerActor
+    from topology.settings import TrainerSettings
     trainer = TrainerActor.__new__(TrainerActor)      # only what the callback reads
     stops: list[tuple[str, int]] = []
     trainer.request_stop = lambda reason, exit_code=0: stops.append((reason, exit_code))  # type: ignore[method-assign]
-    trainer.settings = {"groups": {"trainer": ["trainer.0", "trainer.1"], "rollout": ["rollout.0"]}}
+    trainer.cfg = TrainerSettings.model_validate({"groups": {"trainer": ["trainer.0", "trainer.1"],
+                                                             "rollout": ["rollout.0"]}})
     trainer.log = type("Log", (), {"error": lambda *a, **k: None})()
     trainer.ranks = object()
     trainer.on_peer_dead("rollout.0")                  # not a rank of the world: nothing to do here

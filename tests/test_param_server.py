@@ -16,6 +16,7 @@ from actors.weights import weights_hash
 from testsupport.bounded import run_bounded
 from testsupport.local_actors import actor_spec, gloo_link, ipc_endpoints
 from testsupport.tiny_models import tiny_weight_buckets
+from topology.experiment import ExperimentConfig
 from transport.bulk import BulkLink, LinkConfig
 from transport.bus import Bus, RemoteError
 from transport.ports import free_port
@@ -37,8 +38,9 @@ def spec(tmp_path: Path, model_dir: Path, ports: dict[str, int], roll_members: l
 
 def test_start_weights_hash_matches_a_loaded_model(tmp_path: Path, random_model_dir: Path) -> None:
     model_dir = random_model_dir
-    stored = load_start_weights({"model": {"path": str(model_dir), "dtype": "float32"}, "run": {"recover": "off"}},
-                                tmp_path, 32 << 10)
+    cfg = ExperimentConfig.model_validate({"model": {"path": str(model_dir), "dtype": "float32"},
+                                           "run": {"recover": "off"}})
+    stored = load_start_weights(cfg, tmp_path, 32 << 10)
     assert stored.version == 0 and len(stored.packed) > 1
     assert stored.weights_hash == weights_hash(hf_state_dict(load_model(str(model_dir))).items())
 

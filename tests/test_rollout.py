@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from actors.rollout import RolloutActor, RolloutConfigError, make_engine
+from actors.rollout import RolloutActor
 from actors.weight_sync import WeightSyncConfigError, link_config
 from testsupport.bounded import run_bounded
 from testsupport.local_actors import actor_spec, ipc_endpoints
+from topology.settings import SettingsError, read_settings
 from transport.bus import Bus, RemoteError
 from transport.protocol import GenerateGroup, GroupReturned, Task, Trajectories, WeightsReady, WorkerHello
 
@@ -90,9 +91,10 @@ def test_rollout_generates_returns_and_drains(tmp_path: Path, random_model_dir: 
     run(main())
 
 
-def test_configuration_errors_name_the_key(tmp_path: Path) -> None:
-    with pytest.raises(RolloutConfigError, match="engine: 'vllm' is not available"):
-        make_engine({"engine": "vllm"}, 0, str(tmp_path))
+def test_configuration_errors_name_the_key() -> None:
+    with pytest.raises(SettingsError, match=r"rollout.0: settings.engine: input should be 'torch' or 'sglang' "
+                                            r"\(value: 'vllm'\)"):
+        read_settings(RolloutActor, {"engine": "vllm"}, "rollout.0")
     with pytest.raises(WeightSyncConfigError, match="link: link 'weights' is not in settings.links"):
-        link_config({"link": "weights", "links": {}}, "ps_to_rollout")
-    assert link_config({"links": {}}, "ps_to_rollout") is None
+        link_config({}, "weights", "ps_to_rollout")
+    assert link_config({}, None, "ps_to_rollout") is None

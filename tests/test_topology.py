@@ -305,7 +305,7 @@ def test_recover_off_is_accepted_though_yaml_reads_it_as_false() -> None:
     # `experiment.run.recover=off`, the launcher's own advice and tools.bench e2e's override, was refused.
     from actors.recovery import recovering
     loaded = T.load(REPO / "topology" / "local.yaml", ["experiment.run.recover=off"], check_imports=False)
-    assert not recovering(loaded.topology.experiment)
+    assert not recovering(loaded.topology.config)
 
 
 def test_every_shipped_experiment_config_passes_the_schema() -> None:

@@ -8,6 +8,7 @@ from actors.engines.base import PackedBatch
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.train_step import StepConfig, batch_to_sequences, train_on_batch
 from testsupport.tiny_models import sampled_batch, tiny_model
+from topology.experiment import ExperimentConfig
 
 
 def test_first_step_is_on_policy_and_updates_weights():
@@ -54,7 +55,7 @@ def test_adv_norm_setting_reaches_the_step():
             sample.reward = reward
     deltas = {}
     for mode in ("batch", "group", "none"):
-        cfg = StepConfig.from_settings({"algo": {"adv_norm": mode, "group_std": False}})
+        cfg = StepConfig.from_settings(ExperimentConfig.model_validate({"algo": {"adv_norm": mode, "group_std": False}}))
         assert cfg.adv_norm == mode
         # a large Adam epsilon keeps the first update proportional to the gradient (not its sign)
         engine = TorchTrainEngine(model=copy.deepcopy(model), config=TrainConfig(lr=1e-3, adam_eps=1.0,
@@ -70,7 +71,8 @@ def _kl_step(policy, reference, batch, kl_coef):
     """One step on `batch` with every reward equal (so only the KL penalty makes advantages)."""
     engine = TorchTrainEngine(model=copy.deepcopy(policy), config=TrainConfig(lr=1e-2))
     ref_engine = TorchTrainEngine(model=copy.deepcopy(reference))
-    cfg = StepConfig.from_settings({"algo": {"kl_coef": kl_coef, "kl_estimator": "k1", "adv_norm": "none"}})
+    cfg = StepConfig.from_settings(ExperimentConfig.model_validate(
+        {"algo": {"kl_coef": kl_coef, "kl_estimator": "k1", "adv_norm": "none"}}))
     return engine, train_on_batch(engine, batch, cfg, version=0, ref_engine=ref_engine)
 
 

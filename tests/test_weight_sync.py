@@ -282,9 +282,11 @@ def test_each_actor_picks_its_weights_path_once_from_the_topology() -> None:
 
     from actors.weight_sync import (DirectSender, LinkReceiver, RelaySender, ServerGroupReceiver,
                                     WeightSyncConfigError, make_receiver, make_sender)
+    from topology.settings import RolloutSettings
 
     def actor(links: dict[str, Any], **settings: Any) -> Any:
-        return SimpleNamespace(settings={"links": links, "groups": {"param_server": ["param_server"]}, **settings},
+        cfg = RolloutSettings.model_validate({"links": links, "groups": {"param_server": ["param_server"]}, **settings})
+        return SimpleNamespace(cfg=cfg,
                                make_link=BulkLink, bus=None, incarnation="", counters={}, log=None,
                                param_server="param_server", active={})
 
@@ -296,7 +298,7 @@ def test_each_actor_picks_its_weights_path_once_from_the_topology() -> None:
         make_sender(actor({"weights": gloo_link("weights", 2, ["rollout.0", "trainer.0"], "trainer.0")}), None,
                     asyncio.Lock())
     alone = actor(relay)
-    alone.settings["groups"] = {}
+    alone.cfg.groups = {}
     assert make_sender(alone, None, asyncio.Lock()) is None   # no parameter server: nothing to publish to
 
     server = SimpleNamespace(init_weights_group=None)   # an engine whose server joins the group itself

@@ -38,6 +38,7 @@ import topology as topo_mod
 from topology import Plan, TopologyError
 from topology.experiment import ExperimentConfig
 from topology.schema import SupervisorSection
+from topology.settings import read_settings
 from transport.ports import free_port
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
@@ -181,9 +182,10 @@ def engine_placements(plan: Plan) -> dict[str, dict[str, str]]:
     out = {}
     for gname, group in plan.topology.groups.items():
         module, _, name = group.cls.partition(":")
-        placement = getattr(getattr(importlib.import_module(module), name), "placement", None)
+        klass = getattr(importlib.import_module(module), name)
+        placement = getattr(klass, "placement", None)
         if placement is not None and gname in first:
-            out[gname] = placement(first[gname]["settings"])
+            out[gname] = placement(read_settings(klass, first[gname]["settings"], first[gname]["name"]))
     return out
 
 
@@ -305,7 +307,7 @@ def make_run_dir(plan: Plan, requested: str | None) -> Path:
     has a checkpoint but did not finish (it is resumed); else a new timestamped one."""
     from actors.recovery import latest_checkpoint, recovering, resume_checkpoint, run_finished
 
-    recover = recovering(plan.topology.experiment)
+    recover = recovering(plan.topology.config)
     if requested:
         path = Path(requested)
     else:

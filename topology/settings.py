@@ -164,20 +164,9 @@ class BufferSettings(ActorSettings):
     pass
 
 
-# The models of actor classes that do not name theirs yet (their modules are being restructured); each entry
-# goes once its class says `Settings = ...`. Keyed by "module:Class", so this module never imports actors.
-_PENDING: dict[str, type[ActorSettings]] = {
-    "actors.trainer:TrainerActor": TrainerSettings,
-    "actors.rollout:RolloutActor": RolloutSettings,
-}
-
-
 def settings_model(cls: type) -> type[ActorSettings]:
     """The settings model of an actor class: the nearest ``Settings`` its class or a base declares."""
     for klass in cls.__mro__:
-        pending = _PENDING.get(f"{klass.__module__}:{klass.__qualname__}")
-        if pending is not None:
-            return pending
         if "Settings" in vars(klass):
             return vars(klass)["Settings"]
     return ActorSettings

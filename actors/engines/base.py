@@ -28,10 +28,6 @@ from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, Union
 
 import torch
-from pydantic import ValidationError
-
-from topology.schema import problem_lines
-from topology.settings import EngineSettings
 
 FinishReason = Literal["stop", "length", "abort"]
 # One bucket of a weight transfer: Hugging Face parameter names and their tensors.
@@ -45,17 +41,6 @@ class EngineError(RuntimeError):
 
 class RequestError(EngineError, ValueError):
     """A request or batch is malformed; the message names the field at fault."""
-
-
-def engine_device(settings: dict[str, Any]) -> str:
-    """:attr:`topology.settings.EngineSettings.engine_device` of an actor's settings mapping (typed settings
-    read the property itself). Asking for a GPU that this process cannot see is an error (`require_device`),
-    never a silent fall back to the CPU."""
-    try:
-        return EngineSettings.model_validate({k: settings[k] for k in ("device", "instance") if k in settings}
-                                             ).engine_device
-    except ValidationError as exc:
-        raise EngineError("; ".join(problem_lines(exc, "", EngineSettings))) from None
 
 
 def require_device(device: str) -> None:

@@ -43,6 +43,7 @@ from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequen
 from pathlib import Path
 from typing import Any
 
+from topology.settings import RolloutSettings
 from transport.bulk import TensorMeta
 
 from .base import (EngineError, GenerationEngine, GenerationRequest, GenerationResult, RequestError,
@@ -113,46 +114,33 @@ class SGLangEngine(GenerationEngine):
 
     # --- construction from rollout settings -----------------------------------------------------------
     @classmethod
-    def from_settings(cls, settings: dict[str, Any], version: int, model_dir: str, run_dir: str | None = None,
+    def from_settings(cls, cfg: RolloutSettings, version: int, model_dir: str, run_dir: str | None = None,
                       on_server_event: ServerEvents | None = None) -> SGLangEngine:
         """Settings: ``sglang_url`` (attach) or ``sglang: {command, host, port, mem_fraction_static, dtype,
         extra_args, env, health_timeout_s, max_restarts, backoff_s, request_timeout_s}``; tp from
         ``instance.parallel.tp``; the model from ``model_dir`` (the rollout's start weights). ``on_server_event``
         hears when a server this engine launched died and when it came back (:data:`ServerEvents`)."""
-        sg = dict(settings.get("sglang") or {})
-        known = {"command", "host", "port", "mem_fraction_static", "dtype", "extra_args", "env", "health_timeout_s",
-                 "max_restarts", "backoff_s", "backoff_max_s", "request_timeout_s", "control_timeout_s",
-                 "weights_dir", "log_path"}
-        unknown = sorted(set(sg) - known)
-        if unknown:
-            raise EngineError(f"sglang: unknown key(s) {unknown} (known: {sorted(known)})")
-        misplaced = sorted(set(settings) & known)
-        if misplaced:
-            raise EngineError(f"settings.{misplaced[0]}: the SGLang server's settings go under settings.sglang "
-                              f"(e.g. settings: {{engine: sglang, sglang: {{{misplaced[0]}: ...}}}}); at the top of "
-                              f"settings they would be ignored")
-        instance = settings.get("instance") or {}
-        name = f"{instance.get('group', 'rollout')}.{instance.get('index', 0)}"
-        base = Path(run_dir) if run_dir else Path(settings.get("run_dir") or ".")
-        weights_dir = sg.get("weights_dir") or str(base / "sglang_weights" / name)
-        common = dict(version=version, weights_dir=weights_dir,
-                      request_timeout_s=float(sg.get("request_timeout_s", 3600.0)),
-                      control_timeout_s=float(sg.get("control_timeout_s", 600.0)))
-        if settings.get("sglang_url"):
-            return cls(url=str(settings["sglang_url"]), **common)
-        command = sg.get("command") or [sys.executable, "-m", "sglang.launch_server"]
+        sg = cfg.sglang
+        instance = cfg.instance
+        name = f"{instance.group or 'rollout'}.{instance.index}"
+        base = Path(run_dir or ".")
+        weights_dir = sg.weights_dir or str(base / "sglang_weights" / name)
+        common = dict(version=version, weights_dir=weights_dir, request_timeout_s=sg.request_timeout_s,
+                      control_timeout_s=sg.control_timeout_s)
+        if cfg.sglang_url:
+            return cls(url=cfg.sglang_url, **common)
+        command = sg.command or [sys.executable, "-m", "sglang.launch_server"]
         if isinstance(command, str):
             command = command.split()
-        model = settings.get("model") or {}
         launch = LaunchConfig(
-            model_path=model_dir, command=[str(c) for c in command], host=str(sg.get("host", "127.0.0.1")),
-            port=int(sg.get("port", 0)), tp=int((instance.get("parallel") or {}).get("tp", 1)),
-            mem_fraction_static=sg.get("mem_fraction_static"), dtype=sg.get("dtype") or model.get("dtype"),
-            seed=int(settings.get("seed", 0)) * 1000 + int(instance.get("index", 0)),
-            extra_args=[str(a) for a in sg.get("extra_args") or []], env={k: str(v) for k, v in (sg.get("env") or {}).items()},
-            log_path=sg.get("log_path") or str(base / "logs" / f"{name}.sglang.log"),
-            health_timeout_s=float(sg.get("health_timeout_s", 600.0)), max_restarts=int(sg.get("max_restarts", 5)),
-            backoff_s=float(sg.get("backoff_s", 1.0)), backoff_max_s=float(sg.get("backoff_max_s", 30.0)))
+            model_path=model_dir, command=list(command), host=sg.host,
+            port=sg.port, tp=instance.parallel.get("tp", 1),
+            mem_fraction_static=sg.mem_fraction_static, dtype=sg.dtype or cfg.model.dtype,
+            seed=cfg.seed * 1000 + instance.index,
+            extra_args=list(sg.extra_args), env={k: str(v) for k, v in sg.env.items()},
+            log_path=sg.log_path or str(base / "logs" / f"{name}.sglang.log"),
+            health_timeout_s=sg.health_timeout_s, max_restarts=sg.max_restarts,
+            backoff_s=sg.backoff_s, backoff_max_s=sg.backoff_max_s)
         return cls(launch=launch, on_server_event=on_server_event, **common)
 
     # --- lifecycle ------------------------------------------------------------------------------------

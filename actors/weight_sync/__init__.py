@@ -36,9 +36,8 @@ __all__ = ["Fanout", "WeightReceiver", "WeightSender", "WeightSyncConfigError", 
 def make_sender(trainer: Any, weight_ranks: Any, lock: asyncio.Lock) -> WeightSender | None:
     """Trainer rank 0's side: the relay if the topology links it to the parameter server, direct weights if
     its only link is the rollouts' (it is then that link's rank 0), none without a parameter server."""
-    settings = trainer.settings
-    param_server = ((settings.get("groups") or {}).get("param_server") or [None])[0]
-    links = settings.get("links") or {}
+    param_server = (trainer.cfg.groups.get("param_server") or [None])[0]
+    links = trainer.cfg.links
     if param_server is None:
         return None
     if "train_to_ps" in links:
@@ -59,13 +58,13 @@ def make_receiver(rollout: Any, config: LinkConfig, engine: Any, verify: Verify)
     """A rollout's side: with direct weights (the trainer is the link's rank 0) to an engine whose server can
     join the group itself (SGLang), the server receives; otherwise this process receives on the bulk link.
     ``weights_via_server: false`` makes an SGLang rollout receive here and load the weights from disk."""
-    settings = rollout.settings
+    cfg = rollout.cfg
     direct = bool(config.members) and config.members[0] != rollout.param_server
     active = lambda: len(rollout.active)   # noqa: E731 - the groups in hand, for the log
-    if direct and hasattr(engine, "init_weights_group") and bool(settings.get("weights_via_server", True)):
-        tp = int(((settings.get("instance") or {}).get("parallel") or {}).get("tp", 1))
+    if direct and hasattr(engine, "init_weights_group") and cfg.weights_via_server:
+        tp = cfg.instance.parallel.get("tp", 1)
         return ServerGroupReceiver(config, engine, rollout.counters, rollout.log, verify, active, tp)
-    interruptible = bool((settings.get("gen") or {}).get("interruptible", True))
+    interruptible = cfg.gen.interruptible
     return LinkReceiver(rollout.make_link(config), engine, rollout.counters, rollout.log, verify, active,
                         interruptible)
 

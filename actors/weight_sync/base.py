@@ -71,13 +71,14 @@ def in_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
     return fut
 
 
-def link_config(settings: dict[str, Any], default: str, key: str = "link") -> LinkConfig | None:
-    """The LinkConfig named by ``settings[key]`` (default ``default``; the only listed link if just one)."""
-    links = settings.get("links") or {}
-    name = settings.get(key) or default
+def link_config(links: dict[str, dict[str, Any]], name: str | None, default: str,
+                key: str = "link") -> LinkConfig | None:
+    """The LinkConfig of ``links[name]``, ``name`` being the setting ``key`` (unset: ``default``; the only
+    listed link if just one)."""
+    if name is not None and name not in links:
+        raise WeightSyncConfigError(f"{key}: link {name!r} is not in settings.links ({sorted(links)})")
+    name = name or default
     if name not in links:
-        if key in settings:
-            raise WeightSyncConfigError(f"{key}: link {name!r} is not in settings.links ({sorted(links)})")
         if len(links) != 1:
             return None
         name = next(iter(links))

@@ -161,9 +161,10 @@ def measure_train(model_dir: str, repeats: int, experiment: dict[str, Any]) -> d
     from actors.engines.torch_train import TorchTrainEngine, TrainConfig
     from actors.trainer import StepConfig, train_on_batch
 
-    algo = ExperimentConfig.model_validate(experiment).algo
+    config = ExperimentConfig.model_validate(experiment)
+    algo = config.algo
     engine = TorchTrainEngine(model=_model(model_dir), config=TrainConfig(lr=algo.lr))
-    cfg = StepConfig.from_settings(experiment)
+    cfg = StepConfig.from_settings(config)
     vocab = engine.model.config.vocab_size
     group_size = algo.group_size
     gen = torch.Generator().manual_seed(0)

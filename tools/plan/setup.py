@@ -15,7 +15,7 @@ from tools.plan.costs import MeasuredCosts, TrainerShape
 from tools.plan.sim import SimConfig
 from topology import Plan
 from topology.experiment import ExperimentConfig
-from topology.settings import RolloutSettings
+from topology.settings import RolloutSettings, read_settings
 
 
 @dataclasses.dataclass
@@ -49,11 +49,12 @@ def read(plan: Plan) -> Setup:
     groups = []
     for gname, group in topo.groups.items():
         module, _, cls_name = group.cls.partition(":")
-        placement = getattr(getattr(importlib.import_module(module), cls_name), "placement", None)
+        klass = getattr(importlib.import_module(module), cls_name)
+        placement = getattr(klass, "placement", None)
         kind = {trainer_placement: "trainer", rollout_placement: "rollout"}.get(placement)
         if kind is None or gname not in first:
             continue
-        device = placement(first[gname])["device"]
+        device = placement(read_settings(klass, first[gname], gname))["device"]
         groups.append(Group(gname, kind, group.count, group.gpus or 0, first[gname], device, group.cpus))
     root = Path(topo.source).resolve().parent.parent if topo.source else Path(".")
     model_path = topo.config.model.path
