@@ -4,7 +4,7 @@ data-parallel replicas. Pure functions of the engine and the batch; the trainer 
 and its rank followers (actors/rank_group.py) call them."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -46,17 +46,18 @@ def batch_to_sequences(batch: Batch) -> dict[str, Any]:
 
 @dataclass
 class StepConfig:
-    """How one training step uses a batch (from the `algo` settings)."""
+    """How one training step uses a batch: the `algo` and `gen` settings it needs, in the step's terms. Its
+    values come only from the experiment's settings (topology/experiment.py declares their defaults)."""
 
-    ppo: PPOConfig = field(default_factory=PPOConfig)
-    minibatches: int = 1
-    max_tokens_per_mb: int = 4096
-    temperature: float = 1.0
-    decoupled: bool = True    # False: proximal = behaviour log-probs, i.e. standard PPO
-    group_std: bool = True
-    adv_norm: AdvNorm = "batch"
-    kl_coef: float = 0.0      # > 0: a KL penalty to the frozen starting weights, in the token rewards
-    kl_estimator: KLEstimator = "k1"
+    ppo: PPOConfig
+    minibatches: int
+    max_tokens_per_mb: int
+    temperature: float
+    decoupled: bool           # False: proximal = behaviour log-probs, i.e. standard PPO
+    group_std: bool
+    adv_norm: AdvNorm
+    kl_coef: float            # > 0: a KL penalty to the frozen starting weights, in the token rewards
+    kl_estimator: KLEstimator
 
     @classmethod
     def from_settings(cls, cfg: ExperimentConfig) -> "StepConfig":
@@ -66,6 +67,11 @@ class StepConfig:
         return cls(ppo=ppo, minibatches=a.ppo_minibatches, max_tokens_per_mb=a.max_tokens_per_mb,
                    temperature=cfg.gen.temperature or 1.0, decoupled=a.decoupled, group_std=a.group_std,
                    adv_norm=a.adv_norm, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
+
+    @classmethod
+    def defaults(cls, **changes: Any) -> "StepConfig":
+        """The step of an experiment with default settings, with `changes` (field=value) applied."""
+        return replace(cls.from_settings(ExperimentConfig()), **changes)
 
 
 @dataclass

@@ -141,7 +141,7 @@ def _rank_main(rank: int, world: int, store: str, batch_path: str, out: Any) -> 
         group = RankGroup(timeout_s=120)
         if group.leader:
             batch = torch.load(batch_path, weights_only=False)
-            cfg = StepConfig(minibatches=2, max_tokens_per_mb=16)
+            cfg = StepConfig.defaults(minibatches=2, max_tokens_per_mb=16)
             samples = rank_samples(batch, cfg, 2)
             rank_dp = [0, 0, 1, 1]   # two tensor-parallel ranks per replica
             encoded = {dp: encode(batch.share(samples[dp])) for dp in (0, 1)}
@@ -156,7 +156,7 @@ def _rank_main(rank: int, world: int, store: str, batch_path: str, out: Any) -> 
 def test_trainer_zero_sends_each_rank_its_replicas_share_over_gloo(tmp_path) -> None:
     batch = BatchTensors.from_batch(sampled_batch(tiny_model(3), groups=4, n=4), frame_bytes=128)
     torch.save(batch, tmp_path / "batch.pt")
-    samples = rank_samples(batch, StepConfig(minibatches=2, max_tokens_per_mb=16), 2)
+    samples = rank_samples(batch, StepConfig.defaults(minibatches=2, max_tokens_per_mb=16), 2)
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     world = 4

@@ -349,7 +349,7 @@ def test_config_errors_name_the_cause() -> None:
 def _trainer_share(engine: Any, out_dir: str, settings: dict[str, Any]) -> dict[str, Any]:
     from actors.trainer import StepConfig, train_share
     batch = torch.load(settings["batch"], weights_only=False)
-    share = train_share(engine, batch, StepConfig(minibatches=2), version=0)
+    share = train_share(engine, batch, StepConfig.defaults(minibatches=2), version=0)
     return {"share": share, "data_parallel": engine.data_parallel,
             "weights": {k: v for b in engine.export_weights() for k, v in b}}
 
@@ -364,7 +364,7 @@ def test_trainer_step_over_two_data_parallel_ranks_matches_one_torch_process(tmp
     batch = sampled_batch(load_model(model_dir), groups=4, n=4)
     torch.save(batch, tmp_path / "batch.pt")
     reference = TorchTrainEngine(model_dir, TrainConfig(lr=LR))
-    expected = train_on_batch(reference, batch, StepConfig(minibatches=2), version=0)
+    expected = train_on_batch(reference, batch, StepConfig.defaults(minibatches=2), version=0)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     ranks = _run(2, model_dir, str(out_dir), {"config": {}, "body": _trainer_share, "batch": str(tmp_path / "batch.pt")})

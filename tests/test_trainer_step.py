@@ -16,7 +16,7 @@ def test_first_step_is_on_policy_and_updates_weights():
     batch = sampled_batch(model)
     engine = TorchTrainEngine(model=copy.deepcopy(model), config=TrainConfig(lr=1e-3))
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    stats = train_on_batch(engine, batch, StepConfig(minibatches=1), version=0)
+    stats = train_on_batch(engine, batch, StepConfig.defaults(minibatches=1), version=0)
     # Same weights sampled and recompute: importance weight 1, approximate KL 0, tiny log-prob gap.
     assert stats["logprob_gap_max"] < 1e-4
     assert stats["importance_weight"] == pytest.approx(1.0, abs=1e-4)
@@ -32,7 +32,7 @@ def test_staleness_is_measured_from_the_oldest_token():
     model = tiny_model(1)
     batch = sampled_batch(model, groups=2, n=2, version=3)
     engine = TorchTrainEngine(model=copy.deepcopy(model), config=TrainConfig(lr=1e-3))
-    stats = train_on_batch(engine, batch, StepConfig(minibatches=2), version=5)
+    stats = train_on_batch(engine, batch, StepConfig.defaults(minibatches=2), version=5)
     assert stats["staleness_max"] == 2 and stats["staleness_mean"] == 2
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from topology.settings import TrainerSettings
 from transport.bulk import LinkConfig
 
 from .base import (Fanout, WeightReceiver, WeightSender, WeightSyncConfigError, WeightSyncError, in_thread,
@@ -30,7 +31,13 @@ from .servers import ServerGroupCarrier, ServerGroupHost, StageExport, StageSend
 __all__ = ["Fanout", "WeightReceiver", "WeightSender", "WeightSyncConfigError", "WeightSyncError", "in_thread",
            "link_config", "weight_group_name", "DirectSender", "KeptVersions", "LinkCarrier", "TrainerFanout",
            "LinkReceiver", "ServerGroupReceiver", "PUBLISH_ATTEMPTS", "RelayFanout", "RelaySender",
-           "ServerGroupCarrier", "ServerGroupHost", "StageExport", "StageSender", "make_sender", "make_receiver"]
+           "ServerGroupCarrier", "ServerGroupHost", "StageExport", "StageSender", "make_sender", "make_receiver", "sends_direct"]
+
+
+def sends_direct(cfg: TrainerSettings) -> bool:
+    """The trainer broadcasts to the rollouts itself: a parameter server coordinates, and the trainer's only
+    link is the rollouts' (no train_to_ps), so it keeps the last versions' buckets to send when asked."""
+    return bool(cfg.groups.get("param_server")) and "train_to_ps" not in cfg.links and len(cfg.links) == 1
 
 
 def make_sender(trainer: Any, weight_ranks: Any, lock: asyncio.Lock) -> WeightSender | None:
@@ -43,7 +50,7 @@ def make_sender(trainer: Any, weight_ranks: Any, lock: asyncio.Lock) -> WeightSe
     if "train_to_ps" in links:
         link = trainer.make_link(LinkConfig.from_dict(links["train_to_ps"]))
         return RelaySender(link, trainer.bus, param_server, trainer.incarnation, trainer.counters, trainer.log)
-    if len(links) != 1:
+    if not sends_direct(trainer.cfg):
         return None
     config = LinkConfig.from_dict(next(iter(links.values())))
     link = trainer.make_link(config)

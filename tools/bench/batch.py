@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     frames = [t.numel() * t.element_size() for col in (batch.prompt_ids, batch.output_ids, batch.logprobs,
                                                        batch.versions) for t in col]
     median = sorted(seconds)[len(seconds) // 2]
-    cfg = StepConfig(minibatches=args.minibatches, max_tokens_per_mb=args.max_tokens_per_mb)
+    cfg = StepConfig.defaults(minibatches=args.minibatches, max_tokens_per_mb=args.max_tokens_per_mb)
     t0 = time.perf_counter()
     shares = batch.shares(rank_samples(batch, cfg, args.dp))
     share_seconds = time.perf_counter() - t0

@@ -18,7 +18,6 @@ the weights (SGLang sizes it so), hence the most answers of the configured lengt
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from tools.plan import hardware
 from tools.plan.shapes import ModelShape
@@ -169,9 +168,8 @@ def trainer_memory(group: str, shape: ModelShape, lay: TrainerLayout, capacity: 
     return GroupMemory(group, "trainer", trainer_terms(shape, lay), capacity, notes)
 
 
-def trainer_layout(settings: dict[str, Any], keeps_weights: bool) -> TrainerLayout:
+def trainer_layout(cfg: TrainerSettings, keeps_weights: bool) -> TrainerLayout:
     """The layout a trainer group's first instance settings give (the rules of `actors.trainer`)."""
-    cfg = TrainerSettings.model_validate(settings)
     parallel = cfg.instance.parallel
     megatron = cfg.backend == "megatron"
     return TrainerLayout(tp=parallel.get("tp", 1), pp=parallel.get("pp", 1), dp=parallel.get("dp", 1),
@@ -184,8 +182,7 @@ def trainer_layout(settings: dict[str, Any], keeps_weights: bool) -> TrainerLayo
                          keeps_weights=keeps_weights)
 
 
-def rollout_layout(settings: dict[str, Any]) -> RolloutLayout:
-    cfg = RolloutSettings.model_validate(settings)
+def rollout_layout(cfg: RolloutSettings) -> RolloutLayout:
     fraction = cfg.sglang.mem_fraction_static
     return RolloutLayout(tp=cfg.instance.parallel.get("tp", 1),
                          mem_fraction_static=fraction if fraction is not None else DEFAULT_MEM_FRACTION_STATIC,

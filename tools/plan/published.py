@@ -15,6 +15,7 @@ from typing import Any
 from tools.plan import hardware, memory, setup, sim
 from tools.plan.shapes import BUILTIN
 from topology.experiment import ExperimentConfig
+from topology.settings import RolloutSettings, TrainerSettings
 
 #: The v0.2 release notes: "we set the maximum generation length to 27K tokens".
 MAX_NEW_TOKENS = 27 * 1024
@@ -44,8 +45,9 @@ def cluster(model: str, nodes: int, group_size: int, rollout_share: float = 0.75
                "instance": {"parallel": {"tp": lay["tp"], "pp": lay["pp"], "dp": train // unit}}}
     rollout = {**experiment, "engine": "sglang", "sglang": {"mem_fraction_static": memory.DEFAULT_MEM_FRACTION_STATIC},
                "instance": {"parallel": {"tp": lay["server_tp"]}}}
-    groups = [setup.Group("rollout", "rollout", infer // lay["server_tp"], lay["server_tp"], rollout, "cuda"),
-              setup.Group("trainer", "trainer", train, 1, trainer, "cuda")]
+    groups = [setup.Group("rollout", "rollout", infer // lay["server_tp"], lay["server_tp"],
+                          RolloutSettings.model_validate(rollout), "cuda"),
+              setup.Group("trainer", "trainer", train, 1, TrainerSettings.model_validate(trainer), "cuda")]
     return setup.Setup(BUILTIN[model], hardware.GPUS["H800"], gpus_per_node, groups,
                        ExperimentConfig.model_validate(experiment))
 

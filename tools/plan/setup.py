@@ -9,13 +9,14 @@ from typing import Any
 
 from actors.rollout import rollout_placement
 from actors.trainer import trainer_placement
+from actors.weight_sync import sends_direct
 from tools.plan import hardware, memory
 from tools.plan.shapes import ModelShape, resolve
 from tools.plan.costs import MeasuredCosts, TrainerShape
 from tools.plan.sim import SimConfig
 from topology import Plan
 from topology.experiment import ExperimentConfig
-from topology.settings import RolloutSettings, read_settings
+from topology.settings import RolloutSettings, TrainerSettings, read_settings
 
 
 @dataclasses.dataclass
@@ -24,7 +25,7 @@ class Group:
     kind: str                 # "trainer" | "rollout"
     count: int
     gpus_each: int
-    settings: dict[str, Any]
+    settings: TrainerSettings | RolloutSettings   # its first instance's
     device: str               # "cuda" | "cpu"
     cpus: list[list[int]] | None = None   # per instance core list, where the topology pins them
 
@@ -54,8 +55,9 @@ def read(plan: Plan) -> Setup:
         kind = {trainer_placement: "trainer", rollout_placement: "rollout"}.get(placement)
         if kind is None or gname not in first:
             continue
-        device = placement(read_settings(klass, first[gname], gname))["device"]
-        groups.append(Group(gname, kind, group.count, group.gpus or 0, first[gname], device, group.cpus))
+        settings = read_settings(klass, first[gname], gname)
+        device = placement(settings)["device"]
+        groups.append(Group(gname, kind, group.count, group.gpus or 0, settings, device, group.cpus))
     root = Path(topo.source).resolve().parent.parent if topo.source else Path(".")
     model_path = topo.config.model.path
     shape = resolve(model_path, root if (root / str(model_path or "")).exists() else ".") if groups else None
@@ -66,13 +68,6 @@ def read(plan: Plan) -> Setup:
     return Setup(shape, gpu, (node.gpus if node else 0) or 8, groups, topo.config)
 
 
-def keeps_weights(settings: dict[str, Any]) -> bool:
-    """The trainer broadcasts to the rollouts itself (one link, no train_to_ps; `TrainerActor.direct`), so
-    its stage sender keeps the last versions' buckets."""
-    links = settings.get("links") or {}
-    return "train_to_ps" not in links and len(links) == 1 and bool((settings.get("groups") or {}).get("param_server"))
-
-
 def group_memory(setup: Setup) -> list[memory.GroupMemory]:
     """Memory per GPU of every GPU trainer and rollout group (CPU groups are left out)."""
     out: list[memory.GroupMemory] = []
@@ -80,7 +75,7 @@ def group_memory(setup: Setup) -> list[memory.GroupMemory]:
         if g.device != "cuda" or setup.shape is None:
             continue
         if g.kind == "trainer":
-            lay = memory.trainer_layout(g.settings, keeps_weights(g.settings))
+            lay = memory.trainer_layout(g.settings, sends_direct(g.settings))
             out.append(memory.trainer_memory(g.name, setup.shape, lay, setup.gpu.memory_bytes))
         else:
             out.append(memory.rollout_memory(g.name, setup.shape, memory.rollout_layout(g.settings),
@@ -139,9 +134,9 @@ def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None
     algo, gen, buf = exp.algo, exp.gen, exp.buffer
     if on_cpus(setup):
         return _cpu_sim_config(setup, tr, ro, eta, steps, seed, measured, workload)
-    par = (tr.settings.get("instance") or {}).get("parallel") or {}
-    tp, pp = int(par.get("tp", 1)), int(par.get("pp", 1))
-    server_tp = int(((ro.settings.get("instance") or {}).get("parallel") or {}).get("tp", 1))
+    par = tr.settings.instance.parallel
+    tp, pp = par.get("tp", 1), par.get("pp", 1)
+    server_tp = ro.settings.instance.parallel.get("tp", 1)
     train_gpus, infer_gpus = tr.count * max(tr.gpus_each, 1), ro.count * max(ro.gpus_each, 1)
     total = train_gpus + infer_gpus
     if colocated:
@@ -180,7 +175,8 @@ def _cpu_sim_config(setup: Setup, tr: Group, ro: Group, eta: int | None, steps: 
     max_new = gen.max_new_tokens
     group_size = algo.group_size
     # the engine's own row limit (actors.rollout's max_running) caps the groups it decodes at once
-    max_running = RolloutSettings.model_validate(ro.settings).max_running
+    assert isinstance(ro.settings, RolloutSettings)
+    max_running = ro.settings.max_running
     per_engine = min(buf.max_groups_per_rollout, max(1, max_running // group_size))
     return SimConfig(
         shape=setup.shape, gpu=setup.gpu, gpus_per_node=1, servers=devices, server_tp=1,
