@@ -346,7 +346,7 @@ class Actor:
     # ------------------------------------------------------------------------------------- lifecycle
 
     def _make_bus(self) -> Bus:
-        bus_kw = dict(self.cfg.bus)
+        bus_kw = self.cfg.bus.bus_kwargs()
         record = self.cfg.message_log
         recorder, outbound = None, False
         if record is not None:

@@ -2,7 +2,7 @@
 
 Work. ``GenerateGroup`` (from the buffer) becomes one :class:`GenerationRequest` with ``n`` samples; the
 handler awaits the engine (which decodes in its own thread or server, so the event loop never blocks) and
-sends :class:`Trajectories` to a reward actor, round-robin over ``settings["groups"]["reward"]``. A group
+sends :class:`Trajectories` to a reward actor, round-robin over ``cfg.groups["reward"]``. A group
 that cannot be finished (the actor is draining, the engine failed, the request is malformed) goes back to
 the buffer as :class:`GroupReturned` with a reason, so no work is ever lost silently. Reasons starting with
 ``invalid:`` mean re-issuing the same group cannot succeed.
@@ -82,12 +82,10 @@ def make_engine(cfg: RolloutSettings, version: int, model_dir: str, run_dir: str
         return TorchGenerationEngine(model_dir, version=version, device=device,
                                      dtype=cfg.model.dtype, max_running=cfg.max_running,
                                      seed=cfg.seed * 1000 + cfg.instance.index)
-    if kind == "sglang":  # an SGLang server, started here or attached by cfg.sglang_url
-        from actors.engines.sglang import SGLangEngine
+    # "sglang" (the settings admit no other engine): an SGLang server, started here or attached by cfg.sglang_url
+    from actors.engines.sglang import SGLangEngine
 
-        return SGLangEngine.from_settings(cfg, version, model_dir, run_dir=run_dir,
-                                          on_server_event=on_server_event)
-    raise RolloutConfigError(f"engine: {kind!r} is not available here (known: 'torch', 'sglang')")
+    return SGLangEngine.from_settings(cfg, version, model_dir, run_dir=run_dir, on_server_event=on_server_event)
 
 
 async def verify_engine_weights(engine: GenerationEngine, version: int) -> tuple[str, str]:

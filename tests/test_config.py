@@ -70,6 +70,7 @@ CORE_ACTORS = {"trainer": "actors.trainer:TrainerActor", "rollout": "actors.roll
     ("param_server", {"ack_timeout": 5.0}, "ack_timeout", "ack_timeout_s"),
     ("param_server", {"eval": {"every_version": 2}}, "eval.every_version", "every_versions"),
     ("buffer", {"buffer": {"max_groups_per_rolout": 2}}, "buffer.max_groups_per_rolout", "max_groups_per_rollout"),
+    ("buffer", {"bus": {"max_inflght": 8}}, "bus.max_inflght", "max_inflight"),
 ])
 def test_a_misspelt_key_of_a_core_actor_is_refused_naming_its_full_path(
         tmp_path: Path, group: str, settings: dict, path: str, hint: str) -> None:
@@ -94,6 +95,7 @@ def test_a_misspelt_key_of_a_core_actor_is_refused_naming_its_full_path(
     ({"kl_coef": 0.1}, "actors.rollout.settings.kl_coef: unknown key (did you mean 'algo.kl_coef'?)"),
     ({"gen": {"kl_coef": 0.1}}, "actors.rollout.settings.gen.kl_coef: unknown key"),
     ({"max_running": "many"}, "actors.rollout.settings.max_running: input should be a valid integer (value: 'many')"),
+    ({"bus": {"heartbeat_timeout": 0}}, "actors.rollout.settings.bus.heartbeat_timeout: input should be greater than 0"),
 ])
 def test_a_misplaced_or_mistyped_actor_setting_is_refused_at_launch(settings: dict, expected: str) -> None:
     doc = {"cluster": {"nodes": 1}, "bus": {"transport": "ipc"},
@@ -207,3 +209,11 @@ def test_sft_command_line_defaults_are_the_dataclass_defaults() -> None:
     assert (cfg.levels, cfg.keep, cfg.until_plateau, cfg.lr, cfg.max_seconds) == ([1, 2, 3], "last", True, 0.5, 9.0)
     with pytest.raises(SystemExit):
         parse_args(["--data", "d", "--out", "o", "--steps", "3", "--epochs", "1"])
+
+
+def test_bus_settings_hand_the_bus_only_the_keys_they_set() -> None:
+    from topology.settings import BusSettings
+    # an explicit null turns heartbeats off; a key left out keeps transport.bus.Bus's own default
+    assert BusSettings.model_validate({"heartbeat_interval": None, "max_inflight": 8}).bus_kwargs() == \
+        {"heartbeat_interval": None, "max_inflight": 8}
+    assert BusSettings().bus_kwargs() == {}

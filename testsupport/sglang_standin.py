@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 
-from actors.engines.base import EngineError, GenerationRequest, RequestError, SamplingParams
-from actors.engines.sglang_group import drop_weight_group, join_weight_group, receive_bucket
+from actors.engines.base import EngineError, GenerationRequest, RequestError, SamplingParams, WeightBucket
+from actors.engines.sglang_group import drop_weight_group, join_weight_group
 from actors.engines.sglang_routes import SGLANG_VERSION
 from actors.engines.torch_gen import TorchGenerationEngine
-from transport.bulk import TensorMeta
+from transport.bulk import TensorMeta, unpack_flat
 
 __all__ = ["StandinServer", "main"]
 
@@ -67,6 +67,21 @@ _IMPLEMENTED: dict[str, set[str]] = {
     "/update_weight_version": {"new_version", "abort_all_requests"},
 }
 _SAMPLING = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed", "n"}
+
+
+def receive_bucket(pg: Any, specs: Sequence[TensorMeta], flattened: bool, device: str = "cpu") -> WeightBucket:
+    """The server's half of a weights-group broadcast: what SGLang's model runner does on each rank."""
+    import torch.distributed as dist
+
+    if flattened:
+        flat = torch.empty(sum(s.nbytes() for s in specs), dtype=torch.uint8, device=device)
+        dist.broadcast(flat, src=0, group=pg)
+        return unpack_flat(flat, specs, "weights group")
+    out = [(s.name, torch.empty(s.shape, dtype=s.torch_dtype(), device=device)) for s in specs]
+    handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in out]
+    for h in handles:
+        h.wait()
+    return out
 
 
 class _BadRequest(Exception):

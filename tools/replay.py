@@ -41,7 +41,7 @@ import msgpack
 
 import transport.protocol  # noqa: F401  (registers the rl.* message kinds so records decode)
 from topology import TopologyError, apply_overrides
-from transport.bus import Envelope, RemoteError, current_cause, wait_for_tasks
+from transport.bus import MAX_INFLIGHT, Envelope, RemoteError, current_cause, wait_for_tasks
 from transport.messages import DecodeError, Error, Message, decode, decode_header, encode, registry, to_plain
 from transport.msglog import LogRecord, MessageLogError, read_log
 
@@ -579,7 +579,7 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
             for e in recs:
                 expected_keys[(cause, e[0].peer)].append(_expected_key(e))
         checked, caught = [0], [0]
-        max_inflight = int((settings.get("bus") or {}).get("max_inflight", 64))
+        max_inflight = actor.cfg.bus.max_inflight or MAX_INFLIGHT
         started = stopped = False
         deliverer = _Deliverer(actor, bus, result, max_inflight)
         executor = _CountingExecutor(asyncio.get_running_loop())

@@ -22,7 +22,7 @@ from topology.schema import problem_lines
 
 __all__ = ["InstanceSettings", "WorldSettings", "ActorSettings", "RewardSettings", "CodeRewardSettings",
            "EngineSettings", "EvaluatorSettings", "TrainerSettings", "SGLangSettings", "RolloutSettings", "ParamServerSettings",
-           "BufferSettings", "MessageLogSettings", "SettingsError", "settings_model", "read_settings"]
+           "BufferSettings", "BusSettings", "MessageLogSettings", "SettingsError", "settings_model", "read_settings"]
 
 
 class WorldSettings(Section):
@@ -58,6 +58,23 @@ class MessageLogSettings(Section):
     flush_every: int = Field(1, ge=1, description="records between flushes")
 
 
+class BusSettings(Section):
+    """Keyword arguments of the actor's ``transport.bus.Bus``; a key left out keeps the Bus's own default."""
+
+    hwm: int | None = Field(None, ge=1, description="ZeroMQ high-water mark of each socket (messages)")
+    max_frame_bytes: int | None = Field(None, ge=1024, description="largest frame accepted without complaint")
+    hard_max_frame_bytes: int | None = Field(None, ge=1024, description="largest frame accepted at all")
+    max_inflight: int | None = Field(None, ge=1, description="coroutine handlers running at once")
+    heartbeat_interval: float | None = Field(None, gt=0, description="seconds between heartbeats (null: none)")
+    heartbeat_timeout: float | None = Field(None, gt=0, description="seconds of silence before a peer is dead")
+    reply_timeout: float | None = Field(None, gt=0, description="default seconds a request waits for its reply")
+    coalesce: bool | None = Field(None, description="send queued small messages in one batch")
+
+    def bus_kwargs(self) -> dict[str, Any]:
+        """The keys the settings set (an explicit null heartbeat_interval turns heartbeats off)."""
+        return self.model_dump(exclude_unset=True)
+
+
 class ActorSettings(ExperimentConfig):
     """What every actor may be given. Actor classes with keys of their own subclass it."""
 
@@ -66,9 +83,7 @@ class ActorSettings(ExperimentConfig):
     links: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="transport.bulk.LinkConfig of every link the instance is in (launcher)")
     log_console: bool = Field(True, description="false silences the console copy of the log")
-    bus: dict[str, Any] = Field(
-        default_factory=dict, description="keyword arguments of transport.bus.Bus (hwm, max_frame_bytes, "
-                                          "max_inflight, heartbeat_interval, heartbeat_timeout, reply_timeout)")
+    bus: BusSettings = Field(default_factory=BusSettings, description="the actor's bus (transport.bus.Bus)")
     message_log: MessageLogSettings | None = Field(
         None, description="record the actor's messages: true (the recording's defaults), or its settings")
     drain_timeout: float = Field(30.0, gt=0, description="seconds running handlers get to finish on stop")

@@ -75,6 +75,7 @@ def _release_zmq(sockets: list[zmq.Socket], ctx: zmq.Context, auth: Any) -> None
 
 
 HEARTBEAT_TIMEOUT_S = 5.0   # a peer silent this long is dead (pings go every second by default)
+MAX_INFLIGHT = 64           # coroutine handlers running at once; more wait, and so does the socket behind them
 
 
 async def wait_for_tasks(tasks: set[asyncio.Task], timeout: float | None = None) -> bool:
@@ -171,7 +172,7 @@ class Bus:
                  hwm: int = 1000,
                  max_frame_bytes: int = 256 << 20,
                  hard_max_frame_bytes: int | None = None,
-                 max_inflight: int = 64,
+                 max_inflight: int = MAX_INFLIGHT,
                  heartbeat_interval: float | None = 1.0,
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
                  on_peer_dead: Callable[[str], Any] | None = None,

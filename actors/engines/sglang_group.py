@@ -1,23 +1,21 @@
 """SGLang's weight-update process group, as its model runner forms and uses it: the trainer joins as rank 0
 and broadcasts each bucket, every server's tensor-parallel rank r joins as rank_offset + r and receives
-(/init_weights_update_group, /update_weights_from_distributed). A bucket travels in SGLang's
+(/init_weights_update_group, /update_weights_from_distributed; the receiving half is the server's own, and
+the stand-in server's in testsupport/sglang_standin.py). A bucket travels in SGLang's
 ``flattened_bucket`` layout: the one bucket format of transport/bulk.py with ``align=FLAT_ALIGN``.
 """
 from __future__ import annotations
 
 import datetime as _dt
 import threading
-from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from transport.bulk import FLAT_ALIGN, TensorMeta, pack_bucket, unpack_flat
+from transport.bulk import FLAT_ALIGN, pack_bucket
 
 from .base import WeightBucket
 from .sglang_routes import DEFAULT_GROUP, SGLangError
 
-__all__ = ["join_weight_group", "drop_weight_group", "broadcast_bucket", "receive_bucket", "WeightGroupSender"]
+__all__ = ["join_weight_group", "drop_weight_group", "broadcast_bucket", "WeightGroupSender"]
 
 
 def join_weight_group(master_address: str, master_port: int, rank: int, world_size: int,
@@ -69,21 +67,6 @@ def broadcast_bucket(pg: Any, bucket: WeightBucket, flattened: bool) -> None:
     handles = [dist.broadcast(t.detach().contiguous(), src=0, group=pg, async_op=True) for _, t in bucket]
     for h in handles:
         h.wait()
-
-
-def receive_bucket(pg: Any, specs: Sequence[TensorMeta], flattened: bool, device: str = "cpu") -> WeightBucket:
-    """The server's half (what SGLang's model runner does on each rank; used by the stand-in server)."""
-    import torch.distributed as dist
-
-    if flattened:
-        flat = torch.empty(sum(s.nbytes() for s in specs), dtype=torch.uint8, device=device)
-        dist.broadcast(flat, src=0, group=pg)
-        return unpack_flat(flat, specs, "weights group")
-    out = [(s.name, torch.empty(s.shape, dtype=s.torch_dtype(), device=device)) for s in specs]
-    handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in out]
-    for h in handles:
-        h.wait()
-    return out
 
 
 class WeightGroupSender:
