@@ -334,6 +334,8 @@ class Actor:
             return
         self._stop_reason = reason
         self.exit_code = max(self.exit_code, exit_code)
+        if self.msglog is not None:   # what it answers from here on, it answers as it stops (tools.replay)
+            self.msglog.record_event("stopping", self.name)
         self._stop_event.set()
 
     def _on_signal(self, signame: str) -> None:

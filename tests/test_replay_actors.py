@@ -101,6 +101,42 @@ def test_what_the_original_received_as_it_stopped_is_not_held_against_the_replay
     assert any("are not compared" in n for n in result.notes), result.notes
 
 
+def test_what_the_original_answered_as_it_stopped_is_not_held_against_the_replay(recorded: Path,
+                                                                                 tmp_path: Path) -> None:
+    # A rollout stopped by a signal at the run's end hands back the groups it holds ("draining"), which the
+    # replay, never stopped there, does not. The recorded reward log with its last answer made unlike the
+    # replay's (another group's scores) stands for that: after a "stopping" event it is noted, not compared;
+    # without the event the same log is a divergence.
+    from transport.messages import decode_header
+    from transport.msglog import MessageLogWriter, read_log
+
+    records, _ = read_log(recorded / "reward.msglog")
+    answers = [r for r in records if r.kind == "out" and r.cause is not None]
+    last, other = answers[-1], next(r for r in reversed(answers) if r.cause != answers[-1].cause)
+    meta = next(r.meta for r in records if r.kind == "meta")
+
+    def rewrite(path: Path, stopping: bool) -> str:
+        with MessageLogWriter(path, meta={k: v for k, v in meta.items() if k not in ("k", "t", "pid")}) as w:
+            for r in records:
+                if r.kind == "event":
+                    w.record_event(r.event, r.peer)
+                elif r.kind in ("in", "out") and r.cause == last.cause and r.kind == "out":
+                    if stopping and r is last:
+                        w.record_event("stopping", "reward")
+                    if r is last:
+                        w.record("out", other.frames, peer=r.peer, t=r.t, cause=r.cause)
+                elif r.kind in ("in", "out"):
+                    w.record(r.kind, r.frames, peer=r.peer, t=r.t, rejected=r.rejected, cause=r.cause)
+        return str(path)
+
+    assert decode_header(other.frames)[0].kind == decode_header(last.frames)[0].kind
+    differs = replay.replay_into(rewrite(tmp_path / "a.msglog", stopping=False), "actors.reward.math:MathReward")
+    assert differs.divergence is not None, differs
+    drained = replay.replay_into(rewrite(tmp_path / "b.msglog", stopping=True), "actors.reward.math:MathReward")
+    assert drained.compared and drained.divergence is None, drained
+    assert any("began to stop" in n for n in drained.notes), drained.notes
+
+
 def test_parameter_server_replays_with_its_links_stood_in_for(recorded: Path) -> None:
     log = str(recorded / "param_server.msglog")
     # The trainer's buckets come from the log; the buckets pushed to each rollout compare by header (names,

@@ -517,8 +517,12 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
     streams: list[tuple] = []          # each outbound record's (cause, peer) and its place on that stream
     stream_len: dict[tuple, int] = defaultdict(int)
     buckets: dict[str, deque] = defaultdict(deque)     # link -> the buckets the original received, in order
+    stop_at: LogRecord | None = None   # where the original began to stop (a signal, or a handler asked)
     for rec in records:
         if rec.rejected:
+            continue
+        if rec.kind == "event" and rec.event == "stopping":
+            stop_at = stop_at or rec
             continue
         if rec.kind == "event":
             schedule.append((rec, None, n_out))
@@ -661,10 +665,15 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
     if extra := sum(len(bus.sent.get(cause, [])) for cause in unanswered):
         result.notes.append(f"the original answered none of the last {len(tail)} inbound messages (it stopped "
                             f"first); the replay's {extra} message(s) answering them are not compared")
+    stop_index = stop_at.index if stop_at is not None else None
+    if stop_index is not None and (late := sum(r.index > stop_index for sent in originals.values() for r, _ in sent)):
+        result.notes.append(f"the original began to stop at log record {stop_index}: the {late} message(s) it "
+                            f"sent from then on (as it drained) are not compared")
     # Stopped early, the replay lacks what it never got to send: a pair that differs is the divergence, and
     # only without one is the first missing message.
-    result.divergence = (stopped_early and _first_divergence(inbound, originals, bus, True, float_tol, unanswered)) or \
-        _first_divergence(inbound, originals, bus, False, float_tol, unanswered)
+    result.divergence = \
+        (stopped_early and _first_divergence(inbound, originals, bus, True, float_tol, unanswered, stop_index)) or \
+        _first_divergence(inbound, originals, bus, False, float_tol, unanswered, stop_index)
     return result
 
 
@@ -687,25 +696,34 @@ def _by_peer(items: list, peer_of: Callable[[Any], str]) -> dict[str, list]:
 
 
 def _first_divergence(inbound: list, originals: dict, bus: ReplayBus, skip_missing: bool,
-                      tol: float = 0.0, unanswered: frozenset | set = frozenset()) -> Divergence | None:
+                      tol: float = 0.0, unanswered: frozenset | set = frozenset(),
+                      stop_index: int | None = None) -> Divergence | None:
     """Compare the replay's outbound messages with the original's, cause by cause in delivery order and, for
     one cause, peer by peer: what one peer receives comes in order, but messages to different peers (a
     weight push to every rollout at once, on threads) may interleave differently in any rerun.
     ``skip_missing``: only a pair that differs counts (the replay was stopped before it could finish).
-    ``unanswered``: causes the original received as it stopped; the replay's answers to them are skipped."""
+    ``unanswered``: causes the original received as it stopped; the replay's answers to them are skipped.
+    ``stop_index``: the log record where the original began to stop. What it sent from there on is left out,
+    and for a cause it answered (or received) from there on only a pair that differs counts: the replay
+    does not stop there, so it may send what the original did not, or not yet what it did."""
     order: list[tuple[int, LogRecord | None, str | None]] = [(-1, None, None)]
     order += [(i, rec, h.id) for i, (rec, h, _) in enumerate(inbound)]
     for pos, rec, cause in order:
         if cause in unanswered:
             continue
-        expected = _by_peer(originals.get(cause, []), lambda e: e[0].peer)
+        sent = originals.get(cause, [])
+        lenient = skip_missing
+        if stop_index is not None and ((rec is not None and rec.index > stop_index)
+                                       or any(e[0].index > stop_index for e in sent)):
+            sent, lenient = [e for e in sent if e[0].index < stop_index], True
+        expected = _by_peer(sent, lambda e: e[0].peer)
         actual = _by_peer(bus.sent.get(cause, []), lambda a: a.peer)
         for peer in [*expected, *(p for p in actual if p not in expected)]:
             exp_list, act_list = expected.get(peer, []), actual.get(peer, [])
             for j in range(max(len(exp_list), len(act_list))):
                 exp = exp_list[j] if j < len(exp_list) else None
                 act = act_list[j] if j < len(act_list) else None
-                if skip_missing and (exp is None or act is None):
+                if lenient and (exp is None or act is None):
                     continue
                 exp_key = _expected_key(exp) if exp else None
                 if exp is not None and act is not None and _same(exp_key, act, tol):

@@ -9,6 +9,7 @@ File layout: an 8-byte magic ``AREALML1`` then records, each ``<u32 length><u32 
     {"k": "bulk_in" | "bulk_out", "t": time, "peer": "link#rank", "link": name,
      "frames": [msgpack bucket header, bucket bytes (bulk_in, tensors="store")], "sums": [sha256]?, "cause": id?}
     {"k": "event", "t": time, "peer": name, "event": "peer_dead" | "peer_alive"}     # the bus's heartbeat verdicts
+    {"k": "event", "t": time, "peer": own name, "event": "stopping"}                   # the actor began to stop
 
 ``frames[0]`` is the message's header+body frame exactly as it crossed the wire, so a record decodes with
 :func:`transport.messages.decode`. Tensor frames are stored whole (``tensors="store"``) or only as
@@ -114,8 +115,9 @@ class MessageLogWriter:
         self._append(rec)
 
     def record_event(self, event: str, peer: str) -> None:
-        """Append what the bus concluded from heartbeats (``peer_dead``, ``peer_alive``): no message carries
-        it, and an actor acts on it (re-issues work, asks again)."""
+        """Append what no message carries and an actor acts on: the bus's heartbeat verdicts (``peer_dead``,
+        ``peer_alive``: it re-issues work, asks again), and ``stopping`` (a signal or a handler began its
+        stop: what it sends from then on, it sends as it drains)."""
         self._append({"k": "event", "t": time.time(), "peer": peer, "event": event})
 
     def _append(self, rec: dict, force: bool = False) -> None:
@@ -167,7 +169,7 @@ class LogRecord:
     rejected: str | None = None
     cause: str | None = None
     segment: int = 0           # which open() of the file (a restarted actor appends a new segment)
-    event: str | None = None   # kind "event": peer_dead or peer_alive
+    event: str | None = None   # kind "event": peer_dead, peer_alive or stopping
     meta: dict = field(default_factory=dict)
 
     @property
