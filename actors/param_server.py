@@ -1,10 +1,9 @@
 """ParamServerActor: takes each new weight version from the trainer and brings every rollout up to it.
 
-Two bulk links (transport/bulk.py). On ``train_to_ps`` it is a receiver: a :class:`WeightsPublished`
-request announces ``n_buckets`` buckets that the trainer then sends point-to-point; they are received in a
-thread, their :func:`actors.weights.weights_hash` is checked against the announced one, and the version is
-stored (packed once, in memory) before the reply :class:`WeightsStored`. On ``ps_to_rollout`` it is rank 0,
-the broadcaster and the link's rendezvous master.
+It coordinates; its *fanout* (actors/weight_sync, picked once at start from the links) moves the bytes.
+A :class:`WeightsPublished` from the trainer goes to the fanout, which takes the version (the relay
+receives and stores its buckets; with direct weights only their description is kept) and offers it here
+(``offer``): it becomes the version every rollout is brought to, unless a newer one got there first.
 
 One task, the *pusher*, owns the rollout link, so formation and transfers never interleave:
 
@@ -17,7 +16,7 @@ One task, the *pusher*, owns the rollout link, so formation and transfers never 
   restarts and says hello) the link is formed again. A failed rendezvous is retried at a newer generation
   after ``retry_s``.
 * Pushing. Whenever a member of the formed generation is behind the newest stored version, the pusher
-  sends :class:`WeightsReady` to every member as a request, broadcasts the stored buckets, and collects
+  has the fanout send :class:`WeightsReady` to every member as a request and move the bytes, and collects
   the :class:`WeightsAck` replies (``ack_timeout_s``). Each ack's hash is compared with the trainer's; a
   mismatch is logged as an error and counted. Versions that arrive while a push runs are coalesced: the
   next push sends only the newest. A member lost while a formation or a push runs ends it at once: the
@@ -29,14 +28,13 @@ At start the server holds the start weights (:func:`actors.recovery.start_weight
 starts late or restarts is brought to the current version even before the trainer publishes anything new.
 :class:`WeightsStatusRequest` reports the per-rollout state and can wait for a version.
 
-How a formation and a push move bytes is the *fanout*'s, picked once at start (actors/weight_sync): the
-relay's :class:`~actors.weight_sync.RelayFanout` (this server is rank 0 of the rollouts' link and sends on
-a lane per rollout), or, with direct weights (GPU topologies: one link of ``[trainer.0, rollout]``, this
-server in none), :class:`~actors.weight_sync.TrainerFanout`: the trainer keeps its last two exported
-versions and is rank 0 of the rollouts' group; this server holds no weights and runs the same pusher, but
-forms the group by sending :class:`LinkReform` to the trainer as a request too, and has the trainer
-broadcast (:class:`WeightsBroadcast`) instead of broadcasting itself. The rollouts cannot tell the
-difference. The start version's hash is not known here (nothing is loaded), so a
+How a formation and a push move bytes is the fanout's: the relay's :class:`~actors.weight_sync.RelayFanout`
+(this server receives each version on ``train_to_ps``, is rank 0 of ``ps_to_rollout`` and sends on a lane
+per rollout), or, with direct weights (GPU topologies: one link of ``[trainer.0, rollout]``, this server in
+none), :class:`~actors.weight_sync.TrainerFanout`: the trainer keeps its last two exported versions, is
+rank 0 of the rollouts' group, forms it when asked (:class:`LinkReform` as a request) and broadcasts when
+asked (:class:`WeightsBroadcast`). The pusher is the same either way, and the rollouts cannot tell the
+difference. The start version's hash is not known with direct weights (nothing is loaded here), so a
 rollout at the start version counts as up to date, as in the relay mode.
 
 Evaluation during the run (``eval.every_versions`` N > 0): every stored version that is a multiple of N
@@ -60,61 +58,20 @@ from typing import Any
 import torch
 
 from actors.base import Actor, ActorSpec, handles
-from actors.engines.checkpoint import bucketize, iter_checkpoint_tensors
-from actors.recovery import start_weights
-from actors.weight_sync import Fanout, RelayFanout, TrainerFanout, in_thread, link_config
-from actors.weights import weights_hash
-from topology.experiment import ExperimentConfig
+from actors.weight_sync import Fanout, StoredVersion, make_fanout
 from topology.settings import ParamServerSettings
-from transport.bulk import BulkError, BulkLink, PackedBucket, pack_buckets
+from transport.bulk import BulkError
 from transport.bus import BusError
 from transport.protocol import (EvalWeights, EvalWeightsRequest, HelloRequest, LinkReform, RolloutHello,
                                 RolloutWeights, RunFinished, ServerDown, WeightsPublished, WeightsStatus,
                                 WeightsStatusRequest, WeightsStored)
 
-__all__ = ["ParamServerActor", "ParamServerConfigError", "WeightsRejected", "kept_for_eval", "StoredVersion"]
-
-
-class ParamServerConfigError(ValueError):
-    """The parameter server's settings are unusable; the message names the key."""
-
-
-class WeightsRejected(RuntimeError):
-    """A published version was not stored (hash mismatch, link failure); the message says why."""
+__all__ = ["ParamServerActor", "kept_for_eval"]
 
 
 def kept_for_eval(version: int, every: int) -> bool:
     """Whether a version is one the evaluator evaluates: a multiple of ``eval.every_versions`` (0: off)."""
     return every > 0 and version % every == 0
-
-
-@dataclasses.dataclass
-class StoredVersion:
-    version: int
-    weights_hash: str
-    packed: list[PackedBucket]      # empty with direct weights: the trainer keeps them
-    nbytes: int
-    n_buckets: int = -1
-    specs: list = dataclasses.field(default_factory=list)   # direct weights: TensorMeta lists per bucket
-    stage_buckets: list[int] = dataclasses.field(default_factory=list)   # per trainer pipeline stage
-
-    def __post_init__(self) -> None:
-        if self.n_buckets < 0:
-            self.n_buckets = len(self.packed)
-
-
-def load_start_weights(cfg: ExperimentConfig, run_dir: Any, bucket_bytes: int) -> StoredVersion:
-    """The start weights as stored buckets, in the dtype the rollouts hold them (so the hashes agree)."""
-    version, model_dir = start_weights(cfg, run_dir)
-    dtype_name = cfg.model.dtype
-    dtype = getattr(torch, str(dtype_name)) if dtype_name else None
-    if dtype_name and not isinstance(dtype, torch.dtype):
-        raise ParamServerConfigError(f"model.dtype: {dtype_name!r} is not a torch dtype")
-    named = [(n, t.to(dtype) if dtype is not None else t) for n, t in iter_checkpoint_tensors(model_dir)]
-    named = [(n, t) for n, t in named if not n.endswith("rotary_emb.inv_freq")]
-    buckets = list(bucketize(named, bucket_bytes))
-    packed = pack_buckets(buckets)
-    return StoredVersion(version, weights_hash(named), packed, sum(p.flat.numel() for p in packed))
 
 
 class ParamServerActor(Actor):
@@ -126,9 +83,7 @@ class ParamServerActor(Actor):
         self.current: StoredVersion | None = None
         self.start_version = 0
         self.rollouts: dict[str, RolloutWeights] = {}
-        self.up: BulkLink | None = None
         self.fanout: Fanout | None = None       # how a version reaches the rollouts: the relay, or the trainer
-        self.trainer_rank = 0
         self.generation: int | None = None      # generation of the formed rollout link, None if not formed
         self.next_generation = 0
         self.need_reform = False
@@ -142,10 +97,6 @@ class ParamServerActor(Actor):
         self.sync_seconds: list[float] = []
         self._kick = asyncio.Event()
         self._changed = asyncio.Condition()
-        self._up_lock = asyncio.Lock()
-        self._up_epoch = 0   # the newest train-link epoch the trainer has named
-        self._storing: set[asyncio.Task] = set()   # published versions being hashed and packed
-        self._trainer_incarnation = ""
         self._waiting_logged: tuple = ()
         self._form_started = 0.0   # time.monotonic() of the running formation's start
         # Hellos can arrive while on_start still loads the start weights; they are applied once it is done.
@@ -164,47 +115,16 @@ class ParamServerActor(Actor):
         self.probation_s = self.cfg.probation_s
         self.late_s = self.cfg.late_s
         self.eval_every = self.cfg.eval.every_versions
-        if not self.cfg.links:
-            self._start_direct()
-            return
-        up_cfg = link_config(self.cfg.links, self.cfg.train_link, "train_to_ps", key="train_link")
-        down_cfg = link_config(self.cfg.links, self.cfg.rollout_link, "ps_to_rollout", key="rollout_link")
-        if up_cfg is None or down_cfg is None or up_cfg.name == down_cfg.name:
-            raise ParamServerConfigError(f"links: need a train link and a rollout link, got "
-                                         f"{sorted(self.cfg.links)}")
-        if down_cfg.rank != 0:
-            raise ParamServerConfigError(f"links.{down_cfg.name}.members: the parameter server must be listed first "
-                                         f"(it broadcasts as rank 0), got {down_cfg.members}")
-        trainers = [m for m in up_cfg.members if m != self.name]
-        if len(trainers) != 1:
-            raise ParamServerConfigError(f"links.{up_cfg.name}.members: expected the trainer and the parameter "
-                                         f"server, got {up_cfg.members}")
-        self.trainer_rank = up_cfg.rank_of(trainers[0])
-        self.rollouts = {m: RolloutWeights() for m in down_cfg.members if m != self.name}
-        bucket_bytes = self.cfg.bucket_bytes
+        self.fanout = make_fanout(self)
+        self.rollouts = {m: RolloutWeights() for m in self.fanout.rollouts}
         t0 = time.monotonic()
-        self.current = await asyncio.to_thread(load_start_weights, self.cfg, self.run_dir, bucket_bytes)
+        self.current = await self.fanout.start_weights()
         self.start_version = self.current.version
         self._keep_for_eval(self.current)
         self.log.info("start_weights", version=self.current.version, hash=self.current.weights_hash,
+                      path=type(self.fanout).__name__, rollouts=len(self.rollouts),
                       buckets=len(self.current.packed), nbytes=self.current.nbytes,
                       seconds=round(time.monotonic() - t0, 3))
-        # The train link is joined at the epoch the trainer's first WeightsPublished names (on_published).
-        self.up, self.fanout = self.make_link(up_cfg), RelayFanout(self, self.make_link(down_cfg))
-        self._mark_started()
-
-    def _start_direct(self) -> None:
-        groups = self.cfg.groups
-        trainers, rollouts = groups.get("trainer") or [], groups.get("rollout") or []
-        if not trainers or not rollouts:
-            raise ParamServerConfigError(f"links: none lists the parameter server, so weights go directly from "
-                                         f"the trainer to the rollouts, but groups has trainer {trainers} and "
-                                         f"rollout {rollouts}")
-        self.fanout = TrainerFanout(self, trainers[0])
-        self.rollouts = {m: RolloutWeights() for m in rollouts}
-        self.start_version, _ = start_weights(self.cfg, self.run_dir)
-        self.current = StoredVersion(self.start_version, "", [], 0, n_buckets=0)
-        self.log.info("direct_weights", trainer=trainers[0], rollouts=len(rollouts), version=self.start_version)
         self._mark_started()
 
     def _mark_started(self) -> None:
@@ -219,8 +139,6 @@ class ParamServerActor(Actor):
             await self.bus.send(name, HelloRequest())
 
     async def on_stop(self) -> None:
-        if self.up is not None:
-            self.up.close()
         if self.fanout is not None:
             self.fanout.close()
         times = sorted(self.sync_seconds)
@@ -298,84 +216,20 @@ class ParamServerActor(Actor):
     # ---------------------------------------------------------------------------- trainer -> storage
 
     @handles(WeightsPublished)
-    async def on_published(self, msg: WeightsPublished, env: Any) -> WeightsStored:
+    async def on_published(self, msg: WeightsPublished) -> WeightsStored:
         await self._started.wait()
         assert self.fanout is not None
-        if not self.fanout.holds_weights:   # the trainer keeps them: only the announcement comes here
-            return self._published_direct(msg)
-        assert self.up is not None
-        if msg.incarnation != self._trainer_incarnation:   # the trainer restarted: its epochs start again
-            self._trainer_incarnation, self._up_epoch = msg.incarnation, msg.link_epoch
-        self._up_epoch = max(self._up_epoch, msg.link_epoch)
-        if self.up.generation != msg.link_epoch:
-            # First contact, a restart of either side, or a transfer that failed: meet the trainer on the epoch
-            # it names (it is the rendezvous master and joins that epoch too), on a link object of its own: an
-            # announcement older than a restart may still be waiting for its epoch in another thread.
-            link = self.make_link(self.up.config)
-            try:
-                await in_thread(link.open, msg.link_epoch)
-            except BulkError as exc:
-                self.counters["train_link_failures"] += 1
-                raise WeightsRejected(f"version {msg.version}: the train link did not form at epoch "
-                                      f"{msg.link_epoch}: {exc}") from None
-            if msg.link_epoch == self._up_epoch:
-                self.up = link
-                self.log.info("train_link_formed", link=link.config.name, epoch=msg.link_epoch)
-        async with self._up_lock:
-            if self.up.generation != msg.link_epoch:
-                raise WeightsRejected(f"version {msg.version}: epoch {msg.link_epoch} of the train link was "
-                                      f"superseded by epoch {self._up_epoch}")
-            t0 = time.monotonic()
-            buckets = []
-            try:
-                for _ in range(msg.n_buckets):
-                    buckets.append(await in_thread(self.up.recv, self.trainer_rank))
-            except BulkError as exc:
-                self.counters["receive_failures"] += 1
-                self.log.error("weights_receive_failed", version=msg.version, received=len(buckets),
-                               expected=msg.n_buckets, error=str(exc))
-                raise WeightsRejected(f"version {msg.version}: receiving bucket {len(buckets)} of "
-                                      f"{msg.n_buckets} failed: {exc}") from exc
-            receive_s = time.monotonic() - t0
-        if self.current is not None and msg.version <= self.current.version:
-            self.log.warning("stale_version_ignored", version=msg.version, current=self.current.version)
-            return WeightsStored(version=msg.version, receive_seconds=receive_s)
-        if msg.weights_hash:   # announced: checked before the answer, so a mismatch fails the publish
-            await self._store(msg.version, buckets, receive_s, msg.weights_hash)
-        else:   # hashed and packed here after the answer: off the trainer's step (the rollouts wait for it)
-            task = self.spawn(self._store(msg.version, buckets, receive_s), name=f"store-v{msg.version}")
-            self._storing.add(task)
-            task.add_done_callback(self._storing.discard)
-        return WeightsStored(version=msg.version, receive_seconds=receive_s)
+        return await self.fanout.accept(msg)
 
-    async def _store(self, version: int, buckets: list, receive_s: float, announced: str = "") -> None:
-        """Hash and pack a received version and make it the one pushed, unless a newer one got there first."""
-        named = [kv for b in buckets for kv in b]
-        digest = await asyncio.to_thread(weights_hash, named)
-        if announced and digest != announced:
-            self.counters["published_hash_mismatches"] += 1
-            self.log.error("published_hash_mismatch", version=version, announced=announced, got=digest)
-            raise WeightsRejected(f"version {version}: buckets hash to {digest}, the trainer announced {announced}")
-        packed = await asyncio.to_thread(pack_buckets, buckets)
-        if self.current is not None and version <= self.current.version:
-            return
-        self.current = StoredVersion(version, digest, packed, sum(p.flat.numel() for p in packed))
+    def offer(self, stored: StoredVersion) -> bool:
+        """The fanout took a version: the rollouts are brought to it unless it is no newer than the current."""
+        if self.current is not None and stored.version <= self.current.version:
+            return False
+        self.current = stored
         self.counters["versions_stored"] += 1
-        self._keep_for_eval(self.current)
-        self.log.info("weights_stored", version=version, buckets=len(buckets), nbytes=self.current.nbytes,
-                      receive_s=round(receive_s, 4))
+        self._keep_for_eval(stored)
         self._kick.set()
-
-    def _published_direct(self, msg: WeightsPublished) -> WeightsStored:
-        assert self.current is not None
-        if msg.version <= self.current.version:
-            self.log.warning("stale_version_ignored", version=msg.version, current=self.current.version)
-        else:
-            self.current = StoredVersion(msg.version, msg.weights_hash, [], 0, n_buckets=msg.n_buckets,
-                                         specs=msg.specs, stage_buckets=msg.stage_buckets)
-            self.counters["versions_stored"] += 1
-            self._kick.set()
-        return WeightsStored(version=msg.version, receive_seconds=0.0)
+        return True
 
     # ---------------------------------------------------------------------------- storage -> rollouts
 
@@ -570,11 +424,11 @@ class ParamServerActor(Actor):
     @handles(WeightsStatusRequest)
     async def on_status(self, msg: WeightsStatusRequest) -> WeightsStatus:
         await self._started.wait()
-        if self._storing:
-            # A published version still being hashed and packed is answered for once stored (milliseconds):
-            # the answer then depends on the messages received, not on how fast the hashing thread ran,
-            # so a replay of the log gives the same answer.
-            await asyncio.wait(set(self._storing), timeout=30.0)
+        # A published version still being hashed and packed is answered for once stored (milliseconds): the
+        # answer then depends on the messages received, not on how fast the hashing thread ran, so a replay
+        # of the log gives the same answer.
+        assert self.fanout is not None
+        await self.fanout.settled()
         if msg.min_version < 0 or msg.timeout_s <= 0:
             return self._status(msg)
         try:

@@ -233,7 +233,7 @@ def test_direct_weights_trainer_broadcasts_to_rollouts(assets: dict[str, Path], 
         if proc.poll() is None:
             kill_run(proc, run_dir)
     check_invariants(run_dir, 12)
-    assert events(run_dir, "param_server", "direct_weights")
+    assert [e["path"] for e in events(run_dir, "param_server", "start_weights")] == ["TrainerFanout"]
     formed = events(run_dir, "param_server", "rollout_link_formed")
     assert len(formed) >= 2, "the group was not formed again after the rollout restarted"
     assert len(events(run_dir, "trainer", "weights_link_formed")) >= len(formed)

@@ -11,7 +11,8 @@ import pytest
 
 from actors.base import ActorSpec
 from actors.engines.checkpoint import hf_state_dict, load_model
-from actors.param_server import ParamServerActor, load_start_weights
+from actors.param_server import ParamServerActor
+from actors.weight_sync import load_start_weights
 from actors.weights import weights_hash
 from testsupport.bounded import run_bounded
 from testsupport.local_actors import actor_spec, gloo_link, ipc_endpoints

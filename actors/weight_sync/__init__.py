@@ -21,17 +21,18 @@ from typing import Any
 from topology.settings import TrainerSettings
 from transport.bulk import LinkConfig
 
-from .base import (Fanout, WeightReceiver, WeightSender, WeightSyncConfigError, WeightSyncError, in_thread,
-                   link_config, weight_group_name)
+from .base import (Fanout, StoredVersion, WeightReceiver, WeightSender, WeightSyncConfigError, WeightSyncError,
+                   WeightsRejected, in_thread, link_config, weight_group_name)
 from .direct import DirectSender, KeptVersions, LinkCarrier, TrainerFanout
 from .receivers import LinkReceiver, ServerGroupReceiver, Verify
-from .relay import PUBLISH_ATTEMPTS, RelayFanout, RelaySender
+from .relay import PUBLISH_ATTEMPTS, RelayFanout, RelaySender, load_start_weights
 from .servers import ServerGroupCarrier, ServerGroupHost, StageExport, StageSender
 
-__all__ = ["Fanout", "WeightReceiver", "WeightSender", "WeightSyncConfigError", "WeightSyncError", "in_thread",
-           "link_config", "weight_group_name", "DirectSender", "KeptVersions", "LinkCarrier", "TrainerFanout",
-           "LinkReceiver", "ServerGroupReceiver", "PUBLISH_ATTEMPTS", "RelayFanout", "RelaySender",
-           "ServerGroupCarrier", "ServerGroupHost", "StageExport", "StageSender", "make_sender", "make_receiver", "sends_direct"]
+__all__ = ["Fanout", "StoredVersion", "WeightReceiver", "WeightSender", "WeightSyncConfigError", "WeightSyncError",
+           "WeightsRejected", "in_thread", "link_config", "weight_group_name", "DirectSender", "KeptVersions",
+           "LinkCarrier", "TrainerFanout", "LinkReceiver", "ServerGroupReceiver", "PUBLISH_ATTEMPTS", "RelayFanout",
+           "RelaySender", "load_start_weights", "ServerGroupCarrier", "ServerGroupHost", "StageExport", "StageSender",
+           "make_sender", "make_fanout", "make_receiver", "sends_direct"]
 
 
 def sends_direct(cfg: TrainerSettings) -> bool:
@@ -59,6 +60,32 @@ def make_sender(trainer: Any, weight_ranks: Any, lock: asyncio.Lock) -> WeightSe
                                     f"rank 0 and must be listed first, got {config.members}")
     return DirectSender(LinkCarrier(link, trainer.log), ServerGroupCarrier(config, weight_ranks, trainer.log),
                         trainer.bus, param_server, lock, stages=weight_ranks is not None)
+
+
+def make_fanout(server: Any) -> Fanout:
+    """The parameter server's side: the relay if links list it (it receives on ``train_to_ps`` and is rank 0
+    of ``ps_to_rollout``), direct weights if none does (the trainer broadcasts; this server holds no bytes)."""
+    cfg = server.cfg
+    if not cfg.links:
+        trainers, rollouts = cfg.groups.get("trainer") or [], cfg.groups.get("rollout") or []
+        if not trainers or not rollouts:
+            raise WeightSyncConfigError(f"links: none lists the parameter server, so weights go directly from "
+                                        f"the trainer to the rollouts, but groups has trainer {trainers} and "
+                                        f"rollout {rollouts}")
+        return TrainerFanout(server, trainers[0], rollouts)
+    up = link_config(cfg.links, cfg.train_link, "train_to_ps", key="train_link")
+    down = link_config(cfg.links, cfg.rollout_link, "ps_to_rollout", key="rollout_link")
+    if up is None or down is None or up.name == down.name:
+        raise WeightSyncConfigError(f"links: need a train link and a rollout link, got {sorted(cfg.links)}")
+    if down.rank != 0:
+        raise WeightSyncConfigError(f"links.{down.name}.members: the parameter server must be listed first "
+                                    f"(it broadcasts as rank 0), got {down.members}")
+    trainers = [m for m in up.members if m != server.name]
+    if len(trainers) != 1:
+        raise WeightSyncConfigError(f"links.{up.name}.members: expected the trainer and the parameter "
+                                    f"server, got {up.members}")
+    # The train link is joined at the epoch the trainer's first WeightsPublished names (RelayFanout.accept).
+    return RelayFanout(server, server.make_link(up), server.make_link(down), up.rank_of(trainers[0]))
 
 
 def make_receiver(rollout: Any, config: LinkConfig, engine: Any, verify: Verify) -> WeightReceiver:

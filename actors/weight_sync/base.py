@@ -6,8 +6,9 @@ A path moves each new version from the trainer to the rollouts. Its sides:
   exported buckets; a path whose bytes the trainer sends when the parameter server asks for them also
   answers ``form`` (:class:`LinkReform`) and ``broadcast`` (:class:`WeightsBroadcast`).
 * :class:`Fanout`: the parameter server's hands. The server decides *when* a group is formed and a
-  version pushed, and records the acks; the fanout decides *how*: it forms the group of a generation and
-  moves the stored version's bytes to its members (itself, or by asking the trainer).
+  version pushed, and records the acks; the fanout decides *how*: it takes each version the trainer
+  announces (its bytes, or only what the rollouts need to know of it), forms the group of a generation
+  and moves the stored version's bytes to its members (itself, or by asking the trainer).
 * :class:`WeightReceiver`: a rollout. It joins each generation the parameter server names and turns a
   :class:`WeightsReady` into a :class:`WeightsAck`.
 
@@ -18,12 +19,14 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextvars
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from transport.bulk import BulkError, LinkConfig
-from transport.protocol import LinkFormed, LinkReform, WeightsAck, WeightsBroadcast, WeightsBroadcastDone, WeightsReady
+from transport.bulk import BulkError, LinkConfig, PackedBucket
+from transport.protocol import (LinkFormed, LinkReform, WeightsAck, WeightsBroadcast, WeightsBroadcastDone,
+                                WeightsPublished, WeightsReady, WeightsStored)
 
 T = TypeVar("T")
 
@@ -36,6 +39,28 @@ class WeightSyncConfigError(ValueError):
 
 class WeightSyncError(RuntimeError):
     """A weight update could not be received or applied; the message names the version and cause."""
+
+
+class WeightsRejected(RuntimeError):
+    """A published version was not stored (hash mismatch, link failure); the message says why."""
+
+
+@dataclasses.dataclass
+class StoredVersion:
+    """The version the parameter server brings the rollouts to: its bytes (the relay), or what the rollouts
+    must be told of bytes the trainer keeps (direct weights)."""
+
+    version: int
+    weights_hash: str
+    packed: list[PackedBucket]      # empty with direct weights: the trainer keeps them
+    nbytes: int
+    n_buckets: int = -1
+    specs: list = dataclasses.field(default_factory=list)   # direct weights: TensorMeta lists per bucket
+    stage_buckets: list[int] = dataclasses.field(default_factory=list)   # per trainer pipeline stage
+
+    def __post_init__(self) -> None:
+        if self.n_buckets < 0:
+            self.n_buckets = len(self.packed)
 
 
 def in_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
@@ -114,13 +139,28 @@ class WeightSender(abc.ABC):
 
 
 class Fanout(abc.ABC):
-    """The parameter server's side: forms a generation's group and moves a stored version over it. It is
-    built with the ParamServerActor that coordinates, and reports back through its coordination calls:
+    """The parameter server's side: takes each version the trainer announces, forms a generation's group
+    and moves a stored version over it. It is built with the ParamServerActor that coordinates, and reports
+    back through its coordination calls: ``offer`` (a version to bring the rollouts to),
     ``send_link_reform``, ``await_formation`` and ``unless_lost`` (a transfer ends when a member is lost),
     ``record_ack``, ``pushed``, ``failed_with`` (probation), ``kick`` (look again)."""
 
     #: whether the parameter server holds the bytes of each version (it can keep some for the evaluator)
     holds_weights: bool = False
+    #: the rollouts this path brings to each version
+    rollouts: list[str]
+
+    @abc.abstractmethod
+    async def start_weights(self) -> StoredVersion:
+        """The version the run starts from (a resumed run's checkpoint, else the model's)."""
+
+    @abc.abstractmethod
+    async def accept(self, msg: WeightsPublished) -> WeightsStored:
+        """The trainer announced a version: take it and ``offer`` it to the parameter server; the answer.
+        Raises WeightsRejected if it cannot be taken."""
+
+    async def settled(self) -> None:
+        """Return once every version accepted so far is offered (one may be hashed after its answer)."""
 
     @abc.abstractmethod
     async def form(self, generation: int, members: list[str]) -> dict[str, Any] | None:

@@ -26,13 +26,14 @@ import asyncio
 import time
 from typing import Any
 
+from actors.recovery import start_weights
 from actors.weights import combine_digests, tensor_digests
 from transport.bulk import BulkError, BulkLink, PackedBucket, bucket_metas, pack_buckets
 from transport.bus import BusError
 from transport.protocol import (LinkFormed, LinkReform, WeightsAck, WeightsBroadcast, WeightsBroadcastDone,
                                 WeightsPublished, WeightsReady, WeightsStored)
 
-from .base import Bucket, Fanout, WeightSender, WeightSyncConfigError, in_thread
+from .base import Bucket, Fanout, StoredVersion, WeightSender, WeightSyncConfigError, in_thread
 
 
 class KeptVersions:
@@ -178,10 +179,27 @@ class TrainerFanout(Fanout):
     """The parameter server's side of direct weights: it holds no bytes; the trainer forms each generation
     (LinkReform as a request) and broadcasts (WeightsBroadcast) while the rollouts receive."""
 
-    def __init__(self, server: Any, trainer: str) -> None:
+    def __init__(self, server: Any, trainer: str, rollouts: list[str]) -> None:
         self.server, self.trainer = server, trainer   # the ParamServerActor that coordinates
+        self.rollouts = list(rollouts)
         self._acks: dict[str, asyncio.Future] = {}    # the running push's WeightsReady requests, by rollout
         self._abandoned: dict[str, str] = {}          # ... given up on, and why
+
+    async def start_weights(self) -> StoredVersion:
+        """Only the start version's number: nothing is loaded here, so its hash is unknown and a rollout at it
+        counts as up to date; a restarted rollout is brought to the newest version from the trainer's copy."""
+        ps = self.server
+        version, _ = start_weights(ps.cfg, ps.run_dir)
+        return StoredVersion(version, "", [], 0, n_buckets=0)
+
+    async def accept(self, msg: WeightsPublished) -> WeightsStored:
+        """The trainer keeps the bytes: only what the rollouts must be told of them is stored."""
+        ps = self.server
+        stored = StoredVersion(msg.version, msg.weights_hash, [], 0, n_buckets=msg.n_buckets,
+                               specs=msg.specs, stage_buckets=msg.stage_buckets)
+        if not ps.offer(stored):
+            ps.log.warning("stale_version_ignored", version=msg.version, current=ps.current.version)
+        return WeightsStored(version=msg.version, receive_seconds=0.0)
 
     async def form(self, generation: int, members: list[str]) -> dict[str, Any] | None:
         ps = self.server

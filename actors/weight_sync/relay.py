@@ -19,11 +19,17 @@ import time
 from collections import Counter
 from typing import Any
 
-from transport.bulk import BulkError, BulkLink
+import torch
+
+from actors.engines.checkpoint import bucketize, iter_checkpoint_tensors
+from actors.recovery import start_weights
+from actors.weights import weights_hash
+from topology.experiment import ExperimentConfig
+from transport.bulk import BulkError, BulkLink, pack_buckets
 from transport.bus import BusError
 from transport.protocol import WeightsPublished, WeightsReady, WeightsStored
 
-from .base import Bucket, Fanout, WeightSender, in_thread
+from .base import Bucket, Fanout, StoredVersion, WeightSender, WeightSyncConfigError, WeightsRejected, in_thread
 
 # A parameter server restarted in place answers within a few seconds; each attempt is bounded by the link's
 # timeout, so this bounds how long a step waits for one that does not come back.
@@ -85,16 +91,108 @@ class RelaySender(WeightSender):
         self.link.close()
 
 
+def load_start_weights(cfg: ExperimentConfig, run_dir: Any, bucket_bytes: int) -> StoredVersion:
+    """The start weights as stored buckets, in the dtype the rollouts hold them (so the hashes agree)."""
+    version, model_dir = start_weights(cfg, run_dir)
+    dtype_name = cfg.model.dtype
+    dtype = getattr(torch, str(dtype_name)) if dtype_name else None
+    if dtype_name and not isinstance(dtype, torch.dtype):
+        raise WeightSyncConfigError(f"model.dtype: {dtype_name!r} is not a torch dtype")
+    named = [(n, t.to(dtype) if dtype is not None else t) for n, t in iter_checkpoint_tensors(model_dir)]
+    named = [(n, t) for n, t in named if not n.endswith("rotary_emb.inv_freq")]
+    buckets = list(bucketize(named, bucket_bytes))
+    packed = pack_buckets(buckets)
+    return StoredVersion(version, weights_hash(named), packed, sum(p.flat.numel() for p in packed))
+
+
 class RelayFanout(Fanout):
-    """The parameter server's own link to the rollouts (it is rank 0): it forms each generation itself and
-    sends every member the stored buckets on a lane of its own, so a late or hung member holds up nobody
-    else."""
+    """The parameter server between the trainer and the rollouts. It receives each version on the train link
+    (``up``; it joins the epoch the trainer names), stores it packed, and is rank 0 of the rollouts' link
+    (``down``): it forms each generation itself and sends every member the stored buckets on a lane of its
+    own, so a late or hung member holds up nobody else."""
 
     holds_weights = True
 
-    def __init__(self, server: Any, link: BulkLink) -> None:
-        self.server, self.link = server, link   # the ParamServerActor that coordinates
+    def __init__(self, server: Any, up: BulkLink, down: BulkLink, trainer_rank: int) -> None:
+        self.server = server   # the ParamServerActor that coordinates
+        self.up, self.link, self.trainer_rank = up, down, trainer_rank
+        self.rollouts = [m for m in down.config.members if m != server.name]
         self._lanes: dict[str, asyncio.Future] = {}   # each rollout's running transfer and ack
+        self._up_lock = asyncio.Lock()
+        self._up_epoch = 0   # the newest train-link epoch the trainer has named
+        self._trainer_incarnation = ""
+        self._storing: set[asyncio.Task] = set()   # published versions being hashed and packed
+
+    async def start_weights(self) -> StoredVersion:
+        ps = self.server
+        return await asyncio.to_thread(load_start_weights, ps.cfg, ps.run_dir, ps.cfg.bucket_bytes)
+
+    async def accept(self, msg: WeightsPublished) -> WeightsStored:
+        """Receive the announced version's buckets on the train link; with an announced hash they are checked
+        before the answer, else hashed and packed after it (off the trainer's step)."""
+        ps = self.server
+        if msg.incarnation != self._trainer_incarnation:   # the trainer restarted: its epochs start again
+            self._trainer_incarnation, self._up_epoch = msg.incarnation, msg.link_epoch
+        self._up_epoch = max(self._up_epoch, msg.link_epoch)
+        if self.up.generation != msg.link_epoch:
+            # First contact, a restart of either side, or a transfer that failed: meet the trainer on the epoch
+            # it names (it is the rendezvous master and joins that epoch too), on a link object of its own: an
+            # announcement older than a restart may still be waiting for its epoch in another thread.
+            link = ps.make_link(self.up.config)
+            try:
+                await in_thread(link.open, msg.link_epoch)
+            except BulkError as exc:
+                ps.counters["train_link_failures"] += 1
+                raise WeightsRejected(f"version {msg.version}: the train link did not form at epoch "
+                                      f"{msg.link_epoch}: {exc}") from None
+            if msg.link_epoch == self._up_epoch:
+                self.up = link
+                ps.log.info("train_link_formed", link=link.config.name, epoch=msg.link_epoch)
+        async with self._up_lock:
+            if self.up.generation != msg.link_epoch:
+                raise WeightsRejected(f"version {msg.version}: epoch {msg.link_epoch} of the train link was "
+                                      f"superseded by epoch {self._up_epoch}")
+            t0 = time.monotonic()
+            buckets = []
+            try:
+                for _ in range(msg.n_buckets):
+                    buckets.append(await in_thread(self.up.recv, self.trainer_rank))
+            except BulkError as exc:
+                ps.counters["receive_failures"] += 1
+                ps.log.error("weights_receive_failed", version=msg.version, received=len(buckets),
+                             expected=msg.n_buckets, error=str(exc))
+                raise WeightsRejected(f"version {msg.version}: receiving bucket {len(buckets)} of "
+                                      f"{msg.n_buckets} failed: {exc}") from exc
+            receive_s = time.monotonic() - t0
+        if ps.current is not None and msg.version <= ps.current.version:
+            ps.log.warning("stale_version_ignored", version=msg.version, current=ps.current.version)
+            return WeightsStored(version=msg.version, receive_seconds=receive_s)
+        if msg.weights_hash:   # announced: checked before the answer, so a mismatch fails the publish
+            await self._store(msg.version, buckets, receive_s, msg.weights_hash)
+        else:   # hashed and packed here after the answer: off the trainer's step (the rollouts wait for it)
+            task = ps.spawn(self._store(msg.version, buckets, receive_s), name=f"store-v{msg.version}")
+            self._storing.add(task)
+            task.add_done_callback(self._storing.discard)
+        return WeightsStored(version=msg.version, receive_seconds=receive_s)
+
+    async def _store(self, version: int, buckets: list, receive_s: float, announced: str = "") -> None:
+        """Hash and pack a received version and offer it (a newer one may have got there first)."""
+        ps = self.server
+        named = [kv for b in buckets for kv in b]
+        digest = await asyncio.to_thread(weights_hash, named)
+        if announced and digest != announced:
+            ps.counters["published_hash_mismatches"] += 1
+            ps.log.error("published_hash_mismatch", version=version, announced=announced, got=digest)
+            raise WeightsRejected(f"version {version}: buckets hash to {digest}, the trainer announced {announced}")
+        packed = await asyncio.to_thread(pack_buckets, buckets)
+        stored = StoredVersion(version, digest, packed, sum(p.flat.numel() for p in packed))
+        if ps.offer(stored):
+            ps.log.info("weights_stored", version=version, buckets=len(buckets), nbytes=stored.nbytes,
+                        receive_s=round(receive_s, 4))
+
+    async def settled(self) -> None:
+        if self._storing:
+            await asyncio.wait(set(self._storing), timeout=30.0)
 
     async def form(self, generation: int, members: list[str]) -> dict[str, Any] | None:
         ps = self.server
@@ -162,4 +260,5 @@ class RelayFanout(Fanout):
         return ps.pushed(stored, generation, members, summary, sync_s, sync_s)
 
     def close(self) -> None:
+        self.up.close()
         self.link.close()
