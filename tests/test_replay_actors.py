@@ -119,7 +119,10 @@ def test_what_the_original_answered_as_it_stopped_is_not_held_against_the_replay
         with MessageLogWriter(path, meta={k: v for k, v in meta.items() if k not in ("k", "t", "pid")}) as w:
             for r in records:
                 if r.kind == "event":
-                    w.record_event(r.event, r.peer)
+                    # The original's own "stopping" event is left out wherever it fell (a reward actor that
+                    # began to stop while it held groups answers them after it): each variant places its own.
+                    if r.event != "stopping":
+                        w.record_event(r.event, r.peer)
                 elif r.kind in ("in", "out") and r.cause == last.cause and r.kind == "out":
                     if stopping and r is last:
                         w.record_event("stopping", "reward")
