@@ -7,20 +7,20 @@ receives and stores its buckets; with direct weights only their description is k
 
 One task, the *pusher*, owns the rollout link, so formation and transfers never interleave:
 
-* Forming. A generation ``g`` of the link is formed by the rollouts that are *ready*: they said
-  :class:`RolloutHello` and are alive by the bus heartbeats. :class:`LinkReform` (g, its members) goes to
+* Forming. An epoch ``e`` of the link is formed by the rollouts that are *ready*: they said
+  :class:`RolloutHello` and are alive by the bus heartbeats. :class:`LinkReform` (e, its members) goes to
   each of them, then this side joins in a thread. The first formation waits until every live rollout has
   said hello (they start together); after that no rollout is waited for: one that is dead, hung (its
   heartbeats stop), or whose SGLang server died (:class:`ServerDown`, until its next hello) is left out,
   and the others form without it. When the ready set changes (a member is lost, one comes back or
-  restarts and says hello) the link is formed again. A failed rendezvous is retried at a newer generation
+  restarts and says hello) the link is formed again. A failed rendezvous is retried at a newer epoch
   after ``retry_s``.
-* Pushing. Whenever a member of the formed generation is behind the newest stored version, the pusher
+* Pushing. Whenever a member of the formed epoch is behind the newest stored version, the pusher
   has the fanout send :class:`WeightsReady` to every member as a request and move the bytes, and collects
   the :class:`WeightsAck` replies (``ack_timeout_s``). Each ack's hash is compared with the trainer's; a
   mismatch is logged as an error and counted. Versions that arrive while a push runs are coalesced: the
   next push sends only the newest. A member lost while a formation or a push runs ends it at once: the
-  blocked transfer is abandoned on its old generation (its thread ends there, see transport/bulk.py) and
+  blocked transfer is abandoned on its old epoch (its thread ends there, see transport/bulk.py) and
   the rest form a new one and get the version without waiting for the lost one, which catches up when it
   is back.
 
@@ -84,10 +84,10 @@ class ParamServerActor(Actor):
         self.start_version = 0
         self.rollouts: dict[str, RolloutWeights] = {}
         self.fanout: Fanout | None = None       # how a version reaches the rollouts: the relay, or the trainer
-        self.generation: int | None = None      # generation of the formed rollout link, None if not formed
-        self.next_generation = 0
+        self.epoch: int | None = None           # epoch of the formed rollout link, None if not formed
+        self.next_epoch = 0
         self.need_reform = False
-        self.formed: list[str] = []             # the rollouts of the formed generation, in link order
+        self.formed: list[str] = []             # the rollouts of the formed epoch, in link order
         self._busy_with: set[str] = set()       # the rollouts the running formation or push waits on
         self._lost = asyncio.Event()            # one of them was lost: abandon it
         self._last_good: set[str] = set()       # the rollouts of the last formation whose push went through
@@ -205,7 +205,7 @@ class ParamServerActor(Actor):
     def _member_changed(self, rollout: str, why: str) -> None:
         """A member died, restarted or lost its server: a formed group must be formed again, the running
         formation or push stops waiting for it, and the pusher looks again."""
-        if self.generation is not None:
+        if self.epoch is not None:
             self.need_reform = True
         if rollout in self._busy_with:
             self._lost.set()
@@ -234,7 +234,7 @@ class ParamServerActor(Actor):
     # ---------------------------------------------------------------------------- storage -> rollouts
 
     def _ready(self) -> list[str]:
-        """The rollouts a generation is formed of now: said hello, alive, and not on probation."""
+        """The rollouts an epoch is formed of now: said hello, alive, and not on probation."""
         now = time.monotonic()
         return [n for n, s in self.rollouts.items()
                 if s.hello and s.alive and self._probation.get(n, (0.0, 0.0))[0] <= now]
@@ -265,7 +265,7 @@ class ParamServerActor(Actor):
 
     async def unless_lost(self, members: list[str], work: "asyncio.Future[Any]", what: str) -> Any:
         """Await ``work`` (a formation or transfer in a thread) unless one of ``members`` is lost first; then
-        abandon it with a BulkError (the thread ends on its own generation, which nothing uses again)."""
+        abandon it with a BulkError (the thread ends on its own epoch, which nothing uses again)."""
         self._busy_with, lost = set(members), asyncio.ensure_future(self._lost.wait())
         self._lost.clear()
         if any(not (self.rollouts[n].alive and self.rollouts[n].hello) for n in members):
@@ -298,14 +298,14 @@ class ParamServerActor(Actor):
             no_hello, dead = self._blockers()
             ready = self._ready()
             # Before the first formation every live rollout is waited for (they are starting); after it, nobody.
-            starting = self.next_generation == 0 and any(n not in dead for n in no_hello)
+            starting = self.next_epoch == 0 and any(n not in dead for n in no_hello)
             if starting or not ready:
                 if (no_hello, dead) != self._waiting_logged:
                     self._waiting_logged = (no_hello, dead)
                     self.log.info("waiting_for_rollouts", no_hello=no_hello, dead=dead)
                 failures = 0
                 continue
-            if self.generation is None or self.need_reform or ready != self.formed:
+            if self.epoch is None or self.need_reform or ready != self.formed:
                 if not await self._form(ready):
                     failures += 1
                     continue
@@ -316,7 +316,7 @@ class ParamServerActor(Actor):
             if not behind:
                 failures = 0
                 continue
-            if await self.fanout.push(current, self.generation, list(self.formed)):
+            if await self.fanout.push(current, self.epoch, list(self.formed)):
                 failures = 0
             else:
                 failures += 1
@@ -324,29 +324,29 @@ class ParamServerActor(Actor):
 
     async def _form(self, members: list[str]) -> bool:
         assert self.fanout is not None
-        generation = self.next_generation
-        self.next_generation += 1
-        self.generation, self.formed = None, []
+        epoch = self.next_epoch
+        self.next_epoch += 1
+        self.epoch, self.formed = None, []
         self._form_started = time.monotonic()
-        info = await self.fanout.form(generation, members)
+        info = await self.fanout.form(epoch, members)
         if info is None:
             return False
-        self._formed(generation, members, self._form_started, **info)
+        self._formed(epoch, members, self._form_started, **info)
         await self._notify()
         return True
 
-    async def send_link_reform(self, rollout: str, generation: int, members: list[str]) -> None:
-        """Tell a rollout to join ``generation`` of the link, formed by ``members`` (the link's master first)."""
-        await self.bus.send(rollout, LinkReform(generation=generation, members=members))
+    async def send_link_reform(self, rollout: str, epoch: int, members: list[str]) -> None:
+        """Tell a rollout to join ``epoch`` of the link, formed by ``members`` (the link's master first)."""
+        await self.bus.send(rollout, LinkReform(epoch=epoch, members=members))
 
-    async def await_formation(self, members: list[str], work: "asyncio.Future[Any]", generation: int) -> bool:
+    async def await_formation(self, members: list[str], work: "asyncio.Future[Any]", epoch: int) -> bool:
         """Await a formation (the fanout's ``work``) unless one of ``members`` is lost first; a failure is
         logged and counted, and puts members back from a hang on probation."""
         try:
-            await self.unless_lost(members, work, f"forming generation {generation}")
+            await self.unless_lost(members, work, f"forming epoch {epoch}")
         except (BulkError, BusError, TimeoutError) as exc:
             self.counters["link_form_failures"] += 1
-            self.log.error("rollout_link_form_failed", generation=generation, error=str(exc),
+            self.log.error("rollout_link_form_failed", epoch=epoch, error=str(exc),
                            retry_in_s=self.retry_s)
             self.failed_with(members, started=self._form_started)
             return False
@@ -356,16 +356,16 @@ class ParamServerActor(Actor):
         """Have the pusher look again (a transfer ended)."""
         self._kick.set()
 
-    def _formed(self, generation: int, members: list[str], t0: float, **info: Any) -> None:
-        self.generation, self.formed, self.need_reform = generation, members, False
+    def _formed(self, epoch: int, members: list[str], t0: float, **info: Any) -> None:
+        self.epoch, self.formed, self.need_reform = epoch, members, False
         self.counters["link_formations"] += 1
         left_out = [n for n in self.rollouts if n not in members]
         if left_out:
             self.counters["formations_without_some"] += 1
-        self.log.info("rollout_link_formed", generation=generation, members=len(members) + 1, left_out=left_out,
+        self.log.info("rollout_link_formed", epoch=epoch, members=len(members) + 1, left_out=left_out,
                       seconds=round(time.monotonic() - t0, 3), **info)
 
-    def pushed(self, stored: StoredVersion, generation: int, members: list[str], summary: dict[str, dict[str, Any]],
+    def pushed(self, stored: StoredVersion, epoch: int, members: list[str], summary: dict[str, dict[str, Any]],
                 sent_s: float, sync_s: float) -> bool:
         ok = all(summary.get(name, {}).get("ack_ok") for name in members)
         self.pushes += 1
@@ -376,7 +376,7 @@ class ParamServerActor(Actor):
                 self._probation.pop(name, None)
         elif any(not r.get("error", "").startswith("late") for r in summary.values() if "error" in r):
             self.failed_with(members)
-        self.log.info("weights_pushed", version=stored.version, generation=generation, buckets=stored.n_buckets,
+        self.log.info("weights_pushed", version=stored.version, epoch=epoch, buckets=stored.n_buckets,
                       nbytes=stored.nbytes, broadcast_s=round(sent_s, 4), sync_s=round(sync_s, 4), rollouts=summary)
         self._notify_soon()
         return ok
@@ -410,12 +410,12 @@ class ParamServerActor(Actor):
     def _status(self, req: WeightsStatusRequest) -> WeightsStatus:
         current = self.current
         assert current is not None
-        generation = self.generation if self.generation is not None else -1
+        epoch = self.epoch if self.epoch is not None else -1
         # A rollout still at the start version has had nothing pushed, so there is no ack hash to check.
-        reached = (generation >= req.min_generation
+        reached = (epoch >= req.min_epoch
                    and all(s.hello and s.alive and s.version >= req.min_version
                            and (s.ack_ok or s.version <= self.start_version) for s in self.rollouts.values()))
-        return WeightsStatus(version=current.version, weights_hash=current.weights_hash, generation=generation,
+        return WeightsStatus(version=current.version, weights_hash=current.weights_hash, epoch=epoch,
                              rollouts={n: dataclasses.replace(s) for n, s in self.rollouts.items()},
                              pushes=self.pushes, hash_mismatches=self.hash_mismatches,
                              last_sync_seconds=self.sync_seconds[-1] if self.sync_seconds else 0.0,

@@ -9,7 +9,7 @@ the buffer as :class:`GroupReturned` with a reason, so no work is ever lost sile
 
 Weights. On ready the actor sends :class:`RolloutHello` (its engine version) to the parameter server and
 waits for :class:`LinkReform`: it never opens the ``ps_to_rollout`` bulk link on its own, because only the
-parameter server knows the generation every member must meet at (a restarted rollout needs a fresh group).
+parameter server knows the epoch every member must meet at (a restarted rollout needs a fresh group).
 :class:`WeightsReady` is a request, answered by :class:`WeightsAck` once the engine samples with the new
 version. How the bytes come is this rollout's :class:`actors.weight_sync.WeightReceiver`, picked once at
 start: on the bulk link, fed to ``engine.update_weights`` as they arrive while generation continues
@@ -21,7 +21,7 @@ Settings (besides the shared experiment keys ``model.path``, ``model.dtype``, ``
     device:            "cpu" or "cuda" for the embedded engine (default: the instance's GPU if it has one)
     max_running:       most sequences the embedded engine decodes at once (default 256)
     link:              name of the weights link (default "ps_to_rollout", or the only link listed)
-    weights_timeout_s: bound on waiting for the link to reach a WeightsReady's generation (default: the
+    weights_timeout_s: bound on waiting for the link to reach a WeightsReady's epoch (default: the
                        link's timeout_s)
     weights_via_server: with direct weights (the trainer is the link's rank 0) and an SGLang engine, the
                        server joins the trainer's group and receives itself (default true; false: this
@@ -325,16 +325,16 @@ class RolloutActor(Actor):
     @handles(LinkReform)
     def on_link_reform(self, msg: LinkReform) -> None:
         if self.receiver is None:
-            self.log.warning("link_reform_without_link", generation=msg.generation)
+            self.log.warning("link_reform_without_link", epoch=msg.epoch)
             return
-        self._link_target = msg.generation
+        self._link_target = msg.epoch
         self._link_msg = msg
         self._link_requests += 1
         self._link_wanted.set()
-        self.receiver.abandon_before(msg.generation)
+        self.receiver.abandon_before(msg.epoch)
 
     async def _link_keeper(self) -> None:
-        """Re-form the link at the newest generation the parameter server asked for, one at a time."""
+        """Re-form the link at the newest epoch the parameter server asked for, one at a time."""
         assert self.receiver is not None
         done = 0
         while True:
@@ -342,24 +342,24 @@ class RolloutActor(Actor):
             self._link_wanted.clear()
             if self._link_requests == done:
                 continue
-            done, generation, msg = self._link_requests, self._link_target, self._link_msg
+            done, epoch, msg = self._link_requests, self._link_target, self._link_msg
             t0 = time.monotonic()
             try:
-                if not await self._formed_unless_newer(generation, msg):
+                if not await self._formed_unless_newer(epoch, msg):
                     continue
             except (BulkError, EngineError) as exc:
-                # The parameter server retries at a newer generation and tells us; wait for that.
+                # The parameter server retries at a newer epoch and tells us; wait for that.
                 self.counters["link_reform_failures"] += 1
-                self.log.error("link_reform_failed", generation=generation, error=str(exc))
+                self.log.error("link_reform_failed", epoch=epoch, error=str(exc))
                 continue
             self.counters["link_reforms"] += 1
-            self.log.info("link_formed", generation=generation, seconds=round(time.monotonic() - t0, 3))
+            self.log.info("link_formed", epoch=epoch, seconds=round(time.monotonic() - t0, 3))
             async with self._link_changed:
                 self._link_changed.notify_all()
 
-    async def _formed_unless_newer(self, generation: int, msg: LinkReform) -> bool:
-        """Form the link at ``generation``, unless a newer LinkReform comes first (a member this one waits for
-        was left out of the next): then abandon it (a bulk link's thread ends on its own generation; a
+    async def _formed_unless_newer(self, epoch: int, msg: LinkReform) -> bool:
+        """Form the link at ``epoch``, unless a newer LinkReform comes first (a member this one waits for
+        was left out of the next): then abandon it (a bulk link's thread ends on its own epoch; a
         server's join is cancelled and the next join drops what it left)."""
         assert self.receiver is not None
         forming = asyncio.ensure_future(self.receiver.form(msg))
@@ -372,37 +372,37 @@ class RolloutActor(Actor):
         forming.cancel()
         forming.add_done_callback(lambda f: f.cancelled() or f.exception())   # its late error is expected
         self.counters["link_formations_abandoned"] += 1
-        self.log.warning("link_formation_abandoned", generation=generation, newer=self._link_target)
+        self.log.warning("link_formation_abandoned", epoch=epoch, newer=self._link_target)
         return False
 
-    async def _wait_link(self, generation: int, timeout: float) -> None:
+    async def _wait_link(self, epoch: int, timeout: float) -> None:
         link = self.receiver
         if link is None:
             raise WeightSyncError(f"{self.name} has no weights link (settings.links has none for it)")
         def stale() -> bool:  # a request for an older group than the one formed (or being formed) now
-            known = [g for g in (link.generation, self._link_target) if g is not None]
-            return bool(known) and max(known) > generation
+            known = [e for e in (link.epoch, self._link_target) if e is not None]
+            return bool(known) and max(known) > epoch
 
         if stale():  # e.g. queued by ZeroMQ while this process was down: nobody will broadcast on it
-            raise WeightSyncError(f"link {link.config.name!r}: generation {generation} is stale "
-                                  f"(the link is at {link.generation}, re-forming to {self._link_target})")
+            raise WeightSyncError(f"link {link.config.name!r}: epoch {epoch} is stale "
+                                  f"(the link is at {link.epoch}, re-forming to {self._link_target})")
         try:
             async with asyncio.timeout(timeout):
                 async with self._link_changed:
-                    await self._link_changed.wait_for(lambda: link.generation == generation or stale())
+                    await self._link_changed.wait_for(lambda: link.epoch == epoch or stale())
             if stale():
-                raise WeightSyncError(f"link {link.config.name!r}: generation {generation} became stale "
-                                      f"while waiting (now {link.generation})")
+                raise WeightSyncError(f"link {link.config.name!r}: epoch {epoch} became stale "
+                                      f"while waiting (now {link.epoch})")
         except TimeoutError:
-            raise WeightSyncError(f"link {link.config.name!r} did not reach generation {generation} within "
-                                  f"{timeout:g}s (it is at {link.generation})") from None
+            raise WeightSyncError(f"link {link.config.name!r} did not reach epoch {epoch} within "
+                                  f"{timeout:g}s (it is at {link.epoch})") from None
 
     @handles(WeightsReady)
     async def on_weights_ready(self, msg: WeightsReady) -> WeightsAck:
         await self._engine_ready.wait()
         async with self._weights_lock:
             link_timeout = self.receiver.config.timeout_s if self.receiver is not None else 60.0
-            await self._wait_link(msg.generation, self.cfg.weights_timeout_s or link_timeout)
+            await self._wait_link(msg.epoch, self.cfg.weights_timeout_s or link_timeout)
             assert self.receiver is not None
             return await self.receiver.receive(msg)
 

@@ -362,7 +362,7 @@ class TrainerActor(Actor):
 
     @handles(LinkReform)
     async def on_link_reform(self, msg: LinkReform) -> LinkFormed:
-        """Direct weights: the parameter server forms the rollouts' group of a generation (see
+        """Direct weights: the parameter server forms the rollouts' group of an epoch (see
         actors/weight_sync/direct.py)."""
         if self.weights is None:
             raise RuntimeError(f"{self.name} has no direct weights link to re-form")

@@ -151,7 +151,7 @@ def test_bucketed_broadcast_and_send_recv_three_ranks() -> None:
 
     def member(rank: int) -> dict:
         link = BulkLink(config("weights", port, rank, 3))
-        link.open(generation=0)
+        link.open(epoch=0)
         got = [link.broadcast(make_bucket(seed) if rank == 0 else None, src=0) for seed in range(3)]
         ok = all(same_bucket(b, make_bucket(seed)) for seed, b in enumerate(got))
         p2p = None
@@ -160,13 +160,13 @@ def test_bucketed_broadcast_and_send_recv_three_ranks() -> None:
         elif rank == 1:
             p2p = same_bucket(link.recv(src=2), make_bucket(99))
         link.barrier()
-        return {"ok": ok, "p2p": p2p, "env": os.environ.get("GLOO_TEST_MARKER"), "gen": link.generation}
+        return {"ok": ok, "p2p": p2p, "env": os.environ.get("GLOO_TEST_MARKER"), "epoch": link.epoch}
 
     results = run_procs([lambda r=r: member(r) for r in range(3)])
     assert all(r["ok"] for r in results)
     assert results[1]["p2p"] is True
     assert {r["env"] for r in results} == {"weights"}  # the link's env reached each member's process
-    assert {r["gen"] for r in results} == {0}
+    assert {r["epoch"] for r in results} == {0}
 
 
 def test_checksum_mismatch_is_detected_by_every_receiver() -> None:
@@ -174,7 +174,7 @@ def test_checksum_mismatch_is_detected_by_every_receiver() -> None:
 
     def member(rank: int) -> str:
         link = BulkLink(config("weights", port, rank, 3))
-        link.open(generation=0)
+        link.open(epoch=0)
         if rank == 0:
             packed = pack_bucket(make_bucket(5), bucket_id=4)
             packed.flat[packed.header["tensors"][1]["offset"]] ^= 0x01  # one flipped bit after hashing
@@ -206,7 +206,7 @@ def test_reform_after_member_restart() -> None:
         epoch = control[rank].get(timeout=WAIT_S)  # "rank 2 restarted: re-form at epoch 1"
         link.reform(epoch)
         ok.append(same_bucket(link.broadcast(make_bucket(1) if rank == 0 else None, src=0), make_bucket(1)))
-        ok.append(link.latest_generation() == 1 if rank == 0 else True)
+        ok.append(link.latest_epoch() == 1 if rank == 0 else True)
         return ok
 
     def doomed() -> None:
@@ -281,7 +281,7 @@ def test_an_epoch_of_some_members_leaves_a_hung_one_out() -> None:
         link = link_of(rank)
         link.open(0)
         big = [("w", torch.randn(4 << 20))]   # 16 MiB: more than the socket buffers take without a reader
-        thread, errors = abandoned(lambda: link.broadcast(big if rank == 0 else None, src=0, generation=0))
+        thread, errors = abandoned(lambda: link.broadcast(big if rank == 0 else None, src=0, epoch=0))
         link.reform(1, ["ps", "r0"])
         got1 = link.broadcast(make_bucket(1) if rank == 0 else None, src=0)
         rank_in_1 = link.rank
@@ -303,7 +303,7 @@ def test_an_epoch_of_some_members_leaves_a_hung_one_out() -> None:
     assert ps[:4] == [True, 0, True, members] and r0[:4] == [True, 1, True, members]
     assert r1 == [True, 2]
     for errors in (ps[4], r0[4]):   # the abandoned transfer failed on epoch 0, if it did not finish
-        assert all(e == "link 'weights' generation 0" for e in errors), errors
+        assert all(e == "link 'weights' epoch 0" for e in errors), errors
 
 
 def test_a_subset_must_be_configured_members_with_the_master_first() -> None:
@@ -346,5 +346,5 @@ def test_two_links_in_one_process_relay() -> None:
 def test_rendezvous_timeout_names_the_link() -> None:
     link = BulkLink(LinkConfig(name="lonely", backend="gloo", master_addr="127.0.0.1", master_port=free_port(),
                                rank=0, world_size=2, timeout_s=1))
-    with pytest.raises(LinkRendezvousError, match=r"link 'lonely' generation 0: rank 0/2 could not form"):
+    with pytest.raises(LinkRendezvousError, match=r"link 'lonely' epoch 0: rank 0/2 could not form"):
         link.open(0)

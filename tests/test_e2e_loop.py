@@ -241,7 +241,7 @@ def test_direct_weights_trainer_broadcasts_to_rollouts(assets: dict[str, Path], 
     failed = {(name, r["error"].split(":")[0]) for p in pushes for name, r in p["rollouts"].items() if "error" in r}
     assert failed <= {("rollout.1", "abandoned")}, failed   # not waited for until the ack timeout
     # the restarted rollout got weights from the trainer on the re-formed group (hashes checked above)
-    assert any(p["generation"] == formed[-1]["generation"] and "rollout.1" in p["rollouts"] for p in pushes)
+    assert any(p["epoch"] == formed[-1]["epoch"] and "rollout.1" in p["rollouts"] for p in pushes)
     # evaluation during the run needs weights at the parameter server: here the evaluator says why not, once
     assert len(events(run_dir, "evaluator", "evaluation_unavailable")) == 1
     # the final evaluation sits on the metrics' clock, so tools.plot draws it with the curves
@@ -308,7 +308,7 @@ def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: P
     assert all(r["ack_ok"] and r["verified"] == "version" for p in pushes for r in p["rollouts"].values()
                if "error" not in r), pushes
     # after the restart both servers got weights over the re-formed group
-    after = [p for p in pushes if p["generation"] == formed[-1]["generation"]]
+    after = [p for p in pushes if p["epoch"] == formed[-1]["epoch"]]
     assert after and all(set(p["rollouts"]) == {"rollout.0", "rollout.1"} for p in after), after
     assert all("error" not in r for p in after for r in p["rollouts"].values()), after
     for name in ("rollout.0", "rollout.1"):

@@ -88,7 +88,7 @@ def test_publish_checks_the_hash_and_stores_the_newest(tmp_path: Path, random_mo
         assert isinstance(stored, WeightsStored) and stored.version == 1
         status = await trainer.request("param_server", WeightsStatusRequest(), timeout=10)
         assert isinstance(status, WeightsStatus) and status.version == 1 and status.weights_hash == h1
-        assert status.generation == -1 and status.pushes == 0   # no rollout said hello: no link yet
+        assert status.epoch == -1 and status.pushes == 0   # no rollout said hello: no link yet
         assert not status.rollouts["rollout.0"].hello
         # A version not newer than the stored one is acknowledged but does not replace it.
         stale, _ = await publish(1, seed=9)

@@ -69,7 +69,7 @@ def test_rollout_generates_returns_and_drains(tmp_path: Path, random_model_dir: 
         # Sent on ready, before anything else to the buffer: a restarted rollout's old groups get re-issued.
         assert hellos == [("buffer", WorkerHello(role="rollout"))]
         # Only the parameter server announces weights; and weights without a link are refused with a reason.
-        ready = WeightsReady(version=1, n_buckets=1, weights_hash="x", generation=0)
+        ready = WeightsReady(version=1, n_buckets=1, weights_hash="x", epoch=0)
         with pytest.raises(RemoteError, match=r"\[sender_not_allowed\] rl.weights_ready is sent by param_server"):
             await buffer.request("rollout.0", ready, timeout=10)
         with pytest.raises(RemoteError, match="no weights link"):

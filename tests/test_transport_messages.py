@@ -301,13 +301,13 @@ def test_fast_path_and_general_path_agree() -> None:
     assert decode(encode(Error("c", "t")))[1] == Error("c", "t", None)
 
 
-def test_older_versions_still_decode_except_the_rl_messages_versions_3_to_5_changed() -> None:
+def test_older_versions_still_decode_except_the_messages_versions_3_to_6_changed() -> None:
     # version 2 only added the batch container; version 3 changed four rl message bodies (composition),
     # version 4 rl.batch (columns and tensor frames), version 5 the task of rl.generate_group and
-    # rl.trajectories (no level): single messages (and message logs) of versions 1 to 4 read fine, except
-    # those kinds
-    assert SCHEMA_VERSION == 5 and M.READABLE_VERSIONS == {1, 2, 3, 4, 5}
-    for version in (1, 2, 3, 4):
+    # rl.trajectories (no level), version 6 the weights link's epoch fields: single messages (and message
+    # logs) of versions 1 to 5 read fine, except those kinds
+    assert SCHEMA_VERSION == 6 and M.READABLE_VERSIONS == {1, 2, 3, 4, 5, 6}
+    for version in (1, 2, 3, 4, 5):
         header, msg = decode([_head(body={"seq": 3}, version=version)])
         assert msg == Ping(3) and header.version == version
     with pytest.raises(SchemaMismatch, match="schema version 0"):
@@ -329,6 +329,26 @@ def test_older_versions_still_decode_except_the_rl_messages_versions_3_to_5_chan
         decode([_head("rl.generate_group", body=version_4_generate, version=4)])
     del task["level"]
     assert decode([_head("rl.trajectories", body=version_4_trajectories, version=5)])[1].task == protocol.Task("math", "2")
+    # version 6: the kinds that carry the weights link's epoch refuse a version-5 body, naming its field
+    version_6_bodies = {
+        "rl.link_reform": {"epoch": 3, "members": ["rollout.0"]},
+        "rl.link_formed": {"epoch": 3, "seconds": 0.5},
+        "rl.weights_ready": {"version": 2, "n_buckets": 1, "weights_hash": "h", "epoch": 3},
+        "rl.weights_broadcast": {"version": 2, "epoch": 3},
+        "ps.weights_status_request": {"min_version": 2, "min_epoch": 3, "timeout_s": 1.0},
+        "ps.weights_status": {"version": 2, "weights_hash": "h", "epoch": 3, "rollouts": {}, "pushes": 0,
+                              "hash_mismatches": 0, "last_sync_seconds": 0.0, "reached": True},
+    }
+    version_5_names = {"epoch": "generation", "min_epoch": "min_generation"}
+    for kind, body in version_6_bodies.items():
+        old = {version_5_names.get(k, k): v for k, v in body.items()}
+        [field_name] = set(old) - set(body)
+        with pytest.raises(FieldError, match=f"field '{field_name}': unknown field for "):
+            decode([_head(kind, body=old, version=5)])
+        assert decode([_head(kind, body=body, version=6)])[1] == M.registry()[kind](**body)
+    # a version-5 message of a kind version 6 left alone still decodes
+    ack = {"version": 2, "weights_hash": "h", "receive_seconds": 0.5}
+    assert decode([_head("rl.weights_ack", body=ack, version=5)])[1] == protocol.WeightsAck(**ack)
 
 
 def test_batch_container_round_trip_and_errors() -> None:

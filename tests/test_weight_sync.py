@@ -126,8 +126,8 @@ class System:
         assert isinstance(stored, WeightsStored) and stored.version == version
         return stored
 
-    async def status(self, min_version: int = -1, min_generation: int = -1, timeout_s: float = 0.0) -> WeightsStatus:
-        reply = await self.trainer.request("param_server", WeightsStatusRequest(min_version, min_generation, timeout_s),
+    async def status(self, min_version: int = -1, min_epoch: int = -1, timeout_s: float = 0.0) -> WeightsStatus:
+        reply = await self.trainer.request("param_server", WeightsStatusRequest(min_version, min_epoch, timeout_s),
                                            timeout=timeout_s + 10)
         assert isinstance(reply, WeightsStatus)
         return reply
@@ -168,8 +168,8 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
 def test_weights_reach_every_rollout_while_generation_continues(system: System) -> None:
     async def body() -> None:
         # The link forms once all three rollouts said hello (they start at the start weights, version 0).
-        st = await system.status(min_version=0, min_generation=0, timeout_s=WAIT_S)
-        assert st.reached and st.version == 0 and st.generation >= 0, st
+        st = await system.status(min_version=0, min_epoch=0, timeout_s=WAIT_S)
+        assert st.reached and st.version == 0 and st.epoch >= 0, st
         # Long answers in flight on every rollout, then version 1 arrives during them.
         for r in ROLLOUTS:
             await system.generate(r, f"live-{r}", max_new_tokens=1500)
@@ -216,7 +216,7 @@ def test_killed_rollout_is_restarted_and_brought_to_the_current_version(system: 
         os.kill(system.sup.pids()["rollout.1"], signal.SIGKILL)
         # The supervisor restarts it; its hello (version 0) makes the server re-form the link at a new
         # epoch and push version 3 to everyone.
-        st = await system.status(min_version=3, min_generation=before.generation + 1, timeout_s=WAIT_S)
+        st = await system.status(min_version=3, min_epoch=before.epoch + 1, timeout_s=WAIT_S)
         assert st.reached, st
         assert system.sup.restarts["rollout.1"] == 1
         assert st.rollouts["rollout.1"].version == 3 and st.rollouts["rollout.1"].weights_hash == system.hashes[3]

@@ -123,7 +123,7 @@ class Echoer(Actor):
         if self.link is None:
             raise RuntimeError("no bulk link configured")
         async with self.link_lock:  # one point-to-point transfer at a time on the link
-            while self.link.generation is None:
+            while self.link.epoch is None:
                 await asyncio.sleep(0.01)  # group formation runs in its thread; bounded by the link timeout
             bucket = demo_bucket(msg.elems, msg.seed)
             await asyncio.to_thread(self.link.send, bucket, msg.rank)

@@ -780,31 +780,31 @@ class ReplayLink:
 
     def __init__(self, config: Any, buckets: dict[str, deque], bus: ReplayBus) -> None:
         self.config = config
-        self.generation: int | None = None
+        self.epoch: int | None = None
         self.members: list[str] = list(config.members)
         self._rank = config.rank
         self._in = buckets[config.name]
         self._bus = bus
         self._next_bucket = 0
 
-    def open(self, generation: int = 0, members: Any = None) -> None:
+    def open(self, epoch: int = 0, members: Any = None) -> None:
         self.members = list(members) if members else list(self.config.members)
         if self.config.members:
             self._rank = self.members.index(self.config.members[self.config.rank])
-        self.generation = generation
+        self.epoch = epoch
 
-    def reform(self, generation: int, members: Any = None) -> None:
-        self.open(generation, members)
+    def reform(self, epoch: int, members: Any = None) -> None:
+        self.open(epoch, members)
 
     @property
     def rank(self) -> int:
         return self._rank
 
-    def latest_generation(self) -> int | None:
-        return self.generation
+    def latest_epoch(self) -> int | None:
+        return self.epoch
 
     def close(self) -> None:
-        self.generation = None
+        self.epoch = None
 
     def barrier(self) -> None:
         pass
@@ -824,7 +824,7 @@ class ReplayLink:
     def _sent(self, peer: str, packed: Any) -> None:
         self._bus.capture_bulk(f"{self.config.name}#{peer}", packed.header)
 
-    def broadcast(self, bucket: Any, src: int = 0, generation: int | None = None) -> Any:
+    def broadcast(self, bucket: Any, src: int = 0, epoch: int | None = None) -> Any:
         from transport.bulk import pack_bucket, unpack_bucket
 
         if self._rank == src:
@@ -832,21 +832,21 @@ class ReplayLink:
             return bucket
         return unpack_bucket(self._take(), self.config.name)
 
-    def broadcast_packed(self, packed: Any, src: int = 0, generation: int | None = None) -> Any:
+    def broadcast_packed(self, packed: Any, src: int = 0, epoch: int | None = None) -> Any:
         if self._rank == src:
             self._sent("all", packed)
             return packed
         return self._take()
 
-    def send(self, bucket: Any, dst: int, generation: int | None = None) -> None:
+    def send(self, bucket: Any, dst: int, epoch: int | None = None) -> None:
         from transport.bulk import pack_bucket
 
         self._sent(str(dst), pack_bucket(bucket, self._take_id()))
 
-    def send_packed(self, packed: Any, dst: int, generation: int | None = None) -> None:
+    def send_packed(self, packed: Any, dst: int, epoch: int | None = None) -> None:
         self._sent(str(dst), packed)
 
-    def recv(self, src: int, generation: int | None = None) -> Any:
+    def recv(self, src: int, epoch: int | None = None) -> Any:
         from transport.bulk import unpack_bucket
 
         return unpack_bucket(self._take(), self.config.name)

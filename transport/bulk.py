@@ -7,12 +7,12 @@ address and port. Several links can live in one process (the parameter server si
 the trainer and another with the rollouts), so a link never touches torch.distributed's single
 default group: it builds its process group directly on a ``TCPStore`` wrapped in a ``PrefixStore``.
 
-The prefix carries a *generation* number. When a member dies and is restarted, the survivors and the
-newcomer agree (through the control bus) on generation g+1 and call :meth:`BulkLink.reform` /
+The prefix carries an *epoch* number. When a member dies and is restarted, the survivors and the
+newcomer agree (through the control bus) on epoch e+1 and call :meth:`BulkLink.reform` /
 :meth:`BulkLink.open` with it; the fresh prefix keeps the new rendezvous clear of the dead group's keys.
-A generation may also be formed by some of the members only (``members``), so that a member that hangs
-does not hold the others: each member's rank in that generation is its place in the list. An operation
-runs to its end on the group it started on, so a transfer abandoned on an old generation (a thread still
+An epoch may also be formed by some of the members only (``members``), so that a member that hangs
+does not hold the others: each member's rank in that epoch is its place in the list. An operation
+runs to its end on the group it started on, so a transfer abandoned on an old epoch (a thread still
 blocked in it) never touches the group formed after it.
 
 A bucket is a list of ``(name, tensor)``; :func:`pack_bucket` lays it out as the one wire format every
@@ -273,10 +273,10 @@ class BulkLink:
     """One member's end of a link. Typical use::
 
         link = BulkLink(LinkConfig.from_dict(spec.settings["links"]["weights"]))
-        link.open(generation=0)
+        link.open(epoch=0)
         link.broadcast(bucket, src=0)            # on the sender
         bucket = link.broadcast(None, src=0)     # on every receiver
-        link.reform(generation=1)                # after a member was restarted
+        link.reform(epoch=1)                     # after a member was restarted
         link.close()
     """
 
@@ -285,27 +285,27 @@ class BulkLink:
         # A transport.msglog.MessageLogWriter: every bucket received is logged whole and every bucket sent
         # by its header, so tools.replay can stand in for the link.
         self.recorder = recorder
-        self.generation: int | None = None
-        self.members: list[str] = list(config.members)   # who formed the current generation, in rank order
+        self.epoch: int | None = None
+        self.members: list[str] = list(config.members)   # who formed the current epoch, in rank order
         self._server: dist.TCPStore | None = None   # the rendezvous server, on the master
-        self._store: dist.TCPStore | None = None    # this member's connection to it, for the current generation
+        self._store: dist.TCPStore | None = None    # this member's connection to it, for the current epoch
         self._pg: Any = None
         self._rank = config.rank
-        self._wanted: int | None = None   # the generation the newest open() call is forming
+        self._wanted: int | None = None   # the epoch the newest open() call is forming
         self._next_bucket = 0
         self._device = torch.device("cpu")
 
     # -- forming and re-forming ------------------------------------------------------------------
 
-    def open(self, generation: int = 0, members: Sequence[str] | None = None) -> None:
-        """Join the link's rendezvous at ``generation`` and build its process group, of every configured
+    def open(self, epoch: int = 0, members: Sequence[str] | None = None) -> None:
+        """Join the link's rendezvous at ``epoch`` and build its process group, of every configured
         member or of ``members`` only (configured names, this one and the master among them; ranks follow
         their order, the master first). Blocks until every one of them has joined, or raises
         :class:`LinkRendezvousError`."""
         cfg = self.config
         members = list(members) if members else list(cfg.members)
         rank, world = self._place(members), len(members) if members else cfg.world_size
-        self._wanted = generation
+        self._wanted = epoch
         os.environ.update(cfg.env)  # NCCL reads its settings from the environment at init
         timeout = _dt.timedelta(seconds=cfg.timeout_s)
         try:
@@ -316,22 +316,22 @@ class BulkLink:
             # a formation abandoned while it waits must not hold the connection the next one talks on.
             store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=False,
                                   timeout=timeout, wait_for_workers=False)
-            prefix = dist.PrefixStore(f"{cfg.name}/gen{generation}", store)
+            prefix = dist.PrefixStore(f"{cfg.name}/epoch{epoch}", store)
             pg = self._make_group(prefix, timeout, rank, world)
-            if self._wanted != generation:   # abandoned while it waited for a member: a newer one is forming
-                raise BulkError(f"link {cfg.name!r} generation {generation}: superseded by generation "
+            if self._wanted != epoch:   # abandoned while it waited for a member: a newer one is forming
+                raise BulkError(f"link {cfg.name!r} epoch {epoch}: superseded by epoch "
                                 f"{self._wanted} while forming")
             self._pg, self._store = pg, store
             if cfg.rank == 0:
-                store.set(f"{cfg.name}/latest_generation", str(generation))
+                store.set(f"{cfg.name}/latest_epoch", str(epoch))
         except BulkError:
             raise
         except Exception as exc:  # torch raises DistStoreError/RuntimeError with little context
             raise LinkRendezvousError(
-                f"link {cfg.name!r} generation {generation}: rank {rank}/{world} could not "
+                f"link {cfg.name!r} epoch {epoch}: rank {rank}/{world} could not "
                 f"form the group at {cfg.master_addr}:{cfg.master_port} within {cfg.timeout_s:g} s: {exc}"
             ) from exc
-        self.generation, self.members, self._rank = generation, members, rank
+        self.epoch, self.members, self._rank = epoch, members, rank
 
     def _place(self, members: list[str]) -> int:
         """This member's rank among ``members`` (the configured rank when the link names no members)."""
@@ -348,7 +348,7 @@ class BulkLink:
             raise BulkError(f"link {cfg.name!r}: the master {cfg.members[0]!r} must come first in {members}")
         me = cfg.members[cfg.rank]
         if me not in members:
-            raise BulkError(f"link {cfg.name!r}: {me!r} is not among the members {members} of this generation")
+            raise BulkError(f"link {cfg.name!r}: {me!r} is not among the members {members} of this epoch")
         return members.index(me)
 
     def _make_group(self, store: dist.Store, timeout: _dt.timedelta, rank: int, world: int) -> Any:
@@ -375,47 +375,47 @@ class BulkLink:
         self._device = torch.device("cuda", torch.cuda.current_device())
         return dist.ProcessGroupNCCL(store, rank, world, opts)
 
-    def reform(self, generation: int, members: Sequence[str] | None = None) -> None:
-        """Drop the current group and form a new one at ``generation`` (after a member restarted or hung),
+    def reform(self, epoch: int, members: Sequence[str] | None = None) -> None:
+        """Drop the current group and form a new one at ``epoch`` (after a member restarted or hung),
         of ``members`` only if given (see :meth:`open`)."""
         self._pg = None
-        self.open(generation, members)
+        self.open(epoch, members)
 
     @property
     def rank(self) -> int:
-        """This member's rank in the current generation."""
+        """This member's rank in the current epoch."""
         return self._rank
 
-    def latest_generation(self) -> int | None:
-        """The generation the link's master formed last, or None if it has not formed one yet."""
+    def latest_epoch(self) -> int | None:
+        """The epoch the link's master formed last, or None if it has not formed one yet."""
         if self._store is None:
             return None
-        key = f"{self.config.name}/latest_generation"
+        key = f"{self.config.name}/latest_epoch"
         return int(self._store.get(key)) if self._store.check([key]) else None
 
     def close(self) -> None:
         self._pg = None
         self._store = self._server = None
-        self.generation = None
+        self.epoch = None
 
     # -- moving buckets --------------------------------------------------------------------------
 
-    def broadcast(self, bucket: Bucket | None, src: int = 0, generation: int | None = None) -> Bucket:
+    def broadcast(self, bucket: Bucket | None, src: int = 0, epoch: int | None = None) -> Bucket:
         """Send ``bucket`` from rank ``src`` to every other member; receivers pass None and get it back.
         Returns the bucket on every rank (receivers get views into one buffer, checksum verified).
-        ``generation``: the group it is meant for; a :class:`BulkError` if the link is on another one."""
+        ``epoch``: the group it is meant for; a :class:`BulkError` if the link is on another one."""
         if self._rank == src:
             if bucket is None:
                 raise BulkError(f"link {self.config.name!r}: the source rank must pass a bucket")
-            run = self._operation(generation)
+            run = self._operation(epoch)
             self._broadcast(run, pack_bucket(self._on_link_device(bucket), self._take_bucket_id()), src)
             return bucket
-        return unpack_bucket(self.broadcast_packed(None, src, generation), self.config.name)
+        return unpack_bucket(self.broadcast_packed(None, src, epoch), self.config.name)
 
     def broadcast_packed(self, packed: PackedBucket | None, src: int = 0,
-                         generation: int | None = None) -> PackedBucket:
+                         epoch: int | None = None) -> PackedBucket:
         """Lower-level :meth:`broadcast` of an already packed bucket; receivers get it unverified."""
-        return self._broadcast(self._operation(generation), packed, src)
+        return self._broadcast(self._operation(epoch), packed, src)
 
     def _broadcast(self, run: Callable[..., None], packed: PackedBucket | None, src: int) -> PackedBucket:
         header_bytes = msgpack.packb(packed.header) if packed is not None else b""
@@ -438,21 +438,21 @@ class BulkLink:
             self.recorder.record_bulk(direction, self.config.name, f"{self.config.name}#{peer}", header,
                                       flat.cpu().numpy() if direction == "in" else None, cause=current_cause.get())
 
-    def send(self, bucket: Bucket, dst: int, generation: int | None = None) -> None:
+    def send(self, bucket: Bucket, dst: int, epoch: int | None = None) -> None:
         """Point-to-point: send ``bucket`` to rank ``dst`` (which calls :meth:`recv`)."""
-        self.send_packed(pack_bucket(self._on_link_device(bucket), self._take_bucket_id()), dst, generation)
+        self.send_packed(pack_bucket(self._on_link_device(bucket), self._take_bucket_id()), dst, epoch)
 
-    def send_packed(self, packed: PackedBucket, dst: int, generation: int | None = None) -> None:
-        run = self._operation(generation)
+    def send_packed(self, packed: PackedBucket, dst: int, epoch: int | None = None) -> None:
+        run = self._operation(epoch)
         header_bytes = msgpack.packb(packed.header)
         run("send", [self._to_link(torch.tensor([len(header_bytes)], dtype=torch.int64))], dst, 0)
         run("send", [self._to_link(torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8))], dst, 1)
         run("send", [self._to_link(packed.flat)], dst, 2)
         self._record("out", str(dst), packed.header, packed.flat)
 
-    def recv(self, src: int, generation: int | None = None) -> Bucket:
+    def recv(self, src: int, epoch: int | None = None) -> Bucket:
         """Receive one bucket sent by rank ``src`` with :meth:`send`; checksum verified."""
-        run = self._operation(generation)
+        run = self._operation(epoch)
         length = torch.empty(1, dtype=torch.int64, device=self._device)
         run("recv", [length], src, 0)
         head = torch.empty(int(length.item()), dtype=torch.uint8, device=self._device)
@@ -494,14 +494,14 @@ class BulkLink:
 
     def _operation(self, expected: int | None = None) -> Callable[..., None]:
         """A runner of process-group operations bound to the current group: every step of one transfer
-        runs on the generation it started on, even if the link is re-formed while it is blocked. With
-        ``expected``, a transfer meant for an older generation fails instead of starting on a newer one."""
-        pg, generation, rank = self._pg, self.generation, self._rank
+        runs on the epoch it started on, even if the link is re-formed while it is blocked. With
+        ``expected``, a transfer meant for an older epoch fails instead of starting on a newer one."""
+        pg, epoch, rank = self._pg, self.epoch, self._rank
         if pg is None:
-            raise BulkError(f"link {self.config.name!r}: not open (call open(generation) first)")
-        if expected is not None and expected != generation:
-            raise BulkError(f"link {self.config.name!r} generation {expected}: superseded (the link is at "
-                            f"generation {generation})")
+            raise BulkError(f"link {self.config.name!r}: not open (call open(epoch) first)")
+        if expected is not None and expected != epoch:
+            raise BulkError(f"link {self.config.name!r} epoch {expected}: superseded (the link is at "
+                            f"epoch {epoch})")
 
         def run(what: str, *args: Any, root: int | None = None) -> None:
             if root is not None:
@@ -509,7 +509,7 @@ class BulkLink:
             try:
                 getattr(pg, what)(*args).wait()
             except Exception as exc:
-                raise BulkError(f"link {self.config.name!r} generation {generation}: {what} failed on rank "
+                raise BulkError(f"link {self.config.name!r} epoch {epoch}: {what} failed on rank "
                                 f"{rank}: {exc}") from exc
         return run
 

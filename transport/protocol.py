@@ -425,7 +425,7 @@ class WeightsReady(Message):
     version: int
     n_buckets: int
     weights_hash: str
-    generation: int
+    epoch: int
     specs: list[list[TensorMeta]] = field(default_factory=list)   # direct weights: for servers that receive
     stage_buckets: list[int] = field(default_factory=list)        # as in WeightsPublished
     point_to_point: bool = False
@@ -486,28 +486,28 @@ class WorkerHello(Message):
 @message("rl.link_reform", senders=("param_server",))
 class LinkReform(Message):
     """param_server -> rollout (and, with direct weights, -> trainer as a request): re-form the weights link at
-    `generation` (a member restarted, or one that hung is left out: `members` names who forms it, the link's
+    `epoch` (a member restarted, or one that hung is left out: `members` names who forms it, the link's
     master first). Direct weights to servers that join themselves: the trainer gets
     `world_size` and hosts the group (replies LinkFormed with its address and port); each rollout gets them,
     its `rank_offset` and `world_size`. A pipeline-parallel trainer hosts one group per stage, each stage's
     sender as its rank 0: one address and port per stage, in stage order, and the servers join every one."""
 
-    generation: int
+    epoch: int
     master_addrs: list[str] = field(default_factory=list)
     master_ports: list[int] = field(default_factory=list)
     rank_offset: int = -1
     world_size: int = 0
-    members: list[str] = field(default_factory=list)   # who forms this generation (empty: every member)
+    members: list[str] = field(default_factory=list)   # who forms this epoch (empty: every member)
 
 
 @message("rl.link_formed")
 class LinkFormed(Message):
-    """trainer -> param_server (direct weights): the trainer joined the group of `generation` (or, for a
+    """trainer -> param_server (direct weights): the trainer joined the group of `epoch` (or, for a
     group of servers, is hosting it, one group per pipeline stage, and joins while they do)."""
 
     VOLATILE: ClassVar[tuple[str, ...]] = ("seconds",)
 
-    generation: int
+    epoch: int
     seconds: float
     master_addrs: list[str] = field(default_factory=list)
     master_ports: list[int] = field(default_factory=list)
@@ -515,10 +515,10 @@ class LinkFormed(Message):
 
 @message("rl.weights_broadcast", senders=("param_server",))
 class WeightsBroadcast(Message):
-    """param_server -> trainer (direct weights): broadcast stored `version` on the group of `generation`."""
+    """param_server -> trainer (direct weights): broadcast stored `version` on the group of `epoch`."""
 
     version: int
-    generation: int
+    epoch: int
 
 
 @message("rl.weights_broadcast_done")
@@ -550,11 +550,11 @@ class WeightsStatusRequest(Message):
     """Ask the parameter server for its state. With ``min_version`` >= 0 and ``timeout_s`` > 0 the reply
     waits (up to ``timeout_s``; ``reached`` says whether it happened) until every rollout is alive, has
     said hello and acked at least that version, the ack passing its check (the hash, or the version an
-    SGLang server reports; a rollout still at the start version has nothing to ack), on a link generation
-    >= ``min_generation``."""
+    SGLang server reports; a rollout still at the start version has nothing to ack), on a link epoch
+    >= ``min_epoch``."""
 
     min_version: int = -1
-    min_generation: int = -1
+    min_epoch: int = -1
     timeout_s: float = 0.0
 
 
@@ -564,7 +564,7 @@ class WeightsStatus(Message):
 
     version: int
     weights_hash: str
-    generation: int
+    epoch: int
     rollouts: dict[str, RolloutWeights]
     pushes: int
     hash_mismatches: int

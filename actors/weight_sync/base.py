@@ -7,9 +7,9 @@ A path moves each new version from the trainer to the rollouts. Its sides:
   answers ``form`` (:class:`LinkReform`) and ``broadcast`` (:class:`WeightsBroadcast`).
 * :class:`Fanout`: the parameter server's hands. The server decides *when* a group is formed and a
   version pushed, and records the acks; the fanout decides *how*: it takes each version the trainer
-  announces (its bytes, or only what the rollouts need to know of it), forms the group of a generation
+  announces (its bytes, or only what the rollouts need to know of it), forms the group of an epoch
   and moves the stored version's bytes to its members (itself, or by asking the trainer).
-* :class:`WeightReceiver`: a rollout. It joins each generation the parameter server names and turns a
+* :class:`WeightReceiver`: a rollout. It joins each epoch the parameter server names and turns a
   :class:`WeightsReady` into a :class:`WeightsAck`.
 
 Each actor picks its class once, from the topology, when it starts (``actors/weight_sync/__init__.py``).
@@ -113,9 +113,9 @@ def link_config(links: dict[str, dict[str, Any]], name: str | None, default: str
         raise WeightSyncConfigError(f"links.{name}: {exc}") from exc
 
 
-def weight_group_name(link: str, generation: int, stage: int) -> str:
-    """The name of a weights group the servers join: one per link generation and trainer pipeline stage."""
-    return f"{link}-g{generation}" + (f"-pp{stage}" if stage else "")
+def weight_group_name(link: str, epoch: int, stage: int) -> str:
+    """The name of a weights group the servers join: one per link epoch and trainer pipeline stage."""
+    return f"{link}-e{epoch}" + (f"-pp{stage}" if stage else "")
 
 
 class WeightSender(abc.ABC):
@@ -139,7 +139,7 @@ class WeightSender(abc.ABC):
 
 
 class Fanout(abc.ABC):
-    """The parameter server's side: takes each version the trainer announces, forms a generation's group
+    """The parameter server's side: takes each version the trainer announces, forms an epoch's group
     and moves a stored version over it. It is built with the ParamServerActor that coordinates, and reports
     back through its coordination calls: ``offer`` (a version to bring the rollouts to),
     ``send_link_reform``, ``await_formation`` and ``unless_lost`` (a transfer ends when a member is lost),
@@ -163,12 +163,12 @@ class Fanout(abc.ABC):
         """Return once every version accepted so far is offered (one may be hashed after its answer)."""
 
     @abc.abstractmethod
-    async def form(self, generation: int, members: list[str]) -> dict[str, Any] | None:
-        """Form ``generation`` of the rollouts' group of ``members``; returns what to log about it, or None
-        if it failed (logged and counted here; the parameter server retries at a newer generation)."""
+    async def form(self, epoch: int, members: list[str]) -> dict[str, Any] | None:
+        """Form ``epoch`` of the rollouts' group of ``members``; returns what to log about it, or None
+        if it failed (logged and counted here; the parameter server retries at a newer epoch)."""
 
     @abc.abstractmethod
-    async def push(self, stored: Any, generation: int, members: list[str]) -> bool:
+    async def push(self, stored: Any, epoch: int, members: list[str]) -> bool:
         """Move ``stored`` to ``members`` and record their acks; whether every one acked it correctly."""
 
     def busy(self, rollout: str) -> bool:
@@ -186,7 +186,7 @@ class WeightReceiver(abc.ABC):
     """A rollout's side of a path."""
 
     config: LinkConfig
-    generation: int | None = None
+    epoch: int | None = None
 
     @property
     def ranks(self) -> int:
@@ -195,14 +195,14 @@ class WeightReceiver(abc.ABC):
 
     @abc.abstractmethod
     async def form(self, msg: LinkReform) -> None:
-        """Join the group of ``msg.generation`` (cancellable: a newer LinkReform may overtake it)."""
+        """Join the group of ``msg.epoch`` (cancellable: a newer LinkReform may overtake it)."""
 
     @abc.abstractmethod
     async def receive(self, msg: WeightsReady) -> WeightsAck:
         """Receive ``msg.version`` and make the engine sample with it; the ack."""
 
-    def abandon_before(self, generation: int) -> None:
-        """A LinkReform of ``generation`` came: a transfer of an older generation will never be finished."""
+    def abandon_before(self, epoch: int) -> None:
+        """A LinkReform of ``epoch`` came: a transfer of an older epoch will never be finished."""
 
     def server_lost(self) -> None:
         """The engine's server died or restarted: whatever group it had joined went with it."""

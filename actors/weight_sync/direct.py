@@ -1,7 +1,7 @@
 """Direct weights (GPU topologies: one link of ``[trainer.0, rollout]``, the parameter server in none): the
 trainer keeps its last two exported versions and sends them to the rollouts itself, when the parameter
 server, which holds no weights, asks. The group is carried one of two ways, which the parameter server
-picks for each generation from what the rollouts said in their hellos:
+picks for each epoch from what the rollouts said in their hellos:
 
 * the bulk link (:class:`LinkCarrier`): the rollout actors receive (LinkReform has no world size);
 * the rollouts' SGLang servers (:class:`actors.weight_sync.servers.ServerGroupCarrier`): the trainer hosts
@@ -10,12 +10,12 @@ picks for each generation from what the rollouts said in their hellos:
     trainer                          param_server                          rollout.i
       |--WeightsPublished(v, specs)--->|                                       |
       |<---------WeightsStored(v)------|   (at once: no bytes travel to it)    |
-      |                                |--LinkReform(g, members or offsets)-->|   (when the ready set changes)
-      |<--LinkReform(g[, world_size])--|                                       |
-      |--LinkFormed(g[, addrs, ports])>|                                       |
-      |== group g formed (bulk link, or the servers join the hosted groups) ==|
-      |                                |--WeightsReady(v, g, specs)---------->|   (a request)
-      |<-----WeightsBroadcast(v, g)----|                                       |
+      |                                |--LinkReform(e, members or offsets)-->|   (when the ready set changes)
+      |<--LinkReform(e[, world_size])--|                                       |
+      |--LinkFormed(e[, addrs, ports])>|                                       |
+      |== group e formed (bulk link, or the servers join the hosted groups) ==|
+      |                                |--WeightsReady(v, e, specs)---------->|   (a request)
+      |<-----WeightsBroadcast(v, e)----|                                       |
       |== broadcast each bucket of v =========================================>|
       |--WeightsBroadcastDone--------->|<--------------------WeightsAck(v)-----|
 """
@@ -59,13 +59,13 @@ class KeptVersions:
 class Carrier(abc.ABC):
     """How a direct group is formed and a kept version broadcast on it."""
 
-    generation: int | None = None
+    epoch: int | None = None
 
     @abc.abstractmethod
     async def form(self, msg: LinkReform) -> LinkFormed: ...
 
     @abc.abstractmethod
-    async def broadcast(self, version: int, generation: int, packed: list[PackedBucket]) -> None: ...
+    async def broadcast(self, version: int, epoch: int, packed: list[PackedBucket]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -75,41 +75,41 @@ class LinkCarrier(Carrier):
 
     def __init__(self, link: BulkLink, log: Any) -> None:
         self.link, self.log = link, log
-        self._broadcasting: tuple[int, asyncio.Future] | None = None   # (generation, task) of a running broadcast
+        self._broadcasting: tuple[int, asyncio.Future] | None = None   # (epoch, task) of a running broadcast
 
     @property
-    def generation(self) -> int | None:   # type: ignore[override]
-        return self.link.generation
+    def epoch(self) -> int | None:   # type: ignore[override]
+        return self.link.epoch
 
-    def abandon_before(self, generation: int) -> None:
+    def abandon_before(self, epoch: int) -> None:
         # The parameter server left that broadcast (a member it waited for was lost): nobody finishes it.
-        if self._broadcasting is not None and self._broadcasting[0] < generation:
+        if self._broadcasting is not None and self._broadcasting[0] < epoch:
             self._broadcasting[1].cancel()
 
     async def form(self, msg: LinkReform) -> LinkFormed:
         t0 = time.monotonic()
-        await in_thread(self.link.reform, msg.generation, msg.members or None)
-        self.log.info("weights_link_formed", generation=msg.generation, members=msg.members,
+        await in_thread(self.link.reform, msg.epoch, msg.members or None)
+        self.log.info("weights_link_formed", epoch=msg.epoch, members=msg.members,
                       seconds=round(time.monotonic() - t0, 3))
-        return LinkFormed(generation=msg.generation, seconds=time.monotonic() - t0)
+        return LinkFormed(epoch=msg.epoch, seconds=time.monotonic() - t0)
 
-    async def broadcast(self, version: int, generation: int, packed: list[PackedBucket]) -> None:
-        if self.link.generation != generation:
-            raise RuntimeError(f"link {self.link.config.name!r} is at generation {self.link.generation}, "
-                               f"not {generation}")
+    async def broadcast(self, version: int, epoch: int, packed: list[PackedBucket]) -> None:
+        if self.link.epoch != epoch:
+            raise RuntimeError(f"link {self.link.config.name!r} is at epoch {self.link.epoch}, "
+                               f"not {epoch}")
         link = self.link
 
         async def broadcast() -> None:
             for bucket in packed:
-                await in_thread(link.broadcast_packed, bucket, 0, generation)
+                await in_thread(link.broadcast_packed, bucket, 0, epoch)
         task = asyncio.ensure_future(broadcast())
-        self._broadcasting = (generation, task)
+        self._broadcasting = (epoch, task)
         try:
             await task
         except asyncio.CancelledError:
             if not task.cancelled() or asyncio.current_task().cancelling():
                 raise
-            raise RuntimeError(f"broadcast of version {version} on generation {generation} "
+            raise RuntimeError(f"broadcast of version {version} on epoch {epoch} "
                                f"abandoned: the link is being formed again") from None
         finally:
             self._broadcasting = None
@@ -120,7 +120,7 @@ class LinkCarrier(Carrier):
 
 class DirectSender(WeightSender):
     """Trainer rank 0 of the rollouts' link: keeps each version and broadcasts it when asked, on the bulk
-    link or into the servers' groups (the LinkReform of each generation says which)."""
+    link or into the servers' groups (the LinkReform of each epoch says which)."""
 
     def __init__(self, link: LinkCarrier, servers: Carrier, bus: Any, param_server: str, lock: asyncio.Lock,
                  stages: bool) -> None:
@@ -147,10 +147,10 @@ class DirectSender(WeightSender):
             raise RuntimeError(f"param server answered {reply!r} to version {version}")
 
     async def form(self, msg: LinkReform) -> LinkFormed:
-        """Join the rollouts' group of this generation as its rank 0 (the rendezvous master). With
+        """Join the rollouts' group of this epoch as its rank 0 (the rendezvous master). With
         ``world_size`` set, the rollouts' servers join themselves: host a fresh group (each pipeline stage's
         sender one of its own), reply with them at once, and finish joining in the background."""
-        self.link.abandon_before(msg.generation)
+        self.link.abandon_before(msg.epoch)
         async with self.lock:
             if msg.world_size > 0:
                 self.carrier = self.servers
@@ -167,7 +167,7 @@ class DirectSender(WeightSender):
         packed = self.kept.get(msg.version)
         async with self.lock:
             t0 = time.monotonic()
-            await self.carrier.broadcast(msg.version, msg.generation, packed)
+            await self.carrier.broadcast(msg.version, msg.epoch, packed)
         return WeightsBroadcastDone(version=msg.version, seconds=time.monotonic() - t0)
 
     def close(self) -> None:
@@ -176,7 +176,7 @@ class DirectSender(WeightSender):
 
 
 class TrainerFanout(Fanout):
-    """The parameter server's side of direct weights: it holds no bytes; the trainer forms each generation
+    """The parameter server's side of direct weights: it holds no bytes; the trainer forms each epoch
     (LinkReform as a request) and broadcasts (WeightsBroadcast) while the rollouts receive."""
 
     def __init__(self, server: Any, trainer: str, rollouts: list[str]) -> None:
@@ -201,41 +201,41 @@ class TrainerFanout(Fanout):
             ps.log.warning("stale_version_ignored", version=msg.version, current=ps.current.version)
         return WeightsStored(version=msg.version, receive_seconds=0.0)
 
-    async def form(self, generation: int, members: list[str]) -> dict[str, Any] | None:
+    async def form(self, epoch: int, members: list[str]) -> dict[str, Any] | None:
         ps = self.server
         if any(ps.rollouts[n].weight_ranks for n in members):
-            return await self._form_with_servers(generation, members)
+            return await self._form_with_servers(epoch, members)
         names = [self.trainer, *members]   # the link's master first
         for name in members:
-            await ps.send_link_reform(name, generation, names)
-        work = asyncio.ensure_future(ps.bus.request(self.trainer, LinkReform(generation=generation, members=names),
+            await ps.send_link_reform(name, epoch, names)
+        work = asyncio.ensure_future(ps.bus.request(self.trainer, LinkReform(epoch=epoch, members=names),
                                                     timeout=ps.ack_timeout))
-        if not await ps.await_formation(members, work, generation):
+        if not await ps.await_formation(members, work, epoch):
             return None
         return {}
 
-    async def _form_with_servers(self, generation: int, members: list[str]) -> dict[str, Any] | None:
+    async def _form_with_servers(self, epoch: int, members: list[str]) -> dict[str, Any] | None:
         """The trainer hosts a group of 1 + the servers' ranks; each rollout's server joins at its rank offset.
         The group is complete when the trainer's first broadcast finds every rank joined (it waits for that,
         bounded by the link timeout)."""
         ps = self.server
         if not all(ps.rollouts[n].weight_ranks > 0 for n in members):
             ps.counters["link_form_failures"] += 1
-            ps.log.error("rollout_link_form_failed", generation=generation, retry_in_s=ps.retry_s,
+            ps.log.error("rollout_link_form_failed", epoch=epoch, retry_in_s=ps.retry_s,
                          error="some rollouts receive on the link and some through their servers: "
                                f"{ {n: ps.rollouts[n].weight_ranks for n in members} }")
             return None
         world = 1 + sum(ps.rollouts[n].weight_ranks for n in members)
         try:
-            formed = await ps.bus.request(self.trainer, LinkReform(generation=generation, world_size=world),
+            formed = await ps.bus.request(self.trainer, LinkReform(epoch=epoch, world_size=world),
                                           timeout=ps.ack_timeout)
         except (BusError, TimeoutError) as exc:
             ps.counters["link_form_failures"] += 1
-            ps.log.error("rollout_link_form_failed", generation=generation, error=str(exc), retry_in_s=ps.retry_s)
+            ps.log.error("rollout_link_form_failed", epoch=epoch, error=str(exc), retry_in_s=ps.retry_s)
             return None
         offset = 1
         for name in members:
-            await ps.bus.send(name, LinkReform(generation=generation, master_addrs=formed.master_addrs,
+            await ps.bus.send(name, LinkReform(epoch=epoch, master_addrs=formed.master_addrs,
                                                master_ports=formed.master_ports, rank_offset=offset,
                                                world_size=world))
             offset += ps.rollouts[name].weight_ranks
@@ -249,12 +249,12 @@ class TrainerFanout(Fanout):
             self._abandoned[rollout] = why
             fut.cancel()
 
-    async def push(self, stored: Any, generation: int, members: list[str]) -> bool:
+    async def push(self, stored: Any, epoch: int, members: list[str]) -> bool:
         """The trainer broadcasts (WeightsBroadcast) on the group it hosts; every member acks."""
         ps = self.server
         t0 = time.monotonic()
         ready = WeightsReady(version=stored.version, n_buckets=stored.n_buckets, weights_hash=stored.weights_hash,
-                             generation=generation, specs=stored.specs, stage_buckets=stored.stage_buckets)
+                             epoch=epoch, specs=stored.specs, stage_buckets=stored.stage_buckets)
         acks = {name: asyncio.ensure_future(ps.bus.request(name, ready, timeout=ps.ack_timeout))
                 for name in members}
         summary: dict[str, dict[str, Any]] = {}
@@ -264,7 +264,7 @@ class TrainerFanout(Fanout):
         self._acks = acks
         try:
             sending = asyncio.ensure_future(ps.bus.request(
-                self.trainer, WeightsBroadcast(version=stored.version, generation=generation),
+                self.trainer, WeightsBroadcast(version=stored.version, epoch=epoch),
                 timeout=ps.ack_timeout))
             await ps.unless_lost(members, sending, f"pushing version {stored.version}")
         except (BulkError, BusError, TimeoutError) as exc:
@@ -275,7 +275,7 @@ class TrainerFanout(Fanout):
             ps.need_reform = True
             ps.failed_with(members, started=t0)
             ps.counters["push_failures"] += 1
-            ps.log.error("weights_push_failed", version=stored.version, generation=generation, error=str(exc),
+            ps.log.error("weights_push_failed", version=stored.version, epoch=epoch, error=str(exc),
                          acked=sorted(summary))
             return False
         sent_s = time.monotonic() - t0
@@ -292,4 +292,4 @@ class TrainerFanout(Fanout):
                       if isinstance(res, asyncio.CancelledError) else repr(res))
             ps.log.error("weights_ack_failed", rollout=name, version=stored.version, error=reason)
             summary[name] = {"error": reason[:200]}
-        return ps.pushed(stored, generation, members, summary, sent_s, sync_s)
+        return ps.pushed(stored, epoch, members, summary, sent_s, sync_s)

@@ -20,22 +20,22 @@ Verify = Callable[[WeightsReady], Awaitable[tuple[str, str]]]
 
 class _Receiver(WeightReceiver):
     """What both receivers share: the engine, the actor's counters and log, how it verifies an update, and
-    the running transfer (which a newer generation abandons)."""
+    the running transfer (which a newer epoch abandons)."""
 
     def __init__(self, config: LinkConfig, engine: GenerationEngine, counters: Counter, log: Any, verify: Verify,
                  active: Callable[[], int]) -> None:
         self.config, self.engine, self.counters, self.log = config, engine, counters, log
         self.verify, self.active = verify, active
-        self._transfer: tuple[int, asyncio.Future] | None = None   # (generation, task) of a running receive
+        self._transfer: tuple[int, asyncio.Future] | None = None   # (epoch, task) of a running receive
 
-    def abandon_before(self, generation: int) -> None:
-        """The parameter server left a transfer of an older generation (a member it waited for was lost):
+    def abandon_before(self, epoch: int) -> None:
+        """The parameter server left a transfer of an older epoch (a member it waited for was lost):
         nobody finishes it."""
-        if self._transfer is not None and self._transfer[0] < generation:
+        if self._transfer is not None and self._transfer[0] < epoch:
             self._transfer[1].cancel()
 
-    def _running(self, generation: int, fut: asyncio.Future) -> None:
-        self._transfer = (generation, fut)
+    def _running(self, epoch: int, fut: asyncio.Future) -> None:
+        self._transfer = (epoch, fut)
 
         def ended(done: asyncio.Future) -> None:
             if self._transfer is not None and self._transfer[1] is done:
@@ -54,11 +54,11 @@ class LinkReceiver(_Receiver):
         self.link, self.interruptible = link, interruptible
 
     @property
-    def generation(self) -> int | None:   # type: ignore[override]
-        return self.link.generation
+    def epoch(self) -> int | None:   # type: ignore[override]
+        return self.link.epoch
 
     async def form(self, msg: LinkReform) -> None:
-        await in_thread(self.link.reform, msg.generation, msg.members or None)
+        await in_thread(self.link.reform, msg.epoch, msg.members or None)
 
     async def receive(self, msg: WeightsReady) -> WeightsAck:
         engine, link = self.engine, self.link
@@ -71,8 +71,8 @@ class LinkReceiver(_Receiver):
         async def receive() -> None:
             try:
                 for _ in range(msg.n_buckets):
-                    queue.put_nowait(await in_thread(link.recv, 0, msg.generation) if msg.point_to_point
-                                     else await in_thread(link.broadcast, None, 0, msg.generation))
+                    queue.put_nowait(await in_thread(link.recv, 0, msg.epoch) if msg.point_to_point
+                                     else await in_thread(link.broadcast, None, 0, msg.epoch))
             except BaseException as exc:
                 queue.put_nowait(exc)
                 raise
@@ -89,7 +89,7 @@ class LinkReceiver(_Receiver):
                 yield item
 
         receiver = asyncio.ensure_future(receive())
-        self._running(msg.generation, receiver)
+        self._running(msg.epoch, receiver)
         swaps_before = len(getattr(engine, "swaps", []))
         stall = 0.0
         try:
@@ -114,7 +114,7 @@ class LinkReceiver(_Receiver):
         if self.interruptible and len(swaps) > swaps_before:
             stall = swaps[-1].swap_s + swaps[-1].rebuild_s   # the decode loop's pause at the boundary
         digest, how = await self.verify(msg)
-        self.log.info("weights_updated", version=msg.version, generation=msg.generation, buckets=msg.n_buckets,
+        self.log.info("weights_updated", version=msg.version, epoch=msg.epoch, buckets=msg.n_buckets,
                       receive_s=round(receive_s, 4), stall_s=round(stall, 4),
                       total_s=round(time.monotonic() - t0, 4), interruptible=self.interruptible,
                       active_groups=self.active(), verified=how)
@@ -134,7 +134,7 @@ class ServerGroupReceiver(_Receiver):
                  active: Callable[[], int], ranks: int) -> None:
         super().__init__(config, engine, counters, log, verify, active)
         self._ranks = max(1, ranks)
-        self.generation: int | None = None
+        self.epoch: int | None = None
         self.groups: list[str] = []     # in stage order
 
     @property
@@ -151,21 +151,21 @@ class ServerGroupReceiver(_Receiver):
                 await self.engine.destroy_weights_group(name)
             except EngineError:  # a restarted server no longer has it
                 pass
-        self.groups, self.generation = [], None
+        self.groups, self.epoch = [], None
         # One stage at a time, in order: every member joins stage k's group before any joins k + 1.
         for stage, (addr, port) in enumerate(zip(msg.master_addrs, msg.master_ports)):
-            name = weight_group_name(self.config.name, msg.generation, stage)
+            name = weight_group_name(self.config.name, msg.epoch, stage)
             await self.engine.init_weights_group(addr, port, msg.rank_offset, msg.world_size, group_name=name,
                                                  backend=self.config.backend)
             self.groups.append(name)
-        self.generation = msg.generation
+        self.epoch = msg.epoch
 
     async def receive(self, msg: WeightsReady) -> WeightsAck:
         """The server receives the buckets the trainer broadcasts, one /update_weights_from_distributed each,
         inside one pause of its generation (the engine's interruption)."""
         t0 = time.monotonic()
         update = asyncio.ensure_future(self._update(msg))
-        self._running(msg.generation, update)
+        self._running(msg.epoch, update)
         try:
             await update
         except asyncio.CancelledError:
@@ -180,7 +180,7 @@ class ServerGroupReceiver(_Receiver):
             raise WeightSyncError(f"version {msg.version}: {exc}") from exc
         seconds = time.monotonic() - t0
         digest, how = await self.verify(msg)
-        self.log.info("weights_updated", version=msg.version, generation=msg.generation, buckets=msg.n_buckets,
+        self.log.info("weights_updated", version=msg.version, epoch=msg.epoch, buckets=msg.n_buckets,
                       total_s=round(seconds, 4), through_server=True, active_groups=self.active(), verified=how)
         # generation pauses for the whole receive (SGLang aborts and resumes around it)
         return WeightsAck(version=msg.version, weights_hash=digest, receive_seconds=seconds, stall_seconds=seconds,
@@ -197,7 +197,7 @@ class ServerGroupReceiver(_Receiver):
         await self.engine.update_weights_from_distributed(msg.version, msg.specs, group_name=groups)
 
     def server_lost(self) -> None:
-        self.groups, self.generation = [], None
+        self.groups, self.epoch = [], None
 
     def close(self) -> None:
         self.server_lost()

@@ -5,9 +5,9 @@ sends it on to every rollout (``ps_to_rollout``), each on a lane of its own.
       |--WeightsPublished(v, epoch)-->|                                      |
       |==buckets (send/recv)========>|  hash, pack, store v                 |
       |<--------WeightsStored(v)------|                                      |
-      |                               |--LinkReform(g, members)------------>|   (when the ready set changes)
-      |                               |== both join generation g ==========|
-      |                               |--WeightsReady(v, g, p2p)---------->|   (a request, per lane)
+      |                               |--LinkReform(e, members)------------>|   (when the ready set changes)
+      |                               |== both join epoch e ===============|
+      |                               |--WeightsReady(v, e, p2p)---------->|   (a request, per lane)
       |                               |==buckets (send/recv)==============>|   update_weights, verify hash
       |                               |<--------------WeightsAck(v, hash)---|
 """
@@ -72,7 +72,7 @@ class RelaySender(WeightSender):
             incarnation=self.incarnation), timeout=link.config.timeout_s + 30))
 
         def send_all() -> None:
-            if link.generation != epoch:
+            if link.epoch != epoch:
                 link.reform(epoch)
             for b in buckets:
                 link.send(b, dst)
@@ -108,7 +108,7 @@ def load_start_weights(cfg: ExperimentConfig, run_dir: Any, bucket_bytes: int) -
 class RelayFanout(Fanout):
     """The parameter server between the trainer and the rollouts. It receives each version on the train link
     (``up``; it joins the epoch the trainer names), stores it packed, and is rank 0 of the rollouts' link
-    (``down``): it forms each generation itself and sends every member the stored buckets on a lane of its
+    (``down``): it forms each epoch itself and sends every member the stored buckets on a lane of its
     own, so a late or hung member holds up nobody else."""
 
     holds_weights = True
@@ -134,7 +134,7 @@ class RelayFanout(Fanout):
         if msg.incarnation != self._trainer_incarnation:   # the trainer restarted: its epochs start again
             self._trainer_incarnation, self._up_epoch = msg.incarnation, msg.link_epoch
         self._up_epoch = max(self._up_epoch, msg.link_epoch)
-        if self.up.generation != msg.link_epoch:
+        if self.up.epoch != msg.link_epoch:
             # First contact, a restart of either side, or a transfer that failed: meet the trainer on the epoch
             # it names (it is the rendezvous master and joins that epoch too), on a link object of its own: an
             # announcement older than a restart may still be waiting for its epoch in another thread.
@@ -149,7 +149,7 @@ class RelayFanout(Fanout):
                 self.up = link
                 ps.log.info("train_link_formed", link=link.config.name, epoch=msg.link_epoch)
         async with self._up_lock:
-            if self.up.generation != msg.link_epoch:
+            if self.up.epoch != msg.link_epoch:
                 raise WeightsRejected(f"version {msg.version}: epoch {msg.link_epoch} of the train link was "
                                       f"superseded by epoch {self._up_epoch}")
             t0 = time.monotonic()
@@ -194,12 +194,12 @@ class RelayFanout(Fanout):
         if self._storing:
             await asyncio.wait(set(self._storing), timeout=30.0)
 
-    async def form(self, generation: int, members: list[str]) -> dict[str, Any] | None:
+    async def form(self, epoch: int, members: list[str]) -> dict[str, Any] | None:
         ps = self.server
         names = [ps.name, *members]   # the link's master first
         for name in members:
-            await ps.send_link_reform(name, generation, names)
-        if not await ps.await_formation(members, in_thread(self.link.reform, generation, names), generation):
+            await ps.send_link_reform(name, epoch, names)
+        if not await ps.await_formation(members, in_thread(self.link.reform, epoch, names), epoch):
             return None
         return {}
 
@@ -210,7 +210,7 @@ class RelayFanout(Fanout):
         if (lane := self._lanes.get(rollout)) is not None:
             lane.cancel(f"{rollout}: {why}")
 
-    async def push(self, stored: Any, generation: int, members: list[str]) -> bool:
+    async def push(self, stored: Any, epoch: int, members: list[str]) -> bool:
         """A lane per member: its buckets sent point to point on a thread of its own, then its ack. The push
         ends when every lane has, or `late_s` after the first one did; a late lane runs on (its member is
         skipped until it ends, then catches up), and a lost member's lane is abandoned."""
@@ -218,12 +218,12 @@ class RelayFanout(Fanout):
         members = [n for n in members if n not in self._lanes]
         t0 = time.monotonic()
         ready = WeightsReady(version=stored.version, n_buckets=stored.n_buckets, weights_hash=stored.weights_hash,
-                             generation=generation, point_to_point=True)
+                             epoch=epoch, point_to_point=True)
         summary: dict[str, dict[str, Any]] = {}
 
         def send(rank: int) -> None:
             for packed in stored.packed:
-                link.send_packed(packed, rank, generation)
+                link.send_packed(packed, rank, epoch)
 
         async def lane(name: str) -> None:
             ack = asyncio.ensure_future(ps.bus.request(name, ready, timeout=ps.ack_timeout))
@@ -257,7 +257,7 @@ class RelayFanout(Fanout):
                 ps.counters["ack_failures"] += 1
                 ps.log.error("weights_ack_failed", rollout=name, version=stored.version, error=reason)
                 summary[name] = {"error": reason[:200]}
-        return ps.pushed(stored, generation, members, summary, sync_s, sync_s)
+        return ps.pushed(stored, epoch, members, summary, sync_s, sync_s)
 
     def close(self) -> None:
         self.up.close()

@@ -38,12 +38,12 @@ class ServerGroupHost:
     def __init__(self, address: str, backend: str, timeout_s: float, bind_addr: str = "") -> None:
         self.address, self.backend, self.timeout_s = address, backend, timeout_s
         self.bind_addr = bind_addr or "0.0.0.0"
-        self.generation: int | None = None
+        self.epoch: int | None = None
         self._sender: Any = None
         self._joined: concurrent.futures.Future | None = None
 
-    def host(self, generation: int, world_size: int, group_name: str) -> int:
-        """Start a group of this generation (closing the previous one); returns its port at once."""
+    def host(self, epoch: int, world_size: int, group_name: str) -> int:
+        """Start a group of this epoch (closing the previous one); returns its port at once."""
         from actors.engines.sglang_group import WeightGroupSender
         from transport.ports import free_port
 
@@ -62,15 +62,15 @@ class ServerGroupHost:
                 joined.set_result(None)
 
         threading.Thread(target=join, name=f"join-{group_name}", daemon=True).start()
-        self._sender, self._joined, self.generation = sender, joined, generation
+        self._sender, self._joined, self.epoch = sender, joined, epoch
         return port
 
-    def broadcast(self, version: int, generation: int, packed: list[PackedBucket], link_name: str) -> None:
+    def broadcast(self, version: int, epoch: int, packed: list[PackedBucket], link_name: str) -> None:
         """One SGLang-format broadcast per bucket (the servers run /update_weights_from_distributed for
         each), once every server rank has joined; blocking."""
         sender, joined = self._sender, self._joined
-        if sender is None or joined is None or self.generation != generation:
-            raise RuntimeError(f"no weights group of generation {generation} is hosted here")
+        if sender is None or joined is None or self.epoch != epoch:
+            raise RuntimeError(f"no weights group of epoch {epoch} is hosted here")
         try:
             joined.result(timeout=self.timeout_s + 5)
             for bucket in packed:
@@ -86,7 +86,7 @@ class ServerGroupHost:
     def close(self) -> None:
         if self._sender is not None:
             self._sender.close()
-        self._sender, self._joined, self.generation = None, None, None
+        self._sender, self._joined, self.epoch = None, None, None
 
 
 class ServerGroupCarrier(Carrier):
@@ -98,43 +98,43 @@ class ServerGroupCarrier(Carrier):
         self.host = ServerGroupHost(config.master_addr, config.backend, config.timeout_s, config.bind_addr)
 
     @property
-    def generation(self) -> int | None:   # type: ignore[override]
-        return self.host.generation
+    def epoch(self) -> int | None:   # type: ignore[override]
+        return self.host.epoch
 
     async def form(self, msg: LinkReform) -> LinkFormed:
         """Host a fresh group per stage and answer with them at once; the joining finishes in the background
         while the servers come (the first broadcast waits for it)."""
-        cfg, generation, world_size = self.config, msg.generation, msg.world_size
+        cfg, epoch, world_size = self.config, msg.epoch, msg.world_size
         t0 = time.monotonic()
-        port = self.host.host(generation, world_size, weight_group_name(cfg.name, generation, 0))
+        port = self.host.host(epoch, world_size, weight_group_name(cfg.name, epoch, 0))
         addrs, ports = [cfg.master_addr], [port]
         if self.weight_ranks is not None:
             ranks = self.weight_ranks
 
             def host_stages() -> list[Any]:
-                ranks.lead(HOST, generation, world_size, cfg.name, cfg.backend, cfg.timeout_s)
+                ranks.lead(HOST, epoch, world_size, cfg.name, cfg.backend, cfg.timeout_s)
                 return ranks.gather(None) or []
 
             for _, addr, stage_port in sorted(h for h in await in_thread(host_stages) if h is not None):
                 addrs.append(addr)
                 ports.append(stage_port)
-        self.log.info("weights_group_hosted", generation=generation, ports=ports, world_size=world_size)
-        return LinkFormed(generation=generation, seconds=time.monotonic() - t0, master_addrs=addrs,
+        self.log.info("weights_group_hosted", epoch=epoch, ports=ports, world_size=world_size)
+        return LinkFormed(epoch=epoch, seconds=time.monotonic() - t0, master_addrs=addrs,
                           master_ports=ports)
 
-    async def broadcast(self, version: int, generation: int, packed: list[PackedBucket]) -> None:
-        await in_thread(self._broadcast, version, generation, packed)
+    async def broadcast(self, version: int, epoch: int, packed: list[PackedBucket]) -> None:
+        await in_thread(self._broadcast, version, epoch, packed)
 
-    def _broadcast(self, version: int, generation: int, packed: list[PackedBucket]) -> None:
+    def _broadcast(self, version: int, epoch: int, packed: list[PackedBucket]) -> None:
         """Stage 0's buckets on its group; with pipeline stages every other stage's sender broadcasts its
         own at the same time (the servers take the stages in order), and says whether that worked."""
         if self.weight_ranks is None:
-            self.host.broadcast(version, generation, packed, self.config.name)
+            self.host.broadcast(version, epoch, packed, self.config.name)
             return
-        self.weight_ranks.lead(BROADCAST, version, generation)
+        self.weight_ranks.lead(BROADCAST, version, epoch)
         failure: Exception | None = None
         try:
-            self.host.broadcast(version, generation, packed, self.config.name)
+            self.host.broadcast(version, epoch, packed, self.config.name)
         except Exception as exc:   # the other stages still answer: gather before raising
             failure = exc
         errors = [e for e in self.weight_ranks.gather("") or [] if e]
@@ -172,28 +172,28 @@ class StageSender:
         while True:
             command, args = weight_ranks.next_command()
             if command == HOST:
-                generation, world_size, link_name, backend, timeout_s = args
+                epoch, world_size, link_name, backend, timeout_s = args
                 hosted = None
                 if self.sender:
                     if self.host is None:
                         self.host = ServerGroupHost(self.address, backend, timeout_s)
-                    port = self.host.host(generation, world_size, weight_group_name(link_name, generation, self.stage))
+                    port = self.host.host(epoch, world_size, weight_group_name(link_name, epoch, self.stage))
                     hosted = (self.stage, self.address, port)
-                    self.log.info("weights_group_hosted", generation=generation, stage=self.stage, port=port,
+                    self.log.info("weights_group_hosted", epoch=epoch, stage=self.stage, port=port,
                                   world_size=world_size)
                 weight_ranks.gather(hosted)
             elif command == BROADCAST:
-                version, generation = args
+                version, epoch = args
                 error = ""
                 if self.sender:
                     t0 = time.monotonic()
                     try:
                         if self.host is None:
-                            raise RuntimeError(f"no weights group of generation {generation} is hosted here")
-                        self.host.broadcast(version, generation, self.kept.get(version), link_name)
+                            raise RuntimeError(f"no weights group of epoch {epoch} is hosted here")
+                        self.host.broadcast(version, epoch, self.kept.get(version), link_name)
                     except Exception as exc:
                         error = f"stage {self.stage} ({name}): {exc}"
-                    self.log.info("stage_weights_sent", version=version, generation=generation, stage=self.stage,
+                    self.log.info("stage_weights_sent", version=version, epoch=epoch, stage=self.stage,
                                   buckets=len(self.kept.versions.get(version, [])),
                                   seconds=round(time.monotonic() - t0, 4), error=error or None)
                 weight_ranks.gather(error)
