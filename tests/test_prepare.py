@@ -116,18 +116,14 @@ def test_bad_prepare_sections_name_the_key(tmp_path: Path, model_dir: Path, muta
 def test_a_run_evaluates_the_warm_start_it_made_as_its_start(tmp_path: Path, model_dir: Path) -> None:
     # tools.up prepares first, then reads the typed config: the start model the summary names and evaluates
     # is the warm start, not the weightless directory the config file names
-    from tools.bench.chaos import launch, kill_everything
+    from tools.bench.chaos import finish_run, launch
 
     exp = experiment(tmp_path, model_dir)
     assets = {"model": model_dir, "data": tmp_path / "d"}
     run_dir = tmp_path / "run"
     proc = launch(assets, run_dir, steps=1, ckpt_every=1,
                   extra=(f"experiment.prepare={json.dumps(exp['prepare'])}", "experiment.run.final_eval=true"))
-    try:
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            kill_everything(proc, run_dir)
+    out = finish_run(proc, run_dir, timeout=300)
     assert proc.returncode == 0, out[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["start_model"] == str(tmp_path / "ws" / "stage2"), summary
