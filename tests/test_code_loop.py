@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from actors.reward.sandbox import probe_sandbox
-from tools.bench.chaos import kill_everything, launch, make_assets, step_records
+from tools.bench.chaos import finish_run, launch, make_assets, step_records
 from tools.bench.e2e import reward_share
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,11 +45,7 @@ def test_code_rewards_flow_through_the_loop(tmp_path):
     assets = make_assets(tmp_path / "assets", train_per_level=20, task="code")
     run_dir = tmp_path / "run"
     proc = launch(assets, run_dir, steps=2, ckpt_every=2, topology=TOPOLOGY)
-    try:
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            kill_everything(proc, run_dir)
+    out = finish_run(proc, run_dir, timeout=300)
     assert proc.returncode == 0, out[-4000:]
     assert [m["step"] for m in step_records(run_dir)] == [1, 2]
     counters = stopped_counters(run_dir, "reward")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench.chaos import ETA, kill_everything as kill_run, launch, make_assets, ready_info
+from tools.bench.chaos import ETA, finish_run, kill_everything as kill_run, launch, make_assets, ready_info, run_guard
 from tools.bench.chaos import step_records as metrics, wait_for_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,8 +35,8 @@ def actor_pid(run_dir: Path, name: str) -> int:
     return int(ready_info(run_dir, name)["pid"])
 
 
-def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+def finish(proc: subprocess.Popen, run_dir: Path, timeout: float = 300) -> str:
+    out = finish_run(proc, run_dir, timeout)
     assert proc.returncode == 0, out[-4000:]
     return out
 
@@ -44,12 +44,7 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
 def run_to_end(assets: dict[str, Path], run_dir: Path, steps: int, ckpt_every: int,
                topology: str = "topology/local.yaml") -> None:
     """Launch a run, let it finish (killing whatever is left if it does not) and check the invariants."""
-    proc = launch(assets, run_dir, steps=steps, ckpt_every=ckpt_every, topology=topology)
-    try:
-        finish(proc)
-    finally:
-        if proc.poll() is None:
-            kill_run(proc, run_dir)
+    finish(launch(assets, run_dir, steps=steps, ckpt_every=ckpt_every, topology=topology), run_dir)
     check_invariants(run_dir, steps)
 
 
@@ -91,14 +86,11 @@ def run_killing(assets: dict[str, Path], run_dir: Path, victims: list[str],
     """A `steps`-step run whose `victims` are killed with -9 at step 2; checks the run's invariants and returns
     every actor's restart count from the launcher's summary."""
     proc = launch(assets, run_dir, steps=steps, ckpt_every=3, env=env)
-    try:
+    with run_guard(proc, run_dir):
         wait_for_step(proc, run_dir, 2)
         for name in victims:
             os.kill(actor_pid(run_dir, name), signal.SIGKILL)
-        out = finish(proc)
-    finally:
-        if proc.poll() is None:
-            kill_run(proc, run_dir)
+        out = finish(proc, run_dir)
     check_invariants(run_dir, steps)
     names = {spec["name"] for spec in json.loads((run_dir / "plan.json").read_text())["specs"]}
     return {line.split()[0]: int(line.split()[-1]) for line in out.splitlines() if line.split()[:1] and
@@ -155,7 +147,7 @@ def test_a_hung_rollout_holds_up_neither_the_weights_nor_the_trainer(assets: dic
     # healthy rollout got no new weights and the trainer made no step while the other hung.
     run_dir, steps = tmp_path / "run", 14
     proc = launch(assets, run_dir, steps=steps, ckpt_every=7)
-    try:
+    with run_guard(proc, run_dir):
         wait_for_step(proc, run_dir, 2)
         hung = actor_pid(run_dir, "rollout.1")
         os.kill(hung, signal.SIGSTOP)
@@ -164,10 +156,7 @@ def test_a_hung_rollout_holds_up_neither_the_weights_nor_the_trainer(assets: dic
             wait_for_step(proc, run_dir, stopped_at + 5, timeout=120)   # training goes on without it
         finally:
             os.kill(hung, signal.SIGCONT)
-        out = finish(proc)
-    finally:
-        if proc.poll() is None:
-            kill_run(proc, run_dir)
+        out = finish(proc, run_dir)
     check_invariants(run_dir, steps)
     assert re.search(r"rollout\.1 .* \(restarts 0\)", out), out[-2000:]   # it was never restarted
     pushes = events(run_dir, "param_server", "weights_pushed")
@@ -187,13 +176,10 @@ def test_killed_run_recovers_from_its_last_checkpoint(assets: dict[str, Path], t
     steps = 20
     run_dir = tmp_path / "run"
     proc = launch(assets, run_dir, steps=steps, ckpt_every=2)
-    try:
+    with run_guard(proc, run_dir):
         wait_for_step(proc, run_dir, 5)
         # A crash of the whole run: the launcher and every actor die at once, nothing shuts down cleanly.
         kill_run(proc, run_dir)
-    finally:
-        if proc.poll() is None:
-            kill_run(proc, run_dir)
     complete = sorted(int(c.parent.name.split("_")[1]) for c in (run_dir / "checkpoints").glob("*/COMPLETE"))
     assert len(complete) >= 2 and complete[-1] < steps, complete
     # And the newest checkpoint's weights were truncated afterwards (once: SafetensorError, no fallback).
@@ -225,13 +211,10 @@ def test_direct_weights_trainer_broadcasts_to_rollouts(assets: dict[str, Path], 
     run_dir = tmp_path / "run"
     proc = launch(assets, run_dir, steps=12, ckpt_every=6, topology=str(topology),
                   extra=("experiment.eval.every_versions=5",))
-    try:
+    with run_guard(proc, run_dir):
         wait_for_step(proc, run_dir, 3)
         os.kill(actor_pid(run_dir, "rollout.1"), signal.SIGKILL)
-        finish(proc)
-    finally:
-        if proc.poll() is None:
-            kill_run(proc, run_dir)
+        finish(proc, run_dir)
     check_invariants(run_dir, 12)
     assert [e["path"] for e in events(run_dir, "param_server", "start_weights")] == ["TrainerFanout"]
     formed = events(run_dir, "param_server", "rollout_link_formed")
@@ -274,7 +257,7 @@ def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: P
     run_dir = tmp_path / "run"
     steps = 24
     proc = launch(assets, run_dir, steps=steps, ckpt_every=steps, topology=str(topology))
-    try:
+    with run_guard(proc, run_dir):
         wait_for_step(proc, run_dir, 3)
         killed = server_pids(run_dir, "rollout.1")
         assert len(killed) == 1, killed
@@ -290,10 +273,7 @@ def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: P
                 time.sleep(0.2)
         finally:
             os.kill(hung, signal.SIGCONT)
-        finish(proc)
-    finally:
-        if proc.poll() is None:
-            kill_run(proc, run_dir)
+        finish(proc, run_dir)
     check_invariants(run_dir, steps)
     assert [e["restarts"] for e in events(run_dir, "rollout.1", "engine_server_restarted")] == [1]
     # the parameter server heard of the death at once: no group waited for rollout.1 until its server was back

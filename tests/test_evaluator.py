@@ -14,7 +14,7 @@ import pytest
 from actors.dataset import Record
 from actors.evaluator import EVAL_FILE, eval_entry, evaluated_versions, spread_over_levels
 from actors.param_server import kept_for_eval
-from tools.bench.chaos import kill_everything, launch, make_assets, ready_info, step_records, wait_for_step
+from tools.bench.chaos import finish_run, launch, make_assets, ready_info, run_guard, step_records, wait_for_step
 from tools.plot import _plot_evals, eval_accuracy, plot_run
 
 STEPS, EVERY = 24, 2
@@ -72,7 +72,7 @@ def test_a_run_evaluates_every_n_versions_without_waiting_for_the_evaluator(tmp_
     run_dir = tmp_path / "run"
     proc = launch(assets, run_dir, steps=STEPS, ckpt_every=8,
                   extra=(f"experiment.eval.every_versions={EVERY}", "experiment.eval.max_problems=12"))
-    try:
+    with run_guard(proc, run_dir):
         wait_for_evals(proc, run_dir, 3)
         pid = int(ready_info(run_dir, "evaluator")["pid"])
         os.kill(pid, signal.SIGSTOP)
@@ -82,11 +82,8 @@ def test_a_run_evaluates_every_n_versions_without_waiting_for_the_evaluator(tmp_
         # ... and after it is killed; the supervisor restarts it and it takes up from where it was (or, if the
         # run ended meanwhile, sees the run's FINISHED mark and leaves).
         os.kill(pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=300)
+        out = finish_run(proc, run_dir, timeout=300)
         assert proc.returncode == 0, out[-4000:]
-    finally:
-        if proc.poll() is None:
-            kill_everything(proc, run_dir)
     restarts = {line.split()[0]: int(line.split()[-1]) for line in out.splitlines()
                 if line.split()[:1] == ["evaluator"]}
     assert restarts == {"evaluator": 1}, out[-3000:]

@@ -10,12 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from testsupport.local_actors import process_alive, ready_pids
+from testsupport.local_actors import process_alive, wait_for_ready
+from tools.bench.chaos import finish_run, run_guard
 from tools import up
 import topology as topo_mod
 from topology import load
@@ -227,18 +227,12 @@ def test_ctrl_c_stops_every_actor_cleanly(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     topo = demo_topology(tmp_path, "{rounds: 100000000}", link=False)
     proc = subprocess.Popen([sys.executable, "-m", "tools.up", str(topo), "--run-dir", str(run_dir),
-                             "--no-progress"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + LAUNCH_TIMEOUT
-        while len(list((run_dir / "ready").glob("*.json"))) < 3:  # every actor announced ready
-            assert proc.poll() is None and time.monotonic() < deadline, "run did not come up"
-            time.sleep(0.1)
-        pids = ready_pids(run_dir)
+                             "--no-progress"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    with run_guard(proc, run_dir):
+        pids = wait_for_ready(proc, run_dir, 3, LAUNCH_TIMEOUT, "run did not come up")  # every actor announced ready
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        out = finish_run(proc, run_dir, timeout=60)
     assert proc.returncode == 0, out
     assert "demo_test: stopped by SIGINT" in out
     assert not any(process_alive(pid) for pid in pids)

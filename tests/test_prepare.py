@@ -1,6 +1,7 @@
 """tools/prepare.py: what the first command on a fresh machine makes before the run starts."""
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -10,7 +11,8 @@ import pytest
 from tools.lm import has_weights
 from tools.prepare import PrepareError, prepare
 
-TINY = Path(__file__).resolve().parents[1] / "configs" / "models" / "arith-tiny"
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "models" / "arith-tiny"
 SFT_ARGS = {"steps": 3, "batch_size": 8, "eval_every": 0, "max_new_tokens": 8, "seed": 0}
 
 
@@ -41,9 +43,8 @@ def experiment(tmp_path: Path, model_dir: Path) -> dict:
 
 
 def test_data_and_staged_warm_start_are_made_once_then_reused(tmp_path: Path, model_dir: Path) -> None:
-    exp = experiment(tmp_path, model_dir)
     lines: list[str] = []
-    prepare(exp, log=lines.append)
+    exp = prepare(experiment(tmp_path, model_dir), log=lines.append)
     for folder in ("d", "careful"):
         assert (tmp_path / folder / "train.jsonl").exists() and (tmp_path / folder / "test.jsonl").exists()
     assert exp["model"]["path"] == str(tmp_path / "ws" / "stage2")
@@ -54,9 +55,8 @@ def test_data_and_staged_warm_start_are_made_once_then_reused(tmp_path: Path, mo
     stage2 = next(i for i, line in enumerate(lines) if "stage 2/2" in line)
     assert len(random_starts) == 1 and random_starts[0] < stage2
 
-    again = experiment(tmp_path, model_dir)
     lines.clear()
-    prepare(again, log=lines.append)
+    again = prepare(experiment(tmp_path, model_dir), log=lines.append)
     assert again["model"]["path"] == exp["model"]["path"]
     assert any("reusing the warm start" in line for line in lines) and not any("stage 1/2" in x for x in lines)
 
@@ -68,14 +68,32 @@ def test_data_and_staged_warm_start_are_made_once_then_reused(tmp_path: Path, mo
 
 
 def test_a_model_with_weights_needs_no_warm_start(tmp_path: Path, model_dir: Path) -> None:
-    exp = experiment(tmp_path, model_dir)
-    prepare(exp)
-    trained = exp["model"]["path"]
+    trained = prepare(experiment(tmp_path, model_dir))["model"]["path"]
     exp2 = experiment(tmp_path, model_dir)
     exp2["model"]["path"] = trained
     lines: list[str] = []
-    prepare(exp2, log=lines.append)
-    assert exp2["model"]["path"] == trained and not any("warm start" in line for line in lines)
+    assert prepare(exp2, log=lines.append) == exp2 and not any("warm start" in line for line in lines)
+
+
+def test_the_run_is_planned_from_the_prepared_document(tmp_path: Path, model_dir: Path) -> None:
+    # prepare once changed the plan's own experiment document in place, so the plan's typed config named
+    # the weightless model or the warm start depending on when it was read. Now prepare returns the prepared
+    # document and leaves its argument as it was, and the run's plan is a new one built from it.
+    import topology
+
+    exp = experiment(tmp_path, model_dir)
+    plan = topology.load(ROOT / "topology" / "local.yaml", [
+        f"experiment.model.path={model_dir}", f"experiment.data.train={exp['data']['train']}",
+        f"experiment.data.test={exp['data']['test']}", f"experiment.prepare={json.dumps(exp['prepare'])}"],
+        check_imports=False)
+    written = copy.deepcopy(plan.topology.experiment)
+    prepared = prepare(plan.topology.experiment, log=lambda _: None)
+    start = str(tmp_path / "ws" / "stage2")
+    assert plan.topology.experiment == written and prepared["model"]["path"] == start
+    assert prepared == {**written, "model": {**written["model"], "path": start}}
+    run = plan.with_experiment(prepared)
+    assert run.topology.config.model.path == start and plan.topology.config.model.path == str(model_dir)
+    assert {spec["settings"]["model"]["path"] for spec in run.specs("RUN_DIR")} == {start}
 
 
 @pytest.mark.parametrize("mutate, words", [
@@ -98,18 +116,14 @@ def test_bad_prepare_sections_name_the_key(tmp_path: Path, model_dir: Path, muta
 def test_a_run_evaluates_the_warm_start_it_made_as_its_start(tmp_path: Path, model_dir: Path) -> None:
     # tools.up prepares first, then reads the typed config: the start model the summary names and evaluates
     # is the warm start, not the weightless directory the config file names
-    from tools.bench.chaos import launch, kill_everything
+    from tools.bench.chaos import finish_run, launch
 
     exp = experiment(tmp_path, model_dir)
     assets = {"model": model_dir, "data": tmp_path / "d"}
     run_dir = tmp_path / "run"
     proc = launch(assets, run_dir, steps=1, ckpt_every=1,
                   extra=(f"experiment.prepare={json.dumps(exp['prepare'])}", "experiment.run.final_eval=true"))
-    try:
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            kill_everything(proc, run_dir)
+    out = finish_run(proc, run_dir, timeout=300)
     assert proc.returncode == 0, out[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["start_model"] == str(tmp_path / "ws" / "stage2"), summary

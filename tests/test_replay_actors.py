@@ -2,7 +2,6 @@
 each replays identically, and a changed setting is reported as the first divergence naming message and field."""
 from __future__ import annotations
 
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -10,7 +9,7 @@ from typing import Iterator
 import pytest
 
 from tools import replay
-from tools.bench.chaos import kill_everything, launch, make_assets
+from tools.bench.chaos import finish_run, launch, make_assets
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +31,8 @@ def _record(base: Path) -> Path:
     proc = launch(assets, run_dir, steps=3, ckpt_every=3,
                   extra=("experiment.run.final_eval=false", "experiment.algo.kl_coef=0.1",
                          "experiment.algo.ppo_minibatches=2", "--record"))
-    try:
-        out, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, out[-4000:]
-    except subprocess.TimeoutExpired:
-        kill_everything(proc, run_dir)
-        raise
+    out = finish_run(proc, run_dir, timeout=600)
+    assert proc.returncode == 0, out[-4000:]
     logs = run_dir / "msglog"
     assert sorted(p.name for p in logs.iterdir()) == sorted(
         f"{n}.msglog" for n in ("buffer", "reward", "trainer", "param_server", "rollout.0", "rollout.1", "evaluator"))

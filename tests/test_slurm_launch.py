@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from testsupport.local_actors import process_alive, ready_pids
+from testsupport.local_actors import process_alive, wait_for_ready
 from transport.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -79,11 +79,8 @@ def test_sigterm_stops_every_node_cleanly(cluster: SlurmCluster, tmp_path: Path)
     salloc = subprocess.Popen(cmd, cwd=REPO, env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while len(list(run_dir.glob("ready/*.json"))) < 3:  # every actor on both nodes announced ready
-            assert salloc.poll() is None and time.monotonic() < deadline, "multi-node run did not come up"
-            time.sleep(0.1)
-        pids = ready_pids(run_dir)
+        # every actor on both nodes announced ready
+        pids = wait_for_ready(salloc, run_dir, 3, TIMEOUT, "multi-node run did not come up")
         launcher = [p for p in _children(salloc.pid) if "tools.up" in _cmdline(p)]
         assert launcher, "launcher process not found under salloc"
         os.kill(launcher[0], signal.SIGTERM)

@@ -56,6 +56,23 @@ def test_valid_topology_places_every_instance() -> None:
     assert "NCCL_IB_HCA" not in by_name["reward.0"].env
 
 
+def test_a_topology_types_its_own_copy_of_the_experiment_once() -> None:
+    # The typed config was once a property re-validated from a document anyone could change (tools.prepare
+    # did, in place): read before the change it named one model, after it another. Now the topology copies
+    # the document it is given and types it once; another document is another plan.
+    experiment = {"gen": {"temperature": 1.0}}
+    plan = T.place(T.validate(gpu_doc(), check_imports=False, experiment=experiment))
+    experiment["gen"]["temperature"] = 0.5
+    assert plan.topology.experiment == {"gen": {"temperature": 1.0}} and plan.topology.config.gen.temperature == 1.0
+    with pytest.raises(AttributeError):
+        plan.topology.experiment = experiment
+    other = plan.with_experiment(experiment)
+    assert other.topology.config.gen.temperature == 0.5 and plan.topology.config.gen.temperature == 1.0
+    assert {s["settings"]["gen"]["temperature"] for s in other.specs("/tmp/run")} == {0.5}
+    with pytest.raises(TopologyError, match="experiment.gen.temperature"):
+        plan.with_experiment({"gen": {"temperature": "hot"}})
+
+
 def test_specs_carry_placement_links_and_experiment() -> None:
     doc = gpu_doc()
     doc["actors"]["rollout"]["settings"] = {"engine": "sglang", "gen": {"temperature": 0.5}}

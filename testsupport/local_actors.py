@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +42,13 @@ def process_alive(pid: int) -> bool:
 def ready_pids(run_dir: Path) -> list[int]:
     """The process ids in a run's ready files: the actors that came up and have not stopped cleanly."""
     return [json.loads(p.read_text())["pid"] for p in (Path(run_dir) / "ready").glob("*.json")]
+
+
+def wait_for_ready(proc: subprocess.Popen, run_dir: Path, count: int, timeout: float, what: str) -> list[int]:
+    """Wait until ``count`` actors of the run ``proc`` launched have written their ready files and return their
+    process ids; an AssertionError saying ``what`` if the run ends first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while len(list((Path(run_dir) / "ready").glob("*.json"))) < count:
+        assert proc.poll() is None and time.monotonic() < deadline, what
+        time.sleep(0.1)   # polling files another process writes
+    return ready_pids(run_dir)

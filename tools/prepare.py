@@ -16,11 +16,13 @@ warm-start weights exist. The experiment config says how to make them (`configs/
 A stage's `data` is a folder with train.jsonl and test.jsonl (held-out accuracy decides its plateau);
 each stage starts from the previous one's weights. The warm start is cached by a fingerprint of its
 inputs (model config, tokenizer, every stage's training data and arguments): a second run reuses it, a
-changed recipe trains a new one. After preparation `model.path` points at the last stage's checkpoint,
-so every actor starts from it.
+changed recipe trains a new one. `prepare` returns the prepared experiment document, a copy whose
+`model.path` points at the last stage's checkpoint (its argument is left as it was); the launcher builds
+the run's plan from that document (`Plan.with_experiment`), so every actor starts from the warm start.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from pathlib import Path
@@ -98,15 +100,16 @@ def _stages(experiment: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, 
     return stages
 
 
-def prepare_warm_start(experiment: dict[str, Any], spec: dict[str, Any], log: Callable[[str], None]) -> None:
+def prepare_warm_start(experiment: dict[str, Any], spec: dict[str, Any], log: Callable[[str], None]) -> str | None:
+    """The warm start's checkpoint (made, or reused while its inputs are unchanged); None when model.path has
+    weights already. Reads `experiment`, never changes it."""
     from tools.sft import SFTConfig, run_sft
 
-    model = experiment.get("model") or {}
-    path = model.get("path")
+    path = (experiment.get("model") or {}).get("path")
     if not path:
         raise PrepareError("model.path: not set")
     if has_weights(path):
-        return
+        return None
     out = spec.get("out")
     if not out:
         raise PrepareError("prepare.warm_start.out: where to write the warm-start checkpoint is not set")
@@ -129,12 +132,13 @@ def prepare_warm_start(experiment: dict[str, Any], spec: dict[str, Any], log: Ca
             summaries.append(run_sft(cfg, log=log))
             start = cfg.out
         stamp.write_text(json.dumps({"fingerprint": digest, "stages": summaries}, indent=1, default=str))
-    model["path"] = str(final)
-    experiment["model"] = model
+    return str(final)
 
 
 def prepare(experiment: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the experiment's `prepare` steps in place (data first, then the warm start that reads it)."""
+    """Run the experiment's `prepare` steps (data first, then the warm start that reads it) and return the
+    prepared document: a copy of `experiment` with `model.path` at the warm start where one was made.
+    `experiment` itself is left as it was."""
     spec = experiment.get("prepare") or {}
     if not isinstance(spec, dict):
         raise PrepareError(f"prepare: expected a mapping, got {type(spec).__name__}")
@@ -147,6 +151,9 @@ def prepare(experiment: dict[str, Any], log: Callable[[str], None] = print) -> d
             if not isinstance(item, dict):
                 raise PrepareError(f"prepare.data[{i}]: expected a mapping with out and args")
             prepare_data(item, f"prepare.data[{i}]", log)
+    prepared = copy.deepcopy(experiment)
     if "warm_start" in spec:
-        prepare_warm_start(experiment, spec["warm_start"] or {}, log)
-    return experiment
+        start = prepare_warm_start(experiment, spec["warm_start"] or {}, log)
+        if start is not None:
+            prepared["model"] = {**prepared["model"], "path": start}
+    return prepared

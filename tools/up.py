@@ -574,11 +574,15 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
         print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
         return EXIT_INVALID
     try:
-        prepare(plan.topology.experiment)
+        # the run's plan is the one built from the prepared document (model.path at the warm start it made)
+        plan = plan.with_experiment(prepare(plan.topology.experiment))
     except PrepareError as exc:
         print(f"{plan.topology.source}: experiment.{exc}", file=sys.stderr)
         return EXIT_INVALID
-    config = plan.topology.config  # after prepare, which points model.path at the warm start it made
+    except TopologyError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_INVALID
+    config = plan.topology.config
     run_dir = make_run_dir(plan, args.run_dir)
     specs = build_specs(plan, run_dir, record=args.record)
     write_plan(plan, run_dir, specs, args.overrides)

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 import yaml
 from pydantic import BaseModel
 
-from topology.experiment import ExperimentConfig, experiment_problems
+from topology.experiment import ExperimentConfig
 from topology.placement import REPO_ROOT, Plan, TopologyError, place, validate
 from topology.schema import RESERVED_SETTINGS, GroupSection, TopologyDocument
 from topology.settings import settings_model
@@ -122,8 +122,7 @@ def _documents(path: Path, overrides: Iterable[str]) -> tuple[dict, dict, Path |
                 except TopologyError as exc:
                     problems.extend(f"config ({config_path}): {p}" for p in exc.problems)
     problems += apply_overrides(experiment, exp_overrides, prefix=EXPERIMENT + ".")
-    problems += experiment_problems(experiment)
-    return doc, experiment, config_path, problems
+    return doc, experiment, config_path, problems  # validate() adds the experiment's own problems
 
 
 def load(path: str | Path, overrides: Iterable[str] = (), *, check_imports: bool = True) -> Plan:
@@ -203,7 +202,7 @@ def resolved_config(path: str | Path, overrides: Iterable[str] = (), *,
             if top in ExperimentConfig.model_fields and not _has(doc, key):
                 continue  # the experiment's value, listed under experiment.*
             rows.append((key, value, source(key, over_topo, file_doc, "topology file")))
-    experiment = ExperimentConfig.model_validate(plan.topology.experiment).model_dump()
+    experiment = plan.topology.config.model_dump()
     for key, value in _leaves(experiment, ""):
         rows.append((f"{EXPERIMENT}.{key}", value, source(key, over_exp, exp_file, "config file")))
     return rows

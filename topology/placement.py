@@ -22,7 +22,7 @@ from typing import Any, Iterable, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from topology.experiment import ExperimentConfig
+from topology.experiment import ExperimentConfig, experiment_problems
 from topology.schema import (RESERVED_SETTINGS, BusSection, ClusterSection, GroupSection, LinkSection,
                              SupervisorSection, TopologyDocument, problem_lines)
 from topology.settings import settings_model
@@ -82,8 +82,12 @@ class GroupSpec:
     world_port: int | None = None  # the instances form one torch.distributed world (0: a free port at launch)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Topology:
+    """A validated topology. ``experiment`` is the experiment document as written (the actors' settings are
+    merged from it); ``config`` is that document typed (its defaults filled in), built once when the topology
+    is made. The topology keeps its own copy of the document, so the two always agree: a changed document
+    (``tools.prepare``'s warm start) is a new plan (:meth:`Plan.with_experiment`), never an edit of this one."""
     name: str
     source: str
     nodes: list[NodeSpec]
@@ -97,12 +101,12 @@ class Topology:
     description: str = ""
     supervisor: dict[str, Any] = dataclasses.field(default_factory=dict)  # Supervisor keyword arguments the file sets
     document: dict[str, Any] = dataclasses.field(default_factory=dict)  # after overrides
+    config: ExperimentConfig = dataclasses.field(init=False, repr=False, compare=False)
 
-    @property
-    def config(self) -> ExperimentConfig:
-        """The experiment config, typed (its defaults filled in); ``experiment`` is the document as written,
-        which the actors' settings are merged from."""
-        return ExperimentConfig.model_validate(self.experiment)
+    def __post_init__(self) -> None:
+        experiment = copy.deepcopy(self.experiment)
+        object.__setattr__(self, "experiment", experiment)
+        object.__setattr__(self, "config", ExperimentConfig.model_validate(experiment))
 
 
 @dataclasses.dataclass
@@ -209,6 +213,14 @@ class Plan:
                                        nodes_from_allocation=False)
         return place(new_topo)
 
+    def with_experiment(self, experiment: dict[str, Any]) -> "Plan":
+        """This plan with another experiment document (``tools.prepare``'s result): a new plan whose typed
+        config is built from it; this one is left as it was."""
+        problems = experiment_problems(experiment)
+        if problems:
+            raise TopologyError(problems, self.topology.source)
+        return place(dataclasses.replace(self.topology, experiment=experiment))
+
 
 # ---------------------------------------------------------------------------------------------
 # validation
@@ -295,6 +307,7 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
     one group does not hide a capacity problem in another."""
     c = _Checker()
     c.problems.extend(prior_problems)
+    c.problems.extend(experiment_problems(experiment or {}))
     if not isinstance(doc, dict):
         raise TopologyError(c.problems + [f"top level: expected a mapping, got {type(doc).__name__}"], source)
     try:
@@ -400,11 +413,12 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
             c.add(f"{key}.gdr", "GPUDirect RDMA needs InfiniBand/RoCE HCAs in cluster.node.nics.ib")
         links[str(lname)] = link
 
+    if c.problems:
+        raise TopologyError(c.problems, source)
     topo = Topology(name=name, source=source, nodes=nodes, nodes_from_allocation=from_alloc, bus=bus, links=links,
                     groups=groups, experiment=experiment or {}, config_path=config_path, run_root=top.run_root,
                     description=top.description, supervisor=supervisor.model_dump(exclude_unset=True), document=doc)
-    if not c.problems:
-        _check_placement(c, topo)
+    _check_placement(c, topo)
     if c.problems:
         raise TopologyError(c.problems, source)
     return topo

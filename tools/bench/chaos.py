@@ -20,6 +20,7 @@ steps, which for a hung actor should stay within the heartbeat timeout plus one 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -32,7 +33,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import msgpack
 
@@ -120,6 +121,25 @@ def kill_everything(proc: subprocess.Popen, run_dir: Path) -> None:
     proc.wait(timeout=30)
 
 
+@contextlib.contextmanager
+def run_guard(proc: subprocess.Popen, run_dir: Path) -> Iterator[subprocess.Popen]:
+    """Nothing of a launched run outlives the block: a run still going when the block ends (it raised,
+    or gave up waiting) is killed with every actor it started."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            kill_everything(proc, run_dir)
+
+
+def finish_run(proc: subprocess.Popen, run_dir: Path, timeout: float) -> str:
+    """Wait up to `timeout` s for a launched run to end and return its output (stdout and stderr together);
+    a run that does not end is killed with every actor it started, and subprocess.TimeoutExpired raised."""
+    with run_guard(proc, run_dir):
+        out, _ = proc.communicate(timeout=timeout)
+    return out
+
+
 def malformed_messages(rng: random.Random) -> list[list[bytes]]:
     """One of each kind of bad input the bus must refuse without harm."""
     def head(tag: str, body: Any, version: int = SCHEMA_VERSION) -> bytes:
@@ -177,7 +197,7 @@ def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: in
     t0 = time.monotonic()
     proc = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2",))
     launches = 1
-    try:
+    try:   # not run_guard: a relaunch replaces the process to guard
         wait_for_step(proc, run_dir, at)
         kind, _, target = fault.partition("_")
         if kind == "kill":
@@ -194,7 +214,7 @@ def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: in
         elif fault == "relaunch":
             kill_everything(proc, run_dir)
             proc, launches = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2",)), 2
-        output, _ = proc.communicate(timeout=900)
+        output = finish_run(proc, run_dir, timeout=900)
     finally:
         if proc.poll() is None:
             kill_everything(proc, run_dir)
