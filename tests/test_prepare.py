@@ -97,7 +97,7 @@ def test_the_run_is_planned_from_the_prepared_document(tmp_path: Path, model_dir
 
 
 @pytest.mark.parametrize("mutate, words", [
-    (lambda p: p.update(extra=1), "prepare: unknown key"),
+    (lambda p: p.update(extra=1), r"prepare\.extra: unknown key"),
     (lambda p: p["warm_start"]["stages"][0].pop("data"), r"stages\[0\]\.data"),
     (lambda p: p["warm_start"]["stages"][1]["args"].update(colour=1), r"stages\[1\]\.args: unknown"),
     (lambda p: p["warm_start"]["stages"][1]["args"].update(model="x"), r"stages\[1\]\.args: unknown or reserved"),
@@ -128,3 +128,14 @@ def test_a_run_evaluates_the_warm_start_it_made_as_its_start(tmp_path: Path, mod
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["start_model"] == str(tmp_path / "ws" / "stage2"), summary
     assert set(summary["greedy_accuracy"]) == {"start", "final"}, summary
+
+
+def test_dry_run_names_a_warm_start_argument_the_tool_does_not_take(capsys: pytest.CaptureFixture) -> None:
+    # the layout is the config model's; the stage's args are tools.sft's, which --dry-run asks it about
+    from tools import up
+
+    bad = "experiment.prepare.warm_start.stages=[{data: data/arith, args: {steps: 3, colour: 1, model: x}}]"
+    assert up.main([str(ROOT / "topology" / "local.yaml"), bad, "--dry-run", "--no-import-check"]) == 2
+    err = capsys.readouterr().err
+    assert "experiment.prepare.warm_start.stages[0].args: unknown or reserved key(s) colour, model" in err, err
+

@@ -28,21 +28,25 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from tools.lm import has_weights
+from pydantic import ValidationError
 
-PREPARE_KEYS = {"data", "warm_start"}
+from tools.lm import has_weights
+from topology.experiment import DatasetRecipe, PrepareSection, WarmStartSection, WarmStartStage
+from topology.schema import problem_lines
+
 FINGERPRINT = "prepare.json"
+# tools.sft.SFTConfig fields a stage's args may not set: the stage sets them itself.
+STAGE_SETS = frozenset({"data", "out", "model", "eval_data"})
 
 
 class PrepareError(ValueError):
     """The experiment's `prepare` section is malformed; the message names the key."""
 
 
-def _cli_args(args: dict[str, Any], where: str) -> list[str]:
+def cli_args(args: dict[str, Any]) -> list[str]:
+    """A prepare step's `args` as the tool's flags: `--key value`; true: the bare flag; false, null: left out."""
     out: list[str] = []
     for key, value in args.items():
-        if isinstance(value, (dict, list)):
-            raise PrepareError(f"{where}.{key}: expected a scalar command-line value, got {type(value).__name__}")
         flag = "--" + key.replace("_", "-")
         if value is True:
             out.append(flag)
@@ -51,17 +55,14 @@ def _cli_args(args: dict[str, Any], where: str) -> list[str]:
     return out
 
 
-def prepare_data(spec: dict[str, Any], where: str, log: Callable[[str], None]) -> None:
+def prepare_data(recipe: DatasetRecipe, where: str, log: Callable[[str], None]) -> None:
     from tools import make_task
 
-    out = spec.get("out")
-    if not out:
-        raise PrepareError(f"{where}.out: the dataset folder is not set")
-    out = Path(out)
+    out = Path(recipe.out)
     wanted = [out / "train.jsonl", out / "test.jsonl"]
     if all(p.exists() for p in wanted):
         return
-    argv = ["--out", str(out), *_cli_args(spec.get("args") or {}, f"{where}.args")]
+    argv = ["--out", str(out), *cli_args(recipe.args)]
     log(f"prepare: generating {out} (python -m tools.make_task {' '.join(argv)})")
     code = make_task.main(argv)
     missing = [str(p) for p in wanted if not p.exists()]
@@ -69,38 +70,41 @@ def prepare_data(spec: dict[str, Any], where: str, log: Callable[[str], None]) -
         raise PrepareError(f"{where}: tools.make_task exited {code}; missing {missing or 'nothing'}")
 
 
-def _fingerprint(model: Path, stages: list[dict[str, Any]]) -> str:
+def _fingerprint(model: Path, stages: list[WarmStartStage]) -> str:
     h = hashlib.sha256()
     for f in ("config.json", "tokenizer.json"):
         h.update((model / f).read_bytes())
     for stage in stages:
-        h.update((Path(stage["data"]) / "train.jsonl").read_bytes())
-        h.update(json.dumps(stage.get("args") or {}, sort_keys=True).encode())
+        h.update((Path(stage.data) / "train.jsonl").read_bytes())
+        h.update(json.dumps(stage.args, sort_keys=True).encode())
     return h.hexdigest()[:16]
 
 
-def _stages(experiment: dict[str, Any], spec: dict[str, Any]) -> list[dict[str, Any]]:
+def stage_problems(prepare: PrepareSection | None) -> list[str]:
+    """One line per warm-start stage argument that tools.sft does not take or that the stage sets itself: the
+    model checks the section's layout at load, this checks what only the tool knows (--dry-run runs it too)."""
     from tools.sft import SFTConfig
 
+    spec = prepare.warm_start if prepare is not None else None
+    if spec is None:
+        return []
+    named = ([("prepare.warm_start.args", spec.args or {})] if spec.stages is None else
+             [(f"prepare.warm_start.stages[{i}].args", stage.args) for i, stage in enumerate(spec.stages)])
+    return [f"{where}: unknown or reserved key(s) {', '.join(bad)}" for where, args in named
+            if (bad := sorted(set(args) - set(SFTConfig.__dataclass_fields__) | (STAGE_SETS & set(args))))]
+
+
+def _stages(experiment: dict[str, Any], spec: WarmStartSection) -> list[WarmStartStage]:
+    if spec.stages is not None:
+        return spec.stages
     train = (experiment.get("data") or {}).get("train")
-    stages = spec.get("stages") or [{"data": str(Path(train).parent) if train else None, "args": spec.get("args")}]
-    if not isinstance(stages, list):
-        raise PrepareError("prepare.warm_start.stages: expected a list of {data, args}")
-    for i, stage in enumerate(stages):
-        where = f"prepare.warm_start.stages[{i}]"
-        if not isinstance(stage, dict) or not stage.get("data"):
-            raise PrepareError(f"{where}.data: the stage's dataset folder (train.jsonl, test.jsonl) is not set")
-        unknown = sorted(set(stage) - {"data", "args"})
-        if unknown:
-            raise PrepareError(f"{where}: unknown key(s) {', '.join(unknown)}")
-        bad = sorted(set(stage.get("args") or {}) - set(SFTConfig.__dataclass_fields__)
-                     | ({"data", "out", "model", "eval_data"} & set(stage.get("args") or {})))
-        if bad:
-            raise PrepareError(f"{where}.args: unknown or reserved key(s) {', '.join(bad)}")
-    return stages
+    if not train:
+        raise PrepareError("prepare.warm_start.stages: not set, and data.train (whose folder the one stage "
+                           "would learn from) is not set either")
+    return [WarmStartStage(data=str(Path(train).parent), args=spec.args or {})]
 
 
-def prepare_warm_start(experiment: dict[str, Any], spec: dict[str, Any], log: Callable[[str], None]) -> str | None:
+def prepare_warm_start(experiment: dict[str, Any], spec: WarmStartSection, log: Callable[[str], None]) -> str | None:
     """The warm start's checkpoint (made, or reused while its inputs are unchanged); None when model.path has
     weights already. Reads `experiment`, never changes it."""
     from tools.sft import SFTConfig, run_sft
@@ -110,9 +114,7 @@ def prepare_warm_start(experiment: dict[str, Any], spec: dict[str, Any], log: Ca
         raise PrepareError("model.path: not set")
     if has_weights(path):
         return None
-    out = spec.get("out")
-    if not out:
-        raise PrepareError("prepare.warm_start.out: where to write the warm-start checkpoint is not set")
+    out = spec.out
     stages = _stages(experiment, spec)
     digest = _fingerprint(Path(path), stages)
     final = Path(out) / f"stage{len(stages)}"
@@ -124,11 +126,11 @@ def prepare_warm_start(experiment: dict[str, Any], spec: dict[str, Any], log: Ca
             f"({len(stages)} supervised stage(s), each to its plateau)")
         summaries, start = [], str(path)
         for i, stage in enumerate(stages, 1):
-            data = Path(stage["data"])
+            data = Path(stage.data)
             log(f"prepare: warm-start stage {i}/{len(stages)} on {data / 'train.jsonl'}")
-            args = stage.get("args") or {}
             cfg = SFTConfig(data=str(data / "train.jsonl"), out=str(Path(out) / f"stage{i}"), model=start,
-                            eval_data=str(data / "test.jsonl") if args.get("eval_every") else None, **args)
+                            eval_data=str(data / "test.jsonl") if stage.args.get("eval_every") else None,
+                            **stage.args)
             summaries.append(run_sft(cfg, log=log))
             start = cfg.out
         stamp.write_text(json.dumps({"fingerprint": digest, "stages": summaries}, indent=1, default=str))
@@ -139,21 +141,17 @@ def prepare(experiment: dict[str, Any], log: Callable[[str], None] = print) -> d
     """Run the experiment's `prepare` steps (data first, then the warm start that reads it) and return the
     prepared document: a copy of `experiment` with `model.path` at the warm start where one was made.
     `experiment` itself is left as it was."""
-    spec = experiment.get("prepare") or {}
-    if not isinstance(spec, dict):
-        raise PrepareError(f"prepare: expected a mapping, got {type(spec).__name__}")
-    unknown = sorted(set(spec) - PREPARE_KEYS)
-    if unknown:
-        raise PrepareError(f"prepare: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(PREPARE_KEYS))})")
-    if "data" in spec:
-        datasets = spec["data"] if isinstance(spec["data"], list) else [spec["data"]]
-        for i, item in enumerate(datasets):
-            if not isinstance(item, dict):
-                raise PrepareError(f"prepare.data[{i}]: expected a mapping with out and args")
-            prepare_data(item, f"prepare.data[{i}]", log)
+    try:
+        spec = PrepareSection.model_validate(experiment.get("prepare") or {})
+    except ValidationError as exc:
+        raise PrepareError("; ".join(problem_lines(exc, "prepare", PrepareSection))) from None
+    if problems := stage_problems(spec):
+        raise PrepareError("; ".join(problems))
+    for i, recipe in enumerate(spec.data):
+        prepare_data(recipe, f"prepare.data[{i}]", log)
     prepared = copy.deepcopy(experiment)
-    if "warm_start" in spec:
-        start = prepare_warm_start(experiment, spec["warm_start"] or {}, log)
+    if spec.warm_start is not None:
+        start = prepare_warm_start(experiment, spec.warm_start, log)
         if start is not None:
             prepared["model"] = {**prepared["model"], "path": start}
     return prepared

@@ -172,6 +172,13 @@ def memory_problems(plan: Plan) -> list[str]:
         return []   # no model shape: _memory says so in the report
 
 
+def prepare_problems(plan: Plan) -> list[str]:
+    """What tools.prepare would refuse in the experiment's prepare section (the tools' own arguments)."""
+    from tools.prepare import stage_problems
+
+    return [f"experiment.{line}" for line in stage_problems(plan.topology.config.prepare)]
+
+
 def engine_placements(plan: Plan) -> dict[str, dict[str, str]]:
     """Group -> where its engine runs (device, dtype, parallel layout, process-group backend), from the
     settings its first instance will get, by the actor class's own ``placement`` (the rule its engine is
@@ -833,7 +840,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID
     if args.dry_run:
         print(describe(plan, args.overrides))
-        if problems := busy_ports(plan) + memory_problems(plan):
+        if problems := busy_ports(plan) + memory_problems(plan) + prepare_problems(plan):
             print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
             return EXIT_INVALID
         return EXIT_OK

@@ -6,16 +6,18 @@ or misplaced key is refused with its full path (`experiment.algo.kl_coeff: unkno
 bounds (`experiment.algo.eta: input should be greater than or equal to 0`).
 
 A default of None means the key has no single default: its description says what happens when it is left out.
-`prepare` is free-form here: `tools.prepare` checks it against the tools it runs.
+`prepare`'s layout is declared here; the `args` of its steps are the flags of the tools it runs (tools.make_task,
+tools.sft's SFTConfig), which `tools.prepare` checks against those tools, since this package imports no tool.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-__all__ = ["Section", "ModelSection", "DataFields", "DataSection", "AlgoSection", "GenSection", "EvalSection",
-           "RunSection", "BufferSection", "ExperimentConfig", "experiment_problems", "DEFAULT_MAX_LINE_BYTES"]
+__all__ = ["Section", "ModelSection", "DataFields", "DataSection", "DatasetRecipe", "WarmStartStage",
+           "WarmStartSection", "PrepareSection", "when_missing", "AlgoSection", "GenSection", "EvalSection", "RunSection",
+           "BufferSection", "ExperimentConfig", "experiment_problems", "DEFAULT_MAX_LINE_BYTES"]
 
 DEFAULT_MAX_LINE_BYTES = 1 << 20
 
@@ -27,6 +29,11 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, validate_assignment=True,
                               populate_by_name=True)
+
+
+def when_missing(message: str) -> dict[str, Any]:
+    """A required key's ``json_schema_extra``: the message it gives when it is left out."""
+    return {"missing": message}
 
 
 class ModelSection(Section):
@@ -59,6 +66,43 @@ class DataSection(Section):
                           "stops in data.test)")
     require: Literal["answer", "solutions", "none"] = Field("answer", description="what each training record must carry")
     max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1, description="longer lines are refused at load")
+
+
+def _command_line_value(value: Any) -> Any:
+    if isinstance(value, (dict, list)):
+        raise ValueError(f"expected a scalar command-line value, got {type(value).__name__}")
+    return value
+
+
+# A prepare step's `args`: `key: value` becomes the tool's `--key value` (true: the bare flag; false, null: left out).
+ToolArgs = dict[str, Annotated[Any, AfterValidator(_command_line_value)]]
+
+
+class DatasetRecipe(Section):
+    out: str = Field(min_length=1, description="dataset folder (train.jsonl, test.jsonl), made when either is missing",
+                     json_schema_extra=when_missing("missing: the dataset folder to make"))
+    args: ToolArgs = Field(default_factory=dict, description="python -m tools.make_task flags")
+
+
+class WarmStartStage(Section):
+    data: str = Field(min_length=1, description="dataset folder: train.jsonl to learn, test.jsonl to find the plateau",
+                      json_schema_extra=when_missing("missing: the stage's dataset folder (train.jsonl, test.jsonl)"))
+    args: ToolArgs = Field(default_factory=dict, description="tools.sft.SFTConfig fields (data, out, model are set here)")
+
+
+class WarmStartSection(Section):
+    out: str = Field(min_length=1, description="where the stages' checkpoints go; reused while their inputs are unchanged",
+                     json_schema_extra=when_missing("missing: where to write the warm-start checkpoints"))
+    stages: list[WarmStartStage] | None = Field(
+        None, description="supervised stages in order, each from the previous one's weights (unset: one stage on "
+                          "data.train's folder with `args`)")
+    args: ToolArgs | None = Field(None, description="the single stage's tools.sft args when `stages` is unset")
+
+
+class PrepareSection(Section):
+    data: list[DatasetRecipe] = Field(default_factory=list, description="datasets made by tools.make_task when missing")
+    warm_start: WarmStartSection | None = Field(
+        None, description="supervised training when model.path has no weights (unset: the model must have them)")
 
 
 class AlgoSection(Section):
@@ -128,7 +172,7 @@ class ExperimentConfig(Section):
     seed: int = Field(1, description="seed of sampling, data order and initialisation")
     model: ModelSection = Field(default_factory=ModelSection, description="the starting model")
     data: DataSection = Field(default_factory=DataSection, description="training and held-out data")
-    prepare: dict[str, Any] | None = Field(None, description="data and warm start made before the run (tools.prepare)")
+    prepare: PrepareSection | None = Field(None, description="data and warm start made before the run (tools.prepare)")
     algo: AlgoSection = Field(default_factory=AlgoSection, description="the RL algorithm")
     gen: GenSection = Field(default_factory=GenSection, description="sampling of the answers")
     eval: EvalSection = Field(default_factory=EvalSection, description="evaluation during and after the run")

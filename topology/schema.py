@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from topology.experiment import Section
+from topology.experiment import Section, when_missing
 
 __all__ = ["Section", "SupervisorSection", "NicsSection", "NodeSection", "ClusterSection", "BusSection",
            "LinkSection", "ParallelSection", "GroupSection", "TopologyDocument", "RESERVED_SETTINGS",
@@ -23,11 +23,6 @@ __all__ = ["Section", "SupervisorSection", "NicsSection", "NodeSection", "Cluste
 
 # Keys the launcher writes into every actor's settings; a topology may not set them.
 RESERVED_SETTINGS = ("instance", "groups", "links")
-
-
-def _missing(message: str) -> dict[str, Any]:
-    """The message a required key gives when it is left out."""
-    return {"missing": message}
 
 
 class SupervisorSection(Section):
@@ -80,12 +75,12 @@ class LinkSection(Section):
 
     backend: Literal["gloo", "nccl"] = Field(
         description="gloo (CPU) or nccl (GPU)",
-        json_schema_extra=_missing("missing: gloo (CPU) or nccl (GPU)"))
+        json_schema_extra=when_missing("missing: gloo (CPU) or nccl (GPU)"))
     members: list[str] = Field(
         min_length=1, description="actor groups or instances (group.index) in rank order; rank 0 hosts the rendezvous",
-        json_schema_extra=_missing("missing: the actor groups or instances of the link"))
+        json_schema_extra=when_missing("missing: the actor groups or instances of the link"))
     port: Any = Field(description="the rendezvous port on the first member's node, or auto (one-node topologies)",
-                      json_schema_extra=_missing("missing: the rendezvous port on the first member's node (or auto "
+                      json_schema_extra=when_missing("missing: the rendezvous port on the first member's node (or auto "
                                                  "on one node)"))
     gdr: bool = Field(False, description="GPUDirect RDMA (nccl over InfiniBand/RoCE)")
     env: dict[str, Any] = Field(default_factory=dict, description="environment variables of the link's members")
@@ -102,7 +97,7 @@ class GroupSection(Section):
     """A group of identical actor instances."""
 
     class_: str = Field(alias="class", description="the actor class as module.path:ClassName",
-                        json_schema_extra=_missing("missing: the actor class as module.path:ClassName"))
+                        json_schema_extra=when_missing("missing: the actor class as module.path:ClassName"))
     count: int = Field(1, ge=1, description="instances of the group")
     nodes: Any = Field(None, description="node indices, a-b index ranges, host names or a node list pattern (unset: every node)")
     per_node: int | None = Field(None, ge=1, description="instances per node (unset: spread evenly)")
@@ -121,12 +116,12 @@ class TopologyDocument(Section):
     description: str = Field("", description="one line for reports")
     config: str | None = Field(None, description="the experiment config, a YAML file under configs/")
     run_root: str = Field("runs", description="run directories go under runs/<name>/<timestamp>")
-    cluster: ClusterSection = Field(description="the nodes", json_schema_extra=_missing("missing (say at least `nodes:`)"))
+    cluster: ClusterSection = Field(description="the nodes", json_schema_extra=when_missing("missing (say at least `nodes:`)"))
     bus: BusSection = Field(default_factory=BusSection, description="the message bus")
     links: dict[str, LinkSection] = Field(default_factory=dict, description="bulk links by name")
     actors: dict[str, GroupSection] = Field(
         description="actor groups by name (at least one; topology.placement says so when there is none)",
-        json_schema_extra=_missing("missing or empty: name at least one actor group"))
+        json_schema_extra=when_missing("missing or empty: name at least one actor group"))
     supervisor: SupervisorSection = Field(default_factory=SupervisorSection, description="restart policy")
 
 

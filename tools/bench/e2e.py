@@ -110,23 +110,23 @@ def run_sft_control(async_run: dict[str, Any], extra: list[str], out: Path, log:
     """Continue the warm start's last supervised stage from the RL run's start checkpoint for its wall time."""
     import topology
     from tools.eval import evaluate_held_out
+    from tools.prepare import cli_args
 
     topo = topology.load(ROOT / topology_path, extra).topology
-    stages = ((topo.experiment.get("prepare") or {}).get("warm_start") or {}).get("stages") or []
+    prepare = topo.config.prepare
+    stages = (prepare.warm_start.stages if prepare and prepare.warm_start else None) or []
     if not stages:
         raise RuntimeError("sft control: the config has no prepare.warm_start.stages to continue")
     stage = stages[-1]
     # the stage's optimisation settings, without its stopping rule: the control stops on time only
-    args = {k: v for k, v in (stage.get("args") or {}).items()
+    args = {k: v for k, v in stage.args.items()
             if k not in ("steps", "epochs", "until_plateau", "keep", "patience", "min_delta", "eval_every")}
     args["warmup_steps"] = 0
     seconds = async_run["wall_seconds"]
     control = out / "sft"
     cmd = [sys.executable, "-m", "tools.sft", "--model", async_run["start_model"],
-           "--data", str(Path(stage["data"]) / "train.jsonl"), "--out", str(control),
-           "--steps", "1000000", "--max-seconds", f"{seconds:.1f}", "--json"]
-    for k, v in args.items():
-        cmd += [f"--{k.replace('_', '-')}", str(v)]
+           "--data", str(Path(stage.data) / "train.jsonl"), "--out", str(control),
+           "--steps", "1000000", "--max-seconds", f"{seconds:.1f}", "--json", *cli_args(args)]
     log(f"bench e2e: sft: {' '.join(cmd[2:])}")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
