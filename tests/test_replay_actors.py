@@ -168,6 +168,39 @@ def test_trainer_replays_identically_and_a_changed_step_count_is_caught(recorded
     assert (d.message, d.field) == ("rl.batch_request", None) and "rl.checkpoint_request" in d.actual, d
 
 
+def test_a_log_the_previous_schema_wrote_replays_identically(recorded: Path, tmp_path: Path) -> None:
+    # The trainer's log as schema 5 wrote it: version 5 on every message, and its status requests naming the
+    # weights link's epoch min_generation (after timeout_s). Decoding upgrades each body to the current layout,
+    # so the log replays as one recorded now; without the upgrade the replay's first request would differ.
+    import msgpack
+
+    from transport.msglog import MessageLogWriter, read_log
+
+    records, _ = read_log(recorded / "trainer.msglog")
+    meta = next(r.meta for r in records if r.kind == "meta")
+    path, renamed = tmp_path / "trainer-v5.msglog", 0
+    with MessageLogWriter(path, meta={k: v for k, v in meta.items() if k not in ("k", "t", "pid")}) as w:
+        for r in records:
+            if r.kind == "event":
+                w.record_event(r.event, r.peer)
+            elif r.kind.startswith("bulk_"):
+                w.record_bulk(r.kind.removeprefix("bulk_"), r.peer.split("#")[0], r.peer,
+                              msgpack.unpackb(r.frames[0], raw=False), r.frames[1] if len(r.frames) > 1 else None,
+                              cause=r.cause)
+            elif r.kind in ("in", "out"):
+                head = msgpack.unpackb(r.frames[0], raw=False)
+                head[1] = 5
+                if head[0] == "ps.weights_status_request":
+                    body = {k: v for k, v in head[7].items() if k != "min_epoch"}
+                    head[7] = {**body, "min_generation": head[7]["min_epoch"]}
+                    renamed += 1
+                w.record(r.kind, [msgpack.packb(head), *r.frames[1:]], peer=r.peer, t=r.t, rejected=r.rejected,
+                         cause=r.cause)
+    assert renamed > 0
+    same = replay.replay_into(str(path), "actors.trainer:TrainerActor")
+    assert same.compared and same.divergence is None and same.sent > 0, (same.divergence, same.notes)
+
+
 def test_offline_retraining_prints_recorded_and_new_metrics_per_step(recorded: Path,
                                                                     capsys: pytest.CaptureFixture) -> None:
     log = str(recorded / "trainer.msglog")

@@ -42,7 +42,8 @@ import msgpack
 import transport.protocol  # noqa: F401  (registers the rl.* message kinds so records decode)
 from topology import TopologyError, apply_overrides
 from transport.bus import MAX_INFLIGHT, Envelope, RemoteError, current_cause, wait_for_tasks
-from transport.messages import DecodeError, Error, Message, decode, decode_header, encode, registry, to_plain
+from transport.messages import (DecodeError, Error, Message, decode, decode_header, encode, registry, to_plain,
+                                upgraded_body)
 from transport.msglog import LogRecord, MessageLogError, read_log
 
 __all__ = ["main", "replay_into", "ReplayResult", "Divergence", "ReplayError"]
@@ -156,7 +157,8 @@ def _wire_key(frames: list, peer: str, sums: list[str] | None = None) -> tuple:
     tensor_sums = sums if sums is not None else [hashlib.sha256(memoryview(f).cast("B")).hexdigest()
                                                  for f in frames[1:]]
     cls = registry().get(head[0])
-    body = _without_volatile(head[7], cls) if cls is not None else head[7]
+    body = upgraded_body(head[0], head[1], head[7])   # a log written by an older schema, as this one lays it out
+    body = _without_volatile(body, cls) if cls is not None else body
     return peer, head[0], msgpack.packb(body), tuple(tensor_sums)
 
 

@@ -39,8 +39,11 @@ SCHEMA_VERSION = 6
 # protocol.py); version 4 changed rl.batch again (columns and tensor frames: BatchTensors); version 5
 # dropped the task's level from rl.generate_group and rl.trajectories; version 6 renamed the weights
 # link's re-formation count to epoch in rl.link_reform, rl.link_formed, rl.weights_ready,
-# rl.weights_broadcast, ps.weights_status_request (min_epoch) and ps.weights_status. Such a message of an
-# older version is refused naming its first unknown field; every other kind still decodes.
+# rl.weights_broadcast, ps.weights_status_request (min_epoch) and ps.weights_status. A message of an older
+# version is read as the current version lays it out: the module that defines a kind registers how each version
+# changed its body (@upgrade; transport/protocol.py does so for versions 5 and 6), so a message log written
+# before an upgrade still replays. A change nobody registered (versions 3 and 4 reshaped whole bodies) is refused
+# naming the old body's first unknown field; every other kind still decodes.
 READABLE_VERSIONS = frozenset({1, 2, 3, 4, 5, 6})
 
 # A batch container: several small tensor-free messages to one peer in one ZeroMQ frame,
@@ -55,7 +58,7 @@ BATCH_MAX_BYTES = 32 << 10      # protocol cap on a container; receivers accept 
 __all__ = [
     "SCHEMA_VERSION", "READABLE_VERSIONS", "BATCH_TAG", "BATCH_MAX_MESSAGES", "BATCH_MAX_BYTES",
     "encode_batch", "split_batch", "is_batch", "Message", "message", "Header", "encode", "decode", "decode_header",
-    "registry", "kind_of", "new_message_id", "to_plain",
+    "registry", "kind_of", "new_message_id", "to_plain", "upgrade", "upgraded_body",
     "EncodeError", "DecodeError", "MalformedFrame", "UnknownKind", "SchemaMismatch", "FieldError",
     "FrameTooLarge", "TensorFrameMismatch",
     "Error", "Ping", "Pong",
@@ -147,6 +150,41 @@ def message(tag: str, senders: Iterable[str] | None = None) -> Callable[[M], M]:
         return cls
 
     return wrap
+
+
+# version -> kind -> how that version changed the kind's body (the previous version's body in, this one's out)
+_UPGRADES: dict[int, dict[str, Callable[[dict], dict]]] = {}
+
+
+def upgrade(version: int, *kinds: str) -> Callable[[Callable[[dict], dict]], Callable[[dict], dict]]:
+    """Decorator: the function turns a body of ``kinds`` laid out by ``version - 1`` into ``version``'s layout.
+    Registered by the module that defines the kinds, beside them, when ``version`` changes them."""
+    if not 1 < version <= SCHEMA_VERSION:
+        raise ValueError(f"upgrade to schema version {version}: only versions 2 to {SCHEMA_VERSION} exist")
+
+    def register(fn: Callable[[dict], dict]) -> Callable[[dict], dict]:
+        for kind in kinds:
+            if kind in _UPGRADES.setdefault(version, {}):
+                raise ValueError(f"{kind}: an upgrade to version {version} is registered already")
+            _UPGRADES[version][kind] = fn
+        return fn
+    return register
+
+
+def upgraded_body(kind: str, version: int, body: Any) -> Any:
+    """``body`` of a ``kind`` message written at schema ``version``, laid out as this process's version lays
+    it out, its fields in the order ``encode`` writes them (unchanged when no version since changed the kind,
+    or the body is not a mapping)."""
+    changed = False
+    for v in range(version + 1, SCHEMA_VERSION + 1):
+        fn = _UPGRADES.get(v, {}).get(kind)
+        if fn is not None and type(body) is dict:
+            body, changed = fn(body), True
+    cls = _REGISTRY.get(kind)
+    if changed and cls is not None:
+        order = [f.name for f in dataclasses.fields(cls)]
+        body = {**{k: body[k] for k in order if k in body}, **body}
+    return body
 
 
 def registry() -> dict[str, type]:
@@ -752,7 +790,7 @@ def decode(frames: list, max_frame_bytes: int | None = None) -> tuple[Header, An
             tag, version, sender, mid, ts, reply_to, wants_reply, body = head
             codec = _BY_TAG.get(tag) if type(tag) is str else None
             if (codec is not None and codec.fast is not None and type(body) is dict and type(version) is int
-                    and version in READABLE_VERSIONS and type(sender) is str and type(mid) is str
+                    and version == SCHEMA_VERSION and type(sender) is str and type(mid) is str
                     and (type(ts) is float or type(ts) is int) and type(wants_reply) is bool
                     and (reply_to is None or type(reply_to) is str)):
                 ctx = _Ctx(frames)
@@ -763,6 +801,8 @@ def decode(frames: list, max_frame_bytes: int | None = None) -> tuple[Header, An
                 if msg is not _MISS and ctx.used == 0:
                     return Header(tag, version, sender, mid, ts, reply_to, wants_reply), msg
     header, body = _parse_header(first)
+    if header.version != SCHEMA_VERSION:
+        body = upgraded_body(header.kind, header.version, body)
     try:
         if max_frame_bytes is not None and len(frames) > 1:
             for i, f in enumerate(frames[1:], 1):

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from transport.bulk import TensorMeta   # a field type of the weights messages: one bucket format
-from transport.messages import Message, message
+from transport.messages import Message, message, upgrade
 
 # Each tensor frame of a BatchTensors holds at most this many bytes: well under the bus's 256 MiB frame
 # limit (transport/bus.py), and large enough that the per-frame cost is nothing next to the copy.
@@ -619,3 +619,27 @@ class RunFinished(Message):
 
     step: int
     reason: str = "done"
+
+
+# ------------------------------------------------------------------------------------ older schema versions
+# How versions 5 and 6 changed these kinds, so that a message log written before them still decodes and replays
+# (transport/messages.py: upgraded_body). Versions 3 and 4 reshaped whole bodies and are not upgraded.
+
+@upgrade(5, "rl.generate_group", "rl.trajectories")
+def _task_without_level(body: dict) -> dict:
+    # The buffer holds each prompt's level; the task no longer carries it.
+    task = body.get("task")
+    if type(task) is dict and "level" in task:
+        body = {**body, "task": {k: v for k, v in task.items() if k != "level"}}
+    return body
+
+
+_EPOCH_NAMES = {"generation": "epoch", "min_generation": "min_epoch"}
+
+
+@upgrade(6, "rl.link_reform", "rl.link_formed", "rl.weights_ready", "rl.weights_broadcast",
+         "ps.weights_status_request", "ps.weights_status")
+def _link_epoch(body: dict) -> dict:
+    # "generation" also named the rollouts' text generation: a link's re-formation count is its epoch.
+    return {_EPOCH_NAMES.get(k, k): v for k, v in body.items()}
+
