@@ -12,7 +12,10 @@ A pipeline-parallel trainer has a second channel, for weights: each stage's send
 tensor-parallel rank 0 of the stage) hosts its own group with the rollouts' servers and broadcasts its own
 layers there. Forming those groups and broadcasting are asked for by the parameter server while a training
 step may be running, so they are led on a channel of their own, which the other ranks follow on a thread
-of their own (HOST, BROADCAST; STOP ends it).
+of their own (HOST, BROADCAST; STOP ends it). Rank 0 stops that channel after the training one, once no
+broadcast is led on it any more (the parameter server may ask for the last version's while the last step
+ends): a rank leaves only when both have stopped (`follow_rank0`), or the broadcast it left would fail on
+rank 0 and with it the end of the run.
 
 The group's timeout only bounds a broadcast that never completes; a follower waits for rank 0's next
 command as long as the run waits for its next batch. Liveness is the bus's job: every trainer rank
@@ -21,8 +24,10 @@ rank back).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -45,6 +50,7 @@ class RankGroup:
             raise RuntimeError("RankGroup: torch.distributed is not initialised (the engine joins the world first)")
         self.rank, self.size = dist.get_rank(), dist.get_world_size()
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.stopped = False   # rank 0 has led STOP: nobody follows any more
 
     @property
     def leader(self) -> bool:
@@ -54,6 +60,9 @@ class RankGroup:
         """Rank 0: tell every other rank to make the engine call `command` with `args`."""
         if command not in COMMANDS:
             raise ValueError(f"unknown trainer command {command!r} (one of {', '.join(COMMANDS)})")
+        if self.stopped:   # the others have left or are leaving: a collective would wait for them in vain
+            raise RuntimeError(f"cannot lead {command!r}: the other trainer ranks were told to stop (the run is over)")
+        self.stopped = command == STOP
         dist.broadcast_object_list([(command, args)], src=0, group=self.group)
 
     def next_command(self) -> tuple[str, tuple[Any, ...]]:
@@ -98,6 +107,34 @@ class RankGroup:
                 dist.recv(buf, 0, group=self.group)
             frames.append(memoryview(buf.numpy()))
         return frames
+
+
+def follow_rank0(ranks: RankGroup, weight_ranks: RankGroup | None, engine: Any, step_cfg: StepConfig,
+                 ref_engine: Any, stage_sender: Any, log: Any, name: str) -> None:
+    """Ranks > 0 (blocking): rank 0's engine calls and, with pipeline stages, its weights commands beside them
+    (``stage_sender.follow``, each channel on a thread of its own), until rank 0 has stopped both. The weights
+    channel stops last: returning at the first STOP would leave rank 0 alone in the run's last broadcast. A
+    failure on either channel is raised at once."""
+    loops = [_on_thread(follow_commands, ranks, engine, step_cfg, ref_engine, stage_sender, log)]
+    if weight_ranks is not None:
+        loops.append(_on_thread(stage_sender.follow, weight_ranks, name))
+    done, _ = concurrent.futures.wait(loops, return_when=concurrent.futures.FIRST_EXCEPTION)
+    for loop in done:
+        loop.result()
+
+
+def _on_thread(fn: Callable[..., None], *args: Any) -> concurrent.futures.Future:
+    """`fn(*args)` on a daemon thread (a collective blocked on a dead rank cannot be joined); its outcome."""
+    outcome: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            outcome.set_result(fn(*args))
+        except BaseException as exc:
+            outcome.set_exception(exc)
+
+    threading.Thread(target=run, name=f"follow-{fn.__name__}", daemon=True).start()
+    return outcome
 
 
 def follow_commands(ranks: RankGroup, engine: Any, step_cfg: StepConfig, ref_engine: Any, stage_sender: Any,

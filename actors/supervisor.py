@@ -11,6 +11,11 @@ log lines), calls ``on_giveup``, stops every actor and ``run()`` raises :class:`
 An actor that exits 0 by itself has finished and is not restarted. Restarts are logged, counted in
 ``restarts[name]`` and reported to ``on_restart(name, count, exit_code)``.
 
+Once the run is over (``run_over()``: the trainer marked it finished), an actor that exits has finished
+whatever its exit code, and one still running ``RUN_END_GRACE_S`` later (``AFTER_RUN_GRACE_S`` for a restarted
+one) missed the RunFinished and is stopped: SIGTERM, then SIGKILL after ``stop_timeout``. Otherwise an actor
+left waiting for peers that have gone would keep the launcher waiting with it.
+
 Clean stop: SIGTERM to all, wait ``stop_timeout``, SIGKILL stragglers.
 
     sup = Supervisor(specs, run_dir)
@@ -42,6 +47,7 @@ __all__ = ["Supervisor", "SupervisorError", "NotReadyError"]
 
 _POLL_S = 0.05
 AFTER_RUN_GRACE_S = 5.0   # for a restarted actor still running after the run ended to end by itself
+RUN_END_GRACE_S = 60.0    # for any other actor (RunFinished reaches it within seconds)
 
 
 class SupervisorError(RuntimeError):
@@ -67,6 +73,13 @@ class _Child:
 
 def _project_root() -> str:
     return str(Path(actors.__file__).resolve().parent.parent)
+
+
+def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:   # it has just exited
+        pass
 
 
 def tail(path: Path, lines: int = 10) -> list[str]:
@@ -178,20 +191,14 @@ class Supervisor:
         procs = {n: c.proc for n, c in self.children.items() if c.proc is not None}
         for n, p in procs.items():
             if p.returncode is None:
-                try:
-                    p.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+                _signal(p, signal.SIGTERM)
         waits = {n: asyncio.ensure_future(p.wait()) for n, p in procs.items()}
         if waits:
             _, pending = await asyncio.wait(waits.values(), timeout=self.stop_timeout)
             for n, p in procs.items():
                 if p.returncode is None:
                     self.log.warning("actor_killed", actor=n, reason=f"still running {self.stop_timeout}s after SIGTERM")
-                    try:
-                        p.kill()
-                    except ProcessLookupError:
-                        pass
+                    _signal(p, signal.SIGKILL)
             await asyncio.gather(*waits.values(), return_exceptions=True)
         for path in self._tmp_dirs.values():
             shutil.rmtree(path, ignore_errors=True)
@@ -256,22 +263,31 @@ class Supervisor:
                 proc = child.proc
                 wait = asyncio.ensure_future(proc.wait())
                 over_since: float | None = None
+                terminated_at: float | None = None
                 while not wait.done():
                     if not child.ready and self._check_ready(child):
                         child.ready = True
                         self.log.info("actor_ready", actor=name, pid=proc.pid,
                                       after_s=round(time.monotonic() - child.started_at, 3))
-                    # A restarted process can have been starting when the run ended: the RunFinished the others
-                    # got went to its dead predecessor, so it would wait for ever for peers that have left.
-                    restarted = self.restarts[name] > 0 and self.run_over is not None
-                    if restarted and over_since is None and self.run_over():
-                        over_since = time.monotonic()
-                    if over_since is not None and time.monotonic() - over_since > AFTER_RUN_GRACE_S:
-                        self.log.warning("actor_stopped_after_run_end", actor=name, pid=proc.pid,
-                                         grace_s=AFTER_RUN_GRACE_S)
-                        proc.send_signal(signal.SIGTERM)
-                        over_since = float("inf")   # signalled once; stop() escalates if it must
-                    await asyncio.wait({wait}, timeout=_POLL_S if not child.ready else (1.0 if restarted else None))
+                    # Once the run is over, every actor ends by itself, unless it missed the RunFinished: a
+                    # restarted process can have been starting when the run ended (the message went to its dead
+                    # predecessor), and the actor that ends the run can fail or die before telling everyone. It
+                    # would wait for ever for peers that have left, and the launcher with it: stop it.
+                    now = time.monotonic()
+                    if self.run_over is not None and over_since is None and self.run_over():
+                        over_since = now
+                    grace = AFTER_RUN_GRACE_S if self.restarts[name] > 0 else RUN_END_GRACE_S
+                    if terminated_at is None and over_since is not None and now - over_since > grace:
+                        self.log.warning("actor_stopped_after_run_end", actor=name, pid=proc.pid, grace_s=grace)
+                        _signal(proc, signal.SIGTERM)
+                        terminated_at = now
+                    if terminated_at is not None and now - terminated_at > self.stop_timeout:
+                        self.log.warning("actor_killed", actor=name,
+                                         reason=f"still running {self.stop_timeout}s after SIGTERM")
+                        _signal(proc, signal.SIGKILL)
+                        terminated_at = float("inf")   # killed once
+                    await asyncio.wait({wait}, timeout=_POLL_S if not child.ready else
+                                       (1.0 if self.run_over is not None else None))
                 code = proc.returncode
                 child.last_exit = code
                 child.ready = False

@@ -37,7 +37,7 @@ from typing import Any
 from actors.base import Actor, ActorSpec, handles
 from actors.engines.base import TrainEngine, require_device
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
-from actors.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup, follow_commands
+from actors.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup, follow_rank0
 from actors.recovery import (COMPLETE, checkpoint_dir, complete_checkpoints, mark_complete, mark_run_finished,
                              recovering, restarted_in_place, start_weights)
 from actors.train_metrics import MetricsWriter, step_metrics
@@ -201,8 +201,6 @@ class TrainerActor(Actor):
     async def on_ready(self) -> None:
         if self.ranks is not None and not self.ranks.leader:
             self.spawn(self._follow(), name="follow_rank0")
-            if self.weight_ranks is not None:
-                self.spawn(self._follow_weights(), name="follow_rank0_weights")
         else:
             self.spawn(self._train_loop(), name="train_loop")
 
@@ -253,14 +251,11 @@ class TrainerActor(Actor):
 
     # --- ranks > 0 --------------------------------------------------------------------------------
     async def _follow(self) -> None:
+        """Rank 0's engine calls and weights commands, until it has stopped both (then the run is over)."""
         assert self.ranks is not None
-        await in_thread(follow_commands, self.ranks, self.engine, self.step_cfg, self.ref_engine, self.stage_sender,
-                        self.log)
+        await in_thread(follow_rank0, self.ranks, self.weight_ranks, self.engine, self.step_cfg, self.ref_engine,
+                        self.stage_sender, self.log, self.name)
         self.request_stop("run finished")
-
-    async def _follow_weights(self) -> None:
-        assert self.weight_ranks is not None and self.stage_sender is not None
-        await in_thread(self.stage_sender.follow, self.weight_ranks, self.name)
 
     @handles(RunFinished)
     def on_run_finished(self, msg: RunFinished) -> None:
@@ -337,18 +332,25 @@ class TrainerActor(Actor):
                 await self._checkpoint()
         # Marked before telling anyone: the supervisor must know the run is over when the others exit.
         mark_run_finished(self.run_dir, self.version)
+        try:
+            await self._stop_ranks()
+        finally:   # the run is over whatever the other ranks did: every actor must hear it (a failure is raised)
+            for peer in self.bus.peers:
+                try:
+                    await asyncio.wait_for(self.bus.send(peer, RunFinished(step=self.version)), timeout=5)
+                except (asyncio.TimeoutError, Exception) as e:  # a dead peer must not keep the run alive
+                    self.log.warning("run_finished_not_delivered", peer=peer, error=str(e))
+        self.log.info("run_finished", step=self.version)
+        self.request_stop("run finished")
+
+    async def _stop_ranks(self) -> None:
+        """The other ranks' engine calls end, then their weights channel, once no broadcast is led on it (the
+        parameter server may still ask for the last version's): they leave when both have ended."""
         if self.ranks is not None:
             await asyncio.to_thread(self.ranks.lead, STOP)
         if self.weight_ranks is not None:
             async with self._link_lock:
                 await asyncio.to_thread(self.weight_ranks.lead, STOP)
-        for peer in self.bus.peers:
-            try:
-                await asyncio.wait_for(self.bus.send(peer, RunFinished(step=self.version)), timeout=5)
-            except (asyncio.TimeoutError, Exception) as e:  # a dead peer must not keep the run alive
-                self.log.warning("run_finished_not_delivered", peer=peer, error=str(e))
-        self.log.info("run_finished", step=self.version)
-        self.request_stop("run finished")
 
     async def _publish(self) -> float:
         """Weights of the new version on their way to the rollouts (the path's sender says how); returns the

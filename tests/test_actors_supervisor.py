@@ -180,6 +180,28 @@ def test_a_restarted_actor_still_running_after_the_run_ended_is_stopped(tmp_path
     run(main())
 
 
+def test_actors_still_running_after_the_run_ended_are_stopped_then_killed(tmp_path: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # The trainer marked the run finished, then failed before telling anyone (trainer.0 in
+    # test_pipeline_stages_each_send_their_own_layers_to_sglang_servers, once): the others waited for a
+    # RunFinished that never came, and the launcher with them until the test's timeout.
+    import actors.supervisor as supervisor_module
+    monkeypatch.setattr(supervisor_module, "RUN_END_GRACE_S", 0.2)
+
+    async def main() -> None:
+        over = [False]
+        sup = Supervisor([spec(tmp_path, "w"), spec(tmp_path, "deaf", hang_on_drain=True, drain_timeout=60)],
+                         tmp_path, stop_timeout=1.0, run_over=lambda: over[0])
+        await sup.start()
+        over[0] = True          # the run ends; nobody tells them
+        await until(lambda: all(c.finished for c in sup.children.values()))
+        assert sup.children["w"].last_exit == 0                    # SIGTERM is an actor's clean stop
+        assert sup.children["deaf"].last_exit == -signal.SIGKILL    # it did not stop: killed
+        await sup.stop()
+
+    run(main())
+
+
 def test_gives_up_after_restart_limit_with_clear_message(tmp_path: Any) -> None:
     async def main() -> None:
         given_up: list[str] = []
