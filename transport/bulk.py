@@ -324,14 +324,25 @@ class BulkLink:
             self._pg, self._store = pg, store
             if cfg.rank == 0:
                 store.set(f"{cfg.name}/latest_epoch", str(epoch))
-        except BulkError:
+        except BulkError as exc:
+            self._record_formed(epoch, members, rank, str(exc))
             raise
         except Exception as exc:  # torch raises DistStoreError/RuntimeError with little context
-            raise LinkRendezvousError(
+            error = LinkRendezvousError(
                 f"link {cfg.name!r} epoch {epoch}: rank {rank}/{world} could not "
-                f"form the group at {cfg.master_addr}:{cfg.master_port} within {cfg.timeout_s:g} s: {exc}"
-            ) from exc
+                f"form the group at {cfg.master_addr}:{cfg.master_port} within {cfg.timeout_s:g} s: {exc}")
+            self._record_formed(epoch, members, rank, str(error))
+            raise error from exc
         self.epoch, self.members, self._rank = epoch, members, rank
+        self._record_formed(epoch, members, rank)
+
+    def _record_formed(self, epoch: int, members: list[str], rank: int, error: str | None = None) -> None:
+        """Log when a formation ended, and how: an actor acts on it (the parameter server pushes the version
+        it holds then), and tools.replay completes the stand-in link's formation at that place."""
+        outcome: dict[str, Any] = {"epoch": epoch, "members": members, "rank": rank}
+        if error is not None:
+            outcome["error"] = error
+        self._record("formed", "all", outcome, None)
 
     def _place(self, members: list[str]) -> int:
         """This member's rank among ``members`` (the configured rank when the link names no members)."""
@@ -431,7 +442,7 @@ class BulkLink:
         self._record("out" if packed is not None else "in", "all" if packed is not None else str(src), header, flat)
         return PackedBucket(header, flat)
 
-    def _record(self, direction: str, peer: str, header: dict[str, Any], flat: torch.Tensor) -> None:
+    def _record(self, direction: str, peer: str, header: dict[str, Any], flat: torch.Tensor | None) -> None:
         if self.recorder is not None:
             from transport.bus import current_cause   # the message whose handler started this transfer
 

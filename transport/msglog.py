@@ -3,13 +3,19 @@
 File layout: an 8-byte magic ``AREALML1`` then records, each ``<u32 length><u32 crc32><payload>``
 (little endian) where payload is one msgpack map:
 
-    {"k": "meta", "t": time, "actor": name, "spec": {...}, "schema": SCHEMA_VERSION}   # once per open
+    {"k": "meta", "t": time, "actor": name, "spec": {...}, "link_formations": true}   # once per open
     {"k": "in" | "out", "t": time, "peer": name, "frames": [frame0, tensor bytes...],
      "sums": [sha256 hex of each tensor frame], "rejected": reason?, "cause": id?}
     {"k": "bulk_in" | "bulk_out", "t": time, "peer": "link#rank", "link": name,
      "frames": [msgpack bucket header, bucket bytes (bulk_in, tensors="store")], "sums": [sha256]?, "cause": id?}
+    {"k": "bulk_formed", "t": time, "peer": "link#all", "link": name,
+     "frames": [msgpack {"epoch", "members", "rank", "error"?}], "cause": id?}   # an epoch formed (or failed)
     {"k": "event", "t": time, "peer": name, "event": "peer_dead" | "peer_alive"}     # the bus's heartbeat verdicts
     {"k": "event", "t": time, "peer": own name, "event": "stopping"}                   # the actor began to stop
+
+A bulk record is written when its operation ended (a bucket received or sent, an epoch formed): where it
+stands among the messages is where the actor saw the transfer end. ``link_formations`` in the meta says that
+formations are recorded (logs written before they were have none).
 
 ``frames[0]`` is the message's header+body frame exactly as it crossed the wire, so a record decodes with
 :func:`transport.messages.decode`. Tensor frames are stored whole (``tensors="store"``) or only as
@@ -78,7 +84,8 @@ class MessageLogWriter:
         self.records = 0
         if os.fstat(self._fd).st_size == 0:
             os.write(self._fd, MAGIC)
-        self._append({"k": "meta", "t": time.time(), "pid": os.getpid(), **(meta or {})}, force=True)
+        self._append({"k": "meta", "t": time.time(), "pid": os.getpid(), "link_formations": True, **(meta or {})},
+                     force=True)
 
     def record(self, direction: str, frames: list, *, peer: str = "", t: float | None = None,
                rejected: str | None = None, cause: str | None = None) -> None:
@@ -100,9 +107,11 @@ class MessageLogWriter:
 
     def record_bulk(self, direction: str, link: str, peer: str, header: dict, flat: Any = None,
                     cause: str | None = None) -> None:
-        """Append one bucket of a bulk link (transport.bulk). ``direction`` "in": a received bucket, its
-        bytes kept when tensors are stored (replay hands them to the replayed actor); "out": a sent one,
-        its header only (names, shapes, offsets and the checksum of its bytes: enough to compare)."""
+        """Append one bucket of a bulk link (transport.bulk) once it has moved. ``direction`` "in": a received
+        bucket, its bytes kept when tensors are stored (replay hands them to the replayed actor); "out": a sent
+        one, its header only (names, shapes, offsets and the checksum of its bytes: enough to compare);
+        "formed": not a bucket but an epoch of the link formed, ``header`` its epoch, members, this member's
+        rank and, if the formation failed, the error."""
         rec: dict[str, Any] = {"k": f"bulk_{direction}", "t": time.time(), "peer": peer, "link": link,
                                "frames": [msgpack.packb(header, use_bin_type=True)]}
         if direction == "in" and flat is not None:
