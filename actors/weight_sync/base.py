@@ -63,6 +63,12 @@ class StoredVersion:
             self.n_buckets = len(self.packed)
 
 
+#: None in a run. tools/replay.py sets it while it replays an actor: called with +1 as an :func:`in_thread` call
+#: starts and, from its thread, with -1 once its result is on its way to the event loop, so the replay counts
+#: the transfers in hand as it counts the default executor's work and lets them finish before the next record.
+observer: Callable[[int], None] | None = None
+
+
 def in_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
     """Run a blocking call (a bulk-link collective) in a daemon thread and await its result.
 
@@ -71,6 +77,7 @@ def in_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
     """
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[T] = loop.create_future()
+    watch = observer
 
     def settle(ok: bool, value: Any) -> None:
         if fut.done():
@@ -82,14 +89,20 @@ def in_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
 
     def body() -> None:
         try:
-            result = fn(*args)
-        except BaseException as exc:  # handed to the awaiting coroutine, never swallowed
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # handed to the awaiting coroutine, never swallowed
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(settle, False, exc)
+                return
             if not loop.is_closed():
-                loop.call_soon_threadsafe(settle, False, exc)
-            return
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(settle, True, result)
+                loop.call_soon_threadsafe(settle, True, result)
+        finally:
+            if watch is not None:
+                watch(-1)
 
+    if watch is not None:
+        watch(1)
     # In the caller's context: what a link sends or receives is logged as caused by the caller's message.
     threading.Thread(target=contextvars.copy_context().run, args=(body,),
                      name=f"blocking-{getattr(fn, '__name__', 'call')}", daemon=True).start()
