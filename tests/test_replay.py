@@ -18,6 +18,7 @@ import torch
 import uvloop
 
 from actors.base import Actor, ActorSpec, handles, ready_path
+from actors.weight_sync import in_thread
 from tools import replay
 from transport.bus import Bus
 from transport.messages import Message, message
@@ -73,6 +74,53 @@ class ChangedAccumulator(Accumulator):
 
     def bump(self, n: int) -> int:
         return n + 1 if self.total > 40 else n
+
+
+@message("test.replay.push")
+class Push(Message):
+    pass
+
+
+@message("test.replay.seen")
+class Seen(Message):
+    adds: int     # how many Adds the actor had taken when a transfer on its link ended
+
+
+class Linked(Actor):
+    """Forms its bulk link "w", and later sends a bucket on it, in threads of the background, as the parameter
+    server does; it tells the sink how many Adds it had taken when the formation ended, when the send began
+    (once a Push asked for it) and when it ended."""
+
+    async def on_start(self) -> None:
+        from transport.bulk import LinkConfig
+
+        self.adds = 0
+        self.asked = asyncio.Event()
+        self.link = self.make_link(LinkConfig.from_dict(self.cfg.links["w"]))
+
+    async def on_ready(self) -> None:
+        self.spawn(self.transfers(), name="transfers")
+
+    async def transfers(self) -> None:
+        await in_thread(self.link.open, 0)
+        await self.bus.send("sink", Seen(self.adds))
+        await self.asked.wait()
+        sending = in_thread(self.link.send, [("x", torch.arange(1 << 20, dtype=torch.float32))], 1)
+        await self.bus.send("sink", Seen(self.adds))
+        await sending
+        await self.bus.send("sink", Seen(self.adds))
+
+    @handles(Add)
+    def add(self, msg: Add) -> None:
+        self.adds += 1
+
+    @handles(Query)
+    async def query(self, msg: Query) -> Add:
+        return Add(self.adds)
+
+    @handles(Push)
+    def push(self, msg: Push) -> None:
+        self.asked.set()
 
 
 class HangingAccumulator(Accumulator):
@@ -288,3 +336,53 @@ def test_heartbeat_verdicts_are_logged_and_replayed(tmp_path: Any) -> None:
     # an actor that does nothing on the verdict: the report to the oracle is missing
     d = replay.replay_into(path, f"{MODULE}:Accumulator", idle_timeout=5).divergence
     assert d is not None and d.peer == "oracle" and d.actual == "nothing" and d.message == "test.replay.add", d
+
+
+def test_link_transfers_end_in_the_replay_where_they_ended_in_the_original(tmp_path: Any) -> None:
+    # The original's link formation ends only after it took three Adds (its peer joins late), and a bucket it
+    # then sends is not received before it stops. A stand-in link that formed at once would report 0 Adds, and
+    # one that sent at once would send a bucket the original never finished sending (both seen from the
+    # parameter server: it pushed a version fewer, or a bucket more).
+    from testsupport.bounded import run_bounded, until
+    from testsupport.local_actors import gloo_link
+    from transport.bulk import BulkLink, LinkConfig
+    from transport.msglog import read_log
+    from transport.ports import free_port
+
+    members, port = ["linked", "peer"], free_port()
+
+    async def main() -> None:
+        seen: list[int] = []
+        sink_bus = await Bus("sink", "tcp://127.0.0.1:*", handler=lambda env: seen.append(env.msg.adds),
+                             heartbeat_interval=None).start()
+        spec = ActorSpec("linked", f"{MODULE}:Linked", f"ipc://{tmp_path}/linked", {"sink": sink_bus.endpoint},
+                         {"log_console": False, "message_log": {"outbound": True},
+                          "links": {"w": gloo_link("w", port, members, "linked")}}, str(tmp_path))
+        actor = Linked(spec)
+        task = asyncio.create_task(actor.run())
+        await until(lambda: ready_path(tmp_path, "linked").exists(), 10, "the actor to be ready", 0.005)
+        client = await Bus("client", "tcp://127.0.0.1:*", {"linked": spec.endpoint}, heartbeat_interval=None).start()
+        # answered in a task: the replay waits for the answer before the Adds (and the actor's threads run)
+        assert (await client.request("linked", Query(), timeout=10)).n == 0
+        for i in range(3):
+            await client.send("linked", Add(i))
+        assert (await client.request("linked", Query(), timeout=10)).n == 3
+        peer = BulkLink(LinkConfig.from_dict(gloo_link("w", port, members, "peer")))
+        await asyncio.to_thread(peer.open, 0)
+        await until(lambda: seen == [3], 10, "the report of the formation")
+        await client.send("linked", Push())
+        await until(lambda: seen == [3, 3], 10, "the report that the send began")
+        actor.request_stop()
+        assert await task == 0
+        await asyncio.to_thread(peer.recv, 0)   # the bucket moves only now: the original had stopped
+        peer.close()
+        for b in (client, sink_bus):
+            await b.close()
+
+    run_bounded(main(), 60)
+    path = str(tmp_path / "msglog" / "linked.msglog")
+    kinds = [r.kind for r in read_log(path)[0]]
+    assert kinds.index("bulk_formed") > kinds.index("in") and "bulk_out" not in kinds, kinds
+    same = replay.replay_into(path, f"{MODULE}:Linked", idle_timeout=10)
+    assert same.compared and same.divergence is None and not same.notes, (same.divergence, same.notes)
+    assert same.sent == 4     # the queries' answers and two reports: no bucket, no report that the send ended

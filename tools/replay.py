@@ -2,7 +2,8 @@
 
 Printing: one line per record (index, time since the segment start, direction, kind, sender/peer, fields),
 filtered with ``--type KIND`` and ``--sender NAME`` (repeatable), ``--dir in|out``, ``--limit N``, or one
-JSON object per line with ``--json``. Buckets moved on bulk links print as kind ``bulk`` with their header.
+JSON object per line with ``--json``. Buckets moved on bulk links print as kind ``bulk`` with their header, a
+link's formations as ``link_formed``.
 A torn last record is reported and skipped.
 
 Replaying: a fresh instance of the class is built from the spec stored in the log (run_dir replaced by a
@@ -64,7 +65,8 @@ def _describe(rec: LogRecord) -> dict[str, Any]:
         out.update(peer=rec.peer, kind=rec.event, sender=rec.peer, fields={})
         return out
     if rec.kind.startswith("bulk_"):   # a bucket on a bulk link: its header (names, shapes, checksum)
-        out.update(peer=rec.peer, kind="bulk", sender=rec.peer if rec.kind == "bulk_in" else None,
+        kind = "link_formed" if rec.kind == "bulk_formed" else "bulk"   # or an epoch formed: members, error
+        out.update(peer=rec.peer, kind=kind, sender=rec.peer if rec.kind == "bulk_in" else None,
                    fields=msgpack.unpackb(rec.frames[0], raw=False))
         return out
     out["peer"] = rec.peer
@@ -402,45 +404,138 @@ async def _caught_up(bus: ReplayBus, streams: list[tuple], done: list[int], upto
     return True
 
 
-class _CountingExecutor(concurrent.futures.ThreadPoolExecutor):
-    """The replayed actor's default executor (asyncio.to_thread): counts the work in hand so the replay can
-    let it finish before the next message, as the original (it was not racing a replay) mostly did."""
+class _Work:
+    """The replayed actor's work in hand on threads, so the replay can let it finish before the next record,
+    as the original (it was not racing a replay) mostly did: what it handed to ``asyncio.to_thread`` (the
+    default executor, :class:`_CountingExecutor`) and its transfers in ``in_thread`` daemon threads
+    (``actors.weight_sync.base.observer``). A thread waiting on a stand-in link for the place in the log where
+    the original's transfer ended is *parked*: not in hand, the driver has to move on to release it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(max_workers=4, thread_name_prefix="replay-work")
         self.busy = 0
+        self.parked = 0
         self.changed = asyncio.Event()
-        self._loop = loop
+        self.loop = loop
         self._lock = threading.Lock()
 
-    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+    @property
+    def in_hand(self) -> int:
+        return self.busy - self.parked
+
+    def count(self, n: int) -> None:
+        """``n`` calls started (+) or ended (-), from any thread. An ended call has already handed its result
+        to the event loop (queued before this wake-up), so the driver's next turns run what awaited it."""
         with self._lock:
-            self.busy += 1
+            self.busy += n
+        if n < 0 and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.changed.set)
+
+    def park(self, n: int) -> None:
+        """``n`` threads began (+) or ended (-, by the driver's release) waiting on a stand-in link."""
+        with self._lock:
+            self.parked += n
+        if n > 0 and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.changed.set)
+
+
+class _CountingExecutor(concurrent.futures.ThreadPoolExecutor):
+    """The replayed actor's default executor (asyncio.to_thread), its calls counted in ``work``."""
+
+    def __init__(self, work: _Work) -> None:
+        super().__init__(max_workers=4, thread_name_prefix="replay-work")
+        self.work = work
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+        self.work.count(1)
         fut = super().submit(fn, *args, **kwargs)
-        fut.add_done_callback(self._finished)
+        # Counted done after the callback asyncio adds once this returns (run_in_executor, on the loop), so the
+        # result is on its way to the loop before the driver hears the work ended.
+        self.work.loop.call_soon_threadsafe(fut.add_done_callback, lambda _: self.work.count(-1))
         return fut
 
-    def _finished(self, _: Any) -> None:
-        with self._lock:
-            self.busy -= 1
-        self._loop.call_soon_threadsafe(self.changed.set)
 
-
-async def _settle(executor: _CountingExecutor, idle_timeout: float) -> bool:
+async def _settle(work: _Work, idle_timeout: float) -> bool:
     """Let work the actor has handed to threads finish and its continuations run; False if it is still
     busy after ``idle_timeout`` s. Nothing to do (no work in threads) costs no yield, so messages that
     arrived together are still handled together."""
     try:
         async with asyncio.timeout(idle_timeout):
-            while executor.busy:
-                while executor.busy:
-                    executor.changed.clear()
-                    await executor.changed.wait()
+            while work.in_hand > 0:
+                while work.in_hand > 0:
+                    work.changed.clear()
+                    await work.changed.wait()
                 for _ in range(8):   # the awaiting coroutines resume, and may hand over more work
                     await asyncio.sleep(0)
     except TimeoutError:
         return False
     return True
+
+
+class _LinkGate:
+    """The stand-in links' transfers end where the original's did: the n-th formation of a link at its n-th
+    ``bulk_formed`` record (failing if that one failed), the n-th bucket received on a link at its n-th
+    ``bulk_in`` record, the n-th bucket sent to a peer (``link#rank``) at its n-th ``bulk_out`` record. One the
+    original never finished (it stopped first, or it failed) never ends; closing the gate fails those."""
+
+    def __init__(self, work: _Work, formations: bool) -> None:
+        self.work = work
+        self.formations = formations       # the log records formations (else they end at once, as before)
+        self._cond = threading.Condition()
+        self._started: dict[tuple, int] = defaultdict(int)
+        self._released: dict[tuple, int] = defaultdict(int)
+        self._errors: dict[tuple, str] = {}
+        self._parked: set[tuple] = set()
+        self._closed = False
+        self._loop_thread = threading.get_ident()
+
+    @staticmethod
+    def key(rec: LogRecord) -> tuple[str, str]:
+        kind = rec.kind.removeprefix("bulk_")
+        return kind, rec.peer if kind == "out" else rec.peer.split("#")[0]
+
+    def wait(self, key: tuple[str, str]) -> None:
+        """In the transfer's thread: return once the driver reached the record where the original's ended."""
+        if key[0] == "formed" and not self.formations:
+            return
+        with self._cond:
+            n = self._started[key]
+            self._started[key] += 1
+            # (Called on the event loop itself it cannot wait for the driver: it ends at once, as it used to.)
+            if self._released[key] <= n and threading.get_ident() != self._loop_thread:
+                self._parked.add((key, n))
+                self.work.park(1)
+                while self._released[key] <= n and not self._closed:
+                    self._cond.wait()
+            if (key, n) in self._errors:
+                from transport.bulk import BulkError
+
+                raise BulkError(self._errors[(key, n)])
+            if self._released[key] <= n and self._closed:
+                from transport.bulk import BulkError
+
+                raise BulkError(f"{key[1]}: the original's transfer never ended (the replay is over)")
+
+    def release(self, rec: LogRecord) -> None:
+        """The driver reached ``rec``: the transfer it records ends."""
+        key = self.key(rec)
+        error = msgpack.unpackb(rec.frames[0], raw=False).get("error") if key[0] == "formed" else None
+        with self._cond:
+            n = self._released[key]
+            self._released[key] += 1
+            if error is not None:
+                self._errors[(key, n)] = error
+            if (key, n) in self._parked:
+                self._parked.discard((key, n))
+                self.work.park(-1)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """The replay is over: a transfer still waiting fails, so its thread ends."""
+        with self._cond:
+            self._closed = True
+            self.work.park(-len(self._parked))
+            self._parked.clear()
+            self._cond.notify_all()
 
 
 class _Deliverer:
@@ -497,6 +592,7 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
                   overrides: Sequence[str] = (), float_tol: float = 0.0,
                   to_end: bool = False) -> ReplayResult:
     from actors.base import ActorSpec, load_actor_class
+    from actors.weight_sync import base as weight_sync
 
     meta, records, torn = _load(path, segment)
     result = ReplayResult()
@@ -514,7 +610,8 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
     replies_by_id = {}
     originals: dict[str | None, list[tuple]] = defaultdict(list)
     original_requests: dict[str | None, list[str]] = defaultdict(list)
-    schedule: list[tuple[LogRecord, Any, int]] = []   # inbound messages and replies, in log order
+    # inbound messages, replies, heartbeat events and the ends of link transfers, in log order
+    schedule: list[tuple[LogRecord, Any, int]] = []
     n_out = 0
     streams: list[tuple] = []          # each outbound record's (cause, peer) and its place on that stream
     stream_len: dict[tuple, int] = defaultdict(int)
@@ -526,8 +623,10 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
         if rec.kind == "event" and rec.event == "stopping":
             stop_at = stop_at or rec
             continue
-        if rec.kind == "event":
+        if rec.kind == "event" or rec.kind.startswith("bulk_"):
+            # a heartbeat verdict, or a link transfer that ended here (the stand-in link's ends here too)
             schedule.append((rec, None, n_out))
+        if rec.kind in ("event", "bulk_formed"):
             continue
         if rec.kind == "bulk_in":
             if not rec.tensors_stored:
@@ -576,7 +675,9 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
         actor = load_actor_class(cls_path)(spec)
         bus = ReplayBus(spec.name, replies, spec.peers)
         actor.bus = bus
-        actor.make_link = lambda config: ReplayLink(config, buckets, bus)
+        work = _Work(asyncio.get_running_loop())
+        gate = _LinkGate(work, formations=bool(meta.get("link_formations")))
+        actor.make_link = lambda config: ReplayLink(config, buckets, bus, gate)
         # request_stop() works as in a run: a handler that ends the actor (RunFinished) gets its drain.
         actor._stop_event, actor._force_event = asyncio.Event(), asyncio.Event()
         stopped_early = False
@@ -588,8 +689,8 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
         max_inflight = actor.cfg.bus.max_inflight or MAX_INFLIGHT
         started = stopped = False
         deliverer = _Deliverer(actor, bus, result, max_inflight)
-        executor = _CountingExecutor(asyncio.get_running_loop())
-        asyncio.get_running_loop().set_default_executor(executor)
+        asyncio.get_running_loop().set_default_executor(_CountingExecutor(work))
+        weight_sync.observer = work.count
         try:
             await actor.start()
             started = True
@@ -605,9 +706,12 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
                 if not await _caught_up(bus, streams, caught, before, idle_timeout):
                     stalled = (rec, before)
                     break
-                if not await _settle(executor, idle_timeout):
+                if not await _settle(work, idle_timeout):
                     stalled = (rec, before)
                     break
+                if rec.kind.startswith("bulk_"):    # the original's transfer ended here
+                    gate.release(rec)
+                    continue
                 if rec.kind == "event":            # the original's bus declared a peer dead or alive here
                     bus.alive[rec.peer] = rec.event == "peer_alive"
                     (actor.on_peer_alive if bus.alive[rec.peer] else actor.on_peer_dead)(rec.peer)
@@ -651,6 +755,12 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
                         await actor.on_stop()
                 except Exception as exc:
                     result.notes.append(f"on_stop after the replay failed: {exc!r}")
+            # Transfers the original never finished still wait on the stand-in links: they fail now (what the
+            # actor makes of that is not compared), and their threads end before the loop does.
+            bus.frozen = True
+            gate.close()
+            await _settle(work, idle_timeout)
+            weight_sync.observer = None
     result.sent = bus.count
     if actor.exit_code:    # a critical background task failed (Actor.spawn): say why, not just "nothing"
         result.notes.append(f"the replayed actor stopped with exit code {actor.exit_code}: {actor._stop_reason}")
@@ -777,19 +887,22 @@ _BULK_HEADER = types.SimpleNamespace(kind="bulk", id=None, wants_reply=False, re
 
 class ReplayLink:
     """Stands in for transport.bulk.BulkLink: hands the replayed actor the buckets the original received
-    (from the log), and captures the headers of the buckets it sends for comparison. Forming an epoch
-    always succeeds at once: no peer is there to wait for."""
+    (from the log), and captures the headers of the buckets it sends for comparison. No peer is there to
+    wait for: a formation, a bucket received and a bucket sent each end where the original's ended in the
+    log (``gate``), a formation failing if the original's failed."""
 
-    def __init__(self, config: Any, buckets: dict[str, deque], bus: ReplayBus) -> None:
+    def __init__(self, config: Any, buckets: dict[str, deque], bus: ReplayBus, gate: _LinkGate) -> None:
         self.config = config
         self.epoch: int | None = None
         self.members: list[str] = list(config.members)
         self._rank = config.rank
         self._in = buckets[config.name]
         self._bus = bus
+        self._gate = gate
         self._next_bucket = 0
 
     def open(self, epoch: int = 0, members: Any = None) -> None:
+        self._gate.wait(("formed", self.config.name))
         self.members = list(members) if members else list(self.config.members)
         if self.config.members:
             self._rank = self.members.index(self.config.members[self.config.rank])
@@ -816,6 +929,7 @@ class ReplayLink:
 
         from transport.bulk import PackedBucket
 
+        self._gate.wait(("in", self.config.name))
         if not self._in:
             raise ReplayError(f"link {self.config.name!r}: the replayed actor receives one more bucket than the "
                               f"original did")
@@ -824,6 +938,8 @@ class ReplayLink:
         return PackedBucket(header, torch.frombuffer(bytearray(frames[1]), dtype=torch.uint8))
 
     def _sent(self, peer: str, packed: Any) -> None:
+        # Captured once it ended, as the original logged it: one it never finished it never sent.
+        self._gate.wait(("out", f"{self.config.name}#{peer}"))
         self._bus.capture_bulk(f"{self.config.name}#{peer}", packed.header)
 
     def broadcast(self, bucket: Any, src: int = 0, epoch: int | None = None) -> Any:
@@ -856,8 +972,6 @@ class ReplayLink:
     def _take_id(self) -> int:
         self._next_bucket += 1
         return self._next_bucket - 1
-
-
 
 
 def to_plain_body(exp: tuple, body: Any) -> Any:
