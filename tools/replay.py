@@ -42,6 +42,7 @@ import msgpack
 
 import transport.protocol  # noqa: F401  (registers the rl.* message kinds so records decode)
 from topology import TopologyError, apply_overrides
+from transport.bulk import BulkError
 from transport.bus import MAX_INFLIGHT, Envelope, RemoteError, current_cause, wait_for_tasks
 from transport.messages import (DecodeError, Error, Message, decode, decode_header, encode, registry, to_plain,
                                 upgraded_body)
@@ -471,6 +472,17 @@ async def _settle(work: _Work, idle_timeout: float) -> bool:
     return True
 
 
+class TransferNeverEnded(BulkError):
+    """A stand-in link's transfer that the original never finished, failed once the replay is over."""
+
+
+def _quiet_after_the_replay(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The replay's event loop's exception handler: a transfer failed once the replay was over is nobody's
+    concern (the task that awaited it was cancelled, nothing is compared any more); the rest as usual."""
+    if not isinstance(context.get("exception"), TransferNeverEnded):
+        loop.default_exception_handler(context)
+
+
 class _LinkGate:
     """The stand-in links' transfers end where the original's did: the n-th formation of a link at its n-th
     ``bulk_formed`` record (failing if that one failed), the n-th bucket received on a link at its n-th
@@ -507,13 +519,9 @@ class _LinkGate:
                 while self._released[key] <= n and not self._closed:
                     self._cond.wait()
             if (key, n) in self._errors:
-                from transport.bulk import BulkError
-
                 raise BulkError(self._errors[(key, n)])
             if self._released[key] <= n and self._closed:
-                from transport.bulk import BulkError
-
-                raise BulkError(f"{key[1]}: the original's transfer never ended (the replay is over)")
+                raise TransferNeverEnded(f"{key[1]}: the original's transfer never ended (the replay is over)")
 
     def release(self, rec: LogRecord) -> None:
         """The driver reached ``rec``: the transfer it records ends."""
@@ -690,6 +698,7 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
         started = stopped = False
         deliverer = _Deliverer(actor, bus, result, max_inflight)
         asyncio.get_running_loop().set_default_executor(_CountingExecutor(work))
+        asyncio.get_running_loop().set_exception_handler(_quiet_after_the_replay)
         weight_sync.observer = work.count
         try:
             await actor.start()
