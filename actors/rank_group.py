@@ -115,16 +115,18 @@ def follow_rank0(ranks: RankGroup, weight_ranks: RankGroup | None, engine: Any, 
     (``stage_sender.follow``, each channel on a thread of its own), until rank 0 has stopped both. The weights
     channel stops last: returning at the first STOP would leave rank 0 alone in the run's last broadcast. A
     failure on either channel is raised at once."""
-    loops = [_on_thread(follow_commands, ranks, engine, step_cfg, ref_engine, stage_sender, log)]
+    loops = [on_daemon_thread("follow-commands", follow_commands, ranks, engine, step_cfg, ref_engine, stage_sender,
+                              log)]
     if weight_ranks is not None:
-        loops.append(_on_thread(stage_sender.follow, weight_ranks, name))
+        loops.append(on_daemon_thread("follow-weights", stage_sender.follow, weight_ranks, name))
     done, _ = concurrent.futures.wait(loops, return_when=concurrent.futures.FIRST_EXCEPTION)
     for loop in done:
         loop.result()
 
 
-def _on_thread(fn: Callable[..., None], *args: Any) -> concurrent.futures.Future:
-    """`fn(*args)` on a daemon thread (a collective blocked on a dead rank cannot be joined); its outcome."""
+def on_daemon_thread(name: str, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """`fn(*args)` on a daemon thread called `name`, and its outcome: a collective blocked on a dead peer can be
+    neither cancelled nor joined, so nothing may wait for the thread itself (a follower, a group being joined)."""
     outcome: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:
@@ -133,7 +135,7 @@ def _on_thread(fn: Callable[..., None], *args: Any) -> concurrent.futures.Future
         except BaseException as exc:
             outcome.set_exception(exc)
 
-    threading.Thread(target=run, name=f"follow-{fn.__name__}", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return outcome
 
 

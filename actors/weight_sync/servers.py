@@ -9,12 +9,11 @@ that follows rank 0's weights channel: HOST, BROADCAST, STOP, see actors/rank_gr
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from actors.rank_group import BROADCAST, HOST, RankGroup
+from actors.rank_group import BROADCAST, HOST, RankGroup, on_daemon_thread
 from transport.bulk import LinkConfig, PackedBucket, TensorMeta, bucket_metas, unpack_bucket
 from transport.protocol import LinkFormed, LinkReform
 
@@ -51,17 +50,7 @@ class ServerGroupHost:
         port = free_port(self.bind_addr)
         sender = WeightGroupSender(self.address, port, world_size, group_name=group_name, backend=self.backend,
                                    timeout_s=self.timeout_s)
-        joined: concurrent.futures.Future = concurrent.futures.Future()
-
-        def join() -> None:
-            try:
-                sender.open()
-            except BaseException as exc:
-                joined.set_exception(exc)
-            else:
-                joined.set_result(None)
-
-        threading.Thread(target=join, name=f"join-{group_name}", daemon=True).start()
+        joined = on_daemon_thread(f"join-{group_name}", sender.open)
         self._sender, self._joined, self.epoch = sender, joined, epoch
         return port
 
