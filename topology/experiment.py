@@ -138,6 +138,14 @@ class GenSection(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1 is off")
     top_k: int = Field(-1, ge=-1, description="top-k sampling; -1 or 0 is off")
     interruptible: bool = Field(True, description="weights swap mid-answer; false pauses and resumes")
+    # How long a generation may take (algo/serving.py): a group, and one SGLang request, time out after
+    # timeout_slack x its token budget at the slowest pace of recent answers, and never before timeout_floor_s.
+    assumed_tokens_per_s: float = Field(
+        5.0, gt=0, description="decode speed of one answer assumed until one is measured (sets the first timeouts)")
+    timeout_slack: float = Field(
+        3.0, ge=1, description="a generation times out after this many times what its length takes at the slowest "
+                               "measured pace")
+    timeout_floor_s: float = Field(60.0, ge=0, description="no generation times out sooner than this")
 
 
 class EvalSection(Section):
@@ -163,9 +171,13 @@ class RunSection(Section):
 
 
 class BufferSection(Section):
-    max_groups_per_rollout: int = Field(8, ge=1, description="groups in flight on one rollout")
+    max_groups_per_rollout: int = Field(
+        8, ge=1, description="groups in flight on one rollout; fewer where its server's KV pool holds fewer "
+                             "(algo.serving.groups_in_kv)")
     max_concurrent_groups: int | None = Field(None, ge=1, description="groups in flight in all (unset: no limit)")
-    group_timeout_s: float = Field(1800.0, gt=0, description="a group with no result after this is issued again")
+    group_timeout_s: float | None = Field(
+        None, gt=0, description="a group with no result after this is aborted on its rollout and issued again "
+                                "(unset: derived from gen.max_new_tokens and the measured pace, gen.timeout_*)")
 
 
 class ExperimentConfig(Section):
