@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextvars
 import logging
 import multiprocessing
@@ -268,23 +269,25 @@ class StandinServer:
         # Fault injection for the client's tests: the next requests to a route lose their connection,
         # "before" the handler sees them or "after" it started them (what a reset connection does).
         self.drop_next: dict[str, list[str]] = {}
-        # (time, event, rid) of every engine run a /generate makes: "start" and "end" (tests read it).
+        # (monotonic time, event, name) for tests: "start"/"end" of every engine run a /generate makes (the
+        # rid), "receive_start"/"receive_end" of every bucket received (the group), "call" of every POST
+        # route (the route and the client's port: which connection it came on).
         self.request_log: list[tuple[float, str, str]] = []
-        if step_time_s > 0:
-            self._pace_steps(step_time_s)
+        # When each decode step ended (monotonic), for tests; every step takes step_time_s at least.
+        self.step_times: collections.deque[float] = collections.deque(maxlen=100_000)
+        self._step_time_s, self._last_step = step_time_s, time.monotonic()
+        engine.on_step = self._on_step
 
     def _context_len(self) -> int:
         return int(self.engine.model.config.max_position_embeddings)
 
-    def _pace_steps(self, step_time_s: float) -> None:
-        last = [time.monotonic()]
-
-        def pace(_step: int) -> None:   # in the decode thread, after each step
-            left = step_time_s - (time.monotonic() - last[0])
-            if left > 0:
-                time.sleep(left)      # the step's own time on a GPU, scaled: the decode thread is that GPU
-            last[0] = time.monotonic()
-        self.engine.on_step = pace
+    def _on_step(self, _step: int) -> None:
+        """In the decode thread, after each step (tests that hold decoding put their own hook here)."""
+        left = self._step_time_s - (time.monotonic() - self._last_step)
+        if left > 0:
+            time.sleep(left)      # the step's own time on a GPU, scaled: the decode thread is that GPU
+        self._last_step = time.monotonic()
+        self.step_times.append(self._last_step)
 
     # --- app ----------------------------------------------------------------------------------------
     def app(self) -> Any:
@@ -298,6 +301,7 @@ class StandinServer:
         app.router.add_get("/weight_version", self.get_weight_version)
         if self.weights_hash_route:
             app.router.add_get("/standin/weights_hash", self.weights_hash)
+            app.router.add_get("/standin/log", self.test_log)
         routes = {"/generate": self.generate, "/abort_request": self.abort_request,
                   "/pause_generation": self.pause_generation, "/continue_generation": self.continue_generation,
                   "/update_weights_from_disk": self.update_weights_from_disk,
@@ -313,6 +317,8 @@ class StandinServer:
         from aiohttp import web
 
         async def run(request: Any) -> Any:
+            peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+            self.request_log.append((time.monotonic(), "call", f"{path} {peer[1] if peer else '?'}"))
             drops = self.drop_next.get(path)
             drop = drops.pop(0) if drops else None
             if drop == "before":   # the connection went before the request was read: nothing happens
@@ -336,11 +342,13 @@ class StandinServer:
             try:
                 status, content = await work
             except (_Crashed, _Disconnected):
+                status, content = 500, None
+            except (_BadRequest, RequestError, EngineError, ValueError, TypeError, KeyError) as exc:
+                status, content = 400, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+            if content is None or self.crashed:   # a dead server answers nothing
                 if request.transport is not None:
                     request.transport.close()
                 return web.Response(status=500)
-            except (_BadRequest, RequestError, EngineError, ValueError, TypeError, KeyError) as exc:
-                return web.json_response({"error": {"message": f"{type(exc).__name__}: {exc}"}}, status=400)
             return web.json_response(content, status=status)
         return run
 
@@ -404,6 +412,11 @@ class StandinServer:
     async def get_weight_version(self, request: Any) -> Any:
         from aiohttp import web
         return web.json_response({"weight_version": self.weight_version})
+
+    async def test_log(self, request: Any) -> Any:
+        """Not an SGLang route: request_log and step_times, for tests of a stand-in in another process."""
+        from aiohttp import web
+        return web.json_response({"events": self.request_log, "steps": list(self.step_times)})
 
     async def weights_hash(self, request: Any) -> Any:
         from aiohttp import web
@@ -565,6 +578,7 @@ class StandinServer:
     async def abort_request(self, body: dict[str, Any]) -> tuple[int, Any]:
         # TokenizerManager.abort_request (managers/tokenizer_manager.py:1253-1257) forwards only a rid it
         # knows; the scheduler then matches by prefix.
+        self.request_log.append((time.monotonic(), "abort", "" if body.get("abort_all") else str(body.get("rid"))))
         if body.get("abort_all"):
             await self._abort(None)
         elif body.get("rid") and str(body["rid"]) in self.states:
@@ -718,7 +732,11 @@ class StandinServer:
         if self.tp_workers is not None:
             parts.append(self.tp_workers.run("receive", name, [(s.name, s.dtype, list(s.shape)) for s in specs],
                                              flattened))
-        bucket, *others = await asyncio.gather(*parts)
+        self.request_log.append((time.monotonic(), "receive_start", name))
+        try:
+            bucket, *others = await asyncio.gather(*parts)
+        finally:
+            self.request_log.append((time.monotonic(), "receive_end", name))
         if others and others[0]:
             raise EngineError("; ".join(others[0]))
         return bucket
@@ -842,6 +860,8 @@ class StandinThread:
             return
         self._ready.set()
         await self._stop.wait()
+        if self.server.crashed:   # every request dies with it, unanswered
+            await self.engine.stop()
         await self._runner.cleanup()
         await self.engine.stop()
 
@@ -871,6 +891,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--max-total-tokens", type=int, default=None,
                     help="the KV pool /server_info reports (default: max-running-requests x the context length)")
+    ap.add_argument("--standin-drop-connection", action="append", default=[], metavar="ROUTE:WHEN",
+                    help="not an SGLang flag (fault injection for tests): the next call of ROUTE loses its "
+                         "connection, 'before' the server reads it or 'after' it started; repeatable")
     ap.add_argument("--standin-step-time-s", type=float, default=0.0,
                     help="not an SGLang flag: every decode step takes at least this long (a GPU's step time, "
                          "scaled for tests)")
@@ -900,6 +923,9 @@ def main(argv: list[str] | None = None) -> int:
                                weights_hash_route=not args.no_weights_hash, tp_size=args.tp_size,
                                tp_workers=workers, on_crash=crash, max_total_tokens=args.max_total_tokens,
                                step_time_s=args.standin_step_time_s)
+        for drop in args.standin_drop_connection:
+            route, _, when = drop.rpartition(":")
+            server.drop_next.setdefault(route, []).append(when)
         runner = web.AppRunner(server.app(), keepalive_timeout=TIMEOUT_KEEP_ALIVE_S)
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
