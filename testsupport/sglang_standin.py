@@ -85,6 +85,45 @@ DISCONNECT_CHECK_S = 4.0
 # scheduler; a seed outside int32 raises there, and a scheduler exception takes the whole server down.
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 
+# Every line of SGLang 0.5.6 the stand-in's strictness rests on: (path under sglang/srt/ in the release's
+# wheel, i.e. python/sglang/srt/ at tag v0.5.6; line; text the line holds). tests/test_engine_sglang_fields.py
+# reads each one in the wheel, so a citation that drifts from the source fails there.
+CITATIONS: tuple[tuple[str, int, str], ...] = (
+    ("entrypoints/http_server.py", 1433, "timeout_keep_alive=5"),
+    ("entrypoints/http_server.py", 136, 'HEALTH_CHECK_TIMEOUT = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20))'),
+    ("entrypoints/http_server.py", 432, 'sampling_params = {"max_new_tokens": 1, "temperature": 0.0}'),
+    ("entrypoints/http_server.py", 464, "while time.time() < tic + HEALTH_CHECK_TIMEOUT:"),
+    ("entrypoints/http_server.py", 465, "await asyncio.sleep(1)"),
+    ("entrypoints/http_server.py", 484, "return Response(status_code=503)"),
+    ("environ.py", 335, "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION = EnvBool(True)"),
+    ("managers/scheduler_output_processor_mixin.py", 36, "DEFAULT_FORCE_STREAM_INTERVAL = 50"),
+    ("managers/scheduler_output_processor_mixin.py", 825, "len(req.output_ids) % DEFAULT_FORCE_STREAM_INTERVAL == 0"),
+    ("managers/tokenizer_manager.py", 2042, 'abort_message = recv_obj.abort_message or "Abort in waiting queue"'),
+    ("managers/tokenizer_manager.py", 2061, "output_ids = state.output_ids"),
+    ("managers/tokenizer_manager.py", 1267, 'if obj.mode != "abort":'),
+    ("managers/tokenizer_manager.py", 1277, "await asyncio.sleep(1.0)"),
+    ("managers/tokenizer_manager.py", 1254, "if not abort_all and rid not in self.rid_to_state:"),
+    ("managers/tokenizer_manager.py", 1050, "await asyncio.wait_for(state.event.wait(), timeout=4)"),
+    ("managers/tokenizer_manager.py", 1058, "self.abort_request(obj.rid)"),
+    ("managers/tokenizer_manager.py", 471, "await self.is_pause_cond.wait_for(lambda: not self.is_pause)"),
+    ("managers/tokenizer_manager.py", 2495, "kill_process_tree(os.getpid())"),
+    ("managers/scheduler.py", 2348, "if recv_req.abort_all or req.rid.startswith(recv_req.rid):"),
+    ("managers/scheduler.py", 2418, "recv_req.abort_all or req.rid.startswith(recv_req.rid)"),
+    ("managers/scheduler.py", 2207, "self.running_batch.is_empty()"),
+    ("managers/scheduler.py", 2227, "if self._is_no_request():"),
+    ("managers/scheduler.py", 2697, 'logger.error(f"Scheduler hit an exception: {traceback}")'),
+    ("managers/scheduler.py", 2698, "parent_process.send_signal(signal.SIGQUIT)"),
+    ("managers/scheduler.py", 971, "self.process_input_requests(recv_reqs)"),
+    ("managers/scheduler.py", 973, "if self._engine_paused:"),
+    ("managers/scheduler.py", 2665, '"max_total_num_tokens": scheduler.max_total_num_tokens,'),
+    ("managers/scheduler_update_weights_mixin.py", 52,
+     'assert flush_cache_success, "Cache flush failed after updating weights"'),
+    ("managers/tokenizer_communicator_mixin.py", 428, "async with self.model_update_lock.writer_lock:"),
+    ("sampling/sampling_batch_info.py", 93, "dtype=torch.int32,"),
+    ("sampling/sampling_params.py", 61, "sampling_seed: int = 42,"),
+    ("model_executor/model_runner.py", 1113, "rank = rank_offset + self.tp_rank"),
+)
+
 # Fields of SGLang's request classes that the stand-in implements, per route.
 _IMPLEMENTED: dict[str, set[str]] = {
     "/generate": {"rid", "input_ids", "sampling_params", "return_logprob", "stream", "log_metrics"},
