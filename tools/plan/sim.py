@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from algo.dynamic_sampling import is_uniform
+from algo.serving import groups_in_kv
 from algo.staleness import StalenessGate, sample_staleness
 from tools.plan import costs, hardware
 from tools.plan.shapes import ModelShape
@@ -223,8 +224,8 @@ class Simulation:
         self.open = set(range(cfg.servers))   # servers that may take another group now
         self.open_heap = [(0, i) for i in range(cfg.servers)]   # (groups, index), lazily kept current
         mean_ctx = cfg.prompt_tokens + float(np.mean(cfg.draw_lengths(np.random.default_rng(cfg.seed + 1), 4096)))
-        self.group_cap = max(1, min(cfg.max_groups_per_server,
-                                    int(cfg.kv_tokens_per_server // (cfg.group_size * mean_ctx))))
+        # the buffer's own rule (actors/buffer_state.py rollout_cap)
+        self.group_cap = groups_in_kv(cfg.kv_tokens_per_server, cfg.group_size, mean_ctx, cfg.max_groups_per_server)
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = 0
         self.version = 0
