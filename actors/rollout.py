@@ -310,13 +310,14 @@ class RolloutActor(Actor):
         """The buffer gives up on a group (its time ran out) and will issue it again: stop generating it,
         and answer once it has stopped, so that no second copy runs beside it."""
         gid = msg.group_id
-        if gid not in self.held:
+        held = gid in self.held
+        self.log.info("group_abort", group_id=gid, held=held, reason=msg.reason)
+        if not held:   # it finished (its answers are on their way) or never came
             return GroupAborted(group_id=gid, held=False, stopped=True)
         self.aborted.add(gid)
         if len(self.aborted) > 100_000:   # bounded: group ids are never issued twice
             self.aborted.clear()
         self.counters["groups_aborted"] += 1
-        self.log.info("group_abort", group_id=gid, reason=msg.reason)
         done = self._group_done[gid]
         if self.engine is not None and gid in self.active:
             await self.engine.abort(gid)

@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import collections
 import contextvars
+import json
 import logging
 import multiprocessing
 import os
@@ -48,6 +49,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -277,7 +279,7 @@ class StandinServer:
     def __init__(self, engine: TorchGenerationEngine, model_path: str, weight_version: str = "0",
                  device: str = "cpu", weights_hash_route: bool = True, tp_size: int = 1,
                  tp_workers: TPWorkers | None = None, on_crash: Callable[[str], None] | None = None,
-                 max_total_tokens: int | None = None, step_time_s: float = 0.0) -> None:
+                 max_total_tokens: int | None = None, step_time_s: float = 0.0, log_path: str | None = None) -> None:
         self.engine = engine
         self.weights_hash_route = weights_hash_route
         self.model_path = model_path
@@ -310,8 +312,10 @@ class StandinServer:
         self.drop_next: dict[str, list[str]] = {}
         # (monotonic time, event, name) for tests: "start"/"end" of every engine run a /generate makes (the
         # rid), "receive_start"/"receive_end" of every bucket received (the group), "call" of every POST
-        # route (the route and the client's port: which connection it came on).
+        # route (the route and the client's port: which connection it came on), "abort" of every /abort_request
+        # (its rid). Also appended to `log_path` as JSON lines when given (a launched server's log outlives it).
         self.request_log: list[tuple[float, str, str]] = []
+        self._log_file = open(log_path, "a", buffering=1) if log_path else None
         # When each decode step ended (monotonic), for tests; every step takes step_time_s at least.
         self.step_times: collections.deque[float] = collections.deque(maxlen=100_000)
         self._step_time_s, self._last_step = step_time_s, time.monotonic()
@@ -319,6 +323,12 @@ class StandinServer:
 
     def _context_len(self) -> int:
         return int(self.engine.model.config.max_position_embeddings)
+
+    def _log(self, entry: tuple[str, str]) -> None:
+        record = (time.monotonic(), *entry)
+        self.request_log.append(record)
+        if self._log_file is not None:
+            self._log_file.write(json.dumps(record) + "\n")
 
     def _on_step(self, _step: int) -> None:
         """In the decode thread, after each step (tests that hold decoding put their own hook here)."""
@@ -357,7 +367,7 @@ class StandinServer:
 
         async def run(request: Any) -> Any:
             peer = request.transport.get_extra_info("peername") if request.transport is not None else None
-            self.request_log.append((time.monotonic(), "call", f"{path} {peer[1] if peer else '?'}"))
+            self._log(("call", f"{path} {peer[1] if peer else '?'}"))
             drops = self.drop_next.get(path)
             drop = drops.pop(0) if drops else None
             if drop == "before":   # the connection went before the request was read: nothing happens
@@ -567,7 +577,7 @@ class StandinServer:
         """The request in the embedded engine; a client that disconnected has it aborted at the next 4 s
         check (managers/tokenizer_manager.py:1048-1062), and nothing is answered."""
         state.abort_requested, state.engine_rid = False, request.rid
-        self.request_log.append((time.monotonic(), "start", request.rid))
+        self._log(("start", request.rid))
         work = asyncio.ensure_future(self.engine.generate(request))
         await asyncio.sleep(0)   # the task's first step registers the request with the engine
         if state.abort_requested:   # an abort that came while it was on its way there
@@ -584,7 +594,7 @@ class StandinServer:
                     raise _Disconnected(request.rid)
         finally:
             state.engine_rid = None
-            self.request_log.append((time.monotonic(), "end", request.rid))
+            self._log(("end", request.rid))
 
     async def _requeued(self, state: _ReqState) -> bool:
         """A retracted request waits in the queue until generation continues (True) or it is aborted there."""
@@ -617,7 +627,7 @@ class StandinServer:
     async def abort_request(self, body: dict[str, Any]) -> tuple[int, Any]:
         # TokenizerManager.abort_request (managers/tokenizer_manager.py:1253-1257) forwards only a rid it
         # knows; the scheduler then matches by prefix.
-        self.request_log.append((time.monotonic(), "abort", "" if body.get("abort_all") else str(body.get("rid"))))
+        self._log(("abort", "" if body.get("abort_all") else str(body.get("rid"))))
         if body.get("abort_all"):
             await self._abort(None)
         elif body.get("rid") and str(body["rid"]) in self.states:
@@ -771,11 +781,11 @@ class StandinServer:
         if self.tp_workers is not None:
             parts.append(self.tp_workers.run("receive", name, [(s.name, s.dtype, list(s.shape)) for s in specs],
                                              flattened))
-        self.request_log.append((time.monotonic(), "receive_start", name))
+        self._log(("receive_start", name))
         try:
             bucket, *others = await asyncio.gather(*parts)
         finally:
-            self.request_log.append((time.monotonic(), "receive_end", name))
+            self._log(("receive_end", name))
         if others and others[0]:
             raise EngineError("; ".join(others[0]))
         return bucket
@@ -933,6 +943,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--standin-drop-connection", action="append", default=[], metavar="ROUTE:WHEN",
                     help="not an SGLang flag (fault injection for tests): the next call of ROUTE loses its "
                          "connection, 'before' the server reads it or 'after' it started; repeatable")
+    ap.add_argument("--standin-log-dir", default=None,
+                    help="not an SGLang flag: append the request log (/standin/log's events) to "
+                         "DIR/standin-<pid>.jsonl, for tests that read it after the server is gone")
     ap.add_argument("--standin-step-time-s", type=float, default=0.0,
                     help="not an SGLang flag: every decode step takes at least this long (a GPU's step time, "
                          "scaled for tests)")
@@ -961,7 +974,9 @@ def main(argv: list[str] | None = None) -> int:
         server = StandinServer(engine, args.model_path, args.weight_version, device=args.device,
                                weights_hash_route=not args.no_weights_hash, tp_size=args.tp_size,
                                tp_workers=workers, on_crash=crash, max_total_tokens=args.max_total_tokens,
-                               step_time_s=args.standin_step_time_s)
+                               step_time_s=args.standin_step_time_s,
+                               log_path=str(Path(args.standin_log_dir) / f"standin-{os.getpid()}.jsonl")
+                               if args.standin_log_dir else None)
         for drop in args.standin_drop_connection:
             route, _, when = drop.rpartition(":")
             server.drop_next.setdefault(route, []).append(when)
