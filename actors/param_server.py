@@ -10,7 +10,9 @@ One task, the *pusher*, owns the rollout link, so formation and transfers never 
 * Forming. An epoch ``e`` of the link is formed by the rollouts that are *ready*: they said
   :class:`RolloutHello` and are alive by the bus heartbeats. :class:`LinkReform` (e, its members) goes to
   each of them, then this side joins in a thread. The first formation waits until every live rollout has
-  said hello (they start together); after that no rollout is waited for: one that is dead, hung (its
+  said hello (they start together), but only while none of those that did is behind: a rollout whose server
+  is still starting (minutes, at 7B and up) joins late, and must not keep the others from new weights. After
+  that no rollout is waited for: one that is dead, hung (its
   heartbeats stop), or whose SGLang server died (:class:`ServerDown`, until its next hello) is left out,
   and the others form without it. When the ready set changes (a member is lost, one comes back or
   restarts and says hello) the link is formed again. A failed rendezvous is retried at a newer epoch
@@ -297,8 +299,10 @@ class ParamServerActor(Actor):
             self._kick.clear()
             no_hello, dead = self._blockers()
             ready = self._ready()
-            # Before the first formation every live rollout is waited for (they are starting); after it, nobody.
-            starting = self.next_epoch == 0 and any(n not in dead for n in no_hello)
+            # Before the first formation every live rollout is waited for (they are starting), until a version
+            # waits for those that said hello; after it, nobody. Late ones join when they say hello.
+            waiting = self.current is not None and any(self.rollouts[n].version < self.current.version for n in ready)
+            starting = self.next_epoch == 0 and any(n not in dead for n in no_hello) and not waiting
             if starting or not ready:
                 if (no_hello, dead) != self._waiting_logged:
                     self._waiting_logged = (no_hello, dead)

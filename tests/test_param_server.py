@@ -21,8 +21,8 @@ from topology.experiment import ExperimentConfig
 from transport.bulk import BulkLink, LinkConfig
 from transport.bus import Bus, RemoteError
 from transport.ports import free_port
-from transport.protocol import (RolloutHello, ServerDown, WeightsPublished, WeightsStatus, WeightsStatusRequest,
-                                WeightsStored)
+from transport.protocol import (LinkReform, RolloutHello, ServerDown, WeightsPublished, WeightsStatus,
+                                WeightsStatusRequest, WeightsStored)
 
 run = functools.partial(run_bounded, timeout=60.0)
 
@@ -143,6 +143,46 @@ def test_a_rollout_whose_server_died_is_waited_for_until_its_hello(tmp_path: Pat
     run(main())
     log = (tmp_path / "logs" / "param_server.jsonl").read_text()
     assert '"rollout_server_down"' in log and '"no_hello": ["rollout.0", "rollout.1"]' in log
+
+
+def test_a_rollout_whose_server_is_still_starting_does_not_hold_back_new_weights(tmp_path: Path,
+                                                                                random_model_dir: Path) -> None:
+    # A rollout reports ready only once its SGLang server is up (minutes at 7B); the run starts without it.
+    # While it has not said hello the first group waited for it, so a new version reached nobody and the
+    # trainer stalled at the staleness bound. Now the first group forms once a version waits for the others.
+    ports = {"train_to_ps": free_port(), "ps_to_rollout": free_port()}
+    s = spec(tmp_path, random_model_dir, ports, ["param_server", "rollout.0", "rollout.1"])
+    s.peers["rollout.1"] = f"ipc://{tmp_path}/rollout.1"
+
+    async def main() -> list[LinkReform]:
+        actor = ParamServerActor(s)
+        task = asyncio.create_task(actor.run())
+        trainer_link = BulkLink(LinkConfig.from_dict(gloo_link("train_to_ps", ports["train_to_ps"],
+                                                               ["trainer", "param_server"], "trainer")))
+        opening = asyncio.ensure_future(asyncio.to_thread(trainer_link.open, 0))
+        trainer = await Bus("trainer", f"ipc://{tmp_path}/trainer", {"param_server": s.endpoint},
+                            heartbeat_interval=None).start()
+        reforms: asyncio.Queue[LinkReform] = asyncio.Queue()
+        rollout = await Bus("rollout.0", s.peers["rollout.0"], {"param_server": s.endpoint},
+                            handler=lambda env: isinstance(env.msg, LinkReform) and reforms.put_nowait(env.msg),
+                            heartbeat_interval=None).start()
+        await rollout.send("param_server", RolloutHello(version=0))       # rollout.1's server is not up yet
+        buckets, digest = tiny_weight_buckets(1)
+        reply = asyncio.ensure_future(trainer.request("param_server", WeightsPublished(
+            version=1, n_buckets=len(buckets), weights_hash=digest), timeout=30))
+        await opening
+        await asyncio.to_thread(lambda: [trainer_link.send(b, dst=1) for b in buckets])
+        assert isinstance(await reply, WeightsStored)
+        first = await asyncio.wait_for(reforms.get(), 30)
+        actor.request_stop("test over")
+        await task
+        await trainer.close(linger=0)
+        await rollout.close(linger=0)
+        trainer_link.close()
+        return [first]
+
+    [first] = run(main())
+    assert first.members == ["param_server", "rollout.0"]   # formed without the late one
 
 
 def test_param_server_must_be_first_on_the_rollout_link(tmp_path: Path, random_model_dir: Path) -> None:
