@@ -70,6 +70,18 @@ def rollout_placement(cfg: RolloutSettings) -> dict[str, str]:
             "memory": "-", "process_group": "nccl" if device == "cuda" else "gloo"}
 
 
+def rollout_ready_budget(cfg: RolloutSettings) -> tuple[float, str] | None:
+    """What a rollout starts beyond its process, as (seconds it may take, the setting that says so): it
+    reports ready once its engine is up, and an SGLang server it launches is up only when healthy (weights
+    read from shared storage, CUDA graphs captured: minutes at 7B, more at 32B). None: nothing beyond."""
+    if cfg.engine != "sglang":
+        return None
+    if cfg.sglang_url:
+        from actors.engines.sglang import SGLangEngine
+        return SGLangEngine.ATTACH_TIMEOUT_S, "the attach wait for sglang_url"
+    return cfg.sglang.health_timeout_s, "sglang.health_timeout_s"
+
+
 def make_engine(cfg: RolloutSettings, version: int, model_dir: str, run_dir: str | None = None,
                 on_server_event: Callable[[str, int], Awaitable[None]] | None = None) -> GenerationEngine:
     """The one place that turns ``cfg.engine`` into an engine. ``on_server_event(event, restarts)``:
@@ -105,6 +117,10 @@ class RolloutActor(Actor):
     Settings = RolloutSettings
     cfg: RolloutSettings
     placement = staticmethod(rollout_placement)   # what --dry-run prints for the group
+    ready_budget = staticmethod(rollout_ready_budget)   # what it starts before it is ready (tools/up.py)
+    # Interchangeable workers: the run starts once enough are ready, the rest join when their servers are up,
+    # and one that cannot be kept up is left down (actors/supervisor.py, late_joiners).
+    joins_late = True
 
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec)

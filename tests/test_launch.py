@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -78,7 +79,18 @@ def test_dry_run_64node_table(capsys: pytest.CaptureFixture) -> None:
     assert "64 node(s), 512 GPU(s) x H800, 370 actor instance(s)" in out
     assert "#0 [8/8 gpu, 32/48 cpu_workers]" in out
     assert "rollout.0 .. rollout.3 (x4)" in out and "0-7 (2 each)" in out
-    assert "weights: nccl group of 193, rank 0 = trainer.0" in out
+    # what the code forms: the servers join the trainer's group with their tp ranks, 1 + 192 x 2
+    assert "1 group(s) of 1 + 192 x 2 = 385 ranks, rank 0 = trainer.0; rollout.0's server is ranks 1-2" in out
+    assert "rendezvous: trainer.0 on #48, a free port picked at each formation; name weights-g<epoch>" in out
+    assert "the link's port 29500 is not used" in out and "group of 193" not in out.replace("own group of 193", "")
+    # the ports a firewall must let through
+    assert "bus: tcp 20000-20369, each actor's own port on its node (CurveZMQ), from every node" in out
+    assert "trainer world: #48:29400 (rendezvous), from its 16 node(s)" in out
+    assert "weights: a free port on #48 (rendezvous, picked at each formation in the ephemeral range" in out
+    # ready budgets: a rollout waits for its SGLang server's own start budget; the run needs half of them
+    assert re.search(r"rollout +192 +96 \(the rest join when ready\) +720 s +supervisor.ready_timeout 120 \+ "
+                     r"sglang.health_timeout_s 600", out), out
+    assert re.search(r"trainer +128 +all +120 s +supervisor.ready_timeout", out)
     assert "NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7" in out
     assert "NCCL_NET_GDR_LEVEL=PHB" in out and "NCCL_SOCKET_IFNAME=bond0" in out
     assert "srun -N64 --ntasks-per-node=1 --cpus-per-task=48 --mem=0 --gpus-per-node=8 --kill-on-bad-exit=1" in out
@@ -272,3 +284,30 @@ def test_a_port_already_in_use_fails_the_dry_run_naming_its_key(tmp_path, capsys
         err = capsys.readouterr().err
         assert f"links.demo.port: port {port} is already in use on this node" in err, err
     assert main([str(topo), "--dry-run"]) == 0
+
+
+def test_the_dry_runs_weights_group_is_the_one_the_rollouts_and_parameter_server_form(tmp_path: Path) -> None:
+    # Each rollout's receiver says how many ranks its server joins with (actors.weight_sync.make_receiver);
+    # the parameter server asks the trainer for a group of 1 + their sum (weight_sync/direct.py).
+    import collections
+    import types
+
+    import structlog
+
+    from actors.engines.sglang import SGLangEngine
+    from actors.weight_sync import make_receiver
+    from topology.settings import RolloutSettings
+    from transport.bulk import LinkConfig
+
+    plan = load(REPO / "topology" / "64node.yaml", check_imports=False)
+    ranks = 0
+    for spec in plan.specs(tmp_path):
+        if not spec["name"].startswith("rollout."):
+            continue
+        cfg = RolloutSettings.model_validate(spec["settings"])
+        rollout = types.SimpleNamespace(cfg=cfg, param_server="param_server", active={}, log=structlog.get_logger(),
+                                        counters=collections.Counter())
+        engine = SGLangEngine.from_settings(cfg, 0, "/models/m", run_dir=str(tmp_path))
+        receiver = make_receiver(rollout, LinkConfig.from_dict(cfg.links["weights"]), engine, verify=None)
+        ranks += receiver.ranks
+    assert 1 + ranks == up.server_groups(plan)["weights"].world == 385

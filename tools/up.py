@@ -21,10 +21,13 @@ logs, message logs, metrics and checkpoints. Exit status: 0 clean end, 2 invalid
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import importlib
 import json
+import math
 import os
+import re
 import shlex
 import signal
 import socket
@@ -93,12 +96,16 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
     if len(eps) > 12:
         lines.append(f"  ... {len(eps) - 12} more, up to {eps[-1][0]} {eps[-1][1]}")
     lines.append("")
-    lines.append("links" if plan.links else "links: none")
+    lines.append("links (the process groups the code forms)" if plan.links else "links: none")
+    servers = server_groups(plan)
     for link in plan.links.values():
         members = _ranges(link.members)
-        lines.append(f"  {link.name}: {link.backend} group of {len(link.members)}, rank 0 = {link.members[0]}, "
-                     f"rendezvous {link.master_host}:{link.port or 'auto'}, timeout {link.timeout_s:g} s")
-        lines.append(f"    ranks: {members}")
+        if link.name in servers:
+            lines.extend(servers[link.name].describe(link))
+        else:
+            lines.append(f"  {link.name}: {link.backend} group of {len(link.members)}, rank 0 = {link.members[0]}, "
+                         f"rendezvous {link.master_host}:{link.port or 'auto'}, timeout {link.timeout_s:g} s")
+            lines.append(f"    ranks: {members}")
         if link.env:
             lines.append("    env: " + " ".join(f"{k}={v}" for k, v in sorted(link.env.items())))
     for gname, world in plan.worlds.items():
@@ -113,6 +120,10 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
             senders = [world.members[k * len(world.members) // pp] for k in range(pp)]
             lines.append(f"    {pp} pipeline stages: each stage's sender hosts a weights group of its own with the "
                          f"rollouts' servers: {', '.join(senders)}")
+    lines.append("")
+    lines.extend(_open_ports(plan, servers))
+    lines.append("")
+    lines.extend(_readiness(plan))
     lines.append("")
     lines.extend(_engines(plan))
     lines.append("")
@@ -129,6 +140,109 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
             lines.append(f"    on {topo.nodes[node_idx].name}: node agent -> supervisor -> {len(insts)} actor(s): "
                          f"{_ranges([i.name for i in insts]) or '-'}")
     return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerGroups:
+    """A weights link whose rollouts' SGLang servers join the trainer's group themselves
+    (actors/weight_sync/servers.py): what is formed instead of the link's own group. Each pipeline stage's
+    sender hosts one group of `world` ranks (its rank 0; rollout i's server tp ranks follow at rank_offset),
+    rendezvous at a free port of the sender's node picked at each formation."""
+
+    hosts: list[str]          # each group's rank 0 (a stage's sender), in stage order
+    host_nodes: list[str]
+    rollouts: list[tuple[str, int]]   # (instance, tp ranks its server joins with), in rank order
+
+    @property
+    def world(self) -> int:
+        return 1 + sum(tp for _, tp in self.rollouts)
+
+    def describe(self, link: Any) -> list[str]:
+        tps = sorted({tp for _, tp in self.rollouts})
+        sizes = f"1 + {len(self.rollouts)} x {tps[0]}" if len(tps) == 1 else \
+            "1 + " + " + ".join(str(tp) for _, tp in self.rollouts)
+        first = self.rollouts[0]
+        lines = [f"  {link.name}: the rollouts' SGLang servers join the trainer's {link.backend} weights group "
+                 f"themselves (not the link's own group of {len(link.members)}):",
+                 f"    {len(self.hosts)} group(s) of {sizes} = {self.world} ranks, rank 0 = "
+                 f"{', '.join(self.hosts)}; {first[0]}'s server is rank{f's 1-{first[1]}' if first[1] > 1 else ' 1'}, the next follow "
+                 f"(rank_offset = 1 + the tp of those before)",
+                 f"    rendezvous: {', '.join(f'{h} on {n}' for h, n in zip(self.hosts, self.host_nodes))}, a free port "
+                 f"picked at each formation; name {link.name}-g<epoch>" + ("-pp<stage>" if len(self.hosts) > 1 else ""),
+                 f"    the link's port {link.port or 'auto'} is not used: no member receives on the link itself; "
+                 f"timeout {link.timeout_s:g} s"]
+        return lines
+
+
+def server_groups(plan: Plan) -> dict[str, ServerGroups]:
+    """Links whose rollouts receive through their SGLang servers, as the code decides it: the link's rank 0
+    is a trainer and every other member is an SGLang rollout with weights_via_server (its server joins with
+    `parallel.tp` ranks, model_runner's rank_offset + tp_rank)."""
+    from topology.settings import RolloutSettings, TrainerSettings
+
+    classes = group_classes(plan)
+    by_name = {i.name: i for i in plan.instances}
+    out = {}
+    for link in plan.links.values():
+        head, *rest = [by_name[m] for m in link.members]
+        head_cfg = classes.get(head.group, (None, None))[1]
+        cfgs = [classes.get(m.group, (None, None))[1] for m in rest]
+        if not rest or not isinstance(head_cfg, TrainerSettings) or not all(
+                isinstance(c, RolloutSettings) and c.engine == "sglang" and c.weights_via_server for c in cfgs):
+            continue
+        trainer = plan.topology.groups[head.group]
+        pp = int(trainer.parallel.get("pp", 1))
+        world = plan.worlds.get(head.group)
+        senders = [world.members[k * len(world.members) // pp] for k in range(pp)] if world and pp > 1 else [head.name]
+        out[link.name] = ServerGroups(senders, [by_name[n].host for n in senders],
+                                      [(m.name, int(plan.topology.groups[m.group].parallel.get("tp", 1)))
+                                       for m in rest])
+    return out
+
+
+def _ephemeral_range() -> str:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return f"{low}-{high} here"
+    except (OSError, ValueError):
+        return "the OS's"
+
+
+def _open_ports(plan: Plan, servers: dict[str, ServerGroups]) -> list[str]:
+    """The ports a multi-node run connects to across nodes, as the code opens them."""
+    topo = plan.topology
+    lines = ["ports the run connects to (a firewall between the nodes must let them through)"]
+    if topo.bus.transport == "tcp":
+        ports = [i.port for i in plan.instances if i.port]
+        lines.append(f"  bus: tcp {min(ports)}-{max(ports)}, each actor's own port on its node "
+                     f"({'CurveZMQ' if topo.bus.curve else 'no CurveZMQ'}), from every node")
+    else:
+        lines.append("  bus: ipc sockets in the run directory (one node)")
+    for gname, world in plan.worlds.items():
+        nodes = sorted({i.host for i in plan.instances if i.group == gname})
+        lines.append(f"  {gname} world: {world.master_host}:{world.port or 'auto'} (rendezvous), from its "
+                     f"{len(nodes)} node(s); then {world.backend}'s own connections between its {len(world.members)} "
+                     f"ranks")
+    ephemeral = _ephemeral_range()
+    for link in plan.links.values():
+        members = [i for i in plan.instances if i.name in link.members]
+        nodes = sorted({i.host for i in members})
+        if link.name in servers:
+            group = servers[link.name]
+            lines.append(f"  {link.name}: a free port on {', '.join(sorted(set(group.host_nodes)))} (rendezvous, picked "
+                         f"at each formation in the ephemeral range, {ephemeral}), from every rollout node; then "
+                         f"{link.backend}'s own connections between the {group.world} ranks"
+                         + (" (bootstrap on NCCL_SOCKET_IFNAME, data over IB/RoCE)" if link.backend == "nccl" else ""))
+        else:
+            lines.append(f"  {link.name}: {link.master_host}:{link.port or 'auto'} (rendezvous), from "
+                         f"{len(nodes)} node(s); then {link.backend}'s own connections")
+    sglang = [g for g, (_, cfg) in group_classes(plan).items() if getattr(cfg, "engine", None) == "sglang"]
+    for g in sglang:
+        cfg = group_classes(plan)[g][1]
+        where = cfg.sglang_url or f"{cfg.sglang.host}:{cfg.sglang.port or 'a free port'}"
+        lines.append(f"  {g}'s SGLang servers: HTTP at {where}" + (", on each rollout's own node (not across nodes)"
+                     if not cfg.sglang_url and cfg.sglang.host in ("127.0.0.1", "localhost") else ""))
+    return lines
 
 
 def busy_ports(plan: Plan) -> list[str]:
@@ -179,10 +293,8 @@ def prepare_problems(plan: Plan) -> list[str]:
     return [f"experiment.{line}" for line in stage_problems(plan.topology.config.prepare)]
 
 
-def engine_placements(plan: Plan) -> dict[str, dict[str, str]]:
-    """Group -> where its engine runs (device, dtype, parallel layout, process-group backend), from the
-    settings its first instance will get, by the actor class's own ``placement`` (the rule its engine is
-    built by). Groups whose class drives no engine are left out."""
+def group_classes(plan: Plan) -> dict[str, tuple[type, Any]]:
+    """Group -> (its actor class, the settings its first instance will get, typed by that class)."""
     first: dict[str, dict[str, Any]] = {}
     for spec in plan.specs("RUN_DIR"):
         first.setdefault(spec["name"].split(".")[0], spec)
@@ -190,10 +302,62 @@ def engine_placements(plan: Plan) -> dict[str, dict[str, str]]:
     for gname, group in plan.topology.groups.items():
         module, _, name = group.cls.partition(":")
         klass = getattr(importlib.import_module(module), name)
-        placement = getattr(klass, "placement", None)
-        if placement is not None and gname in first:
-            out[gname] = placement(read_settings(klass, first[gname]["settings"], first[gname]["name"]))
+        if gname in first:
+            out[gname] = (klass, read_settings(klass, first[gname]["settings"], first[gname]["name"]))
     return out
+
+
+def engine_placements(plan: Plan) -> dict[str, dict[str, str]]:
+    """Group -> where its engine runs (device, dtype, parallel layout, process-group backend), from the
+    settings its first instance will get, by the actor class's own ``placement`` (the rule its engine is
+    built by). Groups whose class drives no engine are left out."""
+    return {g: klass.placement(cfg) for g, (klass, cfg) in group_classes(plan).items()
+            if getattr(klass, "placement", None) is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadyRule:
+    """How long a group's instances may take to report ready (each from its first start), where that comes
+    from, and how many must be ready for the run to start (the others join when they are)."""
+
+    group: str
+    count: int
+    budget_s: float
+    source: str
+    needed: int
+
+    @property
+    def joins_late(self) -> bool:
+        return self.needed < self.count
+
+
+def ready_rules(plan: Plan, base_s: float) -> dict[str, ReadyRule]:
+    """Every group's ReadyRule: `actors.<group>.ready_timeout_s` when set; else `base_s`
+    (supervisor.ready_timeout) plus what its class starts (`ready_budget`: an SGLang rollout waits for its
+    server's own start budget, sglang.health_timeout_s). The run needs `min_ready` instances, or all; a class
+    of interchangeable workers (`joins_late`: the rollouts) half of them, rounded up."""
+    out = {}
+    for gname, (klass, cfg) in group_classes(plan).items():
+        group = plan.topology.groups[gname]
+        if group.ready_timeout_s is not None:
+            budget, source = group.ready_timeout_s, f"actors.{gname}.ready_timeout_s"
+        else:
+            extra = klass.ready_budget(cfg) if getattr(klass, "ready_budget", None) is not None else None
+            budget, source = (base_s, "supervisor.ready_timeout") if extra is None else \
+                (base_s + extra[0], f"supervisor.ready_timeout {base_s:g} + {extra[1]} {extra[0]:g}")
+        needed = group.min_ready if group.min_ready is not None else \
+            math.ceil(group.count / 2) if getattr(klass, "joins_late", False) else group.count
+        out[gname] = ReadyRule(gname, group.count, budget, source, needed)
+    return out
+
+
+def _readiness(plan: Plan) -> list[str]:
+    rules = ready_rules(plan, SupervisorSection.model_validate(plan.topology.supervisor).ready_timeout)
+    rows = [("group", "instances", "run starts with", "ready budget each", "from")]
+    rows += [(g, str(r.count), f"{r.needed} (the rest join when ready)" if r.joins_late else "all",
+              f"{r.budget_s:g} s", r.source) for g, r in rules.items()]
+    return ["readiness (each budget counts from the instance's first start; a late one past it is reported, "
+            "not waited for)", *_table(rows)]
 
 
 def _engines(plan: Plan) -> list[str]:
@@ -339,11 +503,51 @@ def make_run_dir(plan: Plan, requested: str | None) -> Path:
 
 def supervisor_options(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for actors.supervisor.Supervisor: the topology's `supervisor:` section over its defaults;
-    --ready-timeout where the file does not say."""
+    --ready-timeout where the file does not say; every actor's ready budget and, for late-joining groups, how
+    many instances the run needs (ready_rules)."""
     opts = SupervisorSection.model_validate(plan.topology.supervisor).model_dump()
     if args.ready_timeout is not None and "ready_timeout" not in plan.topology.supervisor:
         opts["ready_timeout"] = args.ready_timeout
+    rules = ready_rules(plan, opts["ready_timeout"])
+    opts["ready_budgets"] = {i.name: rules[i.group].budget_s for i in plan.instances}
+    opts["late_joiners"] = {g: r.needed for g, r in rules.items() if r.joins_late}
     return opts
+
+
+def node_supervisor_options(opts: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A node agent's share of `supervisor_options`: its own actors' budgets, and no number of late joiners
+    of its own (the launcher counts them across the nodes: `quorum_problem`), so a node whose rollouts cannot
+    come up never exits non-zero, which would make srun --kill-on-bad-exit stop every node."""
+    return {**opts, "ready_budgets": {n: b for n, b in opts["ready_budgets"].items() if n in names},
+            "late_joiners": {g: 0 for g in opts["late_joiners"]}}
+
+
+# Seconds past a late-joining group's ready budget before the launcher says the group fell short.
+QUORUM_GRACE_S = 30.0
+
+
+def quorum_problem(rows: dict[str, dict[str, Any]], rules: dict[str, ReadyRule], elapsed: float,
+                   reached: set[str]) -> str | None:
+    """Why a multi-node run cannot go on (None: it can): a late-joining group whose instances never reached
+    the number the run needs within their budget, or of which too many could not be kept up. `reached`:
+    the groups that had their number ready once (updated here; a restart later is not a shortfall)."""
+    from actors.supervisor import Supervisor
+
+    for g, r in rules.items():
+        if not r.joins_late:
+            continue
+        members = [row for name, row in rows.items() if Supervisor.group_of(name) == g]
+        ready = sum(1 for row in members if row.get("state") in ("ready", "finished"))
+        down = sum(1 for row in members if row.get("state") == "failed")
+        if ready >= r.needed:
+            reached.add(g)
+        if r.count - down < r.needed:
+            return (f"actors.{g}: {down} of {r.count} instances could not be kept up; the run needs {r.needed} "
+                    f"(min_ready)")
+        if g not in reached and elapsed > r.budget_s + QUORUM_GRACE_S:
+            return (f"actors.{g}: {ready} of {r.count} instances ready after their ready budget ({r.budget_s:g} s: "
+                    f"{r.source}); the run needs {r.needed} (min_ready)")
+    return None
 
 
 # What `--record` turns on in every actor: tools.replay --into needs the outbound records to compare with
@@ -467,12 +671,16 @@ def _child_rows(sup: Any, node_of: dict[str, str]) -> dict[str, dict[str, Any]]:
     rows = {}
     for name, child in sup.children.items():
         proc = child.proc
-        if child.finished:
+        if child.given_up:
+            state = "failed"        # a late joiner left down after its restart limit; the run goes on
+        elif child.finished:
             state = "finished"
         elif child.ready:
             state = "ready"
         elif proc is not None and proc.returncode is not None:
             state = "restarting"
+        elif child.late_reported:
+            state = "late"          # past its ready budget, still starting
         else:
             state = "starting"
         rows[name] = {"node": node_of.get(name, ""), "state": state, "restarts": sup.restarts[name],
@@ -541,7 +749,7 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
             if running.done():
                 running.result()  # raises SupervisorError when an actor could not be kept up
                 break
-            if all(r["state"] == "finished" for r in rows.values()):
+            if all(r["state"] in ("finished", "failed") for r in rows.values()):
                 break
             if stop_file is not None and stop_file.exists() and not stop.is_set():
                 stop_reason.append(stop_file.read_text().strip() or "stop requested")
@@ -686,10 +894,13 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
     by_name = {s["name"]: s for s in specs}
     hosts = [n.name for n in plan.topology.nodes]
     (run_dir / "nodes").mkdir(exist_ok=True)
+    options = supervisor_options(plan, args)
+    rules = ready_rules(plan, options["ready_timeout"])
     for node_idx, insts in plan.by_node().items():
         host = plan.topology.nodes[node_idx].name
         node_plan_path(run_dir, host).write_text(json.dumps({
-            "host": host, "title": f"{plan.topology.name}@{host}", "supervisor": supervisor_options(plan, args),
+            "host": host, "title": f"{plan.topology.name}@{host}",
+            "supervisor": node_supervisor_options(options, [i.name for i in insts]),
             "specs": [by_name[i.name] for i in insts]}, indent=1))
     cmd = ["srun", f"-N{len(hosts)}", f"-n{len(hosts)}", "--ntasks-per-node=1", f"--nodelist={','.join(hosts)}",
            *slurm_resources(plan), "--kill-on-bad-exit=1", f"--chdir={topo_mod.REPO_ROOT}", "--overlap",
@@ -724,9 +935,16 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     deadline = None if args.duration is None else t0 + args.duration
+    reached: set[str] = set()
+    short: list[str] = []
     try:
         while proc.poll() is None:
-            view.update(_slurm_rows(run_dir, hosts, node_of), time.monotonic() - t0)
+            rows = _slurm_rows(run_dir, hosts, node_of)
+            view.update(rows, time.monotonic() - t0)
+            if not stopping and (problem := quorum_problem(rows, rules, time.monotonic() - t0, reached)):
+                short.append(problem)
+                print(f"{plan.topology.name}: {problem}; stopping the run", file=sys.stderr, flush=True)
+                request_stop(problem)
             if deadline is not None and time.monotonic() >= deadline and not stopping:
                 request_stop(f"--duration {args.duration:g} s")
             if forced_at and time.monotonic() > forced_at[0] and proc.poll() is None:
@@ -745,6 +963,9 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
     failed = [h for h in hosts if _node_status(run_dir, h).get("state") == "failed"]
     if stopping:
         outcome = f"stopped by {stopping[0]}"
+    if short:
+        print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, f"failed: {short[0]}"), flush=True)
+        return EXIT_FAILED
     if failed or (code != 0 and not stopping):
         reasons = "; ".join(_node_status(run_dir, h).get("reason", "") for h in failed)
         outcome = f"failed (srun exit {code}{', nodes ' + ', '.join(failed) if failed else ''})" + \

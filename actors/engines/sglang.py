@@ -80,12 +80,15 @@ class SGLangEngine(GenerationEngine):
 
     # Connection resets in a row one sample's /generate survives (each: abort the rid, resubmit what it holds).
     MAX_RESETS = 3
+    # How long start() waits for an attached server (by url) to answer /health.
+    ATTACH_TIMEOUT_S = 30.0
     # Sends of an idempotent route after a reset.
     MAX_RETRIES = 2
 
     def __init__(self, *, url: str | None = None, launch: LaunchConfig | None = None, version: int | None = 0,
                  weights_dir: str | None = None, request_timeout_s: float | None = None,
-                 control_timeout_s: float = 600.0, drain_timeout_s: float = 120.0, attach_timeout_s: float = 30.0,
+                 control_timeout_s: float = 600.0, drain_timeout_s: float = 120.0,
+                 attach_timeout_s: float = ATTACH_TIMEOUT_S,
                  pace: DecodePace | None = None, on_server_event: ServerEvents | None = None) -> None:
         """``request_timeout_s``: bound on one /generate call; None derives it from the tokens it may still
         generate and the pace measured on this server's answers (``pace``: algo.serving.DecodePace)."""
