@@ -97,6 +97,7 @@ CITATIONS: tuple[tuple[str, int, str], ...] = (
     ("entrypoints/http_server.py", 464, "while time.time() < tic + HEALTH_CHECK_TIMEOUT:"),
     ("entrypoints/http_server.py", 465, "await asyncio.sleep(1)"),
     ("entrypoints/http_server.py", 484, "return Response(status_code=503)"),
+    ("entrypoints/http_server.py", 423, "if _global_state.tokenizer_manager.server_status == ServerStatus.Starting:"),
     ("environ.py", 335, "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION = EnvBool(True)"),
     ("managers/scheduler_output_processor_mixin.py", 36, "DEFAULT_FORCE_STREAM_INTERVAL = 50"),
     ("managers/scheduler_output_processor_mixin.py", 825, "len(req.output_ids) % DEFAULT_FORCE_STREAM_INTERVAL == 0"),
@@ -279,7 +280,8 @@ class StandinServer:
     def __init__(self, engine: TorchGenerationEngine, model_path: str, weight_version: str = "0",
                  device: str = "cpu", weights_hash_route: bool = True, tp_size: int = 1,
                  tp_workers: TPWorkers | None = None, on_crash: Callable[[str], None] | None = None,
-                 max_total_tokens: int | None = None, step_time_s: float = 0.0, log_path: str | None = None) -> None:
+                 max_total_tokens: int | None = None, step_time_s: float = 0.0, log_path: str | None = None,
+                 starting_until: str | None = None) -> None:
         self.engine = engine
         self.weights_hash_route = weights_hash_route
         self.model_path = model_path
@@ -291,6 +293,9 @@ class StandinServer:
             raise ValueError(f"tp_size {tp_size}: the server needs TPWorkers for ranks 1..{tp_size - 1}")
         self.on_crash = on_crash
         self.crashed: str | None = None
+        # While this file is missing the server is still starting (loading weights, capturing CUDA graphs):
+        # /health answers 503 as SGLang's does then (entrypoints/http_server.py:423-424). Tests decide when.
+        self.starting_until = starting_until
         # The KV pool /server_info reports as max_total_num_tokens (SGLang sizes it from the memory left after
         # the weights; the stand-in from its row limit, or --max-total-tokens).
         self.max_total_tokens = max_total_tokens or engine.max_running * self._context_len()
@@ -419,6 +424,8 @@ class StandinServer:
         least a second, and longer under load. SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false (environ.py:335)
         makes /health (not /health_generate) answer at once."""
         from aiohttp import web
+        if self.starting_until is not None and not os.path.exists(self.starting_until):
+            return web.Response(status=503)   # ServerStatus.Starting
         if request.path == "/health" and not _env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True):
             return web.Response(status=200)
         timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", HEALTH_CHECK_TIMEOUT_S))
@@ -946,6 +953,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--standin-log-dir", default=None,
                     help="not an SGLang flag: append the request log (/standin/log's events) to "
                          "DIR/standin-<pid>.jsonl, for tests that read it after the server is gone")
+    ap.add_argument("--standin-starting-until-dir", default=None, metavar="DIR",
+                    help="not an SGLang flag: the server stays 'starting' (/health 503) until DIR/<random-seed> "
+                         "exists, as a server loading weights does, for as long as a test wants")
     ap.add_argument("--standin-step-time-s", type=float, default=0.0,
                     help="not an SGLang flag: every decode step takes at least this long (a GPU's step time, "
                          "scaled for tests)")
@@ -976,7 +986,9 @@ def main(argv: list[str] | None = None) -> int:
                                tp_workers=workers, on_crash=crash, max_total_tokens=args.max_total_tokens,
                                step_time_s=args.standin_step_time_s,
                                log_path=str(Path(args.standin_log_dir) / f"standin-{os.getpid()}.jsonl")
-                               if args.standin_log_dir else None)
+                               if args.standin_log_dir else None,
+                               starting_until=str(Path(args.standin_starting_until_dir) / str(args.random_seed))
+                               if args.standin_starting_until_dir else None)
         for drop in args.standin_drop_connection:
             route, _, when = drop.rpartition(":")
             server.drop_next.setdefault(route, []).append(when)
