@@ -311,3 +311,27 @@ def test_the_dry_runs_weights_group_is_the_one_the_rollouts_and_parameter_server
         receiver = make_receiver(rollout, LinkConfig.from_dict(cfg.links["weights"]), engine, verify=None)
         ranks += receiver.ranks
     assert 1 + ranks == up.server_groups(plan)["weights"].world == 385
+
+
+def test_node_agents_never_fail_for_late_joiners_and_the_launcher_counts_them_across_nodes() -> None:
+    # srun --kill-on-bad-exit stops every node when one node agent exits non-zero: a node whose rollouts'
+    # servers never come up must not. The launcher counts each late-joining group across the nodes instead.
+    plan = load(REPO / "topology" / "64node.yaml", check_imports=False)
+    args = up.parse_args([str(REPO / "topology" / "64node.yaml")])
+    options = up.supervisor_options(plan, args)
+    assert options["late_joiners"] == {"rollout": 96} and options["ready_budgets"]["rollout.7"] == 720.0
+    assert options["ready_budgets"]["trainer.0"] == 120.0
+    node0 = up.node_supervisor_options(options, ["rollout.0", "rollout.1", "rollout.2", "rollout.3", "reward.0"])
+    assert node0["late_joiners"] == {"rollout": 0} and set(node0["ready_budgets"]) == {
+        "rollout.0", "rollout.1", "rollout.2", "rollout.3", "reward.0"}
+    rules = up.ready_rules(plan, 120.0)
+    rows = {f"rollout.{i}": {"state": "ready" if i < 96 else "starting"} for i in range(192)}
+    reached: set[str] = set()
+    assert up.quorum_problem(rows, rules, 10.0, reached) is None and reached == {"rollout"}
+    rows = {f"rollout.{i}": {"state": "starting"} for i in range(192)}
+    assert up.quorum_problem(rows, rules, 10.0, set()) is None                    # within their budget
+    late = up.quorum_problem(rows, rules, 720.0 + up.QUORUM_GRACE_S + 1, set())
+    assert late and "0 of 192 instances ready after their ready budget (720 s" in late
+    rows = {f"rollout.{i}": {"state": "failed" if i < 97 else "ready"} for i in range(192)}
+    down = up.quorum_problem(rows, rules, 10.0, {"rollout"})
+    assert down and "97 of 192 instances could not be kept up; the run needs 96" in down
