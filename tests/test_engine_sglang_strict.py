@@ -9,7 +9,6 @@ import asyncio
 import functools
 import http.client
 import json
-import sys
 import threading
 import time
 import urllib.error
@@ -21,11 +20,11 @@ from actors.engines.base import GenerationRequest, SamplingParams
 from actors.engines.checkpoint import hf_state_dict, save_model
 from actors.engines.sglang import LaunchConfig, SGLangEngine
 from actors.engines.sglang_group import WeightGroupSender
-from actors.engines.sglang_routes import CLIENT_KEEP_ALIVE_S, SEED_RANGE, SGLangConnectionReset, SGLangError
+from actors.engines.sglang_routes import CLIENT_KEEP_ALIVE_S, SEED_RANGE, SGLangError
 from actors.engines.torch_gen import TorchGenerationEngine
 from actors.weights import weights_hash
 from testsupport.bounded import run_bounded, until
-from testsupport.sglang_standin import (FORCE_STREAM_INTERVAL, TIMEOUT_KEEP_ALIVE_S, StandinThread)
+from testsupport.sglang_standin import FORCE_STREAM_INTERVAL, TIMEOUT_KEEP_ALIVE_S, StandinThread, launch_config
 from testsupport.tiny_models import greedy_reference, tiny_model
 from transport.bulk import bucket_metas
 from transport.ports import free_port
@@ -291,10 +290,8 @@ def test_abort_mode_pause_checks_once_a_second_and_in_place_answers_before_it_ap
     post(standin.url, "/continue_generation", {})
 
 
-def _launch(model_dir: str, tmp_path, **kw) -> LaunchConfig:
-    return LaunchConfig(model_path=model_dir, command=[sys.executable, "-m", "testsupport.sglang_standin"],
-                        log_path=str(tmp_path / "server.log"), health_timeout_s=90.0, backoff_s=0.2,
-                        env={"OMP_NUM_THREADS": "1"}, **kw)
+def _launch(model_dir: str, tmp_path, *extra_args: str, **kw) -> LaunchConfig:
+    return launch_config(model_dir, tmp_path, *extra_args, health_timeout_s=90.0, **kw)
 
 
 def test_every_tensor_parallel_rank_joins_the_weights_group(tmp_path):
@@ -391,8 +388,7 @@ def test_a_weight_bucket_is_never_sent_twice_after_a_reset(tmp_path):
     model_dir = str(tmp_path / "start")
     save_model(tiny_model(seed=0), model_dir)
     named = list(hf_state_dict(tiny_model(seed=9)).items())
-    launch = _launch(model_dir, tmp_path, extra_args=["--standin-drop-connection",
-                                                      "/update_weights_from_distributed:after"])
+    launch = _launch(model_dir, tmp_path, "--standin-drop-connection", "/update_weights_from_distributed:after")
 
     async def main():
         engine = SGLangEngine(launch=launch)

@@ -15,8 +15,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import pytest
-
 from actors.dataset import Layout, load_dataset
 from actors.engines.tokenizer import load_tokenizer
 from algo.serving import groups_in_kv

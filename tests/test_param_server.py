@@ -37,6 +37,16 @@ def spec(tmp_path: Path, model_dir: Path, ports: dict[str, int], roll_members: l
                        "bucket_bytes": 32 << 10}, tmp_path, env={})
 
 
+async def trainer_side(tmp_path: Path, s: ActorSpec, port: int) -> tuple[BulkLink, asyncio.Future, Bus]:
+    """This test as the trainer: its end of the train link (joining at epoch 0, as the parameter server does
+    at the epoch the first announcement names) and its bus."""
+    link = BulkLink(LinkConfig.from_dict(gloo_link("train_to_ps", port, ["trainer", "param_server"], "trainer")))
+    opening = asyncio.ensure_future(asyncio.to_thread(link.open, 0))
+    bus = await Bus("trainer", f"ipc://{tmp_path}/trainer", {"param_server": s.endpoint},
+                    heartbeat_interval=None).start()
+    return link, opening, bus
+
+
 def test_start_weights_hash_matches_a_loaded_model(tmp_path: Path, random_model_dir: Path) -> None:
     model_dir = random_model_dir
     cfg = ExperimentConfig.model_validate({"model": {"path": str(model_dir), "dtype": "float32"},
@@ -66,12 +76,7 @@ def test_publish_checks_the_hash_and_stores_the_newest(tmp_path: Path, random_mo
     async def main() -> None:
         actor = ParamServerActor(s)
         task = asyncio.create_task(actor.run())
-        trainer_link = BulkLink(LinkConfig.from_dict(gloo_link("train_to_ps", ports["train_to_ps"],
-                                                               ["trainer", "param_server"], "trainer")))
-        # The parameter server joins the train link at the epoch the first announcement names.
-        opening = asyncio.ensure_future(asyncio.to_thread(trainer_link.open, 0))
-        trainer = await Bus("trainer", f"ipc://{tmp_path}/trainer", {"param_server": s.endpoint},
-                            heartbeat_interval=None).start()
+        trainer_link, opening, trainer = await trainer_side(tmp_path, s, ports["train_to_ps"])
 
         async def publish(version: int, seed: int, announced: str | None = None) -> Any:
             buckets, digest = tiny_weight_buckets(seed)
@@ -157,11 +162,7 @@ def test_a_rollout_whose_server_is_still_starting_does_not_hold_back_new_weights
     async def main() -> list[LinkReform]:
         actor = ParamServerActor(s)
         task = asyncio.create_task(actor.run())
-        trainer_link = BulkLink(LinkConfig.from_dict(gloo_link("train_to_ps", ports["train_to_ps"],
-                                                               ["trainer", "param_server"], "trainer")))
-        opening = asyncio.ensure_future(asyncio.to_thread(trainer_link.open, 0))
-        trainer = await Bus("trainer", f"ipc://{tmp_path}/trainer", {"param_server": s.endpoint},
-                            heartbeat_interval=None).start()
+        trainer_link, opening, trainer = await trainer_side(tmp_path, s, ports["train_to_ps"])
         reforms: asyncio.Queue[LinkReform] = asyncio.Queue()
         rollout = await Bus("rollout.0", s.peers["rollout.0"], {"param_server": s.endpoint},
                             handler=lambda env: isinstance(env.msg, LinkReform) and reforms.put_nowait(env.msg),

@@ -57,6 +57,7 @@ import torch
 from actors.engines.base import EngineError, GenerationRequest, RequestError, SamplingParams, WeightBucket
 from actors.engines.sglang_group import drop_weight_group, join_weight_group
 from actors.engines.sglang_routes import SGLANG_VERSION
+from actors.engines.sglang_server import LaunchConfig
 from actors.engines.torch_gen import TorchGenerationEngine
 from transport.bulk import TensorMeta, unpack_flat
 
@@ -929,6 +930,14 @@ class StandinThread:
         if self._stop is not None and self._thread.is_alive():
             self.loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout)
+
+
+def launch_config(model_dir: str, log_dir: Path, *extra_args: str, health_timeout_s: float = 60.0,
+                  **kw: Any) -> LaunchConfig:
+    """How tests launch the stand-in through the engine's own launch path (actors/engines/sglang_server.py)."""
+    return LaunchConfig(model_path=model_dir, command=[sys.executable, "-m", "testsupport.sglang_standin"],
+                        log_path=str(Path(log_dir) / "server.log"), health_timeout_s=health_timeout_s,
+                        backoff_s=0.2, env={"OMP_NUM_THREADS": "1"}, extra_args=list(extra_args), **kw)
 
 
 def main(argv: list[str] | None = None) -> int:
