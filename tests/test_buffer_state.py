@@ -208,7 +208,9 @@ def test_the_buffer_checkpoints_into_its_own_run_directory_only(tmp_path) -> Non
     files = BufferFiles(tmp_path)
     for step in (2, 3, 4):
         files.served_path(step).write_bytes(b"")
-    checkpoint_dir(tmp_path, 3).mkdir(parents=True)
+    (checkpoint_dir(tmp_path, 3) / "model").mkdir(parents=True)   # a complete checkpoint has both parts
+    (checkpoint_dir(tmp_path, 3) / "model" / "model.safetensors").write_bytes(b"weights")
+    (checkpoint_dir(tmp_path, 3) / "buffer.json").write_text("{}")
     mark_complete(checkpoint_dir(tmp_path, 3), {"step": 3})
     path = files.write_checkpoint(4, {"position": 5})
     assert path == checkpoint_dir(tmp_path, 4) / "buffer.json" and json.loads(path.read_text()) == {"position": 5}
