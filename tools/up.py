@@ -608,6 +608,7 @@ def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] 
     """Greedy held-out accuracy of the model the run started from and of its last checkpoint, side by
     side, per level; written to RUN_DIR/summary.json and RUN_DIR/eval.jsonl (read by tools.plot)."""
     from actors.recovery import latest_checkpoint
+    from actors.train_metrics import trained_history
     from tools.eval import evaluate_held_out
     from tools.lm import has_weights
 
@@ -618,8 +619,8 @@ def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] 
     step, ckpt = found
     models = {"start": config.model.path, "final": str(ckpt / "model")}
     reports = {name: evaluate_held_out(path, config) for name, path in models.items() if path and has_weights(path)}
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
-        if (run_dir / "metrics.jsonl").exists() else []
+    metrics = trained_history([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+                              if (run_dir / "metrics.jsonl").exists() else [])
     keys = sorted({k for r in reports.values() for k in r["by_level"]}, key=lambda k: (len(k), k))
     rows = [("model", "step", "overall", *[f"level {k}" for k in keys])]
     for name, r in reports.items():
