@@ -272,3 +272,29 @@ def test_a_port_already_in_use_fails_the_dry_run_naming_its_key(tmp_path, capsys
         err = capsys.readouterr().err
         assert f"links.demo.port: port {port} is already in use on this node" in err, err
     assert main([str(topo), "--dry-run"]) == 0
+
+
+def test_a_relaunch_removes_the_temporary_directories_a_killed_launcher_left(tmp_path: Path) -> None:
+    # Each kill -9 of the launcher left one TMPDIR per actor (and the bus's socket directory, when the run
+    # directory's path is too long for unix sockets) that no relaunch removed.
+    run_dir = tmp_path / ("r" * 90)
+    topo = demo_topology(tmp_path, "{rounds: 100000000}", link=False)
+    proc = subprocess.Popen([sys.executable, "-m", "tools.up", str(topo), "--run-dir", str(run_dir), "--no-progress"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    with run_guard(proc, run_dir):
+        pids = wait_for_ready(proc, run_dir, 3, LAUNCH_TIMEOUT, "run did not come up")
+        left = [Path((run_dir / "tmpdirs" / name).read_text()) for name in ("echo", "ping.0", "ping.1")]
+        left.append(Path((run_dir / "ipc_dir").read_text()))
+        os.killpg(proc.pid, signal.SIGKILL)           # the launcher, as kill -9 does it
+        proc.wait(timeout=30)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert all(p.is_dir() for p in left), left
+    res = launch(topo, run_dir, "actors.ping.settings.rounds=3")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not [p for p in left if p.exists()], left
+    assert not (run_dir / "tmpdirs").exists() or not list((run_dir / "tmpdirs").iterdir())

@@ -367,7 +367,9 @@ def build_specs(plan: Plan, run_dir: Path, record: bool = False) -> list[dict[st
         longest = max(len(i.name) for i in plan.instances)
         if len(str(ipc_dir)) + longest + 8 > 100:  # unix socket paths stop at 107 bytes
             import tempfile
-            ipc_dir = Path(tempfile.mkdtemp(prefix="areal-ipc-"))
+            # A relaunch of this run directory reuses the one its earlier launcher made (killed, it could
+            # not remove it); run_local removes it at the end.
+            ipc_dir = _recorded_ipc_dir(run_dir) or Path(tempfile.mkdtemp(prefix="areal-ipc-"))
             (run_dir / "ipc_dir").write_text(str(ipc_dir))
         ipc_dir.mkdir(parents=True, exist_ok=True)
         ipc_dir.chmod(0o700)   # the sockets are the bus: only the run's user may reach them
@@ -378,6 +380,20 @@ def build_specs(plan: Plan, run_dir: Path, record: bool = False) -> list[dict[st
         for spec in specs:
             spec["settings"]["message_log"] = dict(RECORD_SETTINGS)
     return specs
+
+
+def _recorded_ipc_dir(run_dir: Path) -> Path | None:
+    """The bus's socket directory outside the run directory that a launcher of this run made (RUN_DIR/ipc_dir),
+    if it is still there and this user's."""
+    import tempfile
+    try:
+        path = Path((run_dir / "ipc_dir").read_text().strip())
+        mine = path.stat().st_uid == os.getuid()
+    except OSError:
+        return None
+    if mine and path.parent == Path(tempfile.gettempdir()) and path.name.startswith("areal-ipc-"):
+        return path
+    return None
 
 
 def write_plan(plan: Plan, run_dir: Path, specs: list[dict[str, Any]], overrides: Sequence[str]) -> None:
@@ -599,6 +615,9 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
     code = asyncio.run(supervise(specs, run_dir, supervisor_options(plan, args), title=plan.topology.name,
                                  progress=not args.no_progress, duration=args.duration, node_of=node_of,
                                  training=TrainingProgress(run_dir, total)))
+    if (ipc_dir := _recorded_ipc_dir(run_dir)) is not None:
+        import shutil
+        shutil.rmtree(ipc_dir, ignore_errors=True)
     if code == EXIT_OK and config.run.final_eval:
         final_evaluation(config, run_dir)
     return code
