@@ -131,6 +131,16 @@ class AlgoSection(Section):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the frozen starting weights (model.path) in the token rewards; 0 is off")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="per-token KL estimator of the penalty")
 
+    @field_validator("group_size")
+    @classmethod
+    def _groups_give_a_signal(cls, value: int) -> int:
+        # Rewards are normalised within each prompt's group of answers (algo/advantages.py): a group of one
+        # answer has advantage 0 on every token, so the run would train on nothing.
+        if value == 1:
+            raise ValueError("1 answer per prompt gives every answer advantage 0 (rewards are normalised within "
+                             "each prompt's group): nothing would be learned; use 2 or more")
+        return value
+
 
 class GenSection(Section):
     max_new_tokens: int = Field(64, ge=1, description="answer length limit")
