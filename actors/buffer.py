@@ -152,7 +152,7 @@ class BufferActor(Actor):
         # Math records need an answer; a code task's records carry `tests` instead (data.require: none).
         self.dataset = await asyncio.to_thread(
             load_dataset, data.train, require=data.require, on_error=data.on_bad_line or "skip",
-            max_line_bytes=data.max_line_bytes, layout=Layout.from_settings(data))
+            max_line_bytes=data.max_line_bytes, layout=Layout.from_settings(data), max_bad_share=data.max_bad_share)
         tok = await asyncio.to_thread(load_tokenizer, cfg.model.path)
         self.stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
         self.prompt_ids = [tok.encode(r.prompt) for r in self.dataset.records]

@@ -112,6 +112,9 @@ def prepare_warm_start(experiment: dict[str, Any], spec: WarmStartSection, log: 
     path = (experiment.get("model") or {}).get("path")
     if not path:
         raise PrepareError("model.path: not set")
+    if not (Path(path) / "config.json").is_file():
+        raise PrepareError(f"model.path: {path}: " + ("no config.json (not a Hugging Face model directory)"
+                                                      if Path(path).is_dir() else "no such directory"))
     if has_weights(path):
         return None
     out = spec.out

@@ -309,9 +309,35 @@ def load_plan(args: argparse.Namespace) -> Plan:
     return topo_mod.load(args.topology, args.overrides, check_imports=not args.no_import_check)
 
 
+class RunDirError(OSError):
+    """The run directory cannot be made or used; the message names it and why."""
+
+
+def inputs_ok(plan: Plan) -> bool:
+    """Check what the run's actors will read (tools/inputs.py) before any starts: print the report, and each
+    problem on a line of its own; False when there is one."""
+    from tools.inputs import check_inputs
+
+    lines, problems = check_inputs(plan, launch=True)
+    if lines:
+        print("inputs\n" + "\n".join(f"  {line}" for line in lines), flush=True)
+    if problems:
+        print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
+    return not problems
+
+
 def make_run_dir(plan: Plan, requested: str | None) -> Path:
     """The requested directory; else, with `run.recover: auto`, the newest run of this topology that
-    has a checkpoint but did not finish (it is resumed); else a new timestamped one."""
+    has a checkpoint but did not finish (it is resumed); else a new timestamped one. RunDirError when it
+    cannot be made."""
+    try:
+        return _make_run_dir(plan, requested)
+    except OSError as exc:
+        where = exc.filename or requested or plan.topology.run_root
+        raise RunDirError(f"the run directory cannot be made: {where}: {exc.strerror or exc}") from None
+
+
+def _make_run_dir(plan: Plan, requested: str | None) -> Path:
     from actors.recovery import latest_checkpoint, recovering, resume_checkpoint, run_finished
 
     recover = recovering(plan.topology.config)
@@ -606,7 +632,13 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_INVALID
     config = plan.topology.config
-    run_dir = make_run_dir(plan, args.run_dir)
+    if not inputs_ok(plan):
+        return EXIT_INVALID
+    try:
+        run_dir = make_run_dir(plan, args.run_dir)
+    except RunDirError as exc:
+        print(f"{plan.topology.source}: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     specs = build_specs(plan, run_dir, record=args.record)
     write_plan(plan, run_dir, specs, args.overrides)
     print(f"run {plan.topology.name}: {len(specs)} actor(s), run directory {run_dir}", flush=True)
@@ -700,7 +732,13 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
     if short := allocation_shortfall(plan, os.environ):
         print(f"{plan.topology.source}: {short}", file=sys.stderr)
         return EXIT_INVALID
-    run_dir = make_run_dir(plan, args.run_dir)
+    if not inputs_ok(plan):
+        return EXIT_INVALID
+    try:
+        run_dir = make_run_dir(plan, args.run_dir)
+    except RunDirError as exc:
+        print(f"{plan.topology.source}: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     specs = build_specs(plan, run_dir, record=args.record)
     write_plan(plan, run_dir, specs, args.overrides)
     by_name = {s["name"]: s for s in specs}
@@ -817,7 +855,11 @@ def allocation_shortfall(plan: Plan, env: dict[str, str]) -> str | None:
 
 def submit_sbatch(plan: Plan, args: argparse.Namespace) -> int:
     """Submit a batch job that reruns this launcher inside its own allocation."""
-    run_dir = make_run_dir(plan, args.run_dir)
+    try:
+        run_dir = make_run_dir(plan, args.run_dir)
+    except RunDirError as exc:
+        print(f"{plan.topology.source}: {exc}", file=sys.stderr)
+        return EXIT_INVALID
     n = len(plan.topology.nodes)
     argv = [sys.executable, "-m", "tools.up", str(Path(plan.topology.source).resolve()), *args.overrides,
             "--run-dir", str(run_dir), "--no-progress"]
@@ -860,7 +902,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID
     if args.dry_run:
         print(describe(plan, args.overrides))
-        if problems := busy_ports(plan) + memory_problems(plan) + prepare_problems(plan):
+        from tools.inputs import check_inputs
+        inputs, input_problems = check_inputs(plan, launch=False)
+        print("\ninputs (a sample of each data file; tools/inputs.py)" + "".join(f"\n  {line}" for line in inputs))
+        if problems := busy_ports(plan) + memory_problems(plan) + prepare_problems(plan) + input_problems:
             print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
             return EXIT_INVALID
         return EXIT_OK

@@ -66,6 +66,9 @@ class DataSection(Section):
                           "stops in data.test)")
     require: Literal["answer", "solutions", "none"] = Field("answer", description="what each training record must carry")
     max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1, description="longer lines are refused at load")
+    max_bad_share: float = Field(
+        0.05, ge=0, le=1, description="with on_bad_line: skip, the largest share of a file's lines that may be "
+                                      "malformed; more fails the launch (and the load)")
 
 
 def _command_line_value(value: Any) -> Any:
