@@ -164,6 +164,7 @@ class BufferActor(Actor):
             # Last resort for a group lost without any sign (a message dropped by a dying process): issue again.
             group_timeout_s=cfg.buffer.group_timeout_s)
         self.finished = False
+        self._batch_waited_for: int | None = None   # the step whose batch a request waits for (status)
         self.files = BufferFiles(self.run_dir)
         self._serving = asyncio.Lock()
         if in_place or recovering(cfg):
@@ -176,6 +177,20 @@ class BufferActor(Actor):
         self.log.info("buffer_started", prompts=len(self.dataset), skipped_lines=self.dataset.n_skipped,
                       batch_size=self.state.batch_size, group_size=self.group_size, eta=self.state.eta,
                       rollouts=self.state.rollouts, version=self.state.gate.version)
+
+    def progress(self) -> dict[str, Any]:
+        st: BufferState | None = getattr(self, "state", None)
+        if st is None:
+            return {}
+        return {"version": st.gate.version, "served_through": st.served_through,
+                # accepted groups that were not dropped as stale: a stall shows as this standing still
+                "groups_kept": st.served_through * st.batch_size + len(st.ready),
+                "ready": len(st.ready), "batch_size": st.batch_size, "in_flight": len(st.inflight),
+                "gate": repr(st.gate), "gate_open": st.gate.can_admit(), "eta": st.eta,
+                "dropped_stale": st.stats.dropped_stale, "dropped_uniform": st.stats.dropped_uniform,
+                "uniform_streak": st.uniform_streak, "rollout_versions": dict(st.rollout_versions),
+                "workers_greeted": sorted(st.greeted), "batch_waited_for": self._batch_waited_for,
+                "finished": self.finished}
 
     async def on_ready(self) -> None:
         if self.restarted:   # it knows no worker yet, and the trainer may be waiting on a request it never got
@@ -282,12 +297,14 @@ class BufferActor(Actor):
                 self.counters["batches_served_again"] += 1
                 self.log.info("batch_served_again", step=msg.step, groups=len(batch.levels))
                 return batch
+            self._batch_waited_for = msg.step
             while True:
                 self._drop_stale()
                 if (taken := self.state.take_batch()) is not None:
                     break
                 self.arrived.clear()
                 await self.arrived.wait()
+            self._batch_waited_for = None
             record = {"event": "batch", "step": msg.step, "keys": [list(g.key) for g in taken],
                       "start_versions": [g.start_version for g in taken], "version": self.state.gate.version}
             groups = [BatchGroup(prompt_ids=self.prompt_ids[g.key[1]],

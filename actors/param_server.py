@@ -133,6 +133,11 @@ class ParamServerActor(Actor):
             self._hello(sender, hello)
         self._early_hellos.clear()
 
+    def progress(self) -> dict[str, Any]:
+        return {"version": self.current.version if self.current is not None else None, "epoch": self.epoch,
+                "pushes": self.pushes, "rollouts": {n: {"version": r.version, "alive": r.alive, "hello": r.hello}
+                                                     for n, r in self.rollouts.items()}}
+
     async def on_ready(self) -> None:
         self.spawn(self._pusher(), name="pusher")
         for name in self.rollouts:   # after a restart in place this is how it learns where they are

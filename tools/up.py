@@ -15,7 +15,9 @@
   node's actors under the same supervisor; ``--sbatch`` submits the allocation first. No SSH.
 
 The run directory (``runs/<name>/<timestamp>`` unless ``--run-dir``) holds the plan, the ActorSpecs,
-logs, message logs, metrics and checkpoints. Exit status: 0 clean end, 2 invalid topology, 1 failed run.
+logs, message logs, metrics and checkpoints. Exit status: 0 clean end, 2 invalid topology or input, 1 failed
+run (an actor that cannot be kept up, or a run that stopped making progress: tools/watchdog.py prints a
+diagnosis), 128 + N for a training run stopped by signal N before its last step.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import topology as topo_mod
 from topology import Plan, TopologyError
@@ -526,10 +528,12 @@ def _child_rows(sup: Any, node_of: dict[str, str]) -> dict[str, dict[str, Any]]:
 async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[str, Any], *, title: str,
                     progress: bool, duration: float | None, node_of: dict[str, str],
                     status_file: Path | None = None, stop_file: Path | None = None,
-                    training: TrainingProgress | None = None) -> int:
+                    training: TrainingProgress | None = None, watchdog: Any = None,
+                    finished: Callable[[], bool] | None = None) -> int:
     """Start actors under the Supervisor, show progress, stop on Ctrl-C/SIGTERM, on ``duration``, when
-    ``stop_file`` appears (a multi-node launcher's stop request), or when every actor has finished by
-    itself; print a summary. Returns the exit status."""
+    ``stop_file`` appears (a multi-node launcher's stop request), when ``watchdog`` (tools/watchdog.py) finds
+    the run stalled, or when every actor has finished by itself; print a summary. Returns the exit status:
+    a stall fails the run, and a signal before ``finished()`` (the run's last step) exits 128 + its number."""
     import asyncio
 
     from actors.base import ActorSpec
@@ -538,9 +542,11 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     stop_reason: list[str] = []
+    signalled: list[int] = []
 
     def on_signal(name: str) -> None:
         stop_reason.append(f"stopped by {name}")
+        signalled.append(int(signal.Signals[name]))
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -578,10 +584,18 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
         publish("running")
         running = asyncio.ensure_future(sup.run())
         deadline = None if duration is None else t0 + duration
+        if watchdog is not None:
+            watchdog.local_pids = sup.pids
+            watchdog.start()
         while True:
             rows = publish("running")
             if running.done():
                 running.result()  # raises SupervisorError when an actor could not be kept up
+                break
+            if watchdog is not None and (diagnosis := watchdog.check()) is not None:
+                print(diagnosis, flush=True)
+                outcome, code = f"failed: {diagnosis.splitlines()[0]} (diagnosis above and in {run_dir}/stall.txt)", \
+                    EXIT_FAILED
                 break
             if all(r["state"] == "finished" for r in rows.values()):
                 break
@@ -609,13 +623,30 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
         view.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+    if code == EXIT_OK and signalled and finished is not None and not finished():
+        code = 128 + signalled[0]   # stopped before its last step: not a clean end
+        outcome += f" before the run's last step (exit {code})"
     print(_summary(title, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
     return code
+
+
+def trains_steps(plan: Plan) -> bool:
+    """Whether the plan has a trainer, whose run.total_steps end the run (demo topologies have none)."""
+    return any(group.cls.partition(":")[0] == "actors.trainer" for group in plan.topology.groups.values())
+
+
+def progress_watchdog(plan: Plan, run_dir: Path) -> Any:
+    """The run's progress watchdog (tools/watchdog.py), set by the experiment's run.watchdog."""
+    from tools.watchdog import ProgressWatchdog
+
+    return ProgressWatchdog(run_dir, plan.topology.config.run.watchdog)
 
 
 def run_local(plan: Plan, args: argparse.Namespace) -> int:
     """Every actor on this machine under one Supervisor."""
     import asyncio
+
+    from actors.recovery import run_finished
 
     from tools.prepare import PrepareError, prepare
 
@@ -644,9 +675,12 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
     print(f"run {plan.topology.name}: {len(specs)} actor(s), run directory {run_dir}", flush=True)
     node_of = {i.name: i.host for i in plan.instances}
     total = config.run.total_steps
+    trains = trains_steps(plan)
     code = asyncio.run(supervise(specs, run_dir, supervisor_options(plan, args), title=plan.topology.name,
                                  progress=not args.no_progress, duration=args.duration, node_of=node_of,
-                                 training=TrainingProgress(run_dir, total)))
+                                 training=TrainingProgress(run_dir, total),
+                                 watchdog=progress_watchdog(plan, run_dir) if trains else None,
+                                 finished=(lambda: run_finished(run_dir)) if trains else None))
     if (ipc_dir := _recorded_ipc_dir(run_dir)) is not None:
         import shutil
         shutil.rmtree(ipc_dir, ignore_errors=True)

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 __all__ = ["Section", "ModelSection", "DataFields", "DataSection", "DatasetRecipe", "WarmStartStage",
-           "WarmStartSection", "PrepareSection", "when_missing", "AlgoSection", "GenSection", "EvalSection", "RunSection",
+           "WarmStartSection", "PrepareSection", "when_missing", "AlgoSection", "GenSection", "EvalSection", "RunSection", "WatchdogSection",
            "BufferSection", "ExperimentConfig", "experiment_problems", "DEFAULT_MAX_LINE_BYTES"]
 
 DEFAULT_MAX_LINE_BYTES = 1 << 20
@@ -160,12 +160,25 @@ class EvalSection(Section):
     wait_s: float = Field(30.0, gt=0, description="how long the evaluator's request waits for a new version")
 
 
+class WatchdogSection(Section):
+    """The launcher's progress watchdog (tools/watchdog.py): a run that stops making progress is stopped with a
+    diagnosis and a non-zero exit instead of waiting for ever."""
+
+    after_steps: float = Field(5.0, ge=0, description="no trained step for this many times the longest step so far "
+                                                      "stops the run with a diagnosis; 0 is off")
+    min_s: float = Field(600.0, gt=0, description="the shortest wait before a stall is declared, whatever the step time")
+    first_step_s: float = Field(3600.0, gt=0, description="before the first trained step: how long the run may go "
+                                                          "without a step and without a newly accepted group")
+
+
 class RunSection(Section):
     total_steps: int = Field(100, ge=1, description="training steps of the run")
     checkpoint_every_steps: int = Field(20, ge=1, description="steps between checkpoints")
     keep_checkpoints: int = Field(2, ge=0, description="complete checkpoints kept; 0 keeps all")
     recover: Literal["auto", "off"] = Field("auto", description="resume from the last checkpoint")
     final_eval: bool = Field(True, description="evaluate the last checkpoint on data.test at the end")
+    watchdog: WatchdogSection = Field(default_factory=WatchdogSection,
+                                      description="stop a run that makes no progress, with a diagnosis")
 
     @field_validator("recover", mode="before")
     @classmethod

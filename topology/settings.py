@@ -88,6 +88,9 @@ class ActorSettings(ExperimentConfig):
         None, description="record the actor's messages: true (the recording's defaults), or its settings")
     drain_timeout: float = Field(30.0, gt=0, description="seconds running handlers get to finish on stop")
     close_linger: float = Field(2.0, ge=0, description="seconds the bus may take to send what is queued on close")
+    status_every_s: float = Field(
+        5.0, ge=0, description="seconds between writes of RUN_DIR/status/<name>.json (what it waits on, the last "
+                               "message of each kind), which the launcher's progress watchdog reads; 0 is off")
 
     @field_validator("message_log", mode="before")
     @classmethod
