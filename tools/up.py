@@ -757,7 +757,10 @@ def node_plan_path(run_dir: Path, host: str) -> Path:
 
 def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
     """Inside an allocation: one node agent per node through srun; each runs its node's actors under the
-    Supervisor. The run directory must be on a file system every node sees (it holds the plans)."""
+    Supervisor. The run directory must be on a file system every node sees (it holds the plans, and the
+    actors' status files the progress watchdog reads here)."""
+    from actors.recovery import run_finished
+
     try:
         plan = plan.with_hosts(allocation_hosts())
     except TopologyError as exc:
@@ -808,17 +811,31 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
         stop_file.write_text(f"stopped by {reason}\n")
         forced_at.append(time.monotonic() + supervisor_options(plan, args)["stop_timeout"] + 15)
 
+    signalled: list[int] = []
+
     def forward(signum: int, _frame: Any) -> None:
         if stopping:  # a second Ctrl-C: do not wait for the clean stop
             proc.send_signal(signal.SIGTERM)
         else:
+            signalled.append(signum)
             request_stop(signal.Signals(signum).name)
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     deadline = None if args.duration is None else t0 + args.duration
+    trains = trains_steps(plan)
+    watchdog = progress_watchdog(plan, run_dir) if trains else None
+    stalled: list[str] = []
     try:
         while proc.poll() is None:
             view.update(_slurm_rows(run_dir, hosts, node_of), time.monotonic() - t0)
+            if watchdog is not None and not stopping:   # its clock starts once every node runs its actors
+                if not watchdog.started and all(_node_status(run_dir, h).get("state") == "running"
+                                                      for h in hosts):
+                    watchdog.start()
+                if (diagnosis := watchdog.check()) is not None:
+                    print(diagnosis, flush=True)
+                    stalled.append(diagnosis.splitlines()[0])
+                    request_stop("the progress watchdog")
             if deadline is not None and time.monotonic() >= deadline and not stopping:
                 request_stop(f"--duration {args.duration:g} s")
             if forced_at and time.monotonic() > forced_at[0] and proc.poll() is None:
@@ -837,12 +854,20 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
     failed = [h for h in hosts if _node_status(run_dir, h).get("state") == "failed"]
     if stopping:
         outcome = f"stopped by {stopping[0]}"
+    if stalled:
+        outcome = f"failed: {stalled[0]} (diagnosis above and in {run_dir}/stall.txt)"
+        print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
+        return EXIT_FAILED
     if failed or (code != 0 and not stopping):
         reasons = "; ".join(_node_status(run_dir, h).get("reason", "") for h in failed)
         outcome = f"failed (srun exit {code}{', nodes ' + ', '.join(failed) if failed else ''})" + \
                   (f": {reasons}" if reasons.strip("; ") else f"; see {run_dir}/srun.out")
         print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
         return EXIT_FAILED
+    if signalled and trains and not run_finished(run_dir):
+        outcome += f" before the run's last step (exit {128 + signalled[0]})"
+        print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
+        return 128 + signalled[0]
     print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
     return EXIT_OK
 

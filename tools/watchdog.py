@@ -69,6 +69,7 @@ class ProgressWatchdog:
         self.version: int | None = None       # the trainer's version when first seen, then its newest
         self.steps = 0                        # steps trained since start
         self.groups_high: int | None = None
+        self.started = False
         self.last_progress = 0.0
         self.longest_step = 0.0
 
@@ -77,6 +78,7 @@ class ProgressWatchdog:
         return self.settings.after_steps > 0
 
     def start(self) -> None:
+        self.started = True
         self.last_progress = self.clock()
 
     def limit(self) -> float:
@@ -85,7 +87,7 @@ class ProgressWatchdog:
         return max(self.settings.min_s, self.settings.after_steps * self.longest_step)
 
     def check(self) -> str | None:
-        if not self.enabled or run_finished(self.run_dir):
+        if not self.enabled or not self.started or run_finished(self.run_dir):
             return None
         now = self.clock()
         statuses = read_statuses(self.run_dir)
