@@ -35,3 +35,30 @@ def test_the_summary_counts_a_step_trained_again_after_a_restart_once(tmp_path: 
     summary = final_evaluation(config, run_dir)
     assert summary is not None and summary["steps"] == 30, summary
     assert summary["tokens_trained"] == 100.0 + 29 * 10.0, summary
+
+
+def test_after_the_run_missed_evaluations_are_caught_up_from_checkpoints_or_named(tmp_path: Path) -> None:
+    # A killed evaluator restarted after the run ended left the run without periodic evaluations from version 8
+    # on, without a word. Now the launcher evaluates the kept versions whose weights are left on disk and names
+    # the others.
+    from actors.evaluator import EVAL_FILE, catch_up, evaluated_versions, skipped_versions
+
+    run_dir = tmp_path / "run"
+    for step in (4, 6):
+        ckpt = checkpoint_dir(run_dir, step)
+        tiny_model_dir(ckpt / "model", seed=step)
+        (ckpt / "buffer.json").write_text("{}")
+        mark_complete(ckpt, {"step": step})
+    (checkpoint_dir(run_dir, 6) / "buffer.json").write_text("{ }")   # corrupt: its weights do not count
+    test = tmp_path / "test.jsonl"
+    test.write_text("".join(json.dumps({"query_id": str(i), "prompt": f"{i}+1=", "answer": str(i + 1), "level": 1})
+                            + "\n" for i in range(2)))
+    (run_dir / EVAL_FILE).write_text(json.dumps({"kind": "periodic", "version": 0}) + "\n")
+    config = ExperimentConfig.model_validate({"data": {"test": str(test)}, "gen": {"max_new_tokens": 4},
+                                              "eval": {"every_versions": 2, "max_problems": 2},
+                                              "model": {"path": str(checkpoint_dir(run_dir, 4) / "model")}})
+    assert catch_up(config, run_dir, 6) == ([4], [2, 6])
+    assert evaluated_versions(run_dir / EVAL_FILE) == {0, 4} and skipped_versions(run_dir / EVAL_FILE) == {2, 6}
+    line = json.loads((run_dir / EVAL_FILE).read_text().splitlines()[1])
+    assert line["source"] == "checkpoint" and line["n_prompts"] == 2
+    assert catch_up(config, run_dir, 6) == ([], [])   # nothing is named twice

@@ -684,9 +684,28 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
     if (ipc_dir := _recorded_ipc_dir(run_dir)) is not None:
         import shutil
         shutil.rmtree(ipc_dir, ignore_errors=True)
+    if code == EXIT_OK and trains and config.eval.every_versions > 0:
+        catch_up_evaluations(config, run_dir)
     if code == EXIT_OK and config.run.final_eval:
         final_evaluation(config, run_dir)
     return code
+
+
+def catch_up_evaluations(config: ExperimentConfig, run_dir: Path) -> None:
+    """The periodic evaluations the evaluator missed (it was away when the run ended, or fell behind): those
+    whose weights are left on disk are evaluated here, the rest named as skipped in eval.jsonl."""
+    from actors.evaluator import catch_up
+    from actors.recovery import FINISHED
+
+    try:
+        final = int(json.loads((run_dir / FINISHED).read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return
+    caught, skipped = catch_up(config, run_dir, final)
+    if caught or skipped:
+        print(f"periodic evaluations the evaluator missed: {', '.join(map(str, caught)) or 'none'} evaluated from "
+              f"their checkpoints now" + (f"; {', '.join(map(str, skipped))} skipped (their weights are no longer "
+                                           f"kept)" if skipped else ""), flush=True)
 
 
 def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] | None:
