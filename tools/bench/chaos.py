@@ -11,6 +11,14 @@ trainer has made step `--at`:
                      schema versions) to every actor's bus endpoint
   relaunch           the launcher and every actor killed at once, then the run launched again
 
+and the stalls, where no actor dies (`run_stall`):
+
+  stall_buffer       the buffer stops cleanly (SIGTERM, exit 0: the supervisor counts it finished) while the
+                     trainer still needs batches: the progress watchdog must stop the run with a diagnosis
+                     naming the stopped buffer, and a non-zero exit
+  freeze_param_server  SIGSTOP of the parameter server for --hang-s seconds, then SIGCONT: training must go
+                     on without a push while the rollouts' weights stay within eta, and the run finish
+
 Reported per fault, from the run's own files: whether it finished in its launch (survived in place) and
 which actors were restarted; prompts lost (handed out by the buffer, but neither trained, nor dropped on
 purpose, nor still pending at the end: buffer/final_state.json against the ledger) and trained twice
@@ -45,7 +53,9 @@ TOPOLOGY = "topology/local.yaml"
 TINY = ROOT / "configs" / "models" / "arith-tiny"
 VICTIMS = {"rollout": "rollout.1", "reward": "reward.0", "buffer": "buffer", "trainer": "trainer",
            "param_server": "param_server"}
-FAULTS = ("none", *(f"kill_{k}" for k in VICTIMS), "hang_rollout", "hang_reward", "flood", "relaunch")
+STALLS = ("stall_buffer", "freeze_param_server")
+FAULTS = ("none", *(f"kill_{k}" for k in VICTIMS), "hang_rollout", "hang_reward", "flood", "relaunch", *STALLS)
+STALL_WATCHDOG = ("experiment.run.watchdog.min_s=30", "experiment.run.watchdog.after_steps=5")
 ETA = 1
 
 
@@ -193,6 +203,8 @@ def account(run_dir: Path) -> dict[str, int]:
 
 def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: int, hang_s: float,
               flood_n: int, log: Callable[[str], None]) -> dict[str, Any]:
+    if fault in STALLS:
+        return run_stall(fault, assets, out, steps, at, hang_s)
     run_dir = out / fault
     t0 = time.monotonic()
     proc = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2",))
@@ -239,12 +251,74 @@ def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: in
     return result
 
 
+def run_stall(fault: str, assets: dict[str, Path], out: Path, steps: int, at: int, hang_s: float) -> dict[str, Any]:
+    """A stall injected once the trainer made step `at` (see the module's docstring): whether the run said so
+    (the watchdog's diagnosis naming the cause) or, for the frozen parameter server, trained on meanwhile."""
+    run_dir = out / fault
+    t0 = time.monotonic()
+    # The buffer's stall gets a short watchdog (30 s without a step; the default of the local config is 120 s);
+    # the freeze keeps the default, which a freeze of --hang-s 60 stays under.
+    watchdog = STALL_WATCHDOG if fault == "stall_buffer" else ()
+    proc = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2", *watchdog))
+    frozen_steps = None
+    with run_guard(proc, run_dir):
+        wait_for_step(proc, run_dir, at)
+        if fault == "stall_buffer":
+            os.kill(int(ready_info(run_dir, "buffer")["pid"]), signal.SIGTERM)
+        else:
+            pid = int(ready_info(run_dir, "param_server")["pid"])
+            before = max(r["step"] for r in step_records(run_dir))
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(hang_s)   # the fault's duration
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            frozen_steps = max(r["step"] for r in step_records(run_dir)) - before
+        output = finish_run(proc, run_dir, timeout=900)
+    records = step_records(run_dir)
+    trained = {r["step"] for r in records}
+    stall = run_dir / "stall.txt"
+    if fault == "stall_buffer":
+        diagnosed = proc.returncode != 0 and stall.exists() and "buffer has stopped" in stall.read_text() \
+            and "NO PROGRESS" in output
+    else:   # a freeze shorter than the watchdog's limit is no stall: the run must simply go on and finish
+        diagnosed = not stall.exists()
+    return {"fault": fault, "exit_code": proc.returncode, "launches": 1,
+            "survived_in_place": proc.returncode == 0 and sorted(trained) == list(range(1, steps + 1)),
+            "restarted": {}, **account(run_dir), "eta": ETA,
+            "staleness_max": max((r.get("staleness_max", 0) for r in records), default=0),
+            "diagnosed": diagnosed, "steps_while_frozen": frozen_steps,
+            "max_step_gap_s": round(max((b["time"] - a["time"] for a, b in zip(records, records[1:])), default=0.0), 2),
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def stall_target_met(r: dict[str, Any]) -> bool:
+    """A stalled run is stopped with its cause diagnosed and a non-zero exit; a frozen parameter server costs no
+    training (at least a step while frozen, then the whole run); nothing lost or trained twice either way."""
+    if r["fault"] == "stall_buffer":
+        ok = r["exit_code"] not in (0, None) and r["diagnosed"]
+    else:
+        ok = r["survived_in_place"] and r["diagnosed"] and (r["steps_while_frozen"] or 0) >= 1 \
+            and r["staleness_max"] <= r["eta"]
+    return ok and r["lost"] == 0 and r["twice"] == 0
+
+
 def target_met(results: list[dict[str, Any]]) -> bool:
     """Every fault survived in place (a relaunch: resumed), nothing lost or trained twice, the bound on
-    staleness kept, and no step gap beyond the heartbeat timeout plus one step for a hung actor."""
-    return all((r["survived_in_place"] or (r["fault"] == "relaunch" and r["exit_code"] == 0))
+    staleness kept, and no step gap beyond the heartbeat timeout plus one step for a hung actor; every stall
+    as `stall_target_met` says."""
+    return all(stall_target_met(r) if r["fault"] in STALLS else
+               (r["survived_in_place"] or (r["fault"] == "relaunch" and r["exit_code"] == 0))
                and r["lost"] == 0 and r["twice"] == 0 and r["staleness_max"] <= r["eta"] and r.get("gap_ok", True)
                for r in results)
+
+
+def _stall_cell(r: dict[str, Any]) -> str:
+    if r["fault"] == "stall_buffer":
+        return "diagnosed" if r["diagnosed"] else "NOT diagnosed"
+    if r["fault"] == "freeze_param_server":
+        return f"{r['steps_while_frozen']} steps while frozen" + ("" if r["diagnosed"] else ", falsely diagnosed")
+    return "-"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,12 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    rows = [("fault", "in place", "restarted", "lost", "twice", "stale max", "max gap s", "gap limit s", "wall s")]
+    rows = [("fault", "in place", "restarted", "lost", "twice", "stale max", "max gap s", "gap limit s", "stall",
+             "wall s")]
     for r in results:
         rows.append((r["fault"], "yes" if r["survived_in_place"] else f"no (exit {r['exit_code']}, "
                      f"{r['launches']} launches)", ",".join(f"{n}x{k}" for n, k in r["restarted"].items()) or "-",
                      str(r["lost"]), str(r["twice"]), f"{r['staleness_max']}/{r['eta']}", f"{r['max_step_gap_s']:.1f}",
-                     f"{r['gap_limit_s']:.1f}" if "gap_limit_s" in r else "-", f"{r['wall_s']:.0f}"))
+                     f"{r['gap_limit_s']:.1f}" if "gap_limit_s" in r else "-", _stall_cell(r), f"{r['wall_s']:.0f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
