@@ -130,7 +130,9 @@ class ProgressWatchdog:
             why += f"; the trainer is at version {tp['version']} of {tp.get('total_steps', '?')}"
         lines = [f"NO PROGRESS: {why}", "", "who waits on whom:"]
         pids = self.local_pids() if self.local_pids is not None else {}
-        for name, status in statuses.items():
+        first = [n for n in ("trainer", "trainer.0", "buffer", "param_server") if n in statuses]
+        for name in first + [n for n in statuses if n not in first]:
+            status = statuses[name]
             lines.append(f"  {name}: {self._actor_line(name, status, now, pids.get(name))}")
             for ask in status.get("asking") or []:
                 lines.append(f"      waits on {ask['peer']} for the answer to {ask['kind']} ({ask['for_s']:.0f} s)")
