@@ -5,7 +5,6 @@ with real actors."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,6 +16,9 @@ from topology.experiment import WatchdogSection
 from transport.protocol import Answers, Sample
 
 
+WALL = 1.8e9   # the time of day the status files are stamped with, and the watchdog's: ages are exact
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -25,11 +27,15 @@ class Clock:
         return self.now
 
 
+def watchdog(run_dir: Path, clock: Clock, **settings: float) -> ProgressWatchdog:
+    return ProgressWatchdog(run_dir, WatchdogSection(**settings), clock=clock, wall=lambda: WALL)
+
+
 def write_status(run_dir: Path, name: str, progress: dict[str, Any], *, state: str = "running", age: float = 0.0,
                  asking: list | None = None, serving: list | None = None, last_out: dict | None = None,
                  **extra: Any) -> None:
     (run_dir / "status").mkdir(parents=True, exist_ok=True)
-    status = {"actor": name, "pid": 4242, "time": time.time() - age, "state": state, "progress": progress,
+    status = {"actor": name, "pid": 4242, "time": WALL - age, "state": state, "progress": progress,
               "asking": asking or [], "serving": serving or [], "last_in": {}, "last_out": last_out or {}, **extra}
     (run_dir / "status" / f"{name}.json").write_text(json.dumps(status))
 
@@ -42,7 +48,7 @@ def trainer(run_dir: Path, version: int, longest: float = 2.0, **kw: Any) -> Non
 
 def test_a_run_that_trains_is_never_stalled_and_one_that_stops_is_after_the_derived_limit(tmp_path: Path) -> None:
     clock = Clock()
-    dog = ProgressWatchdog(tmp_path, WatchdogSection(after_steps=5, min_s=20), clock=clock)
+    dog = watchdog(tmp_path, clock, after_steps=5, min_s=20)
     dog.start()
     for version in range(1, 20):   # a step every 3 s
         trainer(tmp_path, version, longest=4.0)
@@ -62,7 +68,7 @@ def test_a_run_that_trains_is_never_stalled_and_one_that_stops_is_after_the_deri
 
 def test_before_the_first_step_kept_groups_are_progress_but_not_after(tmp_path: Path) -> None:
     clock = Clock()
-    dog = ProgressWatchdog(tmp_path, WatchdogSection(after_steps=5, min_s=20, first_step_s=100), clock=clock)
+    dog = watchdog(tmp_path, clock, after_steps=5, min_s=20, first_step_s=100)
     dog.start()
     trainer(tmp_path, 0)
     for kept in range(1, 6):   # a first long generation: a group now and then, no step yet
@@ -73,7 +79,7 @@ def test_before_the_first_step_kept_groups_are_progress_but_not_after(tmp_path: 
     assert "no trained step and no newly accepted group for 101 s" in dog.check()
     # after the first step, groups alone do not hold a stall off: groups that are accepted then dropped as stale
     # (a version out of reach) must not look like progress
-    dog = ProgressWatchdog(tmp_path, WatchdogSection(after_steps=5, min_s=20), clock=clock)
+    dog = watchdog(tmp_path, clock, after_steps=5, min_s=20)
     dog.start()
     trainer(tmp_path, 1)
     dog.check()
@@ -89,16 +95,16 @@ def test_before_the_first_step_kept_groups_are_progress_but_not_after(tmp_path: 
 def test_the_diagnosis_names_who_waits_on_whom_a_stopped_buffer_and_the_last_message_of_each_kind(
         tmp_path: Path) -> None:
     clock = Clock()
-    dog = ProgressWatchdog(tmp_path, WatchdogSection(after_steps=5, min_s=10, first_step_s=10), clock=clock)
+    dog = watchdog(tmp_path, clock, after_steps=5, min_s=10, first_step_s=10)
     dog.start()
     trainer(tmp_path, 3)
     dog.check()
     trainer(tmp_path, 4, asking=[{"peer": "buffer", "kind": "rl.batch_request", "for_s": 31.0}],
-            last_out={"rl.batch_request": {"peer": "buffer", "time": time.time() - 31},
-                      "rl.version_update": {"peer": "buffer", "time": time.time() - 32}})
+            last_out={"rl.batch_request": {"peer": "buffer", "time": WALL - 31},
+                      "rl.version_update": {"peer": "buffer", "time": WALL - 32}})
     dog.check()
     write_status(tmp_path, "buffer", {"version": 4, "groups_kept": 20}, state="stopped", age=30, exit_code=0,
-                 reason="signal SIGTERM", last_out={"rl.generate_group": {"peer": "rollout.0", "time": time.time() - 40}})
+                 reason="signal SIGTERM", last_out={"rl.generate_group": {"peer": "rollout.0", "time": WALL - 40}})
     write_status(tmp_path, "rollout.0", {"weights_version": 4, "groups": 0})
     clock.now += 31
     report = dog.check()
@@ -127,7 +133,7 @@ def test_a_version_out_of_the_rollouts_reach_is_named_from_the_buffers_own_statu
     buffer = SimpleNamespace(state=state, _batch_waited_for=5, finished=False)
     write_status(tmp_path, "buffer", BufferActor.progress(buffer))   # type: ignore[arg-type]
     clock = Clock()
-    dog = ProgressWatchdog(tmp_path, WatchdogSection(after_steps=5, min_s=10, first_step_s=10), clock=clock)
+    dog = watchdog(tmp_path, clock, after_steps=5, min_s=10, first_step_s=10)
     dog.start()
     trainer(tmp_path, 4)
     dog.check()
@@ -140,7 +146,7 @@ def test_a_version_out_of_the_rollouts_reach_is_named_from_the_buffers_own_statu
 
 def test_a_silent_actor_is_named(tmp_path: Path) -> None:
     clock = Clock()
-    dog = ProgressWatchdog(tmp_path, WatchdogSection(after_steps=5, min_s=10, first_step_s=10), clock=clock)
+    dog = watchdog(tmp_path, clock, after_steps=5, min_s=10, first_step_s=10)
     dog.start()
     trainer(tmp_path, 2)
     write_status(tmp_path, "param_server", {"version": 2}, age=45)
@@ -153,8 +159,8 @@ def test_a_silent_actor_is_named(tmp_path: Path) -> None:
 
 def test_off_and_finished_runs_are_never_stalled(tmp_path: Path) -> None:
     clock = Clock()
-    off = ProgressWatchdog(tmp_path, WatchdogSection(after_steps=0), clock=clock)
-    on = ProgressWatchdog(tmp_path, WatchdogSection(after_steps=5, min_s=10, first_step_s=10), clock=clock)
+    off = watchdog(tmp_path, clock, after_steps=0)
+    on = watchdog(tmp_path, clock, after_steps=5, min_s=10, first_step_s=10)
     off.start()
     on.start()
     clock.now += 100

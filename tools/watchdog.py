@@ -57,14 +57,17 @@ def process_state(pid: int) -> str | None:
 
 class ProgressWatchdog:
     """Call `start` once every actor is ready, then `check` periodically: None while the run progresses, the
-    diagnosis (its first line says why) once it has stalled. ``clock``: seconds, monotonic (tests pass their
-    own); ``local_pids``: where the processes run on this machine, their states are looked up."""
+    diagnosis (its first line says why) once it has stalled. ``clock``: seconds, monotonic, and ``wall``: the
+    time of day the status files are stamped with (tests pass their own); ``local_pids``: where the processes
+    run on this machine, their states are looked up."""
 
     def __init__(self, run_dir: Path, settings: WatchdogSection, clock: Callable[[], float] = time.monotonic,
-                 local_pids: Callable[[], dict[str, int | None]] | None = None) -> None:
+                 local_pids: Callable[[], dict[str, int | None]] | None = None,
+                 wall: Callable[[], float] = time.time) -> None:
         self.run_dir = Path(run_dir)
         self.settings = settings
         self.clock = clock
+        self.wall = wall
         self.local_pids = local_pids
         self.version: int | None = None       # the trainer's version when first seen, then its newest
         self.steps = 0                        # steps trained since start
@@ -116,7 +119,7 @@ class ProgressWatchdog:
 
     def diagnose(self, statuses: dict[str, dict[str, Any]], quiet: float) -> str:
         """The report of a stalled run (also written to RUN_DIR/stall.txt)."""
-        now = time.time()
+        now = self.wall()
         if self.steps == 0:
             why = (f"no trained step and no newly accepted group for {quiet:.0f} s (run.watchdog.first_step_s "
                    f"{self.settings.first_step_s:g} s before the first step)")
