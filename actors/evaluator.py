@@ -35,7 +35,7 @@ import asyncio
 import json
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,34 +80,29 @@ def spread_over_levels(records: Sequence[Record], n: int) -> list[Record]:
     return out
 
 
-def evaluated_versions(path: Path) -> set[int]:
-    """Versions a previous incarnation already evaluated (periodic lines of eval.jsonl; a torn last line
-    of one killed while writing is ignored, as is the launcher's final evaluation)."""
+def _rows(path: Path) -> Iterator[dict[str, Any]]:
+    """eval.jsonl's lines as objects; a torn last line (a process killed while writing) is skipped."""
     if not path.is_file():
-        return set()
-    done = set()
+        return
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and row.get("kind") == KIND and isinstance(row.get("version"), int):
-            done.add(row["version"])
-    return done
+        if isinstance(row, dict):
+            yield row
+
+
+def evaluated_versions(path: Path) -> set[int]:
+    """Versions a previous incarnation already evaluated (periodic lines of eval.jsonl; a torn last line
+    of one killed while writing is ignored, as is the launcher's final evaluation)."""
+    return {row["version"] for row in _rows(path) if row.get("kind") == KIND and isinstance(row.get("version"), int)}
 
 
 def skipped_versions(path: Path) -> set[int]:
     """Versions named as skipped in eval.jsonl (and not evaluated since)."""
-    if not path.is_file():
-        return set()
-    named = set()
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and row.get("kind") == SKIPPED and isinstance(row.get("versions"), list):
-            named.update(v for v in row["versions"] if isinstance(v, int))
+    named = {v for row in _rows(path) if row.get("kind") == SKIPPED and isinstance(row.get("versions"), list)
+             for v in row["versions"] if isinstance(v, int)}
     return named - evaluated_versions(path)
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench.chaos import account, finish_run, launch, make_assets, ready_info, run_guard, step_records, wait_for_step
+from tools.bench.chaos import (account, finish_run, frozen, launch, make_assets, ready_info, run_guard, step_records,
+                               wait_for_step)
 
 # A short watchdog for these runs: a step takes about a second here, so 20 s without one is a stall.
 WATCHDOG = ("experiment.run.watchdog.min_s=20", "experiment.run.watchdog.after_steps=3")
@@ -62,14 +63,10 @@ def test_a_frozen_parameter_server_does_not_stop_training(assets: dict[str, Path
     proc = launch(assets, run_dir, steps=12, ckpt_every=6)
     with run_guard(proc, run_dir):
         wait_for_step(proc, run_dir, 3)
-        ps = pid_of(run_dir, "param_server")
-        os.kill(ps, signal.SIGSTOP)
-        try:
+        with frozen(pid_of(run_dir, "param_server")):
             at = max(r["step"] for r in step_records(run_dir))
             wait_for_step(proc, run_dir, at + 1, timeout=120)   # a step while the server is frozen
             frozen_steps = max(r["step"] for r in step_records(run_dir)) - at
-        finally:
-            os.kill(ps, signal.SIGCONT)
         out = finish_run(proc, run_dir, timeout=300)
     assert proc.returncode == 0, out[-3000:]
     assert frozen_steps >= 1

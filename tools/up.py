@@ -328,6 +328,18 @@ def inputs_ok(plan: Plan) -> bool:
     return not problems
 
 
+def checked_run_dir(plan: Plan, requested: str | None, inputs: bool = True) -> Path | None:
+    """The run directory (`make_run_dir`), once what the run reads is checked (``inputs``: `inputs_ok`); None
+    after printing why there is none."""
+    if inputs and not inputs_ok(plan):
+        return None
+    try:
+        return make_run_dir(plan, requested)
+    except RunDirError as exc:
+        print(f"{plan.topology.source}: {exc}", file=sys.stderr)
+        return None
+
+
 def make_run_dir(plan: Plan, requested: str | None) -> Path:
     """The requested directory; else, with `run.recover: auto`, the newest run of this topology that
     has a checkpoint but did not finish (it is resumed); else a new timestamped one. RunDirError when it
@@ -663,12 +675,7 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_INVALID
     config = plan.topology.config
-    if not inputs_ok(plan):
-        return EXIT_INVALID
-    try:
-        run_dir = make_run_dir(plan, args.run_dir)
-    except RunDirError as exc:
-        print(f"{plan.topology.source}: {exc}", file=sys.stderr)
+    if (run_dir := checked_run_dir(plan, args.run_dir)) is None:
         return EXIT_INVALID
     specs = build_specs(plan, run_dir, record=args.record)
     write_plan(plan, run_dir, specs, args.overrides)
@@ -788,12 +795,7 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
     if short := allocation_shortfall(plan, os.environ):
         print(f"{plan.topology.source}: {short}", file=sys.stderr)
         return EXIT_INVALID
-    if not inputs_ok(plan):
-        return EXIT_INVALID
-    try:
-        run_dir = make_run_dir(plan, args.run_dir)
-    except RunDirError as exc:
-        print(f"{plan.topology.source}: {exc}", file=sys.stderr)
+    if (run_dir := checked_run_dir(plan, args.run_dir)) is None:
         return EXIT_INVALID
     specs = build_specs(plan, run_dir, record=args.record)
     write_plan(plan, run_dir, specs, args.overrides)
@@ -933,10 +935,7 @@ def allocation_shortfall(plan: Plan, env: dict[str, str]) -> str | None:
 
 def submit_sbatch(plan: Plan, args: argparse.Namespace) -> int:
     """Submit a batch job that reruns this launcher inside its own allocation."""
-    try:
-        run_dir = make_run_dir(plan, args.run_dir)
-    except RunDirError as exc:
-        print(f"{plan.topology.source}: {exc}", file=sys.stderr)
+    if (run_dir := checked_run_dir(plan, args.run_dir, inputs=False)) is None:
         return EXIT_INVALID
     n = len(plan.topology.nodes)
     argv = [sys.executable, "-m", "tools.up", str(Path(plan.topology.source).resolve()), *args.overrides,

@@ -142,6 +142,16 @@ def run_guard(proc: subprocess.Popen, run_dir: Path) -> Iterator[subprocess.Pope
             kill_everything(proc, run_dir)
 
 
+@contextlib.contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """The process stopped (SIGSTOP) for the block, continued (SIGCONT) however the block ends."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def finish_run(proc: subprocess.Popen, run_dir: Path, timeout: float) -> str:
     """Wait up to `timeout` s for a launched run to end and return its output (stdout and stderr together);
     a run that does not end is killed with every actor it started, and subprocess.TimeoutExpired raised."""
@@ -266,13 +276,9 @@ def run_stall(fault: str, assets: dict[str, Path], out: Path, steps: int, at: in
         if fault == "stall_buffer":
             os.kill(int(ready_info(run_dir, "buffer")["pid"]), signal.SIGTERM)
         else:
-            pid = int(ready_info(run_dir, "param_server")["pid"])
             before = max(r["step"] for r in step_records(run_dir))
-            os.kill(pid, signal.SIGSTOP)
-            try:
+            with frozen(int(ready_info(run_dir, "param_server")["pid"])):
                 time.sleep(hang_s)   # the fault's duration
-            finally:
-                os.kill(pid, signal.SIGCONT)
             frozen_steps = max(r["step"] for r in step_records(run_dir)) - before
         output = finish_run(proc, run_dir, timeout=900)
     records = step_records(run_dir)
