@@ -437,7 +437,7 @@ class TrainerActor(Actor):
                 failures = 0
                 self.published, self.publish_seconds = version, time.time() - t0
                 self._published_changed.set()
-                self.push_stats = await self._push_stats()
+                self.push_stats = await self._push_stats() or self.push_stats   # kept when the server is away
             self._published_changed.set()
 
     async def _published_at(self, version: int, timeout: float | None) -> bool:
