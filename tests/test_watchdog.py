@@ -40,8 +40,8 @@ def write_status(run_dir: Path, name: str, progress: dict[str, Any], *, state: s
     (run_dir / "status" / f"{name}.json").write_text(json.dumps(status))
 
 
-def trainer(run_dir: Path, version: int, longest: float = 2.0, **kw: Any) -> None:
-    write_status(run_dir, "trainer", {"version": version, "total_steps": 16, "step_seconds_max": longest,
+def trainer(run_dir: Path, version: int, longest: float = 2.0, total: int = 16, **kw: Any) -> None:
+    write_status(run_dir, "trainer", {"version": version, "total_steps": total, "step_seconds_max": longest,
                                       "phase": f"waiting for the batch of step {version + 1} from the buffer",
                                       "phase_for_s": 1.0}, **kw)
 
@@ -51,11 +51,11 @@ def test_a_run_that_trains_is_never_stalled_and_one_that_stops_is_after_the_deri
     dog = watchdog(tmp_path, clock, after_steps=5, min_s=20)
     dog.start()
     for version in range(1, 20):   # a step every 3 s
-        trainer(tmp_path, version, longest=4.0)
+        trainer(tmp_path, version, longest=4.0, total=40)
         clock.now += 3
         assert dog.check() is None
     assert dog.limit() == 20.0                        # 5 x 4 s is below min_s
-    trainer(tmp_path, 19, longest=8.0)
+    trainer(tmp_path, 19, longest=8.0, total=40)
     assert dog.limit() == 20.0 and dog.check() is None and dog.limit() == 40.0   # 5 x the longest step
     clock.now += 39
     assert dog.check() is None
@@ -165,5 +165,9 @@ def test_off_and_finished_runs_are_never_stalled(tmp_path: Path) -> None:
     on.start()
     clock.now += 100
     assert off.check() is None and on.check() is not None
+    trainer(tmp_path, 16)              # its last step trained: the run is finishing, not stalled
+    assert on.check() is None
+    trainer(tmp_path, 15)
+    assert on.check() is not None
     (tmp_path / "FINISHED").write_text("{}")
     assert on.check() is None

@@ -115,6 +115,9 @@ class ProgressWatchdog:
         quiet = now - self.last_progress
         if quiet <= self.limit():
             return None
+        tp = (trainer or {}).get("progress") or {}
+        if isinstance(tp.get("version"), int) and tp["version"] >= (tp.get("total_steps") or float("inf")):
+            return None   # every step is trained: the run is finishing (its last publish, RunFinished)
         return self.diagnose(statuses, quiet)
 
     def diagnose(self, statuses: dict[str, dict[str, Any]], quiet: float) -> str:
