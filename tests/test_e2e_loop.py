@@ -72,8 +72,11 @@ def check_invariants(run_dir: Path, steps: int) -> None:
     assert all(m["logprob_gap_max"] < 1e-3 for m in final.values())
     # the per-step metrics that come from other actors: rollout utilisation (buffer), push and stall
     # times (parameter server)
+    # A batch whose groups all arrived before the previous batch carries no utilisation (no rollout clock moved
+    # between them); how many do depends on the relative speed of generation and training, so only its presence
+    # and its range are this test's.
     utilisation = [m["rollout_utilisation"] for m in final.values() if "rollout_utilisation" in m]
-    assert len(utilisation) >= steps // 2 and all(0.0 <= u <= 1.0 + 1e-6 for u in utilisation), utilisation
+    assert utilisation and all(0.0 <= u <= 1.0 + 1e-6 for u in utilisation), utilisation
     assert all(m["weight_push_seconds"] >= 0 and m["gen_stall_seconds"] >= 0 for m in final.values())
     pushes = events(run_dir, "param_server", "weights_pushed")
     assert pushes, "the parameter server pushed no weights"
