@@ -379,7 +379,8 @@ class TrainerActor(Actor):
         if not await self._published_at(self.version, timeout=FINAL_PUBLISH_S):
             self.log.warning("last_version_not_published", version=self.version, published=self.published,
                              waited_s=FINAL_PUBLISH_S)
-        self._publisher_task.cancel()
+        async with self._engine_lock:   # not in the middle of an export, whose ranks > 0 follow it
+            self._publisher_task.cancel()
         await self._last_version_pushed()
         # Marked before telling anyone: the supervisor must know the run is over when the others exit.
         mark_run_finished(self.run_dir, self.version)
@@ -421,19 +422,22 @@ class TrainerActor(Actor):
                 async with self._engine_lock:   # between steps: the export is of one whole version
                     version = self.version
                     buckets, stages = await asyncio.to_thread(self._export)
+                error: Exception | None = None
                 try:
                     await self.weights.publish(version, buckets, stages)
                 except (WeightSyncConfigError, TrainerConfigError):
                     raise
                 except Exception as exc:   # the parameter server is away, frozen or restarting: try again
+                    error = exc
+                finally:
+                    del buckets, stages   # not held while waiting to retry: the next export may need the memory
+                if error is not None:
                     failures += 1
                     self.counters["publish_failures"] += 1
                     self.log.warning("publish_failed_will_retry", version=version, failures=failures,
-                                     error=repr(exc)[:300])
+                                     error=repr(error)[:300])
                     await asyncio.sleep(min(PUBLISH_RETRY_S * failures, 30.0))
                     continue
-                finally:
-                    del buckets, stages   # the next export may need the memory
                 failures = 0
                 self.published, self.publish_seconds = version, time.time() - t0
                 self._published_changed.set()
