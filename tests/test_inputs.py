@@ -137,3 +137,18 @@ def test_a_run_directory_that_cannot_be_made_is_one_line(model: Path, tmp_path: 
     assert up.main(args) == up.EXIT_INVALID
     err = capsys.readouterr().err
     assert f"the run directory cannot be made: {blocker / 'run'}: Not a directory" in err and "Traceback" not in err, err
+
+
+def test_an_answer_file_absent_here_is_noted_in_the_dry_run_and_refused_at_launch(model: Path, tmp_path: Path) -> None:
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"query_id": str(i), "prompt": f"{i}+1="}) + "\n" for i in range(4)))
+    plan = plan_of(model, train, f"experiment.data.id2info={tmp_path / 'id2info.json'}")
+    lines, problems = check_inputs(plan, launch=False)
+    assert problems == [] and any("data.id2info" in x and "absent on this machine" in x for x in lines), lines
+    lines, problems = check_inputs(plan, launch=True)
+    assert problems == [f"experiment.data.id2info: {tmp_path / 'id2info.json'}: no such file (the answers of the "
+                        f"data files)"], problems
+    (tmp_path / "id2info.json").write_text(json.dumps({str(i): {"solutions": [f"\\boxed{{{i + 1}}}"]}
+                                                        for i in range(4)}))
+    lines, problems = check_inputs(plan, launch=True)
+    assert problems == [] and f"data.train {train}: 4 records in every line" in lines, (lines, problems)

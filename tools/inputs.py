@@ -69,8 +69,8 @@ def check_inputs(plan: Plan, *, launch: bool) -> tuple[list[str], list[str]]:
                         if Path(recipe.out).resolve() == Path(path).resolve().parent), None)
         found, bad = _check_data(key, Path(path), layout, require, on_error, data.max_line_bytes, data.max_bad_share,
                                  None if launch else SAMPLE_LINES, launch, needed, made_by)
-        lines += found
-        problems += bad
+        lines += [x for x in found if x not in lines]
+        problems += [x for x in bad if x not in problems]   # an id2info both files read is named once
     return lines, problems
 
 
@@ -124,6 +124,10 @@ def _check_data(key: str, path: Path, layout: Layout, require: str, on_error: st
         if launch:
             return [f"{key} {path}: absent; the final evaluation is skipped"], []
         return [f"{key} {path}: absent on this machine; it is read at launch"], []
+    if layout.id2info and not Path(layout.id2info).is_file():
+        if launch:
+            return [], [f"experiment.data.id2info: {layout.id2info}: no such file (the answers of the data files)"]
+        return [f"data.id2info {layout.id2info}: absent on this machine; it is read at launch"], []
     try:
         if why := sniff_file(path):
             return [], [f"{where}: {why}"]
