@@ -230,7 +230,7 @@ class EvalActor(Actor):
             except (OSError, ValueError, KeyError, TypeError):
                 final = -1
             missed = missed_versions(self.every, -1, final + 1, self.done | self.skipped)
-            if missed:
+            if missed and self.done:   # (none evaluated: this run's weights never reach it, as with direct weights)
                 self._skip(missed, "the run ended while the evaluator was away")
             self.request_stop("the run has finished")
             return True

@@ -691,11 +691,21 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
     if (ipc_dir := _recorded_ipc_dir(run_dir)) is not None:
         import shutil
         shutil.rmtree(ipc_dir, ignore_errors=True)
-    if code == EXIT_OK and trains and config.eval.every_versions > 0:
+    if code == EXIT_OK and config.eval.every_versions > 0 and evaluates_during_run(plan):
         catch_up_evaluations(config, run_dir)
     if code == EXIT_OK and config.run.final_eval:
         final_evaluation(config, run_dir)
     return code
+
+
+def evaluates_during_run(plan: Plan) -> bool:
+    """Whether the plan's evaluator can evaluate during the run: it has one, and the parameter server holds the
+    weights (the relay: it sits in a link; with direct weights it holds none, and the evaluator idles)."""
+    groups = plan.topology.groups
+    modules = {name: group.cls.partition(":")[0] for name, group in groups.items()}
+    servers = {i.name for i in plan.instances if modules.get(i.group) == "actors.param_server"}
+    return ("actors.evaluator" in modules.values() and "actors.trainer" in modules.values()
+            and any(servers & set(link.members) for link in plan.links.values()))
 
 
 def catch_up_evaluations(config: ExperimentConfig, run_dir: Path) -> None:
