@@ -15,14 +15,17 @@ One training step (version v -> v + 1):
     -> metrics (metrics.jsonl + TensorBoard), and a checkpoint every `run.checkpoint_every_steps`
 
 Publishing runs beside training (eta > 0): a task of its own exports the newest version whenever the last one
-has reached the parameter server, and the next step does not wait for it. A parameter server that is frozen
-or slow therefore holds up nobody: training goes on with the rollouts' weights as they are, for as long as
-their samples stay within eta versions (the buffer's staleness bound is the limit, as for any slow push),
-and the newest version is published once the server answers again; versions made meanwhile are skipped, not
-queued. (A replacement parameter server was the other way: it would need the supervisor to kill a process that
-may yet come back, and the rollouts to re-form their link with a new one, for a gain the staleness bound
-already gives.) The engine is used by one of them at a time (``_engine_lock``): an export sees whole steps.
-With eta = 0 (synchronous) each step waits for its version to be published and reach every rollout.
+has reached the parameter server. A step waits for its own version's publish as long as publishing keeps up
+(at most `publish_wait_s`: 5 times the longest publish so far, at least PUBLISH_WAIT_MIN_S), which keeps
+a healthy run's messages in one order (tools.replay replays it); when a publish takes longer, or an older one
+is still under way, the step goes on without it. A parameter server that is frozen or slow therefore holds up
+training only for that first wait: it goes on with the rollouts' weights as they are, for as long as their
+samples stay within eta versions (the buffer's staleness bound is the limit, as for any slow push), and the
+newest version is published once the server answers again; versions made meanwhile are skipped, not queued.
+(A replacement parameter server was the other way: it would need the supervisor to kill a process that may
+yet come back, and the rollouts to re-form their link with a new one, for a gain the staleness bound already
+gives.) The engine is used by one of them at a time (``_engine_lock``): an export sees whole steps. With
+eta = 0 (synchronous) each step waits for its version to be published and reach every rollout.
 
 The parts: the step's math in actors/train_step.py, its metrics in actors/train_metrics.py, the other
 ranks' loop in actors/rank_group.py, the weights path in actors/weight_sync/.
@@ -125,6 +128,7 @@ def _make_megatron_engine(cfg: TrainerSettings, model_dir: str, version: int) ->
 # says so with HelloRequest); this bounds how many restarts one request outlives.
 BUFFER_ATTEMPTS = 10
 PUBLISH_RETRY_S = 2.0     # the pause after a failed publish, times the failures in a row (at most 30 s)
+PUBLISH_WAIT_MIN_S = 30.0   # the least a step waits for its version's publish (publish_wait_s)
 FINAL_PUBLISH_S = 120.0   # how long the run's end waits for its last version to be published
 
 
@@ -205,8 +209,9 @@ class TrainerActor(Actor):
         self._engine_lock = asyncio.Lock()       # a step, an export or a save at a time
         self._new_version = asyncio.Event()      # a version newer than the published one exists
         self._published_changed = asyncio.Event()
-        self.published = self.version            # the newest version the weights path took
+        self.published = self.version            # the newest version the weights path took (and its push figures)
         self.publish_seconds = 0.0               # export and publish of that version
+        self._publish_seconds_max = 0.0
         # The parameter server's view after the newest publish (_push_stats); before one, what it reports with
         # no push made yet.
         self.push_stats: dict[str, float] = {}
@@ -356,8 +361,12 @@ class TrainerActor(Actor):
             else:
                 # Asynchronous: open the gate at once; rollouts switch weights while they generate, and
                 # the staleness bound (checked again at batch time) covers samples begun on older weights.
-                # The publisher sends the version on its way; this step does not wait for it.
+                # The publisher sends the version on its way; the step waits for it while publishing keeps up.
+                publisher_idle = self.published == self.version - 1
                 await self.bus.send("buffer", VersionUpdate(version=self.version))
+                if publisher_idle and not await self._published_at(self.version, timeout=self.publish_wait_s()):
+                    self.log.warning("step_goes_on_without_its_publish", version=self.version,
+                                     published=self.published, waited_s=round(self.publish_wait_s(), 1))
                 sync_seconds = self.publish_seconds   # the newest publish that completed
             end = time.time()
             stats.update(step=self.version, version=self.version, wait_seconds=t0 - t_wait,
@@ -439,10 +448,17 @@ class TrainerActor(Actor):
                     await asyncio.sleep(min(PUBLISH_RETRY_S * failures, 30.0))
                     continue
                 failures = 0
-                self.published, self.publish_seconds = version, time.time() - t0
-                self._published_changed.set()
+                self.publish_seconds = time.time() - t0
+                self._publish_seconds_max = max(self._publish_seconds_max, self.publish_seconds)
                 self.push_stats = await self._push_stats() or self.push_stats   # kept when the server is away
+                self.published = version
+                self._published_changed.set()
             self._published_changed.set()
+
+    def publish_wait_s(self) -> float:
+        """How long a step waits for its version's publish: 5 times the longest publish so far, at least
+        PUBLISH_WAIT_MIN_S."""
+        return max(PUBLISH_WAIT_MIN_S, 5 * self._publish_seconds_max)
 
     async def _published_at(self, version: int, timeout: float | None) -> bool:
         """Wait until ``version`` (or a newer one) is published; False if ``timeout`` passed first."""
