@@ -80,7 +80,7 @@ def test_specs_carry_placement_links_and_experiment() -> None:
     topo = T.validate(doc, check_imports=False, experiment={"gen": {"temperature": 1.0, "max_new_tokens": 9}})
     specs = {s["name"]: s for s in T.place(topo).specs("/tmp/run")}
     r1 = specs["rollout.1"]
-    assert set(r1) == {"name", "cls", "endpoint", "peers", "settings", "run_dir", "curve", "env"}
+    assert set(r1) == {"name", "cls", "endpoint", "peers", "settings", "run_dir", "curve", "env", "tokens"}
     assert r1["settings"]["gen"] == {"temperature": 0.5, "max_new_tokens": 9}  # group settings win, key by key
     assert r1["settings"]["instance"]["gpus"] == [2, 3]
     assert r1["settings"]["groups"]["trainer"][-1] == "trainer.7"

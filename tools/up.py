@@ -365,16 +365,20 @@ RECORD_SETTINGS = {"outbound": True, "tensors": "store"}
 
 
 def build_specs(plan: Plan, run_dir: Path, record: bool = False) -> list[dict[str, Any]]:
-    """ActorSpec dictionaries for the run: ipc paths made concrete, CurveZMQ keys made when asked, message
-    logs on for every actor with ``record``."""
-    curve = None
+    """ActorSpec dictionaries for the run: ipc paths made concrete, CurveZMQ keys (or, without CURVE, the
+    actors' tokens) made for this run, message logs on for every actor with ``record``."""
+    from transport.auth import generate_run_keys, generate_run_tokens
+
+    curve = tokens = None
+    names = [i.name for i in plan.instances]
     if plan.topology.bus.curve:
-        from transport.auth import generate_run_keys
-        curve = {"keys_dir": generate_run_keys(str(run_dir), [i.name for i in plan.instances])}
+        curve = {"keys_dir": generate_run_keys(str(run_dir), names)}
+    else:
+        tokens = {"tokens_dir": generate_run_tokens(str(run_dir), names)}
     for link in [*plan.links.values(), *plan.worlds.values()]:
         if link.port == 0:  # `port: auto`
             link.port = free_port(topo_mod.resolve_host(link.master_host) if link.master_host else "127.0.0.1")
-    specs = plan.specs(run_dir, curve=curve)
+    specs = plan.specs(run_dir, curve=curve, tokens=tokens)
     if plan.topology.bus.transport == "ipc":
         ipc_dir = run_dir / "ipc"
         longest = max(len(i.name) for i in plan.instances)

@@ -153,7 +153,8 @@ class Plan:
             out[inst.group].append(inst.name)
         return out
 
-    def specs(self, run_dir: str | Path, curve: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    def specs(self, run_dir: str | Path, curve: dict[str, Any] | None = None,
+              tokens: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """One ActorSpec dictionary per instance (fields as in docs/architecture.md)."""
         topo, groups = self.topology, self.group_members()
         peers = {inst.name: inst.endpoint for inst in self.instances}
@@ -182,7 +183,7 @@ class Plan:
             out.append({
                 "name": inst.name, "cls": group.cls, "endpoint": inst.endpoint,
                 "peers": {n: e for n, e in peers.items() if n != inst.name}, "settings": settings,
-                "run_dir": str(run_dir), "curve": curve, "env": env,
+                "run_dir": str(run_dir), "curve": curve, "env": env, "tokens": tokens,
             })
         return out
 
