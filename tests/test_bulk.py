@@ -348,3 +348,90 @@ def test_rendezvous_timeout_names_the_link() -> None:
                                rank=0, world_size=2, timeout_s=1))
     with pytest.raises(LinkRendezvousError, match=r"link 'lonely' epoch 0: rank 0/2 could not form"):
         link.open(0)
+    link.close()   # no store server thread left running in this process: a later test forks it
+
+
+def test_the_rendezvous_store_listens_on_the_links_master_address_only() -> None:
+    # A TCPStore's server listens on every interface: a one-node run's rendezvous was open to the network.
+    import datetime
+    import socket
+
+    from transport.bulk import rendezvous_server
+
+    port = free_port()
+    server = rendezvous_server("127.0.0.1", port, 2, datetime.timedelta(seconds=5))
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass
+    with pytest.raises(ConnectionRefusedError):    # another address of this machine (all of 127/8 is loopback)
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
+    del server
+    link = BulkLink(LinkConfig(name="lonely", backend="gloo", master_addr="127.0.0.1", master_port=port,
+                               rank=0, world_size=2, timeout_s=1))
+    with pytest.raises(LinkRendezvousError):
+        link.open(0)                               # the link's own store goes the same way
+    assert link._server is not None
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.2", port), timeout=5).close()
+    link.close()   # no store server thread left running in this process: the next test forks it
+
+
+def test_rendezvous_values_not_signed_with_the_runs_secret_fail_the_formation(tmp_path: Any) -> None:
+    # torch's TCPStore has no authentication: another user read and wrote a run's rendezvous keys. Values are
+    # signed with a per-run secret now, so a forged one (here: rank 1's gloo address) stops the formation.
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from transport.bulk import RendezvousForgery, SignedStore, generate_rendezvous_secret
+
+    secret_file = generate_rendezvous_secret(tmp_path)
+    assert oct(os.stat(secret_file).st_mode & 0o777) == "0o600"
+    port = free_port()
+    link = BulkLink(LinkConfig(name="weights", backend="gloo", master_addr="127.0.0.1", master_port=port, rank=0,
+                               world_size=2, timeout_s=20, secret_file=secret_file))
+    outcome: list[BaseException] = []
+    forming = threading.Thread(target=lambda: _catch(outcome, lambda: link.open(0)), daemon=True)
+    forming.start()
+    intruder = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=20),
+                             wait_for_workers=False)
+    intruder.wait(["weights/epoch0/0/0"])            # the master's own address is there: it waits for rank 1's
+    assert intruder.get("weights/epoch0/0/0")[:32] != b""  # readable, but signed
+    intruder.set("weights/epoch0/0/1", b"an address of the intruder's choosing")
+    forming.join(timeout=WAIT_S)
+    assert not forming.is_alive() and len(outcome) == 1
+    assert "rendezvous key 'weights/epoch0/0/1' was not written by a member of this run" in str(outcome[0])
+    assert isinstance(outcome[0], BulkError)
+
+    signed = SignedStore(intruder, b"s" * 32)
+    signed.set("k", "v")
+    assert signed.get("k") == b"v"
+    with pytest.raises(RendezvousForgery):
+        SignedStore(intruder, b"t" * 32).get("k")   # another run's secret
+    link.close()   # no store server thread left running in this process: the next test forks it
+
+
+def test_a_link_with_the_runs_secret_forms_and_moves_buckets(tmp_path: Any) -> None:
+    from transport.bulk import generate_rendezvous_secret
+
+    secret_file, port = generate_rendezvous_secret(tmp_path), free_port()
+
+    def member(rank: int) -> bool:
+        link = BulkLink(LinkConfig(name="weights", backend="gloo", master_addr="127.0.0.1", master_port=port,
+                                   rank=rank, world_size=2, timeout_s=30, secret_file=secret_file))
+        link.open(epoch=0)
+        got = link.broadcast(make_bucket(5) if rank == 0 else None, src=0)
+        link.reform(1)
+        again = link.broadcast(make_bucket(6) if rank == 0 else None, src=0)
+        latest = link.latest_epoch()     # read through the signed store too
+        link.barrier()                   # the master's store outlives every member's read
+        return same_bucket(got, make_bucket(5)) and same_bucket(again, make_bucket(6)) and latest == 1
+
+    assert run_procs([lambda r=r: member(r) for r in range(2)]) == [True, True]
+
+
+def _catch(outcome: list[BaseException], fn: Callable[[], Any]) -> None:
+    try:
+        fn()
+    except BaseException as exc:
+        outcome.append(exc)

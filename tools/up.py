@@ -368,6 +368,7 @@ def build_specs(plan: Plan, run_dir: Path, record: bool = False) -> list[dict[st
     """ActorSpec dictionaries for the run: ipc paths made concrete, CurveZMQ keys (or, without CURVE, the
     actors' tokens) made for this run, message logs on for every actor with ``record``."""
     from transport.auth import generate_run_keys, generate_run_tokens
+    from transport.bulk import generate_rendezvous_secret
 
     curve = tokens = None
     names = [i.name for i in plan.instances]
@@ -379,6 +380,12 @@ def build_specs(plan: Plan, run_dir: Path, record: bool = False) -> list[dict[st
         if link.port == 0:  # `port: auto`
             link.port = free_port(topo_mod.resolve_host(link.master_host) if link.master_host else "127.0.0.1")
     specs = plan.specs(run_dir, curve=curve, tokens=tokens)
+    if plan.links:
+        # the links' rendezvous stores sign their values with it (transport.bulk.SignedStore)
+        secret_file = generate_rendezvous_secret(run_dir)
+        for spec in specs:
+            for link in spec["settings"]["links"].values():
+                link["secret_file"] = secret_file
     if plan.topology.bus.transport == "ipc":
         ipc_dir = run_dir / "ipc"
         longest = max(len(i.name) for i in plan.instances)
