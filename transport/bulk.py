@@ -60,6 +60,7 @@ __all__ = [
     "SignedStore",
     "generate_rendezvous_secret",
     "rendezvous_server",
+    "rendezvous_store",
     "LinkConfig",
     "TensorMeta",
     "PackedBucket",
@@ -567,6 +568,15 @@ def rendezvous_server(addr: str, port: int, world_size: int, timeout: _dt.timede
     # the store owns the descriptor from here on (it closes it with the server)
     return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
                          master_listen_fd=listener.detach())
+
+
+def rendezvous_store(addr: str, port: int, rank: int, world_size: int, timeout: _dt.timedelta) -> dist.TCPStore:
+    """A member's store of a torch.distributed rendezvous at ``addr:port``: rank 0 hosts it, listening on ``addr``
+    only (:func:`rendezvous_server`); the others connect. What ``tcp://`` and ``env://`` init methods build,
+    less the server listening on every interface."""
+    if rank == 0:
+        return rendezvous_server(addr, port, world_size, timeout)
+    return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False)
 
 
 def generate_rendezvous_secret(run_dir: str | os.PathLike) -> str:
