@@ -35,6 +35,35 @@ def test_the_target_needs_every_fault_survived_nothing_lost_and_short_gaps() -> 
         assert not chaos.target_met([{**good, **bad}])
 
 
+def test_the_target_needs_every_attack_refused_a_working_probe_and_an_attack_during_the_run() -> None:
+    good = {"fault": "spoof", "survived_in_place": True, "exit_code": 0, "lost": 0, "twice": 0, "staleness_max": 1,
+            "eta": 1, "attempts": 12, "accepted": 0, "control_ok": True, "during_run": True}
+    assert chaos.target_met([good, {"fault": "rendezvous", "skipped": "not root"}])
+    for bad in ({"accepted": 1}, {"control_ok": False}, {"during_run": False}):
+        assert not chaos.target_met([{**good, **bad}])
+
+
+@pytest.mark.parametrize("fault", ["spoof", "rendezvous"])
+def test_attacks_from_another_user_are_refused_and_the_run_loses_nothing(fault: str, tmp_path: Path) -> None:
+    # From another uid a probe once stole batches, fetched the weights as "the evaluator", made the buffer write a
+    # checkpoint, stalled the run with a version jump, stopped it with a run-finished, and read and wrote the
+    # rendezvous keys.
+    account = chaos.intruder_account()
+    if isinstance(account, str):
+        pytest.skip(account)
+    assets = chaos.make_assets(tmp_path / "assets")
+    result = chaos.run_fault(fault, assets, tmp_path, steps=6, at=1, hang_s=0, flood_n=0, log=print)
+    assert result["survived_in_place"] and result["lost"] == 0 and result["twice"] == 0, result
+    assert result["during_run"] and result["intruder_uid"] == account[0], result
+    assert result["accepted"] == 0 and result["attempts"] > 0, result
+    if fault == "spoof":
+        assert result["control_ok"], result     # the same client gets through a socket with no protection
+        assert result["handshakes"] == {"refused: the socket speaks CURVE, which needs one of the run's keys":
+                                        result["attempts"]}, result
+    else:
+        assert result["keys_read"] > 0 and result["forged"] > 0 and result["formed_again"] >= 1, result
+
+
 @pytest.mark.parametrize("fault", ["kill_reward", "relaunch"])
 def test_a_fault_run_reports_it_survived_with_nothing_lost(fault: str, tmp_path: Path) -> None:
     # relaunch at step 1, before the first checkpoint (step 2): the relaunched buffer once started afresh beside the
