@@ -244,6 +244,10 @@ def test_without_curve_each_connection_is_bound_to_its_actor_by_the_runs_tokens(
             await bus.close()
 
     run(main())
+    with pytest.raises(ValueError, match=r"token file .*/nobody.token: No such file or directory"):
+        TokenConfig.from_spec({"tokens_dir": str(tmp_path / "tokens")}, "nobody")
+    with pytest.raises(ValueError, match=r"tokens: expected a map with tokens_dir"):
+        TokenConfig.from_spec({"keys_dir": str(tmp_path)}, "boss")
 
 
 def test_an_ipc_socket_is_only_its_users(tmp_path: Any) -> None:

@@ -30,12 +30,16 @@ from typing import Any, Callable
 import zmq
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-__all__ = ["CurveConfig", "CurveError", "TokenConfig", "generate_run_keys", "generate_run_tokens",
+__all__ = ["CurveConfig", "CurveError", "TokenConfig", "TokenError", "generate_run_keys", "generate_run_tokens",
            "start_authenticator"]
 
 
 class CurveError(ValueError):
     """Key material is missing or malformed (the message names the key or file)."""
+
+
+class TokenError(CurveError):
+    """A run's token material is missing or malformed (the message names the file)."""
 
 
 @dataclass
@@ -146,10 +150,10 @@ class TokenConfig:
     @classmethod
     def from_spec(cls, d: dict[str, Any], self_name: str) -> "TokenConfig":
         if not isinstance(d, dict) or not isinstance(d.get("tokens_dir"), str):
-            raise CurveError("tokens: expected a map with tokens_dir, the run's token directory")
+            raise TokenError("tokens: expected a map with tokens_dir, the run's token directory")
         tokens_dir = d["tokens_dir"]
         if not os.path.isdir(tokens_dir):
-            raise CurveError(f"tokens.tokens_dir {tokens_dir!r} is not a directory")
+            raise TokenError(f"tokens.tokens_dir {tokens_dir!r} is not a directory")
         token = _read_key(os.path.join(tokens_dir, f"{self_name}.token"), *_TOKEN_FILE)
         digests = {fname[:-len(".digest")]: _read_key(os.path.join(tokens_dir, fname), *_TOKEN_FILE)
                    for fname in sorted(os.listdir(tokens_dir)) if fname.endswith(".digest")}
@@ -185,7 +189,7 @@ def generate_run_tokens(run_dir: str, names: list[str]) -> str:
     os.makedirs(tokens_dir, mode=0o700, exist_ok=True)
     for name in names:
         if not name or "/" in name or name.startswith("."):
-            raise CurveError(f"tokens: invalid actor name {name!r} for a token file")
+            raise TokenError(f"tokens: invalid actor name {name!r} for a token file")
         token = secrets.token_hex(32)
         _write(os.path.join(tokens_dir, f"{name}.token"), token.encode(), 0o600)
         _write(os.path.join(tokens_dir, f"{name}.digest"), _digest(token).encode(), 0o600)

@@ -31,7 +31,7 @@ public keys; DEALERs are CURVE clients. Without CURVE, per-run tokens (``tokens=
 a PLAIN server whose ZAP handler admits only the run's actors, each by its own name and token. Denied
 handshakes are counted in ``rejected["auth_denied"]``. Either way a connection is bound to one actor, and with
 ``roles`` a message whose header names another sender is refused (``spoofed_sender``). A bus with neither (a
-test's) trusts the header. An ipc socket is made 0600 once bound, in a directory made 0700.
+test's) trusts the header. An ipc socket is made 0600 once bound (a directory the bus creates for it is 0700).
 """
 from __future__ import annotations
 
