@@ -209,7 +209,7 @@ def account(run_dir: Path) -> dict[str, int]:
 
 
 def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: int, hang_s: float,
-              flood_n: int, log: Callable[[str], None]) -> dict[str, Any]:
+              flood_n: int, log: Callable[[str], None], run_timeout: float = 900) -> dict[str, Any]:
     run_dir = out / fault
     intruder = intruder_account() if fault in ATTACKS else None
     if isinstance(intruder, str):
@@ -236,10 +236,17 @@ def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: in
             log(f"bench chaos: flood: {flood(run_dir, flood_n)} malformed messages sent")
         elif fault in ATTACKS:
             attack_report = attack(fault, run_dir, steps, intruder, log)
+            # it proves something only if the run was still going when it ended (unless it stopped the run)
+            attack_report["run_going"] = proc.poll() is None and max(
+                (r["step"] for r in step_records(run_dir)), default=0) < steps
         elif fault == "relaunch":
             kill_everything(proc, run_dir)
             proc, launches = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2",)), 2
-        output = finish_run(proc, run_dir, timeout=900)
+        try:
+            output = finish_run(proc, run_dir, timeout=run_timeout)
+        except subprocess.TimeoutExpired:   # a stalled run is a row of the table (killed: not in place), not a crash
+            output = ""
+            log(f"bench chaos: {fault}: the run did not end within {run_timeout:g} s; killed")
     finally:
         if proc.poll() is None:
             kill_everything(proc, run_dir)
@@ -384,7 +391,7 @@ def network_address() -> str:
     route (a UDP connect sends nothing), else 127.0.0.2, which a socket bound to every interface also takes."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
-            probe.connect(("192.0.2.255", 9))
+            probe.connect(("203.0.113.1", 9))   # TEST-NET-3: only the route is looked up
             addr = probe.getsockname()[0]
         except OSError:
             addr = ""
@@ -443,7 +450,6 @@ def attack(fault: str, run_dir: Path, steps: int, account: tuple[int, int], log:
             messages = spoofed_messages(run_dir, steps)
             report = run_as_intruder({"control": {**messages[2], "name": "control", "endpoint": control},
                                       "messages": messages, "user": "evaluator"}, account)
-    report["ended"] = time.time()
     log(f"bench chaos: {fault}: intruder (uid {report['uid']}) done")
     return report
 
@@ -470,9 +476,7 @@ def attack_outcome(fault: str, report: dict[str, Any], run_dir: Path, steps: int
     """The attack row's figures: what was tried, what the run took, and where it said no."""
     from actors.recovery import checkpoint_dir
 
-    # An attack proves something only while the run it attacks goes on: it must end before the last step.
-    last_step = max((r["time"] for r in step_records(run_dir)), default=0.0)
-    out: dict[str, Any] = {"intruder_uid": report.get("uid"), "during_run": report.get("ended", 0.0) < last_step}
+    out: dict[str, Any] = {"intruder_uid": report.get("uid"), "during_run": bool(report.get("run_going"))}
     if fault == "rendezvous":
         stores = report.get("stores", [])
         refused = sum(line.count("was not written by a member of this run")
@@ -518,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--at", type=int, default=3, help="inject the fault once the trainer made this step (3)")
     ap.add_argument("--hang-s", type=float, default=60.0, help="how long a hung actor stays stopped (60)")
     ap.add_argument("--flood", type=int, default=2000, help="malformed messages per actor (2000)")
+    ap.add_argument("--run-timeout", type=float, default=900.0,
+                    help="a run not over after this many seconds is killed and reported as such (900)")
     ap.add_argument("--out", default=None, help="folder for the run directories (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
@@ -533,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for i, fault in enumerate(faults, 1):
         log(f"bench chaos: [{i}/{len(faults)}] {fault}")
-        results.append(run_fault(fault, assets, out, args.steps, args.at, args.hang_s, args.flood, log))
+        results.append(run_fault(fault, assets, out, args.steps, args.at, args.hang_s, args.flood, log,
+                                 run_timeout=args.run_timeout))
     report = {"steps": args.steps, "at": args.at, "hang_s": args.hang_s, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
               "results": results, "target_met": target_met(results)}
     if args.json:
