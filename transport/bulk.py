@@ -53,9 +53,18 @@ __all__ = [
     "unpack_flat",
     "bucket_checksum",
     "FLAT_ALIGN",
+    "NCCL_ERROR_HANDLING_ENV",
 ]
 
 Bucket = list[tuple[str, torch.Tensor]]
+
+#: Set before every NCCL group a weights path forms (bulk links, SGLang's weight-update groups). torch's
+#: default, 3 ("SkipCleanUp", ProcessGroupNCCL.cpp: ``getCvarInt(TORCH_NCCL_ASYNC_ERROR_HANDLING, 3)``), has
+#: the watchdog take the whole process down when a collective times out or fails: a rollout's server that
+#: hangs mid-broadcast would kill trainer rank 0 and with it the trainer's world. 2 ("CleanUpOnly") aborts
+#: the failed group's communicator and raises in the waiting call; the process and its other groups live on.
+#: Read when a ProcessGroupNCCL is built, so groups built before (the trainer's world) keep their own mode.
+NCCL_ERROR_HANDLING_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 _ALIGN = 16
 FLAT_ALIGN = 1   # SGLang's "flattened_bucket": every tensor's bytes back to back, no padding
@@ -381,6 +390,7 @@ class BulkLink:
             return dist.ProcessGroupGloo(store, rank, world, opts)
         if not hasattr(dist, "ProcessGroupNCCL") or not torch.cuda.is_available():
             raise BulkError(f"link {cfg.name!r}: backend nccl needs CUDA and a torch built with NCCL")
+        os.environ.update({**NCCL_ERROR_HANDLING_ENV, **cfg.env})
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         self._device = torch.device("cuda", torch.cuda.current_device())
@@ -508,6 +518,7 @@ class BulkLink:
         runs on the epoch it started on, even if the link is re-formed while it is blocked. With
         ``expected``, a transfer meant for an older epoch fails instead of starting on a newer one."""
         pg, epoch, rank = self._pg, self.epoch, self._rank
+        timeout = _dt.timedelta(seconds=self.config.timeout_s)
         if pg is None:
             raise BulkError(f"link {self.config.name!r}: not open (call open(epoch) first)")
         if expected is not None and expected != epoch:
@@ -518,7 +529,9 @@ class BulkLink:
             if root is not None:
                 args[1].rootRank = root
             try:
-                getattr(pg, what)(*args).wait()
+                # A deadline on the waiting host thread too: an NCCL work's plain wait() returns at once and
+                # leaves a hung peer to the watchdog.
+                getattr(pg, what)(*args).wait(timeout)
             except Exception as exc:
                 raise BulkError(f"link {self.config.name!r} epoch {epoch}: {what} failed on rank "
                                 f"{rank}: {exc}") from exc
