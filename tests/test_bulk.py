@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from transport.bulk import (BulkError, BulkLink, ChecksumMismatch, LinkConfig, LinkRendezvousError,
-                            bucket_checksum, pack_bucket, unpack_bucket)
+                            bucket_checksum, pack_bucket, pack_to_host, unpack_bucket)
 from transport.ports import free_port
 
 CTX = mp.get_context("fork")  # the parent has torch imported already: forking is ~100x cheaper than spawn
@@ -83,6 +83,51 @@ def test_pack_roundtrip_and_corruption_in_process() -> None:
     packed.flat[3] ^= 0xFF
     with pytest.raises(ChecksumMismatch, match=r"bucket 7 checksum mismatch.*layer\.0\.weight"):
         unpack_bucket(packed, link="weights")
+
+
+class DeferredCopier:
+    """Moves bytes only when waited for, as a GPU copy stream finishes later; counts the copies pending."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.done = 0
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+        self.pending += 1
+
+        def wait() -> None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            self.pending -= 1
+            self.done += 1
+        return wait
+
+
+def test_pack_to_host_holds_a_few_exported_buckets_and_packs_what_pack_bucket_packs() -> None:
+    buckets = [make_bucket(seed) for seed in range(7)]
+    copier = DeferredCopier()
+    held: list[int] = []
+
+    def export():   # what an engine's export_weights does: one bucket at a time, made as it is asked for
+        for bucket in buckets:
+            yield bucket
+            held.append(len(held) + 1 - copier.done)   # exported, not yet copied off the "GPU"
+
+    packed = list(pack_to_host(export(), in_flight=2, copier=copier))
+    assert max(held) <= 3, held          # in_flight copying + the one just exported, not the whole version
+    assert copier.pending == 0 and len(packed) == len(buckets)
+    for i, (got, bucket) in enumerate(zip(packed, buckets)):
+        ref = pack_bucket(bucket, i)
+        assert got.header == ref.header and torch.equal(got.flat, ref.flat)
+        assert same_bucket(unpack_bucket(got), bucket)
+    # the default (no copier) packs buckets in host memory at once, numbered from first_id
+    [p] = pack_to_host([buckets[0]], first_id=5)
+    assert p.header == pack_bucket(buckets[0], 5).header
+    with pytest.raises(BulkError, match="empty bucket"):
+        list(pack_to_host([[]]))
 
 
 def test_receiver_verifies_with_the_algorithm_the_sender_named() -> None:

@@ -31,7 +31,8 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import os
-from typing import Any, Callable, Sequence
+from collections import deque
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import msgpack
 import torch
@@ -49,6 +50,8 @@ __all__ = [
     "bucket_metas",
     "pack_bucket",
     "pack_buckets",
+    "pack_to_host",
+    "bucket_views",
     "unpack_bucket",
     "unpack_flat",
     "bucket_checksum",
@@ -172,15 +175,6 @@ class PackedBucket:
     def metas(self) -> list[TensorMeta]:
         return [TensorMeta(e["name"], e["dtype"], list(e["shape"])) for e in self.header["tensors"]]
 
-    def to_host(self) -> "PackedBucket":
-        """The same bucket in host memory, page-locked where there is a GPU (so it goes back up at full
-        speed, and without holding GPU memory while it waits to be sent)."""
-        if self.flat.device.type == "cpu":
-            return self
-        host = torch.empty(self.flat.shape, dtype=self.flat.dtype, pin_memory=torch.cuda.is_available())
-        host.copy_(self.flat)
-        return PackedBucket(self.header, host)
-
 
 def bucket_checksum(flat: torch.Tensor, algo: str | None = None) -> int:
     """Checksum of a flat uint8 buffer by ``algo`` (default: the one native to the buffer's device).
@@ -228,22 +222,110 @@ def pack_bucket(bucket: Bucket, bucket_id: int = 0, *, align: int = _ALIGN, chec
     device = devices.pop()
     entries, size = _layout(bucket_metas(bucket), align)
     flat = torch.empty(size if align == FLAT_ALIGN else max(size, 1), dtype=torch.uint8, device=device)
+    _SyncCopier().copy(_placed(flat, entries, bucket))
+    return PackedBucket(_header(bucket_id, flat, entries, checksum), flat)
+
+
+def _placed(flat: torch.Tensor, entries: Sequence[dict[str, Any]], bucket: Bucket) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) byte ranges that lay ``bucket`` into ``flat``; the alignment padding between them
+    is zeroed here, so the same bucket always packs to the same bytes."""
+    pairs = []
     ends = [e["offset"] for e in entries[1:]] + [flat.numel()]
     for entry, end, (_, tensor) in zip(entries, ends, bucket):
         start, stop = entry["offset"], entry["offset"] + entry["nbytes"]
         if entry["nbytes"]:
-            flat[start:stop].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            pairs.append((flat[start:stop], tensor.detach().contiguous().reshape(-1).view(torch.uint8)))
         if end > stop:
-            flat[stop:end].zero_()  # alignment padding: the same bucket always packs to the same bytes
+            flat[stop:end].zero_()
+    return pairs
+
+
+def _header(bucket_id: int, flat: torch.Tensor, entries: list[dict[str, Any]], checksum: bool) -> dict[str, Any]:
     header = {"v": _HEADER_VERSION, "bucket": bucket_id, "size": flat.numel(), "tensors": entries}
     if checksum:
-        header.update(algo="xxh3_64" if device.type == "cpu" else "wsum", checksum=bucket_checksum(flat))
-    return PackedBucket(header, flat)
+        header.update(algo="xxh3_64" if flat.device.type == "cpu" else "wsum", checksum=bucket_checksum(flat))
+    return header
 
 
 def pack_buckets(buckets: Sequence[Bucket]) -> list[PackedBucket]:
     """Each bucket of a version packed for a link, numbered in order."""
     return [pack_bucket(b, i) for i, b in enumerate(buckets)]
+
+
+class _SyncCopier:
+    """How :func:`pack_to_host` moves bytes: here at once (tensors already in host memory)."""
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+        """Start copying each source into its destination; returns the wait for all of them."""
+        for dst, src in pairs:
+            dst.copy_(src)
+        return lambda: None
+
+
+class _CudaCopier(_SyncCopier):
+    """Device-to-host copies on a CUDA stream of this process's own, into page-locked memory, with an event.
+
+    The default stream runs training; copies queued behind its kernels would wait for them, and a push
+    waited for there would hold the training step. The stream first waits for the work queued so far on
+    the current stream (the export that made the tensors), then copies while training goes on."""
+
+    _streams: dict[int, Any] = {}
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._streams:
+            self._streams[index] = torch.cuda.Stream(device=index)
+        self.stream = self._streams[index]
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done.synchronize
+
+
+def pack_to_host(buckets: Iterable[Bucket], first_id: int = 0, in_flight: int = 2,
+                 copier: _SyncCopier | None = None) -> Iterator[PackedBucket]:
+    """Each bucket packed straight into host memory as it comes, numbered from ``first_id``, in order.
+
+    A bucket on a GPU is copied tensor by tensor into its place in a page-locked host buffer on a CUDA stream
+    of its own (:class:`_CudaCopier`); at most ``in_flight`` buckets are being copied at once, and a bucket's
+    GPU tensors are held until their copy is done, so the GPU holds at most ``in_flight`` exported buckets
+    however large the model (publishing used to hold every bucket and a packed copy of each: twice the
+    weights). The checksum (XXH3) is computed on the host once the bytes are there. Buckets in host
+    memory are packed at once. ``copier``: how the bytes move (tests pass their own)."""
+    pending: deque[tuple[int, torch.Tensor, list[dict[str, Any]], Bucket, Callable[[], None]]] = deque()
+
+    def finish() -> PackedBucket:
+        bucket_id, flat, entries, _bucket, wait = pending.popleft()
+        wait()   # then the bucket's own tensors may go: nothing reads them any more
+        return PackedBucket(_header(bucket_id, flat, entries, True), flat)
+
+    for bucket_id, bucket in enumerate(buckets, first_id):
+        if not bucket:
+            raise BulkError("pack_to_host: empty bucket")
+        devices = {t.device for _, t in bucket}
+        if len(devices) != 1:
+            raise BulkError(f"pack_to_host: tensors on several devices {sorted(map(str, devices))}")
+        device = devices.pop()
+        mover = copier or (_CudaCopier(device) if device.type == "cuda" else _SyncCopier())
+        entries, size = _layout(bucket_metas(bucket), _ALIGN)
+        flat = mover.buffer(max(size, 1))
+        pending.append((bucket_id, flat, entries, bucket, mover.copy(_placed(flat, entries, bucket))))
+        while len(pending) > in_flight:
+            yield finish()
+    while pending:
+        yield finish()
 
 
 def _views(flat: torch.Tensor, entries: Sequence[dict[str, Any]], link: str) -> Bucket:
@@ -268,6 +350,12 @@ def unpack_bucket(packed: PackedBucket, link: str = "?") -> Bucket:
         raise ChecksumMismatch(link, header["bucket"], header["checksum"], got,
                                [e["name"] for e in header["tensors"]])
     return _views(flat, header["tensors"], link)
+
+
+def bucket_views(packed: PackedBucket, link: str = "?") -> Bucket:
+    """Views into a packed bucket's buffer, unverified: for a copy of a bucket already verified (a kept bucket
+    moved to the GPU to be sent)."""
+    return _views(packed.flat, packed.header["tensors"], link)
 
 
 def unpack_flat(flat: torch.Tensor, metas: Sequence[TensorMeta], link: str = "?") -> Bucket:
