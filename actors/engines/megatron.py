@@ -214,15 +214,16 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 
 def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                            max_seqlen: int, scale: float | None) -> torch.Tensor:
+                            max_seqlen: int, scale: float | None, varlen: bool = True) -> torch.Tensor:
     """Causal attention within each packed sequence of a THD stream: query [t, heads, d], key/value
     [t, groups, d], sequence boundaries ``cu_seqlens`` ([n + 1] int32); returns [t, heads, d].
 
-    flash-attn's variable-length kernel where it is installed and can run (CUDA, fp16/bf16, head dim <= 256):
-    one call for the whole stream, GQA native. Otherwise one :func:`sequence_attention` per sequence.
+    flash-attn's variable-length kernel where it is installed and can run (CUDA, fp16/bf16, head dim <= 256;
+    ``varlen`` False leaves it out): one call for the whole stream, GQA native. Otherwise one
+    :func:`sequence_attention` per sequence.
     """
-    if (flash_attn_varlen_func is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-            and query.shape[-1] <= 256):
+    if (varlen and flash_attn_varlen_func is not None and query.is_cuda
+            and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256):
         return flash_attn_varlen_func(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                       dropout_p=0.0, softmax_scale=scale, causal=True)
     bounds = cu_seqlens.tolist()

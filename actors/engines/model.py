@@ -437,10 +437,14 @@ class Qwen2ForCausalLM(nn.Module):
         last = hidden[torch.arange(b, device=hidden.device), lengths.to(hidden.device) - 1]
         return self.logits(last)
 
-    def decode(self, tokens: torch.Tensor, lens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One step for cache rows 0..B-1: tokens [B] sit at positions lens [B]; returns logits [B, V]."""
-        span = int(lens.max()) + 1
-        cache.reserve(tokens.shape[0], span)
+    def decode(self, tokens: torch.Tensor, lens: torch.Tensor, cache: KVCache, span: int | None = None,
+               ) -> torch.Tensor:
+        """One step for cache rows 0..B-1: tokens [B] sit at positions lens [B]; returns logits [B, V].
+        ``span``: cache positions to read (at least max(lens) + 1; the cache must hold them), given when the
+        step is captured in a CUDA graph, which cannot read max(lens) back to the host."""
+        if span is None:
+            span = int(lens.max()) + 1
+            cache.reserve(tokens.shape[0], span)
         mask = (torch.arange(span, device=tokens.device)[None, :] <= lens[:, None])[:, None, None, :]
         ctx = AttnContext("decode", cache=cache, lens=lens, decode_mask=mask, decode_span=span)
         hidden = self.model(tokens[:, None], lens[:, None], ctx)
