@@ -1,8 +1,9 @@
 """`python -m tools.bench bulk`: a bucket broadcast on a bulk link against a raw broadcast of the same bytes.
 
 Two processes form one link (gloo on loopback; `--backend nccl` on a GPU) and broadcast a bucket of 8 float32
-tensors of `--mib` MiB in all, each transfer timed alone between barriers, the modes interleaved, the best of
-`--reps` each:
+tensors of `--mib` MiB in all, each transfer timed alone between barriers, the modes interleaved in `--reps`
+rounds; each mode's ratio is the median over rounds of raw's time over its time in the same round (so the
+load of a shared machine at that moment cancels), its GB/s the median:
 
     raw           `BulkLink.broadcast_tensor`: one collective of a buffer of the bucket's size, no header, no
                   checksum, the same preallocated buffers every time
@@ -14,8 +15,9 @@ tensors of `--mib` MiB in all, each transfer timed alone between barriers, the m
     receiver_keeps  `bucket`, with a receiver that keeps every bucket (the parameter server keeps versions):
                   each lands in a fresh buffer and pays its page faults
 
-Each member runs one thread (`torch.set_num_threads(1)`), as an actor pinned to one core does. Ratios are of
-throughputs measured side by side in one run; `parts_ms` is what the old path paid per bucket on one side.
+Each member runs one thread (`torch.set_num_threads(1)`), as an actor pinned to one core does. `parts_ms` is
+what packing a bucket in host memory costs one side (what the sender paid per bucket before it sent tensors
+as they are).
 
     python -m tools.bench bulk [--mib 64] [--reps 5] [--backend gloo] [--json]
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import statistics
 import sys
 import time
 from typing import Any
@@ -78,9 +81,9 @@ def _member(rank: int, world: int, port: int, mib: int, reps: int, backend: str,
         for mode in MODES:   # warm-up: NCCL builds its communicator, the receive buffers come into use
             run(mode)
         held.clear()
-        # Each transfer timed alone between barriers (which both modes pay alike), modes interleaved, the best
-        # of all: on a shared machine the best is the transfer that ran undisturbed.
-        best = {m: float("inf") for m in MODES}
+        # Each transfer timed alone between barriers (which every mode pays alike), the modes interleaved: the
+        # ratio of each round's pair (raw, mode) shares that moment's load on a shared machine.
+        times: dict[str, list[float]] = {m: [] for m in MODES}
         for _ in range(reps):
             for mode in MODES:
                 link.barrier()
@@ -89,8 +92,8 @@ def _member(rank: int, world: int, port: int, mib: int, reps: int, backend: str,
                 run(mode)
                 link.barrier()
                 _sync(device)
-                best[mode] = min(best[mode], time.perf_counter() - t0)
-        queue.put((rank, {"best_s": best, "nbytes": size}))
+                times[mode].append(time.perf_counter() - t0)
+        queue.put((rank, {"times": times, "nbytes": size}))
     except Exception as exc:
         queue.put((rank, {"error": f"{type(exc).__name__}: {exc}"[:600]}))
 
@@ -115,7 +118,7 @@ def parts_ms(mib: int, reps: int = 5) -> dict[str, float]:
     return out
 
 
-def measure(mib: int = 64, reps: int = 10, backend: str = "gloo", world: int = 2,
+def measure(mib: int = 64, reps: int = 20, backend: str = "gloo", world: int = 2,
             timeout_s: float = 600.0) -> dict[str, Any]:
     """Run the members and return each mode's GB/s and its ratio to raw (or {"error": ...})."""
     ctx = mp.get_context("spawn" if backend == "nccl" else "fork")   # CUDA must not be forked
@@ -138,19 +141,22 @@ def measure(mib: int = 64, reps: int = 10, backend: str = "gloo", world: int = 2
     if errors:
         return {"error": errors[0]}
     nbytes = results[0]["nbytes"]
-    best = {m: max(r["best_s"][m] for r in results.values()) for m in MODES}
+    # every member waits at the closing barrier: the slowest member's clock is the transfer's
+    times = {m: [max(r["times"][m][i] for r in results.values()) for i in range(reps)] for m in MODES}
     out: dict[str, Any] = {"backend": backend, "world": world, "mib": mib, "reps": reps}
     for m in MODES:
-        out[f"{m}_gb_per_s"] = round(nbytes / best[m] / 1e9, 3)
+        out[f"{m}_gb_per_s"] = round(nbytes / statistics.median(times[m]) / 1e9, 3)
     for m in MODES[1:]:
-        out[f"{m}_ratio"] = round(best["raw"] / best[m], 3)
+        ratios = sorted(raw / t for raw, t in zip(times["raw"], times[m]))
+        out[f"{m}_ratio"] = round(statistics.median(ratios), 3)
+        out[f"{m}_ratio_quartiles"] = [round(ratios[len(ratios) // 4], 3), round(ratios[3 * len(ratios) // 4], 3)]
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench bulk", description=__doc__.split("\n")[0])
     ap.add_argument("--mib", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--json", action="store_true")
@@ -163,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{args.backend} link of {args.world}, a {args.mib} MiB bucket (best of {args.reps}, modes interleaved)")
+    print(f"{args.backend} link of {args.world}, a {args.mib} MiB bucket ({args.reps} rounds, modes interleaved; "
+          f"medians)")
     print(f"{'transfer':<58}{'GB/s':>8}{'x raw':>8}")
     labels = {"raw": "raw broadcast of the same bytes (broadcast_tensor)",
               "bucket": "bucket broadcast (header, checksum, verified)",
