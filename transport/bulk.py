@@ -819,8 +819,9 @@ class _RecvBuffers:
     A fresh buffer costs its page faults as the bytes land: on the measured VM 22 ms of a 64 MiB bucket's
     40 ms receive over loopback (`python -m tools.bench bulk`). Receivers mostly copy a bucket and let it go
     (an engine stages its own copy), so the link keeps up to ``keep`` buffers and hands one out again when
-    torch's storage use count says only the link holds it; a caller that keeps its views (the parameter
-    server keeps whole versions) simply makes the link allocate afresh."""
+    torch's storage use count says only the link holds it. A caller that keeps its views (the parameter
+    server keeps whole versions) makes the link allocate afresh, and such buffers leave the pool oldest first,
+    so the ones callers let go are reused again."""
 
     def __init__(self, keep: int = 4) -> None:
         self.keep = keep
@@ -839,10 +840,11 @@ class _RecvBuffers:
         fresh = torch.empty(nbytes, dtype=torch.uint8)
         alone = self._use_count(fresh)
         if alone is not None:
-            if len(self.buffers) < self.keep:
-                self.buffers.append((fresh, alone))
-            elif free:   # a free buffer too small for this bucket makes room
-                self.buffers[free[0][0]] = (fresh, alone)
+            if len(self.buffers) >= self.keep:
+                # make room: a free buffer too small for this bucket, else the oldest one a caller kept (it
+                # stays theirs; the link stops waiting for it)
+                self.buffers.pop(free[0][0] if free else 0)
+            self.buffers.append((fresh, alone))
         return fresh
 
 
