@@ -301,14 +301,14 @@ def pack_to_host(buckets: Iterable[Bucket], first_id: int = 0, in_flight: int = 
     A bucket on a GPU is copied tensor by tensor into its place in a page-locked host buffer on a CUDA stream
     of its own (:class:`_CudaCopier`); at most ``in_flight`` buckets are being copied at once, and a bucket's
     GPU tensors are held until their copy is done, so the GPU holds at most ``in_flight`` exported buckets
-    however large the model (publishing used to hold every bucket and a packed copy of each: twice the
+    however large the model (holding every bucket and a packed copy of each would take twice the
     weights). The checksum (XXH3) is computed on the host once the bytes are there. Buckets in host
     memory are packed at once. ``copier``: how the bytes move (tests pass their own)."""
-    pending: deque[tuple[int, torch.Tensor, list[dict[str, Any]], Bucket, Callable[[], None]]] = deque()
+    pending: deque[tuple[int, torch.Tensor, list[dict[str, Any]], Any, Callable[[], None]]] = deque()
 
     def finish() -> PackedBucket:
-        bucket_id, flat, entries, _bucket, wait = pending.popleft()
-        wait()   # then the bucket's own tensors may go: nothing reads them any more
+        bucket_id, flat, entries, _sources, wait = pending.popleft()
+        wait()   # then the bucket's tensors (and contiguous copies of them) may go: nothing reads them any more
         return PackedBucket(_header(bucket_id, flat, entries, True), flat)
 
     for bucket_id, bucket in enumerate(buckets, first_id):
@@ -321,7 +321,8 @@ def pack_to_host(buckets: Iterable[Bucket], first_id: int = 0, in_flight: int = 
         mover = copier or (_CudaCopier(device) if device.type == "cuda" else _SyncCopier())
         entries, size = _layout(bucket_metas(bucket), _ALIGN)
         flat = mover.buffer(max(size, 1))
-        pending.append((bucket_id, flat, entries, bucket, mover.copy(_placed(flat, entries, bucket))))
+        pairs = _placed(flat, entries, bucket)
+        pending.append((bucket_id, flat, entries, (bucket, pairs), mover.copy(pairs)))
         while len(pending) > in_flight:
             yield finish()
     while pending:
@@ -816,8 +817,9 @@ class _StreamedSource(_WireSource):
 class _RecvBuffers:
     """Receive buffers a CPU link reuses once nothing outside it holds a view of them.
 
-    A fresh buffer costs its page faults as the bytes land: on the measured VM 22 ms of a 64 MiB bucket's
-    40 ms receive over loopback (`python -m tools.bench bulk`). Receivers mostly copy a bucket and let it go
+    A fresh buffer costs its page faults as the bytes land (`python -m tools.bench bulk` sets the kept mode
+    beside a receiver that keeps every bucket, so each lands in fresh memory). Receivers mostly copy a bucket
+    and let it go
     (an engine stages its own copy), so the link keeps up to ``keep`` buffers and hands one out again when
     torch's storage use count says only the link holds it. A caller that keeps its views (the parameter
     server keeps whole versions) makes the link allocate afresh, and such buffers leave the pool oldest first,

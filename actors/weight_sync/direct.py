@@ -45,8 +45,8 @@ class KeptVersions:
     GPU holds a few buckets, never the version. ``max_bytes`` caps the host memory: before a version comes
     in, older ones are dropped (oldest first) until the kept ones and one more of the newest's size fit, and
     once it is in, until they all fit; the newest is never dropped. Unset, the newest version is kept
-    while the next one comes in (two versions at most; keeping the last two before it made three while
-    one was exported). A push asked for a dropped version fails, and the parameter server pushes a newer one.
+    while the next one comes in (two versions at most; keeping the last two as well would make three while
+    one is exported). A push asked for a dropped version fails, and the parameter server pushes a newer one.
     """
 
     def __init__(self, max_bytes: int | None = None) -> None:

@@ -16,8 +16,8 @@ load of a shared machine at that moment cancels), its GB/s the median:
                   each lands in a fresh buffer and pays its page faults
 
 Each member runs one thread (`torch.set_num_threads(1)`), as an actor pinned to one core does. `parts_ms` is
-what packing a bucket in host memory costs one side (what the sender paid per bucket before it sent tensors
-as they are).
+what packing a bucket in host memory costs one side (which the sender saves by sending tensors as they
+are).
 
     python -m tools.bench bulk [--mib 64] [--reps 5] [--backend gloo] [--json]
 """

@@ -8,8 +8,8 @@ and the weight path, each at a size one H100 holds (and tiny on the CPU, where t
                 1.5B-shaped model (random weights, bf16, full recompute, 4,096-token log-prob chunks):
                 `max_memory_allocated` against `tools.plan`'s terms for the same shape
     publish     exporting a version into page-locked host memory as the trainer publishes it
-                (`KeptVersions.keep`): the peak increase, the time and the pinned bytes, beside the old way
-                (every bucket held, then packed)
+                (`KeptVersions.keep`): the peak increase, the time and the pinned bytes, beside holding
+                every bucket and then packing them
     overlap     a train step alone, with a bucket push running on the push stream, and with the same push on
                 the default stream
     broadcast   `tools.bench.bulk`: a bucket broadcast against a raw broadcast of the same bytes (an NCCL link
@@ -216,7 +216,7 @@ def probe_publish(engine: Any, sizes: ProbeSizes, dev: Device) -> dict[str, Any]
                            "peak_rise_gib": None if rise is None else round(rise, 3)}
     del packed, kept
 
-    def held_then_packed() -> int:   # what publishing did before: every bucket, then a packed copy of each
+    def held_then_packed() -> int:   # every bucket held, then a packed copy of each
         buckets = list(engine.export_weights(sizes.bucket_bytes))
         return len(pack_buckets(buckets))
     _, old_s, old_rise = dev.peak_during(held_then_packed)

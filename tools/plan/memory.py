@@ -42,7 +42,7 @@ KEPT_VERSIONS = 2
 #: Exported buckets on the export sender's GPU at once while a version is published: the copies to host memory
 #: in flight (`pack_to_host`'s in_flight, 2), the bucket being laid out in Hugging Face layout and its converted
 #: copy (2), and the next bucket's tensor-parallel all-gather started ahead (its own shard and the gathered
-#: parts, up to 2). Before streaming, every bucket and a packed copy of each: twice the stage's weights.
+#: parts, up to 2); holding every bucket and a packed copy of each would take twice the stage's weights.
 PUBLISH_BUCKETS_ON_GPU = 6
 
 
