@@ -127,7 +127,9 @@ def parts_ms(mib: int, reps: int = 5) -> dict[str, float]:
 def measure(mib: int = 64, reps: int = 20, backend: str = "gloo", world: int = 2,
             timeout_s: float = 600.0) -> dict[str, Any]:
     """Run the members and return each mode's GB/s and its ratio to raw (or {"error": ...})."""
-    ctx = mp.get_context("spawn" if backend == "nccl" else "fork")   # CUDA must not be forked
+    # Fresh interpreters: CUDA must not be forked, and a fork of a process whose threads hold locks (the test
+    # suite's, after megatron-core's import) can hang in the child.
+    ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_member, args=(r, world, port, mib, reps, backend, queue)) for r in range(world)]
     for p in procs:
