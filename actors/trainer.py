@@ -43,7 +43,8 @@ from actors.recovery import (COMPLETE, checkpoint_dir, complete_checkpoints, mar
 from actors.train_metrics import MetricsWriter, step_metrics
 # StepConfig, TrainerConfigError, train_on_batch, rank_samples: the step's math, imported here by its users too
 from actors.train_step import StepConfig, TrainerConfigError, rank_samples, train_on_batch, train_share
-from actors.weight_sync import StageExport, StageSender, WeightSender, WeightSyncConfigError, in_thread, make_sender
+from actors.weight_sync import (StageExport, StageSender, WeightSender, WeightSyncConfigError, in_thread, kept_bytes,
+                                make_sender)
 from topology.settings import TrainerSettings
 from transport.bus import BusError
 from transport.messages import encode
@@ -184,7 +185,7 @@ class TrainerActor(Actor):
                                          f"sets it): a pipeline stage's sender hosts its weights group there")
             # A pipeline stage's sender (a stage > 0) keeps and broadcasts its own layers.
             self.stage_sender = (StageSender(self.engine.pp_rank, self.engine.is_export_sender
-                                             and self.engine.pp_rank > 0, address, self.log)
+                                             and self.engine.pp_rank > 0, address, self.log, kept_bytes(cfg))
                                  if self.weight_ranks is not None else None)
             self.log.info("trainer_rank_started", rank=self.ranks.rank, world=self.ranks.size, version=self.version)
             return
@@ -281,10 +282,12 @@ class TrainerActor(Actor):
         return {r: encoded[dp] for r, dp in enumerate(self.rank_dp) if r > 0}
 
     def _export(self) -> tuple[list[Any], list[StageExport]]:
-        """This rank's buckets, and with pipeline stages what the other stages' senders keep."""
+        """This rank's buckets, packed into host memory by the sender as they are exported, and with pipeline
+        stages what the other stages' senders keep."""
+        assert self.weights is not None
         if self.ranks is not None:
             self.ranks.lead(EXPORT, self.bucket_bytes, self.version)
-        buckets = list(self.engine.export_weights(self.bucket_bytes))
+        buckets = self.weights.take(self.version, self.engine.export_weights(self.bucket_bytes))
         if self.weight_ranks is None:
             return buckets, []
         stages = [s for s in self.ranks.gather(None) or [] if s is not None]

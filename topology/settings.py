@@ -132,6 +132,10 @@ class TrainerSettings(EngineSettings):
     recompute: str = Field("none", description="Megatron activation recomputation: none, selective or full")
     logprob_chunk_tokens: int = Field(0, ge=0, description="tokens per chunk of the log-prob computation; 0 is off")
     weight_bucket_mb: int = Field(64, ge=1, description="size of one bucket of published weights, MiB")
+    weights_kept_mb: int | None = Field(
+        None, ge=0, description="direct weights: host memory (MiB, page-locked on a GPU) the trainer's senders keep "
+                                "exported versions in for the parameter server to push; older versions are dropped "
+                                "first, the newest never (unset: the newest while the next one is exported)")
 
 
 class SGLangSettings(Section):
