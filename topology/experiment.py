@@ -122,7 +122,10 @@ class AlgoSection(Section):
     dual_clip: float | None = Field(None, gt=1, description="dual-clip bound on negative advantages (unset: off)")
     behav_imp_weight_cap: float = Field(5.0, ge=0, description="cap of the behaviour importance weight; 0 disables")
     decoupled: bool = Field(True, description="decoupled PPO objective; false is plain PPO")
-    group_std: bool = Field(True, description="divide group-relative advantages by the group's std")
+    group_norm: bool = Field(
+        False, description="subtract each group's mean reward before GAE (the group form, GRPO's); false is AReaL's "
+                           "form: GAE on the raw rewards, normalised by adv_norm (docs/algo.md)")
+    group_std: bool = Field(True, description="with group_norm, also divide by the group's std")
     adv_norm: Literal["batch", "group", "none"] = Field(
         "batch", description="advantage normalisation: over all tokens of the batch, within each group, or none")
     dynamic_sampling: bool = Field(False, description="drop groups whose answers all got one reward")
