@@ -303,7 +303,7 @@ def grade_records(responses: Sequence[str], records: Sequence[Record], pool: Rew
     math = [i for i, r in enumerate(records) if not is_code(r)]
     verdicts: list[MathVerdict | CodeCheck | None] = [None] * len(responses)
     if math:
-        for i, v in zip(math, grade_many([responses[i] for i in math], [str(records[i].answer) for i in math],
+        for i, v in zip(math, grade_many([responses[i] for i in math], [_reference(records[i]) for i in math],
                                          pool, workers, timeout_s)):
             verdicts[i] = v
     if code:
@@ -311,6 +311,13 @@ def grade_records(responses: Sequence[str], records: Sequence[Record], pool: Rew
                                               pool, workers)):
             verdicts[i] = v
     return verdicts
+
+
+def _reference(record: Record) -> str | list[str]:
+    """What a math record's responses are graded against: its answer, or all its answers when there are several
+    (a response matching any of them is correct)."""
+    refs = record.references
+    return refs[0] if len(refs) == 1 else list(refs)
 
 
 def grade_code_many(responses: Sequence[str], records: Sequence[Record], pool: RewardPool | None = None,
@@ -345,7 +352,7 @@ def grade_code_many(responses: Sequence[str], records: Sequence[Record], pool: R
         if own:
             pool.close()
 
-def grade_many(responses: Sequence[str], answers: Sequence[str], pool: RewardPool | None = None,
+def grade_many(responses: Sequence[str], answers: Sequence[str | list[str]], pool: RewardPool | None = None,
                workers: int = 1, timeout_s: float = 10.0) -> list[MathVerdict | None]:
     """Verdict per response (None: the check timed out or crashed, which scores as wrong).
 

@@ -119,7 +119,7 @@ class EvalActor(Actor):
             raise EvalConfigError("groups.param_server: the evaluator takes its weights from the parameter server")
         self.param_server = servers[0]
         dataset = await asyncio.to_thread(load_dataset, test, require="answer", on_error=cfg.data.on_bad_line or "fail",
-                                          layout=Layout.from_settings(cfg.data))
+                                          layout=Layout.from_settings(cfg.data, test=True))
         self.records = spread_over_levels(dataset.records, cfg.eval.max_problems)
         self.tokenizer = load_tokenizer(model_dir)
         self.model = Qwen2ForCausalLM(load_config(model_dir))

@@ -110,7 +110,7 @@ def evaluate_held_out(model_dir: str, config: ExperimentConfig, data_path: str |
     if not test:
         raise EvalError("data.test: the experiment config names no held-out file")
     return evaluate(model_dir, test, samples=None, max_per_level=config.eval.max_per_level,
-                    max_new_tokens=config.gen.max_new_tokens, layout=Layout.from_settings(config.data))
+                    max_new_tokens=config.gen.max_new_tokens, layout=Layout.from_settings(config.data, test=True))
 
 
 def copy_for_eval(model: Qwen2ForCausalLM) -> Qwen2ForCausalLM:

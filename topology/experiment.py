@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-__all__ = ["Section", "ModelSection", "DataFields", "DataSection", "DatasetRecipe", "WarmStartStage",
+__all__ = ["Section", "ModelSection", "DataFields", "DataSection", "PROMPT_TEMPLATES", "DataLayout",
+           "prompt_template_text", "DatasetRecipe", "WarmStartStage",
            "WarmStartSection", "PrepareSection", "when_missing", "AlgoSection", "GenSection", "EvalSection", "RunSection",
            "BufferSection", "ExperimentConfig", "experiment_problems", "DEFAULT_MAX_LINE_BYTES"]
 
@@ -51,21 +52,72 @@ class DataFields(Section):
     level: str | None = Field(None, description="field holding the difficulty level")
 
 
+# Prompt templates a config (data.prompt_template) or tools.eval (--template) may name: AReaL's evaluation
+# templates, as its evaluation/utils.py (tag v0.2.0, PROMPT_TEMPLATES) writes them, with {prompt} for its {input}.
+# The R1 templates end the prompt with "<think>\n", so the answer starts after it (the tutorial's protocol).
+_R1_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+PROMPT_TEMPLATES: dict[str, str] = {
+    # "r1-distilled-qwen" (line 156): DeepSeek-R1-Distill-Qwen's chat turn, the tutorial's evaluation default
+    "r1-distilled-qwen": "<｜begin▁of▁sentence｜><｜User｜>{prompt}" + _R1_INSTRUCTION + "<｜Assistant｜><think>\n",
+    # "AReaL-boba" (line 151): the same turn without the begin-of-sentence token
+    "boba": "<｜User｜>{prompt}" + _R1_INSTRUCTION + "<｜Assistant｜><think>\n",
+    # "orz" (line 182): Open-Reasoner-Zero's template for base models (Qwen2.5-7B-Zero)
+    "orz": ("A conversation between User and Assistant. The user asks a question, and the Assistant solves it."
+            "The assistant first thinks about the reasoning process in the mind and then provides the user with the "
+            "answer.The reasoning process and answer are enclosed within <think> </think> and <answer> </answer> "
+            "tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here </answer>. "
+            "User: You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here </answer>. "
+            "And your final answer will be extracted automatically by the \\boxed{} tag. This is the problem: "
+            "{prompt}\nAssistant: <think>\n"),
+}
+DataLayout = Literal["areal", "areal_eval", "gsm8k", "math"]
+_LAYOUT_DOC = ("areal (query_id, prompt, solutions or answer: boba, orz, prompts_for_r1_distilled + id2info, ours), "
+               "areal_eval (AReaL's evaluation/data/<name>/test.jsonl: question or problem, answer or solution), "
+               "gsm8k (question/answer after ####), math (problem/solution with \\boxed{})")
+
+
+def prompt_template_text(value: str) -> str:
+    """The template a `data.prompt_template` value names: one of `PROMPT_TEMPLATES`, or a text with {prompt}."""
+    if value in PROMPT_TEMPLATES:
+        return PROMPT_TEMPLATES[value]
+    if "{prompt}" in value:
+        return value
+    import difflib
+    close = difflib.get_close_matches(value, list(PROMPT_TEMPLATES), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"must contain {{prompt}} or name a template of {sorted(PROMPT_TEMPLATES)}, got "
+                     f"{value[:60]!r}{hint}")
+
+
 class DataSection(Section):
-    train: str | None = Field(None, description="JSON-lines prompts the buffer serves")
-    test: str | None = Field(None, description="held-out JSON-lines file for the final evaluation")
-    layout: Literal["areal", "gsm8k", "math"] = Field(
-        "areal", description="field layout of train and test (actors/dataset.py): areal (boba/orz and ours), gsm8k "
-                             "(question/answer after ####), math (problem/solution with \\boxed{})")
+    train: str | None = Field(None, description="JSON-lines prompts the buffer serves (a wget download's "
+                                                "'NAME?download=true' is found under NAME too)")
+    test: str | None = Field(None, description="held-out JSON-lines file for the evaluations during and after the run")
+    layout: DataLayout = Field(
+        "areal", description="field layout of train (and of test unless test_layout): " + _LAYOUT_DOC)
+    test_layout: DataLayout | None = Field(
+        None, description="field layout of test when it differs from train's (unset: layout, with fields and id2info)")
     fields: DataFields | None = Field(None, description="field names that differ from the layout's")
     answer_after: str | None = Field(None, min_length=1, description="the answer is the text after this marker (gsm8k: ####)")
     id2info: str | None = Field(None, description="AReaL's answer file {query_id: {solutions: [...]}} for prompt files without answers")
-    prompt_template: str | None = Field(None, pattern=r"\{prompt\}", description="wraps each prompt; {prompt} marks where it goes")
+    prompt_template: str | None = Field(
+        None, description="wraps each prompt ({prompt} marks where it goes) unless the prompt already carries a "
+                          "template; or the name of one: " + ", ".join(PROMPT_TEMPLATES))
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="prompts longer than this many tokens are left out of training, as AReaL's "
+                                "dataset.max_prompt_len does (unset: no cap)")
     on_bad_line: Literal["skip", "fail"] | None = Field(
         None, description="a malformed line: skip it or stop (unset: the buffer skips in data.train, the evaluator "
                           "stops in data.test)")
     require: Literal["answer", "solutions", "none"] = Field("answer", description="what each training record must carry")
     max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1, description="longer lines are refused at load")
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _known_template(cls, value: str | None) -> str | None:
+        if value is not None:
+            prompt_template_text(value)
+        return value
 
 
 def _command_line_value(value: Any) -> Any:
