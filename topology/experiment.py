@@ -205,6 +205,9 @@ class EvalSection(Section):
 class RunSection(Section):
     total_steps: int = Field(100, ge=1, description="training steps of the run")
     checkpoint_every_steps: int = Field(20, ge=1, description="steps between checkpoints")
+    checkpoint_every_s: float | None = Field(
+        None, gt=0, description="also checkpoint after a step that ends this many seconds after the last checkpoint "
+                                "(or the start), as AReaL's exp_ctrl.ckpt_freq_secs; unset: by steps only")
     keep_checkpoints: int = Field(2, ge=0, description="complete checkpoints kept; 0 keeps all")
     recover: Literal["auto", "off"] = Field("auto", description="resume from the last checkpoint")
     final_eval: bool = Field(True, description="evaluate the last checkpoint on data.test at the end")
