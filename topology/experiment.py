@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 __all__ = ["Section", "ModelSection", "DataFields", "DataSection", "PROMPT_TEMPLATES", "DataLayout",
-           "prompt_template_text", "DatasetRecipe", "WarmStartStage",
+           "prompt_template_text", "AREAL_ALIASES", "AREAL_NOT_ALIASED", "with_our_names", "DatasetRecipe", "WarmStartStage",
            "WarmStartSection", "PrepareSection", "when_missing", "AlgoSection", "GenSection", "EvalSection", "RunSection",
            "BufferSection", "ExperimentConfig", "experiment_problems", "DEFAULT_MAX_LINE_BYTES"]
 
@@ -226,6 +227,97 @@ class BufferSection(Section):
     group_timeout_s: float = Field(1800.0, gt=0, description="a group with no result after this is issued again")
 
 
+# AReaL's configuration keys (its v0.1/v0.2 quickstart options and v0.3 configs: realhf/api/cli_args.py at v0.2.0)
+# that mean exactly one of ours: a config or an `experiment.` override may use either name (docs/topology.md has
+# the whole table, with the keys that have no single equivalent).
+AREAL_ALIASES: dict[str, str] = {
+    "dataset.path": "data.train",
+    "dataset.max_prompt_len": "data.max_prompt_tokens",
+    "dataset.train_bs_n_seqs": "algo.batch_size",
+    "group_size": "algo.group_size",
+    "max_head_offpolicyness": "algo.eta",
+    "ppo.ppo_n_minibatches": "algo.ppo_minibatches",
+    "actor_train.mb_spec.max_tokens_per_mb": "algo.max_tokens_per_mb",
+    "ppo.eps_clip": "algo.eps_clip",
+    "ppo.c_clip": "algo.dual_clip",
+    "ppo.behav_imp_weight_cap": "algo.behav_imp_weight_cap",
+    "ppo.kl_ctl": "algo.kl_coef",
+    "actor.path": "model.path",
+    "actor.optimizer.lr": "algo.lr",
+    "actor.optimizer.eps": "algo.adam_eps",
+    "actor.optimizer.beta1": "algo.adam_beta1",
+    "actor.optimizer.beta2": "algo.adam_beta2",
+    "actor.optimizer.weight_decay": "algo.weight_decay",
+    "actor.optimizer.gradient_clipping": "algo.grad_clip",
+    "ppo.gen.max_new_tokens": "gen.max_new_tokens",
+    "ppo.gen.temperature": "gen.temperature",
+    "ppo.gen.top_p": "gen.top_p",
+    "exp_ctrl.ckpt_freq_steps": "run.checkpoint_every_steps",
+    "exp_ctrl.ckpt_freq_secs": "run.checkpoint_every_s",
+}
+# AReaL keys with no single equivalent: what to set instead.
+AREAL_NOT_ALIASED: dict[str, str] = {
+    "ppo.adv_norm": "set algo.adv_norm (AReaL's adv_norm: true with group_adv_norm: false is algo.adv_norm: batch; "
+                    "group_adv_norm: true is algo.adv_norm: group; adv_norm: false is none)",
+    "group_adv_norm": "set algo.adv_norm (group_adv_norm: true is algo.adv_norm: group, false with adv_norm: true "
+                      "is batch)",
+    "ppo.reward_output_scaling": "set algo.reward_correct and algo.reward_wrong: AReaL's reward is (score - bias) * "
+                                 "scaling with score 1 right and -1 wrong",
+    "ppo.reward_output_bias": "set algo.reward_correct and algo.reward_wrong: AReaL's reward is (score - bias) * "
+                              "scaling with score 1 right and -1 wrong",
+    "ppo.discount": "GAE runs with discount and lambda 1 and no critic (AReaL's recipes' values), not a setting",
+    "ppo.gae_lambda": "GAE runs with discount and lambda 1 and no critic (AReaL's recipes' values), not a setting",
+    "ppo.gen.top_k": "set gen.top_k (-1 is off; AReaL writes off as 1000000)",
+    "exp_ctrl.total_train_epochs": "set run.total_steps (epochs x prompts / algo.batch_size)",
+}
+
+
+def _pop_path(doc: dict[str, Any], parts: list[str]) -> tuple[bool, Any]:
+    """Remove the value at `parts` from the nested mapping `doc` (and mappings it leaves empty)."""
+    node = doc
+    for part in parts[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            return False, None
+    if parts[-1] not in node:
+        return False, None
+    value = node.pop(parts[-1])
+    for depth in range(len(parts) - 1, 0, -1):   # drop parents the move emptied
+        parent = doc
+        for part in parts[:depth - 1]:
+            parent = parent[part]
+        if parent[parts[depth - 1]] == {}:
+            del parent[parts[depth - 1]]
+    return True, value
+
+
+def with_our_names(doc: dict[str, Any]) -> dict[str, Any]:
+    """A copy of an experiment document with AReaL's key names (`AREAL_ALIASES`) moved to ours. Raises pydantic's
+    custom error "areal_key" (ctx: key, why) for an AReaL name whose key is also set to another value, or one with
+    no single equivalent."""
+    import copy
+    out = copy.deepcopy(doc)
+    for key, why in AREAL_NOT_ALIASED.items():
+        found, _ = _pop_path(copy.deepcopy(out), key.split("."))
+        if found:
+            raise PydanticCustomError("areal_key", "{why}", {"key": key, "why": f"AReaL's key has no single "
+                                                                              f"equivalent here: {why}"})
+    for key, ours in AREAL_ALIASES.items():
+        found, value = _pop_path(out, key.split("."))
+        if not found:
+            continue
+        section, name = ours.split(".")
+        target = out.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise PydanticCustomError("areal_key", "{why}", {"key": key, "why": f"AReaL's name for {ours}, but "
+                                                                              f"{section} is not a mapping"})
+        if name in target and target[name] != value:
+            raise PydanticCustomError("areal_key", "{why}", {
+                "key": key, "why": f"AReaL's name for {ours}, which is also set, to {target[name]!r}: keep one"})
+        target[name] = value
+    return out
+
+
 class ExperimentConfig(Section):
     seed: int = Field(1, description="seed of sampling, data order and initialisation")
     model: ModelSection = Field(default_factory=ModelSection, description="the starting model")
@@ -236,6 +328,12 @@ class ExperimentConfig(Section):
     eval: EvalSection = Field(default_factory=EvalSection, description="evaluation during and after the run")
     run: RunSection = Field(default_factory=RunSection, description="length, checkpoints and recovery")
     buffer: BufferSection = Field(default_factory=BufferSection, description="the buffer's flow control")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _areal_names(cls, data: Any) -> Any:
+        # AReaL's names for our keys are read as ours wherever a config is validated (files, overrides, tools).
+        return with_our_names(data) if isinstance(data, dict) else data
 
 
 def experiment_problems(doc: dict[str, Any], prefix: str = "experiment") -> list[str]:
