@@ -446,6 +446,29 @@ class Dataset:
         return Dataset(self.path, kept, list(self.skipped), self.templated_as_is)
 
 
+def detect_layout(path: str | Path) -> Layout:
+    """The layout of a file read without a configured one (tools.eval's benchmarks), from its first line: a
+    ``query_id`` and ``prompt`` is AReaL's training layout; a ``question`` whose ``answer`` holds ``####`` is
+    GSM8K's; any other line is AReaL's evaluation layout (``areal_eval``). A file whose first line is not a JSON
+    object is read as ``areal``, whose loader then reports that line."""
+    path = resolve_data_path(path)
+    first: Any = None
+    if path.is_file():
+        with path.open("rb") as f:
+            for raw in f:
+                if raw.strip():
+                    try:
+                        first = json.loads(raw)
+                    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                        pass
+                    break
+    if not isinstance(first, dict) or ("query_id" in first and "prompt" in first):
+        return AREAL
+    if "question" in first and "####" in str(first.get("answer", "")):
+        return LAYOUTS["gsm8k"]
+    return LAYOUTS["areal_eval"]
+
+
 def within_prompt_cap(prompt_ids: Sequence[Sequence[int]], cap: int | None) -> list[int]:
     """Indices of the prompts of at most `cap` tokens (all when `cap` is None). AReaL leaves longer prompts out
     of training rather than cutting them (``dataset.max_prompt_len``: realhf/impl/dataset/math_code_dataset.py

@@ -145,14 +145,18 @@ async def aevaluate_model(model: Qwen2ForCausalLM, tokenizer: LoadedTokenizer, r
     return await aevaluate_with(gen, tokenizer, records, settings, pool, details)
 
 
-def engine_generator(engine: GenerationEngine) -> Generate:
-    """`Generate` on a started engine (an SGLang server, ...): every prompt submitted at once."""
+def engine_generator(*engines: GenerationEngine) -> Generate:
+    """`Generate` on started engines (SGLang servers, the embedded engine): every prompt submitted at once, prompt
+    i to engine i mod len(engines) (each server batches what it is given)."""
+    if not engines:
+        raise EvalError("engine_generator: no engine")
+
     async def gen(prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams],
                   n: int) -> list[list[GenerationResult]]:
         if len(sampling) != len(prompts):
             raise EvalError(f"generate: {len(sampling)} sampling settings for {len(prompts)} prompts")
         return list(await asyncio.gather(*(
-            engine.generate(GenerationRequest(f"p{i}", tuple(ids), sp, n))
+            engines[i % len(engines)].generate(GenerationRequest(f"p{i}", tuple(ids), sp, n))
             for i, (ids, sp) in enumerate(zip(prompts, sampling)))))
     return gen
 
