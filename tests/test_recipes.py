@@ -129,3 +129,32 @@ def test_each_config_reads_areal_released_files_in_their_layout(config: Path, tm
     assert train.templated_as_is == len(train) and test.templated_as_is == 0
     template = Layout.from_settings(settings).prompt_template
     assert template and all(r.prompt.startswith(template.split("{prompt}")[0]) for r in test)
+
+
+def test_a_run_says_what_it_will_evaluate_and_when_it_will_not(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    assert up_main(["topology/1node.yaml", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "evaluation on /storage/codes/AReaL/evaluation/data/aime24/test.jsonl:" in out
+    assert "during the run: none: the topology has no evaluator group (eval.every_versions 10 is unused)" in out
+    assert "at the end: the start model and the last checkpoint" in out
+    assert up_main(["topology/1node.yaml", "experiment.data.test=null", "--dry-run"]) == 0
+    assert "evaluation: none: data.test is not set" in capsys.readouterr().out
+    assert up_main(["topology/local.yaml", "experiment.run.final_eval=false", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "during the run: every 10 versions, 60 problems, in evaluator" in out
+    assert "at the end: none: run.final_eval is false" in out
+
+
+def test_the_final_evaluation_says_why_it_does_not_run(tmp_path, capsys):
+    from tools.up import final_evaluation
+    from topology.experiment import ExperimentConfig
+
+    assert final_evaluation(ExperimentConfig(), tmp_path) is None
+    assert "no final evaluation: data.test is not set" in capsys.readouterr().out
+    missing = ExperimentConfig.model_validate({"data": {"test": str(tmp_path / "aime24.jsonl")}})
+    assert final_evaluation(missing, tmp_path) is None
+    assert f"no final evaluation: data.test {tmp_path / 'aime24.jsonl'}: no such file" in capsys.readouterr().out
+    (tmp_path / "aime24.jsonl?download=true").write_text("{}\n")   # found under its download name
+    assert final_evaluation(missing, tmp_path) is None
+    assert "no final evaluation: the run wrote no checkpoint" in capsys.readouterr().out

@@ -235,12 +235,14 @@ def evaluate_many(model_dir: str, data_paths: Sequence[str], **kwargs: Any) -> l
 
 def evaluate_held_out(model_dir: str, config: ExperimentConfig, data_path: str | None = None) -> dict[str, Any]:
     """Greedy accuracy of a model on the run's held-out file (``data.test`` unless ``data_path``) as a run's final
-    evaluation reads it: the config's layout, ``eval.max_per_level`` and ``gen.max_new_tokens``."""
+    evaluation reads it: the config's test layout and template, ``eval.max_per_level`` and ``gen.max_new_tokens``,
+    on SGLang servers on a machine with a GPU and SGLang (the run's GPUs are free by then), else here."""
     test = data_path or config.data.test
     if not test:
         raise EvalError("data.test: the experiment config names no held-out file")
     return evaluate(model_dir, test, samples=None, max_per_level=config.eval.max_per_level,
-                    max_new_tokens=config.gen.max_new_tokens, layout=Layout.from_settings(config.data, test=True))
+                    max_new_tokens=config.gen.max_new_tokens, layout=Layout.from_settings(config.data, test=True),
+                    engine="auto")
 
 
 def copy_for_eval(model: Qwen2ForCausalLM) -> Qwen2ForCausalLM:
