@@ -158,3 +158,15 @@ def test_the_final_evaluation_says_why_it_does_not_run(tmp_path, capsys):
     (tmp_path / "aime24.jsonl?download=true").write_text("{}\n")   # found under its download name
     assert final_evaluation(missing, tmp_path) is None
     assert "no final evaluation: the run wrote no checkpoint" in capsys.readouterr().out
+
+
+def test_a_gpu_topology_evaluates_during_the_run_with_an_evaluator_on_a_rollouts_gpu(monkeypatch, capsys):
+    # docs/topology.md's snippet: one rollout's GPU to an evaluator on its own SGLang server, reading checkpoints
+    monkeypatch.chdir(REPO)
+    evaluator = ("actors.evaluator={class: 'actors.evaluator:EvalActor', gpus: 1, threads: 4, "
+                 "settings: {engine: sglang, weights_from: checkpoints}}")
+    assert up_main(["topology/1node.yaml", "actors.rollout.count=5", evaluator, "--dry-run"]) == 0, \
+        capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "during the run: every 10 versions, 30 problems, in evaluator" in out
+    assert "localhost [8/8 gpu" in out
