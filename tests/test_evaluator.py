@@ -128,7 +128,9 @@ def test_a_gpu_style_evaluator_reads_checkpoints_into_its_own_sglang_server(tmp_
     proc = launch(assets, run_dir, steps=steps, ckpt_every=every, extra=(
         f"experiment.eval.every_versions={every}", "experiment.eval.max_problems=6", "experiment.eval.wait_s=0.5",
         "actors.evaluator.settings.engine=sglang", "actors.evaluator.settings.weights_from=checkpoints",
-        f"actors.evaluator.settings.sglang.command=[{sys.executable}, -m, testsupport.sglang_standin]"))
+        f"actors.evaluator.settings.sglang.command=[{sys.executable}, -m, testsupport.sglang_standin]",
+        # and AReaL's prompt-length cap: the buffer leaves the longer prompts out of training
+        "experiment.data.max_prompt_tokens=9"))
     with run_guard(proc, run_dir):
         wait_for_step(proc, run_dir, 4)
         # training held (the trainer frozen) until the evaluator's server is up and has read a checkpoint: the run
@@ -150,3 +152,8 @@ def test_a_gpu_style_evaluator_reads_checkpoints_into_its_own_sglang_server(tmp_
     assert any(e.get("event") == "evaluator_started" and e.get("engine") == "sglang" for e in started)
     log = (run_dir / "logs" / "evaluator.0.sglang.log").read_text()
     assert log.count("update_weights_from_disk") >= len(versions) - 1, log[-2000:]   # each checkpoint via the server
+    buffer = [json.loads(line) for line in (run_dir / "logs" / "buffer.jsonl").read_text().splitlines()]
+    capped = [e for e in buffer if e.get("event") == "prompts_over_length_left_out"]
+    started = [e for e in buffer if e.get("event") == "buffer_started"]
+    assert capped and capped[0]["max_prompt_tokens"] == 9 and capped[0]["prompts"] > 0, capped
+    assert started[0]["prompts"] == capped[0]["kept"] == 120 - capped[0]["prompts"]
