@@ -291,3 +291,19 @@ def test_started_sglang_servers_answer_as_the_embedded_engine(trained, tmp_path,
     assert remote[0]["engine"].startswith("sglang 2 server(s)") and local[0]["engine"] == "torch cpu"
     for a, b in zip(local, remote):
         assert a["dataset"] == b["dataset"] and a["overall"] == b["overall"] and a["by_level"] == b["by_level"]
+
+
+def test_the_default_device_and_engine_follow_the_machine(monkeypatch):
+    import importlib.util
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert (ev.default_device(), ev.default_engine()) == ("cpu", "torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert ev.default_device() == "cuda"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else real(name, *a))
+    assert ev.default_engine() == "sglang"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
+    assert ev.default_engine() == "torch"
