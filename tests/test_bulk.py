@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from transport.bulk import (BulkError, BulkLink, ChecksumMismatch, LinkConfig, LinkRendezvousError,
-                            bucket_checksum, pack_bucket, unpack_bucket)
+                            bucket_checksum, pack_bucket, pack_to_host, unpack_bucket)
 from transport.ports import free_port
 
 CTX = mp.get_context("fork")  # the parent has torch imported already: forking is ~100x cheaper than spawn
@@ -83,6 +83,51 @@ def test_pack_roundtrip_and_corruption_in_process() -> None:
     packed.flat[3] ^= 0xFF
     with pytest.raises(ChecksumMismatch, match=r"bucket 7 checksum mismatch.*layer\.0\.weight"):
         unpack_bucket(packed, link="weights")
+
+
+class DeferredCopier:
+    """Moves bytes only when waited for, as a GPU copy stream finishes later; counts the copies pending."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.done = 0
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+        self.pending += 1
+
+        def wait() -> None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            self.pending -= 1
+            self.done += 1
+        return wait
+
+
+def test_pack_to_host_holds_a_few_exported_buckets_and_packs_what_pack_bucket_packs() -> None:
+    buckets = [make_bucket(seed) for seed in range(7)]
+    copier = DeferredCopier()
+    held: list[int] = []
+
+    def export():   # what an engine's export_weights does: one bucket at a time, made as it is asked for
+        for bucket in buckets:
+            yield bucket
+            held.append(len(held) + 1 - copier.done)   # exported, not yet copied off the "GPU"
+
+    packed = list(pack_to_host(export(), in_flight=2, copier=copier))
+    assert max(held) <= 3, held          # in_flight copying + the one just exported, not the whole version
+    assert copier.pending == 0 and len(packed) == len(buckets)
+    for i, (got, bucket) in enumerate(zip(packed, buckets)):
+        ref = pack_bucket(bucket, i)
+        assert got.header == ref.header and torch.equal(got.flat, ref.flat)
+        assert same_bucket(unpack_bucket(got), bucket)
+    # the default (no copier) packs buckets in host memory at once, numbered from first_id
+    [p] = pack_to_host([buckets[0]], first_id=5)
+    assert p.header == pack_bucket(buckets[0], 5).header
+    with pytest.raises(BulkError, match="empty bucket"):
+        list(pack_to_host([[]]))
 
 
 def test_receiver_verifies_with_the_algorithm_the_sender_named() -> None:
@@ -167,6 +212,58 @@ def test_bucketed_broadcast_and_send_recv_three_ranks() -> None:
     assert results[1]["p2p"] is True
     assert {r["env"] for r in results} == {"weights"}  # the link's env reached each member's process
     assert {r["epoch"] for r in results} == {0}
+
+
+def big_bucket(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Large tensors travel from their own memory in pieces, small ones gathered into runs."""
+    g = torch.Generator().manual_seed(seed)
+    return [("big", torch.randn(5 << 20, generator=g)),           # 20 MiB: three pieces
+            *make_bucket(seed),                                   # small ones, odd sizes: one run
+            ("mid", torch.randn(3 << 18, generator=g).to(torch.bfloat16)),   # 1.5 MiB: one piece
+            ("tail", torch.randn(11, generator=g).half())]
+
+
+def test_a_bucket_travels_unpacked_arrives_as_packed_and_lands_in_recycled_buffers() -> None:
+    port = free_port()
+
+    def member(rank: int) -> dict:
+        link = BulkLink(config("weights", port, rank, 2))
+        link.open(epoch=0)
+        if rank == 0:
+            for seed in range(3):
+                link.broadcast(big_bucket(seed), src=0)
+            link.send_packed(pack_bucket(big_bucket(7), 9), dst=1)
+            return {}
+        first = link.broadcast(None, src=0)
+        ok = same_bucket(first, big_bucket(0))
+        where = first[0][1].data_ptr()
+        del first   # the views go: the next bucket lands in the same buffer
+        second = link.broadcast(None, src=0)
+        reused = second[0][1].data_ptr() == where
+        third = link.broadcast(None, src=0)   # `second` is still held: a buffer of its own
+        ok = ok and same_bucket(second, big_bucket(1)) and same_bucket(third, big_bucket(2))
+        p2p = link.recv(src=0)
+        return {"ok": ok and same_bucket(p2p, big_bucket(7)), "reused": reused,
+                "apart": third[0][1].data_ptr() != second[0][1].data_ptr()}
+
+    _, got = run_procs([lambda r=r: member(r) for r in range(2)])
+    assert got == {"ok": True, "reused": True, "apart": True}
+
+
+def test_the_header_received_is_the_one_pack_bucket_writes() -> None:
+    port = free_port()
+
+    def member(rank: int) -> Any:
+        link = BulkLink(config("weights", port, rank, 2))
+        link.open(epoch=0)
+        if rank == 0:
+            link.broadcast(big_bucket(3), src=0)
+            return None
+        return link.broadcast_packed(None, src=0).header
+
+    _, header = run_procs([lambda r=r: member(r) for r in range(2)])
+    assert header == pack_bucket(big_bucket(3), 0).header   # names, offsets, sizes, checksum, in order
+    assert list(header) == list(pack_bucket(big_bucket(3), 0).header)
 
 
 def test_checksum_mismatch_is_detected_by_every_receiver() -> None:
@@ -349,6 +446,15 @@ def test_rendezvous_timeout_names_the_link() -> None:
     with pytest.raises(LinkRendezvousError, match=r"link 'lonely' epoch 0: rank 0/2 could not form"):
         link.open(0)
     link.close()   # no store server thread left running in this process: a later test forks it
+
+
+def test_the_bulk_benchmark_measures_every_mode_against_raw() -> None:
+    from tools.bench.bulk import MODES, measure
+
+    out = measure(mib=1, reps=2, timeout_s=WAIT_S)
+    assert "error" not in out, out
+    assert all(out[f"{m}_gb_per_s"] > 0 for m in MODES)
+    assert all(out[f"{m}_ratio"] > 0 for m in MODES[1:])
 
 
 def test_the_rendezvous_store_listens_on_the_links_master_address_only() -> None:

@@ -53,6 +53,46 @@ def test_dry_run_refuses_7b_at_32k_without_recompute_and_accepts_it_with_recompu
     assert "memory per GPU" in text and "DOES NOT FIT" not in text
 
 
+def _trainer_rows(text: str) -> str:
+    table = text[text.index("memory per GPU"):]
+    return table[table.index("  trainer "):table.index("\n\n")]
+
+
+def test_the_dry_run_counts_the_publish_transient_the_kept_host_memory_and_with_kl_the_reference(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    rc, text = _dry_run(capsys)
+    assert rc == up.EXIT_OK, text
+    rows = _trainer_rows(text)
+    # 6 buckets of 64 MiB while a version streams to host memory, not two copies of the weights (30 GB)
+    assert "publish transient 0.4" in rows and "reference model" not in rows, rows
+    assert "published buckets: 30.5 GB of page-locked host memory (kept versions)" in rows, rows
+    rc, with_kl = _dry_run(capsys, "experiment.algo.kl_coef=0.001")
+    assert rc == up.EXIT_OK, with_kl
+    rows_kl = _trainer_rows(with_kl)
+    assert "reference model 11.7" in rows_kl, rows_kl
+    total = lambda rows: float(rows.split("/")[0].split()[-1])   # noqa: E731
+    assert total(rows_kl) == pytest.approx(total(rows) + 11.7, abs=0.11)
+    rc, capped = _dry_run(capsys, "actors.trainer.settings.weights_kept_mb=20000")
+    assert "published buckets: 21.0 GB" in _trainer_rows(capped)   # 20,000 MiB: more than one version (15.2 GB)
+
+
+def test_the_reference_model_is_a_whole_engine_and_the_publish_transient_a_few_buckets():
+    shape = BUILTIN["7B"]
+    lay = memory.TrainerLayout(tp=4, dp=32, micro_batch_tokens=8192)
+    base = memory.trainer_terms(shape, lay)
+    ref = memory.trainer_terms(shape, memory.TrainerLayout(**{**lay.__dict__, "reference": True}))
+    rank_params = base["weights"] / 2
+    assert ref["reference model"] == pytest.approx(rank_params * (2 + 4 + 4 / 32))
+    assert base["publish transient"] == memory.PUBLISH_BUCKETS_ON_GPU * (64 << 20)
+    # a tiny model publishes at most twice its weights, whatever the bucket size
+    tiny = memory.trainer_terms(BUILTIN["1.5B"], memory.TrainerLayout(bucket_bytes=1 << 40))
+    assert tiny["publish transient"] <= 2 * tiny["weights"] * 2
+    direct = memory.TrainerLayout(tp=4, keeps_weights=True)
+    assert memory.kept_bytes(shape, direct) == 2 * memory.kept_bytes(shape, memory.TrainerLayout(tp=4))
+    small_cap = memory.TrainerLayout(tp=4, keeps_weights=True, kept_bytes=1)
+    assert memory.kept_bytes(shape, small_cap) == memory.kept_bytes(shape, memory.TrainerLayout(tp=4))
+
+
 def test_the_log_prob_chunk_bounds_the_float32_logits_term():
     shape = BUILTIN["7B"]
     whole = memory.trainer_terms(shape, memory.TrainerLayout(tp=4, micro_batch_tokens=32768))["logits"]

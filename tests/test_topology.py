@@ -326,9 +326,9 @@ def test_a_tcp_bus_runs_without_curve_only_when_the_topology_says_insecure_tcp()
     ("experiment.algo.kl_coef=-0.1", "experiment.algo.kl_coef: input should be greater than or equal to 0"),
     ("experiment.algo.kl_estimator=k4", "experiment.algo.kl_estimator: input should be 'k1', 'k2' or 'k3'"),
     ("experiment.mem_fraction_static=0.8", "experiment.mem_fraction_static: unknown key"),
-    ("experiment.data.layout=csv", "experiment.data.layout: input should be 'areal', 'gsm8k' or 'math'"),
+    ("experiment.data.layout=csv", "experiment.data.layout: input should be 'areal', 'areal_eval', 'gsm8k' or 'math'"),
     ("experiment.data.fields.question=q", "experiment.data.fields.question: unknown key"),
-    ("experiment.data.prompt_template=Question", "experiment.data.prompt_template: string should match pattern"),
+    ("experiment.data.prompt_template=Question", "experiment.data.prompt_template: value error, must contain {prompt} or name a template"),
     ("experiment.run.recover=maybe", "experiment.run.recover: input should be 'auto' or 'off' (value: 'maybe')"),
 ])
 def test_experiment_values_are_checked_before_anything_runs(override: str, words: str) -> None:

@@ -54,6 +54,30 @@ def node_command(plan: Plan, run_dir: str = "RUN_DIR") -> str:
     return f"{shlex.quote(sys.executable)} -m tools.node_agent {run_dir}"
 
 
+def evaluation_notes(plan: Plan) -> list[str]:
+    """What evaluation the run will do, or that it will do none and why: printed by --dry-run and at launch."""
+    config = plan.topology.config
+    test, every = config.data.test, config.eval.every_versions
+    evaluators = [g for g, group in plan.topology.groups.items() if group.cls.endswith(":EvalActor")]
+    if not test:
+        return ["evaluation: none: data.test is not set (neither during the run nor at its end)"]
+    lines = [f"evaluation on {test}:"]
+    if evaluators and every > 0:
+        lines.append(f"  during the run: every {every} versions, {config.eval.max_problems} problems, in "
+                     f"{', '.join(evaluators)}")
+    elif evaluators:
+        lines.append("  during the run: none: eval.every_versions is 0 (the evaluator idles)")
+    else:
+        lines.append("  during the run: none: the topology has no evaluator group"
+                     + (f" (eval.every_versions {every} is unused)" if every > 0 else ""))
+    if config.run.final_eval:
+        lines.append("  at the end: the start model and the last checkpoint, greedy and sampled "
+                     "(tools.eval; SGLang servers on a machine with a GPU and SGLang, else the embedded engine)")
+    else:
+        lines.append("  at the end: none: run.final_eval is false")
+    return lines
+
+
 def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
     """The dry-run report: placement table, bus endpoints, links and per-node commands."""
     topo = plan.topology
@@ -115,6 +139,8 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
                          f"rollouts' servers: {', '.join(senders)}")
     lines.append("")
     lines.extend(_engines(plan))
+    lines.append("")
+    lines.extend(evaluation_notes(plan))
     lines.append("")
     lines.extend(_memory(plan))
     lines.append("")
@@ -620,6 +646,7 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
     print(f"run {plan.topology.name}: {len(specs)} actor(s), run directory {run_dir}", flush=True)
     if warning := insecure_bus_warning(plan):
         print(warning, flush=True)
+    print("\n".join(evaluation_notes(plan)), flush=True)
     node_of = {i.name: i.host for i in plan.instances}
     total = config.run.total_steps
     code = asyncio.run(supervise(specs, run_dir, supervisor_options(plan, args), title=plan.topology.name,
@@ -633,13 +660,17 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
 def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] | None:
     """Greedy held-out accuracy of the model the run started from and of its last checkpoint, side by
     side, per level; written to RUN_DIR/summary.json and RUN_DIR/eval.jsonl (read by tools.plot)."""
+    from actors.dataset import resolve_data_path
     from actors.recovery import latest_checkpoint
     from tools.eval import evaluate_held_out
     from tools.lm import has_weights
 
     test = config.data.test
     found = latest_checkpoint(run_dir)
-    if not test or not Path(test).exists() or found is None:
+    if not test or not resolve_data_path(test).exists() or found is None:
+        why = ("data.test is not set" if not test else f"data.test {test}: no such file" if
+               not resolve_data_path(test).exists() else "the run wrote no checkpoint")
+        print(f"no final evaluation: {why}", flush=True)
         return None
     step, ckpt = found
     models = {"start": config.model.path, "final": str(ckpt / "model")}
@@ -724,6 +755,7 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
           f"  {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
     if warning := insecure_bus_warning(plan):
         print(warning, flush=True)
+    print("\n".join(evaluation_notes(plan)), flush=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(topo_mod.REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.monotonic()

@@ -205,7 +205,9 @@ def problem_lines(exc: ValidationError, prefix: str, model: type[BaseModel]) -> 
     for err in exc.errors():
         loc = tuple(err["loc"])
         path = key_path(prefix, loc)
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "areal_key":   # topology.experiment.with_our_names: the AReaL key's own path
+            lines.append(f"{key_path(prefix, loc + tuple(err['ctx']['key'].split('.')))}: {err['ctx']['why']}")
+        elif err["type"] == "extra_forbidden":
             holder = model_at(model, loc[:-1])
             allowed = f"; allowed: {', '.join(sorted(_keys(holder)))}" if holder is not None else ""
             lines.append(f"{path}: unknown key{_unknown_key_hint(holder, str(loc[-1]))}{allowed}")
