@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import multiprocessing as mp
 import os
 import traceback
@@ -51,6 +52,7 @@ def _report(queue: Any, i: int, fn: Callable[[], Any]) -> None:
 def run_procs(targets: list[Callable[..., Any]], ctx: Any = CTX) -> list[Any]:
     """Run each target in its own process (forked; `spawn` for CUDA, with picklable targets); return what
     each returned (or raise with its traceback)."""
+    gc.collect()   # no gloo device or store thread of an earlier test's failed formation lives on into a fork
     queue = ctx.Queue()
     procs = [ctx.Process(target=_report, args=(queue, i, fn)) for i, fn in enumerate(targets)]
     for p in procs:
@@ -464,57 +466,78 @@ def test_the_rendezvous_store_listens_on_the_links_master_address_only() -> None
 
     from transport.bulk import rendezvous_server
 
+    def reachable(port: int) -> list[bool]:
+        out = []
+        for addr in ("127.0.0.1", "127.0.0.2"):        # another address of this machine (all of 127/8 is loopback)
+            try:
+                socket.create_connection((addr, port), timeout=5).close()
+                out.append(True)
+            except ConnectionRefusedError:
+                out.append(False)
+        return out
+
     port = free_port()
     server = rendezvous_server("127.0.0.1", port, 2, datetime.timedelta(seconds=5))
-    with socket.create_connection(("127.0.0.1", port), timeout=5):
-        pass
-    with pytest.raises(ConnectionRefusedError):    # another address of this machine (all of 127/8 is loopback)
-        socket.create_connection(("127.0.0.2", port), timeout=5).close()
+    assert reachable(port) == [True, False]
     del server
-    link = BulkLink(LinkConfig(name="lonely", backend="gloo", master_addr="127.0.0.1", master_port=port,
-                               rank=0, world_size=2, timeout_s=1))
-    with pytest.raises(LinkRendezvousError):
-        link.open(0)                               # the link's own store goes the same way
-    assert link._server is not None
-    with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.2", port), timeout=5).close()
-    link.close()   # no store server thread left running in this process: the next test forks it
+
+    def lonely_master() -> list[bool]:                   # the link's own store goes the same way
+        link = BulkLink(LinkConfig(name="lonely", backend="gloo", master_addr="127.0.0.1", master_port=port,
+                                   rank=0, world_size=2, timeout_s=1))
+        with pytest.raises(LinkRendezvousError):
+            link.open(0)
+        return reachable(port)
+
+    assert run_procs([lonely_master]) == [[True, False]]
 
 
 def test_rendezvous_values_not_signed_with_the_runs_secret_fail_the_formation(tmp_path: Any) -> None:
     # torch's TCPStore has no authentication: another user read and wrote a run's rendezvous keys. Values are
     # signed with a per-run secret now, so a forged one (here: rank 1's gloo address) stops the formation.
     import datetime
-    import threading
 
     import torch.distributed as dist
 
-    from transport.bulk import RendezvousForgery, SignedStore, generate_rendezvous_secret
+    from transport.bulk import RendezvousForgery, SignedStore, generate_rendezvous_secret, rendezvous_server
 
     secret_file = generate_rendezvous_secret(tmp_path)
     assert oct(os.stat(secret_file).st_mode & 0o777) == "0o600"
     port = free_port()
-    link = BulkLink(LinkConfig(name="weights", backend="gloo", master_addr="127.0.0.1", master_port=port, rank=0,
-                               world_size=2, timeout_s=20, secret_file=secret_file))
-    outcome: list[BaseException] = []
-    forming = threading.Thread(target=lambda: _catch(outcome, lambda: link.open(0)), daemon=True)
-    forming.start()
-    intruder = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=20),
-                             wait_for_workers=False)
-    intruder.wait(["weights/epoch0/0/0"])            # the master's own address is there: it waits for rank 1's
-    assert intruder.get("weights/epoch0/0/0")[:32] != b""  # readable, but signed
-    intruder.set("weights/epoch0/0/1", b"an address of the intruder's choosing")
-    forming.join(timeout=WAIT_S)
-    assert not forming.is_alive() and len(outcome) == 1
-    assert "rendezvous key 'weights/epoch0/0/1' was not written by a member of this run" in str(outcome[0])
-    assert isinstance(outcome[0], BulkError)
 
-    signed = SignedStore(intruder, b"s" * 32)
-    signed.set("k", "v")
-    assert signed.get("k") == b"v"
-    with pytest.raises(RendezvousForgery):
-        SignedStore(intruder, b"t" * 32).get("k")   # another run's secret
-    link.close()   # no store server thread left running in this process: the next test forks it
+    def master() -> str:
+        link = BulkLink(LinkConfig(name="weights", backend="gloo", master_addr="127.0.0.1", master_port=port, rank=0,
+                                   world_size=2, timeout_s=20, secret_file=secret_file))
+        with pytest.raises(BulkError) as failed:
+            link.open(0)
+        return str(failed.value)
+
+    def intruder() -> bool:
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=20),
+                              wait_for_workers=False)
+        store.wait(["weights/epoch0/0/0"])             # the master's own address is there: it waits for rank 1's
+        readable = len(store.get("weights/epoch0/0/0")) > 32      # readable, but signed
+        store.set("weights/epoch0/0/1", b"an address of the intruder's choosing")
+        return readable
+
+    error, readable = run_procs([master, intruder])
+    assert readable
+    assert "rendezvous key 'weights/epoch0/0/1' was not written by a member of this run" in error
+
+    def signed_round_trip(port: int) -> list[bytes | str]:
+        server = rendezvous_server("127.0.0.1", port, 1, datetime.timedelta(seconds=5))
+        signed = SignedStore(dist.TCPStore("127.0.0.1", port, 1, timeout=datetime.timedelta(seconds=5),
+                                           wait_for_workers=False), b"s" * 32)
+        signed.set("k", "v")
+        try:
+            SignedStore(signed.inner, b"t" * 32).get("k")   # another run's secret
+            other = "read"
+        except RendezvousForgery:
+            other = "refused"
+        got = [signed.get("k"), other]
+        del server
+        return got
+
+    assert run_procs([lambda: signed_round_trip(free_port())]) == [[b"v", "refused"]]
 
 
 def test_a_link_with_the_runs_secret_forms_and_moves_buckets(tmp_path: Any) -> None:
@@ -534,10 +557,3 @@ def test_a_link_with_the_runs_secret_forms_and_moves_buckets(tmp_path: Any) -> N
         return same_bucket(got, make_bucket(5)) and same_bucket(again, make_bucket(6)) and latest == 1
 
     assert run_procs([lambda r=r: member(r) for r in range(2)]) == [True, True]
-
-
-def _catch(outcome: list[BaseException], fn: Callable[[], Any]) -> None:
-    try:
-        fn()
-    except BaseException as exc:
-        outcome.append(exc)
