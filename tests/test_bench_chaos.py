@@ -43,7 +43,7 @@ def test_the_target_needs_every_attack_refused_a_working_probe_and_an_attack_dur
         assert not chaos.target_met([{**good, **bad}])
 
 
-@pytest.mark.parametrize("fault", ["spoof", "rendezvous"])
+@pytest.mark.parametrize("fault", ["spoof", "spoof_ipc", "rendezvous"])
 def test_attacks_from_another_user_are_refused_and_the_run_loses_nothing(fault: str, tmp_path: Path) -> None:
     # From another uid a probe once stole batches, fetched the weights as "the evaluator", made the buffer write a
     # checkpoint, stalled the run with a version jump, stopped it with a run-finished, and read and wrote the
@@ -56,10 +56,11 @@ def test_attacks_from_another_user_are_refused_and_the_run_loses_nothing(fault: 
     assert result["survived_in_place"] and result["lost"] == 0 and result["twice"] == 0, result
     assert result["during_run"] and result["intruder_uid"] == account[0], result
     assert result["accepted"] == 0 and result["attempts"] > 0, result
-    if fault == "spoof":
+    if fault.startswith("spoof"):
         assert result["control_ok"], result     # the same client gets through a socket with no protection
-        assert result["handshakes"] == {"refused: the socket speaks CURVE, which needs one of the run's keys":
-                                        result["attempts"]}, result
+        refusal = "refused: the socket speaks CURVE, which needs one of the run's keys" if fault == "spoof" else \
+            "unreachable: Permission denied"
+        assert result["handshakes"] == {refusal: result["attempts"]}, result
     else:
         assert result["keys_read"] > 0 and result["forged"] > 0 and result["formed_again"] >= 1, result
 
@@ -94,8 +95,8 @@ def test_the_intruders_zmtp_client_gets_through_an_open_bus_and_not_through_curv
     creds = {"open": {}, "curve": {"curve": CurveConfig.from_keys_dir(keys, "buffer")},
              "tokens": {"tokens": TokenConfig.from_spec({"tokens_dir": tokens}, "buffer")}}
 
-    async def attack(kind: str) -> dict:
-        bus = await Bus("buffer", "tcp://127.0.0.1:*", handler=lambda env: CheckpointDone(step=env.msg.step),
+    async def attack(kind: str, endpoint: str = "tcp://127.0.0.1:*") -> dict:
+        bus = await Bus("buffer", endpoint, handler=lambda env: CheckpointDone(step=env.msg.step),
                         heartbeat_interval=None, **creds[kind]).start()
         frames = [f.hex() for f in encode(CheckpointRequest(step=7), sender="trainer", wants_reply=True)]
         target = {"name": "checkpoint", "endpoint": bus.endpoint, "frames": frames, "wants_reply": True}
@@ -104,9 +105,10 @@ def test_the_intruders_zmtp_client_gets_through_an_open_bus_and_not_through_curv
         finally:
             await bus.close()
 
-    opened = run_bounded(attack("open"), 30)
-    assert opened["handshake"] == "accepted (NULL)"
-    assert decode([bytes.fromhex(f) for f in opened["reply"]])[1] == CheckpointDone(step=7)
+    for endpoint in ("tcp://127.0.0.1:*", f"ipc://{tmp_path}/buffer"):   # (this user may reach the ipc socket)
+        opened = run_bounded(attack("open", endpoint), 30)
+        assert opened["handshake"] == "accepted (NULL)"
+        assert decode([bytes.fromhex(f) for f in opened["reply"]])[1] == CheckpointDone(step=7)
     assert run_bounded(attack("curve"), 30) == {
         "name": "checkpoint", "reply": None,
         "handshake": "refused: the socket speaks CURVE, which needs one of the run's keys"}

@@ -11,8 +11,8 @@ trainer has made step `--at`:
                      schema versions) to every actor's bus endpoint
   relaunch           the launcher and every actor killed at once, then the run launched again
 
-Attacks (run with `bus.transport=tcp` and nothing else changed, so the bus has its default protection; the
-intruder runs as another uid, a user the bench creates with useradd, and with the standard library alone:
+Attacks (run with `bus.transport=tcp` and nothing else changed, so the bus has its default protection, but for
+spoof_ipc, which attacks the topology as it is; the intruder runs as another uid, a user the bench creates with useradd, and with the standard library alone:
 tools/bench/intruder.py; skipped, saying why, where the bench cannot become another user):
 
   spoof              messages claiming to be the evaluator or the trainer: an eval-weights fetch and a status
@@ -20,6 +20,7 @@ tools/bench/intruder.py; skipped, saying why, where the bench cannot become anot
                      the buffer, a run-finished to every actor; first, the same client against an open socket
                      the bench holds (the control: it gets through there)
   spoof_insecure_tcp the same against a run with bus.insecure_tcp: true (no CURVE; the run's tokens)
+  spoof_ipc          the same against the embedded default's ipc bus (its unix sockets)
   rendezvous         every link's rendezvous port, from another address of this machine (the network's view)
                      and over loopback, where the intruder reads the keys and forges the addresses the next
                      formation reads; then a rollout is killed, so that the link forms again
@@ -61,7 +62,7 @@ TOPOLOGY = "topology/local.yaml"
 TINY = ROOT / "configs" / "models" / "arith-tiny"
 VICTIMS = {"rollout": "rollout.1", "reward": "reward.0", "buffer": "buffer", "trainer": "trainer",
            "param_server": "param_server"}
-ATTACKS = ("spoof", "spoof_insecure_tcp", "rendezvous")
+ATTACKS = ("spoof", "spoof_insecure_tcp", "spoof_ipc", "rendezvous")
 FAULTS = ("none", *(f"kill_{k}" for k in VICTIMS), "hang_rollout", "hang_reward", "flood", "relaunch", *ATTACKS)
 ETA = 1
 
@@ -360,8 +361,9 @@ def free_port_range(count: int, tries: int = 100) -> int:
 
 
 def attack_overrides(fault: str) -> tuple[str, ...]:
-    """A tcp bus, its default protection unchanged (free ports for the actors); spoof_insecure_tcp opts out."""
-    if fault not in ATTACKS:
+    """A tcp bus, its default protection unchanged (free ports for the actors); spoof_insecure_tcp opts out;
+    spoof_ipc keeps the topology's ipc bus."""
+    if fault not in ATTACKS or fault == "spoof_ipc":
         return ()
     extra = ("bus.transport=tcp", f"bus.base_port={free_port_range(16)}")
     return extra + (("bus.insecure_tcp=true",) if fault == "spoof_insecure_tcp" else ())

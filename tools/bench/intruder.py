@@ -7,7 +7,8 @@ uses. The bench hands it, in PLAN.json, what an intruder learns by scanning port
 bus endpoints, the rendezvous ports, and the frames of the messages to send (built with the project's own
 encoder, since the intruder has no msgpack).
 
-Bus: a ZMTP 3.0 client (https://rfc.zeromq.org/spec/23/) that connects as a DEALER and speaks whatever
+Bus: a ZMTP 3.0 client (https://rfc.zeromq.org/spec/23/, over tcp or a unix socket) that connects as a DEALER
+and speaks whatever
 mechanism the actor's socket announces in its greeting: NULL, or PLAIN with a guessed user and password; it
 cannot speak CURVE without one of the run's keys, and says so. It then sends each message's frames and waits
 for a reply.
@@ -89,9 +90,24 @@ def _expect(sock: socket.socket, wanted: bytes) -> None:
         raise Refused(f"the actor answered {said} instead of {wanted.decode()}")
 
 
-def zmtp_connect(host: str, port: int, timeout: float, user: str, password: str) -> tuple[socket.socket, str]:
+def open_endpoint(endpoint: str, timeout: float) -> socket.socket:
+    """A stream connected to a ZeroMQ endpoint: ``tcp://host:port`` or ``ipc://path`` (a unix socket)."""
+    if endpoint.startswith("ipc://"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(endpoint.removeprefix("ipc://"))
+        except OSError:
+            sock.close()
+            raise
+        return sock
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+def zmtp_connect(endpoint: str, timeout: float, user: str, password: str) -> tuple[socket.socket, str]:
     """A DEALER connection to a ROUTER; returns it and the mechanism used. Raises Refused."""
-    sock = socket.create_connection((host, port), timeout=timeout)
+    sock = open_endpoint(endpoint, timeout)
     try:
         sock.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03")      # signature, major version 3
         theirs = _recv_exactly(sock, GREETING_LEN)
@@ -131,15 +147,14 @@ def zmtp_recv(sock: socket.socket) -> list[bytes]:
 
 def spoof(target: dict[str, Any], timeout: float, user: str, password: str) -> dict[str, Any]:
     """Send one message to an actor's bus; what the actor let through."""
-    host, port = target["endpoint"].removeprefix("tcp://").rsplit(":", 1)
     out: dict[str, Any] = {"name": target["name"], "handshake": None, "reply": None}
     try:
-        sock, mechanism = zmtp_connect(host, int(port), timeout, user, password)
+        sock, mechanism = zmtp_connect(target["endpoint"], timeout, user, password)
     except Refused as exc:
         out["handshake"] = f"refused: {exc}"
         return out
     except OSError as exc:
-        out["handshake"] = f"unreachable: {exc.strerror or exc}"
+        out["handshake"] = f"unreachable: {exc.strerror or type(exc).__name__}"
         return out
     out["handshake"] = f"accepted ({mechanism})"
     try:
