@@ -268,6 +268,13 @@ class BufferActor(Actor):
 
     @handles(VersionUpdate)
     def on_version(self, msg: VersionUpdate) -> None:
+        if not self.state.version_reachable(msg.version):
+            self.counters["versions_refused"] += 1
+            self.log.warning("version_refused", version=msg.version, gate_version=self.state.gate.version,
+                             served_through=self.state.served_through,
+                             reason=f"no batch past step {self.state.served_through} was served, so the trainer "
+                                    f"cannot have finished step {msg.version}; the gate stays where it is")
+            return
         self.state.set_version(msg.version)
         self.changed.set()
         self.arrived.set()
@@ -286,7 +293,8 @@ class BufferActor(Actor):
 
     @handles(BatchRequest)
     async def on_batch_request(self, msg: BatchRequest) -> BatchTensors:
-        self.state.set_version(msg.step - 1)   # it finished that step: a VersionUpdate lost in a restart
+        if self.state.version_reachable(msg.step - 1):   # it finished that step: a VersionUpdate lost in a restart
+            self.state.set_version(msg.step - 1)
         async with self._serving:   # one step at a time: a restarted trainer may ask while its old request waits
             if self.state.serves_again(msg.step):
                 batch = self.files.read_served(msg.step)[0]

@@ -253,6 +253,12 @@ class BufferState:
         self.ready.append(ReadyGroup(f.key, answers, group_start_version(answers)))
         return Scored("accepted", f.key)
 
+    def version_reachable(self, version: int) -> bool:
+        """Whether the trainer can have finished step `version`: it trains only batches this buffer served, so a
+        version past the newest batch served (a VersionUpdate jumping to 1,000,000) is refused, never obeyed:
+        the gate would open for rollouts the trainer never asks for, and every group then looks stale."""
+        return 0 <= version <= self.served_through
+
     def set_version(self, version: int) -> None:
         """The trainer finished step `version`: the gate opens for it (a late, older update changes nothing)."""
         if version > self.gate.version:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import topology as topo_mod
+from actors.run import keep_files_private
 from topology import Plan, TopologyError
 from topology.experiment import ExperimentConfig
 from topology.schema import SupervisorSection
@@ -105,9 +106,8 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
                          inst["threads"], inst["workers"]))
     lines.extend(_table(rows))
     lines.append("")
-    if topo.bus.transport == "tcp" and not topo.bus.curve:
-        lines.append("WARNING: bus.curve is false on a tcp bus: any user who can reach these ports can send "
-                     "this run messages")
+    if warning := insecure_bus_warning(plan):
+        lines.append(warning)
     lines.append(f"bus: {topo.bus.transport}, CurveZMQ {'on' if topo.bus.curve else 'off'}"
                  + (f", ports {topo.bus.base_port}-{topo.bus.base_port + topo.bus.port_range - 1}"
                     if topo.bus.transport == "tcp" else ""))
@@ -155,6 +155,16 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
             lines.append(f"    on {topo.nodes[node_idx].name}: node agent -> supervisor -> {len(insts)} actor(s): "
                          f"{_ranges([i.name for i in insts]) or '-'}")
     return "\n".join(lines)
+
+
+def insecure_bus_warning(plan: Plan) -> str | None:
+    """The line the dry run and every launch print when the topology runs a tcp bus without CurveZMQ."""
+    bus = plan.topology.bus
+    if bus.transport != "tcp" or bus.curve:
+        return None
+    return ("WARNING: bus.insecure_tcp is true: this run's tcp bus has no CurveZMQ. Messages and the actors' "
+            "tokens travel in clear: anyone who can sniff its network, or bind one of its ports while that "
+            f"actor is down ({bus.base_port}-{bus.base_port + bus.port_range - 1}), can command the run")
 
 
 def busy_ports(plan: Plan) -> list[str]:
@@ -354,7 +364,10 @@ def make_run_dir(plan: Plan, requested: str | None) -> Path:
         if found is not None:
             print(f"resuming {path} from its checkpoint of step {found[0]} (run.recover: auto; "
                   f"experiment.run.recover=off starts afresh)", flush=True)
-    path.mkdir(parents=True, exist_ok=True)
+    keep_files_private()
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.stat().st_mode & 0o077:   # a --run-dir that already existed
+        path.chmod(0o700)
     return path.resolve()
 
 
@@ -378,16 +391,27 @@ RECORD_SETTINGS = {"outbound": True, "tensors": "store"}
 
 
 def build_specs(plan: Plan, run_dir: Path, record: bool = False) -> list[dict[str, Any]]:
-    """ActorSpec dictionaries for the run: ipc paths made concrete, CurveZMQ keys made when asked, message
-    logs on for every actor with ``record``."""
-    curve = None
+    """ActorSpec dictionaries for the run: ipc paths made concrete, CurveZMQ keys (or, without CURVE, the
+    actors' tokens) made for this run, message logs on for every actor with ``record``."""
+    from transport.auth import generate_run_keys, generate_run_tokens
+    from transport.bulk import generate_rendezvous_secret
+
+    curve = tokens = None
+    names = [i.name for i in plan.instances]
     if plan.topology.bus.curve:
-        from transport.auth import generate_run_keys
-        curve = {"keys_dir": generate_run_keys(str(run_dir), [i.name for i in plan.instances])}
+        curve = {"keys_dir": generate_run_keys(str(run_dir), names)}
+    else:
+        tokens = {"tokens_dir": generate_run_tokens(str(run_dir), names)}
     for link in [*plan.links.values(), *plan.worlds.values()]:
         if link.port == 0:  # `port: auto`
             link.port = free_port(topo_mod.resolve_host(link.master_host) if link.master_host else "127.0.0.1")
-    specs = plan.specs(run_dir, curve=curve)
+    specs = plan.specs(run_dir, curve=curve, tokens=tokens)
+    if plan.links:
+        # the links' rendezvous stores sign their values with it (transport.bulk.SignedStore)
+        secret_file = generate_rendezvous_secret(run_dir)
+        for spec in specs:
+            for link in spec["settings"]["links"].values():
+                link["secret_file"] = secret_file
     if plan.topology.bus.transport == "ipc":
         ipc_dir = run_dir / "ipc"
         longest = max(len(i.name) for i in plan.instances)
@@ -620,6 +644,8 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
     specs = build_specs(plan, run_dir, record=args.record)
     write_plan(plan, run_dir, specs, args.overrides)
     print(f"run {plan.topology.name}: {len(specs)} actor(s), run directory {run_dir}", flush=True)
+    if warning := insecure_bus_warning(plan):
+        print(warning, flush=True)
     print("\n".join(evaluation_notes(plan)), flush=True)
     node_of = {i.name: i.host for i in plan.instances}
     total = config.run.total_steps
@@ -727,6 +753,8 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
            sys.executable, "-m", "tools.node_agent", str(run_dir)]
     print(f"run {plan.topology.name}: {len(specs)} actor(s) on {len(hosts)} node(s), run directory {run_dir}\n"
           f"  {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+    if warning := insecure_bus_warning(plan):
+        print(warning, flush=True)
     print("\n".join(evaluation_notes(plan)), flush=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(topo_mod.REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -857,6 +885,8 @@ def submit_sbatch(plan: Plan, args: argparse.Namespace) -> int:
     job = out.stdout.strip().split(";")[0]
     (run_dir / "slurm_job_id").write_text(job + "\n")
     print(f"submitted SLURM job {job} ({n} node(s)); output {run_dir}/sbatch.out", flush=True)
+    if warning := insecure_bus_warning(plan):
+        print(warning, flush=True)
     return EXIT_OK
 
 
