@@ -141,7 +141,7 @@ def _fmt_results(results: dict[str, sim.Result]) -> list[str]:
                      f"handed back {c['handed_back']} of which expired {c['expired']}; late results "
                      f"{c['late_groups']}), dropped uniform "
                      f"{c['dropped_uniform']}, aborted before re-issue {c['aborted_before_reissue']}, "
-                     f"interrupted by weight updates {c.get('interrupted_requests', 0)}, SGLang retractions "
+                     f"interrupted by weight updates {c['interrupted_requests']}, KV-pool retractions "
                      f"{c['retractions']} (max {c['retractions_per_server']['max']} on one server), groups in "
                      f"flight per rollout {c['inflight_groups_per_rollout']['mean']:.1f} mean / "
                      f"{c['inflight_groups_per_rollout']['max']} max")

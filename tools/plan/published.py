@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from actors.buffer_state import BufferState
-from tools.plan import hardware, memory, setup, sim
+from tools.plan import hardware, setup, sim
 from tools.plan.shapes import BUILTIN
 from topology.experiment import ExperimentConfig
 from topology.settings import RolloutSettings, TrainerSettings
@@ -174,16 +174,23 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.plan.published", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6, help="steps per simulation, the first is warm-up")
     ap.add_argument("--seeds", type=int, default=3, help="simulations per figure (mean, min-max)")
-    ap.add_argument("--sweep", action="store_true", help="also sweep splits (25-87.5 %%) and eta (0-16), 7B on 16 nodes")
+    ap.add_argument("--parts", default="tutorial,log,speedup",
+                    help="comma-separated: tutorial (the step-time table), log (the tutorial's 7B log), speedup "
+                         "(async over sync), sweep (splits 25-87.5 %% and eta 0-16, 7B on 16 nodes; long)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    unknown = parts - {"tutorial", "log", "speedup", "sweep"}
+    if unknown:
+        print(f"--parts: {', '.join(sorted(unknown))} not one of tutorial, log, speedup, sweep", file=sys.stderr)
+        return 2
     print("tutorial rows", file=sys.stderr, flush=True)
-    table = tutorial_rows(args.steps, args.seeds)
+    table = tutorial_rows(args.steps, args.seeds) if "tutorial" in parts else []
     print("the tutorial's 7B log", file=sys.stderr, flush=True)
-    log = log_row(args.steps, args.seeds)
+    log = log_row(args.steps, args.seeds) if "log" in parts else None
     print("async over sync", file=sys.stderr, flush=True)
-    speed = speedup_rows(max(args.steps, 12), args.seeds)
-    sweep_rows = split_sweep(max(args.steps, 12), args.seeds) if args.sweep else []
+    speed = speedup_rows(max(args.steps, 12), args.seeds) if "speedup" in parts else []
+    sweep_rows = split_sweep(max(args.steps, 12), args.seeds) if "sweep" in parts else []
     if args.json:
         print(json.dumps({"steps": args.steps, "seeds": args.seeds, "tutorial": table, "log": log, "speedup": speed,
                           "sweep": sweep_rows}, indent=1))
@@ -196,10 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['model']} on {r['nodes']} node(s), 512 x {r['group_size']} ({r['split']}{note}) | "
               f"{r['generation_s']:,.0f} s | {r['train_s']:,.0f} s | {r['weights_s']:,.1f} s | {r['step_s']:,.0f} s "
               f"({r['step_s_min']:,.0f}-{r['step_s_max']:,.0f}) | {r['published_s']:,} s | {r['ratio']:.2f} |")
-    print(f"| tutorial 7B log: 16 nodes, 1024 x 16, cut at 16,384 ({log['split']}) | {log['generation_s']:,.0f} s | "
-          f"{log['train_s']:,.0f} s | {log['weights_s']:,.1f} s | {log['step_s']:,.0f} s "
-          f"({log['step_s_min']:,.0f}-{log['step_s_max']:,.0f}) | {log['published_range_s'][0]:,.0f}-"
-          f"{log['published_range_s'][1]:,.0f} s | {log['ratio']:.2f} |")
+    if log is not None:
+        print(f"| tutorial 7B log: 16 nodes, 1024 x 16, cut at 16,384 ({log['split']}) | {log['generation_s']:,.0f} s | "
+              f"{log['train_s']:,.0f} s | {log['weights_s']:,.1f} s | {log['step_s']:,.0f} s "
+              f"({log['step_s_min']:,.0f}-{log['step_s_max']:,.0f}) | {log['published_range_s'][0]:,.0f}-"
+              f"{log['published_range_s'][1]:,.0f} s | {log['ratio']:.2f} |")
     print()
     print("| async over sync, same split | sync step | async step (eta) | predicted (min-max) | published |")
     print("|---|---|---|---|---|")

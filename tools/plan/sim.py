@@ -32,13 +32,12 @@ import functools
 import heapq
 import math
 from collections import Counter
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from actors.buffer_state import BufferState
 from actors.push_policy import Form, Push, PushPolicy
-from algo.dynamic_sampling import is_uniform
 from tools.plan import costs, hardware
 from tools.plan.engines import (Device, EmbeddedAdmission, Req, SGLangAdmission, sglang_max_running)
 from tools.plan.shapes import ModelShape
@@ -58,7 +57,7 @@ PROMPT_TOKENS = 108
 #: answers a second on a 32-worker pool, docs/reward-math.md), small against decoding.
 REWARD_LATENCY_S = 1.0
 #: Prompts in the simulated dataset: the cursor's epochs do not matter to the timing.
-N_RECORDS = 1 << 20
+N_RECORDS = 1 << 16
 
 
 @functools.lru_cache(maxsize=64)
@@ -655,8 +654,3 @@ class Simulation:
 
 def simulate(cfg: SimConfig) -> Result:
     return Simulation(cfg).run()
-
-
-def repeat(make: Callable[[int], SimConfig], seeds: int) -> list[Result]:
-    """The same run under `seeds` seeds (answer lengths, rewards, the buffer's order)."""
-    return [simulate(make(s)) for s in range(seeds)]
