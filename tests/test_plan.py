@@ -260,6 +260,24 @@ def test_sglang_retracts_the_fewest_output_first_when_the_pool_overflows():
     assert d.new_token_ratio() == pytest.approx((20 + steps + 10 + steps + 20 * 2) / (2 * 1000 + 1))
 
 
+def test_the_embedded_engine_admits_whole_groups_per_engine_within_its_rows():
+    # actors/engines/torch_gen.py _take_waiting: whole groups, while the engine's rows stay within max_running;
+    # two engines time-sharing one core admit independently
+    cost = costs.DecodeCost(1e-3, 0.0, 0.0, 0.0)
+    d = engines.Device(0, engines.EmbeddedAdmission(max_running=4), lambda n, e: cost, lambda t, sq, k: 0.0,
+                       lambda dev, r, t: None)
+
+    def group(g: int, engine: str, left: int = 10) -> list[engines.Req]:
+        return [engines.Req(aid=10 * g + i, group=g, engine=engine, prompt=5, origin=5, max_new=50, left=left)
+                for i in range(2)]
+    d.submit(group(0, "rollout.0") + group(1, "rollout.0") + group(2, "rollout.0"))
+    assert d.engines_busy == {"rollout.0": 4} and len(d.waiting) == 2     # the third group waits for rows
+    d.submit(group(3, "rollout.1"))
+    assert d.engines_busy["rollout.1"] == 2                               # the other engine takes its own
+    d.advance(d.t + 1e-3 * 10)                                            # rows finish: the waiting group joins
+    assert d.engines_busy["rollout.0"] == 2 and not d.waiting
+
+
 def test_the_push_policy_forms_once_pushes_what_is_behind_and_coalesces(monkeypatch):
     from actors.push_policy import Form, Idle, Push, PushPolicy, Wait
     from transport.protocol import RolloutWeights

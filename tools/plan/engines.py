@@ -262,6 +262,8 @@ class Device:
         retracted = []
         while not retracted or pool - self.used() < len(order):
             if len(order) == 1:
+                if not retracted:   # SGLang asserts here: the pool cannot hold one request's next token
+                    raise RuntimeError(f"server {self.index}: the KV pool ({pool:,} tokens) cannot hold one answer")
                 break
             r = order.pop()
             r.out0 = self._leave(r)
@@ -404,9 +406,7 @@ class EmbeddedAdmission:
             tokens[e] = tokens.get(e, 0) + plen
         ids = {r.aid for r in taken}
         d.waiting = deque(r for r in d.waiting if r.aid not in ids)
-        if not taken:
-            d.batch_full = True   # nothing fits until an answer finishes
-        return taken
+        return taken   # what waits is looked at again when rows finish (or a group arrives)
 
     @staticmethod
     def prefills(taken: list[Req], groups: set[int]) -> int:
