@@ -137,8 +137,8 @@ def _fmt_results(results: dict[str, sim.Result]) -> list[str]:
         lines.append(f"  {name}: rollouts " + ", ".join(f"{k} {v:.0%}" for k, v in sh["rollout"].items())
                      + "; trainer " + ", ".join(f"{k} {v:.0%}" for k, v in sh["trainer"].items())
                      + f"; param server pushing {sh['param_server']['push']:.0%}")
-        lines.append(f"    decisions: issued {c['issued']}, re-issued {c['reissued']} (dropped stale {c['dropped_stale']}, "
-                     f"handed back {c['handed_back']} of which expired {c['expired']}; late results "
+        lines.append(f"    decisions: issued {c['issued']}, re-issued {c['reissued']} (dropped stale "
+                     f"{c['dropped_stale']}, handed back {c['handed_back']} of which expired {c['expired']}; late results "
                      f"{c['late_groups']}), dropped uniform "
                      f"{c['dropped_uniform']}, aborted before re-issue {c['aborted_before_reissue']}, "
                      f"interrupted by weight updates {c['interrupted_requests']}, KV-pool retractions "

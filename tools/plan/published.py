@@ -105,7 +105,8 @@ def cluster(model: str, nodes: int, group_size: int, *, batch: int = 512, max_ne
                "instance": {"parallel": {"tp": lay.tp, "pp": lay.pp, "dp": train // unit}}}
     rollout = {**experiment, "engine": "sglang", "sglang": {"mem_fraction_static": 0.8},
                "instance": {"parallel": {"tp": lay.server_tp}}}
-    groups = [setup.Group("rollout", "rollout", servers, lay.server_tp, RolloutSettings.model_validate(rollout), "cuda"),
+    groups = [setup.Group("rollout", "rollout", servers, lay.server_tp, RolloutSettings.model_validate(rollout),
+                          "cuda"),
               setup.Group("trainer", "trainer", train, 1, TrainerSettings.model_validate(trainer), "cuda")]
     return setup.Setup(BUILTIN[model], hardware.GPUS["H800"], gpus_per_node, groups,
                        ExperimentConfig.model_validate(experiment), reward_actors=nodes)
@@ -204,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['generation_s']:,.0f} s | {r['train_s']:,.0f} s | {r['weights_s']:,.1f} s | {r['step_s']:,.0f} s "
               f"({r['step_s_min']:,.0f}-{r['step_s_max']:,.0f}) | {r['published_s']:,} s | {r['ratio']:.2f} |")
     if log is not None:
-        print(f"| tutorial 7B log: 16 nodes, 1024 x 16, cut at 16,384 ({log['split']}) | {log['generation_s']:,.0f} s | "
-              f"{log['train_s']:,.0f} s | {log['weights_s']:,.1f} s | {log['step_s']:,.0f} s "
+        print(f"| tutorial 7B log: 16 nodes, 1024 x 16, cut at 16,384 ({log['split']}) | "
+              f"{log['generation_s']:,.0f} s | {log['train_s']:,.0f} s | {log['weights_s']:,.1f} s | {log['step_s']:,.0f} s "
               f"({log['step_s_min']:,.0f}-{log['step_s_max']:,.0f}) | {log['published_range_s'][0]:,.0f}-"
               f"{log['published_range_s'][1]:,.0f} s | {log['ratio']:.2f} |")
     print()

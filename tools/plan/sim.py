@@ -281,9 +281,10 @@ class Simulation:
         names = cfg.rollout_names
         self.rewards = [f"reward.{i}" for i in range(max(1, cfg.rewards))]
         self.state = cfg.buffer_rules(n_records=N_RECORDS, rollouts=names, rewards=self.rewards,
-                                 batch_size=cfg.batch_size, eta=cfg.eta, seed=cfg.seed,
-                                 dynamic_sampling=cfg.dynamic_sampling, max_per_rollout=cfg.max_groups_per_rollout,
-                                 max_concurrent=cfg.max_concurrent_groups, group_timeout_s=cfg.group_timeout_s)
+                                      batch_size=cfg.batch_size, eta=cfg.eta, seed=cfg.seed,
+                                      dynamic_sampling=cfg.dynamic_sampling,
+                                      max_per_rollout=cfg.max_groups_per_rollout,
+                                      max_concurrent=cfg.max_concurrent_groups, group_timeout_s=cfg.group_timeout_s)
         for name in names + self.rewards:
             self.state.worker_hello(name)
         self.device_of = {name: i // cfg.engines_per_server for i, name in enumerate(names)}
@@ -362,7 +363,7 @@ class Simulation:
             self._last_busy[d.index] = busy
 
     def _answer_done(self, d: Device, r: Req, t: float) -> None:
-        g = self.groups[self._gid_of[r.aid]]
+        g = self.groups[self._gid_of.pop(r.aid)]
         g.left -= 1
         if g.left == 0:
             g.end_version = self.device_version[d.index]
@@ -408,8 +409,8 @@ class Simulation:
             lengths = [int(x) for x in cfg.draw_lengths(self.rng, cfg.group_size)]
             reqs = []
             for length in lengths:
-                r = Req(aid=self.next_answer, group=len(self.groups), engine=issue.rollout, prompt=cfg.prompt_tokens,
-                        origin=cfg.prompt_tokens, max_new=cfg.max_new_tokens, left=length)
+                r = Req(aid=self.next_answer, group=self.counters["issued"], engine=issue.rollout,
+                        prompt=cfg.prompt_tokens, origin=cfg.prompt_tokens, max_new=cfg.max_new_tokens, left=length)
                 self._gid_of[r.aid] = issue.group_id
                 self.next_answer += 1
                 reqs.append(r)
@@ -638,8 +639,8 @@ class Simulation:
         first = self.steps[0].clocks if len(self.steps) > 1 else {}
         last = self.steps[-1].clocks
         measured = {k: last.get(f"count.{k}", 0.0) - first.get(f"count.{k}", 0.0)
-                    for k in ("issued", "reissued", "handed_back", "expired", "dropped_stale", "dropped_uniform", "late_groups",
-                              "pushes", "interrupted_requests")}
+                    for k in ("issued", "reissued", "handed_back", "expired", "dropped_stale", "dropped_uniform",
+                              "late_groups", "pushes", "interrupted_requests")}
         push_s = 0.0 if self.weight_sync is None else self.weight_sync.push_s
         return {**whole, "measured": measured, "push_s": push_s,
                 "retractions": sum(c["retractions"] for c in devices),
