@@ -330,6 +330,7 @@ def test_tools_plan_prints_memory_and_the_comparison_for_a_gpu_topology(capsys, 
     sims = out["simulation"]
     assert sims["async"]["effective_throughput_tok_s"] > sims["sync (eta=0, same split)"]["effective_throughput_tok_s"]
     assert main(["topology/1node.yaml", "actors.trainer.settings.recompute=none"]) == 2
+    assert main(["topology/1node.yaml", "--seeds", "0"]) == 2 and "--seeds: must be >= 1" in capsys.readouterr().err
 
 
 def test_tools_plan_reports_time_shares_and_the_decisions_counters_for_64_nodes(capsys, monkeypatch):

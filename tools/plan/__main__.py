@@ -197,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.steps is not None and args.steps < 2:
         print("--steps: must be >= 2 (the first step is warm-up)", file=sys.stderr)
         return 2
+    if args.seeds < 1:
+        print("--seeds: must be >= 1", file=sys.stderr)
+        return 2
     try:
         plan = topo_mod.load(args.topology, args.overrides, check_imports=False)
         found = setup.read(plan)

@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(async over sync), sweep (splits 25-87.5 %% and eta 0-16, 7B on 16 nodes; long)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.steps < 2 or args.seeds < 1:
+        print("--steps must be >= 2 (the first step is warm-up) and --seeds >= 1", file=sys.stderr)
+        return 2
     parts = set(args.parts.split(","))
     unknown = parts - {"tutorial", "log", "speedup", "sweep"}
     if unknown:
