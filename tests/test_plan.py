@@ -193,6 +193,20 @@ def test_a_decode_step_pays_its_layers_fixed_cost_and_the_tensor_parallel_all_re
                                 (shape.params * 2 / 2 + 64 * shape.vocab * 4 * costs.SAMPLER_PASSES / 2) / bw)
 
 
+def test_a_kl_penalty_costs_each_replica_a_reference_pass_over_the_whole_batch():
+    # actors/train_step.py: with kl_coef > 0 every data-parallel rank computes the reference log-probs of every
+    # sequence, so the pass does not shrink with dp
+    shape, gpu = BUILTIN["7B"], hardware.GPUS["H800"]
+    lengths, groups = [4000] * 64, [i // 16 for i in range(64)]
+    for dp in (1, 8):
+        lay = costs.TrainerShape(tp=4, pp=1, dp=dp, micro_batch_tokens=32768, minibatches=1, recompute="full",
+                                 gpus_per_node=8)
+        extra = costs.train_step_seconds(shape, gpu, dataclasses.replace(lay, reference=True), lengths, groups) - \
+            costs.train_step_seconds(shape, gpu, lay, lengths, groups)
+        assert extra == pytest.approx(costs.forward_flops(shape, 64 * 4000, 64 * 4000 ** 2) /
+                                      (gpu.bf16_flops * hardware.TRAIN_MFU * 4))
+
+
 def test_the_decode_constants_are_the_published_microbenchmark_s_fit():
     fit = microbench.fit()
     assert (hardware.HBM_EFFICIENCY, hardware.DECODE_FIXED_PER_LAYER_S, hardware.TP_ALLREDUCE_LATENCY_S) == \

@@ -124,6 +124,9 @@ class TrainerShape:
     minibatches: int
     recompute: str
     gpus_per_node: int
+    #: algo.kl_coef > 0: every data-parallel rank computes the frozen reference model's log-probs of the whole
+    #: batch (actors/train_step.py `rank_samples` / `train_share`: the penalty enters the batch-wide advantages)
+    reference: bool = False
 
 
 def train_step_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape, lengths: list[int],
@@ -151,6 +154,8 @@ def train_step_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape, 
             rank_flops.append(passes * forward_flops(shape, float(sub[rank].sum()), float((sub[rank] ** 2).sum())))
         bubble = (lay.pp - 1) / max(per_rank, 1)
         total += max(rank_flops) / rate * (1 + bubble) + dp_sync_seconds(shape, gpu, lay)
+    if lay.reference:   # one forward pass of the reference model over every sequence, on each replica
+        total += forward_flops(shape, float(lens.sum()), float((lens.astype(np.float64) ** 2).sum())) / rate
     return total
 
 
