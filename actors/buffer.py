@@ -229,7 +229,7 @@ class BufferActor(Actor):
     async def _expire_loop(self) -> None:
         timeout = self.state.group_timeout_s
         while not self.finished:
-            await asyncio.sleep(min(60.0, timeout / 4))
+            await asyncio.sleep(self.state.expire_every_s)
             self._handed_back(self.state.expire(time.time()), f"no result after {timeout:.0f} s")
 
     def on_peer_alive(self, peer: str) -> None:

@@ -220,6 +220,12 @@ class BufferState:
         self.greeted.add(worker)
         return handed_back
 
+    @property
+    def expire_every_s(self) -> float:
+        """How often `expire` is called: a lost group is handed back at most a quarter of its timeout late
+        (and at least once a minute)."""
+        return min(60.0, self.group_timeout_s / 4)
+
     def expire(self, now: float) -> dict[str, InFlight]:
         """Groups with no result after `group_timeout_s` (lost without any sign), handed back."""
         late = [g for g, f in self.inflight.items() if now - f.issued_at > self.group_timeout_s]
