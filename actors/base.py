@@ -50,7 +50,7 @@ from typing import Any, Callable, ClassVar, Coroutine
 import structlog
 
 from topology.settings import ActorSettings, read_settings
-from transport.auth import CurveConfig
+from transport.auth import CurveConfig, TokenConfig
 from transport.bus import Bus, Envelope
 from transport.messages import Error, Message
 from transport.msglog import MessageLogWriter
@@ -73,6 +73,7 @@ class ActorSpec:
     run_dir: str = "."
     curve: dict[str, Any] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    tokens: dict[str, Any] | None = None       # the run's bus tokens when CURVE is off: {"tokens_dir": DIR}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,7 +82,7 @@ class ActorSpec:
     def from_dict(cls, d: Any, where: str = "spec") -> "ActorSpec":
         if not isinstance(d, dict):
             raise SpecError(f"{where}: expected a map, got {type(d).__name__}")
-        known = {"name", "cls", "endpoint", "peers", "settings", "run_dir", "curve", "env"}
+        known = {"name", "cls", "endpoint", "peers", "settings", "run_dir", "curve", "env", "tokens"}
         for key in d:
             if key not in known:
                 raise SpecError(f"{where}.{key}: unknown key (expected one of {sorted(known)})")
@@ -97,12 +98,13 @@ class ActorSpec:
                 raise SpecError(f"{where}.{key}: expected a map of strings to strings")
         if not isinstance(d.get("settings") or {}, dict):
             raise SpecError(f"{where}.settings: expected a map")
-        if d.get("curve") is not None and not isinstance(d["curve"], dict):
-            raise SpecError(f"{where}.curve: expected a map or null")
+        for key in ("curve", "tokens"):
+            if d.get(key) is not None and not isinstance(d[key], dict):
+                raise SpecError(f"{where}.{key}: expected a map or null")
         if not isinstance(d.get("run_dir", "."), str):
             raise SpecError(f"{where}.run_dir: expected a path string")
         return cls(d["name"], d["cls"], d["endpoint"], dict(d.get("peers") or {}), dict(d.get("settings") or {}),
-                   d.get("run_dir", "."), d.get("curve"), dict(d.get("env") or {}))
+                   d.get("run_dir", "."), d.get("curve"), dict(d.get("env") or {}), d.get("tokens"))
 
     def write(self, path: str | os.PathLike) -> None:
         tmp = f"{path}.tmp{os.getpid()}"
@@ -369,13 +371,16 @@ class Actor:
             recorder = self.msglog = MessageLogWriter(
                 self.run_dir / "msglog" / f"{self.name}.msglog", tensors=opts.tensors, flush_every=opts.flush_every,
                 meta={"actor": self.name, "spec": self.spec.to_dict(), "outbound": outbound})
-        curve = None
+        curve = tokens = None
         if self.spec.curve:
             curve = CurveConfig.from_spec(self.spec.curve, self.name, list(self.spec.peers))
+        elif self.spec.tokens:
+            tokens = TokenConfig.from_spec(self.spec.tokens, self.name)
         # The launcher lists every actor of the run by group: the group is the role messages are checked by.
         groups = self.cfg.groups
         roles = {name: group for group, names in groups.items() for name in names} if groups else None
-        return Bus(self.name, self.spec.endpoint, self.spec.peers, handler=self.dispatch, curve=curve, roles=roles,
+        return Bus(self.name, self.spec.endpoint, self.spec.peers, handler=self.dispatch, curve=curve, tokens=tokens,
+                   roles=roles,
                    recorder=recorder, record_outbound=outbound, log=self.log.bind(component="bus"),
                    on_peer_dead=self._peer_dead, on_peer_alive=self._peer_alive, **bus_kw)
 

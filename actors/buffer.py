@@ -20,7 +20,8 @@ Lost work: the buffer picks the rollout AND the reward actor of every group, so 
 the groups it held are issued again; late answers of re-issued groups are ignored. A group with no result
 after `buffer.group_timeout_s` is issued again as a last resort.
 
-Settings read: model.path (tokenizer), data.train (through its layout), data.on_bad_line, data.require, seed, algo.batch_size,
+Settings read: model.path (tokenizer), data.train (through its layout), data.on_bad_line, data.require,
+data.max_prompt_tokens (longer prompts are left out, logged), seed, algo.batch_size,
 algo.group_size, algo.eta, algo.dynamic_sampling, gen.* (sampling of the GenerateGroup),
 buffer.max_groups_per_rollout, buffer.max_concurrent_groups, buffer.group_timeout_s.
 """
@@ -37,7 +38,7 @@ import msgpack
 
 from actors.base import Actor, handles
 from actors.buffer_state import BufferState, InFlight, ledger_after_resume, plan_resume
-from actors.dataset import Layout, Record, load_dataset
+from actors.dataset import Layout, Record, load_dataset, within_prompt_cap
 from actors.engines.tokenizer import load_tokenizer
 from actors.recovery import checkpoint_dir, fsync_write, latest_checkpoint, recovering, restarted_in_place
 from topology.settings import BufferSettings
@@ -156,6 +157,15 @@ class BufferActor(Actor):
         tok = await asyncio.to_thread(load_tokenizer, cfg.model.path)
         self.stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
         self.prompt_ids = [tok.encode(r.prompt) for r in self.dataset.records]
+        kept = within_prompt_cap(self.prompt_ids, data.max_prompt_tokens)
+        if len(kept) < len(self.prompt_ids):
+            if not kept:
+                raise ValueError(f"data.max_prompt_tokens: every prompt of {data.train} is longer than "
+                                 f"{data.max_prompt_tokens} tokens")
+            self.log.warning("prompts_over_length_left_out", prompts=len(self.prompt_ids) - len(kept),
+                             kept=len(kept), max_prompt_tokens=data.max_prompt_tokens)
+            self.dataset.records = [self.dataset.records[i] for i in kept]
+            self.prompt_ids = [self.prompt_ids[i] for i in kept]
         self.state = BufferState(
             n_records=len(self.dataset), rollouts=list(cfg.groups.get("rollout", [])),
             rewards=list(cfg.groups.get("reward", [])), batch_size=cfg.algo.batch_size,
@@ -213,7 +223,8 @@ class BufferActor(Actor):
                 await self.bus.send(issue.rollout, GenerateGroup(
                     group_id=issue.group_id, prompt_ids=self.prompt_ids[index], n=self.group_size,
                     task=Task(kind=str(rec.extra.get("task", "math")), answer=rec.answer or "",
-                              tests=list(rec.extra.get("tests", []))),
+                              tests=list(rec.extra.get("tests", [])),
+                              answers=list(rec.answers) if len(rec.answers) > 1 else []),
                     stop_token_ids=self.stop_ids, seed=issue.seed, reward=issue.reward, **self.gen))
 
     def _handed_back(self, handed_back: dict[str, InFlight], reason: str) -> None:
@@ -233,7 +244,7 @@ class BufferActor(Actor):
     async def _expire_loop(self) -> None:
         timeout = self.state.group_timeout_s
         while not self.finished:
-            await asyncio.sleep(min(60.0, timeout / 4))
+            await asyncio.sleep(self.state.expire_every_s)
             self._handed_back(self.state.expire(time.time()), f"no result after {timeout:.0f} s")
 
     def on_peer_alive(self, peer: str) -> None:
@@ -272,6 +283,13 @@ class BufferActor(Actor):
 
     @handles(VersionUpdate)
     def on_version(self, msg: VersionUpdate) -> None:
+        if not self.state.version_reachable(msg.version):
+            self.counters["versions_refused"] += 1
+            self.log.warning("version_refused", version=msg.version, gate_version=self.state.gate.version,
+                             served_through=self.state.served_through,
+                             reason=f"no batch past step {self.state.served_through} was served, so the trainer "
+                                    f"cannot have finished step {msg.version}; the gate stays where it is")
+            return
         self.state.set_version(msg.version)
         self.changed.set()
         self.arrived.set()
@@ -290,7 +308,8 @@ class BufferActor(Actor):
 
     @handles(BatchRequest)
     async def on_batch_request(self, msg: BatchRequest) -> BatchTensors:
-        self.state.set_version(msg.step - 1)   # it finished that step: a VersionUpdate lost in a restart
+        if self.state.version_reachable(msg.step - 1):   # it finished that step: a VersionUpdate lost in a restart
+            self.state.set_version(msg.step - 1)
         async with self._serving:   # one step at a time: a restarted trainer may ask while its old request waits
             if self.state.serves_again(msg.step):
                 batch = self.files.read_served(msg.step)[0]

@@ -220,6 +220,12 @@ class BufferState:
         self.greeted.add(worker)
         return handed_back
 
+    @property
+    def expire_every_s(self) -> float:
+        """How often `expire` is called: a lost group is handed back at most a quarter of its timeout late
+        (and at least once a minute)."""
+        return min(60.0, self.group_timeout_s / 4)
+
     def expire(self, now: float) -> dict[str, InFlight]:
         """Groups with no result after `group_timeout_s` (lost without any sign), handed back."""
         late = [g for g, f in self.inflight.items() if now - f.issued_at > self.group_timeout_s]
@@ -252,6 +258,12 @@ class BufferState:
         self.gate.finish(accepted=True)
         self.ready.append(ReadyGroup(f.key, answers, group_start_version(answers)))
         return Scored("accepted", f.key)
+
+    def version_reachable(self, version: int) -> bool:
+        """Whether the trainer can have finished step `version`: it trains only batches this buffer served, so a
+        version past the newest batch served (a VersionUpdate jumping to 1,000,000) is refused, never obeyed:
+        the gate would open for rollouts the trainer never asks for, and every group then looks stale."""
+        return 0 <= version <= self.served_through
 
     def set_version(self, version: int) -> None:
         """The trainer finished step `version`: the gate opens for it (a late, older update changes nothing)."""

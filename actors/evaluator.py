@@ -28,6 +28,15 @@ while the evaluator was away is caught up by the launcher (`catch_up`, tools/up.
 Settings: ``eval.every_versions`` (0: off, the actor idles), ``eval.max_problems``
 (default 64), ``eval.wait_s`` (how long one request waits for a new version, default 30),
 ``gen.max_new_tokens``, ``data.test`` and its layout, ``model.path`` (config and tokenizer).
+
+On a GPU run (``engine: sglang``, ``weights_from: checkpoints``): the answers come from an SGLang server of its
+own (the rollouts' engine, `SGLangEngine.from_settings`, started in the background so the run does not wait for
+it), and the versions evaluated are the run's checkpoints: the start weights (version 0), then the newest
+complete checkpoint at least N versions after the last one evaluated, loaded into the server from the shared
+file system (``/update_weights_from_disk``); ``newest`` is then the newest complete checkpoint. The direct
+weights of a GPU run keep no copy in the parameter server, so a checkpoint is the one version it can read.
+Either source works with either engine (``weights_from: param_server`` with SGLang loads the fetched buckets
+through the server's disk path; ``checkpoints`` with the embedded engine loads each checkpoint here).
 """
 from __future__ import annotations
 
@@ -41,12 +50,13 @@ from typing import Any
 
 from actors.base import Actor, ActorSpec, handles
 from actors.dataset import Layout, Record, load_dataset
-from actors.engines.checkpoint import assign_weights, has_weights, iter_checkpoint_tensors, load_config
+from actors.engines.base import EngineError
+from actors.engines.checkpoint import assign_weights, has_weights, iter_checkpoint_tensors, load_config, load_model
 from actors.engines.model import Qwen2ForCausalLM
 from actors.engines.tokenizer import load_tokenizer
-from actors.evaluation import EvalSettings, aevaluate_model, level_key
+from actors.evaluation import EvalSettings, aevaluate_model, aevaluate_with, engine_generator, level_key
 from actors.param_server import EvalWeights, EvalWeightsRequest
-from actors.recovery import COMPLETE, FINISHED, checkpoint_dir, checkpoint_problem, run_finished
+from actors.recovery import COMPLETE, FINISHED, checkpoint_dir, checkpoint_problem, complete_checkpoints, run_finished
 from actors.weights import weights_hash
 from topology.settings import EvaluatorSettings
 from transport.bulk import PackedBucket, unpack_bucket
@@ -150,7 +160,7 @@ def catch_up(cfg: Any, run_dir: Path, final_version: int) -> tuple[list[int], li
     if not missing:
         return [], []
     dataset = load_dataset(cfg.data.test, require="answer", on_error=cfg.data.on_bad_line or "fail",
-                           layout=Layout.from_settings(cfg.data), max_bad_share=cfg.data.max_bad_share)
+                           layout=Layout.from_settings(cfg.data, test=True), max_bad_share=cfg.data.max_bad_share)
     records = spread_over_levels(dataset.records, cfg.eval.max_problems)
     tokenizer = load_tokenizer(cfg.model.path)
     settings = EvalSettings(samples=0, max_new_tokens=cfg.gen.max_new_tokens)
@@ -190,6 +200,7 @@ class EvalActor(Actor):
         self.every = cfg.eval.every_versions
         self.wait_s = cfg.eval.wait_s
         self.path = self.run_dir / EVAL_FILE
+        self.engine: Any = None
         if self.every <= 0:
             self.log.info("evaluator_off", why="eval.every_versions is 0")
             return
@@ -198,15 +209,24 @@ class EvalActor(Actor):
             raise EvalConfigError("data.test: eval.every_versions > 0 needs a held-out file")
         if not model_dir:
             raise EvalConfigError("model.path: the evaluator needs the model's config and tokenizer")
-        servers = cfg.groups.get("param_server") or []
-        if not servers:
-            raise EvalConfigError("groups.param_server: the evaluator takes its weights from the parameter server")
-        self.param_server = servers[0]
+        if cfg.weights_from == "param_server":
+            servers = cfg.groups.get("param_server") or []
+            if not servers:
+                raise EvalConfigError("groups.param_server: weights_from param_server takes the weights from the "
+                                      "parameter server (weights_from: checkpoints reads the run's checkpoints)")
+            self.param_server = servers[0]
         dataset = await asyncio.to_thread(load_dataset, test, require="answer", on_error=cfg.data.on_bad_line or "fail",
-                                          layout=Layout.from_settings(cfg.data), max_bad_share=cfg.data.max_bad_share)
+                                          layout=Layout.from_settings(cfg.data, test=True),
+                                          max_bad_share=cfg.data.max_bad_share)
         self.records = spread_over_levels(dataset.records, cfg.eval.max_problems)
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = Qwen2ForCausalLM(load_config(model_dir))
+        if cfg.engine == "sglang":
+            from actors.engines.sglang import SGLangEngine
+
+            # the server starts on the start weights (version 0); it is started by the evaluation loop
+            self.engine = SGLangEngine.from_settings(cfg, 0, model_dir, run_dir=str(self.run_dir))
+        else:
+            self.model = Qwen2ForCausalLM(load_config(model_dir))
         self.settings_eval = EvalSettings(samples=0, max_new_tokens=cfg.gen.max_new_tokens)
         self.done = evaluated_versions(self.path)
         self.skipped = skipped_versions(self.path)
@@ -216,7 +236,7 @@ class EvalActor(Actor):
         except ImportError as e:
             self.log.warning("tensorboard_unavailable", error=str(e))
         self.log.info("evaluator_started", every=self.every, problems=len(self.records), data=test,
-                      already_done=sorted(self.done))
+                      engine=cfg.engine, weights_from=cfg.weights_from, already_done=sorted(self.done))
         self._stop_if_finished()
 
     def _stop_if_finished(self) -> bool:
@@ -230,7 +250,9 @@ class EvalActor(Actor):
             except (OSError, ValueError, KeyError, TypeError):
                 final = -1
             missed = missed_versions(self.every, -1, final + 1, self.done | self.skipped)
-            if missed and self.done:   # (none evaluated: this run's weights never reach it, as with direct weights)
+            # (none evaluated: this run's weights never reach it, as with direct weights; from checkpoints, only
+            # checkpoints are evaluated by design)
+            if missed and self.done and self.cfg.weights_from == "param_server":
                 self._skip(missed, "the run ended while the evaluator was away")
             self.request_stop("the run has finished")
             return True
@@ -247,9 +269,12 @@ class EvalActor(Actor):
 
     async def on_ready(self) -> None:
         if self.every > 0:
-            self.spawn(self._loop(), name="eval_loop")
+            loop = self._checkpoint_loop() if self.cfg.weights_from == "checkpoints" else self._loop()
+            self.spawn(loop, name="eval_loop")
 
     async def on_stop(self) -> None:
+        if self.engine is not None:
+            await self.engine.stop()
         if self.tb is not None:
             self.tb.close()
 
@@ -261,6 +286,8 @@ class EvalActor(Actor):
         """Fetch and evaluate kept versions until the run ends (the actor is stopped). Each request waits at
         most wait_s on the server, and a server that is away is retried after a pause of that order."""
         after = max(self.done, default=-1)
+        if self.engine is not None:
+            await self.engine.start()
         while not self._stop_if_finished():
             try:
                 got = await self._fetch(after)
@@ -270,18 +297,20 @@ class EvalActor(Actor):
                 await asyncio.sleep(min(self.wait_s, 5.0))
                 continue
             if isinstance(got, str):   # this run's parameter server can never give weights: say so once, idle
-                self.log.error("evaluation_unavailable", why=got)
+                self.log.error("evaluation_unavailable", why=got,
+                               hint="weights_from: checkpoints evaluates the run's checkpoints instead")
                 return
             if got is None:
                 continue
-            version, newest = got
+            version, newest, named = got
             missed = missed_versions(self.every, after, version, self.done | self.skipped)
             after = version
             if version not in self.done:
-                t0 = time.monotonic()
-                report = await aevaluate_model(self.model, self.tokenizer, self.records, self.settings_eval)
-                self._write(eval_entry(version, newest, report, time.monotonic() - t0, time.time()))
-                self.done.add(version)
+                if self.engine is not None:
+                    await self.engine.update_weights(version, [named])
+                else:
+                    await asyncio.to_thread(assign_weights, self.model, named, True, f"eval weights v{version}")
+                await self._evaluate(version, newest)
             if missed:
                 await self._catch_up(missed, newest)
 
@@ -295,24 +324,74 @@ class EvalActor(Actor):
                 gone.append(version)
                 continue
             try:
-                await asyncio.to_thread(lambda: assign_weights(self.model, iter_checkpoint_tensors(str(where)), True,
-                                                               str(where)))
+                if self.engine is not None:
+                    await self.engine.update_weights_from_disk(version, str(where))
+                else:
+                    await asyncio.to_thread(lambda: assign_weights(self.model, iter_checkpoint_tensors(str(where)),
+                                                                   True, str(where)))
             except Exception as exc:   # removed (keep_checkpoints) while being read: named as skipped
                 self.log.warning("catch_up_weights_unreadable", version=version, path=str(where), error=str(exc)[:200])
                 gone.append(version)
                 continue
-            t0 = time.monotonic()
-            report = await aevaluate_model(self.model, self.tokenizer, self.records, self.settings_eval)
-            self._write(eval_entry(version, newest, report, time.monotonic() - t0, time.time(), "checkpoint"))
-            self.done.add(version)
+            await self._evaluate(version, newest, "checkpoint")
         if gone:
             self._skip(gone, "passed over (the evaluator was away or slower than eval.every_versions versions of "
                              "training), and their weights are no longer kept")
 
-    async def _fetch(self, after: int) -> tuple[int, int] | str | None:
-        """Load the newest kept version after ``after`` into the model: (version, server's newest), None
-        when there was none within wait_s or it was replaced while being fetched, or why the server can
-        never give one."""
+    async def _evaluate(self, version: int, newest: int, source: str = "param_server") -> None:
+        """Evaluate the weights loaded as `version` and record it (``source``: see `eval_entry`)."""
+        t0 = time.monotonic()
+        if self.engine is not None:
+            report = await aevaluate_with(engine_generator(self.engine), self.tokenizer, self.records,
+                                          self.settings_eval)
+        else:
+            report = await aevaluate_model(self.model, self.tokenizer, self.records, self.settings_eval)
+        self._write(eval_entry(version, newest, report, time.monotonic() - t0, time.time(), source))
+        self.done.add(version)
+
+    def _next_checkpoint(self) -> tuple[int, Path, int] | None:
+        """(step, model directory, newest complete step) of the checkpoint to evaluate next: the newest complete,
+        sound one at least `every` versions after the last evaluated (the ones in between are skipped, as the
+        parameter server's kept versions are); None when there is none yet."""
+        found = complete_checkpoints(self.run_dir)
+        last = max(self.done, default=None)
+        for step, path in found:
+            if step in self.done or (last is not None and step < last + self.every):
+                continue
+            if checkpoint_problem(path) is None:
+                return step, path / "model", found[0][0]
+        return None
+
+    async def _checkpoint_loop(self) -> None:
+        """Evaluate the start weights, then the run's checkpoints as they appear, until the run ends."""
+        if self.engine is not None:
+            await self.engine.start()   # on the start weights: version 0
+        if 0 not in self.done:
+            if self.engine is None:
+                self.model = await asyncio.to_thread(load_model, self.cfg.model.path)
+            await self._evaluate(0, 0)
+        while not self._stop_if_finished():
+            todo = self._next_checkpoint()
+            if todo is None:
+                await asyncio.sleep(self.wait_s)   # checkpoints are files on a shared disk: looked for every wait_s
+                continue
+            step, model_dir, newest = todo
+            try:
+                if self.engine is not None:
+                    await self.engine.update_weights_from_disk(step, str(model_dir))
+                else:
+                    self.model = await asyncio.to_thread(load_model, str(model_dir))
+            except (EngineError, OSError, ValueError) as exc:   # rotated away meanwhile (run.keep_checkpoints)
+                self.counters["checkpoint_load_failures"] += 1
+                self.log.warning("eval_checkpoint_unreadable", step=step, path=str(model_dir), error=str(exc)[:300])
+                self.done.add(step)   # not again; the next one will do
+                continue
+            await self._evaluate(step, newest)
+
+    async def _fetch(self, after: int) -> tuple[int, int, list[tuple[str, Any]]] | str | None:
+        """The newest kept version after ``after``: (version, server's newest, its named tensors), None when
+        there was none within wait_s or it was replaced while being fetched, or why the server can never give
+        one."""
         first = await self.bus.request(self.param_server, EvalWeightsRequest(after=after, timeout_s=self.wait_s),
                                        timeout=self.wait_s + 30)
         if not isinstance(first, EvalWeights):
@@ -337,8 +416,7 @@ class EvalActor(Actor):
             self.log.error("eval_weights_hash_mismatch", version=first.version, got=digest,
                            expected=first.weights_hash)
             return None
-        await asyncio.to_thread(assign_weights, self.model, named, True, f"eval weights v{first.version}")
-        return first.version, first.newest
+        return first.version, first.newest, named
 
     def _write(self, entry: dict[str, Any]) -> None:
         _append(self.path, entry)

@@ -200,3 +200,13 @@ def start_weights(cfg: ExperimentConfig, run_dir: str | os.PathLike) -> tuple[in
     if not path:
         raise ValueError("model.path: not set (the starting model directory, Hugging Face layout)")
     return 0, str(path)
+
+
+def checkpoint_due(step: int, total_steps: int, every_steps: int, every_s: float | None, since_s: float) -> bool:
+    """Whether the step that just ended is checkpointed: every `every_steps` steps, the last step, and, with
+    `every_s`, any step that ends `every_s` seconds or more after the last checkpoint (`since_s` seconds ago;
+    AReaL's ``exp_ctrl.ckpt_freq_secs``, 600 in its configs: a 32B step takes hours, ten of them a working day)."""
+    if step % every_steps == 0 or step == total_steps:
+        return True
+    return every_s is not None and since_s >= every_s
+

@@ -12,7 +12,8 @@ One training step (version v -> v + 1):
     -> VersionUpdate(v + 1) to the buffer (opens the staleness gate)
     -> weights on their way to the rollouts (actors/weight_sync: the relay through the parameter server,
        or direct weights kept here and broadcast when the parameter server asks)
-    -> metrics (metrics.jsonl + TensorBoard), and a checkpoint every `run.checkpoint_every_steps`
+    -> metrics (metrics.jsonl + TensorBoard), and a checkpoint every `run.checkpoint_every_steps` (and, with
+       `run.checkpoint_every_s`, after a step ending that long after the last one: `recovery.checkpoint_due`)
 
 Publishing runs beside training (eta > 0): a task of its own exports the newest version whenever the last one
 has reached the parameter server. A step waits for its own version's publish as long as publishing keeps up
@@ -51,12 +52,13 @@ from actors.base import Actor, ActorSpec, handles
 from actors.engines.base import TrainEngine, require_device
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup, follow_rank0
-from actors.recovery import (COMPLETE, checkpoint_dir, complete_checkpoints, mark_complete, mark_run_finished,
-                             recovering, restarted_in_place, start_weights)
+from actors.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, complete_checkpoints, mark_complete,
+                             mark_run_finished, recovering, restarted_in_place, start_weights)
 from actors.train_metrics import MetricsWriter, step_metrics
 # StepConfig, TrainerConfigError, train_on_batch, rank_samples: the step's math, imported here by its users too
 from actors.train_step import StepConfig, TrainerConfigError, rank_samples, train_on_batch, train_share
-from actors.weight_sync import StageExport, StageSender, WeightSender, WeightSyncConfigError, in_thread, make_sender
+from actors.weight_sync import (StageExport, StageSender, WeightSender, WeightSyncConfigError, in_thread, kept_bytes,
+                                make_sender)
 from topology.settings import TrainerSettings
 from transport.bus import BusError
 from transport.messages import encode
@@ -177,6 +179,8 @@ class TrainerActor(Actor):
         self.eta = cfg.algo.eta
         self.total_steps = cfg.run.total_steps
         self.ckpt_every = cfg.run.checkpoint_every_steps
+        self.ckpt_every_s = cfg.run.checkpoint_every_s
+        self.last_ckpt = time.monotonic()
         self.keep_ckpts = cfg.run.keep_checkpoints
         self.version, model_dir = start_weights(cfg, self.run_dir)
         self.engine = await asyncio.to_thread(make_train_engine, cfg, model_dir, self.version)
@@ -200,7 +204,7 @@ class TrainerActor(Actor):
                                          f"sets it): a pipeline stage's sender hosts its weights group there")
             # A pipeline stage's sender (a stage > 0) keeps and broadcasts its own layers.
             self.stage_sender = (StageSender(self.engine.pp_rank, self.engine.is_export_sender
-                                             and self.engine.pp_rank > 0, address, self.log)
+                                             and self.engine.pp_rank > 0, address, self.log, kept_bytes(cfg))
                                  if self.weight_ranks is not None else None)
             self.log.info("trainer_rank_started", rank=self.ranks.rank, world=self.ranks.size, version=self.version)
             return
@@ -321,10 +325,12 @@ class TrainerActor(Actor):
         return {r: encoded[dp] for r, dp in enumerate(self.rank_dp) if r > 0}
 
     def _export(self) -> tuple[list[Any], list[StageExport]]:
-        """This rank's buckets, and with pipeline stages what the other stages' senders keep."""
+        """This rank's buckets, packed into host memory by the sender as they are exported, and with pipeline
+        stages what the other stages' senders keep."""
+        assert self.weights is not None
         if self.ranks is not None:
             self.ranks.lead(EXPORT, self.bucket_bytes, self.version)
-        buckets = list(self.engine.export_weights(self.bucket_bytes))
+        buckets = self.weights.take(self.version, self.engine.export_weights(self.bucket_bytes))
         if self.weight_ranks is None:
             return buckets, []
         stages = [s for s in self.ranks.gather(None) or [] if s is not None]
@@ -381,7 +387,8 @@ class TrainerActor(Actor):
             stats["effective_throughput"] = stats["n_tokens"] / max(stats["step_seconds"], 1e-9)
             last_end = end
             self._record(stats)
-            if self.version % self.ckpt_every == 0 or self.version == self.total_steps:
+            if checkpoint_due(self.version, self.total_steps, self.ckpt_every, self.ckpt_every_s,
+                              time.monotonic() - self.last_ckpt):
                 self._enter(f"checkpointing step {self.version}")
                 await self._checkpoint()
         self._enter(f"publishing the last version, {self.version}")
@@ -545,6 +552,7 @@ class TrainerActor(Actor):
         if not isinstance(reply, CheckpointDone):
             raise RuntimeError(f"buffer answered {reply!r} to a checkpoint request")
         mark_complete(ckpt, {"step": self.version, "time": time.time()})
+        self.last_ckpt = time.monotonic()
         self.log.info("checkpoint_saved", step=self.version, path=str(ckpt))
         done = [path for _, path in complete_checkpoints(self.run_dir)]   # newest first; .corrupt ones stay
         for old in done[self.keep_ckpts:] if self.keep_ckpts > 0 else []:

@@ -297,3 +297,33 @@ def test_a_run_with_deaths_drops_and_restores_trains_every_prompt_once_within_et
     handed_out = [(e, i) for e in range(st.epoch) for i in range(7)] + [(st.epoch, i) for i in st.order[:st.position]]
     assert len(accounted) == len(set(accounted)), "a prompt was trained or dropped twice"
     assert set(accounted) == set(handed_out), "a prompt was lost"
+
+
+# ---------------------------------------------------------------- versions
+
+
+def test_a_version_no_served_batch_can_have_produced_is_refused_with_a_log_line() -> None:
+    # A VersionUpdate to 1,000,000 once opened the gate for good: every group then looked stale, the run stalled.
+    import asyncio
+    from collections import Counter
+
+    from actors.buffer import BufferActor
+    from transport.protocol import VersionUpdate
+
+    st = state(batch_size=2)
+    assert st.version_reachable(0) and not st.version_reachable(1)
+    st.served(3)
+    assert st.version_reachable(3) and not any(st.version_reachable(v) for v in (4, 10**6, -1))
+
+    logged: list[tuple[str, dict]] = []
+    buffer = BufferActor.__new__(BufferActor)            # only what the handler reads
+    buffer.state, buffer.counters = st, Counter()
+    buffer.changed, buffer.arrived = asyncio.Event(), asyncio.Event()
+    buffer.log = type("Log", (), {"warning": lambda self, event, **kw: logged.append((event, kw))})()
+    buffer.on_version(VersionUpdate(version=10**6))
+    assert st.gate.version == 0 and buffer.counters["versions_refused"] == 1
+    assert logged == [("version_refused", {"version": 10**6, "gate_version": 0, "served_through": 3,
+                                           "reason": "no batch past step 3 was served, so the trainer cannot have "
+                                                     "finished step 1000000; the gate stays where it is"})]
+    buffer.on_version(VersionUpdate(version=2))
+    assert st.gate.version == 2 and len(logged) == 1

@@ -96,3 +96,14 @@ def test_every_checkpoint_corrupt_is_said_loudly_before_starting_from_step_0(tmp
     out = capsys.readouterr().out
     assert "WARNING: every checkpoint of" in out and "STARTS AGAIN FROM STEP 0" in out
     assert "step 4: buffer.json has 2 bytes" in out and "step 2: buffer.json has 2 bytes" in out
+
+
+def test_checkpoints_come_by_steps_and_by_time_as_areal_ckpt_freq_secs():
+    from actors.recovery import checkpoint_due
+
+    # by steps only: every 10 steps and the last one
+    assert [s for s in range(1, 26) if checkpoint_due(s, 25, 10, None, since_s=1e9)] == [10, 20, 25]
+    # by time too: a step ending 600 s or more after the last checkpoint is saved whatever its number
+    assert checkpoint_due(3, 400, 10, 600.0, since_s=600.0)
+    assert not checkpoint_due(3, 400, 10, 600.0, since_s=599.9)
+    assert checkpoint_due(10, 400, 10, 600.0, since_s=0.0)

@@ -121,6 +121,16 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         r.loop.close()
 
 
+def test_a_response_matching_any_listed_answer_is_right(rig: Rig) -> None:
+    # AReaL's problems list several solutions (the first may box a choice letter, the next the value); its reward
+    # accepts a response that matches any of them. The sympy path decides the last one (2/3 against 4/6).
+    task = Task(kind="math", answer="A", answers=["A", "-\\frac{2}{3}"])
+    texts = ["\\boxed{-\\frac{2}{3}}", "\\boxed{A}", "\\boxed{5}", "\\boxed{-\\frac{4}{6}}"]
+    group = rig.run(rig.score("reward.math", "any1", task, texts))
+    assert [s.correct for s in group.answers.samples] == [True, True, False, True]
+    assert group.score_failures == 0
+
+
 def test_math_rewards_right_wrong_garbage(rig: Rig) -> None:
     texts = ["7+5 is \\boxed{12}.", "so \\boxed{13}", "}{\\boxed{", "", "\\boxed{\\frac{24}{2}}"]
     group = rig.run(rig.score("reward.math", "m1", Task(kind="math", answer="12"), texts))

@@ -99,8 +99,11 @@ class StandinServer:
     """The aiohttp application; `engine` is the embedded engine it serves."""
 
     def __init__(self, engine: TorchGenerationEngine, model_path: str, weight_version: str = "0",
-                 device: str = "cpu", weights_hash_route: bool = True) -> None:
+                 device: str = "cpu", weights_hash_route: bool = True, fail_load_at: Sequence[int] = ()) -> None:
         self.engine = engine
+        # Fault injection (tests): these /update_weights_from_distributed calls, numbered from 1 over the
+        # server's life, receive their bucket and then fail to load it.
+        self.fail_load_at = set(fail_load_at)
         self.weights_hash_route = weights_hash_route
         self.model_path = model_path
         self.weight_version = weight_version
@@ -115,7 +118,7 @@ class StandinServer:
         self._writer = asyncio.Lock()
         self._writer_waiting = 0
         self.groups: dict[str, Any] = {}
-        self.counters = {"generate": 0, "aborted": 0, "updates": 0}
+        self.counters = {"generate": 0, "aborted": 0, "updates": 0, "distributed_calls": 0}
 
     # --- app ----------------------------------------------------------------------------------------
     def app(self) -> Any:
@@ -370,11 +373,19 @@ class StandinServer:
             raise _BadRequest("names, dtypes and shapes must be non-empty lists of one length")
         specs = [TensorMeta(n, d, [int(x) for x in s]) for n, d, s in zip(names, dtypes, shapes)]
         flattened = body.get("load_format") == "flattened_bucket"
+        self.counters["distributed_calls"] += 1
+        call = self.counters["distributed_calls"]
         try:
             bucket = await asyncio.to_thread(receive_bucket, pg, specs, flattened, self.device)
+            if call in self.fail_load_at:
+                raise RuntimeError(f"injected load failure of /update_weights_from_distributed call {call}")
             await self._apply(body.get("weight_version"), [bucket], bool(body.get("abort_all_requests")))
-        except Exception as exc:  # SGLang answers a failed broadcast/load the same way
-            return 400, {"success": False, "message": f"Failed to update parameter online: {exc}."}
+        except Exception as exc:
+            # SGLang 0.5.6's words (model_executor/model_runner.py:1147-1236): the buckets loaded before this
+            # one stay loaded; the route answers HTTP 400 (entrypoints/http_server.py:862-876).
+            return 400, {"success": False, "message": f"Failed to update parameter online: {exc}. The full weights "
+                                                      f"of the ModelRunner are partially updated. Please discard "
+                                                      f"the whole weights."}
         return 200, {"success": True, "message": "Succeeded to update parameter online."}
 
     async def update_weight_version(self, body: dict[str, Any]) -> tuple[int, Any]:
@@ -494,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--no-weights-hash", action="store_true",
                     help="no GET /standin/weights_hash: serve as SGLang does, with no route reading weights back")
+    ap.add_argument("--fail-load-at", default="", metavar="N[,M...]",
+                    help="fault injection for tests: these /update_weights_from_distributed calls (numbered from 1) "
+                         "receive their bucket, then fail to load it as SGLang answers a failed load")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     dtype = None if args.dtype in (None, "auto") else args.dtype
@@ -505,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     async def serve() -> None:
         await engine.start()
         server = StandinServer(engine, args.model_path, args.weight_version, device=args.device,
-                               weights_hash_route=not args.no_weights_hash)
+                               weights_hash_route=not args.no_weights_hash,
+                               fail_load_at=[int(n) for n in args.fail_load_at.split(",") if n.strip()])
         runner = web.AppRunner(server.app())
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from actors.dataset import DatasetError, Layout, iter_jsonl, sniff_file
+from actors.dataset import DatasetError, Layout, iter_jsonl, resolve_data_path, sniff_file
 from tools.lm import has_weights
 from topology import Plan
 from topology.experiment import ExperimentConfig
@@ -113,6 +113,7 @@ def _check_data(key: str, path: Path, layout: Layout, require: str, on_error: st
                 made_by: str | None = None) -> tuple[list[str], list[str]]:
     """One data file read as its actor reads it: (report lines, problems). ``made_by``: the prepare recipe
     that makes the file's folder when it is missing (the dry run says so)."""
+    path = resolve_data_path(path)   # the tutorial's `wget ...?download=true` name, where only that exists
     where = f"experiment.{key}: {path}"
     if not path.is_file():
         if path.exists():

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import topology as topo_mod
+from actors.run import keep_files_private
 from topology import Plan, TopologyError
 from topology.experiment import ExperimentConfig
 from topology.schema import SupervisorSection
@@ -53,6 +54,30 @@ EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 def node_command(plan: Plan, run_dir: str = "RUN_DIR") -> str:
     """What srun runs on every node (the node agent finds its own plan file by its SLURM node name)."""
     return f"{shlex.quote(sys.executable)} -m tools.node_agent {run_dir}"
+
+
+def evaluation_notes(plan: Plan) -> list[str]:
+    """What evaluation the run will do, or that it will do none and why: printed by --dry-run and at launch."""
+    config = plan.topology.config
+    test, every = config.data.test, config.eval.every_versions
+    evaluators = [g for g, group in plan.topology.groups.items() if group.cls.endswith(":EvalActor")]
+    if not test:
+        return ["evaluation: none: data.test is not set (neither during the run nor at its end)"]
+    lines = [f"evaluation on {test}:"]
+    if evaluators and every > 0:
+        lines.append(f"  during the run: every {every} versions, {config.eval.max_problems} problems, in "
+                     f"{', '.join(evaluators)}")
+    elif evaluators:
+        lines.append("  during the run: none: eval.every_versions is 0 (the evaluator idles)")
+    else:
+        lines.append("  during the run: none: the topology has no evaluator group"
+                     + (f" (eval.every_versions {every} is unused)" if every > 0 else ""))
+    if config.run.final_eval:
+        lines.append("  at the end: the start model and the last checkpoint, greedy and sampled "
+                     "(tools.eval; SGLang servers on a machine with a GPU and SGLang, else the embedded engine)")
+    else:
+        lines.append("  at the end: none: run.final_eval is false")
+    return lines
 
 
 def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
@@ -83,9 +108,8 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
                          inst["threads"], inst["workers"]))
     lines.extend(_table(rows))
     lines.append("")
-    if topo.bus.transport == "tcp" and not topo.bus.curve:
-        lines.append("WARNING: bus.curve is false on a tcp bus: any user who can reach these ports can send "
-                     "this run messages")
+    if warning := insecure_bus_warning(plan):
+        lines.append(warning)
     lines.append(f"bus: {topo.bus.transport}, CurveZMQ {'on' if topo.bus.curve else 'off'}"
                  + (f", ports {topo.bus.base_port}-{topo.bus.base_port + topo.bus.port_range - 1}"
                     if topo.bus.transport == "tcp" else ""))
@@ -118,6 +142,8 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
     lines.append("")
     lines.extend(_engines(plan))
     lines.append("")
+    lines.extend(evaluation_notes(plan))
+    lines.append("")
     lines.extend(_memory(plan))
     lines.append("")
     lines.append("commands")
@@ -131,6 +157,16 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
             lines.append(f"    on {topo.nodes[node_idx].name}: node agent -> supervisor -> {len(insts)} actor(s): "
                          f"{_ranges([i.name for i in insts]) or '-'}")
     return "\n".join(lines)
+
+
+def insecure_bus_warning(plan: Plan) -> str | None:
+    """The line the dry run and every launch print when the topology runs a tcp bus without CurveZMQ."""
+    bus = plan.topology.bus
+    if bus.transport != "tcp" or bus.curve:
+        return None
+    return ("WARNING: bus.insecure_tcp is true: this run's tcp bus has no CurveZMQ. Messages and the actors' "
+            "tokens travel in clear: anyone who can sniff its network, or bind one of its ports while that "
+            f"actor is down ({bus.base_port}-{bus.base_port + bus.port_range - 1}), can command the run")
 
 
 def busy_ports(plan: Plan) -> list[str]:
@@ -368,7 +404,10 @@ def _make_run_dir(plan: Plan, requested: str | None) -> Path:
         if found is not None:
             print(f"resuming {path} from its checkpoint of step {found[0]} (run.recover: auto; "
                   f"experiment.run.recover=off starts afresh)", flush=True)
-    path.mkdir(parents=True, exist_ok=True)
+    keep_files_private()
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.stat().st_mode & 0o077:   # a --run-dir that already existed
+        path.chmod(0o700)
     return path.resolve()
 
 
@@ -392,16 +431,27 @@ RECORD_SETTINGS = {"outbound": True, "tensors": "store"}
 
 
 def build_specs(plan: Plan, run_dir: Path, record: bool = False) -> list[dict[str, Any]]:
-    """ActorSpec dictionaries for the run: ipc paths made concrete, CurveZMQ keys made when asked, message
-    logs on for every actor with ``record``."""
-    curve = None
+    """ActorSpec dictionaries for the run: ipc paths made concrete, CurveZMQ keys (or, without CURVE, the
+    actors' tokens) made for this run, message logs on for every actor with ``record``."""
+    from transport.auth import generate_run_keys, generate_run_tokens
+    from transport.bulk import generate_rendezvous_secret
+
+    curve = tokens = None
+    names = [i.name for i in plan.instances]
     if plan.topology.bus.curve:
-        from transport.auth import generate_run_keys
-        curve = {"keys_dir": generate_run_keys(str(run_dir), [i.name for i in plan.instances])}
+        curve = {"keys_dir": generate_run_keys(str(run_dir), names)}
+    else:
+        tokens = {"tokens_dir": generate_run_tokens(str(run_dir), names)}
     for link in [*plan.links.values(), *plan.worlds.values()]:
         if link.port == 0:  # `port: auto`
             link.port = free_port(topo_mod.resolve_host(link.master_host) if link.master_host else "127.0.0.1")
-    specs = plan.specs(run_dir, curve=curve)
+    specs = plan.specs(run_dir, curve=curve, tokens=tokens)
+    if plan.links:
+        # the links' rendezvous stores sign their values with it (transport.bulk.SignedStore)
+        secret_file = generate_rendezvous_secret(run_dir)
+        for spec in specs:
+            for link in spec["settings"]["links"].values():
+                link["secret_file"] = secret_file
     if plan.topology.bus.transport == "ipc":
         ipc_dir = run_dir / "ipc"
         longest = max(len(i.name) for i in plan.instances)
@@ -680,6 +730,9 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
     specs = build_specs(plan, run_dir, record=args.record)
     write_plan(plan, run_dir, specs, args.overrides)
     print(f"run {plan.topology.name}: {len(specs)} actor(s), run directory {run_dir}", flush=True)
+    if warning := insecure_bus_warning(plan):
+        print(warning, flush=True)
+    print("\n".join(evaluation_notes(plan)), flush=True)
     node_of = {i.name: i.host for i in plan.instances}
     total = config.run.total_steps
     trains = trains_steps(plan)
@@ -700,8 +753,12 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
 
 def evaluates_during_run(plan: Plan) -> bool:
     """Whether the plan's evaluator can evaluate during the run: it has one, and the parameter server holds the
-    weights (the relay: it sits in a link; with direct weights it holds none, and the evaluator idles)."""
+    weights (the relay: it sits in a link; with direct weights it holds none, and the evaluator idles), and the
+    evaluator takes them from there (``weights_from: checkpoints`` evaluates checkpoints only, by design)."""
     groups = plan.topology.groups
+    if any(g.settings.get("weights_from", "param_server") != "param_server"
+           for g in groups.values() if g.cls.endswith(":EvalActor")):
+        return False
     modules = {name: group.cls.partition(":")[0] for name, group in groups.items()}
     servers = {i.name for i in plan.instances if modules.get(i.group) == "actors.param_server"}
     return ("actors.evaluator" in modules.values() and "actors.trainer" in modules.values()
@@ -728,6 +785,7 @@ def catch_up_evaluations(config: ExperimentConfig, run_dir: Path) -> None:
 def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] | None:
     """Greedy held-out accuracy of the model the run started from and of its last checkpoint, side by
     side, per level; written to RUN_DIR/summary.json and RUN_DIR/eval.jsonl (read by tools.plot)."""
+    from actors.dataset import resolve_data_path
     from actors.recovery import latest_checkpoint
     from actors.train_metrics import trained_history
     from tools.eval import evaluate_held_out
@@ -735,7 +793,10 @@ def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] 
 
     test = config.data.test
     found = latest_checkpoint(run_dir)
-    if not test or not Path(test).exists() or found is None:
+    if not test or not resolve_data_path(test).exists() or found is None:
+        why = ("data.test is not set" if not test else f"data.test {test}: no such file" if
+               not resolve_data_path(test).exists() else "the run wrote no checkpoint")
+        print(f"no final evaluation: {why}", flush=True)
         return None
     step, ckpt = found
     models = {"start": config.model.path, "final": str(ckpt / "model")}
@@ -822,6 +883,9 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
            sys.executable, "-m", "tools.node_agent", str(run_dir)]
     print(f"run {plan.topology.name}: {len(specs)} actor(s) on {len(hosts)} node(s), run directory {run_dir}\n"
           f"  {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+    if warning := insecure_bus_warning(plan):
+        print(warning, flush=True)
+    print("\n".join(evaluation_notes(plan)), flush=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(topo_mod.REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.monotonic()
@@ -974,6 +1038,8 @@ def submit_sbatch(plan: Plan, args: argparse.Namespace) -> int:
     job = out.stdout.strip().split(";")[0]
     (run_dir / "slurm_job_id").write_text(job + "\n")
     print(f"submitted SLURM job {job} ({n} node(s)); output {run_dir}/sbatch.out", flush=True)
+    if warning := insecure_bus_warning(plan):
+        print(warning, flush=True)
     return EXIT_OK
 
 

@@ -21,8 +21,9 @@ from typing import Any, Iterable
 
 import yaml
 from pydantic import BaseModel
+from pydantic_core import PydanticCustomError
 
-from topology.experiment import ExperimentConfig
+from topology.experiment import AREAL_ALIASES, ExperimentConfig, with_our_names
 from topology.placement import REPO_ROOT, Plan, TopologyError, place, validate
 from topology.schema import RESERVED_SETTINGS, GroupSection, TopologyDocument
 from topology.settings import settings_model
@@ -98,11 +99,14 @@ def apply_overrides(doc: dict[str, Any], overrides: Iterable[str], prefix: str =
 
 
 def _split(overrides: Iterable[str]) -> tuple[list[str], list[str]]:
-    """(topology overrides, experiment overrides with the `experiment.` prefix removed)."""
+    """(topology overrides, experiment overrides with the `experiment.` prefix removed). An experiment override
+    may name a key by AReaL's name (`experiment.dataset.train_bs_n_seqs=256`): it overrides our key it stands for
+    (`AREAL_ALIASES`), whichever name the config file used."""
     topo, exp = [], []
     for text in overrides:
         if text.startswith(EXPERIMENT + "."):
-            exp.append(text[len(EXPERIMENT) + 1:])
+            key, eq, value = text[len(EXPERIMENT) + 1:].partition("=")
+            exp.append(f"{AREAL_ALIASES.get(key.strip(), key)}{eq}{value}")
         else:
             topo.append(text)
     return topo, exp
@@ -126,6 +130,13 @@ def _documents(path: Path, overrides: Iterable[str]) -> tuple[dict, dict, Path |
                     experiment = load_document(config_path)
                 except TopologyError as exc:
                     problems.extend(f"config ({config_path}): {p}" for p in exc.problems)
+    # AReaL's key names become ours before the overrides (which are in our names: _split), so an override wins
+    # whichever name the file used and every actor group's settings merge over one spelling of each key. An
+    # AReaL name that cannot be read as ours is left for validate() to report with its path.
+    try:
+        experiment = with_our_names(experiment)
+    except PydanticCustomError:
+        pass
     problems += apply_overrides(experiment, exp_overrides, prefix=EXPERIMENT + ".")
     return doc, experiment, config_path, problems  # validate() adds the experiment's own problems
 
@@ -178,7 +189,7 @@ def resolved_config(path: str | Path, overrides: Iterable[str] = (), *,
     plan = load(path, overrides, check_imports=check_imports)
     topo_overrides, exp_overrides = _split(overrides)
     file_doc = load_document(path)
-    exp_file = load_document(plan.topology.config_path) if plan.topology.config_path else {}
+    exp_file = with_our_names(load_document(plan.topology.config_path)) if plan.topology.config_path else {}
     over_topo: dict[str, Any] = {}
     over_exp: dict[str, Any] = {}
     apply_overrides(over_topo, topo_overrides)
