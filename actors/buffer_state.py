@@ -256,6 +256,12 @@ class BufferState:
         self.greeted.add(worker)
         return handed_back
 
+    @property
+    def expire_every_s(self) -> float:
+        """How often `overdue` is called: a group is found overdue at most a quarter of its timeout late (and
+        at least once a minute)."""
+        return min(60.0, max(0.05, self.group_timeout() / 4))
+
     def overdue(self, now: float) -> dict[str, InFlight]:
         """Groups with no result after `group_timeout()`, now marked aborting (each once). They are not
         issued again here: the caller has each one's rollout abort it, then calls `hand_back` (also when
@@ -298,6 +304,12 @@ class BufferState:
         self.gate.finish(accepted=True)
         self.ready.append(ReadyGroup(f.key, answers, group_start_version(answers)))
         return Scored("accepted", f.key)
+
+    def version_reachable(self, version: int) -> bool:
+        """Whether the trainer can have finished step `version`: it trains only batches this buffer served, so a
+        version past the newest batch served (a VersionUpdate jumping to 1,000,000) is refused, never obeyed:
+        the gate would open for rollouts the trainer never asks for, and every group then looks stale."""
+        return 0 <= version <= self.served_through
 
     def set_version(self, version: int) -> None:
         """The trainer finished step `version`: the gate opens for it (a late, older update changes nothing)."""

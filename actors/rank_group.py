@@ -153,9 +153,12 @@ def follow_commands(ranks: RankGroup, engine: Any, step_cfg: StepConfig, ref_eng
             ranks.gather(train_share(engine, share, step_cfg, version, ref_engine))
         elif command == EXPORT:
             bucket_bytes, version = args
-            buckets = list(engine.export_weights(bucket_bytes))
-            if stage_sender is not None:
+            buckets = engine.export_weights(bucket_bytes)
+            if stage_sender is not None:   # keeps them as they come (a stage's sender) or only exports
                 ranks.gather(stage_sender.keep(version, buckets))
+            else:
+                for _ in buckets:   # the export's collectives need every rank
+                    pass
         elif command == SAVE:
             engine.save(*args)
         else:

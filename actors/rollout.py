@@ -178,6 +178,10 @@ class RolloutActor(Actor):
         self.log.info("engine_started", engine=type(self.engine).__name__, version=version, model_dir=model_dir,
                       link=config.name if config else None)
 
+    def progress(self) -> dict[str, Any]:
+        return {"weights_version": self.engine.version if self.engine is not None else None,
+                "groups": len(self.active)}
+
     async def on_ready(self) -> None:
         await self.bus.send(self.buffer, WorkerHello(role="rollout", kv_tokens=self._kv_tokens))
         if self.receiver is not None:

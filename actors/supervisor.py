@@ -57,6 +57,7 @@ __all__ = ["Supervisor", "SupervisorError", "NotReadyError"]
 _POLL_S = 0.05
 AFTER_RUN_GRACE_S = 5.0   # for a restarted actor still running after the run ended to end by itself
 RUN_END_GRACE_S = 60.0    # for any other actor (RunFinished reaches it within seconds)
+TMP_RECORDS = "tmpdirs"   # RUN_DIR/tmpdirs/<actor>: the path of its current process's TMPDIR
 
 
 class SupervisorError(RuntimeError):
@@ -161,8 +162,9 @@ class Supervisor:
         """Start every actor and wait until the run can begin: every actor ready but the late joiners beyond
         their group's number (NotReadyError when an actor's ready budget runs out first)."""
         self._done = asyncio.Event()
-        for d in ("specs", "logs", "ready"):
+        for d in ("specs", "logs", "ready", TMP_RECORDS):
             (self.run_dir / d).mkdir(parents=True, exist_ok=True)
+        self._remove_left_tmp()
         for child in self.children.values():
             await self._spawn(child)
             child.ready_by = child.started_at + self.budget(child.spec.name)
@@ -262,8 +264,9 @@ class Supervisor:
                     self.log.warning("actor_killed", actor=n, reason=f"still running {self.stop_timeout}s after SIGTERM")
                     _signal(p, signal.SIGKILL)
             await asyncio.gather(*waits.values(), return_exceptions=True)
-        for path in self._tmp_dirs.values():
+        for name, path in self._tmp_dirs.items():
             shutil.rmtree(path, ignore_errors=True)
+            (self.run_dir / TMP_RECORDS / name).unlink(missing_ok=True)
         self._tmp_dirs.clear()
         if self._done is not None:
             self._done.set()
@@ -309,7 +312,29 @@ class Supervisor:
         path = Path(tempfile.mkdtemp(prefix=f"areal-{name}-"))
         path.chmod(0o711)
         self._tmp_dirs[name] = path
+        # Recorded in the run directory: a launcher killed with -9 cannot remove it, its relaunch does.
+        (self.run_dir / TMP_RECORDS / name).write_text(str(path))
         return path
+
+    def _remove_left_tmp(self) -> None:
+        """Remove the temporary directories a previous launcher of this run directory left (it was killed
+        before it could): each is recorded under RUN_DIR/tmpdirs/<actor>. Only a directory of that actor's
+        name made by this user in the temporary directory is removed, whatever the record says."""
+        for name in self.children:
+            record = self.run_dir / TMP_RECORDS / name
+            try:
+                left = Path(record.read_text().strip())
+            except OSError:
+                continue
+            try:
+                owned = left.stat().st_uid == os.getuid()
+            except OSError:   # gone already (or on another node's disk)
+                owned = False
+            if (owned and left.parent == Path(tempfile.gettempdir()) and left.name.startswith(f"areal-{name}-")
+                    and left not in self._tmp_dirs.values()):
+                shutil.rmtree(left, ignore_errors=True)
+                self.log.info("tmp_dir_removed", actor=name, path=str(left), why="left by an earlier launcher")
+            record.unlink(missing_ok=True)
 
     def _check_ready(self, child: _Child) -> bool:
         try:

@@ -212,7 +212,9 @@ def test_the_buffer_checkpoints_into_its_own_run_directory_only(tmp_path) -> Non
     files = BufferFiles(tmp_path)
     for step in (2, 3, 4):
         files.served_path(step).write_bytes(b"")
-    checkpoint_dir(tmp_path, 3).mkdir(parents=True)
+    (checkpoint_dir(tmp_path, 3) / "model").mkdir(parents=True)   # a complete checkpoint has both parts
+    (checkpoint_dir(tmp_path, 3) / "model" / "model.safetensors").write_bytes(b"weights")
+    (checkpoint_dir(tmp_path, 3) / "buffer.json").write_text("{}")
     mark_complete(checkpoint_dir(tmp_path, 3), {"step": 3})
     path = files.write_checkpoint(4, {"position": 5})
     assert path == checkpoint_dir(tmp_path, 4) / "buffer.json" and json.loads(path.read_text()) == {"position": 5}
@@ -347,3 +349,33 @@ def test_a_rollout_holds_the_groups_its_servers_kv_pool_fits() -> None:
         sample.output_ids = [2] * 4000
     st.scored(issues[0].group_id, short)                   # answers are shorter than the limit: more fit
     assert st.rollout_cap("rollout.0") == 8                # 1,966,080 // (16 x 5,024) = 24, at most 8
+
+
+# ---------------------------------------------------------------- versions
+
+
+def test_a_version_no_served_batch_can_have_produced_is_refused_with_a_log_line() -> None:
+    # A VersionUpdate to 1,000,000 once opened the gate for good: every group then looked stale, the run stalled.
+    import asyncio
+    from collections import Counter
+
+    from actors.buffer import BufferActor
+    from transport.protocol import VersionUpdate
+
+    st = state(batch_size=2)
+    assert st.version_reachable(0) and not st.version_reachable(1)
+    st.served(3)
+    assert st.version_reachable(3) and not any(st.version_reachable(v) for v in (4, 10**6, -1))
+
+    logged: list[tuple[str, dict]] = []
+    buffer = BufferActor.__new__(BufferActor)            # only what the handler reads
+    buffer.state, buffer.counters = st, Counter()
+    buffer.changed, buffer.arrived = asyncio.Event(), asyncio.Event()
+    buffer.log = type("Log", (), {"warning": lambda self, event, **kw: logged.append((event, kw))})()
+    buffer.on_version(VersionUpdate(version=10**6))
+    assert st.gate.version == 0 and buffer.counters["versions_refused"] == 1
+    assert logged == [("version_refused", {"version": 10**6, "gate_version": 0, "served_through": 3,
+                                           "reason": "no batch past step 3 was served, so the trainer cannot have "
+                                                     "finished step 1000000; the gate stays where it is"})]
+    buffer.on_version(VersionUpdate(version=2))
+    assert st.gate.version == 2 and len(logged) == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import multiprocessing as mp
 import os
 import traceback
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from transport.bulk import (BulkError, BulkLink, ChecksumMismatch, LinkConfig, LinkRendezvousError,
-                            bucket_checksum, pack_bucket, unpack_bucket)
+                            bucket_checksum, pack_bucket, pack_to_host, unpack_bucket)
 from transport.ports import free_port
 
 CTX = mp.get_context("fork")  # the parent has torch imported already: forking is ~100x cheaper than spawn
@@ -51,6 +52,7 @@ def _report(queue: Any, i: int, fn: Callable[[], Any]) -> None:
 def run_procs(targets: list[Callable[..., Any]], ctx: Any = CTX) -> list[Any]:
     """Run each target in its own process (forked; `spawn` for CUDA, with picklable targets); return what
     each returned (or raise with its traceback)."""
+    gc.collect()   # no gloo device or store thread of an earlier test's failed formation lives on into a fork
     queue = ctx.Queue()
     procs = [ctx.Process(target=_report, args=(queue, i, fn)) for i, fn in enumerate(targets)]
     for p in procs:
@@ -83,6 +85,51 @@ def test_pack_roundtrip_and_corruption_in_process() -> None:
     packed.flat[3] ^= 0xFF
     with pytest.raises(ChecksumMismatch, match=r"bucket 7 checksum mismatch.*layer\.0\.weight"):
         unpack_bucket(packed, link="weights")
+
+
+class DeferredCopier:
+    """Moves bytes only when waited for, as a GPU copy stream finishes later; counts the copies pending."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.done = 0
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+        self.pending += 1
+
+        def wait() -> None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            self.pending -= 1
+            self.done += 1
+        return wait
+
+
+def test_pack_to_host_holds_a_few_exported_buckets_and_packs_what_pack_bucket_packs() -> None:
+    buckets = [make_bucket(seed) for seed in range(7)]
+    copier = DeferredCopier()
+    held: list[int] = []
+
+    def export():   # what an engine's export_weights does: one bucket at a time, made as it is asked for
+        for bucket in buckets:
+            yield bucket
+            held.append(len(held) + 1 - copier.done)   # exported, not yet copied off the "GPU"
+
+    packed = list(pack_to_host(export(), in_flight=2, copier=copier))
+    assert max(held) <= 3, held          # in_flight copying + the one just exported, not the whole version
+    assert copier.pending == 0 and len(packed) == len(buckets)
+    for i, (got, bucket) in enumerate(zip(packed, buckets)):
+        ref = pack_bucket(bucket, i)
+        assert got.header == ref.header and torch.equal(got.flat, ref.flat)
+        assert same_bucket(unpack_bucket(got), bucket)
+    # the default (no copier) packs buckets in host memory at once, numbered from first_id
+    [p] = pack_to_host([buckets[0]], first_id=5)
+    assert p.header == pack_bucket(buckets[0], 5).header
+    with pytest.raises(BulkError, match="empty bucket"):
+        list(pack_to_host([[]]))
 
 
 def test_receiver_verifies_with_the_algorithm_the_sender_named() -> None:
@@ -167,6 +214,58 @@ def test_bucketed_broadcast_and_send_recv_three_ranks() -> None:
     assert results[1]["p2p"] is True
     assert {r["env"] for r in results} == {"weights"}  # the link's env reached each member's process
     assert {r["epoch"] for r in results} == {0}
+
+
+def big_bucket(seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Large tensors travel from their own memory in pieces, small ones gathered into runs."""
+    g = torch.Generator().manual_seed(seed)
+    return [("big", torch.randn(5 << 20, generator=g)),           # 20 MiB: three pieces
+            *make_bucket(seed),                                   # small ones, odd sizes: one run
+            ("mid", torch.randn(3 << 18, generator=g).to(torch.bfloat16)),   # 1.5 MiB: one piece
+            ("tail", torch.randn(11, generator=g).half())]
+
+
+def test_a_bucket_travels_unpacked_arrives_as_packed_and_lands_in_recycled_buffers() -> None:
+    port = free_port()
+
+    def member(rank: int) -> dict:
+        link = BulkLink(config("weights", port, rank, 2))
+        link.open(epoch=0)
+        if rank == 0:
+            for seed in range(3):
+                link.broadcast(big_bucket(seed), src=0)
+            link.send_packed(pack_bucket(big_bucket(7), 9), dst=1)
+            return {}
+        first = link.broadcast(None, src=0)
+        ok = same_bucket(first, big_bucket(0))
+        where = first[0][1].data_ptr()
+        del first   # the views go: the next bucket lands in the same buffer
+        second = link.broadcast(None, src=0)
+        reused = second[0][1].data_ptr() == where
+        third = link.broadcast(None, src=0)   # `second` is still held: a buffer of its own
+        ok = ok and same_bucket(second, big_bucket(1)) and same_bucket(third, big_bucket(2))
+        p2p = link.recv(src=0)
+        return {"ok": ok and same_bucket(p2p, big_bucket(7)), "reused": reused,
+                "apart": third[0][1].data_ptr() != second[0][1].data_ptr()}
+
+    _, got = run_procs([lambda r=r: member(r) for r in range(2)])
+    assert got == {"ok": True, "reused": True, "apart": True}
+
+
+def test_the_header_received_is_the_one_pack_bucket_writes() -> None:
+    port = free_port()
+
+    def member(rank: int) -> Any:
+        link = BulkLink(config("weights", port, rank, 2))
+        link.open(epoch=0)
+        if rank == 0:
+            link.broadcast(big_bucket(3), src=0)
+            return None
+        return link.broadcast_packed(None, src=0).header
+
+    _, header = run_procs([lambda r=r: member(r) for r in range(2)])
+    assert header == pack_bucket(big_bucket(3), 0).header   # names, offsets, sizes, checksum, in order
+    assert list(header) == list(pack_bucket(big_bucket(3), 0).header)
 
 
 def test_checksum_mismatch_is_detected_by_every_receiver() -> None:
@@ -348,3 +447,113 @@ def test_rendezvous_timeout_names_the_link() -> None:
                                rank=0, world_size=2, timeout_s=1))
     with pytest.raises(LinkRendezvousError, match=r"link 'lonely' epoch 0: rank 0/2 could not form"):
         link.open(0)
+    link.close()   # no store server thread left running in this process: a later test forks it
+
+
+def test_the_bulk_benchmark_measures_every_mode_against_raw() -> None:
+    from tools.bench.bulk import MODES, measure
+
+    out = measure(mib=1, reps=2, timeout_s=WAIT_S)
+    assert "error" not in out, out
+    assert all(out[f"{m}_gb_per_s"] > 0 for m in MODES)
+    assert all(out[f"{m}_ratio"] > 0 for m in MODES[1:])
+
+
+def test_the_rendezvous_store_listens_on_the_links_master_address_only() -> None:
+    # A TCPStore's server listens on every interface: a one-node run's rendezvous was open to the network.
+    import datetime
+    import socket
+
+    from transport.bulk import rendezvous_server
+
+    def reachable(port: int) -> list[bool]:
+        out = []
+        for addr in ("127.0.0.1", "127.0.0.2"):        # another address of this machine (all of 127/8 is loopback)
+            try:
+                socket.create_connection((addr, port), timeout=5).close()
+                out.append(True)
+            except ConnectionRefusedError:
+                out.append(False)
+        return out
+
+    port = free_port()
+    server = rendezvous_server("127.0.0.1", port, 2, datetime.timedelta(seconds=5))
+    assert reachable(port) == [True, False]
+    del server
+
+    def lonely_master() -> list[bool]:                   # the link's own store goes the same way
+        link = BulkLink(LinkConfig(name="lonely", backend="gloo", master_addr="127.0.0.1", master_port=port,
+                                   rank=0, world_size=2, timeout_s=1))
+        with pytest.raises(LinkRendezvousError):
+            link.open(0)
+        return reachable(port)
+
+    assert run_procs([lonely_master]) == [[True, False]]
+
+
+def test_rendezvous_values_not_signed_with_the_runs_secret_fail_the_formation(tmp_path: Any) -> None:
+    # torch's TCPStore has no authentication: another user read and wrote a run's rendezvous keys. Values are
+    # signed with a per-run secret now, so a forged one (here: rank 1's gloo address) stops the formation.
+    import datetime
+
+    import torch.distributed as dist
+
+    from transport.bulk import RendezvousForgery, SignedStore, generate_rendezvous_secret, rendezvous_server
+
+    secret_file = generate_rendezvous_secret(tmp_path)
+    assert oct(os.stat(secret_file).st_mode & 0o777) == "0o600"
+    port = free_port()
+
+    def master() -> str:
+        link = BulkLink(LinkConfig(name="weights", backend="gloo", master_addr="127.0.0.1", master_port=port, rank=0,
+                                   world_size=2, timeout_s=20, secret_file=secret_file))
+        with pytest.raises(BulkError) as failed:
+            link.open(0)
+        return str(failed.value)
+
+    def intruder() -> bool:
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=20),
+                              wait_for_workers=False)
+        store.wait(["weights/epoch0/0/0"])             # the master's own address is there: it waits for rank 1's
+        readable = len(store.get("weights/epoch0/0/0")) > 32      # readable, but signed
+        store.set("weights/epoch0/0/1", b"an address of the intruder's choosing")
+        return readable
+
+    error, readable = run_procs([master, intruder])
+    assert readable
+    assert "rendezvous key 'weights/epoch0/0/1' was not written by a member of this run" in error
+
+    def signed_round_trip(port: int) -> list[bytes | str]:
+        server = rendezvous_server("127.0.0.1", port, 1, datetime.timedelta(seconds=5))
+        signed = SignedStore(dist.TCPStore("127.0.0.1", port, 1, timeout=datetime.timedelta(seconds=5),
+                                           wait_for_workers=False), b"s" * 32)
+        signed.set("k", "v")
+        try:
+            SignedStore(signed.inner, b"t" * 32).get("k")   # another run's secret
+            other = "read"
+        except RendezvousForgery:
+            other = "refused"
+        got = [signed.get("k"), other]
+        del server
+        return got
+
+    assert run_procs([lambda: signed_round_trip(free_port())]) == [[b"v", "refused"]]
+
+
+def test_a_link_with_the_runs_secret_forms_and_moves_buckets(tmp_path: Any) -> None:
+    from transport.bulk import generate_rendezvous_secret
+
+    secret_file, port = generate_rendezvous_secret(tmp_path), free_port()
+
+    def member(rank: int) -> bool:
+        link = BulkLink(LinkConfig(name="weights", backend="gloo", master_addr="127.0.0.1", master_port=port,
+                                   rank=rank, world_size=2, timeout_s=30, secret_file=secret_file))
+        link.open(epoch=0)
+        got = link.broadcast(make_bucket(5) if rank == 0 else None, src=0)
+        link.reform(1)
+        again = link.broadcast(make_bucket(6) if rank == 0 else None, src=0)
+        latest = link.latest_epoch()     # read through the signed store too
+        link.barrier()                   # the master's store outlives every member's read
+        return same_bucket(got, make_bucket(5)) and same_bucket(again, make_bucket(6)) and latest == 1
+
+    assert run_procs([lambda r=r: member(r) for r in range(2)]) == [True, True]

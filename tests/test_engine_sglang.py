@@ -22,11 +22,12 @@ import torch
 
 from actors.engines.base import EngineError, GenerationRequest, RequestError, SamplingParams
 from actors.engines.checkpoint import hf_state_dict, save_model
-from actors.engines.sglang import LaunchConfig, SGLangEngine, SGLangError, SGLangLaunchError, _sample_seed
+from actors.engines.sglang import (LaunchConfig, SGLangEngine, SGLangError, SGLangLaunchError, WeightsIncompleteError,
+                                   _sample_seed)
 from actors.engines.sglang_group import WeightGroupSender
 from actors.engines.torch_gen import TorchGenerationEngine
 from actors.weights import weights_hash
-from testsupport.bounded import run_bounded
+from testsupport.bounded import run_bounded, until
 from testsupport.sglang_standin import StandinThread, launch_config
 from testsupport.tiny_models import greedy_reference, random_sequences, tiny_model
 from transport.bulk import bucket_metas
@@ -407,6 +408,70 @@ def test_launched_server_distributed_weights_and_restart(tmp_path):
     assert after.versions == [2] * 6 and after.output_ids == greedy_reference(new[1], [1, 2], 6)
     assert events == [("died", 0), ("restarted", 1)] and health["restarts"] == 1 and health["ok"]
     assert again.versions == [0] * 6 and again.output_ids == greedy_reference(tiny_model(seed=0), [1, 2], 6)
+
+
+def _server_info(url: str) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/server_info", timeout=60.0) as r:
+        return json.loads(r.read())
+
+
+def test_an_update_broken_off_between_buckets_keeps_the_server_paused_until_a_whole_version_loads(tmp_path):
+    # The stand-in fails to load the second bucket of version 1 (SGLang's answer to a failed load: the first
+    # bucket stays loaded). The server then holds weights of no single version: the engine keeps it paused,
+    # even when asked to resume, and a request waits at its gate until version 2 has loaded whole; that
+    # request's tokens are all version 2's.
+    model_dir = str(tmp_path / "start")
+    save_model(tiny_model(seed=0), model_dir)
+    new = [tiny_model(seed=21), tiny_model(seed=22)]
+
+    async def push(engine: SGLangEngine, sender: WeightGroupSender, version: int, model) -> list:
+        named = list(hf_state_dict(model).items())
+        buckets = [named[:5], named[5:]]
+
+        def send_all() -> None:
+            for b in buckets:
+                sender.send(b)
+
+        return await asyncio.gather(engine.update_weights_from_distributed(version, [bucket_metas(b) for b in buckets]),
+                                    asyncio.to_thread(send_all), return_exceptions=True)
+
+    async def main():
+        engine = SGLangEngine(launch=launch_config(model_dir, tmp_path, "--fail-load-at", "2"))
+        await engine.start()
+        sender = WeightGroupSender("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=30)
+        try:
+            await asyncio.gather(engine.init_weights_group("127.0.0.1", sender.master_port, 1, 2, backend="gloo"),
+                                 asyncio.to_thread(sender.open))
+            failed, sent = await push(engine, sender, 1, new[0])
+            partial = await asyncio.to_thread(standin_weights_hash, engine.url)
+            held = asyncio.ensure_future(engine.generate(GenerationRequest(
+                "held", [1, 2], SamplingParams(temperature=0.0, max_new_tokens=6))))
+            await until(lambda: "held" in engine._requests, TIMEOUT, "the request to reach the engine")
+            await engine.resume()   # what a receiver's clean-up would ask: refused while the weights are mixed
+            state = (await engine.health(), engine.incomplete_version, engine.version,
+                     await asyncio.to_thread(_server_info, engine.url))
+            ok, _ = await push(engine, sender, 2, new[1])
+            [result] = await held
+            return failed, sent, partial, state, ok, result, engine.incomplete_version
+        finally:
+            sender.close()
+            await engine.stop()
+
+    failed, sent, partial, state, ok, result, incomplete_after = run(main())
+    assert isinstance(failed, WeightsIncompleteError) and "version 1" in str(failed), failed
+    assert "partially updated" in str(failed.__cause__), failed.__cause__
+    assert sent is None and ok is None
+    # the server really held a mix: the first bucket of version 1 over version 0's rest
+    assert partial not in (weights_hash(hf_state_dict(tiny_model(seed=0)).items()),
+                           weights_hash(hf_state_dict(new[0]).items()))
+    health, incomplete, version, info = state
+    assert health["paused"] and incomplete == 1 and version == 0
+    assert info["paused"] and info["counters"]["generate"] == 0   # nothing was generated on the mix
+    assert result.versions == [2] * 6 and result.output_ids == greedy_reference(new[1], [1, 2], 6)
+    assert incomplete_after is None
 
 
 def test_a_server_that_dies_while_paused_comes_back_unpaused(tmp_path):

@@ -335,3 +335,56 @@ def test_node_agents_never_fail_for_late_joiners_and_the_launcher_counts_them_ac
     rows = {f"rollout.{i}": {"state": "failed" if i < 97 else "ready"} for i in range(192)}
     down = up.quorum_problem(rows, rules, 10.0, {"rollout"})
     assert down and "97 of 192 instances could not be kept up; the run needs 96" in down
+
+
+def test_a_relaunch_removes_the_temporary_directories_a_killed_launcher_left(tmp_path: Path) -> None:
+    # Each kill -9 of the launcher left one TMPDIR per actor (and the bus's socket directory, when the run
+    # directory's path is too long for unix sockets) that no relaunch removed.
+    run_dir = tmp_path / ("r" * 90)
+    topo = demo_topology(tmp_path, "{rounds: 100000000}", link=False)
+    proc = subprocess.Popen([sys.executable, "-m", "tools.up", str(topo), "--run-dir", str(run_dir), "--no-progress"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    with run_guard(proc, run_dir):
+        pids = wait_for_ready(proc, run_dir, 3, LAUNCH_TIMEOUT, "run did not come up")
+        left = [Path((run_dir / "tmpdirs" / name).read_text()) for name in ("echo", "ping.0", "ping.1")]
+        left.append(Path((run_dir / "ipc_dir").read_text()))
+        os.killpg(proc.pid, signal.SIGKILL)           # the launcher, as kill -9 does it
+        proc.wait(timeout=30)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert all(p.is_dir() for p in left), left
+    res = launch(topo, run_dir, "actors.ping.settings.rounds=3")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not [p for p in left if p.exists()], left
+    assert not (run_dir / "tmpdirs").exists() or not list((run_dir / "tmpdirs").iterdir())
+
+
+@pytest.mark.parametrize("insecure", [False, True])
+def test_a_tcp_run_is_closed_to_other_users_and_an_insecure_one_says_so_at_launch(insecure: bool,
+                                                                                   tmp_path: Path) -> None:
+    # The insecure-bus warning was printed by --dry-run only; run directories were 0755 (logs, specs, metrics
+    # and the ledger readable by every user).
+    run_dir = tmp_path / "run"
+    topo = demo_topology(tmp_path, "{rounds: 5, tensor_elems: 500}")
+    base = free_port()
+    extra = ["bus.transport=tcp", f"bus.base_port={base if base < 65000 else 40000}"]
+    res = launch(topo, run_dir, *extra, *(["bus.insecure_tcp=true"] if insecure else []))
+    assert res.returncode == 0, res.stdout + res.stderr
+    warned = "WARNING: bus.insecure_tcp is true: this run's tcp bus has no CurveZMQ" in res.stdout
+    assert warned == insecure, res.stdout
+    specs = json.loads((run_dir / "plan.json").read_text())["specs"]
+    if insecure:
+        assert all(s["curve"] is None and s["tokens"] == {"tokens_dir": str(run_dir / "tokens")} for s in specs)
+    else:
+        assert all(s["curve"] == {"keys_dir": str(run_dir / "curve")} and s["tokens"] is None for s in specs)
+    assert {link["secret_file"] for s in specs for link in s["settings"]["links"].values()} == \
+        {str(run_dir / "rendezvous.secret")}
+    assert run_dir.stat().st_mode & 0o777 == 0o700
+    shared = [str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.stat().st_mode & 0o077]
+    assert not shared, f"readable or writable by other users: {shared}"
+    assert (run_dir / "logs" / "echo.jsonl").exists() and (run_dir / "demo" / "summary.json").exists()
+    assert_clean_stop(run_dir, ["echo", "ping.0", "ping.1"])

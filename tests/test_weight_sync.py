@@ -9,6 +9,7 @@ one running system and run in file order: live swap, restart of a killed rollout
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from actors.supervisor import Supervisor
 from testsupport.bounded import run_bounded
 from testsupport.local_actors import actor_spec, gloo_link, ipc_endpoints
 from testsupport.tiny_models import tiny_model_dir, tiny_weight_buckets
-from transport.bulk import BulkLink, LinkConfig
+from transport.bulk import BulkLink, LinkConfig, unpack_bucket
 from transport.bus import Bus, Envelope
 from transport.ports import free_port
 from transport.protocol import (GenerateGroup, GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task,
@@ -277,27 +278,64 @@ def test_sglang_layout_is_the_one_bucket_format_without_padding() -> None:
     assert all(torch.equal(t, u) for (_, t), (_, u) in zip(bucket, unpack_bucket(linked)))
 
 
+def test_kept_versions_stream_in_and_are_capped_by_bytes() -> None:
+    from actors.weight_sync import KeptVersions
+
+    def version(v: int, seen: list, kept: KeptVersions):
+        for i in range(3):   # 3 buckets of 4 KiB each
+            if i == 0:
+                seen.append(sorted(kept.versions))   # what is kept while this version comes in
+            yield [(f"w{i}", torch.full((1024,), float(v)))]
+
+    size = 3 * 4096
+    # unset: the newest version while the next comes in (two at most), never three
+    kept, seen = KeptVersions(), []
+    for v in (1, 2, 3):
+        kept.keep(v, version(v, seen, kept))
+    assert seen == [[], [1], [2]] and sorted(kept.versions) == [2, 3]
+    assert kept.nbytes(3) == size and float(unpack_bucket(kept.get(3)[1])[0][1][0]) == 3.0
+    with pytest.raises(RuntimeError, match="version 1 is not kept"):
+        kept.get(1)
+    # room for 2.5 versions: two, and while a third comes in, one
+    kept, seen = KeptVersions(int(2.5 * size)), []
+    for v in (1, 2, 3):
+        kept.keep(v, version(v, seen, kept))
+    assert seen == [[], [1], [2]] and sorted(kept.versions) == [2, 3]
+    # room for 3.5: three kept, two while the next comes in
+    kept, seen = KeptVersions(int(3.5 * size)), []
+    for v in (1, 2, 3, 4):
+        kept.keep(v, version(v, seen, kept))
+    assert seen == [[], [1], [1, 2], [2, 3]] and sorted(kept.versions) == [2, 3, 4]
+    # less than a version: nothing while one comes in, and the newest is kept whatever its size
+    kept, seen = KeptVersions(size // 2), []
+    for v in (1, 2):
+        kept.keep(v, version(v, seen, kept))
+    assert seen == [[], []] and sorted(kept.versions) == [2]
+
+
 def test_each_actor_picks_its_weights_path_once_from_the_topology() -> None:
     from types import SimpleNamespace
 
     from actors.weight_sync import (DirectSender, LinkReceiver, RelaySender, ServerGroupReceiver,
                                     WeightSyncConfigError, make_receiver, make_sender)
-    from topology.settings import RolloutSettings
+    from topology.settings import RolloutSettings, TrainerSettings
 
-    def actor(links: dict[str, Any], **settings: Any) -> Any:
-        cfg = RolloutSettings.model_validate({"links": links, "groups": {"param_server": ["param_server"]}, **settings})
+    def actor(links: dict[str, Any], settings_cls: Any = RolloutSettings, **settings: Any) -> Any:
+        cfg = settings_cls.model_validate({"links": links, "groups": {"param_server": ["param_server"]}, **settings})
         return SimpleNamespace(cfg=cfg,
                                make_link=BulkLink, bus=None, incarnation="", counters={}, log=None,
                                param_server="param_server", active={})
 
     relay = {"train_to_ps": gloo_link("train_to_ps", 1, ["trainer.0", "param_server"], "trainer.0")}
     direct = gloo_link("weights", 2, ["trainer.0", "rollout.0"], "trainer.0")
-    assert isinstance(make_sender(actor(relay), None, asyncio.Lock()), RelaySender)
-    assert isinstance(make_sender(actor({"weights": direct}), None, asyncio.Lock()), DirectSender)
+    trainer = functools.partial(actor, settings_cls=TrainerSettings)
+    assert isinstance(make_sender(trainer(relay), None, asyncio.Lock()), RelaySender)
+    sender = make_sender(trainer({"weights": direct}, weights_kept_mb=100), None, asyncio.Lock())
+    assert isinstance(sender, DirectSender) and sender.kept.max_bytes == 100 << 20
     with pytest.raises(WeightSyncConfigError, match="must be listed first"):
-        make_sender(actor({"weights": gloo_link("weights", 2, ["rollout.0", "trainer.0"], "trainer.0")}), None,
+        make_sender(trainer({"weights": gloo_link("weights", 2, ["rollout.0", "trainer.0"], "trainer.0")}), None,
                     asyncio.Lock())
-    alone = actor(relay)
+    alone = trainer(relay)
     alone.cfg.groups = {}
     assert make_sender(alone, None, asyncio.Lock()) is None   # no parameter server: nothing to publish to
 

@@ -282,8 +282,11 @@ class StandinServer:
                  device: str = "cpu", weights_hash_route: bool = True, tp_size: int = 1,
                  tp_workers: TPWorkers | None = None, on_crash: Callable[[str], None] | None = None,
                  max_total_tokens: int | None = None, step_time_s: float = 0.0, log_path: str | None = None,
-                 starting_until: str | None = None) -> None:
+                 starting_until: str | None = None, fail_load_at: Sequence[int] = ()) -> None:
         self.engine = engine
+        # Fault injection (tests): these /update_weights_from_distributed calls, numbered from 1 over the
+        # server's life, receive their bucket and then fail to load it.
+        self.fail_load_at = set(fail_load_at)
         self.weights_hash_route = weights_hash_route
         self.model_path = model_path
         self.weight_version = weight_version
@@ -312,7 +315,7 @@ class StandinServer:
         self._writer_waiting = 0
         self._last_receive = 0.0     # the tokenizer manager's last_receive_tstamp (monotonic)
         self.groups: dict[str, Any] = {}
-        self.counters = {"generate": 0, "aborted": 0, "updates": 0}
+        self.counters = {"generate": 0, "aborted": 0, "updates": 0, "distributed_calls": 0}
         # Fault injection for the client's tests: the next requests to a route lose their connection,
         # "before" the handler sees them or "after" it started them (what a reset connection does).
         self.drop_next: dict[str, list[str]] = {}
@@ -811,14 +814,22 @@ class StandinServer:
         flattened = body.get("load_format") == "flattened_bucket"
         if body.get("abort_all_requests"):
             await self._abort(None)
+        self.counters["distributed_calls"] += 1
+        call = self.counters["distributed_calls"]
         try:
             async with await self._scheduler_turn():
                 bucket = await self._receive(pg, name, specs, flattened)
+                if call in self.fail_load_at:
+                    raise RuntimeError(f"injected load failure of /update_weights_from_distributed call {call}")
                 await self._apply(body.get("weight_version"), [bucket], False, bool(body.get("flush_cache", True)))
-        except Exception as exc:  # SGLang answers a failed broadcast/load the same way
+        except Exception as exc:
             if isinstance(exc, _Crashed):
                 raise
-            return 400, {"success": False, "message": f"Failed to update parameter online: {exc}."}
+            # SGLang 0.5.6's words (model_executor/model_runner.py:1147-1236): the buckets loaded before this
+            # one stay loaded; the route answers HTTP 400 (entrypoints/http_server.py:862-876).
+            return 400, {"success": False, "message": f"Failed to update parameter online: {exc}. The full weights "
+                                                      f"of the ModelRunner are partially updated. Please discard "
+                                                      f"the whole weights."}
         return 200, {"success": True, "message": "Succeeded to update parameter online."}
 
     async def update_weight_version(self, body: dict[str, Any]) -> tuple[int, Any]:
@@ -972,6 +983,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--no-weights-hash", action="store_true",
                     help="no GET /standin/weights_hash: serve as SGLang does, with no route reading weights back")
+    ap.add_argument("--fail-load-at", default="", metavar="N[,M...]",
+                    help="fault injection for tests: these /update_weights_from_distributed calls (numbered from 1) "
+                         "receive their bucket, then fail to load it as SGLang answers a failed load")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     dtype = None if args.dtype in (None, "auto") else args.dtype
@@ -997,7 +1011,8 @@ def main(argv: list[str] | None = None) -> int:
                                log_path=str(Path(args.standin_log_dir) / f"standin-{os.getpid()}.jsonl")
                                if args.standin_log_dir else None,
                                starting_until=str(Path(args.standin_starting_until_dir) / str(args.random_seed))
-                               if args.standin_starting_until_dir else None)
+                               if args.standin_starting_until_dir else None,
+                               fail_load_at=[int(n) for n in args.fail_load_at.split(",") if n.strip()])
         for drop in args.standin_drop_connection:
             route, _, when = drop.rpartition(":")
             server.drop_next.setdefault(route, []).append(when)

@@ -15,7 +15,9 @@
   node's actors under the same supervisor; ``--sbatch`` submits the allocation first. No SSH.
 
 The run directory (``runs/<name>/<timestamp>`` unless ``--run-dir``) holds the plan, the ActorSpecs,
-logs, message logs, metrics and checkpoints. Exit status: 0 clean end, 2 invalid topology, 1 failed run.
+logs, message logs, metrics and checkpoints. Exit status: 0 clean end, 2 invalid topology or input, 1 failed
+run (an actor that cannot be kept up, or a run that stopped making progress: tools/watchdog.py prints a
+diagnosis), 128 + N for a training run stopped by signal N before its last step.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import topology as topo_mod
+from actors.run import keep_files_private
 from topology import Plan, TopologyError
 from topology.experiment import ExperimentConfig
 from topology.schema import SupervisorSection
@@ -54,6 +57,30 @@ EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 def node_command(plan: Plan, run_dir: str = "RUN_DIR") -> str:
     """What srun runs on every node (the node agent finds its own plan file by its SLURM node name)."""
     return f"{shlex.quote(sys.executable)} -m tools.node_agent {run_dir}"
+
+
+def evaluation_notes(plan: Plan) -> list[str]:
+    """What evaluation the run will do, or that it will do none and why: printed by --dry-run and at launch."""
+    config = plan.topology.config
+    test, every = config.data.test, config.eval.every_versions
+    evaluators = [g for g, group in plan.topology.groups.items() if group.cls.endswith(":EvalActor")]
+    if not test:
+        return ["evaluation: none: data.test is not set (neither during the run nor at its end)"]
+    lines = [f"evaluation on {test}:"]
+    if evaluators and every > 0:
+        lines.append(f"  during the run: every {every} versions, {config.eval.max_problems} problems, in "
+                     f"{', '.join(evaluators)}")
+    elif evaluators:
+        lines.append("  during the run: none: eval.every_versions is 0 (the evaluator idles)")
+    else:
+        lines.append("  during the run: none: the topology has no evaluator group"
+                     + (f" (eval.every_versions {every} is unused)" if every > 0 else ""))
+    if config.run.final_eval:
+        lines.append("  at the end: the start model and the last checkpoint, greedy and sampled "
+                     "(tools.eval; SGLang servers on a machine with a GPU and SGLang, else the embedded engine)")
+    else:
+        lines.append("  at the end: none: run.final_eval is false")
+    return lines
 
 
 def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
@@ -84,9 +111,8 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
                          inst["threads"], inst["workers"]))
     lines.extend(_table(rows))
     lines.append("")
-    if topo.bus.transport == "tcp" and not topo.bus.curve:
-        lines.append("WARNING: bus.curve is false on a tcp bus: any user who can reach these ports can send "
-                     "this run messages")
+    if warning := insecure_bus_warning(plan):
+        lines.append(warning)
     lines.append(f"bus: {topo.bus.transport}, CurveZMQ {'on' if topo.bus.curve else 'off'}"
                  + (f", ports {topo.bus.base_port}-{topo.bus.base_port + topo.bus.port_range - 1}"
                     if topo.bus.transport == "tcp" else ""))
@@ -126,6 +152,8 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
     lines.extend(_readiness(plan))
     lines.append("")
     lines.extend(_engines(plan))
+    lines.append("")
+    lines.extend(evaluation_notes(plan))
     lines.append("")
     lines.extend(_memory(plan))
     lines.append("")
@@ -243,6 +271,16 @@ def _open_ports(plan: Plan, servers: dict[str, ServerGroups]) -> list[str]:
         lines.append(f"  {g}'s SGLang servers: HTTP at {where}" + (", on each rollout's own node (not across nodes)"
                      if not cfg.sglang_url and cfg.sglang.host in ("127.0.0.1", "localhost") else ""))
     return lines
+
+
+def insecure_bus_warning(plan: Plan) -> str | None:
+    """The line the dry run and every launch print when the topology runs a tcp bus without CurveZMQ."""
+    bus = plan.topology.bus
+    if bus.transport != "tcp" or bus.curve:
+        return None
+    return ("WARNING: bus.insecure_tcp is true: this run's tcp bus has no CurveZMQ. Messages and the actors' "
+            "tokens travel in clear: anyone who can sniff its network, or bind one of its ports while that "
+            f"actor is down ({bus.base_port}-{bus.base_port + bus.port_range - 1}), can command the run")
 
 
 def busy_ports(plan: Plan) -> list[str]:
@@ -473,9 +511,47 @@ def load_plan(args: argparse.Namespace) -> Plan:
     return topo_mod.load(args.topology, args.overrides, check_imports=not args.no_import_check)
 
 
+class RunDirError(OSError):
+    """The run directory cannot be made or used; the message names it and why."""
+
+
+def inputs_ok(plan: Plan) -> bool:
+    """Check what the run's actors will read (tools/inputs.py) before any starts: print the report, and each
+    problem on a line of its own; False when there is one."""
+    from tools.inputs import check_inputs
+
+    lines, problems = check_inputs(plan, launch=True)
+    if lines:
+        print("inputs\n" + "\n".join(f"  {line}" for line in lines), flush=True)
+    if problems:
+        print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
+    return not problems
+
+
+def checked_run_dir(plan: Plan, requested: str | None, inputs: bool = True) -> Path | None:
+    """The run directory (`make_run_dir`), once what the run reads is checked (``inputs``: `inputs_ok`); None
+    after printing why there is none."""
+    if inputs and not inputs_ok(plan):
+        return None
+    try:
+        return make_run_dir(plan, requested)
+    except RunDirError as exc:
+        print(f"{plan.topology.source}: {exc}", file=sys.stderr)
+        return None
+
+
 def make_run_dir(plan: Plan, requested: str | None) -> Path:
     """The requested directory; else, with `run.recover: auto`, the newest run of this topology that
-    has a checkpoint but did not finish (it is resumed); else a new timestamped one."""
+    has a checkpoint but did not finish (it is resumed); else a new timestamped one. RunDirError when it
+    cannot be made."""
+    try:
+        return _make_run_dir(plan, requested)
+    except OSError as exc:
+        where = exc.filename or requested or plan.topology.run_root
+        raise RunDirError(f"the run directory cannot be made: {where}: {exc.strerror or exc}") from None
+
+
+def _make_run_dir(plan: Plan, requested: str | None) -> Path:
     from actors.recovery import latest_checkpoint, recovering, resume_checkpoint, run_finished
 
     recover = recovering(plan.topology.config)
@@ -492,7 +568,10 @@ def make_run_dir(plan: Plan, requested: str | None) -> Path:
         if found is not None:
             print(f"resuming {path} from its checkpoint of step {found[0]} (run.recover: auto; "
                   f"experiment.run.recover=off starts afresh)", flush=True)
-    path.mkdir(parents=True, exist_ok=True)
+    keep_files_private()
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.stat().st_mode & 0o077:   # a --run-dir that already existed
+        path.chmod(0o700)
     return path.resolve()
 
 
@@ -556,22 +635,35 @@ RECORD_SETTINGS = {"outbound": True, "tensors": "store"}
 
 
 def build_specs(plan: Plan, run_dir: Path, record: bool = False) -> list[dict[str, Any]]:
-    """ActorSpec dictionaries for the run: ipc paths made concrete, CurveZMQ keys made when asked, message
-    logs on for every actor with ``record``."""
-    curve = None
+    """ActorSpec dictionaries for the run: ipc paths made concrete, CurveZMQ keys (or, without CURVE, the
+    actors' tokens) made for this run, message logs on for every actor with ``record``."""
+    from transport.auth import generate_run_keys, generate_run_tokens
+    from transport.bulk import generate_rendezvous_secret
+
+    curve = tokens = None
+    names = [i.name for i in plan.instances]
     if plan.topology.bus.curve:
-        from transport.auth import generate_run_keys
-        curve = {"keys_dir": generate_run_keys(str(run_dir), [i.name for i in plan.instances])}
+        curve = {"keys_dir": generate_run_keys(str(run_dir), names)}
+    else:
+        tokens = {"tokens_dir": generate_run_tokens(str(run_dir), names)}
     for link in [*plan.links.values(), *plan.worlds.values()]:
         if link.port == 0:  # `port: auto`
             link.port = free_port(topo_mod.resolve_host(link.master_host) if link.master_host else "127.0.0.1")
-    specs = plan.specs(run_dir, curve=curve)
+    specs = plan.specs(run_dir, curve=curve, tokens=tokens)
+    if plan.links:
+        # the links' rendezvous stores sign their values with it (transport.bulk.SignedStore)
+        secret_file = generate_rendezvous_secret(run_dir)
+        for spec in specs:
+            for link in spec["settings"]["links"].values():
+                link["secret_file"] = secret_file
     if plan.topology.bus.transport == "ipc":
         ipc_dir = run_dir / "ipc"
         longest = max(len(i.name) for i in plan.instances)
         if len(str(ipc_dir)) + longest + 8 > 100:  # unix socket paths stop at 107 bytes
             import tempfile
-            ipc_dir = Path(tempfile.mkdtemp(prefix="areal-ipc-"))
+            # A relaunch of this run directory reuses the one its earlier launcher made (killed, it could
+            # not remove it); run_local removes it at the end.
+            ipc_dir = _recorded_ipc_dir(run_dir) or Path(tempfile.mkdtemp(prefix="areal-ipc-"))
             (run_dir / "ipc_dir").write_text(str(ipc_dir))
         ipc_dir.mkdir(parents=True, exist_ok=True)
         ipc_dir.chmod(0o700)   # the sockets are the bus: only the run's user may reach them
@@ -582,6 +674,20 @@ def build_specs(plan: Plan, run_dir: Path, record: bool = False) -> list[dict[st
         for spec in specs:
             spec["settings"]["message_log"] = dict(RECORD_SETTINGS)
     return specs
+
+
+def _recorded_ipc_dir(run_dir: Path) -> Path | None:
+    """The bus's socket directory outside the run directory that a launcher of this run made (RUN_DIR/ipc_dir),
+    if it is still there and this user's."""
+    import tempfile
+    try:
+        path = Path((run_dir / "ipc_dir").read_text().strip())
+        mine = path.stat().st_uid == os.getuid()
+    except OSError:
+        return None
+    if mine and path.parent == Path(tempfile.gettempdir()) and path.name.startswith("areal-ipc-"):
+        return path
+    return None
 
 
 def write_plan(plan: Plan, run_dir: Path, specs: list[dict[str, Any]], overrides: Sequence[str]) -> None:
@@ -692,10 +798,12 @@ def _child_rows(sup: Any, node_of: dict[str, str]) -> dict[str, dict[str, Any]]:
 async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[str, Any], *, title: str,
                     progress: bool, duration: float | None, node_of: dict[str, str],
                     status_file: Path | None = None, stop_file: Path | None = None,
-                    training: TrainingProgress | None = None) -> int:
+                    training: TrainingProgress | None = None, watchdog: Any = None,
+                    finished: Callable[[], bool] | None = None) -> int:
     """Start actors under the Supervisor, show progress, stop on Ctrl-C/SIGTERM, on ``duration``, when
-    ``stop_file`` appears (a multi-node launcher's stop request), or when every actor has finished by
-    itself; print a summary. Returns the exit status."""
+    ``stop_file`` appears (a multi-node launcher's stop request), when ``watchdog`` (tools/watchdog.py) finds
+    the run stalled, or when every actor has finished by itself; print a summary. Returns the exit status:
+    a stall fails the run, and a signal before ``finished()`` (the run's last step) exits 128 + its number."""
     import asyncio
 
     from actors.base import ActorSpec
@@ -704,9 +812,11 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     stop_reason: list[str] = []
+    signalled: list[int] = []
 
     def on_signal(name: str) -> None:
         stop_reason.append(f"stopped by {name}")
+        signalled.append(int(signal.Signals[name]))
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -744,10 +854,18 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
         publish("running")
         running = asyncio.ensure_future(sup.run())
         deadline = None if duration is None else t0 + duration
+        if watchdog is not None:
+            watchdog.local_pids = sup.pids
+            watchdog.start()
         while True:
             rows = publish("running")
             if running.done():
                 running.result()  # raises SupervisorError when an actor could not be kept up
+                break
+            if watchdog is not None and (diagnosis := watchdog.check()) is not None:
+                print(diagnosis, flush=True)
+                outcome, code = f"failed: {diagnosis.splitlines()[0]} (diagnosis above and in {run_dir}/stall.txt)", \
+                    EXIT_FAILED
                 break
             if all(r["state"] in ("finished", "failed") for r in rows.values()):
                 break
@@ -775,13 +893,30 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
         view.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+    if code == EXIT_OK and signalled and finished is not None and not finished():
+        code = 128 + signalled[0]   # stopped before its last step: not a clean end
+        outcome += f" before the run's last step (exit {code})"
     print(_summary(title, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
     return code
+
+
+def trains_steps(plan: Plan) -> bool:
+    """Whether the plan has a trainer, whose run.total_steps end the run (demo topologies have none)."""
+    return any(group.cls.partition(":")[0] == "actors.trainer" for group in plan.topology.groups.values())
+
+
+def progress_watchdog(plan: Plan, run_dir: Path) -> Any:
+    """The run's progress watchdog (tools/watchdog.py), set by the experiment's run.watchdog."""
+    from tools.watchdog import ProgressWatchdog
+
+    return ProgressWatchdog(run_dir, plan.topology.config.run.watchdog)
 
 
 def run_local(plan: Plan, args: argparse.Namespace) -> int:
     """Every actor on this machine under one Supervisor."""
     import asyncio
+
+    from actors.recovery import run_finished
 
     from tools.prepare import PrepareError, prepare
 
@@ -798,36 +933,84 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_INVALID
     config = plan.topology.config
-    run_dir = make_run_dir(plan, args.run_dir)
+    if (run_dir := checked_run_dir(plan, args.run_dir)) is None:
+        return EXIT_INVALID
     specs = build_specs(plan, run_dir, record=args.record)
     write_plan(plan, run_dir, specs, args.overrides)
     print(f"run {plan.topology.name}: {len(specs)} actor(s), run directory {run_dir}", flush=True)
+    if warning := insecure_bus_warning(plan):
+        print(warning, flush=True)
+    print("\n".join(evaluation_notes(plan)), flush=True)
     node_of = {i.name: i.host for i in plan.instances}
     total = config.run.total_steps
+    trains = trains_steps(plan)
     code = asyncio.run(supervise(specs, run_dir, supervisor_options(plan, args), title=plan.topology.name,
                                  progress=not args.no_progress, duration=args.duration, node_of=node_of,
-                                 training=TrainingProgress(run_dir, total)))
+                                 training=TrainingProgress(run_dir, total),
+                                 watchdog=progress_watchdog(plan, run_dir) if trains else None,
+                                 finished=(lambda: run_finished(run_dir)) if trains else None))
+    if (ipc_dir := _recorded_ipc_dir(run_dir)) is not None:
+        import shutil
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+    if code == EXIT_OK and config.eval.every_versions > 0 and evaluates_during_run(plan):
+        catch_up_evaluations(config, run_dir)
     if code == EXIT_OK and config.run.final_eval:
         final_evaluation(config, run_dir)
     return code
 
 
+def evaluates_during_run(plan: Plan) -> bool:
+    """Whether the plan's evaluator can evaluate during the run: it has one, and the parameter server holds the
+    weights (the relay: it sits in a link; with direct weights it holds none, and the evaluator idles), and the
+    evaluator takes them from there (``weights_from: checkpoints`` evaluates checkpoints only, by design)."""
+    groups = plan.topology.groups
+    if any(g.settings.get("weights_from", "param_server") != "param_server"
+           for g in groups.values() if g.cls.endswith(":EvalActor")):
+        return False
+    modules = {name: group.cls.partition(":")[0] for name, group in groups.items()}
+    servers = {i.name for i in plan.instances if modules.get(i.group) == "actors.param_server"}
+    return ("actors.evaluator" in modules.values() and "actors.trainer" in modules.values()
+            and any(servers & set(link.members) for link in plan.links.values()))
+
+
+def catch_up_evaluations(config: ExperimentConfig, run_dir: Path) -> None:
+    """The periodic evaluations the evaluator missed (it was away when the run ended, or fell behind): those
+    whose weights are left on disk are evaluated here, the rest named as skipped in eval.jsonl."""
+    from actors.evaluator import catch_up
+    from actors.recovery import FINISHED
+
+    try:
+        final = int(json.loads((run_dir / FINISHED).read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return
+    caught, skipped = catch_up(config, run_dir, final)
+    if caught or skipped:
+        print(f"periodic evaluations the evaluator missed: {', '.join(map(str, caught)) or 'none'} evaluated from "
+              f"their checkpoints now" + (f"; {', '.join(map(str, skipped))} skipped (their weights are no longer "
+                                           f"kept)" if skipped else ""), flush=True)
+
+
 def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] | None:
     """Greedy held-out accuracy of the model the run started from and of its last checkpoint, side by
     side, per level; written to RUN_DIR/summary.json and RUN_DIR/eval.jsonl (read by tools.plot)."""
+    from actors.dataset import resolve_data_path
     from actors.recovery import latest_checkpoint
+    from actors.train_metrics import trained_history
     from tools.eval import evaluate_held_out
     from tools.lm import has_weights
 
     test = config.data.test
     found = latest_checkpoint(run_dir)
-    if not test or not Path(test).exists() or found is None:
+    if not test or not resolve_data_path(test).exists() or found is None:
+        why = ("data.test is not set" if not test else f"data.test {test}: no such file" if
+               not resolve_data_path(test).exists() else "the run wrote no checkpoint")
+        print(f"no final evaluation: {why}", flush=True)
         return None
     step, ckpt = found
     models = {"start": config.model.path, "final": str(ckpt / "model")}
     reports = {name: evaluate_held_out(path, config) for name, path in models.items() if path and has_weights(path)}
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
-        if (run_dir / "metrics.jsonl").exists() else []
+    metrics = trained_history([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+                              if (run_dir / "metrics.jsonl").exists() else [])
     keys = sorted({k for r in reports.values() for k in r["by_level"]}, key=lambda k: (len(k), k))
     rows = [("model", "step", "overall", *[f"level {k}" for k in keys])]
     for name, r in reports.items():
@@ -879,7 +1062,10 @@ def node_plan_path(run_dir: Path, host: str) -> Path:
 
 def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
     """Inside an allocation: one node agent per node through srun; each runs its node's actors under the
-    Supervisor. The run directory must be on a file system every node sees (it holds the plans)."""
+    Supervisor. The run directory must be on a file system every node sees (it holds the plans, and the
+    actors' status files the progress watchdog reads here)."""
+    from actors.recovery import run_finished
+
     try:
         hosts = allocation_hosts()
         plan = plan.with_hosts(hosts)
@@ -894,7 +1080,8 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
     if node.gpus and allocation.gpus is None:
         print(f"{plan.topology.source}: the allocation's GPUs could not be read ({allocation.source}); the "
               f"topology's nodes have {node.gpus} each", file=sys.stderr, flush=True)
-    run_dir = make_run_dir(plan, args.run_dir)
+    if (run_dir := checked_run_dir(plan, args.run_dir)) is None:
+        return EXIT_INVALID
     specs = build_specs(plan, run_dir, record=args.record)
     write_plan(plan, run_dir, specs, args.overrides)
     by_name = {s["name"]: s for s in specs}
@@ -913,6 +1100,9 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
            sys.executable, "-m", "tools.node_agent", str(run_dir)]
     print(f"run {plan.topology.name}: {len(specs)} actor(s) on {len(hosts)} node(s), run directory {run_dir}\n"
           f"  {' '.join(shlex.quote(c) for c in cmd)}", flush=True)
+    if warning := insecure_bus_warning(plan):
+        print(warning, flush=True)
+    print("\n".join(evaluation_notes(plan)), flush=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(topo_mod.REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.monotonic()
@@ -933,16 +1123,22 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
         stop_file.write_text(f"stopped by {reason}\n")
         forced_at.append(time.monotonic() + supervisor_options(plan, args)["stop_timeout"] + 15)
 
+    signalled: list[int] = []
+
     def forward(signum: int, _frame: Any) -> None:
         if stopping:  # a second Ctrl-C: do not wait for the clean stop
             proc.send_signal(signal.SIGTERM)
         else:
+            signalled.append(signum)
             request_stop(signal.Signals(signum).name)
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     deadline = None if args.duration is None else t0 + args.duration
     reached: set[str] = set()
     short: list[str] = []
+    trains = trains_steps(plan)
+    watchdog = progress_watchdog(plan, run_dir) if trains else None
+    stalled: list[str] = []
     try:
         while proc.poll() is None:
             rows = _slurm_rows(run_dir, hosts, node_of)
@@ -951,6 +1147,14 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
                 short.append(problem)
                 print(f"{plan.topology.name}: {problem}; stopping the run", file=sys.stderr, flush=True)
                 request_stop(problem)
+            if watchdog is not None and not stopping:   # its clock starts once every node runs its actors
+                if not watchdog.started and all(_node_status(run_dir, h).get("state") == "running"
+                                                      for h in hosts):
+                    watchdog.start()
+                if (diagnosis := watchdog.check()) is not None:
+                    print(diagnosis, flush=True)
+                    stalled.append(diagnosis.splitlines()[0])
+                    request_stop("the progress watchdog")
             if deadline is not None and time.monotonic() >= deadline and not stopping:
                 request_stop(f"--duration {args.duration:g} s")
             if forced_at and time.monotonic() > forced_at[0] and proc.poll() is None:
@@ -972,12 +1176,20 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
     if short:
         print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, f"failed: {short[0]}"), flush=True)
         return EXIT_FAILED
+    if stalled:
+        outcome = f"failed: {stalled[0]} (diagnosis above and in {run_dir}/stall.txt)"
+        print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
+        return EXIT_FAILED
     if failed or (code != 0 and not stopping):
         reasons = "; ".join(_node_status(run_dir, h).get("reason", "") for h in failed)
         outcome = f"failed (srun exit {code}{', nodes ' + ', '.join(failed) if failed else ''})" + \
                   (f": {reasons}" if reasons.strip("; ") else f"; see {run_dir}/srun.out")
         print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
         return EXIT_FAILED
+    if signalled and trains and not run_finished(run_dir):
+        outcome += f" before the run's last step (exit {128 + signalled[0]})"
+        print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
+        return 128 + signalled[0]
     print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
     return EXIT_OK
 
@@ -1106,7 +1318,8 @@ def allocation_shortfall(plan: Plan, allocation: Allocation) -> str | None:
 
 def submit_sbatch(plan: Plan, args: argparse.Namespace) -> int:
     """Submit a batch job that reruns this launcher inside its own allocation."""
-    run_dir = make_run_dir(plan, args.run_dir)
+    if (run_dir := checked_run_dir(plan, args.run_dir, inputs=False)) is None:
+        return EXIT_INVALID
     n = len(plan.topology.nodes)
     argv = [sys.executable, "-m", "tools.up", str(Path(plan.topology.source).resolve()), *args.overrides,
             "--run-dir", str(run_dir), "--no-progress"]
@@ -1134,6 +1347,8 @@ def submit_sbatch(plan: Plan, args: argparse.Namespace) -> int:
     job = out.stdout.strip().split(";")[0]
     (run_dir / "slurm_job_id").write_text(job + "\n")
     print(f"submitted SLURM job {job} ({n} node(s)); output {run_dir}/sbatch.out", flush=True)
+    if warning := insecure_bus_warning(plan):
+        print(warning, flush=True)
     return EXIT_OK
 
 
@@ -1149,7 +1364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID
     if args.dry_run:
         print(describe(plan, args.overrides))
-        if problems := busy_ports(plan) + memory_problems(plan) + prepare_problems(plan):
+        from tools.inputs import check_inputs
+        inputs, input_problems = check_inputs(plan, launch=False)
+        print("\ninputs (a sample of each data file; tools/inputs.py)" + "".join(f"\n  {line}" for line in inputs))
+        if problems := busy_ports(plan) + memory_problems(plan) + prepare_problems(plan) + input_problems:
             print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
             return EXIT_INVALID
         return EXIT_OK

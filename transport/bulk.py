@@ -7,6 +7,16 @@ address and port. Several links can live in one process (the parameter server si
 the trainer and another with the rollouts), so a link never touches torch.distributed's single
 default group: it builds its process group directly on a ``TCPStore`` wrapped in a ``PrefixStore``.
 
+The rendezvous. torch's TCPStore (2.13) has no authentication of its own and, left to itself, its server
+listens on every interface: anyone who reaches the port can read and write its keys (gloo's addresses among
+them). So the master's store listens on the link's master address only (:func:`rendezvous_server`: loopback
+when every member is on one node), and with a per-run secret (``LinkConfig.secret_file``, made by the launcher,
+0600 in the run directory) every value goes through :class:`SignedStore`: written with an HMAC of the secret,
+checked when read, so a key written by anyone else fails the formation with :class:`RendezvousForgery`
+instead of steering a member's connections. What the store cannot hide: the keys and values can be read
+(gloo's listening addresses), and gloo's own data connections are not authenticated; buckets carry a
+checksum, so bytes injected there are refused, not trained on.
+
 The prefix carries an *epoch* number. When a member dies and is restarted, the survivors and the
 newcomer agree (through the control bus) on epoch e+1 and call :meth:`BulkLink.reform` /
 :meth:`BulkLink.open` with it; the fresh prefix keeps the new rendezvous clear of the dead group's keys.
@@ -30,8 +40,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import hashlib
+import hmac
 import os
-from typing import Any, Callable, Sequence
+import secrets
+import socket
+from collections import deque
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import msgpack
 import torch
@@ -42,6 +57,11 @@ __all__ = [
     "BulkError",
     "ChecksumMismatch",
     "LinkRendezvousError",
+    "RendezvousForgery",
+    "SignedStore",
+    "generate_rendezvous_secret",
+    "rendezvous_server",
+    "rendezvous_store",
     "LinkConfig",
     "TensorMeta",
     "PackedBucket",
@@ -49,13 +69,24 @@ __all__ = [
     "bucket_metas",
     "pack_bucket",
     "pack_buckets",
+    "pack_to_host",
+    "bucket_views",
     "unpack_bucket",
     "unpack_flat",
     "bucket_checksum",
     "FLAT_ALIGN",
+    "NCCL_ERROR_HANDLING_ENV",
 ]
 
 Bucket = list[tuple[str, torch.Tensor]]
+
+#: Set before every NCCL group a weights path forms (bulk links, SGLang's weight-update groups). torch's
+#: default, 3 ("SkipCleanUp", ProcessGroupNCCL.cpp: ``getCvarInt(TORCH_NCCL_ASYNC_ERROR_HANDLING, 3)``), has
+#: the watchdog take the whole process down when a collective times out or fails: a rollout's server that
+#: hangs mid-broadcast would kill trainer rank 0 and with it the trainer's world. 2 ("CleanUpOnly") aborts
+#: the failed group's communicator and raises in the waiting call; the process and its other groups live on.
+#: Read when a ProcessGroupNCCL is built, so groups built before (the trainer's world) keep their own mode.
+NCCL_ERROR_HANDLING_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 _ALIGN = 16
 FLAT_ALIGN = 1   # SGLang's "flattened_bucket": every tensor's bytes back to back, no padding
@@ -82,6 +113,10 @@ class LinkRendezvousError(BulkError):
     """The members of a link did not all arrive at the rendezvous in time."""
 
 
+class RendezvousForgery(BulkError):
+    """A rendezvous value was not written by a holder of the run's secret."""
+
+
 @dataclasses.dataclass
 class LinkConfig:
     """Everything one member needs to join a link. The launcher writes it into
@@ -97,6 +132,7 @@ class LinkConfig:
     bind_addr: str = ""  # address gloo binds on this member (fake SLURM nodes use 127.0.0.x)
     timeout_s: float = 300.0
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # NCCL_* / GLOO_* for this process
+    secret_file: str = ""  # the run's rendezvous secret (generate_rendezvous_secret); "": values unsigned
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -163,15 +199,6 @@ class PackedBucket:
     def metas(self) -> list[TensorMeta]:
         return [TensorMeta(e["name"], e["dtype"], list(e["shape"])) for e in self.header["tensors"]]
 
-    def to_host(self) -> "PackedBucket":
-        """The same bucket in host memory, page-locked where there is a GPU (so it goes back up at full
-        speed, and without holding GPU memory while it waits to be sent)."""
-        if self.flat.device.type == "cpu":
-            return self
-        host = torch.empty(self.flat.shape, dtype=self.flat.dtype, pin_memory=torch.cuda.is_available())
-        host.copy_(self.flat)
-        return PackedBucket(self.header, host)
-
 
 def bucket_checksum(flat: torch.Tensor, algo: str | None = None) -> int:
     """Checksum of a flat uint8 buffer by ``algo`` (default: the one native to the buffer's device).
@@ -219,22 +246,111 @@ def pack_bucket(bucket: Bucket, bucket_id: int = 0, *, align: int = _ALIGN, chec
     device = devices.pop()
     entries, size = _layout(bucket_metas(bucket), align)
     flat = torch.empty(size if align == FLAT_ALIGN else max(size, 1), dtype=torch.uint8, device=device)
+    _SyncCopier().copy(_placed(flat, entries, bucket))
+    return PackedBucket(_header(bucket_id, flat, entries, checksum), flat)
+
+
+def _placed(flat: torch.Tensor, entries: Sequence[dict[str, Any]], bucket: Bucket) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) byte ranges that lay ``bucket`` into ``flat``; the alignment padding between them
+    is zeroed here, so the same bucket always packs to the same bytes."""
+    pairs = []
     ends = [e["offset"] for e in entries[1:]] + [flat.numel()]
     for entry, end, (_, tensor) in zip(entries, ends, bucket):
         start, stop = entry["offset"], entry["offset"] + entry["nbytes"]
         if entry["nbytes"]:
-            flat[start:stop].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            pairs.append((flat[start:stop], tensor.detach().contiguous().reshape(-1).view(torch.uint8)))
         if end > stop:
-            flat[stop:end].zero_()  # alignment padding: the same bucket always packs to the same bytes
+            flat[stop:end].zero_()
+    return pairs
+
+
+def _header(bucket_id: int, flat: torch.Tensor, entries: list[dict[str, Any]], checksum: bool) -> dict[str, Any]:
     header = {"v": _HEADER_VERSION, "bucket": bucket_id, "size": flat.numel(), "tensors": entries}
     if checksum:
-        header.update(algo="xxh3_64" if device.type == "cpu" else "wsum", checksum=bucket_checksum(flat))
-    return PackedBucket(header, flat)
+        header.update(algo="xxh3_64" if flat.device.type == "cpu" else "wsum", checksum=bucket_checksum(flat))
+    return header
 
 
 def pack_buckets(buckets: Sequence[Bucket]) -> list[PackedBucket]:
     """Each bucket of a version packed for a link, numbered in order."""
     return [pack_bucket(b, i) for i, b in enumerate(buckets)]
+
+
+class _SyncCopier:
+    """How :func:`pack_to_host` moves bytes: here at once (tensors already in host memory)."""
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+        """Start copying each source into its destination; returns the wait for all of them."""
+        for dst, src in pairs:
+            dst.copy_(src)
+        return lambda: None
+
+
+class _CudaCopier(_SyncCopier):
+    """Device-to-host copies on a CUDA stream of this process's own, into page-locked memory, with an event.
+
+    The default stream runs training; copies queued behind its kernels would wait for them, and a push
+    waited for there would hold the training step. The stream first waits for the work queued so far on
+    the current stream (the export that made the tensors), then copies while training goes on."""
+
+    _streams: dict[int, Any] = {}
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._streams:
+            self._streams[index] = torch.cuda.Stream(device=index)
+        self.stream = self._streams[index]
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Callable[[], None]:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done.synchronize
+
+
+def pack_to_host(buckets: Iterable[Bucket], first_id: int = 0, in_flight: int = 2,
+                 copier: _SyncCopier | None = None) -> Iterator[PackedBucket]:
+    """Each bucket packed straight into host memory as it comes, numbered from ``first_id``, in order.
+
+    A bucket on a GPU is copied tensor by tensor into its place in a page-locked host buffer on a CUDA stream
+    of its own (:class:`_CudaCopier`); at most ``in_flight`` buckets are being copied at once, and a bucket's
+    GPU tensors are held until their copy is done, so the GPU holds at most ``in_flight`` exported buckets
+    however large the model (holding every bucket and a packed copy of each would take twice the
+    weights). The checksum (XXH3) is computed on the host once the bytes are there. Buckets in host
+    memory are packed at once. ``copier``: how the bytes move (tests pass their own)."""
+    pending: deque[tuple[int, torch.Tensor, list[dict[str, Any]], Any, Callable[[], None]]] = deque()
+
+    def finish() -> PackedBucket:
+        bucket_id, flat, entries, _sources, wait = pending.popleft()
+        wait()   # then the bucket's tensors (and contiguous copies of them) may go: nothing reads them any more
+        return PackedBucket(_header(bucket_id, flat, entries, True), flat)
+
+    for bucket_id, bucket in enumerate(buckets, first_id):
+        if not bucket:
+            raise BulkError("pack_to_host: empty bucket")
+        devices = {t.device for _, t in bucket}
+        if len(devices) != 1:
+            raise BulkError(f"pack_to_host: tensors on several devices {sorted(map(str, devices))}")
+        device = devices.pop()
+        mover = copier or (_CudaCopier(device) if device.type == "cuda" else _SyncCopier())
+        entries, size = _layout(bucket_metas(bucket), _ALIGN)
+        flat = mover.buffer(max(size, 1))
+        pairs = _placed(flat, entries, bucket)
+        pending.append((bucket_id, flat, entries, (bucket, pairs), mover.copy(pairs)))
+        while len(pending) > in_flight:
+            yield finish()
+    while pending:
+        yield finish()
 
 
 def _views(flat: torch.Tensor, entries: Sequence[dict[str, Any]], link: str) -> Bucket:
@@ -259,6 +375,12 @@ def unpack_bucket(packed: PackedBucket, link: str = "?") -> Bucket:
         raise ChecksumMismatch(link, header["bucket"], header["checksum"], got,
                                [e["name"] for e in header["tensors"]])
     return _views(flat, header["tensors"], link)
+
+
+def bucket_views(packed: PackedBucket, link: str = "?") -> Bucket:
+    """Views into a packed bucket's buffer, unverified: for a copy of a bucket already verified (a kept bucket
+    moved to the GPU to be sent)."""
+    return _views(packed.flat, packed.header["tensors"], link)
 
 
 def unpack_flat(flat: torch.Tensor, metas: Sequence[TensorMeta], link: str = "?") -> Bucket:
@@ -294,6 +416,7 @@ class BulkLink:
         self._wanted: int | None = None   # the epoch the newest open() call is forming
         self._next_bucket = 0
         self._device = torch.device("cpu")
+        self._recv_buffers = _RecvBuffers()
 
     # -- forming and re-forming ------------------------------------------------------------------
 
@@ -310,12 +433,13 @@ class BulkLink:
         timeout = _dt.timedelta(seconds=cfg.timeout_s)
         try:
             if cfg.rank == 0 and self._server is None:
-                self._server = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=True,
-                                             timeout=timeout, wait_for_workers=False)
+                self._server = rendezvous_server(cfg.master_addr, cfg.master_port, cfg.world_size, timeout)
             # A connection of its own per formation: the master may itself be the member that restarted, and
             # a formation abandoned while it waits must not hold the connection the next one talks on.
             store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=False,
                                   timeout=timeout, wait_for_workers=False)
+            if cfg.secret_file:
+                store = SignedStore(store, read_rendezvous_secret(cfg.secret_file), cfg.name)
             prefix = dist.PrefixStore(f"{cfg.name}/epoch{epoch}", store)
             pg = self._make_group(prefix, timeout, rank, world)
             if self._wanted != epoch:   # abandoned while it waited for a member: a newer one is forming
@@ -381,6 +505,7 @@ class BulkLink:
             return dist.ProcessGroupGloo(store, rank, world, opts)
         if not hasattr(dist, "ProcessGroupNCCL") or not torch.cuda.is_available():
             raise BulkError(f"link {cfg.name!r}: backend nccl needs CUDA and a torch built with NCCL")
+        os.environ.update({**NCCL_ERROR_HANDLING_ENV, **cfg.env})
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         self._device = torch.device("cuda", torch.cuda.current_device())
@@ -418,29 +543,108 @@ class BulkLink:
         if self._rank == src:
             if bucket is None:
                 raise BulkError(f"link {self.config.name!r}: the source rank must pass a bucket")
-            run = self._operation(epoch)
-            self._broadcast(run, pack_bucket(self._on_link_device(bucket), self._take_bucket_id()), src)
+            self._send(self._operation(epoch, root=src), self._wire_source(bucket), "all")
             return bucket
-        return unpack_bucket(self.broadcast_packed(None, src, epoch), self.config.name)
+        return self._unpacked(self._receive(self._operation(epoch, root=src), str(src), verify=True))
 
     def broadcast_packed(self, packed: PackedBucket | None, src: int = 0,
                          epoch: int | None = None) -> PackedBucket:
         """Lower-level :meth:`broadcast` of an already packed bucket; receivers get it unverified."""
-        return self._broadcast(self._operation(epoch), packed, src)
+        op = self._operation(epoch, root=src)
+        if packed is not None:
+            self._send(op, _PackedSource(packed, self._to_link), "all")
+            return packed
+        return self._receive(op, str(src), verify=False)
 
-    def _broadcast(self, run: Callable[..., None], packed: PackedBucket | None, src: int) -> PackedBucket:
-        header_bytes = msgpack.packb(packed.header) if packed is not None else b""
-        length = self._to_link(torch.tensor([len(header_bytes)], dtype=torch.int64))
-        run("broadcast", [length], dist.BroadcastOptions(), root=src)
-        head = self._to_link(torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8)) if packed is not None \
-            else torch.empty(int(length.item()), dtype=torch.uint8, device=self._device)
-        run("broadcast", [head], dist.BroadcastOptions(), root=src)
-        header = packed.header if packed is not None else self._decode_header(head)
-        flat = self._to_link(packed.flat) if packed is not None else torch.empty(header["size"], dtype=torch.uint8,
-                                                                    device=self._device)
-        run("broadcast", [flat], dist.BroadcastOptions(), root=src)
-        self._record("out" if packed is not None else "in", "all" if packed is not None else str(src), header, flat)
+    def send(self, bucket: Bucket, dst: int, epoch: int | None = None) -> None:
+        """Point-to-point: send ``bucket`` to rank ``dst`` (which calls :meth:`recv`)."""
+        self._send(self._operation(epoch, peer=dst, sending=True), self._wire_source(bucket), str(dst))
+
+    def send_packed(self, packed: PackedBucket, dst: int, epoch: int | None = None) -> None:
+        self._send(self._operation(epoch, peer=dst, sending=True), _PackedSource(packed, self._to_link), str(dst))
+
+    def recv(self, src: int, epoch: int | None = None) -> Bucket:
+        """Receive one bucket sent by rank ``src`` with :meth:`send`; checksum verified."""
+        return self._unpacked(self._receive(self._operation(epoch, peer=src), str(src), verify=True))
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int = 0, epoch: int | None = None) -> torch.Tensor:
+        """One raw collective of ``tensor`` on the link's group, no header and no checksum (every rank passes
+        a tensor of the same size): what a bucket broadcast is measured against (`python -m tools.bench bulk`)."""
+        op = self._operation(epoch, root=src)
+        tensor = self._to_link(tensor)
+        op.wait(op.start(tensor, 0))
+        return tensor
+
+    def barrier(self) -> None:
+        flag = torch.zeros(1, dtype=torch.int64, device=self._device)
+        op = self._operation()
+        op.wait(op.start_collective("allreduce", [flag]))
+
+    # The wire: [length][header, its checksum left out][the buffer's ranges, one transfer each][checksum].
+    # A bucket in host memory goes out from its own tensors (no packing copy), hashed as it goes, each range
+    # sent while the next is hashed; the receiver hashes each range as it lands while the next arrives, into
+    # a recycled buffer (_RecvBuffers). The header the receiver returns is the one pack_bucket writes.
+
+    def _wire_source(self, bucket: Bucket) -> "_WireSource":
+        bucket = self._on_link_device(bucket)
+        bucket_id = self._take_bucket_id()
+        if self._device.type == "cpu":
+            return _StreamedSource(bucket, bucket_id)
+        return _PackedSource(pack_bucket(bucket, bucket_id), self._to_link)   # packing on a GPU costs little
+
+    def _send(self, op: "_Transfers", source: "_WireSource", peer: str) -> None:
+        head_bytes = msgpack.packb(source.wire_header)
+        works = [op.start(self._to_link(torch.tensor([len(head_bytes)], dtype=torch.int64)), 0),
+                 op.start(self._to_link(torch.frombuffer(bytearray(head_bytes), dtype=torch.uint8)), 1)]
+        ranges = _wire_ranges(source.wire_header["tensors"])
+        for i, piece in enumerate(source.pieces(ranges)):
+            works.append(op.start(piece, 2 + i))
+        checksum = source.checksum()
+        works.append(op.start(self._to_link(torch.tensor([_signed64(checksum)], dtype=torch.int64)), 2 + len(ranges)))
+        for work in works:
+            op.wait(work)
+        self._record("out", peer, {**source.wire_header, "checksum": checksum}, None)
+
+    def _receive(self, op: "_Transfers", peer: str, verify: bool) -> PackedBucket:
+        length = torch.empty(1, dtype=torch.int64, device=self._device)
+        op.wait(op.start(length, 0))
+        head = torch.empty(int(length.item()), dtype=torch.uint8, device=self._device)
+        op.wait(op.start(head, 1))
+        header = self._decode_header(head)
+        size = int(header["size"])
+        ranges = _wire_ranges(header["tensors"])
+        flat = (self._recv_buffers.take(size) if self._device.type == "cpu"
+                else torch.empty(size, dtype=torch.uint8, device=self._device))
+        works = [op.start(flat[a:b], 2 + i) for i, (a, b, _) in enumerate(ranges)]
+        trailer = torch.empty(1, dtype=torch.int64, device=self._device)
+        works.append(op.start(trailer, 2 + len(ranges)))
+        pos = 0
+        for a, b, _ in ranges + [(size, size, [])]:   # what no range covers is padding: zeros
+            if a > pos:
+                flat[pos:a].zero_()
+            pos = max(pos, b)
+        # XXH3 over each range as it lands (and the zeros before it), while the next one arrives
+        hasher = xxhash.xxh3_64() if verify and header.get("algo") == "xxh3_64" and flat.device.type == "cpu" else None
+        done = 0
+        for (_, b, _), work in zip(ranges, works):
+            op.wait(work)
+            if hasher is not None:
+                hasher.update(memoryview(flat[done:b].numpy()))
+                done = b
+        op.wait(works[-1])
+        header["checksum"] = int(trailer.item()) & 0xFFFFFFFFFFFFFFFF
+        if verify:
+            if hasher is not None:
+                hasher.update(memoryview(flat[done:].numpy()))
+            got = hasher.intdigest() if hasher is not None else bucket_checksum(flat, header.get("algo"))
+            if got != header["checksum"]:
+                raise ChecksumMismatch(self.config.name, header["bucket"], header["checksum"], got,
+                                       [e["name"] for e in header["tensors"]])
+        self._record("in", peer, header, flat)
         return PackedBucket(header, flat)
+
+    def _unpacked(self, packed: PackedBucket) -> Bucket:
+        return _views(packed.flat, packed.header["tensors"], self.config.name)
 
     def _record(self, direction: str, peer: str, header: dict[str, Any], flat: torch.Tensor | None) -> None:
         if self.recorder is not None:
@@ -448,35 +652,6 @@ class BulkLink:
 
             self.recorder.record_bulk(direction, self.config.name, f"{self.config.name}#{peer}", header,
                                       flat.cpu().numpy() if direction == "in" else None, cause=current_cause.get())
-
-    def send(self, bucket: Bucket, dst: int, epoch: int | None = None) -> None:
-        """Point-to-point: send ``bucket`` to rank ``dst`` (which calls :meth:`recv`)."""
-        self.send_packed(pack_bucket(self._on_link_device(bucket), self._take_bucket_id()), dst, epoch)
-
-    def send_packed(self, packed: PackedBucket, dst: int, epoch: int | None = None) -> None:
-        run = self._operation(epoch)
-        header_bytes = msgpack.packb(packed.header)
-        run("send", [self._to_link(torch.tensor([len(header_bytes)], dtype=torch.int64))], dst, 0)
-        run("send", [self._to_link(torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8))], dst, 1)
-        run("send", [self._to_link(packed.flat)], dst, 2)
-        self._record("out", str(dst), packed.header, packed.flat)
-
-    def recv(self, src: int, epoch: int | None = None) -> Bucket:
-        """Receive one bucket sent by rank ``src`` with :meth:`send`; checksum verified."""
-        run = self._operation(epoch)
-        length = torch.empty(1, dtype=torch.int64, device=self._device)
-        run("recv", [length], src, 0)
-        head = torch.empty(int(length.item()), dtype=torch.uint8, device=self._device)
-        run("recv", [head], src, 1)
-        header = self._decode_header(head)
-        flat = torch.empty(header["size"], dtype=torch.uint8, device=self._device)
-        run("recv", [flat], src, 2)
-        self._record("in", str(src), header, flat)
-        return unpack_bucket(PackedBucket(header, flat), self.config.name)
-
-    def barrier(self) -> None:
-        flag = torch.zeros(1, dtype=torch.int64, device=self._device)
-        self._operation()("allreduce", [flag])
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -503,119 +678,301 @@ class BulkLink:
             raise BulkError(f"link {self.config.name!r}: bucket header version {header!r:.60} not understood")
         return header
 
-    def _operation(self, expected: int | None = None) -> Callable[..., None]:
-        """A runner of process-group operations bound to the current group: every step of one transfer
-        runs on the epoch it started on, even if the link is re-formed while it is blocked. With
-        ``expected``, a transfer meant for an older epoch fails instead of starting on a newer one."""
-        pg, epoch, rank = self._pg, self.epoch, self._rank
+    def _operation(self, expected: int | None = None, root: int | None = None, peer: int | None = None,
+                   sending: bool = False) -> "_Transfers":
+        """The transfers of one bucket (a broadcast from ``root``, or point to point with ``peer``) bound to
+        the current group: every step of one transfer runs on the epoch it started on, even if the link is
+        re-formed while it is blocked. With ``expected``, a transfer meant for an older epoch fails instead
+        of starting on a newer one."""
+        pg, epoch = self._pg, self.epoch
         if pg is None:
             raise BulkError(f"link {self.config.name!r}: not open (call open(epoch) first)")
         if expected is not None and expected != epoch:
             raise BulkError(f"link {self.config.name!r} epoch {expected}: superseded (the link is at "
                             f"epoch {epoch})")
+        return _Transfers(pg, self.config.name, epoch, self._rank, _dt.timedelta(seconds=self.config.timeout_s),
+                          root=root, peer=peer, sending=sending)
 
-        def run(what: str, *args: Any, root: int | None = None) -> None:
-            if root is not None:
-                args[1].rootRank = root
-            try:
-                getattr(pg, what)(*args).wait()
-            except Exception as exc:
-                raise BulkError(f"link {self.config.name!r} epoch {epoch}: {what} failed on rank "
-                                f"{rank}: {exc}") from exc
-        return run
+
+class _Transfers:
+    """Starts and waits for the process-group operations of one bucket's transfer (a broadcast from ``root``,
+    or a send to / receive from ``peer``), with the link's deadline on every wait and errors that name the
+    link, epoch and rank."""
+
+    def __init__(self, pg: Any, link: str, epoch: int | None, rank: int, timeout: _dt.timedelta,
+                 root: int | None = None, peer: int | None = None, sending: bool = False) -> None:
+        self.pg, self.link, self.epoch, self.rank, self.timeout = pg, link, epoch, rank, timeout
+        self.root, self.peer, self.sending = root, peer, sending
+
+    def start(self, tensor: torch.Tensor, tag: int) -> tuple[str, Any]:
+        """Start the ``tag``-th piece of the transfer; wait for it with :meth:`wait`."""
+        if self.root is not None:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = self.root
+            return self._call("broadcast", lambda: self.pg.broadcast([tensor], opts))
+        what = "send" if self.sending else "recv"
+        return self._call(what, lambda: getattr(self.pg, what)([tensor], self.peer, tag))
+
+    def start_collective(self, what: str, tensors: list[torch.Tensor]) -> tuple[str, Any]:
+        return self._call(what, lambda: getattr(self.pg, what)(tensors))
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> tuple[str, Any]:
+        try:
+            return what, fn()
+        except Exception as exc:
+            raise self._error(what, exc) from exc
+
+    def wait(self, work: tuple[str, Any]) -> None:
+        what, handle = work
+        try:
+            # A deadline on the waiting host thread too: an NCCL work's plain wait() returns at once and
+            # leaves a hung peer to the watchdog.
+            handle.wait(self.timeout)
+        except Exception as exc:
+            raise self._error(what, exc) from exc
+
+    def _error(self, what: str, exc: Exception) -> BulkError:
+        return BulkError(f"link {self.link!r} epoch {self.epoch}: {what} failed on rank {self.rank}: {exc}")
+
+
+#: A tensor at least this large travels from its own memory, in transfers of at most _PIECE_BYTES (so that
+#: one piece is hashed while the next travels); smaller ones are copied together into one run of up to
+#: _RUN_BYTES (a transfer each would cost more in latency than the copy).
+_DIRECT_BYTES = 1 << 20
+_PIECE_BYTES = 8 << 20
+_RUN_BYTES = 4 << 20
+
+
+def _wire_ranges(entries: Sequence[dict[str, Any]]) -> list[tuple[int, int, list[int]]]:
+    """How a bucket's buffer travels: byte ranges [start, stop) of it, one transfer each, with the entries
+    they hold: a piece of a large tensor, or a run of small ones with the padding between them. What no
+    range covers is padding (zeros). Sender and receiver derive the same ranges from the header."""
+    ranges: list[tuple[int, int, list[int]]] = []
+    run: list[int] = []
+    for i, e in enumerate(entries):
+        start, stop = e["offset"], e["offset"] + e["nbytes"]
+        if e["nbytes"] == 0:
+            continue
+        if run and (e["nbytes"] >= _DIRECT_BYTES or stop - entries[run[0]]["offset"] > _RUN_BYTES):
+            ranges.append((entries[run[0]]["offset"], entries[run[-1]]["offset"] + entries[run[-1]]["nbytes"], run))
+            run = []
+        if e["nbytes"] >= _DIRECT_BYTES:
+            ranges.extend((a, min(a + _PIECE_BYTES, stop), [i]) for a in range(start, stop, _PIECE_BYTES))
+        else:
+            run.append(i)
+    if run:
+        ranges.append((entries[run[0]]["offset"], entries[run[-1]]["offset"] + entries[run[-1]]["nbytes"], run))
+    return ranges
+
+
+def _signed64(checksum: int) -> int:
+    """A 64-bit checksum as the int64 the trailer tensor holds."""
+    return checksum - (1 << 64) if checksum >= 1 << 63 else checksum
+
+
+class _WireSource:
+    """What a sender puts on the wire: the header (checksum left out) and the bytes of each range."""
+
+    wire_header: dict[str, Any]
+
+    def pieces(self, ranges: list[tuple[int, int, list[int]]]) -> Iterator[torch.Tensor]:
+        raise NotImplementedError
+
+    def checksum(self) -> int:
+        raise NotImplementedError
+
+
+class _PackedSource(_WireSource):
+    """An already packed bucket: each range is a view of its buffer (moved to the link's device once)."""
+
+    def __init__(self, packed: PackedBucket, to_link: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if "checksum" not in packed.header:
+            raise BulkError(f"bucket {packed.header.get('bucket')}: packed without a checksum, which a link needs")
+        self.packed, self.to_link = packed, to_link
+        self.wire_header = {k: v for k, v in packed.header.items() if k != "checksum"}
+
+    def pieces(self, ranges: list[tuple[int, int, list[int]]]) -> Iterator[torch.Tensor]:
+        flat = self.to_link(self.packed.flat)
+        for start, stop, _ in ranges:
+            yield flat[start:stop]
+
+    def checksum(self) -> int:
+        return int(self.packed.header["checksum"])
+
+
+class _StreamedSource(_WireSource):
+    """A bucket in host memory, sent from its own tensors without packing it: the header pack_bucket would
+    write, the checksum (XXH3 over the bytes pack_bucket would lay out, padding zeros included) computed
+    range by range as the ranges go out."""
+
+    def __init__(self, bucket: Bucket, bucket_id: int) -> None:
+        if not bucket:
+            raise BulkError("pack_bucket: empty bucket")
+        for name, tensor in bucket:
+            if not isinstance(tensor, torch.Tensor):
+                raise BulkError(f"pack_bucket: {name!r} is {type(tensor).__name__}, not a tensor")
+        self.tensors = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
+        entries, size = _layout(bucket_metas(bucket), _ALIGN)
+        self.size = max(size, 1)
+        self.wire_header = {"v": _HEADER_VERSION, "bucket": bucket_id, "size": self.size, "tensors": entries,
+                            "algo": "xxh3_64"}
+        self.hasher = xxhash.xxh3_64()
+
+    def pieces(self, ranges: list[tuple[int, int, list[int]]]) -> Iterator[torch.Tensor]:
+        entries, pos = self.wire_header["tensors"], 0
+        for start, stop, held in ranges:
+            self.hasher.update(bytes(start - pos))   # padding before the range
+            if len(held) == 1 and entries[held[0]]["nbytes"] >= _DIRECT_BYTES:   # a piece of a large tensor
+                offset = start - entries[held[0]]["offset"]
+                piece = self.tensors[held[0]][offset:offset + stop - start]
+            else:   # a run of small tensors, laid out as in the packed buffer
+                piece = torch.zeros(stop - start, dtype=torch.uint8)
+                for i in held:
+                    offset = entries[i]["offset"] - start
+                    piece[offset:offset + entries[i]["nbytes"]].copy_(self.tensors[i])
+            yield piece   # on its way while it is hashed
+            self.hasher.update(memoryview(piece.numpy()))
+            pos = stop
+        self.hasher.update(bytes(self.size - pos))
+
+    def checksum(self) -> int:
+        return self.hasher.intdigest()
+
+
+class _RecvBuffers:
+    """Receive buffers a CPU link reuses once nothing outside it holds a view of them.
+
+    A fresh buffer costs its page faults as the bytes land (`python -m tools.bench bulk` sets the kept mode
+    beside a receiver that keeps every bucket, so each lands in fresh memory). Receivers mostly copy a bucket
+    and let it go
+    (an engine stages its own copy), so the link keeps up to ``keep`` buffers and hands one out again when
+    torch's storage use count says only the link holds it. A caller that keeps its views (the parameter
+    server keeps whole versions) makes the link allocate afresh, and such buffers leave the pool oldest first,
+    so the ones callers let go are reused again."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self.buffers: list[tuple[torch.Tensor, int]] = []   # (buffer, its use count when only the link holds it)
+
+    @staticmethod
+    def _use_count(t: torch.Tensor) -> int | None:
+        count = getattr(torch._C, "_storage_Use_Count", None)   # absent from a torch: no reuse, no harm
+        return None if count is None else int(count(t.untyped_storage()._cdata))
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        free = [(i, buf) for i, (buf, alone) in enumerate(self.buffers) if self._use_count(buf) == alone]
+        for _, buf in free:
+            if buf.numel() >= nbytes:
+                return buf[:nbytes]
+        fresh = torch.empty(nbytes, dtype=torch.uint8)
+        alone = self._use_count(fresh)
+        if alone is not None:
+            if len(self.buffers) >= self.keep:
+                # make room: a free buffer too small for this bucket, else the oldest one a caller kept (it
+                # stays theirs; the link stops waiting for it)
+                self.buffers.pop(free[0][0] if free else 0)
+            self.buffers.append((fresh, alone))
+        return fresh
+
+
+def rendezvous_server(addr: str, port: int, world_size: int, timeout: _dt.timedelta) -> dist.TCPStore:
+    """The server of a rendezvous store, listening on ``addr`` only (the address its members are given:
+    127.0.0.1 when every member is on one node), where a plain TCPStore server listens on every interface."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise LinkRendezvousError(f"rendezvous address {addr}:{port}: {exc}") from exc
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(sockaddr)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        listener.close()
+        raise LinkRendezvousError(f"rendezvous address {addr}:{port}: {exc.strerror or exc}") from exc
+    # the store owns the descriptor from here on (it closes it with the server)
+    return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
+
+
+def rendezvous_store(addr: str, port: int, rank: int, world_size: int, timeout: _dt.timedelta) -> dist.TCPStore:
+    """A member's store of a torch.distributed rendezvous at ``addr:port``: rank 0 hosts it, listening on ``addr``
+    only (:func:`rendezvous_server`); the others connect. What ``tcp://`` and ``env://`` init methods build,
+    less the server listening on every interface."""
+    if rank == 0:
+        return rendezvous_server(addr, port, world_size, timeout)
+    return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def generate_rendezvous_secret(run_dir: str | os.PathLike) -> str:
+    """A fresh random secret for the run's rendezvous stores, ``run_dir/rendezvous.secret`` (0600); its path."""
+    path = os.path.join(run_dir, "rendezvous.secret")
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_hex(32) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_rendezvous_secret(path: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            secret = fh.read().strip()
+    except OSError as exc:
+        raise BulkError(f"rendezvous secret {path}: {exc.strerror}") from None
+    if len(secret) < 32:
+        raise BulkError(f"rendezvous secret {path}: {len(secret)} bytes, expected at least 32")
+    return secret
+
+
+class SignedStore(dist.Store):
+    """A store whose values carry an HMAC-SHA256 of the run's secret over their key and bytes: a value read
+    back that was not written through a SignedStore of the same secret raises :class:`RendezvousForgery`.
+    Counters (``add``) cannot be signed; gloo's rendezvous sets, waits for and gets, and so do the links."""
+
+    _MAC = 32
+
+    def __init__(self, inner: dist.Store, secret: bytes, what: str = "rendezvous") -> None:
+        super().__init__()
+        self.inner, self.secret, self.what = inner, secret, what
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self.secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self.inner.set(key, self._mac(key, data) + data)
+
+    def get(self, key: str) -> bytes:
+        raw = self.inner.get(key)
+        mac, data = raw[:self._MAC], raw[self._MAC:]
+        if len(mac) != self._MAC or not hmac.compare_digest(mac, self._mac(key, data)):
+            raise RendezvousForgery(f"{self.what}: rendezvous key {key!r} was not written by a member of this run "
+                                    f"(its signature does not match the run's secret)")
+        return data
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: _dt.timedelta | None = None) -> None:
+        if timeout is None:
+            self.inner.wait(keys)
+        else:
+            self.inner.wait(keys, timeout)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: _dt.timedelta) -> None:
+        self.inner.set_timeout(timeout)
 
 
 def _is_loopback(addr: str) -> bool:
     return addr in ("localhost", "") or addr.startswith("127.")
-
-
-# ---------------------------------------------------------------------------------------------
-# `python -m transport.bulk [--mib N] [--reps R] [--json]`: what packing + checksums cost, side by side
-# ---------------------------------------------------------------------------------------------
-
-def _bench_member(rank: int, port: int, mib: int, reps: int, queue: Any) -> None:
-    import time
-    link = BulkLink(LinkConfig(name="bench", backend="gloo", master_addr="127.0.0.1", master_port=port,
-                               rank=rank, world_size=2, timeout_s=120))
-    link.open(0)
-    n = mib * 2**20 // 4
-    bucket = [(f"t{i}", torch.randn(n // 8)) for i in range(8)] if rank == 0 else None
-    raw = torch.empty(mib * 2**20, dtype=torch.uint8)
-    results = {}
-    for mode in ("raw", "bucket", "raw", "bucket"):  # interleaved, best of each
-        link.barrier()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            if mode == "raw":
-                link._operation()("broadcast", [raw], dist.BroadcastOptions(), root=0)
-            else:
-                link.broadcast(bucket, src=0)
-        link.barrier()
-        dt = (time.perf_counter() - t0) / reps
-        results[mode] = min(results.get(mode, float("inf")), dt)
-    if rank == 1:
-        queue.put(results)
-
-
-def _bucket_parts_ms(mib: int, reps: int = 5) -> dict[str, float]:
-    """What the bucket path adds on one side, best of ``reps``: a zeroed fresh buffer (what packing used to
-    do), the copy into it, and the two checksums it has used (zlib CRC32 before, XXH3-64 now)."""
-    import time
-    import zlib
-
-    src = torch.randn(mib * 2**20 // 4)
-    flat = torch.empty(mib * 2**20, dtype=torch.uint8)
-    flat.copy_(src.view(torch.uint8))
-    parts = {"zeros": lambda: torch.zeros(flat.numel(), dtype=torch.uint8),
-             "copy": lambda: flat.copy_(src.view(torch.uint8)),
-             "crc32": lambda: zlib.crc32(memoryview(flat.numpy())),
-             "xxh3_64": lambda: xxhash.xxh3_64_intdigest(memoryview(flat.numpy()))}
-    out = {}
-    for name, fn in parts.items():
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        out[name] = round(best * 1e3, 1)
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import json
-    import multiprocessing as mp
-    import socket
-
-    ap = argparse.ArgumentParser(prog="python -m transport.bulk", description="bucket broadcast vs raw gloo")
-    ap.add_argument("--mib", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_bench_member, args=(r, port, args.mib, args.reps, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = queue.get(timeout=600)
-    for p in procs:
-        p.join(timeout=60)
-    gbps = {k: args.mib / 1024 / v for k, v in res.items()}
-    out = {"mib": args.mib, "raw_gb_per_s": round(gbps["raw"], 3), "bucket_gb_per_s": round(gbps["bucket"], 3),
-           "bucket_ratio": round(gbps["bucket"] / gbps["raw"], 3), "parts_ms": _bucket_parts_ms(args.mib)}
-    if args.json:
-        print(json.dumps(out))
-    else:
-        print(f"{'transfer':<34}{'GB/s':>8}")
-        print(f"{'raw gloo broadcast, one tensor':<34}{out['raw_gb_per_s']:>8.2f}")
-        print(f"{'bucket: pack + xxh3 + header':<34}{out['bucket_gb_per_s']:>8.2f}")
-        print(f"ratio bucket/raw: {out['bucket_ratio']:.2f}")
-        print("one side's parts, ms: " + ", ".join(f"{k} {v}" for k, v in out["parts_ms"].items()))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

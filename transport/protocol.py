@@ -55,14 +55,22 @@ BATCH_FRAME_BYTES = 64 << 20
 class Task:
     """What a group's answers are checked against; travels with the group to its reward actor.
 
-    kind "math": `answer` holds the reference answer. kind "code": `tests` holds the unit tests (the
-    code checker's format) and `mode` optionally "stdio" or "functional".
+    kind "math": `answer` holds the reference answer, and `answers` every answer accepted when there are
+    several (AReaL's data list several solutions and accept a response matching any; empty: `answer` alone).
+    kind "code": `tests` holds the unit tests (the code checker's format) and `mode` optionally "stdio" or
+    "functional".
     """
 
     kind: str = "math"
     answer: str = ""
     tests: list[dict[str, Any]] = field(default_factory=list)
     mode: str = ""
+    answers: list[str] = field(default_factory=list)
+
+    @property
+    def references(self) -> list[str]:
+        """The answers a response is checked against."""
+        return list(self.answers) or ([self.answer] if self.answer else [])
 
 
 @dataclass

@@ -22,8 +22,11 @@ every rank calls the same methods in the same order, because they run collective
 
 Attention: with Transformer Engine installed on a GPU, the TE layer spec runs THD through TE's fused
 attention. Without it (CPU, or a GPU without TE), the local spec runs with `TorchPackedAttention`, a core
-attention module of ours that understands THD packed sequences (one causal SDPA per sequence) — Megatron's
-own local `DotProductAttention` rejects packed sequences. See docs/engines-megatron.md.
+attention module of ours that understands THD packed sequences on an O(L)-memory kernel (flash-attn's
+variable-length kernel where installed, else one 4-D SDPA per sequence, which torch's flash and
+memory-efficient kernels take) — Megatron's own local `DotProductAttention` rejects packed sequences. Every
+norm of the local spec is torch's RMSNorm (Megatron would pick Apex's LayerNorm-only fused norm where Apex is
+installed). See docs/engines-megatron.md.
 
 Numerics follow the embedded torch backend (torch_train.py): same log-prob definition (base.py), same
 loss normalisation (loss_fn returns a sum, divided by the global token count), AdamW with the same
@@ -46,9 +49,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from safetensors import safe_open
+from torch.nn.attention import SDPBackend
 
 from .base import (EngineError, LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine, WeightBucket,
                    step_loss_weights)
+from transport.bulk import rendezvous_store
 from transport.ports import free_port
 
 from .checkpoint import (CONFIG_FILE, SINGLE_FILE, CheckpointError, _weight_files, load_config,
@@ -162,11 +167,77 @@ def qwen2_transformer_config(cfg: Qwen2Config, mc: MegatronConfig) -> Transforme
     )
 
 
-class TorchPackedAttention(MegatronModule):
-    """Core attention in plain torch SDPA that accepts Megatron's THD packed sequences.
+#: Longest sequence trained on SDPA's math kernel on a GPU. That kernel materialises each head's [L, L]
+#: float32 scores, and its backward holds about three such tensors: at 27.6k tokens with 7 heads per
+#: tensor-parallel rank one score tensor is 21 GB. Longer sequences run on an O(L)-memory kernel or not at all.
+MATH_KERNEL_MAX_TOKENS = 4096
 
-    THD: query [t, heads, d], key/value [t, groups, d] and `packed_seq_params.cu_seqlens_q`; one causal
-    SDPA per sequence, so attention never crosses a boundary. BSHD: [s, b, heads, d], causal over each
+try:  # flash-attn's variable-length kernel: one call per packed micro-batch, GQA native (optional, GPU only)
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
+
+
+class LongSequenceAttentionError(EngineError):
+    """A sequence too long for the only attention kernel torch would run it on; the message names the fix."""
+
+
+def math_kernel_refused(device: torch.device) -> bool:
+    """Whether long sequences must not fall back to the math kernel here: on a GPU, where its L x L scores
+    run out of memory hours into a run; on the CPU it is the reference every test compares against."""
+    return device.type == "cuda"
+
+
+def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Causal attention of sequences of one length, 4-D [b, heads, L, d] (keys/values [b, groups, L, d]).
+
+    4-D, because torch's flash and memory-efficient kernels take nothing else (3-D input always ran the
+    math kernel). Grouped-query attention goes to the kernel as ``enable_gqa``: torch's flash and
+    memory-efficient CUDA kernels and its CPU flash kernel accept fewer key/value heads than query heads
+    (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, ``check_batch_size_and_num_heads_dense``), so
+    keys and values are never repeated per query head.
+    """
+    gqa = q.shape[1] != k.shape[1]
+    length = q.shape[-2]
+    if not (math_kernel_refused(q.device) and length > MATH_KERNEL_MAX_TOKENS):
+        return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    try:
+        return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa,
+                    backends=[SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+    except RuntimeError as exc:
+        raise LongSequenceAttentionError(
+            f"a sequence of {length} tokens ({q.dtype}, head dim {q.shape[-1]}, {q.shape[1]} query / {k.shape[1]} "
+            f"key-value heads) fits neither torch's flash nor its memory-efficient attention kernel here, and the "
+            f"math kernel would hold {q.shape[1]} x {length} x {length} float32 scores "
+            f"({q.shape[1] * length * length * 4 / 2**30:.1f} GiB, about three times that in the backward). "
+            f"Fix: train in bf16 (trainer setting bf16: true), install flash-attn or Transformer Engine, or keep "
+            f"sequences at most {MATH_KERNEL_MAX_TOKENS} tokens ({str(exc).splitlines()[0][:200]})") from exc
+
+
+def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_seqlen: int, scale: float | None, varlen: bool = True) -> torch.Tensor:
+    """Causal attention within each packed sequence of a THD stream: query [t, heads, d], key/value
+    [t, groups, d], sequence boundaries ``cu_seqlens`` ([n + 1] int32); returns [t, heads, d].
+
+    flash-attn's variable-length kernel where it is installed and can run (CUDA, fp16/bf16, head dim <= 256;
+    ``varlen`` False leaves it out): one call for the whole stream, GQA native. Otherwise one
+    :func:`sequence_attention` per sequence.
+    """
+    if (varlen and flash_attn_varlen_func is not None and query.is_cuda
+            and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256):
+        return flash_attn_varlen_func(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                      dropout_p=0.0, softmax_scale=scale, causal=True)
+    bounds = cu_seqlens.tolist()
+    outs = [sequence_attention(*(x[s:e].transpose(0, 1).unsqueeze(0) for x in (query, key, value)), scale)[0]
+            .transpose(0, 1) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return torch.cat(outs, dim=0) if outs else query.new_empty(query.shape)
+
+
+class TorchPackedAttention(MegatronModule):
+    """Core attention that accepts Megatron's THD packed sequences, on an O(L)-memory kernel.
+
+    THD: query [t, heads, d], key/value [t, groups, d] and `packed_seq_params.cu_seqlens_q`; attention never
+    crosses a sequence boundary (:func:`packed_causal_attention`). BSHD: [s, b, heads, d], causal over each
     row (right padding is never attended by real tokens). Returns [t, heads * d] or [s, b, heads * d].
     """
 
@@ -181,18 +252,12 @@ class TorchPackedAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
                 attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
-        gqa = query.shape[-2] != key.shape[-2]
         if packed_seq_params is not None:
-            cu = packed_seq_params.cu_seqlens_q.tolist()
-            outs = []
-            for s, e in zip(cu[:-1], cu[1:]):
-                q, k, v = (x[s:e].transpose(0, 1) for x in (query, key, value))  # [heads, L, d]
-                o = sdpa(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
-                outs.append(o.transpose(0, 1))
-            out = torch.cat(outs, dim=0)
+            out = packed_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q,
+                                          int(packed_seq_params.max_seqlen_q), self.softmax_scale)
             return out.reshape(out.shape[0], -1)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
-        o = sdpa(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=gqa)
+        o = sequence_attention(q, k, v, self.softmax_scale)
         s, b = query.shape[0], query.shape[1]
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)
 
@@ -212,10 +277,15 @@ def _use_te(mc: MegatronConfig, device: torch.device) -> bool:
     return has_te and device.type == "cuda"
 
 
-class SequenceParallelRMSNorm(torch.nn.RMSNorm):
-    """torch's RMSNorm for Megatron's local (non-Transformer-Engine) layers, which Megatron's own torch norm
-    refuses under sequence parallelism: each TP rank normalises its share of the tokens, so the weight is
-    marked ``sequence_parallel`` and Megatron's finalize_model_grads sums its gradient over the TP ranks."""
+class LocalRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm for every norm of Megatron's local (non-Transformer-Engine) layers.
+
+    Megatron's local spec picks its norm by what is installed: Apex's FusedLayerNorm when ``apex`` imports,
+    which asserts ``normalization == "LayerNorm"`` and so cannot build Qwen2's RMSNorm (an install with Apex
+    and without Transformer Engine crashed), else its torch wrapper, which refuses sequence parallelism. This
+    one is neither: under sequence parallelism each TP rank normalises its share of the tokens, so the weight
+    is marked ``sequence_parallel`` and Megatron's finalize_model_grads sums its gradient over the TP ranks.
+    """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
         super().__init__(hidden_size, eps=eps)
@@ -228,11 +298,8 @@ def layer_spec(mc: MegatronConfig, device: torch.device, tc: TransformerConfig) 
         return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = TorchPackedAttention
-    if not mc.sequence_parallel_on:
-        return spec
-    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tc),
-                                      layer_norm=SequenceParallelRMSNorm)
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = LocalRMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tc), layer_norm=LocalRMSNorm)
 
 
 def padded_vocab_size(vocab: int, mc: MegatronConfig) -> int:
@@ -417,10 +484,13 @@ def init_distributed(mc: MegatronConfig, device: torch.device) -> None:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                    timeout=timeout)
+            addr, port, rank, world = "127.0.0.1", free_port(), 0, 1
+        # env:// would have rank 0's store listen on every interface; this one listens on MASTER_ADDR only
+        store = rendezvous_store(addr, port, rank, world, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     world = dist.get_world_size()
     if world % (mc.tensor_parallel * mc.pipeline_parallel):
         raise ValueError(f"world size {world} is not a multiple of tensor_parallel x pipeline_parallel "
@@ -864,7 +934,8 @@ def is_available() -> bool:
     return MEGATRON_IMPORT_ERROR is None
 
 
-__all__ = ["MegatronConfig", "MegatronTrainEngine", "MegatronUnavailableError", "ParamMap", "TorchPackedAttention",
+__all__ = ["LocalRMSNorm", "LongSequenceAttentionError", "MegatronConfig", "MegatronTrainEngine",
+           "MegatronUnavailableError", "ParamMap", "TorchPackedAttention", "packed_causal_attention",
            "build_gpt_model", "hf_to_megatron_shard", "init_distributed", "is_available", "layer_spec",
            "megatron_shards_to_hf", "padded_vocab_size", "param_map", "qwen2_transformer_config",
            "vocab_parallel_logprobs"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -245,10 +246,29 @@ def block_diagonal_mask(cu_seqlens: list[int], device: torch.device | str = "cpu
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+# What torch.nn.attention.sdpa_kernel switches on and off (process-wide flags, consulted on CPU and CUDA alike).
+_SDPA_ENABLED = {SDPBackend.FLASH_ATTENTION: torch.backends.cuda.flash_sdp_enabled,
+                 SDPBackend.EFFICIENT_ATTENTION: torch.backends.cuda.mem_efficient_sdp_enabled,
+                 SDPBackend.MATH: torch.backends.cuda.math_sdp_enabled,
+                 SDPBackend.CUDNN_ATTENTION: torch.backends.cuda.cudnn_sdp_enabled}
+
+
+def enabled_backends(backends: Sequence[SDPBackend]) -> list[SDPBackend]:
+    """``backends`` less those switched off where the call is made (an enclosing ``sdpa_kernel``): a
+    restriction of ours narrows what the caller allowed and never widens it."""
+    return [b for b in backends if _SDPA_ENABLED.get(b, lambda: True)()]
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
-         is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
-    """`F.scaled_dot_product_attention` restricted to SDPA_BACKENDS (both train engines and decoding use it)."""
-    with sdpa_kernel(SDPA_BACKENDS):
+         is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+         backends: Sequence[SDPBackend] | None = None) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` restricted to ``backends`` (default SDPA_BACKENDS) among those enabled
+    where it is called (both train engines and decoding use it)."""
+    allowed = enabled_backends(SDPA_BACKENDS if backends is None else backends)
+    if not allowed:
+        raise RuntimeError(f"scaled_dot_product_attention: none of {[b.name for b in backends or SDPA_BACKENDS]} "
+                           "is enabled here (an enclosing torch.nn.attention.sdpa_kernel switched them off)")
+    with sdpa_kernel(allowed):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa)
 
@@ -417,10 +437,14 @@ class Qwen2ForCausalLM(nn.Module):
         last = hidden[torch.arange(b, device=hidden.device), lengths.to(hidden.device) - 1]
         return self.logits(last)
 
-    def decode(self, tokens: torch.Tensor, lens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One step for cache rows 0..B-1: tokens [B] sit at positions lens [B]; returns logits [B, V]."""
-        span = int(lens.max()) + 1
-        cache.reserve(tokens.shape[0], span)
+    def decode(self, tokens: torch.Tensor, lens: torch.Tensor, cache: KVCache, span: int | None = None,
+               ) -> torch.Tensor:
+        """One step for cache rows 0..B-1: tokens [B] sit at positions lens [B]; returns logits [B, V].
+        ``span``: cache positions to read (at least max(lens) + 1; the cache must hold them), given when the
+        step is captured in a CUDA graph, which cannot read max(lens) back to the host."""
+        if span is None:
+            span = int(lens.max()) + 1
+            cache.reserve(tokens.shape[0], span)
         mask = (torch.arange(span, device=tokens.device)[None, :] <= lens[:, None])[:, None, None, :]
         ctx = AttnContext("decode", cache=cache, lens=lens, decode_mask=mask, decode_span=span)
         hidden = self.model(tokens[:, None], lens[:, None], ctx)

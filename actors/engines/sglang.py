@@ -55,7 +55,13 @@ from .sglang_routes import (CLIENT_KEEP_ALIVE_S, DEFAULT_GROUP, IDEMPOTENT_ROUTE
                             health_probe_s, payload, sampling_payload)
 from .sglang_server import LaunchConfig, SGLangServer
 
-__all__ = ["SGLANG_VERSION", "SGLangError", "SGLangHTTPError", "SGLangLaunchError", "LaunchConfig", "SGLangEngine"]
+__all__ = ["SGLANG_VERSION", "SGLangError", "SGLangHTTPError", "SGLangLaunchError", "LaunchConfig", "SGLangEngine",
+           "WeightsIncompleteError"]
+
+
+class WeightsIncompleteError(SGLangError):
+    """An update broke off after the server may have loaded part of the version; the server stays paused
+    until a whole version has loaded (the message names the version and the cause)."""
 
 
 @dataclasses.dataclass
@@ -113,6 +119,7 @@ class SGLangEngine(GenerationEngine):
         self._open.set()
         self._epoch = 0                    # bumped by every pause: an abort seen across it is an interruption
         self._paused = False
+        self._incomplete: int | None = None   # a version the server loaded only part of: it stays paused
         self._control = asyncio.Lock()     # pause/resume/updates one at a time
         self._requests: dict[str, list[_Sample]] = {}
         self._user_aborted: set[str] = set()
@@ -231,8 +238,9 @@ class SGLangEngine(GenerationEngine):
         if event == "restarted" and self.server is not None:
             self._version = self.server.weight_version
             # A fresh server is not paused: a pause whose /continue_generation died with the old one must not
-            # hold every request at the gate for good.
+            # hold every request at the gate for good. It runs whole weights again (its launch weights).
             self._paused = False
+            self._incomplete = None
             self._open.set()
         if self.user_on_server_event is not None:
             await self.user_on_server_event(event, restarts)
@@ -520,14 +528,33 @@ class SGLangEngine(GenerationEngine):
     async def _resume(self) -> None:
         if not self._paused:
             return
+        if self._incomplete is not None:
+            # The server holds part of a version: no token may be sampled on it. It resumes when a complete
+            # version has loaded (or a restarted server comes back on its launch weights).
+            return
         await self._post("/continue_generation", payload("/continue_generation"))
         self._paused = False
         self._open.set()
 
+    @property
+    def incomplete_version(self) -> int | None:
+        """The version whose update broke off after the server had loaded part of it (None: the server's
+        weights are one whole version). The server stays paused meanwhile."""
+        return self._incomplete
+
     async def _interrupted(self, version: int, update: Callable[[], Awaitable[None]]) -> None:
-        """pause(abort) -> update -> label the server with `version` -> continue (unless already paused)."""
+        """pause(abort) -> update -> label the server with `version` -> continue (unless already paused).
+
+        An update that fails or is abandoned may leave the server with part of the version: SGLang 0.5.6's
+        ``ModelRunner.update_weights_from_distributed`` loads each bucket as it comes and answers a failure
+        with "The full weights of the ModelRunner are partially updated. Please discard the whole weights."
+        (model_executor/model_runner.py:1147-1236), and its ``update_weights_from_disk`` repoints the model at
+        the new checkpoint before loading and reloads from there on failure (model_runner.py:938, 968-979).
+        So the server then stays paused, whatever else asks it to resume, until an update of a whole version
+        succeeds (or a restarted server comes back on its launch weights): generation would otherwise go on
+        with weights of no single version, labelled as the old one."""
         async with self._control:
-            was_paused = self._paused
+            was_paused = self._paused and self._incomplete is None
             t0 = time.monotonic()
             await self._pause()
             t1 = time.monotonic()
@@ -535,10 +562,18 @@ class SGLangEngine(GenerationEngine):
                 await update()
                 await self._post("/update_weight_version",
                                  payload("/update_weight_version", new_version=str(version), abort_all_requests=False))
-                self._version = version
-            finally:
-                if not was_paused:
-                    await self._resume()
+            except BaseException as exc:
+                self._incomplete = version
+                if not isinstance(exc, Exception):   # cancelled: the caller learns it as cancelled
+                    raise
+                raise WeightsIncompleteError(
+                    f"SGLang server {self.url}: the update to version {version} broke off and part of it may have "
+                    f"loaded ({type(exc).__name__}: {str(exc)[:300]}); the server stays paused until a whole "
+                    f"version has loaded") from exc
+            self._version = version
+            self._incomplete = None
+            if not was_paused:
+                await self._resume()
             t2 = time.monotonic()
             self.swaps.append({"version": version, "pause_s": t1 - t0, "update_s": t2 - t1, "stall_s": t2 - t0})
 

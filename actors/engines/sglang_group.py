@@ -10,7 +10,7 @@ import datetime as _dt
 import threading
 from typing import Any
 
-from transport.bulk import FLAT_ALIGN, pack_bucket
+from transport.bulk import FLAT_ALIGN, NCCL_ERROR_HANDLING_ENV, pack_bucket, rendezvous_store
 
 from .base import WeightBucket
 from .sglang_routes import DEFAULT_GROUP, SGLangError
@@ -24,14 +24,17 @@ def join_weight_group(master_address: str, master_port: int, rank: int, world_si
     a TCP rendezvous at master_address:master_port (rank 0 hosts the store), keys under ``group_name``, a
     group of its own beside any default group. The trainer calls it with rank 0, each SGLang server's
     tensor-parallel rank r joins as rank_offset + r. Returns the process group."""
+    import os
+
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     timeout = _dt.timedelta(seconds=timeout_s)
+    if backend == "nccl":   # a member that fails or hangs must not take this process down (transport/bulk.py)
+        os.environ.update(NCCL_ERROR_HANDLING_ENV)
     try:
-        store, _, _ = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                           timeout=timeout))
-        store.set_timeout(timeout)
+        # as c10d.rendezvous(tcp://...) would, but rank 0's store listens on master_address only
+        store = rendezvous_store(master_address, master_port, rank, world_size, timeout)
         store = dist.PrefixStore(group_name, store)
         pg, _ = c10d._new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
                                                group_name=group_name, timeout=timeout)
@@ -57,16 +60,18 @@ def drop_weight_group(pg: Any) -> None:
     threading.Thread(target=destroy, name="drop-weight-group", daemon=True).start()
 
 
-def broadcast_bucket(pg: Any, bucket: WeightBucket, flattened: bool) -> None:
-    """The trainer's half of one /update_weights_from_distributed call (rank 0 is the source)."""
+def broadcast_bucket(pg: Any, bucket: WeightBucket, flattened: bool, timeout_s: float = 300.0) -> None:
+    """The trainer's half of one /update_weights_from_distributed call (rank 0 is the source). Every collective
+    is waited for with a deadline: a server that hangs fails the bucket after ``timeout_s`` instead of holding
+    the trainer (on NCCL a plain wait() would return at once and leave the hang to the watchdog)."""
     import torch.distributed as dist
 
-    if flattened:
-        dist.broadcast(pack_bucket(bucket, align=FLAT_ALIGN, checksum=False).flat, src=0, group=pg)
-        return
-    handles = [dist.broadcast(t.detach().contiguous(), src=0, group=pg, async_op=True) for _, t in bucket]
+    timeout = _dt.timedelta(seconds=timeout_s)
+    tensors = [pack_bucket(bucket, align=FLAT_ALIGN, checksum=False).flat] if flattened else \
+        [t.detach().contiguous() for _, t in bucket]
+    handles = [dist.broadcast(t, src=0, group=pg, async_op=True) for t in tensors]
     for h in handles:
-        h.wait()
+        h.wait(timeout)
 
 
 class WeightGroupSender:
@@ -97,7 +102,7 @@ class WeightGroupSender:
         if self.backend == "nccl":  # NCCL moves CUDA tensors only; a bucket kept in host memory goes up first
             bucket = [(name, t.cuda()) for name, t in bucket]
         try:
-            broadcast_bucket(self.pg, bucket, self.flattened)
+            broadcast_bucket(self.pg, bucket, self.flattened, self.timeout_s)
         except Exception as exc:
             raise SGLangError(f"weight group {self.group_name!r}: broadcast of {len(bucket)} tensors "
                               f"failed: {exc}") from exc

@@ -32,7 +32,7 @@ __all__ = ["Fanout", "StoredVersion", "WeightReceiver", "WeightSender", "WeightS
            "WeightsRejected", "in_thread", "link_config", "weight_group_name", "DirectSender", "KeptVersions",
            "LinkCarrier", "TrainerFanout", "LinkReceiver", "ServerGroupReceiver", "PUBLISH_ATTEMPTS", "RelayFanout",
            "RelaySender", "load_start_weights", "ServerGroupCarrier", "ServerGroupHost", "StageExport", "StageSender",
-           "make_sender", "make_fanout", "make_receiver", "sends_direct"]
+           "kept_bytes", "make_sender", "make_fanout", "make_receiver", "sends_direct"]
 
 
 def sends_direct(cfg: TrainerSettings) -> bool:
@@ -59,7 +59,13 @@ def make_sender(trainer: Any, weight_ranks: Any, lock: asyncio.Lock) -> WeightSe
         raise WeightSyncConfigError(f"links.{config.name}.members: the trainer broadcasts direct weights as "
                                     f"rank 0 and must be listed first, got {config.members}")
     return DirectSender(LinkCarrier(link, trainer.log), ServerGroupCarrier(config, weight_ranks, trainer.log),
-                        trainer.bus, param_server, lock, stages=weight_ranks is not None)
+                        trainer.bus, param_server, lock, stages=weight_ranks is not None,
+                        kept_bytes=kept_bytes(trainer.cfg))
+
+
+def kept_bytes(cfg: TrainerSettings) -> int | None:
+    """The host memory a trainer's direct-weights senders keep versions in (``weights_kept_mb``)."""
+    return None if cfg.weights_kept_mb is None else cfg.weights_kept_mb << 20
 
 
 def make_fanout(server: Any) -> Fanout:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from transport.bulk import BulkError, LinkConfig, PackedBucket
+from transport.bulk import BulkError, LinkConfig, PackedBucket, pack_to_host
 from transport.protocol import (LinkFormed, LinkReform, WeightsAck, WeightsBroadcast, WeightsBroadcastDone,
                                 WeightsPublished, WeightsReady, WeightsStored)
 
@@ -109,6 +110,24 @@ def in_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
     return fut
 
 
+_PUSH_STREAMS: dict[int, Any] = {}
+
+
+def push_stream(on_gpu: bool) -> contextlib.AbstractContextManager:
+    """Where a push's GPU work runs (use it on the thread that pushes): a CUDA stream of its own, so the
+    kept buckets' host-to-device copies, their repacking and the collectives' dependencies queue neither
+    behind the training step on the default stream nor in front of it. A context that does nothing
+    without a GPU (``on_gpu`` False, or no CUDA)."""
+    import torch
+
+    if not on_gpu or not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    device = torch.cuda.current_device()
+    if device not in _PUSH_STREAMS:
+        _PUSH_STREAMS[device] = torch.cuda.Stream(device=device)
+    return torch.cuda.stream(_PUSH_STREAMS[device])
+
+
 def link_config(links: dict[str, dict[str, Any]], name: str | None, default: str,
                 key: str = "link") -> LinkConfig | None:
     """The LinkConfig of ``links[name]``, ``name`` being the setting ``key`` (unset: ``default``; the only
@@ -134,10 +153,16 @@ def weight_group_name(link: str, epoch: int, stage: int) -> str:
 class WeightSender(abc.ABC):
     """Trainer rank 0's side of a path."""
 
+    def take(self, version: int, buckets: Iterable[Bucket]) -> list[PackedBucket]:
+        """This rank's buckets of ``version`` as the engine exports them (blocking; the export runs meanwhile),
+        each packed into host memory as it comes (:func:`transport.bulk.pack_to_host`): the GPU holds a few
+        buckets at a time, never a copy of the weights."""
+        return list(pack_to_host(buckets))
+
     @abc.abstractmethod
-    async def publish(self, version: int, buckets: list[Bucket], stages: list[Any]) -> None:
-        """Make ``version`` (this rank's buckets; with pipeline stages, what the other stages' senders keep)
-        available to the rollouts; returns once the parameter server has it."""
+    async def publish(self, version: int, packed: list[PackedBucket], stages: list[Any]) -> None:
+        """Make ``version`` (this rank's buckets as :meth:`take` packed them; with pipeline stages, what the
+        other stages' senders keep) available to the rollouts; returns once the parameter server has it."""
 
     async def form(self, msg: LinkReform) -> LinkFormed:
         raise WeightSyncError(f"this trainer's weights path ({type(self).__name__}) forms no group with the "

@@ -24,30 +24,60 @@ from __future__ import annotations
 import abc
 import asyncio
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from actors.recovery import start_weights
 from actors.weights import combine_digests, tensor_digests
-from transport.bulk import BulkError, BulkLink, PackedBucket, bucket_metas, pack_buckets
+from transport.bulk import BulkError, BulkLink, PackedBucket, pack_to_host, unpack_bucket
 from transport.bus import BusError
 from transport.protocol import (LinkFormed, LinkReform, WeightsAck, WeightsBroadcast, WeightsBroadcastDone,
                                 WeightsPublished, WeightsReady, WeightsStored)
 
-from .base import Bucket, Fanout, StoredVersion, WeightSender, WeightSyncConfigError, in_thread
+from .base import Bucket, Fanout, StoredVersion, WeightSender, WeightSyncConfigError, in_thread, push_stream
 
 
 class KeptVersions:
-    """A sender's packed buckets of its newest two versions (the parameter server may still be asking for
-    the older). In host memory: two copies of the weights on the GPU would cost a 7B trainer 30 GB
-    (tools/plan); each bucket goes up again as it is broadcast."""
+    """A sender's packed buckets of recent versions in host memory (page-locked where there is a GPU), for
+    the parameter server to ask for; newest last.
 
-    def __init__(self) -> None:
+    A new version streams in bucket by bucket as it is exported (:func:`transport.bulk.pack_to_host`), so the
+    GPU holds a few buckets, never the version. ``max_bytes`` caps the host memory: before a version comes
+    in, older ones are dropped (oldest first) until the kept ones and one more of the newest's size fit, and
+    once it is in, until they all fit; the newest is never dropped. Unset, the newest version is kept
+    while the next one comes in (two versions at most; keeping the last two as well would make three while
+    one is exported). A push asked for a dropped version fails, and the parameter server pushes a newer one.
+    """
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes
         self.versions: dict[int, list[PackedBucket]] = {}
 
-    def keep(self, version: int, buckets: list[Bucket]) -> None:
-        self.versions[version] = [p.to_host() for p in pack_buckets(buckets)]
-        for old in [v for v in self.versions if v < version - 1]:
+    def nbytes(self, version: int | None = None) -> int:
+        """Host bytes of one kept version, or of all."""
+        kept = [self.versions[version]] if version is not None else list(self.versions.values())
+        return sum(p.flat.numel() for packed in kept for p in packed)
+
+    def _drop_until(self, fits: Callable[[], bool], spare: int | None = None) -> None:
+        for old in sorted(self.versions):
+            if fits() or old == spare:
+                return
             del self.versions[old]
+
+    def keep(self, version: int, buckets: Iterable[Bucket]) -> list[PackedBucket]:
+        """Take ``version`` as its buckets come (blocking: every bucket is exported meanwhile); returns its
+        packed buckets."""
+        newest = max(self.versions, default=None)
+        if self.max_bytes is None:
+            self._drop_until(lambda: len(self.versions) <= 1)
+        else:
+            incoming = self.nbytes(newest) if newest is not None else 0
+            self._drop_until(lambda: self.nbytes() + incoming <= self.max_bytes)
+        packed = list(pack_to_host(buckets))
+        self.versions[version] = packed
+        if self.max_bytes is not None:
+            self._drop_until(lambda: self.nbytes() <= self.max_bytes, spare=version)
+        return packed
 
     def get(self, version: int) -> list[PackedBucket]:
         packed = self.versions.get(version)
@@ -99,9 +129,13 @@ class LinkCarrier(Carrier):
                                f"not {epoch}")
         link = self.link
 
+        def send(bucket: PackedBucket) -> None:
+            with push_stream(link.config.backend == "nccl"):
+                link.broadcast_packed(bucket, 0, epoch)
+
         async def broadcast() -> None:
             for bucket in packed:
-                await in_thread(link.broadcast_packed, bucket, 0, epoch)
+                await in_thread(send, bucket)
         task = asyncio.ensure_future(broadcast())
         self._broadcasting = (epoch, task)
         try:
@@ -123,23 +157,25 @@ class DirectSender(WeightSender):
     link or into the servers' groups (the LinkReform of each epoch says which)."""
 
     def __init__(self, link: LinkCarrier, servers: Carrier, bus: Any, param_server: str, lock: asyncio.Lock,
-                 stages: bool) -> None:
+                 stages: bool, kept_bytes: int | None = None) -> None:
         self.link, self.servers, self.bus, self.param_server = link, servers, bus, param_server
         self.lock = lock          # formation and broadcasts one at a time (they lead the stages' ranks)
         self.stages = stages      # a pipeline-parallel trainer: every stage's sender broadcasts its own layers
-        self.kept = KeptVersions()
+        self.kept = KeptVersions(kept_bytes)
         self.carrier: Carrier = link
 
-    async def publish(self, version: int, buckets: list[Bucket], stages: list[Any]) -> None:
+    def take(self, version: int, buckets: Iterable[Bucket]) -> list[PackedBucket]:
+        return self.kept.keep(version, buckets)
+
+    async def publish(self, version: int, packed: list[PackedBucket], stages: list[Any]) -> None:
         digest = ""
         if self.carrier is self.link and not self.stages:
             # Only rollouts that receive on the bulk link check a hash against the trainer's. SGLang servers
             # are checked by the version they report.
-            digests = await asyncio.to_thread(tensor_digests, [kv for b in buckets for kv in b])
+            digests = await asyncio.to_thread(lambda: tensor_digests([kv for p in packed for kv in unpack_bucket(p)]))
             digest = combine_digests(digests + [d for s in stages for d in s.digests])
-        await asyncio.to_thread(self.kept.keep, version, buckets)
-        specs = [bucket_metas(b) for b in buckets] + [m for s in stages for m in s.specs]
-        stage_buckets = [len(buckets)] + [len(s.specs) for s in stages] if stages else []
+        specs = [p.metas() for p in packed] + [m for s in stages for m in s.specs]
+        stage_buckets = [len(packed)] + [len(s.specs) for s in stages] if stages else []
         reply = await self.bus.request(self.param_server, WeightsPublished(
             version=version, n_buckets=len(specs), weights_hash=digest, specs=specs,
             stage_buckets=stage_buckets), timeout=60.0)

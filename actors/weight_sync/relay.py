@@ -25,11 +25,11 @@ from actors.engines.checkpoint import bucketize, iter_checkpoint_tensors
 from actors.recovery import start_weights
 from actors.weights import weights_hash
 from topology.experiment import ExperimentConfig
-from transport.bulk import BulkError, BulkLink, pack_buckets
+from transport.bulk import BulkError, BulkLink, PackedBucket, pack_buckets
 from transport.bus import BusError
 from transport.protocol import WeightsPublished, WeightsReady, WeightsStored
 
-from .base import Bucket, Fanout, StoredVersion, WeightSender, WeightSyncConfigError, WeightsRejected, in_thread
+from .base import Fanout, StoredVersion, WeightSender, WeightSyncConfigError, WeightsRejected, in_thread
 
 # A parameter server restarted in place answers within a few seconds; each attempt is bounded by the link's
 # timeout, so this bounds how long a step waits for one that does not come back.
@@ -47,12 +47,12 @@ class RelaySender(WeightSender):
         self.counters, self.log = counters, log
         self.epoch = 0   # the train link's epoch; a failed transfer moves both sides to a new one
 
-    async def publish(self, version: int, buckets: list[Bucket], stages: list[Any]) -> None:
+    async def publish(self, version: int, packed: list[PackedBucket], stages: list[Any]) -> None:
         # No hash: the parameter server hashes what it received itself, after it answered (hashing 15 GB
         # here would hold every step).
         for attempt in range(1, PUBLISH_ATTEMPTS + 1):
             try:
-                await self._attempt(version, buckets)
+                await self._attempt(version, packed)
                 return
             except (BusError, BulkError, TimeoutError) as exc:
                 self.counters["publish_retries"] += 1
@@ -62,20 +62,20 @@ class RelaySender(WeightSender):
         raise RuntimeError(f"version {version} could not reach the parameter server in {PUBLISH_ATTEMPTS} "
                            f"attempts")
 
-    async def _attempt(self, version: int, buckets: list[Bucket]) -> None:
+    async def _attempt(self, version: int, packed: list[PackedBucket]) -> None:
         """Announce the version and the link epoch, join that epoch if the link is elsewhere (the parameter
         server joins it on the announcement), send the buckets."""
         link, epoch = self.link, self.epoch
         dst = link.config.rank_of(self.param_server)
         reply = asyncio.ensure_future(self.bus.request(self.param_server, WeightsPublished(
-            version=version, n_buckets=len(buckets), weights_hash="", link_epoch=epoch,
+            version=version, n_buckets=len(packed), weights_hash="", link_epoch=epoch,
             incarnation=self.incarnation), timeout=link.config.timeout_s + 30))
 
         def send_all() -> None:
             if link.epoch != epoch:
                 link.reform(epoch)
-            for b in buckets:
-                link.send(b, dst)
+            for p in packed:
+                link.send_packed(p, dst)
 
         try:
             await asyncio.to_thread(send_all)

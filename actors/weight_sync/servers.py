@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from actors.rank_group import BROADCAST, HOST, RankGroup, on_daemon_thread
-from transport.bulk import LinkConfig, PackedBucket, TensorMeta, bucket_metas, unpack_bucket
+from transport.bulk import LinkConfig, PackedBucket, TensorMeta, bucket_views, unpack_bucket
 from transport.protocol import LinkFormed, LinkReform
 
-from .base import Bucket, in_thread, weight_group_name
+from .base import Bucket, in_thread, push_stream, weight_group_name
 from .direct import Carrier, KeptVersions
 
 
@@ -62,10 +63,12 @@ class ServerGroupHost:
             raise RuntimeError(f"no weights group of epoch {epoch} is hosted here")
         try:
             joined.result(timeout=self.timeout_s + 5)
-            for bucket in packed:
-                if self.backend == "nccl":   # kept in host memory: up to the GPU, and checked there
-                    bucket = PackedBucket(bucket.header, bucket.flat.cuda(non_blocking=True))
-                sender.send(unpack_bucket(bucket, link_name))
+            with push_stream(self.backend == "nccl"):
+                for bucket in packed:
+                    views = unpack_bucket(bucket, link_name)   # checked in host memory, where it is kept
+                    if self.backend == "nccl":   # up to the GPU, on the push's own stream
+                        views = bucket_views(PackedBucket(bucket.header, bucket.flat.cuda(non_blocking=True)))
+                    sender.send(views)
         except BaseException:
             # Tear the broken group down now: the servers still inside its collective then fail at once
             # instead of waiting out their own timeout, and the next group can form.
@@ -140,19 +143,22 @@ class StageSender:
     """A pipeline stage's sender (data- and tensor-parallel rank 0 of a stage > 0): keeps its own layers'
     buckets of each version and broadcasts them on the group it hosts, as rank 0 leads."""
 
-    def __init__(self, stage: int, sender: bool, address: str, log: Any) -> None:
+    def __init__(self, stage: int, sender: bool, address: str, log: Any, kept_bytes: int | None = None) -> None:
         self.stage, self.sender, self.address, self.log = stage, sender, address, log
-        self.kept = KeptVersions()
+        self.kept = KeptVersions(kept_bytes)
         self.host: ServerGroupHost | None = None
 
-    def keep(self, version: int, buckets: list[Bucket]) -> StageExport | None:
-        """Keep this stage's buckets of `version`, and tell rank 0 their names, shapes and digests (for the
-        specs every server receives by). None on ranks that are not a stage's sender."""
-        if not buckets:
+    def keep(self, version: int, buckets: Iterable[Bucket]) -> StageExport | None:
+        """Keep this stage's buckets of `version` as they are exported (iterated to the end on every rank), and
+        tell rank 0 their names, shapes and digests (for the specs every server receives by). None on ranks
+        that are not a stage's sender (they export none)."""
+        if not self.sender:
+            for _ in buckets:   # the export's collectives need every rank
+                pass
             return None
-        self.kept.keep(version, buckets)
+        packed = self.kept.keep(version, buckets)
         # No digests: the servers are checked by the version they report.
-        return StageExport(self.stage, [bucket_metas(b) for b in buckets], [])
+        return StageExport(self.stage, [p.metas() for p in packed], [])
 
     def follow(self, weight_ranks: RankGroup, name: str) -> None:
         """Rank 0's weights commands, until STOP (blocking: run on a thread of its own, as they come while a

@@ -1,24 +1,33 @@
-"""`python -m tools.bench gpu`: the CUDA paths measured side by side on one GPU (refuses to run without one).
+"""`python -m tools.bench gpu`: the GPU probes, and the first GPU measurements of the engines.
 
-(a) generation: our continuous-batching engine vs transformers' `generate`, both bf16 on the GPU, same
-    prompts, same long-tailed answer budgets (as `tools.bench engine` does on CPU).
-(b) training: one optimizer step over the same packed micro-batches, the torch engine (fp32 weights, bf16
-    autocast) vs the Megatron-core engine (bf16 weights, fp32 main params, distributed optimizer) in a
-    world of one over NCCL; then each engine's weight export into 64 MiB bf16 buckets.
-(c) agreement: Megatron-core on the GPU (fp32, TF32 off) against the torch engine on the CPU, same
-    weights: log-probs, one step's loss and grad norm, the updated weights (a small model).
-(d) bulk link over NCCL: bucket packing and checksum on the GPU, a link of one NCCL rank, and a link of
-    two ranks sharing the GPU (NCCL may refuse two ranks on one device; the error is reported as such).
+By default the probes of `tools/bench/gpu_probes.py` (attention, megatron, publish, overlap, broadcast,
+decode): what only a GPU can prove about the 7B/32k trainer and the weight path, sized to finish on one H100
+in well under 8 minutes with no network. Without a GPU the same probes run tiny on the CPU (the test suite
+does, so they cannot rot); their figures are then no GPU figures, and the Megatron ones run only where the
+caller maps Megatron's CUDA calls to the CPU (the test suite's shim), else they say they were skipped.
 
-The model is a shape with random weights (no download): `--shape 0.5b` is Qwen2.5-0.5B's config,
-`--shape 1.5b` Qwen2.5-1.5B's; `--model-dir` takes a Hugging Face directory instead.
+`--only` also takes the first measurements' sections (GPU only):
 
-    python -m tools.bench gpu [--json] [--shape 0.5b] [--only a,b,c,d] [--out results.json]
+    generation  our continuous-batching engine vs transformers' `generate`, both bf16 on the GPU, same
+                prompts, same long-tailed answer budgets (as `tools.bench engine` does on CPU)
+    training    one optimizer step over the same packed micro-batches, the torch engine (fp32 weights, bf16
+                autocast) vs the Megatron-core engine (bf16 weights, fp32 main params, distributed optimizer)
+                in a world of one over NCCL; then each engine's weight export into 64 MiB bf16 buckets
+    agreement   Megatron-core on the GPU (fp32, TF32 off) against the torch engine on the CPU, same weights:
+                log-probs, one step's loss and grad norm, the updated weights (a small model)
+    link        bucket packing and checksum on the GPU, a link of one NCCL rank, and a link of two ranks
+                sharing the GPU (NCCL may refuse two ranks on one device; the error is reported as such)
+
+The model of those sections is a shape with random weights (no download): `--shape 0.5b` is Qwen2.5-0.5B's
+config, `--shape 1.5b` Qwen2.5-1.5B's; `--model-dir` takes a Hugging Face directory instead.
+
+    python -m tools.bench gpu [--json] [--out results.json] [--only attention,decode,...]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -41,15 +50,9 @@ from tools.bench.engine import build_model, hf_generate, long_tailed, ours_gener
 from transport.bulk import BulkLink, LinkConfig, bucket_checksum, pack_bucket, unpack_bucket
 from transport.ports import free_port
 
-# Qwen2.5 base models' config.json values (the architecture; weights are random here).
-SHAPES: dict[str, dict[str, Any]] = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
-                 rms_norm_eps=1e-6, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
-                 rms_norm_eps=1e-6, tie_word_embeddings=True),
-}
+from tools.bench import gpu_probes
+from tools.bench.gpu_probes import SHAPES
+
 BUCKET_BYTES = 64 << 20
 
 
@@ -267,27 +270,32 @@ def bench_link(args: argparse.Namespace) -> dict[str, Any]:
 # --- driver --------------------------------------------------------------------------------------------
 
 def environment() -> dict[str, Any]:
-    env = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
-    try:
-        import megatron.core
-        env["megatron_core"] = getattr(megatron.core, "__version__", "?")
-    except ImportError as exc:
-        env["megatron_core"] = f"unavailable ({exc})"
-    try:
-        import transformer_engine  # noqa: F401
-        env["transformer_engine"] = True
-    except ImportError:
-        env["transformer_engine"] = False
+    env: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        env.update(gpu=torch.cuda.get_device_name(0), nccl=".".join(map(str, torch.cuda.nccl.version())))
+    for module in ("megatron.core", "transformer_engine", "flash_attn", "apex"):
+        try:
+            imported = __import__(module, fromlist=["__version__"])
+            env[module] = getattr(imported, "__version__", True)
+        except ImportError:
+            env[module] = False
     return env
 
 
-def main(argv: list[str] | None = None) -> int:
+PROBES = ("attention", "megatron", "publish", "overlap", "broadcast", "decode")
+SECTIONS = ("generation", "training", "agreement", "link")
+MEGATRON_PROBES = ("megatron", "publish", "overlap")
+
+
+def main(argv: list[str] | None = None, megatron_on_cpu: bool = False) -> int:
+    """``megatron_on_cpu``: the caller mapped Megatron's CUDA calls to the CPU (the test suite's shim), so the
+    Megatron probes run on the CPU too."""
     parser = argparse.ArgumentParser(prog="python -m tools.bench gpu", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the sections")
     parser.add_argument("--out", help="also write the JSON object to this file")
-    parser.add_argument("--only", default="a,b,c,d", help="sections to run, e.g. a,d")
-    parser.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
+    parser.add_argument("--only", default=",".join(PROBES),
+                        help=f"what to run: probes {','.join(PROBES)} (the default), sections {','.join(SECTIONS)}")
+    parser.add_argument("--shape", default="0.5b", choices=sorted(k for k in SHAPES if k != "tiny"))
     parser.add_argument("--model-dir", help="a Hugging Face model directory instead of --shape")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="longest answer budget")
@@ -298,32 +306,61 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("tools.bench gpu needs a CUDA GPU (torch.cuda.is_available() is False here); "
-              "the CPU benchmarks are `python -m tools.bench engine|e2e|bus`", file=sys.stderr)
-        return 2
-    sections = set(args.only.split(","))
-    result: dict[str, Any] = {"env": environment(), "args": vars(args)}
+    wanted = [w for w in args.only.split(",") if w]
+    unknown = [w for w in wanted if w not in PROBES + SECTIONS]
+    if unknown:
+        parser.error(f"--only: unknown {unknown}; choose from {', '.join(PROBES + SECTIONS)}")
+    cuda = torch.cuda.is_available()
+    dev = gpu_probes.Device("cuda" if cuda else "cpu")
+    sizes = gpu_probes.GPU_SIZES if cuda else gpu_probes.CPU_SIZES
+    if not cuda:
+        print("[gpu bench] no CUDA GPU here: the probes run tiny on the CPU (no GPU figures)", file=sys.stderr)
+    result: dict[str, Any] = {"env": environment(), "device": dev.kind, "sizes": dataclasses.asdict(sizes),
+                              "args": vars(args)}
     failed = False
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_model_dir(args, tmp) if sections & {"a", "b"} else ""
-        for key, name, run in (("a", "generation", lambda: bench_generation(model_dir, args)),
-                               ("b", "training", lambda: bench_training(model_dir, args)),
-                               ("c", "agreement", lambda: bench_agreement(args)),
-                               ("d", "link", lambda: bench_link(args))):
-            if key not in sections:
-                continue
-            print(f"[gpu bench] ({key}) {name} ...", file=sys.stderr, flush=True)
+        model_dir = make_model_dir(args, tmp) if cuda and {"generation", "training"} & set(wanted) else ""
+        train_dir = ""
+        engine: Any = None
+
+        def trainer() -> Any:
+            nonlocal engine, train_dir
+            if engine is None:
+                train_dir = gpu_probes.model_dir_of(sizes.train_shape, tmp, args.seed)
+                engine = gpu_probes.megatron_engine(train_dir, sizes, dev)
+            return engine
+
+        runs: dict[str, Callable[[], dict[str, Any]]] = {
+            "attention": lambda: gpu_probes.probe_attention(sizes, dev),
+            "megatron": lambda: gpu_probes.probe_megatron(trainer(), train_dir, sizes, dev),
+            "publish": lambda: gpu_probes.probe_publish(trainer(), sizes, dev),
+            "overlap": lambda: gpu_probes.probe_overlap(trainer(), sizes, dev),
+            "broadcast": lambda: gpu_probes.probe_broadcast(sizes, dev),
+            "decode": lambda: gpu_probes.probe_decode(sizes, dev),
+            "generation": lambda: bench_generation(model_dir, args),
+            "training": lambda: bench_training(model_dir, args),
+            "agreement": lambda: bench_agreement(args),
+            "link": lambda: bench_link(args)}
+        for name in wanted:
+            print(f"[gpu bench] {name} ...", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
-            try:
-                result[name] = run()
-            except Exception:  # one broken path must not hide the others' figures; the exit code tells
-                result[name] = {"error": traceback.format_exc(limit=8)[-2000:]}
-                failed = True
+            if name in SECTIONS and not cuda:
+                result[name] = {"skipped": "needs a CUDA GPU"}
+            elif name in MEGATRON_PROBES and not (cuda or megatron_on_cpu):
+                result[name] = {"skipped": "megatron-core 0.11 allocates on CUDA (torch.cuda.current_device): on the "
+                                           "CPU only the test suite runs this probe, under tests/megatron_cpu_shim.py"}
+            else:
+                try:
+                    result[name] = runs[name]()
+                except Exception:  # one broken path must not hide the others' figures; the exit code tells
+                    result[name] = {"error": traceback.format_exc(limit=8)[-2000:]}
+                    failed = True
             result[name]["section_s"] = round(time.perf_counter() - t0, 1)
-            print(f"[gpu bench] ({key}) {name}: {json.dumps(result[name], default=str)[:1500]}", file=sys.stderr,
-                  flush=True)
-            torch.cuda.empty_cache()
+            print(f"[gpu bench] {name}: {json.dumps(result[name], default=str)[:1500]}", file=sys.stderr, flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
+    result["total_s"] = round(time.perf_counter() - started, 1)
     text = json.dumps(result, default=str, indent=None if args.json else 1)
     if args.out:
         with open(args.out, "w") as f:

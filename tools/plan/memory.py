@@ -8,9 +8,14 @@ attention (no s^2 term: `recompute: selective`, which recomputes core attention,
 nothing), split over tensor-parallel ranks and, with sequence parallelism, the hidden-sized ones too;
 `recompute: full` keeps each layer's input plus one layer's activations while it is recomputed; pipeline
 stages hold up to pp micro-batches in flight (1F1B); the logits and the float32 log-softmax intermediates,
-over `logprob_chunk_tokens` rows at a time. Where the trainer broadcasts weights itself, the stage sender
-keeps the buckets of the current and previous version in host memory (`actors.weight_sync.KeptVersions`): a note, not a
-GPU term.
+over `logprob_chunk_tokens` rows at a time. Publishing a version: the export sender holds a few buckets on the
+GPU at a time (`transport.bulk.pack_to_host` streams each into page-locked host memory as it is exported), the
+"publish transient"; the host memory is a note, not a GPU term: where the trainer broadcasts weights itself, the
+stage sender keeps versions there (`actors.weight_sync.KeptVersions`: the newest while the next comes in, or
+`weights_kept_mb`), else one version waits there until the parameter server has it. With `algo.kl_coef` > 0 the
+frozen reference model is a second engine of the same layout: its weights, plus the float32 gradient buffer
+and main-weight shard Megatron allocates for any engine it builds (never used: the reference only computes
+log-probs).
 
 Rollout (SGLang): weights over tp GPUs; the KV pool is what `mem_fraction_static` of the GPU leaves after
 the weights (SGLang sizes it so), hence the most answers of the configured length that fit at once.
@@ -31,8 +36,14 @@ LOGSOFTMAX_FP32_COPIES = 3
 #: The prompt budget an answer of the configured length includes (the GPU configs' max_new_tokens is
 #: "32k context minus a 1k prompt").
 PROMPT_BUDGET_TOKENS = 1024
-#: Versions of the weights the trainer's stage sender keeps when it broadcasts to the rollouts itself.
+#: Versions of the weights the trainer's stage sender keeps when it broadcasts to the rollouts itself (unset
+#: `weights_kept_mb`: the newest while the next is exported).
 KEPT_VERSIONS = 2
+#: Exported buckets on the export sender's GPU at once while a version is published: the copies to host memory
+#: in flight (`pack_to_host`'s in_flight, 2), the bucket being laid out in Hugging Face layout and its converted
+#: copy (2), and the next bucket's tensor-parallel all-gather started ahead (its own shard and the gathered
+#: parts, up to 2); holding every bucket and a packed copy of each would take twice the stage's weights.
+PUBLISH_BUCKETS_ON_GPU = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +59,10 @@ class TrainerLayout:
     recompute: str = "none"           # none | selective | full
     micro_batch_tokens: int = 4096
     logprob_chunk_tokens: int = 0     # 0: the whole micro-batch at once
-    keeps_weights: bool = False       # the stage sender keeps KEPT_VERSIONS of its stage's weights
+    keeps_weights: bool = False       # the stage sender keeps versions of its stage's weights (direct weights)
+    bucket_bytes: int = 64 << 20      # one bucket of published weights (weight_bucket_mb)
+    kept_bytes: int | None = None     # weights_kept_mb in bytes; None: KEPT_VERSIONS versions
+    reference: bool = False           # algo.kl_coef > 0: a frozen reference model of the same layout
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "selective", "full"):
@@ -126,6 +140,11 @@ def trainer_terms(shape: ModelShape, lay: TrainerLayout) -> dict[str, float]:
     logits = 2 * (2 * s * vocab_rank) + LOGSOFTMAX_FP32_COPIES * 4 * chunk * vocab_rank
     terms = {"weights": rank_params * wbytes, "gradients": rank_params * 4, "optimizer": optimizer,
              "activations": activations, "logits": logits}
+    if lay.reference:
+        # weights, Megatron's float32 gradient buffer, and (bf16) the distributed optimizer's float32 main-weight shard
+        terms["reference model"] = rank_params * (wbytes + 4 + (4 / (lay.dp if lay.distributed_optimizer else 1)
+                                                                if lay.bf16 else 0))
+    terms["publish transient"] = min(PUBLISH_BUCKETS_ON_GPU * lay.bucket_bytes, 2 * stage_params * 2)
     terms["CUDA/NCCL reserve"] = hardware.PROCESS_RESERVE_BYTES
     return terms
 
@@ -152,16 +171,23 @@ def rollout_memory(group: str, shape: ModelShape, lay: RolloutLayout, capacity: 
 
 
 def kept_bytes(shape: ModelShape, lay: TrainerLayout) -> float:
-    """Host memory the stage sender's kept buckets take (bf16, KEPT_VERSIONS versions of its stage)."""
+    """Page-locked host memory of the export sender's published buckets (bf16 weights of its stage): the kept
+    versions (direct weights: KEPT_VERSIONS, or at most `weights_kept_mb` and never less than one), else the
+    version on its way to the parameter server."""
     layers_per_stage = -(-shape.layers // lay.pp)
     stage_params = layers_per_stage * shape.layer_params + shape.embedding_params * (1 if lay.pp > 1 or shape.tied else 2)
-    return KEPT_VERSIONS * stage_params * 2
+    version = stage_params * 2
+    if not lay.keeps_weights:
+        return version
+    return KEPT_VERSIONS * version if lay.kept_bytes is None else max(float(lay.kept_bytes), version)
 
 
 def trainer_memory(group: str, shape: ModelShape, lay: TrainerLayout, capacity: float) -> GroupMemory:
     notes = []
-    if lay.keeps_weights:
-        notes.append(f"kept buckets: {kept_bytes(shape, lay) / hardware.GB:.1f} GB of host memory (pinned), not GPU")
+    what = "kept versions" if lay.keeps_weights else "a version on its way to the parameter server"
+    notes.append(f"published buckets: {kept_bytes(shape, lay) / hardware.GB:.1f} GB of page-locked host memory "
+                 f"({what}), not GPU; on the GPU {PUBLISH_BUCKETS_ON_GPU} buckets of "
+                 f"{lay.bucket_bytes / 2**20:.0f} MiB at most while a version is exported")
     if lay.recompute == "selective":
         notes.append("recompute: selective saves little here: with flash attention core attention keeps no "
                      "s^2 scores")
@@ -179,7 +205,9 @@ def trainer_layout(cfg: TrainerSettings, keeps_weights: bool) -> TrainerLayout:
                          recompute=cfg.recompute if megatron else "none",
                          micro_batch_tokens=cfg.algo.max_tokens_per_mb,
                          logprob_chunk_tokens=cfg.logprob_chunk_tokens,
-                         keeps_weights=keeps_weights)
+                         keeps_weights=keeps_weights, bucket_bytes=cfg.weight_bucket_mb << 20,
+                         kept_bytes=None if cfg.weights_kept_mb is None else cfg.weights_kept_mb << 20,
+                         reference=cfg.algo.kl_coef > 0)
 
 
 def rollout_layout(cfg: RolloutSettings) -> RolloutLayout:
