@@ -90,15 +90,17 @@ def _fmt_against(cmp: dict[str, Any]) -> list[str]:
     return lines
 
 
-def sweep(found: setup.Setup, steps: int, seeds: int = 1, progress: bool = False) -> list[dict[str, Any]]:
+def sweep(found: setup.Setup, steps: int, seeds: int = 1, progress: bool = False,
+          splits: Sequence[float] = SWEEP_SPLITS) -> list[dict[str, Any]]:
     """Throughput at each split (share of GPUs generating, in whole servers) and eta: the mean over `seeds`
-    seeds, with its min and max."""
+    seeds, with its min and max, and how settled each run's measured steps were (the widest spread of a
+    step around its run's mean, the largest drift between their halves: `sim.Result.stability`)."""
     base = setup.sim_config(found)
     total = base.servers * base.server_tp + base.trainer.dp * base.trainer.tp * base.trainer.pp
     unit_train, unit_infer = base.trainer.tp * base.trainer.pp, base.server_tp
     rows = []
     cases = []
-    for share in SWEEP_SPLITS:
+    for share in splits:
         infer = int(round(total * share / unit_infer)) * unit_infer
         infer = total - ((total - infer) // unit_train) * unit_train
         if infer <= 0 or infer >= total:
@@ -110,10 +112,14 @@ def sweep(found: setup.Setup, steps: int, seeds: int = 1, progress: bool = False
         runs = [sim.simulate(setup.sim_config(found, eta=eta, rollout_gpus=infer, steps=steps, seed=s))
                 for s in range(seeds)]
         tput = [r.throughput for r in runs]
+        settled = [r.stability() for r in runs]
         rows.append({"inference_gpus": infer, "training_gpus": total - infer, "share": infer / total, "eta": eta,
                      "throughput": float(sum(tput) / len(tput)), "throughput_min": min(tput),
                      "throughput_max": max(tput), "step_time_s": float(sum(r.step_time for r in runs) / len(runs)),
-                     "seeds": seeds})
+                     "seeds": seeds, "steps": steps,
+                     "step_spread": [min(x["step_min_over_mean"] for x in settled),
+                                     max(x["step_max_over_mean"] for x in settled)],
+                     "drift_max": max(abs(x["drift"]) for x in settled)})
     return rows
 
 

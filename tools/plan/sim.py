@@ -195,6 +195,23 @@ class Result:
         a = self.steps[self.warmup - 1].clocks.get(name, 0.0) if len(self.steps) > self.warmup else 0.0
         return self.steps[-1].clocks.get(name, 0.0) - a
 
+    def step_times(self) -> list[float]:
+        """Seconds of each measured step, end to end (from the previous step's end)."""
+        ends = [0.0] + [s.end for s in self.steps]
+        start = self.warmup if len(self.steps) > self.warmup else 0
+        return [b - a for a, b in zip(ends[start:], ends[start + 1:])]
+
+    def stability(self) -> dict[str, float]:
+        """How settled the measured steps are: their spread (min, max over the mean) and the drift, the mean
+        of the second half of the measured steps over the first half's, minus 1 (a run still filling its
+        pipeline, or one whose gate has not yet bound, drifts)."""
+        times = np.asarray(self.step_times())
+        mean = float(times.mean())
+        half = len(times) // 2
+        drift = float(times[half:].mean() / times[:half].mean() - 1) if half else 0.0
+        return {"steps": len(times), "step_min_over_mean": float(times.min()) / mean,
+                "step_max_over_mean": float(times.max()) / mean, "drift": drift}
+
     @property
     def step_time(self) -> float:
         a, b = self.window
@@ -242,7 +259,8 @@ class Result:
                 "rollout_idle": self.rollout_idle, "trainer_idle": self.trainer_idle,
                 "staleness": {str(k): v for k, v in self.staleness.items()},
                 "tokens_per_step": float(np.mean([s.tokens for s in self.measured])),
-                "time_shares": self.shares(), "counters": self.counters, "figures": self.figures()}
+                "time_shares": self.shares(), "counters": self.counters, "figures": self.figures(),
+                "stability": self.stability()}
 
     def figures(self) -> dict[str, float]:
         """The figures the rehearsal of the real control plane reports for the same run (`agreement`): step
