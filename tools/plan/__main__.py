@@ -120,6 +120,8 @@ def sweep(found: setup.Setup, steps: int, seeds: int = 1, progress: bool = False
                      "step_spread": [min(x["step_min_over_mean"] for x in settled),
                                      max(x["step_max_over_mean"] for x in settled)],
                      "drift_max": max(abs(x["drift"]) for x in settled)})
+        if progress:
+            print(f"  -> {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     return rows
 
 
