@@ -443,8 +443,19 @@ def test_tools_plan_plots_the_timeline_and_the_sweep(tmp_path, capsys, monkeypat
                      "--steps", "3", "--plot", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "best:" in text and "min-max over 2 seed(s)" in text
+    assert text.count("of their run's mean, drift up to") == 4            # every point says how settled it is
+    assert "in flight per server (min / mean / max over servers): groups" in text and "stability:" in text
     for name in ("timeline.png", "sweep.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_published_sweep_refuses_splits_that_are_not_shares_before_it_simulates(capsys):
+    from tools.plan import published
+    assert published.main(["--parts", "sweep", "--splits", "0.5,x"]) == 2
+    assert "--splits: '0.5,x' is not a comma-separated list of shares" in capsys.readouterr().err
+    assert published.main(["--parts", "sweep", "--splits", "0.5,1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "every share must be between 0 and 1" in err and "tutorial rows" not in err
 
 
 def test_every_published_configuration_fits_in_areal_s_own_layout():

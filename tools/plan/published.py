@@ -168,8 +168,8 @@ def speedup_rows(steps: int, seeds: int) -> list[dict[str, Any]]:
 def split_sweep(steps: int, seeds: int, splits: tuple[float, ...] | None = None) -> list[dict[str, Any]]:
     """The split and eta sweep (tools.plan's) on AReaL's 7B run on 16 nodes, with this project's buffer rules
     (`splits`: a subset of the shares of GPUs generating, to run the sweep in parts)."""
-    from tools.plan.__main__ import SWEEP_SPLITS, sweep
-    return sweep(cluster("7B", 16, 16), steps, seeds, progress=True, splits=splits or SWEEP_SPLITS)
+    from tools.plan.__main__ import sweep
+    return sweep(cluster("7B", 16, 16), steps, seeds, progress=True, splits=splits)
 
 
 def main(argv: list[str] | None = None) -> int:
