@@ -138,6 +138,7 @@ class BufferState:
         self.group_size, self.max_new_tokens, self.prompt_tokens = group_size, max_new_tokens, prompt_tokens
         self.pace = pace or DecodePace()
         self.answer_tokens: deque[int] = deque(maxlen=1024)          # lengths of recent answers
+        self._answer_sum = 0                                         # their sum (rollout_cap reads it per issue)
         self.kv_tokens: dict[str, int] = {}                          # KV pool each rollout's server reported
         self.overdue_groups = 0                                      # groups whose time ran out, so far
         self.gate = StalenessGate(batch_size, eta, max_concurrent)
@@ -196,7 +197,7 @@ class BufferState:
     def context_tokens(self) -> float:
         """What one answer holds in a KV pool: the mean prompt plus the mean of recent answers (the full
         max_new_tokens before any answer came back)."""
-        answer = sum(self.answer_tokens) / len(self.answer_tokens) if self.answer_tokens else self.max_new_tokens
+        answer = self._answer_sum / len(self.answer_tokens) if self.answer_tokens else self.max_new_tokens
         return self.prompt_tokens + max(1.0, answer)
 
     def group_timeout(self) -> float:
@@ -292,7 +293,11 @@ class BufferState:
         if answers.up_seconds > 0:
             self.rollout_clocks[answers.rollout] = (answers.busy_seconds, answers.up_seconds)
         lengths = [len(s.output_ids) for s in answers.samples]
-        self.answer_tokens.extend(lengths)
+        for n in lengths:
+            if len(self.answer_tokens) == self.answer_tokens.maxlen:
+                self._answer_sum -= self.answer_tokens[0]   # the oldest leaves the window
+            self.answer_tokens.append(n)
+            self._answer_sum += n
         if lengths:   # the group took as long as its longest answer
             self.pace.observe(answers.gen_seconds, max(lengths))
         if self.dynamic_sampling and is_uniform([s.reward for s in answers.samples]):

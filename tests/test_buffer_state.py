@@ -379,3 +379,21 @@ def test_a_version_no_served_batch_can_have_produced_is_refused_with_a_log_line(
                                                      "finished step 1000000; the gate stays where it is"})]
     buffer.on_version(VersionUpdate(version=2))
     assert st.gate.version == 2 and len(logged) == 1
+
+
+def test_the_kv_context_is_the_mean_of_the_last_1024_answers() -> None:
+    # rollout_cap reads it for every rollout on every issue: kept as a running sum over a sliding window.
+    st = state(eta=1000, batch_size=1, rollouts=1, max_per_rollout=1000, n_records=2000, max_new_tokens=500,
+               prompt_tokens=10.0)
+    assert st.context_tokens() == 510.0                      # no answer back yet: the full max_new_tokens
+    lengths = []
+    for i in range(700):
+        issue = st.issue_next(everyone_alive, 0.0)
+        got = answers(rewards=(5.0, -5.0))
+        for j, sample in enumerate(got.samples):
+            sample.output_ids = [2] * (1 + (7 * i + j) % 300)
+            lengths.append(len(sample.output_ids))
+        assert st.scored(issue.group_id, got).outcome == "accepted"
+        st.take_batch()
+    window = lengths[-1024:]
+    assert st.context_tokens() == pytest.approx(10.0 + sum(window) / len(window), rel=1e-12)
