@@ -20,7 +20,7 @@ from actors.engines.base import GenerationRequest, SamplingParams
 from actors.engines.checkpoint import hf_state_dict, save_model
 from actors.engines.sglang import LaunchConfig, SGLangEngine
 from actors.engines.sglang_group import WeightGroupSender
-from actors.engines.sglang_routes import CLIENT_KEEP_ALIVE_S, SEED_RANGE, SGLangError
+from actors.engines.sglang_routes import CLIENT_KEEP_ALIVE_S, SEED_RANGE, SGLangConnectionReset, SGLangError
 from actors.engines.torch_gen import TorchGenerationEngine
 from actors.weights import weights_hash
 from testsupport.bounded import run_bounded, until
@@ -478,6 +478,52 @@ def test_a_reset_generate_is_aborted_before_it_is_sent_again(standin):
     # SGLang takes messages in order: the abort reaches the scheduler before the new copy, which it stops at
     # its next step (managers/scheduler.py:2416-2424)
     assert first < abort < second
+
+
+def test_a_sample_that_fails_stops_its_siblings_and_every_copy_on_the_server(standin):
+    # Sample 0's connection is reset after the server took it, and the client may not send it again: the request
+    # fails. Sample 1 still runs (the decode step is held). Before generate raises, both copies are aborted on
+    # the server (a failed call keeps its rid for that) and sample 1's call is stopped in the client, so nothing
+    # of the request goes on generating, or resubmits itself after a pause.
+    standin.server.drop_next["/generate"] = ["after"]
+    reached, release = hold_at(standin.engine, 2)
+
+    async def main():
+        engine = SGLangEngine(url=standin.url)
+        engine.MAX_RESETS = 0
+        await engine.start()
+        try:
+            with pytest.raises(SGLangConnectionReset):
+                await engine.generate(GenerationRequest("g", [5, 6, 7], SamplingParams(
+                    temperature=0.0, max_new_tokens=50), n=2))
+            return engine._http_inflight, {rid for _, e, rid in standin.server.request_log if e == "abort"}
+        finally:
+            release.set()
+            await engine.stop()
+
+    inflight, aborted = run(main())
+    assert inflight == 0
+    assert {"g/0/0", "g/1/0"} <= aborted
+
+
+def test_a_generate_that_times_out_is_aborted_on_the_server(standin):
+    # A /generate past its request timeout: the client gives up on the call, and stops the copy the server is
+    # still generating rather than leave it to run on beside a re-issue.
+    reached, release = hold_at(standin.engine, 2)
+
+    async def main():
+        engine = SGLangEngine(url=standin.url, request_timeout_s=1.0)
+        await engine.start()
+        try:
+            with pytest.raises(SGLangError, match="TimeoutError"):
+                await engine.generate(GenerationRequest("t", [5, 6, 7], SamplingParams(
+                    temperature=0.0, max_new_tokens=50)))
+            return {rid for _, e, rid in standin.server.request_log if e == "abort"}
+        finally:
+            release.set()
+            await engine.stop()
+
+    assert "t/0/0" in run(main())
 
 
 def test_abort_matches_by_rid_prefix(standin):
