@@ -374,7 +374,7 @@ class SGLangEngine(GenerationEngine):
                                         top_k=sp.top_k if sp.top_k > 0 else -1,
                                         max_new_tokens=remaining, stop_token_ids=list(sp.stop_token_ids),
                                         sampling_seed=(seed + len(sample.output)) % SEED_RANGE)
-            sample.sglang_rid = f"{request.rid}/{index}/{sample.segments}"
+            sample.sglang_rid = sglang_rid(request.rid, index, sample.segments)
             sample.segments += 1
             body = payload("/generate", rid=sample.sglang_rid, input_ids=[*sample.prompt, *sample.output],
                            sampling_params=sampling, return_logprob=True)
@@ -690,6 +690,15 @@ class SGLangEngine(GenerationEngine):
             return str(answer["weight_version"])
         except (KeyError, TypeError) as exc:
             raise SGLangError(f"SGLang server {self.url}: GET /weight_version answered {str(answer)[:200]!r}") from exc
+
+
+def sglang_rid(rid: str, index: int, segment: int) -> str:
+    """The SGLang request id of one segment of sample ``index`` of request ``rid``. SGLang aborts every request
+    whose rid starts with the one named (managers/scheduler.py:2348, :2418), so no id may be a prefix of another:
+    the request's rid has its '/' escaped and every part ends in '/' ("g/1/1/" is not a prefix of "g/1/10/", nor
+    request "a"'s sample 1 of request "a/1"'s)."""
+    escaped = rid.replace("%", "%25").replace("/", "%2F")
+    return f"{escaped}/{index}/{segment}/"
 
 
 def _sample_seed(base: int, index: int) -> int:
