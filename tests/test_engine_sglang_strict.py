@@ -6,6 +6,7 @@ broadcast, int32 seeds, and connections reset under a call."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import http.client
 import json
@@ -13,6 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from typing import AsyncIterator
 
 import pytest
 
@@ -480,6 +482,18 @@ def test_a_reset_generate_is_aborted_before_it_is_sent_again(standin):
     assert first < abort < second
 
 
+@contextlib.asynccontextmanager
+async def attached(standin: StandinThread, release: threading.Event, **options) -> AsyncIterator[SGLangEngine]:
+    """An engine attached to the stand-in; on the way out the held decode step is let go before it stops."""
+    engine = SGLangEngine(url=standin.url, **options)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        release.set()
+        await engine.stop()
+
+
 def test_a_sample_that_fails_stops_its_siblings_and_every_copy_on_the_server(standin):
     # Sample 0's connection is reset after the server took it, and the client may not send it again: the request
     # fails. Sample 1 still runs (the decode step is held). Before generate raises, both copies are aborted on
@@ -489,17 +503,12 @@ def test_a_sample_that_fails_stops_its_siblings_and_every_copy_on_the_server(sta
     reached, release = hold_at(standin.engine, 2)
 
     async def main():
-        engine = SGLangEngine(url=standin.url)
-        engine.MAX_RESETS = 0
-        await engine.start()
-        try:
+        async with attached(standin, release) as engine:
+            engine.MAX_RESETS = 0
             with pytest.raises(SGLangConnectionReset):
                 await engine.generate(GenerationRequest("g", [5, 6, 7], SamplingParams(
                     temperature=0.0, max_new_tokens=50), n=2))
             return engine._http_inflight, {rid for _, e, rid in standin.server.request_log if e == "abort"}
-        finally:
-            release.set()
-            await engine.stop()
 
     inflight, aborted = run(main())
     assert inflight == 0
@@ -512,16 +521,11 @@ def test_a_generate_that_times_out_is_aborted_on_the_server(standin):
     reached, release = hold_at(standin.engine, 2)
 
     async def main():
-        engine = SGLangEngine(url=standin.url, request_timeout_s=1.0)
-        await engine.start()
-        try:
+        async with attached(standin, release, request_timeout_s=1.0) as engine:
             with pytest.raises(SGLangError, match="TimeoutError"):
                 await engine.generate(GenerationRequest("t", [5, 6, 7], SamplingParams(
                     temperature=0.0, max_new_tokens=50)))
             return {rid for _, e, rid in standin.server.request_log if e == "abort"}
-        finally:
-            release.set()
-            await engine.stop()
 
     assert "t/0/0/" in run(main())
 
@@ -532,9 +536,7 @@ def test_aborting_one_request_never_stops_another_whose_rid_it_prefixes(standin)
     reached, release = hold_at(standin.engine, 2)
 
     async def main():
-        engine = SGLangEngine(url=standin.url)
-        await engine.start()
-        try:
+        async with attached(standin, release) as engine:
             sampling = SamplingParams(temperature=0.0, max_new_tokens=20)
             a = asyncio.ensure_future(engine.generate(GenerationRequest("a", [5, 6, 7], sampling, n=2)))
             other = asyncio.ensure_future(engine.generate(GenerationRequest("a/1", [5, 6, 7], sampling)))
@@ -543,9 +545,6 @@ def test_aborting_one_request_never_stops_another_whose_rid_it_prefixes(standin)
             await engine.abort("a")
             release.set()
             return [r.finish_reason for r in await a], [r.finish_reason for r in await other]
-        finally:
-            release.set()
-            await engine.stop()
 
     assert run(main()) == (["abort", "abort"], ["length"])
     ids = {sglang_rid(rid, i, seg) for rid in ("a", "a/1", "a/", "%2F") for i in (0, 1, 10) for seg in (0, 1, 10)}
