@@ -21,7 +21,7 @@ of recent answers), so work does not wait in a server's queue while its time run
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal
 
@@ -141,6 +141,9 @@ class BufferState:
         self._answer_sum = 0                                         # their sum (rollout_cap reads it per issue)
         self.kv_tokens: dict[str, int] = {}                          # KV pool each rollout's server reported
         self.overdue_groups = 0                                      # groups whose time ran out, so far
+        # Per rollout, what was decided about its groups so far: "issued", "handed_back" (issued again: its
+        # worker was lost or its time ran out), "overdue" (its time ran out: aborted before it was issued again).
+        self.per_rollout: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.gate = StalenessGate(batch_size, eta, max_concurrent)
 
         self.epoch, self.position = 0, 0
@@ -227,6 +230,7 @@ class BufferState:
         self.attempts += 1
         gid = f"{key[0]}-{key[1]}-{self.attempts}"
         self.inflight[gid] = InFlight(key, rollout, reward, now)
+        self.per_rollout[rollout]["issued"] += 1
         # A fresh sampling seed per attempt: a re-issued prompt gets new answers, a replay the same ones.
         seed = 1 + (hash((self.seed, key, self.attempts)) & 0x7FFFFFFF)
         return Issue(gid, key, rollout, reward, seed)
@@ -241,6 +245,7 @@ class BufferState:
         self.gate.finish(accepted=False)
         self.reissue.append(f.key)
         self.stats.returned += 1
+        self.per_rollout[f.rollout]["handed_back"] += 1
         return f
 
     def hand_back_held_by(self, worker: str) -> dict[str, InFlight]:
@@ -271,6 +276,7 @@ class BufferState:
         late = {g: f for g, f in self.inflight.items() if not f.aborting and now - f.issued_at > limit}
         for f in late.values():
             f.aborting = True
+            self.per_rollout[f.rollout]["overdue"] += 1
         self.overdue_groups += len(late)
         return late
 

@@ -321,6 +321,18 @@ def test_an_overdue_group_keeps_its_slot_until_its_copy_is_stopped() -> None:
     assert st.scored(b.group_id, answers()).outcome == "accepted"   # finished after all, as the abort went out
 
 
+def test_each_rollout_s_issues_aborts_and_re_issues_are_counted() -> None:
+    # What tools.plan reports per server comes from these counts, not from a copy of the rules.
+    st = state(eta=4, batch_size=4, rollouts=2, max_per_rollout=1, group_timeout_s=100.0)
+    a, b = issue_all(st, now=0.0)
+    assert a.rollout != b.rollout
+    st.overdue(150.0)
+    st.hand_back(a.group_id)
+    issue_all(st, now=151.0)
+    assert st.per_rollout[a.rollout] == {"issued": 2, "overdue": 1, "handed_back": 1}
+    assert st.per_rollout[b.rollout] == {"issued": 1, "overdue": 1}
+
+
 def test_the_group_timeout_follows_the_measured_pace() -> None:
     # A fixed 1,800 s cuts 32k-token answers of a 32B model (AReaL's published step there is 6,707 s).
     st = state(group_timeout_s=None, max_new_tokens=31744, group_size=2, pace=DecodePace(5.0, 3.0, 60.0))

@@ -587,3 +587,16 @@ def test_each_run_is_simulated_with_its_own_workload_when_the_cost_file_names_th
     assert main(["topology/local.yaml", "--costs", str(path), "--steps", "3", "--workload", "sync", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["simulation"]["async"]["tokens_per_step"] == 128 * 48
     assert main(["topology/local.yaml", "--costs", str(path), "--workload", "nope"]) == 2
+
+
+def test_the_plan_counts_each_rollout_s_issues_aborts_and_groups_in_flight_from_the_buffer_s_state():
+    cfg = _config(servers=2, eta=2, group_timeout_s=3.0, max_new_tokens=1000, steps=4, max_groups_per_rollout=4,
+                  lengths={"kind": "lognormal", "mean_tokens_at_cut": 300, "cut_share": 0.1, "cut": 1000})
+    c = sim.simulate(cfg).counters
+    per = c["per_rollout"]
+    assert set(per) == set(cfg.rollout_names) and len(per) == 2
+    assert sum(p["issued"] for p in per.values()) == c["issued"]
+    assert sum(p["handed_back"] for p in per.values()) == c["handed_back"]
+    assert sum(p["overdue"] for p in per.values()) == c["expired"] > 0   # each overdue group aborted, handed back
+    for p in per.values():
+        assert 0 < p["inflight_mean"] <= p["inflight_max"] <= cfg.max_groups_per_rollout

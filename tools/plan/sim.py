@@ -683,6 +683,10 @@ class Simulation:
         names = self.cfg.rollout_names
         mean_inflight = [self.inflight_area[n] / span for n in names]
         whole = self._decisions()
+        # Per rollout, the buffer's own counts of what it decided (BufferState.per_rollout) and the groups it held.
+        whole["per_rollout"] = {n: {**{k: self.state.per_rollout[n][k] for k in ("issued", "handed_back", "overdue")},
+                                    "inflight_mean": self.inflight_area[n] / span,
+                                    "inflight_max": self.inflight_max[n]} for n in names}
         first = self.steps[0].clocks if len(self.steps) > 1 else {}
         last = self.steps[-1].clocks
         measured = {k: last.get(f"count.{k}", 0.0) - first.get(f"count.{k}", 0.0)
