@@ -597,7 +597,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     ap.add_argument("topology")
     ap.add_argument("overrides", nargs="*", help="key.sub=value, as tools.up takes them (before scaling)")
     ap.add_argument("--scale", type=parse_scale, required=True, help="fraction of the fan-out, e.g. 1/16")
-    ap.add_argument("--time-scale", type=float, default=30.0, help="modelled seconds per real second (default 30)")
+    ap.add_argument("--time-scale", type=float, default=15.0, help="modelled seconds per real second (default 15)")
     ap.add_argument("--token-scale", type=int, default=32,
                     help="modelled tokens per token the actors see (default 32; it must divide gen.max_new_tokens)")
     ap.add_argument("--steps", type=int, default=10, help="training steps (the first is warm-up; default 10)")
