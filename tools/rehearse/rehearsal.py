@@ -499,6 +499,7 @@ def report(opts: Options, run_dir: Path, plan: Plan, layout: Layout, costs: Rehe
         "fault": opts.fault, "steps": opts.steps, "trained_steps": len(metrics), "wall_s": wall,
         "agents_exit": [p.returncode for p in agents], "stopped": stop_reason,
         "layout": dataclasses.asdict(layout), "actors": len(specs), "fake_nodes": len(plan.topology.nodes),
+        "max_groups_per_rollout": plan.topology.config.buffer.max_groups_per_rollout,
         "processes_peak": watch.peak["processes"], "rss_peak_bytes": watch.peak["rss_bytes"],
         "pss_peak_bytes": watch.peak["pss_bytes"],
         "command": "python -m tools.rehearse " + " ".join(shlex.quote(a) for a in [opts.topology, *opts.overrides])
@@ -537,7 +538,7 @@ def ok(r: dict[str, Any]) -> bool:
 def cascade(r: dict[str, Any]) -> bool:
     """More groups issued again than the fault could have taken: every group a killed node held (its rollouts
     x max groups each), or, for a slow or absent server, the groups one server holds, once per step."""
-    per_rollout = 8
+    per_rollout = r.get("max_groups_per_rollout", 8)
     held = len(r.get("fault_detail", {}).get("killed", [])) * per_rollout if r["fault"] == "kill-node" else \
         per_rollout * r["trained_steps"]
     return r["decisions"]["reissued"] > held
@@ -592,7 +593,7 @@ def _shares(d: dict[str, float]) -> str:
     return ", ".join(f"{k} {100 * v:.1f} %" for k, v in d.items())
 
 
-def parse_args(argv: Sequence[str] | None) -> Options:
+def parse_args(argv: Sequence[str] | None) -> tuple[Options, bool]:
     ap = argparse.ArgumentParser(prog="python -m tools.rehearse", description=__doc__.split("\n\n")[0])
     ap.add_argument("topology")
     ap.add_argument("overrides", nargs="*", help="key.sub=value, as tools.up takes them (before scaling)")
