@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import random
 import shlex
@@ -450,7 +449,7 @@ def rehearse(opts: Options) -> dict[str, Any]:
                     f"(modelled {m['step_seconds'] * opts.time_scale:.0f} s), staleness max {m['staleness_max']:.0f}, "
                     f"re-issued {m.get('reissued', 0)}")
             if opts.fault == "kill-node" and not fault_done and seen_steps >= opts.fault_at_step:
-                fault_done = kill_node(run_dir, hosts[0], plan)
+                fault_done = kill_node(run_dir, hosts[0])
                 say(f"[{time.monotonic() - t0:6.1f} s] killed (-9) node {hosts[0]}'s rollouts: "
                     f"{', '.join(fault_done['killed'])}")
             if time.monotonic() - t0 > opts.timeout_s and stop_reason is None:
@@ -472,7 +471,7 @@ def rehearse(opts: Options) -> dict[str, Any]:
                   launch_overrides, sim_overrides)
 
 
-def kill_node(run_dir: Path, host: str, plan: Plan) -> dict[str, Any]:
+def kill_node(run_dir: Path, host: str) -> dict[str, Any]:
     """SIGKILL every rollout actor of one node (a node's worth of rollouts; their servers follow them: the
     parent-death signal), by the pids its node agent publishes."""
     status = json.loads((run_dir / "nodes" / f"{host}.status.json").read_text())
@@ -572,10 +571,10 @@ def render(r: dict[str, Any]) -> str:
         lines.append(f"  agreement: {'all within 15 %' if r['agreement']['all_agree'] else 'NOT all within 15 %'}"
                      f" (largest deviation {100 * worst:.1f} %)")
         shares = r["time_shares"]
-        lines += ["", "time shares", f"  trainer (rehearsal): " + _shares(shares["rehearsal"]["trainer"]),
-                  f"  trainer (simulation): " + _shares(shares["simulation"]["trainer"]),
-                  f"  servers (rehearsal, modelled clocks): " + _shares(shares["rehearsal"]["rollout"]),
-                  f"  servers (simulation): " + _shares(shares["simulation"]["rollout"])]
+        lines += ["", "time shares", "  trainer (rehearsal): " + _shares(shares["rehearsal"]["trainer"]),
+                  "  trainer (simulation): " + _shares(shares["simulation"]["trainer"]),
+                  "  servers (rehearsal, modelled clocks): " + _shares(shares["rehearsal"]["rollout"]),
+                  "  servers (simulation): " + _shares(shares["simulation"]["rollout"])]
     d = r["decisions"]
     lines += ["", f"decisions: re-issued {d['reissued']} (handed back {d['handed_back']}, stale {d['dropped_stale']}), "
                   f"overdue {d['overdue_groups']}, requests aborted at the servers {d['aborted_requests']}, "
