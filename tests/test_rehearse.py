@@ -12,6 +12,7 @@ import pytest
 
 import topology as topo_mod
 from actors.engines.base import GenerationRequest, SamplingParams
+from actors.engines.sglang import sglang_rid
 from testsupport.bounded import run_bounded
 from tools.plan import setup, sim
 from tools.rehearse import rehearsal
@@ -42,7 +43,8 @@ def test_the_cost_file_round_trips_and_draws_the_same_length_for_every_submissio
     back = RehearsalCosts.load(costs.write(tmp_path / "rehearsal.json"))
     assert back.to_json() == costs.to_json()
     assert back.answer_tokens("g7/3") == costs.answer_tokens("g7/3")
-    assert answer_identity("g7/3/0")[:2] == answer_identity("g7/3/2")[:2] == ("g7/3", "g7")
+    first, again = answer_identity(sglang_rid("0-12/7", 3, 0)), answer_identity(sglang_rid("0-12/7", 3, 2))
+    assert first == again and first[2] and first[:2] != answer_identity(sglang_rid("0-12/7", 4, 0))[:2]
     assert not answer_identity("HEALTH_CHECK_1.5")[2]
     with pytest.raises(ValueError, match="not a rehearsal cost file"):
         RehearsalCosts.load(tmp_path / "missing.json")
@@ -59,7 +61,7 @@ def test_an_answer_takes_the_modelled_decode_steps_and_carries_one_token_per_k(s
     sampling = SamplingParams(max_new_tokens=engine.max_new_seen, stop_token_ids=(2,))
 
     async def go() -> None:
-        task = asyncio.ensure_future(engine.generate(GenerationRequest("g0/0/0", (5, 6, 7), sampling)))
+        task = asyncio.ensure_future(engine.generate(GenerationRequest(sglang_rid("g0", 0, 0), (5, 6, 7), sampling)))
         await asyncio.sleep(0)
         # A lone answer of 3,200 modelled tokens: its prefill, then 3,200 decode steps of the 7B at tp 2.
         cost = engine.costs.decode_cost(1)
@@ -85,7 +87,7 @@ def test_an_aborted_answer_returns_its_tokens_so_far_and_its_resubmission_ends_a
 
     async def go() -> None:
         full = SamplingParams(max_new_tokens=engine.max_new_seen, stop_token_ids=(2,))
-        task = asyncio.ensure_future(engine.generate(GenerationRequest("g1/0/0", (5,), full)))
+        task = asyncio.ensure_future(engine.generate(GenerationRequest(sglang_rid("g1", 0, 0), (5,), full)))
         await asyncio.sleep(0)
         clock[0] = 20.0 / 30   # 20 modelled seconds: part of the answer
         engine._advance()
@@ -94,7 +96,7 @@ def test_an_aborted_answer_returns_its_tokens_so_far_and_its_resubmission_ends_a
         assert first.finish_reason == "abort" and 0 < len(first.output_ids) < 3200 // k
         so_far = len(first.output_ids)
         rest = SamplingParams(max_new_tokens=engine.max_new_seen - so_far, stop_token_ids=(2,))
-        task = asyncio.ensure_future(engine.generate(GenerationRequest("g1/0/1", (5,) + (3,) * so_far, rest)))
+        task = asyncio.ensure_future(engine.generate(GenerationRequest(sglang_rid("g1", 0, 1), (5,) + (3,) * so_far, rest)))
         await asyncio.sleep(0)
         clock[0] = 10_000.0 / 30
         engine._advance()

@@ -34,9 +34,10 @@ STATS_EVERY_S = 0.5       # how often the server's clocks and counters are writt
 
 def answer_identity(rid: str) -> tuple[str, str, bool]:
     """(answer id, group id, is an answer) of a request id. The SGLang client names every submission of a
-    group's answer ``<group rid>/<index>/<segment>`` (actors/engines/sglang.py); the segment changes when an
-    interrupted answer is resubmitted, so the answer and its modelled length are ``<group rid>/<index>``."""
-    parts = rid.rsplit("/", 2)
+    group's answer ``<group rid>/<index>/<segment>/`` (`actors.engines.sglang.sglang_rid`, the group's own
+    '/' escaped); the segment changes when an interrupted answer is resubmitted, so the answer, and its
+    modelled length, is ``<group rid>/<index>``."""
+    parts = rid[:-1].split("/") if rid.endswith("/") else []
     if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
         return f"{parts[0]}/{parts[1]}", parts[0], True
     return rid, rid, False
