@@ -331,7 +331,9 @@ class StandinServer:
         engine.on_step = self._on_step
 
     def _context_len(self) -> int:
-        return int(self.engine.model.config.max_position_embeddings)
+        # An engine without a model (a cost model standing in for one) states its context length itself.
+        own = getattr(self.engine, "context_len", None)
+        return int(own) if own is not None else int(self.engine.model.config.max_position_embeddings)
 
     def _log(self, entry: tuple[str, str]) -> None:
         record = (time.monotonic(), *entry)
@@ -953,7 +955,9 @@ def launch_config(model_dir: str, log_dir: Path, *extra_args: str, health_timeou
                         backoff_s=0.2, env={"OMP_NUM_THREADS": "1"}, extra_args=list(extra_args), **kw)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespace], Any] | None = None) -> int:
+    """``make_engine(args)``: the engine to serve in place of the embedded one (tools/rehearse serves a cost
+    model of a GPU's steps behind the same routes)."""
     ap = argparse.ArgumentParser(prog="python -m testsupport.sglang_standin",
                                  description="SGLang-compatible HTTP server over the embedded CPU engine")
     ap.add_argument("--model-path", required=True)
@@ -992,8 +996,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     dtype = None if args.dtype in (None, "auto") else args.dtype
     version = _as_int_version(args.weight_version, 0)
-    engine = TorchGenerationEngine(args.model_path, version=version, device=args.device, dtype=dtype,
-                                   max_running=args.max_running_requests, seed=args.random_seed)
+    engine = make_engine(args) if make_engine is not None else TorchGenerationEngine(
+        args.model_path, version=version, device=args.device, dtype=dtype, max_running=args.max_running_requests,
+        seed=args.random_seed)
     from aiohttp import web
 
     def crash(reason: str) -> None:   # a scheduler exception takes the process tree down (no clean exit)

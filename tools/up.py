@@ -1060,6 +1060,19 @@ def node_plan_path(run_dir: Path, host: str) -> Path:
     return run_dir / "nodes" / f"{host}.json"
 
 
+def write_node_plans(plan: Plan, run_dir: Path, specs: list[dict[str, Any]], options: dict[str, Any]) -> list[str]:
+    """RUN_DIR/nodes/<host>.json for every node, what its node agent runs; returns the hosts in node order."""
+    by_name = {s["name"]: s for s in specs}
+    (run_dir / "nodes").mkdir(exist_ok=True)
+    for node_idx, insts in plan.by_node().items():
+        host = plan.topology.nodes[node_idx].name
+        node_plan_path(run_dir, host).write_text(json.dumps({
+            "host": host, "title": f"{plan.topology.name}@{host}",
+            "supervisor": node_supervisor_options(options, [i.name for i in insts]),
+            "specs": [by_name[i.name] for i in insts]}, indent=1))
+    return [n.name for n in plan.topology.nodes]
+
+
 def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
     """Inside an allocation: one node agent per node through srun; each runs its node's actors under the
     Supervisor. The run directory must be on a file system every node sees (it holds the plans, and the
@@ -1084,17 +1097,9 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
         return EXIT_INVALID
     specs = build_specs(plan, run_dir, record=args.record)
     write_plan(plan, run_dir, specs, args.overrides)
-    by_name = {s["name"]: s for s in specs}
-    hosts = [n.name for n in plan.topology.nodes]
-    (run_dir / "nodes").mkdir(exist_ok=True)
     options = supervisor_options(plan, args)
+    hosts = write_node_plans(plan, run_dir, specs, options)
     rules = ready_rules(plan, options["ready_timeout"])
-    for node_idx, insts in plan.by_node().items():
-        host = plan.topology.nodes[node_idx].name
-        node_plan_path(run_dir, host).write_text(json.dumps({
-            "host": host, "title": f"{plan.topology.name}@{host}",
-            "supervisor": node_supervisor_options(options, [i.name for i in insts]),
-            "specs": [by_name[i.name] for i in insts]}, indent=1))
     cmd = ["srun", f"-N{len(hosts)}", f"-n{len(hosts)}", "--ntasks-per-node=1", f"--nodelist={','.join(hosts)}",
            *slurm_resources(plan), "--kill-on-bad-exit=1", f"--chdir={topo_mod.REPO_ROOT}", "--overlap",
            sys.executable, "-m", "tools.node_agent", str(run_dir)]
