@@ -64,20 +64,6 @@ class Recording(Environment):
         self.closed = True
 
 
-def chain_of(text: str) -> Chain:
-    expr = text.split("Compute: ")[1].split("\n")[0]
-    a, b, rest = re.match(r"(\d+)\*(\d+)(.*)", expr).groups()
-    return Chain(int(a), int(b), tuple((m[0], int(m[1:])) for m in re.findall(r"[-+]\d+", rest)))
-
-
-def careful_agent(context: Sequence[int], sample: int) -> list[int]:
-    """The scripted model that solves a calculator chain as the careful teacher does."""
-    text = ARITH.decode(context)
-    model_turns = [s["text"] for s in tool_transcript(chain_of(text)) if s["role"] == "model"]
-    k = text.count("=")
-    return ARITH.encode(model_turns[k]) + ([EOS] if k == len(model_turns) - 1 else [])
-
-
 def arith_request(expr: str, n: int = 1, max_new_tokens: int = 20, seed: int | None = 5) -> GenerationRequest:
     return GenerationRequest("g", tuple(ARITH.encode(f"Compute: {expr}\n")),
                              SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(EOS,), seed=seed), n)
@@ -131,7 +117,7 @@ def test_single_turn_episode_sends_the_request_it_was_given():
 
 # --- several turns ---------------------------------------------------------------------------------
 
-def test_turns_continue_from_the_context_with_observations_masked_and_marked():
+def test_turns_continue_from_the_context_with_observations_masked_and_marked(careful_agent):
     engine = run(scripted(careful_agent))
     request = arith_request("37*48+56-21", n=2)
     trajectories = run(run_episodes(engine, request, Calculator, ARITH, EpisodeLimits(max_turns=6, max_tokens=256)))
@@ -163,7 +149,7 @@ def test_turns_continue_from_the_context_with_observations_masked_and_marked():
         assert start >= 0
 
 
-def test_one_turn_never_consults_the_environment():
+def test_one_turn_never_consults_the_environment(careful_agent):
     env = Recording("]")
     engine = run(scripted(careful_agent))
     [t] = run(run_episodes(engine, arith_request("37*48"), lambda: env, ARITH, EpisodeLimits(max_turns=1)))
@@ -180,7 +166,7 @@ def test_turn_budget_ends_a_tool_loop():
     assert ARITH.decode(t.output_ids) == "[1+1]=2\n[1+1]=2\n[1+1]"
 
 
-def test_token_budget_caps_each_turn_and_refuses_an_observation_that_does_not_fit():
+def test_token_budget_caps_each_turn_and_refuses_an_observation_that_does_not_fit(careful_agent):
     request = arith_request("37*48+56-21", max_new_tokens=20)
     prompt = len(request.input_ids)                                  # 13 tokens
     engine = run(scripted(careful_agent))
@@ -201,7 +187,7 @@ def test_token_budget_caps_each_turn_and_refuses_an_observation_that_does_not_fi
 @pytest.mark.parametrize("kind, cause", [("hang", "environment step timed out after 0.2 s"),
                                          ("fail", "environment step failed: RuntimeError: boom"),
                                          ("wrong_type", "TypeError: step returned int")])
-def test_a_slow_dead_or_failing_environment_ends_the_episode_with_the_cause(kind, cause):
+def test_a_slow_dead_or_failing_environment_ends_the_episode_with_the_cause(kind, cause, careful_agent):
     envs: list[Recording] = []
 
     def make() -> Recording:
@@ -279,7 +265,7 @@ def test_sampled_episodes_are_reproducible_and_every_turn_has_its_own_seed():
     assert turn_seed(None, 0, 1) is None and turn_rid("g", 2, 3) == "g#s2t3"
 
 
-def test_abort_keeps_the_tokens_so_far_and_cancel_closes_the_environments():
+def test_abort_keeps_the_tokens_so_far_and_cancel_closes_the_environments(careful_agent):
     hold = ARITH.encode("9")[0]
     turns = iter([ARITH.encode("[2*3]"), [hold, EOS]])
     engine = run(scripted(lambda ctx, i: next(turns), hold_token=hold))
@@ -311,7 +297,7 @@ def test_abort_keeps_the_tokens_so_far_and_cancel_closes_the_environments():
     assert env.closed
 
 
-def test_bad_limits_and_markers_are_named():
+def test_bad_limits_and_markers_are_named(careful_agent):
     with pytest.raises(EpisodeError, match="max_turns"):
         EpisodeLimits(max_turns=0)
     with pytest.raises(EpisodeError, match="max_tokens"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -39,6 +40,7 @@ TASK = "agent"
 GUESS_SPREAD = 30
 RECIPE_GUESS_FRACTION = 0.8
 TEST_PAIR_FRACTION = 0.25
+_EXPR = re.compile(r"(\d+)\*(\d+)((?:[-+]\d+)*)")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,15 @@ class Chain:
     a: int
     b: int
     tail: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def parse(cls, expr: str) -> "Chain":
+        """The chain a prompt's expression spells (``37*48+56``); ValueError if it spells none."""
+        found = _EXPR.fullmatch(expr)
+        if found is None:
+            raise ValueError(f"not a product followed by +/- terms: {expr!r}")
+        tail = tuple((m[0], int(m[1:])) for m in re.findall(r"[-+]\d+", found.group(3)))
+        return cls(int(found.group(1)), int(found.group(2)), tail)
 
     @property
     def level(self) -> int:
