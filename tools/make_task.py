@@ -297,24 +297,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make_task: {flags} do(es) not apply to --task {args.task}", file=sys.stderr)
         return 2
     out = args.out or Path({"math": "data/arith", "code": "data/code", "agent": "data/agent"}[args.task])
+    default_train, default_test = {"math": (6000, 200), "code": (3000, 40), "agent": (4000, 200)}[args.task]
+    train = default_train if args.train_per_level is None else args.train_per_level
+    test = default_test if args.test_per_level is None else args.test_per_level
     try:
         if args.task == "agent":
             splits = agent_task.make_splits(
-                args.seed, parse_levels(args.levels),
-                4000 if args.train_per_level is None else args.train_per_level,
-                200 if args.test_per_level is None else args.test_per_level,
+                args.seed, parse_levels(args.levels), train, test,
                 agent_task.RECIPE_GUESS_FRACTION if args.guess_fraction is None else args.guess_fraction)
         elif args.task == "code":
             splits = code_task.make_splits(
-                args.seed, parse_levels(args.levels),
-                3000 if args.train_per_level is None else args.train_per_level,
-                40 if args.test_per_level is None else args.test_per_level,
+                args.seed, parse_levels(args.levels), train, test,
                 code_task.RECIPE_HARDCODE_FRACTION if args.hardcode_fraction is None else args.hardcode_fraction)
         else:
             splits = make_splits(
-                args.seed, parse_levels(args.levels), parse_levels(args.solved_levels or "1-3"),
-                6000 if args.train_per_level is None else args.train_per_level,
-                200 if args.test_per_level is None else args.test_per_level,
+                args.seed, parse_levels(args.levels), parse_levels(args.solved_levels or "1-3"), train, test,
                 RECIPE_MAX_OPERAND if args.max_operand is None else args.max_operand,
                 args.style or "rewrite", args.partial or "none",
                 RECIPE_DIRECT_FRACTION if args.direct_fraction is None else args.direct_fraction,
