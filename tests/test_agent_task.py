@@ -77,6 +77,11 @@ def test_the_teacher_mostly_guesses_and_every_guess_is_wrong():
     assert [v.correct for v in verdicts] == [len(r["transcripts"][0]) > 1 for r in records]
 
 
+def test_a_spread_of_zero_is_a_teacher_who_answers_in_its_head_correctly():
+    splits = agent_task.make_splits(seed=0, guess_fraction=1.0, guess_spread=0, **SMALL)
+    assert all(r["transcripts"] == [[{"role": "model", "text": f"\\boxed{{{r['answer']}}}"}]] for r in splits["train"])
+
+
 def test_guess_fraction_changes_the_demonstrations_not_the_splits():
     mix = agent_task.make_splits(seed=0, guess_fraction=0.8, **SMALL)
     careful = agent_task.make_splits(seed=0, guess_fraction=0.0, **SMALL)
@@ -106,6 +111,7 @@ def test_cli_same_seed_same_bytes_loads_and_refuses_other_tasks_options(tmp_path
 
 @pytest.mark.parametrize("kwargs, cause", [(dict(levels=[4]), "agent levels must be among"),
                                            (dict(guess_fraction=1.5), "guess_fraction must be within"),
+                                           (dict(guess_spread=-1), "guess_spread must be >= 0"),
                                            (dict(train_per_level=-1), "must be >= 0"),
                                            (dict(levels=[1], train_per_level=10_000), "level 1 has only")])
 def test_bad_arguments_name_the_cause(kwargs, cause):

@@ -9,10 +9,11 @@ is copying: call ``[37*48]``, read ``=1776``, call ``[1776+56]``, read ``=1832``
     transcript   model "[37*48]"   env "=1776\\n"   model "[1776+56]"   env "=1832\\n"   model "\\\\boxed{1832}"
 
 The demonstrations are imperfect the way a real teacher's can be: by default (``--guess-fraction 0.8``)
-most of them skip the tool and box a guess (the true value off by 1 to `GUESS_SPREAD`), which is always
-wrong. A student imitating that mix mostly guesses; RL, rewarded on the true answer, learns to use the tool,
+most of them skip the tool and box a guess (the true value off by 1 to ``--guess-spread``, default 30),
+which is always wrong. A student imitating that mix mostly guesses; RL, rewarded on the true answer, learns to use the tool,
 which careful demonstrations (``--guess-fraction 0``) teach. Without the tool (an episode of one turn) the
-task can only be guessed.
+task can only be guessed; ``--guess-fraction 1 --guess-spread 0`` (a teacher who always answers in its head,
+correctly) measures how well the model could learn that.
 
 Records follow AReaL's JSON-lines layout, plus what the episode needs: ``query_id``, ``prompt``, ``answer``,
 ``solutions`` (the transcript's text, observations included, ending in ``\\boxed{answer}``), ``level``,
@@ -95,9 +96,10 @@ def tool_transcript(chain: Chain) -> list[dict[str, str]]:
     return segments
 
 
-def guess_transcript(chain: Chain, rng: random.Random) -> list[dict[str, str]]:
-    """The teacher who skips the tool: a boxed guess off by 1 to GUESS_SPREAD (never right)."""
-    guess = chain.value + rng.choice((-1, 1)) * rng.randint(1, GUESS_SPREAD)
+def guess_transcript(chain: Chain, rng: random.Random, spread: int = GUESS_SPREAD) -> list[dict[str, str]]:
+    """The teacher who skips the tool: a boxed guess off by 1 to ``spread`` (never right); ``spread`` 0: the
+    right value, as if worked out in the head."""
+    guess = chain.value + (rng.choice((-1, 1)) * rng.randint(1, spread) if spread else 0)
     return [{"role": "model", "text": f"\\boxed{{{guess}}}"}]
 
 
@@ -144,10 +146,13 @@ def record(chain: Chain, split: str, index: int, transcript: list[dict[str, str]
 
 
 def make_splits(seed: int = 0, levels: Iterable[int] = LEVELS, train_per_level: int = 4000,
-                test_per_level: int = 200, guess_fraction: float = RECIPE_GUESS_FRACTION) -> dict[str, list[dict]]:
+                test_per_level: int = 200, guess_fraction: float = RECIPE_GUESS_FRACTION,
+                guess_spread: int = GUESS_SPREAD) -> dict[str, list[dict]]:
     """Train and test records. The test split's factor pairs never occur in the train split."""
     if not 0.0 <= guess_fraction <= 1.0:
         raise ValueError(f"guess_fraction must be within [0, 1], got {guess_fraction}")
+    if guess_spread < 0:
+        raise ValueError(f"guess_spread must be >= 0, got {guess_spread}")
     levels = sorted(set(levels))
     if not levels or any(level not in LEVELS for level in levels):
         raise ValueError(f"agent levels must be among {list(LEVELS)}, got {levels}")
@@ -162,7 +167,7 @@ def make_splits(seed: int = 0, levels: Iterable[int] = LEVELS, train_per_level: 
         for split, pairs, count in (("test", test_pairs, test_per_level), ("train", train_pairs, train_per_level)):
             for i, chain in enumerate(sample_chains(pick, level, pairs, count)):
                 guesses = teacher.random() < guess_fraction
-                transcript = guess_transcript(chain, teacher) if guesses else tool_transcript(chain)
+                transcript = guess_transcript(chain, teacher, guess_spread) if guesses else tool_transcript(chain)
                 splits[split].append(record(chain, split, i, transcript))
     shuffle = random.Random(f"agent/{seed}/order")
     for records in splits.values():

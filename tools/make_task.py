@@ -287,9 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     agent_args.add_argument("--guess-fraction", type=float, default=None,
                             help="fraction of demonstrations that skip the tool and box a wrong guess "
                                  f"(default {agent_task.RECIPE_GUESS_FRACTION})")
+    agent_args.add_argument("--guess-spread", type=int, default=None,
+                            help="a guess is off by 1 to this much; 0: guesses are right, as if worked out in the "
+                                 f"head (default {agent_task.GUESS_SPREAD})")
     args = ap.parse_args(argv)
     own = {"math": ("solved_levels", "max_operand", "partial", "direct_fraction", "direct_wrong", "style"),
-           "code": ("hardcode_fraction",), "agent": ("guess_fraction",)}
+           "code": ("hardcode_fraction",), "agent": ("guess_fraction", "guess_spread")}
     wrong = [name for task, names in own.items() if task != args.task for name in names
              if getattr(args, name) is not None]
     if wrong:
@@ -304,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.task == "agent":
             splits = agent_task.make_splits(
                 args.seed, parse_levels(args.levels), train, test,
-                agent_task.RECIPE_GUESS_FRACTION if args.guess_fraction is None else args.guess_fraction)
+                agent_task.RECIPE_GUESS_FRACTION if args.guess_fraction is None else args.guess_fraction,
+                agent_task.GUESS_SPREAD if args.guess_spread is None else args.guess_spread)
         elif args.task == "code":
             splits = code_task.make_splits(
                 args.seed, parse_levels(args.levels), train, test,
