@@ -21,6 +21,12 @@ A second SIGTERM/SIGINT skips the rest of the drain. ``run()`` returns the exit 
 Readiness: after on_start the actor writes ``RUN_DIR/ready/<name>.json`` ({"pid", "endpoint", "time"})
 atomically; the supervisor waits for a file with the child's pid. It is removed on stop.
 
+Status: every ``status_every_s`` seconds (and once more as it stops) the actor writes
+``RUN_DIR/status/<name>.json``: its pid and state, what it is doing (``progress()``, each actor's own), the
+requests it waits on and those it is still answering, and the last message of each kind in and out
+(``Bus.activity``). The launcher's progress watchdog (tools/watchdog.py) diagnoses a stalled run from them; a
+file that stops changing while its process lives says the event loop is blocked or the process stopped.
+
 Settings: ``spec.settings`` is validated by the class's ``Settings`` model (topology.settings; unknown keys and
 wrong types are refused before on_start) into ``actor.cfg``, which actors read (``self.cfg.algo.eta``). The
 base reads ``message_log``, ``bus``, ``drain_timeout``, ``close_linger`` and ``log_console``
@@ -44,7 +50,7 @@ from typing import Any, Callable, ClassVar, Coroutine
 import structlog
 
 from topology.settings import ActorSettings, read_settings
-from transport.auth import CurveConfig
+from transport.auth import CurveConfig, TokenConfig
 from transport.bus import Bus, Envelope
 from transport.messages import Error, Message
 from transport.msglog import MessageLogWriter
@@ -67,6 +73,7 @@ class ActorSpec:
     run_dir: str = "."
     curve: dict[str, Any] | None = None
     env: dict[str, str] = field(default_factory=dict)
+    tokens: dict[str, Any] | None = None       # the run's bus tokens when CURVE is off: {"tokens_dir": DIR}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,7 +82,7 @@ class ActorSpec:
     def from_dict(cls, d: Any, where: str = "spec") -> "ActorSpec":
         if not isinstance(d, dict):
             raise SpecError(f"{where}: expected a map, got {type(d).__name__}")
-        known = {"name", "cls", "endpoint", "peers", "settings", "run_dir", "curve", "env"}
+        known = {"name", "cls", "endpoint", "peers", "settings", "run_dir", "curve", "env", "tokens"}
         for key in d:
             if key not in known:
                 raise SpecError(f"{where}.{key}: unknown key (expected one of {sorted(known)})")
@@ -91,12 +98,13 @@ class ActorSpec:
                 raise SpecError(f"{where}.{key}: expected a map of strings to strings")
         if not isinstance(d.get("settings") or {}, dict):
             raise SpecError(f"{where}.settings: expected a map")
-        if d.get("curve") is not None and not isinstance(d["curve"], dict):
-            raise SpecError(f"{where}.curve: expected a map or null")
+        for key in ("curve", "tokens"):
+            if d.get(key) is not None and not isinstance(d[key], dict):
+                raise SpecError(f"{where}.{key}: expected a map or null")
         if not isinstance(d.get("run_dir", "."), str):
             raise SpecError(f"{where}.run_dir: expected a path string")
         return cls(d["name"], d["cls"], d["endpoint"], dict(d.get("peers") or {}), dict(d.get("settings") or {}),
-                   d.get("run_dir", "."), d.get("curve"), dict(d.get("env") or {}))
+                   d.get("run_dir", "."), d.get("curve"), dict(d.get("env") or {}), d.get("tokens"))
 
     def write(self, path: str | os.PathLike) -> None:
         tmp = f"{path}.tmp{os.getpid()}"
@@ -271,6 +279,12 @@ class Actor:
     def on_peer_alive(self, peer: str) -> None:
         """A peer declared dead answers again."""
 
+    def progress(self) -> dict[str, Any]:
+        """What this actor is doing, as plain data for its status file (the trainer: its version and phase;
+        the buffer: its gate and queues). The watchdog reads ``version`` (the trainer's trained steps) and
+        ``groups_kept`` (the buffer's accepted groups that were not dropped as stale)."""
+        return {}
+
     def make_link(self, config: Any) -> Any:
         """This actor's end of a bulk link (a transport.bulk.LinkConfig): its buckets go into the message log
         when the actor keeps one; tools.replay puts a stand-in fed from the log in its place."""
@@ -357,13 +371,16 @@ class Actor:
             recorder = self.msglog = MessageLogWriter(
                 self.run_dir / "msglog" / f"{self.name}.msglog", tensors=opts.tensors, flush_every=opts.flush_every,
                 meta={"actor": self.name, "spec": self.spec.to_dict(), "outbound": outbound})
-        curve = None
+        curve = tokens = None
         if self.spec.curve:
             curve = CurveConfig.from_spec(self.spec.curve, self.name, list(self.spec.peers))
+        elif self.spec.tokens:
+            tokens = TokenConfig.from_spec(self.spec.tokens, self.name)
         # The launcher lists every actor of the run by group: the group is the role messages are checked by.
         groups = self.cfg.groups
         roles = {name: group for group, names in groups.items() for name in names} if groups else None
-        return Bus(self.name, self.spec.endpoint, self.spec.peers, handler=self.dispatch, curve=curve, roles=roles,
+        return Bus(self.name, self.spec.endpoint, self.spec.peers, handler=self.dispatch, curve=curve, tokens=tokens,
+                   roles=roles,
                    recorder=recorder, record_outbound=outbound, log=self.log.bind(component="bus"),
                    on_peer_dead=self._peer_dead, on_peer_alive=self._peer_alive, **bus_kw)
 
@@ -414,6 +431,8 @@ class Actor:
             started = True
             self._announce_ready()
             self.log.info("ready", endpoint=self.bus.endpoint, pid=os.getpid())
+            if self.cfg.status_every_s > 0:
+                self.spawn(self._status_loop(self.cfg.status_every_s), name="status", critical=False)
             await self.on_ready()
             await self._stop_event.wait()
             self.log.info("stopping", reason=self._stop_reason)
@@ -436,12 +455,38 @@ class Actor:
             if self.msglog is not None:
                 self.msglog.close()
             ready_path(self.run_dir, self.name).unlink(missing_ok=True)
+            if started and self.cfg.status_every_s > 0:
+                self._write_status("stopped")
             for sig in installed:
                 loop.remove_signal_handler(sig)
             self.log.info("stopped", exit_code=self.exit_code, counters=dict(self.counters),
                           bus=self.bus.counters() if self.bus is not None else {})
             _close_logger(self.name)
         return self.exit_code
+
+    async def _status_loop(self, every: float) -> None:
+        while True:
+            self._write_status("stopping" if self.draining else "running")
+            await asyncio.sleep(every)
+
+    def _write_status(self, state: str) -> None:
+        """RUN_DIR/status/<name>.json, replaced whole (a reader never sees half a file)."""
+        try:
+            progress = self.progress()
+        except Exception as exc:   # a status must never fail the actor
+            progress = {"error": repr(exc)}
+        status = {"actor": self.name, "pid": os.getpid(), "time": time.time(), "state": state,
+                  "progress": progress, **(self.bus.activity() if self.bus is not None else {})}
+        if state == "stopped":
+            status.update(exit_code=self.exit_code, reason=self._stop_reason)
+        path = Path(self.run_dir) / "status" / f"{self.name}.json"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(status, default=str))
+            os.replace(tmp, path)
+        except OSError as exc:
+            self.log.warning("status_not_written", error=str(exc))
 
     def dump_stacks(self) -> Path:
         """Write where every asyncio task and thread of this actor is waiting to

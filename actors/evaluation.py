@@ -145,14 +145,18 @@ async def aevaluate_model(model: Qwen2ForCausalLM, tokenizer: LoadedTokenizer, r
     return await aevaluate_with(gen, tokenizer, records, settings, pool, details)
 
 
-def engine_generator(engine: GenerationEngine) -> Generate:
-    """`Generate` on a started engine (an SGLang server, ...): every prompt submitted at once."""
+def engine_generator(*engines: GenerationEngine) -> Generate:
+    """`Generate` on started engines (SGLang servers, the embedded engine): every prompt submitted at once, prompt
+    i to engine i mod len(engines) (each server batches what it is given)."""
+    if not engines:
+        raise EvalError("engine_generator: no engine")
+
     async def gen(prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams],
                   n: int) -> list[list[GenerationResult]]:
         if len(sampling) != len(prompts):
             raise EvalError(f"generate: {len(sampling)} sampling settings for {len(prompts)} prompts")
         return list(await asyncio.gather(*(
-            engine.generate(GenerationRequest(f"p{i}", tuple(ids), sp, n))
+            engines[i % len(engines)].generate(GenerationRequest(f"p{i}", tuple(ids), sp, n))
             for i, (ids, sp) in enumerate(zip(prompts, sampling)))))
     return gen
 
@@ -303,7 +307,7 @@ def grade_records(responses: Sequence[str], records: Sequence[Record], pool: Rew
     math = [i for i, r in enumerate(records) if not is_code(r)]
     verdicts: list[MathVerdict | CodeCheck | None] = [None] * len(responses)
     if math:
-        for i, v in zip(math, grade_many([responses[i] for i in math], [str(records[i].answer) for i in math],
+        for i, v in zip(math, grade_many([responses[i] for i in math], [_reference(records[i]) for i in math],
                                          pool, workers, timeout_s)):
             verdicts[i] = v
     if code:
@@ -311,6 +315,13 @@ def grade_records(responses: Sequence[str], records: Sequence[Record], pool: Rew
                                               pool, workers)):
             verdicts[i] = v
     return verdicts
+
+
+def _reference(record: Record) -> str | list[str]:
+    """What a math record's responses are graded against: its answer, or all its answers when there are several
+    (a response matching any of them is correct)."""
+    refs = record.references
+    return refs[0] if len(refs) == 1 else list(refs)
 
 
 def grade_code_many(responses: Sequence[str], records: Sequence[Record], pool: RewardPool | None = None,
@@ -345,7 +356,7 @@ def grade_code_many(responses: Sequence[str], records: Sequence[Record], pool: R
         if own:
             pool.close()
 
-def grade_many(responses: Sequence[str], answers: Sequence[str], pool: RewardPool | None = None,
+def grade_many(responses: Sequence[str], answers: Sequence[str | list[str]], pool: RewardPool | None = None,
                workers: int = 1, timeout_s: float = 10.0) -> list[MathVerdict | None]:
     """Verdict per response (None: the check timed out or crashed, which scores as wrong).
 

@@ -17,9 +17,26 @@ Each evaluation appends one line to ``RUN_DIR/eval.jsonl`` (read by ``tools.plot
 
 ``newest`` is the newest version the parameter server held when the weights were fetched (training's lead).
 A restarted evaluator (the supervisor restarts it like any actor) reads the file and does not evaluate a
-version twice. Settings: ``eval.every_versions`` (0: off, the actor idles), ``eval.max_problems``
+version twice.
+
+Versions missed (the evaluator was down, or an evaluation took longer than N versions) are caught up where
+their weights are still on disk: version 0's in ``model.path``, the others in a sound checkpoint of that step
+(``"source": "checkpoint"`` on their line); the rest are named in a line of their own,
+``{"kind": "skipped", "versions": [...], "reason": ...}``, so a gap in the curve is explained. A run that ended
+while the evaluator was away is caught up by the launcher (`catch_up`, tools/up.py) from the checkpoints left.
+
+Settings: ``eval.every_versions`` (0: off, the actor idles), ``eval.max_problems``
 (default 64), ``eval.wait_s`` (how long one request waits for a new version, default 30),
 ``gen.max_new_tokens``, ``data.test`` and its layout, ``model.path`` (config and tokenizer).
+
+On a GPU run (``engine: sglang``, ``weights_from: checkpoints``): the answers come from an SGLang server of its
+own (the rollouts' engine, `SGLangEngine.from_settings`, started in the background so the run does not wait for
+it), and the versions evaluated are the run's checkpoints: the start weights (version 0), then the newest
+complete checkpoint at least N versions after the last one evaluated, loaded into the server from the shared
+file system (``/update_weights_from_disk``); ``newest`` is then the newest complete checkpoint. The direct
+weights of a GPU run keep no copy in the parameter server, so a checkpoint is the one version it can read.
+Either source works with either engine (``weights_from: param_server`` with SGLang loads the fetched buckets
+through the server's disk path; ``checkpoints`` with the embedded engine loads each checkpoint here).
 """
 from __future__ import annotations
 
@@ -27,28 +44,31 @@ import asyncio
 import json
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from actors.base import Actor, ActorSpec, handles
 from actors.dataset import Layout, Record, load_dataset
-from actors.engines.checkpoint import assign_weights, load_config
+from actors.engines.base import EngineError
+from actors.engines.checkpoint import assign_weights, has_weights, iter_checkpoint_tensors, load_config, load_model
 from actors.engines.model import Qwen2ForCausalLM
 from actors.engines.tokenizer import load_tokenizer
-from actors.evaluation import EvalSettings, aevaluate_model, level_key
+from actors.evaluation import EvalSettings, aevaluate_model, aevaluate_with, engine_generator, level_key
 from actors.param_server import EvalWeights, EvalWeightsRequest
-from actors.recovery import run_finished
+from actors.recovery import COMPLETE, FINISHED, checkpoint_dir, checkpoint_problem, complete_checkpoints, run_finished
 from actors.weights import weights_hash
 from topology.settings import EvaluatorSettings
 from transport.bulk import PackedBucket, unpack_bucket
 from transport.bus import BusError
 from transport.protocol import RunFinished
 
-__all__ = ["EvalActor", "EvalConfigError", "spread_over_levels", "evaluated_versions", "eval_entry", "EVAL_FILE"]
+__all__ = ["EvalActor", "EvalConfigError", "spread_over_levels", "evaluated_versions", "skipped_versions", "eval_entry",
+           "skipped_entry", "missed_versions", "weights_on_disk", "catch_up", "EVAL_FILE"]
 
 EVAL_FILE = "eval.jsonl"
 KIND = "periodic"
+SKIPPED = "skipped"
 
 
 class EvalConfigError(ValueError):
@@ -70,27 +90,101 @@ def spread_over_levels(records: Sequence[Record], n: int) -> list[Record]:
     return out
 
 
-def evaluated_versions(path: Path) -> set[int]:
-    """Versions a previous incarnation already evaluated (periodic lines of eval.jsonl; a torn last line
-    of one killed while writing is ignored, as is the launcher's final evaluation)."""
+def _rows(path: Path) -> Iterator[dict[str, Any]]:
+    """eval.jsonl's lines as objects; a torn last line (a process killed while writing) is skipped."""
     if not path.is_file():
-        return set()
-    done = set()
+        return
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and row.get("kind") == KIND and isinstance(row.get("version"), int):
-            done.add(row["version"])
-    return done
+        if isinstance(row, dict):
+            yield row
 
 
-def eval_entry(version: int, newest: int, report: dict[str, Any], seconds: float, now: float) -> dict[str, Any]:
-    """One eval.jsonl line for a version's report (`actors.evaluation.aevaluate_with`)."""
-    return {"kind": KIND, "version": version, "step": version, "time": now, "newest": newest,
-            "eval/accuracy": report["overall"]["greedy_accuracy"], "eval_seconds": seconds,
-            "n_prompts": report["n_prompts"], "overall": report["overall"], "by_level": report["by_level"]}
+def evaluated_versions(path: Path) -> set[int]:
+    """Versions a previous incarnation already evaluated (periodic lines of eval.jsonl; a torn last line
+    of one killed while writing is ignored, as is the launcher's final evaluation)."""
+    return {row["version"] for row in _rows(path) if row.get("kind") == KIND and isinstance(row.get("version"), int)}
+
+
+def skipped_versions(path: Path) -> set[int]:
+    """Versions named as skipped in eval.jsonl (and not evaluated since)."""
+    named = {v for row in _rows(path) if row.get("kind") == SKIPPED and isinstance(row.get("versions"), list)
+             for v in row["versions"] if isinstance(v, int)}
+    return named - evaluated_versions(path)
+
+
+def eval_entry(version: int, newest: int, report: dict[str, Any], seconds: float, now: float,
+               source: str = "param_server") -> dict[str, Any]:
+    """One eval.jsonl line for a version's report (`actors.evaluation.aevaluate_with`). ``source``: where its
+    weights came from (the parameter server during the run, or a checkpoint when caught up)."""
+    entry = {"kind": KIND, "version": version, "step": version, "time": now, "newest": newest,
+             "eval/accuracy": report["overall"]["greedy_accuracy"], "eval_seconds": seconds,
+             "n_prompts": report["n_prompts"], "overall": report["overall"], "by_level": report["by_level"]}
+    if source != "param_server":
+        entry["source"] = source
+    return entry
+
+
+def skipped_entry(versions: list[int], reason: str, now: float) -> dict[str, Any]:
+    return {"kind": SKIPPED, "versions": versions, "reason": reason, "time": now}
+
+
+def weights_on_disk(version: int, run_dir: Path, start_model: str | None) -> Path | None:
+    """Where a version's weights still are: the starting model for version 0, else the model of a sound
+    checkpoint of that step; None when they are gone (never checkpointed, or removed)."""
+    if version == 0:
+        return Path(start_model) if start_model and has_weights(start_model) else None
+    ckpt = checkpoint_dir(run_dir, version)
+    if (ckpt / COMPLETE).exists() and checkpoint_problem(ckpt) is None:
+        return ckpt / "model"
+    return None
+
+
+def missed_versions(every: int, after: int, upto: int, accounted: set[int]) -> list[int]:
+    """The multiples of ``every`` after ``after`` and before ``upto`` that are not yet accounted for."""
+    return [v for v in range(max(after + 1, 0), upto) if v % every == 0 and v not in accounted]
+
+
+def catch_up(cfg: Any, run_dir: Path, final_version: int) -> tuple[list[int], list[int]]:
+    """After the run: evaluate every kept version (multiple of eval.every_versions up to ``final_version``)
+    that eval.jsonl lacks, from its weights on disk, and name the rest as skipped. Returns (caught up,
+    skipped). Blocking: the launcher calls it once the actors have stopped."""
+    every = cfg.eval.every_versions
+    path = Path(run_dir) / EVAL_FILE
+    if every <= 0 or not cfg.data.test or not cfg.model.path:
+        return [], []
+    missing = missed_versions(every, -1, final_version + 1, evaluated_versions(path))
+    if not missing:
+        return [], []
+    dataset = load_dataset(cfg.data.test, require="answer", on_error=cfg.data.on_bad_line or "fail",
+                           layout=Layout.from_settings(cfg.data, test=True), max_bad_share=cfg.data.max_bad_share)
+    records = spread_over_levels(dataset.records, cfg.eval.max_problems)
+    tokenizer = load_tokenizer(cfg.model.path)
+    settings = EvalSettings(samples=0, max_new_tokens=cfg.gen.max_new_tokens)
+    caught, gone = [], []
+    for version in missing:
+        where = weights_on_disk(version, Path(run_dir), cfg.model.path)
+        if where is None:
+            gone.append(version)
+            continue
+        model = Qwen2ForCausalLM(load_config(str(where)))
+        assign_weights(model, iter_checkpoint_tensors(str(where)), True, str(where))
+        t0 = time.monotonic()
+        report = asyncio.run(aevaluate_model(model, tokenizer, records, settings))
+        _append(path, eval_entry(version, final_version, report, time.monotonic() - t0, time.time(), "checkpoint"))
+        caught.append(version)
+    if gone := [v for v in gone if v not in skipped_versions(path)]:
+        _append(path, skipped_entry(gone, "the evaluator was away, and these versions' weights are no longer kept "
+                                          "(not a checkpoint step, or its checkpoint was removed)", time.time()))
+    return caught, gone
+
+
+def _append(path: Path, entry: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 class EvalActor(Actor):
@@ -106,6 +200,7 @@ class EvalActor(Actor):
         self.every = cfg.eval.every_versions
         self.wait_s = cfg.eval.wait_s
         self.path = self.run_dir / EVAL_FILE
+        self.engine: Any = None
         if self.every <= 0:
             self.log.info("evaluator_off", why="eval.every_versions is 0")
             return
@@ -114,33 +209,59 @@ class EvalActor(Actor):
             raise EvalConfigError("data.test: eval.every_versions > 0 needs a held-out file")
         if not model_dir:
             raise EvalConfigError("model.path: the evaluator needs the model's config and tokenizer")
-        servers = cfg.groups.get("param_server") or []
-        if not servers:
-            raise EvalConfigError("groups.param_server: the evaluator takes its weights from the parameter server")
-        self.param_server = servers[0]
+        if cfg.weights_from == "param_server":
+            servers = cfg.groups.get("param_server") or []
+            if not servers:
+                raise EvalConfigError("groups.param_server: weights_from param_server takes the weights from the "
+                                      "parameter server (weights_from: checkpoints reads the run's checkpoints)")
+            self.param_server = servers[0]
         dataset = await asyncio.to_thread(load_dataset, test, require="answer", on_error=cfg.data.on_bad_line or "fail",
-                                          layout=Layout.from_settings(cfg.data))
+                                          layout=Layout.from_settings(cfg.data, test=True),
+                                          max_bad_share=cfg.data.max_bad_share)
         self.records = spread_over_levels(dataset.records, cfg.eval.max_problems)
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = Qwen2ForCausalLM(load_config(model_dir))
+        if cfg.engine == "sglang":
+            from actors.engines.sglang import SGLangEngine
+
+            # the server starts on the start weights (version 0); it is started by the evaluation loop
+            self.engine = SGLangEngine.from_settings(cfg, 0, model_dir, run_dir=str(self.run_dir))
+        else:
+            self.model = Qwen2ForCausalLM(load_config(model_dir))
         self.settings_eval = EvalSettings(samples=0, max_new_tokens=cfg.gen.max_new_tokens)
         self.done = evaluated_versions(self.path)
+        self.skipped = skipped_versions(self.path)
         try:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         except ImportError as e:
             self.log.warning("tensorboard_unavailable", error=str(e))
         self.log.info("evaluator_started", every=self.every, problems=len(self.records), data=test,
-                      already_done=sorted(self.done))
+                      engine=cfg.engine, weights_from=cfg.weights_from, already_done=sorted(self.done))
         self._stop_if_finished()
 
     def _stop_if_finished(self) -> bool:
         """A restart can miss the trainer's RunFinished (sent while this process was down): the run's
-        FINISHED mark says it instead, and the evaluator must not wait for a server that has left."""
+        FINISHED mark says it instead, and the evaluator must not wait for a server that has left. The
+        versions it did not evaluate are named as skipped first (the launcher evaluates those whose
+        checkpoints are left, `catch_up`)."""
         if run_finished(self.run_dir):
+            try:
+                final = int(json.loads((self.run_dir / FINISHED).read_text())["step"])
+            except (OSError, ValueError, KeyError, TypeError):
+                final = -1
+            missed = missed_versions(self.every, -1, final + 1, self.done | self.skipped)
+            # (none evaluated: this run's weights never reach it, as with direct weights; from checkpoints, only
+            # checkpoints are evaluated by design)
+            if missed and self.done and self.cfg.weights_from == "param_server":
+                self._skip(missed, "the run ended while the evaluator was away")
             self.request_stop("the run has finished")
             return True
         return False
+
+    def _skip(self, versions: list[int], reason: str) -> None:
+        _append(self.path, skipped_entry(versions, reason, time.time()))
+        self.skipped.update(versions)
+        self.log.warning("evaluations_skipped", versions=versions, reason=reason)
 
     def on_peer_dead(self, peer: str) -> None:
         if peer == getattr(self, "param_server", None):
@@ -148,9 +269,12 @@ class EvalActor(Actor):
 
     async def on_ready(self) -> None:
         if self.every > 0:
-            self.spawn(self._loop(), name="eval_loop")
+            loop = self._checkpoint_loop() if self.cfg.weights_from == "checkpoints" else self._loop()
+            self.spawn(loop, name="eval_loop")
 
     async def on_stop(self) -> None:
+        if self.engine is not None:
+            await self.engine.stop()
         if self.tb is not None:
             self.tb.close()
 
@@ -162,6 +286,8 @@ class EvalActor(Actor):
         """Fetch and evaluate kept versions until the run ends (the actor is stopped). Each request waits at
         most wait_s on the server, and a server that is away is retried after a pause of that order."""
         after = max(self.done, default=-1)
+        if self.engine is not None:
+            await self.engine.start()
         while not self._stop_if_finished():
             try:
                 got = await self._fetch(after)
@@ -171,23 +297,101 @@ class EvalActor(Actor):
                 await asyncio.sleep(min(self.wait_s, 5.0))
                 continue
             if isinstance(got, str):   # this run's parameter server can never give weights: say so once, idle
-                self.log.error("evaluation_unavailable", why=got)
+                self.log.error("evaluation_unavailable", why=got,
+                               hint="weights_from: checkpoints evaluates the run's checkpoints instead")
                 return
             if got is None:
                 continue
-            version, newest = got
+            version, newest, named = got
+            missed = missed_versions(self.every, after, version, self.done | self.skipped)
             after = version
-            if version in self.done:
-                continue
-            t0 = time.monotonic()
-            report = await aevaluate_model(self.model, self.tokenizer, self.records, self.settings_eval)
-            self._write(eval_entry(version, newest, report, time.monotonic() - t0, time.time()))
-            self.done.add(version)
+            if version not in self.done:
+                if self.engine is not None:
+                    await self.engine.update_weights(version, [named])
+                else:
+                    await asyncio.to_thread(assign_weights, self.model, named, True, f"eval weights v{version}")
+                await self._evaluate(version, newest)
+            if missed:
+                await self._catch_up(missed, newest)
 
-    async def _fetch(self, after: int) -> tuple[int, int] | str | None:
-        """Load the newest kept version after ``after`` into the model: (version, server's newest), None
-        when there was none within wait_s or it was replaced while being fetched, or why the server can
-        never give one."""
+    async def _catch_up(self, missed: list[int], newest: int) -> None:
+        """Versions passed over (the evaluator was down, or slower than N versions of training): evaluated from
+        their weights on disk where those are left, named as skipped otherwise."""
+        gone = []
+        for version in missed:
+            where = weights_on_disk(version, self.run_dir, self.cfg.model.path)
+            if where is None:
+                gone.append(version)
+                continue
+            try:
+                if self.engine is not None:
+                    await self.engine.update_weights_from_disk(version, str(where))
+                else:
+                    await asyncio.to_thread(lambda: assign_weights(self.model, iter_checkpoint_tensors(str(where)),
+                                                                   True, str(where)))
+            except Exception as exc:   # removed (keep_checkpoints) while being read: named as skipped
+                self.log.warning("catch_up_weights_unreadable", version=version, path=str(where), error=str(exc)[:200])
+                gone.append(version)
+                continue
+            await self._evaluate(version, newest, "checkpoint")
+        if gone:
+            self._skip(gone, "passed over (the evaluator was away or slower than eval.every_versions versions of "
+                             "training), and their weights are no longer kept")
+
+    async def _evaluate(self, version: int, newest: int, source: str = "param_server") -> None:
+        """Evaluate the weights loaded as `version` and record it (``source``: see `eval_entry`)."""
+        t0 = time.monotonic()
+        if self.engine is not None:
+            report = await aevaluate_with(engine_generator(self.engine), self.tokenizer, self.records,
+                                          self.settings_eval)
+        else:
+            report = await aevaluate_model(self.model, self.tokenizer, self.records, self.settings_eval)
+        self._write(eval_entry(version, newest, report, time.monotonic() - t0, time.time(), source))
+        self.done.add(version)
+
+    def _next_checkpoint(self) -> tuple[int, Path, int] | None:
+        """(step, model directory, newest complete step) of the checkpoint to evaluate next: the newest complete,
+        sound one at least `every` versions after the last evaluated (the ones in between are skipped, as the
+        parameter server's kept versions are); None when there is none yet."""
+        found = complete_checkpoints(self.run_dir)
+        last = max(self.done, default=None)
+        for step, path in found:
+            if step in self.done or (last is not None and step < last + self.every):
+                continue
+            if checkpoint_problem(path) is None:
+                return step, path / "model", found[0][0]
+        return None
+
+    async def _checkpoint_loop(self) -> None:
+        """Evaluate the start weights, then the run's checkpoints as they appear, until the run ends."""
+        if self.engine is not None:
+            await self.engine.start()   # on the start weights: version 0
+        if 0 not in self.done:
+            if self.engine is None:
+                self.model = await asyncio.to_thread(load_model, self.cfg.model.path)
+            await self._evaluate(0, 0)
+        while not self._stop_if_finished():
+            todo = self._next_checkpoint()
+            if todo is None:
+                await asyncio.sleep(self.wait_s)   # checkpoints are files on a shared disk: looked for every wait_s
+                continue
+            step, model_dir, newest = todo
+            try:
+                if self.engine is not None:
+                    await self.engine.update_weights_from_disk(step, str(model_dir))
+                else:
+                    self.model = await asyncio.to_thread(load_model, str(model_dir))
+            except (EngineError, OSError, ValueError) as exc:   # rotated away meanwhile (run.keep_checkpoints)
+                self.counters["checkpoint_load_failures"] += 1
+                self.log.warning("eval_checkpoint_unreadable", step=step, path=str(model_dir), error=str(exc)[:300])
+                self.done.add(step)   # not again; the next one will do
+                continue
+            await self._evaluate(step, newest)
+
+    async def _fetch(self, after: int) -> tuple[int, int, list[tuple[str, Any]]] | str | None:
+        """The newest kept version after ``after``: (version, server's newest, its named tensors), None when
+        there was none within wait_s or it was replaced while being fetched, or why the server can never give
+        one."""
         first = await self.bus.request(self.param_server, EvalWeightsRequest(after=after, timeout_s=self.wait_s),
                                        timeout=self.wait_s + 30)
         if not isinstance(first, EvalWeights):
@@ -212,12 +416,10 @@ class EvalActor(Actor):
             self.log.error("eval_weights_hash_mismatch", version=first.version, got=digest,
                            expected=first.weights_hash)
             return None
-        await asyncio.to_thread(assign_weights, self.model, named, True, f"eval weights v{first.version}")
-        return first.version, first.newest
+        return first.version, first.newest, named
 
     def _write(self, entry: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        _append(self.path, entry)
         if self.tb is not None:
             self.tb.add_scalar("eval/accuracy", entry["eval/accuracy"], entry["version"])
             for level, summary in entry["by_level"].items():

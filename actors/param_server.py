@@ -10,7 +10,9 @@ One task, the *pusher*, owns the rollout link, so formation and transfers never 
 * Forming. An epoch ``e`` of the link is formed by the rollouts that are *ready*: they said
   :class:`RolloutHello` and are alive by the bus heartbeats. :class:`LinkReform` (e, its members) goes to
   each of them, then this side joins in a thread. The first formation waits until every live rollout has
-  said hello (they start together); after that no rollout is waited for: one that is dead, hung (its
+  said hello (they start together), but only while none of those that did is behind: a rollout whose server
+  is still starting (minutes, at 7B and up) joins late, and must not keep the others from new weights. After
+  that no rollout is waited for: one that is dead, hung (its
   heartbeats stop), or whose SGLang server died (:class:`ServerDown`, until its next hello) is left out,
   and the others form without it. When the ready set changes (a member is lost, one comes back or
   restarts and says hello) the link is formed again. A failed rendezvous is retried at a newer epoch
@@ -58,6 +60,7 @@ from typing import Any
 import torch
 
 from actors.base import Actor, ActorSpec, handles
+from actors.push_policy import Form, Idle, Push, PushPolicy, Wait
 from actors.weight_sync import Fanout, StoredVersion, make_fanout
 from topology.settings import ParamServerSettings
 from transport.bulk import BulkError
@@ -82,16 +85,12 @@ class ParamServerActor(Actor):
         super().__init__(spec)
         self.current: StoredVersion | None = None
         self.start_version = 0
-        self.rollouts: dict[str, RolloutWeights] = {}
+        # Which rollouts form the link, when it is formed again, what is pushed to whom, probation: the
+        # decisions (actors/push_policy.py); this actor carries them out.
+        self.policy = PushPolicy()
         self.fanout: Fanout | None = None       # how a version reaches the rollouts: the relay, or the trainer
-        self.epoch: int | None = None           # epoch of the formed rollout link, None if not formed
-        self.next_epoch = 0
-        self.need_reform = False
-        self.formed: list[str] = []             # the rollouts of the formed epoch, in link order
         self._busy_with: set[str] = set()       # the rollouts the running formation or push waits on
         self._lost = asyncio.Event()            # one of them was lost: abandon it
-        self._last_good: set[str] = set()       # the rollouts of the last formation whose push went through
-        self._probation: dict[str, tuple[float, float]] = {}   # rollout -> (left out until, next period)
         self.pushes = 0
         self.hash_mismatches = 0
         self.sync_seconds: list[float] = []
@@ -106,6 +105,49 @@ class ParamServerActor(Actor):
         self.eval_kept: StoredVersion | None = None   # the newest version kept for the evaluator
         self._eval_changed = asyncio.Condition()
         self._eval_closing = False                   # stopping: an evaluator's waiting request returns at once
+
+    # The policy's state, under the names the fanouts (actors/weight_sync) and the tests use.
+    @property
+    def rollouts(self) -> dict[str, RolloutWeights]:
+        return self.policy.rollouts
+
+    @rollouts.setter
+    def rollouts(self, value: dict[str, RolloutWeights]) -> None:
+        self.policy.rollouts = value
+
+    @property
+    def epoch(self) -> int | None:
+        """The formed epoch of the rollout link, None while none is formed."""
+        return self.policy.epoch
+
+    @property
+    def formed(self) -> list[str]:
+        """The rollouts of the formed epoch, in link order."""
+        return self.policy.formed
+
+    @property
+    def need_reform(self) -> bool:
+        return self.policy.need_reform
+
+    @need_reform.setter
+    def need_reform(self, value: bool) -> None:
+        self.policy.need_reform = value
+
+    @property
+    def probation_s(self) -> float:
+        return self.policy.probation_s
+
+    @probation_s.setter
+    def probation_s(self, value: float) -> None:
+        self.policy.probation_s = value
+
+    @property
+    def _last_good(self) -> set[str]:
+        return self.policy.last_good
+
+    @_last_good.setter
+    def _last_good(self, value: set[str]) -> None:
+        self.policy.last_good = value
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -132,6 +174,11 @@ class ParamServerActor(Actor):
         for sender, hello in self._early_hellos.items():
             self._hello(sender, hello)
         self._early_hellos.clear()
+
+    def progress(self) -> dict[str, Any]:
+        return {"version": self.current.version if self.current is not None else None, "epoch": self.epoch,
+                "pushes": self.pushes, "rollouts": {n: {"version": r.version, "alive": r.alive, "hello": r.hello}
+                                                     for n, r in self.rollouts.items()}}
 
     async def on_ready(self) -> None:
         self.spawn(self._pusher(), name="pusher")
@@ -180,7 +227,7 @@ class ParamServerActor(Actor):
         version = hello.version
         state.hello, state.alive, state.incarnation = True, True, hello.incarnation
         state.hello_at = time.monotonic()
-        self._probation.pop(sender, None)
+        self.policy.said_hello(sender)
         state.version, state.ack_ok, state.weight_ranks = version, False, hello.weight_ranks
         # Any hello after the link was formed comes from a (re)started member: it needs a new group.
         self._member_changed(sender, "it restarted")
@@ -205,8 +252,7 @@ class ParamServerActor(Actor):
     def _member_changed(self, rollout: str, why: str) -> None:
         """A member died, restarted or lost its server: a formed group must be formed again, the running
         formation or push stops waiting for it, and the pusher looks again."""
-        if self.epoch is not None:
-            self.need_reform = True
+        self.policy.member_changed()
         if rollout in self._busy_with:
             self._lost.set()
         if self.fanout is not None:
@@ -223,7 +269,7 @@ class ParamServerActor(Actor):
 
     def offer(self, stored: StoredVersion) -> bool:
         """The fanout took a version: the rollouts are brought to it unless it is no newer than the current."""
-        if self.current is not None and stored.version <= self.current.version:
+        if not self.policy.takes(stored.version, self.current.version if self.current is not None else None):
             return False
         self.current = stored
         self.counters["versions_stored"] += 1
@@ -235,33 +281,16 @@ class ParamServerActor(Actor):
 
     def _ready(self) -> list[str]:
         """The rollouts an epoch is formed of now: said hello, alive, and not on probation."""
-        now = time.monotonic()
-        return [n for n, s in self.rollouts.items()
-                if s.hello and s.alive and self._probation.get(n, (0.0, 0.0))[0] <= now]
+        return self.policy.ready(time.monotonic())
 
     def failed_with(self, members: list[str], started: float | None = None) -> None:
-        """A formation or push failed. If it had members the last good one did not (one back from a hang, its
-        server perhaps still stuck in the transfer it was left out of), leave those out for a while, doubling
-        each time, so that they cannot keep the others from their weights; their next hello lets them in.
-        A member that said hello after the transfer `started` is a new process, not a hung one: it was the
-        reason the transfer stopped, and the next formation takes it in."""
-        newcomers = [n for n in members if n not in self._last_good
-                     and (started is None or self.rollouts[n].hello_at < started)]
-        if not newcomers or len(newcomers) == len(members):
-            return
-        now = time.monotonic()
-        for name in newcomers:
-            period = self._probation.get(name, (0.0, self.probation_s / 2))[1] * 2
-            self._probation[name] = (now + period, min(period, 16 * self.probation_s))
+        """A formation or push failed: members back from a hang are left out for a while (`PushPolicy.
+        failed_with`), so that they cannot keep the others from their weights; their next hello lets them in."""
+        for name, period in self.policy.failed_with(members, time.monotonic(), started):
             asyncio.get_running_loop().call_later(period, self._kick.set)
             self.counters["rollouts_on_probation"] += 1
             self.log.warning("rollout_on_probation", rollout=name, seconds=round(period, 1),
                              hint="a formation or push failed with it just back; the others go on without it")
-
-    def _blockers(self) -> tuple[list[str], list[str]]:
-        no_hello = sorted(n for n, s in self.rollouts.items() if not s.hello)
-        dead = sorted(n for n, s in self.rollouts.items() if not s.alive)
-        return no_hello, dead
 
     async def unless_lost(self, members: list[str], work: "asyncio.Future[Any]", what: str) -> Any:
         """Await ``work`` (a formation or transfer in a thread) unless one of ``members`` is lost first; then
@@ -295,28 +324,27 @@ class ParamServerActor(Actor):
             else:
                 await self._kick.wait()
             self._kick.clear()
-            no_hello, dead = self._blockers()
-            ready = self._ready()
-            # Before the first formation every live rollout is waited for (they are starting); after it, nobody.
-            starting = self.next_epoch == 0 and any(n not in dead for n in no_hello)
-            if starting or not ready:
-                if (no_hello, dead) != self._waiting_logged:
-                    self._waiting_logged = (no_hello, dead)
-                    self.log.info("waiting_for_rollouts", no_hello=no_hello, dead=dead)
-                failures = 0
-                continue
-            if self.epoch is None or self.need_reform or ready != self.formed:
-                if not await self._form(ready):
-                    failures += 1
-                    continue
             current = self.current
             assert current is not None
-            behind = [n for n in self.formed
-                      if self.rollouts[n].version < current.version and not self.fanout.busy(n)]
-            if not behind:
+            action = self.policy.next_action(time.monotonic(), current.version, self.fanout.busy)
+            if isinstance(action, Wait):
+                if (action.no_hello, action.dead) != self._waiting_logged:
+                    self._waiting_logged = (action.no_hello, action.dead)
+                    self.log.info("waiting_for_rollouts", no_hello=action.no_hello, dead=action.dead)
                 failures = 0
                 continue
-            if await self.fanout.push(current, self.epoch, list(self.formed)):
+            if isinstance(action, Form):
+                if not await self._form(action.members):
+                    failures += 1
+                    continue
+                current = self.current   # a newer version may have been stored while it formed
+                assert current is not None
+                action = self.policy.push_or_idle(current.version, self.fanout.busy)
+            if isinstance(action, Idle):
+                failures = 0
+                continue
+            assert isinstance(action, Push)
+            if await self.fanout.push(current, self.epoch, action.members):
                 failures = 0
             else:
                 failures += 1
@@ -324,9 +352,7 @@ class ParamServerActor(Actor):
 
     async def _form(self, members: list[str]) -> bool:
         assert self.fanout is not None
-        epoch = self.next_epoch
-        self.next_epoch += 1
-        self.epoch, self.formed = None, []
+        epoch = self.policy.begin_formation()
         self._form_started = time.monotonic()
         info = await self.fanout.form(epoch, members)
         if info is None:
@@ -357,7 +383,7 @@ class ParamServerActor(Actor):
         self._kick.set()
 
     def _formed(self, epoch: int, members: list[str], t0: float, **info: Any) -> None:
-        self.epoch, self.formed, self.need_reform = epoch, members, False
+        self.policy.formation_done(epoch, members)
         self.counters["link_formations"] += 1
         left_out = [n for n in self.rollouts if n not in members]
         if left_out:
@@ -371,9 +397,7 @@ class ParamServerActor(Actor):
         self.pushes += 1
         self.sync_seconds.append(sync_s)
         if ok:
-            self._last_good = set(members)
-            for name in members:
-                self._probation.pop(name, None)
+            self.policy.pushed_ok(members)
         elif any(not r.get("error", "").startswith("late") for r in summary.values() if "error" in r):
             self.failed_with(members)
         self.log.info("weights_pushed", version=stored.version, epoch=epoch, buckets=stored.n_buckets,

@@ -61,6 +61,12 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def keep_files_private() -> None:
+    """Everything this process and its children create is its user's alone (files 0600, directories 0700): a
+    run directory holds the run's keys and tokens, its specs, logs, metrics and ledger."""
+    os.umask(0o077)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
@@ -78,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update({str(k): str(v) for k, v in env.items()})
     apply_cpu_affinity(os.environ.get("AREAL_CPU_AFFINITY"))
     die_with_parent()
+    keep_files_private()
 
     # Only now import what may pull in torch.
     import uvloop

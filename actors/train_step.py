@@ -54,6 +54,7 @@ class StepConfig:
     max_tokens_per_mb: int
     temperature: float
     decoupled: bool           # False: proximal = behaviour log-probs, i.e. standard PPO
+    group_norm: bool          # True: the group form (rewards minus the group mean); False: AReaL's
     group_std: bool
     adv_norm: AdvNorm
     kl_coef: float            # > 0: a KL penalty to the frozen starting weights, in the token rewards
@@ -65,8 +66,8 @@ class StepConfig:
         ppo = PPOConfig(eps_low=a.eps_clip, eps_high=a.eps_clip_high, dual_clip=a.dual_clip,
                         behav_cap=a.behav_imp_weight_cap or None)
         return cls(ppo=ppo, minibatches=a.ppo_minibatches, max_tokens_per_mb=a.max_tokens_per_mb,
-                   temperature=cfg.gen.temperature or 1.0, decoupled=a.decoupled, group_std=a.group_std,
-                   adv_norm=a.adv_norm, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
+                   temperature=cfg.gen.temperature or 1.0, decoupled=a.decoupled, group_norm=a.group_norm,
+                   group_std=a.group_std, adv_norm=a.adv_norm, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
 
     @classmethod
     def defaults(cls, **changes: Any) -> "StepConfig":
@@ -230,7 +231,8 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
         packed_logprobs(ref_engine, seqs, allocate_micro_batches(lengths, budget), ref, starts, cfg.temperature)
         kl_reward = -cfg.kl_coef * float(kl_penalty(behav[mask], ref[mask], cfg.kl_estimator).mean())
     adv = compute_advantages(rewards, torch.tensor(group_ids), mask, cu_seqlens=lay.cu_seqlens,
-                             group_std=cfg.group_std, adv_norm=cfg.adv_norm, logp=behav, logp_ref=ref,
+                             group_norm=cfg.group_norm, group_std=cfg.group_std, adv_norm=cfg.adv_norm,
+                             logp=behav, logp_ref=ref,
                              kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator).advantages
 
     def tokens_of(ids: list[int]) -> torch.Tensor:

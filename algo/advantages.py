@@ -1,11 +1,20 @@
 """Rewards and advantages: from per-answer scores to per-token advantages.
 
-The pipeline AReaL uses (its v0.1/v0.2 recipes), each step a function of its own:
+Two forms, chosen by `compute_advantages(group_norm=...)` (`algo.group_norm` in the experiment config):
+
+* AReaL's (group_norm False; its v0.1/v0.2 recipes: GAE with gamma = lambda = 1 and no critic, then "normalize
+  them across all generated tokens", `group_adv_norm: false` in its v0.2 configs): the raw sequence reward on
+  every token of its answer, standardised over all valid tokens of the batch. Rewards [5, 5 | -5, 5], one
+  token each: [0.58, 0.58, -1.73, 0.58].
+* the group form (group_norm True; GRPO's baseline): each reward minus its group's mean (divided by the group's
+  std with `group_std`) first, then the same. The same rewards: [0, 0, -1.41, 1.41].
+
+Each step is a function of its own:
 
 1. `sequence_rewards`: a checker score in [0, 1] (1 = correct; a fraction of unit tests passed also
    works) becomes a sequence reward, +5 correct / -5 wrong by default, then (r + bias) * scale, clipped.
-2. `group_normalize`: subtract the mean (and optionally divide by the std) of the rewards of the answers
-   to the same prompt (GRPO-style baseline, no critic needed).
+2. `group_normalize` (the group form only): subtract the mean (and optionally divide by the std) of the
+   rewards of the answers to the same prompt (GRPO-style baseline, no critic needed).
 3. `token_rewards`: the sequence reward sits on the last valid token of the answer; an optional KL
    penalty against a reference policy (`kl_penalty`, estimators k1/k2/k3) is subtracted on every token.
 4. `gae`: generalised advantage estimation over the valid tokens of each sequence; gamma = lambda = 1
@@ -286,7 +295,7 @@ class Advantages:
     advantages: torch.Tensor  # per token, zero on masked tokens
     returns: torch.Tensor  # advantages + values: the critic's regression target
     token_rewards: torch.Tensor  # per token, sequence reward on the last valid token, KL folded in
-    seq_rewards: torch.Tensor  # [B] after group normalisation
+    seq_rewards: torch.Tensor  # [B] after group normalisation (the group form), else as given
 
 
 def compute_advantages(
@@ -302,15 +311,15 @@ def compute_advantages(
     kl_estimator: KLEstimator = "k1",
     gamma: float = 1.0,
     lam: float = 1.0,
-    group_norm: bool = True,
+    group_norm: bool = False,
     group_std: bool = True,
     adv_norm: AdvNorm = "batch",
     token_norm_moments: torch.Tensor | None = None,
     eps: float = 1e-5,
 ) -> Advantages:
-    """AReaL's recipe in one call: group-normalised sequence rewards, KL folded into token rewards
-    (when kl_coef != 0 and logp/logp_ref are given), GAE, then `apply_adv_norm` (by default over all valid
-    tokens of the batch, as AReaL's v0.2 does).
+    """AReaL's recipe in one call: sequence rewards (group-normalised first with `group_norm`: the group
+    form), KL folded into token rewards (when kl_coef != 0 and logp/logp_ref are given), GAE, then
+    `apply_adv_norm` (by default over all valid tokens of the batch, as AReaL's v0.2 does).
 
     Per-token tensors are [B, T] (with `loss_mask` [B, T]) or 1-D packed with `cu_seqlens` [B + 1].
     """

@@ -248,3 +248,26 @@ def test_messages_before_on_start_finishes_wait_for_it_in_order(tmp_path: Any) -
         assert await task == 0
         await client.close()
     run(main())
+
+
+def test_every_kind_a_shipped_actor_handles_names_the_roles_that_send_it() -> None:
+    # A bus refuses a kind from any role but its senders (and binds each connection to one actor): a kind
+    # declared with no senders would be accepted from any actor of the run.
+    import importlib
+
+    shipped = ["actors.buffer:BufferActor", "actors.rollout:RolloutActor", "actors.reward.math:MathReward",
+               "actors.reward.code:CodeReward", "actors.trainer:TrainerActor", "actors.param_server:ParamServerActor",
+               "actors.evaluator:EvalActor"]
+    handled = {}
+    for path in shipped:
+        module, _, name = path.partition(":")
+        for kind in getattr(importlib.import_module(module), name)._handlers:
+            handled[kind.KIND] = kind.SENDERS
+    assert not [k for k, senders in handled.items() if not senders], handled
+    # what a probe from another uid spoofed before connections were bound to actors
+    assert {k: sorted(handled[k]) for k in ("ps.eval_weights_request", "ps.weights_status_request",
+                                             "rl.checkpoint_request", "rl.run_finished", "rl.version_update",
+                                             "rl.batch_request", "rl.weights_published")} == {
+        "ps.eval_weights_request": ["evaluator"], "ps.weights_status_request": ["trainer"],
+        "rl.checkpoint_request": ["trainer"], "rl.run_finished": ["trainer"], "rl.version_update": ["trainer"],
+        "rl.batch_request": ["trainer"], "rl.weights_published": ["trainer"]}

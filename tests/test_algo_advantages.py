@@ -40,10 +40,10 @@ def ref_group_normalize(rewards: list[float], gids: list[int], use_std: bool, ep
     return out
 
 
-def ref_pipeline(rewards, gids, mask, values, kl, kl_coef, gamma, lam, eps=1e-5):
-    """The whole recipe, one token at a time."""
+def ref_pipeline(rewards, gids, mask, values, kl, kl_coef, gamma, lam, eps=1e-5, group_norm=False):
+    """The whole recipe, one token at a time (the group form subtracts the group means first)."""
     B, T = len(mask), len(mask[0])
-    r = ref_group_normalize(rewards, gids, True, eps)
+    r = ref_group_normalize(rewards, gids, True, eps) if group_norm else list(rewards)
     tok_r = [[0.0] * T for _ in range(B)]
     adv = [[0.0] * T for _ in range(B)]
     for b in range(B):
@@ -162,15 +162,17 @@ def test_kl_rejects_nan_and_unknown_estimator():
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 1.0)])
 @pytest.mark.parametrize("estimator", ["k1", "k3"])
-def test_pipeline_matches_reference(seed, gamma, lam, estimator):
+@pytest.mark.parametrize("group_norm", [False, True], ids=["areal", "group"])
+def test_pipeline_matches_reference(seed, gamma, lam, estimator, group_norm):
     rewards, gids, mask, values, logp, logp_ref = random_batch(seed)
     kl = kl_penalty(logp, logp_ref, estimator)
     out = compute_advantages(
         rewards, gids, mask, values=values, logp=logp, logp_ref=logp_ref, kl_coef=0.05,
-        kl_estimator=estimator, gamma=gamma, lam=lam,
+        kl_estimator=estimator, gamma=gamma, lam=lam, group_norm=group_norm,
     )
     want_norm, want_adv, want_tok = ref_pipeline(
-        rewards.tolist(), gids.tolist(), mask.tolist(), values.tolist(), kl.tolist(), 0.05, gamma, lam
+        rewards.tolist(), gids.tolist(), mask.tolist(), values.tolist(), kl.tolist(), 0.05, gamma, lam,
+        group_norm=group_norm,
     )
     torch.testing.assert_close(out.token_rewards, torch.tensor(want_tok, dtype=torch.float32), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.advantages.double(), torch.tensor(want_norm, dtype=torch.float64), atol=1e-4, rtol=1e-4)
@@ -179,14 +181,40 @@ def test_pipeline_matches_reference(seed, gamma, lam, estimator):
     assert bool((out.advantages[~mask] == 0).all())
 
 
-def test_default_recipe_gives_every_token_its_group_normalised_reward():
+def test_group_form_gives_every_token_its_group_normalised_reward():
     # gamma = lambda = 1, no critic, no KL: each valid token carries its answer's normalised reward
     rewards = torch.tensor([5.0, -5.0, -5.0, 5.0])
     gids = torch.tensor([0, 0, 1, 1])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
-    out = compute_advantages(rewards, gids, mask, adv_norm="none")
+    out = compute_advantages(rewards, gids, mask, group_norm=True, adv_norm="none")
     for b, r in enumerate([1.0, -1.0, -1.0, 1.0]):
         assert out.advantages[b][mask[b].bool()].tolist() == pytest.approx([r] * int(mask[b].sum()), abs=1e-4)
+
+
+# Rewards [5, 5 | -5, 5]: two prompts, two one-token answers each. By hand:
+# AReaL's form: GAE (gamma = lambda = 1, no critic) gives each token its reward, 5, 5, -5, 5; the mean over all
+#   tokens is 2.5 and the population std sqrt((3 * 2.5^2 + 7.5^2) / 4) = sqrt(18.75) = 4.3301, so
+#   (5 - 2.5) / 4.3301 = 0.5774 and (-5 - 2.5) / 4.3301 = -1.7321.
+# The group form: group means 5 and 0, stds 0 and 5: 0, 0, -1, 1; then over all tokens (mean 0, std
+#   sqrt(2 / 4) = 0.7071): 0, 0, -1.4142, 1.4142.
+AREAL_FORM = [0.5774, 0.5774, -1.7321, 0.5774]
+GROUP_FORM = [0.0, 0.0, -1.4142, 1.4142]
+
+
+def test_areal_form_is_the_default_and_matches_the_hand_computed_values():
+    rewards, gids = torch.tensor([5.0, 5.0, -5.0, 5.0]), torch.tensor([0, 0, 1, 1])
+    mask = torch.ones(4, 1, dtype=torch.bool)
+    default = compute_advantages(rewards, gids, mask).advantages
+    assert default[:, 0].tolist() == pytest.approx(AREAL_FORM, abs=1e-4)
+    group = compute_advantages(rewards, gids, mask, group_norm=True).advantages
+    assert group[:, 0].tolist() == pytest.approx(GROUP_FORM, abs=1e-4)
+    # Longer answers: every token of an answer carries the same value, and the statistics weigh tokens, so
+    # an answer of three tokens counts three times (AReaL normalises over all generated tokens).
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0]], dtype=torch.bool)
+    long = compute_advantages(rewards, gids, mask).advantages
+    tokens = torch.tensor([5.0, 5.0, 5.0, 5.0, -5.0, 5.0], dtype=torch.float64)
+    want = (tokens - tokens.mean()) / (tokens.std(unbiased=False) + 1e-5)
+    assert long[mask].tolist() == pytest.approx(want.tolist(), abs=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -35,6 +35,36 @@ def test_the_target_needs_every_fault_survived_nothing_lost_and_short_gaps() -> 
         assert not chaos.target_met([{**good, **bad}])
 
 
+def test_the_target_needs_every_attack_refused_a_working_probe_and_an_attack_during_the_run() -> None:
+    good = {"fault": "spoof", "survived_in_place": True, "exit_code": 0, "lost": 0, "twice": 0, "staleness_max": 1,
+            "eta": 1, "attempts": 12, "accepted": 0, "control_ok": True, "during_run": True}
+    assert chaos.target_met([good, {"fault": "rendezvous", "skipped": "not root"}])
+    for bad in ({"accepted": 1}, {"control_ok": False}, {"during_run": False}):
+        assert not chaos.target_met([{**good, **bad}])
+
+
+@pytest.mark.parametrize("fault", ["spoof", "spoof_ipc", "rendezvous"])
+def test_attacks_from_another_user_are_refused_and_the_run_loses_nothing(fault: str, tmp_path: Path) -> None:
+    # From another uid a probe once stole batches, fetched the weights as "the evaluator", made the buffer write a
+    # checkpoint, stalled the run with a version jump, stopped it with a run-finished, and read and wrote the
+    # rendezvous keys.
+    account = chaos.intruder_account()
+    if isinstance(account, str):
+        pytest.skip(account)
+    assets = chaos.make_assets(tmp_path / "assets")
+    result = chaos.run_fault(fault, assets, tmp_path, steps=6, at=1, hang_s=0, flood_n=0, log=print)
+    assert result["survived_in_place"] and result["lost"] == 0 and result["twice"] == 0, result
+    assert result["during_run"] and result["intruder_uid"] == account[0], result
+    assert result["accepted"] == 0 and result["attempts"] > 0, result
+    if fault.startswith("spoof"):
+        assert result["control_ok"], result     # the same client gets through a socket with no protection
+        refusal = "refused: the socket speaks CURVE, which needs one of the run's keys" if fault == "spoof" else \
+            "unreachable: Permission denied"
+        assert result["handshakes"] == {refusal: result["attempts"]}, result
+    else:
+        assert result["keys_read"] > 0 and result["forged"] > 0 and result["formed_again"] >= 1, result
+
+
 @pytest.mark.parametrize("fault", ["kill_reward", "relaunch"])
 def test_a_fault_run_reports_it_survived_with_nothing_lost(fault: str, tmp_path: Path) -> None:
     # relaunch at step 1, before the first checkpoint (step 2): the relaunched buffer once started afresh beside the
@@ -45,3 +75,78 @@ def test_a_fault_run_reports_it_survived_with_nothing_lost(fault: str, tmp_path:
     if fault == "kill_reward":
         assert result["survived_in_place"] and result["restarted"] == {"reward.0": 1}, result
     assert result["lost"] == 0 and result["twice"] == 0 and result["trained"] == 6 * 4, result
+
+
+def test_a_stall_meets_the_target_only_when_diagnosed_and_a_freeze_only_when_training_went_on() -> None:
+    stalled = {"fault": "stall_buffer", "exit_code": 1, "diagnosed": True, "lost": 0, "twice": 0,
+               "survived_in_place": False, "staleness_max": 1, "eta": 1, "steps_while_frozen": None}
+    frozen = {"fault": "freeze_param_server", "exit_code": 0, "diagnosed": True, "lost": 0, "twice": 0,
+              "survived_in_place": True, "staleness_max": 1, "eta": 1, "steps_while_frozen": 2}
+    assert chaos.target_met([stalled, frozen])
+    for bad in ({"diagnosed": False}, {"exit_code": 0}, {"lost": 1}):
+        assert not chaos.target_met([{**stalled, **bad}])
+    for bad in ({"steps_while_frozen": 0}, {"survived_in_place": False}, {"diagnosed": False}, {"twice": 1}):
+        assert not chaos.target_met([{**frozen, **bad}])
+
+
+# ---------------------------------------------------------------- the intruder the attack rows run as another user
+
+
+def test_the_intruders_zmtp_client_gets_through_an_open_bus_and_not_through_curve_or_tokens(tmp_path: Path) -> None:
+    # The attack rows report what the intruder could not do: first show that its client works where the bus is open.
+    import asyncio
+
+    from testsupport.bounded import run_bounded
+    from tools.bench import intruder
+    from transport.auth import CurveConfig, TokenConfig, generate_run_keys, generate_run_tokens
+    from transport.bus import Bus
+    from transport.messages import decode, encode
+    from transport.protocol import CheckpointDone, CheckpointRequest
+
+    keys, tokens = generate_run_keys(str(tmp_path), ["buffer"]), generate_run_tokens(str(tmp_path), ["buffer"])
+    creds = {"open": {}, "curve": {"curve": CurveConfig.from_keys_dir(keys, "buffer")},
+             "tokens": {"tokens": TokenConfig.from_spec({"tokens_dir": tokens}, "buffer")}}
+
+    async def attack(kind: str, endpoint: str = "tcp://127.0.0.1:*") -> dict:
+        bus = await Bus("buffer", endpoint, handler=lambda env: CheckpointDone(step=env.msg.step),
+                        heartbeat_interval=None, **creds[kind]).start()
+        frames = [f.hex() for f in encode(CheckpointRequest(step=7), sender="trainer", wants_reply=True)]
+        target = {"name": "checkpoint", "endpoint": bus.endpoint, "frames": frames, "wants_reply": True}
+        try:
+            return await asyncio.to_thread(intruder.spoof, target, 3.0, "trainer", "0" * 64)
+        finally:
+            await bus.close()
+
+    for endpoint in ("tcp://127.0.0.1:*", f"ipc://{tmp_path}/buffer"):   # (this user may reach the ipc socket)
+        opened = run_bounded(attack("open", endpoint), 30)
+        assert opened["handshake"] == "accepted (NULL)"
+        assert decode([bytes.fromhex(f) for f in opened["reply"]])[1] == CheckpointDone(step=7)
+    assert run_bounded(attack("curve"), 30) == {
+        "name": "checkpoint", "reply": None,
+        "handshake": "refused: the socket speaks CURVE, which needs one of the run's keys"}
+    refused = run_bounded(attack("tokens"), 30)
+    assert refused["reply"] is None and refused["handshake"] == "refused: the actor answered ERROR 400 instead of WELCOME", refused
+
+
+def test_the_intruder_reads_and_forges_rendezvous_keys_and_a_signed_store_refuses_them(tmp_path: Path) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from tools.bench import intruder
+    from transport.bulk import RendezvousForgery, SignedStore, rendezvous_server
+    from transport.ports import free_port
+
+    port, timeout = free_port(), datetime.timedelta(seconds=10)
+    server = rendezvous_server("127.0.0.1", port, 2, timeout)
+    member = SignedStore(dist.TCPStore("127.0.0.1", port, 2, timeout=timeout, wait_for_workers=False), b"s" * 32)
+    for key in ("weights/epoch3/0/0", "weights/epoch3/0/1", "weights/epoch3/0/2", "weights/latest_epoch"):
+        member.set(key, b"genuine")
+    got = intruder.probe_store({"link": "weights", "port": port, "host": "127.0.0.1", "network_host": "127.0.0.2"},
+                               3.0)
+    assert got["from_network"].startswith("refused via 127.0.0.2")
+    assert got["loopback"] == "connected" and got["keys_read"] == 4
+    assert got["forged"] == ["/weights/epoch4/0/1", "/weights/epoch4/0/2"]
+    with pytest.raises(RendezvousForgery, match="'weights/epoch4/0/1' was not written by a member of this run"):
+        member.get("weights/epoch4/0/1")
+    del member, server

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import multiprocessing as mp
 import os
 import traceback
@@ -51,6 +52,7 @@ def _report(queue: Any, i: int, fn: Callable[[], Any]) -> None:
 def run_procs(targets: list[Callable[..., Any]], ctx: Any = CTX) -> list[Any]:
     """Run each target in its own process (forked; `spawn` for CUDA, with picklable targets); return what
     each returned (or raise with its traceback)."""
+    gc.collect()   # no gloo device or store thread of an earlier test's failed formation lives on into a fork
     queue = ctx.Queue()
     procs = [ctx.Process(target=_report, args=(queue, i, fn)) for i, fn in enumerate(targets)]
     for p in procs:
@@ -445,6 +447,7 @@ def test_rendezvous_timeout_names_the_link() -> None:
                                rank=0, world_size=2, timeout_s=1))
     with pytest.raises(LinkRendezvousError, match=r"link 'lonely' epoch 0: rank 0/2 could not form"):
         link.open(0)
+    link.close()   # no store server thread left running in this process: a later test forks it
 
 
 def test_the_bulk_benchmark_measures_every_mode_against_raw() -> None:
@@ -454,3 +457,103 @@ def test_the_bulk_benchmark_measures_every_mode_against_raw() -> None:
     assert "error" not in out, out
     assert all(out[f"{m}_gb_per_s"] > 0 for m in MODES)
     assert all(out[f"{m}_ratio"] > 0 for m in MODES[1:])
+
+
+def test_the_rendezvous_store_listens_on_the_links_master_address_only() -> None:
+    # A TCPStore's server listens on every interface: a one-node run's rendezvous was open to the network.
+    import datetime
+    import socket
+
+    from transport.bulk import rendezvous_server
+
+    def reachable(port: int) -> list[bool]:
+        out = []
+        for addr in ("127.0.0.1", "127.0.0.2"):        # another address of this machine (all of 127/8 is loopback)
+            try:
+                socket.create_connection((addr, port), timeout=5).close()
+                out.append(True)
+            except ConnectionRefusedError:
+                out.append(False)
+        return out
+
+    port = free_port()
+    server = rendezvous_server("127.0.0.1", port, 2, datetime.timedelta(seconds=5))
+    assert reachable(port) == [True, False]
+    del server
+
+    def lonely_master() -> list[bool]:                   # the link's own store goes the same way
+        link = BulkLink(LinkConfig(name="lonely", backend="gloo", master_addr="127.0.0.1", master_port=port,
+                                   rank=0, world_size=2, timeout_s=1))
+        with pytest.raises(LinkRendezvousError):
+            link.open(0)
+        return reachable(port)
+
+    assert run_procs([lonely_master]) == [[True, False]]
+
+
+def test_rendezvous_values_not_signed_with_the_runs_secret_fail_the_formation(tmp_path: Any) -> None:
+    # torch's TCPStore has no authentication: another user read and wrote a run's rendezvous keys. Values are
+    # signed with a per-run secret now, so a forged one (here: rank 1's gloo address) stops the formation.
+    import datetime
+
+    import torch.distributed as dist
+
+    from transport.bulk import RendezvousForgery, SignedStore, generate_rendezvous_secret, rendezvous_server
+
+    secret_file = generate_rendezvous_secret(tmp_path)
+    assert oct(os.stat(secret_file).st_mode & 0o777) == "0o600"
+    port = free_port()
+
+    def master() -> str:
+        link = BulkLink(LinkConfig(name="weights", backend="gloo", master_addr="127.0.0.1", master_port=port, rank=0,
+                                   world_size=2, timeout_s=20, secret_file=secret_file))
+        with pytest.raises(BulkError) as failed:
+            link.open(0)
+        return str(failed.value)
+
+    def intruder() -> bool:
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=20),
+                              wait_for_workers=False)
+        store.wait(["weights/epoch0/0/0"])             # the master's own address is there: it waits for rank 1's
+        readable = len(store.get("weights/epoch0/0/0")) > 32      # readable, but signed
+        store.set("weights/epoch0/0/1", b"an address of the intruder's choosing")
+        return readable
+
+    error, readable = run_procs([master, intruder])
+    assert readable
+    assert "rendezvous key 'weights/epoch0/0/1' was not written by a member of this run" in error
+
+    def signed_round_trip(port: int) -> list[bytes | str]:
+        server = rendezvous_server("127.0.0.1", port, 1, datetime.timedelta(seconds=5))
+        signed = SignedStore(dist.TCPStore("127.0.0.1", port, 1, timeout=datetime.timedelta(seconds=5),
+                                           wait_for_workers=False), b"s" * 32)
+        signed.set("k", "v")
+        try:
+            SignedStore(signed.inner, b"t" * 32).get("k")   # another run's secret
+            other = "read"
+        except RendezvousForgery:
+            other = "refused"
+        got = [signed.get("k"), other]
+        del server
+        return got
+
+    assert run_procs([lambda: signed_round_trip(free_port())]) == [[b"v", "refused"]]
+
+
+def test_a_link_with_the_runs_secret_forms_and_moves_buckets(tmp_path: Any) -> None:
+    from transport.bulk import generate_rendezvous_secret
+
+    secret_file, port = generate_rendezvous_secret(tmp_path), free_port()
+
+    def member(rank: int) -> bool:
+        link = BulkLink(LinkConfig(name="weights", backend="gloo", master_addr="127.0.0.1", master_port=port,
+                                   rank=rank, world_size=2, timeout_s=30, secret_file=secret_file))
+        link.open(epoch=0)
+        got = link.broadcast(make_bucket(5) if rank == 0 else None, src=0)
+        link.reform(1)
+        again = link.broadcast(make_bucket(6) if rank == 0 else None, src=0)
+        latest = link.latest_epoch()     # read through the signed store too
+        link.barrier()                   # the master's store outlives every member's read
+        return same_bucket(got, make_bucket(5)) and same_bucket(again, make_bucket(6)) and latest == 1
+
+    assert run_procs([lambda r=r: member(r) for r in range(2)]) == [True, True]

@@ -132,6 +132,43 @@ def test_an_override_sets_a_declared_key_the_files_leave_out() -> None:
     assert plan.topology.supervisor["stop_timeout"] == 5
 
 
+def test_areal_key_names_are_read_as_ours_in_files_and_overrides(tmp_path: Path) -> None:
+    # AReaL's tutorial names (its ppo-math quickstart options) in an experiment config and on the command line.
+    (tmp_path / "exp.yaml").write_text(yaml.safe_dump({
+        "dataset": {"path": "/storage/datasets/boba_106k_0319.jsonl", "train_bs_n_seqs": 512, "max_prompt_len": 1024},
+        "group_size": 16, "ppo": {"ppo_n_minibatches": 4, "gen": {"max_new_tokens": 27648}},
+        "actor_train": {"mb_spec": {"max_tokens_per_mb": 30720}}, "exp_ctrl": {"ckpt_freq_secs": 600},
+        "actor": {"optimizer": {"lr": 2.0e-5, "beta2": 0.95, "weight_decay": 0.05}}}))
+    topo = yaml.safe_load((REPO / "topology" / "local.yaml").read_text())
+    topo["config"] = "exp.yaml"
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(topo))
+    plan = T.load(tmp_path / "t.yaml", ["experiment.dataset.train_bs_n_seqs=256"], check_imports=False)
+    cfg = plan.topology.config
+    assert (cfg.algo.batch_size, cfg.algo.group_size, cfg.algo.ppo_minibatches, cfg.algo.max_tokens_per_mb) == \
+        (256, 16, 4, 30720)
+    assert (cfg.data.train, cfg.data.max_prompt_tokens, cfg.gen.max_new_tokens) == \
+        ("/storage/datasets/boba_106k_0319.jsonl", 1024, 27648)
+    assert (cfg.run.checkpoint_every_s, cfg.algo.lr, cfg.algo.adam_beta2, cfg.algo.weight_decay) == \
+        (600, 2e-5, 0.95, 0.05)
+    # the actors are given one spelling of each key: ours
+    assert "dataset" not in plan.topology.experiment and plan.topology.experiment["algo"]["batch_size"] == 256
+    rows = {key: (value, source) for key, value, source in T.resolved_config(tmp_path / "t.yaml")}
+    assert rows["experiment.algo.group_size"] == (16, "config file")
+
+
+@pytest.mark.parametrize("doc, expected", [
+    ({"dataset": {"train_bs_n_seqs": 512}, "algo": {"batch_size": 32}},
+     "experiment.dataset.train_bs_n_seqs: AReaL's name for algo.batch_size, which is also set, to 32: keep one"),
+    ({"ppo": {"adv_norm": True}}, "experiment.ppo.adv_norm: AReaL's key has no single equivalent here: set algo.adv_norm"),
+    ({"ppo": {"reward_output_scaling": 5}}, "experiment.ppo.reward_output_scaling: AReaL's key has no single"),
+])
+def test_an_areal_key_that_cannot_be_read_as_ours_says_what_to_set(doc: dict, expected: str) -> None:
+    from topology.experiment import experiment_problems
+
+    problems = experiment_problems(doc)
+    assert any(p.startswith(expected) for p in problems), problems
+
+
 def test_show_config_says_where_each_value_came_from(tmp_path: Path) -> None:
     (tmp_path / "exp.yaml").write_text("algo: {lr: 1.0e-5, eta: 4}\ngen: {max_new_tokens: 16}\n")
     path = tmp_path / "t.yaml"

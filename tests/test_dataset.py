@@ -211,10 +211,11 @@ def test_field_mapping_and_prompt_template(tmp_path):
 
 
 @pytest.mark.parametrize("data,message", [
-    ({"layout": "csv"}, "data.layout: input should be 'areal', 'gsm8k' or 'math'"),
+    ({"layout": "csv"}, "data.layout: input should be 'areal', 'areal_eval', 'gsm8k' or 'math'"),
     ({"fields": {"question": "q"}}, "data.fields.question: unknown key"),
     ({"fields": {"prompt": None}}, "data.fields.prompt"),
-    ({"prompt_template": "no placeholder"}, "data.prompt_template: string should match pattern"),
+    ({"prompt_template": "no placeholder"}, r"data.prompt_template: .*must contain \{prompt\} or name a template"),
+    ({"prompt_template": "r1-distiled-qwen"}, "did you mean 'r1-distilled-qwen'"),
 ])
 def test_bad_layout_settings_are_refused(data, message):
     with pytest.raises(ValueError, match=message):

@@ -382,3 +382,29 @@ def test_trainer_step_over_two_data_parallel_ranks_matches_one_torch_process(tmp
     moved = _max_diff(torch_weights, hf_state_dict(load_model(model_dir)))
     assert d_w < 1e-5 and moved > 100 * d_w, (d_w, moved)
     assert ranks[1]["weights"] == {}                             # buckets come out on rank 0 only
+
+
+def _store_reachable_on(engine: Any, out_dir: str, settings: dict[str, Any]) -> dict[str, Any]:
+    import socket
+
+    import torch.distributed as dist
+
+    port = int(os.environ["MASTER_PORT"])
+    out = {}
+    for addr in ("127.0.0.1", "127.0.0.2"):    # MASTER_ADDR, and another address of this machine
+        try:
+            socket.create_connection((addr, port), timeout=5).close()
+            out[addr] = True
+        except ConnectionRefusedError:
+            out[addr] = False
+    out["world"] = dist.get_world_size()
+    return out
+
+
+@needs_megatron
+def test_the_trainer_worlds_rendezvous_listens_on_master_addr_only(tmp_path) -> None:
+    # env:// has rank 0's store listen on every interface: a one-node trainer world was open to the network.
+    model_dir = _model_dir(tmp_path)
+    (tmp_path / "out").mkdir()
+    [got] = _run(1, model_dir, str(tmp_path / "out"), {"config": {}, "body": _store_reachable_on})
+    assert got == {"127.0.0.1": True, "127.0.0.2": False, "world": 1}

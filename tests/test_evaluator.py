@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from actors.dataset import Record
-from actors.evaluator import EVAL_FILE, eval_entry, evaluated_versions, spread_over_levels
+from actors.evaluator import (EVAL_FILE, eval_entry, evaluated_versions, skipped_versions, spread_over_levels,
+                              weights_on_disk)
 from actors.param_server import kept_for_eval
 from tools.bench.chaos import finish_run, launch, make_assets, ready_info, run_guard, step_records, wait_for_step
 from tools.plot import _plot_evals, eval_accuracy, plot_run
@@ -104,6 +105,11 @@ def test_a_run_evaluates_every_n_versions_without_waiting_for_the_evaluator(tmp_
         assert e["n_prompts"] == 12 and 0.0 <= e["eval/accuracy"] <= 1.0
         assert set(e["by_level"]) == {"1", "2", "3"}
         assert e["newest"] >= e["version"]
+    # Every kept version is evaluated, caught up from its checkpoint, or named as skipped (its weights gone):
+    # the versions passed over while the evaluator was frozen left a silent gap in the curve.
+    skipped = skipped_versions(run_dir / EVAL_FILE)
+    assert set(range(0, STEPS + 1, EVERY)) <= set(versions) | skipped, (versions, skipped)
+    assert not [v for v in skipped if weights_on_disk(v, run_dir, str(assets["model"])) is not None], skipped
     written, notes = plot_run(run_dir)
     assert run_dir / "plots" / "reward.png" in written
     assert not [n for n in notes if EVAL_FILE in n], notes
@@ -115,3 +121,45 @@ def test_a_run_evaluates_every_n_versions_without_waiting_for_the_evaluator(tmp_
     (line,) = [ln for ln in ax.get_lines() if "during the run" in str(ln.get_label())]
     assert list(line.get_ydata()) == [e["eval/accuracy"] for e in evals]
     plt.close(fig)
+
+
+def test_a_gpu_style_evaluator_reads_checkpoints_into_its_own_sglang_server(tmp_path: Path) -> None:
+    # engine: sglang with weights_from: checkpoints, as a GPU run has it (its direct weights keep no copy in the
+    # parameter server): the stand-in server answers, each checkpoint is loaded into it from disk.
+    import sys
+
+    assets = make_assets(tmp_path / "assets", train_per_level=40)
+    run_dir = tmp_path / "run"
+    steps, every = 12, 2
+    proc = launch(assets, run_dir, steps=steps, ckpt_every=every, extra=(
+        f"experiment.eval.every_versions={every}", "experiment.eval.max_problems=6", "experiment.eval.wait_s=0.5",
+        "actors.evaluator.settings.engine=sglang", "actors.evaluator.settings.weights_from=checkpoints",
+        f"actors.evaluator.settings.sglang.command=[{sys.executable}, -m, testsupport.sglang_standin]",
+        # and AReaL's prompt-length cap: the buffer leaves the longer prompts out of training
+        "experiment.data.max_prompt_tokens=9"))
+    with run_guard(proc, run_dir):
+        wait_for_step(proc, run_dir, 4)
+        # training held (the trainer frozen) until the evaluator's server is up and has read a checkpoint: the run
+        # must not end before the evaluator starts, whatever the machine's load
+        trainer = int(ready_info(run_dir, "trainer")["pid"])
+        os.kill(trainer, signal.SIGSTOP)
+        try:
+            wait_for_evals(proc, run_dir, 2)
+        finally:
+            os.kill(trainer, signal.SIGCONT)
+        out = finish_run(proc, run_dir, timeout=300)
+        assert proc.returncode == 0, out[-4000:]
+    evals = periodic(run_dir)
+    versions = [e["version"] for e in evals]
+    assert versions[0] == 0 and len(versions) == len(set(versions)) >= 2, versions
+    assert all(v % every == 0 and v <= steps for v in versions), versions
+    assert all(e["n_prompts"] == 6 and e["newest"] >= e["version"] for e in evals)
+    started = [json.loads(line) for line in (run_dir / "logs" / "evaluator.jsonl").read_text().splitlines()]
+    assert any(e.get("event") == "evaluator_started" and e.get("engine") == "sglang" for e in started)
+    log = (run_dir / "logs" / "evaluator.0.sglang.log").read_text()
+    assert log.count("update_weights_from_disk") >= len(versions) - 1, log[-2000:]   # each checkpoint via the server
+    buffer = [json.loads(line) for line in (run_dir / "logs" / "buffer.jsonl").read_text().splitlines()]
+    capped = [e for e in buffer if e.get("event") == "prompts_over_length_left_out"]
+    started = [e for e in buffer if e.get("event") == "buffer_started"]
+    assert capped and capped[0]["max_prompt_tokens"] == 9 and capped[0]["prompts"] > 0, capped
+    assert started[0]["prompts"] == capped[0]["kept"] == 120 - capped[0]["prompts"]

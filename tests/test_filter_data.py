@@ -57,16 +57,16 @@ def test_an_interrupted_filter_continues_and_writes_what_an_uninterrupted_one_do
     whole = tmp_path / "whole.jsonl"
     run(trained, whole)
     out = tmp_path / "resumed.jsonl"
-    real = fd.aevaluate_model
+    real = fd.aevaluate_with
     calls: list[list[str]] = []
 
-    async def stops_at_third_chunk(model, tokenizer, records, settings, pool=None, details=False):
+    async def stops_at_third_chunk(generate, tokenizer, records, settings, pool=None, details=False):
         if len(calls) == 2:
             raise Interrupted()
         calls.append([r.query_id for r in records])
-        return await real(model, tokenizer, records, settings, pool, details)
+        return await real(generate, tokenizer, records, settings, pool, details)
 
-    monkeypatch.setattr(fd, "aevaluate_model", stops_at_third_chunk)
+    monkeypatch.setattr(fd, "aevaluate_with", stops_at_third_chunk)
     with pytest.raises(Interrupted):
         run(trained, out)
     state = json.loads(fd.progress_path(out).read_text())
@@ -76,11 +76,11 @@ def test_an_interrupted_filter_continues_and_writes_what_an_uninterrupted_one_do
 
     resumed: list[str] = []
 
-    async def counting(model, tokenizer, records, settings, pool=None, details=False):
+    async def counting(generate, tokenizer, records, settings, pool=None, details=False):
         resumed.extend(r.query_id for r in records)
-        return await real(model, tokenizer, records, settings, pool, details)
+        return await real(generate, tokenizer, records, settings, pool, details)
 
-    monkeypatch.setattr(fd, "aevaluate_model", counting)
+    monkeypatch.setattr(fd, "aevaluate_with", counting)
     summary = run(trained, out)
     ids = list(input_lines(trained))
     assert resumed == ids[16:]                                   # the first two chunks were not done again
@@ -88,7 +88,7 @@ def test_an_interrupted_filter_continues_and_writes_what_an_uninterrupted_one_do
     assert json.loads(fd.progress_path(out).read_text())["complete"]
 
     # A finished filter is not redone.
-    monkeypatch.setattr(fd, "aevaluate_model", None)
+    monkeypatch.setattr(fd, "aevaluate_with", None)
     again = run(trained, out)
     assert (again["kept"], again["prompts"]) == (summary["kept"], summary["prompts"])
     assert out.read_bytes() == whole.read_bytes()
@@ -105,11 +105,13 @@ def test_misuse_is_a_clear_error(trained, tmp_path, capsys):
         run(trained, other)
     assert other.read_text() == '{"x": 1}\n'                     # left alone
 
-    assert fd.main([str(trained["init"]), "--data", str(trained["data"]), "--out", str(tmp_path / "a.jsonl")]) == 2
+    length = ["--max-new-tokens", str(MAX_NEW)]
+    assert fd.main([str(trained["init"]), "--data", str(trained["data"]), "--out", str(tmp_path / "a.jsonl"),
+                    *length]) == 2
     assert "no model weights" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text(trained["data"].read_text().splitlines()[0] + "\n{not json\n")
-    assert fd.main([str(trained["ckpt"]), "--data", str(bad), "--out", str(tmp_path / "b.jsonl")]) == 2
+    assert fd.main([str(trained["ckpt"]), "--data", str(bad), "--out", str(tmp_path / "b.jsonl"), *length]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
 
 
@@ -122,3 +124,46 @@ def test_command_line_summary_and_progress_bar(trained, tmp_path, capsys):
     summary = json.loads(captured.out)
     assert summary["kept"] == len(out.read_text().splitlines()) and summary["prompts"] == 38
     assert "38/38" in captured.err                                 # the bar reached the end, on stderr
+
+
+def test_the_length_comes_from_the_recipe_and_answers_cut_short_stop_the_filter(trained, tmp_path, capsys):
+    # No recipe and no length: refused, rather than answers cut at some default length.
+    with pytest.raises(SystemExit):
+        fd.main([str(trained["ckpt"]), "--data", str(trained["data"]), "--out", str(tmp_path / "a.jsonl")])
+    assert "give --config (the recipe" in capsys.readouterr().err
+    # The recipe's gen.max_new_tokens, temperature and top_p are the filter's.
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"gen: {{max_new_tokens: {MAX_NEW}, temperature: 1.0, top_p: 1.0}}\n")
+    out = tmp_path / "recipe.jsonl"
+    assert fd.main([str(trained["ckpt"]), "--data", str(trained["data"]), "--out", str(out), "--config", str(recipe),
+                    "--n", str(N), "--chunk", "8", "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["max_new_tokens"] == MAX_NEW and summary["answers_cut"] < 0.5
+    assert out.read_bytes() == (run(trained, tmp_path / "same.jsonl"), (tmp_path / "same.jsonl").read_bytes())[1]
+    # Answers mostly cut at the limit: the filter stops before writing any of that chunk.
+    cut = tmp_path / "cut.jsonl"
+    with pytest.raises(fd.FilterError, match=r"were cut at max_new_tokens 2 \(more than --max-cut 0.5\)"):
+        run(trained, cut, max_new_tokens=2)
+    assert not cut.exists() or cut.read_text() == ""
+
+
+def test_sglang_servers_filter_as_the_embedded_engine(trained, tmp_path):
+    # The filter through an SGLang server started on the model (the stand-in as its command) writes what it writes
+    # through a running server on the same weights: the SGLang engine seeds each sample itself
+    # (actors/engines/sglang.py), so its samples are not the embedded engine's, but they are the same on any server.
+    import sys
+
+    from actors.engines.checkpoint import load_model
+    from actors.engines.torch_gen import TorchGenerationEngine
+    from testsupport.sglang_standin import StandinThread
+
+    launched = run(trained, tmp_path / "launched.jsonl", engine="sglang", servers=1, n=1,
+                   server_command=[sys.executable, "-m", "testsupport.sglang_standin"])
+    server = StandinThread(TorchGenerationEngine(model=load_model(str(trained["ckpt"])))).start()
+    try:
+        attached = run(trained, tmp_path / "attached.jsonl", engine="sglang", url=server.url, n=1)
+    finally:
+        server.stop()
+    assert server.server.counters["generate"] == 38
+    assert (tmp_path / "launched.jsonl").read_bytes() == (tmp_path / "attached.jsonl").read_bytes()
+    assert launched["kept"] == attached["kept"] and 0 < launched["kept"] < 38

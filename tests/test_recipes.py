@@ -1,8 +1,12 @@
-"""The shipped recipes (configs/areal_*.yaml): each names its source in AReaL's publications and the command that runs
-it on the topology the tutorial names, and that command passes --dry-run; the 1.5B context stages chain."""
+"""The shipped recipes (configs/areal_*.yaml, and the configs the GPU topologies name): each names its source in
+AReaL's publications and cites it (or says "ours") on every value, the command that runs it on the topology the
+tutorial names passes --dry-run, the 1.5B context stages chain, and the data files each names are AReaL's released
+files, read through the recipe's own layout from samples in their real layout (tests/data/areal)."""
 from __future__ import annotations
 
+import re
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,10 @@ from tools.up import main as up_main
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = sorted((REPO / "configs").glob("areal_*.yaml"))
+# every config a GPU topology names, and the AReaL recipes
+GPU_CONFIGS = sorted({*RECIPES, *(REPO / yaml.safe_load(t.read_text())["config"]
+                                  for t in (REPO / "topology").glob("*node.yaml"))})
+AREAL_DATA = REPO / "tests" / "data" / "areal"
 
 
 def run_line(config: Path) -> list[str]:
@@ -45,7 +53,14 @@ def test_recipe_settings_match_areal():
     assert shape["areal_32b_boba"][:2] == (512, 32)
     assert [shape[f"areal_v01_1.5b_stage{i}"] for i in ("1_8k", "2_16k", "3_24k")] == \
         [(1024, 8, 8192), (1024, 8, 16384), (1024, 8, 24576)]
-    assert "{prompt}" in doc["areal_v01_7b_r1_zero"]["data"]["prompt_template"]
+    zero = doc["areal_v01_7b_r1_zero"]
+    assert (zero["algo"]["batch_size"], zero["algo"]["group_size"], zero["algo"]["lr"]) == (512, 64, 1e-6)
+    assert (zero["algo"]["reward_correct"], zero["algo"]["reward_wrong"]) == (1.0, 0.0)   # AReaL's 0/1 zero rewards
+    assert [doc[f"areal_v01_1.5b_stage{i}"]["gen"]["temperature"] for i in ("1_8k", "2_16k", "3_24k")] == [0.6] * 3
+    for name, d in doc.items():   # AReaL's advantage form, optimizer and checkpoints by time, in every recipe
+        assert (d["algo"]["group_norm"], d["algo"]["adv_norm"]) == (False, "batch"), name
+        assert (d["algo"]["adam_beta2"], d["algo"]["weight_decay"]) == (0.95, 0.05), name
+        assert d["run"]["checkpoint_every_s"] == 600 and d["data"]["max_prompt_tokens"] in (1024, 2048), name
 
 
 def test_context_stages_each_start_from_the_last_checkpoint_of_the_one_before():
@@ -55,3 +70,103 @@ def test_context_stages_each_start_from_the_last_checkpoint_of_the_one_before():
         prev_run_dir = run_line(prev)[run_line(prev).index("--run-dir") + 1]
         last = str(checkpoint_dir(prev_run_dir, prev_doc["run"]["total_steps"]) / "model")
         assert cur_doc["model"]["path"] == last, cur.name
+
+
+def value_lines(config: Path) -> list[tuple[int, str]]:
+    """(line number, text) of every line of `config` that sets a value (a leaf key, not a mapping's header)."""
+    out = []
+    lines = config.read_text().splitlines()
+    for i, line in enumerate(lines):
+        body = line.split("#", 1)[0].rstrip()
+        if not body.strip() or line.lstrip().startswith("#"):
+            continue
+        key, sep, value = body.partition(":")
+        nxt = next((l for l in lines[i + 1:] if l.strip() and not l.lstrip().startswith("#")), "")
+        opens_mapping = not value.strip() and len(nxt) - len(nxt.lstrip()) > len(line) - len(line.lstrip())
+        if sep and not opens_mapping:
+            out.append((i + 1, line))
+    return out
+
+
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda p: p.stem)
+def test_every_value_cites_its_source_or_says_it_is_ours(config: Path):
+    tags = {t.strip("[]") for t in re.findall(r"^#\s+(\[[a-z0-9.]+\])", config.read_text(), re.M)}
+    assert tags, f"{config.name}: a header listing its sources as [tag] lines"
+    for number, line in value_lines(config):
+        comment = line.split("#", 1)[1] if "#" in line else ""
+        cited = set(re.findall(r"\[([a-z][a-z0-9.]*)\]", comment))
+        assert cited or comment.strip().startswith("ours"), f"{config.name}:{number}: no source for {line.strip()!r}"
+        assert cited <= tags, f"{config.name}:{number}: {sorted(cited - tags)} is not a source of the header"
+
+
+def fixture_for(path: str) -> Path:
+    """The sample of an AReaL file a config names, by its released name (benchmarks by evaluation/data/<name>/)."""
+    p = Path(path)
+    return AREAL_DATA / "eval" / p.parent.name / p.name if p.name == "test.jsonl" else AREAL_DATA / p.name
+
+
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda p: p.stem)
+def test_each_config_reads_areal_released_files_in_their_layout(config: Path, tmp_path: Path):
+    from actors.dataset import DOWNLOAD_SUFFIX, Layout, load_dataset
+    from topology.experiment import ExperimentConfig
+
+    data = ExperimentConfig.model_validate(yaml.safe_load(config.read_text())).data
+    assert data.train and data.test, f"{config.name}: data.train and data.test"
+    files = {"train": data.train, "test": data.test, **({"id2info": data.id2info} if data.id2info else {})}
+    local = {}
+    for key, path in files.items():
+        sample = fixture_for(path)
+        assert sample.is_file(), f"{config.name}: data.{key} {path} is not one of AReaL's released files"
+        # saved as the tutorial's wget saves it: NAME?download=true
+        local[key] = tmp_path / f"{key}_{sample.name}"
+        shutil.copy(sample, str(local[key]) + DOWNLOAD_SUFFIX)
+    settings = data.model_copy(update={"train": str(local["train"]), "test": str(local["test"]),
+                                       "id2info": str(local["id2info"]) if "id2info" in local else None})
+    train = load_dataset(settings.train, layout=Layout.from_settings(settings))
+    test = load_dataset(settings.test, layout=Layout.from_settings(settings, test=True))
+    assert len(train) >= 2 and len(test) >= 1 and all(r.references for r in [*train, *test])
+    # the released prompts carry their template: none is wrapped twice; the benchmark's questions get the template
+    assert train.templated_as_is == len(train) and test.templated_as_is == 0
+    template = Layout.from_settings(settings).prompt_template
+    assert template and all(r.prompt.startswith(template.split("{prompt}")[0]) for r in test)
+
+
+def test_a_run_says_what_it_will_evaluate_and_when_it_will_not(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    assert up_main(["topology/1node.yaml", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "evaluation on /storage/codes/AReaL/evaluation/data/aime24/test.jsonl:" in out
+    assert "during the run: none: the topology has no evaluator group (eval.every_versions 10 is unused)" in out
+    assert "at the end: the start model and the last checkpoint" in out
+    assert up_main(["topology/1node.yaml", "experiment.data.test=null", "--dry-run"]) == 0
+    assert "evaluation: none: data.test is not set" in capsys.readouterr().out
+    assert up_main(["topology/local.yaml", "experiment.run.final_eval=false", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "during the run: every 10 versions, 60 problems, in evaluator" in out
+    assert "at the end: none: run.final_eval is false" in out
+
+
+def test_the_final_evaluation_says_why_it_does_not_run(tmp_path, capsys):
+    from tools.up import final_evaluation
+    from topology.experiment import ExperimentConfig
+
+    assert final_evaluation(ExperimentConfig(), tmp_path) is None
+    assert "no final evaluation: data.test is not set" in capsys.readouterr().out
+    missing = ExperimentConfig.model_validate({"data": {"test": str(tmp_path / "aime24.jsonl")}})
+    assert final_evaluation(missing, tmp_path) is None
+    assert f"no final evaluation: data.test {tmp_path / 'aime24.jsonl'}: no such file" in capsys.readouterr().out
+    (tmp_path / "aime24.jsonl?download=true").write_text("{}\n")   # found under its download name
+    assert final_evaluation(missing, tmp_path) is None
+    assert "no final evaluation: the run wrote no checkpoint" in capsys.readouterr().out
+
+
+def test_a_gpu_topology_evaluates_during_the_run_with_an_evaluator_on_a_rollouts_gpu(monkeypatch, capsys):
+    # docs/topology.md's snippet: one rollout's GPU to an evaluator on its own SGLang server, reading checkpoints
+    monkeypatch.chdir(REPO)
+    evaluator = ("actors.evaluator={class: 'actors.evaluator:EvalActor', gpus: 1, threads: 4, "
+                 "settings: {engine: sglang, weights_from: checkpoints}}")
+    assert up_main(["topology/1node.yaml", "actors.rollout.count=5", evaluator, "--dry-run"]) == 0, \
+        capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "during the run: every 10 versions, 30 problems, in evaluator" in out
+    assert "localhost [8/8 gpu" in out

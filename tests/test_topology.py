@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -79,7 +80,7 @@ def test_specs_carry_placement_links_and_experiment() -> None:
     topo = T.validate(doc, check_imports=False, experiment={"gen": {"temperature": 1.0, "max_new_tokens": 9}})
     specs = {s["name"]: s for s in T.place(topo).specs("/tmp/run")}
     r1 = specs["rollout.1"]
-    assert set(r1) == {"name", "cls", "endpoint", "peers", "settings", "run_dir", "curve", "env"}
+    assert set(r1) == {"name", "cls", "endpoint", "peers", "settings", "run_dir", "curve", "env", "tokens"}
     assert r1["settings"]["gen"] == {"temperature": 0.5, "max_new_tokens": 9}  # group settings win, key by key
     assert r1["settings"]["instance"]["gpus"] == [2, 3]
     assert r1["settings"]["groups"]["trainer"][-1] == "trainer.7"
@@ -286,14 +287,33 @@ def test_curve_is_on_by_default_on_tcp_and_ipc_sockets_are_private(tmp_path: Pat
     # Without CURVE any local user could send a tcp bus messages (a spoofed BatchRequest stole a batch).
     tcp = {"cluster": {"nodes": 1}, "bus": {"transport": "tcp"}, "actors": {"a": {"class": "m:A"}}}
     assert T.validate(tcp, check_imports=False).bus.curve
-    tcp["bus"]["curve"] = False
-    assert not T.validate(tcp, check_imports=False).bus.curve
     ipc = {"cluster": {"nodes": 1}, "bus": {"transport": "ipc"}, "actors": {"a": {"class": "m:A"}}}
     assert not T.validate(ipc, check_imports=False).bus.curve
     from tools.up import build_specs
     [spec] = build_specs(T.place(T.validate(ipc, check_imports=False)), tmp_path)
     ipc_dir = Path(spec["endpoint"].removeprefix("ipc://")).parent
     assert ipc_dir.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_tcp_bus_runs_without_curve_only_when_the_topology_says_insecure_tcp() -> None:
+    # `bus.curve: false` once left a tcp bus open to every user of the machine; the shipped local topology
+    # pinned it, so `bus.transport=tcp` alone gave an open bus.
+    def bus(**keys: Any) -> dict[str, Any]:
+        return {"cluster": {"nodes": 1}, "bus": keys, "actors": {"a": {"class": "m:A"}}}
+
+    for path in ("topology/local.yaml", "topology/local_code.yaml"):
+        plan = T.load(REPO / path, ["bus.transport=tcp"], check_imports=False)
+        assert plan.topology.bus.curve, path
+    with pytest.raises(T.TopologyError, match=r"bus.curve: false is refused on a tcp bus: any user who can reach "
+                                               r"its ports could command the run. CurveZMQ stays on unless you set "
+                                               r"bus.insecure_tcp: true"):
+        T.validate(bus(transport="tcp", curve=False), check_imports=False)
+    assert not T.validate(bus(transport="tcp", insecure_tcp=True), check_imports=False).bus.curve
+    with pytest.raises(T.TopologyError, match=r"bus.insecure_tcp: contradicts bus.curve: true"):
+        T.validate(bus(transport="tcp", insecure_tcp=True, curve=True), check_imports=False)
+    with pytest.raises(T.TopologyError, match=r"bus.insecure_tcp: is for a tcp bus; this bus is ipc"):
+        T.validate(bus(transport="ipc", insecure_tcp=True), check_imports=False)
+    assert T.validate(bus(transport="ipc", curve=True), check_imports=False).bus.curve
 
 
 @pytest.mark.parametrize("override, words", [
@@ -306,10 +326,12 @@ def test_curve_is_on_by_default_on_tcp_and_ipc_sockets_are_private(tmp_path: Pat
     ("experiment.algo.kl_coef=-0.1", "experiment.algo.kl_coef: input should be greater than or equal to 0"),
     ("experiment.algo.kl_estimator=k4", "experiment.algo.kl_estimator: input should be 'k1', 'k2' or 'k3'"),
     ("experiment.mem_fraction_static=0.8", "experiment.mem_fraction_static: unknown key"),
-    ("experiment.data.layout=csv", "experiment.data.layout: input should be 'areal', 'gsm8k' or 'math'"),
+    ("experiment.data.layout=csv", "experiment.data.layout: input should be 'areal', 'areal_eval', 'gsm8k' or 'math'"),
     ("experiment.data.fields.question=q", "experiment.data.fields.question: unknown key"),
-    ("experiment.data.prompt_template=Question", "experiment.data.prompt_template: string should match pattern"),
+    ("experiment.data.prompt_template=Question", "experiment.data.prompt_template: value error, must contain {prompt} or name a template"),
     ("experiment.run.recover=maybe", "experiment.run.recover: input should be 'auto' or 'off' (value: 'maybe')"),
+    ("experiment.algo.group_size=1", "experiment.algo.group_size: value error, 1 answer per prompt gives every "
+                                     "answer advantage 0"),
 ])
 def test_experiment_values_are_checked_before_anything_runs(override: str, words: str) -> None:
     # Each of these once passed --dry-run; at launch the error surfaced only in an actor's log, or never.
@@ -329,3 +351,17 @@ def test_every_shipped_experiment_config_passes_the_schema() -> None:
     from topology.experiment import experiment_problems
     for config in sorted((REPO / "configs").glob("*.yaml")):
         assert experiment_problems(yaml.safe_load(config.read_text())) == [], config
+
+
+@pytest.mark.parametrize("override, words", [
+    ("experiment.algo.eta", "override 'experiment.algo.eta': expected key.sub=value"),
+    ("experiment.algo..eta=1", "override 'experiment.algo..eta=1': bad key 'experiment.algo..eta'"),
+    ("experiment.algo.eta=[1", "override 'experiment.algo.eta=[1': value is not valid YAML (expected ',' or ']'"),
+    ("actors.rollout.count", "override 'actors.rollout.count': expected key.sub=value"),
+])
+def test_a_malformed_override_is_named_as_it_was_typed_on_one_line(override: str, words: str) -> None:
+    # The `experiment.` prefix was dropped from these messages, and a YAML error spread over several lines.
+    with pytest.raises(TopologyError) as err:
+        T.load(REPO / "topology" / "local.yaml", [override], check_imports=False)
+    [problem] = err.value.problems
+    assert problem.startswith(words) and "\n" not in problem, problem

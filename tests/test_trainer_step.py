@@ -68,11 +68,11 @@ def test_adv_norm_setting_reaches_the_step():
 
 
 def _kl_step(policy, reference, batch, kl_coef):
-    """One step on `batch` with every reward equal (so only the KL penalty makes advantages)."""
+    """One step on `batch` with every reward equal (so, in the group form, only the KL penalty makes advantages)."""
     engine = TorchTrainEngine(model=copy.deepcopy(policy), config=TrainConfig(lr=1e-2))
     ref_engine = TorchTrainEngine(model=copy.deepcopy(reference))
     cfg = StepConfig.from_settings(ExperimentConfig.model_validate(
-        {"algo": {"kl_coef": kl_coef, "kl_estimator": "k1", "adv_norm": "none"}}))
+        {"algo": {"kl_coef": kl_coef, "kl_estimator": "k1", "adv_norm": "none", "group_norm": True}}))
     return engine, train_on_batch(engine, batch, cfg, version=0, ref_engine=ref_engine)
 
 
@@ -110,3 +110,13 @@ def test_kl_penalty_moves_the_loss_and_the_policy_as_the_reference_says():
     before = _sampled_logprobs(policy, batch) - _sampled_logprobs(reference, batch)
     after = _sampled_logprobs(engine.model, batch) - _sampled_logprobs(reference, batch)
     assert float(after.abs().mean()) < float(before.abs().mean())
+def test_the_trainer_step_takes_the_form_from_the_experiment_config():
+    from actors.train_step import StepConfig
+    from topology.experiment import ExperimentConfig
+
+    assert StepConfig.from_settings(ExperimentConfig()).group_norm is False
+    cfg = ExperimentConfig.model_validate({"algo": {"group_norm": True, "group_std": False}})
+    step = StepConfig.from_settings(cfg)
+    assert (step.group_norm, step.group_std) == (True, False)
+
+

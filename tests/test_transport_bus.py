@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from testsupport.bounded import run_bounded, until as poll_until
-from transport.auth import CurveConfig, generate_run_keys
+from transport.auth import CurveConfig, TokenConfig, generate_run_keys, generate_run_tokens
 from transport.bus import Bus, MessageTooLarge, RemoteError, RequestTimeout, UnknownPeer
 from transport.messages import SCHEMA_VERSION, Error, Message, decode, encode, message
 
@@ -193,6 +193,73 @@ def test_each_bad_input_is_counted_logged_and_answered() -> None:
         ctx.term()
         await client.close()
         await server.close()
+
+    run(main())
+
+
+def test_without_curve_each_connection_is_bound_to_its_actor_by_the_runs_tokens(tmp_path: Any) -> None:
+    # Without CURVE the header's name was trusted: from another uid, a message saying it came from the evaluator
+    # fetched the model's weights. Now a connection must log in as an actor of the run with that actor's token.
+    async def main() -> None:
+        tokens_dir = generate_run_tokens(str(tmp_path), ["server", "boss", "worker"])
+        assert {oct(os.stat(os.path.join(tokens_dir, f)).st_mode & 0o777) for f in os.listdir(tokens_dir)} == {"0o600"}
+        assert oct(os.stat(tokens_dir).st_mode & 0o777) == "0o700"
+        roles = {"server": "server", "boss": "boss", "worker": "worker"}
+        calls: list[str] = []
+
+        def handler(env: Any) -> Any:
+            calls.append(env.msg.text)
+            return Echo(env.msg.text.upper())
+
+        def tokens(name: str) -> TokenConfig:
+            return TokenConfig.from_spec({"tokens_dir": tokens_dir}, name)
+
+        server = await Bus("server", "tcp://127.0.0.1:*", handler=handler, roles=roles, heartbeat_interval=None,
+                           tokens=tokens("server")).start()
+        peers = {"server": server.endpoint}
+
+        def client(name: str, creds: TokenConfig | None) -> Bus:
+            return Bus(name, "tcp://127.0.0.1:*", peers, heartbeat_interval=None, tokens=creds)
+
+        boss = await client("boss", tokens("boss")).start()
+        worker = await client("worker", tokens("worker")).start()
+        assert (await boss.request("server", Order("go"), timeout=5)).text == "GO"
+        with pytest.raises(RemoteError, match=r"\[sender_not_allowed\] test.bus.order is sent by boss only"):
+            await worker.request("server", Order("go"), timeout=5)
+        # worker's token, boss's name in the header
+        impostor = await client("boss", tokens("worker")).start()
+        with pytest.raises(RemoteError, match=r"\[spoofed_sender\] the message says it is from 'boss', but its "
+                                              r"token is worker's"):
+            await impostor.request("server", Order("go"), timeout=5)
+        # a guessed token, and no credentials at all: never processed, nor answered
+        guesser = await client("boss", TokenConfig("boss", "0" * 64)).start()
+        anonymous = await client("boss", None).start()
+        for bus in (guesser, anonymous):
+            with pytest.raises(RequestTimeout):
+                await bus.request("server", Order("go"), timeout=0.5)
+        await until(lambda: server.rejected["auth_denied"] >= 1)
+        assert calls == ["go"]
+        assert server.rejected["sender_not_allowed"] == 1 and server.rejected["spoofed_sender"] == 1
+        for bus in (anonymous, guesser, impostor, worker, boss, server):
+            await bus.close()
+
+    run(main())
+    with pytest.raises(ValueError, match=r"token file .*/nobody.token: No such file or directory"):
+        TokenConfig.from_spec({"tokens_dir": str(tmp_path / "tokens")}, "nobody")
+    with pytest.raises(ValueError, match=r"tokens: expected a map with tokens_dir"):
+        TokenConfig.from_spec({"keys_dir": str(tmp_path)}, "boss")
+
+
+def test_an_ipc_socket_is_only_its_users(tmp_path: Any) -> None:
+    async def main() -> None:
+        path = tmp_path / "sockets" / "server"
+        server = await Bus("server", f"ipc://{path}", handler=echo_handler, heartbeat_interval=None).start()
+        assert oct(path.stat().st_mode & 0o777) == "0o600"          # connecting needs write permission
+        assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
+        client = await Bus("client", "tcp://127.0.0.1:*", {"server": server.endpoint}, heartbeat_interval=None).start()
+        assert (await client.request("server", Echo("mine"), timeout=5)).text == "MINE"
+        for bus in (client, server):
+            await bus.close()
 
     run(main())
 

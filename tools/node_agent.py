@@ -19,6 +19,7 @@ import socket
 import sys
 from pathlib import Path
 
+from actors.run import keep_files_private
 from tools.up import supervise
 
 
@@ -32,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m tools.node_agent RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(argv[0])
+    keep_files_private()
     host = node_name()
     path = run_dir / "nodes" / f"{host}.json"
     try:

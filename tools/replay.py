@@ -677,7 +677,7 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
             raise ReplayError("; ".join(exc.problems)) from None
         if problems:
             raise ReplayError("; ".join(problems))
-        spec_dict.update(cls=cls_path, run_dir=run_dir, settings=settings, curve=None)
+        spec_dict.update(cls=cls_path, run_dir=run_dir, settings=settings, curve=None, tokens=None)
         spec = ActorSpec.from_dict(spec_dict)
         _apply_threads(spec.env)
         actor = load_actor_class(cls_path)(spec)

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-__all__ = ["Section", "ModelSection", "DataFields", "DataSection", "DatasetRecipe", "WarmStartStage",
+__all__ = ["Section", "ModelSection", "DataFields", "DataSection", "PROMPT_TEMPLATES", "DataLayout",
+           "prompt_template_text", "AREAL_ALIASES", "AREAL_NOT_ALIASED", "with_our_names", "DatasetRecipe", "WarmStartStage",
            "WarmStartSection", "PrepareSection", "when_missing", "AlgoSection", "GenSection", "EvalSection", "RunSection",
+           "WatchdogSection",
            "BufferSection", "ExperimentConfig", "experiment_problems", "DEFAULT_MAX_LINE_BYTES"]
 
 DEFAULT_MAX_LINE_BYTES = 1 << 20
@@ -51,21 +54,75 @@ class DataFields(Section):
     level: str | None = Field(None, description="field holding the difficulty level")
 
 
+# Prompt templates a config (data.prompt_template) or tools.eval (--template) may name: AReaL's evaluation
+# templates, as its evaluation/utils.py (tag v0.2.0, PROMPT_TEMPLATES) writes them, with {prompt} for its {input}.
+# The R1 templates end the prompt with "<think>\n", so the answer starts after it (the tutorial's protocol).
+_R1_INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+PROMPT_TEMPLATES: dict[str, str] = {
+    # "r1-distilled-qwen" (line 156): DeepSeek-R1-Distill-Qwen's chat turn, the tutorial's evaluation default
+    "r1-distilled-qwen": "<｜begin▁of▁sentence｜><｜User｜>{prompt}" + _R1_INSTRUCTION + "<｜Assistant｜><think>\n",
+    # "AReaL-boba" (line 151): the same turn without the begin-of-sentence token
+    "boba": "<｜User｜>{prompt}" + _R1_INSTRUCTION + "<｜Assistant｜><think>\n",
+    # "orz" (line 182): Open-Reasoner-Zero's template for base models (Qwen2.5-7B-Zero)
+    "orz": ("A conversation between User and Assistant. The user asks a question, and the Assistant solves it."
+            "The assistant first thinks about the reasoning process in the mind and then provides the user with the "
+            "answer.The reasoning process and answer are enclosed within <think> </think> and <answer> </answer> "
+            "tags, respectively, i.e., <think> reasoning process here </think> <answer> answer here </answer>. "
+            "User: You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here </answer>. "
+            "And your final answer will be extracted automatically by the \\boxed{} tag. This is the problem: "
+            "{prompt}\nAssistant: <think>\n"),
+}
+DataLayout = Literal["areal", "areal_eval", "gsm8k", "math"]
+_LAYOUT_DOC = ("areal (query_id, prompt, solutions or answer: boba, orz, prompts_for_r1_distilled + id2info, ours), "
+               "areal_eval (AReaL's evaluation/data/<name>/test.jsonl: question or problem, answer or solution), "
+               "gsm8k (question/answer after ####), math (problem/solution with \\boxed{})")
+
+
+def prompt_template_text(value: str) -> str:
+    """The template a `data.prompt_template` value names: one of `PROMPT_TEMPLATES`, or a text with {prompt}."""
+    if value in PROMPT_TEMPLATES:
+        return PROMPT_TEMPLATES[value]
+    if "{prompt}" in value:
+        return value
+    import difflib
+    close = difflib.get_close_matches(value, list(PROMPT_TEMPLATES), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"must contain {{prompt}} or name a template of {sorted(PROMPT_TEMPLATES)}, got "
+                     f"{value[:60]!r}{hint}")
+
+
 class DataSection(Section):
-    train: str | None = Field(None, description="JSON-lines prompts the buffer serves")
-    test: str | None = Field(None, description="held-out JSON-lines file for the final evaluation")
-    layout: Literal["areal", "gsm8k", "math"] = Field(
-        "areal", description="field layout of train and test (actors/dataset.py): areal (boba/orz and ours), gsm8k "
-                             "(question/answer after ####), math (problem/solution with \\boxed{})")
+    train: str | None = Field(None, description="JSON-lines prompts the buffer serves (a wget download's "
+                                                "'NAME?download=true' is found under NAME too)")
+    test: str | None = Field(None, description="held-out JSON-lines file for the evaluations during and after the run")
+    layout: DataLayout = Field(
+        "areal", description="field layout of train (and of test unless test_layout): " + _LAYOUT_DOC)
+    test_layout: DataLayout | None = Field(
+        None, description="field layout of test when it differs from train's (unset: layout, with fields and id2info)")
     fields: DataFields | None = Field(None, description="field names that differ from the layout's")
     answer_after: str | None = Field(None, min_length=1, description="the answer is the text after this marker (gsm8k: ####)")
     id2info: str | None = Field(None, description="AReaL's answer file {query_id: {solutions: [...]}} for prompt files without answers")
-    prompt_template: str | None = Field(None, pattern=r"\{prompt\}", description="wraps each prompt; {prompt} marks where it goes")
+    prompt_template: str | None = Field(
+        None, description="wraps each prompt ({prompt} marks where it goes) unless the prompt already carries a "
+                          "template; or the name of one: " + ", ".join(PROMPT_TEMPLATES))
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="prompts longer than this many tokens are left out of training, as AReaL's "
+                                "dataset.max_prompt_len does (unset: no cap)")
     on_bad_line: Literal["skip", "fail"] | None = Field(
         None, description="a malformed line: skip it or stop (unset: the buffer skips in data.train, the evaluator "
                           "stops in data.test)")
     require: Literal["answer", "solutions", "none"] = Field("answer", description="what each training record must carry")
     max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1, description="longer lines are refused at load")
+    max_bad_share: float = Field(
+        0.05, ge=0, le=1, description="with on_bad_line: skip, the largest share of a file's lines that may be "
+                                      "malformed; more fails the launch (and the load)")
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _known_template(cls, value: str | None) -> str | None:
+        if value is not None:
+            prompt_template_text(value)
+        return value
 
 
 def _command_line_value(value: Any) -> Any:
@@ -122,7 +179,10 @@ class AlgoSection(Section):
     dual_clip: float | None = Field(None, gt=1, description="dual-clip bound on negative advantages (unset: off)")
     behav_imp_weight_cap: float = Field(5.0, ge=0, description="cap of the behaviour importance weight; 0 disables")
     decoupled: bool = Field(True, description="decoupled PPO objective; false is plain PPO")
-    group_std: bool = Field(True, description="divide group-relative advantages by the group's std")
+    group_norm: bool = Field(
+        False, description="subtract each group's mean reward before GAE (the group form, GRPO's); false is AReaL's "
+                           "form: GAE on the raw rewards, normalised by adv_norm (docs/algo.md)")
+    group_std: bool = Field(True, description="with group_norm, also divide by the group's std")
     adv_norm: Literal["batch", "group", "none"] = Field(
         "batch", description="advantage normalisation: over all tokens of the batch, within each group, or none")
     dynamic_sampling: bool = Field(False, description="drop groups whose answers all got one reward")
@@ -131,6 +191,16 @@ class AlgoSection(Section):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the frozen starting weights (model.path) in the token rewards; 0 is off")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="per-token KL estimator of the penalty")
 
+    @field_validator("group_size")
+    @classmethod
+    def _groups_give_a_signal(cls, value: int) -> int:
+        # Rewards are normalised within each prompt's group of answers (algo/advantages.py): a group of one
+        # answer has advantage 0 on every token, so the run would train on nothing.
+        if value == 1:
+            raise ValueError("1 answer per prompt gives every answer advantage 0 (rewards are normalised within "
+                             "each prompt's group): nothing would be learned; use 2 or more")
+        return value
+
 
 class GenSection(Section):
     max_new_tokens: int = Field(64, ge=1, description="answer length limit")
@@ -138,6 +208,14 @@ class GenSection(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1 is off")
     top_k: int = Field(-1, ge=-1, description="top-k sampling; -1 or 0 is off")
     interruptible: bool = Field(True, description="weights swap mid-answer; false pauses and resumes")
+    # How long a generation may take (algo/serving.py): a group, and one SGLang request, time out after
+    # timeout_slack x its token budget at the slowest pace of recent answers, and never before timeout_floor_s.
+    assumed_tokens_per_s: float = Field(
+        5.0, gt=0, description="decode speed of one answer assumed until one is measured (sets the first timeouts)")
+    timeout_slack: float = Field(
+        3.0, ge=1, description="a generation times out after this many times what its length takes at the slowest "
+                               "measured pace")
+    timeout_floor_s: float = Field(60.0, ge=0, description="no generation times out sooner than this")
 
 
 class EvalSection(Section):
@@ -147,12 +225,28 @@ class EvalSection(Section):
     wait_s: float = Field(30.0, gt=0, description="how long the evaluator's request waits for a new version")
 
 
+class WatchdogSection(Section):
+    """The launcher's progress watchdog (tools/watchdog.py): a run that stops making progress is stopped with a
+    diagnosis and a non-zero exit instead of waiting for ever."""
+
+    after_steps: float = Field(5.0, ge=0, description="no trained step for this many times the longest step so far "
+                                                      "stops the run with a diagnosis; 0 is off")
+    min_s: float = Field(600.0, gt=0, description="the shortest wait before a stall is declared, whatever the step time")
+    first_step_s: float = Field(3600.0, gt=0, description="before the first trained step: how long the run may go "
+                                                          "without a step and without a newly accepted group")
+
+
 class RunSection(Section):
     total_steps: int = Field(100, ge=1, description="training steps of the run")
     checkpoint_every_steps: int = Field(20, ge=1, description="steps between checkpoints")
+    checkpoint_every_s: float | None = Field(
+        None, gt=0, description="also checkpoint after a step that ends this many seconds after the last checkpoint "
+                                "(or the start), as AReaL's exp_ctrl.ckpt_freq_secs; unset: by steps only")
     keep_checkpoints: int = Field(2, ge=0, description="complete checkpoints kept; 0 keeps all")
     recover: Literal["auto", "off"] = Field("auto", description="resume from the last checkpoint")
     final_eval: bool = Field(True, description="evaluate the last checkpoint on data.test at the end")
+    watchdog: WatchdogSection = Field(default_factory=WatchdogSection,
+                                      description="stop a run that makes no progress, with a diagnosis")
 
     @field_validator("recover", mode="before")
     @classmethod
@@ -163,9 +257,104 @@ class RunSection(Section):
 
 
 class BufferSection(Section):
-    max_groups_per_rollout: int = Field(8, ge=1, description="groups in flight on one rollout")
+    max_groups_per_rollout: int = Field(
+        8, ge=1, description="groups in flight on one rollout; fewer where its server's KV pool holds fewer "
+                             "(algo.serving.groups_in_kv)")
     max_concurrent_groups: int | None = Field(None, ge=1, description="groups in flight in all (unset: no limit)")
-    group_timeout_s: float = Field(1800.0, gt=0, description="a group with no result after this is issued again")
+    group_timeout_s: float | None = Field(
+        None, gt=0, description="a group with no result after this is aborted on its rollout and issued again "
+                                "(unset: derived from gen.max_new_tokens and the measured pace, gen.timeout_*)")
+
+
+# AReaL's configuration keys (its v0.1/v0.2 quickstart options and v0.3 configs: realhf/api/cli_args.py at v0.2.0)
+# that mean exactly one of ours: a config or an `experiment.` override may use either name (docs/topology.md has
+# the whole table, with the keys that have no single equivalent).
+AREAL_ALIASES: dict[str, str] = {
+    "dataset.path": "data.train",
+    "dataset.max_prompt_len": "data.max_prompt_tokens",
+    "dataset.train_bs_n_seqs": "algo.batch_size",
+    "group_size": "algo.group_size",
+    "max_head_offpolicyness": "algo.eta",
+    "ppo.ppo_n_minibatches": "algo.ppo_minibatches",
+    "actor_train.mb_spec.max_tokens_per_mb": "algo.max_tokens_per_mb",
+    "ppo.eps_clip": "algo.eps_clip",
+    "ppo.c_clip": "algo.dual_clip",
+    "ppo.behav_imp_weight_cap": "algo.behav_imp_weight_cap",
+    "ppo.kl_ctl": "algo.kl_coef",
+    "actor.path": "model.path",
+    "actor.optimizer.lr": "algo.lr",
+    "actor.optimizer.eps": "algo.adam_eps",
+    "actor.optimizer.beta1": "algo.adam_beta1",
+    "actor.optimizer.beta2": "algo.adam_beta2",
+    "actor.optimizer.weight_decay": "algo.weight_decay",
+    "actor.optimizer.gradient_clipping": "algo.grad_clip",
+    "ppo.gen.max_new_tokens": "gen.max_new_tokens",
+    "ppo.gen.temperature": "gen.temperature",
+    "ppo.gen.top_p": "gen.top_p",
+    "exp_ctrl.ckpt_freq_steps": "run.checkpoint_every_steps",
+    "exp_ctrl.ckpt_freq_secs": "run.checkpoint_every_s",
+}
+# AReaL keys with no single equivalent: what to set instead.
+AREAL_NOT_ALIASED: dict[str, str] = {
+    "ppo.adv_norm": "set algo.adv_norm (AReaL's adv_norm: true with group_adv_norm: false is algo.adv_norm: batch; "
+                    "group_adv_norm: true is algo.adv_norm: group; adv_norm: false is none)",
+    "group_adv_norm": "set algo.adv_norm (group_adv_norm: true is algo.adv_norm: group, false with adv_norm: true "
+                      "is batch)",
+    "ppo.reward_output_scaling": "set algo.reward_correct and algo.reward_wrong: AReaL's reward is (score - bias) * "
+                                 "scaling with score 1 right and -1 wrong",
+    "ppo.reward_output_bias": "set algo.reward_correct and algo.reward_wrong: AReaL's reward is (score - bias) * "
+                              "scaling with score 1 right and -1 wrong",
+    "ppo.discount": "GAE runs with discount and lambda 1 and no critic (AReaL's recipes' values), not a setting",
+    "ppo.gae_lambda": "GAE runs with discount and lambda 1 and no critic (AReaL's recipes' values), not a setting",
+    "ppo.gen.top_k": "set gen.top_k (-1 is off; AReaL writes off as 1000000)",
+    "exp_ctrl.total_train_epochs": "set run.total_steps (epochs x prompts / algo.batch_size)",
+}
+
+
+def _pop_path(doc: dict[str, Any], parts: list[str]) -> tuple[bool, Any]:
+    """Remove the value at `parts` from the nested mapping `doc` (and mappings it leaves empty)."""
+    node = doc
+    for part in parts[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            return False, None
+    if parts[-1] not in node:
+        return False, None
+    value = node.pop(parts[-1])
+    for depth in range(len(parts) - 1, 0, -1):   # drop parents the move emptied
+        parent = doc
+        for part in parts[:depth - 1]:
+            parent = parent[part]
+        if parent[parts[depth - 1]] == {}:
+            del parent[parts[depth - 1]]
+    return True, value
+
+
+def with_our_names(doc: dict[str, Any]) -> dict[str, Any]:
+    """A copy of an experiment document with AReaL's key names (`AREAL_ALIASES`) moved to ours. Raises pydantic's
+    custom error "areal_key" (ctx: key, why) for an AReaL name whose key is also set to another value, or one with
+    no single equivalent."""
+    import copy
+    out = copy.deepcopy(doc)
+    for key, why in AREAL_NOT_ALIASED.items():
+        found, _ = _pop_path(copy.deepcopy(out), key.split("."))
+        if found:
+            raise PydanticCustomError("areal_key", "{why}", {"key": key, "why": f"AReaL's key has no single "
+                                                                              f"equivalent here: {why}"})
+    for key, ours in AREAL_ALIASES.items():
+        found, value = _pop_path(out, key.split("."))
+        if not found:
+            continue
+        section, name = ours.split(".")
+        target = out.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise PydanticCustomError("areal_key", "{why}", {"key": key, "why": f"AReaL's name for {ours}, but "
+                                                                              f"{section} is not a mapping"})
+        if name in target and target[name] != value:
+            raise PydanticCustomError("areal_key", "{why}", {
+                "key": key, "why": f"AReaL's name for {ours}, which is also set, to {target[name]!r}: keep one"})
+        target[name] = value
+    return out
 
 
 class ExperimentConfig(Section):
@@ -178,6 +367,12 @@ class ExperimentConfig(Section):
     eval: EvalSection = Field(default_factory=EvalSection, description="evaluation during and after the run")
     run: RunSection = Field(default_factory=RunSection, description="length, checkpoints and recovery")
     buffer: BufferSection = Field(default_factory=BufferSection, description="the buffer's flow control")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _areal_names(cls, data: Any) -> Any:
+        # AReaL's names for our keys are read as ours wherever a config is validated (files, overrides, tools).
+        return with_our_names(data) if isinstance(data, dict) else data
 
 
 def experiment_problems(doc: dict[str, Any], prefix: str = "experiment") -> list[str]:

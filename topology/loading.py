@@ -21,8 +21,9 @@ from typing import Any, Iterable
 
 import yaml
 from pydantic import BaseModel
+from pydantic_core import PydanticCustomError
 
-from topology.experiment import ExperimentConfig
+from topology.experiment import AREAL_ALIASES, ExperimentConfig, with_our_names
 from topology.placement import REPO_ROOT, Plan, TopologyError, place, validate
 from topology.schema import RESERVED_SETTINGS, GroupSection, TopologyDocument
 from topology.settings import settings_model
@@ -55,21 +56,26 @@ def load_document(path: str | Path) -> dict[str, Any]:
     return doc
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``a.b.c=value`` -> (["a", "b", "c"], value read as YAML)."""
+def parse_override(text: str, prefix: str = "") -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a", "b", "c"], value read as YAML). ``prefix``: what the user typed before
+    ``text`` (``experiment.``), which every problem repeats so that it names the override as written."""
     key, eq, raw = text.partition("=")
+    shown = prefix + text
     if not eq:
-        raise TopologyError([f"override {text!r}: expected key.sub=value"], "command line")
+        raise TopologyError([f"override {shown!r}: expected key.sub=value"], "command line")
     if key.startswith("+"):
-        raise TopologyError([f"override {text!r}: drop the leading +: every key the schema declares can be set, "
+        raise TopologyError([f"override {shown!r}: drop the leading +: every key the schema declares can be set, "
                              f"and an undeclared one is refused either way"], "command line")
     parts = key.strip().split(".")
     if not all(parts):
-        raise TopologyError([f"override {text!r}: bad key {key!r}"], "command line")
+        raise TopologyError([f"override {shown!r}: bad key {prefix + key!r}"], "command line")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise TopologyError([f"override {text!r}: value is not valid YAML: {exc}"], "command line") from exc
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at column {mark.column + 1}" if mark is not None else ""
+        raise TopologyError([f"override {shown!r}: value is not valid YAML ({getattr(exc, 'problem', None) or exc}"
+                             f"{where})"], "command line") from None
     return parts, value
 
 
@@ -78,7 +84,7 @@ def apply_overrides(doc: dict[str, Any], overrides: Iterable[str], prefix: str =
     problems of overrides that cannot be set (a path through a value that is not a mapping)."""
     problems = []
     for text in overrides:
-        parts, value = parse_override(text)
+        parts, value = parse_override(text, prefix)
         node = doc
         for depth, part in enumerate(parts[:-1]):
             nxt = node.setdefault(part, {})
@@ -93,11 +99,14 @@ def apply_overrides(doc: dict[str, Any], overrides: Iterable[str], prefix: str =
 
 
 def _split(overrides: Iterable[str]) -> tuple[list[str], list[str]]:
-    """(topology overrides, experiment overrides with the `experiment.` prefix removed)."""
+    """(topology overrides, experiment overrides with the `experiment.` prefix removed). An experiment override
+    may name a key by AReaL's name (`experiment.dataset.train_bs_n_seqs=256`): it overrides our key it stands for
+    (`AREAL_ALIASES`), whichever name the config file used."""
     topo, exp = [], []
     for text in overrides:
         if text.startswith(EXPERIMENT + "."):
-            exp.append(text[len(EXPERIMENT) + 1:])
+            key, eq, value = text[len(EXPERIMENT) + 1:].partition("=")
+            exp.append(f"{AREAL_ALIASES.get(key.strip(), key)}{eq}{value}")
         else:
             topo.append(text)
     return topo, exp
@@ -121,6 +130,13 @@ def _documents(path: Path, overrides: Iterable[str]) -> tuple[dict, dict, Path |
                     experiment = load_document(config_path)
                 except TopologyError as exc:
                     problems.extend(f"config ({config_path}): {p}" for p in exc.problems)
+    # AReaL's key names become ours before the overrides (which are in our names: _split), so an override wins
+    # whichever name the file used and every actor group's settings merge over one spelling of each key. An
+    # AReaL name that cannot be read as ours is left for validate() to report with its path.
+    try:
+        experiment = with_our_names(experiment)
+    except PydanticCustomError:
+        pass
     problems += apply_overrides(experiment, exp_overrides, prefix=EXPERIMENT + ".")
     return doc, experiment, config_path, problems  # validate() adds the experiment's own problems
 
@@ -173,11 +189,11 @@ def resolved_config(path: str | Path, overrides: Iterable[str] = (), *,
     plan = load(path, overrides, check_imports=check_imports)
     topo_overrides, exp_overrides = _split(overrides)
     file_doc = load_document(path)
-    exp_file = load_document(plan.topology.config_path) if plan.topology.config_path else {}
+    exp_file = with_our_names(load_document(plan.topology.config_path)) if plan.topology.config_path else {}
     over_topo: dict[str, Any] = {}
     over_exp: dict[str, Any] = {}
     apply_overrides(over_topo, topo_overrides)
-    apply_overrides(over_exp, exp_overrides)
+    apply_overrides(over_exp, exp_overrides, prefix=EXPERIMENT + ".")
 
     def source(key: str, over: dict, file: dict, file_name: str) -> str:
         return "override" if _has(over, key) else file_name if _has(file, key) else "default"

@@ -80,6 +80,8 @@ class GroupSpec:
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     world_port: int | None = None  # the instances form one torch.distributed world (0: a free port at launch)
+    ready_timeout_s: float | None = None  # each instance's ready budget (None: the launcher derives it)
+    min_ready: int | None = None          # instances the run needs ready to start (None: the class's rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +155,8 @@ class Plan:
             out[inst.group].append(inst.name)
         return out
 
-    def specs(self, run_dir: str | Path, curve: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    def specs(self, run_dir: str | Path, curve: dict[str, Any] | None = None,
+              tokens: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """One ActorSpec dictionary per instance (fields as in docs/architecture.md)."""
         topo, groups = self.topology, self.group_members()
         peers = {inst.name: inst.endpoint for inst in self.instances}
@@ -182,7 +185,7 @@ class Plan:
             out.append({
                 "name": inst.name, "cls": group.cls, "endpoint": inst.endpoint,
                 "peers": {n: e for n, e in peers.items() if n != inst.name}, "settings": settings,
-                "run_dir": str(run_dir), "curve": curve, "env": env,
+                "run_dir": str(run_dir), "curve": curve, "env": env, "tokens": tokens,
             })
         return out
 
@@ -350,8 +353,7 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
     nodes = [dataclasses.replace(template, name=n, nics=dict(template.nics)) for n in names]
 
     bus = _section(BusSection, doc.get("bus"))
-    if bus.curve is None:
-        bus = bus.model_copy(update={"curve": bus.transport == "tcp"})
+    bus = bus.model_copy(update={"curve": _bus_curve(c, bus)})
     if bus.base_port + bus.port_range - 1 > 65535:
         c.add("bus.port_range", f"ports {bus.base_port}-{bus.base_port + bus.port_range - 1} go past 65535")
     if bus.transport == "ipc" and len(nodes) > 1:
@@ -377,7 +379,9 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
             nodes=_node_selection(c, g.nodes, f"{key}.nodes", names), per_node=g.per_node, gpus=g.gpus,
             cpus=_cpu_lists(c, g.cpus, f"{key}.cpus", g.count, template.cpus), threads=g.threads,
             cpu_workers=g.cpu_workers, parallel=g.parallel.model_dump(exclude_none=True), settings=dict(g.settings),
-            env=c.env(g.env, f"{key}.env"))
+            env=c.env(g.env, f"{key}.env"), ready_timeout_s=g.ready_timeout_s, min_ready=g.min_ready)
+        if g.min_ready is not None and g.min_ready > g.count:
+            c.add(f"{key}.min_ready", f"{g.min_ready} instances cannot be ready: the group has {g.count} (count)")
         if g.world_port is not None:
             group.world_port = _rendezvous_port(c, g.world_port, f"{key}.world_port")
             if group.gpus > 1:
@@ -422,6 +426,23 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
     if c.problems:
         raise TopologyError(c.problems, source)
     return topo
+
+
+def _bus_curve(c: _Checker, bus: BusSection) -> bool:
+    """Whether the bus runs CurveZMQ: always on tcp, unless the topology opts out with bus.insecure_tcp (a bare
+    `curve: false` would leave the ports open to every user of the machine without anyone having said so)."""
+    if bus.transport != "tcp":
+        if bus.insecure_tcp:
+            c.add("bus.insecure_tcp", f"is for a tcp bus; this bus is {bus.transport} (remove the key)")
+        return bool(bus.curve)
+    if bus.insecure_tcp:
+        if bus.curve:
+            c.add("bus.insecure_tcp", "contradicts bus.curve: true (remove one of them)")
+        return False
+    if bus.curve is False:
+        c.add("bus.curve", "false is refused on a tcp bus: any user who can reach its ports could command the run. "
+                           "CurveZMQ stays on unless you set bus.insecure_tcp: true")
+    return True
 
 
 def _section(model: type[SectionT], value: Any) -> SectionT:

@@ -32,7 +32,8 @@ class SupervisorSection(Section):
     restart_window: float = Field(300.0, gt=0, description="seconds over which restarts are counted")
     backoff_initial: float = Field(0.5, gt=0, description="first wait before a restart, doubled on each one")
     backoff_max: float = Field(30.0, gt=0, description="longest wait before a restart")
-    ready_timeout: float = Field(120.0, gt=0, description="seconds an actor has to report ready")
+    ready_timeout: float = Field(120.0, gt=0, description="seconds an actor has to report ready, beyond what its "
+                                                          "class starts (actors.<group>.ready_timeout_s sets a group's)")
     stop_timeout: float = Field(30.0, gt=0, description="seconds an actor has to stop before it is killed")
 
 
@@ -64,9 +65,13 @@ class BusSection(Section):
     host: str | None = Field(None, description="bind address for a one-node tcp bus (unset: 127.0.0.1)")
     base_port: int = Field(20000, ge=1024, le=65535, description="first port of the bus: one per actor instance")
     port_range: int = Field(1000, ge=1, description="ports the bus may use from base_port")
-    # Any user of a machine can connect to a tcp port: CurveZMQ (the run's keys) is on unless the topology
-    # turns it off. ipc sockets live in a directory only the run's user can enter.
-    curve: bool | None = Field(None, description="CurveZMQ encryption and authentication (unset: on for tcp, off for ipc)")
+    # Any user of a machine can connect to a tcp port: a tcp bus always has CurveZMQ (the run's keys), unless
+    # insecure_tcp says otherwise in so many words. ipc sockets live in a directory only the run's user can enter.
+    curve: bool | None = Field(None, description="CurveZMQ encryption and authentication (unset: on for tcp, off for "
+                                                 "ipc; a tcp bus cannot turn it off, see insecure_tcp)")
+    insecure_tcp: bool = Field(False, description="run a tcp bus without CurveZMQ: messages travel in clear and "
+                                                  "anyone who can sniff the network or reach a port before an actor "
+                                                  "binds it can learn the run's tokens and command the run")
     heartbeat_s: float | None = Field(None, gt=0, description="ZeroMQ heartbeat interval (unset: the bus's)")
 
 
@@ -109,6 +114,12 @@ class GroupSection(Section):
     world_port: Any = Field(None, description="the instances form one torch.distributed world rendezvousing here (auto: a free port at launch)")
     settings: dict[str, Any] = Field(default_factory=dict, description="the actor's settings (its class's Settings model), merged over the experiment")
     env: dict[str, Any] = Field(default_factory=dict, description="environment variables of the instances")
+    ready_timeout_s: float | None = Field(
+        None, gt=0, description="seconds each instance has to report ready (unset: supervisor.ready_timeout plus "
+                                "what its class starts: an SGLang rollout adds its server's sglang.health_timeout_s)")
+    min_ready: int | None = Field(
+        None, ge=1, description="instances that must be ready for the run to start; the rest join when ready "
+                                "(unset: all; a rollout group: half, rounded up)")
 
 
 class TopologyDocument(Section):
@@ -201,7 +212,9 @@ def problem_lines(exc: ValidationError, prefix: str, model: type[BaseModel]) -> 
     for err in exc.errors():
         loc = tuple(err["loc"])
         path = key_path(prefix, loc)
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "areal_key":   # topology.experiment.with_our_names: the AReaL key's own path
+            lines.append(f"{key_path(prefix, loc + tuple(err['ctx']['key'].split('.')))}: {err['ctx']['why']}")
+        elif err["type"] == "extra_forbidden":
             holder = model_at(model, loc[:-1])
             allowed = f"; allowed: {', '.join(sorted(_keys(holder)))}" if holder is not None else ""
             lines.append(f"{path}: unknown key{_unknown_key_hint(holder, str(loc[-1]))}{allowed}")

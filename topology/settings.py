@@ -21,7 +21,8 @@ from topology.experiment import ExperimentConfig, Section
 from topology.schema import problem_lines
 
 __all__ = ["InstanceSettings", "WorldSettings", "ActorSettings", "RewardSettings", "CodeRewardSettings",
-           "EngineSettings", "EvaluatorSettings", "TrainerSettings", "SGLangSettings", "RolloutSettings", "ParamServerSettings",
+           "EngineSettings", "GenerationSettings", "EvaluatorSettings", "TrainerSettings", "SGLangSettings", "RolloutSettings",
+           "ParamServerSettings",
            "BufferSettings", "BusSettings", "MessageLogSettings", "SettingsError", "settings_model", "read_settings"]
 
 
@@ -88,6 +89,9 @@ class ActorSettings(ExperimentConfig):
         None, description="record the actor's messages: true (the recording's defaults), or its settings")
     drain_timeout: float = Field(30.0, gt=0, description="seconds running handlers get to finish on stop")
     close_linger: float = Field(2.0, ge=0, description="seconds the bus may take to send what is queued on close")
+    status_every_s: float = Field(
+        5.0, ge=0, description="seconds between writes of RUN_DIR/status/<name>.json (what it waits on, the last "
+                               "message of each kind), which the launcher's progress watchdog reads; 0 is off")
 
     @field_validator("message_log", mode="before")
     @classmethod
@@ -121,8 +125,6 @@ class CodeRewardSettings(RewardSettings):
     allow_unsandboxed: bool = Field(False, description="run programs without a working sandbox (never on shared machines)")
 
 
-class EvaluatorSettings(ActorSettings):
-    pass
 
 
 class TrainerSettings(EngineSettings):
@@ -152,17 +154,31 @@ class SGLangSettings(Section):
     max_restarts: int = Field(5, ge=0, description="restarts of a dead server before the rollout fails")
     backoff_s: float = Field(1.0, gt=0, description="first wait before a restart")
     backoff_max_s: float = Field(30.0, gt=0, description="longest wait before a restart")
-    request_timeout_s: float = Field(3600.0, gt=0, description="bound on one generate request")
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="bound on one generate request (unset: gen.timeout_slack x the tokens it may still "
+                                "generate at the slowest pace measured on this server, gen.timeout_floor_s at least)")
     control_timeout_s: float = Field(600.0, gt=0, description="bound on one control request (weights, pause)")
     weights_dir: str | None = Field(None, description="where weights go through disk (unset: RUN_DIR/sglang_weights/<name>)")
     log_path: str | None = Field(None, description="server log (unset: RUN_DIR/logs/<name>.sglang.log)")
 
 
-class RolloutSettings(EngineSettings):
+class GenerationSettings(EngineSettings):
+    """Actors that generate answers: the engine and, for SGLang, its server (actors/engines/sglang.py)."""
+
     engine: Literal["torch", "sglang"] = Field("torch", description="generation engine")
     max_running: int = Field(256, ge=1, description="most sequences the embedded engine decodes at once")
     sglang: SGLangSettings = Field(default_factory=SGLangSettings, description="the SGLang server (engine: sglang)")
     sglang_url: str | None = Field(None, description="attach to this running SGLang server instead of starting one")
+
+
+class EvaluatorSettings(GenerationSettings):
+    weights_from: Literal["param_server", "checkpoints"] = Field(
+        "param_server", description="which versions are evaluated: those the parameter server keeps for evaluation "
+                                    "(a run whose weights pass through it), or each complete checkpoint (any run; "
+                                    "a GPU run's direct weights keep no copy in the parameter server)")
+
+
+class RolloutSettings(GenerationSettings):
     link: str | None = Field(None, description="the weights link (unset: ps_to_rollout, or the only link listed)")
     weights_timeout_s: float | None = Field(None, gt=0, description="bound on waiting for the weights link (unset: its timeout_s)")
     weights_via_server: bool = Field(True, description="with direct weights and SGLang, the server joins the trainer's group")

@@ -1,4 +1,4 @@
-"""CurveZMQ authentication and encryption for the bus.
+"""Who may talk on the bus: CurveZMQ keys (authentication and encryption), or per-run tokens without CURVE.
 
 The launcher makes one key pair per actor per run (:func:`generate_run_keys`) into ``RUN_DIR/curve``:
 ``<name>.key`` (public, z85) and ``<name>.key_secret`` (secret). Every actor uses its pair both as a server
@@ -8,20 +8,38 @@ authenticator), so a client without an authorised key never gets a message proce
 
 An ``ActorSpec.curve`` is either ``{"keys_dir": DIR}`` (keys read from the run directory) or inline
 ``{"public": z85, "secret": z85, "peers": {name: z85}, "authorized": [z85, ...]}``.
+
+A bus without CURVE (an ipc bus, or a tcp bus the topology declares ``insecure_tcp``) still binds every
+connection to one actor: the launcher makes one random token per actor per run (:func:`generate_run_tokens`,
+``RUN_DIR/tokens/<name>.token``, 0600, and ``<name>.digest``, its SHA-256), each actor connects with ZeroMQ's
+PLAIN mechanism as its own name and token, and a bound socket's ZAP handler admits a connection only when the
+token's digest is the one made for that name. The connection's User-Id is then the actor's name, so a message
+whose header names another actor is refused (see ``transport.bus``). PLAIN sends the token in clear: on an ipc
+bus only the run's user can reach the sockets; on an insecure tcp bus anyone who can read the network can take
+it. An ``ActorSpec.tokens`` is ``{"tokens_dir": DIR}``.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
+from zmq.auth.asyncio import AsyncioAuthenticator
 
-__all__ = ["CurveConfig", "CurveError", "generate_run_keys", "start_authenticator"]
+__all__ = ["CurveConfig", "CurveError", "TokenConfig", "TokenError", "generate_run_keys", "generate_run_tokens",
+           "start_authenticator"]
 
 
 class CurveError(ValueError):
     """Key material is missing or malformed (the message names the key or file)."""
+
+
+class TokenError(CurveError):
+    """A run's token material is missing or malformed (the message names the file)."""
 
 
 @dataclass
@@ -69,6 +87,12 @@ class CurveConfig:
         sock.curve_secretkey = self.secret.encode()
         sock.curve_publickey = self.public.encode()
 
+    credential = "CURVE key"
+
+    def actor_of(self, user_id: str) -> str:
+        """The actor a connection's ZAP User-Id (its z85 client key) was made for; "" for none."""
+        return self.key_names.get(user_id, "")
+
     def apply_client(self, sock: zmq.Socket, peer: str) -> None:
         server_key = self.peers.get(peer)
         if server_key is None:
@@ -78,14 +102,14 @@ class CurveConfig:
         sock.curve_serverkey = server_key.encode()
 
 
-def _read_key(path: str) -> str:
+def _read_key(path: str, length: int = 40, what: str = "curve key file", form: str = "40-character z85 key") -> str:
     try:
         with open(path, "rb") as fh:
-            text = fh.read().decode().strip()
+            text = fh.read().decode(errors="replace").strip()
     except OSError as exc:
-        raise CurveError(f"curve key file {path}: {exc.strerror}") from None
-    if len(text) != 40:
-        raise CurveError(f"curve key file {path}: expected a 40-character z85 key, found {len(text)} characters")
+        raise CurveError(f"{what} {path}: {exc.strerror}") from None
+    if len(text) != length:
+        raise CurveError(f"{what} {path}: expected a {form}, found {len(text)} characters")
     return text
 
 
@@ -113,6 +137,65 @@ def _write(path: str, data: bytes, mode: int) -> None:
     os.replace(tmp, path)
 
 
+@dataclass
+class TokenConfig:
+    """This actor's bus token, and the digest of every actor's token of the run (see the module's text)."""
+
+    name: str
+    token: str
+    digests: dict[str, str] = field(default_factory=dict)      # actor name -> sha256 hex of its token
+
+    credential = "token"
+
+    @classmethod
+    def from_spec(cls, d: dict[str, Any], self_name: str) -> "TokenConfig":
+        if not isinstance(d, dict) or not isinstance(d.get("tokens_dir"), str):
+            raise TokenError("tokens: expected a map with tokens_dir, the run's token directory")
+        tokens_dir = d["tokens_dir"]
+        if not os.path.isdir(tokens_dir):
+            raise TokenError(f"tokens.tokens_dir {tokens_dir!r} is not a directory")
+        token = _read_key(os.path.join(tokens_dir, f"{self_name}.token"), *_TOKEN_FILE)
+        digests = {fname[:-len(".digest")]: _read_key(os.path.join(tokens_dir, fname), *_TOKEN_FILE)
+                   for fname in sorted(os.listdir(tokens_dir)) if fname.endswith(".digest")}
+        return cls(self_name, token, digests)
+
+    def actor_of(self, user_id: str) -> str:
+        """The actor a connection authenticated as (PLAIN's User-Id is the user name ZAP admitted)."""
+        return user_id if user_id in self.digests else ""
+
+    def admits(self, username: str, password: str) -> bool:
+        expected = self.digests.get(username)
+        return expected is not None and hmac.compare_digest(_digest(password), expected)
+
+    def apply_server(self, sock: zmq.Socket) -> None:
+        sock.plain_server = True
+
+    def apply_client(self, sock: zmq.Socket, peer: str) -> None:
+        sock.plain_username = self.name.encode()
+        sock.plain_password = self.token.encode()
+
+
+_TOKEN_FILE = (64, "token file", "64 hex digits")
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def generate_run_tokens(run_dir: str, names: list[str]) -> str:
+    """A fresh random token per actor name under ``run_dir/tokens`` (``<name>.token``, 0600) with its digest
+    (``<name>.digest``); returns that directory. Existing tokens for a name are replaced (tokens are per run)."""
+    tokens_dir = os.path.join(run_dir, "tokens")
+    os.makedirs(tokens_dir, mode=0o700, exist_ok=True)
+    for name in names:
+        if not name or "/" in name or name.startswith("."):
+            raise TokenError(f"tokens: invalid actor name {name!r} for a token file")
+        token = secrets.token_hex(32)
+        _write(os.path.join(tokens_dir, f"{name}.token"), token.encode(), 0o600)
+        _write(os.path.join(tokens_dir, f"{name}.digest"), _digest(token).encode(), 0o600)
+    return tokens_dir
+
+
 class _KeySet:
     """ZAP credentials provider: allow the configured client keys, count and report the rest."""
 
@@ -127,15 +210,33 @@ class _KeySet:
         return ok
 
 
-def start_authenticator(context: zmq.Context, config: CurveConfig,
-                        on_deny: Callable[[str], None] | None = None):
-    """Start the asyncio ZAP authenticator on ``context`` (one per context) accepting ``config.authorized``.
+class _TokenAuthenticator(AsyncioAuthenticator):
+    """ZAP for PLAIN: a run's actor by name and token (digests compared in constant time), denials reported."""
+
+    def __init__(self, context: zmq.Context, config: TokenConfig, on_deny: Callable[[str], None] | None) -> None:
+        super().__init__(context)
+        self.config, self.on_deny = config, on_deny
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        if self.config.admits(username, password):
+            return True, b"OK"
+        if self.on_deny is not None:
+            self.on_deny(f"user {username!r}")
+        return False, b"not an actor of this run"
+
+
+def start_authenticator(context: zmq.Context, config: "CurveConfig | TokenConfig",
+                        on_deny: Callable[[str], None] | None = None) -> AsyncioAuthenticator:
+    """Start the asyncio ZAP authenticator on ``context`` (one per context): accepting ``config.authorized``
+    client keys (CURVE), or the run's actors by name and token (PLAIN, :class:`TokenConfig`).
 
     Must be called from a running event loop; returns the authenticator (call ``.stop()`` on close).
     """
-    from zmq.auth.asyncio import AsyncioAuthenticator
-
-    auth = AsyncioAuthenticator(context)
+    if isinstance(config, TokenConfig):
+        auth = _TokenAuthenticator(context, config, on_deny)
+    else:
+        auth = AsyncioAuthenticator(context)
     auth.start()
-    auth.configure_curve_callback(domain="*", credentials_provider=_KeySet(config.authorized, on_deny))
+    if isinstance(config, CurveConfig):
+        auth.configure_curve_callback(domain="*", credentials_provider=_KeySet(config.authorized, on_deny))
     return auth

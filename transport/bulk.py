@@ -7,6 +7,16 @@ address and port. Several links can live in one process (the parameter server si
 the trainer and another with the rollouts), so a link never touches torch.distributed's single
 default group: it builds its process group directly on a ``TCPStore`` wrapped in a ``PrefixStore``.
 
+The rendezvous. torch's TCPStore (2.13) has no authentication of its own and, left to itself, its server
+listens on every interface: anyone who reaches the port can read and write its keys (gloo's addresses among
+them). So the master's store listens on the link's master address only (:func:`rendezvous_server`: loopback
+when every member is on one node), and with a per-run secret (``LinkConfig.secret_file``, made by the launcher,
+0600 in the run directory) every value goes through :class:`SignedStore`: written with an HMAC of the secret,
+checked when read, so a key written by anyone else fails the formation with :class:`RendezvousForgery`
+instead of steering a member's connections. What the store cannot hide: the keys and values can be read
+(gloo's listening addresses), and gloo's own data connections are not authenticated; buckets carry a
+checksum, so bytes injected there are refused, not trained on.
+
 The prefix carries an *epoch* number. When a member dies and is restarted, the survivors and the
 newcomer agree (through the control bus) on epoch e+1 and call :meth:`BulkLink.reform` /
 :meth:`BulkLink.open` with it; the fresh prefix keeps the new rendezvous clear of the dead group's keys.
@@ -30,7 +40,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import hashlib
+import hmac
 import os
+import secrets
+import socket
 from collections import deque
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -43,6 +57,11 @@ __all__ = [
     "BulkError",
     "ChecksumMismatch",
     "LinkRendezvousError",
+    "RendezvousForgery",
+    "SignedStore",
+    "generate_rendezvous_secret",
+    "rendezvous_server",
+    "rendezvous_store",
     "LinkConfig",
     "TensorMeta",
     "PackedBucket",
@@ -94,6 +113,10 @@ class LinkRendezvousError(BulkError):
     """The members of a link did not all arrive at the rendezvous in time."""
 
 
+class RendezvousForgery(BulkError):
+    """A rendezvous value was not written by a holder of the run's secret."""
+
+
 @dataclasses.dataclass
 class LinkConfig:
     """Everything one member needs to join a link. The launcher writes it into
@@ -109,6 +132,7 @@ class LinkConfig:
     bind_addr: str = ""  # address gloo binds on this member (fake SLURM nodes use 127.0.0.x)
     timeout_s: float = 300.0
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # NCCL_* / GLOO_* for this process
+    secret_file: str = ""  # the run's rendezvous secret (generate_rendezvous_secret); "": values unsigned
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -409,12 +433,13 @@ class BulkLink:
         timeout = _dt.timedelta(seconds=cfg.timeout_s)
         try:
             if cfg.rank == 0 and self._server is None:
-                self._server = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=True,
-                                             timeout=timeout, wait_for_workers=False)
+                self._server = rendezvous_server(cfg.master_addr, cfg.master_port, cfg.world_size, timeout)
             # A connection of its own per formation: the master may itself be the member that restarted, and
             # a formation abandoned while it waits must not hold the connection the next one talks on.
             store = dist.TCPStore(cfg.master_addr, cfg.master_port, cfg.world_size, is_master=False,
                                   timeout=timeout, wait_for_workers=False)
+            if cfg.secret_file:
+                store = SignedStore(store, read_rendezvous_secret(cfg.secret_file), cfg.name)
             prefix = dist.PrefixStore(f"{cfg.name}/epoch{epoch}", store)
             pg = self._make_group(prefix, timeout, rank, world)
             if self._wanted != epoch:   # abandoned while it waited for a member: a newer one is forming
@@ -848,6 +873,105 @@ class _RecvBuffers:
                 self.buffers.pop(free[0][0] if free else 0)
             self.buffers.append((fresh, alone))
         return fresh
+
+
+def rendezvous_server(addr: str, port: int, world_size: int, timeout: _dt.timedelta) -> dist.TCPStore:
+    """The server of a rendezvous store, listening on ``addr`` only (the address its members are given:
+    127.0.0.1 when every member is on one node), where a plain TCPStore server listens on every interface."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise LinkRendezvousError(f"rendezvous address {addr}:{port}: {exc}") from exc
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(sockaddr)
+        listener.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        listener.close()
+        raise LinkRendezvousError(f"rendezvous address {addr}:{port}: {exc.strerror or exc}") from exc
+    # the store owns the descriptor from here on (it closes it with the server)
+    return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach())
+
+
+def rendezvous_store(addr: str, port: int, rank: int, world_size: int, timeout: _dt.timedelta) -> dist.TCPStore:
+    """A member's store of a torch.distributed rendezvous at ``addr:port``: rank 0 hosts it, listening on ``addr``
+    only (:func:`rendezvous_server`); the others connect. What ``tcp://`` and ``env://`` init methods build,
+    less the server listening on every interface."""
+    if rank == 0:
+        return rendezvous_server(addr, port, world_size, timeout)
+    return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def generate_rendezvous_secret(run_dir: str | os.PathLike) -> str:
+    """A fresh random secret for the run's rendezvous stores, ``run_dir/rendezvous.secret`` (0600); its path."""
+    path = os.path.join(run_dir, "rendezvous.secret")
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_hex(32) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_rendezvous_secret(path: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            secret = fh.read().strip()
+    except OSError as exc:
+        raise BulkError(f"rendezvous secret {path}: {exc.strerror}") from None
+    if len(secret) < 32:
+        raise BulkError(f"rendezvous secret {path}: {len(secret)} bytes, expected at least 32")
+    return secret
+
+
+class SignedStore(dist.Store):
+    """A store whose values carry an HMAC-SHA256 of the run's secret over their key and bytes: a value read
+    back that was not written through a SignedStore of the same secret raises :class:`RendezvousForgery`.
+    Counters (``add``) cannot be signed; gloo's rendezvous sets, waits for and gets, and so do the links."""
+
+    _MAC = 32
+
+    def __init__(self, inner: dist.Store, secret: bytes, what: str = "rendezvous") -> None:
+        super().__init__()
+        self.inner, self.secret, self.what = inner, secret, what
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self.secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self.inner.set(key, self._mac(key, data) + data)
+
+    def get(self, key: str) -> bytes:
+        raw = self.inner.get(key)
+        mac, data = raw[:self._MAC], raw[self._MAC:]
+        if len(mac) != self._MAC or not hmac.compare_digest(mac, self._mac(key, data)):
+            raise RendezvousForgery(f"{self.what}: rendezvous key {key!r} was not written by a member of this run "
+                                    f"(its signature does not match the run's secret)")
+        return data
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: _dt.timedelta | None = None) -> None:
+        if timeout is None:
+            self.inner.wait(keys)
+        else:
+            self.inner.wait(keys, timeout)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: _dt.timedelta) -> None:
+        self.inner.set_timeout(timeout)
 
 
 def _is_loopback(addr: str) -> bool:

@@ -27,7 +27,11 @@ for ``heartbeat_timeout`` is declared dead (``on_peer_dead(name)``, ``stats["pee
 Pings and pongs are handled inside the bus and never reach the actor.
 
 CurveZMQ (``curve=CurveConfig``): the ROUTER is a CURVE server whose ZAP handler admits only the run's
-public keys; DEALERs are CURVE clients. Denied handshakes are counted in ``rejected["auth_denied"]``.
+public keys; DEALERs are CURVE clients. Without CURVE, per-run tokens (``tokens=TokenConfig``): the ROUTER is
+a PLAIN server whose ZAP handler admits only the run's actors, each by its own name and token. Denied
+handshakes are counted in ``rejected["auth_denied"]``. Either way a connection is bound to one actor, and with
+``roles`` a message whose header names another sender is refused (``spoofed_sender``). A bus with neither (a
+test's) trusts the header. An ipc socket is made 0600 once bound (a directory the bus creates for it is 0700).
 """
 from __future__ import annotations
 
@@ -38,13 +42,13 @@ import os
 import time
 import weakref
 from collections import Counter
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable
 
 import structlog
 import zmq
 import zmq.asyncio
 
-from .auth import CurveConfig, start_authenticator
+from .auth import CurveConfig, TokenConfig, start_authenticator
 from .messages import (BATCH_MAX_BYTES, BATCH_MAX_MESSAGES, DecodeError, EncodeError, Error, FrameTooLarge, Header,
                        Message, Ping, Pong, decode, encode, encode_batch, is_batch, new_message_id,
                        split_batch)
@@ -169,6 +173,7 @@ class Bus:
     def __init__(self, name: str, endpoint: str, peers: dict[str, str] | None = None, *,
                  handler: Handler | None = None,
                  curve: CurveConfig | None = None,
+                 tokens: TokenConfig | None = None,
                  hwm: int = 1000,
                  max_frame_bytes: int = 256 << 20,
                  hard_max_frame_bytes: int | None = None,
@@ -188,10 +193,15 @@ class Bus:
         self.name = name
         self.endpoint = endpoint
         self.handler = handler
+        if curve is not None and tokens is not None:
+            raise ValueError("a bus authenticates by CURVE keys or by tokens, not both")
         self.curve = curve
+        self.tokens = tokens
+        # what binds a connection to one actor of the run (None: nothing, the header's name is trusted)
+        self._credentials: CurveConfig | TokenConfig | None = curve if curve is not None else tokens
         # name -> role (its actor group) of everyone who may send us messages: with it, a kind that declares
-        # its senders (@message(..., senders=...)) is accepted only from those roles, and under CURVE the
-        # sender is the actor its key was made for, whatever name the header claims.
+        # its senders (@message(..., senders=...)) is accepted only from those roles, and under CURVE or tokens
+        # the sender is the actor the connection authenticated as, whatever name the header claims.
         self.roles = roles
         self.hwm = hwm
         self.max_frame_bytes = max_frame_bytes
@@ -219,6 +229,12 @@ class Bus:
         self._pending: dict[str, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
         self._handler_tasks: set[asyncio.Task] = set()
+        # What this bus is doing, for the status a stalled run is diagnosed from (`activity`): its requests
+        # without a reply yet, the requests it is still answering, and the last message of each kind in and out.
+        self._asking: dict[str, tuple[str, str, float]] = {}          # message id -> (peer, kind, since)
+        self._serving: dict[asyncio.Task, tuple[str, str, float]] = {}
+        self.last_in: dict[str, tuple[str, float]] = {}               # kind -> (sender, time.time())
+        self.last_out: dict[str, tuple[str, float]] = {}              # kind -> (peer, time.time())
         self._slots: asyncio.Semaphore | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._auth = None
@@ -237,8 +253,8 @@ class Bus:
         self._slots = asyncio.Semaphore(self.max_inflight)
         # A context per bus: its ZAP handler (CURVE) is per context, and closing it frees its IO thread.
         self._ctx = zmq.asyncio.Context()
-        if self.curve is not None:
-            self._auth = start_authenticator(self._ctx, self.curve, on_deny=self._on_auth_denied)
+        if self._credentials is not None:
+            self._auth = start_authenticator(self._ctx, self._credentials, on_deny=self._on_auth_denied)
         # A bus dropped without close() (a failed test, an actor dying of an exception) must not hang its
         # process at exit: garbage collection clears the context's weak references to its sockets before
         # the context's own finaliser runs term(), which then waits forever for sockets nobody will close.
@@ -253,11 +269,12 @@ class Bus:
         router.setsockopt(zmq.RCVHWM, self.hwm)
         router.setsockopt(zmq.MAXMSGSIZE, max(self.hard_max_frame_bytes, BATCH_MAX_BYTES))
         router.setsockopt(zmq.LINGER, 0)
-        if self.curve is not None:
-            self.curve.apply_server(router)
+        if self._credentials is not None:
+            self._credentials.apply_server(router)
         _prepare_ipc(self.endpoint)
         router.bind(self.endpoint)
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        _private_ipc(self.endpoint)
         for peer, ep in self._peer_endpoints.items():
             self._connect(peer, ep)
         self._spawn(self._inbound_loop(), "inbound")
@@ -336,6 +353,18 @@ class Bus:
     def peer_alive(self, peer: str) -> bool:
         return self._peer(peer).alive
 
+    def activity(self) -> dict[str, Any]:
+        """Who this bus waits on and who waits on it, and the last message of each kind each way, as plain data:
+        ``asking``/``serving`` list {peer, kind, for_s}; ``last_in``/``last_out`` map a kind to {peer, time}."""
+        now = time.time()
+        def waits(items: Iterable[tuple[str, str, float]]) -> list[dict[str, Any]]:
+            return [{"peer": peer, "kind": kind, "for_s": round(now - since, 1)}
+                    for peer, kind, since in sorted(items, key=lambda item: item[2])]
+        return {"asking": waits(self._asking.values()), "serving": waits(self._serving.values()),
+                "last_in": {k: {"peer": p, "time": t} for k, (p, t) in self.last_in.items()},
+                "last_out": {k: {"peer": p, "time": t} for k, (p, t) in self.last_out.items()},
+                "peers_dead": sorted(n for n, p in self._peers.items() if not p.alive)}
+
     @property
     def peers(self) -> dict[str, str]:
         return {n: p.endpoint for n, p in self._peers.items()}
@@ -370,6 +399,7 @@ class Bus:
         mid = new_message_id()
         fut = asyncio.get_running_loop().create_future()
         self._pending[mid] = fut
+        self._asking[mid] = (peer, type(msg).KIND, time.time())
         try:
             async with asyncio.timeout(timeout):
                 await self._send(peer, msg, mid, True)
@@ -379,6 +409,7 @@ class Bus:
             raise RequestTimeout(f"{peer} did not answer {type(msg).KIND!r} within {timeout}s") from None
         finally:
             self._pending.pop(mid, None)
+            self._asking.pop(mid, None)
         if type(reply) is Error:
             raise RemoteError(peer, reply.code, reply.text, reply.kind or type(msg).KIND)
         return reply
@@ -393,6 +424,7 @@ class Bus:
 
     async def _send(self, peer: str, msg: Message, mid: str | None, wants_reply: bool) -> None:
         p = self._peer(peer)
+        self.last_out[type(msg).KIND] = (peer, time.time())
         frames = encode(msg, self.name, msg_id=mid, wants_reply=wants_reply)
         first = frames[0]
         limit = self.max_frame_bytes
@@ -555,8 +587,8 @@ class Bus:
         sock.setsockopt(zmq.RCVHWM, self.hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.hard_max_frame_bytes)
         sock.setsockopt(zmq.LINGER, 0)
-        if self.curve is not None:
-            self.curve.apply_client(sock, peer)
+        if self._credentials is not None:
+            self._credentials.apply_client(sock, peer)
         sock.connect(endpoint)
         p = _Peer(peer, endpoint, sock, asock)
         self._peers[peer] = p
@@ -595,7 +627,7 @@ class Bus:
 
     async def _inbound_loop(self) -> None:
         sock, asock, slots = self._router, self._arouter, self._slots
-        user: list | None = [] if self.curve is not None and self.roles is not None else None
+        user: list | None = [] if self._credentials is not None and self.roles is not None else None
         while True:
             await asock.poll(flags=zmq.POLLIN)
             for _ in range(_DRAIN_BATCH):
@@ -657,6 +689,7 @@ class Bus:
                 self._send_reply(ident, Pong(msg.seq), header)
             return None
         self.stats["received"] += 1
+        self.last_in[header.kind] = (header.sender, time.time())
         now = 0.0
         if self.recorder is not None:
             now = time.time()
@@ -704,10 +737,13 @@ class Bus:
             if token is not None:
                 current_cause.reset(token)
         self._handler_tasks.add(t)
+        if env.wants_reply:
+            self._serving[t] = (env.sender, env.header.kind, time.time())
         t.add_done_callback(lambda t, env=env: self._handler_done(env, t))
 
     def _handler_done(self, env: Envelope, t: asyncio.Task) -> None:
         self._handler_tasks.discard(t)
+        self._serving.pop(t, None)
         self._slots.release()
         if t.cancelled():
             if env.wants_reply and not env.replied:
@@ -733,11 +769,12 @@ class Bus:
         if self.roles is None:
             return None
         sender = header.sender
-        if self.curve is not None:
-            sender = self.curve.key_names.get(key or "", "")
+        creds = self._credentials
+        if creds is not None:
+            sender = creds.actor_of(key or "")
             if sender != header.sender:
-                return ("spoofed_sender", f"the message says it is from {header.sender!r}, but its CURVE key is "
-                                          f"{sender or 'no actor'}'s")
+                return ("spoofed_sender", f"the message says it is from {header.sender!r}, but its "
+                                          f"{creds.credential} is {sender or 'no actor'}'s")
         allowed = getattr(cls, "SENDERS", None)
         if allowed is not None and self.roles.get(sender) not in allowed:
             return ("sender_not_allowed", f"{header.kind} is sent by {', '.join(sorted(allowed))} only; "
@@ -848,8 +885,18 @@ def _rearm(asock: zmq.asyncio.Socket) -> None:
     asock.get(zmq.EVENTS)
 
 
+def _ipc_path(endpoint: str) -> str | None:
+    """The file of an ipc endpoint (None: not ipc, or Linux's abstract namespace, which has no file)."""
+    path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else ""
+    return path if path and not path.startswith("@") else None
+
+
 def _prepare_ipc(endpoint: str) -> None:
-    if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://"):]
-        if path and not path.startswith("@"):
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if (path := _ipc_path(endpoint)) is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+
+
+def _private_ipc(endpoint: str) -> None:
+    """Only this user may connect to a bound ipc socket (connecting needs write permission on its file)."""
+    if (path := _ipc_path(endpoint)) is not None:
+        os.chmod(path, 0o600)

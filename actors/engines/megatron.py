@@ -53,6 +53,7 @@ from torch.nn.attention import SDPBackend
 
 from .base import (EngineError, LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine, WeightBucket,
                    step_loss_weights)
+from transport.bulk import rendezvous_store
 from transport.ports import free_port
 
 from .checkpoint import (CONFIG_FILE, SINGLE_FILE, CheckpointError, _weight_files, load_config,
@@ -483,10 +484,13 @@ def init_distributed(mc: MegatronConfig, device: torch.device) -> None:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                                    timeout=timeout)
+            addr, port, rank, world = "127.0.0.1", free_port(), 0, 1
+        # env:// would have rank 0's store listen on every interface; this one listens on MASTER_ADDR only
+        store = rendezvous_store(addr, port, rank, world, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     world = dist.get_world_size()
     if world % (mc.tensor_parallel * mc.pipeline_parallel):
         raise ValueError(f"world size {world} is not a multiple of tensor_parallel x pipeline_parallel "

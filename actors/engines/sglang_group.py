@@ -10,7 +10,7 @@ import datetime as _dt
 import threading
 from typing import Any
 
-from transport.bulk import FLAT_ALIGN, NCCL_ERROR_HANDLING_ENV, pack_bucket
+from transport.bulk import FLAT_ALIGN, NCCL_ERROR_HANDLING_ENV, pack_bucket, rendezvous_store
 
 from .base import WeightBucket
 from .sglang_routes import DEFAULT_GROUP, SGLangError
@@ -33,9 +33,8 @@ def join_weight_group(master_address: str, master_port: int, rank: int, world_si
     if backend == "nccl":   # a member that fails or hangs must not take this process down (transport/bulk.py)
         os.environ.update(NCCL_ERROR_HANDLING_ENV)
     try:
-        store, _, _ = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                           timeout=timeout))
-        store.set_timeout(timeout)
+        # as c10d.rendezvous(tcp://...) would, but rank 0's store listens on master_address only
+        store = rendezvous_store(master_address, master_port, rank, world_size, timeout)
         store = dist.PrefixStore(group_name, store)
         pg, _ = c10d._new_process_group_helper(world_size, rank, [], dist.Backend(backend), store,
                                                group_name=group_name, timeout=timeout)

@@ -11,6 +11,28 @@ trainer has made step `--at`:
                      schema versions) to every actor's bus endpoint
   relaunch           the launcher and every actor killed at once, then the run launched again
 
+and the stalls, where no actor dies (`run_stall`):
+
+  stall_buffer       the buffer stops cleanly (SIGTERM, exit 0: the supervisor counts it finished) while the
+                     trainer still needs batches: the progress watchdog must stop the run with a diagnosis
+                     naming the stopped buffer, and a non-zero exit
+  freeze_param_server  SIGSTOP of the parameter server for --hang-s seconds, then SIGCONT: training must go
+                     on without a push while the rollouts' weights stay within eta, and the run finish
+
+Attacks (run with `bus.transport=tcp` and nothing else changed, so the bus has its default protection, but for
+spoof_ipc, which attacks the topology as it is; the intruder runs as another uid, a user the bench creates with useradd, and with the standard library alone:
+tools/bench/intruder.py; skipped, saying why, where the bench cannot become another user):
+
+  spoof              messages claiming to be the evaluator or the trainer: an eval-weights fetch and a status
+                     read from the parameter server, a checkpoint trigger and a version jump to 1,000,000 to
+                     the buffer, a run-finished to every actor; first, the same client against an open socket
+                     the bench holds (the control: it gets through there)
+  spoof_insecure_tcp the same against a run with bus.insecure_tcp: true (no CURVE; the run's tokens)
+  spoof_ipc          the same against the embedded default's ipc bus (its unix sockets)
+  rendezvous         every link's rendezvous port, from another address of this machine (the network's view)
+                     and over loopback, where the intruder reads the keys and forges the addresses the next
+                     formation reads; then a rollout is killed, so that the link forms again
+
 Reported per fault, from the run's own files: whether it finished in its launch (survived in place) and
 which actors were restarted; prompts lost (handed out by the buffer, but neither trained, nor dropped on
 purpose, nor still pending at the end: buffer/final_state.json against the ledger) and trained twice
@@ -23,9 +45,11 @@ import argparse
 import contextlib
 import json
 import os
+import pwd
 import random
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -39,13 +63,18 @@ import msgpack
 
 from transport.bus import HEARTBEAT_TIMEOUT_S
 from transport.messages import SCHEMA_VERSION
+from transport.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = "topology/local.yaml"
 TINY = ROOT / "configs" / "models" / "arith-tiny"
 VICTIMS = {"rollout": "rollout.1", "reward": "reward.0", "buffer": "buffer", "trainer": "trainer",
            "param_server": "param_server"}
-FAULTS = ("none", *(f"kill_{k}" for k in VICTIMS), "hang_rollout", "hang_reward", "flood", "relaunch")
+STALLS = ("stall_buffer", "freeze_param_server")
+ATTACKS = ("spoof", "spoof_insecure_tcp", "spoof_ipc", "rendezvous")
+FAULTS = ("none", *(f"kill_{k}" for k in VICTIMS), "hang_rollout", "hang_reward", "flood", "relaunch", *STALLS,
+          *ATTACKS)
+STALL_WATCHDOG = ("experiment.run.watchdog.min_s=30", "experiment.run.watchdog.after_steps=5")
 ETA = 1
 
 
@@ -132,6 +161,16 @@ def run_guard(proc: subprocess.Popen, run_dir: Path) -> Iterator[subprocess.Pope
             kill_everything(proc, run_dir)
 
 
+@contextlib.contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """The process stopped (SIGSTOP) for the block, continued (SIGCONT) however the block ends."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def finish_run(proc: subprocess.Popen, run_dir: Path, timeout: float) -> str:
     """Wait up to `timeout` s for a launched run to end and return its output (stdout and stderr together);
     a run that does not end is killed with every actor it started, and subprocess.TimeoutExpired raised."""
@@ -192,10 +231,18 @@ def account(run_dir: Path) -> dict[str, int]:
 
 
 def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: int, hang_s: float,
-              flood_n: int, log: Callable[[str], None]) -> dict[str, Any]:
+              flood_n: int, log: Callable[[str], None], run_timeout: float = 900) -> dict[str, Any]:
+    if fault in STALLS:
+        return run_stall(fault, assets, out, steps, at, hang_s)
     run_dir = out / fault
+    intruder = intruder_account() if fault in ATTACKS else None
+    if isinstance(intruder, str):
+        return {"fault": fault, "skipped": intruder}
+    attack_report: dict[str, Any] = {}
+    if fault in ATTACKS:    # the run must outlast the attack (and, for `rendezvous`, the link's new formation)
+        steps = max(steps, at + ATTACK_STEPS_AFTER)
     t0 = time.monotonic()
-    proc = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2",))
+    proc = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2", *attack_overrides(fault)))
     launches = 1
     try:   # not run_guard: a relaunch replaces the process to guard
         wait_for_step(proc, run_dir, at)
@@ -211,10 +258,19 @@ def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: in
                 os.kill(pid, signal.SIGCONT)
         elif fault == "flood":
             log(f"bench chaos: flood: {flood(run_dir, flood_n)} malformed messages sent")
+        elif fault in ATTACKS:
+            attack_report = attack(fault, run_dir, steps, intruder, log)
+            # it proves something only if the run was still going when it ended (unless it stopped the run)
+            attack_report["run_going"] = proc.poll() is None and max(
+                (r["step"] for r in step_records(run_dir)), default=0) < steps
         elif fault == "relaunch":
             kill_everything(proc, run_dir)
             proc, launches = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2",)), 2
-        output = finish_run(proc, run_dir, timeout=900)
+        try:
+            output = finish_run(proc, run_dir, timeout=run_timeout)
+        except subprocess.TimeoutExpired:   # a stalled run is a row of the table (killed: not in place), not a crash
+            output = ""
+            log(f"bench chaos: {fault}: the run did not end within {run_timeout:g} s; killed")
     finally:
         if proc.poll() is None:
             kill_everything(proc, run_dir)
@@ -236,15 +292,309 @@ def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: in
     if fault.startswith("hang_"):
         result["gap_limit_s"] = round(HEARTBEAT_TIMEOUT_S + step_s, 2)
         result["gap_ok"] = result["max_step_gap_s"] <= result["gap_limit_s"]
+    if fault in ATTACKS:
+        result.update(attack_outcome(fault, attack_report, run_dir, steps))
     return result
+
+
+def run_stall(fault: str, assets: dict[str, Path], out: Path, steps: int, at: int, hang_s: float) -> dict[str, Any]:
+    """A stall injected once the trainer made step `at` (see the module's docstring): whether the run said so
+    (the watchdog's diagnosis naming the cause) or, for the frozen parameter server, trained on meanwhile."""
+    run_dir = out / fault
+    t0 = time.monotonic()
+    # The buffer's stall gets a short watchdog (30 s without a step; the default of the local config is 120 s);
+    # the freeze keeps the default, which a freeze of --hang-s 60 stays under.
+    watchdog = STALL_WATCHDOG if fault == "stall_buffer" else ()
+    proc = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2", *watchdog))
+    frozen_steps = None
+    with run_guard(proc, run_dir):
+        wait_for_step(proc, run_dir, at)
+        if fault == "stall_buffer":
+            os.kill(int(ready_info(run_dir, "buffer")["pid"]), signal.SIGTERM)
+        else:
+            before = max(r["step"] for r in step_records(run_dir))
+            with frozen(int(ready_info(run_dir, "param_server")["pid"])):
+                time.sleep(hang_s)   # the fault's duration
+            frozen_steps = max(r["step"] for r in step_records(run_dir)) - before
+        output = finish_run(proc, run_dir, timeout=900)
+    records = step_records(run_dir)
+    trained = {r["step"] for r in records}
+    stall = run_dir / "stall.txt"
+    if fault == "stall_buffer":
+        diagnosed = proc.returncode != 0 and stall.exists() and "buffer has stopped" in stall.read_text() \
+            and "NO PROGRESS" in output
+    else:   # a freeze shorter than the watchdog's limit is no stall: the run must simply go on and finish
+        diagnosed = not stall.exists()
+    return {"fault": fault, "exit_code": proc.returncode, "launches": 1,
+            "survived_in_place": proc.returncode == 0 and sorted(trained) == list(range(1, steps + 1)),
+            "restarted": {}, **account(run_dir), "eta": ETA,
+            "staleness_max": max((r.get("staleness_max", 0) for r in records), default=0),
+            "diagnosed": diagnosed, "steps_while_frozen": frozen_steps,
+            "max_step_gap_s": round(max((b["time"] - a["time"] for a, b in zip(records, records[1:])), default=0.0), 2),
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def stall_target_met(r: dict[str, Any]) -> bool:
+    """A stalled run is stopped with its cause diagnosed and a non-zero exit; a frozen parameter server costs no
+    training (at least a step while frozen, then the whole run); nothing lost or trained twice either way."""
+    if r["fault"] == "stall_buffer":
+        ok = r["exit_code"] not in (0, None) and r["diagnosed"]
+    else:
+        ok = r["survived_in_place"] and r["diagnosed"] and (r["steps_while_frozen"] or 0) >= 1 \
+            and r["staleness_max"] <= r["eta"]
+    return ok and r["lost"] == 0 and r["twice"] == 0
 
 
 def target_met(results: list[dict[str, Any]]) -> bool:
     """Every fault survived in place (a relaunch: resumed), nothing lost or trained twice, the bound on
-    staleness kept, and no step gap beyond the heartbeat timeout plus one step for a hung actor."""
-    return all((r["survived_in_place"] or (r["fault"] == "relaunch" and r["exit_code"] == 0))
+    staleness kept, and no step gap beyond the heartbeat timeout plus one step for a hung actor; every stall
+    as `stall_target_met` says; no attack accepted, and the intruder's client shown to work where nothing stops
+    it. Skipped attacks are left out (the report says so)."""
+    return all(stall_target_met(r) if r["fault"] in STALLS else
+               (r["survived_in_place"] or (r["fault"] == "relaunch" and r["exit_code"] == 0))
                and r["lost"] == 0 and r["twice"] == 0 and r["staleness_max"] <= r["eta"] and r.get("gap_ok", True)
-               for r in results)
+               and r.get("accepted", 0) == 0 and r.get("control_ok", True) and r.get("during_run", True)
+               for r in results if not r.get("skipped"))
+
+
+# ------------------------------------------------------------------------------------------------ attacks
+
+INTRUDER_USER = "areal-intruder"
+ATTACK_STEPS_AFTER = 40   # steps an attack row's run still has to go when the attack starts (about 10 s here)
+
+
+def intruder_account() -> tuple[int, int] | str:
+    """(uid, gid) of the unprivileged user the attacks run as, created if missing; or why there is none."""
+    if os.geteuid() != 0:
+        return "the attacks run as another user, and only root can create and become one: run the bench as root"
+    try:
+        entry = pwd.getpwnam(INTRUDER_USER)
+    except KeyError:
+        useradd = shutil.which("useradd")
+        if useradd is None:
+            return "no useradd on this machine to create the intruder's user"
+        made = subprocess.run([useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                               INTRUDER_USER], capture_output=True, text=True, timeout=60)
+        if made.returncode != 0:
+            return f"useradd {INTRUDER_USER} failed: {made.stderr.strip()}"
+        entry = pwd.getpwnam(INTRUDER_USER)
+    if entry.pw_uid == 0:
+        return f"user {INTRUDER_USER} has uid 0"
+    return entry.pw_uid, entry.pw_gid
+
+
+def run_as_intruder(plan: dict[str, Any], account: tuple[int, int], timeout: float = 300) -> dict[str, Any]:
+    """tools/bench/intruder.py run as the intruder's user, from a copy it can read, by a Python it can start."""
+    uid, gid = account
+    scratch = Path(tempfile.mkdtemp(prefix="bench-intruder-"))
+    try:
+        scratch.chmod(0o755)
+        script = scratch / "intruder.py"
+        shutil.copy(Path(__file__).with_name("intruder.py"), script)
+        script.chmod(0o644)
+        as_intruder = dict(user=uid, group=gid, extra_groups=[], cwd=scratch, env={"PATH": "/usr/bin:/bin"},
+                           capture_output=True, text=True)
+        tried = []
+        for python in dict.fromkeys([sys.executable, "/usr/bin/python3", shutil.which("python3") or ""]):
+            if python and _starts(python, as_intruder):
+                break
+            tried.append(python)
+        else:
+            raise RuntimeError(f"user {INTRUDER_USER} can start none of these Pythons: {tried}")
+        done = subprocess.run([python, str(script)], input=json.dumps(plan), timeout=timeout, **as_intruder)
+        if done.returncode != 0:
+            raise RuntimeError(f"the intruder failed (exit {done.returncode}): {done.stderr[-2000:]}")
+        return json.loads(done.stdout)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _starts(python: str, how: dict[str, Any]) -> bool:
+    try:
+        return subprocess.run([python, "-c", "import json, socket, struct"], timeout=60, **how).returncode == 0
+    except OSError:   # not executable by that user (an interpreter under root's home)
+        return False
+
+
+def free_port_range(count: int, tries: int = 100) -> int:
+    """The first of `count` consecutive ports free on loopback now (the actors' tcp bus ports)."""
+    for _ in range(tries):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports found in {tries} tries")
+
+
+def attack_overrides(fault: str) -> tuple[str, ...]:
+    """A tcp bus, its default protection unchanged (free ports for the actors); spoof_insecure_tcp opts out;
+    spoof_ipc keeps the topology's ipc bus."""
+    if fault not in ATTACKS or fault == "spoof_ipc":
+        return ()
+    extra = ("bus.transport=tcp", f"bus.base_port={free_port_range(16)}")
+    return extra + (("bus.insecure_tcp=true",) if fault == "spoof_insecure_tcp" else ())
+
+
+def spoofed_messages(run_dir: Path, steps: int) -> list[dict[str, Any]]:
+    """Each spoof with the actor it goes to; frames built with the project's encoder, as hex."""
+    from transport.messages import encode
+    from transport.protocol import (CheckpointRequest, EvalWeightsRequest, RunFinished, VersionUpdate,
+                                    WeightsStatusRequest)
+
+    def message(name: str, to: str, msg: Any, sender: str, wants_reply: bool) -> dict[str, Any]:
+        return {"name": name, "to": to, "endpoint": ready_info(run_dir, to)["endpoint"], "wants_reply": wants_reply,
+                "frames": [bytes(f).hex() for f in encode(msg, sender=sender, wants_reply=wants_reply)]}
+
+    actors = sorted(p.stem for p in (run_dir / "ready").glob("*.json"))
+    return [message("eval_weights", "param_server", EvalWeightsRequest(), "evaluator", True),
+            message("status", "param_server", WeightsStatusRequest(), "trainer", True),
+            message("checkpoint", "buffer", CheckpointRequest(step=steps + 100), "trainer", True),
+            message("version_jump", "buffer", VersionUpdate(version=10**6), "trainer", False),
+            *(message("run_finished", name, RunFinished(step=1, reason="spoofed"), "trainer", False)
+              for name in actors)]
+
+
+def network_address() -> str:
+    """An address of this machine that is not loopback (the network's way in): the interface of its default
+    route (a UDP connect sends nothing), else 127.0.0.2, which a socket bound to every interface also takes."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("203.0.113.1", 9))   # TEST-NET-3: only the route is looked up
+            addr = probe.getsockname()[0]
+        except OSError:
+            addr = ""
+    return addr if addr and not addr.startswith("127.") else "127.0.0.2"
+
+
+def rendezvous_stores(run_dir: Path) -> list[dict[str, Any]]:
+    specs = json.loads((run_dir / "plan.json").read_text())["specs"]
+    stores = {}
+    for spec in specs:
+        for name, link in spec["settings"]["links"].items():
+            stores[name] = {"link": name, "host": link["master_addr"], "port": link["master_port"],
+                            "network_host": network_address()}
+    return list(stores.values())
+
+
+@contextlib.contextmanager
+def open_socket() -> Iterator[str]:
+    """A ROUTER with no protection that answers every message with its own frames: the control target that
+    shows the intruder's client gets through where nothing stops it."""
+    import threading
+
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:*")
+    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if router.poll(100):
+                router.send_multipart(router.recv_multipart())
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        yield endpoint
+    finally:
+        stop.set()
+        server.join(timeout=5)
+        router.close()
+        ctx.term()
+
+
+def attack(fault: str, run_dir: Path, steps: int, account: tuple[int, int], log: Callable[[str], None]) -> dict[str, Any]:
+    """Run the intruder as its user against the live run; for `rendezvous`, kill a rollout after it so that the
+    link to the rollouts forms again over the forged keys. Returns the intruder's report."""
+    if fault == "rendezvous":
+        report = run_as_intruder({"stores": rendezvous_stores(run_dir)}, account)
+        os.kill(int(ready_info(run_dir, VICTIMS["rollout"])["pid"]), signal.SIGKILL)
+    else:
+        with open_socket() as control:
+            messages = spoofed_messages(run_dir, steps)
+            report = run_as_intruder({"control": {**messages[2], "name": "control", "endpoint": control},
+                                      "messages": messages, "user": "evaluator"}, account)
+    log(f"bench chaos: {fault}: intruder (uid {report['uid']}) done")
+    return report
+
+
+def _events(run_dir: Path, actor: str, names: set[str]) -> list[dict[str, Any]]:
+    path = run_dir / "logs" / f"{actor}.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, (x for x in lines if x.startswith("{"))) if e.get("event") in names]
+
+
+def _accepted(message: dict[str, Any]) -> bool:
+    """The actor took the message: the handshake let it in, and the reply (where one was asked for) is not an
+    Error. A one-way message past the handshake counts as taken."""
+    from transport.messages import Error, decode
+
+    if not str(message["handshake"]).startswith("accepted"):
+        return False
+    if not message.get("reply"):
+        return True
+    return not isinstance(decode([bytes.fromhex(f) for f in message["reply"]])[1], Error)
+
+
+def attack_outcome(fault: str, report: dict[str, Any], run_dir: Path, steps: int) -> dict[str, Any]:
+    """The attack row's figures: what was tried, what the run took, and where it said no."""
+    from actors.recovery import checkpoint_dir
+
+    out: dict[str, Any] = {"intruder_uid": report.get("uid"), "during_run": bool(report.get("run_going"))}
+    if fault == "rendezvous":
+        stores = report.get("stores", [])
+        refused = sum(line.count("was not written by a member of this run")
+                      for log in (run_dir / "logs").glob("*.jsonl") for line in log.read_text().splitlines())
+        # the forged keys are those of the rollouts' link's next formation: there must have been one
+        formed = [e for e in _events(run_dir, "param_server", {"rollout_link_formed"}) if e.get("epoch", 0) > 0]
+        out.update(attempts=2 * len(stores), accepted=sum(s["from_network"].startswith("connected") for s in stores),
+                   keys_read=sum(s.get("keys_read", 0) for s in stores),
+                   forged=sum(len(s.get("forged", [])) for s in stores), forged_refused=refused,
+                   formed_again=len(formed), during_run=out["during_run"] and bool(formed),
+                   attempts_detail={s["link"]: {"from_network": s["from_network"], "loopback": s["loopback"]}
+                                    for s in stores})
+        return out
+    messages = report.get("messages", [])
+    accepted = [m["name"] for m in messages if _accepted(m)]
+    if checkpoint_dir(run_dir, steps + 100).exists() and "checkpoint" not in accepted:
+        accepted.append("checkpoint")
+    control = report.get("control") or {}
+    out.update(attempts=len(messages), accepted=len(accepted), accepted_kinds=sorted(set(accepted)),
+               control_ok=_accepted(control) and bool(control.get("reply")),
+               handshakes=dict(Counter(str(m["handshake"]) for m in messages)))
+    return out
+
+
+def attack_summary(r: dict[str, Any]) -> str:
+    """One line per attack row under the table."""
+    valid = "" if r["during_run"] else " [NOT VALID: the run ended before the attack did; raise --steps]"
+    if r["fault"] == "rendezvous":
+        return (f"rendezvous ports reachable from the network {r['accepted']}/{r['attempts'] // 2}; over loopback "
+                f"{r['keys_read']} keys read, {r['forged']} values forged, {r['forged_refused']} refused when a "
+                f"member read them (the others were overwritten by their member first); the rollouts' link formed "
+                f"again {r['formed_again']}x" + valid)
+    handshakes = "; ".join(f"{n}x {h}" for h, n in r["handshakes"].items())
+    return (f"{r['accepted']}/{r['attempts']} spoofed messages taken ({', '.join(r['accepted_kinds']) or 'none'}); "
+            f"{handshakes}; the same client against an open socket: "
+            f"{'got through' if r['control_ok'] else 'did NOT get through (the probe proves nothing)'}" + valid)
+
+
+def _stall_cell(r: dict[str, Any]) -> str:
+    if r["fault"] == "stall_buffer":
+        return "diagnosed" if r["diagnosed"] else "NOT diagnosed"
+    if r["fault"] == "freeze_param_server":
+        return f"{r['steps_while_frozen']} steps while frozen" + ("" if r["diagnosed"] else ", falsely diagnosed")
+    return "-"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--at", type=int, default=3, help="inject the fault once the trainer made this step (3)")
     ap.add_argument("--hang-s", type=float, default=60.0, help="how long a hung actor stays stopped (60)")
     ap.add_argument("--flood", type=int, default=2000, help="malformed messages per actor (2000)")
+    ap.add_argument("--run-timeout", type=float, default=900.0,
+                    help="a run not over after this many seconds is killed and reported as such (900)")
     ap.add_argument("--out", default=None, help="folder for the run directories (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
@@ -269,20 +621,31 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for i, fault in enumerate(faults, 1):
         log(f"bench chaos: [{i}/{len(faults)}] {fault}")
-        results.append(run_fault(fault, assets, out, args.steps, args.at, args.hang_s, args.flood, log))
+        results.append(run_fault(fault, assets, out, args.steps, args.at, args.hang_s, args.flood, log,
+                                 run_timeout=args.run_timeout))
     report = {"steps": args.steps, "at": args.at, "hang_s": args.hang_s, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
               "results": results, "target_met": target_met(results)}
     if args.json:
         print(json.dumps(report))
         return 0
-    rows = [("fault", "in place", "restarted", "lost", "twice", "stale max", "max gap s", "gap limit s", "wall s")]
+    rows = [("fault", "in place", "restarted", "lost", "twice", "stale max", "max gap s", "gap limit s", "stall",
+             "wall s", "attacks accepted")]
+    skipped = [r for r in results if r.get("skipped")]
     for r in results:
+        if r.get("skipped"):
+            continue
         rows.append((r["fault"], "yes" if r["survived_in_place"] else f"no (exit {r['exit_code']}, "
                      f"{r['launches']} launches)", ",".join(f"{n}x{k}" for n, k in r["restarted"].items()) or "-",
                      str(r["lost"]), str(r["twice"]), f"{r['staleness_max']}/{r['eta']}", f"{r['max_step_gap_s']:.1f}",
-                     f"{r['gap_limit_s']:.1f}" if "gap_limit_s" in r else "-", f"{r['wall_s']:.0f}"))
+                     f"{r['gap_limit_s']:.1f}" if "gap_limit_s" in r else "-", _stall_cell(r), f"{r['wall_s']:.0f}",
+                     f"{r['accepted']}/{r['attempts']}" if "attempts" in r else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    for r in results:
+        if "attempts" in r:
+            print(f"{r['fault']} (as uid {r['intruder_uid']}): " + attack_summary(r))
+    for r in skipped:
+        print(f"{r['fault']}: skipped: {r['skipped']}")
     print(f"target met: {'yes' if report['target_met'] else 'no'}; run directories under {out}")
     return 0

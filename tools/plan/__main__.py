@@ -1,10 +1,15 @@
-"""`python -m tools.plan TOPOLOGY [key.sub=value ...] [--json] [--plot DIR] [--sweep] [--steps N] [--costs FILE]`
+"""`python -m tools.plan TOPOLOGY [key.sub=value ...] [--json] [--plot DIR] [--sweep] [--steps N] [--seeds S] [--costs FILE]`
 
-Prints the memory per GPU of every trainer and rollout group, then simulates the run in virtual time:
-asynchronous (the configured eta) against synchronous on the same GPUs (eta = 0 with the same split, and
-generation then training on all GPUs), with effective training throughput, step time, staleness and idle
-fractions. `--sweep` also simulates inference/training splits and values of eta and names the best;
-`--plot DIR` writes timeline.png (which GPU group is busy when) and, with --sweep, sweep.png.
+Prints the memory per GPU of every trainer and rollout group, then simulates the run in virtual time, driving
+the buffer's and the parameter server's own decision code (tools/plan/sim.py): asynchronous (the configured
+eta) against synchronous on the same GPUs (eta = 0 with the same split, and generation then training on all
+GPUs), with effective training throughput, step time, staleness, each group's time shares (rollouts
+decoding / prefilling / paused for weights / idle; trainer training / exporting / waiting) and the
+decisions' counters (groups issued and re-issued, expired, dropped stale, late results, SGLang
+retractions, requests interrupted by weight updates, groups in flight per rollout). `--sweep` also
+simulates inference/training splits from 25 % to 87.5 % and eta from 0 to 16, each over `--seeds` seeds
+(mean and min-max), and names the best; `--plot DIR` writes timeline.png (which GPU group is busy when)
+and, with --sweep, sweep.png.
 Overrides are those of `tools.up` (topology keys, or experiment.* for the config). Exit status 2: a group
 does not fit its GPUs, or the topology is invalid.
 
@@ -33,15 +38,18 @@ DEFAULT_COSTS = "docs/measurements/local-costs.json"
 DEFAULT_AGAINST = {"local": "docs/measurements/local-e2e.json"}
 SYNC = "sync (eta=0, same split)"
 
-SWEEP_ETAS = (0, 1, 2, 4, 8)
-SWEEP_SPLITS = (0.5, 0.625, 0.75, 0.875)
+SWEEP_ETAS = (0, 1, 2, 4, 8, 16)
+SWEEP_SPLITS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
 
 
 def compare(found: setup.Setup, steps: int) -> dict[str, sim.Result]:
     """The configured run, its synchronous twin on the same split, and the colocated synchronous baseline."""
-    return {"async": sim.simulate(setup.sim_config(found, steps=steps)),
-            SYNC: sim.simulate(setup.sim_config(found, eta=0, steps=steps)),
-            "sync (colocated, all GPUs)": sim.simulate(setup.sim_config(found, colocated=True, steps=steps))}
+    runs = {"async": dict(), SYNC: dict(eta=0), "sync (colocated, all GPUs)": dict(colocated=True)}
+    out = {}
+    for name, kw in runs.items():
+        print(f"simulating {name}: {steps} steps", file=sys.stderr, flush=True)
+        out[name] = sim.simulate(setup.sim_config(found, steps=steps, **kw))
+    return out
 
 
 def compare_cpu(found: setup.Setup, steps: int, measured: MeasuredCosts,
@@ -82,21 +90,30 @@ def _fmt_against(cmp: dict[str, Any]) -> list[str]:
     return lines
 
 
-def sweep(found: setup.Setup, steps: int) -> list[dict[str, Any]]:
-    """Throughput at each split (share of GPUs generating, in whole servers) and eta."""
+def sweep(found: setup.Setup, steps: int, seeds: int = 1, progress: bool = False) -> list[dict[str, Any]]:
+    """Throughput at each split (share of GPUs generating, in whole servers) and eta: the mean over `seeds`
+    seeds, with its min and max."""
     base = setup.sim_config(found)
     total = base.servers * base.server_tp + base.trainer.dp * base.trainer.tp * base.trainer.pp
     unit_train, unit_infer = base.trainer.tp * base.trainer.pp, base.server_tp
     rows = []
+    cases = []
     for share in SWEEP_SPLITS:
         infer = int(round(total * share / unit_infer)) * unit_infer
         infer = total - ((total - infer) // unit_train) * unit_train
         if infer <= 0 or infer >= total:
             continue
-        for eta in SWEEP_ETAS:
-            r = sim.simulate(setup.sim_config(found, eta=eta, rollout_gpus=infer, steps=steps))
-            rows.append({"inference_gpus": infer, "training_gpus": total - infer, "share": infer / total, "eta": eta,
-                         "throughput": r.throughput, "step_time_s": r.step_time})
+        cases += [(infer, eta) for eta in SWEEP_ETAS]
+    for i, (infer, eta) in enumerate(cases):
+        if progress:
+            print(f"sweep {i + 1}/{len(cases)}: {infer} inference GPUs, eta {eta}", file=sys.stderr, flush=True)
+        runs = [sim.simulate(setup.sim_config(found, eta=eta, rollout_gpus=infer, steps=steps, seed=s))
+                for s in range(seeds)]
+        tput = [r.throughput for r in runs]
+        rows.append({"inference_gpus": infer, "training_gpus": total - infer, "share": infer / total, "eta": eta,
+                     "throughput": float(sum(tput) / len(tput)), "throughput_min": min(tput),
+                     "throughput_max": max(tput), "step_time_s": float(sum(r.step_time for r in runs) / len(runs)),
+                     "seeds": seeds})
     return rows
 
 
@@ -104,8 +121,9 @@ def _fmt_results(results: dict[str, sim.Result]) -> list[str]:
     rows = [("run", "step s", "tokens/s", "train s", "weights s", "rollout idle", "trainer idle", "staleness")]
     for name, r in results.items():
         stale = " ".join(f"{k}:{v:.0%}" for k, v in r.staleness.items())
-        rows.append((name, f"{r.step_time:,.1f}", f"{r.throughput:,.0f}", f"{r.summary()['train_s']:,.1f}",
-                     f"{r.weight_sync_s:.2f}", f"{r.rollout_idle:.0%}", f"{r.trainer_idle:.0%}", stale))
+        summ = r.summary()
+        rows.append((name, f"{r.step_time:,.1f}", f"{r.throughput:,.0f}", f"{summ['train_s']:,.1f}",
+                     f"{summ['weight_sync_s']:.2f}", f"{r.rollout_idle:.0%}", f"{r.trainer_idle:.0%}", stale))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     base = results[SYNC].throughput
@@ -113,6 +131,20 @@ def _fmt_results(results: dict[str, sim.Result]) -> list[str]:
     if "sync (colocated, all GPUs)" in results:
         line += f"; async / colocated sync: {results['async'].throughput / results['sync (colocated, all GPUs)'].throughput:.2f}x"
     lines.append(line)
+    for name, r in results.items():
+        sh = r.shares()
+        c = r.counters
+        lines.append(f"  {name}: rollouts " + ", ".join(f"{k} {v:.0%}" for k, v in sh["rollout"].items())
+                     + "; trainer " + ", ".join(f"{k} {v:.0%}" for k, v in sh["trainer"].items())
+                     + f"; param server pushing {sh['param_server']['push']:.0%}")
+        lines.append(f"    decisions: issued {c['issued']}, re-issued {c['reissued']} (dropped stale "
+                     f"{c['dropped_stale']}, handed back {c['handed_back']} of which expired {c['expired']}; late results "
+                     f"{c['late_groups']}), dropped uniform "
+                     f"{c['dropped_uniform']}, aborted before re-issue {c['aborted_before_reissue']}, "
+                     f"interrupted by weight updates {c['interrupted_requests']}, KV-pool retractions "
+                     f"{c['retractions']} (max {c['retractions_per_server']['max']} on one server), groups in "
+                     f"flight per rollout {c['inflight_groups_per_rollout']['mean']:.1f} mean / "
+                     f"{c['inflight_groups_per_rollout']['max']} max")
     return lines
 
 
@@ -125,8 +157,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--plot", metavar="DIR", help="write timeline.png (and sweep.png with --sweep) here")
     ap.add_argument("--sweep", action="store_true", help="also sweep inference/training splits and eta")
     ap.add_argument("--steps", type=int, default=None,
-                    help="training steps per simulation, the first is warm-up (default 3; on CPUs the measured "
-                         "run's steps, else 40)")
+                    help="training steps per simulation, the first is warm-up (default: eta + 6 on GPUs, so that the "
+                         "gate has filled; on CPUs the measured run's steps, else 40)")
+    ap.add_argument("--seeds", type=int, default=1, help="--sweep: simulations per point (mean, min-max)")
     ap.add_argument("--costs", metavar="FILE", help=f"measured costs for CPU topologies (default {DEFAULT_COSTS})")
     ap.add_argument("--workload", metavar="NAME", help="the cost file's workload to simulate both runs with "
                     "(default: the async run with the one named 'async' and the sync run with 'sync' where the "
@@ -164,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.steps is not None and args.steps < 2:
         print("--steps: must be >= 2 (the first step is warm-up)", file=sys.stderr)
         return 2
+    if args.seeds < 1:
+        print("--seeds: must be >= 1", file=sys.stderr)
+        return 2
     try:
         plan = topo_mod.load(args.topology, args.overrides, check_imports=False)
         found = setup.read(plan)
@@ -180,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems = [p for m in groups if (p := m.problem())]
     results: dict[str, sim.Result] = {}
     if any(g.device == "cuda" for g in found.groups) and not problems:
-        args.steps = args.steps or 3
+        args.steps = args.steps or found.experiment.algo.eta + 6
         results = compare(found, args.steps)
         out["simulation"] = {k: r.summary() for k, r in results.items()}
         text += ["", f"simulation ({args.steps} steps each, the first is warm-up)", *_fmt_results(results)]
@@ -210,13 +246,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         text += ["", "simulation: no trainer and rollout group in this topology, nothing to simulate"]
     rows: list[dict[str, Any]] = []
     if args.sweep and results and not setup.on_cpus(found):   # the split of a CPU topology is its cores
-        rows = sweep(found, args.steps)
+        rows = sweep(found, args.steps, args.seeds, progress=True)
         best = max(rows, key=lambda r: r["throughput"])
         out["sweep"], out["best"] = rows, best
-        text += ["", "sweep (inference share, eta -> tokens/s)"]
+        text += ["", f"sweep (inference share, eta -> tokens/s; {args.steps} steps, mean and min-max over "
+                     f"{args.seeds} seed(s))"]
         for r in rows:
             text.append(f"  {r['inference_gpus']:>4} inference / {r['training_gpus']:>4} training GPUs ({r['share']:.0%}), "
-                        f"eta {r['eta']}: {r['throughput']:,.0f} tokens/s, step {r['step_time_s']:,.1f} s")
+                        f"eta {r['eta']}: {r['throughput']:,.0f} tokens/s ({r['throughput_min']:,.0f}-"
+                        f"{r['throughput_max']:,.0f}), step {r['step_time_s']:,.1f} s")
         text.append(f"  best: {best['share']:.0%} inference ({best['inference_gpus']} GPUs), eta {best['eta']}")
     if args.plot and results:
         from tools.plan import plots

@@ -65,11 +65,39 @@ def _linear_sum(a: float, b: float, kv0: float, n: int, p: int, q: int) -> float
     return k * (a + b * kv0) + b * n * k * (p + q - 1) / 2
 
 
+def kv_bytes_per_gpu(shape: ModelShape, tp: int) -> float:
+    """KV cache bytes per token on one of tp GPUs: the KV heads are split over them (replicated past one each)."""
+    return shape.kv_bytes_per_token() / min(tp, shape.kv_heads)
+
+
+def allreduce_seconds(gpu: hardware.GPU, tp: int, nbytes: float) -> float:
+    """One all-reduce of `nbytes` over tp GPUs of a node: the decode microbenchmark's latency plus the ring's
+    2 (tp - 1) / tp x bytes over one direction of NVLink (nccl-tests doc/PERFORMANCE.md, "bus bandwidth")."""
+    if tp <= 1:
+        return 0.0
+    return hardware.TP_ALLREDUCE_LATENCY_S + 2 * (tp - 1) / tp * nbytes / (
+        gpu.nvlink_bytes_per_s / 2 * hardware.LINK_EFFICIENCY)
+
+
+#: Float32 passes over a decode step's n x vocabulary logits: the lm_head's write, then SGLang 0.5.6's sampler
+#: (layers/sampler.py Sampler.forward) with temperature and log-probs: div_ (:117, read and write), softmax
+#: in place (:122, read and write), sampling from the probabilities (:128/:142, read), log and clamp of the
+#: log-probs (:184, read and write).
+SAMPLER_PASSES = 8
+
+
 def decode_cost(shape: ModelShape, gpu: hardware.GPU, tp: int, n: int) -> DecodeCost:
-    bw = gpu.hbm_bytes_per_s * hardware.HBM_EFFICIENCY * tp
-    flops = gpu.bf16_flops * hardware.DECODE_MFU * tp
-    return DecodeCost(a_mem=shape.params * 2 / bw, b_mem=shape.kv_bytes_per_token() / bw,
-                      a_flop=2 * shape.params * n / flops, b_flop=4 * shape.layers * shape.hidden / flops)
+    """A decode step of n answers on a tp-GPU server: the fixed cost of its layers (`hardware`), two
+    tensor-parallel all-reduces a layer, and the longer of the bytes it reads (weights, KV cache, the
+    sampler's passes over the logits) and the FLOPs it does, per GPU."""
+    bw = gpu.hbm_bytes_per_s * hardware.HBM_EFFICIENCY
+    flops = gpu.bf16_flops * hardware.PREFILL_MFU
+    fixed = hardware.DECODE_FIXED_PER_LAYER_S * shape.layers + \
+        2 * shape.layers * allreduce_seconds(gpu, tp, n * shape.hidden * 2)
+    weights = shape.params * 2 / tp + n * shape.vocab * 4 * SAMPLER_PASSES / tp
+    return DecodeCost(a_mem=fixed + weights / bw, b_mem=kv_bytes_per_gpu(shape, tp) / bw,
+                      a_flop=fixed + 2 * shape.params * n / tp / flops,
+                      b_flop=4 * shape.layers * shape.hidden / tp / flops)
 
 
 def forward_flops(shape: ModelShape, tokens: float, sum_sq: float) -> float:
@@ -78,7 +106,13 @@ def forward_flops(shape: ModelShape, tokens: float, sum_sq: float) -> float:
 
 
 def prefill_seconds(shape: ModelShape, gpu: hardware.GPU, tp: int, tokens: float, sum_sq: float) -> float:
-    return forward_flops(shape, tokens, sum_sq) / (gpu.bf16_flops * hardware.PREFILL_MFU * tp)
+    """One prefill forward pass (a batch of prompts, or contexts recomputed): its layers' fixed cost, its
+    FLOPs at the training utilisation, and two all-reduces a layer of its tokens' activations."""
+    if tokens <= 0:
+        return 0.0
+    return (hardware.DECODE_FIXED_PER_LAYER_S * shape.layers
+            + forward_flops(shape, tokens, sum_sq) / (gpu.bf16_flops * hardware.PREFILL_MFU * tp)
+            + 2 * shape.layers * allreduce_seconds(gpu, tp, tokens * shape.hidden * 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +124,9 @@ class TrainerShape:
     minibatches: int
     recompute: str
     gpus_per_node: int
+    #: algo.kl_coef > 0: every data-parallel rank computes the frozen reference model's log-probs of the whole
+    #: batch (actors/train_step.py `rank_samples` / `train_share`: the penalty enters the batch-wide advantages)
+    reference: bool = False
 
 
 def train_step_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape, lengths: list[int],
@@ -117,6 +154,8 @@ def train_step_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape, 
             rank_flops.append(passes * forward_flops(shape, float(sub[rank].sum()), float((sub[rank] ** 2).sum())))
         bubble = (lay.pp - 1) / max(per_rank, 1)
         total += max(rank_flops) / rate * (1 + bubble) + dp_sync_seconds(shape, gpu, lay)
+    if lay.reference:   # one forward pass of the reference model over every sequence, on each replica
+        total += forward_flops(shape, float(lens.sum()), float((lens.astype(np.float64) ** 2).sum())) / rate
     return total
 
 
@@ -130,16 +169,31 @@ def dp_sync_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape) -> 
     return (4 + 2) * rank_params * (lay.dp - 1) / lay.dp / (bw * hardware.LINK_EFFICIENCY)
 
 
-def weight_sync_seconds(shape: ModelShape, gpu: hardware.GPU, tp: int, pp: int, gpus_per_node: int,
-                        across_nodes: bool, bucket_bytes: int = 64 << 20) -> float:
-    """trainer.0 gathers its stage's tensor-parallel shards (NVLink), then broadcasts the bf16 weights in
-    buckets to every server (NCCL, pipelined, so the time is the bytes over the slowest link, not per
-    receiver); pipeline stages send their own parts in parallel."""
+@dataclasses.dataclass(frozen=True)
+class WeightSync:
+    """One version's way to the servers with direct weights: the trainer's export (each pipeline stage's
+    rank 0 gathers its tensor-parallel shards over NVLink and keeps the packed buckets in host memory,
+    `actors.weight_sync.KeptVersions`) and the push (each bucket back up and broadcast to every server over
+    NCCL, pipelined, so the time is the bytes over the slowest link, plus a fixed cost per bucket; stages in
+    parallel). The servers stop generating for the push."""
+
+    export_s: float
+    push_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.export_s + self.push_s
+
+
+def weight_sync(shape: ModelShape, gpu: hardware.GPU, tp: int, pp: int, gpus_per_node: int, across_nodes: bool,
+                bucket_bytes: int = 64 << 20) -> WeightSync:
     stage_bytes = shape.params * 2 / pp
     gather = stage_bytes * (1 - 1 / tp) / (gpu.nvlink_bytes_per_s / 2 * hardware.LINK_EFFICIENCY)
-    bw = hardware.ROCE_NODE_BYTES_PER_S / gpus_per_node if across_nodes else gpu.nvlink_bytes_per_s / 2
-    send = stage_bytes / (bw * hardware.LINK_EFFICIENCY) + -(-stage_bytes // bucket_bytes) * hardware.BUCKET_LATENCY_S
-    return gather + send
+    to_host = stage_bytes / (gpu.pcie_bytes_per_s * hardware.LINK_EFFICIENCY)
+    link = hardware.ROCE_NODE_BYTES_PER_S / gpus_per_node if across_nodes else gpu.nvlink_bytes_per_s / 2
+    send = stage_bytes / (min(link, gpu.pcie_bytes_per_s) * hardware.LINK_EFFICIENCY) + \
+        -(-stage_bytes // bucket_bytes) * hardware.BUCKET_LATENCY_S
+    return WeightSync(export_s=gather + to_host, push_s=send)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,9 +15,9 @@ def write(out: Path, result: Result, sweep_rows: list[dict[str, Any]]) -> list[s
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
-    lanes = ["trainer", "weights"] + [f"rollout.{i}" for i in range(min(result.config.servers, TIMELINE_SERVERS))]
+    lanes = ["trainer", "weights", "push"] + [f"rollout.{i}" for i in range(min(result.config.servers, TIMELINE_SERVERS))]
     fig, ax = plt.subplots(figsize=(11, 0.4 * len(lanes) + 1.5))
-    colours = {"trainer": "tab:orange", "weights": "tab:red"}
+    colours = {"trainer": "tab:orange", "weights": "tab:red", "push": "tab:purple"}
     for y, lane in enumerate(lanes):
         spans = [(a, b - a) for name, a, b in result.timeline if name == lane]
         ax.broken_barh(spans, (y - 0.4, 0.8), color=colours.get(lane, "tab:blue"))

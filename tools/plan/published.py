@@ -1,93 +1,232 @@
-"""`python -m tools.plan.published`: the planner against AReaL's published end-to-end figures.
+"""`python -m tools.plan.published [--steps N] [--seeds S] [--json]`: the planner against AReaL's published
+end-to-end figures, on the layouts AReaL actually ran them with.
 
-Rows: the tutorial's single-step times (AReaL v0.2's synchronous PPO on H800 nodes, generation and training
-on disjoint GPUs, 512 prompts x 16 answers, 32 for 32B; "Single-step Time" in the tutorial's hardware table),
-simulated with eta = 0 on a 75/25 split; the paper's "up to 2.77x" over synchronous training, against the
-largest async (eta 4) / sync ratio of those rows; and its finding that a 75/25 inference/training split is
-best, against the best split of a sweep for 7B on 16 nodes. Prints a Markdown table (docs/plan.md).
+Sources (AReaL's repository, github.com/inclusionAI/AReaL):
+
+* Step times: the tutorial's hardware table, "Single-step Time (seconds)" (examples/README.md, added by
+  commit aff05c2 "Update time estimation in README", 2025-04-02, after the v0.2.0 release): 1.5B on 1 / 4 /
+  16 nodes 3,461 / 997 / 391 s, 7B on 4 / 16 nodes 2,275 / 815 s (512 x 16), 32B on 16 nodes 6,707 s
+  (512 x 32). AReaL v0.2 ran PPO synchronously: generate the batch, then train, on disjoint GPUs.
+* Layouts (`LAYOUTS`): the v0.2.0 tag's examples/configs, whose trial names match the tutorial's:
+  1.5B-distill/ppo-1.5B-distill-gpus-{8,32,128}.yaml and 7B-distill/ppo-7B-distill-gpus-{32,128}.yaml have
+  allocation_mode `sglang.d{N/2}p1m1+d{N/4}p2m1` (half the GPUs serve SGLang at tp 1, half train at pp 2);
+  32B-distill/ppo-32B-distill-gpus-128.yaml has `sglang.d8m8p1+d4p4m4` (8 servers at tp 8; dp 4, pp 4, tp 4).
+  All: max_new_tokens 27,648, max_tokens_per_mb 30,720, ppo_n_minibatches 4, mem_fraction_static 0.8,
+  train_bs_n_seqs 512. v0.2's sync PPO hands the whole batch to the servers at once and lets SGLang's
+  scheduler decide what runs (`AREAL_DISPATCH`).
+* The tutorial's own 7B log (2,122-2,406 s a step) is not a row of that table: AReaL's first commit
+  (2963a67, 2025-02-24) shows the same log lines under the command `ppo-zero-distill-7B-n16 ... 1024 16 16
+  vllm.d16p1m4+d32p2m1 16384`, i.e. 1024 prompts x 16 answers (the log's n_seqs is 16,384), vLLM 0.6.3 on
+  16 servers at tp 4, and answers cut at 16,384; a later commit relabelled its header "512x16".
+  `LOG_RUN` simulates that run (with SGLang's scheduler standing in for vLLM's).
+* "Up to 2.77x": the v0.3 blog (blog/AReaL_v0_3.md, Table 2) and the paper (arXiv:2505.24298): 1,000 PPO
+  steps of the 1.5B model on 16 nodes took 41.0 hours synchronous and 14.8 asynchronous (41.0 / 14.8 =
+  2.77), and the 7B model on 24 nodes 57.7 and 25.4 hours (2.27). "Synchronous AReaL" is the same system and
+  allocation with max_head_offpolicyness (eta) 0: training/configs/sync-ppo.yaml and async-ppo.yaml of
+  v0.3.0 share `sglang.d{N/2}p1m1+d{N/4}p2m1` and differ in eta (4) and the decoupled loss. So the 2.77x is
+  async (eta 4) over sync (eta 0) on the same split, a ratio of mean step times over a run, which is what
+  `SPEEDUP_RUNS` computes (steady-state steps, not the first).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import math
 import sys
 from typing import Any
 
-from tools.plan import hardware, memory, setup, sim
+import numpy as np
+
+from actors.buffer_state import BufferState
+from tools.plan import hardware, setup, sim
 from tools.plan.shapes import BUILTIN
 from topology.experiment import ExperimentConfig
 from topology.settings import RolloutSettings, TrainerSettings
 
-#: The v0.2 release notes: "we set the maximum generation length to 27K tokens".
-MAX_NEW_TOKENS = 27 * 1024
-#: Layouts assumed per model (the published runs' own are not given): SGLang tp and Megatron tp x pp.
-LAYOUTS = {"1.5B": {"server_tp": 1, "tp": 1, "pp": 1}, "7B": {"server_tp": 2, "tp": 4, "pp": 1},
-           "32B": {"server_tp": 4, "tp": 8, "pp": 2}}
+MAX_NEW_TOKENS = 27648
+MICRO_BATCH_TOKENS = 30720
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """An AReaL allocation: SGLang servers of `server_tp` GPUs, Megatron `tp` x `pp` x dp on the rest."""
+
+    server_tp: int
+    tp: int
+    pp: int
+    #: share of the GPUs generating (AReaL's v0.2 configs: half)
+    rollout_share: float = 0.5
+
+
+LAYOUTS = {"1.5B": Layout(server_tp=1, tp=1, pp=2), "7B": Layout(server_tp=1, tp=1, pp=2),
+           "32B": Layout(server_tp=8, tp=4, pp=4)}
 #: (model, nodes, group size, published seconds per step)
 TUTORIAL_STEPS = [("1.5B", 1, 16, 3461), ("1.5B", 4, 16, 997), ("1.5B", 16, 16, 391),
                   ("7B", 4, 16, 2275), ("7B", 16, 16, 815), ("32B", 16, 32, 6707)]
+#: The tutorial's 7B log: 16 nodes, vllm.d16p1m4 (16 servers at tp 4) + d32p2m1, 1024 x 16, cut at 16,384.
+LOG_RUN = {"model": "7B", "nodes": 16, "batch": 1024, "group": 16, "max_new": 16384,
+           "layout": Layout(server_tp=4, tp=1, pp=2), "published_s": (2122.318, 2405.716),
+           "published_mean_s": float(np.mean([2124.429, 2405.716, 2122.318, 2313.134, 2296.076, 2299.448]))}
+#: (model, nodes, eta of the async run, published hours sync, published hours async)
+SPEEDUP_RUNS = [("1.5B", 16, 4, 41.0, 14.8), ("7B", 24, 4, 57.7, 25.4)]
 
 
-def cluster(model: str, nodes: int, group_size: int, rollout_share: float = 0.75, gpus_per_node: int = 8,
-            eta: int = 4) -> setup.Setup:
-    """A Setup like the one `setup.read` makes from a topology: rollout servers on the first share of the
-    GPUs, Megatron on the rest, AReaL's recipe (configs/*_math.yaml) with the published run's sizes."""
-    lay = LAYOUTS[model]
+class AReaLDispatch(BufferState):
+    """AReaL's controller: a server takes whatever it is handed (SGLang's scheduler decides what runs); the
+    in-flight bound is the gate's and max_concurrent_rollouts'. The one rule of this project's buffer it
+    lacks: a rollout whose newest weights are older than the gate allows gets one group at a time."""
+
+    def rollout_cap(self, rollout: str) -> int:
+        return self.max_per_rollout
+
+
+def cluster(model: str, nodes: int, group_size: int, *, batch: int = 512, max_new: int = MAX_NEW_TOKENS,
+            lay: Layout | None = None, rollout_share: float | None = None, eta: int = 4,
+            gpus_per_node: int = 8) -> setup.Setup:
+    """A Setup like the one `setup.read` makes from a topology, for AReaL's allocation of `model` on `nodes`
+    (`rollout_share` moves the split in whole servers and whole trainer replicas)."""
+    lay = lay or LAYOUTS[model]
     total = nodes * gpus_per_node
-    infer = int(round(total * rollout_share / lay["server_tp"])) * lay["server_tp"]
-    unit = lay["tp"] * lay["pp"]
+    share = lay.rollout_share if rollout_share is None else rollout_share
+    infer = int(round(total * share / lay.server_tp)) * lay.server_tp
+    unit = lay.tp * lay.pp
     train = ((total - infer) // unit) * unit
+    servers = infer // lay.server_tp
     experiment: dict[str, Any] = {
-        "algo": {"batch_size": 512, "group_size": group_size, "eta": eta, "ppo_minibatches": 4,
-                 "max_tokens_per_mb": 32768},
-        "gen": {"max_new_tokens": MAX_NEW_TOKENS, "interruptible": True}, "buffer": {}}
-    trainer = {**experiment, "backend": "megatron", "sequence_parallel": True, "recompute": "full",
+        "algo": {"batch_size": batch, "group_size": group_size, "eta": eta, "ppo_minibatches": 4,
+                 "max_tokens_per_mb": MICRO_BATCH_TOKENS},
+        "gen": {"max_new_tokens": max_new, "interruptible": True},
+        # AReaL's controller hands out up to max_concurrent_rollouts (default: the batch) prompts at once.
+        "buffer": {"max_groups_per_rollout": max(1, math.ceil(batch / max(servers, 1))),
+                   "max_concurrent_groups": batch}}
+    trainer = {**experiment, "backend": "megatron", "sequence_parallel": lay.tp > 1, "recompute": "full",
                "logprob_chunk_tokens": 4096,
-               "instance": {"parallel": {"tp": lay["tp"], "pp": lay["pp"], "dp": train // unit}}}
-    rollout = {**experiment, "engine": "sglang", "sglang": {"mem_fraction_static": memory.DEFAULT_MEM_FRACTION_STATIC},
-               "instance": {"parallel": {"tp": lay["server_tp"]}}}
-    groups = [setup.Group("rollout", "rollout", infer // lay["server_tp"], lay["server_tp"],
-                          RolloutSettings.model_validate(rollout), "cuda"),
+               "instance": {"parallel": {"tp": lay.tp, "pp": lay.pp, "dp": train // unit}}}
+    rollout = {**experiment, "engine": "sglang", "sglang": {"mem_fraction_static": 0.8},
+               "instance": {"parallel": {"tp": lay.server_tp}}}
+    groups = [setup.Group("rollout", "rollout", servers, lay.server_tp, RolloutSettings.model_validate(rollout),
+                          "cuda"),
               setup.Group("trainer", "trainer", train, 1, TrainerSettings.model_validate(trainer), "cuda")]
     return setup.Setup(BUILTIN[model], hardware.GPUS["H800"], gpus_per_node, groups,
-                       ExperimentConfig.model_validate(experiment))
+                       ExperimentConfig.model_validate(experiment), reward_actors=nodes)
 
 
-def rows(steps: int = 3) -> tuple[list[dict[str, Any]], float, dict[str, Any]]:
+def run(found: setup.Setup, *, eta: int, steps: int, seeds: int, rules: type[BufferState] = AReaLDispatch,
+        rollout_gpus: int | None = None) -> dict[str, Any]:
+    """`seeds` simulations of `steps` steps (the first is warm-up); mean and spread of the figures."""
+    results = [sim.simulate(dataclasses.replace(setup.sim_config(found, eta=eta, steps=steps, seed=s,
+                                                                 rollout_gpus=rollout_gpus), buffer_rules=rules))
+               for s in range(seeds)]
+    step = [r.step_time for r in results]
+    summ = [r.summary() for r in results]
+    out = {"step_s": float(np.mean(step)), "step_s_min": float(min(step)), "step_s_max": float(max(step)),
+           "throughput": float(np.mean([r.throughput for r in results])),
+           "train_s": float(np.mean([s["train_s"] for s in summ])),
+           "generation_s": float(np.mean([s["wait_batch_s"] for s in summ])),
+           "weights_s": float(np.mean([s["export_s"] + s["wait_weights_s"] for s in summ])),
+           "staleness_mean": float(np.mean([sum(int(k) * v for k, v in s["staleness"].items()) for s in summ])),
+           "retractions": float(np.mean([s["counters"]["retractions"] for s in summ])),
+           "split": f"{results[0].config.servers * results[0].config.server_tp}/"
+                    f"{results[0].config.trainer.dp * results[0].config.trainer.tp * results[0].config.trainer.pp}"}
+    return out
+
+
+def tutorial_rows(steps: int, seeds: int) -> list[dict[str, Any]]:
     out = []
     for model, nodes, group_size, published in TUTORIAL_STEPS:
         found = cluster(model, nodes, group_size)
-        fits = [m.problem() for m in setup.group_memory(found) if not m.fits]
-        sync = sim.simulate(setup.sim_config(found, eta=0, steps=steps))
-        asyn = sim.simulate(setup.sim_config(found, steps=steps))
+        problems = [m.problem() for m in setup.group_memory(found) if not m.fits]
+        r = run(found, eta=0, steps=steps, seeds=seeds)
+        ours = run(found, eta=0, steps=steps, seeds=1, rules=BufferState)
         out.append({"model": model, "nodes": nodes, "group_size": group_size, "published_s": published,
-                    "predicted_s": sync.step_time, "ratio": sync.step_time / published,
-                    "async_speedup": asyn.throughput / sync.throughput, "memory_problems": fits,
-                    "split": f"{sync.config.servers * sync.config.server_tp}/"
-                             f"{sync.config.trainer.dp * sync.config.trainer.tp * sync.config.trainer.pp}"})
-    best_speedup = max(r["async_speedup"] for r in out)
-    shares = {}
-    for share in (0.5, 0.625, 0.75, 0.875):
-        r = sim.simulate(setup.sim_config(cluster("7B", 16, 16, rollout_share=share), steps=steps))
-        shares[share] = r.throughput
-    return out, best_speedup, {"throughput_by_share": shares, "best_share": max(shares, key=shares.get)}
+                    **r, "ratio": r["step_s"] / published, "memory_problems": problems,
+                    "project_rules_step_s": ours["step_s"]})
+    return out
+
+
+def log_row(steps: int, seeds: int) -> dict[str, Any]:
+    g = LOG_RUN
+    found = cluster(g["model"], g["nodes"], g["group"], batch=g["batch"], max_new=g["max_new"], lay=g["layout"])
+    r = run(found, eta=0, steps=steps, seeds=seeds)
+    return {**r, "published_range_s": g["published_s"], "published_mean_s": g["published_mean_s"],
+            "ratio": r["step_s"] / g["published_mean_s"]}
+
+
+def speedup_rows(steps: int, seeds: int) -> list[dict[str, Any]]:
+    out = []
+    for model, nodes, eta, sync_h, async_h in SPEEDUP_RUNS:
+        found = cluster(model, nodes, 16, eta=eta)
+        a = run(found, eta=eta, steps=steps, seeds=seeds)
+        s = run(found, eta=0, steps=steps, seeds=seeds)
+        out.append({"model": model, "nodes": nodes, "eta": eta, "published": sync_h / async_h,
+                    "speedup": s["step_s"] / a["step_s"], "async": a, "sync": s,
+                    "speedup_min": s["step_s_min"] / a["step_s_max"], "speedup_max": s["step_s_max"] / a["step_s_min"]})
+    return out
+
+
+def split_sweep(steps: int, seeds: int) -> list[dict[str, Any]]:
+    """The split and eta sweep (tools.plan's) on AReaL's 7B run on 16 nodes, with this project's buffer rules."""
+    from tools.plan.__main__ import sweep
+    return sweep(cluster("7B", 16, 16), steps, seeds, progress=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.plan.published", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=6, help="steps per simulation, the first is warm-up")
+    ap.add_argument("--seeds", type=int, default=3, help="simulations per figure (mean, min-max)")
+    ap.add_argument("--parts", default="tutorial,log,speedup",
+                    help="comma-separated: tutorial (the step-time table), log (the tutorial's 7B log), speedup "
+                         "(async over sync), sweep (splits 25-87.5 %% and eta 0-16, 7B on 16 nodes; long)")
+    ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    table, speedup, split = rows(args.steps)
-    print("| figure | settings (inference/training GPUs) | predicted | published | ratio |")
-    print("|---|---|---|---|---|")
+    if args.steps < 2 or args.seeds < 1:
+        print("--steps must be >= 2 (the first step is warm-up) and --seeds >= 1", file=sys.stderr)
+        return 2
+    parts = set(args.parts.split(","))
+    unknown = parts - {"tutorial", "log", "speedup", "sweep"}
+    if unknown:
+        print(f"--parts: {', '.join(sorted(unknown))} not one of tutorial, log, speedup, sweep", file=sys.stderr)
+        return 2
+    print("tutorial rows", file=sys.stderr, flush=True)
+    table = tutorial_rows(args.steps, args.seeds) if "tutorial" in parts else []
+    print("the tutorial's 7B log", file=sys.stderr, flush=True)
+    log = log_row(args.steps, args.seeds) if "log" in parts else None
+    print("async over sync", file=sys.stderr, flush=True)
+    speed = speedup_rows(max(args.steps, 12), args.seeds) if "speedup" in parts else []
+    sweep_rows = split_sweep(max(args.steps, 12), args.seeds) if "sweep" in parts else []
+    if args.json:
+        print(json.dumps({"steps": args.steps, "seeds": args.seeds, "tutorial": table, "log": log, "speedup": speed,
+                          "sweep": sweep_rows}, indent=1))
+        return 0
+    print("| run (AReaL's layout: inference/training GPUs) | generation | training | weights | predicted step "
+          "(min-max over seeds) | published | ratio |")
+    print("|---|---|---|---|---|---|---|")
     for r in table:
         note = f"; memory: {'; '.join(r['memory_problems'])}" if r["memory_problems"] else ""
-        print(f"| {r['model']} on {r['nodes']} node(s), 512 x {r['group_size']}: step time (sync) | "
-              f"eta 0, {r['split']}{note} | {r['predicted_s']:,.0f} s | {r['published_s']:,} s | {r['ratio']:.2f} |")
-    print(f"| async speedup over sync, largest of the rows above | eta 4 vs eta 0, same split | {speedup:.2f}x | "
-          f"up to 2.77x | {speedup / 2.77:.2f} |")
-    shares = ", ".join(f"{100 * k:.1f}%: {v:,.0f}" for k, v in split["throughput_by_share"].items())
-    print(f"| best inference share, 7B on 16 nodes, eta 4 | tokens/s by share: {shares} | "
-          f"{100 * split['best_share']:.1f}% | 75% | {split['best_share'] / 0.75:.2f} |")
+        print(f"| {r['model']} on {r['nodes']} node(s), 512 x {r['group_size']} ({r['split']}{note}) | "
+              f"{r['generation_s']:,.0f} s | {r['train_s']:,.0f} s | {r['weights_s']:,.1f} s | {r['step_s']:,.0f} s "
+              f"({r['step_s_min']:,.0f}-{r['step_s_max']:,.0f}) | {r['published_s']:,} s | {r['ratio']:.2f} |")
+    if log is not None:
+        print(f"| tutorial 7B log: 16 nodes, 1024 x 16, cut at 16,384 ({log['split']}) | "
+              f"{log['generation_s']:,.0f} s | {log['train_s']:,.0f} s | {log['weights_s']:,.1f} s | {log['step_s']:,.0f} s "
+              f"({log['step_s_min']:,.0f}-{log['step_s_max']:,.0f}) | {log['published_range_s'][0]:,.0f}-"
+              f"{log['published_range_s'][1]:,.0f} s | {log['ratio']:.2f} |")
+    print()
+    print("| async over sync, same split | sync step | async step (eta) | predicted (min-max) | published |")
+    print("|---|---|---|---|---|")
+    for r in speed:
+        print(f"| {r['model']} on {r['nodes']} nodes | {r['sync']['step_s']:,.0f} s | {r['async']['step_s']:,.0f} s "
+              f"({r['eta']}) | {r['speedup']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | "
+              f"{r['published']:.2f}x |")
+    if sweep_rows:
+        print()
+        print("| GPUs generating | " + " | ".join(f"eta {e}" for e in sorted({r['eta'] for r in sweep_rows})) + " |")
+        print("|---" * (1 + len({r['eta'] for r in sweep_rows})) + "|")
+        for share in sorted({r["share"] for r in sweep_rows}):
+            cells = [f"{r['throughput']:,.0f} ({r['throughput_min']:,.0f}-{r['throughput_max']:,.0f})"
+                     for r in sweep_rows if r["share"] == share]
+            print(f"| {100 * share:.1f} % | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -7,6 +7,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+from actors.reward.actor import RewardActor
 from actors.rollout import rollout_placement
 from actors.trainer import trainer_placement
 from actors.weight_sync import sends_direct
@@ -37,6 +38,7 @@ class Setup:
     gpus_per_node: int
     groups: list[Group]
     experiment: ExperimentConfig
+    reward_actors: int = 1         # the buffer spreads groups over them
 
     def of_kind(self, kind: str) -> list[Group]:
         return [g for g in self.groups if g.kind == kind]
@@ -48,9 +50,12 @@ def read(plan: Plan) -> Setup:
     for spec in plan.specs("RUN_DIR"):
         first.setdefault(spec["name"].split(".")[0], spec["settings"])
     groups = []
+    rewards = 0
     for gname, group in topo.groups.items():
         module, _, cls_name = group.cls.partition(":")
         klass = getattr(importlib.import_module(module), cls_name)
+        if isinstance(klass, type) and issubclass(klass, RewardActor):
+            rewards += group.count
         placement = getattr(klass, "placement", None)
         kind = {trainer_placement: "trainer", rollout_placement: "rollout"}.get(placement)
         if kind is None or gname not in first:
@@ -65,7 +70,7 @@ def read(plan: Plan) -> Setup:
     gpu = hardware.gpu(node.gpu_kind if node else None)
     if node is not None and node.gpu_memory_gb:
         gpu = dataclasses.replace(gpu, memory_bytes=node.gpu_memory_gb * hardware.GB)
-    return Setup(shape, gpu, (node.gpus if node else 0) or 8, groups, topo.config)
+    return Setup(shape, gpu, (node.gpus if node else 0) or 8, groups, topo.config, max(1, rewards))
 
 
 def group_memory(setup: Setup) -> list[memory.GroupMemory]:
@@ -154,13 +159,20 @@ def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None
         shape=setup.shape, gpu=setup.gpu, gpus_per_node=setup.gpus_per_node, servers=servers, server_tp=server_tp,
         trainer=TrainerShape(tp=tp, pp=pp, dp=dp, micro_batch_tokens=lay.micro_batch_tokens,
                              minibatches=algo.ppo_minibatches, recompute=lay.recompute,
-                             gpus_per_node=setup.gpus_per_node),
+                             gpus_per_node=setup.gpus_per_node, reference=algo.kl_coef > 0),
         batch_size=algo.batch_size, group_size=algo.group_size,
         eta=algo.eta if eta is None else eta, max_new_tokens=gen.max_new_tokens,
-        max_groups_per_server=buf.max_groups_per_rollout,
-        kv_tokens_per_server=int(rollout_mem.kv_tokens or 0), interruptible=gen.interruptible,
-        dynamic_sampling=algo.dynamic_sampling,
+        max_groups_per_rollout=buf.max_groups_per_rollout, max_concurrent_groups=buf.max_concurrent_groups,
+        group_timeout_s=buf.group_timeout_s, pace=pace_of(gen), engine="sglang",
+        kv_tokens_per_server=int(rollout_mem.kv_tokens or 0), context_len=setup.shape.context_len,
+        interruptible=gen.interruptible, dynamic_sampling=algo.dynamic_sampling,
+        rewards=setup.reward_actors,
         weights_across_nodes=total > setup.gpus_per_node, steps=steps, seed=seed)
+
+
+def pace_of(gen: Any) -> tuple[float, float, float]:
+    """The buffer's timeout pace settings (gen.assumed_tokens_per_s, gen.timeout_slack, gen.timeout_floor_s)."""
+    return gen.assumed_tokens_per_s, gen.timeout_slack, gen.timeout_floor_s
 
 
 def _cpu_sim_config(setup: Setup, tr: Group, ro: Group, eta: int | None, steps: int, seed: int,
@@ -177,14 +189,16 @@ def _cpu_sim_config(setup: Setup, tr: Group, ro: Group, eta: int | None, steps: 
     # the engine's own row limit (actors.rollout's max_running) caps the groups it decodes at once
     assert isinstance(ro.settings, RolloutSettings)
     max_running = ro.settings.max_running
-    per_engine = min(buf.max_groups_per_rollout, max(1, max_running // group_size))
     return SimConfig(
         shape=setup.shape, gpu=setup.gpu, gpus_per_node=1, servers=devices, server_tp=1,
         trainer=TrainerShape(tp=1, pp=1, dp=1, micro_batch_tokens=algo.max_tokens_per_mb,
                              minibatches=algo.ppo_minibatches, recompute="none", gpus_per_node=1),
         batch_size=algo.batch_size, group_size=group_size,
         eta=algo.eta if eta is None else eta, max_new_tokens=max_new,
-        max_groups_per_server=per_engine * engines, interruptible=gen.interruptible,
+        max_groups_per_rollout=buf.max_groups_per_rollout, max_concurrent_groups=buf.max_concurrent_groups,
+        group_timeout_s=buf.group_timeout_s, pace=pace_of(gen), engine="embedded", max_running=max_running,
+        interruptible=gen.interruptible,
         dynamic_sampling=algo.dynamic_sampling, weights_across_nodes=False, steps=steps,
         seed=seed, measured=measured, engines_per_server=engines, reward_latency_s=measured.reward_s,
+        rewards=setup.reward_actors,
         **workload_fields(workload, max_new))

@@ -19,6 +19,7 @@ class ModelShape:
     vocab: int
     tied: bool
     source: str
+    context_len: int = 131072      # max_position_embeddings: SGLang sizes its request pool with it
 
     @property
     def head_dim(self) -> int:
@@ -51,7 +52,8 @@ class ModelShape:
 # The distilled reasoning models AReaL trains (DeepSeek-R1-Distill-Qwen-*), as their Hugging Face
 # config.json files give them; their bases are Qwen2.5-Math-1.5B, Qwen2.5-Math-7B and Qwen2.5-32B (layers,
 # heads and KV heads also in the Qwen2.5 technical report, arXiv:2412.15115, Table 1). The distilled 1.5B
-# does not tie its embeddings (1.78B parameters on its model card), unlike Qwen2.5-1.5B.
+# does not tie its embeddings (1.78B parameters on its model card), unlike Qwen2.5-1.5B. All three have
+# max_position_embeddings 131072 (the default `context_len`).
 BUILTIN: dict[str, ModelShape] = {
     "1.5B": ModelShape("Qwen2-1.5B (R1-Distill)", 28, 1536, 8960, 12, 2, 151936, False,
                        "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B config.json"),
@@ -81,7 +83,7 @@ def from_hf_config(path: str | Path) -> ModelShape:
                       intermediate=int(cfg["intermediate_size"]), heads=int(cfg["num_attention_heads"]),
                       kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
                       vocab=int(cfg["vocab_size"]), tied=bool(cfg.get("tie_word_embeddings", False)),
-                      source=str(path))
+                      source=str(path), context_len=int(cfg.get("max_position_embeddings") or 131072))
 
 
 def resolve(model_path: str | None, root: str | Path = ".") -> ModelShape:

@@ -1,22 +1,29 @@
-"""A discrete-event simulation of the asynchronous run in virtual time.
+"""A discrete-event simulation of the run in virtual time, driving the run's own decision code.
 
-Rollout servers decode continuous batches (`costs.DecodeCost`: a step's time from the bytes it reads and the
-FLOPs it does at the batch's size and KV length, summed in closed form between events; a group's prompt is
-prefilled once, its answers share it); answer lengths come from a long-tailed distribution; every weight
-update pauses the servers for the broadcast and, in interruptible mode, re-prefills the answers in flight;
-each finished group waits the reward latency; the buffer admits groups through the project's own
-`algo.staleness.StalenessGate`, drops uniform groups with `algo.dynamic_sampling.is_uniform`
-when dynamic sampling is on, and forms a batch of the B oldest accepted groups; the trainer's step packs
-them with `algo.packing` (`costs.train_step_seconds`) and then broadcasts the weights.
+The decisions are the actors' own objects, called as the actors call them: the buffer's `BufferState`
+(actors/buffer_state.py: which prompt goes to which rollout, the staleness gate, in-flight caps, timeouts and
+re-issue, dynamic sampling, the batch-time staleness check, batch forming) through the same public methods
+`actors/buffer.py` calls, in the same situations; and the parameter server's `PushPolicy`
+(actors/push_policy.py: forming the link, what is pushed when, coalescing). A change to those rules changes
+the plan without a change here (tests/test_plan.py monkeypatches one and watches the counters move).
 
-On CPU topologies the same simulation runs on costs measured on the machine (`costs.MeasuredCosts`, from
-`python -m tools.plan.calibrate`), and one simulated server can stand for a core that several rollout
-engines time-share (`SimConfig.engines_per_server`).
+What the actors wait on is replaced by cost models: the rollout engines by `engines.Device` (SGLang's
+admission, retraction and new_token_ratio from its 0.5.6 source, or the embedded engine's row limit; each
+decode step costs what `costs.decode_cost` says, summed in closed form between events), the trainer's step by
+`costs.train_step_seconds` (the project's own packing), the weight path by `costs.weight_sync`, grading by a
+fixed latency. On CPU topologies the costs are the ones measured on the machine (`costs.MeasuredCosts`).
 
-Simplifications (named so that their effect can be judged): a server takes at most
-`buffer.max_groups_per_rollout` groups and no more than its KV pool holds at the mean answer length
-(SGLang's retraction when the pool overflows is not modelled); changes to a server's batch take effect at
-its next step boundary; reward workers never queue.
+Time runs as the actors run it. The trainer asks for a batch (the buffer first drops stale groups, then takes
+the oldest B), trains, and (eta > 0) opens the gate at once and publishes; with eta = 0 it publishes and waits
+until the servers hold the new weights before opening the gate (actors/trainer.py). A published version is
+offered to the push policy; a push pauses every server (SGLang aborts its requests and they are resubmitted
+with their tokens when it resumes). A finished group is graded after the reward latency and handed to
+`BufferState.scored`. Every `BufferState.expire_every_s` the buffer's overdue check runs; an overdue group's
+copy is aborted on its server and the group handed back, then issued again (never two copies at once, as the
+buffer actor does it; a result that was already on its way is late, ignored, and counted here).
+
+The figures (`Result.summary()`) are the ones the rehearsal of the real control plane reports for the same
+topology (`Result.figures()`, compared by `agreement`).
 """
 from __future__ import annotations
 
@@ -24,27 +31,34 @@ import dataclasses
 import functools
 import heapq
 import math
-from collections import Counter, deque
+from collections import Counter
 from typing import Any
 
 import numpy as np
-import torch
 
-from algo.dynamic_sampling import is_uniform
-from algo.staleness import StalenessGate, sample_staleness
+from actors.buffer_state import BufferState
+from algo.serving import DecodePace
+from actors.push_policy import Form, Push, PushPolicy
 from tools.plan import costs, hardware
+from tools.plan.engines import (Device, EmbeddedAdmission, Req, SGLangAdmission, sglang_max_running)
 from tools.plan.shapes import ModelShape
+from transport.protocol import Answers, RolloutWeights, Sample
 
-#: Answer lengths of AReaL's distilled reasoning models: the tutorial's 7B training log (512 x 16) reports
-#: avg_seq_len 7,773-8,204 (prompt included, avg_prompt_len 106-112) and no_eos_ratio 0.118-0.138, the share
-#: of answers cut at max_new_tokens, whose default the tutorial gives as 16k. A lognormal with those two
-#: figures at a 16,384-token cut (mean 7,800 - 108, 12.5 % cut) has these parameters (`lognormal_for`).
+#: Answer lengths of AReaL's distilled reasoning models: the tutorial's 7B training log reports avg_seq_len
+#: 7,773-8,204 (prompt included, avg_prompt_len 106-112) and no_eos_ratio 0.118-0.138, the share of answers
+#: cut at max_new_tokens, then 16,384 (the log is of a 16k run: AReaL's first tutorial commit names its
+#: command line). A lognormal with those two figures at that cut (mean 7,800 - 108, 12.5 % cut) has these
+#: parameters (`lognormal_for`); cut at 27,648 instead it cuts 3.7 % of answers, which agrees with the v0.2
+#: notes' "truncation rate remained below 5 %" at 27K. The same distribution stands for every model size (no
+#: published figure for the others).
 DEFAULT_LENGTHS = {"kind": "lognormal", "mean_tokens_at_cut": 7692, "cut_share": 0.125, "cut": 16384}
 #: Average prompt in the same log.
 PROMPT_TOKENS = 108
 #: Seconds from a group's last answer to its rewards: stated 1 s (the math checker grades thousands of
-#: answers a second on a 32-worker pool; docs/reward-math.md), so it is small against decoding.
+#: answers a second on a 32-worker pool, docs/reward-math.md), small against decoding.
 REWARD_LATENCY_S = 1.0
+#: Prompts in the simulated dataset: the cursor's epochs do not matter to the timing.
+N_RECORDS = 1 << 16
 
 
 @functools.lru_cache(maxsize=64)
@@ -76,32 +90,49 @@ class SimConfig:
     shape: ModelShape
     gpu: hardware.GPU
     gpus_per_node: int
-    servers: int
+    servers: int                       # simulated devices (an SGLang server, or a CPU core)
     server_tp: int
     trainer: costs.TrainerShape
     batch_size: int
     group_size: int
     eta: int
     max_new_tokens: int
-    max_groups_per_server: int = 8
+    #: buffer.max_groups_per_rollout, buffer.max_concurrent_groups, buffer.group_timeout_s (BufferState's; None
+    #: derives it from max_new_tokens and the pace of the answers, as the buffer does).
+    max_groups_per_rollout: int = 8
+    max_concurrent_groups: int | None = None
+    group_timeout_s: float | None = None
+    #: gen.assumed_tokens_per_s, gen.timeout_slack, gen.timeout_floor_s (the buffer's `DecodePace`).
+    pace: tuple[float, float, float] = (5.0, 3.0, 60.0)
+    #: The engine: "sglang" (SGLang's admission over a KV pool of `kv_tokens_per_server`) or "embedded".
+    engine: str = "sglang"
     kv_tokens_per_server: int = 1 << 40
+    context_len: int = 131072          # the model's max_position_embeddings (SGLang's request pool)
+    max_running: int = 256             # embedded engine: rows decoded at once
     interruptible: bool = True
     dynamic_sampling: bool = False
     accuracy: float = 0.5              # mean chance an answer is correct (with dynamic sampling)
     lengths: dict[str, Any] = dataclasses.field(default_factory=lambda: dict(DEFAULT_LENGTHS))
     prompt_tokens: int = PROMPT_TOKENS
     reward_latency_s: float = REWARD_LATENCY_S
+    rewards: int = 1                   # reward actors (BufferState spreads groups over them)
     weights_across_nodes: bool = True
     steps: int = 6
     seed: int = 0
     #: Costs measured on the machine (CPU topologies) in place of the GPU roofline (`costs.MeasuredCosts`).
     measured: costs.MeasuredCosts | None = None
-    #: Engines that time-share one simulated server's device (two rollouts pinned to one core): each busy
-    #: engine adds its fixed per-step cost to the device's steps. A server then stands for the device.
+    #: Engines (rollout actors) that time-share one simulated device (two rollouts pinned to one core): each
+    #: busy engine adds its fixed per-step cost to the device's steps.
     engines_per_server: int = 1
     #: With dynamic sampling, the measured share of finished groups kept (not all answers equally rewarded);
     #: None draws each group's rewards from `accuracy` and filters them with the project's own filter.
     kept_group_share: float | None = None
+    #: The buffer's rules: the project's `BufferState`, or a subclass that changes one (tools.plan.published
+    #: models AReaL's controller so).
+    buffer_rules: type[BufferState] = BufferState
+    #: Virtual seconds without a training step after which the run is declared stuck (an error naming the
+    #: decisions' counters): a timeout shorter than a group's generation re-issues every group forever.
+    stall_s: float = 3 * 86400.0
 
     def draw_lengths(self, rng: np.random.Generator, n: int) -> np.ndarray:
         spec = self.lengths
@@ -114,18 +145,37 @@ class SimConfig:
             raise ValueError(f"lengths.kind: {spec['kind']!r} is not 'fixed' or 'lognormal'")
         return np.clip(out, 1, self.max_new_tokens)
 
+    @property
+    def rollout_names(self) -> list[str]:
+        return [f"rollout.{i}" for i in range(self.servers * self.engines_per_server)]
+
 
 @dataclasses.dataclass
 class Step:
     version: int
-    start: float             # when its batch was formed
-    end: float               # when its weights reached the servers
+    start: float             # when the trainer took its batch
+    end: float               # when the trainer was done with it (as actors/trainer.py counts step_seconds)
     tokens: int              # trained tokens (prompt + answer of every answer in the batch)
+    wait_s: float            # the trainer waiting for the batch
     train_s: float
-    sync_s: float
+    export_s: float
+    sync_wait_s: float       # eta = 0: waiting until the servers hold the new weights
     staleness: list[int]
-    rollout_busy: float = 0.0   # server-seconds busy from the start to `end`
-    trainer_busy: float = 0.0   # trainer-seconds busy from the start to `end`
+    clocks: dict[str, float] = dataclasses.field(default_factory=dict)   # cumulative clocks at `end`
+
+
+@dataclasses.dataclass
+class _Group:
+    gid: str
+    rollout: str
+    device: int
+    answers: list[Req]
+    lengths: list[int]
+    start_version: int
+    left: int
+    end_version: int = -1
+    done_at: float = math.nan
+    issued_at: float = 0.0
 
 
 @dataclasses.dataclass
@@ -134,6 +184,7 @@ class Result:
     steps: list[Step]
     end: float
     timeline: list[tuple[str, float, float]]   # (lane, start, end): busy intervals for plots
+    counters: dict[str, Any]
     warmup: int = 1
 
     @property
@@ -144,6 +195,10 @@ class Result:
     def window(self) -> tuple[float, float]:
         first = self.steps[self.warmup - 1].end if len(self.steps) > self.warmup else 0.0
         return first, self.steps[-1].end
+
+    def _clock(self, name: str) -> float:
+        a = self.steps[self.warmup - 1].clocks.get(name, 0.0) if len(self.steps) > self.warmup else 0.0
+        return self.steps[-1].clocks.get(name, 0.0) - a
 
     @property
     def step_time(self) -> float:
@@ -162,140 +217,178 @@ class Result:
         total = sum(counts.values())
         return {k: counts[k] / total for k in sorted(counts)}
 
-    def _busy_in_window(self, attr: str) -> float:
-        last = getattr(self.steps[-1], attr)
-        return last - (getattr(self.steps[self.warmup - 1], attr) if len(self.steps) > self.warmup else 0.0)
+    def shares(self) -> dict[str, dict[str, float]]:
+        """Per group, the share of its time in the measured window spent on each kind of work."""
+        a, b = self.window
+        span = b - a
+        rollout_time = self.config.servers * span
+        roll = {k: self._clock(f"rollout.{k}") / rollout_time for k in ("decode", "prefill", "paused")}
+        roll["idle"] = max(0.0, 1 - sum(roll.values()))
+        train = {k: self._clock(f"trainer.{k}") / span for k in ("train", "export", "wait_batch", "wait_weights")}
+        return {"rollout": roll, "trainer": train, "param_server": {"push": self._clock("ps.push") / span}}
 
     @property
     def rollout_idle(self) -> float:
-        """Share of server time in the measured steps spent neither decoding nor prefilling."""
-        a, b = self.window
-        return max(0.0, 1 - self._busy_in_window("rollout_busy") / (self.config.servers * (b - a)))
+        return self.shares()["rollout"]["idle"]
 
     @property
     def trainer_idle(self) -> float:
-        """Share of trainer time in the measured steps spent neither training nor sending weights."""
-        a, b = self.window
-        return max(0.0, 1 - self._busy_in_window("trainer_busy") / (b - a))
+        t = self.shares()["trainer"]
+        return t["wait_batch"] + t["wait_weights"]
 
-    @property
-    def weight_sync_s(self) -> float:
-        return float(np.mean([s.sync_s for s in self.steps]))
+    def _mean(self, attr: str) -> float:
+        return float(np.mean([getattr(s, attr) for s in self.measured]))
 
     def summary(self) -> dict[str, Any]:
         return {"step_time_s": self.step_time, "effective_throughput_tok_s": self.throughput,
-                "train_s": float(np.mean([s.train_s for s in self.measured])), "weight_sync_s": self.weight_sync_s,
+                "train_s": self._mean("train_s"), "export_s": self._mean("export_s"),
+                "wait_batch_s": self._mean("wait_s"), "wait_weights_s": self._mean("sync_wait_s"),
+                "weight_sync_s": self._mean("export_s") + self.counters["push_s"],
                 "rollout_idle": self.rollout_idle, "trainer_idle": self.trainer_idle,
                 "staleness": {str(k): v for k, v in self.staleness.items()},
-                "tokens_per_step": float(np.mean([s.tokens for s in self.measured]))}
+                "tokens_per_step": float(np.mean([s.tokens for s in self.measured])),
+                "time_shares": self.shares(), "counters": self.counters, "figures": self.figures()}
+
+    def figures(self) -> dict[str, float]:
+        """The figures the rehearsal of the real control plane reports for the same run (`agreement`): step
+        time, effective throughput, the trainer's wait, the rollouts' busy share, mean staleness, and the
+        decisions' rates per measured step."""
+        per_step = 1 / len(self.measured)
+        stale = self.staleness
+        c = self.counters["measured"]
+        return {"step_time_s": self.step_time, "effective_throughput_tok_s": self.throughput,
+                "trainer_wait_share": self.trainer_idle, "rollout_busy_share": 1 - self.rollout_idle,
+                "staleness_mean": sum(k * v for k, v in stale.items()),
+                "reissued_per_step": c["reissued"] * per_step, "dropped_stale_per_step": c["dropped_stale"] * per_step}
 
 
-class _Server:
-    """One SGLang server's continuous batch. `counter` counts decode steps since the start; an answer that
-    joined at counter c with L tokens to go finishes at c + L. State is exact at time `t` (a step boundary)."""
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.t = 0.0
-        self.counter = 0
-        self.finish: list[tuple[int, int]] = []   # heap of (finish counter, answer id)
-        self.start_sum = 0                        # sum over running answers of (join counter - prompt length)
-        self.groups: Counter[int] = Counter()     # group -> answers still running here
-        self.paused = False
-        self.epoch = 0
-        self.busy = 0.0
-
-    @property
-    def n(self) -> int:
-        return len(self.finish)
-
-    def kv(self) -> int:
-        """KV tokens held: each answer's prompt plus what it has generated."""
-        return self.n * self.counter - self.start_sum
+def agreement(simulated: dict[str, float], measured: dict[str, float], tolerance: float = 0.15) -> dict[str, Any]:
+    """Figure by figure, simulated / measured and whether it is within `tolerance` (figures near zero on
+    both sides, as rates of rare decisions, agree when both are below 0.05 a step)."""
+    rows = {}
+    for k, m in measured.items():
+        s = simulated.get(k)
+        if s is None:
+            continue
+        if abs(m) < 0.05 and abs(s) < 0.05:
+            rows[k] = {"simulated": s, "measured": m, "ratio": 1.0, "agrees": True}
+        else:
+            ratio = s / m if m else math.inf
+            rows[k] = {"simulated": s, "measured": m, "ratio": ratio, "agrees": abs(ratio - 1) <= tolerance}
+    return {"rows": rows, "all_agree": all(r["agrees"] for r in rows.values())}
 
 
 class Simulation:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.rng = np.random.default_rng(cfg.seed)
-        self.gate = StalenessGate(cfg.batch_size, cfg.eta)
-        self.servers = [_Server(i) for i in range(cfg.servers)]
-        self.open = set(range(cfg.servers))   # servers that may take another group now
-        self.open_heap = [(0, i) for i in range(cfg.servers)]   # (groups, index), lazily kept current
-        mean_ctx = cfg.prompt_tokens + float(np.mean(cfg.draw_lengths(np.random.default_rng(cfg.seed + 1), 4096)))
-        self.group_cap = max(1, min(cfg.max_groups_per_server,
-                                    int(cfg.kv_tokens_per_server // (cfg.group_size * mean_ctx))))
+        self.now = 0.0
+        names = cfg.rollout_names
+        self.rewards = [f"reward.{i}" for i in range(max(1, cfg.rewards))]
+        self.state = cfg.buffer_rules(n_records=N_RECORDS, rollouts=names, rewards=self.rewards,
+                                      batch_size=cfg.batch_size, eta=cfg.eta, seed=cfg.seed,
+                                      dynamic_sampling=cfg.dynamic_sampling,
+                                      max_per_rollout=cfg.max_groups_per_rollout,
+                                      max_concurrent=cfg.max_concurrent_groups, group_timeout_s=cfg.group_timeout_s,
+                                      group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+                                      prompt_tokens=float(cfg.prompt_tokens), pace=DecodePace(*cfg.pace))
+        # a rollout's hello reports its server's KV pool (an SGLang server's max_total_num_tokens; the embedded
+        # engine reports none), from which the buffer caps the groups it holds
+        kv = int(cfg.kv_tokens_per_server) if cfg.engine == "sglang" and cfg.kv_tokens_per_server < 1 << 40 else 0
+        for name in names:
+            self.state.worker_hello(name, kv_tokens=kv)
+        for name in self.rewards:
+            self.state.worker_hello(name)
+        self.device_of = {name: i // cfg.engines_per_server for i, name in enumerate(names)}
+        self.devices = [self._device(i) for i in range(cfg.servers)]
+        self.device_version = [0] * cfg.servers
+        self.policy = PushPolicy(rollouts={n: RolloutWeights(version=0, hello=True, alive=True) for n in names})
+        self.current_version = 0
+        self.pushing: tuple[int, list[str], float] | None = None   # (version, members, started)
+        self.sync = cfg.measured.weights_s if cfg.measured else None
+        self.weight_sync = None if cfg.measured else costs.weight_sync(
+            cfg.shape, cfg.gpu, cfg.trainer.tp, cfg.trainer.pp, cfg.gpus_per_node, cfg.weights_across_nodes)
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = 0
-        self.version = 0
-        self.answers: dict[int, tuple[int, int, int]] = {}   # answer id -> (group, length, start version)
-        self.join: dict[int, int] = {}                        # answer id -> its server's counter when it joined
-        self.group_left: dict[int, int] = {}
-        self.group_answers: dict[int, list[int]] = {}
-        self.ready: deque[int] = deque()
-        self.trainer_free = True
-        self.next_answer = 0
-        self.next_group = 0
+        self.groups: dict[str, _Group] = {}
+        self.version = 0                      # the trainer's
+        self.trainer = "wait_batch"           # wait_batch | train | export | wait_weights | done
+        self.trainer_since = 0.0
+        self.pending_step: Step | None = None
         self.steps: list[Step] = []
-        self.trainer_busy = 0.0
+        self.clocks: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter({k: 0 for k in (
+            "issued", "expired", "aborted_requests", "late_groups", "late_answer_tokens", "dropped_uniform", "pushes",
+            "interrupted_requests")})
+        self.inflight: Counter[str] = Counter()    # groups in flight per rollout, as BufferState holds them
+        self.inflight_area: Counter[str] = Counter()
+        self.inflight_max: Counter[str] = Counter()
+        self.inflight_t = 0.0
         self.timeline: list[tuple[str, float, float]] = []
         self._last_span: dict[str, int] = {}
-        self.sync_s = cfg.measured.weights_s if cfg.measured else costs.weight_sync_seconds(
-            cfg.shape, cfg.gpu, cfg.trainer.tp, cfg.trainer.pp, cfg.gpus_per_node, cfg.weights_across_nodes)
         self._decode: dict[tuple[int, int], costs.DecodeCost] = {}
+        self._last_busy: dict[int, float] = {}          # device -> busy seconds already drawn on the timeline
+        self._gid_of: dict[int, str] = {}               # answer id -> its group's id
+        self._accepted: dict[tuple[int, int], str] = {}  # a ready group's key -> its group id
+        self.next_answer = 0
 
-    # --- event plumbing -------------------------------------------------------------------------
-    def _push(self, t: float, kind: str, payload: Any) -> None:
-        self.seq += 1
-        heapq.heappush(self.events, (t, self.seq, kind, payload))
+    # --- the devices -----------------------------------------------------------------------------------
+    def _device(self, index: int) -> Device:
+        cfg = self.cfg
+        if cfg.engine == "sglang":
+            admission: SGLangAdmission | EmbeddedAdmission = SGLangAdmission(
+                pool=int(cfg.kv_tokens_per_server),
+                max_running=sglang_max_running(int(cfg.kv_tokens_per_server), cfg.context_len))
+        elif cfg.engine == "embedded":
+            admission = EmbeddedAdmission(max_running=cfg.max_running)
+        else:
+            raise ValueError(f"engine: {cfg.engine!r} is not 'sglang' or 'embedded'")
+        return Device(index, admission, self._decode_cost, self._prefill_cost, self._answer_done,
+                      interruptible=cfg.interruptible)
 
-    def _cost(self, s: _Server) -> costs.DecodeCost:
-        """The step cost at s's current batch. Time-sharing engines: groups go to the emptiest engine, so as
-        many engines are busy as there are groups, up to the engines the server stands for."""
-        key = (s.n, min(self.cfg.engines_per_server, max(1, len(s.groups))))
+    def _decode_cost(self, n: int, engines: int) -> costs.DecodeCost:
+        key = (n, min(engines, self.cfg.engines_per_server))
         if key not in self._decode:
             m = self.cfg.measured
             self._decode[key] = m.decode(*key) if m else costs.decode_cost(self.cfg.shape, self.cfg.gpu,
-                                                                           self.cfg.server_tp, key[0])
+                                                                           self.cfg.server_tp, n)
         return self._decode[key]
 
-    # --- servers ---------------------------------------------------------------------------------
-    def _advance(self, s: _Server, now: float) -> None:
-        """Bring s to the first step boundary at or after `now` (never past its next finishing answer), and
-        hand finished answers on."""
-        if s.t >= now:
-            return
-        if s.paused or s.n == 0:
-            s.t = now
-            return
-        cost, kv0, n = self._cost(s), s.kv(), s.n
-        limit = s.finish[0][0] - s.counter
-        # smallest j <= limit with t + steps(j) >= now; steps only lengthen, which brackets j
-        dt = now - s.t
-        lo = min(limit, int(dt / cost.step(kv0 + limit * n)))
-        hi = min(limit, int(math.ceil(dt / cost.step(kv0))))
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if s.t + cost.steps(kv0, n, mid) >= now:
-                hi = mid
-            else:
-                lo = mid + 1
-        spent = cost.steps(kv0, n, lo)
-        self._busy(s, s.t, spent)
-        s.t += spent
-        s.counter += lo
-        while s.finish and s.finish[0][0] <= s.counter:
-            _, aid = heapq.heappop(s.finish)
-            s.start_sum -= self.join[aid] - self.cfg.prompt_tokens
-            self._finish_answer(s, self.answers[aid][0], s.t)
+    def _prefill_cost(self, tokens: float, sum_sq: float, prefills: int) -> float:
+        m = self.cfg.measured
+        if m:
+            return max(0.0, prefills * m.prefill_a_s + m.prefill_token_s * tokens + m.prefill_sq_s * sum_sq)
+        return costs.prefill_seconds(self.cfg.shape, self.cfg.gpu, self.cfg.server_tp, tokens, sum_sq)
 
-    def _busy(self, s: _Server, t0: float, dt: float) -> None:
-        if dt > 0:
-            s.busy += dt
-            self._span(f"rollout.{s.index}", t0, t0 + dt)
+    def _schedule(self, d: Device) -> None:
+        d.epoch += 1
+        t = d.next_event_time()
+        if t is not None:
+            self._push_event(t, "device", (d.index, d.epoch))
+        self._span_device(d)
+
+    def _span_device(self, d: Device) -> None:
+        busy = d.seconds["decode"] + d.seconds["prefill"]
+        last = self._last_busy.get(d.index, 0.0)
+        if busy > last:
+            self._span(f"rollout.{d.index}", d.t - (busy - last), d.t)
+            self._last_busy[d.index] = busy
+
+    def _answer_done(self, d: Device, r: Req, t: float) -> None:
+        g = self.groups[self._gid_of.pop(r.aid)]
+        g.left -= 1
+        if g.left == 0:
+            g.end_version = self.device_version[d.index]
+            g.done_at = t
+            self._push_event(t + self.cfg.reward_latency_s, "reward", g.gid)
+
+    # --- event plumbing --------------------------------------------------------------------------------
+    def _push_event(self, t: float, kind: str, payload: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, payload))
 
     def _span(self, lane: str, t0: float, t1: float) -> None:
-        """Record a busy interval for the plots, merged with the lane's previous one when they touch."""
+        """A busy interval for the plots, merged with the lane's previous one when they touch."""
         last = self._last_span.get(lane)
         if last is not None and self.timeline[last][2] >= t0 - 1e-9:
             self.timeline[last] = (lane, self.timeline[last][1], max(t1, self.timeline[last][2]))
@@ -303,165 +396,286 @@ class Simulation:
             self._last_span[lane] = len(self.timeline)
             self.timeline.append((lane, t0, t1))
 
-    def _schedule(self, s: _Server) -> None:
-        s.epoch += 1
-        if s.paused or s.n == 0:
-            return
-        j = s.finish[0][0] - s.counter
-        self._push(s.t + self._cost(s).steps(s.kv(), s.n, j), "server", (s.index, s.epoch))
+    def _trainer_to(self, state: str) -> None:
+        self.clocks[f"trainer.{self.trainer}"] += self.now - self.trainer_since
+        if self.trainer in ("train", "export"):
+            self._span("trainer" if self.trainer == "train" else "weights", self.trainer_since, self.now)
+        self.trainer, self.trainer_since = state, self.now
 
-    def _finish_answer(self, s: _Server, group: int, t: float) -> None:
-        s.groups[group] -= 1
-        if s.groups[group] == 0:
-            del s.groups[group]
-            if not s.paused:
-                self._mark_open(s)
-        self.group_left[group] -= 1
-        if self.group_left[group] == 0:
-            self._push(t + self.cfg.reward_latency_s, "reward", group)
+    def _inflight_change(self, rollout: str, delta: int) -> None:
+        dt = self.now - self.inflight_t
+        for name, n in self.inflight.items():
+            self.inflight_area[name] += n * dt
+        self.inflight_t = self.now
+        self.inflight[rollout] += delta
+        self.inflight_max[rollout] = max(self.inflight_max[rollout], self.inflight[rollout])
 
-    def _prefill(self, s: _Server, tokens: float, sum_sq: float) -> None:
-        m = self.cfg.measured
-        dt = m.prefill(tokens, sum_sq) if m else costs.prefill_seconds(self.cfg.shape, self.cfg.gpu,
-                                                                      self.cfg.server_tp, tokens, sum_sq)
-        self._busy(s, s.t, dt)
-        s.t += dt
-
-    # --- buffer ----------------------------------------------------------------------------------
-    def _dispatch(self, now: float) -> None:
+    # --- the buffer (as actors/buffer.py drives BufferState) ---------------------------------------------
+    def _dispatch(self) -> None:
+        """The buffer's dispatch loop: issue while the state hands out work."""
         cfg = self.cfg
-        while self.open and self.gate.can_admit():
-            s = self._emptiest_open()
-            self.gate.admit(1)
-            self._advance(s, now)
-            group = self.next_group
-            self.next_group += 1
-            lengths = cfg.draw_lengths(self.rng, cfg.group_size)
-            self._prefill(s, cfg.prompt_tokens, cfg.prompt_tokens ** 2)
-            self.group_left[group] = cfg.group_size
-            self.group_answers[group] = []
+        touched = set()
+        while (issue := self.state.issue_next(lambda _: True, self.now)) is not None:
+            d = self.devices[self.device_of[issue.rollout]]
+            d.advance(self.now)
+            lengths = [int(x) for x in cfg.draw_lengths(self.rng, cfg.group_size)]
+            reqs = []
             for length in lengths:
-                aid = self.next_answer
+                r = Req(aid=self.next_answer, group=self.counters["issued"], engine=issue.rollout,
+                        prompt=cfg.prompt_tokens, origin=cfg.prompt_tokens, max_new=cfg.max_new_tokens, left=length)
+                self._gid_of[r.aid] = issue.group_id
                 self.next_answer += 1
-                self.answers[aid] = (group, int(length), self.version)
-                self.join[aid] = s.counter
-                self.group_answers[group].append(aid)
-                heapq.heappush(s.finish, (s.counter + int(length), aid))
-                s.start_sum += s.counter - cfg.prompt_tokens
-                s.groups[group] += 1
-            if len(s.groups) >= self.group_cap:
-                self.open.discard(s.index)
-            else:
-                heapq.heappush(self.open_heap, (len(s.groups), s.index))
-            self._schedule(s)
+                reqs.append(r)
+            self.groups[issue.group_id] = _Group(issue.group_id, issue.rollout, d.index, reqs, lengths,
+                                                 self.device_version[d.index], len(reqs), issued_at=self.now)
+            self._inflight_change(issue.rollout, +1)
+            self.counters["issued"] += 1
+            d.submit(reqs)
+            touched.add(d.index)
+        for i in touched:
+            self._schedule(self.devices[i])
 
-    def _emptiest_open(self) -> _Server:
-        """The open server with the fewest groups (lowest index on ties); stale heap entries are skipped."""
-        while True:
-            count, index = self.open_heap[0]
-            s = self.servers[index]
-            if index in self.open and count == len(s.groups):
-                return s
-            heapq.heappop(self.open_heap)   # every open server has a current entry pushed when it changed
-
-    def _mark_open(self, s: _Server) -> None:
-        self.open.add(s.index)
-        heapq.heappush(self.open_heap, (len(s.groups), s.index))
-
-    def _on_reward(self, group: int, now: float) -> None:
+    def _on_reward(self, gid: str) -> None:
         cfg = self.cfg
-        accepted = True
+        g = self.groups[gid]
         if cfg.dynamic_sampling and cfg.kept_group_share is not None:
-            accepted = bool(self.rng.random() < cfg.kept_group_share)
+            kept = bool(self.rng.random() < cfg.kept_group_share)
+            rewards = [1.0, 0.0] + [0.0] * (cfg.group_size - 2) if kept else [0.0] * cfg.group_size
         elif cfg.dynamic_sampling:
             p = self.rng.beta(2 * cfg.accuracy, 2 * (1 - cfg.accuracy))
-            rewards = torch.tensor((self.rng.random(cfg.group_size) < p).astype(np.float32))
-            accepted = not is_uniform(rewards)
-        self.gate.finish(accepted=accepted)
-        if accepted:
-            self.ready.append(group)
-        self._try_train(now)
-        self._dispatch(now)
-
-    # --- trainer ---------------------------------------------------------------------------------
-    def _try_train(self, now: float) -> None:
-        cfg = self.cfg
-        if not self.trainer_free or len(self.ready) < cfg.batch_size or len(self.steps) >= cfg.steps:
+            rewards = [float(x) for x in (self.rng.random(cfg.group_size) < p)]
+        else:
+            rewards = [1.0] * cfg.group_size
+        # What BufferState reads of the answers: each sample's reward, its length and the weight versions of its
+        # tokens (the oldest and the newest), and the group's generation time (the pace its timeouts follow).
+        # The per-token lists are not materialised: a range stands for the output ids, whose length alone is read.
+        samples = [Sample(output_ids=range(n), logprobs=[], versions=[g.start_version, g.end_version],  # type: ignore[arg-type]
+                          finish_reason="length" if n >= cfg.max_new_tokens else "stop", reward=rw)
+                   for n, rw in zip(g.lengths, rewards[:len(g.lengths)])]
+        in_flight = gid in self.state.inflight
+        result = self.state.scored(gid, Answers(samples=samples, rollout=g.rollout, gen_seconds=g.done_at - g.issued_at))
+        if result.outcome == "late":
+            self.counters["late_groups"] += 1
+            self.counters["late_answer_tokens"] += sum(g.lengths)
+            del self.groups[gid]
             return
-        batch = [self.ready.popleft() for _ in range(cfg.batch_size)]
-        ids = [a for g in batch for a in self.group_answers[g]]
-        lengths = [cfg.prompt_tokens + self.answers[a][1] for a in ids]
-        group_of = [self.answers[a][0] for a in ids]
-        starts = torch.tensor([self.answers[a][2] for a in ids])
-        staleness = sample_staleness(starts, self.version).tolist()
+        if in_flight:
+            self._inflight_change(g.rollout, -1)
+        if result.outcome == "uniform":
+            self.counters["dropped_uniform"] += 1
+            del self.groups[gid]
+        else:
+            assert result.key is not None
+            self._accepted[result.key] = gid
+        self._dispatch()
+        self._try_train()
+
+    def _on_expire(self) -> None:
+        """The buffer's overdue check, as actors/buffer.py acts on it: each overdue group's rollout aborts its
+        copy (its requests leave the server at once here), then the group is handed back and issued again."""
+        for gid, f in self.state.overdue(self.now).items():
+            g = self.groups.get(gid)
+            if g is not None and g.left > 0:   # still generating: aborted, so no result will come
+                d = self.devices[g.device]
+                d.advance(self.now)
+                aborted = d.abort({r.aid for r in g.answers})
+                for r in g.answers:
+                    self._gid_of.pop(r.aid, None)
+                self.counters["aborted_requests"] += aborted
+                del self.groups[gid]
+                self._schedule(d)
+            if self.state.hand_back(gid) is not None:
+                self._inflight_change(f.rollout, -1)
+                self.counters["expired"] += 1
+        self._dispatch()
+        if self.trainer != "done":
+            self._push_event(self.now + self.state.expire_every_s, "expire", None)
+
+    # --- the trainer (as actors/trainer.py runs its loop) -----------------------------------------------
+    def _try_train(self) -> None:
+        cfg = self.cfg
+        if self.trainer != "wait_batch" or len(self.steps) >= cfg.steps:
+            return
+        dropped = self.state.drop_stale()   # their prompts are issued again
+        for g in dropped:
+            del self.groups[self._accepted.pop(g.key)]
+        if dropped:
+            self._dispatch()
+        batch = self.state.take_batch()
+        if batch is None:
+            return
+        ids = [self._accepted.pop(g.key) for g in batch]
+        groups = [self.groups.pop(gid) for gid in ids]
+        lengths = [cfg.prompt_tokens + n for g in groups for n in g.lengths]
+        group_of = [i for i, g in enumerate(groups) for _ in g.lengths]
+        staleness = [max(0, self.version - g.start_version) for g in groups for _ in g.lengths]
         train_s = cfg.measured.train_step(lengths) if cfg.measured else \
             costs.train_step_seconds(cfg.shape, cfg.gpu, cfg.trainer, lengths, group_of)
-        self.trainer_free = False
-        self._span("trainer", now, now + train_s)
-        self._span("weights", now + train_s, now + train_s + self.sync_s)
-        self.trainer_busy += train_s + self.sync_s
-        self.steps.append(Step(self.version + 1, now, math.nan, int(sum(lengths)), train_s, self.sync_s, staleness))
-        self._push(now + train_s, "trained", None)
-        for g in batch:
-            for a in self.group_answers.pop(g):
-                del self.answers[a], self.join[a]
-            del self.group_left[g]
+        step = Step(self.version + 1, self.now, math.nan, int(sum(lengths)), self.now - self.trainer_since,
+                    train_s, 0.0, 0.0, staleness)
+        self.pending_step = step
+        self._trainer_to("train")
+        self._push_event(self.now + train_s, "trained", None)
 
-    def _on_trained(self, now: float) -> None:
-        for s in self.servers:   # the broadcast pauses every server at its next step boundary
-            self._advance(s, now)
-            s.paused = True
-            s.epoch += 1
-        self.open.clear()
-        self._push(now + self.sync_s, "synced", None)
-
-    def _on_synced(self, now: float) -> None:
+    def _on_trained(self) -> None:
         self.version += 1
-        self.gate.set_version(self.version)
-        step = self.steps[-1]
-        step.end = now
-        step.rollout_busy = sum(x.busy for x in self.servers)
-        step.trainer_busy = self.trainer_busy
-        self.trainer_free = True
-        for s in self.servers:
-            s.paused = False
-            if len(s.groups) < self.group_cap:
-                self._mark_open(s)
-            s.t = max(s.t, now)
-            if self.cfg.interruptible and s.n:   # the KV cache is rebuilt under the new weights
-                ctx = np.array([s.counter - self.join[a] + self.cfg.prompt_tokens for _, a in s.finish])
-                self._prefill(s, float(ctx.sum()), float((ctx.astype(np.float64) ** 2).sum()))
-            self._schedule(s)
-        self._try_train(now)
-        self._dispatch(now)
+        self._trainer_to("export")
+        if self.cfg.eta > 0:   # asynchronous: the gate opens at once; samples begun on older weights are fine
+            self.state.set_version(self.version)
+            self._dispatch()
+        export_s = self.sync if self.weight_sync is None else self.weight_sync.export_s
+        self.pending_step.export_s = export_s
+        self._push_event(self.now + export_s, "exported", None)
 
-    # --- run -------------------------------------------------------------------------------------
+    def _on_exported(self) -> None:
+        # The fanout stored the version; the push policy takes it unless a newer one got there first.
+        if PushPolicy.takes(self.version, self.current_version):
+            self.current_version = self.version
+        self._pusher()
+        if self.cfg.eta == 0:
+            self._trainer_to("wait_weights")
+            self._finish_step_if_synced()
+        else:
+            self._finish_step()
+
+    def _finish_step_if_synced(self) -> None:
+        if self.trainer == "wait_weights" and all(
+                self.policy.rollouts[n].version >= self.version for n in self.policy.formed):
+            self.pending_step.sync_wait_s = self.now - self.trainer_since
+            self.state.set_version(self.version)
+            self._finish_step()
+            self._dispatch()
+
+    def _finish_step(self) -> None:
+        step = self.pending_step
+        assert step is not None
+        self.pending_step = None
+        step.end = self.now
+        self._trainer_to("wait_batch" if len(self.steps) + 1 < self.cfg.steps else "done")
+        self._snapshot(step)
+        self.steps.append(step)
+        self._try_train()
+
+    def _snapshot(self, step: Step) -> None:
+        clocks = dict(self.clocks)
+        for d in self.devices:
+            d.advance(self.now)
+            self._schedule(d)
+            for k in d.seconds:
+                clocks[f"rollout.{k}"] = clocks.get(f"rollout.{k}", 0.0) + d.clock(k, self.now)
+        if self.pushing is not None:
+            clocks["ps.push"] = clocks.get("ps.push", 0.0) + self.now - self.pushing[2]
+        counts = self._decisions()
+        for k, v in counts.items():
+            clocks[f"count.{k}"] = float(v)
+        step.clocks = clocks
+
+    # --- the parameter server (its PushPolicy) -----------------------------------------------------------
+    def _pusher(self) -> None:
+        if self.pushing is not None:
+            return   # a push is running; a newer version waits for the next (coalesced)
+        action = self.policy.next_action(self.now, self.current_version, lambda _: False)
+        if isinstance(action, Form):   # all servers are up here: the formation is taken as instant
+            epoch = self.policy.begin_formation()
+            self.policy.formation_done(epoch, action.members)
+            action = self.policy.push_or_idle(self.current_version, lambda _: False)
+        if not isinstance(action, Push):
+            return
+        push_s = 0.0 if self.weight_sync is None else self.weight_sync.push_s
+        self.pushing = (action.version, action.members, self.now)
+        self.counters["pushes"] += 1
+        for i in sorted({self.device_of[n] for n in action.members}):
+            d = self.devices[i]
+            d.advance(self.now)
+            d.pause(self.now)
+            self.counters["interrupted_requests"] += d.n + len(d.waiting) if self.cfg.interruptible else 0
+        self._push_event(self.now + push_s, "pushed", None)
+
+    def _on_pushed(self) -> None:
+        assert self.pushing is not None
+        version, members, started = self.pushing
+        self.pushing = None
+        self.clocks["ps.push"] += self.now - started
+        self._span("push", started, self.now)
+        for n in members:
+            self.policy.rollouts[n].version = version   # its ack
+        self.policy.pushed_ok(members)
+        for i in sorted({self.device_of[n] for n in members}):
+            d = self.devices[i]
+            self.device_version[i] = version
+            d.resume(self.now)
+            self._schedule(d)
+        self._finish_step_if_synced()
+        self._pusher()
+        self._dispatch()
+
+    # --- run ---------------------------------------------------------------------------------------------
     def run(self) -> Result:
-        self._dispatch(0.0)
-        guard = 0
-        while self.events and len([s for s in self.steps if not math.isnan(s.end)]) < self.cfg.steps:
-            guard += 1
-            if guard > 50_000_000:
-                raise RuntimeError("simulation did not finish: an event loop without progress")
+        self._pusher()   # the first formation
+        self._dispatch()
+        self._push_event(self.state.expire_every_s, "expire", None)
+        while self.events and len(self.steps) < self.cfg.steps:
             t, _, kind, payload = heapq.heappop(self.events)
-            if kind == "server":
+            self.now = t
+            if t - (self.steps[-1].end if self.steps else 0.0) > self.cfg.stall_s:
+                raise RuntimeError(
+                    f"no training step in {self.cfg.stall_s:,.0f} s of virtual time after step {len(self.steps)}: "
+                    f"the run makes no progress (issued {self.counters['issued']}, re-issued "
+                    f"{self.state.stats.returned}, expired {self.counters['expired']}, late results "
+                    f"{self.counters['late_groups']}); is buffer.group_timeout_s shorter than a group's generation?")
+            if kind == "device":
                 index, epoch = payload
-                s = self.servers[index]
-                if epoch != s.epoch:
+                d = self.devices[index]
+                if epoch != d.epoch:
                     continue
-                self._advance(s, t)
-                self._schedule(s)
-                self._dispatch(t)
+                d.advance(t)
+                self._schedule(d)
             elif kind == "reward":
-                self._on_reward(payload, t)
+                self._on_reward(payload)
+            elif kind == "expire":
+                self._on_expire()
             elif kind == "trained":
-                self._on_trained(t)
-            elif kind == "synced":
-                self._on_synced(t)
-        done = [s for s in self.steps if not math.isnan(s.end)]
-        if not done:
+                self._on_trained()
+            elif kind == "exported":
+                self._on_exported()
+            elif kind == "pushed":
+                self._on_pushed()
+        if not self.steps:
             raise RuntimeError("simulation ended before its first training step: no group can be admitted")
-        return Result(self.cfg, done, done[-1].end, [x for x in self.timeline if x[1] < done[-1].end])
+        return Result(self.cfg, self.steps, self.steps[-1].end,
+                      [x for x in self.timeline if x[1] < self.steps[-1].end], self._counters())
+
+    def _decisions(self) -> dict[str, int]:
+        """The counters the simulation keeps, and the buffer's own: every prompt issued again (handed back after
+        a timeout or a lost worker, or dropped as stale at batch time) and how. aborted_before_reissue: running
+        copies of a handed-back group stopped before it is issued again (the buffer has no such rule yet)."""
+        stats = self.state.stats
+        return dict(self.counters, handed_back=stats.returned, dropped_stale=stats.dropped_stale,
+                    reissued=stats.returned + stats.dropped_stale, aborted_before_reissue=0)
+
+    def _counters(self) -> dict[str, Any]:
+        """The decisions' counters over the whole run, and over the measured steps."""
+        self._inflight_change(next(iter(self.cfg.rollout_names)), 0)
+        span = max(self.now, 1e-9)
+        devices = [d.counters for d in self.devices]
+        names = self.cfg.rollout_names
+        mean_inflight = [self.inflight_area[n] / span for n in names]
+        whole = self._decisions()
+        first = self.steps[0].clocks if len(self.steps) > 1 else {}
+        last = self.steps[-1].clocks
+        measured = {k: last.get(f"count.{k}", 0.0) - first.get(f"count.{k}", 0.0)
+                    for k in ("issued", "reissued", "handed_back", "expired", "dropped_stale", "dropped_uniform",
+                              "late_groups", "pushes", "interrupted_requests")}
+        push_s = 0.0 if self.weight_sync is None else self.weight_sync.push_s
+        return {**whole, "measured": measured, "push_s": push_s,
+                "retractions": sum(c["retractions"] for c in devices),
+                "retracted_requests": sum(c["retracted"] for c in devices),
+                "recomputed_tokens": sum(c["recomputed_tokens"] for c in devices),
+                "admission_refused_for_memory": sum(c["batch_full"] for c in devices),
+                "inflight_groups_per_rollout": {"mean": float(np.mean(mean_inflight)),
+                                                "max": int(max(self.inflight_max.values(), default=0))},
+                "retractions_per_server": {"mean": float(np.mean([c["retractions"] for c in devices])),
+                                           "max": int(max(c["retractions"] for c in devices))}}
 
 
 def simulate(cfg: SimConfig) -> Result:
