@@ -171,6 +171,12 @@ class Trajectory:
         return self.turns[-1].finish_reason if self.turns else "abort"
 
     @property
+    def answer_finish_reason(self) -> str:
+        """The finish reason of the episode as one answer: "stop" only when it ended "done" (the model
+        finished its answer), "abort" when a turn was aborted, else "length" (no answer within the budgets)."""
+        return "stop" if self.end == "done" else "abort" if self.end == "abort" else "length"
+
+    @property
     def generated_tokens(self) -> int:
         return sum(self.loss_mask)
 
@@ -205,6 +211,14 @@ class Trajectory:
                 raise ValueError(f"trajectory: environment token {i} has log-prob {lp} and version {v}")
             if m == 1 and v < 0:
                 raise ValueError(f"trajectory: generated token {i} has no weight version ({v})")
+
+
+def generated_ids(output_ids: Sequence[int], versions: Sequence[int]) -> list[int]:
+    """The tokens a model generated among an answer's: those whose version is not `ENV_VERSION` (what a
+    grader reads). Lists that do not line up are taken whole (an answer from before episodes)."""
+    if len(versions) != len(output_ids):
+        return list(output_ids)
+    return [t for t, v in zip(output_ids, versions) if v != ENV_VERSION]
 
 
 def turn_seed(seed: int | None, sample: int, turn: int) -> int | None:

@@ -39,10 +39,9 @@ def answer_result(trajectory: Trajectory, rid: str, index: int) -> GenerationRes
     """The model's own part of an episode as one answer: its generated tokens in order (what the grader
     reads and the length counts), "stop" only when the episode ended "done"."""
     keep = [i for i, m in enumerate(trajectory.loss_mask) if m]
-    reason = "stop" if trajectory.end == "done" else "abort" if trajectory.end == "abort" else "length"
     return GenerationResult(rid, index, [trajectory.output_ids[i] for i in keep],
                             [trajectory.logprobs[i] for i in keep], [trajectory.versions[i] for i in keep],
-                            reason, len(trajectory.prompt_ids))
+                            trajectory.answer_finish_reason, len(trajectory.prompt_ids))
 
 
 def episode_generator(engine: GenerationEngine, codec: LoadedTokenizer,

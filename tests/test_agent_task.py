@@ -29,7 +29,7 @@ def test_schema_levels_and_transcripts_that_spell_the_solution():
     for records in splits.values():
         assert {r["level"] for r in records} == {1, 2, 3}
         for r in records:
-            assert set(r) == KEYS and r["task"] == "agent" and r["tool"] == "calculator"
+            assert set(r) == KEYS and r["task"] == "math" and r["tool"] == "calculator"
             [transcript] = r["transcripts"]
             assert r["solutions"] == ["".join(s["text"] for s in transcript)]
             assert [s["role"] for s in transcript] == ["model", "env"] * ((len(transcript) - 1) // 2) + ["model"]
