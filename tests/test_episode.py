@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import functools
 import re
-from collections.abc import Sequence
 
 import pytest
 
@@ -21,7 +20,7 @@ from actors.envs.calculator import Calculator, CalculatorError, calculate, call_
 from actors.episode import (ENV_VERSION, Environment, EpisodeError, EpisodeLimits, SingleTurn, Trajectory,
                             run_episodes, turn_rid, turn_seed)
 from testsupport.bounded import run_bounded
-from testsupport.scripted_engine import ScriptedEngine, scripted_logprob
+from testsupport.scripted_engine import IntCodec, ScriptedEngine, scripted_logprob
 from testsupport.tiny_models import ARITH_TOKENIZER_DIR, tiny_model
 from tools.agent_task import Chain, tool_transcript
 
@@ -30,14 +29,6 @@ ARITH = load_tokenizer(str(ARITH_TOKENIZER_DIR))
 EOS = ARITH.eos_token_id
 
 
-class IntCodec:
-    """Token ids as decimal words: "5 7" <-> [5, 7] (for the random-vocabulary models)."""
-
-    def encode(self, text: str) -> list[int]:
-        return [int(w) for w in text.split()]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return " ".join(str(i) for i in ids)
 
 
 class Recording(Environment):

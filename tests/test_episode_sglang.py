@@ -5,14 +5,13 @@ continuation."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-
 from actors.engines.base import GenerationRequest, SamplingParams
 from actors.engines.checkpoint import save_model
 from actors.engines.sglang import SGLangEngine
 from actors.engines.torch_gen import TorchGenerationEngine
 from actors.episode import ENV_VERSION, Environment, EpisodeLimits, run_episodes
 from testsupport.bounded import run_bounded
+from testsupport.scripted_engine import IntCodec
 from testsupport.sglang_standin import StandinThread
 from testsupport.tiny_models import greedy_reference, random_sequences, tiny_model
 
@@ -21,14 +20,6 @@ VOCAB = 97
 OBSERVATION = [5, 7]
 
 
-class IntCodec:
-    """Token ids as decimal words: "5 7" <-> [5, 7] (the random-vocabulary model has no text)."""
-
-    def encode(self, text: str) -> list[int]:
-        return [int(w) for w in text.split()]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return " ".join(str(i) for i in ids)
 
 
 class UpdatingTool(Environment):

@@ -116,3 +116,14 @@ class ScriptedEngine(GenerationEngine):
 
     async def health(self) -> dict[str, Any]:
         return {"ok": self._running, "version": self._version, "running": len(self._in_flight), "waiting": 0}
+
+
+class IntCodec:
+    """Token ids as decimal words: "5 7" <-> [5, 7]: an episode's codec for a random-vocabulary model, which
+    has no text."""
+
+    def encode(self, text: str) -> list[int]:
+        return [int(w) for w in text.split()]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(str(i) for i in ids)
