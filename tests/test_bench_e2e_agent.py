@@ -33,7 +33,7 @@ def test_episode_share_sums_the_rollouts_last_stats(tmp_path):
 
 def test_agent_task_compares_multi_turn_with_one_turn_rl():
     assert TOPOLOGIES["agent"] == "topology/local_agent.yaml" and DEFAULT_MODES["agent"] == "async,one_turn"
-    assert MODES["one_turn"] == ["experiment.gen.max_turns=1"]
+    assert MODES["one_turn"] == ["experiment.gen.max_turns=1", "experiment.algo.dynamic_sampling=false"]
     out = compare_turns({"async": {"greedy_accuracy": {"start": 0.0, "final": 0.6}},
                          "one_turn": {"greedy_accuracy": {"start": 0.0, "final": 0.1}}})
     assert out["multi_turn_gain_points"] == pytest.approx(60.0)

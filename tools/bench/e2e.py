@@ -56,7 +56,10 @@ MODES: dict[str, list[str]] = {
                   "actors.rollout.cpus=[0,1]", "actors.rollout.threads=2",
                   "actors.trainer.cpus=[0,1]", "actors.trainer.threads=2",
                   "actors.reward.cpus=[0,1]", "actors.buffer.cpus=[0,1]", "actors.param_server.cpus=[0,1]"],
-    "one_turn": ["experiment.gen.max_turns=1"],   # the same RL on episodes of one turn (the agent task's control)
+    # The agent task's control: the same RL on episodes of one turn. One turn earns a reward on almost no group
+    # (without the tool the answer is a guess), so dynamic sampling would leave the trainer without batches;
+    # it trains every group instead, and an all-wrong group's group-normalised advantages are zero anyway.
+    "one_turn": ["experiment.gen.max_turns=1", "experiment.algo.dynamic_sampling=false"],
 }
 
 
