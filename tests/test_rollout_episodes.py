@@ -165,3 +165,20 @@ def test_reward_grades_only_generated_tokens():
     versions = [0] * len(call) + [ENV_VERSION] * len(obs) + [1] * len(answer)
     assert ARITH.decode(generated_ids(call + obs + answer, versions)) == "[2*3]\\boxed{6}"
     assert generated_ids([1, 2], []) == [1, 2]   # lists that do not line up: taken whole
+
+
+def test_final_evaluation_answers_tool_records_as_episodes(tmp_path, random_model_dir):
+    import subprocess
+    import sys
+
+    from tools.eval import evaluate_held_out
+    from topology.experiment import ExperimentConfig
+
+    subprocess.run([sys.executable, "-m", "tools.make_task", "--task", "agent", "--out", str(tmp_path / "data"),
+                    "--levels", "1-1", "--train-per-level", "4", "--test-per-level", "3"], check=True, timeout=300)
+    test = str(tmp_path / "data" / "test.jsonl")
+    config = ExperimentConfig.model_validate({"model": {"path": str(random_model_dir)}, "data": {"test": test},
+                                              "gen": {"max_turns": 2, "max_new_tokens": 6}})
+    report = evaluate_held_out(str(random_model_dir), config)
+    # the episode evaluation's report: the run's turn budget and turns per episode, on every held-out record
+    assert report["max_turns"] == 2 and report["overall"]["n"] == 3 and "greedy_turns" in report["overall"]

@@ -17,8 +17,8 @@ correctly) measures how well the model could learn that.
 
 Records follow AReaL's JSON-lines layout, plus what the episode needs: ``query_id``, ``prompt``, ``answer``,
 ``solutions`` (the transcript's text, observations included, ending in ``\\boxed{answer}``), ``level``,
-``task`` ("math": the boxed answer is checked as any math answer), ``tool`` ("calculator": the environment, actors/envs) and ``transcripts``: per solution,
-its segments ``{"role": "model" | "env", "text": ...}``, model first and last, alternating; the warm start
+``task`` ("math": the boxed answer is checked as any math answer), ``tool`` ("calculator": the environment,
+actors/envs) and ``transcripts``: per solution, its segments ``{"role": "model" | "env", "text": ...}``, model first and last, alternating; the warm start
 trains on the model's segments only (tools/sft.py). The output is a pure function of the arguments, and the
 splits never share a product: a quarter of the pairs of two-digit factors (either order) is held out for
 the test split, so no test problem's product appears in a training problem of any level.
