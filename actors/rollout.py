@@ -148,6 +148,7 @@ class RolloutActor(Actor):
         self.held: set[str] = set()          # groups whose handler runs (active, or waiting for the engine)
         self.aborted: set[str] = set()       # groups the buffer had aborted while this rollout held them
         self._group_done: dict[str, asyncio.Event] = {}
+        self._episodes: dict[str, asyncio.Future] = {}   # group_id -> its episodes in flight (AbortGroup cancels)
         self._kv_tokens = 0                  # the engine's server's KV pool (0: not known)
         self._rr = 0
         self._t0 = time.monotonic()
@@ -309,9 +310,11 @@ class RolloutActor(Actor):
             return
         start = time.monotonic()
         self._busy_enter(msg.group_id, start)
+        assert self.codec is not None
+        running = self._episodes[msg.group_id] = asyncio.ensure_future(
+            run_episodes(engine, request, make_env, self.codec, self.limits))
         try:
-            assert self.codec is not None
-            episodes = await run_episodes(engine, request, make_env, self.codec, self.limits)
+            episodes = await running
         except RequestError as exc:
             await self._return(msg.group_id, f"invalid: {exc}")
             return
@@ -320,11 +323,18 @@ class RolloutActor(Actor):
             await self._return(msg.group_id, f"engine_error: {exc}")
             return
         except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if running.cancelled() and not (current is not None and current.cancelling()):
+                # AbortGroup cancelled the episodes (a later turn is a request of its own, which aborting the
+                # group's id does not reach); cancelling aborts every turn in flight.
+                await self._return(msg.group_id, "aborted")
+                return
             # The drain ran out of time and cancelled this handler (the engine aborts the request on
             # cancellation): the group still goes back to the buffer.
             await self._return(msg.group_id, "cancelled")
             raise
         finally:
+            self._episodes.pop(msg.group_id, None)
             self._busy_exit(msg.group_id)
         seconds = time.monotonic() - start
         if any(t.end == "abort" for t in episodes):
@@ -372,6 +382,9 @@ class RolloutActor(Actor):
         done = self._group_done[gid]
         if self.engine is not None and gid in self.active:
             await self.engine.abort(gid)
+            running = self._episodes.get(gid)
+            if running is not None:   # an episode's later turns: cancelling aborts them
+                running.cancel()
         try:
             await asyncio.wait_for(done.wait(), self.cfg.drain_timeout / 2)
         except TimeoutError:

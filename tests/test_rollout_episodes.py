@@ -18,12 +18,13 @@ from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.episode import ENV_VERSION, generated_ids
 from actors.buffer_state import group_start_version
 from actors.train_step import StepConfig, batch_to_sequences, train_on_batch
-from testsupport.bounded import run_bounded
+from testsupport.bounded import run_bounded, until
 from testsupport.local_actors import actor_spec, ipc_endpoints
 from testsupport.scripted_engine import ScriptedEngine
 from testsupport.tiny_models import ARITH_TOKENIZER_DIR, sampled_batch, tiny_model
 from transport.bus import Bus
-from transport.protocol import Answers, GenerateGroup, GroupReturned, Sample, Task, Trajectories, WorkerHello
+from transport.protocol import (AbortGroup, Answers, GenerateGroup, GroupAborted, GroupReturned, Sample, Task,
+                                Trajectories, WorkerHello)
 
 run = functools.partial(run_bounded, timeout=60.0)
 ARITH = load_tokenizer(str(ARITH_TOKENIZER_DIR))
@@ -37,8 +38,10 @@ def agent_group(group_id: str, expr: str, tool: str = "calculator", n: int = 2) 
 
 
 def rollout_with(tmp_path: Path, model_dir: Path, engine: ScriptedEngine, gen: dict[str, Any],
-                 groups: list[GenerateGroup], monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Run the rollout actor in-process on ``engine``; send ``groups``; the messages it sends back, in order."""
+                 groups: list[GenerateGroup], monkeypatch: pytest.MonkeyPatch, drive: Any = None) -> list[Any]:
+    """Run the rollout actor in-process on ``engine``; send ``groups``; the messages it sends back, in order,
+    and its stats. ``drive(buffer_bus, next_message)``, if given, runs instead of sending ``groups`` and
+    returns what the test wants back."""
     monkeypatch.setattr("actors.rollout.make_engine", lambda *a, **k: engine)
     eps = ipc_endpoints(tmp_path, ["rollout.0", "reward.0", "buffer"])
     spec = actor_spec("rollout.0", "actors.rollout:RolloutActor", eps, run_dir=tmp_path, env={},
@@ -58,15 +61,20 @@ def rollout_with(tmp_path: Path, model_dir: Path, engine: ScriptedEngine, gen: d
                            heartbeat_interval=None).start() for n in ("reward.0", "buffer")]
         actor = RolloutActor(spec)
         task = asyncio.create_task(actor.run())
-        out = []
-        for g in groups:
-            await buses[1].send("rollout.0", g)
+        async def next_message() -> Any:
             getting = asyncio.ensure_future(got.get())
             await asyncio.wait({getting, task}, return_when=asyncio.FIRST_COMPLETED)
             if not getting.done():   # the actor stopped: its error, not a timeout
                 getting.cancel()
                 raise AssertionError(f"the rollout stopped: {task.result()!r}")
-            out.append(getting.result())
+            return getting.result()
+
+        out = []
+        if drive is not None:
+            out = await drive(buses[1], next_message)
+        for g in groups:
+            await buses[1].send("rollout.0", g)
+            out.append(await next_message())
         stats = actor.stats()
         actor.request_stop("test over")
         await task
@@ -121,6 +129,23 @@ def test_one_turn_restriction_and_unknown_tool(tmp_path, random_model_dir, caref
         assert ARITH.decode(s.output_ids) == "[37*48]" and s.finish_reason == "length" and min(s.versions) >= 0
     assert len(engine.requests) == 1
     assert isinstance(bad, GroupReturned) and bad.reason.startswith("invalid:") and "abacus" in bad.reason
+
+
+def test_abort_group_reaches_an_episodes_later_turn(tmp_path, random_model_dir, careful_agent, monkeypatch):
+    [hold] = ARITH.encode("C")   # a token the careful model never writes
+
+    def script(context, sample):   # turn 2 is a decode still running when the buffer gives up on the group
+        return [hold] if ARITH.decode(context).count("=") == 1 else careful_agent(context, sample)
+    engine = ScriptedEngine(script, vocab_size=ARITH.vocab_size, hold_token=hold)
+
+    async def drive(buffer, next_message):
+        await buffer.send("rollout.0", agent_group("g", "37*48+56", n=1))
+        await until(lambda: any("#" in r.rid for r in engine.requests), 30, "the episode's second turn")
+        reply = await buffer.request("rollout.0", AbortGroup(group_id="g", reason="test"), timeout=30)
+        return [reply, await next_message()]
+    reply, returned, _ = rollout_with(tmp_path, random_model_dir, engine, {"max_turns": 5}, [], monkeypatch, drive)
+    assert reply == GroupAborted(group_id="g", held=True, stopped=True)
+    assert returned == GroupReturned(group_id="g", reason="aborted")
 
 
 def test_group_start_version_skips_environment_tokens():
