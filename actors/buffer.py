@@ -180,7 +180,7 @@ class BufferActor(Actor):
             # Last resort for a group lost without any sign (a message dropped by a dying process, a hung
             # server): abort it where it runs, then issue it again.
             group_timeout_s=cfg.buffer.group_timeout_s, group_size=cfg.algo.group_size,
-            max_new_tokens=gen.max_new_tokens,
+            max_new_tokens=gen.max_new_tokens * gen.max_turns,   # an episode's turns share one group's time
             prompt_tokens=sum(map(len, self.prompt_ids)) / max(1, len(self.prompt_ids)),
             pace=DecodePace(gen.assumed_tokens_per_s, gen.timeout_slack, gen.timeout_floor_s))
         self.finished = False
@@ -234,7 +234,8 @@ class BufferActor(Actor):
                     group_id=issue.group_id, prompt_ids=self.prompt_ids[index], n=self.group_size,
                     task=Task(kind=str(rec.extra.get("task", "math")), answer=rec.answer or "",
                               tests=list(rec.extra.get("tests", [])),
-                              answers=list(rec.answers) if len(rec.answers) > 1 else []),
+                              answers=list(rec.answers) if len(rec.answers) > 1 else [],
+                              tool=str(rec.extra.get("tool") or "")),
                     stop_token_ids=self.stop_ids, seed=issue.seed, reward=issue.reward, **self.gen))
 
     def _handed_back(self, handed_back: dict[str, InFlight], reason: str) -> None:

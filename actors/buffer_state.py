@@ -110,9 +110,18 @@ def ledger_after_resume(records: list[dict[str, Any]], resume: Resume,
 
 
 def group_start_version(answers: Answers) -> int:
-    """The oldest weight version among the group's tokens (-1 when it has none, as algo.staleness counts
-    it). Taken on the lists as they arrive: converting a long group's lists to a tensor costs more."""
-    return min((min(s.versions) for s in answers.samples if s.versions), default=-1)
+    """The oldest weight version among the group's generated tokens (-1 when it has none, as algo.staleness
+    counts it): an episode's environment tokens carry -1 and were sampled by no weights, so its staleness
+    counts from its first generated token. Taken on the lists as they arrive: converting a long group's lists
+    to a tensor costs more."""
+    starts = []
+    for s in answers.samples:
+        low = min(s.versions, default=-1)
+        if low < 0:   # environment tokens among them (or a version the engine never had): skip those
+            low = min((v for v in s.versions if v >= 0), default=-1)
+        if low >= 0:
+            starts.append(low)
+    return min(starts, default=-1)
 
 
 class BufferState:

@@ -1,8 +1,10 @@
 """RolloutActor: drives a generation engine, turns GenerateGroup into Trajectories, takes new weights live.
 
-Work. ``GenerateGroup`` (from the buffer) becomes one :class:`GenerationRequest` with ``n`` samples; the
-handler awaits the engine (which decodes in its own thread or server, so the event loop never blocks) and
-sends :class:`Trajectories` to a reward actor, round-robin over ``cfg.groups["reward"]``. A group
+Work. ``GenerateGroup`` (from the buffer) becomes one :class:`GenerationRequest` with ``n`` samples, run as
+``n`` episodes (actors/episode.py) in the environment its task names (``Task.tool``; none: the one-turn case,
+exactly that one request). The handler awaits the engine (which decodes in its own thread or server, so the
+event loop never blocks) and the environment's steps (each bounded by ``gen.env_timeout_s``), and sends
+:class:`Trajectories` to a reward actor, round-robin over ``cfg.groups["reward"]``. A group
 that cannot be finished (the actor is draining, the engine failed, the request is malformed) goes back to
 the buffer as :class:`GroupReturned` with a reason, so no work is ever lost silently. Reasons starting with
 ``invalid:`` mean re-issuing the same group cannot succeed.
@@ -16,7 +18,8 @@ start: on the bulk link, fed to ``engine.update_weights`` as they arrive while g
 (``gen.interruptible``, the default) or paused around the swap (``gen.interruptible: false``, the
 synchronous baseline); or through its SGLang server, which joins the trainer's group itself.
 
-Settings (besides the shared experiment keys ``model.path``, ``model.dtype``, ``gen.interruptible``):
+Settings (besides the shared experiment keys ``model.path``, ``model.dtype``, ``gen.interruptible``,
+``gen.max_turns``, ``gen.max_context``, ``gen.env_timeout_s``):
     engine:            "torch" (default); see :func:`make_engine`
     device:            "cpu" or "cuda" for the embedded engine (default: the instance's GPU if it has one)
     max_running:       most sequences the embedded engine decodes at once (default 256)
@@ -39,6 +42,9 @@ from typing import Any
 from actors.base import Actor, ActorSpec, handles
 from actors.engines.base import (EngineError, GenerationEngine, GenerationRequest, RequestError, SamplingParams,
                                  require_device)
+from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
+from actors.envs import UnknownTool, environment_for
+from actors.episode import EpisodeLimits, Trajectory, run_episodes
 from actors.recovery import start_weights
 from actors.weight_sync import WeightReceiver, WeightSyncError, link_config, make_receiver
 from actors.weights import weights_hash
@@ -142,6 +148,7 @@ class RolloutActor(Actor):
         self.held: set[str] = set()          # groups whose handler runs (active, or waiting for the engine)
         self.aborted: set[str] = set()       # groups the buffer had aborted while this rollout held them
         self._group_done: dict[str, asyncio.Event] = {}
+        self._episodes: dict[str, asyncio.Future] = {}   # group_id -> its episodes in flight (AbortGroup cancels)
         self._kv_tokens = 0                  # the engine's server's KV pool (0: not known)
         self._rr = 0
         self._t0 = time.monotonic()
@@ -150,7 +157,10 @@ class RolloutActor(Actor):
         self._idle = asyncio.Event()         # set while no group is in the engine
         self._idle.set()
         self._gen_seconds = 0.0
+        self._env_seconds = 0.0              # of it, environment steps (tool calls) of episodes
         self._tokens = 0
+        self.codec: LoadedTokenizer | None = None   # what an episode encodes observations and decodes turns with
+        self.limits = EpisodeLimits()
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -162,6 +172,12 @@ class RolloutActor(Actor):
         self.buffer = (groups.get("buffer") or ["buffer"])[0]
         self.param_server = (groups.get("param_server") or [None])[0]
         config = link_config(self.cfg.links, self.cfg.link, "ps_to_rollout")
+        gen = self.cfg.gen
+        self.limits = EpisodeLimits(max_turns=gen.max_turns, max_tokens=gen.max_context,
+                                    env_timeout_s=gen.env_timeout_s)
+        if not self.cfg.model.path:
+            raise RolloutConfigError("model.path: not set (episodes decode turns with its tokenizer)")
+        self.codec = await asyncio.to_thread(load_tokenizer, self.cfg.model.path)
         version, model_dir = start_weights(self.cfg, self.run_dir)
         self.engine = make_engine(self.cfg, version, model_dir, run_dir=str(self.run_dir),
                                   on_server_event=self._engine_server_event)
@@ -283,7 +299,8 @@ class RolloutActor(Actor):
                                       # seed 0 is "unset" on the wire: let the engine pick a fresh one
                                       seed=msg.seed or None)
             request = GenerationRequest(rid=msg.group_id, input_ids=tuple(msg.prompt_ids), sampling=sampling, n=msg.n)
-        except RequestError as exc:
+            make_env = environment_for({"tool": msg.task.tool or None})
+        except (RequestError, UnknownTool) as exc:
             await self._return(msg.group_id, f"invalid: {exc}")
             return
         # No await between this check and engine.generate registering the request: on_drain's abort
@@ -293,8 +310,11 @@ class RolloutActor(Actor):
             return
         start = time.monotonic()
         self._busy_enter(msg.group_id, start)
+        assert self.codec is not None
+        running = self._episodes[msg.group_id] = asyncio.ensure_future(
+            run_episodes(engine, request, make_env, self.codec, self.limits))
         try:
-            results = await engine.generate(request)
+            episodes = await running
         except RequestError as exc:
             await self._return(msg.group_id, f"invalid: {exc}")
             return
@@ -303,19 +323,27 @@ class RolloutActor(Actor):
             await self._return(msg.group_id, f"engine_error: {exc}")
             return
         except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if running.cancelled() and not (current is not None and current.cancelling()):
+                # AbortGroup cancelled the episodes (a later turn is a request of its own, which aborting the
+                # group's id does not reach); cancelling aborts every turn in flight.
+                await self._return(msg.group_id, "aborted")
+                return
             # The drain ran out of time and cancelled this handler (the engine aborts the request on
             # cancellation): the group still goes back to the buffer.
             await self._return(msg.group_id, "cancelled")
             raise
         finally:
+            self._episodes.pop(msg.group_id, None)
             self._busy_exit(msg.group_id)
         seconds = time.monotonic() - start
-        if any(r.finish_reason == "abort" for r in results):
+        if any(t.end == "abort" for t in episodes):
             await self._return(msg.group_id, "draining" if self.draining else "aborted")
             return
-        samples = [Sample(output_ids=list(r.output_ids), logprobs=list(r.logprobs), versions=list(r.versions),
-                          finish_reason=r.finish_reason) for r in results]
-        tokens = sum(len(s.output_ids) for s in samples)
+        self._count_episodes(msg.group_id, episodes)
+        samples = [Sample(output_ids=t.output_ids, logprobs=t.logprobs, versions=t.versions,
+                          finish_reason=t.answer_finish_reason) for t in episodes]
+        tokens = sum(t.generated_tokens for t in episodes)   # an environment's tokens are not generation
         self._gen_seconds += seconds
         self._tokens += tokens
         self.counters["groups_generated"] += 1
@@ -324,6 +352,19 @@ class RolloutActor(Actor):
         self._rr += 1
         await self.bus.send(reward, Trajectories(group_id=msg.group_id, task=msg.task, answers=Answers(
             samples=samples, rollout=self.name, gen_seconds=seconds, **self._clocks())))
+
+    def _count_episodes(self, group_id: str, episodes: list[Trajectory]) -> None:
+        """Turns, tool calls and environment time per episode (rollout_stats); an environment's failure is
+        part of the episode's outcome (its answer is graded as it stands), logged with its cause."""
+        for t in episodes:
+            self.counters["episodes"] += 1
+            self.counters["turns"] += len(t.turns)
+            self.counters["tool_calls"] += t.tool_calls
+            self.counters["env_tokens"] += t.env_tokens
+            self._env_seconds += t.env_seconds
+            self.counters[f"episode_end_{t.end}"] += 1
+            if t.end == "env_error":
+                self.log.warning("episode_env_error", group_id=group_id, error=t.error[:300])
 
     @handles(AbortGroup)
     async def on_abort_group(self, msg: AbortGroup) -> GroupAborted:
@@ -341,6 +382,9 @@ class RolloutActor(Actor):
         done = self._group_done[gid]
         if self.engine is not None and gid in self.active:
             await self.engine.abort(gid)
+            running = self._episodes.get(gid)
+            if running is not None:   # an episode's later turns: cancelling aborts them
+                running.cancel()
         try:
             await asyncio.wait_for(done.wait(), self.cfg.drain_timeout / 2)
         except TimeoutError:
@@ -375,8 +419,12 @@ class RolloutActor(Actor):
     def stats(self) -> dict[str, Any]:
         clocks = self._clocks()
         busy, wall = clocks["busy_seconds"], max(clocks["up_seconds"], 1e-9)
+        episodes = max(self.counters["episodes"], 1)
         return {"groups": self.counters["groups_generated"], "returned": self.counters["groups_returned"],
                 "tokens": self._tokens, "gen_seconds": round(self._gen_seconds, 3),
+                "env_seconds": round(self._env_seconds, 3),
+                "turns_per_episode": round(self.counters["turns"] / episodes, 3),
+                "tool_calls_per_episode": round(self.counters["tool_calls"] / episodes, 3),
                 "busy_fraction": round(busy / wall, 4), "active": len(self.active),
                 "version": self.engine.version if self.engine is not None else None,
                 "tokens_per_s": round(self._tokens / wall, 2)}

@@ -39,7 +39,9 @@ def step_metrics(batch: Batch | BatchTensors, version: int, shares: list[ShareRe
     out_lens = torch.tensor(batch.output_lens, dtype=torch.float32)
     return {
         "task_reward": float(rewards.mean()), "accuracy": float(torch.tensor(batch.correct).float().mean()),
-        "n_tokens": float(out_lens.sum()), "n_seqs": float(batch.n_samples),   # the loss mask: every answer token
+        # the loss mask: every generated answer token (an episode's environment tokens, version -1, are not trained)
+        "n_tokens": float((versions >= 0).sum()), "env_tokens": float((versions < 0).sum()),
+        "n_seqs": float(batch.n_samples),
         "avg_seq_len": float(out_lens.mean()),
         "no_eos_ratio": float(torch.tensor([r != "stop" for r in batch.finish_reasons]).float().mean()),
         "importance_weight": summary["importance_weight_mean"],

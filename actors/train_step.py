@@ -24,7 +24,8 @@ class TrainerConfigError(ValueError):
 def batch_to_sequences(batch: Batch) -> dict[str, Any]:
     """Flatten a Batch into per-sequence token lists and per-token fields aligned with the tokens.
 
-    loss_mask marks answer tokens; `behav` holds their behaviour log-probs (aligned: position t holds
+    loss_mask marks the answer tokens a model generated (an episode's environment tokens, version -1, are not
+    among them); `behav` holds their behaviour log-probs (aligned: position t holds
     log p(x_t | x_<t)); `versions` the weight version that sampled each answer token (-1 on prompts).
     """
     seqs, mask, behav, versions, rewards, correct, group_ids, no_eos, out_lens = [], [], [], [], [], [], [], [], []
@@ -32,7 +33,7 @@ def batch_to_sequences(batch: Batch) -> dict[str, Any]:
         p = list(group.prompt_ids)
         for s in group.samples:
             seqs.append(p + list(s.output_ids))
-            mask.append([0.0] * len(p) + [1.0] * len(s.output_ids))
+            mask.append([0.0] * len(p) + [float(v >= 0) for v in s.versions])
             behav.append([0.0] * len(p) + [float(x) for x in s.logprobs])
             versions.append([-1.0] * len(p) + [float(v) for v in s.versions])
             rewards.append(float(s.reward))
@@ -195,7 +196,11 @@ def _layout(batch: BatchTensors, lengths: list[int], group_ids: list[int]) -> _L
         g, s = group_ids[i], starts[i]
         tokens[s:s + batch.prompt_lens[g]] = prompts[p_cu[g]:p_cu[g + 1]]
         seqs[i] = tokens[s:s + lengths[i]].tolist()
-    return _Layout(seqs, lengths, starts, cu, on_answer.to(torch.float32), behav, versions)
+    loss_mask = on_answer.to(torch.float32)
+    # An episode's environment tokens (version -1, actors/episode.py) are context, never trained. A rank
+    # knows this only for the sequences it carries; the others keep every answer token in the mask.
+    loss_mask[answer_pos] = (versions[answer_pos] >= 0).to(torch.float32)
+    return _Layout(seqs, lengths, starts, cu, loss_mask, behav, versions)
 
 
 def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfig, version: int,

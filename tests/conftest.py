@@ -29,3 +29,23 @@ def random_model_dir(tmp_path: Path) -> Path:
     from testsupport.tiny_models import tiny_model_dir
 
     return tiny_model_dir(tmp_path / "model")
+
+
+@pytest.fixture
+def careful_agent():
+    """A script for testsupport.scripted_engine: the model that solves the agent task's calculator chains as its
+    careful teacher does (tools/agent_task.py), one turn per call, with the shipped arith tokenizer."""
+    from actors.engines.tokenizer import load_tokenizer
+    from testsupport.tiny_models import ARITH_TOKENIZER_DIR
+    from tools.agent_task import PROMPT_TEMPLATE, Chain, tool_transcript
+
+    tokenizer = load_tokenizer(str(ARITH_TOKENIZER_DIR))
+    prefix = PROMPT_TEMPLATE.split("{")[0]
+
+    def script(context, sample):
+        text = tokenizer.decode(context)
+        prompt, _, answered = text.partition("\n")
+        turns = [s["text"] for s in tool_transcript(Chain.parse(prompt.removeprefix(prefix))) if s["role"] == "model"]
+        k = answered.count("=")   # observations so far
+        return tokenizer.encode(turns[k]) + ([tokenizer.eos_token_id] if k == len(turns) - 1 else [])
+    return script

@@ -3,6 +3,8 @@ are deterministic, --until-plateau stops and keeps the best checkpoint, bad data
 from __future__ import annotations
 
 import json
+import random
+import re
 import shutil
 from pathlib import Path
 
@@ -12,10 +14,12 @@ import torch
 from actors.dataset import DatasetError
 from actors.engines.checkpoint import load_model
 from actors.engines.tokenizer import load_tokenizer
-from actors.engines.torch_train import TRAINER_STATE
+from actors.engines.base import TokenLogProbs
+from actors.engines.torch_train import TRAINER_STATE, TorchTrainEngine, token_nll_loss
 from tools import sft
 from tools.eval import evaluate
-from tools.lm import SFTExample, batch_stream, load_or_init, pack_examples
+from tools.lm import (LMToolError, SFTExample, batch_stream, examples_from_records, load_or_init, make_example,
+                      pack_examples)
 from tools.make_task import make_splits, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -206,3 +210,75 @@ def test_max_seconds_stops_on_time_and_saves_the_weights(tiny, tmp_path):
     load_model(str(tmp_path / "out"))
     with pytest.raises(sft.SFTError, match="--max-seconds must be > 0"):
         sft.run_sft(config(tiny, tmp_path / "bad", max_seconds=0), lambda _: None)
+
+
+# --- episodes' demonstrations: transcripts whose observations are never trained ---------------------
+
+def agent_record(guess: bool = False):
+    from actors.dataset import parse_record
+    from tools import agent_task
+
+    chain = agent_task.Chain(12, 34, (("+", 56),))
+    transcript = (agent_task.guess_transcript(chain, random.Random(0)) if guess
+                  else agent_task.tool_transcript(chain))
+    return parse_record(agent_task.record(chain, "train", 0, transcript))
+
+
+def test_transcripts_train_the_models_turns_and_never_the_observations():
+    tokenizer = load_tokenizer(str(ARITH))
+    [example] = examples_from_records([agent_record()], tokenizer)
+    turns = ["[12*34]", "=408\n", "[408+56]", "=464\n", "\\boxed{464}"]
+    want = [m for i, text in enumerate(turns) for m in [1 - i % 2] * len(tokenizer.encode(text))] + [1]
+    assert example.response_mask == tuple(want) and example.trained_tokens == sum(want)
+    assert list(example.response_ids) == [t for text in turns for t in tokenizer.encode(text)] + [tokenizer.eos_token_id]
+    [batch] = pack_examples([example], 256)
+    assert batch.fields["loss_mask"].tolist() == [0.0] * len(example.prompt_ids) + [float(m) for m in want]
+    # The loss is the NLL of the model's tokens alone: observation tokens contribute nothing.
+    model = TorchTrainEngine(model=load_or_init(str(ARITH), seed=0)[0])
+    logprobs = model.compute_logprobs(batch).logprobs
+    loss, _ = token_nll_loss(TokenLogProbs(logprobs), batch)
+    trained = torch.tensor([0.0] * len(example.prompt_ids) + [float(m) for m in want]).bool()
+    assert torch.allclose(loss, -logprobs[trained].sum()) and not torch.allclose(loss, -logprobs[len(example.prompt_ids):].sum())
+    # A guess is a one-segment transcript: every response token trained, as a plain solution would be.
+    [guess] = examples_from_records([agent_record(guess=True)], tokenizer)
+    assert guess.response_mask == (1,) * len(guess.response_ids)
+
+
+def test_examples_of_other_tasks_are_unchanged_by_transcripts():
+    tokenizer = load_tokenizer(str(ARITH))
+    from actors.dataset import parse_record
+    rec = parse_record({"query_id": "q", "prompt": "Compute: 1+2\n", "solutions": ["3 \\boxed{3}"]})
+    [example] = examples_from_records([rec], tokenizer)
+    assert example.response_mask is None and example.trained_tokens == len(example.response_ids)
+    assert example == make_example(tokenizer, "q", "Compute: 1+2\n", "3 \\boxed{3}")
+
+
+@pytest.mark.parametrize("transcripts, cause", [
+    ([], "transcripts must be a non-empty list"),
+    ([[{"role": "env", "text": "=1\n"}]], "segment 0: role 'env', expected 'model'"),
+    ([[{"role": "model", "text": "[1+1]"}, {"role": "env", "text": "=2\n"}]], "must end with a model segment"),
+    ([[{"role": "model", "text": ""}]], "segment 0: text must be a non-empty string"),
+    ([[{"role": "model", "text": "x", "extra": 1}]], "segment 0: expected"),
+])
+def test_malformed_transcripts_name_the_record_and_segment(transcripts, cause):
+    from actors.dataset import parse_record
+    rec = parse_record({"query_id": "bad-7", "prompt": "p\n", "answer": "1", "solutions": ["x"], "transcripts": transcripts})
+    with pytest.raises(LMToolError, match=rf"bad-7: .*{re.escape(cause)}"):
+        examples_from_records([rec], load_tokenizer(str(ARITH)))
+
+
+def test_sft_on_agent_transcripts_evaluates_held_out_episodes(tiny, tmp_path):
+    from tools import agent_task
+
+    splits = agent_task.make_splits(seed=0, levels=[1], train_per_level=48, test_per_level=6, guess_fraction=0.0)
+    write_jsonl(splits["train"], tmp_path / "data" / "train.jsonl")
+    write_jsonl(splits["test"], tmp_path / "data" / "test.jsonl")
+    cfg = config(tiny, tmp_path / "out", data=str(tmp_path / "data" / "train.jsonl"), steps=4,
+                 eval_data=str(tmp_path / "data" / "test.jsonl"), eval_every=4, max_turns=2)
+    summary = sft.run_sft(cfg, lambda _: None)
+    assert summary["steps"] == 4 and summary["examples"] == 48
+    [entry] = [m for m in read_metrics(tmp_path / "out") if m["kind"] == "eval"]
+    assert "tool_calls" in entry and entry["n"] == 6   # answered by episodes of up to two turns
+    train = [m for m in read_metrics(tmp_path / "out") if m["kind"] == "train"]
+    # Only the model's tokens count as trained response tokens (L1: "[ab*cd]" 7 + "\boxed{...}" + eos).
+    assert all(m["response_tokens"] < m["tokens"] - 48 for m in train)

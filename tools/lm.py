@@ -3,9 +3,10 @@
 * model directories: `load_or_init` loads a Hugging Face-layout directory, or initialises the model
   randomly from its config.json (with a seed) when the directory has no weights yet;
 * supervised examples: `SFTExample` (prompt tokens + response tokens ending in eos), built from dataset
-  records with worked solutions (`examples_from_records`) or from {"prompt", "response"} JSON lines
-  (`read_pairs`), and packed into padding-free micro-batches whose `loss_mask` covers only the
-  response (`pack_examples`);
+  records with worked solutions (`examples_from_records`; a record with ``transcripts``, an episode's
+  turns and observations, gives one example per transcript whose observation tokens are never trained) or
+  from {"prompt", "response"} JSON lines (`read_pairs`), and packed into padding-free micro-batches whose
+  `loss_mask` covers only the trained response tokens (`pack_examples`);
 * batched generation (`agenerate`, `generate`) and grading (`grade_many`), re-exported from
   `actors/evaluation.py`, where the evaluator actor shares them.
 """
@@ -53,6 +54,12 @@ class SFTExample:
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
     level: int | None = None
+    # Per response token, 1 if trained, 0 if not (an environment's observation); None: every token is trained.
+    response_mask: tuple[int, ...] | None = None
+
+    @property
+    def trained_tokens(self) -> int:
+        return len(self.response_ids) if self.response_mask is None else sum(self.response_mask)
 
     @property
     def tokens(self) -> list[int]:
@@ -79,10 +86,54 @@ def make_example(tokenizer: LoadedTokenizer, source: str, prompt: str, response:
     return SFTExample(source, tuple(prompt_ids), tuple(response_ids) + (_eos(tokenizer),), level)
 
 
+TRANSCRIPT_ROLES = ("model", "env")
+
+
+def transcript_example(tokenizer: LoadedTokenizer, source: str, prompt: str, segments: object,
+                       level: int | None = None) -> SFTExample:
+    """An episode's demonstration as one example: ``segments`` are ``{"role": "model" | "env", "text": str}``,
+    model first and last, alternating. Each segment is tokenized on its own, as an episode appends them
+    (generated tokens, then the observation's encoding), and eos follows the last model segment; the
+    environment's tokens get loss mask 0."""
+    def bad(reason: str) -> LMToolError:
+        return LMToolError(f"{source}: transcript {reason}")
+
+    if not isinstance(segments, list) or not segments:
+        raise bad(f"must be a non-empty list of segments, got {segments!r:.60}")
+    ids: list[int] = []
+    mask: list[int] = []
+    for j, seg in enumerate(segments):
+        if not isinstance(seg, dict) or set(seg) != {"role", "text"}:
+            raise bad(f"segment {j}: expected {{'role', 'text'}}, got {seg!r:.60}")
+        want = TRANSCRIPT_ROLES[j % 2]
+        if seg["role"] != want:
+            raise bad(f"segment {j}: role {seg['role']!r}, expected {want!r} (model and env alternate, model first)")
+        if not isinstance(seg["text"], str) or not seg["text"]:
+            raise bad(f"segment {j}: text must be a non-empty string")
+        piece = tokenizer.encode(seg["text"])
+        ids += piece
+        mask += [1 if want == "model" else 0] * len(piece)
+    if len(segments) % 2 == 0:
+        raise bad("must end with a model segment (the answer)")
+    prompt_ids = tokenizer.encode(prompt)
+    if not prompt_ids:
+        raise LMToolError(f"{source}: the prompt encodes to no tokens")
+    return SFTExample(source, tuple(prompt_ids), tuple(ids) + (_eos(tokenizer),), level, tuple(mask) + (1,))
+
+
 def examples_from_records(records: Sequence[Record], tokenizer: LoadedTokenizer) -> list[SFTExample]:
-    """One example per worked solution of every record (records without solutions give none)."""
+    """One example per worked solution of every record (records without solutions give none); a record with
+    ``transcripts`` gives one example per transcript instead (`transcript_example`)."""
     out = []
     for rec in records:
+        transcripts = rec.extra.get("transcripts")
+        if transcripts is not None:
+            if not isinstance(transcripts, list) or not transcripts:
+                raise LMToolError(f"{rec.query_id}: transcripts must be a non-empty list, got {transcripts!r:.60}")
+            for i, segments in enumerate(transcripts):
+                source = rec.query_id if len(transcripts) == 1 else f"{rec.query_id}#{i}"
+                out.append(transcript_example(tokenizer, source, rec.prompt, segments, rec.level))
+            continue
         for i, solution in enumerate(rec.solutions):
             source = rec.query_id if len(rec.solutions) == 1 else f"{rec.query_id}#{i}"
             out.append(make_example(tokenizer, source, rec.prompt, solution, rec.level))
@@ -150,7 +201,8 @@ def is_pairs_file(path: str | Path) -> bool:
 
 def pack_examples(examples: Sequence[SFTExample], max_tokens: int) -> list[PackedBatch]:
     """Padding-free micro-batches of at most max_tokens tokens, balanced by `allocate_micro_batches`;
-    `fields["loss_mask"]` is 1 on response tokens (the eos included) and 0 on the prompt."""
+    `fields["loss_mask"]` is 1 on response tokens (the eos included) and 0 on the prompt and on the
+    response tokens an example's `response_mask` leaves out."""
     if not examples:
         raise LMToolError("pack_examples: no examples")
     too_long = [e for e in examples if len(e) > max_tokens]
@@ -162,7 +214,8 @@ def pack_examples(examples: Sequence[SFTExample], max_tokens: int) -> list[Packe
     batches = []
     for group in groups:
         chosen = [examples[i] for i in group]
-        masks = [[0.0] * len(e.prompt_ids) + [1.0] * len(e.response_ids) for e in chosen]
+        masks = [[0.0] * len(e.prompt_ids) + ([1.0] * len(e.response_ids) if e.response_mask is None
+                                               else [float(m) for m in e.response_mask]) for e in chosen]
         batches.append(PackedBatch.from_sequences([e.tokens for e in chosen], {"loss_mask": masks}))
     return batches
 

@@ -1,5 +1,6 @@
-"""The embedded tasks: synthetic multi-step integer arithmetic (``--task math``, the default) and
-programming problems with hidden unit tests (``--task code``, tools/code_task.py).
+"""The embedded tasks: synthetic multi-step integer arithmetic (``--task math``, the default),
+programming problems with hidden unit tests (``--task code``, tools/code_task.py) and arithmetic with a
+calculator tool, solved in several turns (``--task agent``, tools/agent_task.py).
 
 A problem of level L is a chain of L additions/subtractions of integers 1..19, e.g. level 3:
 ``7+2-5+3``. The worked solution rewrites the expression one operation at a time, left to right,
@@ -21,6 +22,7 @@ never share an expression.
 
     python -m tools.make_task --out data/arith --seed 0
     python -m tools.make_task --task code --out data/code --seed 0
+    python -m tools.make_task --task agent --out data/agent --seed 0
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from tools import code_task
+from tools import agent_task, code_task
 
 PROMPT_TEMPLATE = "Compute: {expr}\n"
 DEFAULT_LEVELS = (1, 2, 3)
@@ -255,13 +257,14 @@ def parse_levels(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.make_task", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--task", choices=("math", "code"), default="math",
-                    help="math: +/- chains (default); code: programs with hidden unit tests (tools/code_task.py)")
+    ap.add_argument("--task", choices=("math", "code", "agent"), default="math",
+                    help="math: +/- chains (default); code: programs with hidden unit tests (tools/code_task.py); "
+                         "agent: products and sums with a calculator tool (tools/agent_task.py)")
     ap.add_argument("--out", type=Path, default=None, help="directory for train/test.jsonl "
-                    "(default data/arith, or data/code with --task code)")
+                    "(default data/arith, data/code with --task code, data/agent with --task agent)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--levels", default="1-3", help="levels to generate, e.g. 1-5 (code: within 1-3)")
-    ap.add_argument("--train-per-level", type=int, default=None, help="default 6000 (code: 3000)")
+    ap.add_argument("--levels", default="1-3", help="levels to generate, e.g. 1-5 (code, agent: within 1-3)")
+    ap.add_argument("--train-per-level", type=int, default=None, help="default 6000 (code: 3000, agent: 4000)")
     ap.add_argument("--test-per-level", type=int, default=None, help="default 200 (code: 40)")
     math_args = ap.add_argument_group("math only")
     math_args.add_argument("--solved-levels", default=None, help="levels that get worked solutions (default 1-3)")
@@ -280,27 +283,39 @@ def main(argv: list[str] | None = None) -> int:
     code_args.add_argument("--hardcode-fraction", type=float, default=None,
                            help="fraction of demonstrations that hard-code the shown examples "
                                 f"(default {code_task.RECIPE_HARDCODE_FRACTION})")
+    agent_args = ap.add_argument_group("agent only")
+    agent_args.add_argument("--guess-fraction", type=float, default=None,
+                            help="fraction of demonstrations that skip the tool and box a wrong guess "
+                                 f"(default {agent_task.RECIPE_GUESS_FRACTION})")
+    agent_args.add_argument("--guess-spread", type=int, default=None,
+                            help="a guess is off by 1 to this much; 0: guesses are right, as if worked out in the "
+                                 f"head (default {agent_task.GUESS_SPREAD})")
     args = ap.parse_args(argv)
-    math_only = ("solved_levels", "max_operand", "partial", "direct_fraction", "direct_wrong", "style")
-    wrong = [name for name in (math_only if args.task == "code" else ("hardcode_fraction",))
+    own = {"math": ("solved_levels", "max_operand", "partial", "direct_fraction", "direct_wrong", "style"),
+           "code": ("hardcode_fraction",), "agent": ("guess_fraction", "guess_spread")}
+    wrong = [name for task, names in own.items() if task != args.task for name in names
              if getattr(args, name) is not None]
     if wrong:
         flags = ", ".join("--" + name.replace("_", "-") for name in wrong)
         print(f"make_task: {flags} do(es) not apply to --task {args.task}", file=sys.stderr)
         return 2
-    out = args.out or Path("data/arith" if args.task == "math" else "data/code")
+    out = args.out or Path({"math": "data/arith", "code": "data/code", "agent": "data/agent"}[args.task])
+    default_train, default_test = {"math": (6000, 200), "code": (3000, 40), "agent": (4000, 200)}[args.task]
+    train = default_train if args.train_per_level is None else args.train_per_level
+    test = default_test if args.test_per_level is None else args.test_per_level
     try:
-        if args.task == "code":
+        if args.task == "agent":
+            splits = agent_task.make_splits(
+                args.seed, parse_levels(args.levels), train, test,
+                agent_task.RECIPE_GUESS_FRACTION if args.guess_fraction is None else args.guess_fraction,
+                agent_task.GUESS_SPREAD if args.guess_spread is None else args.guess_spread)
+        elif args.task == "code":
             splits = code_task.make_splits(
-                args.seed, parse_levels(args.levels),
-                3000 if args.train_per_level is None else args.train_per_level,
-                40 if args.test_per_level is None else args.test_per_level,
+                args.seed, parse_levels(args.levels), train, test,
                 code_task.RECIPE_HARDCODE_FRACTION if args.hardcode_fraction is None else args.hardcode_fraction)
         else:
             splits = make_splits(
-                args.seed, parse_levels(args.levels), parse_levels(args.solved_levels or "1-3"),
-                6000 if args.train_per_level is None else args.train_per_level,
-                200 if args.test_per_level is None else args.test_per_level,
+                args.seed, parse_levels(args.levels), parse_levels(args.solved_levels or "1-3"), train, test,
                 RECIPE_MAX_OPERAND if args.max_operand is None else args.max_operand,
                 args.style or "rewrite", args.partial or "none",
                 RECIPE_DIRECT_FRACTION if args.direct_fraction is None else args.direct_fraction,

@@ -12,7 +12,9 @@ checkpoint written to `--out` loads with `load_model` and with transformers, car
 files and `trainer_state.pt` (optimizer state), so it is a complete model directory.
 
 Held-out checks: with `--eval-data FILE --eval-every N` the model's greedy accuracy per level is
-measured every N steps through the math grader. Then `--out` keeps the BEST checkpoint by overall
+measured every N steps through the math grader; records that name a tool (`tools.make_task --task agent`)
+are answered by episodes of up to `--max-turns` turns against their environment (actors/episode_eval.py).
+Records with ``transcripts`` train on the model's segments only: observations get loss mask 0. Then `--out` keeps the BEST checkpoint by overall
 held-out accuracy (not the last), and `--until-plateau` stops once accuracy has not risen by more than
 `--min-delta` for `--patience` evaluations in a row (`--steps`/`--epochs` is then the upper bound).
 
@@ -40,6 +42,8 @@ from typing import Any, Literal, TextIO
 import torch
 
 from actors.dataset import DatasetError, OnError, Record, load_dataset
+from actors.envs import is_agent
+from actors.episode_eval import DEFAULT_MAX_TURNS, evaluate_model_episodes
 from actors.engines.checkpoint import CheckpointError
 from actors.engines.tokenizer import TokenizerError, load_tokenizer
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss
@@ -96,7 +100,8 @@ class SFTConfig:
     eval_every: int = _opt(0, "steps between held-out evaluations; 0 is off")
     eval_max_per_level: int | None = _opt(100, "held-out prompts per level")
     eval_levels: list[int] | None = _opt(None, "held-out levels, e.g. 1-5 (unset: all)", parse=_levels)
-    max_new_tokens: int = _opt(64, "answer length limit in evaluations")
+    max_new_tokens: int = _opt(64, "answer length limit in evaluations (per turn in episodes)")
+    max_turns: int = _opt(DEFAULT_MAX_TURNS, "turns per episode in evaluations of records that name a tool")
     until_plateau: bool = _opt(False, "stop when held-out accuracy stops improving")
     # "best": keep the checkpoint with the best held-out accuracy, stop when it stops rising. "last": keep the
     # final weights, stop when accuracy stops changing (the mean of the last `patience` evaluations is within
@@ -116,7 +121,7 @@ class SFTConfig:
             raise SFTError(f"--steps must be >= 1, got {self.steps}")
         if self.epochs is not None and not self.epochs > 0:
             raise SFTError(f"--epochs must be > 0, got {self.epochs}")
-        for name in ("batch_size", "max_tokens_per_mb", "max_new_tokens", "log_every", "patience"):
+        for name in ("batch_size", "max_tokens_per_mb", "max_new_tokens", "max_turns", "log_every", "patience"):
             if getattr(self, name) < 1:
                 raise SFTError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -225,6 +230,7 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any
         f"{cfg.batch_size} sequences = {steps * cfg.batch_size / len(examples):.2f} epochs")
 
     eval_settings = EvalSettings(samples=0, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
+    episodes = any(is_agent(r.extra) for r in eval_records)
     plateau = Plateau(cfg.patience, cfg.min_delta)
     batches = batch_stream(len(examples), cfg.batch_size, cfg.seed)
     evals: list[dict[str, Any]] = []
@@ -244,7 +250,11 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any
             """Evaluate, keep the checkpoint if it is the best so far; True when the run should stop."""
             nonlocal best, eval_seconds
             t1 = time.perf_counter()
-            report = evaluate_model(copy_for_eval(engine.model), tokenizer, eval_records, eval_settings)
+            if episodes:
+                report = evaluate_model_episodes(copy_for_eval(engine.model), tokenizer, eval_records, eval_settings,
+                                                 cfg.max_turns)
+            else:
+                report = evaluate_model(copy_for_eval(engine.model), tokenizer, eval_records, eval_settings)
             dt_eval = time.perf_counter() - t1
             eval_seconds += dt_eval
             acc = report["overall"]["greedy_accuracy"]
@@ -254,6 +264,8 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any
                      "answer_len": report["overall"]["greedy_len"],
                      "truncated": report["overall"]["greedy_truncated"], "n": report["n_prompts"],
                      "eval_seconds": dt_eval, "best": new_best, "time": time.time()}
+            if episodes:
+                entry["tool_calls"] = report["overall"]["greedy_tool_calls"]
             record(entry)
             evals.append(entry)
             if cfg.keep == "last":
@@ -263,8 +275,9 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any
                 engine.save(str(out))
                 best = entry
             levels_text = " ".join(f"L{lvl} {100 * a:.1f}" for lvl, a in by_level.items())
+            calls = f"  tool calls {entry['tool_calls']:.2f}" if episodes else ""
             log(f"eval step {step}: accuracy {100 * acc:.1f}% ({levels_text})  "
-                f"len {report['overall']['greedy_len']:.1f}  {dt_eval:.1f} s"
+                f"len {report['overall']['greedy_len']:.1f}{calls}  {dt_eval:.1f} s"
                 f"{'  best, saved' if new_best else f'  (best {100 * plateau.best:.1f}%)'}")
             return cfg.until_plateau and stop
 
@@ -286,7 +299,7 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any
             window.append((last["loss"], dt, n_tokens))
             record({"kind": "train", "step": step, "loss": last["loss"], "lr": last["lr"],
                     "grad_norm": last["grad_norm"], "tokens": n_tokens,
-                    "response_tokens": sum(len(e.response_ids) for e in chosen), "seqs": len(chosen),
+                    "response_tokens": sum(e.trained_tokens for e in chosen), "seqs": len(chosen),
                     "micro_batches": len(micro_batches), "step_seconds": dt, "tokens_per_s": n_tokens / dt,
                     "time": time.time()})
             if step % cfg.log_every == 0 or step == steps:

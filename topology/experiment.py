@@ -208,6 +208,13 @@ class GenSection(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1 is off")
     top_k: int = Field(-1, ge=-1, description="top-k sampling; -1 or 0 is off")
     interruptible: bool = Field(True, description="weights swap mid-answer; false pauses and resumes")
+    # Episodes (actors/episode.py): a record that names a tool ("tool" in its line) is answered in several turns
+    # with that environment; every other record is the one-turn case of the same loop.
+    max_turns: int = Field(1, ge=1, description="generations per episode at most; 1 never consults a record's tool")
+    max_context: int | None = Field(
+        None, ge=2, description="tokens of a whole episode, prompt included (unset: only the engine's context limit); "
+                                "each turn generates at most max_new_tokens")
+    env_timeout_s: float = Field(30.0, gt=0, description="bound on one environment step (a tool call) of an episode")
     # How long a generation may take (algo/serving.py): a group, and one SGLang request, time out after
     # timeout_slack x its token budget at the slowest pace of recent answers, and never before timeout_floor_s.
     assumed_tokens_per_s: float = Field(

@@ -66,6 +66,7 @@ class Task:
     tests: list[dict[str, Any]] = field(default_factory=list)
     mode: str = ""
     answers: list[str] = field(default_factory=list)
+    tool: str = ""  # the environment the answers are episodes in (actors/envs); "": one turn, no environment
 
     @property
     def references(self) -> list[str]:
@@ -75,7 +76,9 @@ class Task:
 
 @dataclass
 class Sample:
-    """One answer to a prompt. Per-token lists are aligned with `output_ids`."""
+    """One answer to a prompt. Per-token lists are aligned with `output_ids`. An episode's answer
+    (actors/episode.py) also holds the environment's tokens; their `versions` entry is -1 (ENV_VERSION), as a
+    prompt's tokens have in training: that is its loss mask, and those tokens are never trained or graded."""
 
     output_ids: list[int]
     logprobs: list[float]

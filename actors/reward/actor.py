@@ -25,6 +25,7 @@ from typing import ClassVar
 
 from actors.base import Actor, ActorSpec, handles
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
+from actors.episode import generated_ids
 from actors.reward.pool import RewardPool, TaskFailure
 from topology.settings import RewardSettings
 from transport.protocol import HelloRequest, RunFinished, Sample, ScoredGroup, Task, Trajectories, WorkerHello
@@ -126,7 +127,9 @@ class RewardActor(Actor):
         self._scoring += 1
         tok = self.tokenizer
         try:
-            texts = await asyncio.to_thread(lambda: [tok.decode(s.output_ids) for s in msg.answers.samples])
+            # An episode's answer is graded on the model's own tokens: never on what a tool appended.
+            texts = await asyncio.to_thread(lambda: [tok.decode(generated_ids(s.output_ids, s.versions))
+                                                     for s in msg.answers.samples])
             scores = await asyncio.gather(*(self._score_safely(text, msg.task) for text in texts))
         finally:
             self._scoring -= 1

@@ -1,4 +1,4 @@
-"""`python -m tools.bench e2e [--task math|code] [--json] [--steps N] [overrides ...]`: asynchronous against
+"""`python -m tools.bench e2e [--task math|code|agent] [--json] [--steps N] [overrides ...]`: asynchronous against
 synchronous RL, and RL against more supervised training.
 
 Three runs back to back of the same system on the same warm start, data and seed, each for the same
@@ -20,6 +20,13 @@ hidden tests pass, greedy) is its accuracy. Each RL run also reports the reward'
 the reward actor spent scoring (at least one group in its hands; its ``busy_seconds`` counter) over the
 training wall time, with the mean scoring time per group and the mean step time.
 
+`--task agent` runs the agent task's topology (topology/local_agent.yaml: every answer an episode with the
+calculator tool, docs/episodes.md) twice by default: async (the config's gen.max_turns) and one_turn (the same
+RL with gen.max_turns=1: a call gets no observation). Its report adds multi_turn_over_one_turn_points and
+multi_turn_gain_points (over the warm start), each run's turns and tool calls per episode, and the tool's
+share: the seconds episodes spent in environment steps (summed over concurrent episodes) against the
+rollouts' generation seconds and per training step.
+
 Each run goes through `python -m tools.up TOPOLOGY`; the figures come from the run's own
 summary.json (held-out greedy accuracy of the final checkpoint; tokens trained and wall time from the
 trainer's metrics, actor start-up excluded). Printed as a table; `--json` prints one object with
@@ -39,8 +46,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = "topology/local.yaml"
-TOPOLOGIES = {"math": TOPOLOGY, "code": "topology/local_code.yaml"}
-DEFAULT_MODES = {"math": "async,sync,colocated,sft", "code": "async,sft"}
+TOPOLOGIES = {"math": TOPOLOGY, "code": "topology/local_code.yaml", "agent": "topology/local_agent.yaml"}
+DEFAULT_MODES = {"math": "async,sync,colocated,sft", "code": "async,sft", "agent": "async,one_turn"}
 
 MODES: dict[str, list[str]] = {
     "async": [],
@@ -49,6 +56,10 @@ MODES: dict[str, list[str]] = {
                   "actors.rollout.cpus=[0,1]", "actors.rollout.threads=2",
                   "actors.trainer.cpus=[0,1]", "actors.trainer.threads=2",
                   "actors.reward.cpus=[0,1]", "actors.buffer.cpus=[0,1]", "actors.param_server.cpus=[0,1]"],
+    # The agent task's control: the same RL on episodes of one turn. One turn earns a reward on almost no group
+    # (without the tool the answer is a guess), so dynamic sampling would leave the trainer without batches;
+    # it trains every group instead, and an all-wrong group's group-normalised advantages are zero anyway.
+    "one_turn": ["experiment.gen.max_turns=1", "experiment.algo.dynamic_sampling=false"],
 }
 
 
@@ -73,7 +84,41 @@ def run_local(name: str, steps: int, overrides: list[str], out: Path, log: Any,
     share = reward_share(run_dir, summary.get("wall_seconds"), summary.get("steps"))
     if share:
         summary["reward"] = share
+    episodes = episode_share(run_dir, summary.get("steps"))
+    if episodes:
+        summary["episodes"] = episodes
     return summary
+
+
+def episode_share(run_dir: Path, steps: int | None) -> dict[str, Any] | None:
+    """Turns, tool calls and environment seconds per episode over the run's rollouts, from their last
+    ``rollout_stats`` and ``stopped`` events (actors/rollout.py); None when no rollout counted an episode."""
+    counters: dict[str, float] = {"episodes": 0, "turns": 0, "tool_calls": 0}
+    env_seconds = gen_seconds = 0.0
+    for path in sorted((run_dir / "logs").glob("rollout*.jsonl")):
+        stats = stopped = None
+        for line in path.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "rollout_stats":
+                stats = event
+            elif event.get("event") == "stopped":
+                stopped = event.get("counters") or {}
+        if stats is None or stopped is None:
+            continue
+        for key in counters:
+            counters[key] += stopped.get(key, 0)
+        env_seconds += stats.get("env_seconds", 0.0)
+        gen_seconds += stats.get("gen_seconds", 0.0)
+    if not counters["episodes"]:
+        return None
+    n = counters["episodes"]
+    return {"episodes": n, "turns_per_episode": counters["turns"] / n,
+            "tool_calls_per_episode": counters["tool_calls"] / n, "env_seconds": env_seconds,
+            "gen_seconds": gen_seconds, "tool_share_of_generation": env_seconds / gen_seconds if gen_seconds else 0.0,
+            "env_seconds_per_step": env_seconds / steps if steps else None}
 
 
 def reward_share(run_dir: Path, wall_seconds: float | None, steps: int | None) -> dict[str, Any] | None:
@@ -165,14 +210,23 @@ def compare_control(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "rl_over_sft_points": 100 * (rl["final"] - sft["final"])}
 
 
+def compare_turns(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    multi, one = results["async"]["greedy_accuracy"], results["one_turn"]["greedy_accuracy"]
+    return {"multi_turn_accuracy": multi["final"], "one_turn_accuracy": one["final"],
+            "start_accuracy": multi.get("start"), "one_turn_start_accuracy": one.get("start"),
+            "multi_turn_gain_points": 100 * (multi["final"] - (multi.get("start") or 0.0)),
+            "multi_turn_over_one_turn_points": 100 * (multi["final"] - one["final"])}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench e2e", description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", choices=sorted(TOPOLOGIES), default="math",
-                    help="math: topology/local.yaml (default); code: topology/local_code.yaml")
+                    help="math: topology/local.yaml (default); code: topology/local_code.yaml; "
+                         "agent: topology/local_agent.yaml")
     ap.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
     ap.add_argument("--modes", default=None,
                     help="comma list of runs (default for math all: async,sync,colocated,sft; for code async,sft; "
-                         "sft needs async)")
+                         "for agent async,one_turn; sft needs async)")
     ap.add_argument("--out", default=None, help="folder for the three run directories (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every run")
@@ -195,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         report.update(compare(results))
     if "sft" in results:
         report.update(compare_control(results))
+    if {"async", "one_turn"} <= set(results):
+        report.update(compare_turns(results))
     if args.json:
         print(json.dumps(report, default=str))
         return 0
@@ -221,5 +277,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"({100 * w['share_of_wall']:.0f}%); {w['busy_seconds_per_step']:.2f} s per step of "
                   f"{w['step_seconds']:.2f} s; {w['seconds_per_group']:.2f} s per group scored "
                   f"({w['groups_scored']} groups)")
+    if "multi_turn_over_one_turn_points" in report:
+        print(f"held-out accuracy: multi-turn RL {100 * report['multi_turn_accuracy']:.1f}% "
+              f"({report['multi_turn_gain_points']:+.1f} points over the warm start), the same RL on one turn "
+              f"{100 * report['one_turn_accuracy']:.1f}% ({report['multi_turn_over_one_turn_points']:+.1f} points)")
+    for m, r in results.items():
+        if "episodes" in r:
+            e = r["episodes"]
+            print(f"{m}: {e['turns_per_episode']:.2f} turns, {e['tool_calls_per_episode']:.2f} tool calls per episode; "
+                  f"tool {e['env_seconds']:.1f} s of {e['gen_seconds']:.1f} s generation "
+                  f"({100 * e['tool_share_of_generation']:.1f}%)")
     print(f"run directories under {out}")
     return 0

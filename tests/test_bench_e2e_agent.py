@@ -1,0 +1,40 @@
+"""tools.bench e2e --task agent's figures from a run's rollout logs: turns, tool calls and the tool's share."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tools.bench.e2e import DEFAULT_MODES, MODES, TOPOLOGIES, compare_turns, episode_share
+
+
+def write_log(path, events):
+    path.write_text("".join(json.dumps(e) + "\n" for e in events) + "{torn")
+
+
+def test_episode_share_sums_the_rollouts_last_stats(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    write_log(logs / "rollout.0.jsonl", [
+        {"event": "rollout_stats", "env_seconds": 1.0, "gen_seconds": 10.0},
+        {"event": "rollout_stats", "env_seconds": 2.0, "gen_seconds": 20.0},   # the last one counts
+        {"event": "stopped", "counters": {"episodes": 10, "turns": 25, "tool_calls": 15}}])
+    write_log(logs / "rollout.1.jsonl", [
+        {"event": "rollout_stats", "env_seconds": 1.0, "gen_seconds": 20.0},
+        {"event": "stopped", "counters": {"episodes": 30, "turns": 35, "tool_calls": 5}}])
+    share = episode_share(tmp_path, steps=6)
+    assert share["episodes"] == 40 and share["turns_per_episode"] == 1.5 and share["tool_calls_per_episode"] == 0.5
+    assert share["env_seconds"] == 3.0 and share["tool_share_of_generation"] == pytest.approx(3.0 / 40.0)
+    assert share["env_seconds_per_step"] == 0.5
+    (logs / "rollout.1.jsonl").unlink()
+    write_log(logs / "rollout.0.jsonl", [{"event": "stopped", "counters": {}}])
+    assert episode_share(tmp_path, steps=6) is None   # no episode counted: nothing to report
+
+
+def test_agent_task_compares_multi_turn_with_one_turn_rl():
+    assert TOPOLOGIES["agent"] == "topology/local_agent.yaml" and DEFAULT_MODES["agent"] == "async,one_turn"
+    assert MODES["one_turn"] == ["experiment.gen.max_turns=1", "experiment.algo.dynamic_sampling=false"]
+    out = compare_turns({"async": {"greedy_accuracy": {"start": 0.0, "final": 0.6}},
+                         "one_turn": {"greedy_accuracy": {"start": 0.0, "final": 0.1}}})
+    assert out["multi_turn_gain_points"] == pytest.approx(60.0)
+    assert out["multi_turn_over_one_turn_points"] == pytest.approx(50.0)
