@@ -37,13 +37,14 @@ from typing import Any
 import msgpack
 
 from actors.base import Actor, handles
+from actors.batch import Batch, BatchGroup, from_batch
 from actors.buffer_state import BufferState, InFlight, ledger_after_resume, plan_resume
 from actors.dataset import Layout, Record, load_dataset, within_prompt_cap
 from actors.engines.tokenizer import load_tokenizer
 from actors.recovery import checkpoint_dir, fsync_write, latest_checkpoint, recovering, restarted_in_place
 from topology.settings import BufferSettings
 from transport.messages import decode, encode
-from transport.protocol import (Batch, BatchGroup, BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, GenerateGroup,
+from transport.protocol import (BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, GenerateGroup,
                                 GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task, VersionUpdate,
                                 WorkerHello)
 
@@ -89,7 +90,7 @@ class BufferFiles:
     def write_served(self, listed: Batch, record: dict[str, Any], state: dict[str, Any]) -> BatchTensors:
         """The batch in its wire form, on disk before the reply. The file is one msgpack map whose "batch" is
         the header frame and "tensors" the tensor frames, written frame by frame (not joined in memory)."""
-        batch = BatchTensors.from_batch(listed)
+        batch = from_batch(listed)
         frames = encode(batch)
         packer = msgpack.Packer()
         parts: list[Any] = [packer.pack_map_header(4), packer.pack("batch"), packer.pack(frames[0]),
