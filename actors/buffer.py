@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -41,8 +40,9 @@ from actors.batch import Batch, BatchGroup, from_batch
 from actors.buffer_state import BufferState, InFlight, ledger_after_resume, plan_resume
 from actors.dataset import Layout, Record, load_dataset, within_prompt_cap
 from actors.engines.tokenizer import load_tokenizer
-from actors.recovery import checkpoint_dir, fsync_write, latest_checkpoint, recovering, restarted_in_place
+from actors.recovery import checkpoint_dir, latest_checkpoint, recovering, restarted_in_place
 from topology.settings import BufferSettings
+from transport.files import atomic_write
 from transport.messages import decode, encode
 from transport.protocol import (BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, GenerateGroup,
                                 GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task, VersionUpdate,
@@ -98,7 +98,7 @@ class BufferFiles:
         for frame in frames[1:]:
             parts += [b"\xc6" + memoryview(frame).nbytes.to_bytes(4, "big"), frame]   # msgpack bin 32
         parts += [packer.pack("ledger"), packer.pack(record), packer.pack("state"), packer.pack(state)]
-        fsync_write(self.served_path(listed.step), parts)
+        atomic_write(self.served_path(listed.step), parts)
         return batch
 
     def read_served(self, step: int) -> tuple[BatchTensors, dict[str, Any], dict[str, Any]]:
@@ -126,9 +126,7 @@ class BufferFiles:
             raise ValueError(f"step: {step} is not a training step")
         path = checkpoint_dir(self.run_dir, step) / "buffer.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(state))
         if (done := latest_checkpoint(self.run_dir)) is not None:
             self.remove_served([k for k in self.served_steps() if k <= done[0]])
         return path
