@@ -145,7 +145,7 @@ def test_roundtrip_every_registered_kind() -> None:
         importlib.import_module("transport.protocol")
     except ModuleNotFoundError:
         pass
-    # kinds other test modules register in the same session are theirs to test
+    # kinds other test modules register in the same pytest run are theirs to test
     kinds = {t: c for t, c in M.registry().items() if c.__module__.startswith("transport.") or c.__module__ == __name__}
     assert {"error", "ping", "pong", "test.msg.all"} <= kinds.keys()
     for tag, cls in kinds.items():

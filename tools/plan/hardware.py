@@ -56,7 +56,7 @@ HBM_EFFICIENCY = _DECODE.hbm_efficiency
 DECODE_FIXED_PER_LAYER_S = _DECODE.per_layer_s
 TP_ALLREDUCE_LATENCY_S = _DECODE.allreduce_s
 #: Fraction of NIC / NVLink / PCIe peak a large transfer reaches: stated 0.8, not measured here (no published
-#: figure for these links was found; `python -m tools.bench gpu`'s link probe measures it on a lent GPU).
+#: figure for these links was found; `python -m tools.bench gpu`'s link probe measures it on a GPU).
 LINK_EFFICIENCY = 0.8
 #: Fixed cost of one weight bucket's broadcast (NCCL launch plus the bus message that names it): stated 2 ms,
 #: not measured (a 7B model is about 240 buckets of 64 MiB, so 0.5 s a push).
