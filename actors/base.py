@@ -21,6 +21,12 @@ A second SIGTERM/SIGINT skips the rest of the drain. ``run()`` returns the exit 
 Readiness: after on_start the actor writes ``RUN_DIR/ready/<name>.json`` ({"pid", "endpoint", "time"})
 atomically; the supervisor waits for a file with the child's pid. It is removed on stop.
 
+Status: every ``status_every_s`` seconds (and once more as it stops) the actor writes
+``RUN_DIR/status/<name>.json``: its pid and state, what it is doing (``progress()``, each actor's own), the
+requests it waits on and those it is still answering, and the last message of each kind in and out
+(``Bus.activity``). The launcher's progress watchdog (tools/watchdog.py) diagnoses a stalled run from them; a
+file that stops changing while its process lives says the event loop is blocked or the process stopped.
+
 Settings: ``spec.settings`` is validated by the class's ``Settings`` model (topology.settings; unknown keys and
 wrong types are refused before on_start) into ``actor.cfg``, which actors read (``self.cfg.algo.eta``). The
 base reads ``message_log``, ``bus``, ``drain_timeout``, ``close_linger`` and ``log_console``
@@ -271,6 +277,12 @@ class Actor:
     def on_peer_alive(self, peer: str) -> None:
         """A peer declared dead answers again."""
 
+    def progress(self) -> dict[str, Any]:
+        """What this actor is doing, as plain data for its status file (the trainer: its version and phase;
+        the buffer: its gate and queues). The watchdog reads ``version`` (the trainer's trained steps) and
+        ``groups_kept`` (the buffer's accepted groups that were not dropped as stale)."""
+        return {}
+
     def make_link(self, config: Any) -> Any:
         """This actor's end of a bulk link (a transport.bulk.LinkConfig): its buckets go into the message log
         when the actor keeps one; tools.replay puts a stand-in fed from the log in its place."""
@@ -417,6 +429,8 @@ class Actor:
             started = True
             self._announce_ready()
             self.log.info("ready", endpoint=self.bus.endpoint, pid=os.getpid())
+            if self.cfg.status_every_s > 0:
+                self.spawn(self._status_loop(self.cfg.status_every_s), name="status", critical=False)
             await self.on_ready()
             await self._stop_event.wait()
             self.log.info("stopping", reason=self._stop_reason)
@@ -439,12 +453,36 @@ class Actor:
             if self.msglog is not None:
                 self.msglog.close()
             ready_path(self.run_dir, self.name).unlink(missing_ok=True)
+            if started and self.cfg.status_every_s > 0:
+                self._write_status("stopped")
             for sig in installed:
                 loop.remove_signal_handler(sig)
             self.log.info("stopped", exit_code=self.exit_code, counters=dict(self.counters),
                           bus=self.bus.counters() if self.bus is not None else {})
             _close_logger(self.name)
         return self.exit_code
+
+    async def _status_loop(self, every: float) -> None:
+        while True:
+            self._write_status("stopping" if self.draining else "running")
+            await asyncio.sleep(every)
+
+    def _write_status(self, state: str) -> None:
+        """RUN_DIR/status/<name>.json, replaced whole (a reader never sees half a file)."""
+        try:
+            progress = self.progress()
+        except Exception as exc:   # a status must never fail the actor
+            progress = {"error": repr(exc)}
+        status = {"actor": self.name, "pid": os.getpid(), "time": time.time(), "state": state,
+                  "progress": progress, **(self.bus.activity() if self.bus is not None else {})}
+        if state == "stopped":
+            status.update(exit_code=self.exit_code, reason=self._stop_reason)
+        path = Path(self.run_dir) / "status" / f"{self.name}.json"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, json.dumps(status, default=str), durable=False)   # live state, rewritten often
+        except OSError as exc:
+            self.log.warning("status_not_written", error=str(exc))
 
     def dump_stacks(self) -> Path:
         """Write where every asyncio task and thread of this actor is waiting to

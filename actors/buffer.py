@@ -18,11 +18,15 @@ restored to match, so no prompt is lost, none is trained twice, and the stalenes
 Lost work: the buffer picks the rollout AND the reward actor of every group, so when either dies
 (heartbeats) or says WorkerHello after a restart (which can be faster than heartbeats notice), exactly
 the groups it held are issued again; late answers of re-issued groups are ignored. A group with no result
-after `buffer.group_timeout_s` is issued again as a last resort.
+in its time (`BufferState.group_timeout`: `buffer.group_timeout_s`, or derived from gen.max_new_tokens and
+the measured pace) is aborted on its rollout (AbortGroup, a request) and issued again once the rollout says
+its copy stopped, or cannot answer: never while a copy may still run.
+
+Each rollout holds at most the groups its server's KV pool fits (the pool its WorkerHello reports).
 
 Settings read: model.path (tokenizer), data.train (through its layout), data.on_bad_line, data.require,
 data.max_prompt_tokens (longer prompts are left out, logged), seed, algo.batch_size,
-algo.group_size, algo.eta, algo.dynamic_sampling, gen.* (sampling of the GenerateGroup),
+algo.group_size, algo.eta, algo.dynamic_sampling, gen.* (sampling of the GenerateGroup, the timeouts' pace),
 buffer.max_groups_per_rollout, buffer.max_concurrent_groups, buffer.group_timeout_s.
 """
 from __future__ import annotations
@@ -41,11 +45,13 @@ from actors.buffer_state import BufferState, InFlight, ledger_after_resume, plan
 from actors.dataset import Layout, Record, load_dataset, within_prompt_cap
 from actors.engines.tokenizer import load_tokenizer
 from actors.recovery import checkpoint_dir, latest_checkpoint, recovering, restarted_in_place
+from algo.serving import DecodePace
 from topology.settings import BufferSettings
+from transport.bus import BusError
 from transport.files import atomic_write
 from transport.messages import decode, encode
-from transport.protocol import (BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, GenerateGroup,
-                                GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task, VersionUpdate,
+from transport.protocol import (AbortGroup, BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, GenerateGroup,
+                                GroupAborted, GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task, VersionUpdate,
                                 WorkerHello)
 
 
@@ -152,7 +158,7 @@ class BufferActor(Actor):
         # Math records need an answer; a code task's records carry `tests` instead (data.require: none).
         self.dataset = await asyncio.to_thread(
             load_dataset, data.train, require=data.require, on_error=data.on_bad_line or "skip",
-            max_line_bytes=data.max_line_bytes, layout=Layout.from_settings(data))
+            max_line_bytes=data.max_line_bytes, layout=Layout.from_settings(data), max_bad_share=data.max_bad_share)
         tok = await asyncio.to_thread(load_tokenizer, cfg.model.path)
         self.stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
         self.prompt_ids = [tok.encode(r.prompt) for r in self.dataset.records]
@@ -170,9 +176,14 @@ class BufferActor(Actor):
             rewards=list(cfg.groups.get("reward", [])), batch_size=cfg.algo.batch_size,
             eta=cfg.algo.eta, seed=cfg.seed, dynamic_sampling=cfg.algo.dynamic_sampling,
             max_per_rollout=cfg.buffer.max_groups_per_rollout, max_concurrent=cfg.buffer.max_concurrent_groups,
-            # Last resort for a group lost without any sign (a message dropped by a dying process): issue again.
-            group_timeout_s=cfg.buffer.group_timeout_s)
+            # Last resort for a group lost without any sign (a message dropped by a dying process, a hung
+            # server): abort it where it runs, then issue it again.
+            group_timeout_s=cfg.buffer.group_timeout_s, group_size=cfg.algo.group_size,
+            max_new_tokens=gen.max_new_tokens,
+            prompt_tokens=sum(map(len, self.prompt_ids)) / max(1, len(self.prompt_ids)),
+            pace=DecodePace(gen.assumed_tokens_per_s, gen.timeout_slack, gen.timeout_floor_s))
         self.finished = False
+        self._batch_waited_for: int | None = None   # the step whose batch a request waits for (status)
         self.files = BufferFiles(self.run_dir)
         self._serving = asyncio.Lock()
         if in_place or recovering(cfg):
@@ -185,6 +196,20 @@ class BufferActor(Actor):
         self.log.info("buffer_started", prompts=len(self.dataset), skipped_lines=self.dataset.n_skipped,
                       batch_size=self.state.batch_size, group_size=self.group_size, eta=self.state.eta,
                       rollouts=self.state.rollouts, version=self.state.gate.version)
+
+    def progress(self) -> dict[str, Any]:
+        st: BufferState | None = getattr(self, "state", None)
+        if st is None:
+            return {}
+        return {"version": st.gate.version, "served_through": st.served_through,
+                # accepted groups that were not dropped as stale: a stall shows as this standing still
+                "groups_kept": st.served_through * st.batch_size + len(st.ready),
+                "ready": len(st.ready), "batch_size": st.batch_size, "in_flight": len(st.inflight),
+                "gate": repr(st.gate), "gate_open": st.gate.can_admit(), "eta": st.eta,
+                "dropped_stale": st.stats.dropped_stale, "dropped_uniform": st.stats.dropped_uniform,
+                "uniform_streak": st.uniform_streak, "rollout_versions": dict(st.rollout_versions),
+                "workers_greeted": sorted(st.greeted), "batch_waited_for": self._batch_waited_for,
+                "finished": self.finished}
 
     async def on_ready(self) -> None:
         if self.restarted:   # it knows no worker yet, and the trainer may be waiting on a request it never got
@@ -222,14 +247,34 @@ class BufferActor(Actor):
 
     @handles(WorkerHello)
     def on_worker_hello(self, msg: WorkerHello, env: Any) -> None:
-        self._handed_back(self.state.worker_hello(env.sender), f"{env.sender} (re)started")
+        self._handed_back(self.state.worker_hello(env.sender, msg.kv_tokens), f"{env.sender} (re)started")
+        if msg.kv_tokens > 0:
+            self.log.info("rollout_kv_pool", rollout=env.sender, kv_tokens=msg.kv_tokens,
+                          groups=self.state.rollout_cap(env.sender), context_tokens=round(self.state.context_tokens()))
         self.changed.set()
 
     async def _expire_loop(self) -> None:
-        timeout = self.state.group_timeout_s
         while not self.finished:
-            await asyncio.sleep(self.state.expire_every_s)
-            self._handed_back(self.state.expire(time.time()), f"no result after {timeout:.0f} s")
+            timeout = self.state.group_timeout()
+            await asyncio.sleep(self.state.expire_every_s)   # a period, not synchronisation
+            for gid, f in self.state.overdue(time.time()).items():
+                self.spawn(self._abort_overdue(gid, f, timeout), name=f"abort-{gid}", critical=False)
+
+    async def _abort_overdue(self, group_id: str, f: InFlight, timeout: float) -> None:
+        """Have the rollout stop a group whose time ran out, then issue it again: a second copy while the
+        first still runs would double that server's work, and time out in its turn."""
+        reason = f"no result after {timeout:.0f} s"
+        self.log.warning("group_overdue", group=group_id, rollout=f.rollout, timeout_s=round(timeout, 1),
+                         overdue_groups=self.state.overdue_groups)
+        try:
+            reply = await self.bus.request(f.rollout, AbortGroup(group_id=group_id, reason=reason),
+                                           timeout=self.cfg.drain_timeout)
+            if isinstance(reply, GroupAborted) and not reply.stopped:
+                self.log.warning("group_abort_unconfirmed", group=group_id, rollout=f.rollout)
+        except BusError as exc:   # a rollout that cannot answer holds nothing that will come back
+            self.log.warning("group_abort_unanswered", group=group_id, rollout=f.rollout, error=str(exc))
+        handed = self.state.hand_back(group_id)
+        self._handed_back({group_id: handed} if handed is not None else {}, reason)
 
     def on_peer_alive(self, peer: str) -> None:
         self.changed.set()
@@ -300,12 +345,14 @@ class BufferActor(Actor):
                 self.counters["batches_served_again"] += 1
                 self.log.info("batch_served_again", step=msg.step, groups=len(batch.levels))
                 return batch
+            self._batch_waited_for = msg.step
             while True:
                 self._drop_stale()
                 if (taken := self.state.take_batch()) is not None:
                     break
                 self.arrived.clear()
                 await self.arrived.wait()
+            self._batch_waited_for = None
             record = {"event": "batch", "step": msg.step, "keys": [list(g.key) for g in taken],
                       "start_versions": [g.start_version for g in taken], "version": self.state.gate.version}
             groups = [BatchGroup(prompt_ids=self.prompt_ids[g.key[1]],

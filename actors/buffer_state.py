@@ -6,9 +6,17 @@ plain data. It sends nothing, reads no clock and writes no file: actors/buffer.p
 calls on it and its answers into messages, log lines and the ledger.
 
 Every prompt it admits is either trained exactly once, issued again (its worker died, restarted or
-handed it back, or its answers got too stale before a batch took them), or dropped on purpose (dynamic
-sampling: all answers got the same reward; or the prompt itself cannot be generated). Units: the gate
-counts prompt *groups*; a batch is `batch_size` groups.
+handed it back, its time ran out, or its answers got too stale before a batch took them), or dropped on
+purpose (dynamic sampling: all answers got the same reward; or the prompt itself cannot be generated).
+Units: the gate counts prompt *groups*; a batch is `batch_size` groups.
+
+Long generations. A group whose time ran out (`overdue`) is not issued again at once: its copy may still be
+generating, and a second copy would double the server's work, time out in turn and pile up. It stays in
+flight, holding its rollout's slot, until the caller has the rollout abort it and calls `hand_back`. The
+time a group may take is `group_timeout()`: fixed when configured, else derived from `max_new_tokens` and
+the pace of recent groups (algo/serving.py). A rollout holds at most the groups its server's KV pool
+fits (`rollout_cap`, algo.serving.groups_in_kv over the KV pool it reported in its hello and the mean context
+of recent answers), so work does not wait in a server's queue while its time runs.
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from typing import Any, Callable, Iterable, Literal
 import torch
 
 from algo.dynamic_sampling import is_uniform
+from algo.serving import DecodePace, groups_in_kv
 from algo.staleness import StalenessGate, filter_stale, sample_staleness
 from transport.protocol import Answers, BufferStats
 
@@ -28,12 +37,14 @@ Key = tuple[int, int]  # (epoch, index into the dataset): one prompt of one pass
 
 @dataclass
 class InFlight:
-    """A group handed to a rollout (and the reward actor that scores it) and not yet back."""
+    """A group handed to a rollout (and the reward actor that scores it) and not yet back. `aborting`: its
+    time ran out and its rollout is asked to abort it; it keeps its slot until it is handed back."""
 
     key: Key
     rollout: str
     reward: str
     issued_at: float
+    aborting: bool = False
 
 
 @dataclass
@@ -109,7 +120,11 @@ class BufferState:
 
     def __init__(self, *, n_records: int, rollouts: list[str], rewards: list[str], batch_size: int, eta: int,
                  seed: int, dynamic_sampling: bool = False, max_per_rollout: int = 8,
-                 max_concurrent: int | None = None, group_timeout_s: float = 1800.0) -> None:
+                 max_concurrent: int | None = None, group_timeout_s: float | None = None,
+                 group_size: int = 1, max_new_tokens: int = 64, prompt_tokens: float = 1.0,
+                 pace: DecodePace | None = None) -> None:
+        """``group_timeout_s``: fixed, or None to derive it from ``max_new_tokens`` and ``pace``;
+        ``prompt_tokens``: the mean prompt length (the context a group's answers hold in a KV pool)."""
         if not rollouts:
             raise ValueError("groups.rollout: the buffer needs at least one rollout actor")
         if not rewards:
@@ -120,6 +135,11 @@ class BufferState:
         self.dynamic_sampling = dynamic_sampling
         self.max_per_rollout = max_per_rollout
         self.group_timeout_s = group_timeout_s
+        self.group_size, self.max_new_tokens, self.prompt_tokens = group_size, max_new_tokens, prompt_tokens
+        self.pace = pace or DecodePace()
+        self.answer_tokens: deque[int] = deque(maxlen=1024)          # lengths of recent answers
+        self.kv_tokens: dict[str, int] = {}                          # KV pool each rollout's server reported
+        self.overdue_groups = 0                                      # groups whose time ran out, so far
         self.gate = StalenessGate(batch_size, eta, max_concurrent)
 
         self.epoch, self.position = 0, 0
@@ -163,11 +183,25 @@ class BufferState:
     def rollout_cap(self, rollout: str) -> int:
         """Groups a rollout may hold. One while its newest weights are already older than the gate allows:
         everything it generates now will be dropped as stale, and a flood of such work would crowd out the
-        heartbeats and weight pushes that let it catch up (the one group tells when it has)."""
+        heartbeats and weight pushes that let it catch up (the one group tells when it has). Else as many as
+        its server's KV pool fits (when it reported one), at most max_per_rollout."""
         seen = self.rollout_versions.get(rollout)
         if seen is not None and self.gate.version - seen > self.eta:
             return 1
-        return self.max_per_rollout
+        kv = self.kv_tokens.get(rollout, 0)
+        if kv <= 0:
+            return self.max_per_rollout
+        return groups_in_kv(kv, self.group_size, self.context_tokens(), self.max_per_rollout)
+
+    def context_tokens(self) -> float:
+        """What one answer holds in a KV pool: the mean prompt plus the mean of recent answers (the full
+        max_new_tokens before any answer came back)."""
+        answer = sum(self.answer_tokens) / len(self.answer_tokens) if self.answer_tokens else self.max_new_tokens
+        return self.prompt_tokens + max(1.0, answer)
+
+    def group_timeout(self) -> float:
+        """Seconds a group may go without a result before it is aborted and issued again."""
+        return self.group_timeout_s if self.group_timeout_s is not None else self.pace.timeout(self.max_new_tokens)
 
     def _least_loaded(self, names: list[str], attr: str, alive: Callable[[str], bool],
                       cap: Callable[[str], int | None]) -> str | None:
@@ -213,23 +247,31 @@ class BufferState:
         held = [g for g, f in self.inflight.items() if worker in (f.rollout, f.reward)]
         return {g: f for g in held if (f := self.hand_back(g)) is not None}
 
-    def worker_hello(self, worker: str) -> dict[str, InFlight]:
-        """A worker (re)started: what it held before will not come back from it; it may get work now."""
+    def worker_hello(self, worker: str, kv_tokens: int = 0) -> dict[str, InFlight]:
+        """A worker (re)started: what it held before will not come back from it; it may get work now.
+        ``kv_tokens``: the KV pool of a rollout's server (0: unknown)."""
         handed_back = self.hand_back_held_by(worker)
         self.rollout_versions.pop(worker, None)
+        self.kv_tokens[worker] = kv_tokens
         self.greeted.add(worker)
         return handed_back
 
     @property
     def expire_every_s(self) -> float:
-        """How often `expire` is called: a lost group is handed back at most a quarter of its timeout late
-        (and at least once a minute)."""
-        return min(60.0, self.group_timeout_s / 4)
+        """How often `overdue` is called: a group is found overdue at most a quarter of its timeout late (and
+        at least once a minute)."""
+        return min(60.0, max(0.05, self.group_timeout() / 4))
 
-    def expire(self, now: float) -> dict[str, InFlight]:
-        """Groups with no result after `group_timeout_s` (lost without any sign), handed back."""
-        late = [g for g, f in self.inflight.items() if now - f.issued_at > self.group_timeout_s]
-        return {g: f for g in late if (f := self.hand_back(g)) is not None}
+    def overdue(self, now: float) -> dict[str, InFlight]:
+        """Groups with no result after `group_timeout()`, now marked aborting (each once). They are not
+        issued again here: the caller has each one's rollout abort it, then calls `hand_back` (also when
+        the rollout cannot be reached), so that no two copies of a group are ever generated at once."""
+        limit = self.group_timeout()
+        late = {g: f for g, f in self.inflight.items() if not f.aborting and now - f.issued_at > limit}
+        for f in late.values():
+            f.aborting = True
+        self.overdue_groups += len(late)
+        return late
 
     def drop_invalid(self, group_id: str) -> InFlight | None:
         """The prompt itself cannot be generated: issuing it again cannot help, so it is dropped."""
@@ -249,6 +291,10 @@ class BufferState:
             return Scored("late")
         if answers.up_seconds > 0:
             self.rollout_clocks[answers.rollout] = (answers.busy_seconds, answers.up_seconds)
+        lengths = [len(s.output_ids) for s in answers.samples]
+        self.answer_tokens.extend(lengths)
+        if lengths:   # the group took as long as its longest answer
+            self.pace.observe(answers.gen_seconds, max(lengths))
         if self.dynamic_sampling and is_uniform([s.reward for s in answers.samples]):
             self.gate.finish(accepted=False)  # no learning signal: drop it, its slot is refilled
             self.stats.dropped_uniform += 1

@@ -55,8 +55,10 @@ A path that does not exist is also looked for under the name ``wget`` gives the 
 
 A malformed line (bad JSON, a bad field, bytes that are not
 UTF-8, a line longer than ``max_line_bytes``) raises `DatasetError` naming the file, the line number and
-the cause; with ``on_error="skip"`` it is logged, counted and skipped instead. A line over the length limit
-is never held in memory whole: it is read past in chunks.
+the cause; with ``on_error="skip"`` it is logged, counted and skipped instead, unless more than
+``max_bad_share`` of the file's lines are malformed (then the file is refused as a whole). A line over the
+length limit is never held in memory whole: it is read past in chunks. `sniff_file` says when a file is
+empty, binary or compressed before any line is read.
 """
 from __future__ import annotations
 
@@ -343,13 +345,30 @@ def parse_record(obj: Any, *, path: str | Path = "<memory>", line_no: int | None
     return Record(str(query_id), prompt, answer, tuple(solutions), level, extra, line_no, answers)
 
 
+def sniff_file(path: str | Path) -> str | None:
+    """Why `path` cannot be a JSON-lines file at all, judged by its first bytes (empty, binary, compressed),
+    or None."""
+    with open(path, "rb") as f:
+        head = f.read(8192)
+    if not head:
+        return "the file is empty"
+    for magic, kind in ((b"\x1f\x8b", "gzip"), (b"BZh", "bzip2"), (b"\xfd7zXZ", "xz"), (b"\x28\xb5\x2f\xfd", "zstd"),
+                        (b"PK\x03\x04", "zip")):
+        if head.startswith(magic):
+            return f"the file is {kind}-compressed, not JSON lines: decompress it first"
+    if (nul := head.find(b"\x00")) >= 0:
+        return f"a binary file, not JSON lines (a NUL byte at offset {nul})"
+    return None
+
+
 def iter_jsonl(path: str | Path, *, require: Require = "answer", on_error: OnError = "fail",
                on_skip: Callable[[DatasetError], None] | None = None,
                max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, layout: Layout = AREAL,
-               notes: dict[str, int] | None = None) -> Iterator[Record]:
+               notes: dict[str, int] | None = None, max_lines: int | None = None) -> Iterator[Record]:
     """Streams validated records read through `layout` (`path` through `resolve_data_path`); blank lines are
     ignored, duplicate query ids are errors. A broken ``layout.id2info`` file is an error whatever
-    ``on_error`` says. ``notes``: see `parse_record`."""
+    ``on_error`` says. ``notes``: see `parse_record`. ``max_lines``: read no further than that many lines
+    (a sample)."""
     if on_error not in ("skip", "fail"):
         raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
     if require not in ("answer", "solutions", "none"):
@@ -362,6 +381,8 @@ def iter_jsonl(path: str | Path, *, require: Require = "answer", on_error: OnErr
     id2info = load_id2info(layout.id2info) if layout.id2info else None
     seen: dict[str, int] = {}
     for line_no, raw in _lines(path, max_line_bytes):
+        if max_lines is not None and line_no > max_lines:
+            return
         try:
             if raw is None:
                 raise DatasetError(path, line_no, f"longer than max_line_bytes ({max_line_bytes} bytes; the "
@@ -477,26 +498,33 @@ def within_prompt_cap(prompt_ids: Sequence[Sequence[int]], cap: int | None) -> l
 
 
 def load_dataset(path: str | Path, *, require: Require = "answer", on_error: OnError = "fail",
-                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, layout: Layout = AREAL) -> Dataset:
+                 max_line_bytes: int = DEFAULT_MAX_LINE_BYTES, layout: Layout = AREAL,
+                 max_bad_share: float = 1.0, max_lines: int | None = None) -> Dataset:
     """Reads a JSON-lines file through `layout`. ``require``: "answer" (RL, eval), "solutions" (SFT) or "none".
 
     Raises `DatasetError` on the first bad line when ``on_error="fail"``; with "skip" bad lines are
-    logged and counted in ``Dataset.skipped``, and only a file with no usable line at all is an error.
+    logged and counted in ``Dataset.skipped``, and the file is an error when it has no usable line at all or
+    more than ``max_bad_share`` of its lines are bad. ``max_lines``: read only that many lines (a sample).
     """
+    if (resolved := resolve_data_path(path)).is_file() and (why := sniff_file(resolved)):
+        raise DatasetError(resolved, None, why)
     skipped: list[DatasetError] = []
     notes: dict[str, int] = {}
     records = list(iter_jsonl(path, require=require, on_error=on_error, on_skip=skipped.append,
-                              max_line_bytes=max_line_bytes, layout=layout, notes=notes))
+                              max_line_bytes=max_line_bytes, layout=layout, notes=notes, max_lines=max_lines))
     if not records:
         detail = f" ({len(skipped)} malformed lines skipped, first: {skipped[0]})" if skipped else ""
         raise DatasetError(path, None, f"no usable records{detail}")
+    if skipped and len(skipped) > max_bad_share * (len(records) + len(skipped)):
+        raise DatasetError(path, None, f"{len(skipped)} of {len(records) + len(skipped)} lines are malformed, "
+                           f"more than data.max_bad_share ({max_bad_share:g}) allows; first: {skipped[0]}")
     if skipped:
         log.warning("dataset_loaded_with_skips", path=str(path), records=len(records), skipped=len(skipped))
     as_is = notes.get("templated_as_is", 0)
     if as_is:
         log.info("dataset_prompts_already_templated", path=str(path), prompts=as_is,
                  note="data.prompt_template not applied to prompts that already carry a template")
-    return Dataset(str(resolve_data_path(path)), records, skipped, as_is)
+    return Dataset(str(resolved), records, skipped, as_is)
 
 
 def _short(value: Any, limit: int = 60) -> str:

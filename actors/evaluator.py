@@ -17,7 +17,15 @@ Each evaluation appends one line to ``RUN_DIR/eval.jsonl`` (read by ``tools.plot
 
 ``newest`` is the newest version the parameter server held when the weights were fetched (training's lead).
 A restarted evaluator (the supervisor restarts it like any actor) reads the file and does not evaluate a
-version twice. Settings: ``eval.every_versions`` (0: off, the actor idles), ``eval.max_problems``
+version twice.
+
+Versions missed (the evaluator was down, or an evaluation took longer than N versions) are caught up where
+their weights are still on disk: version 0's in ``model.path``, the others in a sound checkpoint of that step
+(``"source": "checkpoint"`` on their line); the rest are named in a line of their own,
+``{"kind": "skipped", "versions": [...], "reason": ...}``, so a gap in the curve is explained. A run that ended
+while the evaluator was away is caught up by the launcher (`catch_up`, tools/up.py) from the checkpoints left.
+
+Settings: ``eval.every_versions`` (0: off, the actor idles), ``eval.max_problems``
 (default 64), ``eval.wait_s`` (how long one request waits for a new version, default 30),
 ``gen.max_new_tokens``, ``data.test`` and its layout, ``model.path`` (config and tokenizer).
 
@@ -36,29 +44,31 @@ import asyncio
 import json
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from actors.base import Actor, ActorSpec, handles
 from actors.dataset import Layout, Record, load_dataset
 from actors.engines.base import EngineError
-from actors.engines.checkpoint import assign_weights, load_config, load_model
+from actors.engines.checkpoint import assign_weights, has_weights, iter_checkpoint_tensors, load_config, load_model
 from actors.engines.model import Qwen2ForCausalLM
 from actors.engines.tokenizer import load_tokenizer
 from actors.evaluation import EvalSettings, aevaluate_model, aevaluate_with, engine_generator, level_key
 from actors.param_server import EvalWeights, EvalWeightsRequest
-from actors.recovery import checkpoint_problem, complete_checkpoints, run_finished
+from actors.recovery import COMPLETE, FINISHED, checkpoint_dir, checkpoint_problem, complete_checkpoints, run_finished
 from actors.weights import weights_hash
 from topology.settings import EvaluatorSettings
 from transport.bulk import PackedBucket, unpack_bucket
 from transport.bus import BusError
 from transport.protocol import RunFinished
 
-__all__ = ["EvalActor", "EvalConfigError", "spread_over_levels", "evaluated_versions", "eval_entry", "EVAL_FILE"]
+__all__ = ["EvalActor", "EvalConfigError", "spread_over_levels", "evaluated_versions", "skipped_versions", "eval_entry",
+           "skipped_entry", "missed_versions", "weights_on_disk", "catch_up", "EVAL_FILE"]
 
 EVAL_FILE = "eval.jsonl"
 KIND = "periodic"
+SKIPPED = "skipped"
 
 
 class EvalConfigError(ValueError):
@@ -80,27 +90,101 @@ def spread_over_levels(records: Sequence[Record], n: int) -> list[Record]:
     return out
 
 
-def evaluated_versions(path: Path) -> set[int]:
-    """Versions a previous incarnation already evaluated (periodic lines of eval.jsonl; a torn last line
-    of one killed while writing is ignored, as is the launcher's final evaluation)."""
+def _rows(path: Path) -> Iterator[dict[str, Any]]:
+    """eval.jsonl's lines as objects; a torn last line (a process killed while writing) is skipped."""
     if not path.is_file():
-        return set()
-    done = set()
+        return
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and row.get("kind") == KIND and isinstance(row.get("version"), int):
-            done.add(row["version"])
-    return done
+        if isinstance(row, dict):
+            yield row
 
 
-def eval_entry(version: int, newest: int, report: dict[str, Any], seconds: float, now: float) -> dict[str, Any]:
-    """One eval.jsonl line for a version's report (`actors.evaluation.aevaluate_with`)."""
-    return {"kind": KIND, "version": version, "step": version, "time": now, "newest": newest,
-            "eval/accuracy": report["overall"]["greedy_accuracy"], "eval_seconds": seconds,
-            "n_prompts": report["n_prompts"], "overall": report["overall"], "by_level": report["by_level"]}
+def evaluated_versions(path: Path) -> set[int]:
+    """Versions a previous incarnation already evaluated (periodic lines of eval.jsonl; a torn last line
+    of one killed while writing is ignored, as is the launcher's final evaluation)."""
+    return {row["version"] for row in _rows(path) if row.get("kind") == KIND and isinstance(row.get("version"), int)}
+
+
+def skipped_versions(path: Path) -> set[int]:
+    """Versions named as skipped in eval.jsonl (and not evaluated since)."""
+    named = {v for row in _rows(path) if row.get("kind") == SKIPPED and isinstance(row.get("versions"), list)
+             for v in row["versions"] if isinstance(v, int)}
+    return named - evaluated_versions(path)
+
+
+def eval_entry(version: int, newest: int, report: dict[str, Any], seconds: float, now: float,
+               source: str = "param_server") -> dict[str, Any]:
+    """One eval.jsonl line for a version's report (`actors.evaluation.aevaluate_with`). ``source``: where its
+    weights came from (the parameter server during the run, or a checkpoint when caught up)."""
+    entry = {"kind": KIND, "version": version, "step": version, "time": now, "newest": newest,
+             "eval/accuracy": report["overall"]["greedy_accuracy"], "eval_seconds": seconds,
+             "n_prompts": report["n_prompts"], "overall": report["overall"], "by_level": report["by_level"]}
+    if source != "param_server":
+        entry["source"] = source
+    return entry
+
+
+def skipped_entry(versions: list[int], reason: str, now: float) -> dict[str, Any]:
+    return {"kind": SKIPPED, "versions": versions, "reason": reason, "time": now}
+
+
+def weights_on_disk(version: int, run_dir: Path, start_model: str | None) -> Path | None:
+    """Where a version's weights still are: the starting model for version 0, else the model of a sound
+    checkpoint of that step; None when they are gone (never checkpointed, or removed)."""
+    if version == 0:
+        return Path(start_model) if start_model and has_weights(start_model) else None
+    ckpt = checkpoint_dir(run_dir, version)
+    if (ckpt / COMPLETE).exists() and checkpoint_problem(ckpt) is None:
+        return ckpt / "model"
+    return None
+
+
+def missed_versions(every: int, after: int, upto: int, accounted: set[int]) -> list[int]:
+    """The multiples of ``every`` after ``after`` and before ``upto`` that are not yet accounted for."""
+    return [v for v in range(max(after + 1, 0), upto) if v % every == 0 and v not in accounted]
+
+
+def catch_up(cfg: Any, run_dir: Path, final_version: int) -> tuple[list[int], list[int]]:
+    """After the run: evaluate every kept version (multiple of eval.every_versions up to ``final_version``)
+    that eval.jsonl lacks, from its weights on disk, and name the rest as skipped. Returns (caught up,
+    skipped). Blocking: the launcher calls it once the actors have stopped."""
+    every = cfg.eval.every_versions
+    path = Path(run_dir) / EVAL_FILE
+    if every <= 0 or not cfg.data.test or not cfg.model.path:
+        return [], []
+    missing = missed_versions(every, -1, final_version + 1, evaluated_versions(path))
+    if not missing:
+        return [], []
+    dataset = load_dataset(cfg.data.test, require="answer", on_error=cfg.data.on_bad_line or "fail",
+                           layout=Layout.from_settings(cfg.data, test=True), max_bad_share=cfg.data.max_bad_share)
+    records = spread_over_levels(dataset.records, cfg.eval.max_problems)
+    tokenizer = load_tokenizer(cfg.model.path)
+    settings = EvalSettings(samples=0, max_new_tokens=cfg.gen.max_new_tokens)
+    caught, gone = [], []
+    for version in missing:
+        where = weights_on_disk(version, Path(run_dir), cfg.model.path)
+        if where is None:
+            gone.append(version)
+            continue
+        model = Qwen2ForCausalLM(load_config(str(where)))
+        assign_weights(model, iter_checkpoint_tensors(str(where)), True, str(where))
+        t0 = time.monotonic()
+        report = asyncio.run(aevaluate_model(model, tokenizer, records, settings))
+        _append(path, eval_entry(version, final_version, report, time.monotonic() - t0, time.time(), "checkpoint"))
+        caught.append(version)
+    if gone := [v for v in gone if v not in skipped_versions(path)]:
+        _append(path, skipped_entry(gone, "the evaluator was away, and these versions' weights are no longer kept "
+                                          "(not a checkpoint step, or its checkpoint was removed)", time.time()))
+    return caught, gone
+
+
+def _append(path: Path, entry: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 class EvalActor(Actor):
@@ -132,7 +216,8 @@ class EvalActor(Actor):
                                       "parameter server (weights_from: checkpoints reads the run's checkpoints)")
             self.param_server = servers[0]
         dataset = await asyncio.to_thread(load_dataset, test, require="answer", on_error=cfg.data.on_bad_line or "fail",
-                                          layout=Layout.from_settings(cfg.data, test=True))
+                                          layout=Layout.from_settings(cfg.data, test=True),
+                                          max_bad_share=cfg.data.max_bad_share)
         self.records = spread_over_levels(dataset.records, cfg.eval.max_problems)
         self.tokenizer = load_tokenizer(model_dir)
         if cfg.engine == "sglang":
@@ -144,6 +229,7 @@ class EvalActor(Actor):
             self.model = Qwen2ForCausalLM(load_config(model_dir))
         self.settings_eval = EvalSettings(samples=0, max_new_tokens=cfg.gen.max_new_tokens)
         self.done = evaluated_versions(self.path)
+        self.skipped = skipped_versions(self.path)
         try:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
@@ -155,11 +241,27 @@ class EvalActor(Actor):
 
     def _stop_if_finished(self) -> bool:
         """A restart can miss the trainer's RunFinished (sent while this process was down): the run's
-        FINISHED mark says it instead, and the evaluator must not wait for a server that has left."""
+        FINISHED mark says it instead, and the evaluator must not wait for a server that has left. The
+        versions it did not evaluate are named as skipped first (the launcher evaluates those whose
+        checkpoints are left, `catch_up`)."""
         if run_finished(self.run_dir):
+            try:
+                final = int(json.loads((self.run_dir / FINISHED).read_text())["step"])
+            except (OSError, ValueError, KeyError, TypeError):
+                final = -1
+            missed = missed_versions(self.every, -1, final + 1, self.done | self.skipped)
+            # (none evaluated: this run's weights never reach it, as with direct weights; from checkpoints, only
+            # checkpoints are evaluated by design)
+            if missed and self.done and self.cfg.weights_from == "param_server":
+                self._skip(missed, "the run ended while the evaluator was away")
             self.request_stop("the run has finished")
             return True
         return False
+
+    def _skip(self, versions: list[int], reason: str) -> None:
+        _append(self.path, skipped_entry(versions, reason, time.time()))
+        self.skipped.update(versions)
+        self.log.warning("evaluations_skipped", versions=versions, reason=reason)
 
     def on_peer_dead(self, peer: str) -> None:
         if peer == getattr(self, "param_server", None):
@@ -201,24 +303,50 @@ class EvalActor(Actor):
             if got is None:
                 continue
             version, newest, named = got
+            missed = missed_versions(self.every, after, version, self.done | self.skipped)
             after = version
-            if version in self.done:
-                continue
-            if self.engine is not None:
-                await self.engine.update_weights(version, [named])
-            else:
-                await asyncio.to_thread(assign_weights, self.model, named, True, f"eval weights v{version}")
-            await self._evaluate(version, newest)
+            if version not in self.done:
+                if self.engine is not None:
+                    await self.engine.update_weights(version, [named])
+                else:
+                    await asyncio.to_thread(assign_weights, self.model, named, True, f"eval weights v{version}")
+                await self._evaluate(version, newest)
+            if missed:
+                await self._catch_up(missed, newest)
 
-    async def _evaluate(self, version: int, newest: int) -> None:
-        """Evaluate the weights loaded as `version` and record it."""
+    async def _catch_up(self, missed: list[int], newest: int) -> None:
+        """Versions passed over (the evaluator was down, or slower than N versions of training): evaluated from
+        their weights on disk where those are left, named as skipped otherwise."""
+        gone = []
+        for version in missed:
+            where = weights_on_disk(version, self.run_dir, self.cfg.model.path)
+            if where is None:
+                gone.append(version)
+                continue
+            try:
+                if self.engine is not None:
+                    await self.engine.update_weights_from_disk(version, str(where))
+                else:
+                    await asyncio.to_thread(lambda: assign_weights(self.model, iter_checkpoint_tensors(str(where)),
+                                                                   True, str(where)))
+            except Exception as exc:   # removed (keep_checkpoints) while being read: named as skipped
+                self.log.warning("catch_up_weights_unreadable", version=version, path=str(where), error=str(exc)[:200])
+                gone.append(version)
+                continue
+            await self._evaluate(version, newest, "checkpoint")
+        if gone:
+            self._skip(gone, "passed over (the evaluator was away or slower than eval.every_versions versions of "
+                             "training), and their weights are no longer kept")
+
+    async def _evaluate(self, version: int, newest: int, source: str = "param_server") -> None:
+        """Evaluate the weights loaded as `version` and record it (``source``: see `eval_entry`)."""
         t0 = time.monotonic()
         if self.engine is not None:
             report = await aevaluate_with(engine_generator(self.engine), self.tokenizer, self.records,
                                           self.settings_eval)
         else:
             report = await aevaluate_model(self.model, self.tokenizer, self.records, self.settings_eval)
-        self._write(eval_entry(version, newest, report, time.monotonic() - t0, time.time()))
+        self._write(eval_entry(version, newest, report, time.monotonic() - t0, time.time(), source))
         self.done.add(version)
 
     def _next_checkpoint(self) -> tuple[int, Path, int] | None:
@@ -291,8 +419,7 @@ class EvalActor(Actor):
         return first.version, first.newest, named
 
     def _write(self, entry: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        _append(self.path, entry)
         if self.tb is not None:
             self.tb.add_scalar("eval/accuracy", entry["eval/accuracy"], entry["version"])
             for level, summary in entry["by_level"].items():

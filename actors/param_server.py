@@ -10,7 +10,9 @@ One task, the *pusher*, owns the rollout link, so formation and transfers never 
 * Forming. An epoch ``e`` of the link is formed by the rollouts that are *ready*: they said
   :class:`RolloutHello` and are alive by the bus heartbeats. :class:`LinkReform` (e, its members) goes to
   each of them, then this side joins in a thread. The first formation waits until every live rollout has
-  said hello (they start together); after that no rollout is waited for: one that is dead, hung (its
+  said hello (they start together), but only while none of those that did is behind: a rollout whose server
+  is still starting (minutes, at 7B and up) joins late, and must not keep the others from new weights. After
+  that no rollout is waited for: one that is dead, hung (its
   heartbeats stop), or whose SGLang server died (:class:`ServerDown`, until its next hello) is left out,
   and the others form without it. When the ready set changes (a member is lost, one comes back or
   restarts and says hello) the link is formed again. A failed rendezvous is retried at a newer epoch
@@ -172,6 +174,11 @@ class ParamServerActor(Actor):
         for sender, hello in self._early_hellos.items():
             self._hello(sender, hello)
         self._early_hellos.clear()
+
+    def progress(self) -> dict[str, Any]:
+        return {"version": self.current.version if self.current is not None else None, "epoch": self.epoch,
+                "pushes": self.pushes, "rollouts": {n: {"version": r.version, "alive": r.alive, "hello": r.hello}
+                                                     for n, r in self.rollouts.items()}}
 
     async def on_ready(self) -> None:
         self.spawn(self._pusher(), name="pusher")

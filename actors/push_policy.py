@@ -8,8 +8,9 @@ change to these rules shows in the planner's figures too.
 
 The pusher's loop asks `next_action` and gets one of:
 
-* `Wait`: before the first formation every live rollout is waited for (they start together); after it, a
-  formation needs at least one ready rollout (said hello, alive, not on probation).
+* `Wait`: before the first formation every live rollout is waited for (they start together), but only while
+  none of those that said hello is behind the newest version (a late server joins when it says hello); after
+  it, a formation needs at least one ready rollout (said hello, alive, not on probation).
 * `Form`: no epoch is formed, one must be formed again (a member died, restarted or lost its server), or
   the ready set differs from the formed one. After a successful formation the loop goes on with
   `push_or_idle`, on the members just formed.
@@ -88,8 +89,11 @@ class PushPolicy:
         transfer to that rollout is still running."""
         no_hello, dead = self.blockers()
         ready = self.ready(now)
-        # Before the first formation every live rollout is waited for (they are starting); after it, nobody.
-        starting = self.next_epoch == 0 and any(n not in dead for n in no_hello)
+        # Before the first formation every live rollout is waited for (they are starting), until a version
+        # waits for those that said hello: a server still starting (minutes at 7B and up) joins late, and
+        # must not keep the others from new weights. After the first formation, nobody is waited for.
+        waiting = any(self.rollouts[n].version < version for n in ready)
+        starting = self.next_epoch == 0 and any(n not in dead for n in no_hello) and not waiting
         if starting or not ready:
             return Wait(no_hello, dead)
         if self.epoch is None or self.need_reform or ready != self.formed:

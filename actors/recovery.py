@@ -9,10 +9,12 @@ A checkpoint of training step k is the directory ``RUN_DIR/checkpoints/step_<k>/
                    every file (bytes, XXH3-64), written under a temporary name, fsynced, then renamed,
                    after every file of the checkpoint was fsynced
 
-A checkpoint whose COMPLETE is missing (a crash mid-save) or whose files disagree with its manifest (a
-file truncated or changed afterwards) is skipped with a warning naming it, and the previous complete one
-is used. The launcher checks the checksums of the one it resumes from and renames a corrupt one to
-``step_<k>.corrupt``, so that every actor, which checks sizes only, agrees on the same checkpoint.
+A checkpoint whose COMPLETE is missing (a crash mid-save), has no manifest (nothing says what a sound copy
+holds), lacks one of the parts (the model, buffer.json) or whose files disagree with its manifest (a file
+truncated or changed afterwards) is skipped with a warning naming it, and the previous complete one is
+used. The launcher checks the checksums of the one it resumes from and renames a corrupt one to
+``step_<k>.corrupt``, so that every actor, which checks sizes only, agrees on the same checkpoint; when
+none is sound it says so before the run starts again from step 0.
 
 Every actor that needs weights (trainer, rollouts, parameter server) calls :func:`start_weights`, so
 they all agree on version k after a recovery without talking to each other first.
@@ -57,14 +59,24 @@ def complete_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def checkpoint_problem(ckpt: Path, checksums: bool = False) -> str | None:
-    """Why `ckpt` cannot be resumed from (a file missing, of the wrong size or, with `checksums`, of other
-    content than its manifest says), or None. A COMPLETE without a manifest is trusted as written."""
+    """Why `ckpt` cannot be resumed from, or None: its manifest is missing or does not list both parts (the
+    model, buffer.json), or a file it lists is missing, of the wrong size or, with `checksums`, of other
+    content. A COMPLETE without a manifest is not trusted: nothing says what a sound copy holds (a
+    truncated safetensors behind it would fail every actor that loads it, again at every restart)."""
     try:
         meta = json.loads((ckpt / COMPLETE).read_text())
     except (OSError, ValueError) as exc:
         return f"{COMPLETE} is unreadable ({exc})"
-    for rel, want in (meta.get("files") or {}).items():
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict) or not files:
+        return f"{COMPLETE} has no manifest (no list of files with their sizes and checksums)"
+    parts = {"buffer.json": "buffer.json" in files, "model/": any(str(rel).startswith("model/") for rel in files)}
+    if missing := [name for name, listed in parts.items() if not listed]:
+        return f"the manifest lists no {' and no '.join(missing)}"
+    for rel, want in files.items():
         path = ckpt / rel
+        if not isinstance(want, dict) or not isinstance(want.get("bytes"), int) or not want.get("xxh3"):
+            return f"the manifest's entry for {rel} is malformed ({want!r:.80})"
         try:
             size = path.stat().st_size
         except OSError:
@@ -90,15 +102,23 @@ def latest_checkpoint(run_dir: str | os.PathLike, checksums: bool = False) -> tu
 def resume_checkpoint(run_dir: str | os.PathLike) -> tuple[int, Path] | None:
     """The launcher's choice before any actor starts: the newest checkpoint whose checksums all match.
     Corrupt ones newer than it are renamed to ``step_<k>.corrupt`` (kept for inspection), so that the
-    actors' cheaper size check finds the same one."""
+    actors' cheaper size check finds the same one. When there were checkpoints and none is sound, it says
+    so loudly: the run starts again from step 0."""
+    corrupt = []
     for step, d in complete_checkpoints(run_dir):
         problem = checkpoint_problem(d, checksums=True)
         if problem is None:
             return step, d
         aside = d.with_name(d.name + CORRUPT_SUFFIX)
         os.replace(d, aside)
+        corrupt.append(f"step {step}: {problem}")
         log.warning("checkpoint_corrupt", path=str(d), reason=problem, moved_to=str(aside))
         print(f"checkpoint {d} is corrupt ({problem}); moved to {aside}, trying the previous one", flush=True)
+    if corrupt:
+        log.error("every_checkpoint_corrupt", run_dir=str(run_dir), checkpoints=corrupt)
+        print(f"WARNING: every checkpoint of {run_dir} is corrupt ({'; '.join(corrupt)}); they were moved "
+              f"aside as step_<k>{CORRUPT_SUFFIX}, and this run STARTS AGAIN FROM STEP 0 (the starting model)",
+              flush=True)
     return None
 
 

@@ -44,8 +44,9 @@ from actors.weight_sync import WeightReceiver, WeightSyncError, link_config, mak
 from actors.weights import weights_hash
 from topology.settings import RolloutSettings
 from transport.bulk import BulkError
-from transport.protocol import (Answers, GenerateGroup, GroupReturned, HelloRequest, LinkReform, RolloutHello,
-                                RunFinished, Sample, ServerDown, Trajectories, WeightsAck, WeightsReady, WorkerHello)
+from transport.protocol import (AbortGroup, Answers, GenerateGroup, GroupAborted, GroupReturned, HelloRequest, LinkReform,
+                                RolloutHello, RunFinished, Sample, ServerDown, Trajectories, WeightsAck, WeightsReady,
+                                WorkerHello)
 
 __all__ = ["RolloutActor", "RolloutConfigError", "make_engine", "verify_engine_weights"]
 
@@ -67,6 +68,18 @@ def rollout_placement(cfg: RolloutSettings) -> dict[str, str]:
     device = cfg.engine_device
     return {"engine": kind, "device": device, "dtype": str(model_dtype or "float32"), "parallel": f"tp={tp}",
             "memory": "-", "process_group": "nccl" if device == "cuda" else "gloo"}
+
+
+def rollout_ready_budget(cfg: RolloutSettings) -> tuple[float, str] | None:
+    """What a rollout starts beyond its process, as (seconds it may take, the setting that says so): it
+    reports ready once its engine is up, and an SGLang server it launches is up only when healthy (weights
+    read from shared storage, CUDA graphs captured: minutes at 7B, more at 32B). None: nothing beyond."""
+    if cfg.engine != "sglang":
+        return None
+    if cfg.sglang_url:
+        from actors.engines.sglang import SGLangEngine
+        return SGLangEngine.ATTACH_TIMEOUT_S, "the attach wait for sglang_url"
+    return cfg.sglang.health_timeout_s, "sglang.health_timeout_s"
 
 
 def make_engine(cfg: RolloutSettings, version: int, model_dir: str, run_dir: str | None = None,
@@ -104,6 +117,10 @@ class RolloutActor(Actor):
     Settings = RolloutSettings
     cfg: RolloutSettings
     placement = staticmethod(rollout_placement)   # what --dry-run prints for the group
+    ready_budget = staticmethod(rollout_ready_budget)   # what it starts before it is ready (tools/up.py)
+    # Interchangeable workers: the run starts once enough are ready, the rest join when their servers are up,
+    # and one that cannot be kept up is left down (actors/supervisor.py, late_joiners).
+    joins_late = True
 
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec)
@@ -122,6 +139,10 @@ class RolloutActor(Actor):
         self.buffer = "buffer"
         self.param_server: str | None = None
         self.active: dict[str, float] = {}   # group_id -> start time
+        self.held: set[str] = set()          # groups whose handler runs (active, or waiting for the engine)
+        self.aborted: set[str] = set()       # groups the buffer had aborted while this rollout held them
+        self._group_done: dict[str, asyncio.Event] = {}
+        self._kv_tokens = 0                  # the engine's server's KV pool (0: not known)
         self._rr = 0
         self._t0 = time.monotonic()
         self._busy_since: float | None = None
@@ -147,12 +168,22 @@ class RolloutActor(Actor):
         if config is not None:
             self.receiver = make_receiver(self, config, self.engine, self._verified)
         await self.engine.start()
+        kv_pool = getattr(self.engine, "kv_pool_tokens", None)
+        if callable(kv_pool):
+            try:
+                self._kv_tokens = await kv_pool()
+            except EngineError as exc:
+                self.log.warning("kv_pool_unknown", error=str(exc))
         self._engine_ready.set()
         self.log.info("engine_started", engine=type(self.engine).__name__, version=version, model_dir=model_dir,
                       link=config.name if config else None)
 
+    def progress(self) -> dict[str, Any]:
+        return {"weights_version": self.engine.version if self.engine is not None else None,
+                "groups": len(self.active)}
+
     async def on_ready(self) -> None:
-        await self.bus.send(self.buffer, WorkerHello(role="rollout"))
+        await self.bus.send(self.buffer, WorkerHello(role="rollout", kv_tokens=self._kv_tokens))
         if self.receiver is not None:
             self.spawn(self._link_keeper(), name="link_keeper")
             await self._hello()
@@ -212,7 +243,7 @@ class RolloutActor(Actor):
     @handles(HelloRequest)
     async def on_hello_request(self, msg: HelloRequest, env: Any) -> None:
         if env.sender == self.buffer:   # a restarted buffer: it has no work of ours and may give some
-            await self.bus.send(self.buffer, WorkerHello(role="rollout"))
+            await self.bus.send(self.buffer, WorkerHello(role="rollout", kv_tokens=self._kv_tokens))
             return
         await self._engine_ready.wait()
         if self.receiver is not None:
@@ -230,7 +261,20 @@ class RolloutActor(Actor):
 
     @handles(GenerateGroup)
     async def on_generate(self, msg: GenerateGroup) -> None:
+        # Held from the first instant (before any await): an AbortGroup that follows finds it here.
+        self.held.add(msg.group_id)
+        self._group_done[msg.group_id] = asyncio.Event()
+        try:
+            await self._generate(msg)
+        finally:
+            self.held.discard(msg.group_id)
+            self._group_done.pop(msg.group_id).set()
+
+    async def _generate(self, msg: GenerateGroup) -> None:
         await self._engine_ready.wait()
+        if msg.group_id in self.aborted:   # aborted before its generation began
+            await self._return(msg.group_id, "aborted")
+            return
         engine = self.engine
         assert engine is not None
         try:
@@ -280,6 +324,28 @@ class RolloutActor(Actor):
         self._rr += 1
         await self.bus.send(reward, Trajectories(group_id=msg.group_id, task=msg.task, answers=Answers(
             samples=samples, rollout=self.name, gen_seconds=seconds, **self._clocks())))
+
+    @handles(AbortGroup)
+    async def on_abort_group(self, msg: AbortGroup) -> GroupAborted:
+        """The buffer gives up on a group (its time ran out) and will issue it again: stop generating it,
+        and answer once it has stopped, so that no second copy runs beside it."""
+        gid = msg.group_id
+        held = gid in self.held
+        self.log.info("group_abort", group_id=gid, held=held, reason=msg.reason)
+        if not held:   # it finished (its answers are on their way) or never came
+            return GroupAborted(group_id=gid, held=False, stopped=True)
+        self.aborted.add(gid)
+        if len(self.aborted) > 100_000:   # bounded: group ids are never issued twice
+            self.aborted.clear()
+        self.counters["groups_aborted"] += 1
+        done = self._group_done[gid]
+        if self.engine is not None and gid in self.active:
+            await self.engine.abort(gid)
+        try:
+            await asyncio.wait_for(done.wait(), self.cfg.drain_timeout / 2)
+        except TimeoutError:
+            return GroupAborted(group_id=gid, held=True, stopped=False)
+        return GroupAborted(group_id=gid, held=True, stopped=True)
 
     async def _return(self, group_id: str, reason: str) -> None:
         self.counters["groups_returned"] += 1

@@ -16,6 +16,15 @@ whatever its exit code, and one still running ``RUN_END_GRACE_S`` later (``AFTER
 one) missed the RunFinished and is stopped: SIGTERM, then SIGKILL after ``stop_timeout``. Otherwise an actor
 left waiting for peers that have gone would keep the launcher waiting with it.
 
+Readiness. Each actor has its own ready budget (``ready_budgets[name]``, else ``ready_timeout``) from its
+first start: what it starts decides it (a rollout waits for its SGLang server, which may take minutes to
+load weights and capture CUDA graphs; tools/up.py derives the budgets). ``start()`` returns once every actor
+is ready, except those of late-joining groups (``late_joiners[group]``: how many of the group's instances
+must be ready first). The others join when they are ready; one past its budget is reported
+(``actor_not_ready``) and left starting; one given up on (restart limit) is reported and left down, and the
+run goes on while its group keeps at least that many. A required actor past its budget, or a group that can
+no longer reach its number, is a NotReadyError.
+
 Clean stop: SIGTERM to all, wait ``stop_timeout``, SIGKILL stragglers.
 
     sup = Supervisor(specs, run_dir)
@@ -48,6 +57,7 @@ __all__ = ["Supervisor", "SupervisorError", "NotReadyError"]
 _POLL_S = 0.05
 AFTER_RUN_GRACE_S = 5.0   # for a restarted actor still running after the run ended to end by itself
 RUN_END_GRACE_S = 60.0    # for any other actor (RunFinished reaches it within seconds)
+TMP_RECORDS = "tmpdirs"   # RUN_DIR/tmpdirs/<actor>: the path of its current process's TMPDIR
 
 
 class SupervisorError(RuntimeError):
@@ -67,6 +77,9 @@ class _Child:
     finished: bool = False
     restart_times: deque = field(default_factory=deque)
     last_exit: int | None = None
+    ready_by: float = 0.0            # its ready budget ends here (from its first start)
+    late_reported: bool = False      # a late joiner past its budget was reported
+    given_up: bool = False           # a late joiner left down after its restart limit
     monitor: asyncio.Task | None = None
     first_error: str | None = None   # the error of its first death: what went wrong, before any restart
 
@@ -107,12 +120,16 @@ class Supervisor:
                  backoff_max: float = _DEFAULTS.backoff_max,
                  ready_timeout: float = _DEFAULTS.ready_timeout,
                  stop_timeout: float = _DEFAULTS.stop_timeout,
+                 ready_budgets: dict[str, float] | None = None,
+                 late_joiners: dict[str, int] | None = None,
                  on_restart: Callable[[str, int, int | None], Any] | None = None,
                  on_giveup: Callable[[str, str], Any] | None = None,
                  run_over: Callable[[], bool] | None = None,
                  log: Any = None) -> None:
         """``run_over``: when it returns True, an actor that exits is finished whatever its exit code (the
-        run's work is done; a restart would wait forever for peers that have already left)."""
+        run's work is done; a restart would wait forever for peers that have already left).
+        ``ready_budgets``: seconds each actor (by name) has to report ready, else ``ready_timeout``;
+        ``late_joiners``: group -> instances that must be ready before start() returns (the rest join later)."""
         names = [s.name for s in specs]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -126,6 +143,9 @@ class Supervisor:
         self.backoff_max = backoff_max
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
+        self.ready_budgets = dict(ready_budgets or {})
+        self.late_joiners = dict(late_joiners or {})
+        self._started = False
         self.on_restart = on_restart
         self.on_giveup = on_giveup
         self.run_over = run_over
@@ -139,37 +159,81 @@ class Supervisor:
     # ---------------------------------------------------------------------------------------- public
 
     async def start(self) -> None:
-        """Start every actor and wait until all are ready (NotReadyError after ready_timeout)."""
+        """Start every actor and wait until the run can begin: every actor ready but the late joiners beyond
+        their group's number (NotReadyError when an actor's ready budget runs out first)."""
         self._done = asyncio.Event()
-        for d in ("specs", "logs", "ready"):
+        for d in ("specs", "logs", "ready", TMP_RECORDS):
             (self.run_dir / d).mkdir(parents=True, exist_ok=True)
+        self._remove_left_tmp()
         for child in self.children.values():
             await self._spawn(child)
+            child.ready_by = child.started_at + self.budget(child.spec.name)
             child.monitor = asyncio.get_running_loop().create_task(self._watch(child),
                                                                    name=f"supervise-{child.spec.name}")
         try:
-            await self.wait_ready(self.ready_timeout)
+            await self.wait_ready()
         except SupervisorError:
             await self.stop()
             raise
+        self._started = True
+        late = sorted(n for n, c in self.children.items() if not c.ready and not c.finished)
+        if late:
+            self.log.info("run_starts_without", actors=late,
+                          hint="they join when they are ready (late_joiners); each has its own ready budget")
 
-    async def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    def budget(self, name: str) -> float:
+        """Seconds the actor has to report ready, from its first start."""
+        return self.ready_budgets.get(name, self.ready_timeout)
+
+    @staticmethod
+    def group_of(name: str) -> str:
+        return name.rsplit(".", 1)[0] if name.rpartition(".")[2].isdigit() else name
+
+    def _late_group(self, name: str) -> str | None:
+        group = self.group_of(name)
+        return group if group in self.late_joiners else None
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Until the run can begin (see start()); ``timeout`` caps every actor's budget."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._failure is not None:
                 raise SupervisorError(self._failure)
-            missing = [c for c in self.children.values() if not c.ready and not c.finished]
-            if not missing:
+            now = time.monotonic()
+            waiting = [c for c in self.children.values() if not c.ready and not c.finished]
+            required = [c for c in waiting if self._late_group(c.spec.name) is None]
+            short = {g: n for g, n in self.late_joiners.items() if self._ready_in(g) < n}
+            if not required and not short:
                 return
-            if time.monotonic() >= deadline:
-                parts = []
-                for c in missing:
-                    state = "running" if c.proc is not None and c.proc.returncode is None else \
-                        f"exited {c.proc.returncode if c.proc else '?'}"
-                    lines = self._last_lines(c.spec.name)
-                    parts.append(f"{c.spec.name} ({state}); last log lines:\n    " + "\n    ".join(lines or ["<none>"]))
-                raise NotReadyError(f"not ready after {timeout:.0f}s: " + "\n".join(parts))
+            expired = [c for c in required if now >= min(c.ready_by, deadline or c.ready_by)]
+            hopeless = {g: n for g, n in short.items() if self._possible_in(g, now, deadline) < n}
+            if expired or hopeless:
+                parts = [self._not_ready_line(c, now) for c in expired]
+                for group, need in hopeless.items():
+                    out = [c for c in waiting if self.group_of(c.spec.name) == group]
+                    parts.append(f"group {group}: {self._ready_in(group)} of the {need} instances the run needs "
+                                 f"are ready, and the others' ready budgets ran out:\n"
+                                 + "\n".join(self._not_ready_line(c, now) for c in out[:4]))
+                raise NotReadyError("not ready in time: " + "\n".join(parts))
             await asyncio.sleep(_POLL_S)
+
+    def _members(self, group: str) -> list[_Child]:
+        return [c for n, c in self.children.items() if self.group_of(n) == group]
+
+    def _ready_in(self, group: str) -> int:
+        return sum(1 for c in self._members(group) if c.ready)
+
+    def _possible_in(self, group: str, now: float, deadline: float | None) -> int:
+        """Members that are ready, or may still be: alive and within their budget."""
+        return sum(1 for c in self._members(group)
+                   if c.ready or (not c.given_up and not c.finished and now < min(c.ready_by, deadline or c.ready_by)))
+
+    def _not_ready_line(self, c: _Child, now: float) -> str:
+        state = "running" if c.proc is not None and c.proc.returncode is None else \
+            f"exited {c.proc.returncode if c.proc else '?'}"
+        lines = self._last_lines(c.spec.name)
+        return (f"{c.spec.name} ({state}; ready budget {self.budget(c.spec.name):.0f}s); last log lines:\n    "
+                + "\n    ".join(lines or ["<none>"]))
 
     async def run(self) -> None:
         """Supervise until stop() (returns) or an actor cannot be kept up (raises SupervisorError)."""
@@ -200,8 +264,9 @@ class Supervisor:
                     self.log.warning("actor_killed", actor=n, reason=f"still running {self.stop_timeout}s after SIGTERM")
                     _signal(p, signal.SIGKILL)
             await asyncio.gather(*waits.values(), return_exceptions=True)
-        for path in self._tmp_dirs.values():
+        for name, path in self._tmp_dirs.items():
             shutil.rmtree(path, ignore_errors=True)
+            (self.run_dir / TMP_RECORDS / name).unlink(missing_ok=True)
         self._tmp_dirs.clear()
         if self._done is not None:
             self._done.set()
@@ -247,7 +312,29 @@ class Supervisor:
         path = Path(tempfile.mkdtemp(prefix=f"areal-{name}-"))
         path.chmod(0o711)
         self._tmp_dirs[name] = path
+        # Recorded in the run directory: a launcher killed with -9 cannot remove it, its relaunch does.
+        (self.run_dir / TMP_RECORDS / name).write_text(str(path))
         return path
+
+    def _remove_left_tmp(self) -> None:
+        """Remove the temporary directories a previous launcher of this run directory left (it was killed
+        before it could): each is recorded under RUN_DIR/tmpdirs/<actor>. Only a directory of that actor's
+        name made by this user in the temporary directory is removed, whatever the record says."""
+        for name in self.children:
+            record = self.run_dir / TMP_RECORDS / name
+            try:
+                left = Path(record.read_text().strip())
+            except OSError:
+                continue
+            try:
+                owned = left.stat().st_uid == os.getuid()
+            except OSError:   # gone already (or on another node's disk)
+                owned = False
+            if (owned and left.parent == Path(tempfile.gettempdir()) and left.name.startswith(f"areal-{name}-")
+                    and left not in self._tmp_dirs.values()):
+                shutil.rmtree(left, ignore_errors=True)
+                self.log.info("tmp_dir_removed", actor=name, path=str(left), why="left by an earlier launcher")
+            record.unlink(missing_ok=True)
 
     def _check_ready(self, child: _Child) -> bool:
         try:
@@ -268,7 +355,15 @@ class Supervisor:
                     if not child.ready and self._check_ready(child):
                         child.ready = True
                         self.log.info("actor_ready", actor=name, pid=proc.pid,
-                                      after_s=round(time.monotonic() - child.started_at, 3))
+                                      after_s=round(time.monotonic() - child.started_at, 3),
+                                      **({"joined_late": True} if self._started else {}))
+                    if (self._started and not child.ready and not child.late_reported
+                            and time.monotonic() > child.ready_by):
+                        # A late joiner whose budget ran out (a server that never comes up): the run goes on
+                        # without it; it keeps starting, and joins if it ever is ready.
+                        child.late_reported = True
+                        self.log.warning("actor_not_ready", actor=name, ready_budget_s=self.budget(name),
+                                         restarts=self.restarts[name], last_lines=self._last_lines(name))
                     # Once the run is over, every actor ends by itself, unless it missed the RunFinished: a
                     # restarted process can have been starting when the run ended (the message went to its dead
                     # predecessor), and the actor that ends the run can fail or die before telling everyone. It
@@ -352,6 +447,21 @@ class Supervisor:
     async def _give_up(self, child: _Child, code: int | None) -> None:
         name = child.spec.name
         lines = self._last_lines(name)
+        group = self._late_group(name)
+        if group is not None:
+            child.given_up = True
+            left = sum(1 for c in self._members(group) if not c.given_up)
+            if left >= self.late_joiners[group]:
+                # One of many interchangeable workers: reported and left down; the run goes on.
+                self.log.error("actor_given_up", actor=name, exit_code=code, restarts=self.restarts[name],
+                               last_lines=lines, run_goes_on=True, group_left=left,
+                               first_error=child.first_error)
+                if self.on_giveup is not None:
+                    try:
+                        self.on_giveup(name, f"{name} left down after {len(child.restart_times) + 1} deaths")
+                    except Exception as exc:
+                        self.log.error("on_giveup_failed", error=repr(exc))
+                return
         # A restart can fail for a reason of its own (a stateful actor refuses one): the first error is the
         # cause, and it leads the message.
         cause = f"; its first failure: {child.first_error}" if child.first_error else ""

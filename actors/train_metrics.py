@@ -72,6 +72,19 @@ def _accuracy_by_level(batch: BatchTensors) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in sorted(by.items())}
 
 
+def trained_history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps' records of the history that was trained, in step order, from metrics.jsonl's lines in the
+    order written. A restarted or resumed trainer writes the steps it trains again: a step at or below the one
+    before it means the history was rolled back there, so the records it replaces are left out (what a
+    summary counts is what was trained, once)."""
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        while kept and kept[-1]["step"] >= record["step"]:
+            kept.pop()
+        kept.append(record)
+    return kept
+
+
 class MetricsWriter:
     """A step's metrics appended to ``metrics.jsonl`` and, where tensorboard imports, to TensorBoard."""
 

@@ -15,6 +15,19 @@ One training step (version v -> v + 1):
     -> metrics (metrics.jsonl + TensorBoard), and a checkpoint every `run.checkpoint_every_steps` (and, with
        `run.checkpoint_every_s`, after a step ending that long after the last one: `recovery.checkpoint_due`)
 
+Publishing runs beside training (eta > 0): a task of its own exports the newest version whenever the last one
+has reached the parameter server. A step waits for its own version's publish as long as publishing keeps up
+(at most `publish_wait_s`: 5 times the longest publish so far, at least PUBLISH_WAIT_MIN_S), which keeps
+a healthy run's messages in one order (tools.replay replays it); when a publish takes longer, or an older one
+is still under way, the step goes on without it. A parameter server that is frozen or slow therefore holds up
+training only for that first wait: it goes on with the rollouts' weights as they are, for as long as their
+samples stay within eta versions (the buffer's staleness bound is the limit, as for any slow push), and the
+newest version is published once the server answers again; versions made meanwhile are skipped, not queued.
+(A replacement parameter server was the other way: it would need the supervisor to kill a process that may
+yet come back, and the rollouts to re-form their link with a new one, for a gain the staleness bound already
+gives.) The engine is used by one of them at a time (``_engine_lock``): an export sees whole steps. With
+eta = 0 (synchronous) each step waits for its version to be published and reach every rollout.
+
 The parts: the step's math in actors/train_step.py, its metrics in actors/train_metrics.py, the other
 ranks' loop in actors/rank_group.py, the weights path in actors/weight_sync/.
 
@@ -117,6 +130,9 @@ def _make_megatron_engine(cfg: TrainerSettings, model_dir: str, version: int) ->
 # A request to the buffer is asked again each time the buffer restarts while it waits (a restarted buffer
 # says so with HelloRequest); this bounds how many restarts one request outlives.
 BUFFER_ATTEMPTS = 10
+PUBLISH_RETRY_S = 2.0     # the pause after a failed publish, times the failures in a row (at most 30 s)
+PUBLISH_WAIT_MIN_S = 30.0   # the least a step waits for its version's publish (publish_wait_s)
+FINAL_PUBLISH_S = 120.0   # how long the run's end waits for its last version to be published
 
 
 class TrainerActor(Actor):
@@ -195,19 +211,43 @@ class TrainerActor(Actor):
             return
         self.bucket_bytes = cfg.weight_bucket_mb << 20
         self.param_server = (cfg.groups.get("param_server") or [None])[0]
+        self._engine_lock = asyncio.Lock()       # a step, an export or a save at a time
+        self._new_version = asyncio.Event()      # a version newer than the published one exists
+        self._published_changed = asyncio.Event()
+        self.published = self.version            # the newest version the weights path took (and its push figures)
+        self.publish_seconds = 0.0               # export and publish of that version
+        self._publish_seconds_max = 0.0
+        # The parameter server's view after the newest publish (_push_stats); before one, what it reports with
+        # no push made yet.
+        self.push_stats: dict[str, float] = {}
+        self._phase = ("starting", time.time())  # what the loop does now, for the status file
         self._link_lock = asyncio.Lock()   # the weights channel of a pipeline-parallel trainer, one lead at a time
         try:
             self.weights: WeightSender | None = make_sender(self, self.weight_ranks, self._link_lock)
         except WeightSyncConfigError as exc:
             raise TrainerConfigError(str(exc)) from None
         self.metrics = MetricsWriter(self.run_dir, self.log)
+        if self.weights is not None:
+            self.push_stats = {"weight_push_seconds": 0.0, "gen_stall_seconds": 0.0}
         self.log.info("trainer_started", version=self.version, model=model_dir, total_steps=self.total_steps)
 
     async def on_ready(self) -> None:
         if self.ranks is not None and not self.ranks.leader:
             self.spawn(self._follow(), name="follow_rank0")
         else:
+            self._publisher_task = self.spawn(self._publisher(), name="publisher")
             self.spawn(self._train_loop(), name="train_loop")
+
+    def progress(self) -> dict[str, Any]:
+        if not hasattr(self, "_phase"):   # ranks > 0 follow rank 0
+            return {"rank": self.ranks.rank if getattr(self, "ranks", None) is not None else 0}
+        what, since = self._phase
+        return {"version": self.version, "total_steps": self.total_steps, "phase": what,
+                "phase_for_s": round(time.time() - since, 1), "published": self.published,
+                "step_seconds_max": round(getattr(self, "_step_seconds_max", 0.0), 3)}
+
+    def _enter(self, phase: str) -> None:
+        self._phase = (phase, time.time())
 
     async def on_stop(self) -> None:
         if getattr(self, "metrics", None) is not None:
@@ -305,31 +345,44 @@ class TrainerActor(Actor):
     # --- the loop ---------------------------------------------------------------------------------
     async def _train_loop(self) -> None:
         last_end = time.time()
+        self._step_seconds_max = 0.0
         while self.version < self.total_steps:
             t_wait = time.time()
+            self._enter(f"waiting for the batch of step {self.version + 1} from the buffer")
             batch = await self._ask_buffer(BatchRequest(step=self.version + 1), timeout=None)
             assert isinstance(batch, BatchTensors)
-            t0 = time.time()
-            stats = await asyncio.to_thread(self._train_step, batch)
-            self.version += 1
+            self._enter(f"training step {self.version + 1}")
+            async with self._engine_lock:
+                t0 = time.time()
+                stats = await asyncio.to_thread(self._train_step, batch)
+                self.version += 1
             train_seconds = time.time() - t0
+            self._new_version.set()
             if self.eta == 0:
                 # Synchronous: the next batch may only start once every rollout samples with these weights.
-                sync_seconds = await self._publish()
+                self._enter(f"publishing version {self.version} (synchronous: every rollout must have it)")
+                await self._published_at(self.version, timeout=None)
+                sync_seconds = self.publish_seconds
                 await self._wait_rollouts_at(self.version)
                 await self.bus.send("buffer", VersionUpdate(version=self.version))
             else:
                 # Asynchronous: open the gate at once; rollouts switch weights while they generate, and
                 # the staleness bound (checked again at batch time) covers samples begun on older weights.
+                # The publisher sends the version on its way; the step waits for it while publishing keeps up.
+                publisher_idle = self.published == self.version - 1
                 await self.bus.send("buffer", VersionUpdate(version=self.version))
-                sync_seconds = await self._publish()
+                if publisher_idle and not await self._published_at(self.version, timeout=self.publish_wait_s()):
+                    self.log.warning("step_goes_on_without_its_publish", version=self.version,
+                                     published=self.published, waited_s=round(self.publish_wait_s(), 1))
+                sync_seconds = self.publish_seconds   # the newest publish that completed
             end = time.time()
             stats.update(step=self.version, version=self.version, wait_seconds=t0 - t_wait,
                          train_seconds=train_seconds, weight_sync_seconds=sync_seconds,
                          step_seconds=end - last_end, time=end, buffer_depth=batch.stats.depth,
                          buffer_running=batch.stats.running, dropped_stale=batch.stats.dropped_stale,
                          dropped_uniform=batch.stats.dropped_uniform, reissued=batch.stats.returned,
-                         epoch=batch.stats.epoch, **await self._push_stats())
+                         epoch=batch.stats.epoch, **self.push_stats)
+            self._step_seconds_max = max(self._step_seconds_max, end - last_end)
             if batch.stats.rollout_utilisation >= 0:   # -1: no rollout clocks arrived since the last batch
                 stats["rollout_utilisation"] = batch.stats.rollout_utilisation
             stats["effective_throughput"] = stats["n_tokens"] / max(stats["step_seconds"], 1e-9)
@@ -337,9 +390,18 @@ class TrainerActor(Actor):
             self._record(stats)
             if checkpoint_due(self.version, self.total_steps, self.ckpt_every, self.ckpt_every_s,
                               time.monotonic() - self.last_ckpt):
+                self._enter(f"checkpointing step {self.version}")
                 await self._checkpoint()
+        self._enter(f"publishing the last version, {self.version}")
+        if not await self._published_at(self.version, timeout=FINAL_PUBLISH_S):
+            self.log.warning("last_version_not_published", version=self.version, published=self.published,
+                             waited_s=FINAL_PUBLISH_S)
+        async with self._engine_lock:   # not in the middle of an export, whose ranks > 0 follow it
+            self._publisher_task.cancel()
+        await self._last_version_pushed()
         # Marked before telling anyone: the supervisor must know the run is over when the others exit.
         mark_run_finished(self.run_dir, self.version)
+        self._enter("finishing the run")
         try:
             await self._stop_ranks()
         finally:   # the run is over whatever the other ranks did: every actor must hear it (a failure is raised)
@@ -355,20 +417,68 @@ class TrainerActor(Actor):
         """The other ranks' engine calls end, then their weights channel, once no broadcast is led on it (the
         parameter server may still ask for the last version's): they leave when both have ended."""
         if self.ranks is not None:
-            await asyncio.to_thread(self.ranks.lead, STOP)
+            async with self._engine_lock:
+                await asyncio.to_thread(self.ranks.lead, STOP)
         if self.weight_ranks is not None:
             async with self._link_lock:
                 await asyncio.to_thread(self.weight_ranks.lead, STOP)
 
-    async def _publish(self) -> float:
-        """Weights of the new version on their way to the rollouts (the path's sender says how); returns the
-        seconds it took."""
-        if self.weights is None:
-            return 0.0
-        t0 = time.time()
-        buckets, stages = await asyncio.to_thread(self._export)
-        await self.weights.publish(self.version, buckets, stages)
-        return time.time() - t0
+    async def _publisher(self) -> None:
+        """Publish the newest version whenever one is newer than the last published (see the module's
+        docstring). A failed publish is logged and tried again with the newest version; only a placement
+        error, which no retry mends, stops the run."""
+        failures = 0
+        while True:
+            await self._new_version.wait()
+            self._new_version.clear()
+            while self.published < self.version:
+                if self.weights is None:
+                    self.published = self.version
+                    break
+                t0 = time.time()
+                async with self._engine_lock:   # between steps: the export is of one whole version
+                    version = self.version
+                    buckets, stages = await asyncio.to_thread(self._export)
+                error: Exception | None = None
+                try:
+                    await self.weights.publish(version, buckets, stages)
+                except (WeightSyncConfigError, TrainerConfigError):
+                    raise
+                except Exception as exc:   # the parameter server is away, frozen or restarting: try again
+                    error = exc
+                finally:
+                    del buckets, stages   # not held while waiting to retry: the next export may need the memory
+                if error is not None:
+                    failures += 1
+                    self.counters["publish_failures"] += 1
+                    self.log.warning("publish_failed_will_retry", version=version, failures=failures,
+                                     error=repr(error)[:300])
+                    await asyncio.sleep(min(PUBLISH_RETRY_S * failures, 30.0))
+                    continue
+                failures = 0
+                self.publish_seconds = time.time() - t0
+                self._publish_seconds_max = max(self._publish_seconds_max, self.publish_seconds)
+                self.push_stats = await self._push_stats() or self.push_stats   # kept when the server is away
+                self.published = version
+                self._published_changed.set()
+            self._published_changed.set()
+
+    def publish_wait_s(self) -> float:
+        """How long a step waits for its version's publish: 5 times the longest publish so far, at least
+        PUBLISH_WAIT_MIN_S."""
+        return max(PUBLISH_WAIT_MIN_S, 5 * self._publish_seconds_max)
+
+    async def _published_at(self, version: int, timeout: float | None) -> bool:
+        """Wait until ``version`` (or a newer one) is published; False if ``timeout`` passed first."""
+        async def reached() -> None:
+            while self.published < version:
+                self._published_changed.clear()
+                await self._published_changed.wait()
+        try:
+            await asyncio.wait_for(reached(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     @handles(LinkReform)
     async def on_link_reform(self, msg: LinkReform) -> LinkFormed:
@@ -403,6 +513,20 @@ class TrainerActor(Actor):
         return {"weight_push_seconds": status.last_sync_seconds,
                 "gen_stall_seconds": sum(stalls) / len(stalls) if stalls else 0.0}
 
+    async def _last_version_pushed(self) -> None:
+        """The run's end waits (briefly, once) for the rollouts to hold its last version, as a step waits in
+        synchronous mode: the run ends with every live rollout on the final weights, not in mid-push."""
+        if self.weights is None or self.published < self.version:
+            return
+        try:
+            status = await self.bus.request(self.param_server, WeightsStatusRequest(
+                min_version=self.version, timeout_s=10.0), timeout=30.0)
+        except (BusError, TimeoutError) as exc:
+            self.log.warning("last_version_push_unknown", error=str(exc)[:200])
+            return
+        if isinstance(status, WeightsStatus) and not status.reached:
+            self.log.warning("last_version_not_on_every_rollout", version=self.version)
+
     async def _wait_rollouts_at(self, version: int) -> None:
         if self.weights is None:
             return
@@ -423,7 +547,8 @@ class TrainerActor(Actor):
         ckpt = checkpoint_dir(self.run_dir, self.version)
         ckpt.mkdir(parents=True, exist_ok=True)
         (ckpt / COMPLETE).unlink(missing_ok=True)   # written again by a trainer restarted in place
-        await asyncio.to_thread(self._save, str(ckpt / "model"))
+        async with self._engine_lock:
+            await asyncio.to_thread(self._save, str(ckpt / "model"))
         reply = await self._ask_buffer(CheckpointRequest(step=self.version), timeout=60)
         if not isinstance(reply, CheckpointDone):
             raise RuntimeError(f"buffer answered {reply!r} to a checkpoint request")

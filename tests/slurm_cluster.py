@@ -19,6 +19,7 @@ from pathlib import Path
 from transport.ports import free_port
 
 HOSTS = Path("/etc/hosts")
+FAKE_GPU_DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/urandom"]
 PACKAGES = ["slurm-wlm", "munge"]
 
 
@@ -54,13 +55,19 @@ def _wait(predicate, timeout: float, what: str, interval: float = 0.1) -> None:
 class SlurmCluster:
     """``with SlurmCluster(scratch, nodes=2) as cluster: subprocess.run([...], env=cluster.env)``"""
 
-    def __init__(self, scratch: str | Path | None = None, nodes: int = 2, cpus_per_node: int = 2):
+    def __init__(self, scratch: str | Path | None = None, nodes: int = 2, cpus_per_node: int = 2,
+                 gpus_per_node: int = 0):
         # munged runs as the munge user and must reach its files: pytest's tmp dirs (0700) will not do
         self._own_dir = scratch is None
         self.dir = Path(tempfile.mkdtemp(prefix="areal-slurm-") if scratch is None else scratch).resolve()
         os.chmod(self.dir, 0o755)
         self.nodes = [f"n{i}" for i in range(1, nodes + 1)]
         self.cpus = cpus_per_node
+        # Fake GPUs: slurmd 22.05 refuses a count-only gpu GRES ("gres/gpu count reported lower than configured
+        # (0 < 2)"), so each one is a character device every machine has. TaskPlugin=task/none confines nothing.
+        if gpus_per_node > len(FAKE_GPU_DEVICES):
+            raise ValueError(f"at most {len(FAKE_GPU_DEVICES)} fake GPUs per node")
+        self.gpus = gpus_per_node
         self.conf = self.dir / "slurm.conf"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         for key in list(self.env):  # a test run inside someone's allocation must not leak into ours
@@ -95,9 +102,13 @@ class SlurmCluster:
             "JobCompType=jobcomp/none", "MpiDefault=none", "MailProg=/bin/true", "ReturnToService=2",
             "KillWait=5", "InactiveLimit=0",
         ]
+        if self.gpus:
+            lines.append("GresTypes=gpu")
+            (d / "gres.conf").write_text(f"Name=gpu File={','.join(FAKE_GPU_DEVICES[:self.gpus])}\n")
         for i, name in enumerate(self.nodes, start=1):
             lines.append(f"NodeName={name} NodeHostname=localhost NodeAddr={self.address(name)} "
-                         f"Port={free_port()} CPUs={self.cpus} RealMemory=1000")
+                         f"Port={free_port()} CPUs={self.cpus} RealMemory=1000"
+                         + (f" Gres=gpu:{self.gpus}" if self.gpus else ""))
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
         self._add_hosts()

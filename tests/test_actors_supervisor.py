@@ -5,6 +5,7 @@ import asyncio
 import functools
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -45,6 +46,7 @@ class WorkerSettings(ActorSettings):
     bad_setting_then_refuse_restart: bool = False
     hang_on_start: bool = False
     hang_on_drain: bool = False
+    ready_when: str = ""          # a file: on_start waits until it exists (a server that takes long to come up)
 
 
 class WorkerActor(Actor):
@@ -66,6 +68,9 @@ class WorkerActor(Actor):
         if self.cfg.hang_on_start:
             print("worker: stuck in on_start", flush=True)
             await asyncio.Event().wait()
+        if self.cfg.ready_when:
+            print("worker: waiting for its server", flush=True)
+            await poll_until(lambda: os.path.exists(self.cfg.ready_when), 120, "the server to come up")
 
     async def on_drain(self) -> None:
         if self.cfg.hang_on_drain:
@@ -241,7 +246,8 @@ def test_not_ready_names_the_actor_and_its_last_lines(tmp_path: Any) -> None:
         with pytest.raises(NotReadyError) as err:
             await sup.start()
         text = str(err.value)
-        assert "stuck (running)" in text and "stuck in on_start" in text and "fine" not in text.split(":", 1)[1]
+        assert "stuck (running; ready budget 3s)" in text and "stuck in on_start" in text
+        assert "fine" not in text.split(":", 1)[1]
         assert all(pid is None for pid in sup.pids().values())
 
     run(main())
@@ -281,5 +287,64 @@ def test_message_log_survives_a_crash(tmp_path: Any) -> None:
         assert len(outs) == 1 and isinstance(outs[0], InfoReply)
         seg1 = [decode(r.frames)[1] for r in records if r.kind == "in" and r.segment == 1]
         assert [type(m).__name__ for m in seg1] == ["Note", "InfoRequest"]
+
+    run(main())
+
+
+def test_each_actor_waits_its_own_ready_budget(tmp_path: Any) -> None:
+    # One ready_timeout for all (120 s) stopped a run whose SGLang servers take minutes to load and capture
+    # CUDA graphs; each actor now has the budget of what it starts.
+    server_up = tmp_path / "server_up"
+
+    async def main() -> None:
+        sup = Supervisor([spec(tmp_path, "fast"), spec(tmp_path, "slow", ready_when=str(server_up))], tmp_path,
+                         ready_timeout=8.0, ready_budgets={"slow": 60.0})
+        t0 = time.monotonic()
+        starting = asyncio.ensure_future(sup.start())
+        await until(lambda: sup.children["fast"].ready, what="fast to be ready")
+        # the slow one's server comes up after ready_timeout: only its own budget counts
+        await asyncio.sleep(max(0.0, 8.5 - (time.monotonic() - t0)))
+        assert not starting.done()
+        server_up.write_text("")
+        await starting
+        assert sup.children["slow"].ready
+        await sup.stop()
+
+    run(main())
+
+
+def test_the_run_starts_with_enough_late_joiners_and_one_that_never_comes_up_is_reported(tmp_path: Any) -> None:
+    # A rollout is ready only once its server is up. The run starts with enough of them; a late one joins
+    # when its server is up; one whose server never comes up is reported and left down. Neither stops it.
+    server_up = tmp_path / "server_up"
+
+    async def main() -> dict[str, Any]:
+        sup = Supervisor([spec(tmp_path, "r.0"), spec(tmp_path, "r.1", ready_when=str(server_up)),
+                          spec(tmp_path, "r.2", crash_on_start=True), spec(tmp_path, "buffer")], tmp_path,
+                         backoff_initial=0.02, max_restarts=1, ready_timeout=60, late_joiners={"r": 1})
+        await sup.start()                                   # r.0 and buffer are ready: the run begins
+        assert sup.children["r.0"].ready and sup.children["buffer"].ready and not sup.children["r.1"].ready
+        running = asyncio.ensure_future(sup.run())
+        await until(lambda: sup.children["r.2"].given_up, what="r.2 to be given up")
+        server_up.write_text("")
+        await until(lambda: sup.children["r.1"].ready, what="r.1 to join")
+        assert not running.done()                           # the run goes on
+        await sup.stop()
+        await running
+        return {"restarts": dict(sup.restarts)}
+
+    out = run(main())
+    assert out["restarts"]["r.2"] == 1
+
+
+def test_a_late_joining_group_that_cannot_reach_its_number_stops_the_start(tmp_path: Any) -> None:
+    async def main() -> None:
+        sup = Supervisor([spec(tmp_path, "r.0"), spec(tmp_path, "r.1", crash_on_start=True),
+                          spec(tmp_path, "r.2", crash_on_start=True)], tmp_path,
+                         backoff_initial=0.02, max_restarts=1, ready_timeout=60, late_joiners={"r": 2})
+        with pytest.raises(SupervisorError) as err:
+            await sup.start()
+        assert "r.1" in str(err.value) or "r.2" in str(err.value)
+        assert all(pid is None for pid in sup.pids().values())
 
     run(main())

@@ -77,6 +77,18 @@ def test_a_fault_run_reports_it_survived_with_nothing_lost(fault: str, tmp_path:
     assert result["lost"] == 0 and result["twice"] == 0 and result["trained"] == 6 * 4, result
 
 
+def test_a_stall_meets_the_target_only_when_diagnosed_and_a_freeze_only_when_training_went_on() -> None:
+    stalled = {"fault": "stall_buffer", "exit_code": 1, "diagnosed": True, "lost": 0, "twice": 0,
+               "survived_in_place": False, "staleness_max": 1, "eta": 1, "steps_while_frozen": None}
+    frozen = {"fault": "freeze_param_server", "exit_code": 0, "diagnosed": True, "lost": 0, "twice": 0,
+              "survived_in_place": True, "staleness_max": 1, "eta": 1, "steps_while_frozen": 2}
+    assert chaos.target_met([stalled, frozen])
+    for bad in ({"diagnosed": False}, {"exit_code": 0}, {"lost": 1}):
+        assert not chaos.target_met([{**stalled, **bad}])
+    for bad in ({"steps_while_frozen": 0}, {"survived_in_place": False}, {"diagnosed": False}, {"twice": 1}):
+        assert not chaos.target_met([{**frozen, **bad}])
+
+
 # ---------------------------------------------------------------- the intruder the attack rows run as another user
 
 

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from actors.buffer_state import BufferState, Resume, ledger_after_resume, plan_resume
+from algo.serving import DecodePace, groups_in_kv
 from transport.protocol import Answers, Sample
 
 
@@ -165,8 +166,11 @@ def test_a_dead_or_restarted_workers_groups_are_issued_again_and_late_answers_ig
 def test_groups_with_no_result_expire_and_invalid_prompts_are_dropped() -> None:
     st = state(eta=0, batch_size=2, group_timeout_s=10.0)
     a, b = issue_all(st, now=0.0)
-    assert st.expire(5.0) == {}
-    assert set(st.expire(11.0)) == {a.group_id, b.group_id} and list(st.reissue) == [a.key, b.key]
+    assert st.overdue(5.0) == {}
+    assert set(st.overdue(11.0)) == {a.group_id, b.group_id} and not st.reissue
+    for g in (a, b):
+        st.hand_back(g.group_id)      # their rollouts stopped them
+    assert list(st.reissue) == [a.key, b.key]
     c, d = issue_all(st, now=20.0)
     assert (c.key, d.key) == (a.key, b.key)
     dropped = st.drop_invalid(c.group_id)
@@ -208,7 +212,9 @@ def test_the_buffer_checkpoints_into_its_own_run_directory_only(tmp_path) -> Non
     files = BufferFiles(tmp_path)
     for step in (2, 3, 4):
         files.served_path(step).write_bytes(b"")
-    checkpoint_dir(tmp_path, 3).mkdir(parents=True)
+    (checkpoint_dir(tmp_path, 3) / "model").mkdir(parents=True)   # a complete checkpoint has both parts
+    (checkpoint_dir(tmp_path, 3) / "model" / "model.safetensors").write_bytes(b"weights")
+    (checkpoint_dir(tmp_path, 3) / "buffer.json").write_text("{}")
     mark_complete(checkpoint_dir(tmp_path, 3), {"step": 3})
     path = files.write_checkpoint(4, {"position": 5})
     assert path == checkpoint_dir(tmp_path, 4) / "buffer.json" and json.loads(path.read_text()) == {"position": 5}
@@ -295,6 +301,54 @@ def test_a_run_with_deaths_drops_and_restores_trains_every_prompt_once_within_et
     handed_out = [(e, i) for e in range(st.epoch) for i in range(7)] + [(st.epoch, i) for i in st.order[:st.position]]
     assert len(accounted) == len(set(accounted)), "a prompt was trained or dropped twice"
     assert set(accounted) == set(handed_out), "a prompt was lost"
+
+
+# ---------------------------------------------------------------- long generations
+
+
+def test_an_overdue_group_keeps_its_slot_until_its_copy_is_stopped() -> None:
+    # Re-issued at once, a group whose answers are merely long runs twice on a server that was already
+    # behind: the second copy times out in turn, and the load piles up.
+    st = state(eta=4, batch_size=4, rollouts=1, max_per_rollout=2, group_timeout_s=100.0)
+    a, b = issue_all(st, now=0.0)
+    late = st.overdue(150.0)
+    assert set(late) == {a.group_id, b.group_id} and all(f.aborting for f in late.values())
+    assert st.overdue(300.0) == {}                         # once each
+    assert not st.reissue and issue_all(st, now=300.0) == []   # the slots stay taken: nothing more goes there
+    st.hand_back(a.group_id)                               # its rollout says the copy stopped
+    [again] = issue_all(st, now=301.0)
+    assert again.key == a.key and again.group_id != a.group_id
+    assert st.scored(b.group_id, answers()).outcome == "accepted"   # finished after all, as the abort went out
+
+
+def test_the_group_timeout_follows_the_measured_pace() -> None:
+    # A fixed 1,800 s cuts 32k-token answers of a 32B model (AReaL's published step there is 6,707 s).
+    st = state(group_timeout_s=None, max_new_tokens=31744, group_size=2, pace=DecodePace(5.0, 3.0, 60.0))
+    assert st.group_timeout() == pytest.approx(3 * 31744 / 5.0)        # assumed until measured
+    [issue, *_] = issue_all(st)
+    slow = answers()
+    slow.samples[0].output_ids = [2] * 20000
+    slow.gen_seconds = 4000.0                                         # 0.2 s per token for its longest answer
+    st.scored(issue.group_id, slow)
+    assert st.group_timeout() == pytest.approx(3 * 31744 * 0.2)       # 19,046 s
+    assert state(group_timeout_s=1800.0).group_timeout() == 1800.0    # a configured one stays fixed
+
+
+def test_a_rollout_holds_the_groups_its_servers_kv_pool_fits() -> None:
+    # topology/64node.yaml at 7B: the KV pool of a tp-2 server holds 60 answers of 32k (tools.plan); 16
+    # answers a group and 8 groups a rollout put 128 requests on it.
+    st = state(eta=8, batch_size=64, rollouts=2, max_per_rollout=8, group_size=16, max_new_tokens=31744,
+               prompt_tokens=1024.0)
+    st.worker_hello("rollout.0", kv_tokens=60 * 32768)
+    issues = issue_all(st)
+    held = {r: sum(1 for i in issues if i.rollout == r) for r in st.rollouts}
+    assert held == {"rollout.0": 3, "rollout.1": 8}        # rollout.1 reported no pool: max_groups_per_rollout
+    assert st.rollout_cap("rollout.0") == groups_in_kv(60 * 32768, 16, 1024 + 31744, 8) == 3
+    short = answers(versions=(0,) * 16, rewards=(5.0,) * 16)
+    for sample in short.samples:
+        sample.output_ids = [2] * 4000
+    st.scored(issues[0].group_id, short)                   # answers are shorter than the limit: more fit
+    assert st.rollout_cap("rollout.0") == 8                # 1,966,080 // (16 x 5,024) = 24, at most 8
 
 
 # ---------------------------------------------------------------- versions

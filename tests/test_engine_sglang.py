@@ -28,7 +28,7 @@ from actors.engines.sglang_group import WeightGroupSender
 from actors.engines.torch_gen import TorchGenerationEngine
 from actors.weights import weights_hash
 from testsupport.bounded import run_bounded, until
-from testsupport.sglang_standin import StandinThread
+from testsupport.sglang_standin import StandinThread, launch_config
 from testsupport.tiny_models import greedy_reference, random_sequences, tiny_model
 from transport.bulk import bucket_metas
 from transport.ports import free_port
@@ -352,12 +352,6 @@ def test_typed_errors(standin):
         SGLangEngine()
 
 
-def _standin_launch(model_dir: str, tmp_path, **kw) -> LaunchConfig:
-    return LaunchConfig(model_path=model_dir, command=[sys.executable, "-m", "testsupport.sglang_standin"],
-                        log_path=str(tmp_path / "server.log"), health_timeout_s=60.0, backoff_s=0.2,
-                        env={"OMP_NUM_THREADS": "1"}, **kw)
-
-
 def test_launched_server_distributed_weights_and_restart(tmp_path):
     model_dir = str(tmp_path / "start")
     save_model(tiny_model(seed=0), model_dir)
@@ -382,7 +376,7 @@ def test_launched_server_distributed_weights_and_restart(tmp_path):
         return weights_hash(named)
 
     async def main():
-        engine = SGLangEngine(launch=_standin_launch(model_dir, tmp_path), on_server_event=on_server_event)
+        engine = SGLangEngine(launch=launch_config(model_dir, tmp_path), on_server_event=on_server_event)
         await engine.start()
         sender = WeightGroupSender("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=30)
         try:
@@ -445,7 +439,7 @@ def test_an_update_broken_off_between_buckets_keeps_the_server_paused_until_a_wh
                                     asyncio.to_thread(send_all), return_exceptions=True)
 
     async def main():
-        engine = SGLangEngine(launch=_standin_launch(model_dir, tmp_path, extra_args=["--fail-load-at", "2"]))
+        engine = SGLangEngine(launch=launch_config(model_dir, tmp_path, "--fail-load-at", "2"))
         await engine.start()
         sender = WeightGroupSender("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=30)
         try:
@@ -491,7 +485,7 @@ def test_a_server_that_dies_while_paused_comes_back_unpaused(tmp_path):
         events.append((event, restarts))
 
     async def main():
-        engine = SGLangEngine(launch=_standin_launch(model_dir, tmp_path), on_server_event=on_server_event)
+        engine = SGLangEngine(launch=launch_config(model_dir, tmp_path), on_server_event=on_server_event)
         await engine.start()
         try:
             await engine.pause()

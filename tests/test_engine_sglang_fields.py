@@ -144,3 +144,17 @@ def test_pinned_version_is_the_gpu_extra():
     text = (ROOT / "pyproject.toml").read_text()
     pins = re.findall(r'"sglang(?:\[\w+\])?==([^"]+)"', text)
     assert pins == [SGLANG_VERSION], f"pyproject pins sglang {pins}, the engine speaks {SGLANG_VERSION}"
+
+
+def test_every_line_the_standin_cites_holds_what_it_says():
+    # The stand-in's strictness (testsupport/sglang_standin.py, docs/engines-sglang.md) cites SGLang's source
+    # by file and line; each cited line must hold the text it is cited for.
+    from testsupport.sglang_standin import CITATIONS
+
+    with zipfile.ZipFile(_wheel()) as wheel:
+        drifted = []
+        for path, line, text in CITATIONS:
+            lines = wheel.read(f"sglang/srt/{path}").decode().split("\n")
+            if line > len(lines) or text not in lines[line - 1]:
+                drifted.append(f"{path}:{line} does not hold {text!r}")
+    assert not drifted, drifted

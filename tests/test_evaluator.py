@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from actors.dataset import Record
-from actors.evaluator import EVAL_FILE, eval_entry, evaluated_versions, spread_over_levels
+from actors.evaluator import (EVAL_FILE, eval_entry, evaluated_versions, skipped_versions, spread_over_levels,
+                              weights_on_disk)
 from actors.param_server import kept_for_eval
 from tools.bench.chaos import finish_run, launch, make_assets, ready_info, run_guard, step_records, wait_for_step
 from tools.plot import _plot_evals, eval_accuracy, plot_run
@@ -104,6 +105,11 @@ def test_a_run_evaluates_every_n_versions_without_waiting_for_the_evaluator(tmp_
         assert e["n_prompts"] == 12 and 0.0 <= e["eval/accuracy"] <= 1.0
         assert set(e["by_level"]) == {"1", "2", "3"}
         assert e["newest"] >= e["version"]
+    # Every kept version is evaluated, caught up from its checkpoint, or named as skipped (its weights gone):
+    # the versions passed over while the evaluator was frozen left a silent gap in the curve.
+    skipped = skipped_versions(run_dir / EVAL_FILE)
+    assert set(range(0, STEPS + 1, EVERY)) <= set(versions) | skipped, (versions, skipped)
+    assert not [v for v in skipped if weights_on_disk(v, run_dir, str(assets["model"])) is not None], skipped
     written, notes = plot_run(run_dir)
     assert run_dir / "plots" / "reward.png" in written
     assert not [n for n in notes if EVAL_FILE in n], notes

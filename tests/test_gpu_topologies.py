@@ -88,8 +88,33 @@ def test_slurm_asks_for_what_each_node_has():
 
 
 def test_an_allocation_too_small_for_the_topology_is_refused_with_the_command_that_fits():
-    from tools.up import allocation_shortfall
+    from tools.up import Allocation, allocation_shortfall
     plan = load(Path(__file__).resolve().parent.parent / "topology" / "64node.yaml", check_imports=False)
-    short = allocation_shortfall(plan, {"SLURM_CPUS_ON_NODE": "1"})
-    assert "1 core(s) and 0 GPU(s)" in short and "salloc -N64 --exclusive --gpus-per-node=8" in short
-    assert allocation_shortfall(plan, {"SLURM_CPUS_ON_NODE": "48", "SLURM_GPUS_ON_NODE": "8"}) is None
+    hosts = [f"node{i:03d}" for i in range(64)]
+    short = allocation_shortfall(plan, Allocation({h: 1 for h in hosts}, {h: 0 for h in hosts}, "test"))
+    assert "1 core(s) and 0 GPU(s) (test)" in short and "salloc -N64 --exclusive --gpus-per-node=8" in short
+    assert allocation_shortfall(plan, Allocation({h: 48 for h in hosts}, {h: 8 for h in hosts}, "test")) is None
+    # one node short is enough to refuse; what the allocation does not say is not held against it
+    assert allocation_shortfall(plan, Allocation({h: 48 for h in hosts}, {**{h: 8 for h in hosts}, "node007": 4},
+                                                 "test")) is not None
+    assert allocation_shortfall(plan, Allocation({h: 48 for h in hosts}, None, "test")) is None
+
+
+def test_the_allocation_is_read_from_the_controller_and_salloc_is_not_taken_for_zero_gpus():
+    # The README's `salloc -N64 ... python3 -m tools.up topology/64node.yaml` runs the launcher outside any
+    # step, where SLURM sets neither SLURM_CPUS_ON_NODE nor SLURM_GPUS_ON_NODE (salloc(1), OUTPUT ENVIRONMENT
+    # VARIABLES): read as 0 GPUs, the run was refused. `scontrol show job -d` answers alike everywhere.
+    from tools.up import allocation_from_env, allocation_shortfall, parse_job_details
+    plan = load(Path(__file__).resolve().parent.parent / "topology" / "64node.yaml", check_imports=False)
+    details = parse_job_details("   JOB_GRES=gpu:512\n     Nodes=node[001-064] CPU_IDs=0-47 Mem=0 GRES=gpu:h800:8(IDX:0-7)\n")
+    assert details.least("cpus") == 48 and details.least("gpus") == 8 and len(details.cpus) == 64
+    assert allocation_shortfall(plan, details) is None
+    hosts = [f"node{i:03d}" for i in range(1, 65)]
+    salloc = {"SLURM_JOB_ID": "7", "SLURM_JOB_CPUS_PER_NODE": "48(x64)", "SLURM_JOB_NUM_NODES": "64"}
+    from_env = allocation_from_env(salloc, hosts)
+    assert from_env.least("cpus") == 48 and from_env.gpus is None     # unknown, not zero
+    assert allocation_shortfall(plan, from_env) is None
+    asked = allocation_from_env({**salloc, "SLURM_GPUS_PER_NODE": "h800:8"}, hosts)
+    assert asked.least("gpus") == 8
+    step = allocation_from_env({**salloc, "SLURM_GPUS_ON_NODE": "4"}, hosts)   # srun/sbatch: the step's node
+    assert "4 GPU(s)" in allocation_shortfall(plan, step)

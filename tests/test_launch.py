@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -78,7 +79,18 @@ def test_dry_run_64node_table(capsys: pytest.CaptureFixture) -> None:
     assert "64 node(s), 512 GPU(s) x H800, 370 actor instance(s)" in out
     assert "#0 [8/8 gpu, 32/48 cpu_workers]" in out
     assert "rollout.0 .. rollout.3 (x4)" in out and "0-7 (2 each)" in out
-    assert "weights: nccl group of 193, rank 0 = trainer.0" in out
+    # what the code forms: the servers join the trainer's group with their tp ranks, 1 + 192 x 2
+    assert "1 group(s) of 1 + 192 x 2 = 385 ranks, rank 0 = trainer.0; rollout.0's server is ranks 1-2" in out
+    assert "rendezvous: trainer.0 on #48, a free port picked at each formation; name weights-g<epoch>" in out
+    assert "the link's port 29500 is not used" in out and "group of 193" not in out.replace("own group of 193", "")
+    # the ports a firewall must let through
+    assert "bus: tcp 20000-20369, each actor's own port on its node (CurveZMQ), from every node" in out
+    assert "trainer world: #48:29400 (rendezvous), from its 16 node(s)" in out
+    assert "weights: a free port on #48 (rendezvous, picked at each formation in the ephemeral range" in out
+    # ready budgets: a rollout waits for its SGLang server's own start budget; the run needs half of them
+    assert re.search(r"rollout +192 +96 \(the rest join when ready\) +720 s +supervisor.ready_timeout 120 \+ "
+                     r"sglang.health_timeout_s 600", out), out
+    assert re.search(r"trainer +128 +all +120 s +supervisor.ready_timeout", out)
     assert "NCCL_IB_HCA=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_4,mlx5_5,mlx5_6,mlx5_7" in out
     assert "NCCL_NET_GDR_LEVEL=PHB" in out and "NCCL_SOCKET_IFNAME=bond0" in out
     assert "srun -N64 --ntasks-per-node=1 --cpus-per-task=48 --mem=0 --gpus-per-node=8 --kill-on-bad-exit=1" in out
@@ -272,6 +284,83 @@ def test_a_port_already_in_use_fails_the_dry_run_naming_its_key(tmp_path, capsys
         err = capsys.readouterr().err
         assert f"links.demo.port: port {port} is already in use on this node" in err, err
     assert main([str(topo), "--dry-run"]) == 0
+
+
+def test_the_dry_runs_weights_group_is_the_one_the_rollouts_and_parameter_server_form(tmp_path: Path) -> None:
+    # Each rollout's receiver says how many ranks its server joins with (actors.weight_sync.make_receiver);
+    # the parameter server asks the trainer for a group of 1 + their sum (weight_sync/direct.py).
+    import collections
+    import types
+
+    import structlog
+
+    from actors.engines.sglang import SGLangEngine
+    from actors.weight_sync import make_receiver
+    from topology.settings import RolloutSettings
+    from transport.bulk import LinkConfig
+
+    plan = load(REPO / "topology" / "64node.yaml", check_imports=False)
+    ranks = 0
+    for spec in plan.specs(tmp_path):
+        if not spec["name"].startswith("rollout."):
+            continue
+        cfg = RolloutSettings.model_validate(spec["settings"])
+        rollout = types.SimpleNamespace(cfg=cfg, param_server="param_server", active={}, log=structlog.get_logger(),
+                                        counters=collections.Counter())
+        engine = SGLangEngine.from_settings(cfg, 0, "/models/m", run_dir=str(tmp_path))
+        receiver = make_receiver(rollout, LinkConfig.from_dict(cfg.links["weights"]), engine, verify=None)
+        ranks += receiver.ranks
+    assert 1 + ranks == up.server_groups(plan)["weights"].world == 385
+
+
+def test_node_agents_never_fail_for_late_joiners_and_the_launcher_counts_them_across_nodes() -> None:
+    # srun --kill-on-bad-exit stops every node when one node agent exits non-zero: a node whose rollouts'
+    # servers never come up must not. The launcher counts each late-joining group across the nodes instead.
+    plan = load(REPO / "topology" / "64node.yaml", check_imports=False)
+    args = up.parse_args([str(REPO / "topology" / "64node.yaml")])
+    options = up.supervisor_options(plan, args)
+    assert options["late_joiners"] == {"rollout": 96} and options["ready_budgets"]["rollout.7"] == 720.0
+    assert options["ready_budgets"]["trainer.0"] == 120.0
+    node0 = up.node_supervisor_options(options, ["rollout.0", "rollout.1", "rollout.2", "rollout.3", "reward.0"])
+    assert node0["late_joiners"] == {"rollout": 0} and set(node0["ready_budgets"]) == {
+        "rollout.0", "rollout.1", "rollout.2", "rollout.3", "reward.0"}
+    rules = up.ready_rules(plan, 120.0)
+    rows = {f"rollout.{i}": {"state": "ready" if i < 96 else "starting"} for i in range(192)}
+    reached: set[str] = set()
+    assert up.quorum_problem(rows, rules, 10.0, reached) is None and reached == {"rollout"}
+    rows = {f"rollout.{i}": {"state": "starting"} for i in range(192)}
+    assert up.quorum_problem(rows, rules, 10.0, set()) is None                    # within their budget
+    late = up.quorum_problem(rows, rules, 720.0 + up.QUORUM_GRACE_S + 1, set())
+    assert late and "0 of 192 instances ready after their ready budget (720 s" in late
+    rows = {f"rollout.{i}": {"state": "failed" if i < 97 else "ready"} for i in range(192)}
+    down = up.quorum_problem(rows, rules, 10.0, {"rollout"})
+    assert down and "97 of 192 instances could not be kept up; the run needs 96" in down
+
+
+def test_a_relaunch_removes_the_temporary_directories_a_killed_launcher_left(tmp_path: Path) -> None:
+    # Each kill -9 of the launcher left one TMPDIR per actor (and the bus's socket directory, when the run
+    # directory's path is too long for unix sockets) that no relaunch removed.
+    run_dir = tmp_path / ("r" * 90)
+    topo = demo_topology(tmp_path, "{rounds: 100000000}", link=False)
+    proc = subprocess.Popen([sys.executable, "-m", "tools.up", str(topo), "--run-dir", str(run_dir), "--no-progress"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    with run_guard(proc, run_dir):
+        pids = wait_for_ready(proc, run_dir, 3, LAUNCH_TIMEOUT, "run did not come up")
+        left = [Path((run_dir / "tmpdirs" / name).read_text()) for name in ("echo", "ping.0", "ping.1")]
+        left.append(Path((run_dir / "ipc_dir").read_text()))
+        os.killpg(proc.pid, signal.SIGKILL)           # the launcher, as kill -9 does it
+        proc.wait(timeout=30)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert all(p.is_dir() for p in left), left
+    res = launch(topo, run_dir, "actors.ping.settings.rounds=3")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not [p for p in left if p.exists()], left
+    assert not (run_dir / "tmpdirs").exists() or not list((run_dir / "tmpdirs").iterdir())
 
 
 @pytest.mark.parametrize("insecure", [False, True])

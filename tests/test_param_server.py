@@ -21,8 +21,8 @@ from topology.experiment import ExperimentConfig
 from transport.bulk import BulkLink, LinkConfig
 from transport.bus import Bus, RemoteError
 from transport.ports import free_port
-from transport.protocol import (RolloutHello, ServerDown, WeightsPublished, WeightsStatus, WeightsStatusRequest,
-                                WeightsStored)
+from transport.protocol import (LinkReform, RolloutHello, ServerDown, WeightsPublished, WeightsStatus,
+                                WeightsStatusRequest, WeightsStored)
 
 run = functools.partial(run_bounded, timeout=60.0)
 
@@ -35,6 +35,16 @@ def spec(tmp_path: Path, model_dir: Path, ports: dict[str, int], roll_members: l
                       {"model": {"path": str(model_dir), "dtype": "float32"}, "run": {"recover": "off"},
                        "links": links, "log_console": False, "bus": {"heartbeat_interval": None},
                        "bucket_bytes": 32 << 10}, tmp_path, env={})
+
+
+async def trainer_side(tmp_path: Path, s: ActorSpec, port: int) -> tuple[BulkLink, asyncio.Future, Bus]:
+    """This test as the trainer: its end of the train link (joining at epoch 0, as the parameter server does
+    at the epoch the first announcement names) and its bus."""
+    link = BulkLink(LinkConfig.from_dict(gloo_link("train_to_ps", port, ["trainer", "param_server"], "trainer")))
+    opening = asyncio.ensure_future(asyncio.to_thread(link.open, 0))
+    bus = await Bus("trainer", f"ipc://{tmp_path}/trainer", {"param_server": s.endpoint},
+                    heartbeat_interval=None).start()
+    return link, opening, bus
 
 
 def test_start_weights_hash_matches_a_loaded_model(tmp_path: Path, random_model_dir: Path) -> None:
@@ -66,12 +76,7 @@ def test_publish_checks_the_hash_and_stores_the_newest(tmp_path: Path, random_mo
     async def main() -> None:
         actor = ParamServerActor(s)
         task = asyncio.create_task(actor.run())
-        trainer_link = BulkLink(LinkConfig.from_dict(gloo_link("train_to_ps", ports["train_to_ps"],
-                                                               ["trainer", "param_server"], "trainer")))
-        # The parameter server joins the train link at the epoch the first announcement names.
-        opening = asyncio.ensure_future(asyncio.to_thread(trainer_link.open, 0))
-        trainer = await Bus("trainer", f"ipc://{tmp_path}/trainer", {"param_server": s.endpoint},
-                            heartbeat_interval=None).start()
+        trainer_link, opening, trainer = await trainer_side(tmp_path, s, ports["train_to_ps"])
 
         async def publish(version: int, seed: int, announced: str | None = None) -> Any:
             buckets, digest = tiny_weight_buckets(seed)
@@ -143,6 +148,42 @@ def test_a_rollout_whose_server_died_is_waited_for_until_its_hello(tmp_path: Pat
     run(main())
     log = (tmp_path / "logs" / "param_server.jsonl").read_text()
     assert '"rollout_server_down"' in log and '"no_hello": ["rollout.0", "rollout.1"]' in log
+
+
+def test_a_rollout_whose_server_is_still_starting_does_not_hold_back_new_weights(tmp_path: Path,
+                                                                                random_model_dir: Path) -> None:
+    # A rollout reports ready only once its SGLang server is up (minutes at 7B); the run starts without it.
+    # While it has not said hello the first group waited for it, so a new version reached nobody and the
+    # trainer stalled at the staleness bound. Now the first group forms once a version waits for the others.
+    ports = {"train_to_ps": free_port(), "ps_to_rollout": free_port()}
+    s = spec(tmp_path, random_model_dir, ports, ["param_server", "rollout.0", "rollout.1"])
+    s.peers["rollout.1"] = f"ipc://{tmp_path}/rollout.1"
+
+    async def main() -> list[LinkReform]:
+        actor = ParamServerActor(s)
+        task = asyncio.create_task(actor.run())
+        trainer_link, opening, trainer = await trainer_side(tmp_path, s, ports["train_to_ps"])
+        reforms: asyncio.Queue[LinkReform] = asyncio.Queue()
+        rollout = await Bus("rollout.0", s.peers["rollout.0"], {"param_server": s.endpoint},
+                            handler=lambda env: isinstance(env.msg, LinkReform) and reforms.put_nowait(env.msg),
+                            heartbeat_interval=None).start()
+        await rollout.send("param_server", RolloutHello(version=0))       # rollout.1's server is not up yet
+        buckets, digest = tiny_weight_buckets(1)
+        reply = asyncio.ensure_future(trainer.request("param_server", WeightsPublished(
+            version=1, n_buckets=len(buckets), weights_hash=digest), timeout=30))
+        await opening
+        await asyncio.to_thread(lambda: [trainer_link.send(b, dst=1) for b in buckets])
+        assert isinstance(await reply, WeightsStored)
+        first = await asyncio.wait_for(reforms.get(), 30)
+        actor.request_stop("test over")
+        await task
+        await trainer.close(linger=0)
+        await rollout.close(linger=0)
+        trainer_link.close()
+        return [first]
+
+    [first] = run(main())
+    assert first.members == ["param_server", "rollout.0"]   # formed without the late one
 
 
 def test_param_server_must_be_first_on_the_rollout_link(tmp_path: Path, random_model_dir: Path) -> None:

@@ -139,3 +139,21 @@ def test_dry_run_names_a_warm_start_argument_the_tool_does_not_take(capsys: pyte
     err = capsys.readouterr().err
     assert "experiment.prepare.warm_start.stages[0].args: unknown or reserved key(s) colour, model" in err, err
 
+
+
+def test_overridden_data_paths_leave_the_recipes_folders_alone(tmp_path: Path, model_dir: Path) -> None:
+    # With data.train/test elsewhere and a model that has weights, nothing reads the recipes' folders: the
+    # shipped config's data/arith* were written into the repository anyway.
+    trained = prepare(experiment(tmp_path / "first", model_dir))["model"]["path"]
+    exp = experiment(tmp_path, model_dir)
+    elsewhere = tmp_path / "first" / "d"
+    exp["model"]["path"] = trained
+    exp["data"] = {"train": str(elsewhere / "train.jsonl"), "test": str(elsewhere / "test.jsonl")}
+    lines: list[str] = []
+    prepare(exp, log=lines.append)
+    assert not (tmp_path / "d").exists() and not (tmp_path / "careful").exists(), lines
+    assert any("not making" in line and str(tmp_path / "careful") in line for line in lines), lines
+    # the folder the run reads is still made when it is missing
+    exp["data"] = {"train": str(tmp_path / "d" / "train.jsonl"), "test": str(tmp_path / "d" / "test.jsonl")}
+    prepare(exp, log=lambda _: None)
+    assert (tmp_path / "d" / "train.jsonl").exists() and not (tmp_path / "careful").exists()

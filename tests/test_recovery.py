@@ -65,6 +65,39 @@ def test_nothing_sound_means_no_checkpoint(tmp_path):
     assert latest_checkpoint(tmp_path) is None and resume_checkpoint(tmp_path) is None
 
 
+def test_a_complete_marker_without_a_manifest_is_corrupt_and_set_aside(tmp_path, capsys):
+    # A COMPLETE with no file list once let a truncated safetensors through: every actor that loaded it
+    # failed on its header, again at every restart.
+    make_checkpoint(tmp_path, 2)
+    bad = make_checkpoint(tmp_path, 4)
+    (bad / COMPLETE).write_text(json.dumps({"step": 4}))
+    weights = bad / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:7])
+    assert "has no manifest" in checkpoint_problem(bad)
+    assert latest_checkpoint(tmp_path)[0] == 2
+    assert resume_checkpoint(tmp_path)[0] == 2 and bad.with_name(bad.name + ".corrupt").is_dir()
+    assert "step_000004 is corrupt (COMPLETE has no manifest" in capsys.readouterr().out
+
+
+def test_a_manifest_without_one_of_the_parts_is_corrupt(tmp_path):
+    ckpt = make_checkpoint(tmp_path, 2)
+    meta = json.loads((ckpt / COMPLETE).read_text())
+    del meta["files"]["buffer.json"]
+    (ckpt / COMPLETE).write_text(json.dumps(meta))
+    assert checkpoint_problem(ckpt) == "the manifest lists no buffer.json"
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_every_checkpoint_corrupt_is_said_loudly_before_starting_from_step_0(tmp_path, capsys):
+    for step in (2, 4):
+        ckpt = make_checkpoint(tmp_path, step)
+        (ckpt / "buffer.json").write_text("{}")
+    assert resume_checkpoint(tmp_path) is None
+    out = capsys.readouterr().out
+    assert "WARNING: every checkpoint of" in out and "STARTS AGAIN FROM STEP 0" in out
+    assert "step 4: buffer.json has 2 bytes" in out and "step 2: buffer.json has 2 bytes" in out
+
+
 def test_checkpoints_come_by_steps_and_by_time_as_areal_ckpt_freq_secs():
     from actors.recovery import checkpoint_due
 

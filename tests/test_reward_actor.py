@@ -145,13 +145,12 @@ def test_math_rewards_right_wrong_garbage(rig: Rig) -> None:
 
 def test_hung_check_scores_wrong_and_is_counted_not_lost(rig: Rig) -> None:
     texts = ["\\boxed{12}", f"{HANG_MARK} \\boxed{{12}}", "\\boxed{11}"]
-    t0 = time.monotonic()
+    # The grader sleeps an hour; rig.run's bound (WAIT_S) and the detail below say the pool killed it.
     group = rig.run(rig.score("reward.hang", "h1", Task(kind="math", answer="12"), texts))
     assert [s.correct for s in group.answers.samples] == [True, False, False]
     assert [s.reward for s in group.answers.samples] == [5.0, -5.0, -5.0]
     assert group.score_failures == 1
     assert group.answers.samples[1].score_detail.startswith("checker timeout after 2 attempt(s)")
-    assert time.monotonic() - t0 < 30   # bounded by the pool's kill, not by the grader
     # The pool replaced its killed worker: the actor keeps scoring.
     again = rig.run(rig.score("reward.hang", "h2", Task(kind="math", answer="12"), ["\\boxed{12}"]))
     assert again.answers.samples[0].correct and again.score_failures == 0

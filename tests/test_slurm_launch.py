@@ -34,7 +34,7 @@ def cluster():
     if reason:
         pytest.skip(reason)
     ensure_installed()
-    with SlurmCluster(nodes=2, cpus_per_node=2) as c:
+    with SlurmCluster(nodes=2, cpus_per_node=2, gpus_per_node=2) as c:
         yield c
 
 
@@ -128,3 +128,51 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
     except OSError:
         return ""
+
+
+PROBE = ("import json, os; from tools.up import allocation_hosts, read_allocation; "
+         "hosts = allocation_hosts(); a = read_allocation(dict(os.environ), hosts); "
+         "print('ALLOC', json.dumps({'hosts': hosts, 'cpus': a.cpus, 'gpus': a.gpus, 'source': a.source, "
+         "'gpus_on_node': os.environ.get('SLURM_GPUS_ON_NODE')}))")
+
+
+def _allocations(text: str) -> list[dict]:
+    return [json.loads(line.split(" ", 1)[1]) for line in text.splitlines() if line.startswith("ALLOC ")]
+
+
+def test_the_allocation_reads_alike_under_salloc_sbatch_and_srun(cluster: SlurmCluster, tmp_path: Path) -> None:
+    # salloc runs its command outside any step: SLURM_GPUS_ON_NODE is unset there (salloc(1)), and the old
+    # check read it as 0 GPUs. The controller's answer is the same in every environment.
+    want = {"hosts": ["n1", "n2"], "cpus": {"n1": 2, "n2": 2}, "gpus": {"n1": 2, "n2": 2},
+            "source": "scontrol show job -d"}
+    env = dict(cluster.env, PYTHONPATH=str(REPO))
+    alloc = ["-N2", "--exclusive", "--gres=gpu:2"]
+    runs = {}
+    res = subprocess.run(["salloc", *alloc, sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=TIMEOUT)
+    runs["salloc"] = _allocations(res.stdout)
+    res = subprocess.run(["salloc", *alloc, "srun", "-N2", "-n2", sys.executable, "-c", PROBE], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    runs["srun"] = _allocations(res.stdout)
+    out = tmp_path / "sbatch.out"
+    res = subprocess.run(["sbatch", "--wait", *alloc, f"--output={out}", "--wrap",
+                          f"{sys.executable} -c \"{PROBE}\""], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=TIMEOUT)
+    assert res.returncode == 0, res.stderr
+    runs["sbatch"] = _allocations(out.read_text())
+    assert [len(runs[k]) for k in ("salloc", "srun", "sbatch")] == [1, 2, 1], runs
+    assert runs["salloc"][0]["gpus_on_node"] is None                 # what the old check read as 0
+    for where, found in runs.items():
+        for a in found:
+            assert {k: a[k] for k in want} == want, (where, a)
+
+
+def test_a_gpu_topology_launches_inside_salloc(cluster: SlurmCluster, tmp_path: Path) -> None:
+    # The README's way for the GPU topologies: `salloc -N.. --gres=gpu:.. python -m tools.up ...`.
+    run_dir = tmp_path / "run"
+    cmd = ["salloc", "-N2", "--exclusive", "--gres=gpu:2", sys.executable, "-m", "tools.up", str(TOPOLOGY),
+           *port_overrides(), "cluster.node.gpus=2", "actors.ping.settings.rounds=3", "--run-dir", str(run_dir),
+           "--no-progress"]
+    res = subprocess.run(cmd, cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "demo_slurm: finished after" in res.stdout and "--gpus-per-node=2" in res.stdout

@@ -330,6 +330,8 @@ def test_a_tcp_bus_runs_without_curve_only_when_the_topology_says_insecure_tcp()
     ("experiment.data.fields.question=q", "experiment.data.fields.question: unknown key"),
     ("experiment.data.prompt_template=Question", "experiment.data.prompt_template: value error, must contain {prompt} or name a template"),
     ("experiment.run.recover=maybe", "experiment.run.recover: input should be 'auto' or 'off' (value: 'maybe')"),
+    ("experiment.algo.group_size=1", "experiment.algo.group_size: value error, 1 answer per prompt gives every "
+                                     "answer advantage 0"),
 ])
 def test_experiment_values_are_checked_before_anything_runs(override: str, words: str) -> None:
     # Each of these once passed --dry-run; at launch the error surfaced only in an actor's log, or never.
@@ -349,3 +351,17 @@ def test_every_shipped_experiment_config_passes_the_schema() -> None:
     from topology.experiment import experiment_problems
     for config in sorted((REPO / "configs").glob("*.yaml")):
         assert experiment_problems(yaml.safe_load(config.read_text())) == [], config
+
+
+@pytest.mark.parametrize("override, words", [
+    ("experiment.algo.eta", "override 'experiment.algo.eta': expected key.sub=value"),
+    ("experiment.algo..eta=1", "override 'experiment.algo..eta=1': bad key 'experiment.algo..eta'"),
+    ("experiment.algo.eta=[1", "override 'experiment.algo.eta=[1': value is not valid YAML (expected ',' or ']'"),
+    ("actors.rollout.count", "override 'actors.rollout.count': expected key.sub=value"),
+])
+def test_a_malformed_override_is_named_as_it_was_typed_on_one_line(override: str, words: str) -> None:
+    # The `experiment.` prefix was dropped from these messages, and a YAML error spread over several lines.
+    with pytest.raises(TopologyError) as err:
+        T.load(REPO / "topology" / "local.yaml", [override], check_imports=False)
+    [problem] = err.value.problems
+    assert problem.startswith(words) and "\n" not in problem, problem

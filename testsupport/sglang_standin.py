@@ -23,7 +23,14 @@ actors.engines.sglang_routes.SGLANG_VERSION) that the SGLang engine uses, over a
 
 Semantics follow SGLang's: a weight update outside a pause waits until running requests finish; inside a
 pause it is applied at once and (as in SGLang) does not relabel weight_version, which /update_weight_version
-does. One extension that SGLang lacks: GET /standin/weights_hash (actors.weights.weights_hash of the
+does. Where SGLang is strict the stand-in is too, each behaviour read from the release's source (the constants
+below cite file and line under python/sglang/srt/ at tag v0.5.6; docs/engines-sglang.md lists them): idle
+keep-alive connections close after 5 s; /health generates a token and polls once a second; a request aborted
+in the waiting queue answers with the tokens force-streamed so far (every 50); a cache flush with a request
+in the running batch fails the scheduler's assertion and the server dies, as it does for a sampling_seed
+outside int32; the weights group is joined as tp_size ranks (a worker process per extra rank); a
+non-abort pause answers before the scheduler applies it; no generation step runs while a bucket is
+received; /abort_request matches by rid prefix; a disconnected client's request is aborted within 4 s. One extension that SGLang lacks: GET /standin/weights_hash (actors.weights.weights_hash of the
 weights in use) so tests can prove which weights the server samples with; ``--no-weights-hash`` leaves it
 out, to serve exactly as SGLang does (rollouts then check the version the server reports). Fields SGLang has but the
 stand-in does not implement are refused with HTTP 400 naming them, rather than silently ignored.
@@ -32,11 +39,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextvars
+import json
 import logging
+import multiprocessing
 import os
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,12 +57,76 @@ import torch
 from actors.engines.base import EngineError, GenerationRequest, RequestError, SamplingParams, WeightBucket
 from actors.engines.sglang_group import drop_weight_group, join_weight_group
 from actors.engines.sglang_routes import SGLANG_VERSION
+from actors.engines.sglang_server import LaunchConfig
 from actors.engines.torch_gen import TorchGenerationEngine
 from transport.bulk import TensorMeta, unpack_flat
 
 __all__ = ["StandinServer", "main"]
 
 log = logging.getLogger("sglang_standin")
+
+# SGLang 0.5.6's values, each where its source sets it (paths under python/sglang/srt/, tag v0.5.6).
+# entrypoints/http_server.py:1433 (and :1452): uvicorn.run(..., timeout_keep_alive=5) closes a connection idle
+# this long; a client must not keep idle connections longer, or it sends on one the server is closing.
+TIMEOUT_KEEP_ALIVE_S = 5.0
+# entrypoints/http_server.py:136: HEALTH_CHECK_TIMEOUT = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20)); the
+# /health route (health_generate, :409-484) sends a one-token request and checks once a second (:464-470)
+# whether anything came back since it started, answering 503 after HEALTH_CHECK_TIMEOUT.
+HEALTH_CHECK_TIMEOUT_S = 20.0
+HEALTH_POLL_S = 1.0
+# managers/scheduler_output_processor_mixin.py:36, :822-826: a non-streamed request's output reaches the
+# tokenizer manager every DEFAULT_FORCE_STREAM_INTERVAL tokens; a request aborted in the waiting queue is
+# answered from what arrived (managers/tokenizer_manager.py:2036-2071, _handle_abort_req).
+FORCE_STREAM_INTERVAL = 50
+# managers/tokenizer_manager.py:1271-1277: an abort-mode pause aborts everything, then checks once a second
+# until no request holds the model-update lock.
+PAUSE_POLL_S = 1.0
+# managers/tokenizer_manager.py:1048-1062: a non-streamed request whose client disconnected is aborted at the
+# next 4 s check.
+DISCONNECT_CHECK_S = 4.0
+# sampling/sampling_batch_info.py:90-97: with deterministic inference the seeds become an int32 tensor in the
+# scheduler; a seed outside int32 raises there, and a scheduler exception takes the whole server down.
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+
+# Every line of SGLang 0.5.6 the stand-in's strictness rests on: (path under sglang/srt/ in the release's
+# wheel, i.e. python/sglang/srt/ at tag v0.5.6; line; text the line holds). tests/test_engine_sglang_fields.py
+# reads each one in the wheel, so a citation that drifts from the source fails there.
+CITATIONS: tuple[tuple[str, int, str], ...] = (
+    ("entrypoints/http_server.py", 1433, "timeout_keep_alive=5"),
+    ("entrypoints/http_server.py", 136, 'HEALTH_CHECK_TIMEOUT = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20))'),
+    ("entrypoints/http_server.py", 432, 'sampling_params = {"max_new_tokens": 1, "temperature": 0.0}'),
+    ("entrypoints/http_server.py", 464, "while time.time() < tic + HEALTH_CHECK_TIMEOUT:"),
+    ("entrypoints/http_server.py", 465, "await asyncio.sleep(1)"),
+    ("entrypoints/http_server.py", 484, "return Response(status_code=503)"),
+    ("entrypoints/http_server.py", 423, "if _global_state.tokenizer_manager.server_status == ServerStatus.Starting:"),
+    ("environ.py", 335, "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION = EnvBool(True)"),
+    ("managers/scheduler_output_processor_mixin.py", 36, "DEFAULT_FORCE_STREAM_INTERVAL = 50"),
+    ("managers/scheduler_output_processor_mixin.py", 825, "len(req.output_ids) % DEFAULT_FORCE_STREAM_INTERVAL == 0"),
+    ("managers/tokenizer_manager.py", 2042, 'abort_message = recv_obj.abort_message or "Abort in waiting queue"'),
+    ("managers/tokenizer_manager.py", 2061, "output_ids = state.output_ids"),
+    ("managers/tokenizer_manager.py", 1267, 'if obj.mode != "abort":'),
+    ("managers/tokenizer_manager.py", 1277, "await asyncio.sleep(1.0)"),
+    ("managers/tokenizer_manager.py", 1254, "if not abort_all and rid not in self.rid_to_state:"),
+    ("managers/tokenizer_manager.py", 1050, "await asyncio.wait_for(state.event.wait(), timeout=4)"),
+    ("managers/tokenizer_manager.py", 1058, "self.abort_request(obj.rid)"),
+    ("managers/tokenizer_manager.py", 471, "await self.is_pause_cond.wait_for(lambda: not self.is_pause)"),
+    ("managers/tokenizer_manager.py", 2495, "kill_process_tree(os.getpid())"),
+    ("managers/scheduler.py", 2348, "if recv_req.abort_all or req.rid.startswith(recv_req.rid):"),
+    ("managers/scheduler.py", 2418, "recv_req.abort_all or req.rid.startswith(recv_req.rid)"),
+    ("managers/scheduler.py", 2207, "self.running_batch.is_empty()"),
+    ("managers/scheduler.py", 2227, "if self._is_no_request():"),
+    ("managers/scheduler.py", 2697, 'logger.error(f"Scheduler hit an exception: {traceback}")'),
+    ("managers/scheduler.py", 2698, "parent_process.send_signal(signal.SIGQUIT)"),
+    ("managers/scheduler.py", 971, "self.process_input_requests(recv_reqs)"),
+    ("managers/scheduler.py", 973, "if self._engine_paused:"),
+    ("managers/scheduler.py", 2665, '"max_total_num_tokens": scheduler.max_total_num_tokens,'),
+    ("managers/scheduler_update_weights_mixin.py", 52,
+     'assert flush_cache_success, "Cache flush failed after updating weights"'),
+    ("managers/tokenizer_communicator_mixin.py", 428, "async with self.model_update_lock.writer_lock:"),
+    ("sampling/sampling_batch_info.py", 93, "dtype=torch.int32,"),
+    ("sampling/sampling_params.py", 61, "sampling_seed: int = 42,"),
+    ("model_executor/model_runner.py", 1113, "rank = rank_offset + self.tp_rank"),
+)
 
 # Fields of SGLang's request classes that the stand-in implements, per route.
 _IMPLEMENTED: dict[str, set[str]] = {
@@ -88,6 +165,14 @@ class _BadRequest(Exception):
     pass
 
 
+class _Crashed(Exception):
+    """The scheduler hit an exception: SGLang then takes the whole server down (nothing is answered)."""
+
+
+class _Disconnected(Exception):
+    """The client went away; SGLang aborts the request and answers nothing."""
+
+
 def _as_int_version(text: Any, current: int) -> int:
     try:
         return int(text)
@@ -95,11 +180,109 @@ def _as_int_version(text: Any, current: int) -> int:
         return current
 
 
+def _env_bool(name: str, default: bool) -> bool:
+    """An environment switch read as SGLang's EnvBool reads it (environ.py:98-105)."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.lower() in ("true", "1", "yes", "y")
+
+
+# What the HTTP handler is serving (for the disconnect check): aiohttp's request of the current task.
+_HTTP_REQUEST: contextvars.ContextVar[Any] = contextvars.ContextVar("standin_http_request", default=None)
+
+
+class _ReqState:
+    """A /generate past the pause gate: what SGLang's tokenizer manager keeps in rid_to_state."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.engine_rid: str | None = None    # the embedded engine's request while it runs there
+        self.abort_requested = False          # an abort reached it in the running batch
+        self.retracting = False               # a retract-mode pause took it out of the running batch
+        self.queued = False                   # back in the waiting queue (retracted), until continue
+        self.queue_aborted = asyncio.Event()  # aborted while in the waiting queue
+
+
+def _tp_worker_main(conn: Any, tp_rank: int) -> None:
+    """One extra tensor-parallel rank of a stand-in launched with --tp-size > 1: its own process, as each of
+    SGLang's TP workers is, joining the weights group as rank_offset + tp_rank (model_runner.py:1113) and
+    receiving every bucket the trainer broadcasts (model_runner.py:1147-1204)."""
+    from actors.run import die_with_parent
+
+    die_with_parent()
+    groups: dict[str, Any] = {}
+    while True:
+        try:
+            command, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if command == "join":
+                address, port, rank_offset, world_size, name, backend = args
+                groups[name] = join_weight_group(address, port, rank_offset + tp_rank, world_size, name, backend)
+            elif command == "receive":
+                name, specs, flattened = args
+                receive_bucket(groups[name], [TensorMeta(n, d, s) for n, d, s in specs], flattened)
+            elif command == "destroy":
+                pg = groups.pop(args[0], None)
+                if pg is not None:
+                    drop_weight_group(pg)
+            conn.send(("ok", None))
+        except Exception as exc:  # reported to rank 0, which answers the route
+            conn.send(("error", f"tp rank {tp_rank}: {type(exc).__name__}: {exc}"))
+
+
+class TPWorkers:
+    """The ranks 1..tp_size-1 of a stand-in server, each a process of its own; rank 0 is the server itself."""
+
+    def __init__(self, tp_size: int) -> None:
+        self.tp_size = tp_size
+        self._workers: list[tuple[Any, Any, asyncio.Lock]] = []
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        for tp_rank in range(1, self.tp_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_tp_worker_main, args=(child, tp_rank), daemon=True,
+                               name=f"standin-tp{tp_rank}")
+            proc.start()
+            child.close()
+            self._workers.append((proc, parent, asyncio.Lock()))
+
+    async def run(self, command: str, *args: Any) -> list[str]:
+        """Run ``command`` on every extra rank at once; the errors they report (empty: all succeeded)."""
+        async def one(proc: Any, conn: Any, lock: asyncio.Lock) -> str | None:
+            async with lock:
+                if not proc.is_alive():
+                    return f"tp rank process {proc.name} is dead"
+                conn.send((command, args))
+                status, message = await asyncio.to_thread(conn.recv)
+                return message if status == "error" else None
+        found = await asyncio.gather(*(one(*w) for w in self._workers))
+        return [e for e in found if e]
+
+    def stop(self) -> None:
+        for proc, conn, _ in self._workers:
+            conn.close()
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+        self._workers = []
+
+
 class StandinServer:
-    """The aiohttp application; `engine` is the embedded engine it serves."""
+    """The aiohttp application; `engine` is the embedded engine it serves.
+
+    ``tp_size`` ranks join every weights group (``tp_workers`` holds ranks 1..tp_size-1); ``on_crash(reason)``
+    is what a scheduler exception does to the server (the process exits; in a thread the server stops);
+    ``step_time_s`` makes every decode step take at least that long (a GPU's step time, scaled for tests)."""
 
     def __init__(self, engine: TorchGenerationEngine, model_path: str, weight_version: str = "0",
-                 device: str = "cpu", weights_hash_route: bool = True, fail_load_at: Sequence[int] = ()) -> None:
+                 device: str = "cpu", weights_hash_route: bool = True, tp_size: int = 1,
+                 tp_workers: TPWorkers | None = None, on_crash: Callable[[str], None] | None = None,
+                 max_total_tokens: int | None = None, step_time_s: float = 0.0, log_path: str | None = None,
+                 starting_until: str | None = None, fail_load_at: Sequence[int] = ()) -> None:
         self.engine = engine
         # Fault injection (tests): these /update_weights_from_distributed calls, numbered from 1 over the
         # server's life, receive their bucket and then fail to load it.
@@ -108,17 +291,61 @@ class StandinServer:
         self.model_path = model_path
         self.weight_version = weight_version
         self.device = device
-        self.paused = False           # new /generate calls wait
-        self.in_place = False         # the embedded engine itself is paused
+        self.tp_size = tp_size
+        self.tp_workers = tp_workers
+        if tp_size > 1 and (tp_workers is None or tp_workers.tp_size != tp_size):
+            raise ValueError(f"tp_size {tp_size}: the server needs TPWorkers for ranks 1..{tp_size - 1}")
+        self.on_crash = on_crash
+        self.crashed: str | None = None
+        # While this file is missing the server is still starting (loading weights, capturing CUDA graphs):
+        # /health answers 503 as SGLang's does then (entrypoints/http_server.py:423-424). Tests decide when.
+        self.starting_until = starting_until
+        # The KV pool /server_info reports as max_total_num_tokens (SGLang sizes it from the memory left after
+        # the weights; the stand-in from its row limit, or --max-total-tokens).
+        self.max_total_tokens = max_total_tokens or engine.max_running * self._context_len()
+        self.paused = False           # tokenizer manager's is_pause: new /generate calls wait
+        self.in_place = False         # the embedded engine itself is paused (in_place / retract)
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.running: dict[str, int] = {}   # rid -> open /generate handlers (the "reader lock")
+        self.states: dict[str, _ReqState] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         self._writer = asyncio.Lock()
         self._writer_waiting = 0
+        self._last_receive = 0.0     # the tokenizer manager's last_receive_tstamp (monotonic)
         self.groups: dict[str, Any] = {}
         self.counters = {"generate": 0, "aborted": 0, "updates": 0, "distributed_calls": 0}
+        # Fault injection for the client's tests: the next requests to a route lose their connection,
+        # "before" the handler sees them or "after" it started them (what a reset connection does).
+        self.drop_next: dict[str, list[str]] = {}
+        # (monotonic time, event, name) for tests: "start"/"end" of every engine run a /generate makes (the
+        # rid), "receive_start"/"receive_end" of every bucket received (the group), "call" of every POST
+        # route (the route and the client's port: which connection it came on), "abort" of every /abort_request
+        # (its rid). Also appended to `log_path` as JSON lines when given (a launched server's log outlives it).
+        self.request_log: list[tuple[float, str, str]] = []
+        self._log_file = open(log_path, "a", buffering=1) if log_path else None
+        # When each decode step ended (monotonic), for tests; every step takes step_time_s at least.
+        self.step_times: collections.deque[float] = collections.deque(maxlen=100_000)
+        self._step_time_s, self._last_step = step_time_s, time.monotonic()
+        engine.on_step = self._on_step
+
+    def _context_len(self) -> int:
+        return int(self.engine.model.config.max_position_embeddings)
+
+    def _log(self, entry: tuple[str, str]) -> None:
+        record = (time.monotonic(), *entry)
+        self.request_log.append(record)
+        if self._log_file is not None:
+            self._log_file.write(json.dumps(record) + "\n")
+
+    def _on_step(self, _step: int) -> None:
+        """In the decode thread, after each step (tests that hold decoding put their own hook here)."""
+        left = self._step_time_s - (time.monotonic() - self._last_step)
+        if left > 0:
+            time.sleep(left)      # the step's own time on a GPU, scaled: the decode thread is that GPU
+        self._last_step = time.monotonic()
+        self.step_times.append(self._last_step)
 
     # --- app ----------------------------------------------------------------------------------------
     def app(self) -> Any:
@@ -132,6 +359,7 @@ class StandinServer:
         app.router.add_get("/weight_version", self.get_weight_version)
         if self.weights_hash_route:
             app.router.add_get("/standin/weights_hash", self.weights_hash)
+            app.router.add_get("/standin/log", self.test_log)
         routes = {"/generate": self.generate, "/abort_request": self.abort_request,
                   "/pause_generation": self.pause_generation, "/continue_generation": self.continue_generation,
                   "/update_weights_from_disk": self.update_weights_from_disk,
@@ -147,6 +375,13 @@ class StandinServer:
         from aiohttp import web
 
         async def run(request: Any) -> Any:
+            peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+            self._log(("call", f"{path} {peer[1] if peer else '?'}"))
+            drops = self.drop_next.get(path)
+            drop = drops.pop(0) if drops else None
+            if drop == "before":   # the connection went before the request was read: nothing happens
+                request.transport.close()
+                return web.Response(status=500)
             try:
                 body = await request.json() if request.can_read_body else {}
             except ValueError as exc:
@@ -157,27 +392,64 @@ class StandinServer:
             if unknown:
                 return web.json_response({"error": {"message": f"{path}: field(s) {unknown} are not implemented "
                                                                f"by the stand-in server"}}, status=400)
+            _HTTP_REQUEST.set(request)
+            work = asyncio.ensure_future(handler(body))
+            if drop == "after":    # the request runs on; its client is gone (SGLang notices within 4 s)
+                await asyncio.sleep(0)
+                request.transport.close()
             try:
-                status, content = await handler(body)
+                status, content = await work
+            except (_Crashed, _Disconnected):
+                status, content = 500, None
             except (_BadRequest, RequestError, EngineError, ValueError, TypeError, KeyError) as exc:
-                return web.json_response({"error": {"message": f"{type(exc).__name__}: {exc}"}}, status=400)
+                status, content = 400, {"error": {"message": f"{type(exc).__name__}: {exc}"}}
+            if content is None or self.crashed:   # a dead server answers nothing
+                if request.transport is not None:
+                    request.transport.close()
+                return web.Response(status=500)
             return web.json_response(content, status=status)
         return run
 
+    def _crash(self, reason: str) -> None:
+        """An exception in SGLang's scheduler: it logs it and SIGQUITs the server, which kills its process tree
+        (managers/scheduler.py:2695-2698, entrypoints/http_server.py's running_phase_sigquit_handler in
+        managers/tokenizer_manager.py:2490-2495). Nothing is answered."""
+        log.error("Scheduler hit an exception: %s", reason)
+        self.crashed = reason
+        if self.on_crash is not None:
+            self.on_crash(reason)
+        raise _Crashed(reason)
+
     # --- info ---------------------------------------------------------------------------------------
     async def health(self, request: Any) -> Any:
-        # SGLang 0.5.6 (http_server.health_generate) answers /health by generating one token; while the
-        # server is paused that request waits at the pause gate, and after HEALTH_CHECK_TIMEOUT seconds
-        # (SGLANG_HEALTH_CHECK_TIMEOUT, default 20) the route answers 503.
+        """SGLang 0.5.6's health_generate (entrypoints/http_server.py:409-484): one token is generated (after
+        the pause gate, in the queue behind the running batch), and once a second the route checks whether
+        anything came back since it started; 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s). So it takes at
+        least a second, and longer under load. SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false (environ.py:335)
+        makes /health (not /health_generate) answer at once."""
         from aiohttp import web
-        if self.paused:
-            timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
-            try:
-                await asyncio.wait_for(self._resumed.wait(), timeout)
-            except TimeoutError:
-                return web.Response(status=503)
-        state = await self.engine.health()
-        return web.Response(status=200 if state["ok"] else 503)
+        if self.starting_until is not None and not os.path.exists(self.starting_until):
+            return web.Response(status=503)   # ServerStatus.Starting
+        if request.path == "/health" and not _env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True):
+            return web.Response(status=200)
+        timeout = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", HEALTH_CHECK_TIMEOUT_S))
+        tic = time.monotonic()
+        rid = f"HEALTH_CHECK_{time.time()}"
+        probe = asyncio.ensure_future(self._health_token(rid))
+        try:
+            while time.monotonic() < tic + timeout:
+                await asyncio.sleep(HEALTH_POLL_S)
+                if self._last_receive > tic:
+                    return web.Response(status=200)
+            return web.Response(status=503)
+        finally:
+            probe.cancel()
+
+    async def _health_token(self, rid: str) -> None:
+        await self._pause_gate()
+        request = GenerationRequest(rid, (0,), SamplingParams(temperature=0.0, max_new_tokens=1), 1)
+        await self.engine.generate(request)   # cancelled with the route: the engine aborts it
+        self._last_receive = time.monotonic()
 
     async def model_info(self, request: Any) -> Any:
         from aiohttp import web
@@ -185,15 +457,26 @@ class StandinServer:
                                   "weight_version": self.weight_version})
 
     async def server_info(self, request: Any) -> Any:
+        """Like SGLang's (entrypoints/http_server.py:540-557): the server arguments, the scheduler's info
+        (max_total_num_tokens: the KV pool in tokens, managers/scheduler.py:2662-2668) and internal states."""
         from aiohttp import web
         state = await self.engine.health()
-        return web.json_response({"model_path": self.model_path, "version": f"standin-{SGLANG_VERSION}",
+        return web.json_response({"model_path": self.model_path, "tp_size": self.tp_size,
+                                  "max_running_requests": self.engine.max_running,
+                                  "max_total_num_tokens": self.max_total_tokens,
+                                  "max_req_input_len": self._context_len() - 1,
+                                  "version": f"standin-{SGLANG_VERSION}",
                                   "weight_version": self.weight_version, "paused": self.paused,
                                   "internal_states": [state], "counters": self.counters})
 
     async def get_weight_version(self, request: Any) -> Any:
         from aiohttp import web
         return web.json_response({"weight_version": self.weight_version})
+
+    async def test_log(self, request: Any) -> Any:
+        """Not an SGLang route: request_log and step_times, for tests of a stand-in in another process."""
+        from aiohttp import web
+        return web.json_response({"events": self.request_log, "steps": list(self.step_times)})
 
     async def weights_hash(self, request: Any) -> Any:
         from aiohttp import web
@@ -203,6 +486,15 @@ class StandinServer:
         return web.json_response({"weights_hash": digest, "weight_version": self.weight_version})
 
     # --- generation ---------------------------------------------------------------------------------
+    async def _pause_gate(self) -> None:
+        """Like SGLang: wait while paused (managers/tokenizer_manager.py:470-471), and while an update waits
+        for the running requests to finish (the model-update lock's writer has priority)."""
+        while self.paused or self._writer_waiting:
+            await self._resumed.wait()
+            if self._writer_waiting:
+                async with self._writer:
+                    pass
+
     async def generate(self, body: dict[str, Any]) -> tuple[int, Any]:
         if body.get("stream"):
             raise _BadRequest("stream: streaming answers are not implemented by the stand-in server")
@@ -216,125 +508,244 @@ class StandinServer:
             raise _BadRequest(f"sampling_params: key(s) {unknown} are not implemented by the stand-in server")
         if int(sp.get("n", 1)) != 1:
             raise _BadRequest("sampling_params.n: only n = 1 is implemented by the stand-in server")
-        check_sampling(sp, len(ids), self.engine.model.config.max_position_embeddings)
-        sampling = SamplingParams(temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
-                                  top_k=int(sp.get("top_k", -1)), max_new_tokens=int(sp.get("max_new_tokens", 128)),
-                                  stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
-                                  seed=int(sp.get("sampling_seed", 42)))
+        check_sampling(sp, len(ids), self._context_len())
+        max_new = int(sp.get("max_new_tokens", 128))
+        seed = int(sp.get("sampling_seed", 42))   # SamplingParams' default (sampling/sampling_params.py:61)
         rid = str(body.get("rid") or f"standin-{self.counters['generate']}")
-        # Like SGLang: wait while paused, then hold the "reader lock" (no update runs meanwhile).
-        while self.paused or self._writer_waiting:
-            await self._resumed.wait()
-            if self._writer_waiting:
-                async with self._writer:
-                    pass
+        await self._pause_gate()
+        if not INT32_MIN <= seed <= INT32_MAX:   # the stand-in samples as --enable-deterministic-inference does
+            self._crash(f"RuntimeError: value cannot be converted to type int32 without overflow "
+                        f"(sampling_seed {seed} of request {rid!r}, sampling/sampling_batch_info.py:90-97)")
         self.counters["generate"] += 1
         self.running[rid] = self.running.get(rid, 0) + 1
         self._idle.clear()
+        state = self.states[rid] = _ReqState(rid)
+        out: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
         try:
-            [result] = await self.engine.generate(GenerationRequest(rid, tuple(ids), sampling, 1))
+            while True:
+                sampling = SamplingParams(temperature=float(sp.get("temperature", 1.0)),
+                                          top_p=float(sp.get("top_p", 1.0)), top_k=int(sp.get("top_k", -1)),
+                                          max_new_tokens=max_new - len(out),
+                                          stop_token_ids=tuple(sp.get("stop_token_ids") or ()), seed=seed)
+                result = await self._run_engine(state, GenerationRequest(rid, tuple(ids + out), sampling, 1))
+                out += result.output_ids
+                logprobs += result.logprobs
+                versions += result.versions
+                if result.finish_reason == "abort" and state.retracting:
+                    state.retracting, state.queued = False, True   # back in the waiting queue
+                    if await self._requeued(state):
+                        continue
+                    return 200, self._queued_abort_answer(rid, out, logprobs, body)
+                if result.finish_reason == "abort" and not result.output_ids:   # never left the queue
+                    return 200, self._queued_abort_answer(rid, out, logprobs, body)
+                break
             version = self.weight_version
         finally:
+            self.states.pop(rid, None)
             self.running[rid] -= 1
             if not self.running[rid]:
                 del self.running[rid]
             if not self.running:
                 self._idle.set()
-        if result.finish_reason == "abort" and not result.output_ids:
-            # SGLang 0.5.6 drops a request still in the waiting queue in Scheduler.abort_request and answers
-            # through TokenizerManager._handle_abort_req: meta_info is only id, finish_reason, the logprob
-            # lists (when asked for) and completion_tokens; no weight_version and no prompt_tokens.
-            self.counters["aborted"] += 1
-            meta = {"id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"}}
-            if body.get("return_logprob"):
-                meta["input_token_logprobs"], meta["output_token_logprobs"] = [], []
-            meta["completion_tokens"] = 0
-            return 200, {"text": "", "output_ids": [], "meta_info": meta}
-        if result.finish_reason == "abort":
+            self._last_receive = time.monotonic()
+        reason = result.finish_reason
+        if reason == "abort":
             self.counters["aborted"] += 1
             finish: dict[str, Any] = {"type": "abort", "message": "Abort", "status_code": None, "err_type": None}
-        elif result.finish_reason == "stop":
-            finish = {"type": "stop", "matched": result.output_ids[-1]}
+        elif reason == "stop":
+            finish = {"type": "stop", "matched": out[-1]}
         else:
-            finish = {"type": "length", "length": len(result.output_ids)}
+            finish = {"type": "length", "length": len(out)}
         meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(ids), "weight_version": version,
-                "completion_tokens": len(result.output_ids), "cached_tokens": 0,
+                "completion_tokens": len(out), "cached_tokens": 0,
                 # Not an SGLang field: the embedded engine's own version of every token, for tests.
-                "standin_token_versions": list(result.versions)}
+                "standin_token_versions": list(versions)}
         if body.get("return_logprob"):
             meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(result.logprobs, result.output_ids)]
-        return 200, {"output_ids": list(result.output_ids), "meta_info": meta}
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, out)]
+        return 200, {"output_ids": list(out), "meta_info": meta}
+
+    def _queued_abort_answer(self, rid: str, out: list[int], logprobs: list[float],
+                             body: dict[str, Any]) -> dict[str, Any]:
+        """SGLang 0.5.6 drops a request still in the waiting queue in Scheduler.abort_request
+        (managers/scheduler.py:2344-2368) and answers through TokenizerManager._handle_abort_req
+        (managers/tokenizer_manager.py:2036-2071): meta_info is only id, finish_reason, the logprob lists (when
+        asked for) and completion_tokens, with no weight_version and no prompt_tokens; its tokens are what had
+        reached the tokenizer manager: a retracted request's output up to its last multiple of
+        FORCE_STREAM_INTERVAL (a non-streamed request's output is sent every 50 tokens)."""
+        self.counters["aborted"] += 1
+        streamed = len(out) // FORCE_STREAM_INTERVAL * FORCE_STREAM_INTERVAL
+        meta: dict[str, Any] = {"id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"}}
+        if body.get("return_logprob"):
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs[:streamed], out[:streamed])]
+        meta["completion_tokens"] = streamed
+        return {"text": "", "output_ids": out[:streamed], "meta_info": meta}
+
+    async def _run_engine(self, state: _ReqState, request: GenerationRequest) -> Any:
+        """The request in the embedded engine; a client that disconnected has it aborted at the next 4 s
+        check (managers/tokenizer_manager.py:1048-1062), and nothing is answered."""
+        state.abort_requested, state.engine_rid = False, request.rid
+        self._log(("start", request.rid))
+        work = asyncio.ensure_future(self.engine.generate(request))
+        await asyncio.sleep(0)   # the task's first step registers the request with the engine
+        if state.abort_requested:   # an abort that came while it was on its way there
+            await self.engine.abort(request.rid)
+        try:
+            while True:
+                done, _ = await asyncio.wait({work}, timeout=DISCONNECT_CHECK_S)
+                if done:
+                    return work.result()[0]
+                http = _HTTP_REQUEST.get()
+                if http is not None and (http.transport is None or http.transport.is_closing()):
+                    await self.engine.abort(request.rid)
+                    await work
+                    raise _Disconnected(request.rid)
+        finally:
+            state.engine_rid = None
+            self._log(("end", request.rid))
+
+    async def _requeued(self, state: _ReqState) -> bool:
+        """A retracted request waits in the queue until generation continues (True) or it is aborted there."""
+        resumed = asyncio.ensure_future(self._resumed.wait())
+        aborted = asyncio.ensure_future(state.queue_aborted.wait())
+        try:
+            await asyncio.wait({resumed, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            resumed.cancel()
+            aborted.cancel()
+        state.queued = False
+        return not state.queue_aborted.is_set()
+
+    async def _abort(self, rid: str | None) -> None:
+        """Scheduler.abort_request (managers/scheduler.py:2344-2424): every request whose rid starts with
+        ``rid`` (all with None), in the waiting queue or the running batch."""
+        for state in list(self.states.values()):
+            if rid is not None and not state.rid.startswith(rid):
+                continue
+            if state.queued:
+                state.queue_aborted.set()
+            else:
+                await self._stop_running(state)
+
+    async def _stop_running(self, state: _ReqState) -> None:
+        state.abort_requested = True
+        if state.engine_rid is not None:
+            await self.engine.abort(state.engine_rid)
 
     async def abort_request(self, body: dict[str, Any]) -> tuple[int, Any]:
+        # TokenizerManager.abort_request (managers/tokenizer_manager.py:1253-1257) forwards only a rid it
+        # knows; the scheduler then matches by prefix.
+        self._log(("abort", "" if body.get("abort_all") else str(body.get("rid"))))
         if body.get("abort_all"):
-            await self.engine.abort(None)
-        elif body.get("rid"):
-            await self.engine.abort(str(body["rid"]))
+            await self._abort(None)
+        elif body.get("rid") and str(body["rid"]) in self.states:
+            await self._abort(str(body["rid"]))
         return 200, {}
 
     async def pause_generation(self, body: dict[str, Any]) -> tuple[int, Any]:
+        """TokenizerManager.pause_generation (managers/tokenizer_manager.py:1264-1277): abort mode aborts every
+        request and checks once a second until none holds the model-update lock; in_place and retract are
+        sent to the scheduler without waiting, which applies them after the step it is running."""
         mode = body.get("mode", "abort")
         if mode not in ("abort", "in_place", "retract"):
             raise _BadRequest(f"mode: {mode!r} is not one of abort, in_place, retract")
         self.paused = True
         self._resumed.clear()
         if mode == "abort":
-            # Abort until no /generate handler is open (a request admitted at the same step boundary as an
-            # abort can miss it; the bounded wait then aborts again).
-            for _ in range(600):
+            for _ in range(600):   # bounded: 10 minutes of checks
+                await self._abort(None)
                 if not self.running:
                     break
-                await self.engine.abort(None)
-                try:
-                    await asyncio.wait_for(self._idle.wait(), 0.5)
-                except TimeoutError:
-                    continue
+                await asyncio.sleep(PAUSE_POLL_S)
             else:
-                raise EngineError(f"pause_generation: {len(self.running)} requests still running after 300 s")
+                raise EngineError(f"pause_generation: {len(self.running)} requests still running after 600 checks")
         elif not self.in_place:
-            await self.engine.pause()
             self.in_place = True
+            asyncio.ensure_future(self._scheduler_pause(retract=mode == "retract"))
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
+    async def _scheduler_pause(self, retract: bool) -> None:
+        """Scheduler.pause_generation (managers/scheduler.py:2428-2445): retract moves the running batch back
+        to the waiting queue, keeping each request's output; in_place keeps it where it is."""
+        if retract:
+            for state in list(self.states.values()):
+                if not state.queued:
+                    state.retracting = True
+                    await self._stop_running(state)
+        await self.engine.pause()
+
     async def continue_generation(self, body: dict[str, Any]) -> tuple[int, Any]:
+        # managers/tokenizer_manager.py:1279-1283: sent to the scheduler, which resumes at its next loop.
         if self.in_place:
-            await self.engine.resume()
             self.in_place = False
+            asyncio.ensure_future(self.engine.resume())
         self.paused = False
         self._resumed.set()
         return 200, {"message": "Generation continued successfully.", "status": "ok"}
 
     # --- weights ------------------------------------------------------------------------------------
+    async def _flush_cache(self) -> None:
+        """Scheduler.flush_cache (managers/scheduler.py:2205-2255) refuses while a request is in the running
+        batch, and every weight update asserts that its flush succeeded
+        (managers/scheduler_update_weights_mixin.py:50-52, :74-76): the assertion kills the scheduler."""
+        running = (await self.engine.health())["running"]   # admitted and not finished: the running batch
+        if running:
+            self._crash(f"AssertionError: Cache flush failed after updating weights ({running} request(s) in "
+                        f"the running batch)")
+
+    async def _scheduler_turn(self) -> Any:
+        """What SGLang's scheduler does while it handles a weight request: nothing else. Its loop
+        (managers/scheduler.py:967-989) processes requests between batches, so no decode step runs while a
+        bucket is received or loaded; outside a pause the request first takes the model-update lock's writer
+        side, which waits until every running request has finished
+        (managers/tokenizer_communicator_mixin.py:418-430, managers/tokenizer_manager.py:1300-1311)."""
+        server = self
+
+        class Turn:
+            async def __aenter__(self) -> None:
+                self.writer = not server.paused
+                if self.writer:
+                    server._writer_waiting += 1
+                    await server._writer.acquire()
+                    await server._idle.wait()
+                self.stepping = not server.in_place
+                if self.stepping:
+                    await server.engine.pause()
+
+            async def __aexit__(self, *exc: Any) -> None:
+                if self.stepping:
+                    await server.engine.resume()
+                if self.writer:
+                    server._writer.release()
+                    server._writer_waiting -= 1
+        return Turn()
+
     async def _apply(self, version_text: Any, buckets: Sequence[list[tuple[str, torch.Tensor]]],
-                     abort_all: bool) -> None:
-        """Apply buckets: at once when paused, else after the running requests finished (SGLang's writer lock)."""
-        version = _as_int_version(version_text, self.engine.version)
-        if abort_all:
-            await self.engine.abort(None)
-        if self.paused:
-            await self.engine.update_weights(self.engine.version if version_text is None else version, list(buckets))
-        else:
-            self._writer_waiting += 1
-            try:
-                async with self._writer:
-                    await self._idle.wait()
-                    await self.engine.update_weights(version, list(buckets))
-                    if version_text is not None:
-                        self.weight_version = str(version_text)
-            finally:
-                self._writer_waiting -= 1
+                     abort_all: bool, flush_cache: bool) -> None:
+        """Load buckets (inside a scheduler turn): at once when paused, else after the running requests
+        finished; relabel weight_version only outside a pause (the paused branch returns before it does)."""
+        await self.engine.update_weights(_as_int_version(version_text, self.engine.version), list(buckets))
+        if flush_cache:
+            await self._flush_cache()
+        if not self.paused and version_text is not None:
+            self.weight_version = str(version_text)
         self.counters["updates"] += 1
 
     async def update_weights_from_disk(self, body: dict[str, Any]) -> tuple[int, Any]:
         from actors.engines.checkpoint import CheckpointError, iter_checkpoint_tensors
         path = str(body["model_path"])
+        if body.get("abort_all_requests"):
+            await self._abort(None)
         try:
             named = await asyncio.to_thread(lambda: [(n, t) for n, t in iter_checkpoint_tensors(path)
                                                      if not n.endswith("rotary_emb.inv_freq")])
             if not named:
                 raise CheckpointError(f"{path}: no safetensors weights found")
-            await self._apply(body.get("weight_version"), [named], bool(body.get("abort_all_requests")))
+            async with await self._scheduler_turn():
+                await self._apply(body.get("weight_version"), [named], False, bool(body.get("flush_cache", True)))
         except (CheckpointError, OSError, EngineError) as exc:
             return 400, {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}
         self.model_path = path
@@ -345,13 +756,24 @@ class StandinServer:
         backend = str(body.get("backend", "nccl"))
         if backend == "nccl" and not torch.cuda.is_available():
             backend = "gloo"  # the stand-in runs on CPU; the rank layout and rendezvous are SGLang's
-        rank = int(body["rank_offset"])  # + tp rank 0: the stand-in is one rank
-        try:
-            pg = await asyncio.to_thread(join_weight_group, str(body["master_address"]), int(body["master_port"]),
-                                         rank, int(body["world_size"]), name, backend)
-        except EngineError as exc:
-            return 400, {"success": False, "message": f"Failed to initialize custom process group: {exc}."}
-        self.groups[name] = pg
+        address, port = str(body["master_address"]), int(body["master_port"])
+        offset, world = int(body["rank_offset"]), int(body["world_size"])
+        # Every tensor-parallel rank joins as rank_offset + tp_rank (model_executor/model_runner.py:1113).
+        own = asyncio.to_thread(join_weight_group, address, port, offset, world, name, backend)
+        extra = (self.tp_workers.run("join", address, port, offset, world, name, backend)
+                 if self.tp_workers is not None else asyncio.sleep(0, []))
+        own, errors = await asyncio.gather(own, extra, return_exceptions=True)
+        errors = [str(errors)] if isinstance(errors, BaseException) else list(errors)
+        if isinstance(own, BaseException):
+            errors.insert(0, str(own))
+        if errors:
+            if not isinstance(own, BaseException):
+                drop_weight_group(own)
+            if self.tp_workers is not None:
+                await self.tp_workers.run("destroy", name)
+            return 400, {"success": False, "message": f"Failed to initialize custom process group: "
+                                                      f"{'; '.join(errors)}."}
+        self.groups[name] = own
         return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
 
     async def destroy_weights_update_group(self, body: dict[str, Any]) -> tuple[int, Any]:
@@ -360,7 +782,24 @@ class StandinServer:
         if pg is None:
             return 400, {"success": False, "message": "The group to be destroyed does not exist."}
         drop_weight_group(pg)  # in the background: a broken group's teardown must not stall this server
+        if self.tp_workers is not None:
+            await self.tp_workers.run("destroy", name)
         return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    async def _receive(self, pg: Any, name: str, specs: list[TensorMeta], flattened: bool) -> WeightBucket:
+        """One bucket on every tensor-parallel rank at once (each receives the whole broadcast)."""
+        parts = [asyncio.to_thread(receive_bucket, pg, specs, flattened, self.device)]
+        if self.tp_workers is not None:
+            parts.append(self.tp_workers.run("receive", name, [(s.name, s.dtype, list(s.shape)) for s in specs],
+                                             flattened))
+        self._log(("receive_start", name))
+        try:
+            bucket, *others = await asyncio.gather(*parts)
+        finally:
+            self._log(("receive_end", name))
+        if others and others[0]:
+            raise EngineError("; ".join(others[0]))
+        return bucket
 
     async def update_weights_from_distributed(self, body: dict[str, Any]) -> tuple[int, Any]:
         name = str(body.get("group_name", "weight_update_group"))
@@ -373,14 +812,19 @@ class StandinServer:
             raise _BadRequest("names, dtypes and shapes must be non-empty lists of one length")
         specs = [TensorMeta(n, d, [int(x) for x in s]) for n, d, s in zip(names, dtypes, shapes)]
         flattened = body.get("load_format") == "flattened_bucket"
+        if body.get("abort_all_requests"):
+            await self._abort(None)
         self.counters["distributed_calls"] += 1
         call = self.counters["distributed_calls"]
         try:
-            bucket = await asyncio.to_thread(receive_bucket, pg, specs, flattened, self.device)
-            if call in self.fail_load_at:
-                raise RuntimeError(f"injected load failure of /update_weights_from_distributed call {call}")
-            await self._apply(body.get("weight_version"), [bucket], bool(body.get("abort_all_requests")))
+            async with await self._scheduler_turn():
+                bucket = await self._receive(pg, name, specs, flattened)
+                if call in self.fail_load_at:
+                    raise RuntimeError(f"injected load failure of /update_weights_from_distributed call {call}")
+                await self._apply(body.get("weight_version"), [bucket], False, bool(body.get("flush_cache", True)))
         except Exception as exc:
+            if isinstance(exc, _Crashed):
+                raise
             # SGLang 0.5.6's words (model_executor/model_runner.py:1147-1236): the buckets loaded before this
             # one stay loaded; the route answers HTTP 400 (entrypoints/http_server.py:862-876).
             return 400, {"success": False, "message": f"Failed to update parameter online: {exc}. The full weights "
@@ -391,7 +835,7 @@ class StandinServer:
     async def update_weight_version(self, body: dict[str, Any]) -> tuple[int, Any]:
         new = str(body["new_version"])
         if body.get("abort_all_requests", True):
-            await self.engine.abort(None)
+            await self._abort(None)
         self.weight_version = new
         # Label the embedded engine's tokens the same way (an empty update swaps nothing but the version).
         await self.engine.update_weights(_as_int_version(new, self.engine.version), [])
@@ -430,13 +874,17 @@ def check_sampling(sp: dict[str, Any], input_tokens: int, context_len: int) -> N
 
 
 class StandinThread:
-    """The stand-in server on its own event loop in a daemon thread (for in-process tests)."""
+    """The stand-in server on its own event loop in a daemon thread (for in-process tests). A scheduler
+    exception (``StandinServer._crash``) stops it, as it kills a real server; ``server.crashed`` says why.
+    ``server_options``: further StandinServer arguments (step_time_s, max_total_tokens)."""
 
     def __init__(self, engine: TorchGenerationEngine, model_path: str = "<in-memory>", host: str = "127.0.0.1",
-                 port: int = 0, weight_version: str = "0", weights_hash_route: bool = True) -> None:
+                 port: int = 0, weight_version: str = "0", weights_hash_route: bool = True,
+                 **server_options: Any) -> None:
         self.engine, self.model_path, self.host, self.port = engine, model_path, host, port
         self.weights_hash_route = weights_hash_route
         self.weight_version = weight_version
+        self.server_options = server_options
         self.server: StandinServer | None = None
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -466,8 +914,9 @@ class StandinThread:
         try:
             await self.engine.start()
             self.server = StandinServer(self.engine, self.model_path, self.weight_version,
-                                        weights_hash_route=self.weights_hash_route)
-            self._runner = web.AppRunner(self.server.app())
+                                        weights_hash_route=self.weights_hash_route, on_crash=self._crashed,
+                                        **self.server_options)
+            self._runner = web.AppRunner(self.server.app(), keepalive_timeout=TIMEOUT_KEEP_ALIVE_S)
             await self._runner.setup()
             site = web.TCPSite(self._runner, self.host, self.port)
             await site.start()
@@ -479,13 +928,27 @@ class StandinThread:
             return
         self._ready.set()
         await self._stop.wait()
+        if self.server.crashed:   # every request dies with it, unanswered
+            await self.engine.stop()
         await self._runner.cleanup()
         await self.engine.stop()
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def _crashed(self, reason: str) -> None:
         if self._stop is not None:
+            self._stop.set()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._stop is not None and self._thread.is_alive():
             self.loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout)
+
+
+def launch_config(model_dir: str, log_dir: Path, *extra_args: str, health_timeout_s: float = 60.0,
+                  **kw: Any) -> LaunchConfig:
+    """How tests launch the stand-in through the engine's own launch path (actors/engines/sglang_server.py)."""
+    return LaunchConfig(model_path=model_dir, command=[sys.executable, "-m", "testsupport.sglang_standin"],
+                        log_path=str(Path(log_dir) / "server.log"), health_timeout_s=health_timeout_s,
+                        backoff_s=0.2, env={"OMP_NUM_THREADS": "1"}, extra_args=list(extra_args), **kw)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -494,13 +957,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--tp-size", type=int, default=1, help="accepted for compatibility; the stand-in is one rank")
+    ap.add_argument("--tp-size", type=int, default=1,
+                    help="tensor-parallel ranks: each joins the weights group (ranks 1.. are worker processes)")
     ap.add_argument("--weight-version", default="default")
     ap.add_argument("--random-seed", type=int, default=0)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--mem-fraction-static", type=float, default=None, help="accepted for compatibility")
     ap.add_argument("--skip-tokenizer-init", action="store_true", help="accepted; answers carry token ids only")
     ap.add_argument("--max-running-requests", type=int, default=256)
+    ap.add_argument("--max-total-tokens", type=int, default=None,
+                    help="the KV pool /server_info reports (default: max-running-requests x the context length)")
+    ap.add_argument("--standin-drop-connection", action="append", default=[], metavar="ROUTE:WHEN",
+                    help="not an SGLang flag (fault injection for tests): the next call of ROUTE loses its "
+                         "connection, 'before' the server reads it or 'after' it started; repeatable")
+    ap.add_argument("--standin-log-dir", default=None,
+                    help="not an SGLang flag: append the request log (/standin/log's events) to "
+                         "DIR/standin-<pid>.jsonl, for tests that read it after the server is gone")
+    ap.add_argument("--standin-starting-until-dir", default=None, metavar="DIR",
+                    help="not an SGLang flag: the server stays 'starting' (/health 503) until DIR/<random-seed> "
+                         "exists, as a server loading weights does, for as long as a test wants")
+    ap.add_argument("--standin-step-time-s", type=float, default=0.0,
+                    help="not an SGLang flag: every decode step takes at least this long (a GPU's step time, "
+                         "scaled for tests)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--no-weights-hash", action="store_true",
@@ -516,12 +994,29 @@ def main(argv: list[str] | None = None) -> int:
                                    max_running=args.max_running_requests, seed=args.random_seed)
     from aiohttp import web
 
+    def crash(reason: str) -> None:   # a scheduler exception takes the process tree down (no clean exit)
+        logging.shutdown()
+        os._exit(1)
+
+    workers = TPWorkers(args.tp_size) if args.tp_size > 1 else None
+    if workers is not None:
+        workers.start()
+
     async def serve() -> None:
         await engine.start()
         server = StandinServer(engine, args.model_path, args.weight_version, device=args.device,
-                               weights_hash_route=not args.no_weights_hash,
+                               weights_hash_route=not args.no_weights_hash, tp_size=args.tp_size,
+                               tp_workers=workers, on_crash=crash, max_total_tokens=args.max_total_tokens,
+                               step_time_s=args.standin_step_time_s,
+                               log_path=str(Path(args.standin_log_dir) / f"standin-{os.getpid()}.jsonl")
+                               if args.standin_log_dir else None,
+                               starting_until=str(Path(args.standin_starting_until_dir) / str(args.random_seed))
+                               if args.standin_starting_until_dir else None,
                                fail_load_at=[int(n) for n in args.fail_load_at.split(",") if n.strip()])
-        runner = web.AppRunner(server.app())
+        for drop in args.standin_drop_connection:
+            route, _, when = drop.rpartition(":")
+            server.drop_next.setdefault(route, []).append(when)
+        runner = web.AppRunner(server.app(), keepalive_timeout=TIMEOUT_KEEP_ALIVE_S)
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
         log.info("stand-in SGLang server (API of %s) on http://%s:%d, model %s", SGLANG_VERSION, args.host,
@@ -532,6 +1027,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve())
     except KeyboardInterrupt:
         pass
+    finally:
+        if workers is not None:
+            workers.stop()
     return 0
 
 

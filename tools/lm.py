@@ -20,7 +20,7 @@ from pathlib import Path
 
 from actors.dataset import DatasetError, OnError, Record
 from actors.engines.base import PackedBatch
-from actors.engines.checkpoint import INDEX_FILE, SINGLE_FILE, load_config, load_model
+from actors.engines.checkpoint import has_weights, load_config, load_model
 from actors.engines.model import Qwen2ForCausalLM
 from actors.engines.tokenizer import LoadedTokenizer
 from algo.packing import allocate_micro_batches
@@ -31,10 +31,6 @@ class LMToolError(ValueError):
 
 
 # --- model directories ---------------------------------------------------------------------------
-
-def has_weights(model_dir: str | Path) -> bool:
-    return any(os.path.exists(os.path.join(model_dir, f)) for f in (SINGLE_FILE, INDEX_FILE))
-
 
 def load_or_init(model_dir: str | Path, seed: int = 0, device: str = "cpu") -> tuple[Qwen2ForCausalLM, bool]:
     """(model in float32 on `device`, whether it was randomly initialised because there were no weights)."""

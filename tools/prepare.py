@@ -4,7 +4,7 @@ The embedded default's first command must work on a fresh machine, where neither
 warm-start weights exist. The experiment config says how to make them (`configs/local.yaml`):
 
     prepare:
-      data:                 # each dataset whose train/test files are missing: python -m tools.make_task
+      data:                 # each dataset this run reads whose train/test files are missing: python -m tools.make_task
         - {out: data/arith, args: {max_operand: 9, ...}}        # the RL data (its train/test are data.*)
         - {out: data/arith-careful, args: {direct_fraction: 0}}  # more data, e.g. for a warm-start stage
       warm_start:           # when model.path has no weights: supervised stages, each to its plateau
@@ -112,6 +112,9 @@ def prepare_warm_start(experiment: dict[str, Any], spec: WarmStartSection, log: 
     path = (experiment.get("model") or {}).get("path")
     if not path:
         raise PrepareError("model.path: not set")
+    if not (Path(path) / "config.json").is_file():
+        raise PrepareError(f"model.path: {path}: " + ("no config.json (not a Hugging Face model directory)"
+                                                      if Path(path).is_dir() else "no such directory"))
     if has_weights(path):
         return None
     out = spec.out
@@ -137,6 +140,21 @@ def prepare_warm_start(experiment: dict[str, Any], spec: WarmStartSection, log: 
     return str(final)
 
 
+def _needed_folders(experiment: dict[str, Any], spec: PrepareSection) -> set[Path]:
+    """The dataset folders this run reads: those of data.train and data.test, and each warm-start stage's
+    when the warm start must be made (model.path has no weights). A recipe for any other folder is left
+    alone: with the data paths overridden, the shipped recipes must not write into the repository."""
+    data = experiment.get("data") or {}
+    folders = {Path(data[key]).resolve().parent for key in ("train", "test") if data.get(key)}
+    path = (experiment.get("model") or {}).get("path")
+    if spec.warm_start is not None and path and not has_weights(path):
+        try:
+            folders |= {Path(stage.data).resolve() for stage in _stages(experiment, spec.warm_start)}
+        except PrepareError:
+            pass   # prepare_warm_start says why
+    return folders
+
+
 def prepare(experiment: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the experiment's `prepare` steps (data first, then the warm start that reads it) and return the
     prepared document: a copy of `experiment` with `model.path` at the warm start where one was made.
@@ -147,8 +165,13 @@ def prepare(experiment: dict[str, Any], log: Callable[[str], None] = print) -> d
         raise PrepareError("; ".join(problem_lines(exc, "prepare", PrepareSection))) from None
     if problems := stage_problems(spec):
         raise PrepareError("; ".join(problems))
+    needed = _needed_folders(experiment, spec)
     for i, recipe in enumerate(spec.data):
-        prepare_data(recipe, f"prepare.data[{i}]", log)
+        if Path(recipe.out).resolve() in needed:
+            prepare_data(recipe, f"prepare.data[{i}]", log)
+        elif not (Path(recipe.out) / "train.jsonl").exists():
+            log(f"prepare: not making {recipe.out} (prepare.data[{i}]): neither data.train, data.test nor a "
+                f"warm-start stage this run needs reads it")
     prepared = copy.deepcopy(experiment)
     if spec.warm_start is not None:
         start = prepare_warm_start(experiment, spec.warm_start, log)

@@ -15,16 +15,21 @@
   node's actors under the same supervisor; ``--sbatch`` submits the allocation first. No SSH.
 
 The run directory (``runs/<name>/<timestamp>`` unless ``--run-dir``) holds the plan, the ActorSpecs,
-logs, message logs, metrics and checkpoints. Exit status: 0 clean end, 2 invalid topology, 1 failed run.
+logs, message logs, metrics and checkpoints. Exit status: 0 clean end, 2 invalid topology or input, 1 failed
+run (an actor that cannot be kept up, or a run that stopped making progress: tools/watchdog.py prints a
+diagnosis), 128 + N for a training run stopped by signal N before its last step.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import importlib
 import json
+import math
 import os
+import re
 import shlex
 import signal
 import socket
@@ -32,7 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import topology as topo_mod
 from actors.run import keep_files_private
@@ -118,12 +123,16 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
     if len(eps) > 12:
         lines.append(f"  ... {len(eps) - 12} more, up to {eps[-1][0]} {eps[-1][1]}")
     lines.append("")
-    lines.append("links" if plan.links else "links: none")
+    lines.append("links (the process groups the code forms)" if plan.links else "links: none")
+    servers = server_groups(plan)
     for link in plan.links.values():
         members = _ranges(link.members)
-        lines.append(f"  {link.name}: {link.backend} group of {len(link.members)}, rank 0 = {link.members[0]}, "
-                     f"rendezvous {link.master_host}:{link.port or 'auto'}, timeout {link.timeout_s:g} s")
-        lines.append(f"    ranks: {members}")
+        if link.name in servers:
+            lines.extend(servers[link.name].describe(link))
+        else:
+            lines.append(f"  {link.name}: {link.backend} group of {len(link.members)}, rank 0 = {link.members[0]}, "
+                         f"rendezvous {link.master_host}:{link.port or 'auto'}, timeout {link.timeout_s:g} s")
+            lines.append(f"    ranks: {members}")
         if link.env:
             lines.append("    env: " + " ".join(f"{k}={v}" for k, v in sorted(link.env.items())))
     for gname, world in plan.worlds.items():
@@ -138,6 +147,10 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
             senders = [world.members[k * len(world.members) // pp] for k in range(pp)]
             lines.append(f"    {pp} pipeline stages: each stage's sender hosts a weights group of its own with the "
                          f"rollouts' servers: {', '.join(senders)}")
+    lines.append("")
+    lines.extend(_open_ports(plan, servers))
+    lines.append("")
+    lines.extend(_readiness(plan))
     lines.append("")
     lines.extend(_engines(plan))
     lines.append("")
@@ -156,6 +169,109 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
             lines.append(f"    on {topo.nodes[node_idx].name}: node agent -> supervisor -> {len(insts)} actor(s): "
                          f"{_ranges([i.name for i in insts]) or '-'}")
     return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerGroups:
+    """A weights link whose rollouts' SGLang servers join the trainer's group themselves
+    (actors/weight_sync/servers.py): what is formed instead of the link's own group. Each pipeline stage's
+    sender hosts one group of `world` ranks (its rank 0; rollout i's server tp ranks follow at rank_offset),
+    rendezvous at a free port of the sender's node picked at each formation."""
+
+    hosts: list[str]          # each group's rank 0 (a stage's sender), in stage order
+    host_nodes: list[str]
+    rollouts: list[tuple[str, int]]   # (instance, tp ranks its server joins with), in rank order
+
+    @property
+    def world(self) -> int:
+        return 1 + sum(tp for _, tp in self.rollouts)
+
+    def describe(self, link: Any) -> list[str]:
+        tps = sorted({tp for _, tp in self.rollouts})
+        sizes = f"1 + {len(self.rollouts)} x {tps[0]}" if len(tps) == 1 else \
+            "1 + " + " + ".join(str(tp) for _, tp in self.rollouts)
+        first = self.rollouts[0]
+        lines = [f"  {link.name}: the rollouts' SGLang servers join the trainer's {link.backend} weights group "
+                 f"themselves (not the link's own group of {len(link.members)}):",
+                 f"    {len(self.hosts)} group(s) of {sizes} = {self.world} ranks, rank 0 = "
+                 f"{', '.join(self.hosts)}; {first[0]}'s server is rank{f's 1-{first[1]}' if first[1] > 1 else ' 1'}, the next follow "
+                 f"(rank_offset = 1 + the tp of those before)",
+                 f"    rendezvous: {', '.join(f'{h} on {n}' for h, n in zip(self.hosts, self.host_nodes))}, a free port "
+                 f"picked at each formation; name {link.name}-g<epoch>" + ("-pp<stage>" if len(self.hosts) > 1 else ""),
+                 f"    the link's port {link.port or 'auto'} is not used: no member receives on the link itself; "
+                 f"timeout {link.timeout_s:g} s"]
+        return lines
+
+
+def server_groups(plan: Plan) -> dict[str, ServerGroups]:
+    """Links whose rollouts receive through their SGLang servers, as the code decides it: the link's rank 0
+    is a trainer and every other member is an SGLang rollout with weights_via_server (its server joins with
+    `parallel.tp` ranks, model_runner's rank_offset + tp_rank)."""
+    from topology.settings import RolloutSettings, TrainerSettings
+
+    classes = group_classes(plan)
+    by_name = {i.name: i for i in plan.instances}
+    out = {}
+    for link in plan.links.values():
+        head, *rest = [by_name[m] for m in link.members]
+        head_cfg = classes.get(head.group, (None, None))[1]
+        cfgs = [classes.get(m.group, (None, None))[1] for m in rest]
+        if not rest or not isinstance(head_cfg, TrainerSettings) or not all(
+                isinstance(c, RolloutSettings) and c.engine == "sglang" and c.weights_via_server for c in cfgs):
+            continue
+        trainer = plan.topology.groups[head.group]
+        pp = int(trainer.parallel.get("pp", 1))
+        world = plan.worlds.get(head.group)
+        senders = [world.members[k * len(world.members) // pp] for k in range(pp)] if world and pp > 1 else [head.name]
+        out[link.name] = ServerGroups(senders, [by_name[n].host for n in senders],
+                                      [(m.name, int(plan.topology.groups[m.group].parallel.get("tp", 1)))
+                                       for m in rest])
+    return out
+
+
+def _ephemeral_range() -> str:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return f"{low}-{high} here"
+    except (OSError, ValueError):
+        return "the OS's"
+
+
+def _open_ports(plan: Plan, servers: dict[str, ServerGroups]) -> list[str]:
+    """The ports a multi-node run connects to across nodes, as the code opens them."""
+    topo = plan.topology
+    lines = ["ports the run connects to (a firewall between the nodes must let them through)"]
+    if topo.bus.transport == "tcp":
+        ports = [i.port for i in plan.instances if i.port]
+        lines.append(f"  bus: tcp {min(ports)}-{max(ports)}, each actor's own port on its node "
+                     f"({'CurveZMQ' if topo.bus.curve else 'no CurveZMQ'}), from every node")
+    else:
+        lines.append("  bus: ipc sockets in the run directory (one node)")
+    for gname, world in plan.worlds.items():
+        nodes = sorted({i.host for i in plan.instances if i.group == gname})
+        lines.append(f"  {gname} world: {world.master_host}:{world.port or 'auto'} (rendezvous), from its "
+                     f"{len(nodes)} node(s); then {world.backend}'s own connections between its {len(world.members)} "
+                     f"ranks")
+    ephemeral = _ephemeral_range()
+    for link in plan.links.values():
+        members = [i for i in plan.instances if i.name in link.members]
+        nodes = sorted({i.host for i in members})
+        if link.name in servers:
+            group = servers[link.name]
+            lines.append(f"  {link.name}: a free port on {', '.join(sorted(set(group.host_nodes)))} (rendezvous, picked "
+                         f"at each formation in the ephemeral range, {ephemeral}), from every rollout node; then "
+                         f"{link.backend}'s own connections between the {group.world} ranks"
+                         + (" (bootstrap on NCCL_SOCKET_IFNAME, data over IB/RoCE)" if link.backend == "nccl" else ""))
+        else:
+            lines.append(f"  {link.name}: {link.master_host}:{link.port or 'auto'} (rendezvous), from "
+                         f"{len(nodes)} node(s); then {link.backend}'s own connections")
+    sglang = [g for g, (_, cfg) in group_classes(plan).items() if getattr(cfg, "engine", None) == "sglang"]
+    for g in sglang:
+        cfg = group_classes(plan)[g][1]
+        where = cfg.sglang_url or f"{cfg.sglang.host}:{cfg.sglang.port or 'a free port'}"
+        lines.append(f"  {g}'s SGLang servers: HTTP at {where}" + (", on each rollout's own node (not across nodes)"
+                     if not cfg.sglang_url and cfg.sglang.host in ("127.0.0.1", "localhost") else ""))
+    return lines
 
 
 def insecure_bus_warning(plan: Plan) -> str | None:
@@ -216,10 +332,8 @@ def prepare_problems(plan: Plan) -> list[str]:
     return [f"experiment.{line}" for line in stage_problems(plan.topology.config.prepare)]
 
 
-def engine_placements(plan: Plan) -> dict[str, dict[str, str]]:
-    """Group -> where its engine runs (device, dtype, parallel layout, process-group backend), from the
-    settings its first instance will get, by the actor class's own ``placement`` (the rule its engine is
-    built by). Groups whose class drives no engine are left out."""
+def group_classes(plan: Plan) -> dict[str, tuple[type, Any]]:
+    """Group -> (its actor class, the settings its first instance will get, typed by that class)."""
     first: dict[str, dict[str, Any]] = {}
     for spec in plan.specs("RUN_DIR"):
         first.setdefault(spec["name"].split(".")[0], spec)
@@ -227,10 +341,62 @@ def engine_placements(plan: Plan) -> dict[str, dict[str, str]]:
     for gname, group in plan.topology.groups.items():
         module, _, name = group.cls.partition(":")
         klass = getattr(importlib.import_module(module), name)
-        placement = getattr(klass, "placement", None)
-        if placement is not None and gname in first:
-            out[gname] = placement(read_settings(klass, first[gname]["settings"], first[gname]["name"]))
+        if gname in first:
+            out[gname] = (klass, read_settings(klass, first[gname]["settings"], first[gname]["name"]))
     return out
+
+
+def engine_placements(plan: Plan) -> dict[str, dict[str, str]]:
+    """Group -> where its engine runs (device, dtype, parallel layout, process-group backend), from the
+    settings its first instance will get, by the actor class's own ``placement`` (the rule its engine is
+    built by). Groups whose class drives no engine are left out."""
+    return {g: klass.placement(cfg) for g, (klass, cfg) in group_classes(plan).items()
+            if getattr(klass, "placement", None) is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadyRule:
+    """How long a group's instances may take to report ready (each from its first start), where that comes
+    from, and how many must be ready for the run to start (the others join when they are)."""
+
+    group: str
+    count: int
+    budget_s: float
+    source: str
+    needed: int
+
+    @property
+    def joins_late(self) -> bool:
+        return self.needed < self.count
+
+
+def ready_rules(plan: Plan, base_s: float) -> dict[str, ReadyRule]:
+    """Every group's ReadyRule: `actors.<group>.ready_timeout_s` when set; else `base_s`
+    (supervisor.ready_timeout) plus what its class starts (`ready_budget`: an SGLang rollout waits for its
+    server's own start budget, sglang.health_timeout_s). The run needs `min_ready` instances, or all; a class
+    of interchangeable workers (`joins_late`: the rollouts) half of them, rounded up."""
+    out = {}
+    for gname, (klass, cfg) in group_classes(plan).items():
+        group = plan.topology.groups[gname]
+        if group.ready_timeout_s is not None:
+            budget, source = group.ready_timeout_s, f"actors.{gname}.ready_timeout_s"
+        else:
+            extra = klass.ready_budget(cfg) if getattr(klass, "ready_budget", None) is not None else None
+            budget, source = (base_s, "supervisor.ready_timeout") if extra is None else \
+                (base_s + extra[0], f"supervisor.ready_timeout {base_s:g} + {extra[1]} {extra[0]:g}")
+        needed = group.min_ready if group.min_ready is not None else \
+            math.ceil(group.count / 2) if getattr(klass, "joins_late", False) else group.count
+        out[gname] = ReadyRule(gname, group.count, budget, source, needed)
+    return out
+
+
+def _readiness(plan: Plan) -> list[str]:
+    rules = ready_rules(plan, SupervisorSection.model_validate(plan.topology.supervisor).ready_timeout)
+    rows = [("group", "instances", "run starts with", "ready budget each", "from")]
+    rows += [(g, str(r.count), f"{r.needed} (the rest join when ready)" if r.joins_late else "all",
+              f"{r.budget_s:g} s", r.source) for g, r in rules.items()]
+    return ["readiness (each budget counts from the instance's first start; a late one past it is reported, "
+            "not waited for)", *_table(rows)]
 
 
 def _engines(plan: Plan) -> list[str]:
@@ -346,9 +512,47 @@ def load_plan(args: argparse.Namespace) -> Plan:
     return topo_mod.load(args.topology, args.overrides, check_imports=not args.no_import_check)
 
 
+class RunDirError(OSError):
+    """The run directory cannot be made or used; the message names it and why."""
+
+
+def inputs_ok(plan: Plan) -> bool:
+    """Check what the run's actors will read (tools/inputs.py) before any starts: print the report, and each
+    problem on a line of its own; False when there is one."""
+    from tools.inputs import check_inputs
+
+    lines, problems = check_inputs(plan, launch=True)
+    if lines:
+        print("inputs\n" + "\n".join(f"  {line}" for line in lines), flush=True)
+    if problems:
+        print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
+    return not problems
+
+
+def checked_run_dir(plan: Plan, requested: str | None, inputs: bool = True) -> Path | None:
+    """The run directory (`make_run_dir`), once what the run reads is checked (``inputs``: `inputs_ok`); None
+    after printing why there is none."""
+    if inputs and not inputs_ok(plan):
+        return None
+    try:
+        return make_run_dir(plan, requested)
+    except RunDirError as exc:
+        print(f"{plan.topology.source}: {exc}", file=sys.stderr)
+        return None
+
+
 def make_run_dir(plan: Plan, requested: str | None) -> Path:
     """The requested directory; else, with `run.recover: auto`, the newest run of this topology that
-    has a checkpoint but did not finish (it is resumed); else a new timestamped one."""
+    has a checkpoint but did not finish (it is resumed); else a new timestamped one. RunDirError when it
+    cannot be made."""
+    try:
+        return _make_run_dir(plan, requested)
+    except OSError as exc:
+        where = exc.filename or requested or plan.topology.run_root
+        raise RunDirError(f"the run directory cannot be made: {where}: {exc.strerror or exc}") from None
+
+
+def _make_run_dir(plan: Plan, requested: str | None) -> Path:
     from actors.recovery import latest_checkpoint, recovering, resume_checkpoint, run_finished
 
     recover = recovering(plan.topology.config)
@@ -379,11 +583,51 @@ def make_run_dir(plan: Plan, requested: str | None) -> Path:
 
 def supervisor_options(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for actors.supervisor.Supervisor: the topology's `supervisor:` section over its defaults;
-    --ready-timeout where the file does not say."""
+    --ready-timeout where the file does not say; every actor's ready budget and, for late-joining groups, how
+    many instances the run needs (ready_rules)."""
     opts = SupervisorSection.model_validate(plan.topology.supervisor).model_dump()
     if args.ready_timeout is not None and "ready_timeout" not in plan.topology.supervisor:
         opts["ready_timeout"] = args.ready_timeout
+    rules = ready_rules(plan, opts["ready_timeout"])
+    opts["ready_budgets"] = {i.name: rules[i.group].budget_s for i in plan.instances}
+    opts["late_joiners"] = {g: r.needed for g, r in rules.items() if r.joins_late}
     return opts
+
+
+def node_supervisor_options(opts: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A node agent's share of `supervisor_options`: its own actors' budgets, and no number of late joiners
+    of its own (the launcher counts them across the nodes: `quorum_problem`), so a node whose rollouts cannot
+    come up never exits non-zero, which would make srun --kill-on-bad-exit stop every node."""
+    return {**opts, "ready_budgets": {n: b for n, b in opts["ready_budgets"].items() if n in names},
+            "late_joiners": {g: 0 for g in opts["late_joiners"]}}
+
+
+# Seconds past a late-joining group's ready budget before the launcher says the group fell short.
+QUORUM_GRACE_S = 30.0
+
+
+def quorum_problem(rows: dict[str, dict[str, Any]], rules: dict[str, ReadyRule], elapsed: float,
+                   reached: set[str]) -> str | None:
+    """Why a multi-node run cannot go on (None: it can): a late-joining group whose instances never reached
+    the number the run needs within their budget, or of which too many could not be kept up. `reached`:
+    the groups that had their number ready once (updated here; a restart later is not a shortfall)."""
+    from actors.supervisor import Supervisor
+
+    for g, r in rules.items():
+        if not r.joins_late:
+            continue
+        members = [row for name, row in rows.items() if Supervisor.group_of(name) == g]
+        ready = sum(1 for row in members if row.get("state") in ("ready", "finished"))
+        down = sum(1 for row in members if row.get("state") == "failed")
+        if ready >= r.needed:
+            reached.add(g)
+        if r.count - down < r.needed:
+            return (f"actors.{g}: {down} of {r.count} instances could not be kept up; the run needs {r.needed} "
+                    f"(min_ready)")
+        if g not in reached and elapsed > r.budget_s + QUORUM_GRACE_S:
+            return (f"actors.{g}: {ready} of {r.count} instances ready after their ready budget ({r.budget_s:g} s: "
+                    f"{r.source}); the run needs {r.needed} (min_ready)")
+    return None
 
 
 # What `--record` turns on in every actor: tools.replay --into needs the outbound records to compare with
@@ -418,7 +662,9 @@ def build_specs(plan: Plan, run_dir: Path, record: bool = False) -> list[dict[st
         longest = max(len(i.name) for i in plan.instances)
         if len(str(ipc_dir)) + longest + 8 > 100:  # unix socket paths stop at 107 bytes
             import tempfile
-            ipc_dir = Path(tempfile.mkdtemp(prefix="areal-ipc-"))
+            # A relaunch of this run directory reuses the one its earlier launcher made (killed, it could
+            # not remove it); run_local removes it at the end.
+            ipc_dir = _recorded_ipc_dir(run_dir) or Path(tempfile.mkdtemp(prefix="areal-ipc-"))
             (run_dir / "ipc_dir").write_text(str(ipc_dir))
         ipc_dir.mkdir(parents=True, exist_ok=True)
         ipc_dir.chmod(0o700)   # the sockets are the bus: only the run's user may reach them
@@ -429,6 +675,20 @@ def build_specs(plan: Plan, run_dir: Path, record: bool = False) -> list[dict[st
         for spec in specs:
             spec["settings"]["message_log"] = dict(RECORD_SETTINGS)
     return specs
+
+
+def _recorded_ipc_dir(run_dir: Path) -> Path | None:
+    """The bus's socket directory outside the run directory that a launcher of this run made (RUN_DIR/ipc_dir),
+    if it is still there and this user's."""
+    import tempfile
+    try:
+        path = Path((run_dir / "ipc_dir").read_text().strip())
+        mine = path.stat().st_uid == os.getuid()
+    except OSError:
+        return None
+    if mine and path.parent == Path(tempfile.gettempdir()) and path.name.startswith("areal-ipc-"):
+        return path
+    return None
 
 
 def write_plan(plan: Plan, run_dir: Path, specs: list[dict[str, Any]], overrides: Sequence[str]) -> None:
@@ -518,12 +778,16 @@ def _child_rows(sup: Any, node_of: dict[str, str]) -> dict[str, dict[str, Any]]:
     rows = {}
     for name, child in sup.children.items():
         proc = child.proc
-        if child.finished:
+        if child.given_up:
+            state = "failed"        # a late joiner left down after its restart limit; the run goes on
+        elif child.finished:
             state = "finished"
         elif child.ready:
             state = "ready"
         elif proc is not None and proc.returncode is not None:
             state = "restarting"
+        elif child.late_reported:
+            state = "late"          # past its ready budget, still starting
         else:
             state = "starting"
         rows[name] = {"node": node_of.get(name, ""), "state": state, "restarts": sup.restarts[name],
@@ -535,10 +799,12 @@ def _child_rows(sup: Any, node_of: dict[str, str]) -> dict[str, dict[str, Any]]:
 async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[str, Any], *, title: str,
                     progress: bool, duration: float | None, node_of: dict[str, str],
                     status_file: Path | None = None, stop_file: Path | None = None,
-                    training: TrainingProgress | None = None) -> int:
+                    training: TrainingProgress | None = None, watchdog: Any = None,
+                    finished: Callable[[], bool] | None = None) -> int:
     """Start actors under the Supervisor, show progress, stop on Ctrl-C/SIGTERM, on ``duration``, when
-    ``stop_file`` appears (a multi-node launcher's stop request), or when every actor has finished by
-    itself; print a summary. Returns the exit status."""
+    ``stop_file`` appears (a multi-node launcher's stop request), when ``watchdog`` (tools/watchdog.py) finds
+    the run stalled, or when every actor has finished by itself; print a summary. Returns the exit status:
+    a stall fails the run, and a signal before ``finished()`` (the run's last step) exits 128 + its number."""
     import asyncio
 
     from actors.base import ActorSpec
@@ -547,9 +813,11 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     stop_reason: list[str] = []
+    signalled: list[int] = []
 
     def on_signal(name: str) -> None:
         stop_reason.append(f"stopped by {name}")
+        signalled.append(int(signal.Signals[name]))
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -586,12 +854,20 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
         publish("running")
         running = asyncio.ensure_future(sup.run())
         deadline = None if duration is None else t0 + duration
+        if watchdog is not None:
+            watchdog.local_pids = sup.pids
+            watchdog.start()
         while True:
             rows = publish("running")
             if running.done():
                 running.result()  # raises SupervisorError when an actor could not be kept up
                 break
-            if all(r["state"] == "finished" for r in rows.values()):
+            if watchdog is not None and (diagnosis := watchdog.check()) is not None:
+                print(diagnosis, flush=True)
+                outcome, code = f"failed: {diagnosis.splitlines()[0]} (diagnosis above and in {run_dir}/stall.txt)", \
+                    EXIT_FAILED
+                break
+            if all(r["state"] in ("finished", "failed") for r in rows.values()):
                 break
             if stop_file is not None and stop_file.exists() and not stop.is_set():
                 stop_reason.append(stop_file.read_text().strip() or "stop requested")
@@ -617,13 +893,30 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
         view.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+    if code == EXIT_OK and signalled and finished is not None and not finished():
+        code = 128 + signalled[0]   # stopped before its last step: not a clean end
+        outcome += f" before the run's last step (exit {code})"
     print(_summary(title, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
     return code
+
+
+def trains_steps(plan: Plan) -> bool:
+    """Whether the plan has a trainer, whose run.total_steps end the run (demo topologies have none)."""
+    return any(group.cls.partition(":")[0] == "actors.trainer" for group in plan.topology.groups.values())
+
+
+def progress_watchdog(plan: Plan, run_dir: Path) -> Any:
+    """The run's progress watchdog (tools/watchdog.py), set by the experiment's run.watchdog."""
+    from tools.watchdog import ProgressWatchdog
+
+    return ProgressWatchdog(run_dir, plan.topology.config.run.watchdog)
 
 
 def run_local(plan: Plan, args: argparse.Namespace) -> int:
     """Every actor on this machine under one Supervisor."""
     import asyncio
+
+    from actors.recovery import run_finished
 
     from tools.prepare import PrepareError, prepare
 
@@ -640,7 +933,8 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_INVALID
     config = plan.topology.config
-    run_dir = make_run_dir(plan, args.run_dir)
+    if (run_dir := checked_run_dir(plan, args.run_dir)) is None:
+        return EXIT_INVALID
     specs = build_specs(plan, run_dir, record=args.record)
     write_plan(plan, run_dir, specs, args.overrides)
     print(f"run {plan.topology.name}: {len(specs)} actor(s), run directory {run_dir}", flush=True)
@@ -649,12 +943,51 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
     print("\n".join(evaluation_notes(plan)), flush=True)
     node_of = {i.name: i.host for i in plan.instances}
     total = config.run.total_steps
+    trains = trains_steps(plan)
     code = asyncio.run(supervise(specs, run_dir, supervisor_options(plan, args), title=plan.topology.name,
                                  progress=not args.no_progress, duration=args.duration, node_of=node_of,
-                                 training=TrainingProgress(run_dir, total)))
+                                 training=TrainingProgress(run_dir, total),
+                                 watchdog=progress_watchdog(plan, run_dir) if trains else None,
+                                 finished=(lambda: run_finished(run_dir)) if trains else None))
+    if (ipc_dir := _recorded_ipc_dir(run_dir)) is not None:
+        import shutil
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+    if code == EXIT_OK and config.eval.every_versions > 0 and evaluates_during_run(plan):
+        catch_up_evaluations(config, run_dir)
     if code == EXIT_OK and config.run.final_eval:
         final_evaluation(config, run_dir)
     return code
+
+
+def evaluates_during_run(plan: Plan) -> bool:
+    """Whether the plan's evaluator can evaluate during the run: it has one, and the parameter server holds the
+    weights (the relay: it sits in a link; with direct weights it holds none, and the evaluator idles), and the
+    evaluator takes them from there (``weights_from: checkpoints`` evaluates checkpoints only, by design)."""
+    groups = plan.topology.groups
+    if any(g.settings.get("weights_from", "param_server") != "param_server"
+           for g in groups.values() if g.cls.endswith(":EvalActor")):
+        return False
+    modules = {name: group.cls.partition(":")[0] for name, group in groups.items()}
+    servers = {i.name for i in plan.instances if modules.get(i.group) == "actors.param_server"}
+    return ("actors.evaluator" in modules.values() and "actors.trainer" in modules.values()
+            and any(servers & set(link.members) for link in plan.links.values()))
+
+
+def catch_up_evaluations(config: ExperimentConfig, run_dir: Path) -> None:
+    """The periodic evaluations the evaluator missed (it was away when the run ended, or fell behind): those
+    whose weights are left on disk are evaluated here, the rest named as skipped in eval.jsonl."""
+    from actors.evaluator import catch_up
+    from actors.recovery import FINISHED
+
+    try:
+        final = int(json.loads((run_dir / FINISHED).read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return
+    caught, skipped = catch_up(config, run_dir, final)
+    if caught or skipped:
+        print(f"periodic evaluations the evaluator missed: {', '.join(map(str, caught)) or 'none'} evaluated from "
+              f"their checkpoints now" + (f"; {', '.join(map(str, skipped))} skipped (their weights are no longer "
+                                           f"kept)" if skipped else ""), flush=True)
 
 
 def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] | None:
@@ -662,6 +995,7 @@ def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] 
     side, per level; written to RUN_DIR/summary.json and RUN_DIR/eval.jsonl (read by tools.plot)."""
     from actors.dataset import resolve_data_path
     from actors.recovery import latest_checkpoint
+    from actors.train_metrics import trained_history
     from tools.eval import evaluate_held_out
     from tools.lm import has_weights
 
@@ -675,8 +1009,8 @@ def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] 
     step, ckpt = found
     models = {"start": config.model.path, "final": str(ckpt / "model")}
     reports = {name: evaluate_held_out(path, config) for name, path in models.items() if path and has_weights(path)}
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
-        if (run_dir / "metrics.jsonl").exists() else []
+    metrics = trained_history([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+                              if (run_dir / "metrics.jsonl").exists() else [])
     keys = sorted({k for r in reports.values() for k in r["by_level"]}, key=lambda k: (len(k), k))
     rows = [("model", "step", "overall", *[f"level {k}" for k in keys])]
     for name, r in reports.items():
@@ -728,25 +1062,38 @@ def node_plan_path(run_dir: Path, host: str) -> Path:
 
 def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
     """Inside an allocation: one node agent per node through srun; each runs its node's actors under the
-    Supervisor. The run directory must be on a file system every node sees (it holds the plans)."""
+    Supervisor. The run directory must be on a file system every node sees (it holds the plans, and the
+    actors' status files the progress watchdog reads here)."""
+    from actors.recovery import run_finished
+
     try:
-        plan = plan.with_hosts(allocation_hosts())
+        hosts = allocation_hosts()
+        plan = plan.with_hosts(hosts)
     except TopologyError as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_INVALID
-    if short := allocation_shortfall(plan, os.environ):
+    allocation = read_allocation(dict(os.environ), hosts)
+    if short := allocation_shortfall(plan, allocation):
         print(f"{plan.topology.source}: {short}", file=sys.stderr)
         return EXIT_INVALID
-    run_dir = make_run_dir(plan, args.run_dir)
+    node = plan.topology.nodes[0]
+    if node.gpus and allocation.gpus is None:
+        print(f"{plan.topology.source}: the allocation's GPUs could not be read ({allocation.source}); the "
+              f"topology's nodes have {node.gpus} each", file=sys.stderr, flush=True)
+    if (run_dir := checked_run_dir(plan, args.run_dir)) is None:
+        return EXIT_INVALID
     specs = build_specs(plan, run_dir, record=args.record)
     write_plan(plan, run_dir, specs, args.overrides)
     by_name = {s["name"]: s for s in specs}
     hosts = [n.name for n in plan.topology.nodes]
     (run_dir / "nodes").mkdir(exist_ok=True)
+    options = supervisor_options(plan, args)
+    rules = ready_rules(plan, options["ready_timeout"])
     for node_idx, insts in plan.by_node().items():
         host = plan.topology.nodes[node_idx].name
         node_plan_path(run_dir, host).write_text(json.dumps({
-            "host": host, "title": f"{plan.topology.name}@{host}", "supervisor": supervisor_options(plan, args),
+            "host": host, "title": f"{plan.topology.name}@{host}",
+            "supervisor": node_supervisor_options(options, [i.name for i in insts]),
             "specs": [by_name[i.name] for i in insts]}, indent=1))
     cmd = ["srun", f"-N{len(hosts)}", f"-n{len(hosts)}", "--ntasks-per-node=1", f"--nodelist={','.join(hosts)}",
            *slurm_resources(plan), "--kill-on-bad-exit=1", f"--chdir={topo_mod.REPO_ROOT}", "--overlap",
@@ -776,17 +1123,38 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
         stop_file.write_text(f"stopped by {reason}\n")
         forced_at.append(time.monotonic() + supervisor_options(plan, args)["stop_timeout"] + 15)
 
+    signalled: list[int] = []
+
     def forward(signum: int, _frame: Any) -> None:
         if stopping:  # a second Ctrl-C: do not wait for the clean stop
             proc.send_signal(signal.SIGTERM)
         else:
+            signalled.append(signum)
             request_stop(signal.Signals(signum).name)
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     deadline = None if args.duration is None else t0 + args.duration
+    reached: set[str] = set()
+    short: list[str] = []
+    trains = trains_steps(plan)
+    watchdog = progress_watchdog(plan, run_dir) if trains else None
+    stalled: list[str] = []
     try:
         while proc.poll() is None:
-            view.update(_slurm_rows(run_dir, hosts, node_of), time.monotonic() - t0)
+            rows = _slurm_rows(run_dir, hosts, node_of)
+            view.update(rows, time.monotonic() - t0)
+            if not stopping and (problem := quorum_problem(rows, rules, time.monotonic() - t0, reached)):
+                short.append(problem)
+                print(f"{plan.topology.name}: {problem}; stopping the run", file=sys.stderr, flush=True)
+                request_stop(problem)
+            if watchdog is not None and not stopping:   # its clock starts once every node runs its actors
+                if not watchdog.started and all(_node_status(run_dir, h).get("state") == "running"
+                                                      for h in hosts):
+                    watchdog.start()
+                if (diagnosis := watchdog.check()) is not None:
+                    print(diagnosis, flush=True)
+                    stalled.append(diagnosis.splitlines()[0])
+                    request_stop("the progress watchdog")
             if deadline is not None and time.monotonic() >= deadline and not stopping:
                 request_stop(f"--duration {args.duration:g} s")
             if forced_at and time.monotonic() > forced_at[0] and proc.poll() is None:
@@ -805,12 +1173,23 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
     failed = [h for h in hosts if _node_status(run_dir, h).get("state") == "failed"]
     if stopping:
         outcome = f"stopped by {stopping[0]}"
+    if short:
+        print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, f"failed: {short[0]}"), flush=True)
+        return EXIT_FAILED
+    if stalled:
+        outcome = f"failed: {stalled[0]} (diagnosis above and in {run_dir}/stall.txt)"
+        print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
+        return EXIT_FAILED
     if failed or (code != 0 and not stopping):
         reasons = "; ".join(_node_status(run_dir, h).get("reason", "") for h in failed)
         outcome = f"failed (srun exit {code}{', nodes ' + ', '.join(failed) if failed else ''})" + \
                   (f": {reasons}" if reasons.strip("; ") else f"; see {run_dir}/srun.out")
         print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
         return EXIT_FAILED
+    if signalled and trains and not run_finished(run_dir):
+        outcome += f" before the run's last step (exit {128 + signalled[0]})"
+        print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
+        return 128 + signalled[0]
     print(_summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
     return EXIT_OK
 
@@ -840,24 +1219,107 @@ def slurm_resources(plan: Plan) -> list[str]:
     return flags
 
 
-def allocation_shortfall(plan: Plan, env: dict[str, str]) -> str | None:
-    """Why this SLURM allocation cannot hold the topology's nodes (too few cores or GPUs per node), or None.
-    A plain `salloc -N64` grants one core per node on many clusters; the step would then fail."""
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """The cores and GPUs a SLURM job holds on each of its nodes (None: not known), and where that was read."""
+
+    cpus: dict[str, int] | None
+    gpus: dict[str, int] | None
+    source: str
+
+    def least(self, what: str) -> int | None:
+        per_node = self.cpus if what == "cpus" else self.gpus
+        return min(per_node.values()) if per_node else None
+
+
+def _count_ids(ids: str) -> int:
+    """`0-23,48-71` -> 48."""
+    total = 0
+    for part in ids.split(","):
+        lo, _, hi = part.partition("-")
+        total += int(hi or lo) - int(lo) + 1
+    return total
+
+
+def _gres_gpus(gres: str) -> int:
+    """GPUs in a GRES string of `scontrol show job -d`: `gpu:8(IDX:0-7)`, `gpu:a100:4(IDX:0-3),...`."""
+    return sum(int(n) for n in re.findall(r"(?:^|,)gpu(?::[^:(,]+)?:(\d+)", gres))
+
+
+def parse_job_details(text: str) -> Allocation:
+    """The per-node lines of `scontrol show job -d JOB` (`Nodes=n[1-2] CPU_IDs=0-47 Mem=0 GRES=gpu:8(IDX:0-7)`)."""
+    from topology.placement import expand_nodelist
+
+    cpus: dict[str, int] = {}
+    gpus: dict[str, int] = {}
+    for m in re.finditer(r"^\s*Nodes=(\S+) CPU_IDs=(\S+)(?: Mem=\S+)?(?: GRES=(\S*))?", text, re.MULTILINE):
+        for host in expand_nodelist(m.group(1)):
+            cpus[host] = _count_ids(m.group(2))
+            gpus[host] = _gres_gpus(m.group(3) or "")
+    if not cpus:
+        raise ValueError("no per-node lines (Nodes=... CPU_IDs=...)")
+    return Allocation(cpus, gpus, "scontrol show job -d")
+
+
+def allocation_from_env(env: dict[str, str], hosts: list[str]) -> Allocation:
+    """What the environment says, for when the controller cannot be asked. Under salloc (whose command runs
+    outside any step) SLURM_CPUS_ON_NODE and SLURM_GPUS_ON_NODE are unset; SLURM_JOB_CPUS_PER_NODE
+    (`72(x2),36`) is set by salloc, sbatch and srun; GPUs show only as SLURM_GPUS_ON_NODE (a step's node),
+    SLURM_GPUS_PER_NODE (when --gpus-per-node was asked for) or SLURM_JOB_GPUS (batch and interactive jobs)."""
+    cpus: dict[str, int] | None = None
+    if per_node := env.get("SLURM_JOB_CPUS_PER_NODE"):
+        counts = []
+        for part in per_node.split(","):
+            m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+            if m:
+                counts += [int(m.group(1))] * int(m.group(2) or 1)
+        if len(counts) == len(hosts):
+            cpus = dict(zip(hosts, counts))
+    gpus_each = None
+    if env.get("SLURM_GPUS_ON_NODE"):
+        gpus_each = int(env["SLURM_GPUS_ON_NODE"])
+    elif env.get("SLURM_GPUS_PER_NODE"):
+        gpus_each = int(env["SLURM_GPUS_PER_NODE"].rpartition(":")[2])
+    elif env.get("SLURM_JOB_GPUS"):
+        gpus_each = len(env["SLURM_JOB_GPUS"].split(","))
+    gpus = {h: gpus_each for h in hosts} if gpus_each is not None else None
+    return Allocation(cpus, gpus, "the SLURM_* environment")
+
+
+def read_allocation(env: dict[str, str], hosts: list[str]) -> Allocation:
+    """The job's cores and GPUs per node, asked of the controller (`scontrol show job -d $SLURM_JOB_ID`), which
+    answers alike under salloc, sbatch and srun; the environment only when it cannot be asked."""
+    job = env.get("SLURM_JOB_ID", "")
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-d", job], capture_output=True, text=True, timeout=60,
+                             env=dict(env))
+        if out.returncode == 0:
+            return parse_job_details(out.stdout)
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        pass
+    return allocation_from_env(env, hosts)
+
+
+def allocation_shortfall(plan: Plan, allocation: Allocation) -> str | None:
+    """Why this SLURM allocation cannot hold the topology's nodes (too few cores or GPUs on a node), or None.
+    A plain `salloc -N64` grants one core per node on many clusters; the step would then fail. What the
+    allocation does not say is not held against it."""
     node = plan.topology.nodes[0] if plan.topology.nodes else None
     if node is None:
         return None
-    cpus = int(env.get("SLURM_CPUS_ON_NODE") or 0)
-    gpus = int(env.get("SLURM_GPUS_ON_NODE") or 0)
-    if (cpus and cpus < node.cpus) or gpus < node.gpus:
-        return (f"the allocation gives each node {cpus or '?'} core(s) and {gpus} GPU(s); the topology's nodes "
-                f"have {node.cpus} and {node.gpus}: allocate whole nodes, e.g. `salloc -N{len(plan.topology.nodes)} "
+    cpus, gpus = allocation.least("cpus"), allocation.least("gpus")
+    if (cpus is not None and cpus < node.cpus) or (gpus is not None and gpus < node.gpus):
+        return (f"the allocation gives a node {cpus if cpus is not None else '?'} core(s) and "
+                f"{gpus if gpus is not None else '?'} GPU(s) ({allocation.source}); the topology's nodes have "
+                f"{node.cpus} and {node.gpus}: allocate whole nodes, e.g. `salloc -N{len(plan.topology.nodes)} "
                 f"--exclusive{f' --gpus-per-node={node.gpus}' if node.gpus else ''}`, or use --sbatch")
     return None
 
 
 def submit_sbatch(plan: Plan, args: argparse.Namespace) -> int:
     """Submit a batch job that reruns this launcher inside its own allocation."""
-    run_dir = make_run_dir(plan, args.run_dir)
+    if (run_dir := checked_run_dir(plan, args.run_dir, inputs=False)) is None:
+        return EXIT_INVALID
     n = len(plan.topology.nodes)
     argv = [sys.executable, "-m", "tools.up", str(Path(plan.topology.source).resolve()), *args.overrides,
             "--run-dir", str(run_dir), "--no-progress"]
@@ -902,7 +1364,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INVALID
     if args.dry_run:
         print(describe(plan, args.overrides))
-        if problems := busy_ports(plan) + memory_problems(plan) + prepare_problems(plan):
+        from tools.inputs import check_inputs
+        inputs, input_problems = check_inputs(plan, launch=False)
+        print("\ninputs (a sample of each data file; tools/inputs.py)" + "".join(f"\n  {line}" for line in inputs))
+        if problems := busy_ports(plan) + memory_problems(plan) + prepare_problems(plan) + input_problems:
             print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
             return EXIT_INVALID
         return EXIT_OK

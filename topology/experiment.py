@@ -21,6 +21,7 @@ from topology.section import Section, problem_lines, when_missing
 __all__ = ["Section", "ModelSection", "DataFields", "DataSection", "PROMPT_TEMPLATES", "DataLayout",
            "prompt_template_text", "AREAL_ALIASES", "AREAL_NOT_ALIASED", "with_our_names", "DatasetRecipe", "WarmStartStage",
            "WarmStartSection", "PrepareSection", "when_missing", "AlgoSection", "GenSection", "EvalSection", "RunSection",
+           "WatchdogSection",
            "BufferSection", "ExperimentConfig", "experiment_problems", "DEFAULT_MAX_LINE_BYTES"]
 
 DEFAULT_MAX_LINE_BYTES = 1 << 20
@@ -100,6 +101,9 @@ class DataSection(Section):
                           "stops in data.test)")
     require: Literal["answer", "solutions", "none"] = Field("answer", description="what each training record must carry")
     max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1, description="longer lines are refused at load")
+    max_bad_share: float = Field(
+        0.05, ge=0, le=1, description="with on_bad_line: skip, the largest share of a file's lines that may be "
+                                      "malformed; more fails the launch (and the load)")
 
     @field_validator("prompt_template")
     @classmethod
@@ -175,6 +179,16 @@ class AlgoSection(Section):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the frozen starting weights (model.path) in the token rewards; 0 is off")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="per-token KL estimator of the penalty")
 
+    @field_validator("group_size")
+    @classmethod
+    def _groups_give_a_signal(cls, value: int) -> int:
+        # Rewards are normalised within each prompt's group of answers (algo/advantages.py): a group of one
+        # answer has advantage 0 on every token, so the run would train on nothing.
+        if value == 1:
+            raise ValueError("1 answer per prompt gives every answer advantage 0 (rewards are normalised within "
+                             "each prompt's group): nothing would be learned; use 2 or more")
+        return value
+
 
 class GenSection(Section):
     max_new_tokens: int = Field(64, ge=1, description="answer length limit")
@@ -182,6 +196,14 @@ class GenSection(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1 is off")
     top_k: int = Field(-1, ge=-1, description="top-k sampling; -1 or 0 is off")
     interruptible: bool = Field(True, description="weights swap mid-answer; false pauses and resumes")
+    # How long a generation may take (algo/serving.py): a group, and one SGLang request, time out after
+    # timeout_slack x its token budget at the slowest pace of recent answers, and never before timeout_floor_s.
+    assumed_tokens_per_s: float = Field(
+        5.0, gt=0, description="decode speed of one answer assumed until one is measured (sets the first timeouts)")
+    timeout_slack: float = Field(
+        3.0, ge=1, description="a generation times out after this many times what its length takes at the slowest "
+                               "measured pace")
+    timeout_floor_s: float = Field(60.0, ge=0, description="no generation times out sooner than this")
 
 
 class EvalSection(Section):
@@ -189,6 +211,17 @@ class EvalSection(Section):
     every_versions: int = Field(0, ge=0, description="evaluate on data.test every N weight versions during the run, in the evaluator actor; 0 is off")
     max_problems: int = Field(64, ge=1, description="held-out problems of each evaluation during the run, spread over the levels")
     wait_s: float = Field(30.0, gt=0, description="how long the evaluator's request waits for a new version")
+
+
+class WatchdogSection(Section):
+    """The launcher's progress watchdog (tools/watchdog.py): a run that stops making progress is stopped with a
+    diagnosis and a non-zero exit instead of waiting for ever."""
+
+    after_steps: float = Field(5.0, ge=0, description="no trained step for this many times the longest step so far "
+                                                      "stops the run with a diagnosis; 0 is off")
+    min_s: float = Field(600.0, gt=0, description="the shortest wait before a stall is declared, whatever the step time")
+    first_step_s: float = Field(3600.0, gt=0, description="before the first trained step: how long the run may go "
+                                                          "without a step and without a newly accepted group")
 
 
 class RunSection(Section):
@@ -200,6 +233,8 @@ class RunSection(Section):
     keep_checkpoints: int = Field(2, ge=0, description="complete checkpoints kept; 0 keeps all")
     recover: Literal["auto", "off"] = Field("auto", description="resume from the last checkpoint")
     final_eval: bool = Field(True, description="evaluate the last checkpoint on data.test at the end")
+    watchdog: WatchdogSection = Field(default_factory=WatchdogSection,
+                                      description="stop a run that makes no progress, with a diagnosis")
 
     @field_validator("recover", mode="before")
     @classmethod
@@ -210,9 +245,13 @@ class RunSection(Section):
 
 
 class BufferSection(Section):
-    max_groups_per_rollout: int = Field(8, ge=1, description="groups in flight on one rollout")
+    max_groups_per_rollout: int = Field(
+        8, ge=1, description="groups in flight on one rollout; fewer where its server's KV pool holds fewer "
+                             "(algo.serving.groups_in_kv)")
     max_concurrent_groups: int | None = Field(None, ge=1, description="groups in flight in all (unset: no limit)")
-    group_timeout_s: float = Field(1800.0, gt=0, description="a group with no result after this is issued again")
+    group_timeout_s: float | None = Field(
+        None, gt=0, description="a group with no result after this is aborted on its rollout and issued again "
+                                "(unset: derived from gen.max_new_tokens and the measured pace, gen.timeout_*)")
 
 
 # AReaL's configuration keys (its v0.1/v0.2 quickstart options and v0.3 configs: realhf/api/cli_args.py at v0.2.0)

@@ -56,21 +56,26 @@ def load_document(path: str | Path) -> dict[str, Any]:
     return doc
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``a.b.c=value`` -> (["a", "b", "c"], value read as YAML)."""
+def parse_override(text: str, prefix: str = "") -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a", "b", "c"], value read as YAML). ``prefix``: what the user typed before
+    ``text`` (``experiment.``), which every problem repeats so that it names the override as written."""
     key, eq, raw = text.partition("=")
+    shown = prefix + text
     if not eq:
-        raise TopologyError([f"override {text!r}: expected key.sub=value"], "command line")
+        raise TopologyError([f"override {shown!r}: expected key.sub=value"], "command line")
     if key.startswith("+"):
-        raise TopologyError([f"override {text!r}: drop the leading +: every key the schema declares can be set, "
+        raise TopologyError([f"override {shown!r}: drop the leading +: every key the schema declares can be set, "
                              f"and an undeclared one is refused either way"], "command line")
     parts = key.strip().split(".")
     if not all(parts):
-        raise TopologyError([f"override {text!r}: bad key {key!r}"], "command line")
+        raise TopologyError([f"override {shown!r}: bad key {prefix + key!r}"], "command line")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
-        raise TopologyError([f"override {text!r}: value is not valid YAML: {exc}"], "command line") from exc
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at column {mark.column + 1}" if mark is not None else ""
+        raise TopologyError([f"override {shown!r}: value is not valid YAML ({getattr(exc, 'problem', None) or exc}"
+                             f"{where})"], "command line") from None
     return parts, value
 
 
@@ -79,7 +84,7 @@ def apply_overrides(doc: dict[str, Any], overrides: Iterable[str], prefix: str =
     problems of overrides that cannot be set (a path through a value that is not a mapping)."""
     problems = []
     for text in overrides:
-        parts, value = parse_override(text)
+        parts, value = parse_override(text, prefix)
         node = doc
         for depth, part in enumerate(parts[:-1]):
             nxt = node.setdefault(part, {})
@@ -188,7 +193,7 @@ def resolved_config(path: str | Path, overrides: Iterable[str] = (), *,
     over_topo: dict[str, Any] = {}
     over_exp: dict[str, Any] = {}
     apply_overrides(over_topo, topo_overrides)
-    apply_overrides(over_exp, exp_overrides)
+    apply_overrides(over_exp, exp_overrides, prefix=EXPERIMENT + ".")
 
     def source(key: str, over: dict, file: dict, file_name: str) -> str:
         return "override" if _has(over, key) else file_name if _has(file, key) else "default"

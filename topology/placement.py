@@ -80,6 +80,8 @@ class GroupSpec:
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     world_port: int | None = None  # the instances form one torch.distributed world (0: a free port at launch)
+    ready_timeout_s: float | None = None  # each instance's ready budget (None: the launcher derives it)
+    min_ready: int | None = None          # instances the run needs ready to start (None: the class's rule)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,7 +379,9 @@ def validate(doc: dict[str, Any], *, source: str = "topology", experiment: dict[
             nodes=_node_selection(c, g.nodes, f"{key}.nodes", names), per_node=g.per_node, gpus=g.gpus,
             cpus=_cpu_lists(c, g.cpus, f"{key}.cpus", g.count, template.cpus), threads=g.threads,
             cpu_workers=g.cpu_workers, parallel=g.parallel.model_dump(exclude_none=True), settings=dict(g.settings),
-            env=c.env(g.env, f"{key}.env"))
+            env=c.env(g.env, f"{key}.env"), ready_timeout_s=g.ready_timeout_s, min_ready=g.min_ready)
+        if g.min_ready is not None and g.min_ready > g.count:
+            c.add(f"{key}.min_ready", f"{g.min_ready} instances cannot be ready: the group has {g.count} (count)")
         if g.world_port is not None:
             group.world_port = _rendezvous_port(c, g.world_port, f"{key}.world_port")
             if group.gpus > 1:

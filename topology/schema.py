@@ -29,7 +29,8 @@ class SupervisorSection(Section):
     restart_window: float = Field(300.0, gt=0, description="seconds over which restarts are counted")
     backoff_initial: float = Field(0.5, gt=0, description="first wait before a restart, doubled on each one")
     backoff_max: float = Field(30.0, gt=0, description="longest wait before a restart")
-    ready_timeout: float = Field(120.0, gt=0, description="seconds an actor has to report ready")
+    ready_timeout: float = Field(120.0, gt=0, description="seconds an actor has to report ready, beyond what its "
+                                                          "class starts (actors.<group>.ready_timeout_s sets a group's)")
     stop_timeout: float = Field(30.0, gt=0, description="seconds an actor has to stop before it is killed")
 
 
@@ -110,6 +111,12 @@ class GroupSection(Section):
     world_port: Any = Field(None, description="the instances form one torch.distributed world rendezvousing here (auto: a free port at launch)")
     settings: dict[str, Any] = Field(default_factory=dict, description="the actor's settings (its class's Settings model), merged over the experiment")
     env: dict[str, Any] = Field(default_factory=dict, description="environment variables of the instances")
+    ready_timeout_s: float | None = Field(
+        None, gt=0, description="seconds each instance has to report ready (unset: supervisor.ready_timeout plus "
+                                "what its class starts: an SGLang rollout adds its server's sglang.health_timeout_s)")
+    min_ready: int | None = Field(
+        None, ge=1, description="instances that must be ready for the run to start; the rest join when ready "
+                                "(unset: all; a rollout group: half, rounded up)")
 
 
 class TopologyDocument(Section):

@@ -89,6 +89,9 @@ class ActorSettings(ExperimentConfig):
         None, description="record the actor's messages: true (the recording's defaults), or its settings")
     drain_timeout: float = Field(30.0, gt=0, description="seconds running handlers get to finish on stop")
     close_linger: float = Field(2.0, ge=0, description="seconds the bus may take to send what is queued on close")
+    status_every_s: float = Field(
+        5.0, ge=0, description="seconds between writes of RUN_DIR/status/<name>.json (what it waits on, the last "
+                               "message of each kind), which the launcher's progress watchdog reads; 0 is off")
 
     @field_validator("message_log", mode="before")
     @classmethod
@@ -151,7 +154,9 @@ class SGLangSettings(Section):
     max_restarts: int = Field(5, ge=0, description="restarts of a dead server before the rollout fails")
     backoff_s: float = Field(1.0, gt=0, description="first wait before a restart")
     backoff_max_s: float = Field(30.0, gt=0, description="longest wait before a restart")
-    request_timeout_s: float = Field(3600.0, gt=0, description="bound on one generate request")
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="bound on one generate request (unset: gen.timeout_slack x the tokens it may still "
+                                "generate at the slowest pace measured on this server, gen.timeout_floor_s at least)")
     control_timeout_s: float = Field(600.0, gt=0, description="bound on one control request (weights, pause)")
     weights_dir: str | None = Field(None, description="where weights go through disk (unset: RUN_DIR/sglang_weights/<name>)")
     log_path: str | None = Field(None, description="server log (unset: RUN_DIR/logs/<name>.sglang.log)")

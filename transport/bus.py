@@ -42,7 +42,7 @@ import os
 import time
 import weakref
 from collections import Counter
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable
 
 import structlog
 import zmq
@@ -229,6 +229,12 @@ class Bus:
         self._pending: dict[str, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
         self._handler_tasks: set[asyncio.Task] = set()
+        # What this bus is doing, for the status a stalled run is diagnosed from (`activity`): its requests
+        # without a reply yet, the requests it is still answering, and the last message of each kind in and out.
+        self._asking: dict[str, tuple[str, str, float]] = {}          # message id -> (peer, kind, since)
+        self._serving: dict[asyncio.Task, tuple[str, str, float]] = {}
+        self.last_in: dict[str, tuple[str, float]] = {}               # kind -> (sender, time.time())
+        self.last_out: dict[str, tuple[str, float]] = {}              # kind -> (peer, time.time())
         self._slots: asyncio.Semaphore | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._auth = None
@@ -347,6 +353,18 @@ class Bus:
     def peer_alive(self, peer: str) -> bool:
         return self._peer(peer).alive
 
+    def activity(self) -> dict[str, Any]:
+        """Who this bus waits on and who waits on it, and the last message of each kind each way, as plain data:
+        ``asking``/``serving`` list {peer, kind, for_s}; ``last_in``/``last_out`` map a kind to {peer, time}."""
+        now = time.time()
+        def waits(items: Iterable[tuple[str, str, float]]) -> list[dict[str, Any]]:
+            return [{"peer": peer, "kind": kind, "for_s": round(now - since, 1)}
+                    for peer, kind, since in sorted(items, key=lambda item: item[2])]
+        return {"asking": waits(self._asking.values()), "serving": waits(self._serving.values()),
+                "last_in": {k: {"peer": p, "time": t} for k, (p, t) in self.last_in.items()},
+                "last_out": {k: {"peer": p, "time": t} for k, (p, t) in self.last_out.items()},
+                "peers_dead": sorted(n for n, p in self._peers.items() if not p.alive)}
+
     @property
     def peers(self) -> dict[str, str]:
         return {n: p.endpoint for n, p in self._peers.items()}
@@ -381,6 +399,7 @@ class Bus:
         mid = new_message_id()
         fut = asyncio.get_running_loop().create_future()
         self._pending[mid] = fut
+        self._asking[mid] = (peer, type(msg).KIND, time.time())
         try:
             async with asyncio.timeout(timeout):
                 await self._send(peer, msg, mid, True)
@@ -390,6 +409,7 @@ class Bus:
             raise RequestTimeout(f"{peer} did not answer {type(msg).KIND!r} within {timeout}s") from None
         finally:
             self._pending.pop(mid, None)
+            self._asking.pop(mid, None)
         if type(reply) is Error:
             raise RemoteError(peer, reply.code, reply.text, reply.kind or type(msg).KIND)
         return reply
@@ -404,6 +424,7 @@ class Bus:
 
     async def _send(self, peer: str, msg: Message, mid: str | None, wants_reply: bool) -> None:
         p = self._peer(peer)
+        self.last_out[type(msg).KIND] = (peer, time.time())
         frames = encode(msg, self.name, msg_id=mid, wants_reply=wants_reply)
         first = frames[0]
         limit = self.max_frame_bytes
@@ -668,6 +689,7 @@ class Bus:
                 self._send_reply(ident, Pong(msg.seq), header)
             return None
         self.stats["received"] += 1
+        self.last_in[header.kind] = (header.sender, time.time())
         now = 0.0
         if self.recorder is not None:
             now = time.time()
@@ -715,10 +737,13 @@ class Bus:
             if token is not None:
                 current_cause.reset(token)
         self._handler_tasks.add(t)
+        if env.wants_reply:
+            self._serving[t] = (env.sender, env.header.kind, time.time())
         t.add_done_callback(lambda t, env=env: self._handler_done(env, t))
 
     def _handler_done(self, env: Envelope, t: asyncio.Task) -> None:
         self._handler_tasks.discard(t)
+        self._serving.pop(t, None)
         self._slots.release()
         if t.cancelled():
             if env.wants_reply and not env.replied:

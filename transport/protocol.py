@@ -8,6 +8,8 @@
     trainer --VersionUpdate--> buffer            (opens the staleness gate for the new version)
     trainer --CheckpointRequest--> buffer        (buffer saves its state for that step; replies CheckpointDone)
     rollout --GroupReturned--> buffer            (work handed back on drain: re-issued, never lost)
+    buffer --AbortGroup--> rollout               (a request: stop a group whose time ran out before it is
+                                                  issued again; replies GroupAborted once it stopped)
     rollout --RolloutHello--> param_server       (a new or restarted rollout asks for the current weights)
     rollout --ServerDown--> param_server         (its SGLang server died: form no group with it until hello)
     rollout, reward --WorkerHello--> buffer      (a new or restarted worker: what it held before is re-issued)
@@ -140,6 +142,26 @@ class GroupReturned(Message):
 
     group_id: str
     reason: str
+
+
+@message("rl.abort_group", senders=("buffer",))
+class AbortGroup(Message):
+    """buffer -> rollout, a request: the group's time ran out; stop generating it (the SGLang engine sends
+    /abort_request for each of its samples). The buffer issues it again only once the reply says the copy
+    stopped (or the rollout cannot answer), so a server never generates two copies of a group at once."""
+
+    group_id: str
+    reason: str = ""
+
+
+@message("rl.group_aborted", senders=("rollout",))
+class GroupAborted(Message):
+    """rollout -> buffer, the reply to AbortGroup: whether the rollout held the group (`held`; false: it never
+    reached it, or it was done) and whether its generation has stopped (`stopped`)."""
+
+    group_id: str
+    held: bool = False
+    stopped: bool = True
 
 
 @message("rl.batch_request", senders=("trainer",))
@@ -323,9 +345,11 @@ class ServerDown(Message):
 @message("rl.worker_hello", senders=("rollout", "reward"))
 class WorkerHello(Message):
     """rollout/reward -> buffer, on every start: groups the buffer had assigned to an earlier incarnation
-    of this worker died with it and are issued again (a restart can be faster than heartbeats notice)."""
+    of this worker died with it and are issued again (a restart can be faster than heartbeats notice).
+    `kv_tokens`: the KV pool of a rollout's server in tokens (0: not known), which caps its groups."""
 
     role: str
+    kv_tokens: int = 0
 
 
 @message("rl.link_reform", senders=("param_server",))

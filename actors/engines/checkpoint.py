@@ -43,6 +43,11 @@ def write_weights_index(out_dir: str, weight_map: dict[str, str], metadata: dict
         json.dump({"metadata": metadata, "weight_map": weight_map}, f, indent=2)
 
 
+def has_weights(model_dir: str | os.PathLike) -> bool:
+    """Whether a model directory holds weights: one safetensors file, or the index of its shards."""
+    return any(os.path.exists(os.path.join(model_dir, f)) for f in (SINGLE_FILE, INDEX_FILE))
+
+
 def load_config(model_dir: str) -> Qwen2Config:
     return Qwen2Config.from_json_file(os.path.join(model_dir, CONFIG_FILE))
 
@@ -210,6 +215,6 @@ def write_tokenizer_files(files: dict[str, bytes], out_dir: str) -> None:
             f.write(data)
 
 
-__all__ = ["CheckpointError", "ConfigError", "load_config", "load_model", "save_model", "hf_state_dict",
+__all__ = ["CheckpointError", "ConfigError", "has_weights", "load_config", "load_model", "save_model", "hf_state_dict",
            "assign_weights", "iter_checkpoint_tensors", "bucketize", "TOKENIZER_FILES", "read_tokenizer_files",
            "write_tokenizer_files", "shard_file_name", "write_weights_file", "write_weights_index"]

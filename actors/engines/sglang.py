@@ -43,14 +43,16 @@ from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequen
 from pathlib import Path
 from typing import Any
 
+from algo.serving import DecodePace
 from topology.settings import RolloutSettings
 from transport.bulk import TensorMeta
 
 from .base import (EngineError, GenerationEngine, GenerationRequest, GenerationResult, RequestError,
                    WeightBucket, WeightSource)
 from .sglang_disk import write_checkpoint
-from .sglang_routes import (DEFAULT_GROUP, SGLANG_VERSION, ServerEvents, SGLangError, SGLangHTTPError,
-                            SGLangLaunchError, payload, sampling_payload)
+from .sglang_routes import (CLIENT_KEEP_ALIVE_S, DEFAULT_GROUP, IDEMPOTENT_ROUTES, SEED_RANGE, SGLANG_VERSION,
+                            ServerEvents, SGLangConnectionReset, SGLangError, SGLangHTTPError, SGLangLaunchError,
+                            health_probe_s, payload, sampling_payload)
 from .sglang_server import LaunchConfig, SGLangServer
 
 __all__ = ["SGLANG_VERSION", "SGLangError", "SGLangHTTPError", "SGLangLaunchError", "LaunchConfig", "SGLangEngine",
@@ -82,10 +84,20 @@ class SGLangEngine(GenerationEngine):
     loaded with ``/update_weights_from_disk``.
     """
 
+    # Connection resets in a row one sample's /generate survives (each: abort the rid, resubmit what it holds).
+    MAX_RESETS = 3
+    # How long start() waits for an attached server (by url) to answer /health.
+    ATTACH_TIMEOUT_S = 30.0
+    # Sends of an idempotent route after a reset.
+    MAX_RETRIES = 2
+
     def __init__(self, *, url: str | None = None, launch: LaunchConfig | None = None, version: int | None = 0,
-                 weights_dir: str | None = None, request_timeout_s: float = 3600.0, control_timeout_s: float = 600.0,
-                 drain_timeout_s: float = 120.0, attach_timeout_s: float = 30.0,
-                 on_server_event: ServerEvents | None = None) -> None:
+                 weights_dir: str | None = None, request_timeout_s: float | None = None,
+                 control_timeout_s: float = 600.0, drain_timeout_s: float = 120.0,
+                 attach_timeout_s: float = ATTACH_TIMEOUT_S,
+                 pace: DecodePace | None = None, on_server_event: ServerEvents | None = None) -> None:
+        """``request_timeout_s``: bound on one /generate call; None derives it from the tokens it may still
+        generate and the pace measured on this server's answers (``pace``: algo.serving.DecodePace)."""
         if (url is None) == (launch is None):
             raise EngineError("SGLangEngine needs exactly one of url (attach) or launch (start a server)")
         self._attach_url = url.rstrip("/") if url else None
@@ -98,6 +110,8 @@ class SGLangEngine(GenerationEngine):
         self._version = version or 0
         self.weights_dir = weights_dir
         self.request_timeout_s, self.control_timeout_s = request_timeout_s, control_timeout_s
+        self.pace = pace or DecodePace()
+        self.health_probe_s = health_probe_s(launch.env if launch is not None else None)
         self.drain_timeout_s, self.attach_timeout_s = drain_timeout_s, attach_timeout_s
         self.user_on_server_event = on_server_event
         self._session: Any = None
@@ -118,6 +132,7 @@ class SGLangEngine(GenerationEngine):
         self.swaps: list[dict[str, Any]] = []
         self.tokens_generated = 0
         self.resubmits = 0
+        self.resets_retried = 0            # idempotent calls sent again after a reset
 
     # --- construction from rollout settings -----------------------------------------------------------
     @classmethod
@@ -132,8 +147,10 @@ class SGLangEngine(GenerationEngine):
         name = f"{instance.group or 'rollout'}.{instance.index}"
         base = Path(run_dir or ".")
         weights_dir = sg.weights_dir or str(base / "sglang_weights" / name)
+        gen = cfg.gen
         common = dict(version=version, weights_dir=weights_dir, request_timeout_s=sg.request_timeout_s,
-                      control_timeout_s=sg.control_timeout_s)
+                      control_timeout_s=sg.control_timeout_s,
+                      pace=DecodePace(gen.assumed_tokens_per_s, gen.timeout_slack, gen.timeout_floor_s))
         if cfg.sglang_url:
             return cls(url=cfg.sglang_url, **common)
         command = sg.command or [sys.executable, "-m", "sglang.launch_server"]
@@ -164,14 +181,16 @@ class SGLangEngine(GenerationEngine):
 
         if self._session is not None:
             return
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                              timeout=aiohttp.ClientTimeout(total=None))
+        # Idle connections are dropped before SGLang closes them (CLIENT_KEEP_ALIVE_S < SERVER_KEEP_ALIVE_S).
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEP_ALIVE_S),
+            timeout=aiohttp.ClientTimeout(total=None))
         try:
             if self.server is not None:
                 await self.server.start(self._version)
             else:
                 deadline = time.monotonic() + self.attach_timeout_s
-                while not await self._get_ok(self.url + "/health", 2.0):
+                while not await self._get_ok(self.url + "/health", self.health_probe_s):
                     if time.monotonic() > deadline:
                         raise SGLangLaunchError(f"SGLang server at {self.url} is not healthy (GET /health failed "
                                                 f"for {self.attach_timeout_s:g} s)")
@@ -232,7 +251,7 @@ class SGLangEngine(GenerationEngine):
             # SGLANG_HEALTH_CHECK_TIMEOUT: a server we paused is judged by its process, not by that route.
             ok = self._session is not None and (self.server is None or self.server.healthy.is_set())
         else:
-            ok = self._session is not None and await self._get_ok(self.url + "/health", 5.0)
+            ok = self._session is not None and await self._get_ok(self.url + "/health", self.health_probe_s)
         running = sum(1 for samples in self._requests.values() for s in samples if s.sglang_rid is not None)
         total = sum(len(samples) for samples in self._requests.values())
         return {"ok": bool(ok), "version": self._version, "running": running, "waiting": total - running,
@@ -249,19 +268,32 @@ class SGLangEngine(GenerationEngine):
         return await self._request("GET", route, None, timeout)
 
     async def _request(self, method: str, route: str, body: dict[str, Any] | None, timeout: float) -> Any:
+        """One call; an idempotent one (IDEMPOTENT_ROUTES) is sent again when its connection was reset. A
+        reset of any other raises SGLangConnectionReset: whether the server got it is unknown."""
         import aiohttp
 
         if self._session is None:
             raise SGLangError("SGLang engine is not started (call start())")
         url, what = self.url, route if method == "POST" else f"{method} {route}"
-        try:
-            async with self._session.request(method, url + route, json=body,
-                                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                text = await r.text()
-                if r.status != 200:
-                    raise SGLangHTTPError(url, route, r.status, text)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise SGLangError(f"SGLang server {url}: {what} failed: {type(exc).__name__}: {exc}") from exc
+        for attempt in range(self.MAX_RETRIES + 1):
+            try:
+                async with self._session.request(method, url + route, json=body,
+                                                 timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                    text = await r.text()
+                    if r.status != 200:
+                        raise SGLangHTTPError(url, route, r.status, text)
+                break
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError) as exc:
+                if isinstance(exc, aiohttp.ClientConnectorError):   # nothing was sent: the server is not there
+                    raise SGLangError(f"SGLang server {url}: {what} failed: {type(exc).__name__}: {exc}") from exc
+                if route not in IDEMPOTENT_ROUTES or attempt == self.MAX_RETRIES:
+                    raise SGLangConnectionReset(
+                        f"SGLang server {url}: {what}: the connection was reset ({type(exc).__name__}: {exc})"
+                        + ("" if route in IDEMPOTENT_ROUTES else "; not sent again: the route is not idempotent")
+                    ) from exc
+                self.resets_retried += 1
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise SGLangError(f"SGLang server {url}: {what} failed: {type(exc).__name__}: {exc}") from exc
         try:
             return json.loads(text) if text else None
         except ValueError as exc:
@@ -319,6 +351,7 @@ class SGLangEngine(GenerationEngine):
 
     async def _run_sample(self, request: GenerationRequest, index: int, sample: _Sample, seed: int) -> str:
         sp = request.sampling
+        resets = 0
         while True:
             if request.rid in self._user_aborted or self._stopping:
                 return "abort"
@@ -333,20 +366,35 @@ class SGLangEngine(GenerationEngine):
             sampling = sampling_payload(temperature=sp.temperature, top_p=sp.top_p,
                                         top_k=sp.top_k if sp.top_k > 0 else -1,
                                         max_new_tokens=remaining, stop_token_ids=list(sp.stop_token_ids),
-                                        sampling_seed=(seed + len(sample.output)) % (1 << 62))
+                                        sampling_seed=(seed + len(sample.output)) % SEED_RANGE)
             sample.sglang_rid = f"{request.rid}/{index}/{sample.segments}"
             sample.segments += 1
             body = payload("/generate", rid=sample.sglang_rid, input_ids=[*sample.prompt, *sample.output],
                            sampling_params=sampling, return_logprob=True)
-            epoch, sent_version = self._epoch, self._version
+            epoch, sent_version, sent_rid = self._epoch, self._version, sample.sglang_rid
             starts = self.server.starts if self.server is not None else 0
             self._http_enter()
+            sent_at = time.monotonic()
             try:
-                answer = await self._post("/generate", body, timeout=self.request_timeout_s)
+                answer = await self._post("/generate", body,
+                                          timeout=self.request_timeout_s or self.pace.timeout(remaining))
             except SGLangHTTPError as exc:
                 if exc.status == 400:
                     raise RequestError(f"request {request.rid!r}: the SGLang server refused it: {exc.body[:300]}") from exc
                 raise
+            except SGLangConnectionReset:
+                # The server may be generating it: stop that copy (an abort of a rid it never got does nothing),
+                # then send what we hold again as a new segment. A server that cannot take the abort may be
+                # dying: handled below, as any failed call.
+                resets += 1
+                if resets <= self.MAX_RESETS and not self._stopping and await self._abort_rid(sent_rid):
+                    self.resubmits += 1
+                    continue
+                if self.server is None or self._stopping or not await self.server.died(starts):
+                    raise
+                await self._wait_server(starts)
+                self.resubmits += 1
+                continue
             except SGLangError:
                 if self.server is None or self._stopping or not await self.server.died(starts):
                     raise
@@ -358,6 +406,9 @@ class SGLangEngine(GenerationEngine):
                 sample.sglang_rid = None
                 self._http_exit()
             reason = self._take_answer(request, sample, answer, sent_version)
+            self.pace.observe(time.monotonic() - sent_at, len(answer["output_ids"]) if "output_ids" in answer
+                              else len(answer["meta_info"]["output_token_logprobs"]))
+            resets = 0
             if reason != "abort":
                 return reason
             if request.rid in self._user_aborted or self._stopping:
@@ -422,6 +473,16 @@ class SGLangEngine(GenerationEngine):
         self._http_inflight -= 1
         if self._http_inflight == 0:
             self._http_idle.set()
+
+    async def _abort_rid(self, rid: str | None) -> bool:
+        """/abort_request for one SGLang request id; whether the server took it."""
+        if rid is None:
+            return False
+        try:
+            await self._post("/abort_request", payload("/abort_request", rid=rid, abort_all=False))
+        except SGLangError:
+            return False
+        return True
 
     async def _abort_samples(self, samples: list[_Sample]) -> int:
         count = 0
@@ -602,6 +663,15 @@ class SGLangEngine(GenerationEngine):
                               f"{version}")
         return "", "version"
 
+    async def kv_pool_tokens(self) -> int:
+        """Tokens the server's KV pool holds (GET /server_info's max_total_num_tokens, which SGLang's
+        scheduler sizes from the memory left after the weights); 0 when the server does not say."""
+        answer = await self._get("/server_info", 60.0)
+        try:
+            return max(0, int(answer["max_total_num_tokens"]))
+        except (KeyError, TypeError, ValueError):
+            return 0
+
     async def reported_version(self) -> str:
         """The weight version the server reports (GET /weight_version), as it spells it."""
         answer = await self._get("/weight_version", 60.0)
@@ -612,5 +682,6 @@ class SGLangEngine(GenerationEngine):
 
 
 def _sample_seed(base: int, index: int) -> int:
+    """Sample ``index``'s seed of a request seeded ``base``: in [0, SEED_RANGE), SGLang's int32 seeds."""
     digest = hashlib.blake2b(f"{base}/{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
+    return int.from_bytes(digest, "little") % SEED_RANGE

@@ -18,7 +18,7 @@ from typing import Any
 from actors.run import parent_death_signal
 from transport.ports import free_port
 
-from .sglang_routes import ServerEvents, SGLangLaunchError
+from .sglang_routes import ServerEvents, SGLangLaunchError, health_probe_s
 
 __all__ = ["LaunchConfig", "SGLangServer"]
 
@@ -138,7 +138,8 @@ class SGLangServer:
             if self.proc is not None and self.proc.poll() is not None:
                 raise SGLangLaunchError(f"SGLang server exited with code {self.proc.returncode} before it was "
                                         f"healthy ({' '.join(self.proc.args[:4])} ...); log tail:\n{self.log_tail()}")
-            if await self.probe(self.url + "/health", 2.0):
+            # /health generates a token: a second at least, more while the server warms up (health_probe_s)
+            if await self.probe(self.url + "/health", health_probe_s(self.config.env)):
                 self.healthy.set()
                 return
             if time.monotonic() > deadline:

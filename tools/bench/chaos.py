@@ -11,6 +11,14 @@ trainer has made step `--at`:
                      schema versions) to every actor's bus endpoint
   relaunch           the launcher and every actor killed at once, then the run launched again
 
+and the stalls, where no actor dies (`run_stall`):
+
+  stall_buffer       the buffer stops cleanly (SIGTERM, exit 0: the supervisor counts it finished) while the
+                     trainer still needs batches: the progress watchdog must stop the run with a diagnosis
+                     naming the stopped buffer, and a non-zero exit
+  freeze_param_server  SIGSTOP of the parameter server for --hang-s seconds, then SIGCONT: training must go
+                     on without a push while the rollouts' weights stay within eta, and the run finish
+
 Attacks (run with `bus.transport=tcp` and nothing else changed, so the bus has its default protection, but for
 spoof_ipc, which attacks the topology as it is; the intruder runs as another uid, a user the bench creates with useradd, and with the standard library alone:
 tools/bench/intruder.py; skipped, saying why, where the bench cannot become another user):
@@ -62,8 +70,11 @@ TOPOLOGY = "topology/local.yaml"
 TINY = ROOT / "configs" / "models" / "arith-tiny"
 VICTIMS = {"rollout": "rollout.1", "reward": "reward.0", "buffer": "buffer", "trainer": "trainer",
            "param_server": "param_server"}
+STALLS = ("stall_buffer", "freeze_param_server")
 ATTACKS = ("spoof", "spoof_insecure_tcp", "spoof_ipc", "rendezvous")
-FAULTS = ("none", *(f"kill_{k}" for k in VICTIMS), "hang_rollout", "hang_reward", "flood", "relaunch", *ATTACKS)
+FAULTS = ("none", *(f"kill_{k}" for k in VICTIMS), "hang_rollout", "hang_reward", "flood", "relaunch", *STALLS,
+          *ATTACKS)
+STALL_WATCHDOG = ("experiment.run.watchdog.min_s=30", "experiment.run.watchdog.after_steps=5")
 ETA = 1
 
 
@@ -150,6 +161,16 @@ def run_guard(proc: subprocess.Popen, run_dir: Path) -> Iterator[subprocess.Pope
             kill_everything(proc, run_dir)
 
 
+@contextlib.contextmanager
+def frozen(pid: int) -> Iterator[None]:
+    """The process stopped (SIGSTOP) for the block, continued (SIGCONT) however the block ends."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def finish_run(proc: subprocess.Popen, run_dir: Path, timeout: float) -> str:
     """Wait up to `timeout` s for a launched run to end and return its output (stdout and stderr together);
     a run that does not end is killed with every actor it started, and subprocess.TimeoutExpired raised."""
@@ -211,6 +232,8 @@ def account(run_dir: Path) -> dict[str, int]:
 
 def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: int, hang_s: float,
               flood_n: int, log: Callable[[str], None], run_timeout: float = 900) -> dict[str, Any]:
+    if fault in STALLS:
+        return run_stall(fault, assets, out, steps, at, hang_s)
     run_dir = out / fault
     intruder = intruder_account() if fault in ATTACKS else None
     if isinstance(intruder, str):
@@ -274,12 +297,61 @@ def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: in
     return result
 
 
+def run_stall(fault: str, assets: dict[str, Path], out: Path, steps: int, at: int, hang_s: float) -> dict[str, Any]:
+    """A stall injected once the trainer made step `at` (see the module's docstring): whether the run said so
+    (the watchdog's diagnosis naming the cause) or, for the frozen parameter server, trained on meanwhile."""
+    run_dir = out / fault
+    t0 = time.monotonic()
+    # The buffer's stall gets a short watchdog (30 s without a step; the default of the local config is 120 s);
+    # the freeze keeps the default, which a freeze of --hang-s 60 stays under.
+    watchdog = STALL_WATCHDOG if fault == "stall_buffer" else ()
+    proc = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2", *watchdog))
+    frozen_steps = None
+    with run_guard(proc, run_dir):
+        wait_for_step(proc, run_dir, at)
+        if fault == "stall_buffer":
+            os.kill(int(ready_info(run_dir, "buffer")["pid"]), signal.SIGTERM)
+        else:
+            before = max(r["step"] for r in step_records(run_dir))
+            with frozen(int(ready_info(run_dir, "param_server")["pid"])):
+                time.sleep(hang_s)   # the fault's duration
+            frozen_steps = max(r["step"] for r in step_records(run_dir)) - before
+        output = finish_run(proc, run_dir, timeout=900)
+    records = step_records(run_dir)
+    trained = {r["step"] for r in records}
+    stall = run_dir / "stall.txt"
+    if fault == "stall_buffer":
+        diagnosed = proc.returncode != 0 and stall.exists() and "buffer has stopped" in stall.read_text() \
+            and "NO PROGRESS" in output
+    else:   # a freeze shorter than the watchdog's limit is no stall: the run must simply go on and finish
+        diagnosed = not stall.exists()
+    return {"fault": fault, "exit_code": proc.returncode, "launches": 1,
+            "survived_in_place": proc.returncode == 0 and sorted(trained) == list(range(1, steps + 1)),
+            "restarted": {}, **account(run_dir), "eta": ETA,
+            "staleness_max": max((r.get("staleness_max", 0) for r in records), default=0),
+            "diagnosed": diagnosed, "steps_while_frozen": frozen_steps,
+            "max_step_gap_s": round(max((b["time"] - a["time"] for a, b in zip(records, records[1:])), default=0.0), 2),
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def stall_target_met(r: dict[str, Any]) -> bool:
+    """A stalled run is stopped with its cause diagnosed and a non-zero exit; a frozen parameter server costs no
+    training (at least a step while frozen, then the whole run); nothing lost or trained twice either way."""
+    if r["fault"] == "stall_buffer":
+        ok = r["exit_code"] not in (0, None) and r["diagnosed"]
+    else:
+        ok = r["survived_in_place"] and r["diagnosed"] and (r["steps_while_frozen"] or 0) >= 1 \
+            and r["staleness_max"] <= r["eta"]
+    return ok and r["lost"] == 0 and r["twice"] == 0
+
+
 def target_met(results: list[dict[str, Any]]) -> bool:
     """Every fault survived in place (a relaunch: resumed), nothing lost or trained twice, the bound on
-    staleness kept, and no step gap beyond the heartbeat timeout plus one step for a hung actor; no attack
-    accepted, and the intruder's client shown to work where nothing stops it. Skipped attacks are left out
-    (the report says so)."""
-    return all((r["survived_in_place"] or (r["fault"] == "relaunch" and r["exit_code"] == 0))
+    staleness kept, and no step gap beyond the heartbeat timeout plus one step for a hung actor; every stall
+    as `stall_target_met` says; no attack accepted, and the intruder's client shown to work where nothing stops
+    it. Skipped attacks are left out (the report says so)."""
+    return all(stall_target_met(r) if r["fault"] in STALLS else
+               (r["survived_in_place"] or (r["fault"] == "relaunch" and r["exit_code"] == 0))
                and r["lost"] == 0 and r["twice"] == 0 and r["staleness_max"] <= r["eta"] and r.get("gap_ok", True)
                and r.get("accepted", 0) == 0 and r.get("control_ok", True) and r.get("during_run", True)
                for r in results if not r.get("skipped"))
@@ -517,6 +589,14 @@ def attack_summary(r: dict[str, Any]) -> str:
             f"{'got through' if r['control_ok'] else 'did NOT get through (the probe proves nothing)'}" + valid)
 
 
+def _stall_cell(r: dict[str, Any]) -> str:
+    if r["fault"] == "stall_buffer":
+        return "diagnosed" if r["diagnosed"] else "NOT diagnosed"
+    if r["fault"] == "freeze_param_server":
+        return f"{r['steps_while_frozen']} steps while frozen" + ("" if r["diagnosed"] else ", falsely diagnosed")
+    return "-"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma list (default all: {','.join(FAULTS)})")
@@ -548,8 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    rows = [("fault", "in place", "restarted", "lost", "twice", "stale max", "max gap s", "gap limit s", "wall s",
-             "attacks accepted")]
+    rows = [("fault", "in place", "restarted", "lost", "twice", "stale max", "max gap s", "gap limit s", "stall",
+             "wall s", "attacks accepted")]
     skipped = [r for r in results if r.get("skipped")]
     for r in results:
         if r.get("skipped"):
@@ -557,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((r["fault"], "yes" if r["survived_in_place"] else f"no (exit {r['exit_code']}, "
                      f"{r['launches']} launches)", ",".join(f"{n}x{k}" for n, k in r["restarted"].items()) or "-",
                      str(r["lost"]), str(r["twice"]), f"{r['staleness_max']}/{r['eta']}", f"{r['max_step_gap_s']:.1f}",
-                     f"{r['gap_limit_s']:.1f}" if "gap_limit_s" in r else "-", f"{r['wall_s']:.0f}",
+                     f"{r['gap_limit_s']:.1f}" if "gap_limit_s" in r else "-", _stall_cell(r), f"{r['wall_s']:.0f}",
                      f"{r['accepted']}/{r['attempts']}" if "attempts" in r else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:

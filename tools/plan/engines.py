@@ -276,6 +276,21 @@ class Device:
         self.ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(rest)) / (sum(r.max_new for r in rest) + 1))
         self.ratio_at = self.counter
 
+    def abort(self, aids: set[int]) -> int:
+        """SGLang's /abort_request for these answers (running or waiting): they leave at once and free their KV.
+        Returns how many were found."""
+        found = 0
+        for aid in aids & self.running.keys():
+            self._leave(self.running[aid])
+            found += 1
+        kept = deque(r for r in self.waiting if r.aid not in aids)
+        found += len(self.waiting) - len(kept)
+        self.waiting = kept
+        if found:
+            self.batch_full = False
+            self.admit()
+        return found
+
     # --- weight updates ---------------------------------------------------------------------------------
     def pause(self, now: float) -> None:
         """A weight update starts (call `advance(now)` first)."""

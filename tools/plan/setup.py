@@ -163,11 +163,16 @@ def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None
         batch_size=algo.batch_size, group_size=algo.group_size,
         eta=algo.eta if eta is None else eta, max_new_tokens=gen.max_new_tokens,
         max_groups_per_rollout=buf.max_groups_per_rollout, max_concurrent_groups=buf.max_concurrent_groups,
-        group_timeout_s=buf.group_timeout_s, engine="sglang",
+        group_timeout_s=buf.group_timeout_s, pace=pace_of(gen), engine="sglang",
         kv_tokens_per_server=int(rollout_mem.kv_tokens or 0), context_len=setup.shape.context_len,
         interruptible=gen.interruptible, dynamic_sampling=algo.dynamic_sampling,
         rewards=setup.reward_actors,
         weights_across_nodes=total > setup.gpus_per_node, steps=steps, seed=seed)
+
+
+def pace_of(gen: Any) -> tuple[float, float, float]:
+    """The buffer's timeout pace settings (gen.assumed_tokens_per_s, gen.timeout_slack, gen.timeout_floor_s)."""
+    return gen.assumed_tokens_per_s, gen.timeout_slack, gen.timeout_floor_s
 
 
 def _cpu_sim_config(setup: Setup, tr: Group, ro: Group, eta: int | None, steps: int, seed: int,
@@ -191,7 +196,7 @@ def _cpu_sim_config(setup: Setup, tr: Group, ro: Group, eta: int | None, steps: 
         batch_size=algo.batch_size, group_size=group_size,
         eta=algo.eta if eta is None else eta, max_new_tokens=max_new,
         max_groups_per_rollout=buf.max_groups_per_rollout, max_concurrent_groups=buf.max_concurrent_groups,
-        group_timeout_s=buf.group_timeout_s, engine="embedded", max_running=max_running,
+        group_timeout_s=buf.group_timeout_s, pace=pace_of(gen), engine="embedded", max_running=max_running,
         interruptible=gen.interruptible,
         dynamic_sampling=algo.dynamic_sampling, weights_across_nodes=False, steps=steps,
         seed=seed, measured=measured, engines_per_server=engines, reward_latency_s=measured.reward_s,

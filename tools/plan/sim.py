@@ -18,9 +18,9 @@ the oldest B), trains, and (eta > 0) opens the gate at once and publishes; with 
 until the servers hold the new weights before opening the gate (actors/trainer.py). A published version is
 offered to the push policy; a push pauses every server (SGLang aborts its requests and they are resubmitted
 with their tokens when it resumes). A finished group is graded after the reward latency and handed to
-`BufferState.scored`. Every `BufferState.expire_every_s` the buffer's expiry runs; a group it hands back is
-issued again while its first copy keeps running, as the buffer actor does today (its late result is
-ignored, and counted here).
+`BufferState.scored`. Every `BufferState.expire_every_s` the buffer's overdue check runs; an overdue group's
+copy is aborted on its server and the group handed back, then issued again (never two copies at once, as the
+buffer actor does it; a result that was already on its way is late, ignored, and counted here).
 
 The figures (`Result.summary()`) are the ones the rehearsal of the real control plane reports for the same
 topology (`Result.figures()`, compared by `agreement`).
@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from actors.buffer_state import BufferState
+from algo.serving import DecodePace
 from actors.push_policy import Form, Push, PushPolicy
 from tools.plan import costs, hardware
 from tools.plan.engines import (Device, EmbeddedAdmission, Req, SGLangAdmission, sglang_max_running)
@@ -96,10 +97,13 @@ class SimConfig:
     group_size: int
     eta: int
     max_new_tokens: int
-    #: buffer.max_groups_per_rollout, buffer.max_concurrent_groups, buffer.group_timeout_s (BufferState's).
+    #: buffer.max_groups_per_rollout, buffer.max_concurrent_groups, buffer.group_timeout_s (BufferState's; None
+    #: derives it from max_new_tokens and the pace of the answers, as the buffer does).
     max_groups_per_rollout: int = 8
     max_concurrent_groups: int | None = None
-    group_timeout_s: float = 1800.0
+    group_timeout_s: float | None = None
+    #: gen.assumed_tokens_per_s, gen.timeout_slack, gen.timeout_floor_s (the buffer's `DecodePace`).
+    pace: tuple[float, float, float] = (5.0, 3.0, 60.0)
     #: The engine: "sglang" (SGLang's admission over a KV pool of `kv_tokens_per_server`) or "embedded".
     engine: str = "sglang"
     kv_tokens_per_server: int = 1 << 40
@@ -171,6 +175,7 @@ class _Group:
     left: int
     end_version: int = -1
     done_at: float = math.nan
+    issued_at: float = 0.0
 
 
 @dataclasses.dataclass
@@ -284,8 +289,15 @@ class Simulation:
                                       batch_size=cfg.batch_size, eta=cfg.eta, seed=cfg.seed,
                                       dynamic_sampling=cfg.dynamic_sampling,
                                       max_per_rollout=cfg.max_groups_per_rollout,
-                                      max_concurrent=cfg.max_concurrent_groups, group_timeout_s=cfg.group_timeout_s)
-        for name in names + self.rewards:
+                                      max_concurrent=cfg.max_concurrent_groups, group_timeout_s=cfg.group_timeout_s,
+                                      group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+                                      prompt_tokens=float(cfg.prompt_tokens), pace=DecodePace(*cfg.pace))
+        # a rollout's hello reports its server's KV pool (an SGLang server's max_total_num_tokens; the embedded
+        # engine reports none), from which the buffer caps the groups it holds
+        kv = int(cfg.kv_tokens_per_server) if cfg.engine == "sglang" and cfg.kv_tokens_per_server < 1 << 40 else 0
+        for name in names:
+            self.state.worker_hello(name, kv_tokens=kv)
+        for name in self.rewards:
             self.state.worker_hello(name)
         self.device_of = {name: i // cfg.engines_per_server for i, name in enumerate(names)}
         self.devices = [self._device(i) for i in range(cfg.servers)]
@@ -306,7 +318,7 @@ class Simulation:
         self.steps: list[Step] = []
         self.clocks: Counter[str] = Counter()
         self.counters: Counter[str] = Counter({k: 0 for k in (
-            "issued", "expired", "late_groups", "late_answer_tokens", "dropped_uniform", "pushes",
+            "issued", "expired", "aborted_requests", "late_groups", "late_answer_tokens", "dropped_uniform", "pushes",
             "interrupted_requests")})
         self.inflight: Counter[str] = Counter()    # groups in flight per rollout, as BufferState holds them
         self.inflight_area: Counter[str] = Counter()
@@ -415,7 +427,7 @@ class Simulation:
                 self.next_answer += 1
                 reqs.append(r)
             self.groups[issue.group_id] = _Group(issue.group_id, issue.rollout, d.index, reqs, lengths,
-                                                 self.device_version[d.index], len(reqs))
+                                                 self.device_version[d.index], len(reqs), issued_at=self.now)
             self._inflight_change(issue.rollout, +1)
             self.counters["issued"] += 1
             d.submit(reqs)
@@ -434,13 +446,14 @@ class Simulation:
             rewards = [float(x) for x in (self.rng.random(cfg.group_size) < p)]
         else:
             rewards = [1.0] * cfg.group_size
-        # What BufferState reads of the answers: each sample's reward and the weight versions of its tokens
-        # (the oldest and the newest; the per-token lists are not materialised).
-        samples = [Sample(output_ids=[], logprobs=[], versions=[g.start_version, g.end_version],
+        # What BufferState reads of the answers: each sample's reward, its length and the weight versions of its
+        # tokens (the oldest and the newest), and the group's generation time (the pace its timeouts follow).
+        # The per-token lists are not materialised: a range stands for the output ids, whose length alone is read.
+        samples = [Sample(output_ids=range(n), logprobs=[], versions=[g.start_version, g.end_version],  # type: ignore[arg-type]
                           finish_reason="length" if n >= cfg.max_new_tokens else "stop", reward=rw)
                    for n, rw in zip(g.lengths, rewards[:len(g.lengths)])]
         in_flight = gid in self.state.inflight
-        result = self.state.scored(gid, Answers(samples=samples, rollout=g.rollout))
+        result = self.state.scored(gid, Answers(samples=samples, rollout=g.rollout, gen_seconds=g.done_at - g.issued_at))
         if result.outcome == "late":
             self.counters["late_groups"] += 1
             self.counters["late_answer_tokens"] += sum(g.lengths)
@@ -458,10 +471,22 @@ class Simulation:
         self._try_train()
 
     def _on_expire(self) -> None:
-        handed = self.state.expire(self.now)
-        for f in handed.values():
-            self._inflight_change(f.rollout, -1)
-        self.counters["expired"] += len(handed)
+        """The buffer's overdue check, as actors/buffer.py acts on it: each overdue group's rollout aborts its
+        copy (its requests leave the server at once here), then the group is handed back and issued again."""
+        for gid, f in self.state.overdue(self.now).items():
+            g = self.groups.get(gid)
+            if g is not None and g.left > 0:   # still generating: aborted, so no result will come
+                d = self.devices[g.device]
+                d.advance(self.now)
+                aborted = d.abort({r.aid for r in g.answers})
+                for r in g.answers:
+                    self._gid_of.pop(r.aid, None)
+                self.counters["aborted_requests"] += aborted
+                del self.groups[gid]
+                self._schedule(d)
+            if self.state.hand_back(gid) is not None:
+                self._inflight_change(f.rollout, -1)
+                self.counters["expired"] += 1
         self._dispatch()
         if self.trainer != "done":
             self._push_event(self.now + self.state.expire_every_s, "expire", None)

@@ -1,0 +1,163 @@
+"""What a run reads, checked before any actor starts: the starting model and the data files.
+
+A missing, empty, binary or all-bad dataset used to be found only when the buffer died on it (restarts, pages
+of tracebacks); a missing model directory surfaced as a traceback. `check_inputs` reads what the run's actors
+will read, as they will read it (`actors.dataset` with the config's layout, `data.on_bad_line`,
+`data.max_line_bytes`), and returns the report's lines and one problem line per thing that would fail:
+
+* ``experiment.model.path``: set, a directory with a readable ``config.json`` and weights (or a
+  ``prepare.warm_start`` that makes them); ``gen.max_new_tokens`` must leave room for a prompt in the model's
+  context (``max_position_embeddings``).
+* ``experiment.data.train`` (when the run has a buffer) and ``experiment.data.test`` (when the evaluator
+  evaluates during the run, or the final evaluation reads it): present, not empty, not binary or
+  compressed, with usable records; each malformed line skipped under ``data.on_bad_line: skip`` is listed
+  with its file, line number and reason, and more than ``data.max_bad_share`` of them fails the check.
+
+At launch every line of each file is read. The dry run reads a sample (the first `SAMPLE_LINES` lines),
+and a file or model that is absent on this machine is reported as such, not as a problem: it is read at
+launch, on the machine that runs the actors.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from actors.dataset import DatasetError, Layout, iter_jsonl, resolve_data_path, sniff_file
+from tools.lm import has_weights
+from topology import Plan
+from topology.experiment import ExperimentConfig
+
+SAMPLE_LINES = 1000   # lines the dry run reads of each data file
+SHOWN_BAD_LINES = 10  # malformed lines listed one by one; the rest are counted
+
+# The actor classes that read each input (their modules): the checks run only for what the plan's actors read.
+READS_MODEL = {"actors.buffer", "actors.rollout", "actors.trainer", "actors.param_server", "actors.evaluator"}
+
+
+def check_inputs(plan: Plan, *, launch: bool) -> tuple[list[str], list[str]]:
+    """(report lines, problems) for the plan's starting model and data files. ``launch``: read every line
+    and treat an absent file as a problem; else (the dry run) read a sample and note an absent file."""
+    config = plan.topology.config
+    modules = {group.cls.partition(":")[0] for group in plan.topology.groups.values()}
+    lines: list[str] = []
+    problems: list[str] = []
+    if not modules & READS_MODEL:
+        return lines, problems
+    _check_model(config, launch, lines, problems)
+    data = config.data
+    layout_problem = None
+    try:
+        layout = Layout.from_settings(data)
+    except ValueError as exc:
+        layout, layout_problem = None, str(exc)
+    wanted: list[tuple[str, str, str, bool]] = []   # (key, path, require, needed)
+    if "actors.buffer" in modules:
+        wanted.append(("data.train", data.train, data.require, True))
+    evaluates = "actors.evaluator" in modules and config.eval.every_versions > 0
+    if data.test and (evaluates or ("actors.trainer" in modules and config.run.final_eval)):
+        wanted.append(("data.test", data.test, "answer", evaluates))
+    for key, path, require, needed in wanted:
+        if not path:
+            problems.append(f"experiment.{key}: not set (the run's actors read it)")
+            continue
+        if layout is None:
+            problems.append(f"experiment.{layout_problem}")
+            break
+        on_error = data.on_bad_line or ("skip" if key == "data.train" else "fail")
+        recipes = config.prepare.data if config.prepare is not None else []
+        made_by = next((f"prepare.data[{i}]" for i, recipe in enumerate(recipes)
+                        if Path(recipe.out).resolve() == Path(path).resolve().parent), None)
+        found, bad = _check_data(key, Path(path), layout, require, on_error, data.max_line_bytes, data.max_bad_share,
+                                 None if launch else SAMPLE_LINES, launch, needed, made_by)
+        lines += [x for x in found if x not in lines]
+        problems += [x for x in bad if x not in problems]   # an id2info both files read is named once
+    return lines, problems
+
+
+def _check_model(config: ExperimentConfig, launch: bool, lines: list[str], problems: list[str]) -> None:
+    path = config.model.path
+    if not path:
+        problems.append("experiment.model.path: not set (the starting model's directory, Hugging Face layout)")
+        return
+    folder = Path(path)
+    if not folder.is_dir():
+        if launch:
+            problems.append(f"experiment.model.path: {path}: no such directory")
+        else:
+            lines.append(f"model.path {path}: absent on this machine; it is read at launch")
+        return
+    try:
+        model_config = json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        problems.append(f"experiment.model.path: {path} has no config.json (not a Hugging Face model directory)")
+        return
+    except (OSError, ValueError) as exc:
+        problems.append(f"experiment.model.path: {path}/config.json cannot be read: {exc}")
+        return
+    context = model_config.get("max_position_embeddings")
+    new = config.gen.max_new_tokens
+    if isinstance(context, int) and new >= context:
+        problems.append(f"experiment.gen.max_new_tokens: {new} leaves no room for a prompt in the model's context "
+                        f"of {context} tokens (max_position_embeddings in {path}/config.json)")
+    weights = has_weights(folder)
+    makes = config.prepare is not None and config.prepare.warm_start is not None
+    if not weights and not makes:
+        problems.append(f"experiment.model.path: {path} has no weights (*.safetensors), and no "
+                        f"prepare.warm_start makes them")
+    lines.append(f"model.path {path}: config.json read, context {context if context else '?'} tokens, "
+                 + ("weights present" if weights else "no weights yet (prepare.warm_start makes them)"))
+
+
+def _check_data(key: str, path: Path, layout: Layout, require: str, on_error: str, max_line_bytes: int,
+                max_bad_share: float, sample: int | None, launch: bool, needed: bool,
+                made_by: str | None = None) -> tuple[list[str], list[str]]:
+    """One data file read as its actor reads it: (report lines, problems). ``made_by``: the prepare recipe
+    that makes the file's folder when it is missing (the dry run says so)."""
+    path = resolve_data_path(path)   # the tutorial's `wget ...?download=true` name, where only that exists
+    where = f"experiment.{key}: {path}"
+    if not path.is_file():
+        if path.exists():
+            return [], [f"{where}: not a file"]
+        if not launch and made_by:
+            return [f"{key} {path}: absent; {made_by} makes it at launch (tools.make_task)"], []
+        if launch and needed:
+            return [], [f"{where}: no such file"]
+        if launch:
+            return [f"{key} {path}: absent; the final evaluation is skipped"], []
+        return [f"{key} {path}: absent on this machine; it is read at launch"], []
+    if layout.id2info and not Path(layout.id2info).is_file():
+        if launch:
+            return [], [f"experiment.data.id2info: {layout.id2info}: no such file (the answers of the data files)"]
+        return [f"data.id2info {layout.id2info}: absent on this machine; it is read at launch"], []
+    try:
+        if why := sniff_file(path):
+            return [], [f"{where}: {why}"]
+    except OSError as exc:
+        return [], [f"{where}: cannot be read ({exc.strerror})"]
+    bad: list[DatasetError] = []
+    records = 0
+    try:
+        for _ in iter_jsonl(path, require=require, on_error="skip", on_skip=bad.append,  # type: ignore[arg-type]
+                            max_line_bytes=max_line_bytes, layout=layout, max_lines=sample):
+            records += 1
+    except DatasetError as exc:   # the file itself (id2info) is unusable
+        return [], [f"experiment.{key}: {exc}"]
+    except OSError as exc:
+        return [], [f"{where}: cannot be read ({exc.strerror})"]
+    read = f"the first {sample} lines" if sample is not None else "every line"
+    total = records + len(bad)
+    shown = [f"    {err}" for err in bad[:SHOWN_BAD_LINES]]
+    if len(bad) > SHOWN_BAD_LINES:
+        shown.append(f"    ... and {len(bad) - SHOWN_BAD_LINES} more malformed lines")
+    if records == 0:
+        what = f"none of its {total} lines is a usable record" if total else "it holds no records (blank lines only)"
+        return shown, [f"{where}: {what} ({read} read); first: {bad[0]}" if bad else f"{where}: {what}"]
+    if bad and on_error == "fail":
+        return shown, [f"{where}: malformed line (data.on_bad_line: fail stops the run at it): {bad[0]}"]
+    if len(bad) > max_bad_share * total:
+        return shown, [f"{where}: {len(bad)} of {total} lines ({100 * len(bad) / total:.1f}%, {read}) are malformed, "
+                       f"more than data.max_bad_share ({max_bad_share:g}) allows"]
+    head = f"{key} {path}: {records} records in {read}"
+    if bad:
+        head += f", {len(bad)} malformed lines skipped (data.on_bad_line: skip):"
+    return [head, *shown], []
