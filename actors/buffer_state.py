@@ -21,7 +21,7 @@ of recent answers), so work does not wait in a server's queue while its time run
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal
 
@@ -138,8 +138,12 @@ class BufferState:
         self.group_size, self.max_new_tokens, self.prompt_tokens = group_size, max_new_tokens, prompt_tokens
         self.pace = pace or DecodePace()
         self.answer_tokens: deque[int] = deque(maxlen=1024)          # lengths of recent answers
+        self._answer_sum = 0                                         # their sum (rollout_cap reads it per issue)
         self.kv_tokens: dict[str, int] = {}                          # KV pool each rollout's server reported
         self.overdue_groups = 0                                      # groups whose time ran out, so far
+        # Per rollout, what was decided about its groups so far: "issued", "handed_back" (issued again: its
+        # worker was lost or its time ran out), "overdue" (its time ran out: aborted before it was issued again).
+        self.per_rollout: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.gate = StalenessGate(batch_size, eta, max_concurrent)
 
         self.epoch, self.position = 0, 0
@@ -196,7 +200,7 @@ class BufferState:
     def context_tokens(self) -> float:
         """What one answer holds in a KV pool: the mean prompt plus the mean of recent answers (the full
         max_new_tokens before any answer came back)."""
-        answer = sum(self.answer_tokens) / len(self.answer_tokens) if self.answer_tokens else self.max_new_tokens
+        answer = self._answer_sum / len(self.answer_tokens) if self.answer_tokens else self.max_new_tokens
         return self.prompt_tokens + max(1.0, answer)
 
     def group_timeout(self) -> float:
@@ -226,6 +230,7 @@ class BufferState:
         self.attempts += 1
         gid = f"{key[0]}-{key[1]}-{self.attempts}"
         self.inflight[gid] = InFlight(key, rollout, reward, now)
+        self.per_rollout[rollout]["issued"] += 1
         # A fresh sampling seed per attempt: a re-issued prompt gets new answers, a replay the same ones.
         seed = 1 + (hash((self.seed, key, self.attempts)) & 0x7FFFFFFF)
         return Issue(gid, key, rollout, reward, seed)
@@ -240,6 +245,7 @@ class BufferState:
         self.gate.finish(accepted=False)
         self.reissue.append(f.key)
         self.stats.returned += 1
+        self.per_rollout[f.rollout]["handed_back"] += 1
         return f
 
     def hand_back_held_by(self, worker: str) -> dict[str, InFlight]:
@@ -270,6 +276,7 @@ class BufferState:
         late = {g: f for g, f in self.inflight.items() if not f.aborting and now - f.issued_at > limit}
         for f in late.values():
             f.aborting = True
+            self.per_rollout[f.rollout]["overdue"] += 1
         self.overdue_groups += len(late)
         return late
 
@@ -292,7 +299,11 @@ class BufferState:
         if answers.up_seconds > 0:
             self.rollout_clocks[answers.rollout] = (answers.busy_seconds, answers.up_seconds)
         lengths = [len(s.output_ids) for s in answers.samples]
-        self.answer_tokens.extend(lengths)
+        for n in lengths:
+            if len(self.answer_tokens) == self.answer_tokens.maxlen:
+                self._answer_sum -= self.answer_tokens[0]   # the oldest leaves the window
+            self.answer_tokens.append(n)
+            self._answer_sum += n
         if lengths:   # the group took as long as its longest answer
             self.pace.observe(answers.gen_seconds, max(lengths))
         if self.dynamic_sampling and is_uniform([s.reward for s in answers.samples]):

@@ -64,6 +64,28 @@ def test_attacks_from_another_user_are_refused_and_the_run_loses_nothing(fault: 
     else:
         assert result["keys_read"] > 0 and result["forged"] > 0 and result["formed_again"] >= 1, result
 
+def test_the_spoof_rows_try_every_takeover_the_probe_made(tmp_path: Path) -> None:
+    # The probe from another uid stole batches, fetched the weights as the evaluator, read the parameter server's
+    # status, made the buffer write a checkpoint, jumped the version to 1,000,000 and stopped the run with a
+    # run-finished: a spoof row that leaves one out says nothing about it.
+    from transport.messages import decode
+
+    actors = ["buffer", "evaluator", "param_server", "rollout.0", "trainer"]
+    (tmp_path / "ready").mkdir()
+    for i, name in enumerate(actors):
+        (tmp_path / "ready" / f"{name}.json").write_text(json.dumps({"endpoint": f"tcp://127.0.0.1:{20000 + i}"}))
+    tried = {}
+    for spoof in chaos.spoofed_messages(tmp_path, steps=16):
+        header, msg = decode([bytes.fromhex(f) for f in spoof["frames"]])
+        tried.setdefault((spoof["to"], header.kind, header.sender), []).append(msg)
+    assert sorted(tried) == sorted([
+        ("param_server", "ps.eval_weights_request", "evaluator"), ("param_server", "ps.weights_status_request", "trainer"),
+        ("buffer", "rl.checkpoint_request", "trainer"), ("buffer", "rl.version_update", "trainer"),
+        ("buffer", "rl.batch_request", "trainer"), *((name, "rl.run_finished", "trainer") for name in actors)])
+    assert tried["buffer", "rl.version_update", "trainer"][0].version == 10**6
+    assert tried["buffer", "rl.batch_request", "trainer"][0].step > 16    # a step the trainer has not reached
+
+
 
 @pytest.mark.parametrize("fault", ["kill_reward", "relaunch"])
 def test_a_fault_run_reports_it_survived_with_nothing_lost(fault: str, tmp_path: Path) -> None:

@@ -321,6 +321,18 @@ def test_an_overdue_group_keeps_its_slot_until_its_copy_is_stopped() -> None:
     assert st.scored(b.group_id, answers()).outcome == "accepted"   # finished after all, as the abort went out
 
 
+def test_each_rollout_s_issues_aborts_and_re_issues_are_counted() -> None:
+    # What tools.plan reports per server comes from these counts, not from a copy of the rules.
+    st = state(eta=4, batch_size=4, rollouts=2, max_per_rollout=1, group_timeout_s=100.0)
+    a, b = issue_all(st, now=0.0)
+    assert a.rollout != b.rollout
+    st.overdue(150.0)
+    st.hand_back(a.group_id)
+    issue_all(st, now=151.0)
+    assert st.per_rollout[a.rollout] == {"issued": 2, "overdue": 1, "handed_back": 1}
+    assert st.per_rollout[b.rollout] == {"issued": 1, "overdue": 1}
+
+
 def test_the_group_timeout_follows_the_measured_pace() -> None:
     # A fixed 1,800 s cuts 32k-token answers of a 32B model (AReaL's published step there is 6,707 s).
     st = state(group_timeout_s=None, max_new_tokens=31744, group_size=2, pace=DecodePace(5.0, 3.0, 60.0))
@@ -379,3 +391,21 @@ def test_a_version_no_served_batch_can_have_produced_is_refused_with_a_log_line(
                                                      "finished step 1000000; the gate stays where it is"})]
     buffer.on_version(VersionUpdate(version=2))
     assert st.gate.version == 2 and len(logged) == 1
+
+
+def test_the_kv_context_is_the_mean_of_the_last_1024_answers() -> None:
+    # rollout_cap reads it for every rollout on every issue: kept as a running sum over a sliding window.
+    st = state(eta=1000, batch_size=1, rollouts=1, max_per_rollout=1000, n_records=2000, max_new_tokens=500,
+               prompt_tokens=10.0)
+    assert st.context_tokens() == 510.0                      # no answer back yet: the full max_new_tokens
+    lengths = []
+    for i in range(700):
+        issue = st.issue_next(everyone_alive, 0.0)
+        got = answers(rewards=(5.0, -5.0))
+        for j, sample in enumerate(got.samples):
+            sample.output_ids = [2] * (1 + (7 * i + j) % 300)
+            lengths.append(len(sample.output_ids))
+        assert st.scored(issue.group_id, got).outcome == "accepted"
+        st.take_batch()
+    window = lengths[-1024:]
+    assert st.context_tokens() == pytest.approx(10.0 + sum(window) / len(window), rel=1e-12)

@@ -6,6 +6,7 @@ broadcast, int32 seeds, and connections reset under a call."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import http.client
 import json
@@ -13,14 +14,15 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from typing import AsyncIterator
 
 import pytest
 
 from actors.engines.base import GenerationRequest, SamplingParams
 from actors.engines.checkpoint import hf_state_dict, save_model
-from actors.engines.sglang import LaunchConfig, SGLangEngine
+from actors.engines.sglang import LaunchConfig, SGLangEngine, sglang_rid
 from actors.engines.sglang_group import WeightGroupSender
-from actors.engines.sglang_routes import CLIENT_KEEP_ALIVE_S, SEED_RANGE, SGLangError
+from actors.engines.sglang_routes import CLIENT_KEEP_ALIVE_S, SEED_RANGE, SGLangConnectionReset, SGLangError
 from actors.engines.torch_gen import TorchGenerationEngine
 from actors.weights import weights_hash
 from testsupport.bounded import run_bounded, until
@@ -472,12 +474,81 @@ def test_a_reset_generate_is_aborted_before_it_is_sent_again(standin):
     [result] = run(main())
     assert result.output_ids == greedy_reference(tiny_model(seed=0), [5, 6, 7], 150)
     log = standin.server.request_log
-    first = next(t for t, e, rid in log if e == "start" and rid == "g/0/0")
-    abort = next(t for t, e, rid in log if e == "abort" and rid == "g/0/0")
-    second = next(t for t, e, rid in log if e == "start" and rid == "g/0/1")
+    first = next(t for t, e, rid in log if e == "start" and rid == "g/0/0/")
+    abort = next(t for t, e, rid in log if e == "abort" and rid == "g/0/0/")
+    second = next(t for t, e, rid in log if e == "start" and rid == "g/0/1/")
     # SGLang takes messages in order: the abort reaches the scheduler before the new copy, which it stops at
     # its next step (managers/scheduler.py:2416-2424)
     assert first < abort < second
+
+
+@contextlib.asynccontextmanager
+async def attached(standin: StandinThread, release: threading.Event, **options) -> AsyncIterator[SGLangEngine]:
+    """An engine attached to the stand-in; on the way out the held decode step is let go before it stops."""
+    engine = SGLangEngine(url=standin.url, **options)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        release.set()
+        await engine.stop()
+
+
+def test_a_sample_that_fails_stops_its_siblings_and_every_copy_on_the_server(standin):
+    # Sample 0's connection is reset after the server took it, and the client may not send it again: the request
+    # fails. Sample 1 still runs (the decode step is held). Before generate raises, both copies are aborted on
+    # the server (a failed call keeps its rid for that) and sample 1's call is stopped in the client, so nothing
+    # of the request goes on generating, or resubmits itself after a pause.
+    standin.server.drop_next["/generate"] = ["after"]
+    reached, release = hold_at(standin.engine, 2)
+
+    async def main():
+        async with attached(standin, release) as engine:
+            engine.MAX_RESETS = 0
+            with pytest.raises(SGLangConnectionReset):
+                await engine.generate(GenerationRequest("g", [5, 6, 7], SamplingParams(
+                    temperature=0.0, max_new_tokens=50), n=2))
+            return engine._http_inflight, {rid for _, e, rid in standin.server.request_log if e == "abort"}
+
+    inflight, aborted = run(main())
+    assert inflight == 0
+    assert {"g/0/0/", "g/1/0/"} <= aborted
+
+
+def test_a_generate_that_times_out_is_aborted_on_the_server(standin):
+    # A /generate past its request timeout: the client gives up on the call, and stops the copy the server is
+    # still generating rather than leave it to run on beside a re-issue.
+    reached, release = hold_at(standin.engine, 2)
+
+    async def main():
+        async with attached(standin, release, request_timeout_s=1.0) as engine:
+            with pytest.raises(SGLangError, match="TimeoutError"):
+                await engine.generate(GenerationRequest("t", [5, 6, 7], SamplingParams(
+                    temperature=0.0, max_new_tokens=50)))
+            return {rid for _, e, rid in standin.server.request_log if e == "abort"}
+
+    assert "t/0/0/" in run(main())
+
+
+def test_aborting_one_request_never_stops_another_whose_rid_it_prefixes(standin):
+    # SGLang aborts by rid prefix (below). Request "a"'s sample 1 and request "a/1"'s sample 0 must not share a
+    # prefix on the server, nor a sample's segment 1 and its segment 10: aborting "a" leaves "a/1" running.
+    reached, release = hold_at(standin.engine, 2)
+
+    async def main():
+        async with attached(standin, release) as engine:
+            sampling = SamplingParams(temperature=0.0, max_new_tokens=20)
+            a = asyncio.ensure_future(engine.generate(GenerationRequest("a", [5, 6, 7], sampling, n=2)))
+            other = asyncio.ensure_future(engine.generate(GenerationRequest("a/1", [5, 6, 7], sampling)))
+            assert await asyncio.to_thread(reached.wait, 30)
+            await until(lambda: len(standin.server.states) == 3, 30, "all three samples to reach the server")
+            await engine.abort("a")
+            release.set()
+            return [r.finish_reason for r in await a], [r.finish_reason for r in await other]
+
+    assert run(main()) == (["abort", "abort"], ["length"])
+    ids = {sglang_rid(rid, i, seg) for rid in ("a", "a/1", "a/", "%2F") for i in (0, 1, 10) for seg in (0, 1, 10)}
+    assert not any(x != y and y.startswith(x) for x in ids for y in ids)
 
 
 def test_abort_matches_by_rid_prefix(standin):

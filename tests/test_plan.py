@@ -159,6 +159,10 @@ def test_fixed_lengths_and_eta_0_give_the_synchronous_step_time_exactly():
     assert [s.end for s in r.steps] == pytest.approx([expected, 2 * expected, 3 * expected], rel=1e-12)
     assert r.staleness == {0: 1.0}
     assert r.summary()["wait_weights_s"] == pytest.approx(weights.push_s)
+    # identical steps: no spread, no drift between the halves of the measured steps
+    st = r.stability()
+    assert st["steps"] == 2 and st["step_min_over_mean"] == pytest.approx(1) == st["step_max_over_mean"]
+    assert st["drift"] == pytest.approx(0, abs=1e-12)
 
 
 def test_a_change_to_the_buffer_s_rules_shows_in_the_plan(monkeypatch):
@@ -177,19 +181,22 @@ def test_a_change_to_the_buffer_s_rules_shows_in_the_plan(monkeypatch):
     assert real.counters["inflight_groups_per_rollout"]["mean"] < relaxed.counters["inflight_groups_per_rollout"]["mean"]
 
 
-def test_an_expired_group_is_issued_again_while_its_first_copy_runs_on(monkeypatch):
-    # group_timeout_s shorter than the longest groups' generation: BufferState.expire hands them back and
-    # they are issued again; today's rule does not abort the running copy, whose result then comes back late.
-    # Both show in the counters, and a rule that never expires anything makes them vanish.
+def test_an_overdue_group_s_running_copy_is_aborted_before_it_is_issued_again(monkeypatch):
+    # group_timeout_s shorter than the longest groups' generation: BufferState.overdue marks them, the simulation
+    # aborts their copy on the server (as the buffer actor has the rollout do) and hands them back, and they
+    # are issued again. The aborts show in the counters, no copy's result comes back late, and a rule that
+    # never finds a group overdue makes them vanish.
     cfg = _config(servers=1, eta=2, group_timeout_s=3.0, max_new_tokens=1000, steps=4,
                   lengths={"kind": "lognormal", "mean_tokens_at_cut": 300, "cut_share": 0.1, "cut": 1000})
     r = sim.simulate(cfg)
     c = r.counters
-    assert c["expired"] > 0 and c["reissued"] >= c["expired"] and c["late_groups"] > 0
-    assert c["aborted_before_reissue"] == 0
-    monkeypatch.setattr(BufferState, "expire", lambda self, now: {})
+    assert c["expired"] > 0 and c["reissued"] >= c["expired"]
+    assert 0 < c["aborted_before_reissue"] <= c["expired"]
+    assert c["aborted_before_reissue"] <= c["aborted_requests"] <= cfg.group_size * c["aborted_before_reissue"]
+    assert c["measured"]["aborted_before_reissue"] <= c["aborted_before_reissue"]
+    monkeypatch.setattr(BufferState, "overdue", lambda self, now: {})
     quiet = sim.simulate(cfg).counters
-    assert quiet["expired"] == quiet["late_groups"] == 0
+    assert quiet["expired"] == quiet["aborted_before_reissue"] == quiet["aborted_requests"] == 0
 
 
 def test_a_timeout_shorter_than_every_group_is_reported_as_a_run_without_progress():
@@ -283,6 +290,9 @@ def test_sglang_admits_under_new_token_ratio_and_marks_the_batch_full():
     assert d.n == 4 and len(d.waiting) == 2 and d.batch_full
     d.advance(d.t + 1e-3 * 50)   # 50 steps: the first request finishes, the batch shrinks, admission runs
     assert done == [0]
+    # what the server held: four answers for the 50 steps, five once the first had finished, six waiting at most
+    assert d.batch_area == pytest.approx(4 * 50 * 1e-3)
+    assert (d.counters["max_running"], d.counters["max_waiting"]) == (5, 6)
     ratio = engines.INIT_NEW_TOKEN_RATIO - 50 * engines.NEW_TOKEN_RATIO_DECAY
     assert d.new_token_ratio() == pytest.approx(ratio)
     # then three run with 100 + 50 tokens each and reserve ratio x 4096 each (not 4096): what is left takes
@@ -336,7 +346,10 @@ def test_the_push_policy_forms_once_pushes_what_is_behind_and_coalesces(monkeypa
     from actors.push_policy import Form, Idle, Push, PushPolicy, Wait
     from transport.protocol import RolloutWeights
     p = PushPolicy(rollouts={"a": RolloutWeights(hello=True), "b": RolloutWeights()})
-    assert p.next_action(0.0, 1, lambda n: False) == Wait(no_hello=["b"], dead=[])
+    # before the first formation a starting rollout is waited for until a version waits for those that said
+    # hello (a server still starting joins late)
+    assert p.next_action(0.0, -1, lambda n: False) == Wait(no_hello=["b"], dead=[])
+    assert p.next_action(0.0, 1, lambda n: False) == Form(["a"])
     p.rollouts["b"].hello = True
     assert p.next_action(0.0, 1, lambda n: False) == Form(["a", "b"])
     p.formation_done(p.begin_formation(), ["a", "b"])
@@ -403,6 +416,13 @@ def test_tools_plan_reports_time_shares_and_the_decisions_counters_for_64_nodes(
                 "retractions", "interrupted_requests", "inflight_groups_per_rollout", "retractions_per_server"):
         assert key in c, key
     assert 0 < c["inflight_groups_per_rollout"]["mean"] <= c["inflight_groups_per_rollout"]["max"] <= 8
+    per_server = c["inflight_per_server"]
+    assert set(per_server) == {"groups", "running_requests", "running_requests_peak", "waiting_requests_peak"}
+    for figure in per_server.values():
+        assert figure["min"] <= figure["mean"] <= figure["max"]
+    # a server runs the answers of the groups it holds: at most 8 groups of 16
+    assert 0 < per_server["running_requests"]["mean"] <= per_server["running_requests_peak"]["max"] <= 8 * 16
+    assert a["stability"]["steps"] == 2
     assert c["interrupted_requests"] > 0   # asynchronous: every push interrupts what the servers run
     assert set(a["figures"]) >= {"step_time_s", "effective_throughput_tok_s", "staleness_mean"}
 
@@ -423,8 +443,19 @@ def test_tools_plan_plots_the_timeline_and_the_sweep(tmp_path, capsys, monkeypat
                      "--steps", "3", "--plot", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "best:" in text and "min-max over 2 seed(s)" in text
+    assert text.count("of their run's mean, drift up to") == 4            # every point says how settled it is
+    assert "in flight per server (min / mean / max over servers): groups" in text and "stability:" in text
     for name in ("timeline.png", "sweep.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_published_sweep_refuses_splits_that_are_not_shares_before_it_simulates(capsys):
+    from tools.plan import published
+    assert published.main(["--parts", "sweep", "--splits", "0.5,x"]) == 2
+    assert "--splits: '0.5,x' is not a comma-separated list of shares" in capsys.readouterr().err
+    assert published.main(["--parts", "sweep", "--splits", "0.5,1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "every share must be between 0 and 1" in err and "tutorial rows" not in err
 
 
 def test_every_published_configuration_fits_in_areal_s_own_layout():
@@ -556,3 +587,16 @@ def test_each_run_is_simulated_with_its_own_workload_when_the_cost_file_names_th
     assert main(["topology/local.yaml", "--costs", str(path), "--steps", "3", "--workload", "sync", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["simulation"]["async"]["tokens_per_step"] == 128 * 48
     assert main(["topology/local.yaml", "--costs", str(path), "--workload", "nope"]) == 2
+
+
+def test_the_plan_counts_each_rollout_s_issues_aborts_and_groups_in_flight_from_the_buffer_s_state():
+    cfg = _config(servers=2, eta=2, group_timeout_s=3.0, max_new_tokens=1000, steps=4, max_groups_per_rollout=4,
+                  lengths={"kind": "lognormal", "mean_tokens_at_cut": 300, "cut_share": 0.1, "cut": 1000})
+    c = sim.simulate(cfg).counters
+    per = c["per_rollout"]
+    assert set(per) == set(cfg.rollout_names) and len(per) == 2
+    assert sum(p["issued"] for p in per.values()) == c["issued"]
+    assert sum(p["handed_back"] for p in per.values()) == c["handed_back"]
+    assert sum(p["overdue"] for p in per.values()) == c["expired"] > 0   # each overdue group aborted, handed back
+    for p in per.values():
+        assert 0 < p["inflight_mean"] <= p["inflight_max"] <= cfg.max_groups_per_rollout

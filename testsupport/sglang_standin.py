@@ -928,7 +928,9 @@ class StandinThread:
             return
         self._ready.set()
         await self._stop.wait()
-        if self.server.crashed:   # every request dies with it, unanswered
+        if self.server.crashed:   # a killed server's port closes at once; every request dies with it, unanswered
+            for site in list(self._runner.sites):
+                await site.stop()
             await self.engine.stop()
         await self._runner.cleanup()
         await self.engine.stop()

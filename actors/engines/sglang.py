@@ -336,10 +336,17 @@ class SGLangEngine(GenerationEngine):
         base_seed = request.sampling.seed
         if base_seed is None:
             base_seed = int.from_bytes(os.urandom(7), "little")
+        runs = [asyncio.ensure_future(self._run_sample(request, i, s, _sample_seed(base_seed, i)))
+                for i, s in enumerate(samples)]
         try:
-            reasons = await asyncio.gather(*(self._run_sample(request, i, s, _sample_seed(base_seed, i))
-                                             for i, s in enumerate(samples)))
+            reasons = await asyncio.gather(*runs)
         except BaseException:
+            # One sample failed (or the caller cancelled): stop its siblings here, then every copy still on the
+            # server (a sample keeps its rid while its /generate may be running there), so no orphan keeps
+            # generating or resubmits after a pause.
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
             await self._abort_samples(samples)
             raise
         finally:
@@ -367,7 +374,7 @@ class SGLangEngine(GenerationEngine):
                                         top_k=sp.top_k if sp.top_k > 0 else -1,
                                         max_new_tokens=remaining, stop_token_ids=list(sp.stop_token_ids),
                                         sampling_seed=(seed + len(sample.output)) % SEED_RANGE)
-            sample.sglang_rid = f"{request.rid}/{index}/{sample.segments}"
+            sample.sglang_rid = sglang_rid(request.rid, index, sample.segments)
             sample.segments += 1
             body = payload("/generate", rid=sample.sglang_rid, input_ids=[*sample.prompt, *sample.output],
                            sampling_params=sampling, return_logprob=True)
@@ -388,11 +395,13 @@ class SGLangEngine(GenerationEngine):
                 # dying: handled below, as any failed call.
                 resets += 1
                 if resets <= self.MAX_RESETS and not self._stopping and await self._abort_rid(sent_rid):
+                    sample.sglang_rid = None
                     self.resubmits += 1
                     continue
                 if self.server is None or self._stopping or not await self.server.died(starts):
                     raise
                 await self._wait_server(starts)
+                sample.sglang_rid = None
                 self.resubmits += 1
                 continue
             except SGLangError:
@@ -400,11 +409,13 @@ class SGLangEngine(GenerationEngine):
                     raise
                 # The server died mid-request: wait for the restart, then resume from the tokens we hold.
                 await self._wait_server(starts)
+                sample.sglang_rid = None
                 self.resubmits += 1
                 continue
             finally:
-                sample.sglang_rid = None
+                # A call that failed (timed out, cancelled) keeps its rid: generate() aborts that copy.
                 self._http_exit()
+            sample.sglang_rid = None
             reason = self._take_answer(request, sample, answer, sent_version)
             self.pace.observe(time.monotonic() - sent_at, len(answer["output_ids"]) if "output_ids" in answer
                               else len(answer["meta_info"]["output_token_logprobs"]))
@@ -679,6 +690,15 @@ class SGLangEngine(GenerationEngine):
             return str(answer["weight_version"])
         except (KeyError, TypeError) as exc:
             raise SGLangError(f"SGLang server {self.url}: GET /weight_version answered {str(answer)[:200]!r}") from exc
+
+
+def sglang_rid(rid: str, index: int, segment: int) -> str:
+    """The SGLang request id of one segment of sample ``index`` of request ``rid``. SGLang aborts every request
+    whose rid starts with the one named (managers/scheduler.py:2348, :2418), so no id may be a prefix of another:
+    the request's rid has its '/' escaped and every part ends in '/' ("g/1/1/" is not a prefix of "g/1/10/", nor
+    request "a"'s sample 1 of request "a/1"'s)."""
+    escaped = rid.replace("%", "%25").replace("/", "%2F")
+    return f"{escaped}/{index}/{segment}/"
 
 
 def _sample_seed(base: int, index: int) -> int:

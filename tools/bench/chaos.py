@@ -24,9 +24,9 @@ spoof_ipc, which attacks the topology as it is; the intruder runs as another uid
 tools/bench/intruder.py; skipped, saying why, where the bench cannot become another user):
 
   spoof              messages claiming to be the evaluator or the trainer: an eval-weights fetch and a status
-                     read from the parameter server, a checkpoint trigger and a version jump to 1,000,000 to
-                     the buffer, a run-finished to every actor; first, the same client against an open socket
-                     the bench holds (the control: it gets through there)
+                     read from the parameter server, a checkpoint trigger, a version jump to 1,000,000 and a
+                     batch request (a batch stolen) to the buffer, a run-finished to every actor; first, the
+                     same client against an open socket the bench holds (the control: it gets through there)
   spoof_insecure_tcp the same against a run with bus.insecure_tcp: true (no CURVE; the run's tokens)
   spoof_ipc          the same against the embedded default's ipc bus (its unix sockets)
   rendezvous         every link's rendezvous port, from another address of this machine (the network's view)
@@ -444,7 +444,7 @@ def attack_overrides(fault: str) -> tuple[str, ...]:
 def spoofed_messages(run_dir: Path, steps: int) -> list[dict[str, Any]]:
     """Each spoof with the actor it goes to; frames built with the project's encoder, as hex."""
     from transport.messages import encode
-    from transport.protocol import (CheckpointRequest, EvalWeightsRequest, RunFinished, VersionUpdate,
+    from transport.protocol import (BatchRequest, CheckpointRequest, EvalWeightsRequest, RunFinished, VersionUpdate,
                                     WeightsStatusRequest)
 
     def message(name: str, to: str, msg: Any, sender: str, wants_reply: bool) -> dict[str, Any]:
@@ -456,6 +456,8 @@ def spoofed_messages(run_dir: Path, steps: int) -> list[dict[str, Any]]:
             message("status", "param_server", WeightsStatusRequest(), "trainer", True),
             message("checkpoint", "buffer", CheckpointRequest(step=steps + 100), "trainer", True),
             message("version_jump", "buffer", VersionUpdate(version=10**6), "trainer", False),
+            # a step the trainer has not reached: the batch the buffer takes for it is the trainer's no more
+            message("batch", "buffer", BatchRequest(step=steps + 100), "trainer", True),
             *(message("run_finished", name, RunFinished(step=1, reason="spoofed"), "trainer", False)
               for name in actors)]
 

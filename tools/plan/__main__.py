@@ -90,15 +90,17 @@ def _fmt_against(cmp: dict[str, Any]) -> list[str]:
     return lines
 
 
-def sweep(found: setup.Setup, steps: int, seeds: int = 1, progress: bool = False) -> list[dict[str, Any]]:
+def sweep(found: setup.Setup, steps: int, seeds: int = 1, progress: bool = False,
+          splits: Sequence[float] | None = None) -> list[dict[str, Any]]:
     """Throughput at each split (share of GPUs generating, in whole servers) and eta: the mean over `seeds`
-    seeds, with its min and max."""
+    seeds, with its min and max, and how settled each run's measured steps were (the widest spread of a
+    step around its run's mean, the largest drift between their halves: `sim.Result.stability`)."""
     base = setup.sim_config(found)
     total = base.servers * base.server_tp + base.trainer.dp * base.trainer.tp * base.trainer.pp
     unit_train, unit_infer = base.trainer.tp * base.trainer.pp, base.server_tp
     rows = []
     cases = []
-    for share in SWEEP_SPLITS:
+    for share in SWEEP_SPLITS if splits is None else splits:
         infer = int(round(total * share / unit_infer)) * unit_infer
         infer = total - ((total - infer) // unit_train) * unit_train
         if infer <= 0 or infer >= total:
@@ -110,10 +112,16 @@ def sweep(found: setup.Setup, steps: int, seeds: int = 1, progress: bool = False
         runs = [sim.simulate(setup.sim_config(found, eta=eta, rollout_gpus=infer, steps=steps, seed=s))
                 for s in range(seeds)]
         tput = [r.throughput for r in runs]
+        settled = [r.stability() for r in runs]
         rows.append({"inference_gpus": infer, "training_gpus": total - infer, "share": infer / total, "eta": eta,
                      "throughput": float(sum(tput) / len(tput)), "throughput_min": min(tput),
                      "throughput_max": max(tput), "step_time_s": float(sum(r.step_time for r in runs) / len(runs)),
-                     "seeds": seeds})
+                     "seeds": seeds, "steps": steps,
+                     "step_spread": [min(x["step_min_over_mean"] for x in settled),
+                                     max(x["step_max_over_mean"] for x in settled)],
+                     "drift_max": max(abs(x["drift"]) for x in settled)})
+        if progress:
+            print(f"  -> {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -145,6 +153,15 @@ def _fmt_results(results: dict[str, sim.Result]) -> list[str]:
                      f"{c['retractions']} (max {c['retractions_per_server']['max']} on one server), groups in "
                      f"flight per rollout {c['inflight_groups_per_rollout']['mean']:.1f} mean / "
                      f"{c['inflight_groups_per_rollout']['max']} max")
+        srv = c["inflight_per_server"]
+        lines.append(f"    in flight per server (min / mean / max over servers): groups "
+                     f"{srv['groups']['min']:.1f} / {srv['groups']['mean']:.1f} / {srv['groups']['max']:.1f}, "
+                     f"running requests {srv['running_requests']['min']:.1f} / {srv['running_requests']['mean']:.1f} / "
+                     f"{srv['running_requests']['max']:.1f} (peak {srv['running_requests_peak']['max']:.0f}), "
+                     f"longest queue {srv['waiting_requests_peak']['max']:.0f}; aborted requests "
+                     f"{c['aborted_requests']}; stability: {r.stability()['steps']} measured steps, "
+                     f"{r.stability()['step_min_over_mean']:.2f}-{r.stability()['step_max_over_mean']:.2f} of their "
+                     f"mean, drift {r.stability()['drift']:+.1%}")
     return lines
 
 
@@ -254,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in rows:
             text.append(f"  {r['inference_gpus']:>4} inference / {r['training_gpus']:>4} training GPUs ({r['share']:.0%}), "
                         f"eta {r['eta']}: {r['throughput']:,.0f} tokens/s ({r['throughput_min']:,.0f}-"
-                        f"{r['throughput_max']:,.0f}), step {r['step_time_s']:,.1f} s")
+                        f"{r['throughput_max']:,.0f}), step {r['step_time_s']:,.1f} s (steps {r['step_spread'][0]:.2f}-"
+                        f"{r['step_spread'][1]:.2f} of their run's mean, drift up to {r['drift_max']:.1%})")
         text.append(f"  best: {best['share']:.0%} inference ({best['inference_gpus']} GPUs), eta {best['eta']}")
     if args.plot and results:
         from tools.plan import plots

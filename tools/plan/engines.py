@@ -122,7 +122,8 @@ class Device:
         self.epoch = 0
         self.seconds = {"decode": 0.0, "prefill": 0.0, "paused": 0.0}
         self.counters = {"retractions": 0, "retracted": 0, "admitted": 0, "prefill_tokens": 0,
-                         "recomputed_tokens": 0, "batch_full": 0}
+                         "recomputed_tokens": 0, "batch_full": 0, "max_running": 0, "max_waiting": 0}
+        self.batch_area = 0.0                         # integral of the running batch's size over decode time
         self.ratio, self.ratio_at = INIT_NEW_TOKEN_RATIO, 0   # SGLang's new_token_ratio, set at step ratio_at
         self.batch_full = False
 
@@ -153,6 +154,7 @@ class Device:
         self.used_base += r.origin + r.out0 - r.join
         heapq.heappush(self.finish, (r.finish_at(), r.aid))
         self.engines_busy[r.engine] = self.engines_busy.get(r.engine, 0) + 1
+        self.counters["max_running"] = max(self.counters["max_running"], len(self.running))
 
     def _leave(self, r: Req) -> int:
         """Takes r out of the running batch; returns its output tokens."""
@@ -198,7 +200,9 @@ class Device:
                 hi = mid
             else:
                 lo = mid + 1
-        self._spend("decode", cost.steps(kv0, n, lo))
+        spent = cost.steps(kv0, n, lo)
+        self._spend("decode", spent)
+        self.batch_area += n * spent
         self.counter += lo
         self.settle()
 
@@ -227,8 +231,12 @@ class Device:
         return self.t + self.cost().steps(self.used(), self.n, self.steps_to_stop())
 
     # --- admission, retraction ---------------------------------------------------------------------------
+    def _note_queue(self) -> None:
+        self.counters["max_waiting"] = max(self.counters["max_waiting"], len(self.waiting))
+
     def submit(self, reqs: list[Req]) -> None:
         self.waiting.extend(reqs)
+        self._note_queue()
         if not self.paused:
             self.admit()
 
@@ -269,6 +277,7 @@ class Device:
             r.out0 = self._leave(r)
             retracted.append(r)
         self.waiting.extend(retracted)
+        self._note_queue()
         self.counters["retractions"] += 1
         self.counters["retracted"] += len(retracted)
         rest = self.running.values()
@@ -329,6 +338,7 @@ class Device:
             out = r.out0
             r.origin, r.max_new, r.left, r.out0 = r.origin + out, r.max_new - out, r.left - out, 0
             self.waiting.append(r)
+        self._note_queue()
         self.batch_full = False
         self.admit()
 

@@ -200,6 +200,23 @@ class Result:
         a = self.steps[self.warmup - 1].clocks.get(name, 0.0) if len(self.steps) > self.warmup else 0.0
         return self.steps[-1].clocks.get(name, 0.0) - a
 
+    def step_times(self) -> list[float]:
+        """Seconds of each measured step, end to end (from the previous step's end)."""
+        ends = [0.0] + [s.end for s in self.steps]
+        start = self.warmup if len(self.steps) > self.warmup else 0
+        return [b - a for a, b in zip(ends[start:], ends[start + 1:])]
+
+    def stability(self) -> dict[str, float]:
+        """How settled the measured steps are: their spread (min, max over the mean) and the drift, the mean
+        of the second half of the measured steps over the first half's, minus 1 (a run still filling its
+        pipeline, or one whose gate has not yet bound, drifts)."""
+        times = np.asarray(self.step_times())
+        mean = float(times.mean())
+        half = len(times) // 2
+        drift = float(times[half:].mean() / times[:half].mean() - 1) if half else 0.0
+        return {"steps": len(times), "step_min_over_mean": float(times.min()) / mean,
+                "step_max_over_mean": float(times.max()) / mean, "drift": drift}
+
     @property
     def step_time(self) -> float:
         a, b = self.window
@@ -247,7 +264,8 @@ class Result:
                 "rollout_idle": self.rollout_idle, "trainer_idle": self.trainer_idle,
                 "staleness": {str(k): v for k, v in self.staleness.items()},
                 "tokens_per_step": float(np.mean([s.tokens for s in self.measured])),
-                "time_shares": self.shares(), "counters": self.counters, "figures": self.figures()}
+                "time_shares": self.shares(), "counters": self.counters, "figures": self.figures(),
+                "stability": self.stability()}
 
     def figures(self) -> dict[str, float]:
         """The figures the rehearsal of the real control plane reports for the same run (`agreement`): step
@@ -318,7 +336,7 @@ class Simulation:
         self.steps: list[Step] = []
         self.clocks: Counter[str] = Counter()
         self.counters: Counter[str] = Counter({k: 0 for k in (
-            "issued", "expired", "aborted_requests", "late_groups", "late_answer_tokens", "dropped_uniform", "pushes",
+            "issued", "expired", "aborted_groups", "aborted_requests", "late_groups", "late_answer_tokens", "dropped_uniform", "pushes",
             "interrupted_requests")})
         self.inflight: Counter[str] = Counter()    # groups in flight per rollout, as BufferState holds them
         self.inflight_area: Counter[str] = Counter()
@@ -482,6 +500,7 @@ class Simulation:
                 for r in g.answers:
                     self._gid_of.pop(r.aid, None)
                 self.counters["aborted_requests"] += aborted
+                self.counters["aborted_groups"] += 1
                 del self.groups[gid]
                 self._schedule(d)
             if self.state.hand_back(gid) is not None:
@@ -621,7 +640,8 @@ class Simulation:
                 raise RuntimeError(
                     f"no training step in {self.cfg.stall_s:,.0f} s of virtual time after step {len(self.steps)}: "
                     f"the run makes no progress (issued {self.counters['issued']}, re-issued "
-                    f"{self.state.stats.returned}, expired {self.counters['expired']}, late results "
+                    f"{self.state.stats.returned}, expired {self.counters['expired']} of which "
+                    f"{self.counters['aborted_groups']} aborted while generating, late results "
                     f"{self.counters['late_groups']}); is buffer.group_timeout_s shorter than a group's generation?")
             if kind == "device":
                 index, epoch = payload
@@ -647,11 +667,13 @@ class Simulation:
 
     def _decisions(self) -> dict[str, int]:
         """The counters the simulation keeps, and the buffer's own: every prompt issued again (handed back after
-        a timeout or a lost worker, or dropped as stale at batch time) and how. aborted_before_reissue: running
-        copies of a handed-back group stopped before it is issued again (the buffer has no such rule yet)."""
+        a timeout or a lost worker, or dropped as stale at batch time) and how. aborted_before_reissue: overdue
+        groups whose running copy was aborted on its server before the group was issued again
+        (`BufferState.overdue`), aborted_requests their answers."""
         stats = self.state.stats
         return dict(self.counters, handed_back=stats.returned, dropped_stale=stats.dropped_stale,
-                    reissued=stats.returned + stats.dropped_stale, aborted_before_reissue=0)
+                    reissued=stats.returned + stats.dropped_stale,
+                    aborted_before_reissue=self.counters["aborted_groups"])
 
     def _counters(self) -> dict[str, Any]:
         """The decisions' counters over the whole run, and over the measured steps."""
@@ -661,11 +683,16 @@ class Simulation:
         names = self.cfg.rollout_names
         mean_inflight = [self.inflight_area[n] / span for n in names]
         whole = self._decisions()
+        # Per rollout, the buffer's own counts of what it decided (BufferState.per_rollout) and the groups it held.
+        whole["per_rollout"] = {n: {**{k: self.state.per_rollout[n][k] for k in ("issued", "handed_back", "overdue")},
+                                    "inflight_mean": self.inflight_area[n] / span,
+                                    "inflight_max": self.inflight_max[n]} for n in names}
         first = self.steps[0].clocks if len(self.steps) > 1 else {}
         last = self.steps[-1].clocks
         measured = {k: last.get(f"count.{k}", 0.0) - first.get(f"count.{k}", 0.0)
                     for k in ("issued", "reissued", "handed_back", "expired", "dropped_stale", "dropped_uniform",
-                              "late_groups", "pushes", "interrupted_requests")}
+                              "late_groups", "pushes", "interrupted_requests", "aborted_before_reissue",
+                              "aborted_requests")}
         push_s = 0.0 if self.weight_sync is None else self.weight_sync.push_s
         return {**whole, "measured": measured, "push_s": push_s,
                 "retractions": sum(c["retractions"] for c in devices),
@@ -674,8 +701,25 @@ class Simulation:
                 "admission_refused_for_memory": sum(c["batch_full"] for c in devices),
                 "inflight_groups_per_rollout": {"mean": float(np.mean(mean_inflight)),
                                                 "max": int(max(self.inflight_max.values(), default=0))},
+                "inflight_per_server": self._inflight_per_server(span),
                 "retractions_per_server": {"mean": float(np.mean([c["retractions"] for c in devices])),
                                            "max": int(max(c["retractions"] for c in devices))}}
+
+
+    def _inflight_per_server(self, span: float) -> dict[str, Any]:
+        """What each server held over the run, spread over the servers (min, mean, max): groups in flight (the
+        buffer's, of the rollouts it serves; time-weighted), requests in its running batch (time-weighted over
+        the run), its largest running batch and its longest queue of requests waiting for admission."""
+        per_device: list[float] = [0.0] * len(self.devices)
+        for name in self.cfg.rollout_names:
+            per_device[self.device_of[name]] += self.inflight_area[name] / span
+
+        def spread(values: list[float]) -> dict[str, float]:
+            return {"min": float(min(values)), "mean": float(np.mean(values)), "max": float(max(values))}
+        return {"groups": spread(per_device),
+                "running_requests": spread([d.batch_area / span for d in self.devices]),
+                "running_requests_peak": spread([float(d.counters["max_running"]) for d in self.devices]),
+                "waiting_requests_peak": spread([float(d.counters["max_waiting"]) for d in self.devices])}
 
 
 def simulate(cfg: SimConfig) -> Result:
