@@ -52,6 +52,7 @@ import structlog
 from topology.settings import ActorSettings, read_settings
 from transport.auth import CurveConfig, TokenConfig
 from transport.bus import Bus, Envelope
+from transport.files import atomic_write
 from transport.messages import Error, Message
 from transport.msglog import MessageLogWriter
 
@@ -107,10 +108,7 @@ class ActorSpec:
                    d.get("run_dir", "."), d.get("curve"), dict(d.get("env") or {}), d.get("tokens"))
 
     def write(self, path: str | os.PathLike) -> None:
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as fh:
-            json.dump(self.to_dict(), fh, indent=1)
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ActorSpec":
@@ -399,9 +397,9 @@ class Actor:
     def _announce_ready(self) -> None:
         path = ready_path(self.run_dir, self.name)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "endpoint": self.bus.endpoint, "time": time.time()}))
-        os.replace(tmp, path)
+        # Live state of this run only (gone with the process): no fsync.
+        atomic_write(path, json.dumps({"pid": os.getpid(), "endpoint": self.bus.endpoint, "time": time.time()}),
+                     durable=False)
 
     async def run(self) -> int:
         """Run the whole lifecycle; returns the process exit code."""
@@ -482,9 +480,7 @@ class Actor:
         path = Path(self.run_dir) / "status" / f"{self.name}.json"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(status, default=str))
-            os.replace(tmp, path)
+            atomic_write(path, json.dumps(status, default=str), durable=False)   # live state, rewritten often
         except OSError as exc:
             self.log.warning("status_not_written", error=str(exc))
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -41,17 +40,19 @@ from typing import Any
 import msgpack
 
 from actors.base import Actor, handles
+from actors.batch import Batch, BatchGroup, from_batch
 from actors.buffer_state import BufferState, InFlight, ledger_after_resume, plan_resume
 from actors.dataset import Layout, Record, load_dataset, within_prompt_cap
 from actors.engines.tokenizer import load_tokenizer
-from actors.recovery import checkpoint_dir, fsync_write, latest_checkpoint, recovering, restarted_in_place
+from actors.recovery import checkpoint_dir, latest_checkpoint, recovering, restarted_in_place
 from algo.serving import DecodePace
 from topology.settings import BufferSettings
-from transport.messages import decode, encode
 from transport.bus import BusError
-from transport.protocol import (AbortGroup, Batch, BatchGroup, BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest,
-                                GenerateGroup, GroupAborted, GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task,
-                                VersionUpdate, WorkerHello)
+from transport.files import atomic_write
+from transport.messages import decode, encode
+from transport.protocol import (AbortGroup, BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, GenerateGroup,
+                                GroupAborted, GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task, VersionUpdate,
+                                WorkerHello)
 
 
 class BufferFiles:
@@ -95,7 +96,7 @@ class BufferFiles:
     def write_served(self, listed: Batch, record: dict[str, Any], state: dict[str, Any]) -> BatchTensors:
         """The batch in its wire form, on disk before the reply. The file is one msgpack map whose "batch" is
         the header frame and "tensors" the tensor frames, written frame by frame (not joined in memory)."""
-        batch = BatchTensors.from_batch(listed)
+        batch = from_batch(listed)
         frames = encode(batch)
         packer = msgpack.Packer()
         parts: list[Any] = [packer.pack_map_header(4), packer.pack("batch"), packer.pack(frames[0]),
@@ -103,7 +104,7 @@ class BufferFiles:
         for frame in frames[1:]:
             parts += [b"\xc6" + memoryview(frame).nbytes.to_bytes(4, "big"), frame]   # msgpack bin 32
         parts += [packer.pack("ledger"), packer.pack(record), packer.pack("state"), packer.pack(state)]
-        fsync_write(self.served_path(listed.step), parts)
+        atomic_write(self.served_path(listed.step), parts)
         return batch
 
     def read_served(self, step: int) -> tuple[BatchTensors, dict[str, Any], dict[str, Any]]:
@@ -131,9 +132,7 @@ class BufferFiles:
             raise ValueError(f"step: {step} is not a training step")
         path = checkpoint_dir(self.run_dir, step) / "buffer.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(state))
         if (done := latest_checkpoint(self.run_dir)) is not None:
             self.remove_served([k for k in self.served_steps() if k <= done[0]])
         return path

@@ -30,6 +30,7 @@ import structlog
 import xxhash
 
 from topology.experiment import ExperimentConfig
+from transport.files import atomic_write
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -125,24 +126,11 @@ def mark_complete(ckpt: Path, meta: dict[str, Any]) -> None:
     """The checkpoint's commit point: every file is fsynced and listed (bytes, XXH3-64) in COMPLETE,
     which is written under a temporary name, fsynced and renamed into place."""
     files = {}
-    for path in sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name not in (COMPLETE, COMPLETE + ".tmp")):
+    for path in sorted(p for p in ckpt.rglob("*") if p.is_file() and not p.name.startswith(COMPLETE)):
         with open(path, "rb") as f:
             os.fsync(f.fileno())
         files[str(path.relative_to(ckpt))] = {"bytes": path.stat().st_size, "xxh3": _file_digest(path)}
-    fsync_write(ckpt / COMPLETE, json.dumps({**meta, "files": files}, sort_keys=True).encode())
-
-
-def fsync_write(path: Path, data: bytes | Iterable[bytes | memoryview]) -> None:
-    """Write `path` whole or not at all: under a temporary name, fsynced, renamed, the directory fsynced.
-    `data` may come in parts (written in order), so a large file need not be joined in memory first."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        for part in (data,) if isinstance(data, (bytes, bytearray)) else data:
-            f.write(part)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    atomic_write(ckpt / COMPLETE, json.dumps({**meta, "files": files}, sort_keys=True).encode())
 
 
 def _file_digest(path: Path) -> str:
@@ -151,14 +139,6 @@ def _file_digest(path: Path) -> str:
         while chunk := f.read(16 << 20):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def restarted_in_place(actor: Any) -> bool:

@@ -3,15 +3,26 @@ are written (metrics.jsonl in the run directory, and TensorBoard)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from actors.train_step import ShareResult, as_columns
+from actors.batch import Batch, as_columns, carries_every_sample, flat, sample_groups
 from algo.ppo import PPOStats
 from algo.staleness import sample_staleness
-from transport.protocol import Batch, BatchTensors
+from transport.protocol import BatchTensors
+
+
+@dataclass
+class ShareResult:
+    """What one trainer rank did with its share of a step; rank 0 merges every rank's into the metrics."""
+
+    ppo: PPOStats                       # empty on ranks whose loss statistics duplicate another's
+    logprob_gap: float                  # max |proximal - behaviour| on tokens sampled by these very weights
+    updates: list[dict[str, float]]     # engine.train_step reports (already global: summed over replicas)
+    kl_reward: float | None = None      # mean over answer tokens of -kl_coef * KL to the reference (kl_coef > 0)
 
 
 def step_metrics(batch: Batch | BatchTensors, version: int, shares: list[ShareResult]) -> dict[str, Any]:
@@ -25,9 +36,9 @@ def step_metrics(batch: Batch | BatchTensors, version: int, shares: list[ShareRe
     updates = shares[0].updates
     kl_reward = {} if shares[0].kl_reward is None else {"kl_reward": shares[0].kl_reward}
     rewards = torch.tensor(batch.rewards, dtype=torch.float32)
-    if batch.carried is not None and batch.carried != list(range(batch.n_samples)):
+    if not carries_every_sample(batch):
         raise ValueError("step_metrics: needs every sample's versions (the whole batch), got a rank's share")
-    versions = batch.flat("versions")
+    versions = flat(batch, "versions")
     # Each sample's oldest weight version (prompt and unknown tokens are -1 and do not count).
     starts_v, o = [], 0
     for n in batch.output_lens:
@@ -41,7 +52,7 @@ def step_metrics(batch: Batch | BatchTensors, version: int, shares: list[ShareRe
         "task_reward": float(rewards.mean()), "accuracy": float(torch.tensor(batch.correct).float().mean()),
         # the loss mask: every generated answer token (an episode's environment tokens, version -1, are not trained)
         "n_tokens": float((versions >= 0).sum()), "env_tokens": float((versions < 0).sum()),
-        "n_seqs": float(batch.n_samples),
+        "n_seqs": float(len(batch.output_lens)),
         "avg_seq_len": float(out_lens.mean()),
         "no_eos_ratio": float(torch.tensor([r != "stop" for r in batch.finish_reasons]).float().mean()),
         "importance_weight": summary["importance_weight_mean"],
@@ -58,7 +69,7 @@ def step_metrics(batch: Batch | BatchTensors, version: int, shares: list[ShareRe
 
 def _accuracy_by_level(batch: BatchTensors) -> dict[str, float]:
     by: dict[str, list[bool]] = {}
-    for g, correct in zip(batch.sample_groups(), batch.correct):
+    for g, correct in zip(sample_groups(batch), batch.correct):
         by.setdefault(str(batch.levels[g]), []).append(correct)
     return {k: sum(v) / len(v) for k, v in sorted(by.items())}
 

@@ -9,12 +9,14 @@ from typing import Any
 
 import torch
 
+from actors.batch import Batch, as_columns, carried_samples, flat, sample_groups
 from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine
+from actors.train_metrics import ShareResult, step_metrics
 from algo.advantages import AdvNorm, KLEstimator, compute_advantages, kl_penalty
 from algo.packing import allocate_micro_batches, split_by_rank
 from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
 from topology.experiment import ExperimentConfig
-from transport.protocol import Batch, BatchTensors
+from transport.protocol import BatchTensors
 
 
 class TrainerConfigError(ValueError):
@@ -76,26 +78,9 @@ class StepConfig:
         return replace(cls.from_settings(ExperimentConfig()), **changes)
 
 
-@dataclass
-class ShareResult:
-    """What one trainer rank did with its share of a step; rank 0 merges every rank's into the metrics."""
-
-    ppo: PPOStats                       # empty on ranks whose loss statistics duplicate another's
-    logprob_gap: float                  # max |proximal - behaviour| on tokens sampled by these very weights
-    updates: list[dict[str, float]]     # engine.train_step reports (already global: summed over replicas)
-    kl_reward: float | None = None      # mean over answer tokens of -kl_coef * KL to the reference (kl_coef > 0)
-
-
-def as_columns(batch: Batch | BatchTensors) -> BatchTensors:
-    """The batch in the trainer's working form (what the buffer sends); a list-form Batch is converted."""
-    return batch if isinstance(batch, BatchTensors) else BatchTensors.from_batch(batch)
-
-
 def train_on_batch(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfig, version: int,
                    ref_engine: TrainEngine | None = None) -> dict[str, Any]:
     """One training step on `batch` with a single-rank engine at `version` (steps completed); the metrics."""
-    from actors.train_metrics import step_metrics
-
     cols = as_columns(batch)
     return step_metrics(cols, version, [train_share(engine, cols, cfg, version, ref_engine)])
 
@@ -113,7 +98,7 @@ def packed_logprobs(engine: TrainEngine, seqs: list[list[int] | None], micro_bat
 
 def sequence_lengths(batch: BatchTensors) -> tuple[list[int], list[int]]:
     """Each sequence's (prompt + answer) length and group index, in sample order."""
-    group_ids = batch.sample_groups()
+    group_ids = sample_groups(batch)
     return [batch.prompt_lens[g] + n for g, n in zip(group_ids, batch.output_lens)], group_ids
 
 
@@ -143,7 +128,7 @@ def rank_samples(batch: BatchTensors, cfg: StepConfig, dp_size: int) -> list[lis
     """Per data-parallel rank, the samples whose tokens it needs: those it trains on, or with a KL penalty
     every one (the reference log-probs of the whole batch enter every rank's advantages)."""
     if cfg.kl_coef > 0:
-        return [list(range(batch.n_samples))] * dp_size
+        return [list(range(len(batch.output_lens)))] * dp_size
     lengths, group_ids = sequence_lengths(batch)
     return [sorted(i for mbs in minibatches for ids in mbs for i in ids)
             for minibatches in minibatch_plan(lengths, group_ids, cfg, dp_size)]
@@ -172,7 +157,7 @@ def _layout(batch: BatchTensors, lengths: list[int], group_ids: list[int]) -> _L
     prompt_of = torch.tensor([batch.prompt_lens[g] for g in group_ids], dtype=torch.int64)
     pos = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(cu[:-1], lens)
     on_answer = pos >= torch.repeat_interleave(prompt_of, lens)
-    carried = batch.carried_samples()
+    carried = carried_samples(batch)
     c = torch.tensor(carried, dtype=torch.int64)
     out_lens = torch.tensor([batch.output_lens[i] for i in carried], dtype=torch.int64)
     out_cu = torch.zeros(len(carried) + 1, dtype=torch.int64)
@@ -181,12 +166,12 @@ def _layout(batch: BatchTensors, lengths: list[int], group_ids: list[int]) -> _L
     answer_pos = (torch.repeat_interleave(cu[:-1][c] + prompt_of[c] - out_cu[:-1], out_lens)
                   + torch.arange(int(out_cu[-1]), dtype=torch.int64))
     behav = torch.zeros(total, dtype=torch.float32)
-    behav[answer_pos] = batch.flat("logprobs")
+    behav[answer_pos] = flat(batch, "logprobs")
     versions = torch.full((total,), -1.0, dtype=torch.float32)
-    versions[answer_pos] = batch.flat("versions").to(torch.float32)
+    versions[answer_pos] = flat(batch, "versions").to(torch.float32)
     tokens = torch.zeros(total, dtype=torch.int64)
-    tokens[answer_pos] = batch.flat("output_ids").to(torch.int64)
-    prompts = batch.flat("prompt_ids").to(torch.int64)
+    tokens[answer_pos] = flat(batch, "output_ids").to(torch.int64)
+    prompts = flat(batch, "prompt_ids").to(torch.int64)
     p_cu = [0]
     for plen in batch.prompt_lens:
         p_cu.append(p_cu[-1] + plen)
@@ -206,7 +191,7 @@ def _layout(batch: BatchTensors, lengths: list[int], group_ids: list[int]) -> _L
 def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfig, version: int,
                 ref_engine: TrainEngine | None = None) -> ShareResult:
     """This rank's part of one training step. Every rank of a multi-rank trainer calls it on the same batch,
-    or on its share of it (`BatchTensors.share` of `rank_samples`: the same scalar columns, the tokens of
+    or on its share of it (`actors.batch.share` of `rank_samples`: the same scalar columns, the tokens of
     its own sequences): each data-parallel replica takes the same number of micro-batches of every PPO
     minibatch (`minibatch_plan`), computes their proximal log-probs and trains on them; the gradients and
     the loss denominator (the minibatch's global token count) are summed across replicas."""

@@ -49,6 +49,7 @@ import time
 from typing import Any
 
 from actors.base import Actor, ActorSpec, handles
+from actors.batch import shares as batch_shares
 from actors.engines.base import TrainEngine, require_device
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup, follow_rank0
@@ -320,7 +321,7 @@ class TrainerActor(Actor):
         assert self.ranks is not None
         samples = rank_samples(batch, self.step_cfg, self.engine.data_parallel[1])
         replicas = sorted(set(self.rank_dp[1:]))
-        shares = batch.shares([samples[dp] for dp in replicas])
+        shares = batch_shares(batch, [samples[dp] for dp in replicas])
         encoded = {dp: encode(share, sender=self.name) for dp, share in zip(replicas, shares)}
         return {r: encoded[dp] for r, dp in enumerate(self.rank_dp) if r > 0}
 

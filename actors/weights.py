@@ -1,6 +1,6 @@
 """One fingerprint for a set of named weights, so trainer, parameter server and rollouts can prove
-they hold the same version (DESIGN.md section 9: after a transfer of version K every rollout's weights
-hash to the trainer's hash for version K).
+they hold the same version (after a transfer of version K every rollout's weights hash to the trainer's
+hash for version K: docs/architecture.md, "Invariants").
 
 The fingerprint is built from one digest per tensor, so parts of the model hashed where they live (the
 stages of a pipeline-parallel trainer) combine into the same hash as the whole model hashed in one place."""

@@ -1,5 +1,5 @@
 """A real SLURM cluster on loopback for tests: munged, slurmctld and one slurmd per fake node, run as
-plain background processes under a scratch directory (recipe: ../shared/notes/slurm_local.md).
+plain background processes under a scratch directory.
 
 Fake node ``n<i>`` gets its own address 127.0.0.(10+i) in /etc/hosts, so launchers can resolve it and
 each node can bind its own address. Needs root (the daemons, /etc/hosts) and Debian's slurm-wlm + munge;

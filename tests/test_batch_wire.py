@@ -1,5 +1,6 @@
-"""A training batch on the wire (transport.protocol.BatchTensors): within the bus's frame limit at the 7B
-recipe's shape, bit-identical on arrival, and each data-parallel trainer rank sent only its share."""
+"""A training batch on the wire (transport.protocol.BatchTensors, laid out by actors/batch.py): within the
+bus's frame limit at the 7B recipe's shape, bit-identical on arrival, and each data-parallel trainer rank
+sent only its share."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from actors.batch import BATCH_FRAME_BYTES, flat, from_batch, from_columns, share, to_batch
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.trainer import StepConfig, rank_samples, train_share
 from testsupport.tiny_models import sampled_batch, tiny_model
@@ -18,7 +20,7 @@ from tools.bench.batch import synthetic_batch
 from topology.experiment import ExperimentConfig
 from transport.bus import Bus
 from transport.messages import decode, encode
-from transport.protocol import BATCH_FRAME_BYTES, BatchRequest, BatchTensors, BufferStats
+from transport.protocol import BatchRequest, BatchTensors, BufferStats
 
 FRAME_LIMIT = 256 << 20   # the bus's default max_frame_bytes
 COLUMNS = ("prompt_ids", "output_ids", "logprobs", "versions")
@@ -30,7 +32,7 @@ def assert_same_batch(got: BatchTensors, want: BatchTensors) -> None:
     for name in SCALARS:
         assert getattr(got, name) == getattr(want, name), name
     for name in COLUMNS:
-        a, b = got.flat(name), want.flat(name)
+        a, b = flat(got, name), flat(want, name)
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
 
 
@@ -40,7 +42,7 @@ def test_the_7b_recipes_batch_encodes_into_frames_under_the_limit() -> None:
     groups, answers, new = 512, 16, 31744
     n = groups * answers
     empty = lambda dtype: torch.empty(n * new, dtype=dtype)   # noqa: E731
-    batch = BatchTensors.from_columns(
+    batch = from_columns(
         step=1, stats=BufferStats(), levels=[0] * groups, group_sizes=[answers] * groups,
         prompt_ids=torch.zeros(groups * 300, dtype=torch.int32), prompt_lens=[300] * groups,
         output_ids=empty(torch.int32), output_lens=[new] * n, logprobs=empty(torch.float32),
@@ -57,7 +59,7 @@ def test_a_batch_over_the_frame_limit_crosses_a_real_bus_bit_identical() -> None
     # 160 groups of the recipe's answers (16 x 31,744 tokens): each token column is 325 MB, over the bus's
     # 256 MiB frame limit, which the batch as one message of lists (before) could not pass.
     batch = synthetic_batch(groups=160)
-    assert batch.flat("output_ids").numel() * 4 > FRAME_LIMIT
+    assert flat(batch, "output_ids").numel() * 4 > FRAME_LIMIT
 
     async def run() -> tuple[Any, dict[str, int]]:
         server = await Bus("buffer", "tcp://127.0.0.1:*", max_frame_bytes=FRAME_LIMIT,
@@ -79,19 +81,19 @@ def test_a_batch_over_the_frame_limit_crosses_a_real_bus_bit_identical() -> None
 
 def test_a_list_form_batch_round_trips_and_a_share_carries_only_its_samples() -> None:
     batch = sampled_batch(tiny_model(0), groups=3, n=4)
-    cols = BatchTensors.from_batch(batch, frame_bytes=64)                 # many small frames
+    cols = from_batch(batch, frame_bytes=64)                              # many small frames
     _, back = decode([bytes(f) for f in encode(cols)])
-    assert back.to_batch() == batch and len(back.output_ids) > 1
-    share = back.share([7, 1, 2])
-    assert share.carried == [1, 2, 7]
+    assert to_batch(back) == batch and len(back.output_ids) > 1
+    part = share(back, [7, 1, 2])
+    assert part.carried == [1, 2, 7]
     samples = [s for g in batch.groups for s in g.samples]
-    assert share.flat("output_ids").tolist() == sum((samples[i].output_ids for i in (1, 2, 7)), [])
-    assert share.flat("logprobs").tolist() == sum((samples[i].logprobs for i in (1, 2, 7)), [])
-    assert share.output_lens == back.output_lens and share.rewards == back.rewards   # scalar columns whole
+    assert flat(part, "output_ids").tolist() == sum((samples[i].output_ids for i in (1, 2, 7)), [])
+    assert flat(part, "logprobs").tolist() == sum((samples[i].logprobs for i in (1, 2, 7)), [])
+    assert part.output_lens == back.output_lens and part.rewards == back.rewards   # scalar columns whole
     with pytest.raises(ValueError, match="not carried"):
-        share.share([0])
+        share(part, [0])
     with pytest.raises(ValueError, match="share"):
-        share.to_batch()
+        to_batch(part)
 
 
 class _Replica(TorchTrainEngine):
@@ -110,25 +112,25 @@ class _Replica(TorchTrainEngine):
 @pytest.mark.parametrize("kl_coef", [0.0, 0.2])
 def test_a_rank_trains_on_its_share_exactly_as_on_the_whole_batch(kl_coef: float) -> None:
     model = tiny_model(1)
-    batch = BatchTensors.from_batch(sampled_batch(model, groups=4, n=4))
+    batch = from_batch(sampled_batch(model, groups=4, n=4))
     cfg = StepConfig.from_settings(ExperimentConfig.model_validate(
         {"algo": {"ppo_minibatches": 2, "max_tokens_per_mb": 16, "kl_coef": kl_coef}}))
     dp = 2
     per_rank = rank_samples(batch, cfg, dp)
     if kl_coef == 0:   # the replicas' shares are disjoint and cover the batch
-        assert sorted(i for s in per_rank for i in s) == list(range(batch.n_samples))
+        assert sorted(i for s in per_rank for i in s) == list(range(len(batch.output_lens)))
     else:              # the reference log-probs of every sequence enter the advantages
-        assert per_rank == [list(range(batch.n_samples))] * dp
+        assert per_rank == [list(range(len(batch.output_lens)))] * dp
     for rank in range(dp):
         results = []
-        for b in (batch, batch.share(per_rank[rank])):
+        for b in (batch, share(batch, per_rank[rank])):
             engine = _Replica(copy.deepcopy(model), rank, dp)
             ref = TorchTrainEngine(model=tiny_model(2)) if kl_coef else None
-            share = train_share(engine, b, cfg, version=0, ref_engine=ref)
-            results.append((share, torch.cat([p.detach().flatten() for p in engine.model.parameters()])))
+            result = train_share(engine, b, cfg, version=0, ref_engine=ref)
+            results.append((result, torch.cat([p.detach().flatten() for p in engine.model.parameters()])))
         (whole, w_whole), (part, w_part) = results
         assert whole.ppo.n_tokens > 0 and part == whole and torch.equal(w_part, w_whole)
-    other = batch.share(per_rank[1]) if kl_coef == 0 else None
+    other = share(batch, per_rank[1]) if kl_coef == 0 else None
     if other is not None:   # a rank sent another replica's share is refused, naming what it lacks
         with pytest.raises(ValueError, match="data-parallel rank 0 was not sent"):
             train_share(_Replica(copy.deepcopy(model), 0, dp), other, cfg, version=0)
@@ -144,17 +146,17 @@ def _rank_main(rank: int, world: int, store: str, batch_path: str, out: Any) -> 
             cfg = StepConfig.defaults(minibatches=2, max_tokens_per_mb=16)
             samples = rank_samples(batch, cfg, 2)
             rank_dp = [0, 0, 1, 1]   # two tensor-parallel ranks per replica
-            encoded = {dp: encode(batch.share(samples[dp])) for dp in (0, 1)}
+            encoded = {dp: encode(share(batch, samples[dp])) for dp in (0, 1)}
             group.send_frames({r: encoded[rank_dp[r]] for r in range(1, world)})
         else:
-            _, share = decode(group.recv_frames())
-            out.put((rank, share))
+            _, received = decode(group.recv_frames())
+            out.put((rank, received))
     finally:
         dist.destroy_process_group()
 
 
 def test_trainer_zero_sends_each_rank_its_replicas_share_over_gloo(tmp_path) -> None:
-    batch = BatchTensors.from_batch(sampled_batch(tiny_model(3), groups=4, n=4), frame_bytes=128)
+    batch = from_batch(sampled_batch(tiny_model(3), groups=4, n=4), frame_bytes=128)
     torch.save(batch, tmp_path / "batch.pt")
     samples = rank_samples(batch, StepConfig.defaults(minibatches=2, max_tokens_per_mb=16), 2)
     ctx = mp.get_context("fork")
@@ -173,8 +175,8 @@ def test_trainer_zero_sends_each_rank_its_replicas_share_over_gloo(tmp_path) -> 
                 p.kill()
     assert all(p.exitcode == 0 for p in procs)
     for rank, dp in ((1, 0), (2, 1), (3, 1)):
-        assert got[rank].carried == samples[dp] and len(samples[dp]) < batch.n_samples
-        assert_same_batch(got[rank], batch.share(samples[dp]))
+        assert got[rank].carried == samples[dp] and len(samples[dp]) < len(batch.output_lens)
+        assert_same_batch(got[rank], share(batch, samples[dp]))
 
 
 def test_the_buffer_keeps_a_served_batch_as_its_frames_and_reads_it_back(tmp_path) -> None:
@@ -188,14 +190,14 @@ def test_the_buffer_keeps_a_served_batch_as_its_frames_and_reads_it_back(tmp_pat
     assert files.served_steps() == [listed.step]
     got, got_record, got_state = files.read_served(listed.step)
     assert_same_batch(got, sent)
-    assert got.to_batch() == listed and (got_record, got_state) == (record, state)
+    assert to_batch(got) == listed and (got_record, got_state) == (record, state)
 
 
 def test_a_batch_whose_columns_disagree_is_refused_naming_the_column() -> None:
     import msgpack
 
     from transport.messages import FieldError
-    batch = BatchTensors.from_batch(sampled_batch(tiny_model(5), groups=2, n=2))
+    batch = from_batch(sampled_batch(tiny_model(5), groups=2, n=2))
     frames = encode(batch)
     head = msgpack.unpackb(frames[0])
     for column, value, says in (("output_lens", [1, 2, 3, 4], "output_ids: .* tokens"),

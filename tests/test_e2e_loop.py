@@ -1,4 +1,4 @@
-"""The asynchronous RL loop through the real launcher and real actor processes (DESIGN.md section 9).
+"""The asynchronous RL loop through the real launcher and real actor processes (docs/architecture.md, "Invariants").
 
 A small random Qwen2 model with the shipped tokenizer and a small synthetic dataset keep each run short;
 what is checked is the system, not learning: versions advance, no sample is trained staler than eta,

@@ -1,5 +1,6 @@
 """The import direction of docs/architecture.md, checked on every module's imports (top level and inside
-functions): tools -> testsupport -> actors -> (topology, transport, algo); algo imports nothing of ours."""
+functions): tools -> testsupport -> actors -> (topology, transport, algo); algo imports nothing of ours. And
+no import cycle between our modules, not even one dodged by importing inside a function."""
 from __future__ import annotations
 
 import ast
@@ -48,3 +49,101 @@ def test_the_check_sees_imports_inside_functions(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("import os\n\ndef f():\n    from tools.up import main\n    import actors.base\n")
     assert imported_packages(module) == {"tools", "actors"}
+
+
+def module_graph(root: Path) -> dict[str, dict[str, int]]:
+    """Each module of ours -> the modules of ours it imports anywhere in it (top level, inside functions,
+    relative), with the line of the first such import. `from pkg import name` counts as importing the module
+    pkg.name where there is one, pkg otherwise."""
+    modules: dict[str, Path] = {}
+    for package in OURS:
+        for path in (root / package).rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        edges: dict[str, int] = {}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(here[:len(here) - node.level + 1] + [node.module or ""]) if node.level else node.module
+                targets = [f"{base.rstrip('.')}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in filter(None, map(known, targets)):
+                if target != name:
+                    edges.setdefault(target, node.lineno)
+        graph[name] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    graph = module_graph(ROOT)
+    found = [{a: {b: line for b, line in graph[a].items() if b in cycle} for a in cycle}
+             for cycle in import_cycles(graph)]
+    assert not found, ("modules that import each other (module -> {imported: line}); move what both need "
+                       f"into a module below them: {found}")
+
+
+def test_the_cycle_check_sees_imports_inside_functions_and_relative_ones(tmp_path: Path) -> None:
+    (tmp_path / "actors" / "sub").mkdir(parents=True)
+    (tmp_path / "actors" / "__init__.py").write_text("")
+    (tmp_path / "actors" / "sub" / "__init__.py").write_text("")
+    (tmp_path / "actors" / "a.py").write_text("from actors.b import f\n")
+    (tmp_path / "actors" / "b.py").write_text("def f():\n    from actors import a\n")
+    (tmp_path / "actors" / "sub" / "c.py").write_text("from .d import g\n")
+    (tmp_path / "actors" / "sub" / "d.py").write_text("def g():\n    from ..sub import c\n")
+    (tmp_path / "actors" / "e.py").write_text("import actors.a\n")
+    graph = module_graph(tmp_path)
+    assert graph["actors.b"] == {"actors.a": 2} and graph["actors.sub.c"] == {"actors.sub.d": 1}
+    assert sorted(import_cycles(graph)) == [["actors.a", "actors.b"], ["actors.sub.c", "actors.sub.d"]]

@@ -16,8 +16,8 @@ from tools.bench.chaos import finish_run, launch, make_assets
 def recorded() -> Iterator[Path]:
     """A 3-step run of topology/local.yaml with every actor's messages logged; yields its msglog dir.
 
-    In a directory of its own, not pytest's: the basetemp of a session is removed by later sessions (they
-    keep three), and other sessions run on this machine while the replays read the run's model."""
+    In a directory of its own, not pytest's: the basetemp of a pytest run is removed by later runs (they
+    keep three), and other pytest runs may start on the same machine while the replays read the run's model."""
     with tempfile.TemporaryDirectory(prefix="replay-actors-") as tmp:
         yield _record(Path(tmp))
 

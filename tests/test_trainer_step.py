@@ -1,4 +1,4 @@
-"""The trainer's step on a real batch from the generation engine (DESIGN.md section 9 invariants)."""
+"""The trainer's step on a real batch from the generation engine (docs/architecture.md, "Invariants")."""
 import copy
 
 import pytest

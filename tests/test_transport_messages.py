@@ -145,7 +145,7 @@ def test_roundtrip_every_registered_kind() -> None:
         importlib.import_module("transport.protocol")
     except ModuleNotFoundError:
         pass
-    # kinds other test modules register in the same session are theirs to test
+    # kinds other test modules register in the same pytest run are theirs to test
     kinds = {t: c for t, c in M.registry().items() if c.__module__.startswith("transport.") or c.__module__ == __name__}
     assert {"error", "ping", "pong", "test.msg.all"} <= kinds.keys()
     for tag, cls in kinds.items():
@@ -154,9 +154,10 @@ def test_roundtrip_every_registered_kind() -> None:
 
 
 def _batch_example() -> Any:
-    from transport.protocol import Batch, BatchGroup, BatchTensors, BufferStats, Sample
+    from actors.batch import Batch, BatchGroup, from_batch
+    from transport.protocol import BufferStats, Sample
     samples = [Sample([5, 6], [-0.5, -0.25], [1, 1], "stop", 5.0, True, "ok"), Sample([7], [-1.0], [0], "length")]
-    return BatchTensors.from_batch(Batch(2, [BatchGroup([1, 2, 3], 1, samples)], BufferStats(depth=3)))
+    return from_batch(Batch(2, [BatchGroup([1, 2, 3], 1, samples)], BufferStats(depth=3)))
 
 
 # Kinds whose fields must agree with each other (checked when built): one example value per field will not do.

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import torch
 
+from actors.batch import Batch, BatchGroup
 from actors.engines.base import GenerationRequest, SamplingParams
 from actors.engines.checkpoint import bucketize, hf_state_dict, save_model
 from actors.engines.model import Qwen2Config, Qwen2ForCausalLM
 from actors.engines.torch_gen import TorchGenerationEngine
 from actors.weights import weights_hash
-from transport.protocol import Batch, BatchGroup, BufferStats, Sample
+from transport.protocol import BufferStats, Sample
 
 #: The shipped tokenizer of the embedded default (vocabulary 272), for models the actors can load.
 ARITH_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "configs" / "models" / "arith-tiny"

@@ -42,6 +42,7 @@ from actors.engines.tokenizer import TokenizerError, load_tokenizer
 from actors.evaluation import EvalError, EvalSettings, aevaluate_with, level_key
 from tools.eval import ENGINES, _from_config, data_options, default_engine, open_generator
 from tools.lm import LMToolError, has_weights
+from transport.files import atomic_write
 
 PROGRESS_SUFFIX = ".progress.json"
 # What a resumed filter must share with the one it continues (the rest of the progress file is its state).
@@ -59,9 +60,7 @@ def progress_path(out: str | Path) -> Path:
 
 
 def _write_progress(path: Path, state: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    os.replace(tmp, path)   # atomic: a kill leaves the old state or the new, never half of one
+    atomic_write(path, json.dumps(state, indent=1))   # a kill leaves the old state or the new, never half of one
 
 
 def resume_state(out: Path, identity: dict[str, Any]) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from topology import Plan, TopologyError
 from topology.experiment import ExperimentConfig
 from topology.schema import SupervisorSection
 from topology.settings import read_settings
+from transport.files import atomic_write
 from transport.ports import free_port
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
@@ -832,9 +833,8 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
         rows = _child_rows(sup, node_of)
         view.update(rows, time.monotonic() - t0, training.poll() if training is not None else None)
         if status_file is not None:
-            tmp = status_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"state": state, "actors": rows, "time": time.time()}, default=str))
-            os.replace(tmp, status_file)
+            atomic_write(status_file, json.dumps({"state": state, "actors": rows, "time": time.time()}, default=str),
+                         durable=False)   # a live view, rewritten on every change
         return rows
 
     try:

@@ -4,9 +4,11 @@ The package sits beside its YAML files (topology/*.yaml) and below actors/ in th
 (tools -> actors -> (topology, transport, algo)): actors take their typed settings from it, and it never imports
 actors/ or tools/ (it finds an actor class's settings model through the class itself).
 
+* topology.section: the base of every configuration model, and the one-line problem reports naming each
+  key's path.
 * topology.experiment: the experiment config's models (configs/*.yaml).
 * topology.settings: what every actor receives (``actor.cfg``), per actor class.
-* topology.schema: the topology file's models, and the one-line problem reports naming each key's path.
+* topology.schema: the topology file's models.
 * topology.placement: checks across sections, and the placement of instances onto nodes, GPUs, cores, ports.
 * topology.loading: YAML, experiment config, `key.sub=value` overrides, and the resolved configuration with
   where each value came from.

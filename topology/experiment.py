@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from topology.section import Section, problem_lines, when_missing
 
 __all__ = ["Section", "ModelSection", "DataFields", "DataSection", "PROMPT_TEMPLATES", "DataLayout",
            "prompt_template_text", "AREAL_ALIASES", "AREAL_NOT_ALIASED", "with_our_names", "DatasetRecipe", "WarmStartStage",
@@ -23,20 +25,6 @@ __all__ = ["Section", "ModelSection", "DataFields", "DataSection", "PROMPT_TEMPL
            "BufferSection", "ExperimentConfig", "experiment_problems", "DEFAULT_MAX_LINE_BYTES"]
 
 DEFAULT_MAX_LINE_BYTES = 1 << 20
-
-
-class Section(BaseModel):
-    """Base of every configuration model. Unknown keys are errors (a misspelt key would otherwise be silently
-    ignored); values are not coerced (strict: `count: "4"` or `gdr: 1` is refused, not guessed); floats are
-    finite. Validating assignments keeps a model that an override changed as checked as one read from a file."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, validate_assignment=True,
-                              populate_by_name=True)
-
-
-def when_missing(message: str) -> dict[str, Any]:
-    """A required key's ``json_schema_extra``: the message it gives when it is left out."""
-    return {"missing": message}
 
 
 class ModelSection(Section):
@@ -384,7 +372,6 @@ class ExperimentConfig(Section):
 
 def experiment_problems(doc: dict[str, Any], prefix: str = "experiment") -> list[str]:
     """One line per problem of an experiment document, each naming the key's full path."""
-    from topology.schema import problem_lines
     try:
         ExperimentConfig.model_validate(doc)
     except ValidationError as exc:

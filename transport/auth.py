@@ -30,6 +30,8 @@ from typing import Any, Callable
 import zmq
 from zmq.auth.asyncio import AsyncioAuthenticator
 
+from transport.files import atomic_write
+
 __all__ = ["CurveConfig", "CurveError", "TokenConfig", "TokenError", "generate_run_keys", "generate_run_tokens",
            "start_authenticator"]
 
@@ -124,17 +126,9 @@ def generate_run_keys(run_dir: str, names: list[str]) -> str:
         if not name or "/" in name or name.startswith("."):
             raise CurveError(f"curve: invalid actor name {name!r} for a key file")
         public, secret = zmq.curve_keypair()
-        _write(os.path.join(keys_dir, f"{name}.key"), public, 0o644)
-        _write(os.path.join(keys_dir, f"{name}.key_secret"), secret, 0o600)
+        atomic_write(os.path.join(keys_dir, f"{name}.key"), public + b"\n", mode=0o644)
+        atomic_write(os.path.join(keys_dir, f"{name}.key_secret"), secret + b"\n", mode=0o600)
     return keys_dir
-
-
-def _write(path: str, data: bytes, mode: int) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data + b"\n")
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -191,8 +185,8 @@ def generate_run_tokens(run_dir: str, names: list[str]) -> str:
         if not name or "/" in name or name.startswith("."):
             raise TokenError(f"tokens: invalid actor name {name!r} for a token file")
         token = secrets.token_hex(32)
-        _write(os.path.join(tokens_dir, f"{name}.token"), token.encode(), 0o600)
-        _write(os.path.join(tokens_dir, f"{name}.digest"), _digest(token).encode(), 0o600)
+        atomic_write(os.path.join(tokens_dir, f"{name}.token"), token.encode() + b"\n", mode=0o600)
+        atomic_write(os.path.join(tokens_dir, f"{name}.digest"), _digest(token).encode() + b"\n", mode=0o600)
     return tokens_dir
 
 

@@ -2,7 +2,7 @@
 
     buffer --GenerateGroup--> rollout --Trajectories--> reward --ScoredGroup--> buffer
     trainer --BatchRequest--> buffer (replies BatchTensors)
-    trainer.0 ==BatchTensors.share==> each other trainer rank (over the ranks' gloo group, actors/rank_group.py)
+    trainer.0 ==BatchTensors (its share)==> each other trainer rank (over the ranks' gloo group, actors/rank_group.py)
     trainer --WeightsPublished--> param_server (replies WeightsStored once the buckets arrived on the bulk link)
     param_server --WeightsReady--> rollout (then the buckets on the bulk link; rollout replies WeightsAck)
     trainer --VersionUpdate--> buffer            (opens the staleness gate for the new version)
@@ -28,27 +28,19 @@ every weights path is drawn in docs/rl-actors.md (actors/weight_sync/ implements
                                                   rollouts receive it after WeightsReady; replies
                                                   WeightsBroadcastDone)
 
-A group's token-level data travels as plain lists in the message body (a few MB at most). A training batch
-does not: at the 7B recipe's shape (512 prompts x 16 answers of up to 31,744 tokens) its token ids,
-log-probs and versions are over 1 GB each, so `BatchTensors` carries them as tensors split into frames of at
-most `BATCH_FRAME_BYTES`, and a trainer rank gets only the sequences it trains on (`BatchTensors.share`).
-Weights never travel here (transport/bulk.py carries them).
+A training batch travels as `BatchTensors`: columns, its token data as tensor frames (actors/batch.py lays
+it out: the frames, each trainer rank's share, the list form the buffer assembles). Weights never travel
+here (transport/bulk.py carries them).
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from transport.bulk import TensorMeta   # a field type of the weights messages: one bucket format
 from transport.messages import Message, message, upgrade
-
-# Each tensor frame of a BatchTensors holds at most this many bytes: well under the bus's 256 MiB frame
-# limit (transport/bus.py), and large enough that the per-frame cost is nothing next to the copy.
-BATCH_FRAME_BYTES = 64 << 20
 
 
 @dataclass
@@ -177,7 +169,7 @@ class GroupAborted(Message):
 
 @message("rl.batch_request", senders=("trainer",))
 class BatchRequest(Message):
-    """trainer -> buffer: the batch for training step `step` (the reply is a Batch)."""
+    """trainer -> buffer: the batch for training step `step` (the reply is a BatchTensors)."""
 
     step: int
 
@@ -194,61 +186,14 @@ class BufferStats:
     rollout_utilisation: float = -1.0   # rollouts' time with work / time up since the previous batch (-1: unknown)
 
 
-@dataclass
-class BatchGroup:
-    """One prompt of a Batch: its tokens and difficulty level (-1: none), which the buffer holds, and its
-    scored answers."""
-
-    prompt_ids: list[int]
-    level: int
-    samples: list[Sample]
-
-
-@dataclass
-class Batch:
-    """B scored groups, each started no more than eta versions ago, as the buffer assembles them (and tests
-    build them). It travels as `BatchTensors` (`BatchTensors.from_batch`)."""
-
-    step: int
-    groups: list[BatchGroup]
-    stats: BufferStats
-
-
-def _chunks(flat: torch.Tensor, frame_bytes: int) -> list[torch.Tensor]:
-    """`flat` (1-D) as views of at most `frame_bytes` bytes each: one tensor frame per view, no copy."""
-    per = max(1, frame_bytes // flat.element_size())
-    return list(flat.split(per)) if flat.numel() else [flat]
-
-
-def _joined(chunks: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    if not chunks:
-        return torch.empty(0, dtype=dtype)
-    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-
-
-def _gather_ranges(chunks: list[torch.Tensor], ranges: list[tuple[int, int]], dtype: torch.dtype) -> torch.Tensor:
-    """The elements [a, b) of each range of the column that `chunks` split, concatenated in order."""
-    starts = [0]
-    for c in chunks:
-        starts.append(starts[-1] + c.numel())
-    pieces = []
-    for a, b in ranges:
-        k = bisect.bisect_right(starts, a) - 1
-        while a < b:
-            end = min(b, starts[k + 1])
-            pieces.append(chunks[k][a - starts[k]:end - starts[k]])
-            a, k = end, k + 1
-    return torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
-
-
 @message("rl.batch")
 class BatchTensors(Message):
     """buffer -> trainer (reply to BatchRequest), and trainer.0 -> each other trainer rank (its share).
 
     Columns, samples in group order. Per group: `levels`, `group_sizes` (answers), `prompt_lens`; per sample:
     `output_lens`, `rewards`, `correct`, `finish_reasons`, `score_details`. Token data as tensors, each a list
-    of 1-D chunks of at most BATCH_FRAME_BYTES (one frame each, so no frame nears the bus's limit whatever
-    the batch's size): `prompt_ids` (int32, every group's prompt, concatenated), and for the samples named by
+    of 1-D chunks (one frame each, so no frame nears the bus's limit whatever the batch's size; actors/batch.py
+    splits them): `prompt_ids` (int32, every group's prompt, concatenated), and for the samples named by
     `carried` (ascending sample indices; None: every sample), concatenated in that order, `output_ids`
     (int32), `logprobs` (float32: the behaviour log-probs, as the trainer computes in float32) and
     `versions` (int32, the weight version of each token). The scalar columns are always whole: a trainer
@@ -275,25 +220,6 @@ class BatchTensors(Message):
     logprobs: list[torch.Tensor]
     versions: list[torch.Tensor]
     carried: list[int] | None = None
-
-    @classmethod
-    def from_columns(cls, *, step: int, stats: BufferStats, levels: list[int], group_sizes: list[int],
-                     prompt_ids: torch.Tensor, prompt_lens: list[int], output_ids: torch.Tensor,
-                     output_lens: list[int], logprobs: torch.Tensor, versions: torch.Tensor, rewards: list[float],
-                     correct: list[bool], finish_reasons: list[str], score_details: list[str] | None = None,
-                     carried: list[int] | None = None, frame_bytes: int = BATCH_FRAME_BYTES) -> "BatchTensors":
-        """A batch from flat 1-D token tensors (converted to the wire dtypes), split into frames. Columns
-        that disagree raise TypeError naming the column (see __post_init__)."""
-        n = len(output_lens)
-        return cls(step=step, stats=stats, levels=list(levels), group_sizes=list(group_sizes),
-                   prompt_lens=list(prompt_lens), output_lens=list(output_lens), rewards=[float(r) for r in rewards],
-                   correct=[bool(c) for c in correct], finish_reasons=list(finish_reasons),
-                   score_details=list(score_details) if score_details is not None else [""] * n,
-                   prompt_ids=_chunks(prompt_ids.reshape(-1).to(torch.int32), frame_bytes),
-                   output_ids=_chunks(output_ids.reshape(-1).to(torch.int32), frame_bytes),
-                   logprobs=_chunks(logprobs.reshape(-1).to(torch.float32), frame_bytes),
-                   versions=_chunks(versions.reshape(-1).to(torch.int32), frame_bytes),
-                   carried=None if carried is None else list(carried))
 
     def __post_init__(self) -> None:
         # What arrives must add up before a trainer rank indexes with it: a message whose columns disagree is
@@ -324,95 +250,6 @@ class BatchTensors(Message):
             if sum(c.numel() for c in chunks) != want:
                 raise TypeError(f"batch column {name}: {sum(c.numel() for c in chunks)} tokens, the "
                                 f"{'prompts' if name == 'prompt_ids' else 'carried answers'} have {want}")
-
-    @classmethod
-    def from_batch(cls, batch: Batch, frame_bytes: int = BATCH_FRAME_BYTES) -> "BatchTensors":
-        samples = [s for g in batch.groups for s in g.samples]
-
-        def cat(rows: list[list[Any]], dtype: type) -> torch.Tensor:
-            # One array per row, then one concatenation: numpy reads a list of numbers 2-4x faster than
-            # torch.tensor does, and far faster than flattening the lists in Python.
-            return torch.from_numpy(np.concatenate([np.asarray(r, dtype=dtype) for r in rows] or [np.empty(0, dtype)]))
-
-        return cls.from_columns(
-            step=batch.step, stats=batch.stats, levels=[g.level for g in batch.groups],
-            group_sizes=[len(g.samples) for g in batch.groups],
-            prompt_ids=cat([g.prompt_ids for g in batch.groups], np.int32),
-            prompt_lens=[len(g.prompt_ids) for g in batch.groups],
-            output_ids=cat([s.output_ids for s in samples], np.int32), output_lens=[len(s.output_ids) for s in samples],
-            logprobs=cat([s.logprobs for s in samples], np.float32),
-            versions=cat([s.versions for s in samples], np.int32), rewards=[s.reward for s in samples],
-            correct=[s.correct for s in samples], finish_reasons=[s.finish_reason for s in samples],
-            score_details=[s.score_detail for s in samples], frame_bytes=frame_bytes)
-
-    @property
-    def n_samples(self) -> int:
-        return len(self.output_lens)
-
-    def sample_groups(self) -> list[int]:
-        """Each sample's group index."""
-        return [g for g, size in enumerate(self.group_sizes) for _ in range(size)]
-
-    def carried_samples(self) -> list[int]:
-        return list(range(self.n_samples)) if self.carried is None else list(self.carried)
-
-    def flat(self, column: str) -> torch.Tensor:
-        """One token column (prompt_ids, output_ids, logprobs or versions) as a single 1-D tensor."""
-        if column not in ("prompt_ids", "output_ids", "logprobs", "versions"):
-            raise ValueError(f"{column!r} is not a token column of a batch")
-        return _joined(getattr(self, column), torch.float32 if column == "logprobs" else torch.int32)
-
-    def share(self, samples: list[int], frame_bytes: int = BATCH_FRAME_BYTES) -> "BatchTensors":
-        """The same batch carrying the tokens of `samples` only (every scalar column stays whole)."""
-        return self.shares([samples], frame_bytes)[0]
-
-    def shares(self, per_rank: list[list[int]], frame_bytes: int = BATCH_FRAME_BYTES) -> list["BatchTensors"]:
-        """`share` of each list of samples. Each sample's tokens are one contiguous range of the carried
-        columns, so a share is a concatenation of slices of the chunks (one copy of the share, no index)."""
-        have = self.carried_samples()
-        position = {s: k for k, s in enumerate(have)}
-        offsets = [0]
-        for s in have:
-            offsets.append(offsets[-1] + self.output_lens[s])
-        prompts = self.flat("prompt_ids")
-        out = []
-        for samples in per_rank:
-            wanted = sorted(set(samples))
-            missing = [s for s in wanted if s not in position]
-            if missing:
-                raise ValueError(f"samples {missing[:8]} are not carried by this batch")
-            if wanted == have:   # every sample (a KL penalty's shares): the batch itself, no copy
-                out.append(self)
-                continue
-            ranges = [(offsets[position[s]], offsets[position[s] + 1]) for s in wanted]
-            out.append(BatchTensors.from_columns(
-                step=self.step, stats=self.stats, levels=self.levels, group_sizes=self.group_sizes,
-                prompt_ids=prompts, prompt_lens=self.prompt_lens,
-                output_ids=_gather_ranges(self.output_ids, ranges, torch.int32), output_lens=self.output_lens,
-                logprobs=_gather_ranges(self.logprobs, ranges, torch.float32),
-                versions=_gather_ranges(self.versions, ranges, torch.int32), rewards=self.rewards,
-                correct=self.correct, finish_reasons=self.finish_reasons, score_details=self.score_details,
-                carried=wanted, frame_bytes=frame_bytes))
-        return out
-
-    def to_batch(self) -> Batch:
-        """The list form (every sample must be carried)."""
-        if self.carried is not None and self.carried != list(range(self.n_samples)):
-            raise ValueError("to_batch: this batch carries the tokens of only some samples (a rank's share)")
-        prompts = self.flat("prompt_ids").tolist()
-        out, lp, ver = self.flat("output_ids").tolist(), self.flat("logprobs").tolist(), self.flat("versions").tolist()
-        groups, p, o, i = [], 0, 0, 0
-        for level, size, plen in zip(self.levels, self.group_sizes, self.prompt_lens):
-            samples = []
-            for _ in range(size):
-                n = self.output_lens[i]
-                samples.append(Sample(output_ids=out[o:o + n], logprobs=lp[o:o + n], versions=ver[o:o + n],
-                                      finish_reason=self.finish_reasons[i], reward=self.rewards[i],
-                                      correct=self.correct[i], score_detail=self.score_details[i]))
-                o, i = o + n, i + 1
-            groups.append(BatchGroup(prompt_ids=prompts[p:p + plen], level=level, samples=samples))
-            p += plen
-        return Batch(step=self.step, groups=groups, stats=self.stats)
 
 
 @message("rl.version_update", senders=("trainer",))

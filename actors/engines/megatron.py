@@ -54,6 +54,7 @@ from torch.nn.attention import SDPBackend
 from .base import (EngineError, LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine, WeightBucket,
                    step_loss_weights)
 from transport.bulk import rendezvous_store
+from transport.files import atomic_write
 from transport.ports import free_port
 
 from .checkpoint import (CONFIG_FILE, SINGLE_FILE, CheckpointError, _weight_files, load_config,
@@ -890,9 +891,7 @@ class MegatronTrainEngine(TrainEngine):
                      "config": dataclasses.asdict(self.config),
                      "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                              "numpy": np.random.get_state()}}
-            tmp = os.path.join(path, TRAINER_STATE + ".tmp")
-            torch.save(state, tmp)
-            os.replace(tmp, os.path.join(path, TRAINER_STATE))
+            atomic_write(os.path.join(path, TRAINER_STATE), lambda f: torch.save(state, f))
         dist.barrier()
 
     def load(self, path: str) -> None:

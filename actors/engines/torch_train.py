@@ -21,6 +21,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from transport.files import atomic_write
+
 from .base import LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine, WeightBucket, step_loss_weights
 from .checkpoint import (CheckpointError, assign_weights, bucketize, hf_state_dict, load_model, read_tokenizer_files,
                          save_model, write_tokenizer_files)
@@ -191,10 +193,8 @@ class TorchTrainEngine(TrainEngine):
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         }
-        # Written last and renamed into place: a directory without it is an incomplete checkpoint.
-        tmp = os.path.join(path, TRAINER_STATE + ".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, os.path.join(path, TRAINER_STATE))
+        # Written last, whole or not at all: a directory without it is an incomplete checkpoint.
+        atomic_write(os.path.join(path, TRAINER_STATE), lambda f: torch.save(state, f))
 
     def load(self, path: str) -> None:
         state_path = os.path.join(path, TRAINER_STATE)

@@ -4,7 +4,7 @@ Two processes on TCP loopback, each with our Bus at its default 256 MiB frame li
 BatchRequest with a synthetic `BatchTensors` (512 prompts x 16 answers of 31,744 new tokens by default,
 every answer at the recipe's maximum: the worst case), the "trainer" asks for it R times and times each
 request to the decoded reply. Then, in the trainer process, the shares trainer.0 would send to the ranks of
-a world of `--dp` data-parallel replicas (`actors.trainer.rank_samples`, `BatchTensors.share`): their size
+a world of `--dp` data-parallel replicas (`actors.trainer.rank_samples`, `actors.batch.shares`): their size
 against the whole batch's, and the time to build them.
 """
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from transport.protocol import BATCH_FRAME_BYTES, BatchRequest, BatchTensors, BufferStats
+from actors.batch import BATCH_FRAME_BYTES, from_columns, shares as batch_shares
+from transport.protocol import BatchRequest, BatchTensors, BufferStats
 
 
 def synthetic_batch(groups: int = 512, answers: int = 16, max_new: int = 31744, prompt_len: int = 300,
@@ -33,7 +34,7 @@ def synthetic_batch(groups: int = 512, answers: int = 16, max_new: int = 31744, 
     out_lens = ([max_new] * n if full_length
                 else torch.randint(1, max_new + 1, (n,), generator=gen).tolist())
     total = sum(out_lens)
-    return BatchTensors.from_columns(
+    return from_columns(
         step=1, stats=BufferStats(), levels=[g % 5 for g in range(groups)], group_sizes=[answers] * groups,
         prompt_ids=torch.randint(0, vocab, (sum(prompt_lens),), generator=gen, dtype=torch.int32),
         prompt_lens=prompt_lens, output_ids=torch.randint(0, vocab, (total,), generator=gen, dtype=torch.int32),
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     median = sorted(seconds)[len(seconds) // 2]
     cfg = StepConfig.defaults(minibatches=args.minibatches, max_tokens_per_mb=args.max_tokens_per_mb)
     t0 = time.perf_counter()
-    shares = batch.shares(rank_samples(batch, cfg, args.dp))
+    shares = batch_shares(batch, rank_samples(batch, cfg, args.dp))
     share_seconds = time.perf_counter() - t0
     share_bytes = [token_bytes(s) for s in shares]
     result = {

@@ -140,7 +140,8 @@ def measure_prefill(model: Any, repeats: int) -> dict[str, Any]:
 
 def _batch(groups: int, group_size: int, prompt: int, answer: int, vocab: int, gen: torch.Generator) -> Any:
     """A Batch as the buffer hands it over: groups of scored answers around `answer` tokens long, half right."""
-    from transport.protocol import Batch, BatchGroup, BufferStats, Sample
+    from actors.batch import Batch, BatchGroup
+    from transport.protocol import BufferStats, Sample
 
     out = []
     for g in range(groups):
