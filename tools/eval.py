@@ -52,6 +52,7 @@ from actors.engines.checkpoint import CheckpointError, load_model
 from actors.engines.model import Qwen2ForCausalLM
 from actors.engines.tokenizer import TokenizerError, load_tokenizer
 from actors.envs import is_agent
+from actors.episode_eval import aevaluate_model_episodes
 from actors.evaluation import (DEFAULT_MAX_NEW_TOKENS, NO_LEVEL, EvalError, EvalSettings, Generate,  # noqa: F401
                                aevaluate_model, aevaluate_with, agenerate, engine_generator, evaluate_model,
                                level_key, select_records)
@@ -244,12 +245,11 @@ def evaluate_held_out(model_dir: str, config: ExperimentConfig, data_path: str |
     records, _ = load_eval_records(test, None, config.eval.max_per_level)
     if any(is_agent(r.extra) for r in records):
         # Records that name a tool are answered as the run's rollouts answer them: episodes of gen.max_turns.
-        from tools.eval_agent import aevaluate_agent
-
+        if not has_weights(model_dir):
+            raise EvalError(f"{model_dir}: no model weights (model.safetensors or an index) to evaluate")
         settings = EvalSettings(samples=0, max_new_tokens=config.gen.max_new_tokens)
-        result = asyncio.run(aevaluate_agent(model_dir, test, [config.gen.max_turns], settings,
-                                             max_per_level=config.eval.max_per_level))
-        return result["reports"][0]
+        return asyncio.run(aevaluate_model_episodes(load_model(model_dir), load_tokenizer(model_dir), records,
+                                                    settings, config.gen.max_turns))
     return evaluate(model_dir, test, samples=None, max_per_level=config.eval.max_per_level,
                     max_new_tokens=config.gen.max_new_tokens, layout=Layout.from_settings(config.data, test=True),
                     engine="auto")
