@@ -240,17 +240,25 @@ def test_the_give_up_message_leads_with_the_first_failure(tmp_path: Any) -> None
 
 
 def test_not_ready_names_the_actor_and_its_last_lines(tmp_path: Any) -> None:
+    # A ready budget of 3 s failed this test on a loaded machine (importing the actor's modules alone took 7 s
+    # at a load average of 35): "fine" was named too, and "stuck" had not printed yet. The budget now runs out
+    # once "fine" is ready and "stuck" is stuck, whatever the machine's speed.
     async def main() -> None:
         sup = Supervisor([spec(tmp_path, "fine"), spec(tmp_path, "stuck", hang_on_start=True)], tmp_path,
-                         ready_timeout=3, stop_timeout=5)
+                         ready_timeout=100, stop_timeout=5)
+        starting = asyncio.ensure_future(sup.start())
+        stuck_out = tmp_path / "logs" / "stuck.out"
+        await poll_until(lambda: sup.children["fine"].ready and stuck_out.exists()
+                         and "stuck in on_start" in stuck_out.read_text(), 90, "fine ready and stuck stuck")
+        sup.children["stuck"].ready_by = time.monotonic()   # its budget runs out now
         with pytest.raises(NotReadyError) as err:
-            await sup.start()
+            await starting
         text = str(err.value)
-        assert "stuck (running; ready budget 3s)" in text and "stuck in on_start" in text
+        assert "stuck (running; ready budget 100s)" in text and "stuck in on_start" in text
         assert "fine" not in text.split(":", 1)[1]
         assert all(pid is None for pid in sup.pids().values())
 
-    run(main())
+    run_bounded(main(), timeout=120.0)
 
 
 def test_stop_kills_stragglers(tmp_path: Any) -> None:
@@ -298,7 +306,7 @@ def test_each_actor_waits_its_own_ready_budget(tmp_path: Any) -> None:
 
     async def main() -> None:
         sup = Supervisor([spec(tmp_path, "fast"), spec(tmp_path, "slow", ready_when=str(server_up))], tmp_path,
-                         ready_timeout=8.0, ready_budgets={"slow": 60.0})
+                         ready_timeout=8.0, ready_budgets={"slow": 60.0, "fast": 60.0})   # fast: a loaded machine
         t0 = time.monotonic()
         starting = asyncio.ensure_future(sup.start())
         await until(lambda: sup.children["fast"].ready, what="fast to be ready")
