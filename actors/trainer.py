@@ -48,7 +48,7 @@ import asyncio
 import os
 import shutil
 import time
-from typing import Any
+from typing import Any, Literal
 
 from actors.base import Actor, ActorSpec, handles
 from actors.engines.base import TrainEngine, require_device
@@ -380,13 +380,13 @@ class TrainerActor(Actor):
                 await self.bus.send("buffer", VersionUpdate(version=self.version))
                 if publisher_idle:
                     t_publish = time.monotonic()
-                    if not await self._published_at(self.version, timeout=self.publish_wait_s(),
-                                                    unless=self._param_server_silent):
+                    waited = await self._published_at(self.version, timeout=self.publish_wait_s(),
+                                                      unless=self._param_server_silent)
+                    if waited != "published":
                         self.log.warning("step_goes_on_without_its_publish", version=self.version,
                                          published=self.published, waited_s=round(time.monotonic() - t_publish, 1),
-                                         why="the parameter server is silent (heartbeats)"
-                                         if self._param_server_silent.is_set() else
-                                         f"no publish within {self.publish_wait_s():.0f} s")
+                                         why="the parameter server is silent (heartbeats)" if waited == "unless"
+                                         else f"no publish within {self.publish_wait_s():.0f} s")
                 sync_seconds = self.publish_seconds   # the newest publish that completed
             end = time.time()
             stats.update(step=self.version, version=self.version, wait_seconds=t0 - t_wait,
@@ -406,7 +406,7 @@ class TrainerActor(Actor):
                 self._enter(f"checkpointing step {self.version}")
                 await self._checkpoint()
         self._enter(f"publishing the last version, {self.version}")
-        if not await self._published_at(self.version, timeout=FINAL_PUBLISH_S):
+        if await self._published_at(self.version, timeout=FINAL_PUBLISH_S) != "published":
             self.log.warning("last_version_not_published", version=self.version, published=self.published,
                              waited_s=FINAL_PUBLISH_S)
         async with self._engine_lock:   # not in the middle of an export, whose ranks > 0 follow it
@@ -481,13 +481,14 @@ class TrainerActor(Actor):
         PUBLISH_WAIT_MIN_S."""
         return max(PUBLISH_WAIT_MIN_S, 5 * self._publish_seconds_max)
 
-    async def _published_at(self, version: int, timeout: float | None, unless: asyncio.Event | None = None) -> bool:
-        """Wait until ``version`` (or a newer one) is published; False if ``timeout`` passed first, or ``unless``
-        is set (before or while waiting)."""
-        async def reached() -> bool:
+    async def _published_at(self, version: int, timeout: float | None,
+                            unless: asyncio.Event | None = None) -> Literal["published", "timeout", "unless"]:
+        """Wait until ``version`` (or a newer one) is published, unless ``timeout`` passes or ``unless`` is set
+        (before or while waiting) first; which of the three ended the wait."""
+        async def reached() -> Literal["published", "unless"]:
             while self.published < version:
                 if unless is not None and unless.is_set():
-                    return False
+                    return "unless"
                 self._published_changed.clear()
                 waits = [asyncio.ensure_future(self._published_changed.wait())]
                 if unless is not None:
@@ -497,11 +498,11 @@ class TrainerActor(Actor):
                 finally:
                     for w in waits:
                         w.cancel()
-            return True
+            return "published"
         try:
             return await asyncio.wait_for(reached(), timeout)
         except asyncio.TimeoutError:
-            return False
+            return "timeout"
 
     @handles(LinkReform)
     async def on_link_reform(self, msg: LinkReform) -> LinkFormed:
