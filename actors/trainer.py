@@ -18,9 +18,11 @@ One training step (version v -> v + 1):
 Publishing runs beside training (eta > 0): a task of its own exports the newest version whenever the last one
 has reached the parameter server. A step waits for its own version's publish as long as publishing keeps up
 (at most `publish_wait_s`: 5 times the longest publish so far, at least PUBLISH_WAIT_MIN_S), which keeps
-a healthy run's messages in one order (tools.replay replays it); when a publish takes longer, or an older one
-is still under way, the step goes on without it. A parameter server that is frozen or slow therefore holds up
-training only for that first wait: it goes on with the rollouts' weights as they are, for as long as their
+a healthy run's messages in one order (tools.replay replays it); when a publish takes longer, an older one
+is still under way, or the parameter server stops answering the bus's heartbeats (silent for the bus's
+heartbeat_timeout: frozen, or its machine gone), the step goes on without it. A parameter server that is
+frozen therefore holds up training for a heartbeat timeout, a slow one for that first wait at most: training
+goes on with the rollouts' weights as they are, for as long as their
 samples stay within eta versions (the buffer's staleness bound is the limit, as for any slow push), and the
 newest version is published once the server answers again; versions made meanwhile are skipped, not queued.
 (A replacement parameter server was the other way: it would need the supervisor to kill a process that may
@@ -46,7 +48,7 @@ import asyncio
 import os
 import shutil
 import time
-from typing import Any
+from typing import Any, Literal
 
 from actors.base import Actor, ActorSpec, handles
 from actors.batch import shares as batch_shares
@@ -145,6 +147,8 @@ class TrainerActor(Actor):
         # The buffer restarted: what was asked of it must be asked again (see _ask_buffer).
         self._buffer_back = asyncio.Event()
         self._buffer_lost = False
+        # Set while the parameter server is silent (heartbeats): a step does not wait for its publish then.
+        self._param_server_silent = asyncio.Event()
 
     async def on_start(self) -> None:
         cfg = self.cfg
@@ -258,6 +262,8 @@ class TrainerActor(Actor):
     def on_peer_dead(self, peer: str) -> None:
         if peer == "buffer":
             self._buffer_lost = True
+        if peer == getattr(self, "param_server", None):
+            self._param_server_silent.set()
         # A torch.distributed world cannot take a rank back: the others would wait in a collective for it.
         ranks = getattr(self, "ranks", None)
         if ranks is not None and peer in (self.cfg.groups.get("trainer") or []):
@@ -266,6 +272,8 @@ class TrainerActor(Actor):
                               f"it (relaunch with run.recover: auto to resume from the last checkpoint)", exit_code=1)
 
     def on_peer_alive(self, peer: str) -> None:
+        if peer == getattr(self, "param_server", None):
+            self._param_server_silent.clear()
         if peer == "buffer" and self._buffer_lost:
             self._buffer_lost = False
             self._buffer_back.set()
@@ -371,9 +379,15 @@ class TrainerActor(Actor):
                 # The publisher sends the version on its way; the step waits for it while publishing keeps up.
                 publisher_idle = self.published == self.version - 1
                 await self.bus.send("buffer", VersionUpdate(version=self.version))
-                if publisher_idle and not await self._published_at(self.version, timeout=self.publish_wait_s()):
-                    self.log.warning("step_goes_on_without_its_publish", version=self.version,
-                                     published=self.published, waited_s=round(self.publish_wait_s(), 1))
+                if publisher_idle:
+                    t_publish = time.monotonic()
+                    waited = await self._published_at(self.version, timeout=self.publish_wait_s(),
+                                                      unless=self._param_server_silent)
+                    if waited != "published":
+                        self.log.warning("step_goes_on_without_its_publish", version=self.version,
+                                         published=self.published, waited_s=round(time.monotonic() - t_publish, 1),
+                                         why="the parameter server is silent (heartbeats)" if waited == "unless"
+                                         else f"no publish within {self.publish_wait_s():.0f} s")
                 sync_seconds = self.publish_seconds   # the newest publish that completed
             end = time.time()
             stats.update(step=self.version, version=self.version, wait_seconds=t0 - t_wait,
@@ -393,7 +407,7 @@ class TrainerActor(Actor):
                 self._enter(f"checkpointing step {self.version}")
                 await self._checkpoint()
         self._enter(f"publishing the last version, {self.version}")
-        if not await self._published_at(self.version, timeout=FINAL_PUBLISH_S):
+        if await self._published_at(self.version, timeout=FINAL_PUBLISH_S) != "published":
             self.log.warning("last_version_not_published", version=self.version, published=self.published,
                              waited_s=FINAL_PUBLISH_S)
         async with self._engine_lock:   # not in the middle of an export, whose ranks > 0 follow it
@@ -468,17 +482,28 @@ class TrainerActor(Actor):
         PUBLISH_WAIT_MIN_S."""
         return max(PUBLISH_WAIT_MIN_S, 5 * self._publish_seconds_max)
 
-    async def _published_at(self, version: int, timeout: float | None) -> bool:
-        """Wait until ``version`` (or a newer one) is published; False if ``timeout`` passed first."""
-        async def reached() -> None:
+    async def _published_at(self, version: int, timeout: float | None,
+                            unless: asyncio.Event | None = None) -> Literal["published", "timeout", "unless"]:
+        """Wait until ``version`` (or a newer one) is published, unless ``timeout`` passes or ``unless`` is set
+        (before or while waiting) first; which of the three ended the wait."""
+        async def reached() -> Literal["published", "unless"]:
             while self.published < version:
+                if unless is not None and unless.is_set():
+                    return "unless"
                 self._published_changed.clear()
-                await self._published_changed.wait()
+                waits = [asyncio.ensure_future(self._published_changed.wait())]
+                if unless is not None:
+                    waits.append(asyncio.ensure_future(unless.wait()))
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+            return "published"
         try:
-            await asyncio.wait_for(reached(), timeout)
+            return await asyncio.wait_for(reached(), timeout)
         except asyncio.TimeoutError:
-            return False
-        return True
+            return "timeout"
 
     @handles(LinkReform)
     async def on_link_reform(self, msg: LinkReform) -> LinkFormed:

@@ -91,8 +91,12 @@ class WorkerActor(Actor):
         os._exit(5)
 
 
-run = functools.partial(run_bounded, timeout=60.0)
-until = functools.partial(poll_until, timeout=20.0)
+# Bounds far above what these starts take on a quiet machine: on one loaded by other work (a load average of 35
+# on 2 cores) importing an actor's modules alone took 7 s, and a test that restarts an actor starts it 3 times.
+# They end hangs; no test here depends on them running out.
+START_BUDGET = 300.0
+run = functools.partial(run_bounded, timeout=START_BUDGET + 60)
+until = functools.partial(poll_until, timeout=120.0)
 
 
 def spec(tmp_path: Any, name: str, **settings: Any) -> ActorSpec:
@@ -110,7 +114,7 @@ def test_start_ready_affinity_env_and_clean_stop(tmp_path: Any) -> None:
     async def main() -> None:
         cores = sorted(os.sched_getaffinity(0))
         sup = Supervisor([spec(tmp_path, "a", env={"AREAL_CPU_AFFINITY": str(cores[0]), "OMP_NUM_THREADS": "1"}),
-                          spec(tmp_path, "b")], tmp_path, ready_timeout=30)
+                          spec(tmp_path, "b")], tmp_path, ready_timeout=START_BUDGET)
         await sup.start()
         client = await client_for(tmp_path, "a", "b")
         a = await client.request("a", InfoRequest(), timeout=10)
@@ -211,7 +215,7 @@ def test_gives_up_after_restart_limit_with_clear_message(tmp_path: Any) -> None:
     async def main() -> None:
         given_up: list[str] = []
         sup = Supervisor([spec(tmp_path, "ok"), spec(tmp_path, "bad", crash_on_start=True)], tmp_path,
-                         backoff_initial=0.02, max_restarts=2, ready_timeout=30,
+                         backoff_initial=0.02, max_restarts=2, ready_timeout=START_BUDGET,
                          on_giveup=lambda name, why: given_up.append(name))
         with pytest.raises(SupervisorError) as err:
             await sup.start()
@@ -229,7 +233,7 @@ def test_the_give_up_message_leads_with_the_first_failure(tmp_path: Any) -> None
     # once showed only the restarts' error, which hid the cause.
     async def main() -> None:
         sup = Supervisor([spec(tmp_path, "bad", bad_setting_then_refuse_restart=True)], tmp_path,
-                         backoff_initial=0.02, max_restarts=1, ready_timeout=30)
+                         backoff_initial=0.02, max_restarts=1, ready_timeout=START_BUDGET)
         with pytest.raises(SupervisorError) as err:
             await sup.start()
         text = str(err.value)
@@ -240,13 +244,20 @@ def test_the_give_up_message_leads_with_the_first_failure(tmp_path: Any) -> None
 
 
 def test_not_ready_names_the_actor_and_its_last_lines(tmp_path: Any) -> None:
+    # A ready budget of 3 s failed this test on a loaded machine: "fine" was named too, and "stuck" had not
+    # printed yet. The budget now runs out once "fine" is ready and "stuck" is stuck, whatever the machine's speed.
     async def main() -> None:
         sup = Supervisor([spec(tmp_path, "fine"), spec(tmp_path, "stuck", hang_on_start=True)], tmp_path,
-                         ready_timeout=3, stop_timeout=5)
+                         ready_timeout=START_BUDGET, stop_timeout=5)
+        starting = asyncio.ensure_future(sup.start())
+        stuck_out = tmp_path / "logs" / "stuck.out"
+        await until(lambda: sup.children["fine"].ready and stuck_out.exists()
+                    and "stuck in on_start" in stuck_out.read_text(), what="fine ready and stuck stuck")
+        sup.children["stuck"].ready_by = time.monotonic()   # its budget runs out now
         with pytest.raises(NotReadyError) as err:
-            await sup.start()
+            await starting
         text = str(err.value)
-        assert "stuck (running; ready budget 3s)" in text and "stuck in on_start" in text
+        assert f"stuck (running; ready budget {START_BUDGET:.0f}s)" in text and "stuck in on_start" in text
         assert "fine" not in text.split(":", 1)[1]
         assert all(pid is None for pid in sup.pids().values())
 
@@ -298,7 +309,7 @@ def test_each_actor_waits_its_own_ready_budget(tmp_path: Any) -> None:
 
     async def main() -> None:
         sup = Supervisor([spec(tmp_path, "fast"), spec(tmp_path, "slow", ready_when=str(server_up))], tmp_path,
-                         ready_timeout=8.0, ready_budgets={"slow": 60.0})
+                         ready_timeout=8.0, ready_budgets={"slow": START_BUDGET, "fast": START_BUDGET})
         t0 = time.monotonic()
         starting = asyncio.ensure_future(sup.start())
         await until(lambda: sup.children["fast"].ready, what="fast to be ready")
@@ -321,7 +332,7 @@ def test_the_run_starts_with_enough_late_joiners_and_one_that_never_comes_up_is_
     async def main() -> dict[str, Any]:
         sup = Supervisor([spec(tmp_path, "r.0"), spec(tmp_path, "r.1", ready_when=str(server_up)),
                           spec(tmp_path, "r.2", crash_on_start=True), spec(tmp_path, "buffer")], tmp_path,
-                         backoff_initial=0.02, max_restarts=1, ready_timeout=60, late_joiners={"r": 1})
+                         backoff_initial=0.02, max_restarts=1, ready_timeout=START_BUDGET, late_joiners={"r": 1})
         await sup.start()                                   # r.0 and buffer are ready: the run begins
         assert sup.children["r.0"].ready and sup.children["buffer"].ready and not sup.children["r.1"].ready
         running = asyncio.ensure_future(sup.run())
@@ -341,7 +352,7 @@ def test_a_late_joining_group_that_cannot_reach_its_number_stops_the_start(tmp_p
     async def main() -> None:
         sup = Supervisor([spec(tmp_path, "r.0"), spec(tmp_path, "r.1", crash_on_start=True),
                           spec(tmp_path, "r.2", crash_on_start=True)], tmp_path,
-                         backoff_initial=0.02, max_restarts=1, ready_timeout=60, late_joiners={"r": 2})
+                         backoff_initial=0.02, max_restarts=1, ready_timeout=START_BUDGET, late_joiners={"r": 2})
         with pytest.raises(SupervisorError) as err:
             await sup.start()
         assert "r.1" in str(err.value) or "r.2" in str(err.value)

@@ -149,8 +149,10 @@ def _rank_main(rank: int, world: int, store: str, batch_path: str, out: Any) -> 
             encoded = {dp: encode(share(batch, samples[dp])) for dp in (0, 1)}
             group.send_frames({r: encoded[rank_dp[r]] for r in range(1, world)})
         else:
-            _, received = decode(group.recv_frames())
-            out.put((rank, received))
+            # The frames as bytes, decoded by the test: a decoded share's tensors would cross the queue as file
+            # descriptors that this process serves until it exits, and a rank that exited before the test read
+            # them failed it (FileNotFoundError from multiprocessing's resource sharer, on a loaded machine).
+            out.put((rank, [bytes(frame) for frame in group.recv_frames()]))
     finally:
         dist.destroy_process_group()
 
@@ -167,7 +169,7 @@ def test_trainer_zero_sends_each_rank_its_replicas_share_over_gloo(tmp_path) -> 
     for p in procs:
         p.start()
     try:
-        got = dict(out.get(timeout=120) for _ in range(world - 1))
+        got = {rank: decode(frames)[1] for rank, frames in (out.get(timeout=120) for _ in range(world - 1))}
     finally:
         for p in procs:
             p.join(timeout=60)

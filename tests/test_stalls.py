@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench.chaos import (account, finish_run, frozen, launch, make_assets, ready_info, run_guard, step_records,
-                               wait_for_step)
+from testsupport.bounded import run_bounded, until
+from tools.bench.chaos import (account, finish_run, frozen, launch, log_events, make_assets, ready_info, run_guard,
+                               step_records, wait_for_step)
 
 # A short watchdog for these runs: a step takes about a second here, so 20 s without one is a stall.
 WATCHDOG = ("experiment.run.watchdog.min_s=20", "experiment.run.watchdog.after_steps=3")
@@ -57,19 +58,29 @@ def test_a_signal_before_the_last_step_exits_non_zero(assets: dict[str, Path], t
 
 
 def test_a_frozen_parameter_server_does_not_stop_training(assets: dict[str, Path], tmp_path: Path) -> None:
-    # SIGSTOP of the parameter server held every step in its publish for as long as the server was frozen. Now
-    # the trainer goes on without a push while the rollouts' weights stay within eta (1 here) of its own.
+    # SIGSTOP of the parameter server held every step in its publish for as long as the server was frozen, then
+    # (a bounded wait for the publish) for 30 s of it. Now the trainer stops waiting once the server is silent
+    # on the bus (its heartbeats), and goes on without a push while the rollouts' weights stay within eta (1
+    # here) of its own.
     run_dir = tmp_path / "run"
     proc = launch(assets, run_dir, steps=12, ckpt_every=6)
+
+    def went_on() -> list[dict]:
+        return log_events(run_dir, "trainer", {"step_goes_on_without_its_publish"})
+
     with run_guard(proc, run_dir):
         wait_for_step(proc, run_dir, 3)
         with frozen(pid_of(run_dir, "param_server")):
             at = max(r["step"] for r in step_records(run_dir))
             wait_for_step(proc, run_dir, at + 1, timeout=120)   # a step while the server is frozen
+            # the step whose publish met the frozen server went on without it (whichever step that was: a
+            # freeze in the middle of a publish makes the next step's)
+            run_bounded(until(lambda: bool(went_on()), 120, "a step going on without its publish", poll_s=0.2), 130)
             frozen_steps = max(r["step"] for r in step_records(run_dir)) - at
         out = finish_run(proc, run_dir, timeout=300)
     assert proc.returncode == 0, out[-3000:]
     assert frozen_steps >= 1
+    assert {e.get("why") for e in went_on()} == {"the parameter server is silent (heartbeats)"}, went_on()
     assert sorted({r["step"] for r in step_records(run_dir)}) == list(range(1, 13))
     counts = account(run_dir)
     assert counts["lost"] == 0 and counts["twice"] == 0, counts

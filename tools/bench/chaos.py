@@ -119,6 +119,14 @@ def step_records(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
+def log_events(run_dir: Path, actor: str, names: set[str]) -> list[dict[str, Any]]:
+    """An actor's structlog records of the given event names, in the order written."""
+    path = run_dir / "logs" / f"{actor}.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, (x for x in lines if x.startswith("{") and x.endswith("}")))
+            if e.get("event") in names]
+
+
 def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not any(r["step"] >= step for r in step_records(run_dir)):
@@ -530,12 +538,6 @@ def attack(fault: str, run_dir: Path, steps: int, account: tuple[int, int], log:
     return report
 
 
-def _events(run_dir: Path, actor: str, names: set[str]) -> list[dict[str, Any]]:
-    path = run_dir / "logs" / f"{actor}.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [e for e in map(json.loads, (x for x in lines if x.startswith("{"))) if e.get("event") in names]
-
-
 def _accepted(message: dict[str, Any]) -> bool:
     """The actor took the message: the handshake let it in, and the reply (where one was asked for) is not an
     Error. A one-way message past the handshake counts as taken."""
@@ -558,7 +560,7 @@ def attack_outcome(fault: str, report: dict[str, Any], run_dir: Path, steps: int
         refused = sum(line.count("was not written by a member of this run")
                       for log in (run_dir / "logs").glob("*.jsonl") for line in log.read_text().splitlines())
         # the forged keys are those of the rollouts' link's next formation: there must have been one
-        formed = [e for e in _events(run_dir, "param_server", {"rollout_link_formed"}) if e.get("epoch", 0) > 0]
+        formed = [e for e in log_events(run_dir, "param_server", {"rollout_link_formed"}) if e.get("epoch", 0) > 0]
         out.update(attempts=2 * len(stores), accepted=sum(s["from_network"].startswith("connected") for s in stores),
                    keys_read=sum(s.get("keys_read", 0) for s in stores),
                    forged=sum(len(s.get("forged", [])) for s in stores), forged_refused=refused,
