@@ -148,7 +148,7 @@ async def answer_on_rollouts(ask: Ask, rollouts: Sequence[str], requests: Sequen
     missing = [i for i, r in enumerate(replies) if r is None]
     if missing:
         raise RolloutsUnavailable(f"{len(missing)} of {len(requests)} prompts unanswered: every rollout was left "
-                                  f"out ({'; '.join(f'{r}: {why}' for r, why in left_out.items()) or 'none given'})")
+                                  f"out ({'; '.join(f'{r}: {why}' for r, why in sorted(left_out.items())) or 'none given'})")
     return [r for r in replies if r is not None], left_out
 
 
