@@ -37,34 +37,50 @@ file system (``/update_weights_from_disk``); ``newest`` is then the newest compl
 weights of a GPU run keep no copy in the parameter server, so a checkpoint is the one version it can read.
 Either source works with either engine (``weights_from: param_server`` with SGLang loads the fetched buckets
 through the server's disk path; ``checkpoints`` with the embedded engine loads each checkpoint here).
+
+The shipped GPU topologies (``weights_from: rollouts``, no GPU of its own): the rollouts answer, as AReaL-lite's
+evaluation runs on the rollouts' own SGLang servers through a second client every ``freq_steps`` steps
+(inclusionAI/AReaL examples/arealite/gsm8k_grpo.py: ``eval_rollout = RemoteSGLangEngine(config.rollout)`` beside
+``rollout``; arealite/utils/evaluator.py). Every ``eval.wait_s`` the evaluator asks each rollout for its engine's
+version (an :class:`EvalGenerate` without a prompt); once the newest reaches the next multiple of N, it sends the
+problems to the rollouts that answered, one prompt per :class:`EvalGenerate`, at most ``rollout_concurrency`` in
+flight on one rollout (`answer_on_rollouts`). A rollout answers greedily on its engine beside its groups, by the
+same generation path, so a weight update can land mid-answer: each token carries the version that sampled it, and
+the line says the oldest (``version``) and the newest (``version_max``) of them (``"source": "rollouts"``). A
+rollout that fails or does not answer within ``rollout_timeout_s`` is left out of that evaluation and its prompt
+goes to another; when none is left the evaluation is tried again at the next look. The next evaluation is due at
+the first multiple of N above ``version``. Nothing is caught up from checkpoints: the weights a rollout held are not
+kept, and the curve's points are where the rollouts were.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections import defaultdict, deque
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from actors.base import Actor, ActorSpec, handles
 from actors.dataset import Layout, Record, load_dataset
-from actors.engines.base import EngineError
+from actors.engines.base import EngineError, GenerationResult, SamplingParams
 from actors.engines.checkpoint import assign_weights, has_weights, iter_checkpoint_tensors, load_config, load_model
 from actors.engines.model import Qwen2ForCausalLM
 from actors.engines.tokenizer import load_tokenizer
-from actors.evaluation import EvalSettings, aevaluate_model, aevaluate_with, engine_generator, level_key
+from actors.evaluation import (EvalError, EvalSettings, Generate, aevaluate_model, aevaluate_with, engine_generator,
+                               level_key)
 from actors.param_server import EvalWeights, EvalWeightsRequest
 from actors.recovery import COMPLETE, FINISHED, checkpoint_dir, checkpoint_problem, complete_checkpoints, run_finished
 from actors.weights import weights_hash
 from topology.settings import EvaluatorSettings
 from transport.bulk import PackedBucket, unpack_bucket
 from transport.bus import BusError
-from transport.protocol import RunFinished
+from transport.protocol import EvalGenerate, EvalGenerated, RunFinished
 
 __all__ = ["EvalActor", "EvalConfigError", "spread_over_levels", "evaluated_versions", "skipped_versions", "eval_entry",
-           "skipped_entry", "missed_versions", "weights_on_disk", "catch_up", "EVAL_FILE"]
+           "skipped_entry", "missed_versions", "weights_on_disk", "catch_up", "EVAL_FILE", "answer_on_rollouts",
+           "rollout_generator", "RolloutsUnavailable"]
 
 EVAL_FILE = "eval.jsonl"
 KIND = "periodic"
@@ -73,6 +89,85 @@ SKIPPED = "skipped"
 
 class EvalConfigError(ValueError):
     """The evaluator's settings are unusable; the message names the key."""
+
+
+class RolloutsUnavailable(RuntimeError):
+    """No rollout answered some of an evaluation's prompts (each failed, or timed out, in turn)."""
+
+
+# (rollout, request, seconds) -> its reply: the bus's request in the actor, a stand-in in tests
+Ask = Callable[[str, EvalGenerate, float], Awaitable[Any]]
+
+
+async def answer_on_rollouts(ask: Ask, rollouts: Sequence[str], requests: Sequence[EvalGenerate], per_rollout: int,
+                             timeout_s: float) -> tuple[list[EvalGenerated], dict[str, str]]:
+    """Each request answered by one of ``rollouts``, at most ``per_rollout`` in flight on one rollout. A rollout
+    that fails (an error, an error reply, no reply within ``timeout_s``) is left out for the rest of the call and
+    its prompt goes back to the queue for another. Returns (replies in request order, {rollout left out: why}).
+    Raises EvalError when a reply says the prompt itself is invalid (no rollout can answer it), and
+    RolloutsUnavailable when every rollout was left out with prompts unanswered."""
+    todo = deque(range(len(requests)))
+    replies: list[EvalGenerated | None] = [None] * len(requests)
+    left_out: dict[str, str] = {}
+    invalid: list[str] = []
+    in_flight = 0
+    changed = asyncio.Condition()
+
+    def finished_for(rollout: str) -> bool:
+        return rollout in left_out or bool(invalid) or (not todo and not in_flight)
+
+    async def worker(rollout: str) -> None:
+        nonlocal in_flight
+        while True:
+            async with changed:   # wait for a prompt, or for the prompts in flight elsewhere to settle
+                await changed.wait_for(lambda: bool(todo) or finished_for(rollout))
+                if finished_for(rollout):
+                    return
+                i = todo.popleft()
+                in_flight += 1
+            try:
+                async with asyncio.timeout(timeout_s):
+                    reply = await ask(rollout, requests[i], timeout_s)
+                error = reply.error if isinstance(reply, EvalGenerated) else f"answered {type(reply).__name__}"
+            except (BusError, TimeoutError) as exc:
+                error = f"{type(exc).__name__}: {exc}" if str(exc) else f"no answer within {timeout_s:g} s"
+            async with changed:
+                in_flight -= 1
+                if not error:
+                    replies[i] = reply
+                elif error.startswith("invalid:"):
+                    invalid.append(f"prompt {i}: {error}")
+                else:
+                    todo.appendleft(i)
+                    left_out[rollout] = error[:300]
+                changed.notify_all()
+
+    await asyncio.gather(*(worker(r) for _ in range(per_rollout) for r in rollouts))
+    if invalid:
+        raise EvalError(invalid[0])
+    missing = [i for i, r in enumerate(replies) if r is None]
+    if missing:
+        raise RolloutsUnavailable(f"{len(missing)} of {len(requests)} prompts unanswered: every rollout was left "
+                                  f"out ({'; '.join(f'{r}: {why}' for r, why in sorted(left_out.items())) or 'none given'})")
+    return [r for r in replies if r is not None], left_out
+
+
+def rollout_generator(ask: Ask, rollouts: Sequence[str], per_rollout: int, timeout_s: float,
+                      answered: list[EvalGenerated]) -> Generate:
+    """`actors.evaluation.Generate` on the rollouts' engines (greedy, one answer per prompt: what they offer the
+    evaluator); every reply is appended to ``answered`` (its token versions label the evaluation)."""
+    async def gen(prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams],
+                  n: int) -> list[list[GenerationResult]]:
+        if n != 1 or any(sp.temperature > 0 for sp in sampling):
+            raise EvalError("the rollouts answer the evaluator greedily, one answer per prompt (eval samples 0)")
+        requests = [EvalGenerate(prompt_ids=list(ids), max_new_tokens=sp.max_new_tokens,
+                                 stop_token_ids=list(sp.stop_token_ids)) for ids, sp in zip(prompts, sampling)]
+        replies, _ = await answer_on_rollouts(ask, rollouts, requests, per_rollout, timeout_s)
+        answered.extend(replies)
+        return [[GenerationResult(rid=f"p{i}", index=0, output_ids=r.output_ids, logprobs=r.logprobs,
+                                  versions=r.versions, finish_reason=r.finish_reason,  # type: ignore[arg-type]
+                                  prompt_len=len(prompts[i]))] for i, r in enumerate(replies)]
+    return gen
 
 
 def spread_over_levels(records: Sequence[Record], n: int) -> list[Record]:
@@ -117,14 +212,17 @@ def skipped_versions(path: Path) -> set[int]:
 
 
 def eval_entry(version: int, newest: int, report: dict[str, Any], seconds: float, now: float,
-               source: str = "param_server") -> dict[str, Any]:
+               source: str = "param_server", version_max: int | None = None) -> dict[str, Any]:
     """One eval.jsonl line for a version's report (`actors.evaluation.aevaluate_with`). ``source``: where its
-    weights came from (the parameter server during the run, or a checkpoint when caught up)."""
+    weights came from (the parameter server during the run, a checkpoint when caught up, or the rollouts'
+    engines, whose tokens span versions ``version`` to ``version_max``)."""
     entry = {"kind": KIND, "version": version, "step": version, "time": now, "newest": newest,
              "eval/accuracy": report["overall"]["greedy_accuracy"], "eval_seconds": seconds,
              "n_prompts": report["n_prompts"], "overall": report["overall"], "by_level": report["by_level"]}
     if source != "param_server":
         entry["source"] = source
+    if version_max is not None:
+        entry["version_max"] = version_max
     return entry
 
 
@@ -209,6 +307,11 @@ class EvalActor(Actor):
             raise EvalConfigError("data.test: eval.every_versions > 0 needs a held-out file")
         if not model_dir:
             raise EvalConfigError("model.path: the evaluator needs the model's config and tokenizer")
+        if cfg.weights_from == "rollouts":
+            self.rollouts = list(cfg.groups.get("rollout") or [])
+            if not self.rollouts:
+                raise EvalConfigError("groups.rollout: weights_from rollouts asks the rollouts to answer, and the run "
+                                      "has none")
         if cfg.weights_from == "param_server":
             servers = cfg.groups.get("param_server") or []
             if not servers:
@@ -220,7 +323,9 @@ class EvalActor(Actor):
                                           max_bad_share=cfg.data.max_bad_share)
         self.records = spread_over_levels(dataset.records, cfg.eval.max_problems)
         self.tokenizer = load_tokenizer(model_dir)
-        if cfg.engine == "sglang":
+        if cfg.weights_from == "rollouts":
+            pass   # the rollouts' engines answer: nothing to load here
+        elif cfg.engine == "sglang":
             from actors.engines.sglang import SGLangEngine
 
             # the server starts on the start weights (version 0); it is started by the evaluation loop
@@ -269,7 +374,8 @@ class EvalActor(Actor):
 
     async def on_ready(self) -> None:
         if self.every > 0:
-            loop = self._checkpoint_loop() if self.cfg.weights_from == "checkpoints" else self._loop()
+            loop = {"checkpoints": self._checkpoint_loop, "rollouts": self._rollouts_loop}.get(
+                self.cfg.weights_from, self._loop)()
             self.spawn(loop, name="eval_loop")
 
     async def on_stop(self) -> None:
@@ -388,6 +494,54 @@ class EvalActor(Actor):
                 continue
             await self._evaluate(step, newest)
 
+    async def _ask(self, rollout: str, request: EvalGenerate, timeout_s: float) -> Any:
+        return await self.bus.request(rollout, request, timeout=timeout_s)
+
+    async def _rollout_versions(self) -> dict[str, int]:
+        """{rollout: its engine's version} of the rollouts that answer within wait_s (the others are left out)."""
+        timeout = min(self.wait_s, self.cfg.rollout_timeout_s)
+
+        async def version(rollout: str) -> int | None:
+            try:
+                reply = await self._ask(rollout, EvalGenerate(), timeout)
+            except (BusError, TimeoutError):
+                return None
+            return reply.version if isinstance(reply, EvalGenerated) and not reply.error else None
+        found = await asyncio.gather(*(version(r) for r in self.rollouts))
+        return {r: v for r, v in zip(self.rollouts, found) if v is not None}
+
+    async def _rollouts_loop(self) -> None:
+        """Evaluate on the rollouts' engines whenever their newest version reaches the next multiple of N (the first
+        at once), looking every wait_s, until the run ends."""
+        due = (max(self.done) // self.every + 1) * self.every if self.done else 0
+        cfg = self.cfg
+        while not self._stop_if_finished():
+            versions = await self._rollout_versions()
+            if not versions or max(versions.values()) < due:
+                await asyncio.sleep(self.wait_s)   # the rollouts are asked for their version every wait_s
+                continue
+            live = sorted(versions, key=lambda r: (versions[r], r), reverse=True)   # the newest weights first
+            answered: list[EvalGenerated] = []
+            generate = rollout_generator(self._ask, live, cfg.rollout_concurrency, cfg.rollout_timeout_s, answered)
+            t0 = time.monotonic()
+            try:
+                report = await aevaluate_with(generate, self.tokenizer, self.records, self.settings_eval)
+            except RolloutsUnavailable as exc:
+                self.counters["evaluations_failed"] += 1
+                self.log.warning("evaluation_failed", due=due, error=str(exc)[:500])
+                await asyncio.sleep(self.wait_s)
+                continue
+            except EvalError as exc:   # a prompt no engine can take (longer than its context): say so once, idle
+                self.log.error("evaluation_unavailable", why=str(exc)[:500],
+                               hint="data.test's prompts must fit the rollouts' context")
+                return
+            tokens = [v for r in answered for v in r.versions] or [max(versions.values())]
+            low, high = min(tokens), max(tokens)
+            newest = max([r.version for r in answered] + list(versions.values()))
+            self._write(eval_entry(low, newest, report, time.monotonic() - t0, time.time(), "rollouts", high))
+            self.done.add(low)
+            due = (low // self.every + 1) * self.every
+
     async def _fetch(self, after: int) -> tuple[int, int, list[tuple[str, Any]]] | str | None:
         """The newest kept version after ``after``: (version, server's newest, its named tensors), None when
         there was none within wait_s or it was replaced while being fetched, or why the server can never give
@@ -425,5 +579,6 @@ class EvalActor(Actor):
             for level, summary in entry["by_level"].items():
                 self.tb.add_scalar(f"eval/accuracy_L{level}", summary["greedy_accuracy"], entry["version"])
             self.tb.flush()
-        self.log.info("evaluated", version=entry["version"], accuracy=round(entry["eval/accuracy"], 4),
+        self.log.info("evaluated", version=entry["version"], version_max=entry.get("version_max", entry["version"]),
+                      accuracy=round(entry["eval/accuracy"], 4),
                       newest=entry["newest"], seconds=round(entry["eval_seconds"], 3), problems=entry["n_prompts"])

@@ -7,7 +7,8 @@ event loop never blocks) and the environment's steps (each bounded by ``gen.env_
 :class:`Trajectories` to a reward actor, round-robin over ``cfg.groups["reward"]``. A group
 that cannot be finished (the actor is draining, the engine failed, the request is malformed) goes back to
 the buffer as :class:`GroupReturned` with a reason, so no work is ever lost silently. Reasons starting with
-``invalid:`` mean re-issuing the same group cannot succeed.
+``invalid:`` mean re-issuing the same group cannot succeed. The evaluator's held-out prompts
+(:class:`EvalGenerate`, ``weights_from: rollouts``) are answered greedily on the same engine, beside the groups.
 
 Weights. On ready the actor sends :class:`RolloutHello` (its engine version) to the parameter server and
 waits for :class:`LinkReform`: it never opens the ``ps_to_rollout`` bulk link on its own, because only the
@@ -50,8 +51,8 @@ from actors.weight_sync import WeightReceiver, WeightSyncError, link_config, mak
 from actors.weights import weights_hash
 from topology.settings import RolloutSettings
 from transport.bulk import BulkError
-from transport.protocol import (AbortGroup, Answers, GenerateGroup, GroupAborted, GroupReturned, HelloRequest, LinkReform,
-                                RolloutHello, RunFinished, Sample, ServerDown, Trajectories, WeightsAck, WeightsReady,
+from transport.protocol import (AbortGroup, Answers, EvalGenerate, EvalGenerated, GenerateGroup, GroupAborted,
+                                GroupReturned, HelloRequest, LinkReform, RolloutHello, RunFinished, Sample, ServerDown, Trajectories, WeightsAck, WeightsReady,
                                 WorkerHello)
 
 __all__ = ["RolloutActor", "RolloutConfigError", "make_engine", "verify_engine_weights"]
@@ -161,6 +162,7 @@ class RolloutActor(Actor):
         self._tokens = 0
         self.codec: LoadedTokenizer | None = None   # what an episode encodes observations and decodes turns with
         self.limits = EpisodeLimits()
+        self._eval_requests = 0              # the evaluator's prompts taken (their request ids)
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -365,6 +367,35 @@ class RolloutActor(Actor):
             self.counters[f"episode_end_{t.end}"] += 1
             if t.end == "env_error":
                 self.log.warning("episode_env_error", group_id=group_id, error=t.error[:300])
+
+    @handles(EvalGenerate)
+    async def on_eval_generate(self, msg: EvalGenerate) -> EvalGenerated:
+        """The evaluator's held-out prompt, answered greedily on this engine beside the groups, by the same path
+        (SGLang or the embedded engine; a weight update mid-answer shows in the per-token versions). It is not
+        group work: the buffer never sees it and it does not count as busy time. Empty prompt: the version only."""
+        await self._engine_ready.wait()
+        engine = self.engine
+        assert engine is not None
+        if not msg.prompt_ids:
+            return EvalGenerated(version=engine.version)
+        if self.draining:
+            return EvalGenerated(version=engine.version, error="draining")
+        self._eval_requests += 1
+        try:
+            greedy = SamplingParams(temperature=0.0, max_new_tokens=msg.max_new_tokens,
+                                    stop_token_ids=tuple(msg.stop_token_ids))
+            (result,) = await engine.generate(GenerationRequest(
+                rid=f"eval-{self._incarnation}-{self._eval_requests}", input_ids=tuple(msg.prompt_ids),
+                sampling=greedy, n=1))
+        except RequestError as exc:
+            return EvalGenerated(version=engine.version, error=f"invalid: {exc}")
+        except EngineError as exc:
+            return EvalGenerated(version=engine.version, error=f"engine_error: {exc}")
+        if result.finish_reason == "abort":   # drained meanwhile
+            return EvalGenerated(version=engine.version, error="aborted")
+        self.counters["eval_prompts_answered"] += 1
+        return EvalGenerated(version=engine.version, output_ids=list(result.output_ids), logprobs=list(result.logprobs),
+                             versions=list(result.versions), finish_reason=result.finish_reason)
 
     @handles(AbortGroup)
     async def on_abort_group(self, msg: AbortGroup) -> GroupAborted:

@@ -267,7 +267,7 @@ def test_every_kind_a_shipped_actor_handles_names_the_roles_that_send_it() -> No
     # what a probe from another uid spoofed before connections were bound to actors
     assert {k: sorted(handled[k]) for k in ("ps.eval_weights_request", "ps.weights_status_request",
                                              "rl.checkpoint_request", "rl.run_finished", "rl.version_update",
-                                             "rl.batch_request", "rl.weights_published")} == {
+                                             "rl.batch_request", "rl.weights_published", "rl.eval_generate")} == {
         "ps.eval_weights_request": ["evaluator"], "ps.weights_status_request": ["trainer"],
         "rl.checkpoint_request": ["trainer"], "rl.run_finished": ["trainer"], "rl.version_update": ["trainer"],
-        "rl.batch_request": ["trainer"], "rl.weights_published": ["trainer"]}
+        "rl.batch_request": ["trainer"], "rl.weights_published": ["trainer"], "rl.eval_generate": ["evaluator"]}

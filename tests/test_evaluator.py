@@ -2,6 +2,7 @@
 in which the evaluator is frozen and then killed while training goes on."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -12,11 +13,16 @@ from pathlib import Path
 import pytest
 
 from actors.dataset import Record
-from actors.evaluator import (EVAL_FILE, eval_entry, evaluated_versions, skipped_versions, spread_over_levels,
-                              weights_on_disk)
+from actors.engines.base import SamplingParams
+from actors.evaluation import EvalError
+from actors.evaluator import (EVAL_FILE, RolloutsUnavailable, answer_on_rollouts, eval_entry, evaluated_versions,
+                              rollout_generator, skipped_versions, spread_over_levels, weights_on_disk)
 from actors.param_server import kept_for_eval
 from tools.bench.chaos import finish_run, launch, make_assets, ready_info, run_guard, step_records, wait_for_step
+from testsupport.bounded import run_bounded
 from tools.plot import _plot_evals, eval_accuracy, plot_run
+from transport.bus import RequestTimeout
+from transport.protocol import EvalGenerate, EvalGenerated
 
 STEPS, EVERY = 24, 2
 
@@ -163,3 +169,113 @@ def test_a_gpu_style_evaluator_reads_checkpoints_into_its_own_sglang_server(tmp_
     started = [e for e in buffer if e.get("event") == "buffer_started"]
     assert capped and capped[0]["max_prompt_tokens"] == 9 and capped[0]["prompts"] > 0, capped
     assert started[0]["prompts"] == capped[0]["kept"] == 120 - capped[0]["prompts"]
+
+
+class Rollouts:
+    """Stand-in rollouts for `answer_on_rollouts`: "ok.*" answer (echoing the prompt, at their version), "dead.*"
+    fail at once as the bus does for a peer that is gone, "hung.*" never answer; the most prompts each held at once
+    is recorded."""
+
+    def __init__(self, version: int = 7) -> None:
+        self.version = version
+        self.held: dict[str, int] = {}
+        self.most: dict[str, int] = {}
+        self.answered: dict[str, list[int]] = {}
+        self.release = asyncio.Event()
+
+    async def ask(self, rollout: str, request: EvalGenerate, timeout_s: float) -> EvalGenerated:
+        self.held[rollout] = self.held.get(rollout, 0) + 1
+        self.most[rollout] = max(self.most.get(rollout, 0), self.held[rollout])
+        try:
+            if rollout.startswith("dead"):
+                raise RequestTimeout(f"no reply from {rollout}")
+            if rollout.startswith("hung"):
+                await asyncio.Event().wait()
+            if rollout.startswith("invalid"):
+                return EvalGenerated(version=self.version, error="invalid: prompt longer than the context")
+            await asyncio.sleep(0)   # let the other workers take their prompts
+            self.answered.setdefault(rollout, []).append(request.prompt_ids[0])
+            return EvalGenerated(version=self.version, output_ids=list(request.prompt_ids), logprobs=[-0.5],
+                                 versions=[self.version, self.version + 1], finish_reason="stop")
+        finally:
+            self.held[rollout] -= 1
+
+
+def _requests(n: int) -> list[EvalGenerate]:
+    return [EvalGenerate(prompt_ids=[i], max_new_tokens=4) for i in range(n)]
+
+
+def test_prompts_are_spread_over_the_rollouts_a_few_at_a_time() -> None:
+    fake = Rollouts()
+
+    async def main() -> None:
+        replies, left_out = await answer_on_rollouts(fake.ask, ["ok.0", "ok.1", "ok.2"], _requests(20), 2, 5.0)
+        assert [r.output_ids for r in replies] == [[i] for i in range(20)]   # in request order
+        assert left_out == {}
+        assert fake.most == {"ok.0": 2, "ok.1": 2, "ok.2": 2}   # bounded, and every rollout took its share
+        assert sorted(p for got in fake.answered.values() for p in got) == list(range(20))
+
+    run_bounded(main(), timeout=30)
+
+
+def test_a_dead_or_hung_rollout_never_holds_the_evaluation_its_prompts_go_to_another() -> None:
+    fake = Rollouts()
+
+    async def main() -> None:
+        replies, left_out = await answer_on_rollouts(fake.ask, ["hung.0", "dead.1", "ok.2"], _requests(6), 1, 0.3)
+        assert [r.output_ids for r in replies] == [[i] for i in range(6)]
+        assert set(left_out) == {"hung.0", "dead.1"} and "no reply from dead.1" in left_out["dead.1"]
+        assert "no answer within 0.3 s" in left_out["hung.0"]
+        assert sorted(fake.answered["ok.2"]) == list(range(6))
+        with pytest.raises(RolloutsUnavailable, match=r"6 of 6 prompts unanswered: every rollout was left out "
+                                                      r"\(dead.1: RequestTimeout: no reply from dead.1; hung.0: no answer within 0.3 s\)"):
+            await answer_on_rollouts(fake.ask, ["hung.0", "dead.1"], _requests(6), 2, 0.3)
+        with pytest.raises(EvalError, match="invalid: prompt longer than the context"):   # no rollout can answer it
+            await answer_on_rollouts(fake.ask, ["invalid.0", "ok.1"], _requests(3), 1, 5.0)
+
+    run_bounded(main(), timeout=30)
+
+
+def test_the_rollout_generator_answers_greedily_and_keeps_the_replies_for_their_versions() -> None:
+    fake = Rollouts(version=3)
+    answered: list[EvalGenerated] = []
+    gen = rollout_generator(fake.ask, ["ok.0"], 2, 5.0, answered)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4, stop_token_ids=(2,))
+
+    async def main() -> None:
+        results = await gen([[5], [6]], [greedy, greedy], 1)
+        assert [r[0].output_ids for r in results] == [[5], [6]] and results[0][0].versions == [3, 4]
+        assert len(answered) == 2
+        with pytest.raises(EvalError, match="greedily, one answer per prompt"):
+            await gen([[5]], [SamplingParams(temperature=1.0, max_new_tokens=4)], 1)
+
+    run_bounded(main(), timeout=30)
+
+
+def test_a_run_evaluates_on_the_rollouts_engines_labelled_with_the_versions_of_their_tokens(tmp_path: Path) -> None:
+    # weights_from: rollouts, as the shipped GPU topologies have it, here on the embedded engines of the CPU run
+    assets = make_assets(tmp_path / "assets", train_per_level=40)
+    run_dir = tmp_path / "run"
+    steps, every = 8, 2
+    proc = launch(assets, run_dir, steps=steps, ckpt_every=steps, extra=(
+        f"experiment.eval.every_versions={every}", "experiment.eval.max_problems=6", "experiment.eval.wait_s=0.3",
+        "actors.evaluator.settings.weights_from=rollouts", "experiment.run.final_eval=false"))
+    with run_guard(proc, run_dir):
+        out = finish_run(proc, run_dir, timeout=300)
+        assert proc.returncode == 0, out[-4000:]
+    assert "in evaluator: answered greedily by the rollouts' own engines" in out
+    evals = periodic(run_dir)
+    assert evals, (run_dir / "logs" / "evaluator.jsonl").read_text()[-3000:]
+    assert evals[0]["version"] == 0   # the start weights, at once
+    for e in evals:
+        assert e["source"] == "rollouts" and e["n_prompts"] == 6 and 0.0 <= e["eval/accuracy"] <= 1.0
+        assert 0 <= e["version"] <= e["version_max"] <= e["newest"] <= steps, e
+    lows = [e["version"] for e in evals]
+    # one evaluation per multiple of N reached: each after the first starts at or beyond the next multiple
+    assert all(b >= (a // every + 1) * every for a, b in zip(lows, lows[1:])), lows
+    rollouts = [json.loads(line) for name in ("rollout.0", "rollout.1")
+                for line in (run_dir / "logs" / f"{name}.jsonl").read_text().splitlines()]
+    # the answers came from the rollouts' engines (their counters, logged as they stop)
+    answered = sum(e.get("counters", {}).get("eval_prompts_answered", 0) for e in rollouts
+                   if e.get("event") == "stopped")
+    assert answered >= 6 * len(evals), answered

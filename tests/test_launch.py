@@ -76,7 +76,7 @@ def test_dry_run_report_without_import_check(name: str, capsys: pytest.CaptureFi
 def test_dry_run_64node_table(capsys: pytest.CaptureFixture) -> None:
     assert up.main([str(REPO / "topology" / "64node.yaml"), "--dry-run", "--no-import-check"]) == 0
     out = capsys.readouterr().out
-    assert "64 node(s), 512 GPU(s) x H800, 370 actor instance(s)" in out
+    assert "64 node(s), 512 GPU(s) x H800, 371 actor instance(s)" in out   # the evaluator included
     assert "#0 [8/8 gpu, 32/48 cpu_workers]" in out
     assert "rollout.0 .. rollout.3 (x4)" in out and "0-7 (2 each)" in out
     # what the code forms: the servers join the trainer's group with their tp ranks, 1 + 192 x 2
@@ -84,7 +84,7 @@ def test_dry_run_64node_table(capsys: pytest.CaptureFixture) -> None:
     assert "rendezvous: trainer.0 on #48, a free port picked at each formation; name weights-g<epoch>" in out
     assert "the link's port 29500 is not used" in out and "group of 193" not in out.replace("own group of 193", "")
     # the ports a firewall must let through
-    assert "bus: tcp 20000-20369, each actor's own port on its node (CurveZMQ), from every node" in out
+    assert "bus: tcp 20000-20370, each actor's own port on its node (CurveZMQ), from every node" in out
     assert "trainer world: #48:29400 (rendezvous), from its 16 node(s)" in out
     assert "weights: a free port on #48 (rendezvous, picked at each formation in the ephemeral range" in out
     # ready budgets: a rollout waits for its SGLang server's own start budget; the run needs half of them

@@ -136,8 +136,17 @@ def test_a_run_says_what_it_will_evaluate_and_when_it_will_not(monkeypatch, caps
     assert up_main(["topology/1node.yaml", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "evaluation on /storage/codes/AReaL/evaluation/data/aime24/test.jsonl:" in out
-    assert "during the run: none: the topology has no evaluator group (eval.every_versions 10 is unused)" in out
+    # the shipped GPU topologies evaluate during the run on the rollouts' own engines (no GPU for the evaluator)
+    assert ("during the run: every 10 versions, 30 problems, in evaluator: answered greedily by the rollouts' own "
+            "engines, the weights they hold then") in out
     assert "at the end: the start model and the last checkpoint" in out
+    for gpu_topology in ("4node", "16node", "64node"):
+        assert up_main([f"topology/{gpu_topology}.yaml", "--dry-run"]) == 0
+        assert "in evaluator: answered greedily by the rollouts' own engines" in capsys.readouterr().out
+    assert up_main(["topology/demo_local.yaml", "experiment.data.test=held_out.jsonl",
+                    "experiment.eval.every_versions=5", "--dry-run"]) == 0
+    assert "during the run: none: the topology has no evaluator group (eval.every_versions 5 is unused)" in \
+        capsys.readouterr().out
     assert up_main(["topology/1node.yaml", "experiment.data.test=null", "--dry-run"]) == 0
     assert "evaluation: none: data.test is not set" in capsys.readouterr().out
     assert up_main(["topology/local.yaml", "experiment.run.final_eval=false", "--dry-run"]) == 0
@@ -168,5 +177,5 @@ def test_a_gpu_topology_evaluates_during_the_run_with_an_evaluator_on_a_rollouts
     assert up_main(["topology/1node.yaml", "actors.rollout.count=5", evaluator, "--dry-run"]) == 0, \
         capsys.readouterr().err
     out = capsys.readouterr().out
-    assert "during the run: every 10 versions, 30 problems, in evaluator" in out
+    assert "during the run: every 10 versions, 30 problems, in evaluator: on each complete checkpoint" in out
     assert "localhost [8/8 gpu" in out

@@ -16,7 +16,8 @@ from testsupport.bounded import run_bounded
 from testsupport.local_actors import actor_spec, ipc_endpoints
 from topology.settings import SettingsError, read_settings
 from transport.bus import Bus, RemoteError
-from transport.protocol import GenerateGroup, GroupReturned, Task, Trajectories, WeightsReady, WorkerHello
+from transport.protocol import (EvalGenerate, EvalGenerated, GenerateGroup, GroupReturned, Task, Trajectories,
+                                WeightsReady, WorkerHello)
 
 
 run = functools.partial(run_bounded, timeout=60.0)
@@ -86,6 +87,41 @@ def test_rollout_generates_returns_and_drains(tmp_path: Path, random_model_dir: 
         assert await task == 0
         assert actor.counters["groups_generated"] == 2 and actor.counters["groups_returned"] == 2
         for bus in buses:
+            await bus.close(linger=0)
+
+    run(main())
+
+
+def test_rollout_answers_the_evaluator_greedily_and_only_the_evaluator(tmp_path: Path, random_model_dir: Path) -> None:
+    eps = ipc_endpoints(tmp_path, ["rollout.0", "reward.0", "buffer", "evaluator"])
+    spec = actor_spec("rollout.0", "actors.rollout:RolloutActor", eps, run_dir=tmp_path, env={},
+                      settings={"model": {"path": str(random_model_dir)}, "run": {"recover": "off"},
+                                "log_console": False, "groups": {"reward": ["reward.0"], "buffer": ["buffer"],
+                                                                         "evaluator": ["evaluator"]},
+                                "bus": {"heartbeat_interval": None}, "stats_every_s": 0})
+
+    async def main() -> None:
+        buses = {n: await Bus(n, eps[n], {"rollout.0": eps["rollout.0"]}, handler=lambda env: None,
+                              heartbeat_interval=None).start() for n in ("reward.0", "buffer", "evaluator")}
+        actor = RolloutActor(spec)
+        task = asyncio.create_task(actor.run())
+        evaluator = buses["evaluator"]
+        # no prompt: the engine's version only (how the evaluator follows the run)
+        assert await evaluator.request("rollout.0", EvalGenerate(), timeout=30) == EvalGenerated(version=0)
+        ask = EvalGenerate(prompt_ids=[3, 4, 5, 6], max_new_tokens=6)
+        first, second = [await evaluator.request("rollout.0", ask, timeout=30) for _ in range(2)]
+        assert isinstance(first, EvalGenerated) and not first.error and first.finish_reason == "length"
+        assert len(first.output_ids) == len(first.logprobs) == len(first.versions) == 6 and first.versions == [0] * 6
+        assert second.output_ids == first.output_ids   # greedy: the same answer twice
+        bad = await evaluator.request("rollout.0", EvalGenerate(prompt_ids=[1, 100000]), timeout=30)
+        assert bad.error.startswith("invalid:") and not bad.output_ids
+        # another actor of the run cannot have the rollout generate for it
+        with pytest.raises(RemoteError, match=r"\[sender_not_allowed\] rl.eval_generate is sent by evaluator only"):
+            await buses["buffer"].request("rollout.0", ask, timeout=10)
+        assert actor.counters["eval_prompts_answered"] == 2 and actor.counters["groups_generated"] == 0
+        actor.request_stop("test over")
+        assert await task == 0
+        for bus in buses.values():
             await bus.close(linger=0)
 
     run(main())

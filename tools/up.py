@@ -68,9 +68,13 @@ def evaluation_notes(plan: Plan) -> list[str]:
     if not test:
         return ["evaluation: none: data.test is not set (neither during the run nor at its end)"]
     lines = [f"evaluation on {test}:"]
+    sources = {g: plan.topology.groups[g].settings.get("weights_from", "param_server") for g in evaluators}
     if evaluators and every > 0:
+        on = {"rollouts": "answered greedily by the rollouts' own engines, the weights they hold then",
+              "checkpoints": "on each complete checkpoint, with an engine of its own",
+              "param_server": "on the versions the parameter server keeps for it (relay weights only)"}
         lines.append(f"  during the run: every {every} versions, {config.eval.max_problems} problems, in "
-                     f"{', '.join(evaluators)}")
+                     f"{', '.join(evaluators)}: " + "; ".join(on.get(w, w) for w in sorted(set(sources.values()))))
     elif evaluators:
         lines.append("  during the run: none: eval.every_versions is 0 (the evaluator idles)")
     else:

@@ -172,10 +172,15 @@ class GenerationSettings(EngineSettings):
 
 
 class EvaluatorSettings(GenerationSettings):
-    weights_from: Literal["param_server", "checkpoints"] = Field(
+    weights_from: Literal["param_server", "checkpoints", "rollouts"] = Field(
         "param_server", description="which versions are evaluated: those the parameter server keeps for evaluation "
-                                    "(a run whose weights pass through it), or each complete checkpoint (any run; "
-                                    "a GPU run's direct weights keep no copy in the parameter server)")
+                                    "(a run whose weights pass through it), each complete checkpoint (any run; "
+                                    "a GPU run's direct weights keep no copy in the parameter server), or the "
+                                    "rollouts' own (their engines answer the prompts: no GPU of its own)")
+    rollout_concurrency: int = Field(2, ge=1, description="weights_from rollouts: most held-out prompts in flight on "
+                                                          "one rollout, so its training groups are not starved")
+    rollout_timeout_s: float = Field(1200.0, gt=0, description="weights_from rollouts: how long one prompt may take "
+                                                               "on a rollout before it is given to another")
 
 
 class RolloutSettings(GenerationSettings):

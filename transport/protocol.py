@@ -17,6 +17,8 @@
     trainer --RunFinished--> everyone            (the run is over: stop cleanly)
     trainer, tools --WeightsStatusRequest--> param_server (replies WeightsStatus: per-rollout versions, acks)
     evaluator --EvalWeightsRequest--> param_server        (replies EvalWeights: one bucket of a kept version)
+    evaluator --EvalGenerate--> rollout          (a request: one held-out prompt answered greedily on the rollout's
+                                                  engine, or only its version; replies EvalGenerated)
 
 Direct weights (a GPU topology's link of [trainer.0, rollout], no parameter-server link): the trainer keeps
 its exported version and broadcasts it itself; the parameter server only coordinates. The sequence of
@@ -469,6 +471,32 @@ class EvalWeights(Message):
     header: dict[str, Any]
     flat: torch.Tensor
     unavailable: str = ""    # why this server can never give any (then version is -1)
+
+
+@message("rl.eval_generate", senders=("evaluator",))
+class EvalGenerate(Message):
+    """evaluator -> rollout, a request: answer one held-out prompt greedily (temperature 0, one answer) on the
+    rollout's engine, beside its groups and through the same generation path (a weight update mid-answer shows
+    in the reply's per-token versions). Empty ``prompt_ids``: generate nothing, reply with the engine's version
+    only (how the evaluator follows the run's versions)."""
+
+    prompt_ids: list[int] = field(default_factory=list)
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@message("rl.eval_generated", senders=("rollout",))
+class EvalGenerated(Message):
+    """rollout -> evaluator, the reply to EvalGenerate: the answer with the weight version of each token, and the
+    engine's version when it replied. ``error`` (then no answer): why it could not; starting with ``invalid:``,
+    no rollout can answer that prompt."""
+
+    version: int
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    error: str = ""
 
 
 @message("rl.checkpoint_request", senders=("trainer",))
