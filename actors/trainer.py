@@ -41,10 +41,11 @@ from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup, follow_rank0
 from actors.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, complete_checkpoints, mark_complete,
                              mark_run_finished, recovering, restarted_in_place, start_weights)
+from actors.threads import in_thread
 from actors.train_metrics import MetricsWriter, step_metrics
 # StepConfig, TrainerConfigError, train_on_batch, rank_samples: the step's math, imported here by its users too
 from actors.train_step import StepConfig, TrainerConfigError, rank_samples, train_on_batch, train_share
-from actors.weight_sync import (StageExport, StageSender, WeightSender, WeightSyncConfigError, in_thread, kept_bytes,
+from actors.weight_sync import (StageExport, StageSender, WeightSender, WeightSyncConfigError, kept_bytes,
                                 make_sender)
 from topology.settings import TrainerSettings
 from transport.bus import BusError
@@ -170,11 +171,11 @@ class TrainerActor(Actor):
         self.engine = await asyncio.to_thread(make_train_engine, cfg, model_dir, self.version)
         self.ref_engine = await asyncio.to_thread(make_reference_engine, cfg) if self.step_cfg.kl_coef > 0 else None
         # A trainer world: rank 0 leads (bus, weights, metrics), the others follow its engine calls.
-        self.ranks = await asyncio.to_thread(RankGroup) if world else None
+        self.ranks = await in_thread(RankGroup) if world else None
         # Pipeline stages each send their own layers, on a weights channel followed beside the training one.
-        self.weight_ranks = await asyncio.to_thread(RankGroup) if pp > 1 else None
+        self.weight_ranks = await in_thread(RankGroup) if pp > 1 else None
         # Rank 0 sends each rank the share of its data-parallel replica: it learns every rank's replica once.
-        self.rank_dp = (await asyncio.to_thread(self.ranks.gather, self.engine.data_parallel[0]) or []
+        self.rank_dp = (await in_thread(self.ranks.gather, self.engine.data_parallel[0]) or []
                         if self.ranks is not None else [])
         if self.version > 0:
             await asyncio.to_thread(self.engine.load, model_dir)
@@ -309,7 +310,7 @@ class TrainerActor(Actor):
             batch = await self._ask_buffer(BatchRequest(step=self.version + 1), timeout=None)
             assert isinstance(batch, BatchTensors)
             t0 = time.time()
-            stats = await asyncio.to_thread(self._train_step, batch)
+            stats = await in_thread(self._train_step, batch)   # leads the other ranks: a collective
             self.version += 1
             train_seconds = time.time() - t0
             if self.eta == 0:
@@ -354,10 +355,10 @@ class TrainerActor(Actor):
         """The other ranks' engine calls end, then their weights channel, once no broadcast is led on it (the
         parameter server may still ask for the last version's): they leave when both have ended."""
         if self.ranks is not None:
-            await asyncio.to_thread(self.ranks.lead, STOP)
+            await in_thread(self.ranks.lead, STOP)
         if self.weight_ranks is not None:
             async with self._link_lock:
-                await asyncio.to_thread(self.weight_ranks.lead, STOP)
+                await in_thread(self.weight_ranks.lead, STOP)
 
     async def _publish(self) -> float:
         """Weights of the new version on their way to the rollouts (the path's sender says how); returns the
@@ -365,7 +366,7 @@ class TrainerActor(Actor):
         if self.weights is None:
             return 0.0
         t0 = time.time()
-        buckets, stages = await asyncio.to_thread(self._export)
+        buckets, stages = await in_thread(self._export)
         await self.weights.publish(self.version, buckets, stages)
         return time.time() - t0
 

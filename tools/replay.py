@@ -408,8 +408,8 @@ async def _caught_up(bus: ReplayBus, streams: list[tuple], done: list[int], upto
 class _Work:
     """The replayed actor's work in hand on threads, so the replay can let it finish before the next record,
     as the original (it was not racing a replay) mostly did: what it handed to ``asyncio.to_thread`` (the
-    default executor, :class:`_CountingExecutor`) and its transfers in ``in_thread`` daemon threads
-    (``actors.weight_sync.base.observer``). A thread waiting on a stand-in link for the place in the log where
+    default executor) and its transfers in ``actors.threads.in_thread`` daemon threads, each counted by the
+    executor the replay's loop runs them on (:func:`_counted`). A thread waiting on a stand-in link for the place in the log where
     the original's transfer ended is *parked*: not in hand, the driver has to move on to release it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -439,20 +439,25 @@ class _Work:
             self.loop.call_soon_threadsafe(self.changed.set)
 
 
-class _CountingExecutor(concurrent.futures.ThreadPoolExecutor):
-    """The replayed actor's default executor (asyncio.to_thread), its calls counted in ``work``."""
+def _counted(base: type) -> type:
+    """An executor class like ``base`` whose calls are counted in a :class:`_Work` (the replayed actor's default
+    executor, and the executor its loop runs ``in_thread`` calls on)."""
 
-    def __init__(self, work: _Work) -> None:
-        super().__init__(max_workers=4, thread_name_prefix="replay-work")
-        self.work = work
+    class Counting(base):
+        def __init__(self, work: _Work, **kw: Any) -> None:
+            super().__init__(**kw)
+            self.work = work
 
-    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
-        self.work.count(1)
-        fut = super().submit(fn, *args, **kwargs)
-        # Counted done after the callback asyncio adds once this returns (run_in_executor, on the loop), so the
-        # result is on its way to the loop before the driver hears the work ended.
-        self.work.loop.call_soon_threadsafe(fut.add_done_callback, lambda _: self.work.count(-1))
-        return fut
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+            self.work.count(1)
+            fut = super().submit(fn, *args, **kwargs)
+            # Counted done after the callback asyncio adds once this returns (run_in_executor, on the loop), so
+            # the result is on its way to the loop before the driver hears the work ended.
+            self.work.loop.call_soon_threadsafe(fut.add_done_callback, lambda _: self.work.count(-1))
+            return fut
+
+    Counting.__name__ = f"Counting{base.__name__}"
+    return Counting
 
 
 async def _settle(work: _Work, idle_timeout: float) -> bool:
@@ -600,7 +605,7 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
                   overrides: Sequence[str] = (), float_tol: float = 0.0,
                   to_end: bool = False) -> ReplayResult:
     from actors.base import ActorSpec, load_actor_class
-    from actors.weight_sync import base as weight_sync
+    from actors.threads import DaemonThreads, run_blocking_on
 
     meta, records, torn = _load(path, segment)
     result = ReplayResult()
@@ -697,9 +702,11 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
         max_inflight = actor.cfg.bus.max_inflight or MAX_INFLIGHT
         started = stopped = False
         deliverer = _Deliverer(actor, bus, result, max_inflight)
-        asyncio.get_running_loop().set_default_executor(_CountingExecutor(work))
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(_counted(concurrent.futures.ThreadPoolExecutor)(
+            work, max_workers=4, thread_name_prefix="replay-work"))
+        run_blocking_on(loop, _counted(DaemonThreads)(work))
         asyncio.get_running_loop().set_exception_handler(_quiet_after_the_replay)
-        weight_sync.observer = work.count
         try:
             await actor.start()
             started = True
@@ -769,7 +776,7 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
             bus.frozen = True
             gate.close()
             await _settle(work, idle_timeout)
-            weight_sync.observer = None
+            run_blocking_on(loop, None)
     result.sent = bus.count
     if actor.exit_code:    # a critical background task failed (Actor.spawn): say why, not just "nothing"
         result.notes.append(f"the replayed actor stopped with exit code {actor.exit_code}: {actor._stop_reason}")

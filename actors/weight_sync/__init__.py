@@ -22,14 +22,14 @@ from topology.settings import TrainerSettings
 from transport.bulk import LinkConfig
 
 from .base import (Fanout, StoredVersion, WeightReceiver, WeightSender, WeightSyncConfigError, WeightSyncError,
-                   WeightsRejected, in_thread, link_config, weight_group_name)
+                   WeightsRejected, link_config, weight_group_name)
 from .direct import DirectSender, KeptVersions, LinkCarrier, TrainerFanout
 from .receivers import LinkReceiver, ServerGroupReceiver, Verify
 from .relay import PUBLISH_ATTEMPTS, RelayFanout, RelaySender, load_start_weights
 from .servers import ServerGroupCarrier, ServerGroupHost, StageExport, StageSender
 
 __all__ = ["Fanout", "StoredVersion", "WeightReceiver", "WeightSender", "WeightSyncConfigError", "WeightSyncError",
-           "WeightsRejected", "in_thread", "link_config", "weight_group_name", "DirectSender", "KeptVersions",
+           "WeightsRejected", "link_config", "weight_group_name", "DirectSender", "KeptVersions",
            "LinkCarrier", "TrainerFanout", "LinkReceiver", "ServerGroupReceiver", "PUBLISH_ATTEMPTS", "RelayFanout",
            "RelaySender", "load_start_weights", "ServerGroupCarrier", "ServerGroupHost", "StageExport", "StageSender",
            "kept_bytes", "make_sender", "make_fanout", "make_receiver", "sends_direct"]

@@ -17,19 +17,14 @@ Each actor picks its class once, from the topology, when it starts (``actors/wei
 from __future__ import annotations
 
 import abc
-import asyncio
 import contextlib
-import contextvars
 import dataclasses
-import threading
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
 from transport.bulk import BulkError, LinkConfig, PackedBucket, pack_to_host
 from transport.protocol import (LinkFormed, LinkReform, WeightsAck, WeightsBroadcast, WeightsBroadcastDone,
                                 WeightsPublished, WeightsReady, WeightsStored)
-
-T = TypeVar("T")
 
 Bucket = list[tuple[str, Any]]
 
@@ -62,52 +57,6 @@ class StoredVersion:
     def __post_init__(self) -> None:
         if self.n_buckets < 0:
             self.n_buckets = len(self.packed)
-
-
-#: None in a run. tools/replay.py sets it while it replays an actor: called with +1 as an :func:`in_thread` call
-#: starts and, from its thread, with -1 once its result is on its way to the event loop, so the replay counts
-#: the transfers in hand as it counts the default executor's work and lets them finish before the next record.
-observer: Callable[[int], None] | None = None
-
-
-def in_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
-    """Run a blocking call (a bulk-link collective) in a daemon thread and await its result.
-
-    Not asyncio.to_thread: a collective blocked on a dead peer cannot be cancelled, and the default
-    executor is joined at interpreter exit, which would hold a stopping actor until the link timeout.
-    """
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-    watch = observer
-
-    def settle(ok: bool, value: Any) -> None:
-        if fut.done():
-            return
-        if ok:
-            fut.set_result(value)
-        else:
-            fut.set_exception(value)
-
-    def body() -> None:
-        try:
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # handed to the awaiting coroutine, never swallowed
-                if not loop.is_closed():
-                    loop.call_soon_threadsafe(settle, False, exc)
-                return
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(settle, True, result)
-        finally:
-            if watch is not None:
-                watch(-1)
-
-    if watch is not None:
-        watch(1)
-    # In the caller's context: what a link sends or receives is logged as caused by the caller's message.
-    threading.Thread(target=contextvars.copy_context().run, args=(body,),
-                     name=f"blocking-{getattr(fn, '__name__', 'call')}", daemon=True).start()
-    return fut
 
 
 _PUSH_STREAMS: dict[int, Any] = {}

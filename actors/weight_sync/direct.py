@@ -28,13 +28,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from actors.recovery import start_weights
+from actors.threads import in_thread
 from actors.weights import combine_digests, tensor_digests
 from transport.bulk import BulkError, BulkLink, PackedBucket, pack_to_host, unpack_bucket
 from transport.bus import BusError
 from transport.protocol import (LinkFormed, LinkReform, WeightsAck, WeightsBroadcast, WeightsBroadcastDone,
                                 WeightsPublished, WeightsReady, WeightsStored)
 
-from .base import Bucket, Fanout, StoredVersion, WeightSender, WeightSyncConfigError, in_thread, push_stream
+from .base import Bucket, Fanout, StoredVersion, WeightSender, WeightSyncConfigError, push_stream
 
 
 class KeptVersions:

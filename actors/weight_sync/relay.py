@@ -23,13 +23,14 @@ import torch
 
 from actors.engines.checkpoint import bucketize, iter_checkpoint_tensors
 from actors.recovery import start_weights
+from actors.threads import in_thread
 from actors.weights import weights_hash
 from topology.experiment import ExperimentConfig
 from transport.bulk import BulkError, BulkLink, PackedBucket, pack_buckets
 from transport.bus import BusError
 from transport.protocol import WeightsPublished, WeightsReady, WeightsStored
 
-from .base import Fanout, StoredVersion, WeightSender, WeightSyncConfigError, WeightsRejected, in_thread
+from .base import Fanout, StoredVersion, WeightSender, WeightSyncConfigError, WeightsRejected
 
 # A parameter server restarted in place answers within a few seconds; each attempt is bounded by the link's
 # timeout, so this bounds how long a step waits for one that does not come back.
@@ -78,7 +79,7 @@ class RelaySender(WeightSender):
                 link.send_packed(p, dst)
 
         try:
-            await asyncio.to_thread(send_all)
+            await in_thread(send_all)   # a collective: never on the default executor (actors/threads.py)
         except BaseException:
             reply.cancel()
             await asyncio.gather(reply, return_exceptions=True)

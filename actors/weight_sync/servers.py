@@ -14,11 +14,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from actors.rank_group import BROADCAST, HOST, RankGroup, on_daemon_thread
+from actors.rank_group import BROADCAST, HOST, RankGroup
+from actors.threads import in_thread, on_daemon_thread
 from transport.bulk import LinkConfig, PackedBucket, TensorMeta, bucket_views, unpack_bucket
 from transport.protocol import LinkFormed, LinkReform
 
-from .base import Bucket, in_thread, push_stream, weight_group_name
+from .base import Bucket, push_stream, weight_group_name
 from .direct import Carrier, KeptVersions
 
 
