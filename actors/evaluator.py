@@ -47,13 +47,12 @@ from actors.engines.checkpoint import assign_weights, load_config, load_model
 from actors.engines.model import Qwen2ForCausalLM
 from actors.engines.tokenizer import load_tokenizer
 from actors.evaluation import EvalSettings, aevaluate_model, aevaluate_with, engine_generator, level_key
-from actors.param_server import EvalWeights, EvalWeightsRequest
 from actors.recovery import checkpoint_problem, complete_checkpoints, run_finished
 from actors.weights import weights_hash
 from topology.settings import EvaluatorSettings
 from transport.bulk import PackedBucket, unpack_bucket
 from transport.bus import BusError
-from transport.protocol import RunFinished
+from transport.protocol import EvalWeights, EvalWeightsRequest, RunFinished
 
 __all__ = ["EvalActor", "EvalConfigError", "spread_over_levels", "evaluated_versions", "eval_entry", "EVAL_FILE"]
 

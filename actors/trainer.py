@@ -45,8 +45,7 @@ from actors.threads import in_thread
 from actors.train_metrics import MetricsWriter, step_metrics
 # StepConfig, TrainerConfigError, train_on_batch, rank_samples: the step's math, imported here by its users too
 from actors.train_step import StepConfig, TrainerConfigError, rank_samples, train_on_batch, train_share
-from actors.weight_sync import (StageExport, StageSender, WeightSender, WeightSyncConfigError, kept_bytes,
-                                make_sender)
+from actors.weight_sync import StageExport, WeightSender, WeightSyncConfigError, make_sender, make_stage_sender
 from topology.settings import TrainerSettings
 from transport.bus import BusError
 from transport.messages import encode
@@ -188,8 +187,8 @@ class TrainerActor(Actor):
                 raise TrainerConfigError(f"{self.name}: settings.instance.address is not set (the topology launcher "
                                          f"sets it): a pipeline stage's sender hosts its weights group there")
             # A pipeline stage's sender (a stage > 0) keeps and broadcasts its own layers.
-            self.stage_sender = (StageSender(self.engine.pp_rank, self.engine.is_export_sender
-                                             and self.engine.pp_rank > 0, address, self.log, kept_bytes(cfg))
+            self.stage_sender = (make_stage_sender(cfg, self.engine.pp_rank, self.engine.is_export_sender
+                                                   and self.engine.pp_rank > 0, address, self.log)
                                  if self.weight_ranks is not None else None)
             self.log.info("trainer_rank_started", rank=self.ranks.rank, world=self.ranks.size, version=self.version)
             return
@@ -197,7 +196,8 @@ class TrainerActor(Actor):
         self.param_server = (cfg.groups.get("param_server") or [None])[0]
         self._link_lock = asyncio.Lock()   # the weights channel of a pipeline-parallel trainer, one lead at a time
         try:
-            self.weights: WeightSender | None = make_sender(self, self.weight_ranks, self._link_lock)
+            self.weights: WeightSender | None = make_sender(cfg, self.make_link, self.bus, self.incarnation,
+                                                            self.counters, self.log, self.weight_ranks, self._link_lock)
         except WeightSyncConfigError as exc:
             raise TrainerConfigError(str(exc)) from None
         self.metrics = MetricsWriter(self.run_dir, self.log)
