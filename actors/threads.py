@@ -9,7 +9,7 @@ From a coroutine, :func:`in_thread` awaits the same; from a thread, the concurre
 model, hashing, writing a checkpoint).
 
 The owner of an event loop may run that loop's :func:`in_thread` calls on an executor of its own
-(:func:`run_blocking_on`): tools/replay.py counts them there, to let them finish before it delivers the next
+(:func:`run_blocking_on`): tools.replay counts them there, to let them finish before it delivers the next
 recorded message.
 """
 from __future__ import annotations
