@@ -70,13 +70,12 @@ from actors.engines.model import Qwen2ForCausalLM
 from actors.engines.tokenizer import load_tokenizer
 from actors.evaluation import (EvalError, EvalSettings, Generate, aevaluate_model, aevaluate_with, engine_generator,
                                level_key)
-from actors.param_server import EvalWeights, EvalWeightsRequest
 from actors.recovery import COMPLETE, FINISHED, checkpoint_dir, checkpoint_problem, complete_checkpoints, run_finished
 from actors.weights import weights_hash
 from topology.settings import EvaluatorSettings
 from transport.bulk import PackedBucket, unpack_bucket
 from transport.bus import BusError
-from transport.protocol import EvalGenerate, EvalGenerated, RunFinished
+from transport.protocol import EvalGenerate, EvalGenerated, EvalWeights, EvalWeightsRequest, RunFinished
 
 __all__ = ["EvalActor", "EvalConfigError", "spread_over_levels", "evaluated_versions", "skipped_versions", "eval_entry",
            "skipped_entry", "missed_versions", "weights_on_disk", "catch_up", "EVAL_FILE", "answer_on_rollouts",

@@ -157,7 +157,7 @@ class ParamServerActor(Actor):
         self.probation_s = self.cfg.probation_s
         self.late_s = self.cfg.late_s
         self.eval_every = self.cfg.eval.every_versions
-        self.fanout = make_fanout(self)
+        self.fanout = make_fanout(self.cfg, self, self.make_link, self.run_dir)
         self.rollouts = {m: RolloutWeights() for m in self.fanout.rollouts}
         t0 = time.monotonic()
         self.current = await self.fanout.start_weights()
@@ -381,6 +381,14 @@ class ParamServerActor(Actor):
     def kick(self) -> None:
         """Have the pusher look again (a transfer ended)."""
         self._kick.set()
+
+    def link_broken(self) -> None:
+        """A transfer failed on the formed epoch: the next push forms the group again first."""
+        self.need_reform = True
+
+    def weight_ranks(self, rollout: str) -> int:
+        """How many ranks ``rollout``'s server joins a weights group with (its hello said; 0: the actor)."""
+        return self.rollouts[rollout].weight_ranks
 
     def _formed(self, epoch: int, members: list[str], t0: float, **info: Any) -> None:
         self.policy.formation_done(epoch, members)

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import threading
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from actors.threads import on_daemon_thread
 from actors.train_step import StepConfig, train_share
 from transport.messages import decode
 from transport.protocol import BatchTensors
@@ -122,21 +122,6 @@ def follow_rank0(ranks: RankGroup, weight_ranks: RankGroup | None, engine: Any, 
     done, _ = concurrent.futures.wait(loops, return_when=concurrent.futures.FIRST_EXCEPTION)
     for loop in done:
         loop.result()
-
-
-def on_daemon_thread(name: str, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-    """`fn(*args)` on a daemon thread called `name`, and its outcome: a collective blocked on a dead peer can be
-    neither cancelled nor joined, so nothing may wait for the thread itself (a follower, a group being joined)."""
-    outcome: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            outcome.set_result(fn(*args))
-        except BaseException as exc:
-            outcome.set_exception(exc)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return outcome
 
 
 def follow_commands(ranks: RankGroup, engine: Any, step_cfg: StepConfig, ref_engine: Any, stage_sender: Any,

@@ -184,7 +184,8 @@ class RolloutActor(Actor):
         self.engine = make_engine(self.cfg, version, model_dir, run_dir=str(self.run_dir),
                                   on_server_event=self._engine_server_event)
         if config is not None:
-            self.receiver = make_receiver(self, config, self.engine, self._verified)
+            self.receiver = make_receiver(self.cfg, config, self.engine, self._verified, self.make_link, self.param_server,
+                                          self.counters, self.log, lambda: len(self.active))
         await self.engine.start()
         kv_pool = getattr(self.engine, "kv_pool_tokens", None)
         if callable(kv_pool):

@@ -57,11 +57,11 @@ from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup, follow_rank0
 from actors.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, complete_checkpoints, mark_complete,
                              mark_run_finished, recovering, restarted_in_place, start_weights)
+from actors.threads import in_thread
 from actors.train_metrics import MetricsWriter, step_metrics
 # StepConfig, TrainerConfigError, train_on_batch, rank_samples: the step's math, imported here by its users too
 from actors.train_step import StepConfig, TrainerConfigError, rank_samples, train_on_batch, train_share
-from actors.weight_sync import (StageExport, StageSender, WeightSender, WeightSyncConfigError, in_thread, kept_bytes,
-                                make_sender)
+from actors.weight_sync import StageExport, WeightSender, WeightSyncConfigError, make_sender, make_stage_sender
 from topology.settings import TrainerSettings
 from transport.bus import BusError
 from transport.messages import encode
@@ -191,11 +191,11 @@ class TrainerActor(Actor):
         self.engine = await asyncio.to_thread(make_train_engine, cfg, model_dir, self.version)
         self.ref_engine = await asyncio.to_thread(make_reference_engine, cfg) if self.step_cfg.kl_coef > 0 else None
         # A trainer world: rank 0 leads (bus, weights, metrics), the others follow its engine calls.
-        self.ranks = await asyncio.to_thread(RankGroup) if world else None
+        self.ranks = await in_thread(RankGroup) if world else None
         # Pipeline stages each send their own layers, on a weights channel followed beside the training one.
-        self.weight_ranks = await asyncio.to_thread(RankGroup) if pp > 1 else None
+        self.weight_ranks = await in_thread(RankGroup) if pp > 1 else None
         # Rank 0 sends each rank the share of its data-parallel replica: it learns every rank's replica once.
-        self.rank_dp = (await asyncio.to_thread(self.ranks.gather, self.engine.data_parallel[0]) or []
+        self.rank_dp = (await in_thread(self.ranks.gather, self.engine.data_parallel[0]) or []
                         if self.ranks is not None else [])
         if self.version > 0:
             await asyncio.to_thread(self.engine.load, model_dir)
@@ -208,8 +208,8 @@ class TrainerActor(Actor):
                 raise TrainerConfigError(f"{self.name}: settings.instance.address is not set (the topology launcher "
                                          f"sets it): a pipeline stage's sender hosts its weights group there")
             # A pipeline stage's sender (a stage > 0) keeps and broadcasts its own layers.
-            self.stage_sender = (StageSender(self.engine.pp_rank, self.engine.is_export_sender
-                                             and self.engine.pp_rank > 0, address, self.log, kept_bytes(cfg))
+            self.stage_sender = (make_stage_sender(cfg, self.engine.pp_rank, self.engine.is_export_sender
+                                                   and self.engine.pp_rank > 0, address, self.log)
                                  if self.weight_ranks is not None else None)
             self.log.info("trainer_rank_started", rank=self.ranks.rank, world=self.ranks.size, version=self.version)
             return
@@ -227,7 +227,8 @@ class TrainerActor(Actor):
         self._phase = ("starting", time.time())  # what the loop does now, for the status file
         self._link_lock = asyncio.Lock()   # the weights channel of a pipeline-parallel trainer, one lead at a time
         try:
-            self.weights: WeightSender | None = make_sender(self, self.weight_ranks, self._link_lock)
+            self.weights: WeightSender | None = make_sender(cfg, self.make_link, self.bus, self.incarnation,
+                                                            self.counters, self.log, self.weight_ranks, self._link_lock)
         except WeightSyncConfigError as exc:
             raise TrainerConfigError(str(exc)) from None
         self.metrics = MetricsWriter(self.run_dir, self.log)
@@ -362,7 +363,7 @@ class TrainerActor(Actor):
             self._enter(f"training step {self.version + 1}")
             async with self._engine_lock:
                 t0 = time.time()
-                stats = await asyncio.to_thread(self._train_step, batch)
+                stats = await in_thread(self._train_step, batch)   # leads the other ranks: a collective
                 self.version += 1
             train_seconds = time.time() - t0
             self._new_version.set()
@@ -432,10 +433,10 @@ class TrainerActor(Actor):
         parameter server may still ask for the last version's): they leave when both have ended."""
         if self.ranks is not None:
             async with self._engine_lock:
-                await asyncio.to_thread(self.ranks.lead, STOP)
+                await in_thread(self.ranks.lead, STOP)
         if self.weight_ranks is not None:
             async with self._link_lock:
-                await asyncio.to_thread(self.weight_ranks.lead, STOP)
+                await in_thread(self.weight_ranks.lead, STOP)
 
     async def _publisher(self) -> None:
         """Publish the newest version whenever one is newer than the last published (see the module's
@@ -452,7 +453,7 @@ class TrainerActor(Actor):
                 t0 = time.time()
                 async with self._engine_lock:   # between steps: the export is of one whole version
                     version = self.version
-                    buckets, stages = await asyncio.to_thread(self._export)
+                    buckets, stages = await in_thread(self._export)   # a collective on the stages' ranks
                 error: Exception | None = None
                 try:
                     await self.weights.publish(version, buckets, stages)

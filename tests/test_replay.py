@@ -18,7 +18,7 @@ import torch
 import uvloop
 
 from actors.base import Actor, ActorSpec, handles, ready_path
-from actors.weight_sync import in_thread
+from actors.threads import in_thread
 from tools import replay
 from transport.bus import Bus
 from transport.messages import Message, message

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import os
 import signal
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -320,29 +321,31 @@ def test_each_actor_picks_its_weights_path_once_from_the_topology() -> None:
                                     WeightSyncConfigError, make_receiver, make_sender)
     from topology.settings import RolloutSettings, TrainerSettings
 
-    def actor(links: dict[str, Any], settings_cls: Any = RolloutSettings, **settings: Any) -> Any:
-        cfg = settings_cls.model_validate({"links": links, "groups": {"param_server": ["param_server"]}, **settings})
-        return SimpleNamespace(cfg=cfg,
-                               make_link=BulkLink, bus=None, incarnation="", counters={}, log=None,
-                               param_server="param_server", active={})
+    def settings(links: dict[str, Any], settings_cls: Any = RolloutSettings, **values: Any) -> Any:
+        return settings_cls.model_validate({"links": links, "groups": {"param_server": ["param_server"]}, **values})
+
+    def sender(cfg: Any) -> Any:   # what a trainer hands the factory: its settings and its parts, no more
+        return make_sender(cfg, BulkLink, None, "", Counter(), None, None, asyncio.Lock())
+
+    def receiver(cfg: Any, config: LinkConfig, engine: Any) -> Any:
+        return make_receiver(cfg, config, engine, None, BulkLink, "param_server", Counter(), None, lambda: 0)
 
     relay = {"train_to_ps": gloo_link("train_to_ps", 1, ["trainer.0", "param_server"], "trainer.0")}
     direct = gloo_link("weights", 2, ["trainer.0", "rollout.0"], "trainer.0")
-    trainer = functools.partial(actor, settings_cls=TrainerSettings)
-    assert isinstance(make_sender(trainer(relay), None, asyncio.Lock()), RelaySender)
-    sender = make_sender(trainer({"weights": direct}, weights_kept_mb=100), None, asyncio.Lock())
-    assert isinstance(sender, DirectSender) and sender.kept.max_bytes == 100 << 20
+    trainer = functools.partial(settings, settings_cls=TrainerSettings)
+    assert isinstance(sender(trainer(relay)), RelaySender)
+    direct_sender = sender(trainer({"weights": direct}, weights_kept_mb=100))
+    assert isinstance(direct_sender, DirectSender) and direct_sender.kept.max_bytes == 100 << 20
     with pytest.raises(WeightSyncConfigError, match="must be listed first"):
-        make_sender(trainer({"weights": gloo_link("weights", 2, ["rollout.0", "trainer.0"], "trainer.0")}), None,
-                    asyncio.Lock())
+        sender(trainer({"weights": gloo_link("weights", 2, ["rollout.0", "trainer.0"], "trainer.0")}))
     alone = trainer(relay)
-    alone.cfg.groups = {}
-    assert make_sender(alone, None, asyncio.Lock()) is None   # no parameter server: nothing to publish to
+    alone.groups = {}
+    assert sender(alone) is None   # no parameter server: nothing to publish to
 
     server = SimpleNamespace(init_weights_group=None)   # an engine whose server joins the group itself
     on_rollout = LinkConfig.from_dict(gloo_link("weights", 2, ["trainer.0", "rollout.0"], "rollout.0"))
     from_ps = LinkConfig.from_dict(gloo_link("ps_to_rollout", 3, ["param_server", "rollout.0"], "rollout.0"))
-    assert isinstance(make_receiver(actor({}), on_rollout, server, None), ServerGroupReceiver)
-    assert isinstance(make_receiver(actor({}, weights_via_server=False), on_rollout, server, None), LinkReceiver)
-    assert isinstance(make_receiver(actor({}), from_ps, server, None), LinkReceiver)   # the relay
-    assert isinstance(make_receiver(actor({}), on_rollout, object(), None), LinkReceiver)
+    assert isinstance(receiver(settings({}), on_rollout, server), ServerGroupReceiver)
+    assert isinstance(receiver(settings({}, weights_via_server=False), on_rollout, server), LinkReceiver)
+    assert isinstance(receiver(settings({}), from_ps, server), LinkReceiver)   # the relay
+    assert isinstance(receiver(settings({}), on_rollout, object()), LinkReceiver)

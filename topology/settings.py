@@ -23,7 +23,7 @@ from topology.schema import problem_lines
 __all__ = ["InstanceSettings", "WorldSettings", "ActorSettings", "RewardSettings", "CodeRewardSettings",
            "EngineSettings", "GenerationSettings", "EvaluatorSettings", "TrainerSettings", "SGLangSettings", "RolloutSettings",
            "ParamServerSettings",
-           "BufferSettings", "BusSettings", "MessageLogSettings", "SettingsError", "settings_model", "read_settings"]
+           "BufferSettings", "SandboxSettings", "BusSettings", "MessageLogSettings", "SettingsError", "settings_model", "read_settings"]
 
 
 class WorldSettings(Section):
@@ -119,9 +119,22 @@ class RewardSettings(ActorSettings):
         None, gt=0, description="hard limit of checking one answer (unset: the class's own: 10 s for math)")
 
 
+class SandboxSettings(Section):
+    """``actors.reward.sandbox.SandboxLimits`` of every program run (sizes in bytes, times in seconds); a key
+    left out keeps that class's default."""
+
+    wall_time_s: float | None = Field(None, gt=0, description="wall-clock time of one run")
+    cpu_time_s: float | None = Field(None, gt=0, description="CPU time of one run (RLIMIT_CPU)")
+    memory_bytes: int | None = Field(None, gt=0, description="address space of every process inside (RLIMIT_AS)")
+    file_size_bytes: int | None = Field(None, gt=0, description="largest single file written (RLIMIT_FSIZE)")
+    tmpfs_bytes: int | None = Field(None, gt=0, description="total size of the writable /tmp")
+    max_processes: int | None = Field(None, gt=0, description="processes of the run's uid (RLIMIT_NPROC)")
+    max_open_files: int | None = Field(None, gt=0, description="open files of each process (RLIMIT_NOFILE)")
+    output_bytes: int | None = Field(None, gt=0, description="bytes kept of each output stream")
+
+
 class CodeRewardSettings(RewardSettings):
-    sandbox: dict[str, Any] = Field(
-        default_factory=dict, description="actors.reward.sandbox.SandboxLimits: wall_time_s, cpu_time_s, memory_bytes, ...")
+    sandbox: SandboxSettings = Field(default_factory=SandboxSettings, description="limits of every program run")
     allow_unsandboxed: bool = Field(False, description="run programs without a working sandbox (never on shared machines)")
 
 

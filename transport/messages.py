@@ -307,10 +307,6 @@ def _run(codec: _Codec, v: Any, path: str, ctx: _Ctx) -> Any:
     return codec.dec(v, path, ctx)
 
 
-def _encode_value(codec: _Codec, v: Any, ctx: _Ctx) -> Any:
-    return v if codec.enc is None else codec.enc(v, ctx)
-
-
 _CODEC_CACHE: dict[Any, _Codec] = {}
 
 

@@ -925,10 +925,6 @@ class MegatronTrainEngine(TrainEngine):
         np.random.set_state(rng["numpy"])
 
 
-def make_megatron_engine(model_dir: str, config: MegatronConfig, version: int = 0) -> MegatronTrainEngine:
-    return MegatronTrainEngine(model_dir, config, version=version)
-
-
 def is_available() -> bool:
     return MEGATRON_IMPORT_ERROR is None
 

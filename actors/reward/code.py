@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from actors.reward.actor import RewardActor, RewardConfigError, Score, failure_detail
+from actors.reward.actor import RewardActor, Score, failure_detail
 from actors.reward.pool import TaskFailure
 from actors.reward.sandbox import Sandbox, SandboxLimits
 from topology.settings import CodeRewardSettings
@@ -43,11 +43,7 @@ class CodeReward(RewardActor):
     cfg: CodeRewardSettings
 
     async def on_start(self) -> None:
-        raw = dict(self.cfg.sandbox)
-        try:
-            self.limits = SandboxLimits(**raw)
-        except TypeError as exc:
-            raise RewardConfigError(f"sandbox: {exc}") from exc
+        self.limits = SandboxLimits(**self.cfg.sandbox.model_dump(exclude_none=True))
         self.sandbox = Sandbox(self.limits, allow_unsandboxed=self.cfg.allow_unsandboxed)
         await super().on_start()
 

@@ -8,7 +8,9 @@ A path moves each new version from the trainer to the rollouts. Its sides:
 * :class:`Fanout`: the parameter server's hands. The server decides *when* a group is formed and a
   version pushed, and records the acks; the fanout decides *how*: it takes each version the trainer
   announces (its bytes, or only what the rollouts need to know of it), forms the group of an epoch
-  and moves the stored version's bytes to its members (itself, or by asking the trainer).
+  and moves the stored version's bytes to its members (itself, or by asking the trainer). It reports
+  what happened to the server through one typed interface, :class:`Coordinator`, and through nothing
+  else: the server calls the fanout, the fanout reports back.
 * :class:`WeightReceiver`: a rollout. It joins each epoch the parameter server names and turns a
   :class:`WeightsReady` into a :class:`WeightsAck`.
 
@@ -19,17 +21,14 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import contextvars
 import dataclasses
-import threading
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 from transport.bulk import BulkError, LinkConfig, PackedBucket, pack_to_host
 from transport.protocol import (LinkFormed, LinkReform, WeightsAck, WeightsBroadcast, WeightsBroadcastDone,
                                 WeightsPublished, WeightsReady, WeightsStored)
-
-T = TypeVar("T")
 
 Bucket = list[tuple[str, Any]]
 
@@ -62,52 +61,6 @@ class StoredVersion:
     def __post_init__(self) -> None:
         if self.n_buckets < 0:
             self.n_buckets = len(self.packed)
-
-
-#: None in a run. tools/replay.py sets it while it replays an actor: called with +1 as an :func:`in_thread` call
-#: starts and, from its thread, with -1 once its result is on its way to the event loop, so the replay counts
-#: the transfers in hand as it counts the default executor's work and lets them finish before the next record.
-observer: Callable[[int], None] | None = None
-
-
-def in_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
-    """Run a blocking call (a bulk-link collective) in a daemon thread and await its result.
-
-    Not asyncio.to_thread: a collective blocked on a dead peer cannot be cancelled, and the default
-    executor is joined at interpreter exit, which would hold a stopping actor until the link timeout.
-    """
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[T] = loop.create_future()
-    watch = observer
-
-    def settle(ok: bool, value: Any) -> None:
-        if fut.done():
-            return
-        if ok:
-            fut.set_result(value)
-        else:
-            fut.set_exception(value)
-
-    def body() -> None:
-        try:
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # handed to the awaiting coroutine, never swallowed
-                if not loop.is_closed():
-                    loop.call_soon_threadsafe(settle, False, exc)
-                return
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(settle, True, result)
-        finally:
-            if watch is not None:
-                watch(-1)
-
-    if watch is not None:
-        watch(1)
-    # In the caller's context: what a link sends or receives is logged as caused by the caller's message.
-    threading.Thread(target=contextvars.copy_context().run, args=(body,),
-                     name=f"blocking-{getattr(fn, '__name__', 'call')}", daemon=True).start()
-    return fut
 
 
 _PUSH_STREAMS: dict[int, Any] = {}
@@ -176,12 +129,59 @@ class WeightSender(abc.ABC):
         """Release the link or groups (the actor stops)."""
 
 
+class Coordinator(Protocol):
+    """The parameter server as its :class:`Fanout` sees it (``actors.param_server.ParamServerActor``
+    implements it). The server decides which rollouts form each epoch, when a version is pushed and who is
+    left out for a while; a fanout asks and reports through these members only."""
+
+    name: str
+    bus: Any                        # transport.bus.Bus: what the rollouts and the trainer are told
+    log: Any
+    counters: Counter
+    ack_timeout: float              # how long a rollout's ack or the trainer's answer is waited for
+    late_s: float                   # how long a push waits for the other members after the first ack
+    retry_s: float                  # how soon a failed formation is tried again (for the log)
+    current: StoredVersion | None   # the version the rollouts are brought to
+
+    def weight_ranks(self, rollout: str) -> int:
+        """How many ranks ``rollout``'s server joins a weights group with (0: the actor receives itself)."""
+
+    def spawn(self, coro: Any, name: str) -> "asyncio.Task[Any]":
+        """Run ``coro`` in the background for as long as the server runs."""
+
+    def offer(self, stored: StoredVersion) -> bool:
+        """A version was taken: the rollouts are brought to it unless it is no newer than ``current``."""
+
+    async def send_link_reform(self, rollout: str, epoch: int, members: list[str]) -> None:
+        """Tell ``rollout`` to join ``epoch`` of the link, formed by ``members`` (the link's master first)."""
+
+    async def await_formation(self, members: list[str], work: "asyncio.Future[Any]", epoch: int) -> bool:
+        """Await a formation unless a member is lost first; False if it failed (logged and counted)."""
+
+    async def unless_lost(self, members: list[str], work: "asyncio.Future[Any]", what: str) -> Any:
+        """Await a transfer unless a member is lost first (then a BulkError)."""
+
+    def record_ack(self, name: str, ack: WeightsAck, stored: StoredVersion,
+                   summary: dict[str, dict[str, Any]]) -> None:
+        """A member acked ``stored``: its state, and its line of the push's ``summary``."""
+
+    def pushed(self, stored: StoredVersion, epoch: int, members: list[str], summary: dict[str, dict[str, Any]],
+               sent_s: float, sync_s: float) -> bool:
+        """A push ended (``summary``: each member's ack or error); whether every member acked it correctly."""
+
+    def failed_with(self, members: list[str], started: float | None = None) -> None:
+        """A formation or push failed with ``members``: those back from a hang are left out for a while."""
+
+    def link_broken(self) -> None:
+        """A transfer failed on the formed epoch: the group must be formed again before the next push."""
+
+    def kick(self) -> None:
+        """Look again for work (a transfer ended)."""
+
+
 class Fanout(abc.ABC):
     """The parameter server's side: takes each version the trainer announces, forms an epoch's group
-    and moves a stored version over it. It is built with the ParamServerActor that coordinates, and reports
-    back through its coordination calls: ``offer`` (a version to bring the rollouts to),
-    ``send_link_reform``, ``await_formation`` and ``unless_lost`` (a transfer ends when a member is lost),
-    ``record_ack``, ``pushed``, ``failed_with`` (probation), ``kick`` (look again)."""
+    and moves a stored version over it, reporting to its :class:`Coordinator`."""
 
     #: whether the parameter server holds the bytes of each version (it can keep some for the evaluator)
     holds_weights: bool = False
@@ -206,7 +206,7 @@ class Fanout(abc.ABC):
         if it failed (logged and counted here; the parameter server retries at a newer epoch)."""
 
     @abc.abstractmethod
-    async def push(self, stored: Any, epoch: int, members: list[str]) -> bool:
+    async def push(self, stored: StoredVersion, epoch: int, members: list[str]) -> bool:
         """Move ``stored`` to ``members`` and record their acks; whether every one acked it correctly."""
 
     def busy(self, rollout: str) -> bool:

@@ -27,14 +27,14 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from actors.recovery import start_weights
+from actors.threads import in_thread
 from actors.weights import combine_digests, tensor_digests
 from transport.bulk import BulkError, BulkLink, PackedBucket, pack_to_host, unpack_bucket
 from transport.bus import BusError
 from transport.protocol import (LinkFormed, LinkReform, WeightsAck, WeightsBroadcast, WeightsBroadcastDone,
                                 WeightsPublished, WeightsReady, WeightsStored)
 
-from .base import Bucket, Fanout, StoredVersion, WeightSender, WeightSyncConfigError, in_thread, push_stream
+from .base import Bucket, Coordinator, Fanout, StoredVersion, WeightSender, WeightSyncConfigError, push_stream
 
 
 class KeptVersions:
@@ -215,18 +215,17 @@ class TrainerFanout(Fanout):
     """The parameter server's side of direct weights: it holds no bytes; the trainer forms each epoch
     (LinkReform as a request) and broadcasts (WeightsBroadcast) while the rollouts receive."""
 
-    def __init__(self, server: Any, trainer: str, rollouts: list[str]) -> None:
-        self.server, self.trainer = server, trainer   # the ParamServerActor that coordinates
+    def __init__(self, server: Coordinator, trainer: str, rollouts: list[str], start_version: int) -> None:
+        self.server, self.trainer = server, trainer
         self.rollouts = list(rollouts)
+        self.start_version = start_version   # the version the run starts from (actors.recovery.start_weights)
         self._acks: dict[str, asyncio.Future] = {}    # the running push's WeightsReady requests, by rollout
         self._abandoned: dict[str, str] = {}          # ... given up on, and why
 
     async def start_weights(self) -> StoredVersion:
         """Only the start version's number: nothing is loaded here, so its hash is unknown and a rollout at it
         counts as up to date; a restarted rollout is brought to the newest version from the trainer's copy."""
-        ps = self.server
-        version, _ = start_weights(ps.cfg, ps.run_dir)
-        return StoredVersion(version, "", [], 0, n_buckets=0)
+        return StoredVersion(self.start_version, "", [], 0, n_buckets=0)
 
     async def accept(self, msg: WeightsPublished) -> WeightsStored:
         """The trainer keeps the bytes: only what the rollouts must be told of them is stored."""
@@ -239,7 +238,7 @@ class TrainerFanout(Fanout):
 
     async def form(self, epoch: int, members: list[str]) -> dict[str, Any] | None:
         ps = self.server
-        if any(ps.rollouts[n].weight_ranks for n in members):
+        if any(ps.weight_ranks(n) for n in members):
             return await self._form_with_servers(epoch, members)
         names = [self.trainer, *members]   # the link's master first
         for name in members:
@@ -255,13 +254,13 @@ class TrainerFanout(Fanout):
         The group is complete when the trainer's first broadcast finds every rank joined (it waits for that,
         bounded by the link timeout)."""
         ps = self.server
-        if not all(ps.rollouts[n].weight_ranks > 0 for n in members):
+        if not all(ps.weight_ranks(n) > 0 for n in members):
             ps.counters["link_form_failures"] += 1
             ps.log.error("rollout_link_form_failed", epoch=epoch, retry_in_s=ps.retry_s,
                          error="some rollouts receive on the link and some through their servers: "
-                               f"{ {n: ps.rollouts[n].weight_ranks for n in members} }")
+                               f"{ {n: ps.weight_ranks(n) for n in members} }")
             return None
-        world = 1 + sum(ps.rollouts[n].weight_ranks for n in members)
+        world = 1 + sum(ps.weight_ranks(n) for n in members)
         try:
             formed = await ps.bus.request(self.trainer, LinkReform(epoch=epoch, world_size=world),
                                           timeout=ps.ack_timeout)
@@ -274,7 +273,7 @@ class TrainerFanout(Fanout):
             await ps.bus.send(name, LinkReform(epoch=epoch, master_addrs=formed.master_addrs,
                                                master_ports=formed.master_ports, rank_offset=offset,
                                                world_size=world))
-            offset += ps.rollouts[name].weight_ranks
+            offset += ps.weight_ranks(name)
         return {"ranks": world, "servers": True, "stages": len(formed.master_ports)}
 
     def lost(self, rollout: str, why: str) -> None:
@@ -285,7 +284,7 @@ class TrainerFanout(Fanout):
             self._abandoned[rollout] = why
             fut.cancel()
 
-    async def push(self, stored: Any, epoch: int, members: list[str]) -> bool:
+    async def push(self, stored: StoredVersion, epoch: int, members: list[str]) -> bool:
         """The trainer broadcasts (WeightsBroadcast) on the group it hosts; every member acks."""
         ps = self.server
         t0 = time.monotonic()
@@ -308,7 +307,7 @@ class TrainerFanout(Fanout):
                 fut.cancel()
             await asyncio.gather(*acks.values(), return_exceptions=True)
             self._acks = {}
-            ps.need_reform = True
+            ps.link_broken()
             ps.failed_with(members, started=t0)
             ps.counters["push_failures"] += 1
             ps.log.error("weights_push_failed", version=stored.version, epoch=epoch, error=str(exc),

@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from actors.engines.base import EngineError, GenerationEngine, WeightBucket
+from actors.threads import in_thread
 from transport.bulk import BulkLink, LinkConfig
 from transport.protocol import LinkReform, WeightsAck, WeightsReady
 
-from .base import WeightReceiver, WeightSyncError, in_thread, weight_group_name
+from .base import WeightReceiver, WeightSyncError, weight_group_name
 
 Verify = Callable[[WeightsReady], Awaitable[tuple[str, str]]]
 

@@ -17,19 +17,21 @@ import asyncio
 import functools
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from actors.engines.checkpoint import bucketize, iter_checkpoint_tensors
 from actors.recovery import start_weights
+from actors.threads import in_thread
 from actors.weights import weights_hash
 from topology.experiment import ExperimentConfig
-from transport.bulk import BulkError, BulkLink, PackedBucket, pack_buckets
+from transport.bulk import BulkError, BulkLink, LinkConfig, PackedBucket, pack_buckets
 from transport.bus import BusError
 from transport.protocol import WeightsPublished, WeightsReady, WeightsStored
 
-from .base import Fanout, StoredVersion, WeightSender, WeightSyncConfigError, WeightsRejected, in_thread
+from .base import Coordinator, Fanout, StoredVersion, WeightSender, WeightSyncConfigError, WeightsRejected
 
 # A parameter server restarted in place answers within a few seconds; each attempt is bounded by the link's
 # timeout, so this bounds how long a step waits for one that does not come back.
@@ -78,7 +80,7 @@ class RelaySender(WeightSender):
                 link.send_packed(p, dst)
 
         try:
-            await asyncio.to_thread(send_all)
+            await in_thread(send_all)   # a collective: never on the default executor (actors/threads.py)
         except BaseException:
             reply.cancel()
             await asyncio.gather(reply, return_exceptions=True)
@@ -113,9 +115,12 @@ class RelayFanout(Fanout):
 
     holds_weights = True
 
-    def __init__(self, server: Any, up: BulkLink, down: BulkLink, trainer_rank: int) -> None:
-        self.server = server   # the ParamServerActor that coordinates
+    def __init__(self, server: Coordinator, up: BulkLink, down: BulkLink, trainer_rank: int,
+                 make_link: Callable[[LinkConfig], BulkLink], start: Callable[[], StoredVersion]) -> None:
+        self.server = server
         self.up, self.link, self.trainer_rank = up, down, trainer_rank
+        self.make_link = make_link   # a fresh train link, to meet the trainer on the epoch it names
+        self.start = start           # loads the start weights (blocking)
         self.rollouts = [m for m in down.config.members if m != server.name]
         self._lanes: dict[str, asyncio.Future] = {}   # each rollout's running transfer and ack
         self._up_lock = asyncio.Lock()
@@ -124,8 +129,7 @@ class RelayFanout(Fanout):
         self._storing: set[asyncio.Task] = set()   # published versions being hashed and packed
 
     async def start_weights(self) -> StoredVersion:
-        ps = self.server
-        return await asyncio.to_thread(load_start_weights, ps.cfg, ps.run_dir, ps.cfg.bucket_bytes)
+        return await asyncio.to_thread(self.start)
 
     async def accept(self, msg: WeightsPublished) -> WeightsStored:
         """Receive the announced version's buckets on the train link; with an announced hash they are checked
@@ -138,7 +142,7 @@ class RelayFanout(Fanout):
             # First contact, a restart of either side, or a transfer that failed: meet the trainer on the epoch
             # it names (it is the rendezvous master and joins that epoch too), on a link object of its own: an
             # announcement older than a restart may still be waiting for its epoch in another thread.
-            link = ps.make_link(self.up.config)
+            link = self.make_link(self.up.config)
             try:
                 await in_thread(link.open, msg.link_epoch)
             except BulkError as exc:
@@ -210,7 +214,7 @@ class RelayFanout(Fanout):
         if (lane := self._lanes.get(rollout)) is not None:
             lane.cancel(f"{rollout}: {why}")
 
-    async def push(self, stored: Any, epoch: int, members: list[str]) -> bool:
+    async def push(self, stored: StoredVersion, epoch: int, members: list[str]) -> bool:
         """A lane per member: its buckets sent point to point on a thread of its own, then its ack. The push
         ends when every lane has, or `late_s` after the first one did; a late lane runs on (its member is
         skipped until it ends, then catches up), and a lost member's lane is abandoned."""
@@ -237,7 +241,7 @@ class RelayFanout(Fanout):
             if self._lanes.get(name) is fut:
                 del self._lanes[name]
             if not fut.cancelled() and fut.exception() is not None:
-                ps.need_reform = True   # its side of the group is broken: it joins a fresh one
+                ps.link_broken()   # its side of the group is broken: it joins a fresh one
             ps.kick()
 
         lanes = {name: asyncio.ensure_future(lane(name)) for name in members}

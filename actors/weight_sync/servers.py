@@ -14,11 +14,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from actors.rank_group import BROADCAST, HOST, RankGroup, on_daemon_thread
+from actors.rank_group import BROADCAST, HOST, RankGroup
+from actors.threads import in_thread, on_daemon_thread
 from transport.bulk import LinkConfig, PackedBucket, TensorMeta, bucket_views, unpack_bucket
 from transport.protocol import LinkFormed, LinkReform
 
-from .base import Bucket, in_thread, push_stream, weight_group_name
+from .base import Bucket, WeightSender, WeightSyncError, push_stream, weight_group_name
 from .direct import Carrier, KeptVersions
 
 
@@ -139,26 +140,40 @@ class ServerGroupCarrier(Carrier):
         self.host.close()
 
 
-class StageSender:
+class StageSender(WeightSender):
     """A pipeline stage's sender (data- and tensor-parallel rank 0 of a stage > 0): keeps its own layers'
-    buckets of each version and broadcasts them on the group it hosts, as rank 0 leads."""
+    buckets of each version and broadcasts them on the group it hosts, as rank 0 leads. Rank 0 announces
+    them (:meth:`keep` hands it their description) and forms the groups; this side follows its commands
+    (:meth:`follow`). On a rank that is not a stage's sender it only takes part in the export."""
 
     def __init__(self, stage: int, sender: bool, address: str, log: Any, kept_bytes: int | None = None) -> None:
         self.stage, self.sender, self.address, self.log = stage, sender, address, log
         self.kept = KeptVersions(kept_bytes)
         self.host: ServerGroupHost | None = None
 
-    def keep(self, version: int, buckets: Iterable[Bucket]) -> StageExport | None:
-        """Keep this stage's buckets of `version` as they are exported (iterated to the end on every rank), and
-        tell rank 0 their names, shapes and digests (for the specs every server receives by). None on ranks
-        that are not a stage's sender (they export none)."""
+    def take(self, version: int, buckets: Iterable[Bucket]) -> list[PackedBucket]:
+        """Keep this stage's buckets of ``version`` as they are exported; on a rank that is not a stage's
+        sender, iterate them to the end (the export's collectives need every rank) and keep none."""
         if not self.sender:
-            for _ in buckets:   # the export's collectives need every rank
+            for _ in buckets:
                 pass
-            return None
-        packed = self.kept.keep(version, buckets)
+            return []
+        return self.kept.keep(version, buckets)
+
+    async def publish(self, version: int, packed: list[PackedBucket], stages: list[Any]) -> None:
+        raise WeightSyncError("a pipeline stage's buckets are announced by trainer rank 0 with its own (the "
+                              "StageExport that keep() hands it), not by the stage")
+
+    def keep(self, version: int, buckets: Iterable[Bucket]) -> StageExport | None:
+        """:meth:`take`, and what rank 0 announces of it: the buckets' names and shapes (for the specs every
+        server receives by). None on ranks that are not a stage's sender."""
+        packed = self.take(version, buckets)
         # No digests: the servers are checked by the version they report.
-        return StageExport(self.stage, [p.metas() for p in packed], [])
+        return StageExport(self.stage, [p.metas() for p in packed], []) if self.sender else None
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
 
     def follow(self, weight_ranks: RankGroup, name: str) -> None:
         """Rank 0's weights commands, until STOP (blocking: run on a thread of its own, as they come while a

@@ -13,13 +13,13 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import socket
 import time
 from typing import Any
 
 import torch
 
 from actors.batch import BATCH_FRAME_BYTES, from_columns, shares as batch_shares
+from transport.ports import free_port
 from transport.protocol import BatchRequest, BatchTensors, BufferStats
 
 
@@ -47,12 +47,6 @@ def synthetic_batch(groups: int = 512, answers: int = 16, max_new: int = 31744, 
 def token_bytes(batch: BatchTensors) -> int:
     return sum(t.numel() * t.element_size() for col in (batch.prompt_ids, batch.output_ids, batch.logprobs,
                                                         batch.versions) for t in col)
-
-
-def _free_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def _buffer_side(args: argparse.Namespace, endpoints: dict[str, str], ready: Any, done: Any) -> None:
@@ -90,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     ctx = mp.get_context("fork")
-    endpoints = {"buffer": _free_endpoint(), "trainer": _free_endpoint()}
+    endpoints = {"buffer": f"tcp://127.0.0.1:{free_port()}", "trainer": f"tcp://127.0.0.1:{free_port()}"}
     ready, done = ctx.Event(), ctx.Event()
     server = ctx.Process(target=_buffer_side, args=(args, endpoints, ready, done), daemon=True)
     server.start()

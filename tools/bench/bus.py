@@ -26,7 +26,6 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import socket
 import statistics
 import sys
 import time
@@ -35,18 +34,13 @@ from typing import Any
 import torch
 
 from transport.messages import Message, message
+from transport.ports import free_port
 
 HWM = 1000
 BULK_BYTES = 64 << 20
 
 SMALL_FIELDS = {"prompt_id": 123456, "version": 7, "reward": 0.5,
                 "text": "the answer is \\boxed{42} (short one)", "tokens": [101, 2023, 2003, 1037, 3231, 102]}
-
-
-def _free_endpoint() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 @message("bench.small")
@@ -220,7 +214,7 @@ def _run_case(mode: str, n: int, coalesce: bool = True) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     ready, done = ctx.Event(), ctx.Event()
     results = ctx.Queue()
-    endpoint = _free_endpoint()
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
     rx = ctx.Process(target=_rx, args=(mode, endpoint, n, ready, results, done), daemon=True)
     rx.start()
     if not ready.wait(60):
