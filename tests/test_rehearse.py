@@ -149,13 +149,13 @@ def test_agreement_is_within_15_percent_figure_by_figure() -> None:
 
 
 def test_a_tiny_rehearsal_runs_the_real_actors_through_the_node_agents(tmp_path: Path) -> None:
-    """One rollout with its stand-in server, one reward actor, the trainer, buffer and parameter server on two
-    fake nodes, two steps of short answers: every step trained, nothing lost or trained twice, the same figures
+    """One rollout with its stand-in server, one reward actor, the trainer, buffer, parameter server and the
+    topology's evaluator (idle: the rehearsal evaluates nothing) on two fake nodes, two steps of short answers: every step trained, nothing lost or trained twice, the same figures
     on both sides (their values are timings of a shared machine: not asserted)."""
     opts = rehearsal.Options("topology/64node.yaml", ["actors.rollout.count=48", "experiment.gen.max_new_tokens=2048"],
                              1 / 48, 200.0, 32, 2, "none", 3, 0, tmp_path / "run", 240.0, 60.0, False)
     r = rehearsal.rehearse(opts)
-    assert r["trained_steps"] == 2 and r["actors"] == 5 and r["fake_nodes"] == 2, r.get("stopped")
+    assert r["trained_steps"] == 2 and r["actors"] == 6 and r["fake_nodes"] == 2, r.get("stopped")
     assert r["ledger"]["lost"] == 0 and r["ledger"]["twice"] == 0
     assert set(r["measured"]) == set(r["simulated"]) and r["processes_peak"] >= 7
     assert all(math.isfinite(row["ratio"]) for row in r["agreement"]["rows"].values())

@@ -65,6 +65,8 @@ class Layout:
     trainer_parallel: dict[str, int]
     gpus_per_node: int
     batch_size: int
+    #: the topology's other groups (an evaluator): placed on the buffer's node
+    others: tuple[str, ...] = ()
 
     @property
     def rollouts(self) -> int:
@@ -99,7 +101,8 @@ def scaled_layout(plan: Plan, scale: float) -> Layout:
     return Layout(rollout_nodes=max(1, round(n_nodes * scale)), rollouts_per_node=rollout.count // n_nodes,
                   rewards_per_node=max(1, reward.count // n_nodes), trainer_gpus=gpus,
                   trainer_parallel={"dp": gpus // replica, **par}, gpus_per_node=node_gpus or 8,
-                  batch_size=max(1, round(topo.config.algo.batch_size * scale)))
+                  batch_size=max(1, round(topo.config.algo.batch_size * scale)),
+                  others=tuple(g for g in topo.groups if g not in REQUIRED_GROUPS))
 
 
 def _yaml(value: Any) -> str:
@@ -115,6 +118,7 @@ def simulated_overrides(layout: Layout, max_new_tokens: int) -> list[str]:
             f"actors.trainer.count={layout.trainer_gpus}", f"actors.trainer.nodes={_yaml(f'{r}-{r + t - 1}')}",
             f"actors.trainer.parallel={_yaml(layout.trainer_parallel)}",
             f"actors.buffer.nodes=[{r}]", f"actors.param_server.nodes=[{r}]",
+            *(f"actors.{g}.nodes=[{r}]" for g in layout.others),
             f"experiment.algo.batch_size={layout.batch_size}",
             f"experiment.gen.max_new_tokens={max_new_tokens}"]
 

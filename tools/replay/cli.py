@@ -1,4 +1,6 @@
-"""The command line of ``python -m tools.replay`` (see the package's docstring)."""
+"""`python -m tools.replay LOG`: read a message log; `--into MODULE:Class`: replay it into a fresh actor.
+
+The command line of the package (its docstring says what printing and replaying do)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +10,6 @@ from pathlib import Path
 
 from transport.msglog import MessageLogError
 
-from . import __doc__ as DOC
 from .doubles import ReplayError
 from .driver import replay_into
 from .metrics import metrics_table, read_metrics
@@ -18,7 +19,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.replay", description=DOC.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("log", help="message log file (RUN_DIR/msglog/<actor>.msglog)")
     ap.add_argument("--type", action="append", default=[], help="only this message kind (repeatable)")
     ap.add_argument("--sender", action="append", default=[], help="only messages sent by this actor (repeatable)")

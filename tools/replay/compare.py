@@ -11,7 +11,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 
@@ -19,9 +19,6 @@ from transport.messages import registry, upgraded_body
 from transport.msglog import LogRecord
 
 from .records import describe, jsonable
-
-if TYPE_CHECKING:
-    from .doubles import ReplayBus
 
 __all__ = ["BULK_HEADER", "Divergence", "Sent", "bulk_key", "differs_so_far", "expected_key", "first_divergence",
            "wire_key"]
@@ -156,7 +153,7 @@ def _by_peer(items: list, peer_of: Callable[[Any], str]) -> dict[str, list]:
     return out
 
 
-def first_divergence(inbound: list, originals: dict, bus: ReplayBus, skip_missing: bool,
+def first_divergence(inbound: list, originals: dict, bus: Any, skip_missing: bool,
                       tol: float = 0.0, unanswered: frozenset | set = frozenset(),
                       stop_index: int | None = None) -> Divergence | None:
     """Compare the replay's outbound messages with the original's, cause by cause in delivery order and, for
@@ -204,7 +201,7 @@ def first_divergence(inbound: list, originals: dict, bus: ReplayBus, skip_missin
     return None
 
 
-def differs_so_far(bus: ReplayBus, expected_keys: dict, checked: list[int], tol: float) -> bool:
+def differs_so_far(bus: Any, expected_keys: dict, checked: list[int], tol: float) -> bool:
     """Whether a message sent since the last call differs from the original's at its place."""
     seen = bus.per_peer_seen
     for cause, j in bus.order[checked[0]:]:
