@@ -651,9 +651,15 @@ def build_specs(plan: Plan, run_dir: Path, record: bool = False) -> list[dict[st
         curve = {"keys_dir": generate_run_keys(str(run_dir), names)}
     else:
         tokens = {"tokens_dir": generate_run_tokens(str(run_dir), names)}
+    bus = plan.topology.bus
+    bus_ports = range(bus.base_port, bus.base_port + bus.port_range) if bus.transport == "tcp" else range(0)
     for link in [*plan.links.values(), *plan.worlds.values()]:
-        if link.port == 0:  # `port: auto`
-            link.port = free_port(topo_mod.resolve_host(link.master_host) if link.master_host else "127.0.0.1")
+        if link.port == 0:  # `port: auto`: free now, and not one the actors' tcp bus will bind later
+            host = topo_mod.resolve_host(link.master_host) if link.master_host else "127.0.0.1"
+            for _ in range(100):
+                if (port := free_port(host)) not in bus_ports:
+                    break
+            link.port = port
     specs = plan.specs(run_dir, curve=curve, tokens=tokens)
     if plan.links:
         # the links' rendezvous stores sign their values with it (transport.bulk.SignedStore)
