@@ -365,10 +365,14 @@ def test_pipeline_stages_each_send_their_own_layers_to_sglang_servers(assets: di
     steps = 4
     run_to_end(assets, run_dir, steps, ckpt_every=steps, topology=str(topology))
     formed = events(run_dir, "param_server", "rollout_link_formed")
-    assert formed and all(e["stages"] == 2 and e["ranks"] == 3 for e in formed), formed
+    # A server still starting when the first version waits joins late: a formation may leave it out (then it
+    # has one rank less); the last one has both.
+    assert formed and all(e["stages"] == 2 and e["ranks"] == 3 - len(e["left_out"]) for e in formed), formed
+    assert formed[-1]["ranks"] == 3, formed
     pushes = events(run_dir, "param_server", "weights_pushed")
     # (how many versions are pushed follows the machine's speed: versions that arrive during a push are coalesced)
-    assert pushes and all(set(p["rollouts"]) == {"rollout.0", "rollout.1"} for p in pushes), pushes
+    both = {"rollout.0", "rollout.1"}
+    assert pushes and all(set(p["rollouts"]) <= both for p in pushes) and set(pushes[-1]["rollouts"]) == both, pushes
     assert all(r["ack_ok"] and r["verified"] == "version" for p in pushes for r in p["rollouts"].values()), pushes
     for name in ("rollout.0", "rollout.1"):
         hashes = events(run_dir, name, "weights_updated")
