@@ -294,7 +294,6 @@ def test_the_dry_runs_weights_group_is_the_one_the_rollouts_and_parameter_server
     # Each rollout's receiver says how many ranks its server joins with (actors.weight_sync.make_receiver);
     # the parameter server asks the trainer for a group of 1 + their sum (weight_sync/direct.py).
     import collections
-    import types
 
     import structlog
 
@@ -309,10 +308,10 @@ def test_the_dry_runs_weights_group_is_the_one_the_rollouts_and_parameter_server
         if not spec["name"].startswith("rollout."):
             continue
         cfg = RolloutSettings.model_validate(spec["settings"])
-        rollout = types.SimpleNamespace(cfg=cfg, param_server="param_server", active={}, log=structlog.get_logger(),
-                                        counters=collections.Counter())
         engine = SGLangEngine.from_settings(cfg, 0, "/models/m", run_dir=str(tmp_path))
-        receiver = make_receiver(rollout, LinkConfig.from_dict(cfg.links["weights"]), engine, verify=None)
+        receiver = make_receiver(cfg, LinkConfig.from_dict(cfg.links["weights"]), engine, verify=None,
+                                 make_link=None, param_server="param_server", counters=collections.Counter(),
+                                 log=structlog.get_logger(), active=lambda: 0)
         ranks += receiver.ranks
     assert 1 + ranks == up.server_groups(plan)["weights"].world == 385
 
