@@ -415,7 +415,10 @@ class RolloutActor(Actor):
         if self.engine is not None and gid in self.active:
             await self.engine.abort(gid)
             running = self._episodes.get(gid)
-            if running is not None:   # an episode's later turns: cancelling aborts them
+            # An episode's later turns are requests of their own: cancelling aborts them. A one-turn group is
+            # not cancelled: its aborted request answers, and `done` is set once the server has let it go
+            # (a cancelled wait would answer before the server's copy ended, beside its re-issue).
+            if running is not None and self.limits.max_turns > 1:
                 running.cancel()
         try:
             await asyncio.wait_for(done.wait(), self.cfg.drain_timeout / 2)
