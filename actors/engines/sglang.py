@@ -389,22 +389,16 @@ class SGLangEngine(GenerationEngine):
                 if exc.status == 400:
                     raise RequestError(f"request {request.rid!r}: the SGLang server refused it: {exc.body[:300]}") from exc
                 raise
-            except SGLangConnectionReset:
-                # The server may be generating it: stop that copy (an abort of a rid it never got does nothing),
-                # then send what we hold again as a new segment. A server that cannot take the abort may be
-                # dying: handled below, as any failed call.
-                resets += 1
-                if resets <= self.MAX_RESETS and not self._stopping and await self._abort_rid(sent_rid):
-                    sample.sglang_rid = None
-                    self.resubmits += 1
-                    continue
-                if self.server is None or self._stopping or not await self.server.died(starts):
-                    raise
-                await self._wait_server(starts)
-                sample.sglang_rid = None
-                self.resubmits += 1
-                continue
-            except SGLangError:
+            except SGLangError as exc:
+                # A reset connection: the server may be generating it. Stop that copy (an abort of a rid it never
+                # got does nothing), then send what we hold again as a new segment. A server that cannot take
+                # the abort may be dying: handled as any failed call.
+                if isinstance(exc, SGLangConnectionReset):
+                    resets += 1
+                    if resets <= self.MAX_RESETS and not self._stopping and await self._abort_rid(sent_rid):
+                        sample.sglang_rid = None
+                        self.resubmits += 1
+                        continue
                 if self.server is None or self._stopping or not await self.server.died(starts):
                     raise
                 # The server died mid-request: wait for the restart, then resume from the tokens we hold.
