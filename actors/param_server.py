@@ -125,36 +125,12 @@ class ParamServerActor(Actor):
         """The rollouts of the formed epoch, in link order."""
         return self.policy.formed
 
-    @property
-    def need_reform(self) -> bool:
-        return self.policy.need_reform
-
-    @need_reform.setter
-    def need_reform(self, value: bool) -> None:
-        self.policy.need_reform = value
-
-    @property
-    def probation_s(self) -> float:
-        return self.policy.probation_s
-
-    @probation_s.setter
-    def probation_s(self, value: float) -> None:
-        self.policy.probation_s = value
-
-    @property
-    def _last_good(self) -> set[str]:
-        return self.policy.last_good
-
-    @_last_good.setter
-    def _last_good(self, value: set[str]) -> None:
-        self.policy.last_good = value
-
     # ------------------------------------------------------------------------------------ lifecycle
 
     async def on_start(self) -> None:
         self.ack_timeout = self.cfg.ack_timeout_s
         self.retry_s = self.cfg.retry_s
-        self.probation_s = self.cfg.probation_s
+        self.policy.probation_s = self.cfg.probation_s
         self.late_s = self.cfg.late_s
         self.eval_every = self.cfg.eval.every_versions
         self.fanout = make_fanout(self.cfg, self, self.make_link, self.run_dir)
@@ -232,7 +208,7 @@ class ParamServerActor(Actor):
         # Any hello after the link was formed comes from a (re)started member: it needs a new group.
         self._member_changed(sender, "it restarted")
         self.log.info("rollout_hello", rollout=sender, version=version, first=first,
-                      current=self.current.version if self.current else None, reform=self.need_reform)
+                      current=self.current.version if self.current else None, reform=self.policy.need_reform)
 
     @handles(ServerDown)
     def on_server_down(self, msg: ServerDown, env: Any) -> None:
@@ -384,7 +360,7 @@ class ParamServerActor(Actor):
 
     def link_broken(self) -> None:
         """A transfer failed on the formed epoch: the next push forms the group again first."""
-        self.need_reform = True
+        self.policy.need_reform = True
 
     def weight_ranks(self, rollout: str) -> int:
         """How many ranks ``rollout``'s server joins a weights group with (its hello said; 0: the actor)."""

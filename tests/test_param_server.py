@@ -212,7 +212,7 @@ def test_a_rollout_that_restarted_during_a_failed_formation_is_not_put_on_probat
         started = time.monotonic()
         actor.rollouts = {"rollout.0": RolloutWeights(hello=True, hello_at=started - 10),
                           "rollout.1": RolloutWeights(hello=True, hello_at=started + 1)}   # hello during it
-        actor._last_good, actor.probation_s = {"rollout.0"}, 30.0   # set in on_start, which needs the links
+        actor.policy.last_good, actor.policy.probation_s = {"rollout.0"}, 30.0   # set in on_start, which needs the links
         actor.failed_with(["rollout.0", "rollout.1"], started=started)
         assert actor._ready() == ["rollout.0", "rollout.1"]
         actor.rollouts["rollout.1"].hello_at = started - 1       # the same process, back from a hang
