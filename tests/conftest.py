@@ -32,6 +32,18 @@ def random_model_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
+def standin():
+    """An SGLang stand-in server (testsupport/sglang_standin.py) in a thread, over a tiny random model (seed 0)."""
+    from actors.engines.torch_gen import TorchGenerationEngine
+    from testsupport.sglang_standin import StandinThread
+    from testsupport.tiny_models import tiny_model
+
+    server = StandinThread(TorchGenerationEngine(model=tiny_model(seed=0))).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def careful_agent():
     """A script for testsupport.scripted_engine: the model that solves the agent task's calculator chains as its
     careful teacher does (tools/agent_task.py), one turn per call, with the shipped arith tokenizer."""

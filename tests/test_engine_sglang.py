@@ -50,13 +50,6 @@ def standin_weights_hash(url: str) -> str:
 run = functools.partial(run_bounded, timeout=TIMEOUT)
 
 
-@pytest.fixture
-def standin():
-    server = StandinThread(TorchGenerationEngine(model=tiny_model(seed=0))).start()
-    yield server
-    server.stop()
-
-
 def test_samples_equal_the_embedded_engine_and_logprobs_come_back(standin):
     prompt = random_sequences(1, 5, 12, VOCAB, seed=3)[0]
     sampling = SamplingParams(temperature=1.0, top_k=30, max_new_tokens=24, seed=11)

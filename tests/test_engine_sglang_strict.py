@@ -35,13 +35,6 @@ TIMEOUT = 90.0
 run = functools.partial(run_bounded, timeout=TIMEOUT)
 
 
-@pytest.fixture
-def standin():
-    server = StandinThread(TorchGenerationEngine(model=tiny_model(seed=0))).start()
-    yield server
-    server.stop()
-
-
 def post(url: str, route: str, body: dict, timeout: float = TIMEOUT) -> tuple[int, dict]:
     req = urllib.request.Request(url + route, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
