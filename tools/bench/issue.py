@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from typing import Any, Callable
 
-from actors.buffer_state import BufferState
+from actors.buffer.state import BufferState
 from algo.serving import DecodePace
 from transport.protocol import Answers, Sample
 
