@@ -44,8 +44,9 @@ from actors.base import Actor, ActorSpec, handles
 from actors.engines.base import (EngineError, GenerationEngine, GenerationRequest, RequestError, SamplingParams,
                                  require_device)
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
-from actors.envs import UnknownTool, environment_for
-from actors.episode import EpisodeLimits, Trajectory, run_episodes
+from actors.envs import ENVIRONMENTS, UnknownTool, environment_for
+from actors.envs.python_tool import python_tool
+from actors.episode import EpisodeError, EpisodeLimits, Trajectory, run_episodes
 from actors.recovery import start_weights
 from actors.weight_sync import WeightReceiver, WeightSyncError, link_config, make_receiver
 from actors.weights import weights_hash
@@ -162,6 +163,7 @@ class RolloutActor(Actor):
         self._tokens = 0
         self.codec: LoadedTokenizer | None = None   # what an episode encodes observations and decodes turns with
         self.limits = EpisodeLimits()
+        self.environments = dict(ENVIRONMENTS)   # tool name -> factory; the python tool's built from settings
         self._eval_requests = 0              # the evaluator's prompts taken (their request ids)
 
     # ------------------------------------------------------------------------------------ lifecycle
@@ -177,6 +179,10 @@ class RolloutActor(Actor):
         gen = self.cfg.gen
         self.limits = EpisodeLimits(max_turns=gen.max_turns, max_tokens=gen.max_context,
                                     env_timeout_s=gen.env_timeout_s)
+        try:
+            _, self.environments["python"] = python_tool(self.cfg.python_tool, gen.env_timeout_s)
+        except ValueError as exc:
+            raise RolloutConfigError(str(exc)) from None
         if not self.cfg.model.path:
             raise RolloutConfigError("model.path: not set (episodes decode turns with its tokenizer)")
         self.codec = await asyncio.to_thread(load_tokenizer, self.cfg.model.path)
@@ -302,7 +308,7 @@ class RolloutActor(Actor):
                                       # seed 0 is "unset" on the wire: let the engine pick a fresh one
                                       seed=msg.seed or None)
             request = GenerationRequest(rid=msg.group_id, input_ids=tuple(msg.prompt_ids), sampling=sampling, n=msg.n)
-            make_env = environment_for({"tool": msg.task.tool or None})
+            make_env = environment_for({"tool": msg.task.tool or None}, self.environments)
         except (RequestError, UnknownTool) as exc:
             await self._return(msg.group_id, f"invalid: {exc}")
             return
@@ -318,7 +324,7 @@ class RolloutActor(Actor):
             run_episodes(engine, request, make_env, self.codec, self.limits))
         try:
             episodes = await running
-        except RequestError as exc:
+        except (RequestError, EpisodeError) as exc:   # EpisodeError: a tool's marker is not one token
             await self._return(msg.group_id, f"invalid: {exc}")
             return
         except EngineError as exc:
