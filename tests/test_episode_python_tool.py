@@ -25,7 +25,7 @@ from testsupport.bounded import run_bounded, until
 from testsupport.scripted_engine import ScriptedEngine
 from testsupport.tiny_models import ARITH_TOKENIZER_DIR
 from topology.settings import PythonToolSettings
-from transport.protocol import GenerateGroup, Task, Trajectories
+from transport.protocol import GenerateGroup, GroupReturned, Task, Trajectories
 
 run = functools.partial(run_bounded, timeout=90.0)
 ARITH = load_tokenizer(str(ARITH_TOKENIZER_DIR))
@@ -217,3 +217,16 @@ def test_the_rollout_actor_runs_python_tool_episodes(tmp_path, random_model_dir,
         assert ARITH.decode(s.output_ids).endswith(ANSWER + ARITH.decode([EOS])) and s.finish_reason == "stop"
     assert stats["turns_per_episode"] == 3 and stats["tool_calls_per_episode"] == 2
 
+
+
+def test_a_call_marker_that_is_not_one_token_hands_the_group_back_invalid(tmp_path, random_model_dir, monkeypatch):
+    from tests.test_rollout_episodes import rollout_with
+
+    engine = ScriptedEngine(script_for(["print(1)\n"]), vocab_size=ARITH.vocab_size, context_limit=8192)
+    group = GenerateGroup(group_id="g", prompt_ids=ARITH.encode("Run it:\n"), n=1,
+                          task=Task(kind="math", answer="1", tool="python"), temperature=1.0, max_new_tokens=40,
+                          stop_token_ids=[EOS], seed=5)
+    # the default "</python>" is nine tokens of the arith tokenizer: no turn could end on it
+    returned, _ = rollout_with(tmp_path, random_model_dir, engine, {"max_turns": 3}, [group], monkeypatch)
+    assert isinstance(returned, GroupReturned) and returned.reason.startswith("invalid:")
+    assert "'</python>' encodes to 9 tokens" in returned.reason and not engine.requests
