@@ -45,7 +45,7 @@ from actors.engines.base import (EngineError, GenerationEngine, GenerationReques
                                  require_device)
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
 from actors.envs import ENVIRONMENTS, UnknownTool, environment_for
-from actors.envs.python_tool import python_tool
+from actors.envs.python_tool import CodeRunner, python_tool
 from actors.episode import EpisodeError, EpisodeLimits, Trajectory, run_episodes
 from actors.recovery import start_weights
 from actors.weight_sync import WeightReceiver, WeightSyncError, link_config, make_receiver
@@ -164,6 +164,7 @@ class RolloutActor(Actor):
         self.codec: LoadedTokenizer | None = None   # what an episode encodes observations and decodes turns with
         self.limits = EpisodeLimits()
         self.environments = dict(ENVIRONMENTS)   # tool name -> factory; the python tool's built from settings
+        self.python_runner: CodeRunner | None = None
         self._eval_requests = 0              # the evaluator's prompts taken (their request ids)
 
     # ------------------------------------------------------------------------------------ lifecycle
@@ -180,7 +181,7 @@ class RolloutActor(Actor):
         self.limits = EpisodeLimits(max_turns=gen.max_turns, max_tokens=gen.max_context,
                                     env_timeout_s=gen.env_timeout_s)
         try:
-            _, self.environments["python"] = python_tool(self.cfg.python_tool, gen.env_timeout_s)
+            self.python_runner, self.environments["python"] = python_tool(self.cfg.python_tool, gen.env_timeout_s)
         except ValueError as exc:
             raise RolloutConfigError(str(exc)) from None
         if not self.cfg.model.path:
@@ -468,7 +469,10 @@ class RolloutActor(Actor):
                 "tool_calls_per_episode": round(self.counters["tool_calls"] / episodes, 3),
                 "busy_fraction": round(busy / wall, 4), "active": len(self.active),
                 "version": self.engine.version if self.engine is not None else None,
-                "tokens_per_s": round(self._tokens / wall, 2)}
+                "tokens_per_s": round(self._tokens / wall, 2),
+                # the python tool's runs, calls abandoned at its timeout, runs refused (no sandbox) or failed
+                **({"python_tool": dict(self.python_runner.counters)}
+                   if self.python_runner is not None and self.python_runner.counters["runs"] else {})}
 
     async def _stats_loop(self, every: float) -> None:
         while True:

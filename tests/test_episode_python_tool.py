@@ -216,6 +216,7 @@ def test_the_rollout_actor_runs_python_tool_episodes(tmp_path, random_model_dir,
         assert env_text == "\n[killed: wall time limit of 2 s]\n\n[exit 0]\n45\n"
         assert ARITH.decode(s.output_ids).endswith(ANSWER + ARITH.decode([EOS])) and s.finish_reason == "stop"
     assert stats["turns_per_episode"] == 3 and stats["tool_calls_per_episode"] == 2
+    assert stats["python_tool"] == {"runs": 4, "abandoned": 0, "unavailable": 0, "failed": 0}
 
 
 
