@@ -18,8 +18,8 @@ its cap, memory), a sandbox that cannot start or a call that gets no answer with
 observation (``[error: ...]`` or the run's status line) the model reads, never an exception that ends the
 episode or the rollout. A turn that ends on eos is the answer: the episode is over.
 
-Where it runs: in the caller's process (the rollout's), on daemon threads (actors/runtime threads'
-`on_daemon_thread`, so a wedged call is abandoned, never joined). `CodeRunner` holds ``workers`` sandboxes,
+Where it runs: in the caller's process (the rollout's), on daemon threads (`actors.threads.on_daemon_thread`:
+a wedged call is abandoned at its timeout, never joined). `CodeRunner` holds ``workers`` sandboxes,
 each with its own unprivileged uid (a fork bomb's RLIMIT_NPROC then never starves a neighbour's run) and so
 its own zygote; a zygote that dies is replaced by the sandbox on the next run (`actors.reward.zygote.checkout`),
 and a run it was in the middle of runs again on the fresh one.
@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable
 
 from actors.episode import Environment
-from actors.reward.sandbox import Sandbox, SandboxLimits, SandboxUnavailable, RunResult
+from actors.reward.sandbox import RunResult, Sandbox, SandboxLimits, SandboxUnavailable
 from actors.threads import on_daemon_thread
 from topology.settings import PythonToolSettings
 
@@ -78,12 +78,8 @@ class CodeRunner:
         self._idle: queue.SimpleQueue[Sandbox] = queue.SimpleQueue()
         for i in range(workers):
             self._idle.put(Sandbox(self.limits, allow_unsandboxed=allow_unsandboxed, uid=first + i))
-        self._lock = threading.Lock()
+        # runs, calls abandoned at the timeout, refused for want of a sandbox, failed in the sandbox itself
         self.counters = {"runs": 0, "abandoned": 0, "unavailable": 0, "failed": 0}
-
-    def _count(self, key: str) -> None:
-        with self._lock:
-            self.counters[key] += 1
 
     def _run_blocking(self, program: str) -> RunResult:
         sandbox = self._idle.get()   # a worker's sandbox; every one busy: wait (the caller's timeout bounds it)
@@ -95,18 +91,18 @@ class CodeRunner:
     async def run(self, program: str) -> str:
         """The observation for one program: its status line and output, or ``[error: ...]``. Never raises
         for anything the program or the sandbox does."""
-        self._count("runs")
+        self.counters["runs"] += 1
         outcome = on_daemon_thread("python-tool", self._run_blocking, program)
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(outcome), self.timeout_s)
         except TimeoutError:
-            self._count("abandoned")
+            self.counters["abandoned"] += 1
             return error_observation(f"the sandbox gave no result within {self.timeout_s:g} s")
         except SandboxUnavailable as exc:
-            self._count("unavailable")
+            self.counters["unavailable"] += 1
             return error_observation(str(exc))
         except Exception as exc:   # the sandbox's own failure (could not start bwrap, ...): the model is told
-            self._count("failed")
+            self.counters["failed"] += 1
             return error_observation(f"the sandbox failed: {type(exc).__name__}: {exc}")
         return observation(result, self.limits, self.output)
 
