@@ -27,7 +27,8 @@ multi_turn_gain_points (over the warm start), each run's turns and tool calls pe
 share: the seconds episodes spent in environment steps (summed over concurrent episodes) against the
 rollouts' generation seconds and per training step.
 
-Each run goes through `python -m tools.up TOPOLOGY`; the figures come from the run's own
+Each run goes through `python -m tools.up TOPOLOGY` (its warm-start progress, made by the first run, is
+passed on to stderr as it comes); the figures come from the run's own
 summary.json (held-out greedy accuracy of the final checkpoint; tokens trained and wall time from the
 trainer's metrics, actor start-up excluded). Printed as a table; `--json` prints one object with
 throughput_ratio (async / sync), colocated_ratio (async / colocated), time_ratio (sync / async wall
