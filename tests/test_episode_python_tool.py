@@ -1,4 +1,4 @@
-"""The python tool (actors/envs/python_tool.py): programs an episode's model writes run in the reward's sandbox,
+"""The python tool (actors/rollout/envs/python_tool.py): programs an episode's model writes run in the reward's sandbox,
 and whatever they do (loop, fork bomb, read the host's files, kill their parent, flood the output), the
 episode goes on with an observation saying what happened; a zygote killed between or during calls is
 replaced; a call the sandbox does not answer in time, or no sandbox at all, is an error observation; and
@@ -14,10 +14,10 @@ import pytest
 
 from actors.engines.base import GenerationRequest, SamplingParams
 from actors.engines.tokenizer import load_tokenizer
-from actors.envs import ENVIRONMENTS, environment_for
-from actors.envs.python_tool import (CodeRunner, PythonTool, ToolOutput, observation, program_of, python_tool,
+from actors.rollout.envs import ENVIRONMENTS, environment_for
+from actors.rollout.envs.python_tool import (CodeRunner, PythonTool, ToolOutput, observation, program_of, python_tool,
                                      status_line)
-from actors.episode import ENV_VERSION, EpisodeLimits, run_episodes
+from actors.rollout.episode import ENV_VERSION, EpisodeLimits, run_episodes
 from actors.reward import sandbox as sandbox_module
 from actors.reward import zygote
 from actors.reward.sandbox import MiB, RunResult, SandboxLimits, SandboxStatus, probe_sandbox

@@ -1,18 +1,18 @@
-"""Environments that episodes act on (actors/episode.py), and which one a dataset record asks for.
+"""Environments that episodes act on (actors/rollout/episode.py), and which one a dataset record asks for.
 
 A record names its tool in ``"tool"`` (an extra field of AReaL's layout); records without one are
 single-turn tasks. Environments here run in the caller's process and never block its event loop: the
 calculator is a regular expression; the python tool runs each program in the reward's bubblewrap sandbox on
-a thread of its own, under the sandbox's limits and a per-call timeout (actors/envs/python_tool.py).
+a thread of its own, under the sandbox's limits and a per-call timeout (actors/rollout/envs/python_tool.py).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from actors.envs.calculator import Calculator
-from actors.envs.python_tool import PythonTool
-from actors.episode import Environment, SingleTurn
+from actors.rollout.envs.calculator import Calculator
+from actors.rollout.envs.python_tool import PythonTool
+from actors.rollout.episode import Environment, SingleTurn
 
 # Each tool's factory with its defaults; an actor with settings for a tool passes its own factories.
 ENVIRONMENTS: dict[str, Callable[[], Environment]] = {"calculator": Calculator, "python": PythonTool}

@@ -18,7 +18,7 @@ its cap, memory), a sandbox that cannot start or a call that gets no answer with
 observation (``[error: ...]`` or the run's status line) the model reads, never an exception that ends the
 episode or the rollout. A turn that ends on eos is the answer: the episode is over.
 
-Where it runs: in the caller's process (the rollout's), on daemon threads (`actors.threads.on_daemon_thread`:
+Where it runs: in the caller's process (the rollout's), on daemon threads (`actors.runtime.threads.on_daemon_thread`:
 a wedged call is abandoned at its timeout, never joined). `CodeRunner` holds ``workers`` sandboxes,
 each with its own unprivileged uid (a fork bomb's RLIMIT_NPROC then never starves a neighbour's run) and so
 its own zygote; a zygote that dies is replaced by the sandbox on the next run (`actors.reward.zygote.checkout`),
@@ -34,9 +34,9 @@ import queue
 import threading
 from collections.abc import Callable
 
-from actors.episode import Environment
+from actors.rollout.episode import Environment
 from actors.reward.sandbox import RunResult, Sandbox, SandboxLimits, SandboxUnavailable
-from actors.threads import on_daemon_thread
+from actors.runtime.threads import on_daemon_thread
 from topology.settings import PythonToolSettings
 
 CALL_OPEN, CALL_END = "<python>", "</python>"
