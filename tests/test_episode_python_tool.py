@@ -53,6 +53,13 @@ HOSTILE = {
 }
 
 
+@pytest.fixture(autouse=True)
+def no_zygotes_left():
+    """Every test leaves this process without idle zygotes (other test files count theirs)."""
+    yield
+    zygote.close_all()
+
+
 def call(program: str) -> str:
     return f"{OPEN}{program}{END}"
 
@@ -156,13 +163,16 @@ def test_a_hostile_program_is_contained_and_the_episode_goes_on(name):
 
 
 @needs_sandbox
-def test_a_killed_zygote_is_replaced_between_and_during_calls():
+def test_a_zygote_serves_many_calls_and_a_killed_one_is_replaced_between_and_during_calls():
     zygote.close_all()
     tool_runner = runner(workers=1)
 
     async def main():
         assert (await tool_runner.run("print('warm')")) == "\n[exit 0]\nwarm\n"
         [first] = zygote.idle_zygotes()
+        # the zygote outlives the call (bwrap's --die-with-parent follows the thread that started it)
+        assert (await tool_runner.run("print('again')")) == "\n[exit 0]\nagain\n"
+        assert zygote.idle_zygotes() == [first] and first.alive()
         os.kill(first.server_pid, signal.SIGKILL)             # killed while idle
         assert (await tool_runner.run("print('after')")) == "\n[exit 0]\nafter\n"
         [second] = zygote.idle_zygotes()
@@ -173,18 +183,21 @@ def test_a_killed_zygote_is_replaced_between_and_during_calls():
         os.kill(second.server_pid, signal.SIGKILL)
         assert (await running) == "\n[exit 0]\nslept\n"
         [third] = zygote.idle_zygotes()
-        assert third.server_pid not in (first.server_pid, second.server_pid)
+        assert third.server_pid not in (first.server_pid, second.server_pid) and third.alive()
     run(main())
 
 
 @needs_sandbox
 def test_a_call_past_its_timeout_is_an_error_observation_and_the_episode_goes_on():
+    zygote.close_all()
     slow = SandboxLimits(wall_time_s=8.0, cpu_time_s=8.0)
-    tool_runner = runner(limits=slow, timeout_s=1.0)   # the program outlives the call; its sandbox ends it later
+    tool_runner = runner(limits=slow, timeout_s=1.0, workers=1)   # the program outlives the call
     [t] = episode(["import time\ntime.sleep(4)\n"], tool_runner, env_timeout_s=5.0)
     t.check()
     assert t.turns[0].observation == "\n[error: the sandbox gave no result within 1 s]\n"
     assert t.end == "done" and t.turns[0].env_seconds < 5.0 and tool_runner.counters["abandoned"] == 1
+    # the abandoned program ends on its own and its zygote goes back to serve the next call
+    run(until(lambda: len(zygote.idle_zygotes()) == 1, 30, "the abandoned program's end"))
 
 
 @needs_sandbox

@@ -18,11 +18,14 @@ its cap, memory), a sandbox that cannot start or a call that gets no answer with
 observation (``[error: ...]`` or the run's status line) the model reads, never an exception that ends the
 episode or the rollout. A turn that ends on eos is the answer: the episode is over.
 
-Where it runs: in the caller's process (the rollout's), on daemon threads (`actors.runtime.threads.on_daemon_thread`:
-a wedged call is abandoned at its timeout, never joined). `CodeRunner` holds ``workers`` sandboxes,
-each with its own unprivileged uid (a fork bomb's RLIMIT_NPROC then never starves a neighbour's run) and so
-its own zygote; a zygote that dies is replaced by the sandbox on the next run (`actors.reward.zygote.checkout`),
-and a run it was in the middle of runs again on the fresh one.
+Where it runs: in the caller's process (the rollout's). `CodeRunner` keeps ``workers`` daemon threads, each
+with its own sandbox: its own unprivileged uid (a fork bomb's RLIMIT_NPROC then never starves a neighbour's
+run) and so its own zygote. The threads live as long as the runner: bubblewrap runs with
+``--die-with-parent``, whose signal the kernel sends when the *thread* that started it ends, so a zygote
+started on a short-lived thread would die with it and every program would pay a new sandbox. A call the
+sandbox does not answer within ``timeout_s`` is abandoned (its thread goes on until the sandbox's own
+kill), never joined. A zygote that dies is replaced by the sandbox on the next run
+(`actors.reward.zygote.checkout`), and a run it was in the middle of runs again on the fresh one.
 """
 from __future__ import annotations
 
@@ -30,13 +33,13 @@ import asyncio
 import dataclasses
 import functools
 import os
+import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable
 
 from actors.rollout.episode import Environment
 from actors.reward.sandbox import RunResult, Sandbox, SandboxLimits, SandboxUnavailable
-from actors.runtime.threads import on_daemon_thread
 from topology.settings import PythonToolSettings
 
 CALL_OPEN, CALL_END = "<python>", "</python>"
@@ -75,24 +78,40 @@ class CodeRunner:
         self.output = output
         self.workers = workers
         first = uid_base + (os.getpid() * workers) % max(uid_span - workers, 1)
-        self._idle: queue.SimpleQueue[Sandbox] = queue.SimpleQueue()
-        for i in range(workers):
-            self._idle.put(Sandbox(self.limits, allow_unsandboxed=allow_unsandboxed, uid=first + i))
+        self._sandboxes = [Sandbox(self.limits, allow_unsandboxed=allow_unsandboxed, uid=first + i)
+                           for i in range(workers)]
+        self._calls: queue.SimpleQueue[tuple[str, concurrent.futures.Future]] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._start_lock = threading.Lock()
         # runs, calls abandoned at the timeout, refused for want of a sandbox, failed in the sandbox itself
         self.counters = {"runs": 0, "abandoned": 0, "unavailable": 0, "failed": 0}
 
-    def _run_blocking(self, program: str) -> RunResult:
-        sandbox = self._idle.get()   # a worker's sandbox; every one busy: wait (the caller's timeout bounds it)
-        try:
-            return sandbox.run(list(ARGV), files={PROGRAM: program.encode()})
-        finally:
-            self._idle.put(sandbox)
+    def _start_workers(self) -> None:
+        with self._start_lock:
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._work, args=(sandbox,), name=f"python-tool-{i}",
+                                                  daemon=True) for i, sandbox in enumerate(self._sandboxes)]
+                for thread in self._threads:
+                    thread.start()
+
+    def _work(self, sandbox: Sandbox) -> None:
+        """One worker thread: runs the calls it takes, one at a time, in its own sandbox (and zygote)."""
+        while True:
+            program, outcome = self._calls.get()
+            if not outcome.set_running_or_notify_cancel():
+                continue   # abandoned before it started
+            try:
+                outcome.set_result(sandbox.run(list(ARGV), files={PROGRAM: program.encode()}))
+            except BaseException as exc:  # handed to the call's waiter, never lost
+                outcome.set_exception(exc)
 
     async def run(self, program: str) -> str:
         """The observation for one program: its status line and output, or ``[error: ...]``. Never raises
         for anything the program or the sandbox does."""
         self.counters["runs"] += 1
-        outcome = on_daemon_thread("python-tool", self._run_blocking, program)
+        self._start_workers()
+        outcome: concurrent.futures.Future[RunResult] = concurrent.futures.Future()
+        self._calls.put((program, outcome))
         try:
             result = await asyncio.wait_for(asyncio.wrap_future(outcome), self.timeout_s)
         except TimeoutError:
