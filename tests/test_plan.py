@@ -154,7 +154,8 @@ def test_fixed_lengths_and_eta_0_give_the_synchronous_step_time_exactly():
     decode = costs.decode_cost(shape, gpu, 1, 2).steps(2 * 10, 2, 100)
     train = costs.train_step_seconds(shape, gpu, cfg.trainer, [110] * 4, [0, 0, 1, 1])
     weights = costs.weight_sync(shape, gpu, 1, 1, 8, across_nodes=True)
-    expected = prefill + decode + cfg.reward_latency_s + train + weights.export_s + weights.push_s
+    serve = cfg.serve.seconds(4 * 100)   # the buffer serves the batch: its 4 answers of 100 tokens
+    expected = prefill + decode + cfg.reward_latency_s + serve + train + weights.export_s + weights.push_s
     assert r.step_time == pytest.approx(expected, rel=1e-12)
     assert [s.end for s in r.steps] == pytest.approx([expected, 2 * expected, 3 * expected], rel=1e-12)
     assert r.staleness == {0: 1.0}
@@ -163,6 +164,20 @@ def test_fixed_lengths_and_eta_0_give_the_synchronous_step_time_exactly():
     st = r.stability()
     assert st["steps"] == 2 and st["step_min_over_mean"] == pytest.approx(1) == st["step_max_over_mean"]
     assert st["drift"] == pytest.approx(0, abs=1e-12)
+
+
+def test_the_buffer_s_serve_of_each_batch_is_time_the_trainer_waits():
+    # The trainer has a batch once the buffer has served it (converted, written and sent it), which costs per
+    # batch and per answer token as tools.bench serve measures; a synchronous step pays it in full.
+    free = sim.simulate(_config(serve=sim.ServeCost(0.0, 0.0)))
+    cost = sim.ServeCost(per_batch_s=0.5, per_token_s=1e-3)
+    paid = sim.simulate(_config(serve=cost))
+    served = cost.seconds(4 * 100)                                    # 2 groups of 2 answers of 100 tokens
+    assert paid.step_time - free.step_time == pytest.approx(served, rel=1e-9)
+    assert paid.summary()["wait_batch_s"] == pytest.approx(free.summary()["wait_batch_s"] + served, rel=1e-9)
+    assert paid.shares()["trainer"]["wait_batch"] == pytest.approx(
+        paid.summary()["wait_batch_s"] / paid.step_time, rel=1e-9)
+    assert sim.ServeCost(2.0, 4.0).scaled(15.0, 32) == sim.ServeCost(30.0, 15.0 * 4.0 / 32)
 
 
 def test_a_change_to_the_buffer_s_rules_shows_in_the_plan(monkeypatch):

@@ -14,7 +14,7 @@ decode step costs what `costs.decode_cost` says, summed in closed form between e
 fixed latency. On CPU topologies the costs are the ones measured on the machine (`costs.MeasuredCosts`).
 
 Time runs as the actors run it. The trainer asks for a batch (the buffer first drops stale groups, then takes
-the oldest B), trains, and (eta > 0) opens the gate at once and publishes; with eta = 0 it publishes and waits
+the oldest B, and serves it: `ServeCost`, measured, before the trainer has it), trains, and (eta > 0) opens the gate at once and publishes; with eta = 0 it publishes and waits
 until the servers hold the new weights before opening the gate (actors/trainer.py). A published version is
 offered to the push policy; a push pauses every server (SGLang aborts its requests and they are resubmitted
 with their tokens when it resumes). A finished group is graded after the reward latency and handed to
@@ -59,6 +59,27 @@ PROMPT_TOKENS = 108
 REWARD_LATENCY_S = 1.0
 #: Prompts in the simulated dataset: the cursor's epochs do not matter to the timing.
 N_RECORDS = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeCost:
+    """Seconds from the buffer taking a batch to the trainer holding it: `per_batch_s + per_token_s x answer
+    tokens` (BufferActor.on_batch_request: the lists become tensors, the served copy is encoded and written, the
+    reply sent, received and decoded). The defaults are the CPU time `python -m tools.bench serve --repeat 5`
+    measured on a 2-core AMD EPYC VM (docs/measurements/bench-serve-cpu.txt: 9.25 ms a batch, 104 ns an answer
+    token); a 7B batch of 512 x 16 answers of 7.7k tokens costs about 6.6 s. That is the elapsed time on cores of
+    its own: a machine shared with other work stretches it (`tools.rehearse` scales it by the stretch it
+    measures during the run)."""
+
+    per_batch_s: float = 9.25e-3
+    per_token_s: float = 1.039e-7
+
+    def scaled(self, by: float, token_scale: float = 1.0) -> "ServeCost":
+        """This cost `by` times longer, for answers each standing for `token_scale` of the ones served."""
+        return ServeCost(self.per_batch_s * by, self.per_token_s * by / token_scale)
+
+    def seconds(self, answer_tokens: float) -> float:
+        return self.per_batch_s + self.per_token_s * answer_tokens
 
 
 @functools.lru_cache(maxsize=64)
@@ -130,6 +151,8 @@ class SimConfig:
     #: The buffer's rules: the project's `BufferState`, or a subclass that changes one (tools.plan.published
     #: models AReaL's controller so).
     buffer_rules: type[BufferState] = BufferState
+    #: What serving a batch costs before the trainer can train it (the buffer's conversion, served copy and reply).
+    serve: ServeCost = ServeCost()
     #: Virtual seconds without a training step after which the run is declared stuck (an error naming the
     #: decisions' counters): a timeout shorter than a group's generation re-issues every group forever.
     stall_s: float = 3 * 86400.0
@@ -331,6 +354,7 @@ class Simulation:
         self.groups: dict[str, _Group] = {}
         self.version = 0                      # the trainer's
         self.trainer = "wait_batch"           # wait_batch | train | export | wait_weights | done
+        self.serving = False                  # a batch taken and being served (its time counts as wait_batch)
         self.trainer_since = 0.0
         self.pending_step: Step | None = None
         self.steps: list[Step] = []
@@ -513,7 +537,7 @@ class Simulation:
     # --- the trainer (as actors/trainer.py runs its loop) -----------------------------------------------
     def _try_train(self) -> None:
         cfg = self.cfg
-        if self.trainer != "wait_batch" or len(self.steps) >= cfg.steps:
+        if self.trainer != "wait_batch" or self.serving or len(self.steps) >= cfg.steps:
             return
         dropped = self.state.drop_stale()   # their prompts are issued again
         for g in dropped:
@@ -530,9 +554,15 @@ class Simulation:
         staleness = [max(0, self.version - g.start_version) for g in groups for _ in g.lengths]
         train_s = cfg.measured.train_step(lengths) if cfg.measured else \
             costs.train_step_seconds(cfg.shape, cfg.gpu, cfg.trainer, lengths, group_of)
-        step = Step(self.version + 1, self.now, math.nan, int(sum(lengths)), self.now - self.trainer_since,
-                    train_s, 0.0, 0.0, staleness)
+        serve_s = cfg.serve.seconds(sum(n for g in groups for n in g.lengths))
+        step = Step(self.version + 1, self.now + serve_s, math.nan, int(sum(lengths)),
+                    self.now + serve_s - self.trainer_since, train_s, 0.0, 0.0, staleness)
         self.pending_step = step
+        self.serving = True
+        self._push_event(self.now + serve_s, "served", train_s)
+
+    def _on_served(self, train_s: float) -> None:
+        self.serving = False
         self._trainer_to("train")
         self._push_event(self.now + train_s, "trained", None)
 
@@ -654,6 +684,8 @@ class Simulation:
                 self._on_reward(payload)
             elif kind == "expire":
                 self._on_expire()
+            elif kind == "served":
+                self._on_served(payload)
             elif kind == "trained":
                 self._on_trained()
             elif kind == "exported":
