@@ -383,6 +383,7 @@ class BufferActor(Actor):
                 self.log.info("batch_served_again", step=msg.step, groups=len(batch.levels))
                 return batch
             self._batch_waited_for = msg.step
+            asked = time.time()
             while True:
                 self._drop_stale()
                 if (taken := self.state.take_batch()) is not None:
@@ -390,6 +391,7 @@ class BufferActor(Actor):
                 self.arrived.clear()
                 await self.arrived.wait()
             self._batch_waited_for = None
+            taken_at = time.time()
             record = {"event": "batch", "step": msg.step, "keys": [list(g.key) for g in taken],
                       "start_versions": [g.start_version for g in taken], "version": self.state.gate.version}
             groups = [BatchGroup(prompt_ids=self.prompt_ids[g.key[1]],
@@ -403,6 +405,9 @@ class BufferActor(Actor):
             batch = await asyncio.to_thread(self.files.write_served, listed, record, state)
             self.files.append_ledger(record)
             self.state.served(msg.step)
+            # The trainer waits for both: groups still to come, then the serve (tools.bench serve times its parts).
+            self.log.info("batch_served", step=msg.step, answer_tokens=sum(batch.output_lens),
+                          waited_for_groups_s=round(taken_at - asked, 4), serve_s=round(time.time() - taken_at, 4))
             return batch
 
     def _state_dict(self) -> dict[str, Any]:

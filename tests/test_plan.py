@@ -180,6 +180,23 @@ def test_the_buffer_s_serve_of_each_batch_is_time_the_trainer_waits():
     assert sim.ServeCost(2.0, 4.0).scaled(15.0, 32) == sim.ServeCost(30.0, 15.0 * 4.0 / 32)
 
 
+def test_the_evaluator_s_prompts_run_on_the_rollouts_every_n_versions_at_most_k_on_one():
+    # eval.every_versions 2 over 8 steps: versions 0, 2, 4 and 6 are evaluated, each with 3 greedy answers sent to
+    # the rollouts at most 1 at a time on one (the second server takes the next), beside the groups; the
+    # 64-node topology's evaluator (weights_from: rollouts) gives the simulation its settings.
+    base = sim.simulate(_config(eta=2, steps=8))
+    cfg = _config(eta=2, steps=8, eval_every=2, eval_prompts=3, eval_per_rollout=1)
+    r = sim.simulate(cfg)
+    assert base.counters["evaluations"] == 0 and r.counters["evaluations"] == 4
+    assert 3 * 3 <= r.counters["eval_answers"] <= 4 * 3 and r.counters["eval_answer_tokens"] == 100 * r.counters["eval_answers"]
+    assert r.counters["inflight_per_server"]["running_requests_peak"]["max"] <= 2 * 2 + 1
+    assert r.step_time >= base.step_time
+    found = setup.sim_config(setup.read(topology.load(ROOT / "topology/64node.yaml", check_imports=False)))
+    assert (found.eval_every, found.eval_prompts, found.eval_per_rollout) == (10, 30, 2)
+    assert setup.sim_config(setup.read(topology.load(ROOT / "topology/64node.yaml", ["experiment.eval.every_versions=0"],
+                                                     check_imports=False))).eval_every == 0
+
+
 def test_a_change_to_the_buffer_s_rules_shows_in_the_plan(monkeypatch):
     # One server, two groups a batch, eta 0: after each update the buffer gives a rollout whose newest answers
     # are older than the gate allows one group at a time (BufferState.rollout_cap), so the server generates
@@ -435,8 +452,10 @@ def test_tools_plan_reports_time_shares_and_the_decisions_counters_for_64_nodes(
     assert set(per_server) == {"groups", "running_requests", "running_requests_peak", "waiting_requests_peak"}
     for figure in per_server.values():
         assert figure["min"] <= figure["mean"] <= figure["max"]
-    # a server runs the answers of the groups it holds: at most 8 groups of 16
-    assert 0 < per_server["running_requests"]["mean"] <= per_server["running_requests_peak"]["max"] <= 8 * 16
+    # a server runs the answers of the groups it holds, at most 8 groups of 16, and at most 2 evaluation prompts
+    assert 0 < per_server["running_requests"]["mean"] <= per_server["running_requests_peak"]["max"] <= 8 * 16 + 2
+    # the evaluator answers on the rollouts (weights_from: rollouts): version 0's evaluation, 30 prompts
+    assert c["evaluations"] == 1 and 0 < c["eval_answers"] <= 30
     assert a["stability"]["steps"] == 2
     assert c["interrupted_requests"] > 0   # asynchronous: every push interrupts what the servers run
     assert set(a["figures"]) >= {"step_time_s", "effective_throughput_tok_s", "staleness_mean"}

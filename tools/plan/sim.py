@@ -151,6 +151,12 @@ class SimConfig:
     #: The buffer's rules: the project's `BufferState`, or a subclass that changes one (tools.plan.published
     #: models AReaL's controller so).
     buffer_rules: type[BufferState] = BufferState
+    #: The evaluator's prompts on the rollouts (weights_from: rollouts): every `eval_every` versions (0: none) the
+    #: devices' newest version reaches, `eval_prompts` greedy answers (one each, lengths drawn as the training
+    #: answers'), at most `eval_per_rollout` in flight on one rollout, beside the groups (actors/evaluator.py).
+    eval_every: int = 0
+    eval_prompts: int = 0
+    eval_per_rollout: int = 2
     #: What serving a batch costs before the trainer can train it (the buffer's conversion, served copy and reply).
     serve: ServeCost = ServeCost()
     #: Virtual seconds without a training step after which the run is declared stuck (an error naming the
@@ -361,7 +367,7 @@ class Simulation:
         self.clocks: Counter[str] = Counter()
         self.counters: Counter[str] = Counter({k: 0 for k in (
             "issued", "expired", "aborted_groups", "aborted_requests", "late_groups", "late_answer_tokens", "dropped_uniform", "pushes",
-            "interrupted_requests")})
+            "interrupted_requests", "evaluations", "eval_answers", "eval_answer_tokens")})
         self.inflight: Counter[str] = Counter()    # groups in flight per rollout, as BufferState holds them
         self.inflight_area: Counter[str] = Counter()
         self.inflight_max: Counter[str] = Counter()
@@ -371,6 +377,10 @@ class Simulation:
         self._decode: dict[tuple[int, int], costs.DecodeCost] = {}
         self._last_busy: dict[int, float] = {}          # device -> busy seconds already drawn on the timeline
         self._gid_of: dict[int, str] = {}               # answer id -> its group's id
+        self._eval_due = 0                              # the version whose evaluation comes next (0: at the start)
+        self._eval_left = 0                             # prompts of the running evaluation not yet sent
+        self._eval_on: Counter[str] = Counter()         # its answers in flight per rollout
+        self._eval_aids: dict[int, tuple[str, int]] = {}   # answer id -> the rollout answering it, its length
         self._accepted: dict[tuple[int, int], str] = {}  # a ready group's key -> its group id
         self.next_answer = 0
 
@@ -417,6 +427,13 @@ class Simulation:
             self._last_busy[d.index] = busy
 
     def _answer_done(self, d: Device, r: Req, t: float) -> None:
+        if r.aid in self._eval_aids:
+            rollout, length = self._eval_aids.pop(r.aid)
+            self._eval_on[rollout] -= 1
+            self.counters["eval_answers"] += 1
+            self.counters["eval_answer_tokens"] += length
+            self._push_event(t, "eval", None)   # the next prompt, once the device's step is done
+            return
         g = self.groups[self._gid_of.pop(r.aid)]
         g.left -= 1
         if g.left == 0:
@@ -533,6 +550,37 @@ class Simulation:
         self._dispatch()
         if self.trainer != "done":
             self._push_event(self.now + self.state.expire_every_s, "expire", None)
+
+    # --- the evaluator (weights_from: rollouts, as actors/evaluator.py sends its prompts) -----------------
+    def _evaluate(self) -> None:
+        """Start the evaluation that is due (the newest version on the devices reached it, and none runs), and
+        send its prompts while rollouts have room: at most `eval_per_rollout` on each, least loaded first."""
+        cfg = self.cfg
+        if cfg.eval_every <= 0 or cfg.eval_prompts <= 0:
+            return
+        if self._eval_left == 0 and not self._eval_aids and max(self.device_version) >= self._eval_due:
+            newest = max(self.device_version)
+            self._eval_due = (newest // cfg.eval_every + 1) * cfg.eval_every
+            self._eval_left = cfg.eval_prompts
+            self.counters["evaluations"] += 1
+        touched = set()
+        while self._eval_left > 0:
+            load, name = min((self._eval_on[n], n) for n in cfg.rollout_names)
+            if load >= cfg.eval_per_rollout:
+                break
+            d = self.devices[self.device_of[name]]
+            d.advance(self.now)
+            length = int(cfg.draw_lengths(self.rng, 1)[0])
+            r = Req(aid=self.next_answer, group=-1, engine=name, prompt=cfg.prompt_tokens, origin=cfg.prompt_tokens,
+                    max_new=cfg.max_new_tokens, left=length)
+            self.next_answer += 1
+            self._eval_aids[r.aid] = (name, length)
+            self._eval_on[name] += 1
+            self._eval_left -= 1
+            d.submit([r])
+            touched.add(d.index)
+        for i in touched:
+            self._schedule(self.devices[i])
 
     # --- the trainer (as actors/trainer.py runs its loop) -----------------------------------------------
     def _try_train(self) -> None:
@@ -657,11 +705,13 @@ class Simulation:
         self._finish_step_if_synced()
         self._pusher()
         self._dispatch()
+        self._evaluate()
 
     # --- run ---------------------------------------------------------------------------------------------
     def run(self) -> Result:
         self._pusher()   # the first formation
         self._dispatch()
+        self._evaluate()   # version 0, as the evaluator's first look finds it
         self._push_event(self.state.expire_every_s, "expire", None)
         while self.events and len(self.steps) < self.cfg.steps:
             t, _, kind, payload = heapq.heappop(self.events)
@@ -684,6 +734,8 @@ class Simulation:
                 self._on_reward(payload)
             elif kind == "expire":
                 self._on_expire()
+            elif kind == "eval":
+                self._evaluate()
             elif kind == "served":
                 self._on_served(payload)
             elif kind == "trained":

@@ -278,6 +278,22 @@ def decisions(run_dir: Path, metrics: list[dict[str, Any]], servers: dict[str, l
             "per_server": {str(i): b for i, b in sorted(by_server.items())}}
 
 
+def trainer_wait(run_dir: Path, metrics: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> dict[str, float]:
+    """Where the trainer's wait for its batches went over the measured steps, in real seconds a step: the
+    trainer's own count (`wait_s`), and the buffer's (its `batch_served` lines): waiting for groups still to
+    come, and serving (converting, writing the served copy). The rest is the request and the reply on the bus
+    and in the two actors' queues."""
+    steps = {m["step"] for m in sorted(metrics, key=lambda m: m["step"])[warmup:]}
+    served = [e for e in read_jsonl(run_dir / "logs" / "buffer.jsonl")
+              if e.get("event") == "batch_served" and e.get("step") in steps]
+    n = max(1, len(steps))
+    out = {"wait_s": sum(m["wait_seconds"] for m in metrics if m["step"] in steps) / n}
+    if served:
+        out["buffer_waited_for_groups_s"] = sum(e["waited_for_groups_s"] for e in served) / len(served)
+        out["buffer_serve_s"] = sum(e["serve_s"] for e in served) / len(served)
+    return out
+
+
 def ledger_account(run_dir: Path) -> dict[str, int]:
     """What became of every prompt the buffer handed out (tools/bench/chaos.py's account: trained, dropped on
     purpose, still pending, lost; and how many were trained more than once)."""
@@ -548,6 +564,7 @@ def report(opts: Options, run_dir: Path, plan: Plan, layout: Layout, costs: Rehe
         serve = sim_cfg.serve.scaled(opts.time_scale * cpu_stretch, opts.token_scale)
         result = sim.simulate(dataclasses.replace(sim_cfg, steps=len(metrics), serve=serve))
         out["cpu_stretch"] = cpu_stretch
+        out["trainer_wait"] = trainer_wait(run_dir, metrics)
         out["serve_cost"] = dataclasses.asdict(serve)
         out["measured"] = measured
         out["simulated"] = result.figures()
@@ -610,6 +627,10 @@ def render(r: dict[str, Any]) -> str:
             lines.append(f"  the buffer's serve, simulated: CPU x{r['cpu_stretch']:.2f} (the machine's stretch over "
                          f"the measured steps) = {serve['per_batch_s']:.3g} s a batch + "
                          f"{serve['per_token_s'] * 1e6:.3g} s per million modelled answer tokens")
+        if "buffer_serve_s" in r.get("trainer_wait", {}):
+            w = r["trainer_wait"]
+            lines.append(f"  the trainer's wait, real seconds a step: {w['wait_s']:.3f}, of which the buffer waited "
+                         f"{w['buffer_waited_for_groups_s']:.3f} for groups and served for {w['buffer_serve_s']:.3f}")
         worst = max((abs(x["ratio"] - 1) for x in r["agreement"]["rows"].values()), default=0.0)
         lines.append(f"  agreement: {'all within 15 %' if r['agreement']['all_agree'] else 'NOT all within 15 %'}"
                      f" (largest deviation {100 * worst:.1f} %)")
