@@ -50,7 +50,7 @@ from actors.engines.tokenizer import load_tokenizer
 from actors.recovery import checkpoint_dir, latest_checkpoint, recovering, restarted_in_place
 from algo.serving import DecodePace
 from topology.settings import BufferSettings
-from transport.bus import BusError
+from transport.bus import HEARTBEAT_TIMEOUT_S, BusError
 from transport.files import atomic_write
 from transport.messages import decode, encode
 from transport.protocol import (AbortGroup, BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, GenerateGroup,
@@ -206,10 +206,14 @@ class BufferActor(Actor):
                       batch_size=self.state.batch_size, group_size=self.group_size, eta=self.state.eta,
                       rollouts=self.state.rollouts, version=self.state.gate.version)
 
+    def heartbeat_timeout(self) -> float:
+        """Seconds of silence after which this actor's bus declares a peer dead (its settings, else the bus's)."""
+        return self.cfg.bus.heartbeat_timeout or HEARTBEAT_TIMEOUT_S
+
     def worker_lost_after_s(self) -> float:
         """Seconds a worker may stay unheard before its groups are issued again."""
         configured = self.cfg.buffer.worker_lost_after_s
-        return configured if configured is not None else SILENT_HEARTBEAT_TIMEOUTS * self.bus.heartbeat_timeout
+        return configured if configured is not None else SILENT_HEARTBEAT_TIMEOUTS * self.heartbeat_timeout()
 
     def progress(self) -> dict[str, Any]:
         st: BufferState | None = getattr(self, "state", None)
@@ -261,7 +265,7 @@ class BufferActor(Actor):
         # Not handed back yet: it may be alive and short of CPU. A restart says hello; a lost one stays silent.
         if peer not in self.state.rollouts and peer not in self.state.rewards:
             return
-        self.state.worker_silent(peer, time.time() - self.bus.heartbeat_timeout)
+        self.state.worker_silent(peer, time.time() - self.heartbeat_timeout())
         held = sum(peer in (f.rollout, f.reward) for f in self.state.inflight.values())
         self.log.warning("worker_silent", worker=peer, groups_held=held,
                          lost_after_s=round(self.state.silence_limit_s, 1))

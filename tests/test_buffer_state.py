@@ -189,7 +189,7 @@ def test_a_silent_worker_keeps_its_groups_until_it_restarts_or_stays_silent_too_
         spawned.append(name)
 
     buffer.__dict__.update(state=st, log=structlog.get_logger("test"), changed=asyncio.Event(), spawn=spawn,
-                           bus=SimpleNamespace(heartbeat_timeout=5.0))
+                           cfg=SimpleNamespace(bus=SimpleNamespace(heartbeat_timeout=5.0)))
 
     def reissued() -> set:
         return set(st.reissue)
