@@ -67,7 +67,7 @@ class ServeCost:
     tokens` (BufferActor.on_batch_request: the lists become tensors, the served copy is encoded and written, the
     reply sent, received and decoded). The defaults are the CPU time `python -m tools.bench serve --repeat 5`
     measured on a 2-core AMD EPYC VM (docs/measurements/bench-serve-cpu.txt: 9.25 ms a batch, 104 ns an answer
-    token); a 7B batch of 512 x 16 answers of 7.7k tokens costs about 6.6 s. That is the elapsed time on cores of
+    token); the 7B batch of topology/64node.yaml, 512 x 16 answers of 8.6k tokens on average, costs about 7.3 s. That is the elapsed time on cores of
     its own: a machine shared with other work stretches it (`tools.rehearse` scales it by the stretch it
     measures during the run)."""
 
