@@ -1,4 +1,4 @@
-"""The buffer's decisions (actors/buffer_state.py) on plain data: dispatch under the staleness gate,
+"""The buffer's decisions (actors/buffer/state.py) on plain data: dispatch under the staleness gate,
 dynamic sampling, batches with the second staleness check, re-issue of lost work, and checkpoints that
 lose no prompt and train none twice. The actor around it runs in tests/test_e2e_loop.py."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from actors.buffer_state import BufferState, Resume, ledger_after_resume, plan_resume
+from actors.buffer.state import BufferState, Resume, ledger_after_resume, plan_resume
 from algo.serving import DecodePace, groups_in_kv
 from transport.protocol import Answers, Sample, WorkerHello
 
@@ -175,7 +175,7 @@ def test_a_silent_worker_keeps_its_groups_until_it_restarts_or_stays_silent_too_
 
     import structlog
 
-    from actors.buffer import BufferActor
+    from actors.buffer.actor import BufferActor
 
     st = state(eta=2, batch_size=4, rollouts=3, silence_limit_s=30.0, group_timeout_s=1000.0)
     issues = issue_all(st, now=time.time())
@@ -263,8 +263,8 @@ def test_the_buffer_checkpoints_into_its_own_run_directory_only(tmp_path) -> Non
     batches up to the newest complete checkpoint are removed; a step that is none is refused."""
     import json
 
-    from actors.buffer import BufferFiles
-    from actors.recovery import checkpoint_dir, mark_complete
+    from actors.buffer.actor import BufferFiles
+    from actors.runtime.recovery import checkpoint_dir, mark_complete
     files = BufferFiles(tmp_path)
     for step in (2, 3, 4):
         files.served_path(step).write_bytes(b"")
@@ -433,7 +433,7 @@ def test_a_version_no_served_batch_can_have_produced_is_refused_with_a_log_line(
     import asyncio
     from collections import Counter
 
-    from actors.buffer import BufferActor
+    from actors.buffer.actor import BufferActor
     from transport.protocol import VersionUpdate
 
     st = state(batch_size=2)

@@ -549,7 +549,7 @@ def test_launch_that_fails_names_the_exit_and_log(tmp_path):
 
 
 def test_make_engine_builds_the_sglang_engine(tmp_path):
-    from actors.rollout import RolloutActor, make_engine
+    from actors.rollout.actor import RolloutActor, make_engine
     from topology.settings import RolloutSettings, SettingsError, read_settings
 
     engine = make_engine(RolloutSettings.model_validate({"engine": "sglang", "sglang_url": "http://127.0.0.1:1"}), 4,
@@ -578,7 +578,7 @@ def test_make_engine_builds_the_sglang_engine(tmp_path):
 @pytest.mark.parametrize("topology", sorted(p.name for p in (Path(__file__).parent.parent / "topology").glob("*.yaml")))
 def test_shipped_sglang_rollouts_build_their_launch_command(topology, tmp_path):
     # Every setting a shipped topology gives an SGLang rollout reaches the server's command line.
-    from actors.rollout import make_engine
+    from actors.rollout.actor import make_engine
     from topology import load
     from topology.settings import RolloutSettings
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 import uvloop
 
-from actors.base import Actor, ActorSpec, handles, ready_path
-from actors.threads import in_thread
+from actors.runtime.base import Actor, ActorSpec, handles, ready_path
+from actors.runtime.threads import in_thread
 from tools import replay
 from transport.bus import Bus
 from transport.messages import Message, message

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from actors.rollout import RolloutActor
+from actors.rollout.actor import RolloutActor
 from actors.weight_sync import WeightSyncConfigError, link_config
 from testsupport.bounded import run_bounded
 from testsupport.local_actors import actor_spec, ipc_endpoints

@@ -1,7 +1,7 @@
 """The settings every actor receives, typed: the experiment config (topology.experiment), the keys the launcher
 fills in (``instance``, ``groups``, ``links``), the keys the actor runtime reads, and each actor class's own keys.
 
-An actor class names its model in ``Settings`` (a subclass of :class:`ActorSettings`); ``actors.base.Actor``
+An actor class names its model in ``Settings`` (a subclass of :class:`ActorSettings`); ``actors.runtime.base.Actor``
 validates ``spec.settings`` into ``actor.cfg`` with it, and the topology loader checks every group's
 ``settings:`` against the same model before anything starts, so a misspelt or misplaced key is refused at
 launch with its full path (`actors.rollout.settings.mem_fraction_static: unknown key (did you mean

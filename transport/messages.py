@@ -225,7 +225,7 @@ def new_message_id() -> str:
 # ---------------------------------------------------------------------------- torch (imported lazily)
 
 def _torch():
-    # torch is imported on first tensor use only: actors.run sets CPU affinity and thread counts
+    # torch is imported on first tensor use only: actors.runtime.run sets CPU affinity and thread counts
     # before torch loads, and tools that never touch tensors (replay printing, bench raw side) stay light.
     import torch
     return torch

@@ -2,7 +2,7 @@
 
     buffer --GenerateGroup--> rollout --Trajectories--> reward --ScoredGroup--> buffer
     trainer --BatchRequest--> buffer (replies BatchTensors)
-    trainer.0 ==BatchTensors (its share)==> each other trainer rank (over the ranks' gloo group, actors/rank_group.py)
+    trainer.0 ==BatchTensors (its share)==> each other trainer rank (over the ranks' gloo group, actors/trainer/rank_group.py)
     trainer --WeightsPublished--> param_server (replies WeightsStored once the buckets arrived on the bulk link)
     param_server --WeightsReady--> rollout (then the buckets on the bulk link; rollout replies WeightsAck)
     trainer --VersionUpdate--> buffer            (opens the staleness gate for the new version)
@@ -71,7 +71,7 @@ class Task:
 @dataclass
 class Sample:
     """One answer to a prompt. Per-token lists are aligned with `output_ids`. An episode's answer
-    (actors/episode.py) also holds the environment's tokens; their `versions` entry is -1 (ENV_VERSION), as a
+    (actors/rollout/episode.py) also holds the environment's tokens; their `versions` entry is -1 (ENV_VERSION), as a
     prompt's tokens have in training: that is its loss mask, and those tokens are never trained or graded."""
 
     output_ids: list[int]

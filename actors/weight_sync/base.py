@@ -130,7 +130,7 @@ class WeightSender(abc.ABC):
 
 
 class Coordinator(Protocol):
-    """The parameter server as its :class:`Fanout` sees it (``actors.param_server.ParamServerActor``
+    """The parameter server as its :class:`Fanout` sees it (``actors.param_server.actor.ParamServerActor``
     implements it). The server decides which rollouts form each epoch, when a version is pushed and who is
     left out for a while; a fanout asks and reports through these members only."""
 

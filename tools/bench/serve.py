@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from actors.batch import Batch, BatchGroup
-from actors.buffer import BufferFiles
+from actors.buffer.actor import BufferFiles
 from transport.ports import free_port
 from transport.protocol import BatchRequest, BatchTensors, BufferStats, Sample
 

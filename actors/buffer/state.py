@@ -2,7 +2,7 @@
 
 `BufferState` holds the dataset cursor, the groups in flight and ready, and the staleness gate
 (algo/staleness.py); it takes plain data (worker names, group ids, answers, clock readings) and returns
-plain data. It sends nothing, reads no clock and writes no file: actors/buffer.py turns messages into
+plain data. It sends nothing, reads no clock and writes no file: actors/buffer/actor.py turns messages into
 calls on it and its answers into messages, log lines and the ledger.
 
 Every prompt it admits is either trained exactly once, issued again (its worker died, restarted or
