@@ -536,7 +536,8 @@ def test_a_cpu_topology_s_sync_step_is_the_cost_file_s_sum_exactly(tmp_path, mon
     # both engines busy every step: each pays its 4 ms; step i reads n * (prompt + i) KV tokens
     decode = sum(2 * 0.004 + 5e-5 * n + 1e-6 * n * (prompt + i) for i in range(answer))
     train = 0.1 + 3e-4 * n * (prompt + answer)
-    expected = prefill + decode + 0.001 + train + 0.03
+    serve = cfg.serve.seconds(n * answer)   # the buffer serves the batch (tools.bench serve's CPU cost)
+    expected = prefill + decode + 0.001 + serve + train + 0.03
     # the first step, from the start: every group issued at once (later steps start with one group per
     # rollout, BufferState.rollout_cap at eta 0, until each rollout shows it holds the new weights)
     assert r.steps[0].end == pytest.approx(expected, rel=1e-12)
