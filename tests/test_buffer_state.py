@@ -88,13 +88,13 @@ def test_a_rollout_behind_the_gate_gets_one_group_at_a_time() -> None:
     assert st.rollout_cap("rollout.0") == 8
 
 
-def test_the_cursor_walks_a_seeded_permutation_and_starts_a_new_epoch() -> None:
+def test_the_cursor_walks_a_seeded_permutation_and_starts_a_new_data_pass() -> None:
     st = state(eta=8, batch_size=4, n_records=5)
     keys = [i.key for i in issue_all(st)][:12]
     assert [e for e, _ in keys] == [0] * 5 + [1] * 5 + [2] * 2
     assert sorted(k for e, k in keys if e == 0) == list(range(5)) == sorted(k for e, k in keys if e == 1)
     assert [k for e, k in keys if e == 0] == [k for e, k in [i.key for i in issue_all(state(eta=8, n_records=5))][:5]]
-    assert st.stats.epoch == 3
+    assert st.stats.data_pass == 3
 
 
 # ---------------------------------------------------------------- results and batches
@@ -250,12 +250,12 @@ def test_checkpoint_records_untrained_work_for_reissue_and_the_gate_as_it_will_b
     assert [tuple(k) for k in saved["reissue"]] == [issues[2].key, issues[3].key]
     back = state(eta=1, batch_size=2)
     back.load_state_dict(saved)
-    assert (back.epoch, back.position, back.attempts) == (st.epoch, st.position, st.attempts)
+    assert (back.data_pass, back.position, back.attempts) == (st.data_pass, st.position, st.attempts)
     resumed = issue_all(back)
     assert [i.key for i in resumed[:2]] == [issues[2].key, issues[3].key]
     assert len(resumed) == 2 and back.gate.running == 2               # (1 + 1 + 1) * 2 - 2 accepted - 2 running
     fresh = state(eta=1, batch_size=2)
-    assert back.order == fresh._permutation(back.epoch)
+    assert back.order == fresh._permutation(back.data_pass)
 
 
 def test_the_buffer_checkpoints_into_its_own_run_directory_only(tmp_path) -> None:
@@ -360,7 +360,7 @@ def test_a_run_with_deaths_drops_and_restores_trains_every_prompt_once_within_et
     assert sum(kind == "trained" for kind, _ in events) == B * steps
     pending = [tuple(k) for k in st.state_dict()["reissue"]]
     accounted = [k for _, k in events] + pending
-    handed_out = [(e, i) for e in range(st.epoch) for i in range(7)] + [(st.epoch, i) for i in st.order[:st.position]]
+    handed_out = [(e, i) for e in range(st.data_pass) for i in range(7)] + [(st.data_pass, i) for i in st.order[:st.position]]
     assert len(accounted) == len(set(accounted)), "a prompt was trained or dropped twice"
     assert set(accounted) == set(handed_out), "a prompt was lost"
 

@@ -448,7 +448,7 @@ class BufferActor(Actor):
         self.files.write_ledger(ledger_after_resume(self.files.ledger(), resume, records))
         if state is None:
             return
-        self.log.info("buffer_restored", step=step, served_through=resume.served_through, epoch=self.state.epoch,
+        self.log.info("buffer_restored", step=step, served_through=resume.served_through, data_pass=self.state.data_pass,
                       position=self.state.position, reissue=len(self.state.reissue), gate=repr(self.state.gate))
 
     async def on_stop(self) -> None:
