@@ -56,7 +56,7 @@ async def timed_serves(files: BufferFiles, batches: dict[int, Batch], repeat: in
     from transport.bus import Bus
 
     endpoints = {"buffer": f"tcp://127.0.0.1:{free_port()}", "trainer": f"tcp://127.0.0.1:{free_port()}"}
-    state = {"epoch": 0, "position": 0, "reissue": [], "attempts": 0}
+    state = {"data_pass": 0, "position": 0, "reissue": [], "attempts": 0}
 
     async def handler(env: Any) -> Any:
         if not isinstance(env.msg, BatchRequest):
