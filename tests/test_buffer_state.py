@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 
 import pytest
 
 from actors.buffer.state import BufferState, Resume, ledger_after_resume, plan_resume
 from algo.serving import DecodePace, groups_in_kv
+from tools.bench import issue as issue_bench
 from transport.protocol import Answers, Sample, WorkerHello
 
 
@@ -95,6 +97,48 @@ def test_the_cursor_walks_a_seeded_permutation_and_starts_a_new_data_pass() -> N
     assert sorted(k for e, k in keys if e == 0) == list(range(5)) == sorted(k for e, k in keys if e == 1)
     assert [k for e, k in keys if e == 0] == [k for e, k in [i.key for i in issue_all(state(eta=8, n_records=5))][:5]]
     assert st.stats.data_pass == 3
+
+
+def test_the_load_counts_are_the_groups_in_flight_after_every_decision() -> None:
+    """Issue, score, hand back, drop as invalid, overdue, worker deaths and hellos, batches: after each, the
+    per-worker counts the least-loaded pick reads are a recount of the groups in flight."""
+    def recount(st: BufferState) -> None:
+        assert +st.rollout_load == Counter(f.rollout for f in st.inflight.values())
+        assert +st.reward_load == Counter(f.reward for f in st.inflight.values())
+        assert min(st.rollout_load.values(), default=0) >= 0 and min(st.reward_load.values(), default=0) >= 0
+
+    decisions, _ = issue_bench.workload(BufferState, rollouts=6, rewards=2, per_rollout=3, events=600, seed=1,
+                                        after_each=recount)
+    kinds = Counter(d[0] for d in decisions)
+    assert all(kinds[k] > 0 for k in ("issue", "scored", "hand_back", "invalid", "dead", "hello", "overdue", "batch"))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_least_loaded_pick_from_counts_decides_as_the_scan_of_every_group_in_flight(seed: int) -> None:
+    """The pick from per-worker counts makes the decisions the scan of every group in flight made
+    (`tools.bench.issue.ScanLeastLoaded`), issue by issue, on a randomized run with ties, KV-pool caps,
+    rollouts behind the gate, dead and ungreeted workers. The run is sensitive to the rule: a pick that breaks
+    ties the other way, or ignores the caps, decides differently."""
+    kw = dict(rollouts=12, rewards=3, per_rollout=4, events=1500, seed=seed)
+    counted, _ = issue_bench.workload(BufferState, **kw)
+    scanned, _ = issue_bench.workload(issue_bench.scanning(BufferState), **kw)
+    assert counted == scanned
+    issued = [d for d in counted if d[0] == "issue"]
+    assert len(issued) > 800 and len({d[2] for d in issued}) == 12 and len({d[3] for d in issued}) == 3
+    assert any(d[0] == "overdue" and d[1] for d in counted)
+    assert {d[2] for d in counted if d[0] == "scored"} == {"accepted", "uniform", "late"}
+
+    class LastNameWins(BufferState):
+        def _least_loaded(self, names, load, alive, cap):  # type: ignore[no-untyped-def]
+            ok = [r for r in names if r in self.greeted and alive(r) and (cap(r) is None or load[r] < cap(r))]
+            return max(ok, key=lambda r: (-load[r], r)) if ok else None
+
+    class NoCaps(BufferState):
+        def rollout_cap(self, rollout: str) -> int:
+            return self.max_per_rollout
+
+    for rules in (LastNameWins, NoCaps):
+        assert issue_bench.workload(rules, **kw)[0] != scanned, rules.__name__
 
 
 # ---------------------------------------------------------------- results and batches

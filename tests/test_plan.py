@@ -490,6 +490,19 @@ def test_the_published_sweep_refuses_splits_that_are_not_shares_before_it_simula
     assert published.main(["--parts", "sweep", "--splits", "0.5,1.5"]) == 2
     err = capsys.readouterr().err
     assert "every share must be between 0 and 1" in err and "tutorial rows" not in err
+    assert published.main(["--parts", "sweep", "--etas", "0,x"]) == 2
+    assert "--etas: '0,x' is not a comma-separated list of whole numbers" in capsys.readouterr().err
+    assert published.main(["--parts", "sweep", "--etas", "4,-1"]) == 2
+    err = capsys.readouterr().err
+    assert "every eta must be >= 0" in err and "tutorial rows" not in err
+
+
+def test_the_sweep_runs_in_parts_by_split_and_by_eta(monkeypatch):
+    from tools.plan import __main__ as cli
+    monkeypatch.chdir(ROOT)
+    found = setup.read(topology.load("topology/1node.yaml", ["experiment.algo.batch_size=4"], check_imports=False))
+    rows = cli.sweep(found, steps=2, seeds=1, splits=(0.5,), etas=(1, 3))
+    assert [(r["share"], r["eta"]) for r in rows] == [(0.5, 1), (0.5, 3)]
 
 
 def test_every_published_configuration_fits_in_areal_s_own_layout():

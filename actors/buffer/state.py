@@ -167,7 +167,11 @@ class BufferState:
         self.data_pass, self.position = 0, 0
         self.order = self._permutation(0)
         self.reissue: deque[Key] = deque()
-        self.inflight: dict[str, InFlight] = {}
+        self.inflight: dict[str, InFlight] = {}                     # changed only by _hold and _release
+        # Groups in flight per rollout and per reward actor, kept as groups are issued and released, so that
+        # picking the least-loaded worker does not scan every group in flight.
+        self.rollout_load: Counter[str] = Counter()
+        self.reward_load: Counter[str] = Counter()
         self.ready: deque[ReadyGroup] = deque()
         self.attempts = 0
         self.stats = BufferStats()
@@ -225,29 +229,47 @@ class BufferState:
         """Seconds a group may go without a result before it is aborted and issued again."""
         return self.group_timeout_s if self.group_timeout_s is not None else self.pace.timeout(self.max_new_tokens)
 
-    def _least_loaded(self, names: list[str], attr: str, alive: Callable[[str], bool],
+    def _least_loaded(self, names: list[str], load: Counter[str], alive: Callable[[str], bool],
                       cap: Callable[[str], int | None]) -> str | None:
-        load = {r: 0 for r in names if r in self.greeted and alive(r)}
-        for f in self.inflight.values():
-            if getattr(f, attr) in load:
-                load[getattr(f, attr)] += 1
-        free = [(n, r) for r, n in load.items() if cap(r) is None or n < cap(r)]
-        return min(free)[1] if free else None
+        """The greeted live worker of `names` holding the fewest groups below its cap (ties: the least name),
+        or None. `load` counts each worker's groups in flight. The workers are tried from the least loaded
+        on and the first below its cap wins, so a cap (which may be costly: `rollout_cap`) is asked for only
+        until one has room."""
+        for name in sorted(sorted(names), key=load.__getitem__):   # stable: ties stay in name order
+            if name in self.greeted and alive(name):
+                limit = cap(name)
+                if limit is None or load[name] < limit:
+                    return name
+        return None
+
+    def _hold(self, group_id: str, f: InFlight) -> None:
+        self.inflight[group_id] = f
+        self.rollout_load[f.rollout] += 1
+        self.reward_load[f.reward] += 1
+
+    def _release(self, group_id: str) -> InFlight | None:
+        f = self.inflight.pop(group_id, None)
+        if f is not None:
+            self.rollout_load[f.rollout] -= 1
+            self.reward_load[f.reward] -= 1
+        return f
 
     def issue_next(self, alive: Callable[[str], bool], now: float) -> Issue | None:
         """The next group to hand out, to the least-loaded greeted live rollout and reward actor, or None
         while the gate is closed or no worker has room. `alive(name)`: the bus's view of that worker."""
         if not self.gate.can_admit():
             return None
-        rollout = self._least_loaded(self.rollouts, "rollout", alive, self.rollout_cap)
-        reward = self._least_loaded(self.rewards, "reward", alive, lambda _: None)
-        if rollout is None or reward is None:
+        rollout = self._least_loaded(self.rollouts, self.rollout_load, alive, self.rollout_cap)
+        if rollout is None:
+            return None
+        reward = self._least_loaded(self.rewards, self.reward_load, alive, lambda _: None)
+        if reward is None:
             return None
         key = self._next_key()
         self.gate.admit(1)
         self.attempts += 1
         gid = f"{key[0]}-{key[1]}-{self.attempts}"
-        self.inflight[gid] = InFlight(key, rollout, reward, now)
+        self._hold(gid, InFlight(key, rollout, reward, now))
         self.per_rollout[rollout]["issued"] += 1
         # A fresh sampling seed per attempt: a re-issued prompt gets new answers, a replay the same ones.
         seed = 1 + (hash((self.seed, key, self.attempts)) & 0x7FFFFFFF)
@@ -257,7 +279,7 @@ class BufferState:
     def hand_back(self, group_id: str) -> InFlight | None:
         """A group in flight will not come back scored: free its slot and issue its prompt again. None if
         the group is not in flight (already back or already handed back)."""
-        f = self.inflight.pop(group_id, None)
+        f = self._release(group_id)
         if f is None:
             return None
         self.gate.finish(accepted=False)
@@ -320,7 +342,7 @@ class BufferState:
 
     def drop_invalid(self, group_id: str) -> InFlight | None:
         """The prompt itself cannot be generated: issuing it again cannot help, so it is dropped."""
-        f = self.inflight.pop(group_id, None)
+        f = self._release(group_id)
         if f is not None:
             self.gate.finish(accepted=False)
         return f
@@ -331,7 +353,7 @@ class BufferState:
         newest = max((v for s in answers.samples for v in s.versions), default=None)
         if newest is not None:
             self.rollout_versions[answers.rollout] = newest      # the weights it finished this group with
-        f = self.inflight.pop(group_id, None)
+        f = self._release(group_id)
         if f is None:
             return Scored("late")
         if answers.up_seconds > 0:
