@@ -331,6 +331,12 @@ def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: P
     assert (run_dir / "logs" / "rollout.1.sglang.log").exists()   # in the run directory, not the cwd
 
 
+# A rank silent for the bus's heartbeat timeout (5 s) stops the trainer world. Two Megatron ranks building their
+# models on one core beside a loaded machine's other work went silent that long at start, and the run stopped
+# before its first step: these runs test the ranks' work, not their answer time, so a rank may be silent longer.
+RANK_SILENCE_S = 60
+
+
 def test_multi_rank_megatron_trainer_runs_the_loop(assets: dict[str, Path], tmp_path: Path) -> None:
     # The GPU topologies' trainer shape on CPU: one torch.distributed world of two data-parallel Megatron
     # ranks (world_port), trainer.0 on the bus and in the weights link, trainer.1 following its calls.
@@ -347,7 +353,7 @@ def test_multi_rank_megatron_trainer_runs_the_loop(assets: dict[str, Path], tmp_
                                  "    class: tests.megatron_trainer:CPUMegatronTrainerActor\n"
                                  "    count: 2\n    cpus: [1]\n    threads: 1\n"
                                  "    parallel: {dp: 2, tp: 1, pp: 1}\n    world_port: auto\n"
-                                 "    settings: {backend: megatron}")
+                                 f"    settings: {{backend: megatron, bus: {{heartbeat_timeout: {RANK_SILENCE_S}}}}}")
     topology = tmp_path / "megatron_dp2.yaml"
     topology.write_text(text)
     run_dir = tmp_path / "run"
@@ -376,7 +382,7 @@ def test_pipeline_stages_each_send_their_own_layers_to_sglang_servers(assets: di
                                  "    class: tests.megatron_trainer:CPUMegatronTrainerActor\n"
                                  "    count: 2\n    cpus: [1]\n    threads: 1\n"
                                  "    parallel: {dp: 1, tp: 1, pp: 2}\n    world_port: auto\n"
-                                 "    settings: {backend: megatron}")
+                                 f"    settings: {{backend: megatron, bus: {{heartbeat_timeout: {RANK_SILENCE_S}}}}}")
     topology = tmp_path / "megatron_pp2.yaml"
     topology.write_text(text)
     run_dir = tmp_path / "run"
