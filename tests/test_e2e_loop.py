@@ -7,6 +7,7 @@ rollout with the trainer's hash, and killed workers are restarted without stoppi
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -295,7 +296,8 @@ def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: P
                            run_dir, "rollout.1", "engine_server_restarted")] or ["9"])]:
                 assert time.monotonic() < deadline and proc.poll() is None, "rollout.1 got no weights after its restart"
                 time.sleep(0.2)
-        finally:
+        finally:   # (the logs' clock, read just before: whatever they say after it happened after the SIGCONT)
+            continued = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
             os.kill(hung, signal.SIGCONT)
         finish(proc, run_dir)
     check_invariants(run_dir, steps)
@@ -311,9 +313,17 @@ def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: P
     pushes = events(run_dir, "param_server", "weights_pushed")
     assert all(r["ack_ok"] and r["verified"] == "version" for p in pushes for r in p["rollouts"].values()
                if "error" not in r), pushes
-    # after the restart both servers got weights over the re-formed group
+    # rollout.0, continued, was formed in again beside rollout.1
+    assert any(e["left_out"] == [] and e["timestamp"] > continued for e in formed), formed
+    # ... and the last group's pushes reached every member. That group is both rollouts unless rollout.0, just
+    # continued on a loaded machine, fell silent past the heartbeat timeout again: then the parameter server
+    # leaves it out on probation (test_param_server's subject) and the run may end before that runs out.
+    flapped = [e for e in events(run_dir, "param_server", "rollout_dead")
+               if e["rollout"] == "rollout.0" and e["timestamp"] > continued]
+    last = {"rollout.0", "rollout.1"} - set(formed[-1]["left_out"])
+    assert flapped or last == {"rollout.0", "rollout.1"}, (formed, flapped)
     after = [p for p in pushes if p["epoch"] == formed[-1]["epoch"]]
-    assert after and all(set(p["rollouts"]) == {"rollout.0", "rollout.1"} for p in after), after
+    assert after and all(set(p["rollouts"]) == last for p in after), after
     assert all("error" not in r for p in after for r in p["rollouts"].values()), after
     for name in ("rollout.0", "rollout.1"):
         updates = events(run_dir, name, "weights_updated")
