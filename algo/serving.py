@@ -14,7 +14,7 @@ seconds per generated token of each finished answer, wall clock from when it was
 weight-update pauses are in it. The slowest of the recent ones sets the timeout, times a slack. Until the
 first is measured, an assumed pace stands in (the settings' `gen.assumed_tokens_per_s`).
 
-Pure: it holds numbers and reads no clock. The buffer times its groups with it (actors/buffer_state.py), the
+Pure: it holds numbers and reads no clock. The buffer times its groups with it (actors/buffer/state.py), the
 SGLang client its requests (actors/engines/sglang.py).
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ tests/megatron_cpu_shim.py maps those requests to CPU in the actor's process). E
 product's TrainerActor, so a topology naming this class runs the real multi-rank trainer."""
 from __future__ import annotations
 
-from actors.trainer import TrainerActor
+from actors.trainer.actor import TrainerActor
 
 
 class CPUMegatronTrainerActor(TrainerActor):

@@ -1,4 +1,4 @@
-"""actors.run's process helpers: the parent-death signal every actor process and launched server asks for."""
+"""actors.runtime.run's process helpers: the parent-death signal every actor process and launched server asks for."""
 from __future__ import annotations
 
 import signal
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from actors.run import parent_death_signal
+from actors.runtime.run import parent_death_signal
 
 # The child reads back its own parent-death signal (prctl PR_GET_PDEATHSIG = 2): 0 when none is set.
 READ_BACK = ("import ctypes; value = ctypes.c_int(); "

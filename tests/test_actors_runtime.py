@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from actors.base import Actor, ActorSpec, SpecError, handles, load_actor_class, ready_path
+from actors.runtime.base import Actor, ActorSpec, SpecError, handles, load_actor_class, ready_path
 from testsupport.bounded import run_bounded
 from transport.bus import Bus, RemoteError
 from transport.messages import Message, message
@@ -109,7 +109,7 @@ def test_spec_roundtrip_and_errors_name_the_key(tmp_path: Any) -> None:
     (tmp_path / "broken.json").write_text('{"name": "a",\n "cls": }')
     with pytest.raises(SpecError, match="line 2"):
         ActorSpec.load(tmp_path / "broken.json")
-    with pytest.raises(SpecError, match="not a subclass of actors.base.Actor"):
+    with pytest.raises(SpecError, match="not a subclass of actors.runtime.base.Actor"):
         load_actor_class(f"{__name__}:Ask")
 
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from actors.base import Actor, ActorSpec, handles
-from actors.supervisor import NotReadyError, Supervisor, SupervisorError
+from actors.runtime.base import Actor, ActorSpec, handles
+from actors.runtime.supervisor import NotReadyError, Supervisor, SupervisorError
 from testsupport.bounded import run_bounded, until as poll_until
 from topology.settings import ActorSettings
 from transport.bus import Bus
@@ -170,7 +170,7 @@ def test_a_restarted_actor_still_running_after_the_run_ended_is_stopped(tmp_path
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # A restarted reward actor was starting when the trainer finished the run: the RunFinished went to its
     # dead predecessor, so the new process waited for ever and the launcher with it (chaos kill_reward, CI).
-    import actors.supervisor as supervisor_module
+    import actors.runtime.supervisor as supervisor_module
     monkeypatch.setattr(supervisor_module, "AFTER_RUN_GRACE_S", 0.2)
 
     async def main() -> None:
@@ -194,7 +194,7 @@ def test_actors_still_running_after_the_run_ended_are_stopped_then_killed(tmp_pa
     # The trainer marked the run finished, then failed before telling anyone (trainer.0 in
     # test_pipeline_stages_each_send_their_own_layers_to_sglang_servers, once): the others waited for a
     # RunFinished that never came, and the launcher with them until the test's timeout.
-    import actors.supervisor as supervisor_module
+    import actors.runtime.supervisor as supervisor_module
     monkeypatch.setattr(supervisor_module, "RUN_END_GRACE_S", 0.2)
 
     async def main() -> None:

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from actors.dataset import load_dataset, parse_record
-from actors.envs.calculator import Calculator
-from actors.evaluation import grade_records
+from actors.rollout.envs.calculator import Calculator
+from actors.evaluator.evaluation import grade_records
 from tools import agent_task, make_task
 
 SMALL = dict(train_per_level=150, test_per_level=20)

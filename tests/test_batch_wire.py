@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from actors.batch import BATCH_FRAME_BYTES, flat, from_batch, from_columns, share, to_batch
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
-from actors.trainer import StepConfig, rank_samples, train_share
+from actors.trainer.actor import StepConfig, rank_samples, train_share
 from testsupport.tiny_models import sampled_batch, tiny_model
 from tools.bench.batch import synthetic_batch
 from topology.experiment import ExperimentConfig
@@ -137,7 +137,7 @@ def test_a_rank_trains_on_its_share_exactly_as_on_the_whole_batch(kl_coef: float
 
 
 def _rank_main(rank: int, world: int, store: str, batch_path: str, out: Any) -> None:
-    from actors.rank_group import RankGroup
+    from actors.trainer.rank_group import RankGroup
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         group = RankGroup(timeout_s=120)
@@ -183,11 +183,11 @@ def test_trainer_zero_sends_each_rank_its_replicas_share_over_gloo(tmp_path) -> 
 
 def test_the_buffer_keeps_a_served_batch_as_its_frames_and_reads_it_back(tmp_path) -> None:
     # What a restarted buffer serves again is the very batch it served (the file is written frame by frame)
-    from actors.buffer import BufferFiles
+    from actors.buffer.actor import BufferFiles
     files = BufferFiles(tmp_path)
     listed = sampled_batch(tiny_model(4), groups=2, n=3)
     listed.groups[0].samples[1].score_detail = "boxed 7 != 8"
-    record, state = {"event": "batch", "step": listed.step}, {"epoch": 0, "position": 2}
+    record, state = {"event": "batch", "step": listed.step}, {"data_pass": 0, "position": 2}
     sent = files.write_served(listed, record, state)
     assert files.served_steps() == [listed.step]
     got, got_record, got_state = files.read_served(listed.step)

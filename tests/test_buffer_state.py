@@ -1,4 +1,4 @@
-"""The buffer's decisions (actors/buffer_state.py) on plain data: dispatch under the staleness gate,
+"""The buffer's decisions (actors/buffer/state.py) on plain data: dispatch under the staleness gate,
 dynamic sampling, batches with the second staleness check, re-issue of lost work, and checkpoints that
 lose no prompt and train none twice. The actor around it runs in tests/test_e2e_loop.py."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from actors.buffer_state import BufferState, Resume, ledger_after_resume, plan_resume
+from actors.buffer.state import BufferState, Resume, ledger_after_resume, plan_resume
 from algo.serving import DecodePace, groups_in_kv
 from transport.protocol import Answers, Sample
 
@@ -87,13 +87,13 @@ def test_a_rollout_behind_the_gate_gets_one_group_at_a_time() -> None:
     assert st.rollout_cap("rollout.0") == 8
 
 
-def test_the_cursor_walks_a_seeded_permutation_and_starts_a_new_epoch() -> None:
+def test_the_cursor_walks_a_seeded_permutation_and_starts_a_new_data_pass() -> None:
     st = state(eta=8, batch_size=4, n_records=5)
     keys = [i.key for i in issue_all(st)][:12]
     assert [e for e, _ in keys] == [0] * 5 + [1] * 5 + [2] * 2
     assert sorted(k for e, k in keys if e == 0) == list(range(5)) == sorted(k for e, k in keys if e == 1)
     assert [k for e, k in keys if e == 0] == [k for e, k in [i.key for i in issue_all(state(eta=8, n_records=5))][:5]]
-    assert st.stats.epoch == 3
+    assert st.stats.data_pass == 3
 
 
 # ---------------------------------------------------------------- results and batches
@@ -194,12 +194,12 @@ def test_checkpoint_records_untrained_work_for_reissue_and_the_gate_as_it_will_b
     assert [tuple(k) for k in saved["reissue"]] == [issues[2].key, issues[3].key]
     back = state(eta=1, batch_size=2)
     back.load_state_dict(saved)
-    assert (back.epoch, back.position, back.attempts) == (st.epoch, st.position, st.attempts)
+    assert (back.data_pass, back.position, back.attempts) == (st.data_pass, st.position, st.attempts)
     resumed = issue_all(back)
     assert [i.key for i in resumed[:2]] == [issues[2].key, issues[3].key]
     assert len(resumed) == 2 and back.gate.running == 2               # (1 + 1 + 1) * 2 - 2 accepted - 2 running
     fresh = state(eta=1, batch_size=2)
-    assert back.order == fresh._permutation(back.epoch)
+    assert back.order == fresh._permutation(back.data_pass)
 
 
 def test_the_buffer_checkpoints_into_its_own_run_directory_only(tmp_path) -> None:
@@ -207,8 +207,8 @@ def test_the_buffer_checkpoints_into_its_own_run_directory_only(tmp_path) -> Non
     batches up to the newest complete checkpoint are removed; a step that is none is refused."""
     import json
 
-    from actors.buffer import BufferFiles
-    from actors.recovery import checkpoint_dir, mark_complete
+    from actors.buffer.actor import BufferFiles
+    from actors.runtime.recovery import checkpoint_dir, mark_complete
     files = BufferFiles(tmp_path)
     for step in (2, 3, 4):
         files.served_path(step).write_bytes(b"")
@@ -298,7 +298,7 @@ def test_a_run_with_deaths_drops_and_restores_trains_every_prompt_once_within_et
     assert sum(kind == "trained" for kind, _ in events) == B * steps
     pending = [tuple(k) for k in st.state_dict()["reissue"]]
     accounted = [k for _, k in events] + pending
-    handed_out = [(e, i) for e in range(st.epoch) for i in range(7)] + [(st.epoch, i) for i in st.order[:st.position]]
+    handed_out = [(e, i) for e in range(st.data_pass) for i in range(7)] + [(st.data_pass, i) for i in st.order[:st.position]]
     assert len(accounted) == len(set(accounted)), "a prompt was trained or dropped twice"
     assert set(accounted) == set(handed_out), "a prompt was lost"
 
@@ -371,7 +371,7 @@ def test_a_version_no_served_batch_can_have_produced_is_refused_with_a_log_line(
     import asyncio
     from collections import Counter
 
-    from actors.buffer import BufferActor
+    from actors.buffer.actor import BufferActor
     from transport.protocol import VersionUpdate
 
     st = state(batch_size=2)

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from actors.dataset import load_dataset
-from actors.evaluation import grade_records
+from actors.evaluator.evaluation import grade_records
 from actors.reward.code_grader import detect_mode
 from actors.reward.sandbox import probe_sandbox
 from tools import code_task, make_task

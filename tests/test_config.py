@@ -74,7 +74,7 @@ CORE_ACTORS = {"trainer": "actors.trainer:TrainerActor", "rollout": "actors.roll
 ])
 def test_a_misspelt_key_of_a_core_actor_is_refused_naming_its_full_path(
         tmp_path: Path, group: str, settings: dict, path: str, hint: str) -> None:
-    from actors.base import ActorSpec, load_actor_class
+    from actors.runtime.base import ActorSpec, load_actor_class
     # At launch, by the topology's check of the group's settings ...
     doc = {"cluster": {"nodes": 1}, "bus": {"transport": "ipc"},
            "actors": {group: {"class": CORE_ACTORS[group], "settings": settings}}}
@@ -212,7 +212,7 @@ def test_show_config_resolves_every_shipped_topology(name: str) -> None:
 
 
 def test_actors_read_typed_settings(tmp_path: Path) -> None:
-    from actors.base import ActorSpec
+    from actors.runtime.base import ActorSpec
     from testsupport.demo import DemoSettings, Pinger
     spec = ActorSpec("ping", "testsupport.demo:Pinger", f"ipc://{tmp_path}/p", run_dir=str(tmp_path),
                      settings={"log_console": False, "rounds": 2, "algo": {"eta": 0}})
@@ -227,10 +227,10 @@ def test_actors_read_typed_settings(tmp_path: Path) -> None:
 def test_settings_models_of_the_actor_classes() -> None:
     from testsupport.demo import DemoSettings, Echoer
     from actors.reward.math import MathReward
-    from actors.buffer import BufferActor
-    from actors.param_server import ParamServerActor
-    from actors.rollout import RolloutActor
-    from actors.trainer import TrainerActor
+    from actors.buffer.actor import BufferActor
+    from actors.param_server.actor import ParamServerActor
+    from actors.rollout.actor import RolloutActor
+    from actors.trainer.actor import TrainerActor
     from topology.settings import BufferSettings, ParamServerSettings, RewardSettings
     assert settings_model(Echoer) is DemoSettings
     assert settings_model(MathReward) is RewardSettings

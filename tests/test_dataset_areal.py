@@ -60,7 +60,7 @@ def test_boba_is_found_under_its_download_name_and_every_solution_is_an_answer(t
     assert not grade_math(response, first.answer).correct
     assert ds[2].answers == ("4", "x=4")
     # Evaluation grades the same way (tools.eval, the evaluator, tools.filter_data).
-    from actors.evaluation import grade_records
+    from actors.evaluator.evaluation import grade_records
     verdicts = grade_records([response, "\\boxed{A}", "\\boxed{B}"], [first] * 3)
     assert [v.correct for v in verdicts] == [True, True, False]
     # The prompts carry the R1 turn already: a configured template is not wrapped around them again.

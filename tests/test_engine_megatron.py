@@ -347,7 +347,7 @@ def test_config_errors_name_the_cause() -> None:
 
 # --- the trainer's step over a data-parallel world ----------------------------------------------------------
 def _trainer_share(engine: Any, out_dir: str, settings: dict[str, Any]) -> dict[str, Any]:
-    from actors.trainer import StepConfig, train_share
+    from actors.trainer.actor import StepConfig, train_share
     batch = torch.load(settings["batch"], weights_only=False)
     share = train_share(engine, batch, StepConfig.defaults(minibatches=2), version=0)
     return {"share": share, "data_parallel": engine.data_parallel,
@@ -359,7 +359,7 @@ def test_trainer_step_over_two_data_parallel_ranks_matches_one_torch_process(tmp
     # What trainer ranks > 0 do in a multi-rank trainer: the same train_share on the same batch, each
     # replica on its own micro-batches of every PPO minibatch; rank 0 merges the shares' statistics.
     from testsupport.tiny_models import sampled_batch
-    from actors.trainer import StepConfig, step_metrics, train_on_batch
+    from actors.trainer.actor import StepConfig, step_metrics, train_on_batch
     model_dir = _model_dir(tmp_path)
     batch = sampled_batch(load_model(model_dir), groups=4, n=4)
     torch.save(batch, tmp_path / "batch.pt")

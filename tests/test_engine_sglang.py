@@ -580,7 +580,7 @@ def test_a_server_told_to_fail_at_start_exits_and_is_named(tmp_path, random_mode
 
 
 def test_make_engine_builds_the_sglang_engine(tmp_path):
-    from actors.rollout import RolloutActor, make_engine
+    from actors.rollout.actor import RolloutActor, make_engine
     from topology.settings import RolloutSettings, SettingsError, read_settings
 
     engine = make_engine(RolloutSettings.model_validate({"engine": "sglang", "sglang_url": "http://127.0.0.1:1"}), 4,
@@ -609,7 +609,7 @@ def test_make_engine_builds_the_sglang_engine(tmp_path):
 @pytest.mark.parametrize("topology", sorted(p.name for p in (Path(__file__).parent.parent / "topology").glob("*.yaml")))
 def test_shipped_sglang_rollouts_build_their_launch_command(topology, tmp_path):
     # Every setting a shipped topology gives an SGLang rollout reaches the server's command line.
-    from actors.rollout import make_engine
+    from actors.rollout.actor import make_engine
     from topology import load
     from topology.settings import RolloutSettings
 

@@ -1,4 +1,4 @@
-"""Episodes (actors/episode.py): a single-turn task is today's request and answer; several turns continue from
+"""Episodes (actors/rollout/episode.py): a single-turn task is today's request and answer; several turns continue from
 the context with environment tokens masked and marked; turn and token budgets; environment timeouts and
 failures end the episode with the cause recorded; versions across a weight update between turns; seeds;
 aborts and cancellation."""
@@ -15,9 +15,9 @@ from actors.engines.base import GenerationRequest, SamplingParams
 from actors.engines.checkpoint import hf_state_dict
 from actors.engines.tokenizer import load_tokenizer
 from actors.engines.torch_gen import TorchGenerationEngine
-from actors.envs import UnknownTool, environment_for
-from actors.envs.calculator import Calculator, CalculatorError, calculate, call_of
-from actors.episode import (ENV_VERSION, Environment, EpisodeError, EpisodeLimits, SingleTurn, Trajectory,
+from actors.rollout.envs import UnknownTool, environment_for
+from actors.rollout.envs.calculator import Calculator, CalculatorError, calculate, call_of
+from actors.rollout.episode import (ENV_VERSION, Environment, EpisodeError, EpisodeLimits, SingleTurn, Trajectory,
                             run_episodes, turn_rid, turn_seed)
 from testsupport.bounded import run_bounded
 from testsupport.scripted_engine import IntCodec, ScriptedEngine, scripted_logprob

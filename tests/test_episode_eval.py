@@ -1,4 +1,4 @@
-"""Held-out evaluation of episodes (actors/episode_eval.py, tools/eval_agent.py): the tool's use is measured
+"""Held-out evaluation of episodes (actors/evaluator/episode_eval.py, tools/eval_agent.py): the tool's use is measured
 (accuracy with it and restricted to one turn, turns and calls per level), and records without a tool give
 exactly the report of the single-answer evaluation."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import json
 from actors.dataset import parse_record
 from actors.engines.tokenizer import load_tokenizer
 from actors.engines.torch_gen import TorchGenerationEngine
-from actors.episode import EpisodeLimits
-from actors.episode_eval import aevaluate_episodes
-from actors.evaluation import EvalSettings, aevaluate_with, engine_generator
+from actors.rollout.episode import EpisodeLimits
+from actors.evaluator.episode_eval import aevaluate_episodes
+from actors.evaluator.evaluation import EvalSettings, aevaluate_with, engine_generator
 from testsupport.bounded import run_bounded
 from testsupport.scripted_engine import ScriptedEngine
 from testsupport.tiny_models import ARITH_TOKENIZER_DIR, ARITH_VOCAB, tiny_model, tiny_model_dir

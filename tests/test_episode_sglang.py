@@ -9,7 +9,7 @@ from actors.engines.base import GenerationRequest, SamplingParams
 from actors.engines.checkpoint import save_model
 from actors.engines.sglang import SGLangEngine
 from actors.engines.torch_gen import TorchGenerationEngine
-from actors.episode import ENV_VERSION, Environment, EpisodeLimits, run_episodes
+from actors.rollout.episode import ENV_VERSION, Environment, EpisodeLimits, run_episodes
 from testsupport.bounded import run_bounded
 from testsupport.scripted_engine import IntCodec
 from testsupport.sglang_standin import StandinThread

@@ -1,4 +1,4 @@
-"""Evaluation during the run (actors/evaluator.py): its bookkeeping, and a short run through the real launcher
+"""Evaluation during the run (actors/evaluator/actor.py): its bookkeeping, and a short run through the real launcher
 in which the evaluator is frozen and then killed while training goes on."""
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 
 from actors.dataset import Record
 from actors.engines.base import SamplingParams
-from actors.evaluation import EvalError
-from actors.evaluator import (EVAL_FILE, RolloutsUnavailable, answer_on_rollouts, eval_entry, evaluated_versions,
+from actors.evaluator.evaluation import EvalError
+from actors.evaluator.actor import (EVAL_FILE, RolloutsUnavailable, answer_on_rollouts, eval_entry, evaluated_versions,
                               rollout_generator, skipped_versions, spread_over_levels, weights_on_disk)
-from actors.param_server import kept_for_eval
+from actors.param_server.actor import kept_for_eval
 from tools.bench.chaos import finish_run, launch, make_assets, ready_info, run_guard, step_records, wait_for_step
 from testsupport.bounded import run_bounded
 from tools.plot import _plot_evals, eval_accuracy, plot_run

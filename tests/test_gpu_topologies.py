@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from actors.engines.base import EngineError, require_device
-from actors.trainer import TrainerActor, make_train_engine
+from actors.trainer.actor import TrainerActor, make_train_engine
 from topology import load
 from topology.settings import SettingsError, TrainerSettings, read_settings
 from tools.up import describe, engine_placements

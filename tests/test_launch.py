@@ -70,7 +70,7 @@ def test_dry_run_report_without_import_check(name: str, capsys: pytest.CaptureFi
     if len(plan.topology.nodes) > 1:
         assert "srun -N" in out and "tools.node_agent" in out
     else:
-        assert "-m actors.run" in out
+        assert "-m actors.runtime.run" in out
 
 
 def test_dry_run_64node_table(capsys: pytest.CaptureFixture) -> None:
@@ -148,8 +148,8 @@ def test_a_trainer_group_that_cannot_train_together_is_refused_at_start(tmp_path
                                                                        problem: str) -> None:
     import asyncio
 
-    from actors.base import ActorSpec
-    from actors.trainer import TrainerActor, TrainerConfigError
+    from actors.runtime.base import ActorSpec
+    from actors.trainer.actor import TrainerActor, TrainerConfigError
     instance = {"group": "trainer", "index": 1, "count": 2,
                 **{k: v for k, v in settings.items() if k not in ("backend", "links")}}
     spec = ActorSpec("trainer.1", "actors.trainer:TrainerActor", f"ipc://{tmp_path}/t",
@@ -194,7 +194,6 @@ def assert_clean_stop(run_dir: Path, names: list[str]) -> None:
 
 
 def test_local_launch_exchanges_messages_and_bulk_tensors(tmp_path: Path) -> None:
-    pytest.importorskip("actors.supervisor")
     run_dir = tmp_path / "run"
     topo = demo_topology(tmp_path, "{rounds: 15, tensor_elems: 5000}")
     res = launch(topo, run_dir)
@@ -212,7 +211,6 @@ def test_local_launch_exchanges_messages_and_bulk_tensors(tmp_path: Path) -> Non
 
 
 def test_supervisor_restarts_a_crashed_actor_inside_the_run(tmp_path: Path) -> None:
-    pytest.importorskip("actors.supervisor")
     run_dir = tmp_path / "run"
     topo = demo_topology(tmp_path, "{rounds: 5, crash_once: true}", link=False,
                          supervisor="supervisor: {backoff_initial: 0.1, max_restarts: 2}\n")
@@ -226,7 +224,6 @@ def test_supervisor_restarts_a_crashed_actor_inside_the_run(tmp_path: Path) -> N
 
 
 def test_run_stops_with_a_clear_message_when_an_actor_cannot_be_kept_up(tmp_path: Path) -> None:
-    pytest.importorskip("actors.supervisor")
     run_dir = tmp_path / "run"
     topo = demo_topology(tmp_path, "{rounds: 5, crash_always: true}", link=False,
                          supervisor="supervisor: {backoff_initial: 0.05, max_restarts: 1, stop_timeout: 10}\n")
@@ -239,7 +236,6 @@ def test_run_stops_with_a_clear_message_when_an_actor_cannot_be_kept_up(tmp_path
 
 
 def test_ctrl_c_stops_every_actor_cleanly(tmp_path: Path) -> None:
-    pytest.importorskip("actors.supervisor")
     run_dir = tmp_path / "run"
     topo = demo_topology(tmp_path, "{rounds: 100000000}", link=False)
     proc = subprocess.Popen([sys.executable, "-m", "tools.up", str(topo), "--run-dir", str(run_dir),
@@ -257,7 +253,7 @@ def test_ctrl_c_stops_every_actor_cleanly(tmp_path: Path) -> None:
 
 def test_a_trainer_rank_that_dies_stops_the_other_ranks() -> None:
     # A torch.distributed world cannot take a rank back: the others would wait in a collective for it.
-    from actors.trainer import TrainerActor
+    from actors.trainer.actor import TrainerActor
     from topology.settings import TrainerSettings
     trainer = TrainerActor.__new__(TrainerActor)      # only what the callback reads
     stops: list[tuple[str, int]] = []

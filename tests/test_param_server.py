@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from actors.base import ActorSpec
+from actors.runtime.base import ActorSpec
 from actors.engines.checkpoint import hf_state_dict, load_model
-from actors.param_server import ParamServerActor
+from actors.param_server.actor import ParamServerActor
 from actors.weight_sync import load_start_weights
 from actors.weights import weights_hash
 from testsupport.bounded import run_bounded

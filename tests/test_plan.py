@@ -131,7 +131,7 @@ def test_every_shipped_topology_plans_and_its_gpu_groups_fit(path):
 
 
 # --- simulation ---------------------------------------------------------------------------------------
-from actors.buffer_state import BufferState  # noqa: E402
+from actors.buffer.state import BufferState  # noqa: E402
 from tools.plan import costs, engines, hardware, microbench, sim  # noqa: E402
 
 
@@ -241,7 +241,7 @@ def test_a_decode_step_pays_its_layers_fixed_cost_and_the_tensor_parallel_all_re
 
 
 def test_a_kl_penalty_costs_each_replica_a_reference_pass_over_the_whole_batch():
-    # actors/train_step.py: with kl_coef > 0 every data-parallel rank computes the reference log-probs of every
+    # actors/trainer/step.py: with kl_coef > 0 every data-parallel rank computes the reference log-probs of every
     # sequence, so the pass does not shrink with dp
     shape, gpu = BUILTIN["7B"], hardware.GPUS["H800"]
     lengths, groups = [4000] * 64, [i // 16 for i in range(64)]
@@ -343,7 +343,7 @@ def test_the_embedded_engine_admits_whole_groups_per_engine_within_its_rows():
 
 
 def test_the_push_policy_forms_once_pushes_what_is_behind_and_coalesces(monkeypatch):
-    from actors.push_policy import Form, Idle, Push, PushPolicy, Wait
+    from actors.param_server.push_policy import Form, Idle, Push, PushPolicy, Wait
     from transport.protocol import RolloutWeights
     p = PushPolicy(rollouts={"a": RolloutWeights(hello=True), "b": RolloutWeights()})
     # before the first formation a starting rollout is waited for until a version waits for those that said

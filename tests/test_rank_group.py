@@ -1,4 +1,4 @@
-"""A pipeline-parallel trainer's two control channels (actors/rank_group.py) on a real gloo world: a rank > 0
+"""A pipeline-parallel trainer's two control channels (actors/trainer/rank_group.py) on a real gloo world: a rank > 0
 leaves only when rank 0 has stopped both, so the run's last weights broadcast, which rank 0 can still be
 leading when the last step's STOP goes out, completes; and rank 0 leads nothing after its STOP."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from actors.rank_group import BROADCAST, STOP, RankGroup, follow_rank0
+from actors.trainer.rank_group import BROADCAST, STOP, RankGroup, follow_rank0
 from actors.weight_sync import StageSender
 
 TIMEOUT_S = 60
@@ -63,7 +63,7 @@ def _follower(store: str, events: Any) -> None:
         code = 1
     events.close()
     events.join_thread()
-    os._exit(code)   # as actors.run ends an actor: what still runs on its other threads ends with it
+    os._exit(code)   # as actors.runtime.run ends an actor: what still runs on its other threads ends with it
 
 
 def test_a_rank_leaves_only_once_rank0_has_stopped_the_weights_channel_too(tmp_path) -> None:

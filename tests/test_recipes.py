@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from actors.recovery import checkpoint_dir
+from actors.runtime.recovery import checkpoint_dir
 from tools.up import main as up_main
 
 REPO = Path(__file__).resolve().parent.parent

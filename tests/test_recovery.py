@@ -7,7 +7,7 @@ from pathlib import Path
 
 from structlog.testing import capture_logs
 
-from actors.recovery import (COMPLETE, checkpoint_dir, checkpoint_problem, latest_checkpoint, mark_complete,
+from actors.runtime.recovery import (COMPLETE, checkpoint_dir, checkpoint_problem, latest_checkpoint, mark_complete,
                              resume_checkpoint)
 
 
@@ -99,7 +99,7 @@ def test_every_checkpoint_corrupt_is_said_loudly_before_starting_from_step_0(tmp
 
 
 def test_checkpoints_come_by_steps_and_by_time_as_areal_ckpt_freq_secs():
-    from actors.recovery import checkpoint_due
+    from actors.runtime.recovery import checkpoint_due
 
     # by steps only: every 10 steps and the last one
     assert [s for s in range(1, 26) if checkpoint_due(s, 25, 10, None, since_s=1e9)] == [10, 20, 25]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from actors.recovery import checkpoint_dir, mark_complete
+from actors.runtime.recovery import checkpoint_dir, mark_complete
 from testsupport.tiny_models import tiny_model_dir
 from topology.experiment import ExperimentConfig
 
@@ -41,7 +41,7 @@ def test_after_the_run_missed_evaluations_are_caught_up_from_checkpoints_or_name
     # A killed evaluator restarted after the run ended left the run without periodic evaluations from version 8
     # on, without a word. Now the launcher evaluates the kept versions whose weights are left on disk and names
     # the others.
-    from actors.evaluator import EVAL_FILE, catch_up, evaluated_versions, skipped_versions
+    from actors.evaluator.actor import EVAL_FILE, catch_up, evaluated_versions, skipped_versions
 
     run_dir = tmp_path / "run"
     for step in (4, 6):

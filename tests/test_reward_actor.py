@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import uvloop
 
-from actors.base import ActorSpec
+from actors.runtime.base import ActorSpec
 from actors.engines.tokenizer import load_tokenizer
 from actors.reward.code import extract_program
 from actors.reward.math_grader import MathVerdict, grade_math
 from actors.reward.sandbox import probe_sandbox
-from actors.supervisor import Supervisor
+from actors.runtime.supervisor import Supervisor
 from testsupport.bounded import run_bounded
 from testsupport.local_actors import actor_spec, ipc_endpoints
 from transport.bus import Bus, Envelope

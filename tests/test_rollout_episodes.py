@@ -15,9 +15,9 @@ import torch
 
 from actors.engines.tokenizer import load_tokenizer
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
-from actors.episode import ENV_VERSION, generated_ids
-from actors.buffer_state import group_start_version
-from actors.train_step import StepConfig, batch_to_sequences, train_on_batch
+from actors.rollout.episode import ENV_VERSION, generated_ids
+from actors.buffer.state import group_start_version
+from actors.trainer.step import StepConfig, batch_to_sequences, train_on_batch
 from testsupport.bounded import run_bounded, until
 from testsupport.local_actors import actor_spec, ipc_endpoints
 from testsupport.scripted_engine import ScriptedEngine
@@ -42,13 +42,13 @@ def rollout_with(tmp_path: Path, model_dir: Path, engine: ScriptedEngine, gen: d
     """Run the rollout actor in-process on ``engine``; send ``groups``; the messages it sends back, in order,
     and its stats. ``drive(buffer_bus, next_message)``, if given, runs instead of sending ``groups`` and
     returns what the test wants back."""
-    monkeypatch.setattr("actors.rollout.make_engine", lambda *a, **k: engine)
+    monkeypatch.setattr("actors.rollout.actor.make_engine", lambda *a, **k: engine)
     eps = ipc_endpoints(tmp_path, ["rollout.0", "reward.0", "buffer"])
     spec = actor_spec("rollout.0", "actors.rollout:RolloutActor", eps, run_dir=tmp_path, env={},
                       settings={"model": {"path": str(model_dir)}, "run": {"recover": "off"}, "log_console": False,
                                 "gen": gen, "groups": {"reward": ["reward.0"], "buffer": ["buffer"]},
                                 "bus": {"heartbeat_interval": None}, "stats_every_s": 0})
-    from actors.rollout import RolloutActor
+    from actors.rollout.actor import RolloutActor
 
     async def main() -> list[Any]:
         got: asyncio.Queue[Any] = asyncio.Queue()

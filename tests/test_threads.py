@@ -1,4 +1,4 @@
-"""actors/threads.py: the one way blocking work that may wait on another process leaves the event loop."""
+"""actors/runtime/threads.py: the one way blocking work that may wait on another process leaves the event loop."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import structlog
 
-from actors.threads import DaemonThreads, in_thread, on_daemon_thread, run_blocking_on
+from actors.runtime.threads import DaemonThreads, in_thread, on_daemon_thread, run_blocking_on
 from transport.bulk import LinkConfig
 from transport.protocol import WeightsStored
 

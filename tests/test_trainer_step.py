@@ -6,7 +6,7 @@ import torch
 
 from actors.engines.base import PackedBatch
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
-from actors.train_step import StepConfig, batch_to_sequences, train_on_batch
+from actors.trainer.step import StepConfig, batch_to_sequences, train_on_batch
 from testsupport.tiny_models import sampled_batch, tiny_model
 from topology.experiment import ExperimentConfig
 
@@ -111,7 +111,7 @@ def test_kl_penalty_moves_the_loss_and_the_policy_as_the_reference_says():
     after = _sampled_logprobs(engine.model, batch) - _sampled_logprobs(reference, batch)
     assert float(after.abs().mean()) < float(before.abs().mean())
 def test_the_trainer_step_takes_the_form_from_the_experiment_config():
-    from actors.train_step import StepConfig
+    from actors.trainer.step import StepConfig
     from topology.experiment import ExperimentConfig
 
     assert StepConfig.from_settings(ExperimentConfig()).group_norm is False

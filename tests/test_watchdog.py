@@ -9,8 +9,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from actors.buffer import BufferActor
-from actors.buffer_state import BufferState
+from actors.buffer.actor import BufferActor
+from actors.buffer.state import BufferState
 from tools.watchdog import ProgressWatchdog
 from topology.experiment import WatchdogSection
 from transport.protocol import Answers, Sample

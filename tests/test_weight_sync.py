@@ -21,8 +21,8 @@ import pytest
 import torch
 import uvloop
 
-from actors.base import ActorSpec
-from actors.supervisor import Supervisor
+from actors.runtime.base import ActorSpec
+from actors.runtime.supervisor import Supervisor
 from testsupport.bounded import run_bounded
 from testsupport.local_actors import actor_spec, gloo_link, ipc_endpoints
 from testsupport.tiny_models import tiny_model_dir, tiny_weight_buckets

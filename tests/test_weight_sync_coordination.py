@@ -42,14 +42,14 @@ def test_a_fanout_reaches_its_server_only_through_the_coordinator(module: str) -
 
 
 def test_the_parameter_server_implements_the_coordinator() -> None:
-    from actors.param_server import ParamServerActor
+    from actors.param_server.actor import ParamServerActor
     from actors.weight_sync import Coordinator
 
     methods = {n for n, v in vars(Coordinator).items() if callable(v) and not n.startswith("_")}
     missing = [n for n in methods if not callable(getattr(ParamServerActor, n, None))]
     assert not missing
     # the attributes: set by Actor or in on_start
-    source = (ROOT / "actors" / "param_server.py").read_text() + (ROOT / "actors" / "base.py").read_text()
+    source = (ROOT / "actors" / "param_server" / "actor.py").read_text() + (ROOT / "actors" / "runtime" / "base.py").read_text()
     for name in typing.get_type_hints(Coordinator):
         assert f"self.{name} =" in source or f"self.{name}:" in source, name
 
@@ -81,6 +81,6 @@ def test_a_stage_sender_is_a_weight_sender() -> None:
 
 
 def test_the_evaluator_takes_its_message_kinds_from_the_protocol() -> None:
-    tree = ast.parse((ROOT / "actors" / "evaluator.py").read_text())
+    tree = ast.parse((ROOT / "actors" / "evaluator" / "actor.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert "actors.param_server" not in imported and "transport.protocol" in imported
+    assert "actors.param_server.actor" not in imported and "transport.protocol" in imported

@@ -24,7 +24,7 @@ import torch
 
 from pydantic import Field
 
-from actors.base import Actor, handles
+from actors.runtime.base import Actor, handles
 from topology.settings import ActorSettings
 from transport.bulk import BulkLink, LinkConfig
 from transport.messages import Message, message

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from actors.base import ActorSpec
+from actors.runtime.base import ActorSpec
 from transport.bulk import LinkConfig
 
 

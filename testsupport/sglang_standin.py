@@ -208,7 +208,7 @@ def _tp_worker_main(conn: Any, tp_rank: int) -> None:
     """One extra tensor-parallel rank of a stand-in launched with --tp-size > 1: its own process, as each of
     SGLang's TP workers is, joining the weights group as rank_offset + tp_rank (model_runner.py:1113) and
     receiving every bucket the trainer broadcasts (model_runner.py:1147-1204)."""
-    from actors.run import die_with_parent
+    from actors.runtime.run import die_with_parent
 
     die_with_parent()
     groups: dict[str, Any] = {}

@@ -2,7 +2,7 @@
 
 A problem of level L is a chain that starts with a product of two two-digit numbers and adds or subtracts
 L-1 more two-digit numbers, e.g. level 2: ``37*48+56``. A 1M-parameter model cannot multiply two-digit
-numbers in its head; with the calculator tool (actors/envs/calculator.py: one operation per call) the task
+numbers in its head; with the calculator tool (actors/rollout/envs/calculator.py: one operation per call) the task
 is copying: call ``[37*48]``, read ``=1776``, call ``[1776+56]``, read ``=1832``, box the last value::
 
     prompt       "Compute: 37*48+56\\n"
@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
-from actors.envs.calculator import CALL_CLOSE, CALL_OPEN, calculate, observation
+from actors.rollout.envs.calculator import CALL_CLOSE, CALL_OPEN, calculate, observation
 
 LEVELS = (1, 2, 3)
 OPERANDS = range(10, 100)

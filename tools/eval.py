@@ -51,9 +51,9 @@ from actors.engines.base import EngineError
 from actors.engines.checkpoint import CheckpointError, load_model
 from actors.engines.model import Qwen2ForCausalLM
 from actors.engines.tokenizer import TokenizerError, load_tokenizer
-from actors.envs import is_agent
-from actors.episode_eval import aevaluate_model_episodes
-from actors.evaluation import (DEFAULT_MAX_NEW_TOKENS, NO_LEVEL, EvalError, EvalSettings, Generate,  # noqa: F401
+from actors.rollout.envs import is_agent
+from actors.evaluator.episode_eval import aevaluate_model_episodes
+from actors.evaluator.evaluation import (DEFAULT_MAX_NEW_TOKENS, NO_LEVEL, EvalError, EvalSettings, Generate,  # noqa: F401
                                aevaluate_model, aevaluate_with, agenerate, engine_generator, evaluate_model,
                                level_key, select_records)
 from tools.lm import LMToolError, has_weights
@@ -126,7 +126,7 @@ def default_engine() -> str:
 async def open_generator(model_dir: str, *, engine: str = "torch", urls: Sequence[str] = (), servers: int | None = None,
                          tp: int = 1, server_command: Sequence[str] | None = None, device: str | None = None,
                          max_running: int = 256) -> AsyncIterator[tuple[Generate, str]]:
-    """(a `Generate` for `actors.evaluation.aevaluate_with`, what answers) for the evaluation's engine, started
+    """(a `Generate` for `actors.evaluator.evaluation.aevaluate_with`, what answers) for the evaluation's engine, started
     once for every benchmark and stopped after: the embedded engine on the checkpoint, running SGLang servers
     (`urls`), or `servers` SGLang servers started on the checkpoint (`tp` GPUs each, the i-th on GPUs
     [i*tp, (i+1)*tp); `server_command`: the server's module runner, python -m sglang.launch_server)."""

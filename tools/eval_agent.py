@@ -1,9 +1,9 @@
 """`python -m tools.eval_agent CHECKPOINT --data FILE [--max-turns 5,1] [--samples N] [--json]`: held-out
 accuracy of episodes.
 
-Each record is answered by an episode (actors/episode.py) in the environment it names (its ``"tool"``;
+Each record is answered by an episode (actors/rollout/episode.py) in the environment it names (its ``"tool"``;
 records without one are single-turn), driven on the embedded engine: greedy accuracy, pass@k and maj@k per
-level as `tools.eval` reports them (actors/evaluation.py grades the model's own tokens), plus the mean turns
+level as `tools.eval` reports them (actors/evaluator/evaluation.py grades the model's own tokens), plus the mean turns
 and tool calls per episode and how the episodes ended. ``--max-turns`` takes several budgets, evaluated one
 after the other on the same model: ``--max-turns 5,1`` compares the task with its tool against the same model
 restricted to one turn, where the tool is never consulted.
@@ -25,9 +25,9 @@ from actors.dataset import DatasetError
 from actors.engines.base import EngineError
 from actors.engines.checkpoint import CheckpointError, load_model
 from actors.engines.tokenizer import TokenizerError, load_tokenizer
-from actors.episode import EpisodeError
-from actors.episode_eval import DEFAULT_MAX_TURNS, aevaluate_model_episodes
-from actors.evaluation import EvalError, EvalSettings
+from actors.rollout.episode import EpisodeError
+from actors.evaluator.episode_eval import DEFAULT_MAX_TURNS, aevaluate_model_episodes
+from actors.evaluator.evaluation import EvalError, EvalSettings
 from tools.eval import load_eval_records, render_table
 from tools.lm import LMToolError, has_weights
 
@@ -56,7 +56,7 @@ async def aevaluate_agent(model_dir: str, data_path: str, max_turns: Sequence[in
                           settings: EvalSettings = EvalSettings(samples=0), levels: Sequence[int] | None = None,
                           max_per_level: int | None = None, device: str = "cpu",
                           details: bool = False) -> dict[str, Any]:
-    """One report per turn budget (`actors.episode_eval.aevaluate_episodes`), under "reports"."""
+    """One report per turn budget (`actors.evaluator.episode_eval.aevaluate_episodes`), under "reports"."""
     settings.check()
     if not has_weights(model_dir):
         raise EvalError(f"{model_dir}: no model weights (model.safetensors or an index) to evaluate")

@@ -13,7 +13,7 @@ limit (more than `--max-cut`, half by default) stops the filter with an error be
 
 Answers come from the rollouts' engines (`tools.eval`'s `open_generator`): the embedded engine on MODEL here,
 or SGLang servers (`--engine sglang`: `--servers` started on MODEL, or running ones at `--url`), and are graded
-by `actors.evaluation` (the code of `tools.eval`).
+by `actors.evaluator.evaluation` (the code of `tools.eval`).
 
 Resumable: prompts are done in chunks of `--chunk`; after each chunk the kept lines are appended to OUT and
 `OUT.progress.json` records how far it got (and the size OUT had then). Run again with the same arguments
@@ -39,7 +39,7 @@ from actors.dataset import (AREAL, LAYOUTS, DatasetError, Layout, OnError, Recor
 from actors.engines.base import EngineError
 from actors.engines.checkpoint import CheckpointError
 from actors.engines.tokenizer import TokenizerError, load_tokenizer
-from actors.evaluation import EvalError, EvalSettings, aevaluate_with, level_key
+from actors.evaluator.evaluation import EvalError, EvalSettings, aevaluate_with, level_key
 from tools.eval import ENGINES, _from_config, data_options, default_engine, open_generator
 from tools.lm import LMToolError, has_weights
 from transport.files import atomic_write

@@ -38,7 +38,7 @@ def check_inputs(plan: Plan, *, launch: bool) -> tuple[list[str], list[str]]:
     """(report lines, problems) for the plan's starting model and data files. ``launch``: read every line
     and treat an absent file as a problem; else (the dry run) read a sample and note an absent file."""
     config = plan.topology.config
-    modules = {group.cls.partition(":")[0] for group in plan.topology.groups.values()}
+    modules = {group.actor_package for group in plan.topology.groups.values()}
     lines: list[str] = []
     problems: list[str] = []
     if not modules & READS_MODEL:

@@ -8,7 +8,7 @@
   from {"prompt", "response"} JSON lines (`read_pairs`), and packed into padding-free micro-batches whose
   `loss_mask` covers only the trained response tokens (`pack_examples`);
 * batched generation (`agenerate`, `generate`) and grading (`grade_many`), re-exported from
-  `actors/evaluation.py`, where the evaluator actor shares them.
+  `actors/evaluator/evaluation.py`, where the evaluator actor shares them.
 """
 from __future__ import annotations
 
@@ -236,5 +236,5 @@ def batch_stream(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
         del order[:batch_size]
 
 
-# --- generation and grading: one implementation in actors/evaluation.py (the evaluator actor uses them) --
-from actors.evaluation import agenerate, answer_length, generate, grade_many, response_text  # noqa: E402,F401
+# --- generation and grading: one implementation in actors/evaluator/evaluation.py (the evaluator actor uses them) --
+from actors.evaluator.evaluation import agenerate, answer_length, generate, grade_many, response_text  # noqa: E402,F401

@@ -3,7 +3,7 @@
 The launcher (tools/up.py) wrote one plan per node, ``RUN_DIR/nodes/<host>.json``, holding that node's
 ActorSpecs and the supervisor settings. The agent finds its own by the SLURM node name (fake nodes
 on one machine share a host name, so ``SLURMD_NODENAME`` comes first), starts those actors under
-``actors.supervisor.Supervisor``, waits until they are ready, and publishes its status to
+``actors.runtime.supervisor.Supervisor``, waits until they are ready, and publishes its status to
 ``RUN_DIR/nodes/<host>.status.json`` for the launcher's progress view. It exits 0 when its actors
 finish, when the launcher asks for a stop (it writes ``RUN_DIR/nodes/STOP`` on Ctrl-C; srun itself
 would kill the step rather than pass SIGTERM on) or on SIGTERM, and 1 when an actor
@@ -19,7 +19,7 @@ import socket
 import sys
 from pathlib import Path
 
-from actors.run import keep_files_private
+from actors.runtime.run import keep_files_private
 from tools.up import supervise
 
 

@@ -1,6 +1,6 @@
 """`python -m tools.plot RUN_DIR [--out DIR]`: PNG plots of a training run.
 
-Reads RUN_DIR/metrics.jsonl (one JSON object per trainer step, as `actors/trainer.py` writes it) and,
+Reads RUN_DIR/metrics.jsonl (one JSON object per trainer step, as `actors/trainer/actor.py` writes it) and,
 when present, RUN_DIR/eval.jsonl (held-out evaluations: objects with "step" or "time" and accuracy keys
 such as `tools.eval`'s "overall"/"by_level" summaries, or flat "accuracy"/"greedy_accuracy"; the evaluator
 actor's points during the run, "kind": "periodic", are a series of their own). Writes,

@@ -13,7 +13,7 @@ files and `trainer_state.pt` (optimizer state), so it is a complete model direct
 
 Held-out checks: with `--eval-data FILE --eval-every N` the model's greedy accuracy per level is
 measured every N steps through the math grader; records that name a tool (`tools.make_task --task agent`)
-are answered by episodes of up to `--max-turns` turns against their environment (actors/episode_eval.py).
+are answered by episodes of up to `--max-turns` turns against their environment (actors/evaluator/episode_eval.py).
 Records with ``transcripts`` train on the model's segments only: observations get loss mask 0. Then `--out` keeps the BEST checkpoint by overall
 held-out accuracy (not the last), and `--until-plateau` stops once accuracy has not risen by more than
 `--min-delta` for `--patience` evaluations in a row (`--steps`/`--epochs` is then the upper bound).
@@ -42,8 +42,8 @@ from typing import Any, Literal, TextIO
 import torch
 
 from actors.dataset import DatasetError, OnError, Record, load_dataset
-from actors.envs import is_agent
-from actors.episode_eval import DEFAULT_MAX_TURNS, evaluate_model_episodes
+from actors.rollout.envs import is_agent
+from actors.evaluator.episode_eval import DEFAULT_MAX_TURNS, evaluate_model_episodes
 from actors.engines.checkpoint import CheckpointError
 from actors.engines.tokenizer import TokenizerError, load_tokenizer
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss

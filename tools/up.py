@@ -9,7 +9,7 @@
   outbound, tensors stored) so that any actor can be replayed with ``tools.replay --into``.
 * ``--dry-run`` prints the placement (node -> actors -> GPUs / cores / CPU workers), the bus endpoints,
   the NCCL/gloo group of every link and the command each node would run, then exits 0.
-* One node and no SLURM allocation: every actor starts on this machine under ``actors.supervisor``.
+* One node and no SLURM allocation: every actor starts on this machine under ``actors.runtime.supervisor``.
 * Several nodes: inside a SLURM allocation (``salloc``/``sbatch``) the launcher writes one plan file per
   node into the run directory and ``srun`` starts one ``tools.node_agent`` per node, which runs that
   node's actors under the same supervisor; ``--sbatch`` submits the allocation first. No SSH.
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import topology as topo_mod
-from actors.run import keep_files_private
+from actors.runtime.run import keep_files_private
 from topology import Plan, TopologyError
 from topology.experiment import ExperimentConfig
 from topology.schema import SupervisorSection
@@ -165,7 +165,7 @@ def describe(plan: Plan, overrides: Sequence[str] = ()) -> str:
     lines.append("commands")
     if len(topo.nodes) == 1 and not topo.nodes_from_allocation:
         lines.append(f"  local: supervisor on this machine starts {len(plan.instances)} process(es): "
-                     f"{shlex.quote(sys.executable)} -m actors.run RUN_DIR/specs/<actor>.json")
+                     f"{shlex.quote(sys.executable)} -m actors.runtime.run RUN_DIR/specs/<actor>.json")
     else:
         lines.append(f"  srun -N{len(topo.nodes)} --ntasks-per-node=1 {' '.join(slurm_resources(plan))} "
                      f"--kill-on-bad-exit=1 {node_command(plan)}")
@@ -557,7 +557,7 @@ def make_run_dir(plan: Plan, requested: str | None) -> Path:
 
 
 def _make_run_dir(plan: Plan, requested: str | None) -> Path:
-    from actors.recovery import latest_checkpoint, recovering, resume_checkpoint, run_finished
+    from actors.runtime.recovery import latest_checkpoint, recovering, resume_checkpoint, run_finished
 
     recover = recovering(plan.topology.config)
     if requested:
@@ -586,7 +586,7 @@ def _make_run_dir(plan: Plan, requested: str | None) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 def supervisor_options(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for actors.supervisor.Supervisor: the topology's `supervisor:` section over its defaults;
+    """Keyword arguments for actors.runtime.supervisor.Supervisor: the topology's `supervisor:` section over its defaults;
     --ready-timeout where the file does not say; every actor's ready budget and, for late-joining groups, how
     many instances the run needs (ready_rules)."""
     opts = SupervisorSection.model_validate(plan.topology.supervisor).model_dump()
@@ -615,7 +615,7 @@ def quorum_problem(rows: dict[str, dict[str, Any]], rules: dict[str, ReadyRule],
     """Why a multi-node run cannot go on (None: it can): a late-joining group whose instances never reached
     the number the run needs within their budget, or of which too many could not be kept up. `reached`:
     the groups that had their number ready once (updated here; a restart later is not a shortfall)."""
-    from actors.supervisor import Supervisor
+    from actors.runtime.supervisor import Supervisor
 
     for g, r in rules.items():
         if not r.joins_late:
@@ -817,8 +817,8 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
     a stall fails the run, and a signal before ``finished()`` (the run's last step) exits 128 + its number."""
     import asyncio
 
-    from actors.base import ActorSpec
-    from actors.supervisor import NotReadyError, Supervisor, SupervisorError
+    from actors.runtime.base import ActorSpec
+    from actors.runtime.supervisor import NotReadyError, Supervisor, SupervisorError
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -832,7 +832,7 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig.name)
-    from actors.recovery import run_finished
+    from actors.runtime.recovery import run_finished
     sup = Supervisor([ActorSpec.from_dict(s) for s in specs], run_dir, run_over=lambda: run_finished(run_dir),
                      **options)
     view = ProgressView(title, progress)
@@ -912,7 +912,7 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
 
 def trains_steps(plan: Plan) -> bool:
     """Whether the plan has a trainer, whose run.total_steps end the run (demo topologies have none)."""
-    return any(group.cls.partition(":")[0] == "actors.trainer" for group in plan.topology.groups.values())
+    return any(group.actor_package == "actors.trainer" for group in plan.topology.groups.values())
 
 
 def progress_watchdog(plan: Plan, run_dir: Path) -> Any:
@@ -926,7 +926,7 @@ def run_local(plan: Plan, args: argparse.Namespace) -> int:
     """Every actor on this machine under one Supervisor."""
     import asyncio
 
-    from actors.recovery import run_finished
+    from actors.runtime.recovery import run_finished
 
     from tools.prepare import PrepareError, prepare
 
@@ -977,7 +977,7 @@ def evaluates_during_run(plan: Plan) -> bool:
     if any(g.settings.get("weights_from", "param_server") != "param_server"
            for g in groups.values() if g.cls.endswith(":EvalActor")):
         return False
-    modules = {name: group.cls.partition(":")[0] for name, group in groups.items()}
+    modules = {name: group.actor_package for name, group in groups.items()}
     servers = {i.name for i in plan.instances if modules.get(i.group) == "actors.param_server"}
     return ("actors.evaluator" in modules.values() and "actors.trainer" in modules.values()
             and any(servers & set(link.members) for link in plan.links.values()))
@@ -986,8 +986,8 @@ def evaluates_during_run(plan: Plan) -> bool:
 def catch_up_evaluations(config: ExperimentConfig, run_dir: Path) -> None:
     """The periodic evaluations the evaluator missed (it was away when the run ended, or fell behind): those
     whose weights are left on disk are evaluated here, the rest named as skipped in eval.jsonl."""
-    from actors.evaluator import catch_up
-    from actors.recovery import FINISHED
+    from actors.evaluator.actor import catch_up
+    from actors.runtime.recovery import FINISHED
 
     try:
         final = int(json.loads((run_dir / FINISHED).read_text())["step"])
@@ -1004,8 +1004,8 @@ def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] 
     """Greedy held-out accuracy of the model the run started from and of its last checkpoint, side by
     side, per level; written to RUN_DIR/summary.json and RUN_DIR/eval.jsonl (read by tools.plot)."""
     from actors.dataset import resolve_data_path
-    from actors.recovery import latest_checkpoint
-    from actors.train_metrics import trained_history
+    from actors.runtime.recovery import latest_checkpoint
+    from actors.trainer.metrics import trained_history
     from tools.eval import evaluate_held_out
     from tools.lm import has_weights
 
@@ -1087,7 +1087,7 @@ def run_slurm(plan: Plan, args: argparse.Namespace) -> int:
     """Inside an allocation: one node agent per node through srun; each runs its node's actors under the
     Supervisor. The run directory must be on a file system every node sees (it holds the plans, and the
     actors' status files the progress watchdog reads here)."""
-    from actors.recovery import run_finished
+    from actors.runtime.recovery import run_finished
 
     try:
         hosts = allocation_hosts()

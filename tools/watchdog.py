@@ -3,7 +3,7 @@
 A run can stall with every process alive: the buffer finished early and the trainer waits for a batch that
 will never come, or the buffer's version was pushed out of the rollouts' reach and every group is dropped as
 stale. Nothing dies, so the supervisor sees nothing wrong. The watchdog follows what the actors write in
-``RUN_DIR/status/<name>.json`` (actors/base.py: their state, what they wait on, the last message of each kind):
+``RUN_DIR/status/<name>.json`` (actors/runtime/base.py: their state, what they wait on, the last message of each kind):
 
 * progress is a trained step (the trainer's ``version``); before the first step of this launch, a group the
   buffer accepted and kept (``groups_kept`` reaching a new high) counts too, since a first long generation
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from actors.recovery import run_finished
+from actors.runtime.recovery import run_finished
 from topology.experiment import WatchdogSection
 
 STATUS_DIR = "status"

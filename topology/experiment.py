@@ -196,7 +196,7 @@ class GenSection(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1 is off")
     top_k: int = Field(-1, ge=-1, description="top-k sampling; -1 or 0 is off")
     interruptible: bool = Field(True, description="weights swap mid-answer; false pauses and resumes")
-    # Episodes (actors/episode.py): a record that names a tool ("tool" in its line) is answered in several turns
+    # Episodes (actors/rollout/episode.py): a record that names a tool ("tool" in its line) is answered in several turns
     # with that environment; every other record is the one-turn case of the same loop.
     max_turns: int = Field(1, ge=1, description="generations per episode at most; 1 never consults a record's tool")
     max_context: int | None = Field(
@@ -246,7 +246,7 @@ class RunSection(Section):
     @field_validator("recover", mode="before")
     @classmethod
     def _yaml_boolean(cls, value: Any) -> Any:
-        # YAML reads a bare `off` (in a file, or in `experiment.run.recover=off`) as false; actors.recovery
+        # YAML reads a bare `off` (in a file, or in `experiment.run.recover=off`) as false; actors.runtime.recovery
         # reads false as off too.
         return {False: "off", True: "auto"}[value] if isinstance(value, bool) else value
 

@@ -83,6 +83,12 @@ class GroupSpec:
     ready_timeout_s: float | None = None  # each instance's ready budget (None: the launcher derives it)
     min_ready: int | None = None          # instances the run needs ready to start (None: the class's rule)
 
+    @property
+    def actor_package(self) -> str:
+        """The class path's module with a trailing ``.actor`` dropped: `actors.trainer:TrainerActor` and
+        `actors.trainer.actor:TrainerActor` name the same actor, `actors.trainer`."""
+        return self.cls.partition(":")[0].removesuffix(".actor")
+
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
@@ -555,8 +561,8 @@ def _check_class(c: _Checker, cls: str, key: str) -> type | None:
     if obj is None:
         c.add(key, f"{module_name} has no attribute {attr!r}")
         return None
-    # By name, not by importing actors.base: this package sits below actors in the import direction.
-    if not (isinstance(obj, type) and any(f"{k.__module__}:{k.__qualname__}" == "actors.base:Actor" for k in obj.__mro__)):
+    # By name, not by importing actors.runtime.base: this package sits below actors in the import direction.
+    if not (isinstance(obj, type) and any(f"{k.__module__}:{k.__qualname__}" == "actors.runtime.base:Actor" for k in obj.__mro__)):
         c.add(key, f"{cls} is not an Actor subclass")
         return None
     return obj

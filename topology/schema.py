@@ -23,7 +23,7 @@ RESERVED_SETTINGS = ("instance", "groups", "links")
 
 
 class SupervisorSection(Section):
-    """Restart policy and timeouts of actors.supervisor.Supervisor (locally and on every node agent)."""
+    """Restart policy and timeouts of actors.runtime.supervisor.Supervisor (locally and on every node agent)."""
 
     max_restarts: int = Field(3, ge=0, description="restarts of one actor within restart_window before the run fails")
     restart_window: float = Field(300.0, gt=0, description="seconds over which restarts are counted")

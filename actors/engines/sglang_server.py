@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from actors.run import parent_death_signal
+from actors.runtime.run import parent_death_signal
 from transport.ports import free_port
 
 from .sglang_routes import ServerEvents, SGLangLaunchError, health_probe_s

@@ -23,9 +23,9 @@ import dataclasses
 import time
 from typing import ClassVar
 
-from actors.base import Actor, ActorSpec, handles
+from actors.runtime.base import Actor, ActorSpec, handles
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
-from actors.episode import generated_ids
+from actors.rollout.episode import generated_ids
 from actors.reward.pool import RewardPool, TaskFailure
 from topology.settings import RewardSettings
 from transport.protocol import HelloRequest, RunFinished, Sample, ScoredGroup, Task, Trajectories, WorkerHello

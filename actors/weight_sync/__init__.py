@@ -22,8 +22,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from actors.rank_group import RankGroup
-from actors.recovery import start_weights
+from actors.trainer.rank_group import RankGroup
+from actors.runtime.recovery import start_weights
 from topology.settings import ParamServerSettings, RolloutSettings, TrainerSettings
 from transport.bulk import BulkLink, LinkConfig
 
@@ -60,7 +60,7 @@ def make_sender(cfg: TrainerSettings, make_link: MakeLink, bus: Any, incarnation
     if param_server is None:
         return None
     if "train_to_ps" in links:
-        link = make_link(LinkConfig.from_dict(links["train_to_ps"]))
+        link = make_link(LinkConfig.from_dict(links["train_to_ps"].model_dump()))
         return RelaySender(link, bus, param_server, incarnation, counters, log)
     if not sends_direct(cfg):
         return None

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from actors.threads import in_thread
+from actors.runtime.threads import in_thread
 from actors.weights import combine_digests, tensor_digests
 from transport.bulk import BulkError, BulkLink, PackedBucket, pack_to_host, unpack_bucket
 from transport.bus import BusError
@@ -218,7 +218,7 @@ class TrainerFanout(Fanout):
     def __init__(self, server: Coordinator, trainer: str, rollouts: list[str], start_version: int) -> None:
         self.server, self.trainer = server, trainer
         self.rollouts = list(rollouts)
-        self.start_version = start_version   # the version the run starts from (actors.recovery.start_weights)
+        self.start_version = start_version   # the version the run starts from (actors.runtime.recovery.start_weights)
         self._acks: dict[str, asyncio.Future] = {}    # the running push's WeightsReady requests, by rollout
         self._abandoned: dict[str, str] = {}          # ... given up on, and why
 

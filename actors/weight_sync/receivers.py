@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from actors.engines.base import EngineError, GenerationEngine, WeightBucket
-from actors.threads import in_thread
+from actors.runtime.threads import in_thread
 from transport.bulk import BulkLink, LinkConfig
 from transport.protocol import LinkReform, WeightsAck, WeightsReady
 

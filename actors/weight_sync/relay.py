@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from actors.engines.checkpoint import bucketize, iter_checkpoint_tensors
-from actors.recovery import start_weights
-from actors.threads import in_thread
+from actors.runtime.recovery import start_weights
+from actors.runtime.threads import in_thread
 from actors.weights import weights_hash
 from topology.experiment import ExperimentConfig
 from transport.bulk import BulkError, BulkLink, LinkConfig, PackedBucket, pack_buckets
@@ -80,7 +80,7 @@ class RelaySender(WeightSender):
                 link.send_packed(p, dst)
 
         try:
-            await in_thread(send_all)   # a collective: never on the default executor (actors/threads.py)
+            await in_thread(send_all)   # a collective: never on the default executor (actors/runtime/threads.py)
         except BaseException:
             reply.cancel()
             await asyncio.gather(reply, return_exceptions=True)

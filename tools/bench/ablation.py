@@ -58,7 +58,7 @@ def run_cell(eta: int, objective: str, steps: int, eval_every: int, extra: list[
 def held_out_curve(run_dir: Path, summary: dict[str, Any], samples: list[float], extra: list[str], log: Any,
                    name: str) -> list[list[float]]:
     """[samples trained, held-out greedy accuracy] at the start and at every kept checkpoint."""
-    from actors.recovery import checkpoint_dir
+    from actors.runtime.recovery import checkpoint_dir
     import topology
     from tools.eval import evaluate_held_out
 

@@ -4,7 +4,7 @@ Two processes on TCP loopback, each with our Bus at its default 256 MiB frame li
 BatchRequest with a synthetic `BatchTensors` (512 prompts x 16 answers of 31,744 new tokens by default,
 every answer at the recipe's maximum: the worst case), the "trainer" asks for it R times and times each
 request to the decoded reply. Then, in the trainer process, the shares trainer.0 would send to the ranks of
-a world of `--dp` data-parallel replicas (`actors.trainer.rank_samples`, `actors.batch.shares`): their size
+a world of `--dp` data-parallel replicas (`actors.trainer.actor.rank_samples`, `actors.batch.shares`): their size
 against the whole batch's, and the time to build them.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _buffer_side(args: argparse.Namespace, endpoints: dict[str, str], ready: Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    from actors.trainer import StepConfig, rank_samples
+    from actors.trainer.actor import StepConfig, rank_samples
     from transport.bus import Bus
 
     p = argparse.ArgumentParser(prog="python -m tools.bench batch", description=__doc__.splitlines()[0])

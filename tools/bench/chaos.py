@@ -552,7 +552,7 @@ def _accepted(message: dict[str, Any]) -> bool:
 
 def attack_outcome(fault: str, report: dict[str, Any], run_dir: Path, steps: int) -> dict[str, Any]:
     """The attack row's figures: what was tried, what the run took, and where it said no."""
-    from actors.recovery import checkpoint_dir
+    from actors.runtime.recovery import checkpoint_dir
 
     out: dict[str, Any] = {"intruder_uid": report.get("uid"), "during_run": bool(report.get("run_going"))}
     if fault == "rendezvous":

@@ -92,7 +92,7 @@ def run_local(name: str, steps: int, overrides: list[str], out: Path, log: Any,
 
 def episode_share(run_dir: Path, steps: int | None) -> dict[str, Any] | None:
     """Turns, tool calls and environment seconds per episode over the run's rollouts, from their last
-    ``rollout_stats`` and ``stopped`` events (actors/rollout.py); None when no rollout counted an episode."""
+    ``rollout_stats`` and ``stopped`` events (actors/rollout/actor.py); None when no rollout counted an episode."""
     counters: dict[str, float] = {"episodes": 0, "turns": 0, "tool_calls": 0}
     env_seconds = gen_seconds = 0.0
     for path in sorted((run_dir / "logs").glob("rollout*.jsonl")):

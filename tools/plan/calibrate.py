@@ -8,7 +8,7 @@ parameter server core 1; one torch thread each):
              as seconds = a + b_row * n + b_kv * K (K: KV tokens the step reads); the engine's per-step
              Python and kernel-launch cost is a, which no byte or FLOP count gives
   prefill    `Qwen2ForCausalLM.prefill` of right-padded prompts, fitted as a + b * tokens
-  train      the trainer's own step, `actors.trainer.train_on_batch` (advantages, proximal log-probs, PPO
+  train      the trainer's own step, `actors.trainer.actor.train_on_batch` (advantages, proximal log-probs, PPO
              micro-batches packed by `algo.packing`, backward, AdamW) with the experiment's algo settings, on
              synthetic batches of 4-32 groups, fitted as a + b * tokens
   weights    the model's export buckets over the two gloo bulk links of the topology (trainer -> parameter
@@ -157,10 +157,10 @@ def _batch(groups: int, group_size: int, prompt: int, answer: int, vocab: int, g
 
 
 def measure_train(model_dir: str, repeats: int, experiment: dict[str, Any]) -> dict[str, Any]:
-    """The trainer's own step (`actors.trainer.train_on_batch`: advantages, proximal log-probs, PPO
+    """The trainer's own step (`actors.trainer.actor.train_on_batch`: advantages, proximal log-probs, PPO
     micro-batches, backward, AdamW) with the experiment's algo settings, on batches of the config's shape."""
     from actors.engines.torch_train import TorchTrainEngine, TrainConfig
-    from actors.trainer import StepConfig, train_on_batch
+    from actors.trainer.actor import StepConfig, train_on_batch
 
     config = ExperimentConfig.model_validate(experiment)
     algo = config.algo

@@ -5,7 +5,7 @@ the weights and of the KV cache, and does 2 FLOPs per parameter per answer plus 
 token read; it takes the longer of the two (a roofline). Prefill and training are compute-bound: causal
 attention adds 2 * layers * hidden * L^2 FLOPs per forward pass of a sequence of L tokens; a training pass is
 three forward passes' worth, full recompute adds one more, and the trainer first recomputes the proximal
-log-probs (one forward pass) as `actors.trainer` does.
+log-probs (one forward pass) as `actors.trainer.actor` does.
 
 On CPUs (`MeasuredCosts`) the same quantities come from a cost file measured on the machine: a decode step
 is a + b_row * n + b_kv * K, a prefill a + b * tokens + c * sum of squared lengths, a training step
@@ -125,7 +125,7 @@ class TrainerShape:
     recompute: str
     gpus_per_node: int
     #: algo.kl_coef > 0: every data-parallel rank computes the frozen reference model's log-probs of the whole
-    #: batch (actors/train_step.py `rank_samples` / `train_share`: the penalty enters the batch-wide advantages)
+    #: batch (actors/trainer/step.py `rank_samples` / `train_share`: the penalty enters the batch-wide advantages)
     reference: bool = False
 
 

@@ -2,7 +2,7 @@
 actor processes got, to tell a slow machine from a slow model when a measured run is compared with the
 planner's simulation (docs/plan.md).
 
-Every 0.5 s it reads /proc for COMMAND's descendants; for each `python -m actors.run RUN_DIR/specs/NAME.json`
+Every 0.5 s it reads /proc for COMMAND's descendants; for each `python -m actors.runtime.run RUN_DIR/specs/NAME.json`
 process it keeps the last CPU seconds (user + system) and lifetime it saw. FILE gets one row per actor:
 run directory, actor name, CPU seconds, wall seconds alive, and their ratio, the share of one core it had
 (the topology pins each actor to one core, so 1.0 is a core to itself). Linux only.
@@ -53,7 +53,7 @@ def _sample(pid: int, boot: float) -> tuple[str, float, float] | None:
     except OSError:
         return None
     args = [c.decode(errors="replace") for c in cmd if c]
-    if "actors.run" not in args or not args[-1].endswith(".json"):
+    if "actors.runtime.run" not in args or not args[-1].endswith(".json"):
         return None
     # fields after the ")" start at stat's field 3: utime is field 14, stime 15, starttime 22
     cpu = (int(fields[11]) + int(fields[12])) / TICK

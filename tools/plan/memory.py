@@ -195,7 +195,7 @@ def trainer_memory(group: str, shape: ModelShape, lay: TrainerLayout, capacity: 
 
 
 def trainer_layout(cfg: TrainerSettings, keeps_weights: bool) -> TrainerLayout:
-    """The layout a trainer group's first instance settings give (the rules of `actors.trainer`)."""
+    """The layout a trainer group's first instance settings give (the rules of `actors.trainer.actor`)."""
     parallel = cfg.instance.parallel
     megatron = cfg.backend == "megatron"
     return TrainerLayout(tp=parallel.get("tp", 1), pp=parallel.get("pp", 1), dp=parallel.get("dp", 1),

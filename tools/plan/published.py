@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from actors.buffer_state import BufferState
+from actors.buffer.state import BufferState
 from tools.plan import hardware, setup, sim
 from tools.plan.shapes import BUILTIN
 from topology.experiment import ExperimentConfig

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from actors.reward.actor import RewardActor
-from actors.rollout import rollout_placement
-from actors.trainer import trainer_placement
+from actors.rollout.actor import rollout_placement
+from actors.trainer.actor import trainer_placement
 from actors.weight_sync import sends_direct
 from tools.plan import hardware, memory
 from tools.plan.shapes import ModelShape, resolve
@@ -186,7 +186,7 @@ def _cpu_sim_config(setup: Setup, tr: Group, ro: Group, eta: int | None, steps: 
     devices, engines = cpu_servers(ro)
     max_new = gen.max_new_tokens
     group_size = algo.group_size
-    # the engine's own row limit (actors.rollout's max_running) caps the groups it decodes at once
+    # the engine's own row limit (actors.rollout.actor's max_running) caps the groups it decodes at once
     assert isinstance(ro.settings, RolloutSettings)
     max_running = ro.settings.max_running
     return SimConfig(

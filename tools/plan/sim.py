@@ -1,10 +1,10 @@
 """A discrete-event simulation of the run in virtual time, driving the run's own decision code.
 
 The decisions are the actors' own objects, called as the actors call them: the buffer's `BufferState`
-(actors/buffer_state.py: which prompt goes to which rollout, the staleness gate, in-flight caps, timeouts and
+(actors/buffer/state.py: which prompt goes to which rollout, the staleness gate, in-flight caps, timeouts and
 re-issue, dynamic sampling, the batch-time staleness check, batch forming) through the same public methods
-`actors/buffer.py` calls, in the same situations; and the parameter server's `PushPolicy`
-(actors/push_policy.py: forming the link, what is pushed when, coalescing). A change to those rules changes
+`actors/buffer/actor.py` calls, in the same situations; and the parameter server's `PushPolicy`
+(actors/param_server/push_policy.py: forming the link, what is pushed when, coalescing). A change to those rules changes
 the plan without a change here (tests/test_plan.py monkeypatches one and watches the counters move).
 
 What the actors wait on is replaced by cost models: the rollout engines by `engines.Device` (SGLang's
@@ -15,7 +15,7 @@ fixed latency. On CPU topologies the costs are the ones measured on the machine 
 
 Time runs as the actors run it. The trainer asks for a batch (the buffer first drops stale groups, then takes
 the oldest B), trains, and (eta > 0) opens the gate at once and publishes; with eta = 0 it publishes and waits
-until the servers hold the new weights before opening the gate (actors/trainer.py). A published version is
+until the servers hold the new weights before opening the gate (actors/trainer/actor.py). A published version is
 offered to the push policy; a push pauses every server (SGLang aborts its requests and they are resubmitted
 with their tokens when it resumes). A finished group is graded after the reward latency and handed to
 `BufferState.scored`. Every `BufferState.expire_every_s` the buffer's overdue check runs; an overdue group's
@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from actors.buffer_state import BufferState
+from actors.buffer.state import BufferState
 from algo.serving import DecodePace
-from actors.push_policy import Form, Push, PushPolicy
+from actors.param_server.push_policy import Form, Push, PushPolicy
 from tools.plan import costs, hardware
 from tools.plan.engines import (Device, EmbeddedAdmission, Req, SGLangAdmission, sglang_max_running)
 from tools.plan.shapes import ModelShape
@@ -154,7 +154,7 @@ class SimConfig:
 class Step:
     version: int
     start: float             # when the trainer took its batch
-    end: float               # when the trainer was done with it (as actors/trainer.py counts step_seconds)
+    end: float               # when the trainer was done with it (as actors/trainer/actor.py counts step_seconds)
     tokens: int              # trained tokens (prompt + answer of every answer in the batch)
     wait_s: float            # the trainer waiting for the batch
     train_s: float
@@ -428,7 +428,7 @@ class Simulation:
         self.inflight[rollout] += delta
         self.inflight_max[rollout] = max(self.inflight_max[rollout], self.inflight[rollout])
 
-    # --- the buffer (as actors/buffer.py drives BufferState) ---------------------------------------------
+    # --- the buffer (as actors/buffer/actor.py drives BufferState) ---------------------------------------------
     def _dispatch(self) -> None:
         """The buffer's dispatch loop: issue while the state hands out work."""
         cfg = self.cfg
@@ -489,7 +489,7 @@ class Simulation:
         self._try_train()
 
     def _on_expire(self) -> None:
-        """The buffer's overdue check, as actors/buffer.py acts on it: each overdue group's rollout aborts its
+        """The buffer's overdue check, as actors/buffer/actor.py acts on it: each overdue group's rollout aborts its
         copy (its requests leave the server at once here), then the group is handed back and issued again."""
         for gid, f in self.state.overdue(self.now).items():
             g = self.groups.get(gid)
@@ -510,7 +510,7 @@ class Simulation:
         if self.trainer != "done":
             self._push_event(self.now + self.state.expire_every_s, "expire", None)
 
-    # --- the trainer (as actors/trainer.py runs its loop) -----------------------------------------------
+    # --- the trainer (as actors/trainer/actor.py runs its loop) -----------------------------------------------
     def _try_train(self) -> None:
         cfg = self.cfg
         if self.trainer != "wait_batch" or len(self.steps) >= cfg.steps:

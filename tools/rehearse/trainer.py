@@ -1,4 +1,4 @@
-"""The rehearsal's trainer: the real trainer actor (`actors.trainer.TrainerActor`: its loop, batch requests,
+"""The rehearsal's trainer: the real trainer actor (`actors.trainer.actor.TrainerActor`: its loop, batch requests,
 version updates, weight publishing over the real weights path, metrics, the end of the run) whose training
 step is the planner's cost of the modelled step, slept, instead of a step of the tiny model it holds.
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from actors.train_metrics import step_metrics
-from actors.train_step import ShareResult, as_columns, sequence_lengths
-from actors.trainer import TrainerActor
+from actors.trainer.metrics import step_metrics
+from actors.trainer.step import ShareResult, as_columns, sequence_lengths
+from actors.trainer.actor import TrainerActor
 from algo.ppo import PPOStats
 from tools.rehearse.costs import RehearsalCosts
 from transport.protocol import BatchTensors

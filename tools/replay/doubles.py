@@ -133,7 +133,7 @@ class ReplayBus:
 class Work:
     """The replayed actor's work in hand on threads, so the replay can let it finish before the next record,
     as the original (it was not racing a replay) mostly did: what it handed to ``asyncio.to_thread`` (the
-    default executor) and its transfers in ``actors.threads.in_thread`` daemon threads, each counted by the
+    default executor) and its transfers in ``actors.runtime.threads.in_thread`` daemon threads, each counted by the
     executor the replay's loop runs them on (:func:`counted`). A thread waiting on a stand-in link for the place in the log where
     the original's transfer ended is *parked*: not in hand, the driver has to move on to release it."""
 

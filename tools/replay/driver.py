@@ -213,7 +213,7 @@ def read_recording(path: str, segment: int, result: ReplayResult) -> Recording:
 def fresh_actor(recording: Recording, cls_path: str, run_dir: str, overrides: Sequence[str]) -> Any:
     """A fresh ``cls_path`` actor from the spec in the log: run_dir replaced, message logging and console
     logging off, ``overrides`` applied to its settings."""
-    from actors.base import ActorSpec, load_actor_class
+    from actors.runtime.base import ActorSpec, load_actor_class
 
     spec_dict = dict(recording.meta["spec"])
     settings = {k: v for k, v in (spec_dict.get("settings") or {}).items() if k != "message_log"}
@@ -233,7 +233,7 @@ def fresh_actor(recording: Recording, cls_path: str, run_dir: str, overrides: Se
 async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 60.0,
                   overrides: Sequence[str] = (), float_tol: float = 0.0,
                   to_end: bool = False) -> ReplayResult:
-    from actors.threads import DaemonThreads, run_blocking_on
+    from actors.runtime.threads import DaemonThreads, run_blocking_on
 
     result = ReplayResult()
     recording = read_recording(path, segment, result)
@@ -249,7 +249,7 @@ async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 
         actor._stop_event, actor._force_event = asyncio.Event(), asyncio.Event()
         deliverer = Deliverer(actor, bus, result, actor.cfg.bus.max_inflight or MAX_INFLIGHT)
         # Its work on threads is counted where it runs: the default executor, and the executor this loop runs
-        # actors.threads.in_thread calls on.
+        # actors.runtime.threads.in_thread calls on.
         loop.set_default_executor(counted(concurrent.futures.ThreadPoolExecutor)(
             work, max_workers=4, thread_name_prefix="replay-work"))
         run_blocking_on(loop, counted(DaemonThreads)(work))

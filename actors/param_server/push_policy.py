@@ -2,7 +2,7 @@
 of, when it is formed again, which version goes to whom, and who is left out for a while after a failure.
 
 `PushPolicy` takes plain data (the rollouts' `RolloutWeights`, the newest stored version, clock readings) and
-returns plain decisions; it sends nothing and reads no clock. actors/param_server.py acts on its decisions
+returns plain decisions; it sends nothing and reads no clock. actors/param_server/actor.py acts on its decisions
 (forming the link, pushing, logging), and tools/plan/sim.py drives the same object in virtual time, so a
 change to these rules shows in the planner's figures too.
 

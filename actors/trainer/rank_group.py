@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from actors.threads import on_daemon_thread
-from actors.train_step import StepConfig, train_share
+from actors.runtime.threads import on_daemon_thread
+from actors.trainer.step import StepConfig, train_share
 from transport.messages import decode
 from transport.protocol import BatchTensors
 

@@ -6,7 +6,7 @@ with ``@handles(Kind, ...)``; a handler is ``def``/``async def name(self, msg)``
 from a handler answers a request. Plain ``def`` handlers run inline on the receive path (cheap
 bookkeeping); ``async def`` handlers run as tasks, at most ``bus.max_inflight`` at once.
 
-Lifecycle (``await actor.run()``, normally through ``python -m actors.run SPEC.json``):
+Lifecycle (``await actor.run()``, normally through ``python -m actors.runtime.run SPEC.json``):
 Messages that arrive before on_start has finished wait for it (in arrival order), then reach their handler.
 
     bus.start -> on_start() -> ready file written -> on_ready() -> ... serving ... -> stop requested
@@ -136,7 +136,7 @@ def load_actor_class(path: str) -> type["Actor"]:
     if cls is None:
         raise SpecError(f"cls: module {module_name!r} has no attribute {cls_name!r}")
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
-        raise SpecError(f"cls: {path} is not a subclass of actors.base.Actor")
+        raise SpecError(f"cls: {path} is not a subclass of actors.runtime.base.Actor")
     return cls
 
 

@@ -1,7 +1,7 @@
 """Supervisor: starts actor processes from ActorSpecs, waits until all are ready, restarts the dead.
 
-Each actor runs as ``python -m actors.run RUN_DIR/specs/<name>.json`` with ``spec.env`` applied (CPU
-affinity and thread counts are applied by actors.run before torch loads); stdout/stderr go to
+Each actor runs as ``python -m actors.runtime.run RUN_DIR/specs/<name>.json`` with ``spec.env`` applied (CPU
+affinity and thread counts are applied by actors.runtime.run before torch loads); stdout/stderr go to
 ``RUN_DIR/logs/<name>.out``. Readiness is the actor's ready file carrying the child's pid.
 
 A process that exits non-zero (or is killed) is restarted after an exponential backoff
@@ -49,7 +49,7 @@ from typing import Any, Callable
 import structlog
 
 import actors
-from actors.base import ActorSpec, ready_path
+from actors.runtime.base import ActorSpec, ready_path
 from topology.schema import SupervisorSection
 
 __all__ = ["Supervisor", "SupervisorError", "NotReadyError"]
@@ -149,7 +149,7 @@ class Supervisor:
         self.on_restart = on_restart
         self.on_giveup = on_giveup
         self.run_over = run_over
-        self.log = log if log is not None else structlog.get_logger("actors.supervisor")
+        self.log = log if log is not None else structlog.get_logger("actors.runtime.supervisor")
         self.children = {s.name: _Child(s) for s in specs}
         self.restarts: Counter[str] = Counter()
         self._stopping = False
@@ -291,7 +291,7 @@ class Supervisor:
         out = open(self.run_dir / "logs" / f"{spec.name}.out", "ab")
         try:
             child.proc = await asyncio.create_subprocess_exec(
-                self.python, "-m", "actors.run", str(spec_path), env=env, stdout=out, stderr=out,
+                self.python, "-m", "actors.runtime.run", str(spec_path), env=env, stdout=out, stderr=out,
                 stdin=asyncio.subprocess.DEVNULL, cwd=root, start_new_session=True)
         finally:
             out.close()

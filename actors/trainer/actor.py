@@ -30,8 +30,8 @@ yet come back, and the rollouts to re-form their link with a new one, for a gain
 gives.) The engine is used by one of them at a time (``_engine_lock``): an export sees whole steps. With
 eta = 0 (synchronous) each step waits for its version to be published and reach every rollout.
 
-The parts: the step's math in actors/train_step.py, its metrics in actors/train_metrics.py, the other
-ranks' loop in actors/rank_group.py, the weights path in actors/weight_sync/.
+The parts: the step's math in actors/trainer/step.py, its metrics in actors/trainer/metrics.py, the other
+ranks' loop in actors/trainer/rank_group.py, the weights path in actors/weight_sync/.
 
 Versions count training steps; the engine's own optimizer-step counter (several per step) only drives
 the learning-rate schedule. The run ends after `run.total_steps` with a final checkpoint and RunFinished
@@ -50,17 +50,17 @@ import shutil
 import time
 from typing import Any, Literal
 
-from actors.base import Actor, ActorSpec, handles
+from actors.runtime.base import Actor, ActorSpec, handles
 from actors.batch import shares as batch_shares
 from actors.engines.base import TrainEngine, require_device
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
-from actors.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup, follow_rank0
-from actors.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, complete_checkpoints, mark_complete,
+from actors.trainer.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup, follow_rank0
+from actors.runtime.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, complete_checkpoints, mark_complete,
                              mark_run_finished, recovering, restarted_in_place, start_weights)
-from actors.threads import in_thread
-from actors.train_metrics import MetricsWriter, step_metrics
+from actors.runtime.threads import in_thread
+from actors.trainer.metrics import MetricsWriter, step_metrics
 # StepConfig, TrainerConfigError, train_on_batch, rank_samples: the step's math, imported here by its users too
-from actors.train_step import StepConfig, TrainerConfigError, rank_samples, train_on_batch, train_share
+from actors.trainer.step import StepConfig, TrainerConfigError, rank_samples, train_on_batch, train_share
 from actors.weight_sync import StageExport, WeightSender, WeightSyncConfigError, make_sender, make_stage_sender
 from topology.settings import TrainerSettings
 from transport.bus import BusError
@@ -396,7 +396,7 @@ class TrainerActor(Actor):
                          step_seconds=end - last_end, time=end, buffer_depth=batch.stats.depth,
                          buffer_running=batch.stats.running, dropped_stale=batch.stats.dropped_stale,
                          dropped_uniform=batch.stats.dropped_uniform, reissued=batch.stats.returned,
-                         epoch=batch.stats.epoch, **self.push_stats)
+                         data_pass=batch.stats.data_pass, **self.push_stats)
             self._step_seconds_max = max(self._step_seconds_max, end - last_end)
             if batch.stats.rollout_utilisation >= 0:   # -1: no rollout clocks arrived since the last batch
                 stats["rollout_utilisation"] = batch.stats.rollout_utilisation

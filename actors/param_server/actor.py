@@ -26,7 +26,7 @@ One task, the *pusher*, owns the rollout link, so formation and transfers never 
   the rest form a new one and get the version without waiting for the lost one, which catches up when it
   is back.
 
-At start the server holds the start weights (:func:`actors.recovery.start_weights`), so a rollout that
+At start the server holds the start weights (:func:`actors.runtime.recovery.start_weights`), so a rollout that
 starts late or restarts is brought to the current version even before the trainer publishes anything new.
 :class:`WeightsStatusRequest` reports the per-rollout state and can wait for a version.
 
@@ -40,7 +40,7 @@ difference. The start version's hash is not known with direct weights (nothing i
 rollout at the start version counts as up to date, as in the relay mode.
 
 Evaluation during the run (``eval.every_versions`` N > 0): every stored version that is a multiple of N
-(the start version included) is also kept for the evaluator (``actors/evaluator.py``), which asks for it
+(the start version included) is also kept for the evaluator (``actors/evaluator/actor.py``), which asks for it
 bucket by bucket with :class:`EvalWeightsRequest` on the bus, at its own pace: nothing here waits for it,
 and a newer multiple replaces a kept one it has not fetched yet. Relay mode only (with direct weights
 this server holds no weights).
@@ -59,8 +59,8 @@ from typing import Any
 
 import torch
 
-from actors.base import Actor, ActorSpec, handles
-from actors.push_policy import Form, Idle, Push, PushPolicy, Wait
+from actors.runtime.base import Actor, ActorSpec, handles
+from actors.param_server.push_policy import Form, Idle, Push, PushPolicy, Wait
 from actors.weight_sync import Fanout, StoredVersion, make_fanout
 from topology.settings import ParamServerSettings
 from transport.bulk import BulkError
@@ -86,7 +86,7 @@ class ParamServerActor(Actor):
         self.current: StoredVersion | None = None
         self.start_version = 0
         # Which rollouts form the link, when it is formed again, what is pushed to whom, probation: the
-        # decisions (actors/push_policy.py); this actor carries them out.
+        # decisions (actors/param_server/push_policy.py); this actor carries them out.
         self.policy = PushPolicy()
         self.fanout: Fanout | None = None       # how a version reaches the rollouts: the relay, or the trainer
         self._busy_with: set[str] = set()       # the rollouts the running formation or push waits on

@@ -1,7 +1,7 @@
 """One training step's math on a batch, for one trainer rank: the packed layout of the sequences, the
 proximal log-probs, the group-normalised advantages and the decoupled PPO updates (algo/), split across
-data-parallel replicas. Pure functions of the engine and the batch; the trainer actor (actors/trainer.py)
-and its rank followers (actors/rank_group.py) call them."""
+data-parallel replicas. Pure functions of the engine and the batch; the trainer actor (actors/trainer/actor.py)
+and its rank followers (actors/trainer/rank_group.py) call them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -11,7 +11,7 @@ import torch
 
 from actors.batch import Batch, as_columns, carried_samples, flat, sample_groups
 from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine
-from actors.train_metrics import ShareResult, step_metrics
+from actors.trainer.metrics import ShareResult, step_metrics
 from algo.advantages import AdvNorm, KLEstimator, compute_advantages, kl_penalty
 from algo.packing import allocate_micro_batches, split_by_rank
 from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
@@ -182,7 +182,7 @@ def _layout(batch: BatchTensors, lengths: list[int], group_ids: list[int]) -> _L
         tokens[s:s + batch.prompt_lens[g]] = prompts[p_cu[g]:p_cu[g + 1]]
         seqs[i] = tokens[s:s + lengths[i]].tolist()
     loss_mask = on_answer.to(torch.float32)
-    # An episode's environment tokens (version -1, actors/episode.py) are context, never trained. A rank
+    # An episode's environment tokens (version -1, actors/rollout/episode.py) are context, never trained. A rank
     # knows this only for the sequences it carries; the others keep every answer token in the mask.
     loss_mask[answer_pos] = (versions[answer_pos] >= 0).to(torch.float32)
     return _Layout(seqs, lengths, starts, cu, loss_mask, behav, versions)

@@ -2,7 +2,7 @@
 
 `BufferState` holds the dataset cursor, the groups in flight and ready, and the staleness gate
 (algo/staleness.py); it takes plain data (worker names, group ids, answers, clock readings) and returns
-plain data. It sends nothing, reads no clock and writes no file: actors/buffer.py turns messages into
+plain data. It sends nothing, reads no clock and writes no file: actors/buffer/actor.py turns messages into
 calls on it and its answers into messages, log lines and the ledger.
 
 Every prompt it admits is either trained exactly once, issued again (its worker died, restarted or
@@ -32,7 +32,7 @@ from algo.serving import DecodePace, groups_in_kv
 from algo.staleness import StalenessGate, filter_stale, sample_staleness
 from transport.protocol import Answers, BufferStats
 
-Key = tuple[int, int]  # (epoch, index into the dataset): one prompt of one pass over the data
+Key = tuple[int, int]  # (data pass, index into the dataset): one prompt of one pass over the data
 
 
 @dataclass
@@ -155,7 +155,7 @@ class BufferState:
         self.per_rollout: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.gate = StalenessGate(batch_size, eta, max_concurrent)
 
-        self.epoch, self.position = 0, 0
+        self.data_pass, self.position = 0, 0
         self.order = self._permutation(0)
         self.reissue: deque[Key] = deque()
         self.inflight: dict[str, InFlight] = {}
@@ -170,28 +170,28 @@ class BufferState:
         self.served_through = 0                                     # the newest step a batch was served for
 
     # --- handing out work -------------------------------------------------------------------------
-    def _permutation(self, epoch: int) -> list[int]:
+    def _permutation(self, data_pass: int) -> list[int]:
         order = list(range(self.n_records))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        random.Random(self.seed * 1_000_003 + data_pass).shuffle(order)
         return order
 
     def _next_key(self) -> Key:
         if self.reissue:
             return self.reissue.popleft()
         if self.position >= len(self.order):
-            self.epoch += 1
+            self.data_pass += 1
             self.position = 0
-            self.order = self._permutation(self.epoch)
-            self.stats.epoch = self.epoch
-        key = (self.epoch, self.order[self.position])
+            self.order = self._permutation(self.data_pass)
+            self.stats.data_pass = self.data_pass
+        key = (self.data_pass, self.order[self.position])
         self.position += 1
         return key
 
     def issued_keys(self) -> list[Key]:
         """Every prompt the cursor has handed out so far, in order: each is trained, dropped on purpose,
         or still pending (in flight, ready or waiting to be issued again). tools/bench/chaos.py checks it."""
-        done = [(e, i) for e in range(self.epoch) for i in self._permutation(e)]
-        return done + [(self.epoch, i) for i in self.order[:self.position]]
+        done = [(e, i) for e in range(self.data_pass) for i in self._permutation(e)]
+        return done + [(self.data_pass, i) for i in self.order[:self.position]]
 
     def rollout_cap(self, rollout: str) -> int:
         """Groups a rollout may hold. One while its newest weights are already older than the gate allows:
@@ -399,7 +399,7 @@ class BufferState:
         gate = self.gate.state_dict()
         gate["accepted"] -= len(self.ready)
         gate["running"] = 0
-        return {"epoch": self.epoch, "position": self.position, "gate": gate,
+        return {"data_pass": self.data_pass, "position": self.position, "gate": gate,
                 "reissue": [list(k) for k in pending], "stats": vars(self.stats).copy(), "attempts": self.attempts}
 
     def resume(self, resume: Resume, saved: dict[str, Any] | None) -> None:
@@ -410,8 +410,10 @@ class BufferState:
         self.served_through = resume.served_through
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self.order = self._permutation(self.epoch)
+        # "epoch": the key a checkpoint written before the data pass had its own name holds it under
+        self.data_pass = int(state["data_pass"] if "data_pass" in state else state["epoch"])
+        self.position = int(state["position"])
+        self.order = self._permutation(self.data_pass)
         self.gate.load_state_dict(state["gate"])
         self.reissue = deque((int(k[0]), int(k[1])) for k in state["reissue"])
         self.stats = BufferStats(**state["stats"])

@@ -17,7 +17,7 @@ The trajectory keeps, per token after the prompt (`Trajectory.output_ids`):
 * ``loss_mask``: 1 on generated tokens, 0 on environment tokens, which are never trained;
 * ``logprobs``: the behaviour log-prob of each generated token (0.0 on environment tokens);
 * ``versions``: the weight version that sampled each generated token; environment tokens carry
-  `ENV_VERSION` (-1), the value the trainer's layout gives prompt tokens (actors/train_step.py), so
+  `ENV_VERSION` (-1), the value the trainer's layout gives prompt tokens (actors/trainer/step.py), so
   staleness, which counts from an episode's first generated token (`Trajectory.start_version`), and the
   decoupled loss's "sampled by these very weights" check never read them.
 

@@ -2,10 +2,10 @@
 
 Training never waits for it. It is an actor of its own that nobody sends work to: it asks the parameter
 server for the newest version kept for evaluation (every multiple of N, the start version included:
-`actors.param_server.kept_for_eval`), bucket by bucket on the bus (:class:`EvalWeightsRequest`), checks the
+`actors.param_server.actor.kept_for_eval`), bucket by bucket on the bus (:class:`EvalWeightsRequest`), checks the
 weights hash against the one the server computed, and answers the first ``eval.max_problems`` problems
 of ``data.test`` (spread over the levels) greedily with the embedded engine. Grading and statistics are
-`actors.evaluation`'s, the same code as ``tools.eval`` and the launcher's final evaluation. When an
+`actors.evaluator.evaluation`'s, the same code as ``tools.eval`` and the launcher's final evaluation. When an
 evaluation takes longer than N versions of training, the versions in between are skipped, not queued:
 the next one evaluated is the newest kept.
 
@@ -62,15 +62,15 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from actors.base import Actor, ActorSpec, handles
+from actors.runtime.base import Actor, ActorSpec, handles
 from actors.dataset import Layout, Record, load_dataset
 from actors.engines.base import EngineError, GenerationResult, SamplingParams
 from actors.engines.checkpoint import assign_weights, has_weights, iter_checkpoint_tensors, load_config, load_model
 from actors.engines.model import Qwen2ForCausalLM
 from actors.engines.tokenizer import load_tokenizer
-from actors.evaluation import (EvalError, EvalSettings, Generate, aevaluate_model, aevaluate_with, engine_generator,
+from actors.evaluator.evaluation import (EvalError, EvalSettings, Generate, aevaluate_model, aevaluate_with, engine_generator,
                                level_key)
-from actors.recovery import COMPLETE, FINISHED, checkpoint_dir, checkpoint_problem, complete_checkpoints, run_finished
+from actors.runtime.recovery import COMPLETE, FINISHED, checkpoint_dir, checkpoint_problem, complete_checkpoints, run_finished
 from actors.weights import weights_hash
 from topology.settings import EvaluatorSettings
 from transport.bulk import PackedBucket, unpack_bucket
@@ -153,7 +153,7 @@ async def answer_on_rollouts(ask: Ask, rollouts: Sequence[str], requests: Sequen
 
 def rollout_generator(ask: Ask, rollouts: Sequence[str], per_rollout: int, timeout_s: float,
                       answered: list[EvalGenerated]) -> Generate:
-    """`actors.evaluation.Generate` on the rollouts' engines (greedy, one answer per prompt: what they offer the
+    """`actors.evaluator.evaluation.Generate` on the rollouts' engines (greedy, one answer per prompt: what they offer the
     evaluator); every reply is appended to ``answered`` (its token versions label the evaluation)."""
     async def gen(prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingParams],
                   n: int) -> list[list[GenerationResult]]:
@@ -212,7 +212,7 @@ def skipped_versions(path: Path) -> set[int]:
 
 def eval_entry(version: int, newest: int, report: dict[str, Any], seconds: float, now: float,
                source: str = "param_server", version_max: int | None = None) -> dict[str, Any]:
-    """One eval.jsonl line for a version's report (`actors.evaluation.aevaluate_with`). ``source``: where its
+    """One eval.jsonl line for a version's report (`actors.evaluator.evaluation.aevaluate_with`). ``source``: where its
     weights came from (the parameter server during the run, a checkpoint when caught up, or the rollouts'
     engines, whose tokens span versions ``version`` to ``version_max``)."""
     entry = {"kind": KIND, "version": version, "step": version, "time": now, "newest": newest,

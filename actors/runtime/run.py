@@ -1,4 +1,4 @@
-"""`python -m actors.run SPEC.json`: the one way any actor process starts.
+"""`python -m actors.runtime.run SPEC.json`: the one way any actor process starts.
 
 Order matters: the spec's ``env`` is applied to os.environ and AREAL_CPU_AFFINITY ("0,1": core ids) is
 applied with os.sched_setaffinity before anything imports torch, so thread pools size themselves to the
@@ -70,14 +70,14 @@ def keep_files_private() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
-        print("usage: python -m actors.run SPEC.json", file=sys.stderr)
+        print("usage: python -m actors.runtime.run SPEC.json", file=sys.stderr)
         return 2
     path = argv[0]
     try:
         with open(path) as fh:
             raw = json.load(fh)
     except (OSError, json.JSONDecodeError) as exc:
-        print(f"actors.run: cannot read spec {path}: {exc}", file=sys.stderr)
+        print(f"actors.runtime.run: cannot read spec {path}: {exc}", file=sys.stderr)
         return 2
     env = raw.get("env") if isinstance(raw, dict) else None
     if isinstance(env, dict):
@@ -89,13 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     # Only now import what may pull in torch.
     import uvloop
 
-    from actors.base import ActorSpec, SpecError, load_actor_class
+    from actors.runtime.base import ActorSpec, SpecError, load_actor_class
 
     try:
         spec = ActorSpec.from_dict(raw, where=path)
         cls = load_actor_class(spec.cls)
     except (SpecError, ImportError) as exc:
-        print(f"actors.run: {exc}", file=sys.stderr)
+        print(f"actors.runtime.run: {exc}", file=sys.stderr)
         return 2
     actor = cls(spec)
     return int(uvloop.run(actor.run()) or 0)

@@ -1,6 +1,6 @@
 """The buffer actor: hands prompts to rollouts under the staleness gate and forms training batches.
 
-Its decisions live in `BufferState` (actors/buffer_state.py): the dataset cursor, the staleness gate, the
+Its decisions live in `BufferState` (actors/buffer/state.py): the dataset cursor, the staleness gate, the
 groups in flight and ready, dynamic sampling, the batch-time staleness check, the checkpointed counters
 and what a restart serves again. Its files are `BufferFiles`' (below): the ledger (buffer/ledger.jsonl:
 every batch's keys, every prompt dropped on purpose), the batches served since the newest checkpoint and
@@ -11,7 +11,7 @@ Flow: GenerateGroup -> least-loaded live rollout; ScoredGroup (from a reward act
 BatchRequest (from the trainer) -> waits until B fresh groups are ready, then replies with a BatchTensors;
 VersionUpdate -> opens the gate; CheckpointRequest -> writes buffer.json for that step.
 
-After a recovery (actors/recovery.py) the buffer restores the cursor and gate from the checkpoint of step
+After a recovery (actors/runtime/recovery.py) the buffer restores the cursor and gate from the checkpoint of step
 k; what was in flight or ready-but-untrained at step k is re-issued first, and the gate counters are
 restored to match, so no prompt is lost, none is trained twice, and the staleness bound still holds.
 
@@ -39,12 +39,12 @@ from typing import Any
 
 import msgpack
 
-from actors.base import Actor, handles
+from actors.runtime.base import Actor, handles
 from actors.batch import Batch, BatchGroup, from_batch
-from actors.buffer_state import BufferState, InFlight, ledger_after_resume, plan_resume
+from actors.buffer.state import BufferState, InFlight, ledger_after_resume, plan_resume
 from actors.dataset import Layout, Record, load_dataset, within_prompt_cap
 from actors.engines.tokenizer import load_tokenizer
-from actors.recovery import checkpoint_dir, latest_checkpoint, recovering, restarted_in_place
+from actors.runtime.recovery import checkpoint_dir, latest_checkpoint, recovering, restarted_in_place
 from algo.serving import DecodePace
 from topology.settings import BufferSettings
 from transport.bus import BusError
@@ -403,7 +403,7 @@ class BufferActor(Actor):
         self.files.write_ledger(ledger_after_resume(self.files.ledger(), resume, records))
         if state is None:
             return
-        self.log.info("buffer_restored", step=step, served_through=resume.served_through, epoch=self.state.epoch,
+        self.log.info("buffer_restored", step=step, served_through=resume.served_through, data_pass=self.state.data_pass,
                       position=self.state.position, reissue=len(self.state.reissue), gate=repr(self.state.gate))
 
     async def on_stop(self) -> None:

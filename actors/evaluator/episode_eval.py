@@ -1,14 +1,14 @@
-"""Held-out evaluation of episodes: the one evaluation (actors/evaluation.py) with answers that come from
-episodes (actors/episode.py) instead of single generations.
+"""Held-out evaluation of episodes: the one evaluation (actors/evaluator/evaluation.py) with answers that come from
+episodes (actors/rollout/episode.py) instead of single generations.
 
 `episode_generator` is a `Generate` whose answers are episodes: each prompt's record names its environment
-(`actors.envs.environment_for`; a record without a tool is a single-turn episode), the model's own tokens
+(`actors.rollout.envs.environment_for`; a record without a tool is a single-turn episode), the model's own tokens
 (every turn, observations left out) are the answer graded, and the trajectories are kept for their
 statistics. `aevaluate_episodes` runs `aevaluate_with` on it, so grading, pass@k, maj@k and the per-level
 report are exactly those of every other evaluation, and adds per level:
 
     greedy_turns, greedy_tool_calls     mean generations and environment steps per greedy episode
-    greedy_ends                         how the greedy episodes ended (counts of actors.episode.EndReason)
+    greedy_ends                         how the greedy episodes ended (counts of actors.rollout.episode.EndReason)
     sample_turns, sample_tool_calls, sample_ends     the same over the sampled episodes
 
 An answer counts as truncated (greedy_truncated, sample_truncated) when its episode did not end "done".
@@ -25,9 +25,9 @@ from actors.engines.base import GenerationEngine, GenerationRequest, GenerationR
 from actors.engines.model import Qwen2ForCausalLM
 from actors.engines.tokenizer import LoadedTokenizer
 from actors.engines.torch_gen import TorchGenerationEngine
-from actors.envs import environment_for
-from actors.episode import Environment, EpisodeLimits, Trajectory, run_episodes
-from actors.evaluation import EvalError, EvalSettings, Generate, aevaluate_with, level_key
+from actors.rollout.envs import environment_for
+from actors.rollout.episode import Environment, EpisodeLimits, Trajectory, run_episodes
+from actors.evaluator.evaluation import EvalError, EvalSettings, Generate, aevaluate_with, level_key
 from actors.reward.pool import RewardPool
 
 # Turns an episode may take when a tool asks for none: enough for the agent task's longest chain (three

@@ -1,4 +1,4 @@
-"""Environments that episodes act on (actors/episode.py), and which one a dataset record asks for.
+"""Environments that episodes act on (actors/rollout/episode.py), and which one a dataset record asks for.
 
 A record names its tool in ``"tool"`` (an extra field of AReaL's layout); records without one are
 single-turn tasks. Environments here run in the caller's process: they must be cheap and never block the
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from actors.envs.calculator import Calculator
-from actors.episode import Environment, SingleTurn
+from actors.rollout.envs.calculator import Calculator
+from actors.rollout.episode import Environment, SingleTurn
 
 ENVIRONMENTS: dict[str, Callable[[], Environment]] = {"calculator": Calculator}
 

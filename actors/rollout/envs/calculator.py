@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from actors.episode import Environment
+from actors.rollout.episode import Environment
 
 MAX_DIGITS = 9
 CALL_OPEN, CALL_CLOSE = "[", "]"

@@ -1,7 +1,7 @@
 """RolloutActor: drives a generation engine, turns GenerateGroup into Trajectories, takes new weights live.
 
 Work. ``GenerateGroup`` (from the buffer) becomes one :class:`GenerationRequest` with ``n`` samples, run as
-``n`` episodes (actors/episode.py) in the environment its task names (``Task.tool``; none: the one-turn case,
+``n`` episodes (actors/rollout/episode.py) in the environment its task names (``Task.tool``; none: the one-turn case,
 exactly that one request). The handler awaits the engine (which decodes in its own thread or server, so the
 event loop never blocks) and the environment's steps (each bounded by ``gen.env_timeout_s``), and sends
 :class:`Trajectories` to a reward actor, round-robin over ``cfg.groups["reward"]``. A group
@@ -40,13 +40,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from actors.base import Actor, ActorSpec, handles
+from actors.runtime.base import Actor, ActorSpec, handles
 from actors.engines.base import (EngineError, GenerationEngine, GenerationRequest, RequestError, SamplingParams,
                                  require_device)
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
-from actors.envs import UnknownTool, environment_for
-from actors.episode import EpisodeLimits, Trajectory, run_episodes
-from actors.recovery import start_weights
+from actors.rollout.envs import UnknownTool, environment_for
+from actors.rollout.episode import EpisodeLimits, Trajectory, run_episodes
+from actors.runtime.recovery import start_weights
 from actors.weight_sync import WeightReceiver, WeightSyncError, link_config, make_receiver
 from actors.weights import weights_hash
 from topology.settings import RolloutSettings
@@ -126,7 +126,7 @@ class RolloutActor(Actor):
     placement = staticmethod(rollout_placement)   # what --dry-run prints for the group
     ready_budget = staticmethod(rollout_ready_budget)   # what it starts before it is ready (tools/up.py)
     # Interchangeable workers: the run starts once enough are ready, the rest join when their servers are up,
-    # and one that cannot be kept up is left down (actors/supervisor.py, late_joiners).
+    # and one that cannot be kept up is left down (actors/runtime/supervisor.py, late_joiners).
     joins_late = True
 
     def __init__(self, spec: ActorSpec) -> None:
