@@ -187,7 +187,7 @@ def test_the_buffer_keeps_a_served_batch_as_its_frames_and_reads_it_back(tmp_pat
     files = BufferFiles(tmp_path)
     listed = sampled_batch(tiny_model(4), groups=2, n=3)
     listed.groups[0].samples[1].score_detail = "boxed 7 != 8"
-    record, state = {"event": "batch", "step": listed.step}, {"epoch": 0, "position": 2}
+    record, state = {"event": "batch", "step": listed.step}, {"data_pass": 0, "position": 2}
     sent = files.write_served(listed, record, state)
     assert files.served_steps() == [listed.step]
     got, got_record, got_state = files.read_served(listed.step)

@@ -4,12 +4,15 @@ lose no prompt and train none twice. The actor around it runs in tests/test_e2e_
 from __future__ import annotations
 
 import random
+import time
+from collections import Counter
 
 import pytest
 
 from actors.buffer.state import BufferState, Resume, ledger_after_resume, plan_resume
 from algo.serving import DecodePace, groups_in_kv
-from transport.protocol import Answers, Sample
+from tools.bench import issue as issue_bench
+from transport.protocol import Answers, Sample, WorkerHello
 
 
 def everyone_alive(name: str) -> bool:
@@ -87,13 +90,55 @@ def test_a_rollout_behind_the_gate_gets_one_group_at_a_time() -> None:
     assert st.rollout_cap("rollout.0") == 8
 
 
-def test_the_cursor_walks_a_seeded_permutation_and_starts_a_new_epoch() -> None:
+def test_the_cursor_walks_a_seeded_permutation_and_starts_a_new_data_pass() -> None:
     st = state(eta=8, batch_size=4, n_records=5)
     keys = [i.key for i in issue_all(st)][:12]
     assert [e for e, _ in keys] == [0] * 5 + [1] * 5 + [2] * 2
     assert sorted(k for e, k in keys if e == 0) == list(range(5)) == sorted(k for e, k in keys if e == 1)
     assert [k for e, k in keys if e == 0] == [k for e, k in [i.key for i in issue_all(state(eta=8, n_records=5))][:5]]
-    assert st.stats.epoch == 3
+    assert st.stats.data_pass == 3
+
+
+def test_the_load_counts_are_the_groups_in_flight_after_every_decision() -> None:
+    """Issue, score, hand back, drop as invalid, overdue, worker deaths and hellos, batches: after each, the
+    per-worker counts the least-loaded pick reads are a recount of the groups in flight."""
+    def recount(st: BufferState) -> None:
+        assert +st.rollout_load == Counter(f.rollout for f in st.inflight.values())
+        assert +st.reward_load == Counter(f.reward for f in st.inflight.values())
+        assert min(st.rollout_load.values(), default=0) >= 0 and min(st.reward_load.values(), default=0) >= 0
+
+    decisions, _ = issue_bench.workload(BufferState, rollouts=6, rewards=2, per_rollout=3, events=600, seed=1,
+                                        after_each=recount)
+    kinds = Counter(d[0] for d in decisions)
+    assert all(kinds[k] > 0 for k in ("issue", "scored", "hand_back", "invalid", "dead", "hello", "overdue", "batch"))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_least_loaded_pick_from_counts_decides_as_the_scan_of_every_group_in_flight(seed: int) -> None:
+    """The pick from per-worker counts makes the decisions the scan of every group in flight made
+    (`tools.bench.issue.ScanLeastLoaded`), issue by issue, on a randomized run with ties, KV-pool caps,
+    rollouts behind the gate, dead and ungreeted workers. The run is sensitive to the rule: a pick that breaks
+    ties the other way, or ignores the caps, decides differently."""
+    kw = dict(rollouts=12, rewards=3, per_rollout=4, events=1500, seed=seed)
+    counted, _ = issue_bench.workload(BufferState, **kw)
+    scanned, _ = issue_bench.workload(issue_bench.scanning(BufferState), **kw)
+    assert counted == scanned
+    issued = [d for d in counted if d[0] == "issue"]
+    assert len(issued) > 800 and len({d[2] for d in issued}) == 12 and len({d[3] for d in issued}) == 3
+    assert any(d[0] == "overdue" and d[1] for d in counted)
+    assert {d[2] for d in counted if d[0] == "scored"} == {"accepted", "uniform", "late"}
+
+    class LastNameWins(BufferState):
+        def _least_loaded(self, names, load, alive, cap):  # type: ignore[no-untyped-def]
+            ok = [r for r in names if r in self.greeted and alive(r) and (cap(r) is None or load[r] < cap(r))]
+            return max(ok, key=lambda r: (-load[r], r)) if ok else None
+
+    class NoCaps(BufferState):
+        def rollout_cap(self, rollout: str) -> int:
+            return self.max_per_rollout
+
+    for rules in (LastNameWins, NoCaps):
+        assert issue_bench.workload(rules, **kw)[0] != scanned, rules.__name__
 
 
 # ---------------------------------------------------------------- results and batches
@@ -163,6 +208,61 @@ def test_a_dead_or_restarted_workers_groups_are_issued_again_and_late_answers_ig
     assert st.hand_back(lost) is None                                 # handed back once only
 
 
+def test_a_silent_worker_keeps_its_groups_until_it_restarts_or_stays_silent_too_long() -> None:
+    """The buffer actor's handling of the bus's verdicts (BufferActor.on_peer_dead / on_peer_alive / the hello /
+    the periodic check): a rollout that missed one heartbeat timeout and is heard again keeps its groups (the
+    buffer once issued them again at once, and a node's restart on a loaded machine made 56 groups run twice);
+    a restarted one's are issued again at its hello; one unheard for the limit loses them, and is asked to stop
+    them should it wake."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import structlog
+
+    from actors.buffer.actor import BufferActor
+
+    st = state(eta=2, batch_size=4, rollouts=3, silence_limit_s=30.0, group_timeout_s=1000.0)
+    issues = issue_all(st, now=time.time())
+    held = {r: [i for i in issues if i.rollout == r] for r in st.rollouts}
+    assert all(held.values())
+    buffer = BufferActor.__new__(BufferActor)
+    spawned: list[str] = []
+
+    def spawn(coro: object, name: str, critical: bool = True) -> None:
+        coro.close()   # type: ignore[attr-defined]
+        spawned.append(name)
+
+    buffer.__dict__.update(state=st, log=structlog.get_logger("test"), changed=asyncio.Event(), spawn=spawn,
+                           cfg=SimpleNamespace(bus=SimpleNamespace(heartbeat_timeout=5.0)))
+
+    def reissued() -> set:
+        return set(st.reissue)
+
+    # Unheard for a bit more than one heartbeat timeout, then heard again: nothing is issued again.
+    buffer.on_peer_dead("rollout.1")
+    assert reissued() == set()
+    buffer._expire(time.time() + 1.0)
+    buffer.on_peer_alive("rollout.1")
+    buffer._expire(time.time() + 60.0)
+    assert reissued() == set() and st.stats.returned == 0 and spawned == []
+    assert all(i.group_id in st.inflight for i in held["rollout.1"])
+    assert st.scored(held["rollout.1"][0].group_id, answers("rollout.1")).outcome == "accepted"
+    # Unheard, then a hello from its new incarnation: a restart lost its groups, issued again at once.
+    buffer.on_peer_dead("rollout.0")
+    buffer.on_worker_hello(WorkerHello(role="rollout"), SimpleNamespace(sender="rollout.0"))
+    assert reissued() == {i.key for i in held["rollout.0"]}
+    # Unheard and never heard again: its groups go once it has been silent for the limit, not before.
+    buffer.on_peer_dead("rollout.2")
+    now = time.time()
+    buffer._expire(now + 20.0)                      # silent 25 s
+    assert reissued() == {i.key for i in held["rollout.0"]}
+    buffer._expire(now + 26.0)                      # silent 31 s
+    assert reissued() == {i.key for i in held["rollout.0"] + held["rollout.2"]}
+    assert sorted(spawned) == sorted(f"abort-{i.group_id}" for i in held["rollout.2"])
+    assert all(st.scored(i.group_id, answers("rollout.2")).outcome == "late" for i in held["rollout.2"])
+    assert st.stats.returned == len(held["rollout.0"]) + len(held["rollout.2"])
+
+
 def test_groups_with_no_result_expire_and_invalid_prompts_are_dropped() -> None:
     st = state(eta=0, batch_size=2, group_timeout_s=10.0)
     a, b = issue_all(st, now=0.0)
@@ -194,12 +294,12 @@ def test_checkpoint_records_untrained_work_for_reissue_and_the_gate_as_it_will_b
     assert [tuple(k) for k in saved["reissue"]] == [issues[2].key, issues[3].key]
     back = state(eta=1, batch_size=2)
     back.load_state_dict(saved)
-    assert (back.epoch, back.position, back.attempts) == (st.epoch, st.position, st.attempts)
+    assert (back.data_pass, back.position, back.attempts) == (st.data_pass, st.position, st.attempts)
     resumed = issue_all(back)
     assert [i.key for i in resumed[:2]] == [issues[2].key, issues[3].key]
     assert len(resumed) == 2 and back.gate.running == 2               # (1 + 1 + 1) * 2 - 2 accepted - 2 running
     fresh = state(eta=1, batch_size=2)
-    assert back.order == fresh._permutation(back.epoch)
+    assert back.order == fresh._permutation(back.data_pass)
 
 
 def test_the_buffer_checkpoints_into_its_own_run_directory_only(tmp_path) -> None:
@@ -276,8 +376,14 @@ def test_a_run_with_deaths_drops_and_restores_trains_every_prompt_once_within_et
             result = st.scored(gid, answers(versions=(max(0, version - lag), version), rewards=rewards))
             if result.outcome == "uniform":
                 events.append(("uniform", result.key))
-        elif st.inflight and roll < 0.65:
+        elif st.inflight and roll < 0.63:
             st.hand_back_held_by(rng.choice(st.rollouts))
+        elif st.inflight and roll < 0.65:                                # unheard: heard again, or gone too long
+            worker = rng.choice(st.rollouts + st.rewards)
+            st.worker_silent(worker, 0.0)
+            if rng.random() < 0.5:
+                st.worker_heard(worker)
+            st.silent_too_long(rng.choice([10.0, 100.0]))
         elif roll < 0.9:
             st.drop_stale()
             batch = st.take_batch()
@@ -298,7 +404,7 @@ def test_a_run_with_deaths_drops_and_restores_trains_every_prompt_once_within_et
     assert sum(kind == "trained" for kind, _ in events) == B * steps
     pending = [tuple(k) for k in st.state_dict()["reissue"]]
     accounted = [k for _, k in events] + pending
-    handed_out = [(e, i) for e in range(st.epoch) for i in range(7)] + [(st.epoch, i) for i in st.order[:st.position]]
+    handed_out = [(e, i) for e in range(st.data_pass) for i in range(7)] + [(st.data_pass, i) for i in st.order[:st.position]]
     assert len(accounted) == len(set(accounted)), "a prompt was trained or dropped twice"
     assert set(accounted) == set(handed_out), "a prompt was lost"
 

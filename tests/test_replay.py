@@ -386,3 +386,22 @@ def test_link_transfers_end_in_the_replay_where_they_ended_in_the_original(tmp_p
     same = replay.replay_into(path, f"{MODULE}:Linked", idle_timeout=10)
     assert same.compared and same.divergence is None and not same.notes, (same.divergence, same.notes)
     assert same.sent == 4     # the queries' answers and two reports: no bucket, no report that the send ended
+
+
+def test_a_field_added_with_a_default_compares_equal_to_a_log_written_before_it() -> None:
+    # A log recorded before Task.tool existed has no "tool" in its tasks; the replay sends tool="" (the default
+    # decode fills in): the same message. A different value is still a divergence.
+    import msgpack
+
+    from tools.replay.compare import wire_key
+    from transport.messages import encode
+    from transport.protocol import GenerateGroup, Task
+
+    sent = encode(GenerateGroup(group_id="g", prompt_ids=[1, 2], n=2, task=Task("math", "4")), sender="buffer")
+    head = msgpack.unpackb(sent[0], raw=False)
+    assert head[7]["task"]["tool"] == ""
+    old = [msgpack.packb([*head[:7], {**head[7], "task": {k: v for k, v in head[7]["task"].items() if k != "tool"}}])]
+    assert wire_key(old, "rollout.0") == wire_key(sent, "rollout.0")
+    other = encode(GenerateGroup(group_id="g", prompt_ids=[1, 2], n=2, task=Task("math", "4", tool="calculator")),
+                   sender="buffer")
+    assert wire_key(other, "rollout.0") != wire_key(old, "rollout.0")

@@ -169,16 +169,17 @@ def test_trainer_replays_identically_and_a_changed_step_count_is_caught(recorded
 
 
 def test_a_log_the_previous_schema_wrote_replays_identically(recorded: Path, tmp_path: Path) -> None:
-    # The trainer's log as schema 5 wrote it: version 5 on every message, and its status requests naming the
-    # weights link's epoch min_generation (after timeout_s). Decoding upgrades each body to the current layout,
-    # so the log replays as one recorded now; without the upgrade the replay's first request would differ.
+    # The trainer's log as schema 5 wrote it: version 5 on every message, its status requests naming the
+    # weights link's epoch min_generation (after timeout_s), and its batches' stats counting data passes as
+    # epoch. Decoding upgrades each body to the current layout, so the log replays as one recorded now; without
+    # the upgrades the replay's first request would differ, and the batches would not decode.
     import msgpack
 
     from transport.msglog import MessageLogWriter, read_log
 
     records, _ = read_log(recorded / "trainer.msglog")
     meta = next(r.meta for r in records if r.kind == "meta")
-    path, renamed = tmp_path / "trainer-v5.msglog", 0
+    path, renamed, batches = tmp_path / "trainer-v5.msglog", 0, 0
     with MessageLogWriter(path, meta={k: v for k, v in meta.items() if k not in ("k", "t", "pid")}) as w:
         for r in records:
             if r.kind == "event":
@@ -194,9 +195,13 @@ def test_a_log_the_previous_schema_wrote_replays_identically(recorded: Path, tmp
                     body = {k: v for k, v in head[7].items() if k != "min_epoch"}
                     head[7] = {**body, "min_generation": head[7]["min_epoch"]}
                     renamed += 1
+                if head[0] == "rl.batch":
+                    stats = head[7]["stats"]
+                    head[7]["stats"] = {("epoch" if k == "data_pass" else k): v for k, v in stats.items()}
+                    batches += "epoch" in head[7]["stats"]
                 w.record(r.kind, [msgpack.packb(head), *r.frames[1:]], peer=r.peer, t=r.t, rejected=r.rejected,
                          cause=r.cause)
-    assert renamed > 0
+    assert renamed > 0 and batches > 0
     same = replay.replay_into(str(path), "actors.trainer:TrainerActor")
     assert same.compared and same.divergence is None and same.sent > 0, (same.divergence, same.notes)
 

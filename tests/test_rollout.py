@@ -3,6 +3,7 @@ drain hands unfinished groups back, configuration errors name the key."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import math
 from pathlib import Path
@@ -15,6 +16,7 @@ from actors.weight_sync import WeightSyncConfigError, link_config
 from testsupport.bounded import run_bounded
 from testsupport.local_actors import actor_spec, ipc_endpoints
 from topology.settings import SettingsError, read_settings
+from transport.bulk import LinkConfig
 from transport.bus import Bus, RemoteError
 from transport.protocol import (EvalGenerate, EvalGenerated, GenerateGroup, GroupReturned, Task, Trajectories,
                                 WeightsReady, WorkerHello)
@@ -134,3 +136,24 @@ def test_configuration_errors_name_the_key() -> None:
     with pytest.raises(WeightSyncConfigError, match="link: link 'weights' is not in settings.links"):
         link_config({}, "weights", "ps_to_rollout")
     assert link_config({}, None, "ps_to_rollout") is None
+
+
+def test_a_malformed_link_is_refused_with_its_key_before_the_actor_starts() -> None:
+    # links are typed like every other section: the launcher's settings check names the key and the value
+    link = {"name": "weights", "backend": "nccl", "master_addr": "127.0.0.1", "master_port": 29500, "rank": 0,
+            "world_size": 2, "members": ["ps", "rollout.0"]}
+    cfg = read_settings(RolloutActor, {"links": {"weights": link}}, "rollout.0")
+    assert link_config(cfg.links, None, "ps_to_rollout") == LinkConfig.from_dict(link)
+    for change, problem in [({"backend": "mpi"}, "links.weights.backend: input should be 'gloo' or 'nccl'"),
+                            ({"rank": 2}, "links.weights: value error, rank 2 outside world size 2"),
+                            ({"master_port": 0}, "links.weights.master_port: input should be greater than or equal to 1"),
+                            ({"timeout": 5}, "links.weights.timeout: unknown key (did you mean 'timeout_s'?)")]:
+        with pytest.raises(SettingsError) as err:
+            read_settings(RolloutActor, {"links": {"weights": {**link, **change}}}, "rollout.0")
+        assert problem in str(err.value), str(err.value)
+
+
+def test_the_link_settings_declare_the_fields_of_the_link_config() -> None:
+    # one declaration read twice: the typed settings the launcher checks, and the dataclass transport builds
+    from topology.settings import LinkSettings
+    assert list(LinkSettings.model_fields) == [f.name for f in dataclasses.fields(LinkConfig)]

@@ -305,10 +305,10 @@ def test_fast_path_and_general_path_agree() -> None:
 def test_older_versions_decode_upgraded_except_the_bodies_versions_3_and_4_reshaped() -> None:
     # version 2 only added the batch container; version 3 changed four rl message bodies (composition),
     # version 4 rl.batch (columns and tensor frames), version 5 the task of rl.generate_group and
-    # rl.trajectories (no level), version 6 the weights link's epoch fields. Single messages (and message logs)
+    # rl.trajectories (no level), version 6 the weights link's epoch fields, version 7 the batch stats' data_pass. Single messages (and message logs)
     # of versions 1 to 5 read fine: what versions 5 and 6 changed is upgraded on read, what 3 and 4 reshaped
     # is refused naming the old body's first unknown field
-    assert SCHEMA_VERSION == 6 and M.READABLE_VERSIONS == {1, 2, 3, 4, 5, 6}
+    assert SCHEMA_VERSION == 7 and M.READABLE_VERSIONS == {1, 2, 3, 4, 5, 6, 7}
     for version in (1, 2, 3, 4, 5):
         header, msg = decode([_head(body={"seq": 3}, version=version)])
         assert msg == Ping(3) and header.version == version
@@ -352,6 +352,12 @@ def test_older_versions_decode_upgraded_except_the_bodies_versions_3_and_4_resha
     # a version-5 message of a kind version 6 left alone still decodes
     ack = {"version": 2, "weights_hash": "h", "receive_seconds": 0.5}
     assert decode([_head("rl.weights_ack", body=ack, version=5)])[1] == protocol.WeightsAck(**ack)
+    # version 7: rl.batch's stats count data passes as data_pass; a version-6 body's epoch is read as it (a whole
+    # version-6 batch log replays: tests/test_replay_actors.py), a current body is left as it is
+    old_batch = {"step": 1, "stats": {"depth": 3, "epoch": 2}, "levels": [1]}
+    assert M.upgraded_body("rl.batch", 6, old_batch)["stats"] == {"depth": 3, "data_pass": 2}
+    assert M.upgraded_body("rl.batch", 7, old_batch) == old_batch
+    assert protocol.BufferStats().data_pass == 0 and not hasattr(protocol.BufferStats(), "epoch")
 
 
 def test_batch_container_round_trip_and_errors() -> None:

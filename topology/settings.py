@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from topology.experiment import ExperimentConfig, Section
 from topology.schema import problem_lines
 
-__all__ = ["InstanceSettings", "WorldSettings", "ActorSettings", "RewardSettings", "CodeRewardSettings",
+__all__ = ["InstanceSettings", "WorldSettings", "LinkSettings", "ActorSettings", "RewardSettings", "CodeRewardSettings",
            "EngineSettings", "GenerationSettings", "EvaluatorSettings", "TrainerSettings", "SGLangSettings", "RolloutSettings",
            "ParamServerSettings",
            "BufferSettings", "SandboxSettings", "BusSettings", "MessageLogSettings", "SettingsError", "settings_model", "read_settings"]
@@ -33,6 +33,30 @@ class WorldSettings(Section):
     master_port: int = Field(0, ge=0, le=65535, description="rendezvous port at rank 0")
     rank: int = Field(0, ge=0, description="this instance's rank")
     world_size: int = Field(1, ge=1, description="ranks of the world")
+
+
+class LinkSettings(Section):
+    """One bulk link this instance is a member of, as the launcher writes it (topology/placement.py,
+    ``Plan.link_config``); the fields of transport.bulk.LinkConfig, which the instance builds from it (a test
+    keeps the two field lists the same)."""
+
+    name: str = Field(description="the link's name in the topology")
+    backend: Literal["gloo", "nccl"] = Field(description="torch.distributed backend: gloo (CPU) or nccl (GPU)")
+    master_addr: str = Field(description="address of the link's rank 0, where its rendezvous store listens")
+    master_port: int = Field(ge=1, le=65535, description="the rendezvous store's port")
+    rank: int = Field(ge=0, description="this instance's rank on the link")
+    world_size: int = Field(ge=1, description="members of the link")
+    members: list[str] = Field(default_factory=list, description="instance names, in rank order")
+    bind_addr: str = Field("", description="address gloo binds on this member (fake nodes use 127.0.0.x)")
+    timeout_s: float = Field(300.0, gt=0, description="seconds a rendezvous or collective may take")
+    env: dict[str, str] = Field(default_factory=dict, description="NCCL_* / GLOO_* variables for this process")
+    secret_file: str = Field("", description="the run's rendezvous secret file (empty: store values unsigned)")
+
+    @model_validator(mode="after")
+    def _rank_inside_world(self) -> "LinkSettings":
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        return self
 
 
 class InstanceSettings(Section):
@@ -81,8 +105,8 @@ class ActorSettings(ExperimentConfig):
 
     instance: InstanceSettings = Field(default_factory=InstanceSettings, description="placement (launcher)")
     groups: dict[str, list[str]] = Field(default_factory=dict, description="instance names of every group (launcher)")
-    links: dict[str, dict[str, Any]] = Field(
-        default_factory=dict, description="transport.bulk.LinkConfig of every link the instance is in (launcher)")
+    links: dict[str, LinkSettings] = Field(
+        default_factory=dict, description="every bulk link the instance is in, by name (launcher)")
     log_console: bool = Field(True, description="false silences the console copy of the log")
     bus: BusSettings = Field(default_factory=BusSettings, description="the actor's bus (transport.bus.Bus)")
     message_log: MessageLogSettings | None = Field(

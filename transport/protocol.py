@@ -184,7 +184,7 @@ class BufferStats:
     dropped_stale: int = 0
     dropped_uniform: int = 0
     returned: int = 0
-    epoch: int = 0
+    data_pass: int = 0   # passes over the dataset begun before this one (the first pass is 0)
     rollout_utilisation: float = -1.0   # rollouts' time with work / time up since the previous batch (-1: unknown)
 
 
@@ -522,7 +522,7 @@ class RunFinished(Message):
 
 
 # ------------------------------------------------------------------------------------ older schema versions
-# How versions 5 and 6 changed these kinds, so that a message log written before them still decodes and replays
+# How versions 5, 6 and 7 changed these kinds, so that a message log written before them still decodes and replays
 # (transport/messages.py: upgraded_body). Versions 3 and 4 reshaped whole bodies and are not upgraded.
 
 @upgrade(5, "rl.generate_group", "rl.trajectories")
@@ -543,3 +543,11 @@ def _link_epoch(body: dict) -> dict:
     # "generation" also named the rollouts' text generation: a link's re-formation count is its epoch.
     return {_EPOCH_NAMES.get(k, k): v for k, v in body.items()}
 
+
+@upgrade(7, "rl.batch")
+def _data_pass(body: dict) -> dict:
+    # "epoch" also named the weights link's re-formation count: the stats' count of data passes is data_pass.
+    stats = body.get("stats")
+    if type(stats) is dict and "epoch" in stats:
+        body = {**body, "stats": {("data_pass" if k == "epoch" else k): v for k, v in stats.items()}}
+    return body

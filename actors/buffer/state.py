@@ -17,6 +17,12 @@ time a group may take is `group_timeout()`: fixed when configured, else derived 
 the pace of recent groups (algo/serving.py). A rollout holds at most the groups its server's KV pool
 fits (`rollout_cap`, algo.serving.groups_in_kv over the KV pool it reported in its hello and the mean context
 of recent answers), so work does not wait in a server's queue while its time runs.
+
+Silent workers. A worker the bus declares dead (no heartbeat answered for its timeout) keeps its groups: a
+live rollout starved of CPU for a few seconds still generates them, and issuing them again would run two
+copies of each (a node's restart on a loaded machine once had 7 live rollouts declared dead and 56 groups
+generated twice). Its groups are handed back when it says hello as a new incarnation (`worker_hello`: a
+restart lost them) or when it has stayed silent for `silence_limit_s` (`silent_too_long`).
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ from algo.serving import DecodePace, groups_in_kv
 from algo.staleness import StalenessGate, filter_stale, sample_staleness
 from transport.protocol import Answers, BufferStats
 
-Key = tuple[int, int]  # (epoch, index into the dataset): one prompt of one pass over the data
+Key = tuple[int, int]  # (data pass, index into the dataset): one prompt of one pass over the data
 
 
 @dataclass
@@ -131,9 +137,10 @@ class BufferState:
                  seed: int, dynamic_sampling: bool = False, max_per_rollout: int = 8,
                  max_concurrent: int | None = None, group_timeout_s: float | None = None,
                  group_size: int = 1, max_new_tokens: int = 64, prompt_tokens: float = 1.0,
-                 pace: DecodePace | None = None) -> None:
+                 pace: DecodePace | None = None, silence_limit_s: float = 30.0) -> None:
         """``group_timeout_s``: fixed, or None to derive it from ``max_new_tokens`` and ``pace``;
-        ``prompt_tokens``: the mean prompt length (the context a group's answers hold in a KV pool)."""
+        ``prompt_tokens``: the mean prompt length (the context a group's answers hold in a KV pool);
+        ``silence_limit_s``: how long a worker may go unheard before its groups are issued again."""
         if not rollouts:
             raise ValueError("groups.rollout: the buffer needs at least one rollout actor")
         if not rewards:
@@ -144,6 +151,8 @@ class BufferState:
         self.dynamic_sampling = dynamic_sampling
         self.max_per_rollout = max_per_rollout
         self.group_timeout_s = group_timeout_s
+        self.silence_limit_s = silence_limit_s
+        self.silent_since: dict[str, float] = {}                     # workers unheard, since when
         self.group_size, self.max_new_tokens, self.prompt_tokens = group_size, max_new_tokens, prompt_tokens
         self.pace = pace or DecodePace()
         self.answer_tokens: deque[int] = deque(maxlen=1024)          # lengths of recent answers
@@ -155,10 +164,14 @@ class BufferState:
         self.per_rollout: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self.gate = StalenessGate(batch_size, eta, max_concurrent)
 
-        self.epoch, self.position = 0, 0
+        self.data_pass, self.position = 0, 0
         self.order = self._permutation(0)
         self.reissue: deque[Key] = deque()
-        self.inflight: dict[str, InFlight] = {}
+        self.inflight: dict[str, InFlight] = {}                     # changed only by _hold and _release
+        # Groups in flight per rollout and per reward actor, kept as groups are issued and released, so that
+        # picking the least-loaded worker does not scan every group in flight.
+        self.rollout_load: Counter[str] = Counter()
+        self.reward_load: Counter[str] = Counter()
         self.ready: deque[ReadyGroup] = deque()
         self.attempts = 0
         self.stats = BufferStats()
@@ -170,28 +183,28 @@ class BufferState:
         self.served_through = 0                                     # the newest step a batch was served for
 
     # --- handing out work -------------------------------------------------------------------------
-    def _permutation(self, epoch: int) -> list[int]:
+    def _permutation(self, data_pass: int) -> list[int]:
         order = list(range(self.n_records))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        random.Random(self.seed * 1_000_003 + data_pass).shuffle(order)
         return order
 
     def _next_key(self) -> Key:
         if self.reissue:
             return self.reissue.popleft()
         if self.position >= len(self.order):
-            self.epoch += 1
+            self.data_pass += 1
             self.position = 0
-            self.order = self._permutation(self.epoch)
-            self.stats.epoch = self.epoch
-        key = (self.epoch, self.order[self.position])
+            self.order = self._permutation(self.data_pass)
+            self.stats.data_pass = self.data_pass
+        key = (self.data_pass, self.order[self.position])
         self.position += 1
         return key
 
     def issued_keys(self) -> list[Key]:
         """Every prompt the cursor has handed out so far, in order: each is trained, dropped on purpose,
         or still pending (in flight, ready or waiting to be issued again). tools/bench/chaos.py checks it."""
-        done = [(e, i) for e in range(self.epoch) for i in self._permutation(e)]
-        return done + [(self.epoch, i) for i in self.order[:self.position]]
+        done = [(e, i) for e in range(self.data_pass) for i in self._permutation(e)]
+        return done + [(self.data_pass, i) for i in self.order[:self.position]]
 
     def rollout_cap(self, rollout: str) -> int:
         """Groups a rollout may hold. One while its newest weights are already older than the gate allows:
@@ -216,29 +229,47 @@ class BufferState:
         """Seconds a group may go without a result before it is aborted and issued again."""
         return self.group_timeout_s if self.group_timeout_s is not None else self.pace.timeout(self.max_new_tokens)
 
-    def _least_loaded(self, names: list[str], attr: str, alive: Callable[[str], bool],
+    def _least_loaded(self, names: list[str], load: Counter[str], alive: Callable[[str], bool],
                       cap: Callable[[str], int | None]) -> str | None:
-        load = {r: 0 for r in names if r in self.greeted and alive(r)}
-        for f in self.inflight.values():
-            if getattr(f, attr) in load:
-                load[getattr(f, attr)] += 1
-        free = [(n, r) for r, n in load.items() if cap(r) is None or n < cap(r)]
-        return min(free)[1] if free else None
+        """The greeted live worker of `names` holding the fewest groups below its cap (ties: the least name),
+        or None. `load` counts each worker's groups in flight. The workers are tried from the least loaded
+        on and the first below its cap wins, so a cap (which may be costly: `rollout_cap`) is asked for only
+        until one has room."""
+        for name in sorted(sorted(names), key=load.__getitem__):   # stable: ties stay in name order
+            if name in self.greeted and alive(name):
+                limit = cap(name)
+                if limit is None or load[name] < limit:
+                    return name
+        return None
+
+    def _hold(self, group_id: str, f: InFlight) -> None:
+        self.inflight[group_id] = f
+        self.rollout_load[f.rollout] += 1
+        self.reward_load[f.reward] += 1
+
+    def _release(self, group_id: str) -> InFlight | None:
+        f = self.inflight.pop(group_id, None)
+        if f is not None:
+            self.rollout_load[f.rollout] -= 1
+            self.reward_load[f.reward] -= 1
+        return f
 
     def issue_next(self, alive: Callable[[str], bool], now: float) -> Issue | None:
         """The next group to hand out, to the least-loaded greeted live rollout and reward actor, or None
         while the gate is closed or no worker has room. `alive(name)`: the bus's view of that worker."""
         if not self.gate.can_admit():
             return None
-        rollout = self._least_loaded(self.rollouts, "rollout", alive, self.rollout_cap)
-        reward = self._least_loaded(self.rewards, "reward", alive, lambda _: None)
-        if rollout is None or reward is None:
+        rollout = self._least_loaded(self.rollouts, self.rollout_load, alive, self.rollout_cap)
+        if rollout is None:
+            return None
+        reward = self._least_loaded(self.rewards, self.reward_load, alive, lambda _: None)
+        if reward is None:
             return None
         key = self._next_key()
         self.gate.admit(1)
         self.attempts += 1
         gid = f"{key[0]}-{key[1]}-{self.attempts}"
-        self.inflight[gid] = InFlight(key, rollout, reward, now)
+        self._hold(gid, InFlight(key, rollout, reward, now))
         self.per_rollout[rollout]["issued"] += 1
         # A fresh sampling seed per attempt: a re-issued prompt gets new answers, a replay the same ones.
         seed = 1 + (hash((self.seed, key, self.attempts)) & 0x7FFFFFFF)
@@ -248,7 +279,7 @@ class BufferState:
     def hand_back(self, group_id: str) -> InFlight | None:
         """A group in flight will not come back scored: free its slot and issue its prompt again. None if
         the group is not in flight (already back or already handed back)."""
-        f = self.inflight.pop(group_id, None)
+        f = self._release(group_id)
         if f is None:
             return None
         self.gate.finish(accepted=False)
@@ -266,16 +297,36 @@ class BufferState:
         """A worker (re)started: what it held before will not come back from it; it may get work now.
         ``kv_tokens``: the KV pool of a rollout's server (0: unknown)."""
         handed_back = self.hand_back_held_by(worker)
+        self.silent_since.pop(worker, None)
         self.rollout_versions.pop(worker, None)
         self.kv_tokens[worker] = kv_tokens
         self.greeted.add(worker)
         return handed_back
 
+    def worker_silent(self, worker: str, since: float) -> None:
+        """Nothing was heard from `worker` since `since` (the bus declared it dead). Its groups stay in flight:
+        see "Silent workers" above."""
+        self.silent_since.setdefault(worker, since)
+
+    def worker_heard(self, worker: str) -> None:
+        """`worker` answers again: what it holds will come back from it."""
+        self.silent_since.pop(worker, None)
+
+    def silent_too_long(self, now: float) -> dict[str, InFlight]:
+        """Every group held by a worker unheard for `silence_limit_s` by `now`, handed back (once: the worker
+        counts as heard from again until the bus declares it dead anew)."""
+        gone = [w for w, since in self.silent_since.items() if now - since >= self.silence_limit_s]
+        handed: dict[str, InFlight] = {}
+        for worker in gone:
+            del self.silent_since[worker]
+            handed.update(self.hand_back_held_by(worker))
+        return handed
+
     @property
     def expire_every_s(self) -> float:
-        """How often `overdue` is called: a group is found overdue at most a quarter of its timeout late (and
-        at least once a minute)."""
-        return min(60.0, max(0.05, self.group_timeout() / 4))
+        """How often `overdue` and `silent_too_long` are called: a group is found overdue, or a worker silent
+        too long, at most a quarter of its limit late (and at least once a minute)."""
+        return min(60.0, max(0.05, min(self.group_timeout(), self.silence_limit_s) / 4))
 
     def overdue(self, now: float) -> dict[str, InFlight]:
         """Groups with no result after `group_timeout()`, now marked aborting (each once). They are not
@@ -291,7 +342,7 @@ class BufferState:
 
     def drop_invalid(self, group_id: str) -> InFlight | None:
         """The prompt itself cannot be generated: issuing it again cannot help, so it is dropped."""
-        f = self.inflight.pop(group_id, None)
+        f = self._release(group_id)
         if f is not None:
             self.gate.finish(accepted=False)
         return f
@@ -302,7 +353,7 @@ class BufferState:
         newest = max((v for s in answers.samples for v in s.versions), default=None)
         if newest is not None:
             self.rollout_versions[answers.rollout] = newest      # the weights it finished this group with
-        f = self.inflight.pop(group_id, None)
+        f = self._release(group_id)
         if f is None:
             return Scored("late")
         if answers.up_seconds > 0:
@@ -399,7 +450,7 @@ class BufferState:
         gate = self.gate.state_dict()
         gate["accepted"] -= len(self.ready)
         gate["running"] = 0
-        return {"epoch": self.epoch, "position": self.position, "gate": gate,
+        return {"data_pass": self.data_pass, "position": self.position, "gate": gate,
                 "reissue": [list(k) for k in pending], "stats": vars(self.stats).copy(), "attempts": self.attempts}
 
     def resume(self, resume: Resume, saved: dict[str, Any] | None) -> None:
@@ -410,8 +461,10 @@ class BufferState:
         self.served_through = resume.served_through
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self.order = self._permutation(self.epoch)
+        # "epoch": the key a checkpoint written before the data pass had its own name holds it under
+        self.data_pass = int(state["data_pass"] if "data_pass" in state else state["epoch"])
+        self.position = int(state["position"])
+        self.order = self._permutation(self.data_pass)
         self.gate.load_state_dict(state["gate"])
         self.reissue = deque((int(k[0]), int(k[1])) for k in state["reissue"])
         self.stats = BufferStats(**state["stats"])

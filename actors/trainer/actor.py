@@ -396,7 +396,7 @@ class TrainerActor(Actor):
                          step_seconds=end - last_end, time=end, buffer_depth=batch.stats.depth,
                          buffer_running=batch.stats.running, dropped_stale=batch.stats.dropped_stale,
                          dropped_uniform=batch.stats.dropped_uniform, reissued=batch.stats.returned,
-                         epoch=batch.stats.epoch, **self.push_stats)
+                         data_pass=batch.stats.data_pass, **self.push_stats)
             self._step_seconds_max = max(self._step_seconds_max, end - last_end)
             if batch.stats.rollout_utilisation >= 0:   # -1: no rollout clocks arrived since the last batch
                 stats["rollout_utilisation"] = batch.stats.rollout_utilisation

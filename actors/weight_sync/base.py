@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from topology.settings import LinkSettings
 from transport.bulk import BulkError, LinkConfig, PackedBucket, pack_to_host
 from transport.protocol import (LinkFormed, LinkReform, WeightsAck, WeightsBroadcast, WeightsBroadcastDone,
                                 WeightsPublished, WeightsReady, WeightsStored)
@@ -81,7 +82,7 @@ def push_stream(on_gpu: bool) -> contextlib.AbstractContextManager:
     return torch.cuda.stream(_PUSH_STREAMS[device])
 
 
-def link_config(links: dict[str, dict[str, Any]], name: str | None, default: str,
+def link_config(links: dict[str, LinkSettings], name: str | None, default: str,
                 key: str = "link") -> LinkConfig | None:
     """The LinkConfig of ``links[name]``, ``name`` being the setting ``key`` (unset: ``default``; the only
     listed link if just one)."""
@@ -93,7 +94,7 @@ def link_config(links: dict[str, dict[str, Any]], name: str | None, default: str
             return None
         name = next(iter(links))
     try:
-        return LinkConfig.from_dict(dict(links[name]))
+        return LinkConfig.from_dict(links[name].model_dump())
     except (BulkError, TypeError) as exc:
         raise WeightSyncConfigError(f"links.{name}: {exc}") from exc
 

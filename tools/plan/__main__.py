@@ -91,7 +91,7 @@ def _fmt_against(cmp: dict[str, Any]) -> list[str]:
 
 
 def sweep(found: setup.Setup, steps: int, seeds: int = 1, progress: bool = False,
-          splits: Sequence[float] | None = None) -> list[dict[str, Any]]:
+          splits: Sequence[float] | None = None, etas: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """Throughput at each split (share of GPUs generating, in whole servers) and eta: the mean over `seeds`
     seeds, with its min and max, and how settled each run's measured steps were (the widest spread of a
     step around its run's mean, the largest drift between their halves: `sim.Result.stability`)."""
@@ -105,7 +105,7 @@ def sweep(found: setup.Setup, steps: int, seeds: int = 1, progress: bool = False
         infer = total - ((total - infer) // unit_train) * unit_train
         if infer <= 0 or infer >= total:
             continue
-        cases += [(infer, eta) for eta in SWEEP_ETAS]
+        cases += [(infer, eta) for eta in (SWEEP_ETAS if etas is None else etas)]
     for i, (infer, eta) in enumerate(cases):
         if progress:
             print(f"sweep {i + 1}/{len(cases)}: {infer} inference GPUs, eta {eta}", file=sys.stderr, flush=True)

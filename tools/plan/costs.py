@@ -76,7 +76,7 @@ def allreduce_seconds(gpu: hardware.GPU, tp: int, nbytes: float) -> float:
     if tp <= 1:
         return 0.0
     return hardware.TP_ALLREDUCE_LATENCY_S + 2 * (tp - 1) / tp * nbytes / (
-        gpu.nvlink_bytes_per_s / 2 * hardware.LINK_EFFICIENCY)
+        gpu.nvlink_bytes_per_s / 2 * hardware.NVLINK_EFFICIENCY)
 
 
 #: Float32 passes over a decode step's n x vocabulary logits: the lm_head's write, then SGLang 0.5.6's sampler
@@ -165,8 +165,9 @@ def dp_sync_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape) -> 
         return 0.0
     rank_params = shape.params / (lay.tp * lay.pp)
     across_nodes = lay.dp * lay.tp * lay.pp > lay.gpus_per_node
-    bw = (hardware.ROCE_NODE_BYTES_PER_S / lay.gpus_per_node if across_nodes else gpu.nvlink_bytes_per_s / 2)
-    return (4 + 2) * rank_params * (lay.dp - 1) / lay.dp / (bw * hardware.LINK_EFFICIENCY)
+    bw = (hardware.ROCE_NODE_BYTES_PER_S / lay.gpus_per_node * hardware.NIC_EFFICIENCY if across_nodes
+          else gpu.nvlink_bytes_per_s / 2 * hardware.NVLINK_EFFICIENCY)
+    return (4 + 2) * rank_params * (lay.dp - 1) / lay.dp / bw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,11 +189,12 @@ class WeightSync:
 def weight_sync(shape: ModelShape, gpu: hardware.GPU, tp: int, pp: int, gpus_per_node: int, across_nodes: bool,
                 bucket_bytes: int = 64 << 20) -> WeightSync:
     stage_bytes = shape.params * 2 / pp
-    gather = stage_bytes * (1 - 1 / tp) / (gpu.nvlink_bytes_per_s / 2 * hardware.LINK_EFFICIENCY)
-    to_host = stage_bytes / (gpu.pcie_bytes_per_s * hardware.LINK_EFFICIENCY)
-    link = hardware.ROCE_NODE_BYTES_PER_S / gpus_per_node if across_nodes else gpu.nvlink_bytes_per_s / 2
-    send = stage_bytes / (min(link, gpu.pcie_bytes_per_s) * hardware.LINK_EFFICIENCY) + \
-        -(-stage_bytes // bucket_bytes) * hardware.BUCKET_LATENCY_S
+    gather = stage_bytes * (1 - 1 / tp) / (gpu.nvlink_bytes_per_s / 2 * hardware.NVLINK_EFFICIENCY)
+    pcie = gpu.pcie_bytes_per_s * hardware.PCIE_EFFICIENCY
+    to_host = stage_bytes / pcie
+    link = (hardware.ROCE_NODE_BYTES_PER_S / gpus_per_node * hardware.NIC_EFFICIENCY if across_nodes
+            else gpu.nvlink_bytes_per_s / 2 * hardware.NVLINK_EFFICIENCY)
+    send = stage_bytes / min(link, pcie) + -(-stage_bytes // bucket_bytes) * hardware.BUCKET_LATENCY_S
     return WeightSync(export_s=gather + to_host, push_s=send)
 
 

@@ -1,7 +1,7 @@
 """Hardware figures the planner's cost model uses, each with its source: datasheet peaks, utilisations from
-published benchmarks (Megatron-LM's MFU table, the decode microbenchmark in `decode_fit`), and the two link
-figures that are stated, not measured (say so where they are used). None is fitted to the end-to-end step
-times the planner is compared with (docs/plan.md)."""
+published benchmarks (Megatron-LM's MFU table, the decode microbenchmark in `decode_fit`), links' efficiencies
+and fixed costs from published measurements of those links. None is fitted to the end-to-end step times the
+planner is compared with (docs/plan.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -55,16 +55,38 @@ _DECODE = decode_fit.fit()
 HBM_EFFICIENCY = _DECODE.hbm_efficiency
 DECODE_FIXED_PER_LAYER_S = _DECODE.per_layer_s
 TP_ALLREDUCE_LATENCY_S = _DECODE.allreduce_s
-#: Fraction of NIC / NVLink / PCIe peak a large transfer reaches: stated 0.8, not measured here (no published
-#: figure for these links was found; `python -m tools.bench gpu`'s link probe measures it on a GPU).
-LINK_EFFICIENCY = 0.8
-#: Fixed cost of one weight bucket's broadcast (NCCL launch plus the bus message that names it): stated 2 ms,
-#: not measured (a 7B model is about 240 buckets of 64 MiB, so 0.5 s a push).
+# Fractions of a link's peak that a large transfer reaches, each from a published measurement of that link
+# (one figure for every link, 0.8, stood here before; the per-link figures move a 7B step by under 0.5 %,
+# docs/plan.md "Constants and their sources").
+#: NVLink: "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an effective NVLink
+#: bandwidth of 370GB/s", the bus bandwidth of NCCL's ring collectives on H100 (NCCL's maintainer in
+#: github.com/NVIDIA/nccl-tests/issues/212, 2024-05-06); CUDA's p2p test reaches 380 of 450 GB/s one way
+#: (github.com/NVIDIA/nccl/issues/1264). 370 / 450; the H800's NVLink is the same link, fewer of them.
+NVLINK_EFFICIENCY = 370 / 450
+#: Network: "For NDR @ 400Gbps you should see 46-48GB/s per NIC" in NCCL's bus bandwidth (an NCCL engineer in
+#: github.com/NVIDIA/nccl-tests/issues/290, 2025-03-03): 47 of the line rate's 50 GB/s. AReaL's nodes have
+#: 400 Gb/s RoCE NICs (8 per node, `ROCE_NODE_BYTES_PER_S`), the same line rate.
+NIC_EFFICIENCY = 47 / 50
+#: PCIe Gen5 x16 between GPU and host: 52.8 GB/s device to host on H100 in nvbandwidth's
+#: device_to_host_memcpy_sm (github.com/NVIDIA/nvbandwidth/issues/24, 2024-09-11; 57 GB/s host to device with
+#: copy engines on another H100 system, issues/6), against the 64 GB/s each way of the datasheet.
+PCIE_EFFICIENCY = 52.8 / 64
+#: Fixed cost of one weight bucket's broadcast to the servers: one HTTP request to the server plus an NCCL
+#: broadcast (SGLang's /update_weights_from_distributed per bucket). Derived from a published measurement of
+#: the same pattern: TRL's vLLM client updates a model one HTTP request + NCCL broadcast + barrier per named
+#: parameter (trl/generation/vllm_client.py `update_named_param`), and "For Qwen2 0.5B, this cuts the weight
+#: sync from 0.6sec to 0.15sec" (github.com/huggingface/trl/pull/5249, 2026-03-09): Qwen2-0.5B has 290 named
+#: parameters (24 layers x 12 tensors, the embedding and the final norm; the head is tied), so 0.6 s / 290 =
+#: 2.1 ms a call, its 1 GB of bytes included. 2 ms.
 BUCKET_LATENCY_S = 2e-3
-#: CUDA context, NCCL communicator buffers and allocator slack that every GPU process holds besides its
-#: tensors: stated 3 GiB (a CUDA context alone takes 0.5-1 GiB on H100; NCCL buffers grow with communicators).
+#: CUDA context, NCCL communicator buffers and allocator slack that every trainer GPU process holds besides
+#: its tensors. Derived from published measurements: a CUDA context takes about 400 MB with lazy module
+#: loading (CUDA >= 11.7; PyTorch's CUDA maintainer in github.com/pytorch/pytorch/issues/109888), and each NCCL
+#: communicator about 544 MB (2 ranks) to 688 MB (3-4 ranks) on an NVLink node (github.com/NVIDIA/nccl/issues/964:
+#: one 4 MB all-reduce per group, PyTorch front end); a Megatron rank communicates in about four groups (tensor,
+#: data and model parallel, the default group), so 0.4 + 4 x 0.69 = 3.2 GB, 3 GiB. Allocator slack has no
+#: published figure; the reserve enters only the memory check, not the step time (docs/plan.md).
 PROCESS_RESERVE_BYTES = 3 * GIB
-
 
 def gpu(kind: str | None) -> GPU:
     """The datasheet entry for a topology's `gpu_kind` (default H800, AReaL's cluster)."""

@@ -165,11 +165,12 @@ def speedup_rows(steps: int, seeds: int) -> list[dict[str, Any]]:
     return out
 
 
-def split_sweep(steps: int, seeds: int, splits: tuple[float, ...] | None = None) -> list[dict[str, Any]]:
+def split_sweep(steps: int, seeds: int, splits: tuple[float, ...] | None = None,
+                etas: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
     """The split and eta sweep (tools.plan's) on AReaL's 7B run on 16 nodes, with this project's buffer rules
-    (`splits`: a subset of the shares of GPUs generating, to run the sweep in parts)."""
+    (`splits`, `etas`: subsets of the shares of GPUs generating and of the etas, to run the sweep in parts)."""
     from tools.plan.__main__ import sweep
-    return sweep(cluster("7B", 16, 16), steps, seeds, progress=True, splits=splits)
+    return sweep(cluster("7B", 16, 16), steps, seeds, progress=True, splits=splits, etas=etas)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated: tutorial (the step-time table), log (the tutorial's 7B log), speedup "
                          "(async over sync), sweep (splits 25-87.5 %% and eta 0-16, 7B on 16 nodes; long)")
     ap.add_argument("--splits", help="sweep: comma-separated shares of GPUs generating (default 0.25,0.375,...,0.875)")
+    ap.add_argument("--etas", help="sweep: comma-separated etas (default 0,1,2,4,8,16)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.steps < 2 or args.seeds < 1:
@@ -198,13 +200,21 @@ def main(argv: list[str] | None = None) -> int:
     if splits and not all(0 < x < 1 for x in splits):
         print(f"--splits: every share must be between 0 and 1, got {args.splits}", file=sys.stderr)
         return 2
+    try:
+        etas = tuple(int(x) for x in args.etas.split(",")) if args.etas else None
+    except ValueError:
+        print(f"--etas: {args.etas!r} is not a comma-separated list of whole numbers", file=sys.stderr)
+        return 2
+    if etas and min(etas) < 0:
+        print(f"--etas: every eta must be >= 0, got {args.etas}", file=sys.stderr)
+        return 2
     print("tutorial rows", file=sys.stderr, flush=True)
     table = tutorial_rows(args.steps, args.seeds) if "tutorial" in parts else []
     print("the tutorial's 7B log", file=sys.stderr, flush=True)
     log = log_row(args.steps, args.seeds) if "log" in parts else None
     print("async over sync", file=sys.stderr, flush=True)
     speed = speedup_rows(max(args.steps, 12), args.seeds) if "speedup" in parts else []
-    sweep_rows = split_sweep(max(args.steps, 12), args.seeds, splits) if "sweep" in parts else []
+    sweep_rows = split_sweep(max(args.steps, 12), args.seeds, splits, etas) if "sweep" in parts else []
     if args.json:
         print(json.dumps({"steps": args.steps, "seeds": args.seeds, "tutorial": table, "log": log, "speedup": speed,
                           "sweep": sweep_rows}, indent=1))

@@ -52,7 +52,23 @@ def _without_volatile(body: Any, tp: Any) -> Any:
         return body
     hints = _hints(tp)
     volatile = getattr(tp, "VOLATILE", ())
-    return {k: "(volatile)" if k in volatile else _without_volatile(v, hints.get(k)) for k, v in body.items()}
+    return {k: "(volatile)" if k in volatile else _without_volatile(v, hints.get(k))
+            for k, v in _with_defaults(body, tp).items()}
+
+
+def _with_defaults(body: dict, tp: Any) -> dict:
+    """``body`` with each field it lacks that has a plain default filled in, in the class's field order: a field
+    added with a default since a log was written is decoded as that default, so the comparison reads it so too
+    (a recorded body without it equals a replayed one that sends the default)."""
+    filled = {}
+    for f in dataclasses.fields(tp):
+        if f.name in body:
+            filled[f.name] = body[f.name]
+        elif f.default is not dataclasses.MISSING and isinstance(f.default, (str, int, float, bool, type(None))):
+            filled[f.name] = f.default
+        elif f.default_factory in (list, dict):   # type: ignore[comparison-overlap]
+            filled[f.name] = f.default_factory()
+    return {**filled, **body} if list(filled) != list(body) else body
 
 
 def _hints(cls: type) -> dict[str, Any]:
