@@ -192,6 +192,24 @@ def test_rollout_utilisation_counts_since_the_previous_batch() -> None:
     assert st.batch_stats().rollout_utilisation == pytest.approx(0.5)
 
 
+def test_rollout_utilisation_stays_a_share_when_a_slow_restart_outlives_the_old_uptime() -> None:
+    # rollout.0 was up 10 s (busy 2 s) at the last batch; it restarts, and its new process is up 12 s (busy 11 s)
+    # by the next: counted from its hello, not as the old process's clocks subtracted from the new ones
+    st = state(eta=8, batch_size=2, n_records=40)
+    on_rollout_1 = [i for i in issue_all(st) if i.rollout == "rollout.1"]   # groups a restart of rollout.0 leaves
+    a, b, c, d = on_rollout_1[:4]
+    st.scored(a.group_id, answers("rollout.0", busy=2.0, up=10.0))
+    st.scored(b.group_id, answers("rollout.1", busy=5.0, up=10.0))
+    st.batch_stats()
+    st.worker_hello("rollout.0")
+    st.scored(c.group_id, answers("rollout.0", busy=11.0, up=12.0))
+    st.scored(d.group_id, answers("rollout.1", busy=6.0, up=12.0))
+    assert st.batch_stats().rollout_utilisation == pytest.approx((11.0 + 1.0) / (12.0 + 2.0))
+    # clocks of one process that disagree (busy gained past up) count as busy the whole time, never more
+    st.scored(on_rollout_1[4].group_id, answers("rollout.1", busy=9.0, up=13.0))
+    assert 0.0 <= st.batch_stats().rollout_utilisation <= 1.0
+
+
 # ---------------------------------------------------------------- lost work
 
 

@@ -299,6 +299,10 @@ class BufferState:
         handed_back = self.hand_back_held_by(worker)
         self.silent_since.pop(worker, None)
         self.rollout_versions.pop(worker, None)
+        # its clocks may start again from zero: count them from there (a restart slower than the old process's
+        # uptime would otherwise subtract the old clocks from the new ones)
+        self.rollout_clocks.pop(worker, None)
+        self.clocks_at_batch.pop(worker, None)
         self.kv_tokens[worker] = kv_tokens
         self.greeted.add(worker)
         return handed_back
@@ -431,13 +435,15 @@ class BufferState:
 
     def _rollout_utilisation(self) -> float:
         """Time the rollouts had work in hand over time they were up, since the previous batch (-1: no data).
-        A restarted rollout's clocks start again from zero; its new clocks count from there."""
+        A restarted rollout's clocks start again from zero; its new clocks count from there (from its hello, or
+        from when they went backwards). A rollout's busy time never counts past its up time: the ratio is a share."""
         busy = up = 0.0
         for name, (b, u) in self.rollout_clocks.items():
             b0, u0 = self.clocks_at_batch.get(name, (0.0, 0.0))
             if u < u0:
                 b0 = u0 = 0.0
-            busy, up = busy + b - b0, up + u - u0
+            gained_up = max(0.0, u - u0)
+            busy, up = busy + min(max(0.0, b - b0), gained_up), up + gained_up
         self.clocks_at_batch = dict(self.rollout_clocks)
         return busy / up if up > 0 else -1.0
 
