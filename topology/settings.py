@@ -43,7 +43,7 @@ class LinkSettings(Section):
     name: str = Field(description="the link's name in the topology")
     backend: Literal["gloo", "nccl"] = Field(description="torch.distributed backend: gloo (CPU) or nccl (GPU)")
     master_addr: str = Field(description="address of the link's rank 0, where its rendezvous store listens")
-    master_port: int = Field(ge=1, le=65535, description="the rendezvous store's port")
+    master_port: int = Field(ge=0, le=65535, description="the rendezvous store's port (0: auto, a free one the launcher picks)")
     rank: int = Field(ge=0, description="this instance's rank on the link")
     world_size: int = Field(ge=1, description="members of the link")
     members: list[str] = Field(default_factory=list, description="instance names, in rank order")
