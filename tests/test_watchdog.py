@@ -11,7 +11,7 @@ from typing import Any
 
 from actors.buffer.actor import BufferActor
 from actors.buffer.state import BufferState
-from tools.watchdog import ProgressWatchdog
+from actors.launch.watchdog import ProgressWatchdog
 from topology.experiment import WatchdogSection
 from transport.protocol import Answers, Sample
 
