@@ -1,5 +1,5 @@
 """Inputs caught before launch, each with its line: the data files and the starting model are read as the
-actors will read them (tools/inputs.py), in the dry run (a sample) and at launch (every line), and a run
+actors will read them (actors/launch/inputs.py), in the dry run (a sample) and at launch (every line), and a run
 directory that cannot be made is one line too. None of these may reach an actor or print a traceback."""
 from __future__ import annotations
 
