@@ -63,7 +63,7 @@ def memory_problems(plan: Plan) -> list[str]:
     try:
         return setup.memory_problems(plan)
     except (ShapeError, ValueError):
-        return []   # no model shape: _memory says so in the report
+        return []   # no model shape: memory_report says so in the report
 
 
 def memory_report(plan: Plan) -> list[str]:
@@ -80,6 +80,7 @@ def memory_report(plan: Plan) -> list[str]:
 
 
 def evaluate_held_out(model: str, config: ExperimentConfig) -> dict[str, Any]:
+    """A model directory's greedy held-out report on data.test (tools.eval), for the final evaluation."""
     from tools.eval import evaluate_held_out
 
     return evaluate_held_out(model, config)
