@@ -6,7 +6,6 @@ import os
 import sys
 from typing import Sequence
 
-from actors.launch.inputs import check_inputs
 from actors.launch.local import run_local
 from actors.launch.nodes import run_slurm, submit_sbatch
 from actors.launch.options import EXIT_INVALID, EXIT_OK, LaunchRequest, ToolHooks
@@ -17,6 +16,8 @@ from topology import Plan
 def dry_run(plan: Plan, overrides: Sequence[str], hooks: ToolHooks) -> int:
     """Print the report and a sample of the inputs; EXIT_INVALID (problems on stderr) when a port is taken,
     a GPU group does not fit, the prepare section or an input would be refused."""
+    from actors.launch.inputs import check_inputs   # it loads torch (model directories): only when checking
+
     print(describe(plan, overrides, hooks))
     inputs, input_problems = check_inputs(plan, launch=False)
     print("\ninputs (a sample of each data file; actors/launch/inputs.py)"

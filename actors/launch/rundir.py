@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import topology as topo_mod
-from actors.launch.inputs import check_inputs
 from actors.launch.options import ToolHooks
 from actors.launch.report import describe
 from actors.runtime.run import keep_files_private
@@ -26,6 +25,8 @@ class RunDirError(OSError):
 def inputs_ok(plan: Plan) -> bool:
     """Check what the run's actors will read (actors/launch/inputs.py) before any starts: print the report,
     and each problem on a line of its own; False when there is one."""
+    from actors.launch.inputs import check_inputs   # it loads torch (model directories): only when checking
+
     lines, problems = check_inputs(plan, launch=True)
     if lines:
         print("inputs\n" + "\n".join(f"  {line}" for line in lines), flush=True)
