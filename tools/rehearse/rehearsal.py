@@ -399,7 +399,7 @@ def make_assets(run_dir: Path, seed: int) -> Assets:
 
 def pick_base_port(plan_for: Any, tries: int = 20) -> tuple[int, Plan]:
     """A bus base port whose whole range is free here (several runs share this machine)."""
-    from tools.up import busy_ports
+    from actors.launch.report import busy_ports
 
     rng = random.Random(os.getpid() ^ time.time_ns())
     for _ in range(tries):
@@ -454,14 +454,18 @@ def rehearse(opts: Options) -> dict[str, Any]:
         return plan.with_hosts(hosts)
 
     _, plan = pick_base_port(plan_for)
-    from tools.up import build_specs, supervisor_options, write_node_plans, write_plan
+    from actors.launch.nodes import write_node_plans
+    from actors.launch.options import LaunchRequest
+    from actors.launch.readiness import supervisor_options
+    from actors.launch.rundir import build_specs, write_plan
+    from tools.up import HOOKS
 
     specs = build_specs(plan, run_dir)
     launch_overrides = list(opts.overrides) + launched_overrides(layout, sim_plan, costs, assets, run_dir,
                                                                   opts.steps, plan.topology.bus.base_port,
                                                                   opts.health_timeout_s)
-    write_plan(plan, run_dir, specs, launch_overrides)
-    options = supervisor_options(plan, argparse.Namespace(ready_timeout=None))
+    write_plan(plan, run_dir, specs, launch_overrides, HOOKS)
+    options = supervisor_options(plan, LaunchRequest())
     hosts = write_node_plans(plan, run_dir, specs, options)
     say(f"rehearsal of {opts.topology} at scale {Fraction(opts.scale).limit_denominator(1000)}: "
         f"{layout.rollouts} rollouts + servers and {layout.rewards} reward actors on {layout.rollout_nodes} node(s), "
