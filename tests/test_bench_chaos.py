@@ -9,6 +9,12 @@ import pytest
 from tools.bench import chaos
 
 
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One dataset and model for every run of this module: each run writes only to its own run directory."""
+    return chaos.make_assets(tmp_path_factory.mktemp("chaos-assets"))
+
+
 def write_run(run_dir: Path, issued: list, batches: list[list], dropped: list, pending: list) -> None:
     (run_dir / "buffer").mkdir(parents=True)
     (run_dir / "buffer" / "final_state.json").write_text(json.dumps({"issued": issued, "reissue": pending}))
@@ -44,14 +50,14 @@ def test_the_target_needs_every_attack_refused_a_working_probe_and_an_attack_dur
 
 
 @pytest.mark.parametrize("fault", ["spoof", "spoof_ipc", "rendezvous"])
-def test_attacks_from_another_user_are_refused_and_the_run_loses_nothing(fault: str, tmp_path: Path) -> None:
+def test_attacks_from_another_user_are_refused_and_the_run_loses_nothing(fault: str, assets: dict[str, Path],
+                                                                        tmp_path: Path) -> None:
     # From another uid a probe once stole batches, fetched the weights as "the evaluator", made the buffer write a
     # checkpoint, stalled the run with a version jump, stopped it with a run-finished, and read and wrote the
     # rendezvous keys.
     account = chaos.intruder_account()
     if isinstance(account, str):
         pytest.skip(account)
-    assets = chaos.make_assets(tmp_path / "assets")
     result = chaos.run_fault(fault, assets, tmp_path, steps=6, at=1, hang_s=0, flood_n=0, log=print)
     assert result["survived_in_place"] and result["lost"] == 0 and result["twice"] == 0, result
     assert result["during_run"] and result["intruder_uid"] == account[0], result
@@ -88,10 +94,9 @@ def test_the_spoof_rows_try_every_takeover_the_probe_made(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("fault", ["kill_reward", "relaunch"])
-def test_a_fault_run_reports_it_survived_with_nothing_lost(fault: str, tmp_path: Path) -> None:
+def test_a_fault_run_reports_it_survived_with_nothing_lost(fault: str, assets: dict[str, Path], tmp_path: Path) -> None:
     # relaunch at step 1, before the first checkpoint (step 2): the relaunched buffer once started afresh beside the
     # old ledger, and the first steps' prompts were trained twice.
-    assets = chaos.make_assets(tmp_path / "assets")
     result = chaos.run_fault(fault, assets, tmp_path, steps=6, at=1, hang_s=0, flood_n=0, log=print)
     assert result["exit_code"] == 0 and result["launches"] == (2 if fault == "relaunch" else 1), result
     if fault == "kill_reward":

@@ -38,3 +38,20 @@ def test_agent_task_compares_multi_turn_with_one_turn_rl():
                          "one_turn": {"greedy_accuracy": {"start": 0.0, "final": 0.1}}})
     assert out["multi_turn_gain_points"] == pytest.approx(60.0)
     assert out["multi_turn_over_one_turn_points"] == pytest.approx(50.0)
+
+
+def test_run_local_passes_the_warm_starts_progress_on_and_keeps_the_tail_for_errors(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from tools.bench import e2e
+
+    real_popen = subprocess.Popen
+    script = ("import sys; print('prepare: warm-start stage 1/2'); print('an actor line'); "
+              "print('step 50/2500  loss 1.0', flush=True); print('the cause', file=sys.stderr); sys.exit(3)")
+    monkeypatch.setattr(e2e.subprocess, "Popen", lambda cmd, **kw: real_popen([sys.executable, "-c", script], **kw))
+    lines: list[str] = []
+    with pytest.raises(RuntimeError, match="exit 3") as failed:
+        e2e.run_local("async", 1, [], tmp_path, lines.append, topology=TOPOLOGIES["agent"])
+    assert lines[1:] == ["bench e2e: async: prepare: warm-start stage 1/2", "bench e2e: async: step 50/2500  loss 1.0"]
+    assert "an actor line" in str(failed.value) and "the cause" in str(failed.value)

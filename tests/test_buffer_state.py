@@ -4,6 +4,7 @@ lose no prompt and train none twice. The actor around it runs in tests/test_e2e_
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from actors.buffer.state import BufferState, Resume, ledger_after_resume, plan_resume
 from algo.serving import DecodePace, groups_in_kv
 from tools.bench import issue as issue_bench
-from transport.protocol import Answers, Sample
+from transport.protocol import Answers, Sample, WorkerHello
 
 
 def everyone_alive(name: str) -> bool:
@@ -191,6 +192,24 @@ def test_rollout_utilisation_counts_since_the_previous_batch() -> None:
     assert st.batch_stats().rollout_utilisation == pytest.approx(0.5)
 
 
+def test_rollout_utilisation_stays_a_share_when_a_slow_restart_outlives_the_old_uptime() -> None:
+    # rollout.0 was up 10 s (busy 2 s) at the last batch; it restarts, and its new process is up 12 s (busy 11 s)
+    # by the next: counted from its hello, not as the old process's clocks subtracted from the new ones
+    st = state(eta=8, batch_size=2, n_records=40)
+    on_rollout_1 = [i for i in issue_all(st) if i.rollout == "rollout.1"]   # groups a restart of rollout.0 leaves
+    a, b, c, d = on_rollout_1[:4]
+    st.scored(a.group_id, answers("rollout.0", busy=2.0, up=10.0))
+    st.scored(b.group_id, answers("rollout.1", busy=5.0, up=10.0))
+    st.batch_stats()
+    st.worker_hello("rollout.0")
+    st.scored(c.group_id, answers("rollout.0", busy=11.0, up=12.0))
+    st.scored(d.group_id, answers("rollout.1", busy=6.0, up=12.0))
+    assert st.batch_stats().rollout_utilisation == pytest.approx((11.0 + 1.0) / (12.0 + 2.0))
+    # clocks of one process that disagree (busy gained past up) count as busy the whole time, never more
+    st.scored(on_rollout_1[4].group_id, answers("rollout.1", busy=9.0, up=13.0))
+    assert 0.0 <= st.batch_stats().rollout_utilisation <= 1.0
+
+
 # ---------------------------------------------------------------- lost work
 
 
@@ -205,6 +224,61 @@ def test_a_dead_or_restarted_workers_groups_are_issued_again_and_late_answers_ig
     lost = next(iter(gone))
     assert st.scored(lost, answers()).outcome == "late"               # the re-issue wins
     assert st.hand_back(lost) is None                                 # handed back once only
+
+
+def test_a_silent_worker_keeps_its_groups_until_it_restarts_or_stays_silent_too_long() -> None:
+    """The buffer actor's handling of the bus's verdicts (BufferActor.on_peer_dead / on_peer_alive / the hello /
+    the periodic check): a rollout that missed one heartbeat timeout and is heard again keeps its groups (the
+    buffer once issued them again at once, and a node's restart on a loaded machine made 56 groups run twice);
+    a restarted one's are issued again at its hello; one unheard for the limit loses them, and is asked to stop
+    them should it wake."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import structlog
+
+    from actors.buffer.actor import BufferActor
+
+    st = state(eta=2, batch_size=4, rollouts=3, silence_limit_s=30.0, group_timeout_s=1000.0)
+    issues = issue_all(st, now=time.time())
+    held = {r: [i for i in issues if i.rollout == r] for r in st.rollouts}
+    assert all(held.values())
+    buffer = BufferActor.__new__(BufferActor)
+    spawned: list[str] = []
+
+    def spawn(coro: object, name: str, critical: bool = True) -> None:
+        coro.close()   # type: ignore[attr-defined]
+        spawned.append(name)
+
+    buffer.__dict__.update(state=st, log=structlog.get_logger("test"), changed=asyncio.Event(), spawn=spawn,
+                           cfg=SimpleNamespace(bus=SimpleNamespace(heartbeat_timeout=5.0)))
+
+    def reissued() -> set:
+        return set(st.reissue)
+
+    # Unheard for a bit more than one heartbeat timeout, then heard again: nothing is issued again.
+    buffer.on_peer_dead("rollout.1")
+    assert reissued() == set()
+    buffer._expire(time.time() + 1.0)
+    buffer.on_peer_alive("rollout.1")
+    buffer._expire(time.time() + 60.0)
+    assert reissued() == set() and st.stats.returned == 0 and spawned == []
+    assert all(i.group_id in st.inflight for i in held["rollout.1"])
+    assert st.scored(held["rollout.1"][0].group_id, answers("rollout.1")).outcome == "accepted"
+    # Unheard, then a hello from its new incarnation: a restart lost its groups, issued again at once.
+    buffer.on_peer_dead("rollout.0")
+    buffer.on_worker_hello(WorkerHello(role="rollout"), SimpleNamespace(sender="rollout.0"))
+    assert reissued() == {i.key for i in held["rollout.0"]}
+    # Unheard and never heard again: its groups go once it has been silent for the limit, not before.
+    buffer.on_peer_dead("rollout.2")
+    now = time.time()
+    buffer._expire(now + 20.0)                      # silent 25 s
+    assert reissued() == {i.key for i in held["rollout.0"]}
+    buffer._expire(now + 26.0)                      # silent 31 s
+    assert reissued() == {i.key for i in held["rollout.0"] + held["rollout.2"]}
+    assert sorted(spawned) == sorted(f"abort-{i.group_id}" for i in held["rollout.2"])
+    assert all(st.scored(i.group_id, answers("rollout.2")).outcome == "late" for i in held["rollout.2"])
+    assert st.stats.returned == len(held["rollout.0"]) + len(held["rollout.2"])
 
 
 def test_groups_with_no_result_expire_and_invalid_prompts_are_dropped() -> None:
@@ -320,8 +394,14 @@ def test_a_run_with_deaths_drops_and_restores_trains_every_prompt_once_within_et
             result = st.scored(gid, answers(versions=(max(0, version - lag), version), rewards=rewards))
             if result.outcome == "uniform":
                 events.append(("uniform", result.key))
-        elif st.inflight and roll < 0.65:
+        elif st.inflight and roll < 0.63:
             st.hand_back_held_by(rng.choice(st.rollouts))
+        elif st.inflight and roll < 0.65:                                # unheard: heard again, or gone too long
+            worker = rng.choice(st.rollouts + st.rewards)
+            st.worker_silent(worker, 0.0)
+            if rng.random() < 0.5:
+                st.worker_heard(worker)
+            st.silent_too_long(rng.choice([10.0, 100.0]))
         elif roll < 0.9:
             st.drop_stale()
             batch = st.take_batch()

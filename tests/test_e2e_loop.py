@@ -7,6 +7,7 @@ rollout with the trainer's hash, and killed workers are restarted without stoppi
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -217,9 +218,25 @@ def test_direct_weights_trainer_broadcasts_to_rollouts(assets: dict[str, Path], 
     run_dir = tmp_path / "run"
     proc = launch(assets, run_dir, steps=12, ckpt_every=6, topology=str(topology),
                   extra=("experiment.eval.every_versions=5",))
+
+    def rejoined() -> list[dict]:   # pushes that reached rollout.1 on a group formed after the first one
+        return [p for p in events(run_dir, "param_server", "weights_pushed")
+                if p["epoch"] > 0 and p["rollouts"].get("rollout.1", {}).get("ack_ok")]
+
     with run_guard(proc, run_dir):
         wait_for_step(proc, run_dir, 3)
+        # rollout.0 hangs while rollout.1 is killed, so that nothing trains until rollout.1 is back: the run
+        # cannot end before its restart however slowly a loaded machine restarts it (12 steps once ended first)
+        hung = actor_pid(run_dir, "rollout.0")
+        os.kill(hung, signal.SIGSTOP)
         os.kill(actor_pid(run_dir, "rollout.1"), signal.SIGKILL)
+        try:
+            deadline = time.monotonic() + 300
+            while not rejoined():
+                assert time.monotonic() < deadline and proc.poll() is None, "rollout.1 got no weights after its restart"
+                time.sleep(0.2)   # polling logs another process writes
+        finally:
+            os.kill(hung, signal.SIGCONT)
         finish(proc, run_dir)
     check_invariants(run_dir, 12)
     assert [e["path"] for e in events(run_dir, "param_server", "start_weights")] == ["TrainerFanout"]
@@ -227,10 +244,12 @@ def test_direct_weights_trainer_broadcasts_to_rollouts(assets: dict[str, Path], 
     assert len(formed) >= 2, "the group was not formed again after the rollout restarted"
     assert len(events(run_dir, "trainer", "weights_link_formed")) >= len(formed)
     pushes = events(run_dir, "param_server", "weights_pushed")
-    failed = {(name, r["error"].split(":")[0]) for p in pushes for name, r in p["rollouts"].items() if "error" in r}
-    assert failed <= {("rollout.1", "abandoned")}, failed   # not waited for until the ack timeout
-    # the restarted rollout got weights from the trainer on the re-formed group (hashes checked above)
-    assert any(p["epoch"] == formed[-1]["epoch"] and "rollout.1" in p["rollouts"] for p in pushes)
+    # the killed rollout was abandoned at once, not waited for until the ack timeout (the hung rollout.0's lane
+    # may run late meanwhile: test_a_hung_rollout_holds_up_neither_the_weights_nor_the_trainer is about that)
+    failed = {r["error"].split(":")[0] for p in pushes for r in [p["rollouts"].get("rollout.1", {})] if "error" in r}
+    assert failed <= {"abandoned"}, failed
+    # the restarted rollout got weights from the trainer on a re-formed group (hashes checked above)
+    assert rejoined(), pushes
     # evaluation during the run needs weights at the parameter server: here the evaluator says why not, once
     assert len(events(run_dir, "evaluator", "evaluation_unavailable")) == 1
     # the final evaluation sits on the metrics' clock, so tools.plot draws it with the curves
@@ -277,7 +296,8 @@ def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: P
                            run_dir, "rollout.1", "engine_server_restarted")] or ["9"])]:
                 assert time.monotonic() < deadline and proc.poll() is None, "rollout.1 got no weights after its restart"
                 time.sleep(0.2)
-        finally:
+        finally:   # (the logs' clock, read just before: whatever they say after it happened after the SIGCONT)
+            continued = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
             os.kill(hung, signal.SIGCONT)
         finish(proc, run_dir)
     check_invariants(run_dir, steps)
@@ -293,9 +313,17 @@ def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: P
     pushes = events(run_dir, "param_server", "weights_pushed")
     assert all(r["ack_ok"] and r["verified"] == "version" for p in pushes for r in p["rollouts"].values()
                if "error" not in r), pushes
-    # after the restart both servers got weights over the re-formed group
+    # rollout.0, continued, was formed in again beside rollout.1
+    assert any(e["left_out"] == [] and e["timestamp"] > continued for e in formed), formed
+    # ... and the last group's pushes reached every member. That group is both rollouts unless rollout.0, just
+    # continued on a loaded machine, fell silent past the heartbeat timeout again: then the parameter server
+    # leaves it out on probation (test_param_server's subject) and the run may end before that runs out.
+    flapped = [e for e in events(run_dir, "param_server", "rollout_dead")
+               if e["rollout"] == "rollout.0" and e["timestamp"] > continued]
+    last = {"rollout.0", "rollout.1"} - set(formed[-1]["left_out"])
+    assert flapped or last == {"rollout.0", "rollout.1"}, (formed, flapped)
     after = [p for p in pushes if p["epoch"] == formed[-1]["epoch"]]
-    assert after and all(set(p["rollouts"]) == {"rollout.0", "rollout.1"} for p in after), after
+    assert after and all(set(p["rollouts"]) == last for p in after), after
     assert all("error" not in r for p in after for r in p["rollouts"].values()), after
     for name in ("rollout.0", "rollout.1"):
         updates = events(run_dir, name, "weights_updated")
@@ -311,6 +339,12 @@ def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: P
             servers.append(text)
     assert not servers, servers
     assert (run_dir / "logs" / "rollout.1.sglang.log").exists()   # in the run directory, not the cwd
+
+
+# A rank silent for the bus's heartbeat timeout (5 s) stops the trainer world. Two Megatron ranks building their
+# models on one core beside a loaded machine's other work went silent that long at start, and the run stopped
+# before its first step: these runs test the ranks' work, not their answer time, so a rank may be silent longer.
+RANK_SILENCE_S = 60
 
 
 def test_multi_rank_megatron_trainer_runs_the_loop(assets: dict[str, Path], tmp_path: Path) -> None:
@@ -329,7 +363,7 @@ def test_multi_rank_megatron_trainer_runs_the_loop(assets: dict[str, Path], tmp_
                                  "    class: tests.megatron_trainer:CPUMegatronTrainerActor\n"
                                  "    count: 2\n    cpus: [1]\n    threads: 1\n"
                                  "    parallel: {dp: 2, tp: 1, pp: 1}\n    world_port: auto\n"
-                                 "    settings: {backend: megatron}")
+                                 f"    settings: {{backend: megatron, bus: {{heartbeat_timeout: {RANK_SILENCE_S}}}}}")
     topology = tmp_path / "megatron_dp2.yaml"
     topology.write_text(text)
     run_dir = tmp_path / "run"
@@ -358,7 +392,7 @@ def test_pipeline_stages_each_send_their_own_layers_to_sglang_servers(assets: di
                                  "    class: tests.megatron_trainer:CPUMegatronTrainerActor\n"
                                  "    count: 2\n    cpus: [1]\n    threads: 1\n"
                                  "    parallel: {dp: 1, tp: 1, pp: 2}\n    world_port: auto\n"
-                                 "    settings: {backend: megatron}")
+                                 f"    settings: {{backend: megatron, bus: {{heartbeat_timeout: {RANK_SILENCE_S}}}}}")
     topology = tmp_path / "megatron_pp2.yaml"
     topology.write_text(text)
     run_dir = tmp_path / "run"

@@ -548,6 +548,37 @@ def test_launch_that_fails_names_the_exit_and_log(tmp_path):
     assert "missing" in message  # the log tail names the missing model directory
 
 
+def test_a_launched_server_never_healthy_is_killed_and_named(tmp_path, random_model_dir):
+    # A server that stays 'starting' (/health 503) past health_timeout_s: the start fails naming the wait, and
+    # the process is killed, not left loading beside its replacement.
+    (tmp_path / "gate").mkdir()   # no file for its seed: it never comes up
+    config = launch_config(str(random_model_dir), tmp_path, "--standin-starting-until-dir", str(tmp_path / "gate"),
+                           health_timeout_s=3.0)
+
+    async def main():
+        engine = SGLangEngine(launch=config)
+        with pytest.raises(SGLangLaunchError, match="was not healthy within 3 s") as info:
+            await engine.start()
+        return str(info.value), engine.server.proc
+
+    message, proc = run(main())
+    assert proc is not None and proc.wait(timeout=30) is not None, message
+
+
+def test_a_server_told_to_fail_at_start_exits_and_is_named(tmp_path, random_model_dir):
+    # The stand-in's DIR/<seed>.fail: a server that cannot load its model (tests/test_late_rollouts.py's rollout.2)
+    (tmp_path / "gate").mkdir()
+    (tmp_path / "gate" / "0.fail").write_text("")
+    config = launch_config(str(random_model_dir), tmp_path, "--standin-starting-until-dir", str(tmp_path / "gate"))
+
+    async def main():
+        with pytest.raises(SGLangLaunchError, match="exited with code 1") as info:
+            await SGLangEngine(launch=config).start()
+        return str(info.value)
+
+    assert "told to fail at start" in run(main())
+
+
 def test_make_engine_builds_the_sglang_engine(tmp_path):
     from actors.rollout.actor import RolloutActor, make_engine
     from topology.settings import RolloutSettings, SettingsError, read_settings

@@ -271,9 +271,9 @@ def test_abort_mode_pause_checks_once_a_second_and_in_place_answers_before_it_ap
     worker.start()
     try:
         assert reached.wait(30)
-        t0 = time.monotonic()
-        assert post(standin.url, "/pause_generation", {"mode": "in_place"}, timeout=10)[0] == 200   # step held
-        assert reached.is_set() and not release.is_set() and time.monotonic() - t0 < 10
+        # the step stays held until `release`: an answer now is one given before the pause was applied
+        assert post(standin.url, "/pause_generation", {"mode": "in_place"}, timeout=60)[0] == 200
+        assert reached.is_set() and not release.is_set()
         assert post(standin.url, "/continue_generation", {})[0] == 200
         t1 = time.monotonic()
         release.set()

@@ -31,6 +31,12 @@ def _rec(i: int, level: int | None) -> Record:
     return Record(query_id=f"q{i}", prompt=f"p{i}", answer="1", level=level)
 
 
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One dataset and model for the module's runs (each writes only to its own run directory)."""
+    return make_assets(tmp_path_factory.mktemp("eval-assets"), train_per_level=40)
+
+
 def test_problems_are_spread_over_the_levels_in_file_order() -> None:
     records = [_rec(i, 1) for i in range(5)] + [_rec(10 + i, 2) for i in range(2)] + [_rec(20 + i, 3) for i in range(5)]
     picked = spread_over_levels(records, 7)
@@ -74,8 +80,8 @@ def wait_for_evals(proc: subprocess.Popen, run_dir: Path, n: int, timeout: float
         time.sleep(0.2)   # polling a file another process writes
 
 
-def test_a_run_evaluates_every_n_versions_without_waiting_for_the_evaluator(tmp_path: Path) -> None:
-    assets = make_assets(tmp_path / "assets", train_per_level=40)
+def test_a_run_evaluates_every_n_versions_without_waiting_for_the_evaluator(assets: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = launch(assets, run_dir, steps=STEPS, ckpt_every=8,
                   extra=(f"experiment.eval.every_versions={EVERY}", "experiment.eval.max_problems=12"))
@@ -129,12 +135,12 @@ def test_a_run_evaluates_every_n_versions_without_waiting_for_the_evaluator(tmp_
     plt.close(fig)
 
 
-def test_a_gpu_style_evaluator_reads_checkpoints_into_its_own_sglang_server(tmp_path: Path) -> None:
+def test_a_gpu_style_evaluator_reads_checkpoints_into_its_own_sglang_server(assets: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
     # engine: sglang with weights_from: checkpoints, as a GPU run has it (its direct weights keep no copy in the
     # parameter server): the stand-in server answers, each checkpoint is loaded into it from disk.
     import sys
 
-    assets = make_assets(tmp_path / "assets", train_per_level=40)
     run_dir = tmp_path / "run"
     steps, every = 12, 2
     proc = launch(assets, run_dir, steps=steps, ckpt_every=every, extra=(
@@ -252,9 +258,9 @@ def test_the_rollout_generator_answers_greedily_and_keeps_the_replies_for_their_
     run_bounded(main(), timeout=30)
 
 
-def test_a_run_evaluates_on_the_rollouts_engines_labelled_with_the_versions_of_their_tokens(tmp_path: Path) -> None:
+def test_a_run_evaluates_on_the_rollouts_engines_labelled_with_the_versions_of_their_tokens(assets: dict[str, Path],
+                                                                                            tmp_path: Path) -> None:
     # weights_from: rollouts, as the shipped GPU topologies have it, here on the embedded engines of the CPU run
-    assets = make_assets(tmp_path / "assets", train_per_level=40)
     run_dir = tmp_path / "run"
     steps, every = 8, 2
     proc = launch(assets, run_dir, steps=steps, ckpt_every=steps, extra=(

@@ -1,5 +1,5 @@
 """Inputs caught before launch, each with its line: the data files and the starting model are read as the
-actors will read them (tools/inputs.py), in the dry run (a sample) and at launch (every line), and a run
+actors will read them (actors/launch/inputs.py), in the dry run (a sample) and at launch (every line), and a run
 directory that cannot be made is one line too. None of these may reach an actor or print a traceback."""
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 
 import topology as topo_mod
 from testsupport.tiny_models import tiny_model_dir
+from actors.launch.rundir import inputs_ok
 from tools import up
-from tools.inputs import check_inputs
+from actors.launch.inputs import check_inputs
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL = str(REPO / "topology" / "local.yaml")
@@ -85,11 +86,11 @@ def test_skipped_lines_are_listed_with_file_line_and_reason_and_a_share_fails(mo
     body[4] = b'{"query_id": "x", "prompt": "caf\xe9"}\n'
     body[9] = b'{"prompt": "' + b"9" * (2 << 20) + b'"}\n'
     train.write_bytes(b"".join(body))
-    assert up.inputs_ok(plan_of(model, train))
+    assert inputs_ok(plan_of(model, train))
     out = capsys.readouterr().out
     assert f"data.train {train}: 38 records in every line, 2 malformed lines skipped" in out, out
     assert f"{train}:5: not valid UTF-8" in out and f"{train}:10: longer than max_line_bytes" in out, out
-    assert not up.inputs_ok(plan_of(model, train, "experiment.data.max_bad_share=0.01"))
+    assert not inputs_ok(plan_of(model, train, "experiment.data.max_bad_share=0.01"))
     err = capsys.readouterr().err
     assert f"experiment.data.train: {train}: 2 of 40 lines (5.0%, every line) are malformed, more than " \
            f"data.max_bad_share (0.01) allows" in err, err

@@ -2,9 +2,10 @@
 without one whose server never comes up, through the real launcher. Three rollouts drive stand-in SGLang
 servers that stay 'starting' (/health 503, as SGLang's own does while it loads weights and captures CUDA
 graphs) until the test says otherwise: rollout.0's is up at once, rollout.1's only once the run has trained
-a step, rollout.2's never (its health wait runs out, the rollout fails, its restart fails too and it is
-given up), and the run trains on until the test stops it. Before, one late server made the whole run NotReady,
-and the given-up rollout stopped it."""
+a step, rollout.2's never (it exits at start, as a server that cannot load its model does: the rollout fails,
+its restart fails too and it is given up), and the run trains on until the test stops it. Before, one late
+server made the whole run NotReady, and the given-up rollout stopped it. (A server whose health wait runs out:
+test_engine_sglang.py::test_a_launched_server_never_healthy_is_killed_and_named.)"""
 from __future__ import annotations
 
 import json
@@ -39,10 +40,13 @@ def test_a_late_rollout_joins_and_one_that_never_comes_up_is_reported_without_st
     gate = tmp_path / "servers_up"   # <random seed> files: experiment seed 1, rollout i's server seed 1000 + i
     gate.mkdir()
     (gate / "1000").write_text("")
+    (gate / "1002.fail").write_text("")
+    # rollout.1's health wait must outlast the run's first step however slowly a loaded machine gets there: with
+    # 60 s (and one restart) it once ran out first, and rollout.1 was given up instead of joining late
     standin = {"engine": "sglang", "sglang": {
         "command": [sys.executable, "-m", "testsupport.sglang_standin", "--no-weights-hash",
                     "--standin-starting-until-dir", str(gate)],
-        "health_timeout_s": 60.0, "env": {"OMP_NUM_THREADS": "1"}}}   # a loaded machine starts servers slowly
+        "health_timeout_s": 600.0, "env": {"OMP_NUM_THREADS": "1"}}}
     local = (ROOT / "topology" / "local.yaml").read_text()
     links = local[local.index("\nlinks:"):local.index("\nactors:")]
     text = local.replace(links, "\nlinks:\n  weights: {backend: gloo, members: [trainer.0, rollout], port: auto, "

@@ -17,6 +17,7 @@ import pytest
 
 from testsupport.local_actors import process_alive, wait_for_ready
 from tools.bench.chaos import finish_run, run_guard
+from actors.launch import readiness, report
 from tools import up
 import topology as topo_mod
 from topology import load
@@ -98,7 +99,7 @@ def test_dry_run_64node_table(capsys: pytest.CaptureFixture) -> None:
             in out)
     assert "pipeline stages" not in out
     # the data check: what the run reads, absent here, is said to be read at launch (not a problem, not silent)
-    assert "inputs (a sample of each data file; tools/inputs.py)" in out
+    assert "inputs (a sample of each data file; actors/launch/inputs.py)" in out
     assert "data.train /storage/datasets/boba_106k_0319.jsonl: absent on this machine; it is read at launch" in out
     assert "model.path /storage/models/DeepSeek-R1-Distill-Qwen-7B: absent on this machine" in out
 
@@ -309,7 +310,7 @@ def test_the_dry_runs_weights_group_is_the_one_the_rollouts_and_parameter_server
                                  make_link=None, param_server="param_server", counters=collections.Counter(),
                                  log=structlog.get_logger(), active=lambda: 0)
         ranks += receiver.ranks
-    assert 1 + ranks == up.server_groups(plan)["weights"].world == 385
+    assert 1 + ranks == report.server_groups(plan)["weights"].world == 385
 
 
 def test_node_agents_never_fail_for_late_joiners_and_the_launcher_counts_them_across_nodes() -> None:
@@ -317,22 +318,22 @@ def test_node_agents_never_fail_for_late_joiners_and_the_launcher_counts_them_ac
     # servers never come up must not. The launcher counts each late-joining group across the nodes instead.
     plan = load(REPO / "topology" / "64node.yaml", check_imports=False)
     args = up.parse_args([str(REPO / "topology" / "64node.yaml")])
-    options = up.supervisor_options(plan, args)
+    options = readiness.supervisor_options(plan, args)
     assert options["late_joiners"] == {"rollout": 96} and options["ready_budgets"]["rollout.7"] == 720.0
     assert options["ready_budgets"]["trainer.0"] == 120.0
-    node0 = up.node_supervisor_options(options, ["rollout.0", "rollout.1", "rollout.2", "rollout.3", "reward.0"])
+    node0 = readiness.node_supervisor_options(options, ["rollout.0", "rollout.1", "rollout.2", "rollout.3", "reward.0"])
     assert node0["late_joiners"] == {"rollout": 0} and set(node0["ready_budgets"]) == {
         "rollout.0", "rollout.1", "rollout.2", "rollout.3", "reward.0"}
-    rules = up.ready_rules(plan, 120.0)
+    rules = readiness.ready_rules(plan, 120.0)
     rows = {f"rollout.{i}": {"state": "ready" if i < 96 else "starting"} for i in range(192)}
     reached: set[str] = set()
-    assert up.quorum_problem(rows, rules, 10.0, reached) is None and reached == {"rollout"}
+    assert readiness.quorum_problem(rows, rules, 10.0, reached) is None and reached == {"rollout"}
     rows = {f"rollout.{i}": {"state": "starting"} for i in range(192)}
-    assert up.quorum_problem(rows, rules, 10.0, set()) is None                    # within their budget
-    late = up.quorum_problem(rows, rules, 720.0 + up.QUORUM_GRACE_S + 1, set())
+    assert readiness.quorum_problem(rows, rules, 10.0, set()) is None                    # within their budget
+    late = readiness.quorum_problem(rows, rules, 720.0 + readiness.QUORUM_GRACE_S + 1, set())
     assert late and "0 of 192 instances ready after their ready budget (720 s" in late
     rows = {f"rollout.{i}": {"state": "failed" if i < 97 else "ready"} for i in range(192)}
-    down = up.quorum_problem(rows, rules, 10.0, {"rollout"})
+    down = readiness.quorum_problem(rows, rules, 10.0, {"rollout"})
     assert down and "97 of 192 instances could not be kept up; the run needs 96" in down
 
 

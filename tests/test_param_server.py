@@ -141,6 +141,14 @@ def test_a_rollout_whose_server_died_is_waited_for_until_its_hello(tmp_path: Pat
         await rollout.send("param_server", RolloutHello(version=0))   # its server is back
         assert await hello_flag()
         assert actor.counters["link_formations"] == 0
+        # One process's hellos: one sent while its server was down still says the weights it had (version 3);
+        # the one after the server's restart says version 0, its launch weights. Once that second hello was
+        # taken for a repeat (same incarnation), and the server was never pushed to again: the run stalled.
+        await rollout.send("param_server", ServerDown(restarts=0))
+        await rollout.send("param_server", RolloutHello(version=3, incarnation="pid-1"))
+        await rollout.send("param_server", RolloutHello(version=0, incarnation="pid-1"))
+        status = await rollout.request("param_server", WeightsStatusRequest(), timeout=30)
+        assert status.rollouts["rollout.0"].hello and status.rollouts["rollout.0"].version == 0, status
         actor.request_stop("test over")
         assert await task == 0
         await rollout.close(linger=0)

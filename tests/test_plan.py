@@ -154,7 +154,8 @@ def test_fixed_lengths_and_eta_0_give_the_synchronous_step_time_exactly():
     decode = costs.decode_cost(shape, gpu, 1, 2).steps(2 * 10, 2, 100)
     train = costs.train_step_seconds(shape, gpu, cfg.trainer, [110] * 4, [0, 0, 1, 1])
     weights = costs.weight_sync(shape, gpu, 1, 1, 8, across_nodes=True)
-    expected = prefill + decode + cfg.reward_latency_s + train + weights.export_s + weights.push_s
+    serve = cfg.serve.seconds(4 * 100)   # the buffer serves the batch: its 4 answers of 100 tokens
+    expected = prefill + decode + cfg.reward_latency_s + serve + train + weights.export_s + weights.push_s
     assert r.step_time == pytest.approx(expected, rel=1e-12)
     assert [s.end for s in r.steps] == pytest.approx([expected, 2 * expected, 3 * expected], rel=1e-12)
     assert r.staleness == {0: 1.0}
@@ -163,6 +164,37 @@ def test_fixed_lengths_and_eta_0_give_the_synchronous_step_time_exactly():
     st = r.stability()
     assert st["steps"] == 2 and st["step_min_over_mean"] == pytest.approx(1) == st["step_max_over_mean"]
     assert st["drift"] == pytest.approx(0, abs=1e-12)
+
+
+def test_the_buffer_s_serve_of_each_batch_is_time_the_trainer_waits():
+    # The trainer has a batch once the buffer has served it (converted, written and sent it), which costs per
+    # batch and per answer token as tools.bench serve measures; a synchronous step pays it in full.
+    free = sim.simulate(_config(serve=sim.ServeCost(0.0, 0.0)))
+    cost = sim.ServeCost(per_batch_s=0.5, per_token_s=1e-3)
+    paid = sim.simulate(_config(serve=cost))
+    served = cost.seconds(4 * 100)                                    # 2 groups of 2 answers of 100 tokens
+    assert paid.step_time - free.step_time == pytest.approx(served, rel=1e-9)
+    assert paid.summary()["wait_batch_s"] == pytest.approx(free.summary()["wait_batch_s"] + served, rel=1e-9)
+    assert paid.shares()["trainer"]["wait_batch"] == pytest.approx(
+        paid.summary()["wait_batch_s"] / paid.step_time, rel=1e-9)
+    assert sim.ServeCost(2.0, 4.0).scaled(15.0, 32) == sim.ServeCost(30.0, 15.0 * 4.0 / 32)
+
+
+def test_the_evaluator_s_prompts_run_on_the_rollouts_every_n_versions_at_most_k_on_one():
+    # eval.every_versions 2 over 8 steps: versions 0, 2, 4 and 6 are evaluated, each with 3 greedy answers sent to
+    # the rollouts at most 1 at a time on one (the second server takes the next), beside the groups; the
+    # 64-node topology's evaluator (weights_from: rollouts) gives the simulation its settings.
+    base = sim.simulate(_config(eta=2, steps=8))
+    cfg = _config(eta=2, steps=8, eval_every=2, eval_prompts=3, eval_per_rollout=1)
+    r = sim.simulate(cfg)
+    assert base.counters["evaluations"] == 0 and r.counters["evaluations"] == 4
+    assert 3 * 3 <= r.counters["eval_answers"] <= 4 * 3 and r.counters["eval_answer_tokens"] == 100 * r.counters["eval_answers"]
+    assert r.counters["inflight_per_server"]["running_requests_peak"]["max"] <= 2 * 2 + 1
+    assert r.step_time >= base.step_time
+    found = setup.sim_config(setup.read(topology.load(ROOT / "topology/64node.yaml", check_imports=False)))
+    assert (found.eval_every, found.eval_prompts, found.eval_per_rollout) == (10, 30, 2)
+    assert setup.sim_config(setup.read(topology.load(ROOT / "topology/64node.yaml", ["experiment.eval.every_versions=0"],
+                                                     check_imports=False))).eval_every == 0
 
 
 def test_a_change_to_the_buffer_s_rules_shows_in_the_plan(monkeypatch):
@@ -420,8 +452,10 @@ def test_tools_plan_reports_time_shares_and_the_decisions_counters_for_64_nodes(
     assert set(per_server) == {"groups", "running_requests", "running_requests_peak", "waiting_requests_peak"}
     for figure in per_server.values():
         assert figure["min"] <= figure["mean"] <= figure["max"]
-    # a server runs the answers of the groups it holds: at most 8 groups of 16
-    assert 0 < per_server["running_requests"]["mean"] <= per_server["running_requests_peak"]["max"] <= 8 * 16
+    # a server runs the answers of the groups it holds, at most 8 groups of 16, and at most 2 evaluation prompts
+    assert 0 < per_server["running_requests"]["mean"] <= per_server["running_requests_peak"]["max"] <= 8 * 16 + 2
+    # the evaluator answers on the rollouts (weights_from: rollouts): version 0's evaluation, 30 prompts
+    assert c["evaluations"] == 1 and 0 < c["eval_answers"] <= 30
     assert a["stability"]["steps"] == 2
     assert c["interrupted_requests"] > 0   # asynchronous: every push interrupts what the servers run
     assert set(a["figures"]) >= {"step_time_s", "effective_throughput_tok_s", "staleness_mean"}
@@ -515,7 +549,8 @@ def test_a_cpu_topology_s_sync_step_is_the_cost_file_s_sum_exactly(tmp_path, mon
     # both engines busy every step: each pays its 4 ms; step i reads n * (prompt + i) KV tokens
     decode = sum(2 * 0.004 + 5e-5 * n + 1e-6 * n * (prompt + i) for i in range(answer))
     train = 0.1 + 3e-4 * n * (prompt + answer)
-    expected = prefill + decode + 0.001 + train + 0.03
+    serve = cfg.serve.seconds(n * answer)   # the buffer serves the batch (tools.bench serve's CPU cost)
+    expected = prefill + decode + 0.001 + serve + train + 0.03
     # the first step, from the start: every group issued at once (later steps start with one group per
     # rollout, BufferState.rollout_cap at eta 0, until each rollout shows it holds the new weights)
     assert r.steps[0].end == pytest.approx(expected, rel=1e-12)

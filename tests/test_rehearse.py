@@ -128,6 +128,24 @@ def test_the_rehearsal_s_figures_are_the_simulation_s_in_modelled_seconds_and_to
         rehearsal.measured_figures(metrics[:1], ledger, time_scale=30.0, token_scale=32, prompt_tokens=100)
 
 
+def test_the_trainer_s_wait_is_split_by_the_buffer_s_lines_and_the_machine_s_stretch_is_read_over_a_window(
+        tmp_path: Path) -> None:
+    # Where the trainer's wait went, from the buffer's batch_served lines of the measured steps (step 1 is warm-up);
+    # the CPU stretch is elapsed over CPU seconds of the probe's samples inside the window, never below 1.
+    metrics = _metrics(3)
+    (tmp_path / "logs").mkdir()
+    lines = [{"event": "batch_served", "step": s, "waited_for_groups_s": 0.1 * s, "serve_s": 0.2 * s} for s in (1, 2, 3)]
+    (tmp_path / "logs" / "buffer.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [{"event": "other"}, *lines]))
+    w = rehearsal.trainer_wait(tmp_path, metrics)
+    assert w["wait_s"] == pytest.approx(sum(m["wait_seconds"] for m in metrics[1:]) / 2)
+    assert w["buffer_waited_for_groups_s"] == pytest.approx(0.25) and w["buffer_serve_s"] == pytest.approx(0.5)
+    probe = rehearsal.CpuStretch()
+    probe.samples = [(1.0, 9.0, 1.0), (2.0, 4.0, 1.0), (3.0, 2.0, 1.0), (4.0, 0.5, 1.0)]
+    assert probe.over(2.0, 3.0) == pytest.approx(3.0) and probe.over(4.0, 4.0) == 1.0 and probe.over(5.0, 6.0) == 1.0
+    probe.sample()
+    assert len(probe.samples) == 5 and probe.samples[-1][2] > 0
+
+
 def test_agreement_is_within_15_percent_figure_by_figure() -> None:
     measured = rehearsal.measured_figures(_metrics(4), [], time_scale=10.0, token_scale=1, prompt_tokens=0)
     same = sim.agreement(dict(measured), measured)

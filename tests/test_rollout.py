@@ -146,7 +146,7 @@ def test_a_malformed_link_is_refused_with_its_key_before_the_actor_starts() -> N
     assert link_config(cfg.links, None, "ps_to_rollout") == LinkConfig.from_dict(link)
     for change, problem in [({"backend": "mpi"}, "links.weights.backend: input should be 'gloo' or 'nccl'"),
                             ({"rank": 2}, "links.weights: value error, rank 2 outside world size 2"),
-                            ({"master_port": 0}, "links.weights.master_port: input should be greater than or equal to 1"),
+                            ({"master_port": 70000}, "links.weights.master_port: input should be less than or equal to 65535"),
                             ({"timeout": 5}, "links.weights.timeout: unknown key (did you mean 'timeout_s'?)")]:
         with pytest.raises(SettingsError) as err:
             read_settings(RolloutActor, {"links": {"weights": {**link, **change}}}, "rollout.0")

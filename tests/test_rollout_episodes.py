@@ -38,16 +38,17 @@ def agent_group(group_id: str, expr: str, tool: str = "calculator", n: int = 2) 
 
 
 def rollout_with(tmp_path: Path, model_dir: Path, engine: ScriptedEngine, gen: dict[str, Any],
-                 groups: list[GenerateGroup], monkeypatch: pytest.MonkeyPatch, drive: Any = None) -> list[Any]:
+                 groups: list[GenerateGroup], monkeypatch: pytest.MonkeyPatch, drive: Any = None,
+                 settings: dict[str, Any] | None = None) -> list[Any]:
     """Run the rollout actor in-process on ``engine``; send ``groups``; the messages it sends back, in order,
     and its stats. ``drive(buffer_bus, next_message)``, if given, runs instead of sending ``groups`` and
-    returns what the test wants back."""
+    returns what the test wants back. ``settings``: more of the actor's settings."""
     monkeypatch.setattr("actors.rollout.actor.make_engine", lambda *a, **k: engine)
     eps = ipc_endpoints(tmp_path, ["rollout.0", "reward.0", "buffer"])
     spec = actor_spec("rollout.0", "actors.rollout:RolloutActor", eps, run_dir=tmp_path, env={},
                       settings={"model": {"path": str(model_dir)}, "run": {"recover": "off"}, "log_console": False,
                                 "gen": gen, "groups": {"reward": ["reward.0"], "buffer": ["buffer"]},
-                                "bus": {"heartbeat_interval": None}, "stats_every_s": 0})
+                                "bus": {"heartbeat_interval": None}, "stats_every_s": 0, **(settings or {})})
     from actors.rollout.actor import RolloutActor
 
     async def main() -> list[Any]:

@@ -355,20 +355,27 @@ def test_heartbeat_detects_dead_peer_and_its_return(tmp_path: Any) -> None:
             if not alive_again.done():
                 alive_again.set_result(name)
 
+        # A second watcher with a longer timeout is the clock: the first must notice the death before it does
+        # (its own timeout is what counts), a comparison side by side rather than a wall-clock bound, which a
+        # loaded machine broke (0.4 s + slack).
+        slow_dead: asyncio.Future = loop.create_future()
         peer = await Bus("peer", endpoint, handler=echo_handler, heartbeat_interval=None).start()
         watcher = await Bus("watcher", "tcp://127.0.0.1:*", {"peer": endpoint}, heartbeat_interval=0.05,
                             heartbeat_timeout=0.4, on_peer_dead=on_dead, on_peer_alive=on_alive).start()
-        await watcher.request("peer", Echo("x"), timeout=5)
+        slow = await Bus("slow", "tcp://127.0.0.1:*", {"peer": endpoint}, heartbeat_interval=0.05,
+                         heartbeat_timeout=3.0, on_peer_dead=lambda n: slow_dead.done() or slow_dead.set_result(n)).start()
+        await watcher.request("peer", Echo("x"), timeout=30)
+        await slow.request("peer", Echo("x"), timeout=30)
         await peer.close()
-        closed_at = loop.time()
-        name, noticed_at = await asyncio.wait_for(dead, 5)
+        name, _ = await asyncio.wait_for(dead, 60)
         assert name == "peer" and not watcher.peer_alive("peer")
-        assert noticed_at - closed_at < 0.4 + 0.05 * 4 + 0.5    # timeout + a few intervals of slack
+        assert not slow_dead.done(), "the 3 s watcher noticed first: the 0.4 s timeout was not the one used"
+        assert await asyncio.wait_for(slow_dead, 60) == "peer"
         peer = await Bus("peer", endpoint, handler=echo_handler, heartbeat_interval=None).start()
-        assert await asyncio.wait_for(alive_again, 5) == "peer"
+        assert await asyncio.wait_for(alive_again, 60) == "peer"
         assert watcher.stats["peer_dead"] == 1 and watcher.stats["peer_alive"] == 1
-        await watcher.close()
-        await peer.close()
+        for bus in (watcher, slow, peer):
+            await bus.close()
 
     run(main())
 

@@ -93,7 +93,7 @@ def _link_config(actor: Actor) -> LinkConfig | None:
     links = actor.cfg.links
     if not links:
         return None
-    return LinkConfig.from_dict(links[actor.cfg.link or next(iter(links))])
+    return LinkConfig.from_dict(links[actor.cfg.link or next(iter(links))].model_dump())
 
 
 class Echoer(Actor):

@@ -981,7 +981,9 @@ def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespac
                          "DIR/standin-<pid>.jsonl, for tests that read it after the server is gone")
     ap.add_argument("--standin-starting-until-dir", default=None, metavar="DIR",
                     help="not an SGLang flag: the server stays 'starting' (/health 503) until DIR/<random-seed> "
-                         "exists, as a server loading weights does, for as long as a test wants")
+                         "exists, as a server loading weights does, for as long as a test wants; if "
+                         "DIR/<random-seed>.fail exists at start, it exits 1 at once, as a server that cannot load "
+                         "its model does")
     ap.add_argument("--standin-step-time-s", type=float, default=0.0,
                     help="not an SGLang flag: every decode step takes at least this long (a GPU's step time, "
                          "scaled for tests)")
@@ -994,6 +996,9 @@ def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespac
                          "receive their bucket, then fail to load it as SGLang answers a failed load")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.standin_starting_until_dir and (Path(args.standin_starting_until_dir) / f"{args.random_seed}.fail").exists():
+        log.error("stand-in SGLang server (seed %d): told to fail at start", args.random_seed)
+        return 1
     dtype = None if args.dtype in (None, "auto") else args.dtype
     version = _as_int_version(args.weight_version, 0)
     engine = make_engine(args) if make_engine is not None else TorchGenerationEngine(

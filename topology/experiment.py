@@ -221,7 +221,7 @@ class EvalSection(Section):
 
 
 class WatchdogSection(Section):
-    """The launcher's progress watchdog (tools/watchdog.py): a run that stops making progress is stopped with a
+    """The launcher's progress watchdog (actors/launch/watchdog.py): a run that stops making progress is stopped with a
     diagnosis and a non-zero exit instead of waiting for ever."""
 
     after_steps: float = Field(5.0, ge=0, description="no trained step for this many times the longest step so far "
@@ -259,6 +259,10 @@ class BufferSection(Section):
     group_timeout_s: float | None = Field(
         None, gt=0, description="a group with no result after this is aborted on its rollout and issued again "
                                 "(unset: derived from gen.max_new_tokens and the measured pace, gen.timeout_*)")
+    worker_lost_after_s: float | None = Field(
+        None, gt=0, description="a rollout or reward actor unheard this long loses its groups, which are issued "
+                                "again (one that restarts loses them at its hello; unset: 6 of the buffer's bus "
+                                "heartbeat timeouts, 30 s at the defaults)")
 
 
 # AReaL's configuration keys (its v0.1/v0.2 quickstart options and v0.3 configs: realhf/api/cli_args.py at v0.2.0)

@@ -43,7 +43,7 @@ class LinkSettings(Section):
     name: str = Field(description="the link's name in the topology")
     backend: Literal["gloo", "nccl"] = Field(description="torch.distributed backend: gloo (CPU) or nccl (GPU)")
     master_addr: str = Field(description="address of the link's rank 0, where its rendezvous store listens")
-    master_port: int = Field(ge=1, le=65535, description="the rendezvous store's port")
+    master_port: int = Field(ge=0, le=65535, description="the rendezvous store's port (0: auto, a free one the launcher picks)")
     rank: int = Field(ge=0, description="this instance's rank on the link")
     world_size: int = Field(ge=1, description="members of the link")
     members: list[str] = Field(default_factory=list, description="instance names, in rank order")
@@ -220,11 +220,28 @@ class EvaluatorSettings(GenerationSettings):
                                                                "on a rollout before it is given to another")
 
 
+class PythonToolSettings(Section):
+    """The ``python`` tool of episodes (actors/envs/python_tool.py): programs the model writes, run in the
+    reward's bubblewrap sandbox in the rollout's process."""
+
+    sandbox: SandboxSettings = Field(default_factory=SandboxSettings, description="limits of every program run")
+    allow_unsandboxed: bool = Field(False, description="run programs without a working sandbox (never on shared machines)")
+    workers: int = Field(2, ge=1, le=64, description="programs run at once (each its own sandbox uid and zygote)")
+    timeout_s: float | None = Field(None, gt=0, description="bound on one call as the episode sees it (unset: the "
+                                                          "sandbox's wall time + 3 s); below gen.env_timeout_s")
+    output_chars: int = Field(1000, ge=1, description="characters of stdout and of stderr an observation keeps")
+    call_open: str = Field("<python>", description="text that opens a call: the program follows it")
+    call_end: str = Field("</python>", min_length=1, description="text that ends a call and the turn; must be one "
+                                                                "token of the model's tokenizer")
+
+
 class RolloutSettings(GenerationSettings):
     link: str | None = Field(None, description="the weights link (unset: ps_to_rollout, or the only link listed)")
     weights_timeout_s: float | None = Field(None, gt=0, description="bound on waiting for the weights link (unset: its timeout_s)")
     weights_via_server: bool = Field(True, description="with direct weights and SGLang, the server joins the trainer's group")
     stats_every_s: float = Field(30.0, ge=0, description="period of the rollout_stats log line; 0 disables it")
+    python_tool: PythonToolSettings = Field(default_factory=PythonToolSettings,
+                                            description="the python tool of episodes whose task names it")
 
 
 class ParamServerSettings(ActorSettings):

@@ -15,9 +15,12 @@ After a recovery (actors/runtime/recovery.py) the buffer restores the cursor and
 k; what was in flight or ready-but-untrained at step k is re-issued first, and the gate counters are
 restored to match, so no prompt is lost, none is trained twice, and the staleness bound still holds.
 
-Lost work: the buffer picks the rollout AND the reward actor of every group, so when either dies
-(heartbeats) or says WorkerHello after a restart (which can be faster than heartbeats notice), exactly
-the groups it held are issued again; late answers of re-issued groups are ignored. A group with no result
+Lost work: the buffer picks the rollout AND the reward actor of every group, so when either says
+WorkerHello after a restart (which can be faster than heartbeats notice), or stays silent for
+`buffer.worker_lost_after_s` (unset: SILENT_HEARTBEAT_TIMEOUTS of its bus's heartbeat timeouts), exactly the
+groups it held are issued again; late answers of re-issued groups are ignored. One missed heartbeat timeout
+alone hands nothing back: a live worker starved of CPU for a moment still generates its groups (BufferState,
+"Silent workers"). A group with no result
 in its time (`BufferState.group_timeout`: `buffer.group_timeout_s`, or derived from gen.max_new_tokens and
 the measured pace) is aborted on its rollout (AbortGroup, a request) and issued again once the rollout says
 its copy stopped, or cannot answer: never while a copy may still run.
@@ -27,7 +30,7 @@ Each rollout holds at most the groups its server's KV pool fits (the pool its Wo
 Settings read: model.path (tokenizer), data.train (through its layout), data.on_bad_line, data.require,
 data.max_prompt_tokens (longer prompts are left out, logged), seed, algo.batch_size,
 algo.group_size, algo.eta, algo.dynamic_sampling, gen.* (sampling of the GenerateGroup, the timeouts' pace),
-buffer.max_groups_per_rollout, buffer.max_concurrent_groups, buffer.group_timeout_s.
+buffer.max_groups_per_rollout, buffer.max_concurrent_groups, buffer.group_timeout_s, buffer.worker_lost_after_s.
 """
 from __future__ import annotations
 
@@ -47,12 +50,17 @@ from actors.engines.tokenizer import load_tokenizer
 from actors.runtime.recovery import checkpoint_dir, latest_checkpoint, recovering, restarted_in_place
 from algo.serving import DecodePace
 from topology.settings import BufferSettings
-from transport.bus import BusError
+from transport.bus import HEARTBEAT_TIMEOUT_S, BusError
 from transport.files import atomic_write
 from transport.messages import decode, encode
 from transport.protocol import (AbortGroup, BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, GenerateGroup,
                                 GroupAborted, GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task, VersionUpdate,
                                 WorkerHello)
+
+# A worker unheard for this many of the bus's heartbeat timeouts is taken for lost (buffer.worker_lost_after_s
+# overrides). Live actors starved of CPU went 1.08-1.16 timeouts without a heartbeat in a rehearsal on 2 cores at
+# a load average above 30 (docs/plan.md, the kill-node fault); a restarted worker is known sooner, by its hello.
+SILENT_HEARTBEAT_TIMEOUTS = 6
 
 
 class BufferFiles:
@@ -181,7 +189,8 @@ class BufferActor(Actor):
             group_timeout_s=cfg.buffer.group_timeout_s, group_size=cfg.algo.group_size,
             max_new_tokens=gen.max_new_tokens * gen.max_turns,   # an episode's turns share one group's time
             prompt_tokens=sum(map(len, self.prompt_ids)) / max(1, len(self.prompt_ids)),
-            pace=DecodePace(gen.assumed_tokens_per_s, gen.timeout_slack, gen.timeout_floor_s))
+            pace=DecodePace(gen.assumed_tokens_per_s, gen.timeout_slack, gen.timeout_floor_s),
+            silence_limit_s=self.worker_lost_after_s())
         self.finished = False
         self._batch_waited_for: int | None = None   # the step whose batch a request waits for (status)
         self.files = BufferFiles(self.run_dir)
@@ -196,6 +205,15 @@ class BufferActor(Actor):
         self.log.info("buffer_started", prompts=len(self.dataset), skipped_lines=self.dataset.n_skipped,
                       batch_size=self.state.batch_size, group_size=self.group_size, eta=self.state.eta,
                       rollouts=self.state.rollouts, version=self.state.gate.version)
+
+    def heartbeat_timeout(self) -> float:
+        """Seconds of silence after which this actor's bus declares a peer dead (its settings, else the bus's)."""
+        return self.cfg.bus.heartbeat_timeout or HEARTBEAT_TIMEOUT_S
+
+    def worker_lost_after_s(self) -> float:
+        """Seconds a worker may stay unheard before its groups are issued again."""
+        configured = self.cfg.buffer.worker_lost_after_s
+        return configured if configured is not None else SILENT_HEARTBEAT_TIMEOUTS * self.heartbeat_timeout()
 
     def progress(self) -> dict[str, Any]:
         st: BufferState | None = getattr(self, "state", None)
@@ -244,7 +262,13 @@ class BufferActor(Actor):
             self.changed.set()
 
     def on_peer_dead(self, peer: str) -> None:
-        self._handed_back(self.state.hand_back_held_by(peer), f"{peer} is dead")
+        # Not handed back yet: it may be alive and short of CPU. A restart says hello; a lost one stays silent.
+        if peer not in self.state.rollouts and peer not in self.state.rewards:
+            return
+        self.state.worker_silent(peer, time.time() - self.heartbeat_timeout())
+        held = sum(peer in (f.rollout, f.reward) for f in self.state.inflight.values())
+        self.log.warning("worker_silent", worker=peer, groups_held=held,
+                         lost_after_s=round(self.state.silence_limit_s, 1))
 
     @handles(WorkerHello)
     def on_worker_hello(self, msg: WorkerHello, env: Any) -> None:
@@ -256,10 +280,25 @@ class BufferActor(Actor):
 
     async def _expire_loop(self) -> None:
         while not self.finished:
-            timeout = self.state.group_timeout()
             await asyncio.sleep(self.state.expire_every_s)   # a period, not synchronisation
-            for gid, f in self.state.overdue(time.time()).items():
-                self.spawn(self._abort_overdue(gid, f, timeout), name=f"abort-{gid}", critical=False)
+            self._expire(time.time())
+
+    def _expire(self, now: float) -> None:
+        """Overdue groups are aborted where they run, then issued again; a silent worker's are issued again."""
+        timeout = self.state.group_timeout()
+        for gid, f in self.state.overdue(now).items():
+            self.spawn(self._abort_overdue(gid, f, timeout), name=f"abort-{gid}", critical=False)
+        lost = self.state.silent_too_long(now)
+        self._handed_back(lost, f"unheard for {self.state.silence_limit_s:.0f} s")
+        for gid, f in lost.items():   # should it wake after all, its copy stops rather than run beside the new one
+            self.spawn(self._abort_abandoned(gid, f), name=f"abort-{gid}", critical=False)
+
+    async def _abort_abandoned(self, group_id: str, f: InFlight) -> None:
+        try:
+            await self.bus.request(f.rollout, AbortGroup(group_id=group_id, reason="its worker was unheard too long"),
+                                   timeout=self.cfg.drain_timeout)
+        except BusError as exc:
+            self.log.info("group_abort_unanswered", group=group_id, rollout=f.rollout, error=str(exc))
 
     async def _abort_overdue(self, group_id: str, f: InFlight, timeout: float) -> None:
         """Have the rollout stop a group whose time ran out, then issue it again: a second copy while the
@@ -278,6 +317,7 @@ class BufferActor(Actor):
         self._handed_back({group_id: handed} if handed is not None else {}, reason)
 
     def on_peer_alive(self, peer: str) -> None:
+        self.state.worker_heard(peer)
         self.changed.set()
 
     @handles(GroupReturned)
@@ -347,6 +387,7 @@ class BufferActor(Actor):
                 self.log.info("batch_served_again", step=msg.step, groups=len(batch.levels))
                 return batch
             self._batch_waited_for = msg.step
+            asked = time.time()
             while True:
                 self._drop_stale()
                 if (taken := self.state.take_batch()) is not None:
@@ -354,6 +395,7 @@ class BufferActor(Actor):
                 self.arrived.clear()
                 await self.arrived.wait()
             self._batch_waited_for = None
+            taken_at = time.time()
             record = {"event": "batch", "step": msg.step, "keys": [list(g.key) for g in taken],
                       "start_versions": [g.start_version for g in taken], "version": self.state.gate.version}
             groups = [BatchGroup(prompt_ids=self.prompt_ids[g.key[1]],
@@ -367,6 +409,9 @@ class BufferActor(Actor):
             batch = await asyncio.to_thread(self.files.write_served, listed, record, state)
             self.files.append_ledger(record)
             self.state.served(msg.step)
+            # The trainer waits for both: groups still to come, then the serve (tools.bench serve times its parts).
+            self.log.info("batch_served", step=msg.step, answer_tokens=sum(batch.output_lens),
+                          waited_for_groups_s=round(taken_at - asked, 4), serve_s=round(time.time() - taken_at, 4))
             return batch
 
     def _state_dict(self) -> dict[str, Any]:

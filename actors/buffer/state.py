@@ -17,6 +17,12 @@ time a group may take is `group_timeout()`: fixed when configured, else derived 
 the pace of recent groups (algo/serving.py). A rollout holds at most the groups its server's KV pool
 fits (`rollout_cap`, algo.serving.groups_in_kv over the KV pool it reported in its hello and the mean context
 of recent answers), so work does not wait in a server's queue while its time runs.
+
+Silent workers. A worker the bus declares dead (no heartbeat answered for its timeout) keeps its groups: a
+live rollout starved of CPU for a few seconds still generates them, and issuing them again would run two
+copies of each (a node's restart on a loaded machine once had 7 live rollouts declared dead and 56 groups
+generated twice). Its groups are handed back when it says hello as a new incarnation (`worker_hello`: a
+restart lost them) or when it has stayed silent for `silence_limit_s` (`silent_too_long`).
 """
 from __future__ import annotations
 
@@ -131,9 +137,10 @@ class BufferState:
                  seed: int, dynamic_sampling: bool = False, max_per_rollout: int = 8,
                  max_concurrent: int | None = None, group_timeout_s: float | None = None,
                  group_size: int = 1, max_new_tokens: int = 64, prompt_tokens: float = 1.0,
-                 pace: DecodePace | None = None) -> None:
+                 pace: DecodePace | None = None, silence_limit_s: float = 30.0) -> None:
         """``group_timeout_s``: fixed, or None to derive it from ``max_new_tokens`` and ``pace``;
-        ``prompt_tokens``: the mean prompt length (the context a group's answers hold in a KV pool)."""
+        ``prompt_tokens``: the mean prompt length (the context a group's answers hold in a KV pool);
+        ``silence_limit_s``: how long a worker may go unheard before its groups are issued again."""
         if not rollouts:
             raise ValueError("groups.rollout: the buffer needs at least one rollout actor")
         if not rewards:
@@ -144,6 +151,8 @@ class BufferState:
         self.dynamic_sampling = dynamic_sampling
         self.max_per_rollout = max_per_rollout
         self.group_timeout_s = group_timeout_s
+        self.silence_limit_s = silence_limit_s
+        self.silent_since: dict[str, float] = {}                     # workers unheard, since when
         self.group_size, self.max_new_tokens, self.prompt_tokens = group_size, max_new_tokens, prompt_tokens
         self.pace = pace or DecodePace()
         self.answer_tokens: deque[int] = deque(maxlen=1024)          # lengths of recent answers
@@ -288,16 +297,40 @@ class BufferState:
         """A worker (re)started: what it held before will not come back from it; it may get work now.
         ``kv_tokens``: the KV pool of a rollout's server (0: unknown)."""
         handed_back = self.hand_back_held_by(worker)
+        self.silent_since.pop(worker, None)
         self.rollout_versions.pop(worker, None)
+        # its clocks may start again from zero: count them from there (a restart slower than the old process's
+        # uptime would otherwise subtract the old clocks from the new ones)
+        self.rollout_clocks.pop(worker, None)
+        self.clocks_at_batch.pop(worker, None)
         self.kv_tokens[worker] = kv_tokens
         self.greeted.add(worker)
         return handed_back
 
+    def worker_silent(self, worker: str, since: float) -> None:
+        """Nothing was heard from `worker` since `since` (the bus declared it dead). Its groups stay in flight:
+        see "Silent workers" above."""
+        self.silent_since.setdefault(worker, since)
+
+    def worker_heard(self, worker: str) -> None:
+        """`worker` answers again: what it holds will come back from it."""
+        self.silent_since.pop(worker, None)
+
+    def silent_too_long(self, now: float) -> dict[str, InFlight]:
+        """Every group held by a worker unheard for `silence_limit_s` by `now`, handed back (once: the worker
+        counts as heard from again until the bus declares it dead anew)."""
+        gone = [w for w, since in self.silent_since.items() if now - since >= self.silence_limit_s]
+        handed: dict[str, InFlight] = {}
+        for worker in gone:
+            del self.silent_since[worker]
+            handed.update(self.hand_back_held_by(worker))
+        return handed
+
     @property
     def expire_every_s(self) -> float:
-        """How often `overdue` is called: a group is found overdue at most a quarter of its timeout late (and
-        at least once a minute)."""
-        return min(60.0, max(0.05, self.group_timeout() / 4))
+        """How often `overdue` and `silent_too_long` are called: a group is found overdue, or a worker silent
+        too long, at most a quarter of its limit late (and at least once a minute)."""
+        return min(60.0, max(0.05, min(self.group_timeout(), self.silence_limit_s) / 4))
 
     def overdue(self, now: float) -> dict[str, InFlight]:
         """Groups with no result after `group_timeout()`, now marked aborting (each once). They are not
@@ -402,13 +435,15 @@ class BufferState:
 
     def _rollout_utilisation(self) -> float:
         """Time the rollouts had work in hand over time they were up, since the previous batch (-1: no data).
-        A restarted rollout's clocks start again from zero; its new clocks count from there."""
+        A restarted rollout's clocks start again from zero; its new clocks count from there (from its hello, or
+        from when they went backwards). A rollout's busy time never counts past its up time: the ratio is a share."""
         busy = up = 0.0
         for name, (b, u) in self.rollout_clocks.items():
             b0, u0 = self.clocks_at_batch.get(name, (0.0, 0.0))
             if u < u0:
                 b0 = u0 = 0.0
-            busy, up = busy + b - b0, up + u - u0
+            gained_up = max(0.0, u - u0)
+            busy, up = busy + min(max(0.0, b - b0), gained_up), up + gained_up
         self.clocks_at_batch = dict(self.rollout_clocks)
         return busy / up if up > 0 else -1.0
 

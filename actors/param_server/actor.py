@@ -197,8 +197,11 @@ class ParamServerActor(Actor):
         if state is None:
             self.log.warning("hello_from_unknown", sender=sender, members=sorted(self.rollouts))
             return
-        if state.hello and hello.incarnation and hello.incarnation == state.incarnation:
+        if state.hello and hello.incarnation and hello.incarnation == state.incarnation \
+                and hello.version == state.version:
             return   # the same process saying hello again (it answers HelloRequest too): nothing changed
+        # The same process at another version: its server restarted on its launch weights (a hello it sent while
+        # the server was down still carried the old version), and it must be formed in and pushed to again.
         first = not state.hello
         version = hello.version
         state.hello, state.alive, state.incarnation = True, True, hello.incarnation

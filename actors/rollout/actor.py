@@ -44,8 +44,9 @@ from actors.runtime.base import Actor, ActorSpec, handles
 from actors.engines.base import (EngineError, GenerationEngine, GenerationRequest, RequestError, SamplingParams,
                                  require_device)
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
-from actors.rollout.envs import UnknownTool, environment_for
-from actors.rollout.episode import EpisodeLimits, Trajectory, run_episodes
+from actors.rollout.envs import ENVIRONMENTS, UnknownTool, environment_for
+from actors.rollout.envs.python_tool import CodeRunner, python_tool
+from actors.rollout.episode import EpisodeError, EpisodeLimits, Trajectory, run_episodes
 from actors.runtime.recovery import start_weights
 from actors.weight_sync import WeightReceiver, WeightSyncError, link_config, make_receiver
 from actors.weights import weights_hash
@@ -124,7 +125,7 @@ class RolloutActor(Actor):
     Settings = RolloutSettings
     cfg: RolloutSettings
     placement = staticmethod(rollout_placement)   # what --dry-run prints for the group
-    ready_budget = staticmethod(rollout_ready_budget)   # what it starts before it is ready (tools/up.py)
+    ready_budget = staticmethod(rollout_ready_budget)   # what it starts before it is ready (actors/launch/readiness.py)
     # Interchangeable workers: the run starts once enough are ready, the rest join when their servers are up,
     # and one that cannot be kept up is left down (actors/runtime/supervisor.py, late_joiners).
     joins_late = True
@@ -162,6 +163,8 @@ class RolloutActor(Actor):
         self._tokens = 0
         self.codec: LoadedTokenizer | None = None   # what an episode encodes observations and decodes turns with
         self.limits = EpisodeLimits()
+        self.environments = dict(ENVIRONMENTS)   # tool name -> factory; the python tool's built from settings
+        self.python_runner: CodeRunner | None = None
         self._eval_requests = 0              # the evaluator's prompts taken (their request ids)
 
     # ------------------------------------------------------------------------------------ lifecycle
@@ -177,6 +180,10 @@ class RolloutActor(Actor):
         gen = self.cfg.gen
         self.limits = EpisodeLimits(max_turns=gen.max_turns, max_tokens=gen.max_context,
                                     env_timeout_s=gen.env_timeout_s)
+        try:
+            self.python_runner, self.environments["python"] = python_tool(self.cfg.python_tool, gen.env_timeout_s)
+        except ValueError as exc:
+            raise RolloutConfigError(str(exc)) from None
         if not self.cfg.model.path:
             raise RolloutConfigError("model.path: not set (episodes decode turns with its tokenizer)")
         self.codec = await asyncio.to_thread(load_tokenizer, self.cfg.model.path)
@@ -302,7 +309,7 @@ class RolloutActor(Actor):
                                       # seed 0 is "unset" on the wire: let the engine pick a fresh one
                                       seed=msg.seed or None)
             request = GenerationRequest(rid=msg.group_id, input_ids=tuple(msg.prompt_ids), sampling=sampling, n=msg.n)
-            make_env = environment_for({"tool": msg.task.tool or None})
+            make_env = environment_for({"tool": msg.task.tool or None}, self.environments)
         except (RequestError, UnknownTool) as exc:
             await self._return(msg.group_id, f"invalid: {exc}")
             return
@@ -318,7 +325,7 @@ class RolloutActor(Actor):
             run_episodes(engine, request, make_env, self.codec, self.limits))
         try:
             episodes = await running
-        except RequestError as exc:
+        except (RequestError, EpisodeError) as exc:   # EpisodeError: a tool's marker is not one token
             await self._return(msg.group_id, f"invalid: {exc}")
             return
         except EngineError as exc:
@@ -462,7 +469,10 @@ class RolloutActor(Actor):
                 "tool_calls_per_episode": round(self.counters["tool_calls"] / episodes, 3),
                 "busy_fraction": round(busy / wall, 4), "active": len(self.active),
                 "version": self.engine.version if self.engine is not None else None,
-                "tokens_per_s": round(self._tokens / wall, 2)}
+                "tokens_per_s": round(self._tokens / wall, 2),
+                # the python tool's runs, calls abandoned at its timeout, runs refused (no sandbox) or failed
+                **({"python_tool": dict(self.python_runner.counters)}
+                   if self.python_runner is not None and self.python_runner.counters["runs"] else {})}
 
     async def _stats_loop(self, every: float) -> None:
         while True:

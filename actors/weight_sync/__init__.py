@@ -64,7 +64,7 @@ def make_sender(cfg: TrainerSettings, make_link: MakeLink, bus: Any, incarnation
         return RelaySender(link, bus, param_server, incarnation, counters, log)
     if not sends_direct(cfg):
         return None
-    config = LinkConfig.from_dict(next(iter(links.values())))
+    config = LinkConfig.from_dict(next(iter(links.values())).model_dump())
     link = make_link(config)
     if config.rank != 0:
         raise WeightSyncConfigError(f"links.{config.name}.members: the trainer broadcasts direct weights as "

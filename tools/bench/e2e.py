@@ -27,7 +27,8 @@ multi_turn_gain_points (over the warm start), each run's turns and tool calls pe
 share: the seconds episodes spent in environment steps (summed over concurrent episodes) against the
 rollouts' generation seconds and per training step.
 
-Each run goes through `python -m tools.up TOPOLOGY`; the figures come from the run's own
+Each run goes through `python -m tools.up TOPOLOGY` (its warm-start progress, made by the first run, is
+passed on to stderr as it comes); the figures come from the run's own
 summary.json (held-out greedy accuracy of the final checkpoint; tokens trained and wall time from the
 trainer's metrics, actor start-up excluded). Printed as a table; `--json` prints one object with
 throughput_ratio (async / sync), colocated_ratio (async / colocated), time_ratio (sync / async wall
@@ -36,6 +37,7 @@ time), the accuracies, and with the control sft_accuracy and rl_over_sft_points.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import subprocess
 import sys
@@ -47,6 +49,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = "topology/local.yaml"
 TOPOLOGIES = {"math": TOPOLOGY, "code": "topology/local_code.yaml", "agent": "topology/local_agent.yaml"}
+PROGRESS_PREFIXES = ("prepare:", "sft:", "step ", "eval step ")   # lines of a run's output passed on as it goes
 DEFAULT_MODES = {"math": "async,sync,colocated,sft", "code": "async,sft", "agent": "async,one_turn"}
 
 MODES: dict[str, list[str]] = {
@@ -75,9 +78,17 @@ def run_local(name: str, steps: int, overrides: list[str], out: Path, log: Any,
            "--run-dir", str(run_dir), "--no-progress"]
     log(f"bench {bench}: {name}: {' '.join(cmd[2:])}")
     t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    tail: collections.deque[str] = collections.deque(maxlen=120)
+    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line)
+            # The warm start (made by the first run, up to an hour on the 2-core machine) reports its stages,
+            # steps and evaluations: passed on, so a long wait shows where it is.
+            if line.startswith(PROGRESS_PREFIXES):
+                log(f"bench {bench}: {name}: {line.rstrip()}")
     if proc.returncode != 0:
-        raise RuntimeError(f"{name} run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"{name} run failed (exit {proc.returncode}):\n{''.join(tail)[-6000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["launch_seconds"] = time.time() - t0
     summary["run_dir"] = str(run_dir)

@@ -17,7 +17,7 @@ from tools.plan.costs import MeasuredCosts, TrainerShape
 from tools.plan.sim import SimConfig
 from topology import Plan
 from topology.experiment import ExperimentConfig
-from topology.settings import RolloutSettings, TrainerSettings, read_settings
+from topology.settings import EvaluatorSettings, RolloutSettings, TrainerSettings, read_settings, settings_model
 
 
 @dataclasses.dataclass
@@ -39,6 +39,8 @@ class Setup:
     groups: list[Group]
     experiment: ExperimentConfig
     reward_actors: int = 1         # the buffer spreads groups over them
+    #: An evaluator whose prompts the rollouts answer (weights_from: rollouts): its rollout_concurrency; None: none
+    eval_on_rollouts: int | None = None
 
     def of_kind(self, kind: str) -> list[Group]:
         return [g for g in self.groups if g.kind == kind]
@@ -51,6 +53,7 @@ def read(plan: Plan) -> Setup:
         first.setdefault(spec["name"].split(".")[0], spec["settings"])
     groups = []
     rewards = 0
+    eval_on_rollouts = None
     for gname, group in topo.groups.items():
         module, _, cls_name = group.cls.partition(":")
         klass = getattr(importlib.import_module(module), cls_name)
@@ -58,6 +61,11 @@ def read(plan: Plan) -> Setup:
             rewards += group.count
         placement = getattr(klass, "placement", None)
         kind = {trainer_placement: "trainer", rollout_placement: "rollout"}.get(placement)
+        if kind is None and gname in first and settings_model(klass) is EvaluatorSettings:
+            evaluator = read_settings(klass, first[gname], gname)
+            assert isinstance(evaluator, EvaluatorSettings)
+            if evaluator.weights_from == "rollouts":
+                eval_on_rollouts = evaluator.rollout_concurrency
         if kind is None or gname not in first:
             continue
         settings = read_settings(klass, first[gname], gname)
@@ -70,7 +78,7 @@ def read(plan: Plan) -> Setup:
     gpu = hardware.gpu(node.gpu_kind if node else None)
     if node is not None and node.gpu_memory_gb:
         gpu = dataclasses.replace(gpu, memory_bytes=node.gpu_memory_gb * hardware.GB)
-    return Setup(shape, gpu, (node.gpus if node else 0) or 8, groups, topo.config, max(1, rewards))
+    return Setup(shape, gpu, (node.gpus if node else 0) or 8, groups, topo.config, max(1, rewards), eval_on_rollouts)
 
 
 def group_memory(setup: Setup) -> list[memory.GroupMemory]:
@@ -166,8 +174,17 @@ def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None
         group_timeout_s=buf.group_timeout_s, pace=pace_of(gen), engine="sglang",
         kv_tokens_per_server=int(rollout_mem.kv_tokens or 0), context_len=setup.shape.context_len,
         interruptible=gen.interruptible, dynamic_sampling=algo.dynamic_sampling,
-        rewards=setup.reward_actors,
+        rewards=setup.reward_actors, **eval_fields(setup),
         weights_across_nodes=total > setup.gpus_per_node, steps=steps, seed=seed)
+
+
+def eval_fields(setup: Setup) -> dict[str, int]:
+    """The periodic evaluation's load on the rollouts (an evaluator with weights_from: rollouts, eval.every_versions
+    > 0): every that many versions, eval.max_problems greedy answers, at most rollout_concurrency on one rollout."""
+    ev = setup.experiment.eval
+    if setup.eval_on_rollouts is None or ev.every_versions <= 0:
+        return {}
+    return {"eval_every": ev.every_versions, "eval_prompts": ev.max_problems, "eval_per_rollout": setup.eval_on_rollouts}
 
 
 def pace_of(gen: Any) -> tuple[float, float, float]:

@@ -14,8 +14,9 @@ decode step costs what `costs.decode_cost` says, summed in closed form between e
 fixed latency. On CPU topologies the costs are the ones measured on the machine (`costs.MeasuredCosts`).
 
 Time runs as the actors run it. The trainer asks for a batch (the buffer first drops stale groups, then takes
-the oldest B), trains, and (eta > 0) opens the gate at once and publishes; with eta = 0 it publishes and waits
-until the servers hold the new weights before opening the gate (actors/trainer/actor.py). A published version is
+the oldest B, and serves it: `ServeCost`, measured, before the trainer has it), trains, and (eta > 0) opens the
+gate at once and publishes; with eta = 0 it publishes and waits until the servers hold the new weights before
+opening the gate (actors/trainer/actor.py). A published version is
 offered to the push policy; a push pauses every server (SGLang aborts its requests and they are resubmitted
 with their tokens when it resumes). A finished group is graded after the reward latency and handed to
 `BufferState.scored`. Every `BufferState.expire_every_s` the buffer's overdue check runs; an overdue group's
@@ -59,6 +60,27 @@ PROMPT_TOKENS = 108
 REWARD_LATENCY_S = 1.0
 #: Prompts in the simulated dataset: the cursor's epochs do not matter to the timing.
 N_RECORDS = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeCost:
+    """Seconds from the buffer taking a batch to the trainer holding it: `per_batch_s + per_token_s x answer
+    tokens` (BufferActor.on_batch_request: the lists become tensors, the served copy is encoded and written, the
+    reply sent, received and decoded). The defaults are the CPU time `python -m tools.bench serve --repeat 5`
+    measured on a 2-core AMD EPYC VM (docs/measurements/bench-serve-cpu.txt: 9.25 ms a batch, 104 ns an answer
+    token); the 7B batch of topology/64node.yaml, 512 x 16 answers of 8.6k tokens on average, costs about 7.3 s. That is the elapsed time on cores of
+    its own: a machine shared with other work stretches it (`tools.rehearse` scales it by the stretch it
+    measures during the run)."""
+
+    per_batch_s: float = 9.25e-3
+    per_token_s: float = 1.039e-7
+
+    def scaled(self, by: float, token_scale: float = 1.0) -> "ServeCost":
+        """This cost `by` times longer, for answers each standing for `token_scale` of the ones served."""
+        return ServeCost(self.per_batch_s * by, self.per_token_s * by / token_scale)
+
+    def seconds(self, answer_tokens: float) -> float:
+        return self.per_batch_s + self.per_token_s * answer_tokens
 
 
 @functools.lru_cache(maxsize=64)
@@ -130,6 +152,14 @@ class SimConfig:
     #: The buffer's rules: the project's `BufferState`, or a subclass that changes one (tools.plan.published
     #: models AReaL's controller so).
     buffer_rules: type[BufferState] = BufferState
+    #: The evaluator's prompts on the rollouts (weights_from: rollouts): every `eval_every` versions (0: none) the
+    #: devices' newest version reaches, `eval_prompts` greedy answers (one each, lengths drawn as the training
+    #: answers'), at most `eval_per_rollout` in flight on one rollout, beside the groups (actors/evaluator/actor.py).
+    eval_every: int = 0
+    eval_prompts: int = 0
+    eval_per_rollout: int = 2
+    #: What serving a batch costs before the trainer can train it (the buffer's conversion, served copy and reply).
+    serve: ServeCost = ServeCost()
     #: Virtual seconds without a training step after which the run is declared stuck (an error naming the
     #: decisions' counters): a timeout shorter than a group's generation re-issues every group forever.
     stall_s: float = 3 * 86400.0
@@ -331,13 +361,14 @@ class Simulation:
         self.groups: dict[str, _Group] = {}
         self.version = 0                      # the trainer's
         self.trainer = "wait_batch"           # wait_batch | train | export | wait_weights | done
+        self.serving = False                  # a batch taken and being served (its time counts as wait_batch)
         self.trainer_since = 0.0
         self.pending_step: Step | None = None
         self.steps: list[Step] = []
         self.clocks: Counter[str] = Counter()
         self.counters: Counter[str] = Counter({k: 0 for k in (
             "issued", "expired", "aborted_groups", "aborted_requests", "late_groups", "late_answer_tokens", "dropped_uniform", "pushes",
-            "interrupted_requests")})
+            "interrupted_requests", "evaluations", "eval_answers", "eval_answer_tokens")})
         self.inflight: Counter[str] = Counter()    # groups in flight per rollout, as BufferState holds them
         self.inflight_area: Counter[str] = Counter()
         self.inflight_max: Counter[str] = Counter()
@@ -347,6 +378,10 @@ class Simulation:
         self._decode: dict[tuple[int, int], costs.DecodeCost] = {}
         self._last_busy: dict[int, float] = {}          # device -> busy seconds already drawn on the timeline
         self._gid_of: dict[int, str] = {}               # answer id -> its group's id
+        self._eval_due = 0                              # the version whose evaluation comes next (0: at the start)
+        self._eval_left = 0                             # prompts of the running evaluation not yet sent
+        self._eval_on: Counter[str] = Counter()         # its answers in flight per rollout
+        self._eval_aids: dict[int, tuple[str, int]] = {}   # answer id -> the rollout answering it, its length
         self._accepted: dict[tuple[int, int], str] = {}  # a ready group's key -> its group id
         self.next_answer = 0
 
@@ -393,6 +428,13 @@ class Simulation:
             self._last_busy[d.index] = busy
 
     def _answer_done(self, d: Device, r: Req, t: float) -> None:
+        if r.aid in self._eval_aids:
+            rollout, length = self._eval_aids.pop(r.aid)
+            self._eval_on[rollout] -= 1
+            self.counters["eval_answers"] += 1
+            self.counters["eval_answer_tokens"] += length
+            self._push_event(t, "eval", None)   # the next prompt, once the device's step is done
+            return
         g = self.groups[self._gid_of.pop(r.aid)]
         g.left -= 1
         if g.left == 0:
@@ -510,10 +552,41 @@ class Simulation:
         if self.trainer != "done":
             self._push_event(self.now + self.state.expire_every_s, "expire", None)
 
+    # --- the evaluator (weights_from: rollouts, as actors/evaluator/actor.py sends its prompts) -----------------
+    def _evaluate(self) -> None:
+        """Start the evaluation that is due (the newest version on the devices reached it, and none runs), and
+        send its prompts while rollouts have room: at most `eval_per_rollout` on each, least loaded first."""
+        cfg = self.cfg
+        if cfg.eval_every <= 0 or cfg.eval_prompts <= 0:
+            return
+        if self._eval_left == 0 and not self._eval_aids and max(self.device_version) >= self._eval_due:
+            newest = max(self.device_version)
+            self._eval_due = (newest // cfg.eval_every + 1) * cfg.eval_every
+            self._eval_left = cfg.eval_prompts
+            self.counters["evaluations"] += 1
+        touched = set()
+        while self._eval_left > 0:
+            load, name = min((self._eval_on[n], n) for n in cfg.rollout_names)
+            if load >= cfg.eval_per_rollout:
+                break
+            d = self.devices[self.device_of[name]]
+            d.advance(self.now)
+            length = int(cfg.draw_lengths(self.rng, 1)[0])
+            r = Req(aid=self.next_answer, group=-1, engine=name, prompt=cfg.prompt_tokens, origin=cfg.prompt_tokens,
+                    max_new=cfg.max_new_tokens, left=length)
+            self.next_answer += 1
+            self._eval_aids[r.aid] = (name, length)
+            self._eval_on[name] += 1
+            self._eval_left -= 1
+            d.submit([r])
+            touched.add(d.index)
+        for i in touched:
+            self._schedule(self.devices[i])
+
     # --- the trainer (as actors/trainer/actor.py runs its loop) -----------------------------------------------
     def _try_train(self) -> None:
         cfg = self.cfg
-        if self.trainer != "wait_batch" or len(self.steps) >= cfg.steps:
+        if self.trainer != "wait_batch" or self.serving or len(self.steps) >= cfg.steps:
             return
         dropped = self.state.drop_stale()   # their prompts are issued again
         for g in dropped:
@@ -530,9 +603,15 @@ class Simulation:
         staleness = [max(0, self.version - g.start_version) for g in groups for _ in g.lengths]
         train_s = cfg.measured.train_step(lengths) if cfg.measured else \
             costs.train_step_seconds(cfg.shape, cfg.gpu, cfg.trainer, lengths, group_of)
-        step = Step(self.version + 1, self.now, math.nan, int(sum(lengths)), self.now - self.trainer_since,
-                    train_s, 0.0, 0.0, staleness)
+        serve_s = cfg.serve.seconds(sum(n for g in groups for n in g.lengths))
+        step = Step(self.version + 1, self.now + serve_s, math.nan, int(sum(lengths)),
+                    self.now + serve_s - self.trainer_since, train_s, 0.0, 0.0, staleness)
         self.pending_step = step
+        self.serving = True
+        self._push_event(self.now + serve_s, "served", train_s)
+
+    def _on_served(self, train_s: float) -> None:
+        self.serving = False
         self._trainer_to("train")
         self._push_event(self.now + train_s, "trained", None)
 
@@ -627,11 +706,13 @@ class Simulation:
         self._finish_step_if_synced()
         self._pusher()
         self._dispatch()
+        self._evaluate()
 
     # --- run ---------------------------------------------------------------------------------------------
     def run(self) -> Result:
         self._pusher()   # the first formation
         self._dispatch()
+        self._evaluate()   # version 0, as the evaluator's first look finds it
         self._push_event(self.state.expire_every_s, "expire", None)
         while self.events and len(self.steps) < self.cfg.steps:
             t, _, kind, payload = heapq.heappop(self.events)
@@ -654,6 +735,10 @@ class Simulation:
                 self._on_reward(payload)
             elif kind == "expire":
                 self._on_expire()
+            elif kind == "eval":
+                self._evaluate()
+            elif kind == "served":
+                self._on_served(payload)
             elif kind == "trained":
                 self._on_trained()
             elif kind == "exported":

@@ -278,6 +278,22 @@ def decisions(run_dir: Path, metrics: list[dict[str, Any]], servers: dict[str, l
             "per_server": {str(i): b for i, b in sorted(by_server.items())}}
 
 
+def trainer_wait(run_dir: Path, metrics: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> dict[str, float]:
+    """Where the trainer's wait for its batches went over the measured steps, in real seconds a step: the
+    trainer's own count (`wait_s`), and the buffer's (its `batch_served` lines): waiting for groups still to
+    come, and serving (converting, writing the served copy). The rest is the request and the reply on the bus
+    and in the two actors' queues."""
+    steps = {m["step"] for m in sorted(metrics, key=lambda m: m["step"])[warmup:]}
+    served = [e for e in read_jsonl(run_dir / "logs" / "buffer.jsonl")
+              if e.get("event") == "batch_served" and e.get("step") in steps]
+    n = max(1, len(steps))
+    out = {"wait_s": sum(m["wait_seconds"] for m in metrics if m["step"] in steps) / n}
+    if served:
+        out["buffer_waited_for_groups_s"] = sum(e["waited_for_groups_s"] for e in served) / len(served)
+        out["buffer_serve_s"] = sum(e["serve_s"] for e in served) / len(served)
+    return out
+
+
 def ledger_account(run_dir: Path) -> dict[str, int]:
     """What became of every prompt the buffer handed out (tools/bench/chaos.py's account: trained, dropped on
     purpose, still pending, lost; and how many were trained more than once)."""
@@ -288,6 +304,31 @@ def ledger_account(run_dir: Path) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------------
 # processes
 # ---------------------------------------------------------------------------------------------------------
+
+class CpuStretch:
+    """How much the machine stretches CPU work while the rehearsal runs: a fixed piece of pure-Python work (a few
+    ms of CPU) timed, elapsed against this process's CPU seconds, at every sample. On a machine shared with more
+    runnable work than cores, work waits for a core; the simulation stretches the buffer's serve cost (CPU
+    seconds, `sim.ServeCost`, measured by `tools.bench serve`) by the stretch measured over the same window."""
+
+    WORK = 100_000   # loop iterations: about 5 ms of CPU on this machine type
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float, float]] = []   # (time, elapsed, CPU seconds)
+
+    def sample(self) -> None:
+        t0, c0 = time.perf_counter(), time.process_time()
+        x = 0
+        for i in range(self.WORK):
+            x += i * i
+        self.samples.append((time.time(), time.perf_counter() - t0, time.process_time() - c0))
+
+    def over(self, start: float, end: float) -> float:
+        """Elapsed over CPU seconds of the samples between `start` and `end` (wall-clock times); at least 1."""
+        inside = [(e, c) for t, e, c in self.samples if start <= t <= end]
+        cpu = sum(c for _, c in inside)
+        return max(1.0, sum(e for e, _ in inside) / cpu) if cpu > 0 else 1.0
+
 
 class ProcessWatch:
     """The process tree under the node agents: how many processes, and their resident memory (RSS summed,
@@ -358,7 +399,7 @@ def make_assets(run_dir: Path, seed: int) -> Assets:
 
 def pick_base_port(plan_for: Any, tries: int = 20) -> tuple[int, Plan]:
     """A bus base port whose whole range is free here (several runs share this machine)."""
-    from tools.up import busy_ports
+    from actors.launch.report import busy_ports
 
     rng = random.Random(os.getpid() ^ time.time_ns())
     for _ in range(tries):
@@ -413,14 +454,18 @@ def rehearse(opts: Options) -> dict[str, Any]:
         return plan.with_hosts(hosts)
 
     _, plan = pick_base_port(plan_for)
-    from tools.up import build_specs, supervisor_options, write_node_plans, write_plan
+    from actors.launch.nodes import write_node_plans
+    from actors.launch.options import LaunchRequest
+    from actors.launch.readiness import supervisor_options
+    from actors.launch.rundir import build_specs, write_plan
+    from tools.up import HOOKS
 
     specs = build_specs(plan, run_dir)
     launch_overrides = list(opts.overrides) + launched_overrides(layout, sim_plan, costs, assets, run_dir,
                                                                   opts.steps, plan.topology.bus.base_port,
                                                                   opts.health_timeout_s)
-    write_plan(plan, run_dir, specs, launch_overrides)
-    options = supervisor_options(plan, argparse.Namespace(ready_timeout=None))
+    write_plan(plan, run_dir, specs, launch_overrides, HOOKS)
+    options = supervisor_options(plan, LaunchRequest())
     hosts = write_node_plans(plan, run_dir, specs, options)
     say(f"rehearsal of {opts.topology} at scale {Fraction(opts.scale).limit_denominator(1000)}: "
         f"{layout.rollouts} rollouts + servers and {layout.rewards} reward actors on {layout.rollout_nodes} node(s), "
@@ -439,12 +484,14 @@ def rehearse(opts: Options) -> dict[str, Any]:
                                            stderr=subprocess.STDOUT, cwd=str(topo_mod.REPO_ROOT),
                                            start_new_session=True))
     watch = ProcessWatch([p.pid for p in agents])
+    stretch = CpuStretch()
     fault_done: dict[str, Any] = {}
     stop_reason = None
     seen_steps = 0
     try:
         while any(p.poll() is None for p in agents):
             watch.sample()
+            stretch.sample()
             metrics = read_jsonl(run_dir / "metrics.jsonl")
             if len(metrics) > seen_steps:
                 seen_steps = len(metrics)
@@ -472,7 +519,7 @@ def rehearse(opts: Options) -> dict[str, Any]:
                     p.wait(timeout=10)
     wall = time.monotonic() - t0
     return report(opts, run_dir, plan, layout, costs, sim_cfg, specs, agents, watch, wall, fault_done, stop_reason,
-                  launch_overrides, sim_overrides)
+                  launch_overrides, sim_overrides, stretch)
 
 
 def kill_node(run_dir: Path, host: str) -> dict[str, Any]:
@@ -493,7 +540,7 @@ def kill_node(run_dir: Path, host: str) -> dict[str, Any]:
 def report(opts: Options, run_dir: Path, plan: Plan, layout: Layout, costs: RehearsalCosts, sim_cfg: sim.SimConfig,
            specs: list[dict[str, Any]], agents: list[subprocess.Popen], watch: ProcessWatch, wall: float,
            fault: dict[str, Any], stop_reason: str | None, launch_overrides: list[str],
-           sim_overrides: list[str]) -> dict[str, Any]:
+           sim_overrides: list[str], stretch: CpuStretch | None = None) -> dict[str, Any]:
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     ledger = read_jsonl(run_dir / "buffer" / "ledger.jsonl")
     servers = server_stats(run_dir)
@@ -514,7 +561,15 @@ def report(opts: Options, run_dir: Path, plan: Plan, layout: Layout, costs: Rehe
     if len(metrics) > WARMUP_STEPS:
         measured = measured_figures(metrics, ledger, time_scale=opts.time_scale, token_scale=opts.token_scale,
                                     prompt_tokens=sim_cfg.prompt_tokens)
-        result = sim.simulate(dataclasses.replace(sim_cfg, steps=len(metrics)))
+        # The buffer's serve costs real seconds, stretched by the machine's load: in modelled seconds, time_scale
+        # times that, for answers of 1/token_scale the modelled tokens.
+        rows = sorted(metrics, key=lambda m: m["step"])
+        cpu_stretch = stretch.over(rows[WARMUP_STEPS - 1]["time"], rows[-1]["time"]) if stretch else 1.0
+        serve = sim_cfg.serve.scaled(opts.time_scale * cpu_stretch, opts.token_scale)
+        result = sim.simulate(dataclasses.replace(sim_cfg, steps=len(metrics), serve=serve))
+        out["cpu_stretch"] = cpu_stretch
+        out["trainer_wait"] = trainer_wait(run_dir, metrics)
+        out["serve_cost"] = dataclasses.asdict(serve)
         out["measured"] = measured
         out["simulated"] = result.figures()
         out["agreement"] = sim.agreement(result.figures(), measured)
@@ -571,6 +626,15 @@ def render(r: dict[str, Any]) -> str:
             rows.append((name, f"{row['simulated']:.4g}", f"{row['measured']:.4g}", f"{row['ratio']:.3f}",
                          "yes" if row["agrees"] else "NO"))
         lines += ["", "figures (modelled seconds and tokens; measured steps after the first)", *_table(rows)]
+        if "cpu_stretch" in r:
+            serve = r["serve_cost"]
+            lines.append(f"  the buffer's serve, simulated: CPU x{r['cpu_stretch']:.2f} (the machine's stretch over "
+                         f"the measured steps) = {serve['per_batch_s']:.3g} s a batch + "
+                         f"{serve['per_token_s'] * 1e6:.3g} s per million modelled answer tokens")
+        if "buffer_serve_s" in r.get("trainer_wait", {}):
+            w = r["trainer_wait"]
+            lines.append(f"  the trainer's wait, real seconds a step: {w['wait_s']:.3f}, of which the buffer waited "
+                         f"{w['buffer_waited_for_groups_s']:.3f} for groups and served for {w['buffer_serve_s']:.3f}")
         worst = max((abs(x["ratio"] - 1) for x in r["agreement"]["rows"].values()), default=0.0)
         lines.append(f"  agreement: {'all within 15 %' if r['agreement']['all_agree'] else 'NOT all within 15 %'}"
                      f" (largest deviation {100 * worst:.1f} %)")

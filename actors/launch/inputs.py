@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 from actors.dataset import DatasetError, Layout, iter_jsonl, resolve_data_path, sniff_file
-from tools.lm import has_weights
+from actors.engines.checkpoint import has_weights
 from topology import Plan
 from topology.experiment import ExperimentConfig
 

@@ -1,0 +1,42 @@
+"""The two things `python -m tools.up` does with a plan: report it (`dry_run`) or launch it (`launch`): on
+this machine, inside a SLURM allocation across its nodes, or by submitting one (--sbatch)."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Sequence
+
+from actors.launch.local import run_local
+from actors.launch.nodes import run_slurm, submit_sbatch
+from actors.launch.options import EXIT_INVALID, EXIT_OK, LaunchRequest, ToolHooks
+from actors.launch.report import busy_ports, describe
+from topology import Plan
+
+
+def dry_run(plan: Plan, overrides: Sequence[str], hooks: ToolHooks) -> int:
+    """Print the report and a sample of the inputs; EXIT_INVALID (problems on stderr) when a port is taken,
+    a GPU group does not fit, the prepare section or an input would be refused."""
+    from actors.launch.inputs import check_inputs   # it loads torch (model directories): only when checking
+
+    print(describe(plan, overrides, hooks))
+    inputs, input_problems = check_inputs(plan, launch=False)
+    print("\ninputs (a sample of each data file; actors/launch/inputs.py)"
+          + "".join(f"\n  {line}" for line in inputs))
+    if problems := busy_ports(plan) + hooks.memory_problems(plan) + hooks.prepare_problems(plan) + input_problems:
+        print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
+        return EXIT_INVALID
+    return EXIT_OK
+
+
+def launch(plan: Plan, request: LaunchRequest, hooks: ToolHooks) -> int:
+    """Start the run and wait for its end; the exit status of tools/up.py."""
+    if request.sbatch:
+        return submit_sbatch(plan, request)
+    several = len(plan.topology.nodes) > 1 or plan.topology.nodes_from_allocation
+    if os.environ.get("SLURM_JOB_ID") and several:
+        return run_slurm(plan, request, hooks)
+    if several:
+        print(f"{plan.topology.source}: {len(plan.topology.nodes)} nodes need a SLURM allocation: run inside "
+              f"`salloc -N{len(plan.topology.nodes)}` or add --sbatch", file=sys.stderr)
+        return EXIT_INVALID
+    return run_local(plan, request, hooks)

@@ -1,0 +1,109 @@
+"""What a launch shows while it runs and when it ends: each actor's state (`ProgressView`, a live table on a
+terminal, a line per change otherwise), the latest training step (`TrainingProgress`), and the summary
+table printed at the end."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from actors.launch.report import table_lines
+
+
+class ProgressView:
+    """Live actor status: a rich table on a terminal, one line per change otherwise."""
+
+    def __init__(self, title: str, enabled: bool) -> None:
+        self.title = title
+        self.live = None
+        self.last: dict[str, str] = {}
+        if enabled and sys.stdout.isatty():
+            from rich.live import Live
+            self.live = Live(refresh_per_second=4, transient=False)
+            self.live.start()
+
+    def update(self, rows: dict[str, dict[str, Any]], elapsed: float, training: str | None = None) -> None:
+        if self.live is not None:
+            from rich.table import Table
+            table = Table(title=f"{self.title}  {elapsed:6.1f} s", caption=training)
+            for col in ("actor", "node", "state", "pid", "restarts"):
+                table.add_column(col)
+            for name, row in rows.items():
+                table.add_row(name, str(row.get("node", "")), row["state"], str(row.get("pid") or ""),
+                              str(row.get("restarts", 0)))
+            self.live.update(table)
+            return
+        for name, row in rows.items():
+            text = f"{row['state']} (restarts {row.get('restarts', 0)})"
+            if self.last.get(name) != text:
+                self.last[name] = text
+                print(f"[{elapsed:7.1f}s] {name:<20} {row.get('node', ''):<10} {text}", flush=True)
+        if training and self.last.get("\0training") != training:
+            self.last["\0training"] = training
+            print(f"[{elapsed:7.1f}s] {training}", flush=True)
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
+class TrainingProgress:
+    """Follows RUN_DIR/metrics.jsonl (one line per training step, written by the trainer) and renders
+    the latest step as one progress line."""
+
+    def __init__(self, run_dir: Path, total_steps: int | None) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.total = total_steps
+        self.offset = 0
+        self.latest: dict[str, Any] | None = None
+
+    def poll(self) -> str | None:
+        if self.path.exists():
+            with open(self.path) as f:
+                f.seek(self.offset)
+                for line in f:
+                    if not line.endswith("\n"):
+                        break  # a line still being written: read it next time
+                    self.offset += len(line)
+                    self.latest = json.loads(line)
+        m = self.latest
+        if m is None:
+            return None
+        of = f"/{self.total}" if self.total else ""
+        return (f"step {m['step']}{of}  reward {m['task_reward']:+.2f}  accuracy {100 * m['accuracy']:5.1f}%  "
+                f"throughput {m['effective_throughput']:7.0f} tok/s  staleness {m['staleness_mean']:.2f} "
+                f"(max {m['staleness_max']:.0f})  weight sync {m['weight_sync_seconds']:.3f} s  "
+                f"buffer {m['buffer_depth']}")
+
+
+def summary(title: str, rows: dict[str, dict[str, Any]], elapsed: float, run_dir: Path, outcome: str) -> str:
+    lines = [f"{title}: {outcome} after {elapsed:.1f} s; run directory {run_dir}"]
+    table = [("actor", "node", "state", "exit", "restarts")]
+    for name, row in rows.items():
+        table.append((name, str(row.get("node", "")), row["state"], str(row.get("exit", "")),
+                      str(row.get("restarts", 0))))
+    lines.extend(table_lines(table))
+    return "\n".join(lines)
+
+
+def child_rows(sup: Any, node_of: dict[str, str]) -> dict[str, dict[str, Any]]:
+    rows = {}
+    for name, child in sup.children.items():
+        proc = child.proc
+        if child.given_up:
+            state = "failed"        # a late joiner left down after its restart limit; the run goes on
+        elif child.finished:
+            state = "finished"
+        elif child.ready:
+            state = "ready"
+        elif proc is not None and proc.returncode is not None:
+            state = "restarting"
+        elif child.late_reported:
+            state = "late"          # past its ready budget, still starting
+        else:
+            state = "starting"
+        rows[name] = {"node": node_of.get(name, ""), "state": state, "restarts": sup.restarts[name],
+                      "pid": proc.pid if proc is not None and proc.returncode is None else None,
+                      "exit": child.last_exit if child.last_exit is not None else ""}
+    return rows
