@@ -142,7 +142,9 @@ def test_bad_world_ports_are_refused(tmp_path: Path, group: str, problem: str) -
 @pytest.mark.parametrize("settings, problem", [
     ({}, "no world_port"),                                     # separate instances would each train alone
     ({"world": {"rank": 1}}, "needs backend: megatron"),
-    ({"world": {"rank": 0}, "backend": "megatron", "parallel": {"pp": 2}, "links": {"train_to_ps": {}}},
+    ({"world": {"rank": 0}, "backend": "megatron", "parallel": {"pp": 2},
+      "links": {"train_to_ps": {"name": "train_to_ps", "backend": "gloo", "master_addr": "127.0.0.1", "master_port": 0,
+                                "rank": 0, "world_size": 2}}},
      "parallel.pp > 1 needs direct weights"),
 ])
 def test_a_trainer_group_that_cannot_train_together_is_refused_at_start(tmp_path: Path, settings: dict,
