@@ -308,7 +308,7 @@ def test_the_dry_runs_weights_group_is_the_one_the_rollouts_and_parameter_server
             continue
         cfg = RolloutSettings.model_validate(spec["settings"])
         engine = SGLangEngine.from_settings(cfg, 0, "/models/m", run_dir=str(tmp_path))
-        receiver = make_receiver(cfg, LinkConfig.from_dict(cfg.links["weights"]), engine, verify=None,
+        receiver = make_receiver(cfg, LinkConfig.from_dict(cfg.links["weights"].model_dump()), engine, verify=None,
                                  make_link=None, param_server="param_server", counters=collections.Counter(),
                                  log=structlog.get_logger(), active=lambda: 0)
         ranks += receiver.ranks

@@ -96,7 +96,7 @@ class Linked(Actor):
 
         self.adds = 0
         self.asked = asyncio.Event()
-        self.link = self.make_link(LinkConfig.from_dict(self.cfg.links["w"]))
+        self.link = self.make_link(LinkConfig.from_dict(self.cfg.links["w"].model_dump()))
 
     async def on_ready(self) -> None:
         self.spawn(self.transfers(), name="transfers")
