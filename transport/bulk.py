@@ -53,6 +53,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from transport.files import atomic_write
+
 __all__ = [
     "BulkError",
     "ChecksumMismatch",
@@ -907,11 +909,7 @@ def rendezvous_store(addr: str, port: int, rank: int, world_size: int, timeout: 
 def generate_rendezvous_secret(run_dir: str | os.PathLike) -> str:
     """A fresh random secret for the run's rendezvous stores, ``run_dir/rendezvous.secret`` (0600); its path."""
     path = os.path.join(run_dir, "rendezvous.secret")
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_hex(32) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, secrets.token_hex(32) + "\n", mode=0o600)
     return path
 
 
