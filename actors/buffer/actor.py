@@ -266,7 +266,7 @@ class BufferActor(Actor):
         if peer not in self.state.rollouts and peer not in self.state.rewards:
             return
         self.state.worker_silent(peer, time.time() - self.heartbeat_timeout())
-        held = sum(peer in (f.rollout, f.reward) for f in self.state.inflight.values())
+        held = self.state.rollout_load[peer] + self.state.reward_load[peer]
         self.log.warning("worker_silent", worker=peer, groups_held=held,
                          lost_after_s=round(self.state.silence_limit_s, 1))
 
