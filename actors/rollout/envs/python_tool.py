@@ -30,10 +30,10 @@ kill), never joined. A zygote that dies is replaced by the sandbox on the next r
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import os
-import concurrent.futures
 import queue
 import threading
 from collections.abc import Callable
