@@ -114,6 +114,27 @@ def test_dry_run_names_each_pipeline_stage_sender(tmp_path: Path, capsys: pytest
             "trainer.0, trainer.64") in capsys.readouterr().out
 
 
+def test_the_launchers_own_torch_work_runs_with_the_trainers_threads() -> None:
+    """The warm start and the evaluations after a run train and generate in the launcher's process: with
+    torch's thread per core, a tiny model's step on a busy machine waits on every operation's slowest thread."""
+    import torch
+
+    from actors.launch.local import use_trainer_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert use_trainer_threads(load(REPO / "topology" / "local_agent.yaml", check_imports=False)) == 1
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        plan = load(REPO / "topology" / "local.yaml", ["actors.trainer.threads=2"], check_imports=False)
+        assert use_trainer_threads(plan) == 2 and torch.get_num_threads() == 2
+        assert use_trainer_threads(load(REPO / "topology" / "demo_local.yaml", check_imports=False)) is None
+        assert torch.get_num_threads() == 2   # no trainer: left as it was
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_world_gives_each_instance_its_rank_and_rendezvous() -> None:
     plan = topo_mod.load(REPO / "topology" / "1node.yaml", check_imports=False)
     specs = {s["name"]: s for s in plan.specs("/tmp/run")}

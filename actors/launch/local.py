@@ -30,6 +30,21 @@ def trains_steps(plan: Plan) -> bool:
     return any(group.actor_package == "actors.trainer" for group in plan.topology.groups.values())
 
 
+def use_trainer_threads(plan: Plan) -> int | None:
+    """Give this process's own torch work (the warm start, the evaluations after the run) the trainer's thread
+    count (its OMP_NUM_THREADS); the count set, or None without a trainer. The tiny models' operations are too
+    short to split: with a thread per core each one waits for the slowest thread, so on a machine with any
+    other work a step slows down tenfold or more, where one thread runs at full speed."""
+    modules = {name: group.actor_package for name, group in plan.topology.groups.items()}
+    threads = [i.env.get("OMP_NUM_THREADS") for i in plan.instances if modules.get(i.group) == "actors.trainer"]
+    if not threads or not threads[0]:
+        return None
+    import torch
+
+    torch.set_num_threads(int(threads[0]))
+    return int(threads[0])
+
+
 def progress_watchdog(plan: Plan, run_dir: Path) -> ProgressWatchdog:
     """The run's progress watchdog (actors/launch/watchdog.py), set by the experiment's run.watchdog."""
     return ProgressWatchdog(run_dir, plan.topology.config.run.watchdog)
@@ -139,6 +154,7 @@ def run_local(plan: Plan, request: LaunchRequest, hooks: ToolHooks) -> int:
     if problems := busy_ports(plan):
         print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
         return EXIT_INVALID
+    use_trainer_threads(plan)
     try:
         # the run's plan is the one built from the prepared document (model.path at the warm start it made)
         plan = hooks.prepare(plan)
