@@ -774,3 +774,27 @@ def test_an_actor_cannot_announce_another_ones_restart(tmp_path: Any) -> None:
             await bus.close()
 
     run(main())
+
+
+def test_a_peer_re_pointed_to_a_new_process_is_a_restart_and_one_re_pointed_before_any_ping_is_not(
+        tmp_path: Any) -> None:
+    async def main() -> None:
+        restarted: list[str] = []
+        watcher_ep = f"ipc://{tmp_path}/watcher"
+        watcher = await Bus("watcher", watcher_ep, {"peer": f"ipc://{tmp_path}/a"}, heartbeat_interval=0.05,
+                            heartbeat_timeout=5.0, on_peer_restarted=restarted.append).start()
+        a = await Bus("peer", f"ipc://{tmp_path}/a", {"watcher": watcher_ep}, heartbeat_interval=0.05).start()
+        await until(lambda: watcher._peers["peer"].incarnation == a.incarnation)
+        await a.close()
+        watcher.add_peer("peer", f"ipc://{tmp_path}/b")
+        b = await Bus("peer", f"ipc://{tmp_path}/b", {"watcher": watcher_ep}, heartbeat_interval=0.05).start()
+        await until(lambda: restarted == ["peer"])
+        assert watcher._peers["peer"].incarnation == b.incarnation and watcher.stats["peer_restarted"] == 1
+        watcher.add_peer("other", f"ipc://{tmp_path}/c")          # a name never heard from: nothing to compare
+        c = await Bus("other", f"ipc://{tmp_path}/c", {"watcher": watcher_ep}, heartbeat_interval=0.05).start()
+        await until(lambda: watcher._peers["other"].incarnation == c.incarnation)
+        assert restarted == ["peer"]
+        for bus in (c, b, watcher):
+            await bus.close()
+
+    run(main())

@@ -400,6 +400,8 @@ class Bus:
         self._peer_endpoints[name] = endpoint
         if self._started and not self._closed:
             self._connect(name, endpoint)
+            if old is not None:   # the same actor, moved: a new process there is still a restart
+                self._peers[name].incarnation = old.incarnation
 
     # --------------------------------------------------------------------------------------- sending
 
