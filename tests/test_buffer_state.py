@@ -281,6 +281,75 @@ def test_a_silent_worker_keeps_its_groups_until_it_restarts_or_stays_silent_too_
     assert st.stats.returned == len(held["rollout.0"]) + len(held["rollout.2"])
 
 
+def test_a_restarted_worker_s_groups_are_handed_back_at_once_and_it_gets_no_work_until_its_hello() -> None:
+    # Its supervisor restarted it and the new process pings but never says hello (its server never gets
+    # healthy): its pings cleared the silence, and the old process's groups waited for their timeout.
+    st = state(eta=3, batch_size=4, rollouts=2, rewards=2, max_per_rollout=3)
+    issues = issue_all(st)
+    held = {i.group_id for i in issues if i.rollout == "rollout.1"}
+    assert held and st.rollout_load["rollout.1"] == len(held)
+    st.worker_silent("rollout.1", 0.0)
+    gone = st.worker_restarted("rollout.1")
+    assert set(gone) == held and sorted(st.reissue) == sorted(i.key for i in issues if i.group_id in held)
+    assert st.rollout_load["rollout.1"] == 0 and "rollout.1" not in st.silent_since and "rollout.1" not in st.greeted
+    assert st.silent_too_long(1e9) == {}                          # nothing left to hand back for its silence
+    for g in list(st.inflight):                                   # the others' groups come back: room for more
+        st.scored(g, answers())
+    more = issue_all(st)
+    assert more and {i.rollout for i in more} == {"rollout.0"}    # no hello yet: no work
+    # its hello: nothing handed back twice; work again
+    assert st.worker_hello("rollout.1") == {} and st.stats.returned == len(held)
+    again = issue_all(st)
+    assert again and {i.rollout for i in again} == {"rollout.1"}
+
+
+def test_a_restarted_reward_actor_s_groups_are_handed_back_and_scored_elsewhere() -> None:
+    st = state(eta=3, batch_size=4, rollouts=2, rewards=2)
+    issues = issue_all(st)
+    held = {i.group_id for i in issues if i.reward == "reward.1"}
+    assert held and st.reward_load["reward.1"] == len(held)
+    assert set(st.worker_restarted("reward.1")) == held and st.reward_load["reward.1"] == 0
+    for g in list(st.inflight):
+        st.scored(g, answers())
+    assert {i.reward for i in issue_all(st)} == {"reward.0"}
+    assert all(st.scored(g, answers()).outcome == "late" for g in held)   # the old process's answers: too late
+    assert st.worker_hello("reward.1") == {}
+
+
+def test_the_buffer_actor_reissues_a_restarted_worker_s_groups_naming_the_restart() -> None:
+    """BufferActor.on_peer_restarted, then the new process's hello; a worker paused and heard again keeps its
+    groups (the same process: its bus's incarnation did not change, so no restart is reported)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import structlog
+    from structlog.testing import capture_logs
+
+    from actors.buffer.actor import BufferActor
+
+    st = state(eta=2, batch_size=4, rollouts=2, rewards=1, silence_limit_s=30.0, group_timeout_s=1000.0)
+    issues = issue_all(st, now=time.time())
+    held = {r: {i.group_id for i in issues if i.rollout == r} for r in st.rollouts}
+    buffer = BufferActor.__new__(BufferActor)
+    buffer.__dict__.update(state=st, log=structlog.get_logger("test"), changed=asyncio.Event(),
+                           cfg=SimpleNamespace(bus=SimpleNamespace(heartbeat_timeout=5.0)))
+    with capture_logs() as logs:
+        buffer.on_peer_dead("rollout.0")                     # a pause: dead, then heard again
+        buffer.on_peer_alive("rollout.0")
+        buffer.on_peer_dead("rollout.1")                     # killed; its new process pings: alive, restarted
+        buffer.on_peer_alive("rollout.1")
+        buffer.on_peer_restarted("rollout.1")
+        buffer.on_peer_restarted("evaluator")                # not a worker of the buffer: nothing
+        buffer.on_worker_hello(WorkerHello(role="rollout"), SimpleNamespace(sender="rollout.1"))
+    reissued = [e for e in logs if e["event"] == "group_reissued"]
+    assert {e["group"] for e in reissued} == held["rollout.1"]
+    assert {e["reason"] for e in reissued} == {"rollout.1 restarted"}
+    assert [(e["worker"], e["groups_reissued"]) for e in logs if e["event"] == "worker_restarted"] == \
+        [("rollout.1", len(held["rollout.1"]))]
+    assert held["rollout.0"] <= set(st.inflight) and st.stats.returned == len(held["rollout.1"])
+    assert buffer.changed.is_set() and "rollout.1" in st.greeted
+
+
 def test_groups_with_no_result_expire_and_invalid_prompts_are_dropped() -> None:
     st = state(eta=0, batch_size=2, group_timeout_s=10.0)
     a, b = issue_all(st, now=0.0)
@@ -369,8 +438,9 @@ def test_the_ledger_after_a_resume_drops_rolled_back_batches_and_restores_a_lost
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_a_run_with_deaths_drops_and_restores_trains_every_prompt_once_within_eta(seed: int, dynamic: bool) -> None:
-    """Random arrivals, worker deaths, uniform and stale groups, and restores from the last checkpoint
-    (what happened after it is rolled back, as the trainer's and the ledger's steps are): every prompt
+    """Random arrivals, worker deaths and restarts (a hello later, or none), uniform and stale groups, and
+    restores from the last checkpoint (what happened after it is rolled back, as the trainer's and the
+    ledger's steps are): every prompt
     the cursor handed out is trained once, dropped as uniform once, or still pending, and every trained
     group is within eta; the run keeps making progress."""
     rng = random.Random(seed)
@@ -386,6 +456,7 @@ def test_a_run_with_deaths_drops_and_restores_trains_every_prompt_once_within_et
         if version >= steps:
             break
         issue_all(st)
+        assert all(f.rollout in st.greeted and f.reward in st.greeted for f in st.inflight.values())
         roll = rng.random()
         if st.inflight and roll < 0.6:
             gid = rng.choice(list(st.inflight))
@@ -402,6 +473,12 @@ def test_a_run_with_deaths_drops_and_restores_trains_every_prompt_once_within_et
             if rng.random() < 0.5:
                 st.worker_heard(worker)
             st.silent_too_long(rng.choice([10.0, 100.0]))
+        elif roll < 0.67:                                                # restarted: its hello comes later, or not
+            worker = rng.choice(st.rollouts + st.rewards)
+            st.worker_restarted(worker)
+            assert worker not in st.greeted
+        elif roll < 0.7 and (waiting := sorted(set(st.rollouts + st.rewards) - st.greeted)):
+            assert st.worker_hello(rng.choice(waiting)) == {}, "a restarted worker's hello handed back work twice"
         elif roll < 0.9:
             st.drop_stale()
             batch = st.take_batch()

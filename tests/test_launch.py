@@ -290,6 +290,11 @@ def test_a_trainer_rank_that_dies_stops_the_other_ranks() -> None:
     assert stops == []
     trainer.on_peer_dead("trainer.1")
     assert len(stops) == 1 and stops[0][1] == 1 and "trainer rank trainer.1 stopped answering" in stops[0][0]
+    # restarted faster than the heartbeat timeout: never declared dead, and its old process is gone all the same
+    trainer.on_peer_restarted("rollout.0")
+    assert len(stops) == 1
+    trainer.on_peer_restarted("trainer.1")
+    assert len(stops) == 2 and stops[1][1] == 1 and "trainer rank trainer.1 restarted" in stops[1][0]
 
 
 def test_a_port_already_in_use_fails_the_dry_run_naming_its_key(tmp_path, capsys):

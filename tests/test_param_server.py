@@ -158,6 +158,47 @@ def test_a_rollout_whose_server_died_is_waited_for_until_its_hello(tmp_path: Pat
     assert '"rollout_server_down"' in log and '"no_hello": ["rollout.0", "rollout.1"]' in log
 
 
+def test_a_restarted_rollout_is_left_out_until_its_new_process_says_hello(tmp_path: Path,
+                                                                          random_model_dir: Path) -> None:
+    # Killed and restarted by its supervisor, a rollout's new process pings before it is ready: it counted as
+    # alive and hello'd (its old process's hello), so a group was formed with it that waited out the link
+    # timeout for a member that could not join. Its first ping now says it is a new process. (rollout.1 never
+    # says hello: no group is formed at all, so none waits for rollout.0 here.)
+    ports = {"train_to_ps": free_port(), "ps_to_rollout": free_port()}
+    s = spec(tmp_path, random_model_dir, ports, ["param_server", "rollout.0", "rollout.1"])
+    s.peers["rollout.1"] = f"ipc://{tmp_path}/rollout.1"
+
+    async def main() -> None:
+        actor = ParamServerActor(s)
+        task = asyncio.create_task(actor.run())
+
+        def rollout() -> Bus:   # a process of rollout.0: its pings carry its bus's incarnation
+            return Bus("rollout.0", s.peers["rollout.0"], {"param_server": s.endpoint}, heartbeat_interval=0.05)
+
+        old = await rollout().start()
+
+        async def hello_flag(bus: Bus) -> bool:
+            status = await bus.request("param_server", WeightsStatusRequest(), timeout=30)
+            return status.rollouts["rollout.0"].hello
+
+        await old.send("param_server", RolloutHello(version=0, incarnation="old"))
+        assert await hello_flag(old)
+        await old.close(linger=0)
+        new = await rollout().start()
+        assert not await hello_flag(new)           # its first ping went before this request
+        assert actor.bus.stats["peer_restarted"] == 1
+        await new.send("param_server", RolloutHello(version=0, incarnation="new"))
+        assert await hello_flag(new)
+        assert actor.counters["link_formations"] == 0
+        actor.request_stop("test over")
+        assert await task == 0
+        await new.close(linger=0)
+
+    run(main())
+    log = (tmp_path / "logs" / "param_server.jsonl").read_text()
+    assert '"rollout_restarted"' in log
+
+
 def test_a_rollout_whose_server_is_still_starting_does_not_hold_back_new_weights(tmp_path: Path,
                                                                                 random_model_dir: Path) -> None:
     # A rollout reports ready only once its SGLang server is up (minutes at 7B); the run starts without it.

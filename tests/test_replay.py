@@ -19,6 +19,7 @@ import uvloop
 
 from actors.runtime.base import Actor, ActorSpec, handles, ready_path
 from actors.runtime.threads import in_thread
+from testsupport.bounded import until
 from tools import replay
 from transport.bus import Bus
 from transport.messages import Message, message
@@ -332,6 +333,60 @@ def test_heartbeat_verdicts_are_logged_and_replayed(tmp_path: Any) -> None:
     events = [(r.event, r.peer) for r in read_log(path)[0] if r.kind == "event"]
     assert ("peer_dead", "sink") in events, events
     same = replay.replay_into(path, f"{MODULE}:Watcher", idle_timeout=10)
+    assert same.compared and same.divergence is None and same.sent >= 1, same
+    # an actor that does nothing on the verdict: the report to the oracle is missing
+    d = replay.replay_into(path, f"{MODULE}:Accumulator", idle_timeout=5).divergence
+    assert d is not None and d.peer == "oracle" and d.actual == "nothing" and d.message == "test.replay.add", d
+
+
+class RestartWatcher(Accumulator):
+    """Tells the oracle when the sink came back as a new process: work done on a verdict, not on a message."""
+
+    def on_peer_restarted(self, peer: str) -> None:
+        if peer == "sink":
+            self.spawn(self.bus.send("oracle", Add(-2)), name="report")
+
+
+def test_a_peer_restart_is_logged_and_replayed_where_it_happened(tmp_path: Any) -> None:
+    async def main() -> None:
+        told = asyncio.Event()
+
+        def oracle(env: Any) -> None:
+            if type(env.msg) is Add and env.msg.n == -2:
+                told.set()
+
+        watch_ep, sink_ep = f"ipc://{tmp_path}/watch", f"ipc://{tmp_path}/sink"
+        oracle_bus = await Bus("oracle", "tcp://127.0.0.1:*", handler=oracle, heartbeat_interval=None).start()
+
+        def sink() -> Bus:   # pings the watcher: its pings say which process it is
+            return Bus("sink", sink_ep, {"watch": watch_ep}, handler=lambda env: None, heartbeat_interval=0.05)
+
+        sink_bus = await sink().start()
+        spec = ActorSpec("watch", f"{MODULE}:RestartWatcher", watch_ep, {"oracle": oracle_bus.endpoint, "sink": sink_ep},
+                         {"log_console": False, "message_log": {"outbound": True},
+                          "bus": {"heartbeat_interval": 0.05, "heartbeat_timeout": 30.0}}, str(tmp_path))
+        actor = RestartWatcher(spec)
+        task = asyncio.create_task(actor.run())
+        async with asyncio.timeout(10):
+            while not ready_path(tmp_path, "watch").exists():
+                await asyncio.sleep(0.005)
+        first = sink_bus.incarnation
+        await until(lambda: actor.bus._peers["sink"].incarnation == first, timeout=10, what="the sink's first ping")
+        await sink_bus.close()
+        sink_bus = await sink().start()          # a new process of the sink, long before any heartbeat timeout
+        async with asyncio.timeout(30):
+            await told.wait()
+        actor.request_stop()
+        assert await task == 0
+        for bus in (sink_bus, oracle_bus):
+            await bus.close()
+
+    uvloop.run(main())
+    path = str(tmp_path / "msglog" / "watch.msglog")
+    from transport.msglog import read_log
+    events = [(r.event, r.peer) for r in read_log(path)[0] if r.kind == "event"]
+    assert ("peer_restarted", "sink") in events and ("peer_dead", "sink") not in events, events
+    same = replay.replay_into(path, f"{MODULE}:RestartWatcher", idle_timeout=10)
     assert same.compared and same.divergence is None and same.sent >= 1, same
     # an actor that does nothing on the verdict: the report to the oracle is missing
     d = replay.replay_into(path, f"{MODULE}:Accumulator", idle_timeout=5).divergence

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -656,5 +657,144 @@ def test_an_actor_with_every_handler_busy_stays_alive_to_its_peers(tmp_path: Any
         assert await first == Echo("done") and await queued == Echo("done")
         await watcher.close()
         await busy.close()
+
+    run(main())
+
+
+@message("test.bus.said")
+class Said(Message):
+    n: int
+
+
+# A peer in a process of its own: it says Said(n) the moment its bus is up, then only answers and pings.
+PEER_PROCESS = textwrap.dedent("""
+    import asyncio, sys, uvloop
+    from transport.bus import Bus
+    from transport.messages import Message, message
+
+    @message("test.bus.said")
+    class Said(Message):
+        n: int
+
+    async def main():
+        bus = await Bus("peer", sys.argv[1], {"watcher": sys.argv[2]}, heartbeat_interval=0.05).start()
+        await bus.send("watcher", Said(int(sys.argv[3])))
+        await asyncio.Event().wait()
+
+    uvloop.run(main())
+""")
+
+
+def test_a_restarted_peer_is_told_once_before_its_first_message_and_a_paused_one_never(tmp_path: Any) -> None:
+    # A worker's supervisor restarted it and the new process never became ready: its pings made the old one's
+    # death go unnoticed (the buffer kept its groups until their timeout). A paused process that resumes is the
+    # same process: nothing it held is lost.
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        seen: list[tuple[str, Any]] = []        # what the watcher learnt, in order
+        dead, alive = loop.create_future(), loop.create_future()
+
+        def handler(env: Any) -> None:
+            seen.append(("said", env.msg.n))
+
+        peer_ep, watcher_ep = f"ipc://{tmp_path}/peer", f"ipc://{tmp_path}/watcher"
+        log = ListLog()
+        watcher = await Bus("watcher", watcher_ep, {"peer": peer_ep}, handler=handler, heartbeat_interval=0.05,
+                            heartbeat_timeout=0.5, log=log,
+                            on_peer_dead=lambda n: dead.done() or dead.set_result(n),
+                            on_peer_alive=lambda n: alive.done() or alive.set_result(n),
+                            on_peer_restarted=lambda n: seen.append(("restarted", n))).start()
+        pings: list[str] = []                   # the incarnations the watcher's pings from "peer" carried
+        note = watcher._note_incarnation
+        watcher._note_incarnation = lambda p, inc: (pings.append(inc), note(p, inc))   # type: ignore[method-assign]
+
+        def start_peer(n: int) -> subprocess.Popen:
+            return subprocess.Popen([sys.executable, "-W", "ignore", "-c", PEER_PROCESS, peer_ep, watcher_ep, str(n)],
+                                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+        first = start_peer(1)
+        try:
+            await poll_until(lambda: ("said", 1) in seen, timeout=60, what="the first process's message")
+            assert seen == [("said", 1)]                        # the first incarnation seen is no restart
+            # paused past the heartbeat timeout, then resumed: dead, alive again, the same process
+            first.send_signal(signal.SIGSTOP)
+            assert await asyncio.wait_for(dead, 60) == "peer"
+            first.send_signal(signal.SIGCONT)
+            assert await asyncio.wait_for(alive, 60) == "peer"
+            resumed_at = len(pings)
+            await poll_until(lambda: len(pings) > resumed_at, timeout=60, what="a ping of the resumed process")
+            assert seen == [("said", 1)] and watcher.stats["peer_restarted"] == 0 and len(set(pings)) == 1
+            # killed and started again: told once, before the new process's first message is handled
+            first.kill()
+            first.wait(timeout=60)
+            second = start_peer(2)
+            try:
+                await poll_until(lambda: ("said", 2) in seen, timeout=60, what="the second process's message")
+                n_pings = len(pings)
+                await poll_until(lambda: len(pings) > n_pings + 2, timeout=60, what="more pings of the new process")
+                assert seen == [("said", 1), ("restarted", "peer"), ("said", 2)], seen
+                assert watcher.stats["peer_restarted"] == 1 and len(set(pings)) == 2
+                assert [e for _, e, kw in log.events if e == "peer_restarted"] == ["peer_restarted"]
+            finally:
+                second.kill()
+                second.wait(timeout=60)
+        finally:
+            first.kill()
+            first.wait(timeout=60)
+        await watcher.close()
+
+    run(main(), timeout=240)
+
+
+def test_an_actor_cannot_announce_another_ones_restart(tmp_path: Any) -> None:
+    # With tokens (or CURVE) and roles, a ping passes the sender check every message passes: an actor whose
+    # pings claim another's name is refused, and the other's incarnation stays what its own pings say.
+    async def main() -> None:
+        tokens_dir = generate_run_tokens(str(tmp_path), ["watcher", "peer", "worker"])
+        roles = {"watcher": "watcher", "peer": "peer", "worker": "worker"}
+
+        def tokens(name: str) -> TokenConfig:
+            return TokenConfig.from_spec({"tokens_dir": tokens_dir}, name)
+
+        restarted: list[str] = []
+        peer_ep, watcher_ep = f"ipc://{tmp_path}/peer", f"ipc://{tmp_path}/watcher"
+        watcher = await Bus("watcher", watcher_ep, {"peer": peer_ep}, handler=echo_handler, roles=roles,
+                            tokens=tokens("watcher"), heartbeat_interval=0.05, heartbeat_timeout=5.0,
+                            on_peer_restarted=restarted.append).start()
+        peer = await Bus("peer", peer_ep, {"watcher": watcher_ep}, handler=echo_handler, roles=roles,
+                         tokens=tokens("peer"), heartbeat_interval=0.05).start()
+        await until(lambda: watcher._peers["peer"].incarnation == peer.incarnation)
+        # the worker's token, the peer's name: its pings say the peer is a new process
+        impostor = await Bus("peer", "tcp://127.0.0.1:*", {"watcher": watcher_ep}, tokens=tokens("worker"),
+                             heartbeat_interval=0.05).start()
+        await until(lambda: watcher.rejected["spoofed_sender"] >= 3)
+        assert restarted == [] and watcher.stats["peer_restarted"] == 0
+        assert watcher._peers["peer"].incarnation == peer.incarnation != impostor.incarnation
+        for bus in (impostor, peer, watcher):
+            await bus.close()
+
+    run(main())
+
+
+def test_a_peer_re_pointed_to_a_new_process_is_a_restart_and_one_re_pointed_before_any_ping_is_not(
+        tmp_path: Any) -> None:
+    async def main() -> None:
+        restarted: list[str] = []
+        watcher_ep = f"ipc://{tmp_path}/watcher"
+        watcher = await Bus("watcher", watcher_ep, {"peer": f"ipc://{tmp_path}/a"}, heartbeat_interval=0.05,
+                            heartbeat_timeout=5.0, on_peer_restarted=restarted.append).start()
+        a = await Bus("peer", f"ipc://{tmp_path}/a", {"watcher": watcher_ep}, heartbeat_interval=0.05).start()
+        await until(lambda: watcher._peers["peer"].incarnation == a.incarnation)
+        await a.close()
+        watcher.add_peer("peer", f"ipc://{tmp_path}/b")
+        b = await Bus("peer", f"ipc://{tmp_path}/b", {"watcher": watcher_ep}, heartbeat_interval=0.05).start()
+        await until(lambda: restarted == ["peer"])
+        assert watcher._peers["peer"].incarnation == b.incarnation and watcher.stats["peer_restarted"] == 1
+        watcher.add_peer("other", f"ipc://{tmp_path}/c")          # a name never heard from: nothing to compare
+        c = await Bus("other", f"ipc://{tmp_path}/c", {"watcher": watcher_ep}, heartbeat_interval=0.05).start()
+        await until(lambda: watcher._peers["other"].incarnation == c.incarnation)
+        assert restarted == ["peer"]
+        for bus in (c, b, watcher):
+            await bus.close()
 
     run(main())

@@ -165,8 +165,19 @@ CONSISTENT_EXAMPLES = {"rl.batch": _batch_example}
 
 
 def test_transport_kinds_roundtrip_explicitly() -> None:
-    for msg in (Error("bad_field", "field 'x': expected int", "some.kind"), Ping(7), Pong(7)):
+    for msg in (Error("bad_field", "field 'x': expected int", "some.kind"), Ping(7), Ping(7, "3f2a"), Pong(7)):
         assert roundtrip(msg) == msg
+
+
+def test_a_ping_carries_its_buses_incarnation_and_one_without_reads_as_unknown() -> None:
+    # The field came after schema version 7 was set, with a default: a ping of a process that predates it
+    # reads as "no incarnation" (nothing is concluded from it), at every readable version.
+    assert decode(encode(Ping(3, "3f2a")))[1].incarnation == "3f2a"
+    for version in sorted(M.READABLE_VERSIONS):
+        assert decode([_head(body={"seq": 3}, version=version)])[1] == Ping(3, "")
+    with pytest.raises(FieldError, match="field 'incarnation': expected str, got int"):
+        decode([_head(body={"seq": 3, "incarnation": 5})])
+    assert Ping.VOLATILE == ("incarnation",)
 
 
 def test_float_field_accepts_int_and_list_of_tuples_normalised() -> None:

@@ -261,8 +261,8 @@ class BufferSection(Section):
                                 "(unset: derived from gen.max_new_tokens and the measured pace, gen.timeout_*)")
     worker_lost_after_s: float | None = Field(
         None, gt=0, description="a rollout or reward actor unheard this long loses its groups, which are issued "
-                                "again (one that restarts loses them at its hello; unset: 6 of the buffer's bus "
-                                "heartbeat timeouts, 30 s at the defaults)")
+                                "again (one that restarts loses them at its new process's first ping; unset: 6 of "
+                                "the buffer's bus heartbeat timeouts, 30 s at the defaults)")
 
 
 # AReaL's configuration keys (its v0.1/v0.2 quickstart options and v0.3 configs: realhf/api/cli_args.py at v0.2.0)

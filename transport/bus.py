@@ -26,6 +26,15 @@ for ``heartbeat_timeout`` is declared dead (``on_peer_dead(name)``, ``stats["pee
 ``on_peer_alive(name)`` fires when it answers again.
 Pings and pongs are handled inside the bus and never reach the actor.
 
+Restarts. Each bus has an ``incarnation`` (random, drawn when it starts) that its pings carry, and its first
+ping to each peer leaves at connect, ahead of any message (one connection delivers in order): so a peer hears
+of a new process before it hears anything from it. A known peer whose ping carries an incarnation other
+than the last one seen from it is a new process: the one before it is gone, with whatever it held
+(``on_peer_restarted(name)``, ``stats["peer_restarted"]``, logged ``peer_restarted``). The first incarnation
+seen from a peer is not a restart, and a peer that was only silent (stopped, starved of CPU) keeps its
+incarnation. A ping passes the same sender check as any message (``roles``, below), so under CURVE or tokens
+one actor cannot announce another's restart.
+
 CurveZMQ (``curve=CurveConfig``): the ROUTER is a CURVE server whose ZAP handler admits only the run's
 public keys; DEALERs are CURVE clients. Without CURVE, per-run tokens (``tokens=TokenConfig``): the ROUTER is
 a PLAIN server whose ZAP handler admits only the run's actors, each by its own name and token. Denied
@@ -152,7 +161,7 @@ Handler = Callable[[Envelope], "Message | None | Awaitable[Message | None]"]
 
 class _Peer:
     __slots__ = ("name", "endpoint", "sock", "asock", "lock", "waiters", "last_seen", "alive", "reader",
-                 "batch", "batch_bytes", "flush_scheduled", "flusher")
+                 "batch", "batch_bytes", "flush_scheduled", "flusher", "incarnation")
 
     def __init__(self, name: str, endpoint: str, sock: zmq.Socket, asock: zmq.asyncio.Socket) -> None:
         self.name, self.endpoint, self.sock, self.asock = name, endpoint, sock, asock
@@ -167,6 +176,7 @@ class _Peer:
         self.last_seen = time.monotonic()
         self.alive = True
         self.reader: asyncio.Task | None = None
+        self.incarnation = ""       # the last one its pings carried ("": none seen yet)
 
 
 class Bus:
@@ -182,6 +192,7 @@ class Bus:
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
                  on_peer_dead: Callable[[str], Any] | None = None,
                  on_peer_alive: Callable[[str], Any] | None = None,
+                 on_peer_restarted: Callable[[str], Any] | None = None,
                  reply_timeout: float = 30.0,
                  recorder: Any = None,
                  record_outbound: bool = False,
@@ -211,6 +222,8 @@ class Bus:
         self.heartbeat_timeout = heartbeat_timeout
         self.on_peer_dead = on_peer_dead
         self.on_peer_alive = on_peer_alive
+        self.on_peer_restarted = on_peer_restarted
+        self.incarnation = ""     # drawn by start(): this process's bus, as its pings tell its peers
         self.reply_timeout = reply_timeout
         self.recorder = recorder
         self.record_outbound = record_outbound
@@ -250,6 +263,7 @@ class Bus:
         if self._started:
             return self
         self._started = True
+        self.incarnation = os.urandom(8).hex()
         self._slots = asyncio.Semaphore(self.max_inflight)
         # A context per bus: its ZAP handler (CURVE) is per context, and closing it frees its IO thread.
         self._ctx = zmq.asyncio.Context()
@@ -386,6 +400,8 @@ class Bus:
         self._peer_endpoints[name] = endpoint
         if self._started and not self._closed:
             self._connect(name, endpoint)
+            if old is not None:   # the same actor, moved: a new process there is still a restart
+                self._peers[name].incarnation = old.incarnation
 
     # --------------------------------------------------------------------------------------- sending
 
@@ -593,6 +609,10 @@ class Bus:
         p = _Peer(peer, endpoint, sock, asock)
         self._peers[peer] = p
         p.reader = asyncio.get_running_loop().create_task(self._peer_loop(p), name=f"bus-{self.name}-{peer}")
+        if self.heartbeat_interval:
+            # First on the connection, before anything the actor sends: the peer learns this process is a new
+            # one (its incarnation) before it handles any message of it, a hello included.
+            self._ping(p, 0)
 
     def _spawn(self, coro: Any, what: str) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro, name=f"bus-{self.name}-{what}")
@@ -685,6 +705,8 @@ class Bus:
             # reading (and answering our pings) but keeps pinging us.
             self._mark_alive(sender)
         if type(msg) is Ping:
+            if sender is not None and msg.incarnation:
+                self._note_incarnation(sender, msg.incarnation)
             if header.wants_reply:
                 self._send_reply(ident, Pong(msg.seq), header)
             return None
@@ -846,6 +868,17 @@ class Bus:
             self.log.info("peer_alive", peer=p.name)
             self._callback(self.on_peer_alive, p.name)
 
+    def _note_incarnation(self, p: _Peer, incarnation: str) -> None:
+        """A ping from peer ``p`` named the process that sent it: a new one means the one before is gone."""
+        if incarnation == p.incarnation:
+            return
+        before, p.incarnation = p.incarnation, incarnation
+        if not before:
+            return      # the first one seen from it: nothing to compare with
+        self.stats["peer_restarted"] += 1
+        self.log.warning("peer_restarted", peer=p.name)
+        self._callback(self.on_peer_restarted, p.name)
+
     def _callback(self, fn: Callable[[str], Any] | None, peer: str) -> None:
         if fn is None:
             return
@@ -868,12 +901,15 @@ class Bus:
                     self.stats["peer_dead"] += 1
                     self.log.warning("peer_dead", peer=p.name, silent_s=round(now - p.last_seen, 3))
                     self._callback(self.on_peer_dead, p.name)
-                try:
-                    # Heartbeats are lossy on purpose: a full queue to a stuck peer must not block us.
-                    p.sock.send_multipart(encode(Ping(seq), self.name, wants_reply=True), zmq.NOBLOCK)
-                    _rearm(p.asock)
-                except zmq.Again:
-                    self.stats["heartbeat_skipped"] += 1
+                self._ping(p, seq)
+
+    def _ping(self, p: _Peer, seq: int) -> None:
+        try:
+            # Heartbeats are lossy on purpose: a full queue to a stuck peer must not block us.
+            p.sock.send_multipart(encode(Ping(seq, self.incarnation), self.name, wants_reply=True), zmq.NOBLOCK)
+            _rearm(p.asock)
+        except zmq.Again:
+            self.stats["heartbeat_skipped"] += 1
 
 
 def _rearm(asock: zmq.asyncio.Socket) -> None:

@@ -890,9 +890,14 @@ class Error(Message):
 
 @message("ping")
 class Ping(Message):
-    """Heartbeat probe; the bus answers it itself with Pong (actors never see it)."""
+    """Heartbeat probe; the bus answers it itself with Pong (actors never see it). ``incarnation``: the sending
+    bus's, random per start, so that a peer tells a restarted process from a live one that was only silent
+    ("" from a sender older than the field: nothing is concluded from it)."""
+
+    VOLATILE: ClassVar[tuple[str, ...]] = ("incarnation",)
 
     seq: int = 0
+    incarnation: str = ""
 
 
 @message("pong")

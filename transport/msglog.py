@@ -10,7 +10,7 @@ File layout: an 8-byte magic ``AREALML1`` then records, each ``<u32 length><u32 
      "frames": [msgpack bucket header, bucket bytes (bulk_in, tensors="store")], "sums": [sha256]?, "cause": id?}
     {"k": "bulk_formed", "t": time, "peer": "link#all", "link": name,
      "frames": [msgpack {"epoch", "members", "rank", "error"?}], "cause": id?}   # an epoch formed (or failed)
-    {"k": "event", "t": time, "peer": name, "event": "peer_dead" | "peer_alive"}     # the bus's heartbeat verdicts
+    {"k": "event", "t": time, "peer": name, "event": "peer_dead" | "peer_alive" | "peer_restarted"}  # bus verdicts
     {"k": "event", "t": time, "peer": own name, "event": "stopping"}                   # the actor began to stop
 
 A bulk record is written when its operation ended (a bucket received or sent, an epoch formed): where it
@@ -124,9 +124,9 @@ class MessageLogWriter:
         self._append(rec)
 
     def record_event(self, event: str, peer: str) -> None:
-        """Append what no message carries and an actor acts on: the bus's heartbeat verdicts (``peer_dead``,
-        ``peer_alive``: it re-issues work, asks again), and ``stopping`` (a signal or a handler began its
-        stop: what it sends from then on, it sends as it drains)."""
+        """Append what no message carries and an actor acts on: the bus's verdicts on its peers (``peer_dead``,
+        ``peer_alive``, ``peer_restarted``: it re-issues work, asks again), and ``stopping`` (a signal or a
+        handler began its stop: what it sends from then on, it sends as it drains)."""
         self._append({"k": "event", "t": time.time(), "peer": peer, "event": event})
 
     def _append(self, rec: dict, force: bool = False) -> None:
@@ -178,7 +178,7 @@ class LogRecord:
     rejected: str | None = None
     cause: str | None = None
     segment: int = 0           # which open() of the file (a restarted actor appends a new segment)
-    event: str | None = None   # kind "event": peer_dead, peer_alive or stopping
+    event: str | None = None   # kind "event": peer_dead, peer_alive, peer_restarted or stopping
     meta: dict = field(default_factory=dict)
 
     @property

@@ -15,14 +15,14 @@ After a recovery (actors/runtime/recovery.py) the buffer restores the cursor and
 k; what was in flight or ready-but-untrained at step k is re-issued first, and the gate counters are
 restored to match, so no prompt is lost, none is trained twice, and the staleness bound still holds.
 
-Lost work: the buffer picks the rollout AND the reward actor of every group, so when either says
-WorkerHello after a restart (which can be faster than heartbeats notice), or stays silent for
-`buffer.worker_lost_after_s` (unset: SILENT_HEARTBEAT_TIMEOUTS of its bus's heartbeat timeouts), exactly the
-groups it held are issued again; late answers of re-issued groups are ignored. One missed heartbeat timeout
-alone hands nothing back: a live worker starved of CPU for a moment still generates its groups (BufferState,
-"Silent workers"). A group with no result
-in its time (`BufferState.group_timeout`: `buffer.group_timeout_s`, or derived from gen.max_new_tokens and
-the measured pace) is aborted on its rollout (AbortGroup, a request) and issued again once the rollout says
+Lost work: the buffer picks the rollout AND the reward actor of every group, so when either is restarted (its
+new process's first ping carries a new incarnation: `on_peer_restarted`, before that process says anything; or
+its WorkerHello), or stays silent for `buffer.worker_lost_after_s` (unset: SILENT_HEARTBEAT_TIMEOUTS of its bus's
+heartbeat timeouts), exactly the groups it held are issued again; late answers of re-issued groups are ignored.
+A restarted worker gets no new group until its hello. One missed heartbeat timeout alone hands nothing back:
+a live worker starved of CPU for a moment still generates its groups (BufferState, "Silent workers"). A group
+with no result in its time (`BufferState.group_timeout`: `buffer.group_timeout_s`, or derived from
+gen.max_new_tokens and the measured pace) is aborted on its rollout (AbortGroup, a request) and issued again once the rollout says
 its copy stopped, or cannot answer: never while a copy may still run.
 
 Each rollout holds at most the groups its server's KV pool fits (the pool its WorkerHello reports).
@@ -262,13 +262,22 @@ class BufferActor(Actor):
             self.changed.set()
 
     def on_peer_dead(self, peer: str) -> None:
-        # Not handed back yet: it may be alive and short of CPU. A restart says hello; a lost one stays silent.
+        # Not handed back yet: it may be alive and short of CPU. A restart shows at its first ping; a lost one
+        # stays silent.
         if peer not in self.state.rollouts and peer not in self.state.rewards:
             return
         self.state.worker_silent(peer, time.time() - self.heartbeat_timeout())
         held = self.state.rollout_load[peer] + self.state.reward_load[peer]
         self.log.warning("worker_silent", worker=peer, groups_held=held,
                          lost_after_s=round(self.state.silence_limit_s, 1))
+
+    def on_peer_restarted(self, peer: str) -> None:
+        # Its new process holds nothing of the old one's: hand it all back now, not at a hello that may never come.
+        if getattr(self, "state", None) is None or (peer not in self.state.rollouts and peer not in self.state.rewards):
+            return
+        handed_back = self.state.worker_restarted(peer)
+        self.log.warning("worker_restarted", worker=peer, groups_reissued=len(handed_back))
+        self._handed_back(handed_back, f"{peer} restarted")
 
     @handles(WorkerHello)
     def on_worker_hello(self, msg: WorkerHello, env: Any) -> None:

@@ -21,8 +21,11 @@ of recent answers), so work does not wait in a server's queue while its time run
 Silent workers. A worker the bus declares dead (no heartbeat answered for its timeout) keeps its groups: a
 live rollout starved of CPU for a few seconds still generates them, and issuing them again would run two
 copies of each (a node's restart on a loaded machine once had 7 live rollouts declared dead and 56 groups
-generated twice). Its groups are handed back when it says hello as a new incarnation (`worker_hello`: a
-restart lost them) or when it has stayed silent for `silence_limit_s` (`silent_too_long`).
+generated twice). Its groups are handed back when it is known to be a new process: the bus saw its new
+incarnation (`worker_restarted`, at the new process's first ping, before it says anything) or it says hello
+(`worker_hello`); or when it has stayed silent for `silence_limit_s` (`silent_too_long`). A restarted
+worker gets no work until it says hello: its new process may never get ready (a server that never becomes
+healthy), and groups sent to it would wait there for their whole timeout.
 """
 from __future__ import annotations
 
@@ -305,6 +308,14 @@ class BufferState:
         self.clocks_at_batch.pop(worker, None)
         self.kv_tokens[worker] = kv_tokens
         self.greeted.add(worker)
+        return handed_back
+
+    def worker_restarted(self, worker: str) -> dict[str, InFlight]:
+        """`worker` is a new process (the bus saw another incarnation): what the one before held will not come
+        back, and the new one gets no work until it says hello. Its hello then finds nothing to hand back."""
+        handed_back = self.hand_back_held_by(worker)
+        self.silent_since.pop(worker, None)
+        self.greeted.discard(worker)
         return handed_back
 
     def worker_silent(self, worker: str, since: float) -> None:

@@ -185,6 +185,17 @@ class ParamServerActor(Actor):
             self.log.info("rollout_alive", rollout=peer)
             self._kick.set()
 
+    def on_peer_restarted(self, peer: str) -> None:
+        """A rollout's new process is up, not yet ready (no hello): a group formed with it now would wait its
+        whole link timeout for a member that cannot join. It is left out until its hello, as after ServerDown."""
+        self._early_hellos.pop(peer, None)   # the old process's, not applied yet
+        state = self.rollouts.get(peer)
+        if state is None or not self._started.is_set():
+            return
+        state.hello = False
+        self.log.warning("rollout_restarted", rollout=peer)
+        self._member_changed(peer, "it restarted")
+
     @handles(RolloutHello)
     def on_hello(self, msg: RolloutHello, env: Any) -> None:
         if not self._started.is_set():

@@ -277,6 +277,10 @@ class Actor:
     def on_peer_alive(self, peer: str) -> None:
         """A peer declared dead answers again."""
 
+    def on_peer_restarted(self, peer: str) -> None:
+        """``peer`` is a new process (its pings carry another incarnation): the one before is gone, with
+        whatever it held. Called before the new process's first message is handled; it may never be ready."""
+
     def progress(self) -> dict[str, Any]:
         """What this actor is doing, as plain data for its status file (the trainer: its version and phase;
         the buffer: its gate and queues). The watchdog reads ``version`` (the trainer's trained steps) and
@@ -380,7 +384,8 @@ class Actor:
         return Bus(self.name, self.spec.endpoint, self.spec.peers, handler=self.dispatch, curve=curve, tokens=tokens,
                    roles=roles,
                    recorder=recorder, record_outbound=outbound, log=self.log.bind(component="bus"),
-                   on_peer_dead=self._peer_dead, on_peer_alive=self._peer_alive, **bus_kw)
+                   on_peer_dead=self._peer_dead, on_peer_alive=self._peer_alive,
+                   on_peer_restarted=self._peer_restarted, **bus_kw)
 
     # Heartbeat verdicts go into the message log too: an actor acts on them (a trainer asks the buffer again
     # once it is back), so a replay must deliver them where they happened.
@@ -393,6 +398,11 @@ class Actor:
         if self.msglog is not None:
             self.msglog.record_event("peer_alive", peer)
         self.on_peer_alive(peer)
+
+    def _peer_restarted(self, peer: str) -> None:
+        if self.msglog is not None:
+            self.msglog.record_event("peer_restarted", peer)
+        self.on_peer_restarted(peer)
 
     def _announce_ready(self) -> None:
         path = ready_path(self.run_dir, self.name)

@@ -272,6 +272,15 @@ class TrainerActor(Actor):
             self.request_stop(f"trainer rank {peer} stopped answering; the trainer world cannot continue without "
                               f"it (relaunch with run.recover: auto to resume from the last checkpoint)", exit_code=1)
 
+    def on_peer_restarted(self, peer: str) -> None:
+        # A rank restarted faster than the heartbeat timeout was never declared dead, and its old process is
+        # gone from the world all the same.
+        ranks = getattr(self, "ranks", None)
+        if ranks is not None and peer in (self.cfg.groups.get("trainer") or []):
+            self.log.error("trainer_rank_restarted", peer=peer)
+            self.request_stop(f"trainer rank {peer} restarted; the trainer world cannot take its new process in "
+                              f"(relaunch with run.recover: auto to resume from the last checkpoint)", exit_code=1)
+
     def on_peer_alive(self, peer: str) -> None:
         if peer == getattr(self, "param_server", None):
             self._param_server_silent.clear()

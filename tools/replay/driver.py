@@ -174,7 +174,7 @@ def read_recording(path: str, segment: int, result: ReplayResult) -> Recording:
             recording.stop_at = recording.stop_at or rec
             continue
         if rec.kind == "event" or rec.kind.startswith("bulk_"):
-            # a heartbeat verdict, or a link transfer that ended here (the stand-in link's ends here too)
+            # a verdict on a peer, or a link transfer that ended here (the stand-in link's ends here too)
             recording.schedule.append((rec, None, recording.n_out))
         if rec.kind in ("event", "bulk_formed"):
             continue
@@ -322,7 +322,10 @@ async def _deliver(recording: Recording, actor: Any, bus: ReplayBus, gate: LinkG
         if rec.kind.startswith("bulk_"):    # the original's transfer ended here
             gate.release(rec)
             continue
-        if rec.kind == "event":            # the original's bus declared a peer dead or alive here
+        if rec.kind == "event":            # the original's bus declared a peer dead, alive or restarted here
+            if rec.event == "peer_restarted":
+                actor.on_peer_restarted(rec.peer)
+                continue
             bus.alive[rec.peer] = rec.event == "peer_alive"
             (actor.on_peer_alive if bus.alive[rec.peer] else actor.on_peer_dead)(rec.peer)
             continue

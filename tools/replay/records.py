@@ -18,7 +18,7 @@ def describe(rec: LogRecord) -> dict[str, Any]:
     if rec.kind == "meta":
         out["meta"] = {k: v for k, v in rec.meta.items() if k != "spec"}
         return out
-    if rec.kind == "event":   # the bus's heartbeat verdict on a peer
+    if rec.kind == "event":   # the bus's verdict on a peer (dead, alive, restarted), or the actor stopping
         out.update(peer=rec.peer, kind=rec.event, sender=rec.peer, fields={})
         return out
     if rec.kind.startswith("bulk_"):   # a bucket on a bulk link: its header (names, shapes, checksum)
