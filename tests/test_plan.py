@@ -429,8 +429,8 @@ def test_each_built_in_size_draws_the_answer_lengths_of_its_own_source():
         drawn[size] = cfg.draw_lengths(np.random.default_rng(0), 200_000).mean()
     # the 1.5B answers shorter than the 7B (AReaL's v0.1 1.5B curve against the 7B log); the 32B has no
     # published figure and keeps the 7B's distribution
-    assert drawn["1.5B"] == pytest.approx(6941, rel=0.01)
-    assert drawn["7B"] == pytest.approx(8483, rel=0.01)
+    assert drawn["1.5B"] == pytest.approx(6948, rel=0.01)
+    assert drawn["7B"] == pytest.approx(8491, rel=0.01)
     assert drawn["32B"] == drawn["7B"]
 
 
@@ -547,6 +547,16 @@ def test_the_sweep_runs_in_parts_by_split_and_by_eta(monkeypatch):
     found = setup.read(topology.load("topology/1node.yaml", ["experiment.algo.batch_size=4"], check_imports=False))
     rows = cli.sweep(found, steps=2, seeds=1, splits=(0.5,), etas=(1, 3))
     assert [(r["share"], r["eta"]) for r in rows] == [(0.5, 1), (0.5, 3)]
+
+
+def test_the_published_comparison_runs_in_parts_by_model_size(capsys):
+    from tools.plan import published
+    assert published.main(["--models", "1.5B,3B"]) == 2
+    assert "--models: 3B not one of 1.5B, 7B, 32B" in capsys.readouterr().err
+    # the log is the 7B's: asked for the 1.5B's rows of the log only, nothing is simulated
+    assert published.main(["--parts", "log", "--models", "1.5B", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["log"] is None and out["tutorial"] == out["speedup"] == []
 
 
 def test_every_published_configuration_fits_in_areal_s_own_layout():

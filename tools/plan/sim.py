@@ -121,10 +121,10 @@ SIGMA_7B = lognormal_for(DEFAULT_LENGTHS["mean_tokens_at_cut"], DEFAULT_LENGTHS[
 #: is 11 tokens) averages 6,870 tokens over the 24K stage (steps 358-436, from 6,269 to 7,155), the stage cut
 #: nearest the published runs' 27,648; earlier it falls from 5,756 (step 23, cut at 8K) to 4,139 (steps 190-199)
 #: and rises to 6,258 (step 357, 16K). The share cut is not published, so the spread is the 7B's
-#: (`SIGMA_7B`): 2.7 % cut at 24,576, and cut at 27,648 a mean of 6,941 (6,876-7,061 for a sigma of 0.5-1.2,
-#: so the missing share barely matters there). The 1.5B thus answers 18 % shorter than the 7B's 8,483 at 27,648.
-#: (Were the curve's "response length" to count the prompt, as the 7B log's avg_seq_len does, the answers would
-#: be about 100 tokens, 1.5 %, shorter still.)
+#: (`SIGMA_7B`): 2.8 % cut at 24,576, and cut at 27,648 a mean of 6,948 (6,880-7,069 for a sigma of 0.5-1.2,
+#: so the missing share barely matters there; docs/plan.md has the commands). The 1.5B thus answers 18 % shorter
+#: than the 7B's 8,491 at 27,648. (Were the curve's "response length" to count the prompt, as the 7B log's
+#: avg_seq_len does, the answers would be about 100 tokens, 1.5 %, shorter still.)
 #:
 #: 32B: no published figure of R1-Distill-Qwen-32B's answer lengths in training was found (AReaL's blogs v0.1-v0.3,
 #: tutorial, configs and benchmark notes; its v0.2 32B model is an SFT of 200 samples, with no RL curve), so the
