@@ -420,6 +420,50 @@ def test_lognormal_lengths_have_the_cited_mean_and_tail_share():
     assert np.mean(x > 27648) < 0.05
 
 
+def test_each_built_in_size_draws_the_answer_lengths_of_its_own_source():
+    from tools.plan import published
+    drawn = {}
+    for size, shape in BUILTIN.items():
+        cfg = setup.sim_config(published.cluster(size, 16, 16))
+        assert cfg.lengths == sim.LENGTHS_BY_SIZE[size], size
+        drawn[size] = cfg.draw_lengths(np.random.default_rng(0), 200_000).mean()
+    # the 1.5B answers shorter than the 7B (AReaL's v0.1 1.5B curve against the 7B log); the 32B has no
+    # published figure and keeps the 7B's distribution
+    assert drawn["1.5B"] == pytest.approx(6948, rel=0.01)
+    assert drawn["7B"] == pytest.approx(8491, rel=0.01)
+    assert drawn["32B"] == drawn["7B"]
+
+
+def test_the_1_5b_lengths_have_the_curve_s_mean_at_its_cut_and_the_7b_s_spread():
+    spec = sim.LENGTHS_BY_SIZE["1.5B"]
+    # AReaL v0.1 blog, Figure 1: mean response length 6,870 over the 24K stage (steps 358-436)
+    assert (spec["mean_tokens_at_cut"], spec["cut"]) == (6870, 24576)
+    assert spec["sigma"] == pytest.approx(sim.lognormal_for(7692, 0.125, 16384)[1])
+    x = np.random.default_rng(0).lognormal(sim.lognormal_mu_for(6870, spec["sigma"], 24576), spec["sigma"], 400_000)
+    assert np.minimum(x, 24576).mean() == pytest.approx(6870, rel=0.01)
+    assert np.mean(x > 27648) < 0.05      # AReaL's v0.2 notes: under 5 % cut at 27K
+
+
+def test_a_shape_read_from_a_config_gets_its_size_s_lengths_and_any_other_model_the_7b_s(tmp_path):
+    from tools.plan.shapes import builtin_size
+    s = BUILTIN["1.5B"]
+    cfg = {"num_hidden_layers": s.layers, "hidden_size": s.hidden, "intermediate_size": s.intermediate,
+           "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads, "vocab_size": s.vocab}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert builtin_size(from_hf_config(tmp_path / "config.json")) == "1.5B"
+    assert sim.lengths_for(from_hf_config(tmp_path / "config.json")) == sim.LENGTHS_BY_SIZE["1.5B"]
+    tiny = from_hf_config(ROOT / "configs/models/arith-tiny/config.json")
+    assert builtin_size(tiny) is None and sim.lengths_for(tiny) == sim.DEFAULT_LENGTHS
+
+
+def test_a_lengths_spec_without_its_fields_is_an_error_naming_them():
+    with pytest.raises(ValueError, match="either cut_share or sigma"):
+        _config(lengths={"kind": "lognormal", "mean_tokens_at_cut": 300, "cut": 1000}).draw_lengths(
+            np.random.default_rng(0), 4)
+    with pytest.raises(ValueError, match="must lie between 0 and the cut 1000"):
+        sim.lognormal_mu_for(1200, 0.8, 1000)
+
+
 def test_tools_plan_prints_memory_and_the_comparison_for_a_gpu_topology(capsys, monkeypatch):
     from tools.plan.__main__ import main
     monkeypatch.chdir(ROOT)
@@ -503,6 +547,16 @@ def test_the_sweep_runs_in_parts_by_split_and_by_eta(monkeypatch):
     found = setup.read(topology.load("topology/1node.yaml", ["experiment.algo.batch_size=4"], check_imports=False))
     rows = cli.sweep(found, steps=2, seeds=1, splits=(0.5,), etas=(1, 3))
     assert [(r["share"], r["eta"]) for r in rows] == [(0.5, 1), (0.5, 3)]
+
+
+def test_the_published_comparison_runs_in_parts_by_model_size(capsys):
+    from tools.plan import published
+    assert published.main(["--models", "1.5B,3B"]) == 2
+    assert "--models: 3B not one of 1.5B, 7B, 32B" in capsys.readouterr().err
+    # the log is the 7B's: asked for the 1.5B's rows of the log only, nothing is simulated
+    assert published.main(["--parts", "log", "--models", "1.5B", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["log"] is None and out["tutorial"] == out["speedup"] == []
 
 
 def test_every_published_configuration_fits_in_areal_s_own_layout():

@@ -132,9 +132,9 @@ def run(found: setup.Setup, *, eta: int, steps: int, seeds: int, rules: type[Buf
     return out
 
 
-def tutorial_rows(steps: int, seeds: int) -> list[dict[str, Any]]:
+def tutorial_rows(steps: int, seeds: int, models: tuple[str, ...] = tuple(LAYOUTS)) -> list[dict[str, Any]]:
     out = []
-    for model, nodes, group_size, published in TUTORIAL_STEPS:
+    for model, nodes, group_size, published in (r for r in TUTORIAL_STEPS if r[0] in models):
         found = cluster(model, nodes, group_size)
         problems = [m.problem() for m in setup.group_memory(found) if not m.fits]
         r = run(found, eta=0, steps=steps, seeds=seeds)
@@ -153,9 +153,9 @@ def log_row(steps: int, seeds: int) -> dict[str, Any]:
             "ratio": r["step_s"] / g["published_mean_s"]}
 
 
-def speedup_rows(steps: int, seeds: int) -> list[dict[str, Any]]:
+def speedup_rows(steps: int, seeds: int, models: tuple[str, ...] = tuple(LAYOUTS)) -> list[dict[str, Any]]:
     out = []
-    for model, nodes, eta, sync_h, async_h in SPEEDUP_RUNS:
+    for model, nodes, eta, sync_h, async_h in (r for r in SPEEDUP_RUNS if r[0] in models):
         found = cluster(model, nodes, 16, eta=eta)
         a = run(found, eta=eta, steps=steps, seeds=seeds)
         s = run(found, eta=0, steps=steps, seeds=seeds)
@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(async over sync), sweep (splits 25-87.5 %% and eta 0-16, 7B on 16 nodes; long)")
     ap.add_argument("--splits", help="sweep: comma-separated shares of GPUs generating (default 0.25,0.375,...,0.875)")
     ap.add_argument("--etas", help="sweep: comma-separated etas (default 0,1,2,4,8,16)")
+    ap.add_argument("--models", help="comma-separated model sizes whose rows to run (default: all of "
+                                      f"{','.join(LAYOUTS)}; the 7B log is the 7B's), to run the parts side by side")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.steps < 2 or args.seeds < 1:
@@ -191,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = parts - {"tutorial", "log", "speedup", "sweep"}
     if unknown:
         print(f"--parts: {', '.join(sorted(unknown))} not one of tutorial, log, speedup, sweep", file=sys.stderr)
+        return 2
+    models = tuple(args.models.split(",")) if args.models else tuple(LAYOUTS)
+    if unknown_models := [m for m in models if m not in LAYOUTS]:
+        print(f"--models: {', '.join(unknown_models)} not one of {', '.join(LAYOUTS)}", file=sys.stderr)
         return 2
     try:
         splits = tuple(float(x) for x in args.splits.split(",")) if args.splits else None
@@ -209,11 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--etas: every eta must be >= 0, got {args.etas}", file=sys.stderr)
         return 2
     print("tutorial rows", file=sys.stderr, flush=True)
-    table = tutorial_rows(args.steps, args.seeds) if "tutorial" in parts else []
+    table = tutorial_rows(args.steps, args.seeds, models) if "tutorial" in parts else []
     print("the tutorial's 7B log", file=sys.stderr, flush=True)
-    log = log_row(args.steps, args.seeds) if "log" in parts else None
+    log = log_row(args.steps, args.seeds) if "log" in parts and LOG_RUN["model"] in models else None
     print("async over sync", file=sys.stderr, flush=True)
-    speed = speedup_rows(max(args.steps, 12), args.seeds) if "speedup" in parts else []
+    speed = speedup_rows(max(args.steps, 12), args.seeds, models) if "speedup" in parts else []
     sweep_rows = split_sweep(max(args.steps, 12), args.seeds, splits, etas) if "sweep" in parts else []
     if args.json:
         print(json.dumps({"steps": args.steps, "seeds": args.seeds, "tutorial": table, "log": log, "speedup": speed,

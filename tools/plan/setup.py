@@ -14,7 +14,7 @@ from actors.weight_sync import sends_direct
 from tools.plan import hardware, memory
 from tools.plan.shapes import ModelShape, resolve
 from tools.plan.costs import MeasuredCosts, TrainerShape
-from tools.plan.sim import SimConfig
+from tools.plan.sim import SimConfig, lengths_for
 from topology import Plan
 from topology.experiment import ExperimentConfig
 from topology.settings import EvaluatorSettings, RolloutSettings, TrainerSettings, read_settings, settings_model
@@ -135,7 +135,8 @@ def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None
     gen and buffer settings. `eta` overrides the staleness bound; `rollout_gpus` moves the split between
     inference and training (whole servers and whole trainer replicas); `colocated` runs generation and then
     training on all the GPUs, the synchronous baseline of systems that time-share them. On CPUs `measured`
-    (required) gives the costs and `workload` the answers (`workload_fields`); the split is the topology's."""
+    (required) gives the costs and `workload` the answers (`workload_fields`); the split is the topology's. On GPUs
+    the answers' lengths are the model size's (`sim.lengths_for`)."""
     trainers, rollouts = setup.of_kind("trainer"), setup.of_kind("rollout")
     if len(trainers) != 1 or len(rollouts) != 1:
         raise ValueError(f"the simulation needs one trainer and one rollout group, found "
@@ -173,7 +174,7 @@ def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None
         max_groups_per_rollout=buf.max_groups_per_rollout, max_concurrent_groups=buf.max_concurrent_groups,
         group_timeout_s=buf.group_timeout_s, pace=pace_of(gen), engine="sglang",
         kv_tokens_per_server=int(rollout_mem.kv_tokens or 0), context_len=setup.shape.context_len,
-        interruptible=gen.interruptible, dynamic_sampling=algo.dynamic_sampling,
+        interruptible=gen.interruptible, dynamic_sampling=algo.dynamic_sampling, lengths=lengths_for(setup.shape),
         rewards=setup.reward_actors, **eval_fields(setup),
         weights_across_nodes=total > setup.gpus_per_node, steps=steps, seed=seed)
 

@@ -64,6 +64,16 @@ BUILTIN: dict[str, ModelShape] = {
 }
 
 
+def builtin_size(shape: ModelShape) -> str | None:
+    """The built-in size ("1.5B", "7B", "32B") whose architecture `shape` has (a shape read from a config.json
+    counts too; its name and source are not compared), or None for any other model."""
+    arch = ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab")
+    for size, known in BUILTIN.items():
+        if all(getattr(shape, f) == getattr(known, f) for f in arch):
+            return size
+    return None
+
+
 class ShapeError(ValueError):
     """The model's shape cannot be found; the message names the key or file."""
 

@@ -42,7 +42,7 @@ from algo.serving import DecodePace
 from actors.param_server.push_policy import Form, Push, PushPolicy
 from tools.plan import costs, hardware
 from tools.plan.engines import (Device, EmbeddedAdmission, Req, SGLangAdmission, sglang_max_running)
-from tools.plan.shapes import ModelShape
+from tools.plan.shapes import ModelShape, builtin_size
 from transport.protocol import Answers, RolloutWeights, Sample
 
 #: Answer lengths of AReaL's distilled reasoning models: the tutorial's 7B training log reports avg_seq_len
@@ -50,8 +50,8 @@ from transport.protocol import Answers, RolloutWeights, Sample
 #: cut at max_new_tokens, then 16,384 (the log is of a 16k run: AReaL's first tutorial commit names its
 #: command line). A lognormal with those two figures at that cut (mean 7,800 - 108, 12.5 % cut) has these
 #: parameters (`lognormal_for`); cut at 27,648 instead it cuts 3.7 % of answers, which agrees with the v0.2
-#: notes' "truncation rate remained below 5 %" at 27K. The same distribution stands for every model size (no
-#: published figure for the others).
+#: notes' "truncation rate remained below 5 %" at 27K. It stands for the 7B, for the 32B (no published figure
+#: of R1-Distill-Qwen-32B's answer lengths in training) and for any model not built in (`LENGTHS_BY_SIZE`).
 DEFAULT_LENGTHS = {"kind": "lognormal", "mean_tokens_at_cut": 7692, "cut_share": 0.125, "cut": 16384}
 #: Average prompt in the same log.
 PROMPT_TOKENS = 108
@@ -105,6 +105,62 @@ def lognormal_for(mean_at_cut: float, cut_share: float, cut: float) -> tuple[flo
             hi = mid
     sigma = (lo + hi) / 2
     return math.log(cut) - z * sigma, sigma
+
+
+#: The spread (sigma of the log) of the 7B's lengths, for a size whose share cut is not published.
+SIGMA_7B = lognormal_for(DEFAULT_LENGTHS["mean_tokens_at_cut"], DEFAULT_LENGTHS["cut_share"],
+                         DEFAULT_LENGTHS["cut"])[1]
+#: Answer lengths per built-in model size (`shapes.BUILTIN`'s keys).
+#:
+#: 1.5B: AReaL's only published measurement of R1-Distill-Qwen-1.5B's answers in training is Figure 1 of the v0.1
+#: blog (blog/AReaL_v0_1.md and assets/distill_1.5b_24k_curve.png since AReaL's first commit 2963a67; unchanged
+#: at v0.3.0): "Training rewards and response lengths during RL training. The base model is
+#: DeepSeek-R1-Distill-Qwen-1.5B. Curves are averaged with a window size of 25." (16 nodes of H800, 1,024
+#: prompts x 8 answers of DeepScaleR's 40k math problems, answers cut at 8K, then 16K from step 200, then 24K
+#: from step 357). The curve read off the figure's pixels (axis ticks 4,000-7,000 and steps 100-400; one pixel
+#: is 11 tokens) averages 6,870 tokens over the 24K stage (steps 358-436, from 6,269 to 7,155), the stage cut
+#: nearest the published runs' 27,648; earlier it falls from 5,756 (step 23, cut at 8K) to 4,139 (steps 190-199)
+#: and rises to 6,258 (step 357, 16K). The share cut is not published, so the spread is the 7B's
+#: (`SIGMA_7B`): 2.8 % cut at 24,576, and cut at 27,648 a mean of 6,948 (6,880-7,069 for a sigma of 0.5-1.2,
+#: so the missing share barely matters there; docs/plan.md has the commands). The 1.5B thus answers 18 % shorter
+#: than the 7B's 8,491 at 27,648. (Were the curve's "response length" to count the prompt, as the 7B log's
+#: avg_seq_len does, the answers would be about 100 tokens, 1.5 %, shorter still.)
+#:
+#: 32B: no published figure of R1-Distill-Qwen-32B's answer lengths in training was found (AReaL's blogs v0.1-v0.3,
+#: tutorial, configs and benchmark notes; its v0.2 32B model is an SFT of 200 samples, with no RL curve), so the
+#: 32B keeps the 7B's distribution.
+LENGTHS_BY_SIZE: dict[str, dict[str, Any]] = {
+    "1.5B": {"kind": "lognormal", "mean_tokens_at_cut": 6870, "sigma": SIGMA_7B, "cut": 24576},
+    "7B": DEFAULT_LENGTHS,
+    "32B": DEFAULT_LENGTHS,
+}
+
+
+@functools.lru_cache(maxsize=64)
+def lognormal_mu_for(mean_at_cut: float, sigma: float, cut: float) -> float:
+    """mu of the lognormal of spread `sigma` whose mean after cutting at `cut` is `mean_at_cut` (bisection: the
+    clipped mean grows with mu)."""
+    from statistics import NormalDist
+
+    def clipped_mean(mu: float) -> float:
+        z = (math.log(cut) - mu) / sigma
+        return math.exp(mu + sigma ** 2 / 2) * NormalDist().cdf(z - sigma) + cut * (1 - NormalDist().cdf(z))
+
+    if not 0 < mean_at_cut < cut:
+        raise ValueError(f"lengths: mean_tokens_at_cut {mean_at_cut} must lie between 0 and the cut {cut}")
+    lo, hi = math.log(mean_at_cut) - 10 * sigma - 10, math.log(cut) + 10 * sigma + 10
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if clipped_mean(mid) > mean_at_cut:
+            hi = mid
+        else:
+            lo = mid
+    return (lo + hi) / 2
+
+
+def lengths_for(shape: ModelShape) -> dict[str, Any]:
+    """The answer lengths of `shape`'s model: its built-in size's (`LENGTHS_BY_SIZE`), else the 7B's."""
+    return dict(LENGTHS_BY_SIZE.get(builtin_size(shape) or "", DEFAULT_LENGTHS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,11 +224,16 @@ class SimConfig:
         spec = self.lengths
         if spec["kind"] == "fixed":
             out = np.full(n, int(spec["tokens"]))
-        elif spec["kind"] == "lognormal":
+        elif spec["kind"] == "lognormal" and "cut_share" in spec:
             mu, sigma = lognormal_for(spec["mean_tokens_at_cut"], spec["cut_share"], spec["cut"])
             out = np.ceil(rng.lognormal(mu, sigma, n)).astype(np.int64)
+        elif spec["kind"] == "lognormal" and "sigma" in spec:
+            sigma = float(spec["sigma"])
+            mu = lognormal_mu_for(spec["mean_tokens_at_cut"], sigma, spec["cut"])
+            out = np.ceil(rng.lognormal(mu, sigma, n)).astype(np.int64)
         else:
-            raise ValueError(f"lengths.kind: {spec['kind']!r} is not 'fixed' or 'lognormal'")
+            raise ValueError(f"lengths: {spec!r} is not 'fixed' (tokens) or 'lognormal' (mean_tokens_at_cut, cut and "
+                             f"either cut_share or sigma)")
         return np.clip(out, 1, self.max_new_tokens)
 
     @property
