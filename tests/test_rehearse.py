@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import json
 import math
+import multiprocessing
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -142,8 +144,23 @@ def test_the_trainer_s_wait_is_split_by_the_buffer_s_lines_and_the_machine_s_str
     probe = rehearsal.CpuStretch()
     probe.samples = [(1.0, 9.0, 1.0), (2.0, 4.0, 1.0), (3.0, 2.0, 1.0), (4.0, 0.5, 1.0)]
     assert probe.over(2.0, 3.0) == pytest.approx(3.0) and probe.over(4.0, 4.0) == 1.0 and probe.over(5.0, 6.0) == 1.0
+    # while the buffer served: only the samples inside its serves count, and too few say nothing
+    assert probe.over_windows([(0.5, 1.5), (2.5, 3.5)], least=2) == pytest.approx(5.5)
+    assert probe.over_windows([(0.5, 1.5), (2.5, 3.5)], least=3) is None
+    lines = [{"event": "batch_served", "step": s, "serve_s": 0.5, "timestamp": f"2026-01-01T00:00:0{s}.000000Z"}
+             for s in (1, 2, 3)]
+    (tmp_path / "logs" / "buffer.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc).timestamp()
+    assert rehearsal.serve_windows(tmp_path, metrics) == [(t0 + 1.5, t0 + 2.0), (t0 + 2.5, t0 + 3.0)]
+    # the probe's own process writes its samples as it takes them, and stops when told
+    stop = multiprocessing.get_context("fork").Event()
+    stop.set()
+    rehearsal.run_probe(str(tmp_path / "probe.jsonl"), stop)
+    assert rehearsal.CpuStretch.read(tmp_path / "probe.jsonl").samples == []
     probe.sample()
     assert len(probe.samples) == 5 and probe.samples[-1][2] > 0
+    (tmp_path / "probe.jsonl").write_text("".join(json.dumps(list(x)) + "\n" for x in probe.samples))
+    assert rehearsal.CpuStretch.read(tmp_path / "probe.jsonl").samples == probe.samples
 
 
 def test_agreement_is_within_15_percent_figure_by_figure() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import os
 import random
 import shlex
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from datetime import datetime
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Sequence
@@ -306,12 +308,16 @@ def ledger_account(run_dir: Path) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------------
 
 class CpuStretch:
-    """How much the machine stretches CPU work while the rehearsal runs: a fixed piece of pure-Python work (a few
-    ms of CPU) timed, elapsed against this process's CPU seconds, at every sample. On a machine shared with more
+    """How much the machine stretches CPU work while the rehearsal runs: a fixed piece of pure-Python work (about
+    1 ms of CPU) timed, elapsed against the probe's CPU seconds, at every sample. On a machine shared with more
     runnable work than cores, work waits for a core; the simulation stretches the buffer's serve cost (CPU
-    seconds, `sim.ServeCost`, measured by `tools.bench serve`) by the stretch measured over the same window."""
+    seconds, `sim.ServeCost`, measured by `tools.bench serve`) by the stretch measured while the buffer served
+    (`over_windows`). The serve lasts a fraction of a second at each step's end, when the new weights go to every
+    server at once and the rollouts ask for work: the machine is busiest then, so the probe samples often, from a
+    process of its own (`run_probe`), and the stretch over the whole run (`over`) is reported beside it."""
 
-    WORK = 100_000   # loop iterations: about 5 ms of CPU on this machine type
+    WORK = 20_000       # loop iterations: about 1 ms of CPU on this machine type
+    PERIOD_S = 0.05     # a sample every 50 ms: 2 % of a core, and several samples inside every serve
 
     def __init__(self) -> None:
         self.samples: list[tuple[float, float, float]] = []   # (time, elapsed, CPU seconds)
@@ -325,9 +331,46 @@ class CpuStretch:
 
     def over(self, start: float, end: float) -> float:
         """Elapsed over CPU seconds of the samples between `start` and `end` (wall-clock times); at least 1."""
-        inside = [(e, c) for t, e, c in self.samples if start <= t <= end]
+        return self.over_windows([(start, end)], least=1) or 1.0
+
+    def over_windows(self, windows: list[tuple[float, float]], least: int = 5) -> float | None:
+        """Elapsed over CPU seconds of the samples inside any of `windows` (wall-clock start, end); at least 1.
+        None with fewer than `least` samples inside: too few to stand for those moments."""
+        inside = [(e, c) for t, e, c in self.samples if any(a <= t <= b for a, b in windows)]
         cpu = sum(c for _, c in inside)
-        return max(1.0, sum(e for e, _ in inside) / cpu) if cpu > 0 else 1.0
+        if len(inside) < least or cpu <= 0:
+            return None
+        return max(1.0, sum(e for e, _ in inside) / cpu)
+
+    @classmethod
+    def read(cls, path: Path) -> "CpuStretch":
+        """The samples `run_probe` wrote."""
+        probe = cls()
+        probe.samples = [tuple(row) for row in read_jsonl(path)]   # type: ignore[misc]
+        return probe
+
+
+def run_probe(path: str, stop: Any) -> None:
+    """The stretch probe's process: a sample every `CpuStretch.PERIOD_S` until `stop` (an Event) is set, each
+    appended to `path` as it is taken."""
+    probe = CpuStretch()
+    with open(path, "a", encoding="utf-8") as out:
+        while not stop.wait(CpuStretch.PERIOD_S):
+            probe.sample()
+            out.write(json.dumps(probe.samples.pop()) + "\n")
+            out.flush()
+
+
+def serve_windows(run_dir: Path, metrics: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> list[tuple[float, float]]:
+    """When the buffer served the measured steps' batches (wall-clock start, end), from its `batch_served` lines:
+    each ends at the line's timestamp and lasted its serve_s."""
+    steps = {m["step"] for m in sorted(metrics, key=lambda m: m["step"])[warmup:]}
+    out = []
+    for e in read_jsonl(run_dir / "logs" / "buffer.jsonl"):
+        if e.get("event") == "batch_served" and e.get("step") in steps:
+            end = datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
+            out.append((end - e["serve_s"], end))
+    return out
 
 
 class ProcessWatch:
@@ -484,14 +527,17 @@ def rehearse(opts: Options) -> dict[str, Any]:
                                            stderr=subprocess.STDOUT, cwd=str(topo_mod.REPO_ROOT),
                                            start_new_session=True))
     watch = ProcessWatch([p.pid for p in agents])
-    stretch = CpuStretch()
+    probe_file = run_dir / "cpu_stretch.jsonl"
+    probe_stop = multiprocessing.get_context("fork").Event()
+    probe = multiprocessing.get_context("fork").Process(target=run_probe, args=(str(probe_file), probe_stop),
+                                                        name="cpu-stretch-probe", daemon=True)
+    probe.start()
     fault_done: dict[str, Any] = {}
     stop_reason = None
     seen_steps = 0
     try:
         while any(p.poll() is None for p in agents):
             watch.sample()
-            stretch.sample()
             metrics = read_jsonl(run_dir / "metrics.jsonl")
             if len(metrics) > seen_steps:
                 seen_steps = len(metrics)
@@ -509,6 +555,8 @@ def rehearse(opts: Options) -> dict[str, Any]:
                 say(f"stopping: {stop_reason}")
             time.sleep(0.5)
     finally:
+        probe_stop.set()
+        probe.join(timeout=10)
         for p in agents:
             if p.poll() is None:
                 (run_dir / "nodes" / "STOP").write_text("rehearsal ended\n")
@@ -519,7 +567,7 @@ def rehearse(opts: Options) -> dict[str, Any]:
                     p.wait(timeout=10)
     wall = time.monotonic() - t0
     return report(opts, run_dir, plan, layout, costs, sim_cfg, specs, agents, watch, wall, fault_done, stop_reason,
-                  launch_overrides, sim_overrides, stretch)
+                  launch_overrides, sim_overrides, CpuStretch.read(probe_file))
 
 
 def kill_node(run_dir: Path, host: str) -> dict[str, Any]:
@@ -565,9 +613,11 @@ def report(opts: Options, run_dir: Path, plan: Plan, layout: Layout, costs: Rehe
         # times that, for answers of 1/token_scale the modelled tokens.
         rows = sorted(metrics, key=lambda m: m["step"])
         cpu_stretch = stretch.over(rows[WARMUP_STEPS - 1]["time"], rows[-1]["time"]) if stretch else 1.0
-        serve = sim_cfg.serve.scaled(opts.time_scale * cpu_stretch, opts.token_scale)
+        serve_stretch = stretch.over_windows(serve_windows(run_dir, metrics)) if stretch else None
+        serve = sim_cfg.serve.scaled(opts.time_scale * (serve_stretch or cpu_stretch), opts.token_scale)
         result = sim.simulate(dataclasses.replace(sim_cfg, steps=len(metrics), serve=serve))
         out["cpu_stretch"] = cpu_stretch
+        out["serve_stretch"] = serve_stretch
         out["trainer_wait"] = trainer_wait(run_dir, metrics)
         out["serve_cost"] = dataclasses.asdict(serve)
         out["measured"] = measured
@@ -628,8 +678,10 @@ def render(r: dict[str, Any]) -> str:
         lines += ["", "figures (modelled seconds and tokens; measured steps after the first)", *_table(rows)]
         if "cpu_stretch" in r:
             serve = r["serve_cost"]
-            lines.append(f"  the buffer's serve, simulated: CPU x{r['cpu_stretch']:.2f} (the machine's stretch over "
-                         f"the measured steps) = {serve['per_batch_s']:.3g} s a batch + "
+            used = (f"x{r['serve_stretch']:.2f} (the machine's stretch while the buffer served; x{r['cpu_stretch']:.2f} "
+                    f"over the measured steps)" if r.get("serve_stretch") else
+                    f"x{r['cpu_stretch']:.2f} (the machine's stretch over the measured steps)")
+            lines.append(f"  the buffer's serve, simulated: CPU {used} = {serve['per_batch_s']:.3g} s a batch + "
                          f"{serve['per_token_s'] * 1e6:.3g} s per million modelled answer tokens")
         if "buffer_serve_s" in r.get("trainer_wait", {}):
             w = r["trainer_wait"]
