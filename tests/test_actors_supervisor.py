@@ -308,13 +308,14 @@ def test_each_actor_waits_its_own_ready_budget(tmp_path: Any) -> None:
     server_up = tmp_path / "server_up"
 
     async def main() -> None:
+        # (ready_timeout is every other actor's budget: both have their own, so it can be short)
         sup = Supervisor([spec(tmp_path, "fast"), spec(tmp_path, "slow", ready_when=str(server_up))], tmp_path,
-                         ready_timeout=8.0, ready_budgets={"slow": START_BUDGET, "fast": START_BUDGET})
+                         ready_timeout=2.0, ready_budgets={"slow": START_BUDGET, "fast": START_BUDGET})
         t0 = time.monotonic()
         starting = asyncio.ensure_future(sup.start())
         await until(lambda: sup.children["fast"].ready, what="fast to be ready")
         # the slow one's server comes up after ready_timeout: only its own budget counts
-        await asyncio.sleep(max(0.0, 8.5 - (time.monotonic() - t0)))
+        await asyncio.sleep(max(0.0, 2.5 - (time.monotonic() - t0)))
         assert not starting.done()
         server_up.write_text("")
         await starting

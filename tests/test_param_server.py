@@ -117,6 +117,48 @@ def test_publish_checks_the_hash_and_stores_the_newest(tmp_path: Path, random_mo
     run(main())
 
 
+def test_a_restarted_trainer_is_met_on_a_fresh_train_link_at_the_epoch_it_names(tmp_path: Path,
+                                                                             random_model_dir: Path) -> None:
+    # A trainer restarted in place counts its train-link epochs from 0 again, the epoch the server's link to the
+    # old process was still at. That announcement was taken for the old (broken) link: the server received on it
+    # and failed, while the new trainer waited at the rendezvous for the link's whole timeout (30 s in the
+    # embedded default, every step held) before it moved on to epoch 1.
+    ports = {"train_to_ps": free_port(), "ps_to_rollout": free_port()}
+    s = spec(tmp_path, random_model_dir, ports, ["param_server", "rollout.0"])
+
+    async def main() -> None:
+        actor = ParamServerActor(s)
+        task = asyncio.create_task(actor.run())
+        old_link, opening, trainer = await trainer_side(tmp_path, s, ports["train_to_ps"])
+
+        async def publish(link: BulkLink, opening: asyncio.Future, version: int, incarnation: str) -> Any:
+            buckets, digest = tiny_weight_buckets(version)
+            reply = asyncio.ensure_future(trainer.request("param_server", WeightsPublished(
+                version=version, n_buckets=len(buckets), weights_hash=digest, link_epoch=0,
+                incarnation=incarnation), timeout=30))
+            await opening
+            await asyncio.to_thread(lambda: [link.send(b, dst=1) for b in buckets])
+            return await reply
+
+        assert isinstance(await publish(old_link, opening, 1, "pid-1"), WeightsStored)
+        old_link.close()   # the trainer process is gone; its restart opens the train link at epoch 0 again
+        new_link = BulkLink(LinkConfig.from_dict(gloo_link("train_to_ps", ports["train_to_ps"],
+                                                           ["trainer", "param_server"], "trainer")))
+        opening = asyncio.ensure_future(asyncio.to_thread(new_link.open, 0))
+        stored = await publish(new_link, opening, 2, "pid-2")
+        assert isinstance(stored, WeightsStored) and stored.version == 2
+        status = await trainer.request("param_server", WeightsStatusRequest(), timeout=10)
+        assert status.version == 2 and status.weights_hash == tiny_weight_buckets(2)[1]
+        actor.request_stop("test over")
+        assert await task == 0
+        await trainer.close(linger=0)
+        new_link.close()
+
+    run(main())
+    log = (tmp_path / "logs" / "param_server.jsonl").read_text()
+    assert log.count('"train_link_formed"') == 2 and '"weights_receive_failed"' not in log
+
+
 def test_a_rollout_whose_server_died_is_waited_for_until_its_hello(tmp_path: Path, random_model_dir: Path) -> None:
     # ServerDown makes a rollout count as not yet hello'd: no group is formed that would wait out the link
     # timeout for ranks that cannot join. rollout.1 never says hello here, so nothing is formed at all.

@@ -135,13 +135,17 @@ class RelayFanout(Fanout):
         """Receive the announced version's buckets on the train link; with an announced hash they are checked
         before the answer, else hashed and packed after it (off the trainer's step)."""
         ps = self.server
-        if msg.incarnation != self._trainer_incarnation:   # the trainer restarted: its epochs start again
+        restarted = msg.incarnation != self._trainer_incarnation
+        if restarted:   # the trainer restarted: its epochs start again
             self._trainer_incarnation, self._up_epoch = msg.incarnation, msg.link_epoch
         self._up_epoch = max(self._up_epoch, msg.link_epoch)
-        if self.up.epoch != msg.link_epoch:
+        if restarted or self.up.epoch != msg.link_epoch:
             # First contact, a restart of either side, or a transfer that failed: meet the trainer on the epoch
             # it names (it is the rendezvous master and joins that epoch too), on a link object of its own: an
-            # announcement older than a restart may still be waiting for its epoch in another thread.
+            # announcement older than a restart may still be waiting for its epoch in another thread. A
+            # restarted trainer names the epoch the link of its old process may still be at: that link is
+            # broken, and a restarted trainer waits at the rendezvous for this side to join (for the link's
+            # whole timeout, where it was taken for the same link).
             link = self.make_link(self.up.config)
             try:
                 await in_thread(link.open, msg.link_epoch)
