@@ -83,6 +83,14 @@ class ServeCost:
         return self.per_batch_s + self.per_token_s * answer_tokens
 
 
+def clipped_lognormal_mean(mu: float, sigma: float, cut: float) -> float:
+    """The mean of lognormal(mu, sigma) draws once every draw above `cut` is cut to it."""
+    from statistics import NormalDist
+
+    z = (math.log(cut) - mu) / sigma
+    return math.exp(mu + sigma ** 2 / 2) * NormalDist().cdf(z - sigma) + cut * (1 - NormalDist().cdf(z))
+
+
 @functools.lru_cache(maxsize=64)
 def lognormal_for(mean_at_cut: float, cut_share: float, cut: float) -> tuple[float, float]:
     """(mu, sigma) of the lognormal whose share above `cut` is `cut_share` and whose mean after cutting
@@ -90,16 +98,11 @@ def lognormal_for(mean_at_cut: float, cut_share: float, cut: float) -> tuple[flo
     from statistics import NormalDist
 
     z = NormalDist().inv_cdf(1 - cut_share)
-
-    def clipped_mean(sigma: float) -> float:
-        mu = math.log(cut) - z * sigma
-        below = NormalDist().cdf((math.log(cut) - mu - sigma ** 2) / sigma)
-        return math.exp(mu + sigma ** 2 / 2) * below + cut * cut_share
-
     lo, hi = 1e-3, 5.0
     for _ in range(100):
         mid = (lo + hi) / 2
-        if clipped_mean(mid) > mean_at_cut:   # a wider spread lowers the mean at a fixed tail share
+        # a wider spread lowers the mean at a fixed tail share
+        if clipped_lognormal_mean(math.log(cut) - z * mid, mid, cut) > mean_at_cut:
             lo = mid
         else:
             hi = mid
@@ -140,18 +143,12 @@ LENGTHS_BY_SIZE: dict[str, dict[str, Any]] = {
 def lognormal_mu_for(mean_at_cut: float, sigma: float, cut: float) -> float:
     """mu of the lognormal of spread `sigma` whose mean after cutting at `cut` is `mean_at_cut` (bisection: the
     clipped mean grows with mu)."""
-    from statistics import NormalDist
-
-    def clipped_mean(mu: float) -> float:
-        z = (math.log(cut) - mu) / sigma
-        return math.exp(mu + sigma ** 2 / 2) * NormalDist().cdf(z - sigma) + cut * (1 - NormalDist().cdf(z))
-
     if not 0 < mean_at_cut < cut:
         raise ValueError(f"lengths: mean_tokens_at_cut {mean_at_cut} must lie between 0 and the cut {cut}")
     lo, hi = math.log(mean_at_cut) - 10 * sigma - 10, math.log(cut) + 10 * sigma + 10
     for _ in range(200):
         mid = (lo + hi) / 2
-        if clipped_mean(mid) > mean_at_cut:
+        if clipped_lognormal_mean(mid, sigma, cut) > mean_at_cut:
             hi = mid
         else:
             lo = mid
@@ -224,12 +221,12 @@ class SimConfig:
         spec = self.lengths
         if spec["kind"] == "fixed":
             out = np.full(n, int(spec["tokens"]))
-        elif spec["kind"] == "lognormal" and "cut_share" in spec:
-            mu, sigma = lognormal_for(spec["mean_tokens_at_cut"], spec["cut_share"], spec["cut"])
-            out = np.ceil(rng.lognormal(mu, sigma, n)).astype(np.int64)
-        elif spec["kind"] == "lognormal" and "sigma" in spec:
-            sigma = float(spec["sigma"])
-            mu = lognormal_mu_for(spec["mean_tokens_at_cut"], sigma, spec["cut"])
+        elif spec["kind"] == "lognormal" and ("cut_share" in spec or "sigma" in spec):
+            if "cut_share" in spec:
+                mu, sigma = lognormal_for(spec["mean_tokens_at_cut"], spec["cut_share"], spec["cut"])
+            else:
+                sigma = float(spec["sigma"])
+                mu = lognormal_mu_for(spec["mean_tokens_at_cut"], sigma, spec["cut"])
             out = np.ceil(rng.lognormal(mu, sigma, n)).astype(np.int64)
         else:
             raise ValueError(f"lengths: {spec!r} is not 'fixed' (tokens) or 'lognormal' (mean_tokens_at_cut, cut and "
