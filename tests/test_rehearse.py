@@ -138,7 +138,7 @@ def test_the_trainer_s_wait_is_split_by_the_buffer_s_lines_and_the_machine_s_str
     (tmp_path / "logs").mkdir()
     lines = [{"event": "batch_served", "step": s, "waited_for_groups_s": 0.1 * s, "serve_s": 0.2 * s} for s in (1, 2, 3)]
     (tmp_path / "logs" / "buffer.jsonl").write_text("".join(json.dumps(x) + "\n" for x in [{"event": "other"}, *lines]))
-    w = rehearsal.trainer_wait(tmp_path, metrics)
+    w = rehearsal.trainer_wait(metrics, rehearsal.batches_served(tmp_path, rehearsal.measured_steps(metrics)))
     assert w["wait_s"] == pytest.approx(sum(m["wait_seconds"] for m in metrics[1:]) / 2)
     assert w["buffer_waited_for_groups_s"] == pytest.approx(0.25) and w["buffer_serve_s"] == pytest.approx(0.5)
     probe = rehearsal.CpuStretch()
@@ -151,7 +151,8 @@ def test_the_trainer_s_wait_is_split_by_the_buffer_s_lines_and_the_machine_s_str
              for s in (1, 2, 3)]
     (tmp_path / "logs" / "buffer.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     t0 = datetime(2026, 1, 1, tzinfo=timezone.utc).timestamp()
-    assert rehearsal.serve_windows(tmp_path, metrics) == [(t0 + 1.5, t0 + 2.0), (t0 + 2.5, t0 + 3.0)]
+    served = rehearsal.batches_served(tmp_path, rehearsal.measured_steps(metrics))
+    assert rehearsal.serve_windows(served) == [(t0 + 1.5, t0 + 2.0), (t0 + 2.5, t0 + 3.0)]
     # the probe's own process writes its samples as it takes them, and stops when told
     stop = multiprocessing.get_context("fork").Event()
     stop.set()

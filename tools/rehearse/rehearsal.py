@@ -280,20 +280,30 @@ def decisions(run_dir: Path, metrics: list[dict[str, Any]], servers: dict[str, l
             "per_server": {str(i): b for i, b in sorted(by_server.items())}}
 
 
-def trainer_wait(run_dir: Path, metrics: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> dict[str, float]:
+def trainer_wait(metrics: list[dict[str, Any]], served: list[dict[str, Any]],
+                 warmup: int = WARMUP_STEPS) -> dict[str, float]:
     """Where the trainer's wait for its batches went over the measured steps, in real seconds a step: the
     trainer's own count (`wait_s`), and the buffer's (its `batch_served` lines): waiting for groups still to
     come, and serving (converting, writing the served copy). The rest is the request and the reply on the bus
-    and in the two actors' queues."""
-    steps = {m["step"] for m in sorted(metrics, key=lambda m: m["step"])[warmup:]}
-    served = [e for e in read_jsonl(run_dir / "logs" / "buffer.jsonl")
-              if e.get("event") == "batch_served" and e.get("step") in steps]
+    and in the two actors' queues. `served`: the buffer's lines of the measured steps (`batches_served`)."""
+    steps = measured_steps(metrics, warmup)
     n = max(1, len(steps))
     out = {"wait_s": sum(m["wait_seconds"] for m in metrics if m["step"] in steps) / n}
     if served:
         out["buffer_waited_for_groups_s"] = sum(e["waited_for_groups_s"] for e in served) / len(served)
         out["buffer_serve_s"] = sum(e["serve_s"] for e in served) / len(served)
     return out
+
+
+def measured_steps(metrics: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> set[int]:
+    """The steps the figures are taken over: every step after the first `warmup`."""
+    return {m["step"] for m in sorted(metrics, key=lambda m: m["step"])[warmup:]}
+
+
+def batches_served(run_dir: Path, steps: set[int]) -> list[dict[str, Any]]:
+    """The buffer's `batch_served` lines of `steps`."""
+    return [e for e in read_jsonl(run_dir / "logs" / "buffer.jsonl")
+            if e.get("event") == "batch_served" and e.get("step") in steps]
 
 
 def ledger_account(run_dir: Path) -> dict[str, int]:
@@ -361,16 +371,11 @@ def run_probe(path: str, stop: Any) -> None:
             out.flush()
 
 
-def serve_windows(run_dir: Path, metrics: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> list[tuple[float, float]]:
-    """When the buffer served the measured steps' batches (wall-clock start, end), from its `batch_served` lines:
-    each ends at the line's timestamp and lasted its serve_s."""
-    steps = {m["step"] for m in sorted(metrics, key=lambda m: m["step"])[warmup:]}
-    out = []
-    for e in read_jsonl(run_dir / "logs" / "buffer.jsonl"):
-        if e.get("event") == "batch_served" and e.get("step") in steps:
-            end = datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
-            out.append((end - e["serve_s"], end))
-    return out
+def serve_windows(served: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """When the buffer served (wall-clock start, end), from its `batch_served` lines: each ends at the line's
+    timestamp and lasted its serve_s."""
+    ends = [(datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp(), e["serve_s"]) for e in served]
+    return [(end - serve_s, end) for end, serve_s in ends]
 
 
 class ProcessWatch:
@@ -528,9 +533,9 @@ def rehearse(opts: Options) -> dict[str, Any]:
                                            start_new_session=True))
     watch = ProcessWatch([p.pid for p in agents])
     probe_file = run_dir / "cpu_stretch.jsonl"
-    probe_stop = multiprocessing.get_context("fork").Event()
-    probe = multiprocessing.get_context("fork").Process(target=run_probe, args=(str(probe_file), probe_stop),
-                                                        name="cpu-stretch-probe", daemon=True)
+    fork = multiprocessing.get_context("fork")
+    probe_stop = fork.Event()
+    probe = fork.Process(target=run_probe, args=(str(probe_file), probe_stop), name="cpu-stretch-probe", daemon=True)
     probe.start()
     fault_done: dict[str, Any] = {}
     stop_reason = None
@@ -613,12 +618,13 @@ def report(opts: Options, run_dir: Path, plan: Plan, layout: Layout, costs: Rehe
         # times that, for answers of 1/token_scale the modelled tokens.
         rows = sorted(metrics, key=lambda m: m["step"])
         cpu_stretch = stretch.over(rows[WARMUP_STEPS - 1]["time"], rows[-1]["time"]) if stretch else 1.0
-        serve_stretch = stretch.over_windows(serve_windows(run_dir, metrics)) if stretch else None
+        served = batches_served(run_dir, measured_steps(metrics))
+        serve_stretch = stretch.over_windows(serve_windows(served)) if stretch else None
         serve = sim_cfg.serve.scaled(opts.time_scale * (serve_stretch or cpu_stretch), opts.token_scale)
         result = sim.simulate(dataclasses.replace(sim_cfg, steps=len(metrics), serve=serve))
         out["cpu_stretch"] = cpu_stretch
         out["serve_stretch"] = serve_stretch
-        out["trainer_wait"] = trainer_wait(run_dir, metrics)
+        out["trainer_wait"] = trainer_wait(metrics, served)
         out["serve_cost"] = dataclasses.asdict(serve)
         out["measured"] = measured
         out["simulated"] = result.figures()
