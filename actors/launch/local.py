@@ -35,14 +35,14 @@ def use_trainer_threads(plan: Plan) -> int | None:
     count (its OMP_NUM_THREADS); the count set, or None without a trainer. The tiny models' operations are too
     short to split: with a thread per core each one waits for the slowest thread, so on a machine with any
     other work a step slows down tenfold or more, where one thread runs at full speed."""
-    modules = {name: group.actor_package for name, group in plan.topology.groups.items()}
-    threads = [i.env.get("OMP_NUM_THREADS") for i in plan.instances if modules.get(i.group) == "actors.trainer"]
-    if not threads or not threads[0]:
+    threads = next((i.env.get("OMP_NUM_THREADS") for i in plan.instances
+                    if plan.topology.groups[i.group].actor_package == "actors.trainer"), None)
+    if not threads:
         return None
     import torch
 
-    torch.set_num_threads(int(threads[0]))
-    return int(threads[0])
+    torch.set_num_threads(int(threads))
+    return int(threads)
 
 
 def progress_watchdog(plan: Plan, run_dir: Path) -> ProgressWatchdog:
