@@ -47,6 +47,19 @@ async def trainer_side(tmp_path: Path, s: ActorSpec, port: int) -> tuple[BulkLin
     return link, opening, bus
 
 
+async def publish(trainer: Bus, link: BulkLink, opening: asyncio.Future, version: int, seed: int | None = None,
+                  **fields: Any) -> tuple[Any, str]:
+    """The trainer's publish of `version` (tiny buckets drawn from `seed`, else from the version): its
+    announcement (the buckets' own hash unless `fields` names another), then the buckets on `link` once it is
+    open; the parameter server's reply and the buckets' hash."""
+    buckets, digest = tiny_weight_buckets(version if seed is None else seed)
+    reply = asyncio.ensure_future(trainer.request("param_server", WeightsPublished(
+        version=version, n_buckets=len(buckets), **{"weights_hash": digest, **fields}), timeout=30))
+    await opening
+    await asyncio.to_thread(lambda: [link.send(b, dst=1) for b in buckets])
+    return await reply, digest
+
+
 def test_start_weights_hash_matches_a_loaded_model(tmp_path: Path, random_model_dir: Path) -> None:
     model_dir = random_model_dir
     cfg = ExperimentConfig.model_validate({"model": {"path": str(model_dir), "dtype": "float32"},
@@ -78,31 +91,22 @@ def test_publish_checks_the_hash_and_stores_the_newest(tmp_path: Path, random_mo
         task = asyncio.create_task(actor.run())
         trainer_link, opening, trainer = await trainer_side(tmp_path, s, ports["train_to_ps"])
 
-        async def publish(version: int, seed: int, announced: str | None = None) -> Any:
-            buckets, digest = tiny_weight_buckets(seed)
-            reply = asyncio.ensure_future(trainer.request("param_server", WeightsPublished(
-                version=version, n_buckets=len(buckets), weights_hash=digest if announced is None else announced),
-                timeout=30))
-            await opening
-            await asyncio.to_thread(lambda: [trainer_link.send(b, dst=1) for b in buckets])
-            return await reply, digest
-
         with pytest.raises(RemoteError, match=r"version 1: buckets hash to \w+, the trainer announced bogus"):
-            await publish(1, seed=1, announced="bogus")
-        stored, h1 = await publish(1, seed=1)
+            await publish(trainer, trainer_link, opening, 1, seed=1, weights_hash="bogus")
+        stored, h1 = await publish(trainer, trainer_link, opening, 1, seed=1)
         assert isinstance(stored, WeightsStored) and stored.version == 1
         status = await trainer.request("param_server", WeightsStatusRequest(), timeout=10)
         assert isinstance(status, WeightsStatus) and status.version == 1 and status.weights_hash == h1
         assert status.epoch == -1 and status.pushes == 0   # no rollout said hello: no link yet
         assert not status.rollouts["rollout.0"].hello
         # A version not newer than the stored one is acknowledged but does not replace it.
-        stale, _ = await publish(1, seed=9)
+        stale, _ = await publish(trainer, trainer_link, opening, 1, seed=9)
         assert isinstance(stale, WeightsStored)
         status = await trainer.request("param_server", WeightsStatusRequest(), timeout=10)
         assert status.weights_hash == h1 and actor.counters["versions_stored"] == 1
         # A trainer that announces no hash (it hashes only where a receiver checks one) is answered at once;
         # the server hashes what it received itself, after answering, and pushes with that.
-        stored, h2 = await publish(2, seed=2, announced="")
+        stored, h2 = await publish(trainer, trainer_link, opening, 2, seed=2, weights_hash="")
         assert isinstance(stored, WeightsStored) and stored.version == 2
         for _ in range(100):
             status = await trainer.request("param_server", WeightsStatusRequest(), timeout=10)
@@ -131,21 +135,13 @@ def test_a_restarted_trainer_is_met_on_a_fresh_train_link_at_the_epoch_it_names(
         task = asyncio.create_task(actor.run())
         old_link, opening, trainer = await trainer_side(tmp_path, s, ports["train_to_ps"])
 
-        async def publish(link: BulkLink, opening: asyncio.Future, version: int, incarnation: str) -> Any:
-            buckets, digest = tiny_weight_buckets(version)
-            reply = asyncio.ensure_future(trainer.request("param_server", WeightsPublished(
-                version=version, n_buckets=len(buckets), weights_hash=digest, link_epoch=0,
-                incarnation=incarnation), timeout=30))
-            await opening
-            await asyncio.to_thread(lambda: [link.send(b, dst=1) for b in buckets])
-            return await reply
-
-        assert isinstance(await publish(old_link, opening, 1, "pid-1"), WeightsStored)
+        stored, _ = await publish(trainer, old_link, opening, 1, link_epoch=0, incarnation="pid-1")
+        assert isinstance(stored, WeightsStored)
         old_link.close()   # the trainer process is gone; its restart opens the train link at epoch 0 again
         new_link = BulkLink(LinkConfig.from_dict(gloo_link("train_to_ps", ports["train_to_ps"],
                                                            ["trainer", "param_server"], "trainer")))
         opening = asyncio.ensure_future(asyncio.to_thread(new_link.open, 0))
-        stored = await publish(new_link, opening, 2, "pid-2")
+        stored, _ = await publish(trainer, new_link, opening, 2, link_epoch=0, incarnation="pid-2")
         assert isinstance(stored, WeightsStored) and stored.version == 2
         status = await trainer.request("param_server", WeightsStatusRequest(), timeout=10)
         assert status.version == 2 and status.weights_hash == tiny_weight_buckets(2)[1]
@@ -259,12 +255,8 @@ def test_a_rollout_whose_server_is_still_starting_does_not_hold_back_new_weights
                             handler=lambda env: isinstance(env.msg, LinkReform) and reforms.put_nowait(env.msg),
                             heartbeat_interval=None).start()
         await rollout.send("param_server", RolloutHello(version=0))       # rollout.1's server is not up yet
-        buckets, digest = tiny_weight_buckets(1)
-        reply = asyncio.ensure_future(trainer.request("param_server", WeightsPublished(
-            version=1, n_buckets=len(buckets), weights_hash=digest), timeout=30))
-        await opening
-        await asyncio.to_thread(lambda: [trainer_link.send(b, dst=1) for b in buckets])
-        assert isinstance(await reply, WeightsStored)
+        stored, _ = await publish(trainer, trainer_link, opening, 1)
+        assert isinstance(stored, WeightsStored)
         first = await asyncio.wait_for(reforms.get(), 30)
         actor.request_stop("test over")
         await task
