@@ -20,10 +20,13 @@ from transport.protocol import GenerateGroup, WorkerHello
 ROOT = Path(__file__).resolve().parents[1]
 
 # A rollout process as the buffer sees it: its bus, its hello (or none), and every group it is given, printed.
+# Its stdout carries only those lines: the bus's own log (a reply to a buffer already gone, say) goes to stderr.
 ROLLOUT = textwrap.dedent("""
-    import asyncio, sys, uvloop
+    import asyncio, sys, structlog, uvloop
     from transport.bus import Bus
     from transport.protocol import GenerateGroup, WorkerHello
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
     async def main():
         name, endpoint, buffer, hello = sys.argv[1:5]
@@ -60,7 +63,8 @@ def test_a_killed_rollout_whose_new_process_never_says_hello_has_its_groups_issu
     async def rollout_process(hello: bool) -> asyncio.subprocess.Process:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-W", "ignore", "-c", ROLLOUT, "rollout.1", endpoints["rollout.1"], endpoints["buffer"],
-            "hello" if hello else "silent", cwd=ROOT, stdout=asyncio.subprocess.PIPE)
+            "hello" if hello else "silent", cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL)
         assert await asyncio.wait_for(proc.stdout.readline(), 60) == b"up\n"
         return proc
 
