@@ -510,6 +510,14 @@ def test_simulated_and_measured_figures_are_compared_within_15_percent():
                         {"step_time_s": 11.0, "reissued_per_step": 0.01, "staleness_mean": 0.9})
     assert cmp["rows"]["step_time_s"]["agrees"] and cmp["rows"]["reissued_per_step"]["agrees"]
     assert not cmp["rows"]["staleness_mean"]["agrees"] and not cmp["all_agree"]
+    # near zero on both sides agrees whatever the ratio, which is still shown; a share that is not near zero
+    # is held to the tolerance
+    assert cmp["rows"]["reissued_per_step"]["near_zero"] and cmp["rows"]["reissued_per_step"]["ratio"] == 0.0
+    assert not cmp["rows"]["step_time_s"]["near_zero"]
+    shares = sim.agreement({"wait_share": 0.003, "zero": 0.01, "none": 0.0}, {"wait_share": 0.06, "zero": 0.0, "none": 0.0})
+    assert not shares["rows"]["wait_share"]["agrees"] and shares["rows"]["wait_share"]["ratio"] == pytest.approx(0.05)
+    assert shares["rows"]["zero"]["ratio"] is None and shares["rows"]["zero"]["agrees"]
+    assert shares["rows"]["none"] == {"simulated": 0.0, "measured": 0.0, "ratio": 1.0, "near_zero": True, "agrees": True}
 
 
 def test_tools_plan_plots_the_timeline_and_the_sweep(tmp_path, capsys, monkeypatch):

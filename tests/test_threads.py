@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 from collections import Counter
 from types import SimpleNamespace
@@ -10,7 +13,7 @@ from typing import Any
 import pytest
 import structlog
 
-from actors.runtime.threads import DaemonThreads, in_thread, on_daemon_thread, run_blocking_on
+from actors.runtime.threads import DaemonThreads, costed, in_thread, on_daemon_thread, run_blocking_on
 from transport.bulk import LinkConfig
 from transport.protocol import WeightsStored
 
@@ -102,3 +105,34 @@ def test_the_relay_sends_its_buckets_on_a_daemon_thread() -> None:
     sender = RelaySender(Link(), Bus(), "param_server", "inc", Counter(), structlog.get_logger())
     asyncio.run(sender.publish(1, [SimpleNamespace(), SimpleNamespace()], []))
     assert [daemon for _, daemon in threads] == [True, True]
+
+
+def _spin(n: int) -> int:
+    x = 0
+    for i in range(n):
+        x += i * i
+    return x
+
+
+def test_costed_tells_cpu_work_from_waiting_and_counts_the_wait_for_a_core() -> None:
+    # A blocked call costs next to no CPU; CPU work costs its CPU; work that shares its one core with a busy
+    # process waits for the core (the buffer's serve logs both, and tools.rehearse reads the machine's stretch there).
+    result, blocked = costed(threading.Event().wait, 0.05)
+    assert result is False and blocked.cpu_s < 0.05
+    _, worked = costed(_spin, 2_000_000)
+    assert worked.cpu_s > blocked.cpu_s
+    if worked.core_wait_s is None:
+        pytest.skip("this kernel gives no per-thread scheduler statistics")
+    core = sorted(os.sched_getaffinity(0))[0]
+    hog = subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
+                           stdout=subprocess.PIPE, preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    mine = os.sched_getaffinity(0)
+    try:
+        assert hog.stdout is not None and hog.stdout.readline() == b"spinning\n"
+        os.sched_setaffinity(0, {core})   # this thread only (Linux): it and the hog take turns on one core
+        _, shared = costed(_spin, 4_000_000)
+    finally:
+        os.sched_setaffinity(0, mine)
+        hog.kill()
+        hog.wait(timeout=30)
+    assert shared.core_wait_s is not None and shared.core_wait_s > 0

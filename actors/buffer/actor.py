@@ -48,6 +48,7 @@ from actors.buffer.state import BufferState, InFlight, ledger_after_resume, plan
 from actors.dataset import Layout, Record, load_dataset, within_prompt_cap
 from actors.engines.tokenizer import load_tokenizer
 from actors.runtime.recovery import checkpoint_dir, latest_checkpoint, recovering, restarted_in_place
+from actors.runtime.threads import costed
 from algo.serving import DecodePace
 from topology.settings import BufferSettings
 from transport.bus import HEARTBEAT_TIMEOUT_S, BusError
@@ -415,12 +416,15 @@ class BufferActor(Actor):
             # Converting and writing a recipe-sized batch (GBs) takes seconds: off the event loop, which
             # must keep answering heartbeats and taking scored groups meanwhile. Nothing here touches the
             # state; the taken groups are no longer the state's.
-            batch = await asyncio.to_thread(self.files.write_served, listed, record, state)
+            batch, cost = await asyncio.to_thread(costed, self.files.write_served, listed, record, state)
             self.files.append_ledger(record)
             self.state.served(msg.step)
             # The trainer waits for both: groups still to come, then the serve (tools.bench serve times its parts).
+            # The serve's CPU and its wait for a core tell a busy machine from a slow serve or a slow disk.
             self.log.info("batch_served", step=msg.step, answer_tokens=sum(batch.output_lens),
-                          waited_for_groups_s=round(taken_at - asked, 4), serve_s=round(time.time() - taken_at, 4))
+                          waited_for_groups_s=round(taken_at - asked, 4), serve_s=round(time.time() - taken_at, 4),
+                          serve_cpu_s=round(cost.cpu_s, 4),
+                          serve_core_wait_s=None if cost.core_wait_s is None else round(cost.core_wait_s, 4))
             return batch
 
     def _state_dict(self) -> dict[str, Any]:

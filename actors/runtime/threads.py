@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import dataclasses
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["DaemonThreads", "in_thread", "on_daemon_thread", "run_blocking_on"]
+__all__ = ["DaemonThreads", "ThreadCost", "costed", "in_thread", "on_daemon_thread", "run_blocking_on"]
 
 T = TypeVar("T")
 
@@ -73,3 +75,31 @@ def in_thread(fn: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
     """Await ``fn(*args)`` run on a daemon thread (the running loop's executor, :func:`run_blocking_on`)."""
     loop = asyncio.get_running_loop()
     return loop.run_in_executor(_EXECUTORS.get(loop, _DAEMON_THREADS), fn, *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadCost:
+    """What a call cost the thread that ran it: its CPU seconds, and the seconds it was ready to run but waited
+    for a core (None where the kernel does not say). The two tell a call slowed by a busy machine (the wait grows)
+    from one that is slow itself (the CPU grows) or blocked on I/O (neither grows)."""
+
+    cpu_s: float
+    core_wait_s: float | None
+
+
+def _core_wait_s() -> float | None:
+    # Linux's per-thread scheduler statistics: nanoseconds on a core, waiting on a run queue, timeslices.
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def costed(fn: Callable[..., T], *args: Any) -> tuple[T, ThreadCost]:
+    """``fn(*args)`` and what it cost this thread (:class:`ThreadCost`)."""
+    cpu0, wait0 = time.thread_time(), _core_wait_s()
+    result = fn(*args)
+    wait1 = _core_wait_s()
+    return result, ThreadCost(time.thread_time() - cpu0,
+                              None if wait0 is None or wait1 is None else wait1 - wait0)

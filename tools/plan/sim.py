@@ -369,18 +369,18 @@ class Result:
 
 
 def agreement(simulated: dict[str, float], measured: dict[str, float], tolerance: float = 0.15) -> dict[str, Any]:
-    """Figure by figure, simulated / measured and whether it is within `tolerance` (figures near zero on
-    both sides, as rates of rare decisions, agree when both are below 0.05 a step)."""
+    """Figure by figure, simulated / measured (None where the measured figure is 0 and the simulated is not) and
+    whether it is within `tolerance`. Figures near zero on both sides, as rates of rare decisions, agree when both
+    are below 0.05 (`near_zero`): there the ratio is shown but not held to the tolerance."""
     rows = {}
     for k, m in measured.items():
         s = simulated.get(k)
         if s is None:
             continue
-        if abs(m) < 0.05 and abs(s) < 0.05:
-            rows[k] = {"simulated": s, "measured": m, "ratio": 1.0, "agrees": True}
-        else:
-            ratio = s / m if m else math.inf
-            rows[k] = {"simulated": s, "measured": m, "ratio": ratio, "agrees": abs(ratio - 1) <= tolerance}
+        ratio = s / m if m else (1.0 if not s else None)
+        near_zero = abs(m) < 0.05 and abs(s) < 0.05
+        rows[k] = {"simulated": s, "measured": m, "ratio": ratio, "near_zero": near_zero,
+                   "agrees": near_zero or (ratio is not None and abs(ratio - 1) <= tolerance)}
     return {"rows": rows, "all_agree": all(r["agrees"] for r in rows.values())}
 
 

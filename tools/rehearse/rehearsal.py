@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import multiprocessing
 import os
 import random
 import shlex
@@ -23,7 +22,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from datetime import datetime
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Sequence
@@ -290,9 +288,27 @@ def trainer_wait(metrics: list[dict[str, Any]], served: list[dict[str, Any]],
     n = max(1, len(steps))
     out = {"wait_s": sum(m["wait_seconds"] for m in metrics if m["step"] in steps) / n}
     if served:
-        out["buffer_waited_for_groups_s"] = sum(e["waited_for_groups_s"] for e in served) / len(served)
-        out["buffer_serve_s"] = sum(e["serve_s"] for e in served) / len(served)
+        for key, field in (("buffer_waited_for_groups_s", "waited_for_groups_s"), ("buffer_serve_s", "serve_s"),
+                           ("buffer_serve_cpu_s", "serve_cpu_s"), ("buffer_serve_core_wait_s", "serve_core_wait_s")):
+            values = [e[field] for e in served if e.get(field) is not None]
+            if len(values) == len(served):
+                out[key] = sum(values) / len(values)
     return out
+
+
+def serve_stretch(served: list[dict[str, Any]]) -> float:
+    """How much this machine stretched the buffer's serve CPU work, from the serves themselves (`served`: the
+    buffer's `batch_served` lines): the serve's CPU seconds plus its wait for a core, over its CPU seconds;
+    where the kernel gives no wait, the serve's elapsed over its CPU seconds (then the disk's wait counts too).
+    At least 1. A probe of its own cannot stand in: under Linux's scheduler a short piece of work that has slept
+    runs at once on waking, so a 1 ms probe saw a stretch of 1.0-1.2 while the serve's 20 ms of CPU waited
+    for a core nine times as long as it ran (its thread's schedstat)."""
+    cpu = sum(e.get("serve_cpu_s") or 0.0 for e in served)
+    if cpu <= 0:
+        return 1.0
+    if all(e.get("serve_core_wait_s") is not None for e in served):
+        return max(1.0, (cpu + sum(e["serve_core_wait_s"] for e in served)) / cpu)
+    return max(1.0, sum(e["serve_s"] for e in served) / cpu)
 
 
 def measured_steps(metrics: list[dict[str, Any]], warmup: int = WARMUP_STEPS) -> set[int]:
@@ -316,67 +332,6 @@ def ledger_account(run_dir: Path) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------------------------
 # processes
 # ---------------------------------------------------------------------------------------------------------
-
-class CpuStretch:
-    """How much the machine stretches CPU work while the rehearsal runs: a fixed piece of pure-Python work (about
-    1 ms of CPU) timed, elapsed against the probe's CPU seconds, at every sample. On a machine shared with more
-    runnable work than cores, work waits for a core; the simulation stretches the buffer's serve cost (CPU
-    seconds, `sim.ServeCost`, measured by `tools.bench serve`) by the stretch measured while the buffer served
-    (`over_windows`). The serve lasts a fraction of a second at each step's end, when the new weights go to every
-    server at once and the rollouts ask for work: the machine is busiest then, so the probe samples often, from a
-    process of its own (`run_probe`), and the stretch over the whole run (`over`) is reported beside it."""
-
-    WORK = 20_000       # loop iterations: about 1 ms of CPU on this machine type
-    PERIOD_S = 0.05     # a sample every 50 ms: 2 % of a core, and several samples inside every serve
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, float, float]] = []   # (time, elapsed, CPU seconds)
-
-    def sample(self) -> None:
-        t0, c0 = time.perf_counter(), time.process_time()
-        x = 0
-        for i in range(self.WORK):
-            x += i * i
-        self.samples.append((time.time(), time.perf_counter() - t0, time.process_time() - c0))
-
-    def over(self, start: float, end: float) -> float:
-        """Elapsed over CPU seconds of the samples between `start` and `end` (wall-clock times); at least 1."""
-        return self.over_windows([(start, end)], least=1) or 1.0
-
-    def over_windows(self, windows: list[tuple[float, float]], least: int = 5) -> float | None:
-        """Elapsed over CPU seconds of the samples inside any of `windows` (wall-clock start, end); at least 1.
-        None with fewer than `least` samples inside: too few to stand for those moments."""
-        inside = [(e, c) for t, e, c in self.samples if any(a <= t <= b for a, b in windows)]
-        cpu = sum(c for _, c in inside)
-        if len(inside) < least or cpu <= 0:
-            return None
-        return max(1.0, sum(e for e, _ in inside) / cpu)
-
-    @classmethod
-    def read(cls, path: Path) -> "CpuStretch":
-        """The samples `run_probe` wrote."""
-        probe = cls()
-        probe.samples = [tuple(row) for row in read_jsonl(path)]   # type: ignore[misc]
-        return probe
-
-
-def run_probe(path: str, stop: Any) -> None:
-    """The stretch probe's process: a sample every `CpuStretch.PERIOD_S` until `stop` (an Event) is set, each
-    appended to `path` as it is taken."""
-    probe = CpuStretch()
-    with open(path, "a", encoding="utf-8") as out:
-        while not stop.wait(CpuStretch.PERIOD_S):
-            probe.sample()
-            out.write(json.dumps(probe.samples.pop()) + "\n")
-            out.flush()
-
-
-def serve_windows(served: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """When the buffer served (wall-clock start, end), from its `batch_served` lines: each ends at the line's
-    timestamp and lasted its serve_s."""
-    ends = [(datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp(), e["serve_s"]) for e in served]
-    return [(end - serve_s, end) for end, serve_s in ends]
-
 
 class ProcessWatch:
     """The process tree under the node agents: how many processes, and their resident memory (RSS summed,
@@ -532,11 +487,6 @@ def rehearse(opts: Options) -> dict[str, Any]:
                                            stderr=subprocess.STDOUT, cwd=str(topo_mod.REPO_ROOT),
                                            start_new_session=True))
     watch = ProcessWatch([p.pid for p in agents])
-    probe_file = run_dir / "cpu_stretch.jsonl"
-    fork = multiprocessing.get_context("fork")
-    probe_stop = fork.Event()
-    probe = fork.Process(target=run_probe, args=(str(probe_file), probe_stop), name="cpu-stretch-probe", daemon=True)
-    probe.start()
     fault_done: dict[str, Any] = {}
     stop_reason = None
     seen_steps = 0
@@ -560,8 +510,6 @@ def rehearse(opts: Options) -> dict[str, Any]:
                 say(f"stopping: {stop_reason}")
             time.sleep(0.5)
     finally:
-        probe_stop.set()
-        probe.join(timeout=10)
         for p in agents:
             if p.poll() is None:
                 (run_dir / "nodes" / "STOP").write_text("rehearsal ended\n")
@@ -572,7 +520,7 @@ def rehearse(opts: Options) -> dict[str, Any]:
                     p.wait(timeout=10)
     wall = time.monotonic() - t0
     return report(opts, run_dir, plan, layout, costs, sim_cfg, specs, agents, watch, wall, fault_done, stop_reason,
-                  launch_overrides, sim_overrides, CpuStretch.read(probe_file))
+                  launch_overrides, sim_overrides)
 
 
 def kill_node(run_dir: Path, host: str) -> dict[str, Any]:
@@ -593,7 +541,7 @@ def kill_node(run_dir: Path, host: str) -> dict[str, Any]:
 def report(opts: Options, run_dir: Path, plan: Plan, layout: Layout, costs: RehearsalCosts, sim_cfg: sim.SimConfig,
            specs: list[dict[str, Any]], agents: list[subprocess.Popen], watch: ProcessWatch, wall: float,
            fault: dict[str, Any], stop_reason: str | None, launch_overrides: list[str],
-           sim_overrides: list[str], stretch: CpuStretch | None = None) -> dict[str, Any]:
+           sim_overrides: list[str]) -> dict[str, Any]:
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     ledger = read_jsonl(run_dir / "buffer" / "ledger.jsonl")
     servers = server_stats(run_dir)
@@ -616,14 +564,11 @@ def report(opts: Options, run_dir: Path, plan: Plan, layout: Layout, costs: Rehe
                                     prompt_tokens=sim_cfg.prompt_tokens)
         # The buffer's serve costs real seconds, stretched by the machine's load: in modelled seconds, time_scale
         # times that, for answers of 1/token_scale the modelled tokens.
-        rows = sorted(metrics, key=lambda m: m["step"])
-        cpu_stretch = stretch.over(rows[WARMUP_STEPS - 1]["time"], rows[-1]["time"]) if stretch else 1.0
         served = batches_served(run_dir, measured_steps(metrics))
-        serve_stretch = stretch.over_windows(serve_windows(served)) if stretch else None
-        serve = sim_cfg.serve.scaled(opts.time_scale * (serve_stretch or cpu_stretch), opts.token_scale)
+        stretch = serve_stretch(served)
+        serve = sim_cfg.serve.scaled(opts.time_scale * stretch, opts.token_scale)
         result = sim.simulate(dataclasses.replace(sim_cfg, steps=len(metrics), serve=serve))
-        out["cpu_stretch"] = cpu_stretch
-        out["serve_stretch"] = serve_stretch
+        out["serve_stretch"] = stretch
         out["trainer_wait"] = trainer_wait(metrics, served)
         out["serve_cost"] = dataclasses.asdict(serve)
         out["measured"] = measured
@@ -679,21 +624,25 @@ def render(r: dict[str, Any]) -> str:
     if "agreement" in r:
         rows = [("figure", "simulated", "rehearsed", "ratio", "within 15 %")]
         for name, row in r["agreement"]["rows"].items():
-            rows.append((name, f"{row['simulated']:.4g}", f"{row['measured']:.4g}", f"{row['ratio']:.3f}",
-                         "yes" if row["agrees"] else "NO"))
+            rows.append((name, f"{row['simulated']:.4g}", f"{row['measured']:.4g}",
+                         "-" if row["ratio"] is None else f"{row['ratio']:.3f}",
+                         "NO" if not row["agrees"] else "yes (both < 0.05)" if row.get("near_zero") else "yes"))
         lines += ["", "figures (modelled seconds and tokens; measured steps after the first)", *_table(rows)]
-        if "cpu_stretch" in r:
+        if "serve_stretch" in r:
             serve = r["serve_cost"]
-            used = (f"x{r['serve_stretch']:.2f} (the machine's stretch while the buffer served; x{r['cpu_stretch']:.2f} "
-                    f"over the measured steps)" if r.get("serve_stretch") else
-                    f"x{r['cpu_stretch']:.2f} (the machine's stretch over the measured steps)")
-            lines.append(f"  the buffer's serve, simulated: CPU {used} = {serve['per_batch_s']:.3g} s a batch + "
+            lines.append(f"  the buffer's serve, simulated: CPU x{r['serve_stretch']:.2f} (the machine's stretch of the "
+                         f"serves' own CPU work) = {serve['per_batch_s']:.3g} s a batch + "
                          f"{serve['per_token_s'] * 1e6:.3g} s per million modelled answer tokens")
         if "buffer_serve_s" in r.get("trainer_wait", {}):
             w = r["trainer_wait"]
             lines.append(f"  the trainer's wait, real seconds a step: {w['wait_s']:.3f}, of which the buffer waited "
                          f"{w['buffer_waited_for_groups_s']:.3f} for groups and served for {w['buffer_serve_s']:.3f}")
-        worst = max((abs(x["ratio"] - 1) for x in r["agreement"]["rows"].values()), default=0.0)
+            if "buffer_serve_core_wait_s" in w:
+                lines.append(f"  the serve: {w['buffer_serve_cpu_s']:.3f} s on a core, {w['buffer_serve_core_wait_s']:.3f}"
+                             f" s waiting for one, the rest ({w['buffer_serve_s'] - w['buffer_serve_cpu_s'] - w['buffer_serve_core_wait_s']:.3f} s) "
+                             f"the disk and the event loop")
+        worst = max((abs(x["ratio"] - 1) for x in r["agreement"]["rows"].values()
+                     if x["ratio"] is not None and not x.get("near_zero")), default=0.0)
         lines.append(f"  agreement: {'all within 15 %' if r['agreement']['all_agree'] else 'NOT all within 15 %'}"
                      f" (largest deviation {100 * worst:.1f} %)")
         shares = r["time_shares"]
