@@ -746,6 +746,43 @@ def test_a_restarted_peer_is_told_once_before_its_first_message_and_a_paused_one
     run(main(), timeout=240)
 
 
+def test_a_watcher_whose_own_loop_was_blocked_declares_no_live_peer_dead(tmp_path: Any) -> None:
+    # The buffer loads its dataset on its loop at start: 5 s without reading anything, after which every reward
+    # actor looked silent 5 s and was declared dead, though their pings sat unread in its sockets. A peer that
+    # really died is still declared dead.
+    import time
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        seen: list[Any] = []
+        dead: asyncio.Future = loop.create_future()
+        peer_ep, watcher_ep = f"ipc://{tmp_path}/peer", f"ipc://{tmp_path}/watcher"
+        log = ListLog()
+        watcher = await Bus("watcher", watcher_ep, {"peer": peer_ep}, handler=lambda env: seen.append(env.msg.n),
+                            heartbeat_interval=0.05, heartbeat_timeout=0.5, log=log,
+                            on_peer_dead=lambda n: dead.done() or dead.set_result(n)).start()
+        peer = subprocess.Popen([sys.executable, "-W", "ignore", "-c", PEER_PROCESS, peer_ep, watcher_ep, "1"],
+                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        try:
+            await poll_until(lambda: seen == [1] and watcher.peer_alive("peer"), timeout=60, what="the peer's message")
+            time.sleep(1.5)     # the watcher's loop blocked: three heartbeat timeouts
+            unblocked = time.monotonic()
+            await poll_until(lambda: watcher.stats["heartbeat_stalled"] == 1, timeout=60, what="the stalled tick")
+            await poll_until(lambda: watcher._peers["peer"].last_seen > unblocked, timeout=60,
+                             what="the peer's pings read after the stall")
+            assert not dead.done() and watcher.peer_alive("peer") and watcher.stats["peer_dead"] == 0
+            assert [e for _, e, _ in log.events if e == "heartbeat_stalled"] == ["heartbeat_stalled"]
+            peer.kill()
+            peer.wait(timeout=60)
+            assert await asyncio.wait_for(dead, 60) == "peer"
+        finally:
+            peer.kill()
+            peer.wait(timeout=60)
+        await watcher.close()
+
+    run(main(), timeout=240)
+
+
 def test_an_actor_cannot_announce_another_ones_restart(tmp_path: Any) -> None:
     # With tokens (or CURVE) and roles, a ping passes the sender check every message passes: an actor whose
     # pings claim another's name is refused, and the other's incarnation stays what its own pings say.
