@@ -231,6 +231,22 @@ def test_an_overdue_group_s_running_copy_is_aborted_before_it_is_issued_again(mo
     assert quiet["expired"] == quiet["aborted_before_reissue"] == quiet["aborted_requests"] == 0
 
 
+def test_areal_s_dispatch_never_aborts_or_issues_again_a_group_however_long_it_runs():
+    # AReaL sets no timeout on a generation that would issue it again (v0.2 posts /generate with no total
+    # timeout and waits for the whole batch), so the published rows' dispatch finds no group overdue, even
+    # where the buffer's own timeout (here a fixed 3 s, under the longest groups' generation) would abort
+    # and re-issue them. Each group is generated once.
+    from tools.plan import published
+    cfg = _config(servers=1, eta=2, group_timeout_s=3.0, max_new_tokens=1000, steps=4,
+                  lengths={"kind": "lognormal", "mean_tokens_at_cut": 300, "cut_share": 0.1, "cut": 1000})
+    ours = sim.simulate(dataclasses.replace(cfg, buffer_rules=BufferState)).counters
+    assert ours["expired"] > 0 and ours["aborted_before_reissue"] > 0
+    areal = sim.simulate(dataclasses.replace(cfg, buffer_rules=published.AReaLDispatch)).counters
+    assert areal["expired"] == areal["aborted_before_reissue"] == areal["aborted_requests"] == 0
+    assert areal["reissued"] == areal["late_groups"] == 0
+    assert areal["issued"] < ours["issued"]
+
+
 def test_a_timeout_shorter_than_every_group_is_reported_as_a_run_without_progress():
     cfg = _config(servers=1, eta=2, group_timeout_s=1.0, stall_s=600.0, lengths={"kind": "fixed", "tokens": 800})
     with pytest.raises(RuntimeError, match=r"no training step in 600 s .* buffer\.group_timeout_s"):

@@ -74,11 +74,20 @@ SPEEDUP_RUNS = [("1.5B", 16, 4, 41.0, 14.8), ("7B", 24, 4, 57.7, 25.4)]
 
 class AReaLDispatch(BufferState):
     """AReaL's controller: a server takes whatever it is handed (SGLang's scheduler decides what runs); the
-    in-flight bound is the gate's and max_concurrent_rollouts'. The one rule of this project's buffer it
-    lacks: a rollout whose newest weights are older than the gate allows gets one group at a time."""
+    in-flight bound is the gate's and max_concurrent_rollouts'. The rules of this project's buffer it lacks:
+    a rollout whose newest weights are older than the gate allows gets one group at a time, a rollout holds
+    only what its server's KV pool fits (`rollout_cap`), and a group whose time ran out is aborted and issued
+    again (`group_timeout`)."""
 
     def rollout_cap(self, rollout: str) -> int:
         return self.max_per_rollout
+
+    def group_timeout(self) -> float:
+        """None: AReaL never issues a generation again for taking long. v0.2 posts each /generate with
+        `aiohttp.ClientTimeout(total=None)` and waits for every answer of the batch
+        (realhf/impl/model/backend/sglang.py, `_do_generate`); v0.3's client session bound (6 hours,
+        realhf/api/core/model_api.py `AIOHTTP_TIMEOUT`) fails the request, it does not issue it again."""
+        return math.inf
 
 
 def cluster(model: str, nodes: int, group_size: int, *, batch: int = 512, max_new: int = MAX_NEW_TOKENS,
