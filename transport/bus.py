@@ -24,8 +24,8 @@ Heartbeats. Every ``heartbeat_interval`` seconds the bus pings each peer; any me
 reply or pong on its connection, or its own pings and requests) counts as a sign of life. A peer silent
 for ``heartbeat_timeout`` is declared dead (``on_peer_dead(name)``, ``stats["peer_dead"]``);
 ``on_peer_alive(name)`` fires when it answers again. Silence is counted only while this bus's own loop runs: a
-loop blocked for longer than the timeout (a long call in the actor, a process given no core) could not read
-what its peers sent, so none is declared dead for it (``stats["heartbeat_stalled"]``, logged).
+loop blocked past a heartbeat (a long call in the actor, a process given no core) could not read what its
+peers sent, so that time is not counted against them (``stats["heartbeat_stalled"]``, logged).
 Pings and pongs are handled inside the bus and never reach the actor.
 
 Restarts. Each bus has an ``incarnation`` (random, drawn when it starts) that its pings carry, and its first
@@ -898,15 +898,16 @@ class Bus:
             await asyncio.sleep(self.heartbeat_interval)
             seq += 1
             now = time.monotonic()
-            if now - ticked > self.heartbeat_timeout:
-                # This loop did not run for longer than a peer may be silent (a blocking call in the actor, a
-                # machine that gave the process no core): what the peers sent meanwhile waits unread in the
-                # sockets, so the silence is ours, not theirs. Theirs is counted from now.
+            late = now - ticked - self.heartbeat_interval
+            if late > self.heartbeat_interval:
+                # This loop did not run for `late` seconds (a blocking call in the actor, a machine that gave the
+                # process no core): what the peers sent meanwhile waits unread in the sockets, so that silence is
+                # ours, not theirs. It is not counted against them.
                 self.stats["heartbeat_stalled"] += 1
-                self.log.warning("heartbeat_stalled", stalled_s=round(now - ticked, 3),
+                self.log.warning("heartbeat_stalled", stalled_s=round(late, 3),
                                  hint="this actor's event loop was blocked: no peer is judged on that time")
                 for p in self._peers.values():
-                    p.last_seen = max(p.last_seen, now - self.heartbeat_interval)
+                    p.last_seen = min(now, p.last_seen + late)
             ticked = now
             for p in list(self._peers.values()):
                 if p.alive and now - p.last_seen > self.heartbeat_timeout:
