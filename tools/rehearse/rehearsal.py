@@ -555,7 +555,8 @@ def report(opts: Options, run_dir: Path, plan: Plan, layout: Layout, costs: Rehe
         "pss_peak_bytes": watch.peak["pss_bytes"],
         "command": "python -m tools.rehearse " + " ".join(shlex.quote(a) for a in [opts.topology, *opts.overrides])
                    + f" --scale {Fraction(opts.scale).limit_denominator(1000)} --time-scale {opts.time_scale:g} "
-                     f"--token-scale {opts.token_scale} --steps {opts.steps} --fault {opts.fault} --seed {opts.seed}",
+                     f"--token-scale {opts.token_scale} --steps {opts.steps} --fault {opts.fault} --seed {opts.seed} "
+                     f"--health-timeout {opts.health_timeout_s:g}",
         "launch_overrides": launch_overrides, "simulated_overrides": sim_overrides}
     if fault:
         out["fault_detail"] = fault
