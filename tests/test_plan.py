@@ -583,6 +583,21 @@ def test_the_published_comparison_runs_in_parts_by_model_size(capsys):
     assert out["log"] is None and out["tutorial"] == out["speedup"] == []
 
 
+def test_a_tutorial_row_compares_tokens_per_second_with_the_published_throughput(monkeypatch):
+    from tools.plan import published
+    # every tutorial run has its published throughput
+    assert {(m, n) for m, n, _, _ in published.TUTORIAL_STEPS} == set(published.TUTORIAL_THROUGHPUT)
+    simulated = {"step_s": 2000.0, "throughput": 30_000.0}
+    monkeypatch.setattr(published, "run", lambda found, **kw: dict(simulated))
+    row, = published.tutorial_rows(steps=2, seeds=1, models=("1.5B",))[:1]
+    assert (row["model"], row["nodes"]) == ("1.5B", 1)
+    assert row["published_throughput"] == 20_000
+    assert row["throughput_ratio"] == pytest.approx(30_000 / 20_000)
+    # 20k tokens/s over the published 3,461 s step, 512 prompts x 16 answers: 8,450 tokens a sequence
+    assert row["published_tokens_per_sequence"] == pytest.approx(20_000 * 3461 / (512 * 16))
+    assert round(row["published_tokens_per_sequence"]) == 8450
+
+
 def test_every_published_configuration_fits_in_areal_s_own_layout():
     from tools.plan import published
     for model, nodes, group_size, _ in published.TUTORIAL_STEPS:

@@ -7,6 +7,9 @@ Sources (AReaL's repository, github.com/inclusionAI/AReaL):
   commit aff05c2 "Update time estimation in README", 2025-04-02, after the v0.2.0 release): 1.5B on 1 / 4 /
   16 nodes 3,461 / 997 / 391 s, 7B on 4 / 16 nodes 2,275 / 815 s (512 x 16), 32B on 16 nodes 6,707 s
   (512 x 32). AReaL v0.2 ran PPO synchronously: generate the batch, then train, on disjoint GPUs.
+* Throughput of the same runs (`TUTORIAL_THROUGHPUT`): the v0.2 blog's "AReaL Throughput Benchmark (on H800
+  GPUs)" (blog/AReaL_v0_2.md, assets/thpt_comparison.png, commit 5997ba8): each row is also compared in tokens
+  per second, and the tokens per sequence the published runs had follow from it and the step time.
 * Layouts (`LAYOUTS`): the v0.2.0 tag's examples/configs, whose trial names match the tutorial's:
   1.5B-distill/ppo-1.5B-distill-gpus-{8,32,128}.yaml and 7B-distill/ppo-7B-distill-gpus-{32,128}.yaml have
   allocation_mode `sglang.d{N/2}p1m1+d{N/4}p2m1` (half the GPUs serve SGLang at tp 1, half train at pp 2);
@@ -64,6 +67,13 @@ LAYOUTS = {"1.5B": Layout(server_tp=1, tp=1, pp=2), "7B": Layout(server_tp=1, tp
 #: (model, nodes, group size, published seconds per step)
 TUTORIAL_STEPS = [("1.5B", 1, 16, 3461), ("1.5B", 4, 16, 997), ("1.5B", 16, 16, 391),
                   ("7B", 4, 16, 2275), ("7B", 16, 16, 815), ("32B", 16, 32, 6707)]
+#: (model, nodes) -> AReaL v0.2's published end-to-end RL training throughput, tokens/s: the v0.2 blog's figure
+#: "AReaL Throughput Benchmark (on H800 GPUs)" (blog/AReaL_v0_2.md, assets/thpt_comparison.png, commit 5997ba8,
+#: 2025-03-28, in the v0.2.0 tag), the same six runs as `TUTORIAL_STEPS` (1.5B on 8 / 32 / 128 GPUs, 7B on 32 /
+#: 128, 32B on 128), rounded there to the thousand. Times the step time it gives the tokens of a step, so the
+#: answer lengths the published runs had: the per-token comparison separates those from the costs.
+TUTORIAL_THROUGHPUT = {("1.5B", 1): 20e3, ("1.5B", 4): 68e3, ("1.5B", 16): 173e3,
+                       ("7B", 4): 26e3, ("7B", 16): 95e3, ("32B", 16): 20e3}
 #: The tutorial's 7B log: 16 nodes, vllm.d16p1m4 (16 servers at tp 4) + d32p2m1, 1024 x 16, cut at 16,384.
 LOG_RUN = {"model": "7B", "nodes": 16, "batch": 1024, "group": 16, "max_new": 16384,
            "layout": Layout(server_tp=4, tp=1, pp=2), "published_s": (2122.318, 2405.716),
@@ -149,9 +159,19 @@ def tutorial_rows(steps: int, seeds: int, models: tuple[str, ...] = tuple(LAYOUT
         r = run(found, eta=0, steps=steps, seeds=seeds)
         ours = run(found, eta=0, steps=steps, seeds=1, rules=BufferState)
         out.append({"model": model, "nodes": nodes, "group_size": group_size, "published_s": published,
-                    **r, "ratio": r["step_s"] / published, "memory_problems": problems,
-                    "project_rules_step_s": ours["step_s"]})
+                    **r, "ratio": r["step_s"] / published, **per_token(model, nodes, group_size, r["throughput"]),
+                    "memory_problems": problems, "project_rules_step_s": ours["step_s"]})
     return out
+
+
+def per_token(model: str, nodes: int, group_size: int, throughput: float, batch: int = 512) -> dict[str, float]:
+    """A tutorial row against the published throughput (`TUTORIAL_THROUGHPUT`): the tokens per sequence (prompt
+    and answer) that the published throughput and step time imply, and the predicted over the published
+    throughput (tokens/s), a ratio the answers' lengths enter far less than the step times'."""
+    published = TUTORIAL_THROUGHPUT[(model, nodes)]
+    step = next(s for m, n, g, s in TUTORIAL_STEPS if (m, n, g) == (model, nodes, group_size))
+    return {"published_throughput": published, "throughput_ratio": throughput / published,
+            "published_tokens_per_sequence": published * step / (batch * group_size)}
 
 
 def log_row(steps: int, seeds: int) -> dict[str, Any]:
@@ -235,18 +255,19 @@ def main(argv: list[str] | None = None) -> int:
                           "sweep": sweep_rows}, indent=1))
         return 0
     print("| run (AReaL's layout: inference/training GPUs) | generation | training | weights | predicted step "
-          "(min-max over seeds) | published | ratio |")
-    print("|---|---|---|---|---|---|---|")
+          "(min-max over seeds) | published | ratio | throughput predicted / published |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in table:
         note = f"; memory: {'; '.join(r['memory_problems'])}" if r["memory_problems"] else ""
         print(f"| {r['model']} on {r['nodes']} node(s), 512 x {r['group_size']} ({r['split']}{note}) | "
               f"{r['generation_s']:,.0f} s | {r['train_s']:,.0f} s | {r['weights_s']:,.1f} s | {r['step_s']:,.0f} s "
-              f"({r['step_s_min']:,.0f}-{r['step_s_max']:,.0f}) | {r['published_s']:,} s | {r['ratio']:.2f} |")
+              f"({r['step_s_min']:,.0f}-{r['step_s_max']:,.0f}) | {r['published_s']:,} s | {r['ratio']:.2f} | "
+              f"{r['throughput']:,.0f} / {r['published_throughput']:,.0f} tokens/s ({r['throughput_ratio']:.2f}) |")
     if log is not None:
         print(f"| tutorial 7B log: 16 nodes, 1024 x 16, cut at 16,384 ({log['split']}) | "
               f"{log['generation_s']:,.0f} s | {log['train_s']:,.0f} s | {log['weights_s']:,.1f} s | {log['step_s']:,.0f} s "
               f"({log['step_s_min']:,.0f}-{log['step_s_max']:,.0f}) | {log['published_range_s'][0]:,.0f}-"
-              f"{log['published_range_s'][1]:,.0f} s | {log['ratio']:.2f} |")
+              f"{log['published_range_s'][1]:,.0f} s | {log['ratio']:.2f} | (no published throughput) |")
     print()
     print("| async over sync, same split | sync step | async step (eta) | predicted (min-max) | published |")
     print("|---|---|---|---|---|")
