@@ -78,6 +78,9 @@ def request(n: int = 1) -> GenerationRequest:
 
 
 def runner(**kwargs) -> CodeRunner:
+    # A call's bound counts its wait behind other calls and the start of its worker's zygote, which take
+    # seconds on a loaded machine (the default, wall time + 3 s, ran out there): tests of that bound set their own.
+    kwargs.setdefault("timeout_s", 25.0)   # below the episodes' env_timeout_s (30 s)
     return CodeRunner(kwargs.pop("limits", LIMITS), output=ToolOutput(200), **kwargs)
 
 
@@ -219,9 +222,9 @@ def test_the_rollout_actor_runs_python_tool_episodes(tmp_path, random_model_dir,
     group = GenerateGroup(group_id="g", prompt_ids=ARITH.encode("Run it:\n"), n=2,
                           task=Task(kind="math", answer="1", tool="python"), temperature=1.0, max_new_tokens=400,
                           stop_token_ids=[EOS], seed=5)
-    settings = {"python_tool": {"call_open": OPEN, "call_end": END, "output_chars": 200,
+    settings = {"python_tool": {"call_open": OPEN, "call_end": END, "output_chars": 200, "timeout_s": 50.0,
                                 "sandbox": {"wall_time_s": 2.0, "cpu_time_s": 2.0, "max_processes": 16}}}
-    traj, stats = rollout_with(tmp_path, random_model_dir, engine, {"max_turns": 3, "env_timeout_s": 10.0},
+    traj, stats = rollout_with(tmp_path, random_model_dir, engine, {"max_turns": 3, "env_timeout_s": 60.0},
                                [group], monkeypatch, settings=settings)
     assert isinstance(traj, Trajectories) and traj.task.tool == "python"
     for s in traj.answers.samples:
