@@ -747,9 +747,9 @@ def test_a_restarted_peer_is_told_once_before_its_first_message_and_a_paused_one
 
 
 def test_a_watcher_whose_own_loop_was_blocked_declares_no_live_peer_dead(tmp_path: Any) -> None:
-    # The buffer loads its dataset on its loop at start: 5 s without reading anything, after which every reward
-    # actor (up a second later than the buffer's bus) looked silent 5.8 s and was declared dead, though the
-    # buffer itself had not listened for most of that time. A peer that really died is still declared dead.
+    # A watcher whose own loop is blocked (a long call on it, a process given no core: a rehearsal's trainer loop
+    # ran 1.9 s late) cannot read what its peers send meanwhile; that silence is its own, and no peer is declared
+    # dead for it. A peer that really died is still declared dead.
     import time
 
     async def main() -> None:
