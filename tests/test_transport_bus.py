@@ -381,6 +381,33 @@ def test_heartbeat_detects_dead_peer_and_its_return(tmp_path: Any) -> None:
     run(main())
 
 
+def test_a_peer_never_heard_from_has_longer_to_come_up_than_one_that_went_silent(tmp_path: Any) -> None:
+    # The run's processes start seconds apart: a rehearsal's reward actors, up 5-6 s after the others' buses,
+    # were declared dead by every actor at every start. A peer not up yet is given first_contact_timeout; one
+    # that was heard and went silent, the heartbeat timeout; one that never comes up is still declared dead.
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        dead: dict[str, asyncio.Future] = {"early": loop.create_future(), "never": loop.create_future()}
+        log = ListLog()
+        early_ep, never_ep = f"ipc://{tmp_path}/early", f"ipc://{tmp_path}/never"
+        early = await Bus("early", early_ep, handler=echo_handler, heartbeat_interval=None).start()
+        watcher = await Bus("watcher", "tcp://127.0.0.1:*", {"early": early_ep, "never": never_ep}, log=log,
+                            heartbeat_interval=0.05, heartbeat_timeout=0.3, first_contact_timeout=3.0,
+                            on_peer_dead=lambda n: dead[n].done() or dead[n].set_result(n)).start()
+        await watcher.request("early", Echo("x"), timeout=30)
+        await early.close()
+        assert await asyncio.wait_for(dead["early"], 60) == "early"
+        assert not dead["never"].done(), "the peer never heard from was judged by the heartbeat timeout"
+        assert await asyncio.wait_for(dead["never"], 60) == "never"
+        lines = {kw["peer"]: kw for _, e, kw in log.events if e == "peer_dead"}
+        assert lines["never"].get("never_heard") is True and "never_heard" not in lines["early"]
+        await watcher.close()
+        with pytest.raises(ValueError, match="first_contact_timeout"):
+            Bus("w", "tcp://127.0.0.1:*", heartbeat_interval=0.05, heartbeat_timeout=0.3, first_contact_timeout=0.1)
+
+    run(main())
+
+
 def test_coalesced_sends_keep_order_and_each_message_is_handled_alone(tmp_path: Any) -> None:
     from transport.msglog import MessageLogWriter, read_log
 

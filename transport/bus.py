@@ -23,7 +23,9 @@ they are buffered in full, which protects memory.
 Heartbeats. Every ``heartbeat_interval`` seconds the bus pings each peer; any message from a peer (a
 reply or pong on its connection, or its own pings and requests) counts as a sign of life. A peer silent
 for ``heartbeat_timeout`` is declared dead (``on_peer_dead(name)``, ``stats["peer_dead"]``);
-``on_peer_alive(name)`` fires when it answers again. Silence is counted only while this bus's own loop runs: a
+``on_peer_alive(name)`` fires when it answers again. A peer never heard from since this bus started is given
+``first_contact_timeout`` (default six heartbeat timeouts) instead: processes of a run start seconds apart, and
+one not up yet is not dead (its ``peer_dead`` line says ``never_heard``). Silence is counted only while this bus's own loop runs: a
 loop blocked past a heartbeat (a long call in the actor, a process given no core) could not read what its
 peers sent, so that time is not counted against them (``stats["heartbeat_stalled"]``, logged).
 Pings and pongs are handled inside the bus and never reach the actor.
@@ -90,6 +92,10 @@ def _release_zmq(sockets: list[zmq.Socket], ctx: zmq.Context, auth: Any) -> None
 
 
 HEARTBEAT_TIMEOUT_S = 5.0   # a peer silent this long is dead (pings go every second by default)
+# A peer never heard from is given this many heartbeat timeouts from our start: the run's processes start
+# seconds apart (imports, a loaded machine, nodes launched one after another), and a peer that is not up yet
+# is not dead.
+FIRST_CONTACT_FACTOR = 6
 MAX_INFLIGHT = 64           # coroutine handlers running at once; more wait, and so does the socket behind them
 
 
@@ -162,7 +168,7 @@ Handler = Callable[[Envelope], "Message | None | Awaitable[Message | None]"]
 
 
 class _Peer:
-    __slots__ = ("name", "endpoint", "sock", "asock", "lock", "waiters", "last_seen", "alive", "reader",
+    __slots__ = ("name", "endpoint", "sock", "asock", "lock", "waiters", "last_seen", "alive", "heard", "reader",
                  "batch", "batch_bytes", "flush_scheduled", "flusher", "incarnation")
 
     def __init__(self, name: str, endpoint: str, sock: zmq.Socket, asock: zmq.asyncio.Socket) -> None:
@@ -177,6 +183,7 @@ class _Peer:
         self.flusher: asyncio.Task | None = None
         self.last_seen = time.monotonic()
         self.alive = True
+        self.heard = False          # anything received from it yet
         self.reader: asyncio.Task | None = None
         self.incarnation = ""       # the last one its pings carried ("": none seen yet)
 
@@ -192,6 +199,7 @@ class Bus:
                  max_inflight: int = MAX_INFLIGHT,
                  heartbeat_interval: float | None = 1.0,
                  heartbeat_timeout: float = HEARTBEAT_TIMEOUT_S,
+                 first_contact_timeout: float | None = None,
                  on_peer_dead: Callable[[str], Any] | None = None,
                  on_peer_alive: Callable[[str], Any] | None = None,
                  on_peer_restarted: Callable[[str], Any] | None = None,
@@ -222,6 +230,10 @@ class Bus:
         self.max_inflight = max_inflight
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
+        self.first_contact_timeout = (first_contact_timeout if first_contact_timeout is not None
+                                      else FIRST_CONTACT_FACTOR * heartbeat_timeout)
+        if self.first_contact_timeout < heartbeat_timeout:
+            raise ValueError("first_contact_timeout must be at least heartbeat_timeout")
         self.on_peer_dead = on_peer_dead
         self.on_peer_alive = on_peer_alive
         self.on_peer_restarted = on_peer_restarted
@@ -864,6 +876,7 @@ class Bus:
 
     def _mark_alive(self, p: _Peer) -> None:
         p.last_seen = time.monotonic()
+        p.heard = True
         if not p.alive:
             p.alive = True
             self.stats["peer_alive"] += 1
@@ -910,10 +923,11 @@ class Bus:
                     p.last_seen = min(now, p.last_seen + late)
             ticked = now
             for p in list(self._peers.values()):
-                if p.alive and now - p.last_seen > self.heartbeat_timeout:
+                if p.alive and now - p.last_seen > (self.heartbeat_timeout if p.heard else self.first_contact_timeout):
                     p.alive = False
                     self.stats["peer_dead"] += 1
-                    self.log.warning("peer_dead", peer=p.name, silent_s=round(now - p.last_seen, 3))
+                    self.log.warning("peer_dead", peer=p.name, silent_s=round(now - p.last_seen, 3),
+                                     **({} if p.heard else {"never_heard": True}))
                     self._callback(self.on_peer_dead, p.name)
                 self._ping(p, seq)
 
