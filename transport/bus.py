@@ -25,9 +25,9 @@ reply or pong on its connection, or its own pings and requests) counts as a sign
 for ``heartbeat_timeout`` is declared dead (``on_peer_dead(name)``, ``stats["peer_dead"]``);
 ``on_peer_alive(name)`` fires when it answers again. A peer never heard from since this bus started is given
 ``first_contact_timeout`` (default six heartbeat timeouts) instead: processes of a run start seconds apart, and
-one not up yet is not dead (its ``peer_dead`` line says ``never_heard``). Silence is counted only while this bus's own loop runs: a
-loop blocked past a heartbeat (a long call in the actor, a process given no core) could not read what its
-peers sent, so that time is not counted against them (``stats["heartbeat_stalled"]``, logged).
+one not up yet is not dead (its ``peer_dead`` line says ``never_heard``). Silence is counted only while this
+bus's own loop runs: a loop blocked past a heartbeat (a long call in the actor, a process given no core) could
+not read what its peers sent, so that time is not counted against them (``stats["heartbeat_stalled"]``, logged).
 Pings and pongs are handled inside the bus and never reach the actor.
 
 Restarts. Each bus has an ``incarnation`` (random, drawn when it starts) that its pings carry, and its first

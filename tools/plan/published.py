@@ -93,7 +93,7 @@ class AReaLDispatch(BufferState):
         return self.max_per_rollout
 
     def group_timeout(self) -> float:
-        """None: AReaL never issues a generation again for taking long. v0.2 posts each /generate with
+        """Never: AReaL never issues a generation again for taking long. v0.2 posts each /generate with
         `aiohttp.ClientTimeout(total=None)` and waits for every answer of the batch
         (realhf/impl/model/backend/sglang.py, `_do_generate`); v0.3's client session bound (6 hours,
         realhf/api/core/model_api.py `AIOHTTP_TIMEOUT`) fails the request, it does not issue it again."""
@@ -159,19 +159,20 @@ def tutorial_rows(steps: int, seeds: int, models: tuple[str, ...] = tuple(LAYOUT
         r = run(found, eta=0, steps=steps, seeds=seeds)
         ours = run(found, eta=0, steps=steps, seeds=1, rules=BufferState)
         out.append({"model": model, "nodes": nodes, "group_size": group_size, "published_s": published,
-                    **r, "ratio": r["step_s"] / published, **per_token(model, nodes, group_size, r["throughput"]),
+                    **r, "ratio": r["step_s"] / published,
+                    **per_token(model, nodes, group_size, published, r["throughput"]),
                     "memory_problems": problems, "project_rules_step_s": ours["step_s"]})
     return out
 
 
-def per_token(model: str, nodes: int, group_size: int, throughput: float, batch: int = 512) -> dict[str, float]:
+def per_token(model: str, nodes: int, group_size: int, step_s: float, throughput: float,
+              batch: int = 512) -> dict[str, float]:
     """A tutorial row against the published throughput (`TUTORIAL_THROUGHPUT`): the tokens per sequence (prompt
-    and answer) that the published throughput and step time imply, and the predicted over the published
+    and answer) that the published throughput and step time (`step_s`) imply, and the predicted over the published
     throughput (tokens/s), a ratio the answers' lengths enter far less than the step times'."""
     published = TUTORIAL_THROUGHPUT[(model, nodes)]
-    step = next(s for m, n, g, s in TUTORIAL_STEPS if (m, n, g) == (model, nodes, group_size))
     return {"published_throughput": published, "throughput_ratio": throughput / published,
-            "published_tokens_per_sequence": published * step / (batch * group_size)}
+            "published_tokens_per_sequence": published * step_s / (batch * group_size)}
 
 
 def log_row(steps: int, seeds: int) -> dict[str, Any]:

@@ -631,17 +631,17 @@ def render(r: dict[str, Any]) -> str:
         lines += ["", "figures (modelled seconds and tokens; measured steps after the first)", *_table(rows)]
         if "serve_stretch" in r:
             serve = r["serve_cost"]
-            lines.append(f"  the buffer's serve, simulated: CPU x{r['serve_stretch']:.2f} (the machine's stretch of the "
-                         f"serves' own CPU work) = {serve['per_batch_s']:.3g} s a batch + "
+            lines.append(f"  the buffer's serve, simulated: CPU x{r['serve_stretch']:.2f} (the machine's stretch of "
+                         f"the serves' own CPU work) = {serve['per_batch_s']:.3g} s a batch + "
                          f"{serve['per_token_s'] * 1e6:.3g} s per million modelled answer tokens")
         if "buffer_serve_s" in r.get("trainer_wait", {}):
             w = r["trainer_wait"]
             lines.append(f"  the trainer's wait, real seconds a step: {w['wait_s']:.3f}, of which the buffer waited "
                          f"{w['buffer_waited_for_groups_s']:.3f} for groups and served for {w['buffer_serve_s']:.3f}")
             if "buffer_serve_core_wait_s" in w:
-                lines.append(f"  the serve: {w['buffer_serve_cpu_s']:.3f} s on a core, {w['buffer_serve_core_wait_s']:.3f}"
-                             f" s waiting for one, the rest ({w['buffer_serve_s'] - w['buffer_serve_cpu_s'] - w['buffer_serve_core_wait_s']:.3f} s) "
-                             f"the disk and the event loop")
+                cpu, queued = w["buffer_serve_cpu_s"], w["buffer_serve_core_wait_s"]
+                lines.append(f"  the serve: {cpu:.3f} s on a core, {queued:.3f} s waiting for one, the rest "
+                             f"({w['buffer_serve_s'] - cpu - queued:.3f} s) the disk and the event loop")
         worst = max((abs(x["ratio"] - 1) for x in r["agreement"]["rows"].values()
                      if x["ratio"] is not None and not x.get("near_zero")), default=0.0)
         lines.append(f"  agreement: {'all within 15 %' if r['agreement']['all_agree'] else 'NOT all within 15 %'}"
