@@ -58,7 +58,7 @@ class Timeline:
     def span(self, process: str, name: str, start: float, end: float, tid: int = MAIN, cat: str = "run",
              **args: Any) -> None:
         self.events.append({"ph": "X", "name": name, "cat": cat, "pid": self.pid(process), "tid": tid,
-                            "ts": self.us(start), "dur": round(max(end - start, 0.0) * 1e6, 1), "args": args})
+                            "ts": self.us(start), "dur": round(max(self.us(end) - self.us(start), 0.0), 1), "args": args})
 
     def async_span(self, process: str, name: str, start: float, end: float, cat: str, **args: Any) -> None:
         """A slice that may overlap others on its process (groups generating side by side)."""
@@ -290,7 +290,7 @@ def format_problems(doc: Any) -> list[str]:
     for (pid, tid), spans in by_track.items():
         stack: list[tuple[float, float, str]] = []
         for start, end, name in sorted(spans, key=lambda s: (s[0], -s[1])):
-            while stack and stack[-1][1] <= start:
+            while stack and stack[-1][1] <= start + 1.0:
                 stack.pop()
             if stack and end > stack[-1][1] + 1.0:   # 1 us: the rounding of ts and dur
                 problems.append(f"track {pid}/{tid}: {name!r} overlaps {stack[-1][2]!r} without nesting in it")
