@@ -183,7 +183,7 @@ def test_the_report_renders_its_plots_in_a_headless_browser(run_dir: Path, tmp_p
               f"--user-data-dir={tmp_path / 'profile'}"]
     dom = subprocess.run([*common, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
-    assert dom.stdout.count('<img class="plot"') == 7 and "not drawn" not in dom.stdout
+    assert dom.stdout.count('<img class="plot"') == 8 and "not drawn" not in dom.stdout
     shot = tmp_path / "shot.png"
     subprocess.run([*common, f"--screenshot={shot}", "--window-size=1100,2600", page.as_uri()],
                    capture_output=True, timeout=120, check=True)

@@ -1,7 +1,8 @@
 """``python -m tools.report RUN_DIR [--out FILE]``: one self-contained HTML page of a run (default
 RUN_DIR/report.html; every plot an inline PNG, nothing fetched from anywhere).
 
-The page: reward and held-out accuracy; the staleness of every trained answer (histogram); each actor's
+The page: the timeline (each actor's spans, as `python -m tools.trace` writes them for Perfetto); reward and
+held-out accuracy; the staleness of every trained answer (histogram); each actor's
 utilisation over time (the share of each time bin its timeline spans cover); the step-time breakdown (waiting
 for the batch, log-probs, forward/backward, optimizer, the rest of the step, the wait for its publish); weight-sync
 latency (push to every rollout until acked, generation stall, each push at the parameter server); the
@@ -16,7 +17,6 @@ import base64
 import html
 import io
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -85,6 +85,56 @@ def plot_staleness(rec: RunRecords, ax: Any) -> str | None:
     ax.hist(values, bins=[x - 0.5 for x in range(0, top + 2)], color="tab:purple", rwidth=0.8)
     ax.set_xlabel("staleness of a trained answer (versions behind the trainer)")
     ax.set_ylabel("answers")
+    return None
+
+
+def spans_by_kind(doc: dict[str, Any]) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """Per process of a trace document, per kind of span (its name's first word), the intervals in seconds; the
+    trainer's main-track phases nested in a step are kept apart from it ("log-probs", "forward/backward"...)."""
+    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    out: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    begins: dict[tuple[Any, Any], tuple[float, str]] = {}
+    for e in doc["traceEvents"]:
+        name = names.get(e.get("pid"))
+        if name is None or name == "run":
+            continue
+        kind = str(e.get("name", "")).split(" ")[0]
+        if e["ph"] == "X":
+            out.setdefault(name, {}).setdefault(kind, []).append((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6))
+        elif e["ph"] == "b":
+            begins[(e["pid"], e["id"])] = (e["ts"], kind)
+        elif e["ph"] == "e" and (e["pid"], e["id"]) in begins:
+            start, kind = begins.pop((e["pid"], e["id"]))
+            out.setdefault(name, {}).setdefault(kind, []).append((start / 1e6, e["ts"] / 1e6))
+    return out
+
+
+TIMELINE_COLOURS = {"generate": "tab:blue", "grade": "tab:olive", "wait": "lightgrey", "serve": "tab:orange",
+                    "step": "tab:red", "log-probs": "tab:pink", "forward/backward": "darkred", "optimizer": "black",
+                    "publish": "tab:grey", "export": "tab:purple", "send": "tab:cyan", "push": "tab:green",
+                    "receive": "tab:cyan", "swap": "tab:brown", "evaluate": "gold"}
+
+
+def plot_timeline(doc: dict[str, Any], ax: Any) -> str | None:
+    """A Gantt chart of the trace: a row per actor, spans coloured by kind (overlapping groups drawn translucent)."""
+    spans = spans_by_kind(doc)
+    if not spans:
+        return "no spans in the timeline"
+    actors = sorted(spans, key=lambda a: (a not in ("trainer", "buffer", "param_server"), a))
+    seen: set[str] = set()
+    for row, actor in enumerate(actors):
+        for kind, intervals in spans[actor].items():
+            colour = TIMELINE_COLOURS.get(kind, "tab:grey")
+            nested = kind in ("log-probs", "forward/backward", "optimizer")
+            ax.broken_barh([(a, max(b - a, 1e-3)) for a, b in intervals], (row - (0.25 if nested else 0.4),
+                           0.5 if nested else 0.8), facecolors=colour, alpha=0.35 if kind in ("generate", "grade") else 0.9,
+                           label=None if kind in seen else kind)
+            seen.add(kind)
+    ax.set_yticks(range(len(actors)))
+    ax.set_yticklabels(actors, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the run's first record")
+    ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.18))
     return None
 
 
@@ -217,13 +267,13 @@ def plot_lengths(rec: RunRecords, ax: Any) -> str | None:
     return None
 
 
-def _png(draw: Callable[[Any], str | None]) -> tuple[str | None, str | None]:
+def _png(draw: Callable[[Any], str | None], size: tuple[float, float] = (8, 3.6)) -> tuple[str | None, str | None]:
     """(base64 PNG, None) or (None, why nothing was drawn)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=90)
+    fig, ax = plt.subplots(figsize=size, dpi=90)
     try:
         missing = draw(ax)
         if missing is not None:
@@ -240,6 +290,7 @@ def render(rec: RunRecords) -> tuple[str, int]:
     """(the page, the number of plots drawn)."""
     doc = timeline.build(rec)
     sections: list[tuple[str, Callable[[Any], str | None]]] = [
+        ("Timeline", lambda ax: plot_timeline(doc, ax)),
         ("Reward and held-out accuracy", lambda ax: plot_reward(rec, ax)),
         ("Staleness of trained answers", lambda ax: plot_staleness(rec, ax)),
         ("Utilisation of each actor over time", lambda ax: plot_utilisation(doc, ax)),
@@ -250,7 +301,7 @@ def render(rec: RunRecords) -> tuple[str, int]:
     ]
     body, drawn = [], 0
     for title, draw in sections:
-        png, missing = _png(draw)
+        png, missing = _png(draw, (11, 4.8) if title == "Timeline" else (8, 3.6))
         body.append(f"<section><h2>{html.escape(title)}</h2>")
         if png is not None:
             drawn += 1
@@ -263,7 +314,7 @@ def render(rec: RunRecords) -> tuple[str, int]:
     facts = [("run directory", str(rec.run_dir)), ("steps trained", str(last.get("step", 0))),
              ("last task reward", f"{last['task_reward']:.3f}" if "task_reward" in last else "-"),
              ("final held-out accuracy", f"{final[-1]:.1%}" if final and final[-1] is not None else "-"),
-             ("actors", ", ".join(rec.actors())), ("written", time.strftime("%Y-%m-%d %H:%M:%S"))]
+             ("actors", ", ".join(rec.actors()))]
     notes = "".join(f"<li>{html.escape(n)}</li>" for n in rec.notes)
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>run report: {html.escape(rec.run_dir.name)}</title>
