@@ -201,12 +201,18 @@ def _trainer(rec: RunRecords, tl: Timeline) -> None:
         tl.span(trainer, f"send v{r['version']}", *r["send"], tid=SIDE, version=r["version"])
 
 
+def _spans_ending_at_lines(rec: RunRecords, tl: Timeline, role: str, event: str, seconds_key: str, label: str,
+                           args: tuple[str, ...]) -> None:
+    """A span per log line ``event`` of the ``role``'s actors: it ends at the line and lasts its ``seconds_key``."""
+    for actor in rec.by_role(role):
+        for e in rec.events(actor, event):
+            seconds = float(e.get(seconds_key) or 0.0)
+            tl.span(actor, f"{label} v{e.get('version')}", e["t"] - seconds, e["t"],
+                    **{k: e.get(k) for k in ("version", *args)})
+
+
 def _weights(rec: RunRecords, tl: Timeline) -> None:
-    for ps in rec.by_role("param_server"):
-        for e in rec.events(ps, "weights_pushed"):
-            seconds = float(e.get("sync_s") or 0.0)
-            tl.span(ps, f"push v{e.get('version')}", e["t"] - seconds, e["t"], version=e.get("version"),
-                    broadcast_s=e.get("broadcast_s"), nbytes=e.get("nbytes"))
+    _spans_ending_at_lines(rec, tl, "param_server", "weights_pushed", "sync_s", "push", ("broadcast_s", "nbytes"))
     for rollout in rec.by_role("rollout"):
         updates = rec.events(rollout, "weights_updated")
         if updates:
@@ -223,11 +229,7 @@ def _weights(rec: RunRecords, tl: Timeline) -> None:
 
 
 def _evaluations(rec: RunRecords, tl: Timeline) -> None:
-    for ev in rec.by_role("evaluator"):
-        for e in rec.events(ev, "evaluated"):
-            seconds = float(e.get("seconds") or 0.0)
-            tl.span(ev, f"evaluate v{e.get('version')}", e["t"] - seconds, e["t"], version=e.get("version"),
-                    accuracy=e.get("accuracy"), problems=e.get("problems"))
+    _spans_ending_at_lines(rec, tl, "evaluator", "evaluated", "seconds", "evaluate", ("accuracy", "problems"))
 
 
 def _metric_counters(rec: RunRecords, tl: Timeline) -> None:
