@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -76,6 +77,9 @@ async def run_agent(endpoint: AgentEndpoint, agent: AgentFn | Sequence[str], tas
     except TimeoutError:
         error = f"agent timed out after {timeout_s:g} s"
         reward = None
+    except asyncio.CancelledError:   # the group was aborted or the rollout drains: end the episode, then go
+        await endpoint.close(key, "cancelled")
+        raise
     except Exception as exc:   # the agent's failure is its episode's outcome, never the rollout's crash
         error = f"agent failed: {type(exc).__name__}: {str(exc)[:500]}"
         reward = None
@@ -120,3 +124,52 @@ async def run_program(argv: list[str], client: AgentClient, task: Mapping[str, A
 def python_agent_argv(module: str) -> list[str]:
     """The argv of an agent program written as a Python module (run with this interpreter)."""
     return [sys.executable, "-m", module]
+
+
+def load_agent(path: str) -> AgentFn:
+    """The async agent function named ``module:function``; ValueError names what is missing."""
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"agent.function {path!r}: expected 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"agent.function {path!r}: {exc}") from None
+    if not callable(fn):
+        raise ValueError(f"agent.function {path!r}: not callable")
+    return fn
+
+
+class AgentGroupError(ValueError):
+    """A group whose agent runs cannot become answers to one prompt; the message says why."""
+
+
+def group_answers(runs: Sequence[AgentRun]) -> tuple[list[int], list[Trajectory]]:
+    """One group's answers from its agent runs: ``(prompt, trajectories)``, one trajectory per run.
+
+    A run's answer is its last trajectory (the branch the agent answered on last; other branches are not
+    trained). Each conversation starts from its own first chat rendering; the group's prompt is the longest
+    prefix those renderings share, and whatever a rendering holds past it opens that answer as prompt-like
+    tokens (loss mask 0, version -1), so every answer is exactly the tokens its conversation held."""
+    finals = []
+    for i, run in enumerate(runs):
+        if not run.trajectories:
+            raise AgentGroupError(f"sample {i}: the agent sampled nothing ({run.error or 'it made no request'})")
+        finals.append(run.trajectories[-1])
+    prompt = finals[0].prompt_ids
+    for t in finals[1:]:
+        same = next((k for k, (a, b) in enumerate(zip(prompt, t.prompt_ids)) if a != b),
+                    min(len(prompt), len(t.prompt_ids)))
+        prompt = prompt[:same]
+    if not prompt:
+        raise AgentGroupError("the samples' first chat renderings share no token: no prompt to train them on")
+    answers = []
+    for t in finals:
+        answer = Trajectory(list(prompt), turns=list(t.turns), end=t.end, error=t.error)
+        answer.add_observation(t.prompt_ids[len(prompt):])
+        answer.output_ids += t.output_ids
+        answer.loss_mask += t.loss_mask
+        answer.logprobs += t.logprobs
+        answer.versions += t.versions
+        answers.append(answer)
+    return prompt, answers
