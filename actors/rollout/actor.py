@@ -377,7 +377,7 @@ class RolloutActor(Actor):
         running = self._episodes[msg.group_id] = asyncio.ensure_future(
             run_episodes(engine, request, make_env, self.codec, self.limits))
         try:
-            episodes = await running
+            episodes = await self._await_group(msg.group_id, running)
         except (RequestError, EpisodeError) as exc:   # EpisodeError: a tool's marker is not one token
             await self._return(msg.group_id, f"invalid: {exc}")
             return
@@ -385,20 +385,8 @@ class RolloutActor(Actor):
             self.log.error("engine_failed", group_id=msg.group_id, error=str(exc))
             await self._return(msg.group_id, f"engine_error: {exc}")
             return
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if running.cancelled() and not (current is not None and current.cancelling()):
-                # AbortGroup cancelled the episodes (a later turn is a request of its own, which aborting the
-                # group's id does not reach); cancelling aborts every turn in flight.
-                await self._return(msg.group_id, "aborted")
-                return
-            # The drain ran out of time and cancelled this handler (the engine aborts the request on
-            # cancellation): the group still goes back to the buffer.
-            await self._return(msg.group_id, "cancelled")
-            raise
-        finally:
-            self._episodes.pop(msg.group_id, None)
-            self._busy_exit(msg.group_id)
+        if episodes is None:
+            return
         seconds = time.monotonic() - start
         if any(t.end == "abort" for t in episodes):
             await self._return(msg.group_id, "draining" if self.draining else "aborted")
@@ -421,6 +409,26 @@ class RolloutActor(Actor):
             samples=samples, rollout=self.name, gen_seconds=seconds, prompt_ids=list(prompt_ids or []),
             **self._clocks())))
 
+    async def _await_group(self, group_id: str, running: asyncio.Future) -> Any:
+        """What ``running`` (the group's episodes or agent runs) returns; None once a cancelled group has gone
+        back to the buffer. Its other errors propagate."""
+        try:
+            return await running
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if running.cancelled() and not (current is not None and current.cancelling()):
+                # AbortGroup or a drain cancelled the episodes (a later turn or an agent's call is a request of
+                # its own, which aborting the group's id does not reach); cancelling aborts every one in flight.
+                await self._return(group_id, "draining" if self.draining else "aborted")
+                return None
+            # The drain ran out of time and cancelled this handler (the engine aborts the request on
+            # cancellation): the group still goes back to the buffer.
+            await self._return(group_id, "cancelled")
+            raise
+        finally:
+            self._episodes.pop(group_id, None)
+            self._busy_exit(group_id)
+
     async def _generate_by_agent(self, msg: GenerateGroup, start: float) -> None:
         """The group as ``n`` episodes of the agent (settings.agent), each its own key on the endpoint, run at
         once; the answers continue the prompt the conversations rendered (`group_answers`), which travels in
@@ -432,18 +440,9 @@ class RolloutActor(Actor):
             run_agent(self.endpoint, self.agent, task, f"{msg.group_id}/s{i}", self.cfg.agent.timeout_s,
                       turn_seed(seed, i, 0))
             for i in range(msg.n))))
-        try:
-            runs: list[AgentRun] = await running
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if running.cancelled() and not (current is not None and current.cancelling()):
-                await self._return(msg.group_id, "draining" if self.draining else "aborted")
-                return
-            await self._return(msg.group_id, "cancelled")
-            raise
-        finally:
-            self._episodes.pop(msg.group_id, None)
-            self._busy_exit(msg.group_id)
+        runs: list[AgentRun] | None = await self._await_group(msg.group_id, running)
+        if runs is None:
+            return
         seconds = time.monotonic() - start
         self._count_agent_runs(msg.group_id, runs)
         if any(t.end == "abort" for run in runs for t in run.trajectories):
