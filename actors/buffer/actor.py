@@ -433,7 +433,8 @@ class BufferActor(Actor):
             taken_at = time.time()
             record = {"event": "batch", "step": msg.step, "keys": [list(g.key) for g in taken],
                       "start_versions": [g.start_version for g in taken], "version": self.state.gate.version}
-            groups = [BatchGroup(prompt_ids=self.prompt_ids[g.key[1]],
+            # An agent's answers continue the prompt its rollout rendered (Answers.prompt_ids), not the issued one.
+            groups = [BatchGroup(prompt_ids=g.answers.prompt_ids or self.prompt_ids[g.key[1]],
                                  level=level_of(self.dataset.records[g.key[1]]), samples=g.answers.samples)
                       for g in taken]
             listed = Batch(step=msg.step, groups=groups, stats=self.state.batch_stats())
