@@ -169,11 +169,20 @@ class RolloutActor(Actor):
 
     # ------------------------------------------------------------------------------------ lifecycle
 
+    @classmethod
+    def check_settings(cls, cfg: RolloutSettings) -> list[str]:
+        out = []
+        if not cfg.groups.get("reward"):
+            out.append("groups.reward: no reward actors to send trajectories to")
+        if not cfg.model.path:
+            out.append("model.path: not set (episodes decode turns with its tokenizer)")
+        return out
+
     async def on_start(self) -> None:
+        if problems := self.check_settings(self.cfg):
+            raise RolloutConfigError("; ".join(problems))
         groups = self.cfg.groups
-        self.rewards = list(groups.get("reward") or [])
-        if not self.rewards:
-            raise RolloutConfigError("groups.reward: no reward actors to send trajectories to")
+        self.rewards = list(groups["reward"])
         self.buffer = (groups.get("buffer") or ["buffer"])[0]
         self.param_server = (groups.get("param_server") or [None])[0]
         config = link_config(self.cfg.links, self.cfg.link, "ps_to_rollout")
@@ -184,8 +193,6 @@ class RolloutActor(Actor):
             self.python_runner, self.environments["python"] = python_tool(self.cfg.python_tool, gen.env_timeout_s)
         except ValueError as exc:
             raise RolloutConfigError(str(exc)) from None
-        if not self.cfg.model.path:
-            raise RolloutConfigError("model.path: not set (episodes decode turns with its tokenizer)")
         self.codec = await asyncio.to_thread(load_tokenizer, self.cfg.model.path)
         version, model_dir = start_weights(self.cfg, self.run_dir)
         self.engine = make_engine(self.cfg, version, model_dir, run_dir=str(self.run_dir),
