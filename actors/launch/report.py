@@ -1,6 +1,7 @@
 """The dry run's report (`describe`): placement, bus endpoints, links and the process groups the code forms,
-the ports a firewall must pass, readiness, engines, evaluation, memory per GPU and each node's command. The
-launch writes the same report to RUN_DIR/plan.txt; `busy_ports` is checked before a launch too."""
+the ports a firewall must pass, readiness, engines, evaluation, memory per GPU and each node's command, with
+consecutive nodes that hold the same actors shown once (`node_blocks`; every node with --full). The launch
+writes the same report to RUN_DIR/plan.txt; `busy_ports` is checked before a launch too."""
 from __future__ import annotations
 
 import dataclasses

@@ -45,7 +45,7 @@ from actors.engines.base import (EngineError, GenerationEngine, GenerationReques
                                  require_device)
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
 from actors.rollout.envs import ENVIRONMENTS, UnknownTool, environment_for
-from actors.rollout.envs.python_tool import CodeRunner, python_tool
+from actors.rollout.envs.python_tool import CodeRunner, python_tool, timeout_problem
 from actors.rollout.episode import EpisodeError, EpisodeLimits, Trajectory, run_episodes
 from actors.runtime.recovery import start_weights
 from actors.weight_sync import WeightReceiver, WeightSyncError, link_config, make_receiver
@@ -176,6 +176,8 @@ class RolloutActor(Actor):
             out.append("groups.reward: no reward actors to send trajectories to")
         if not cfg.model.path:
             out.append("model.path: not set (episodes decode turns with its tokenizer)")
+        if problem := timeout_problem(cfg.python_tool, cfg.gen.env_timeout_s):
+            out.append(problem)
         return out
 
     async def on_start(self) -> None:
