@@ -120,6 +120,16 @@ def test_the_full_dry_run_lists_every_node(capsys: pytest.CaptureFixture) -> Non
     assert "rollout.188 .. rollout.191 (x4)" in out and " .. #" not in out and "per node" not in out
 
 
+def test_nodes_are_shown_as_one_only_when_they_hold_the_same_and_their_numbers_continue() -> None:
+    row = {"group": "rollout", "count": 2, "cls": "actors.rollout:RolloutActor", "gpus": "0-3 (2 each)",
+           "cpus": "any", "threads": "4", "workers": "-", "first_index": 0, "last_index": 1}
+    following = dict(row, first_index=2, last_index=3)
+    assert report._same_shape([row], [following])
+    assert not report._same_shape([row], [dict(following, first_index=6, last_index=7)])   # rollout.6-7: a gap
+    assert not report._same_shape([row], [dict(following, gpus="0-1 (1 each)")])
+    assert not report._same_shape([row], [following, dict(following, group="reward")])
+
+
 def test_a_dry_run_refuses_a_trainer_world_the_trainer_would_refuse_at_start(capsys: pytest.CaptureFixture) -> None:
     # Placement accepts two torch trainers (dp=2 on two CPU instances); the trainer class does not: without a
     # world they would each train alone. The dry run says so before anything starts, in one line naming the key.

@@ -108,7 +108,7 @@ def make_reference_engine(cfg: TrainerSettings) -> TrainEngine:
     """The KL penalty's reference (`algo.kl_coef` > 0): an engine of the same backend and layout holding the
     run's starting weights (model.path, also when the run resumes from a checkpoint); only its log-probs are
     used, so it never changes."""
-    return make_train_engine(cfg, cfg.model.path, 0)   # set: TrainerActor.check_settings
+    return make_train_engine(cfg, cfg.model.path, 0)   # set: TrainerActor.check_settings refuses it unset
 
 
 def _make_megatron_engine(cfg: TrainerSettings, model_dir: str, version: int) -> TrainEngine:
