@@ -78,8 +78,16 @@ def test_dry_run_64node_table(capsys: pytest.CaptureFixture) -> None:
     assert up.main([str(REPO / "topology" / "64node.yaml"), "--dry-run", "--no-import-check"]) == 0
     out = capsys.readouterr().out
     assert "64 node(s), 512 GPU(s) x H800, 371 actor instance(s)" in out   # the evaluator included
-    assert "#0 [8/8 gpu, 32/48 cpu_workers]" in out
-    assert "rollout.0 .. rollout.3 (x4)" in out and "0-7 (2 each)" in out
+    # identical nodes once, with their count; the trainer node that also holds the buffer on its own row
+    assert re.search(r"#0 \.\. #47 \(x48\) \[8/8 gpu, 32/48 cpu_workers each\] +rollout\.0 \.\. rollout\.191 "
+                     r"\(4 per node\) +actors.rollout:RolloutActor +0-7 \(2 each\)", out), out
+    assert re.search(r"^ +reward\.0 \.\. reward\.47 \(1 per node\) +actors.reward.math:MathReward", out, re.M)
+    assert re.search(r"#48 \[8/8 gpu, 0/48 cpu_workers\] +trainer\.0 \.\. trainer\.7 \(x8\)", out)
+    assert "#49 .. #63 (x15) [8/8 gpu, 0/48 cpu_workers each]  trainer.8 .. trainer.127 (8 per node)" in out
+    assert ("on #0 .. #47 (x48): node agent -> supervisor -> 5 actor(s) each: rollout.0 .. rollout.191 (4 per node), "
+            "reward.0 .. reward.47 (1 per node)") in out
+    assert "on #48: node agent -> supervisor -> 11 actor(s): trainer.0-7, buffer, param_server, evaluator" in out
+    assert "#17" not in out and len(out.splitlines()) < 100, len(out.splitlines())
     # what the code forms: the servers join the trainer's group with their tp ranks, 1 + 192 x 2
     assert "1 group(s) of 1 + 192 x 2 = 385 ranks, rank 0 = trainer.0; rollout.0's server is ranks 1-2" in out
     assert "rendezvous: trainer.0 on #48, a free port picked at each formation; name weights-g<epoch>" in out
@@ -102,6 +110,49 @@ def test_dry_run_64node_table(capsys: pytest.CaptureFixture) -> None:
     assert "inputs (a sample of each data file; actors/launch/inputs.py)" in out
     assert "data.train /storage/datasets/boba_106k_0319.jsonl: absent on this machine; it is read at launch" in out
     assert "model.path /storage/models/DeepSeek-R1-Distill-Qwen-7B: absent on this machine" in out
+
+
+def test_the_full_dry_run_lists_every_node(capsys: pytest.CaptureFixture) -> None:
+    assert up.main([str(REPO / "topology" / "64node.yaml"), "--dry-run", "--full", "--no-import-check"]) == 0
+    out = capsys.readouterr().out
+    for node in range(64):
+        assert re.search(rf"^  #{node} \[8/8 gpu", out, re.M) and f"    on #{node}: node agent" in out, node
+    assert "rollout.188 .. rollout.191 (x4)" in out and " .. #" not in out and "per node" not in out
+
+
+def test_nodes_are_shown_as_one_only_when_they_hold_the_same_and_their_numbers_continue() -> None:
+    row = {"group": "rollout", "count": 2, "cls": "actors.rollout:RolloutActor", "gpus": "0-3 (2 each)",
+           "cpus": "any", "threads": "4", "workers": "-", "first_index": 0, "last_index": 1}
+    following = dict(row, first_index=2, last_index=3)
+    assert report._same_shape([row], [following])
+    assert not report._same_shape([row], [dict(following, first_index=6, last_index=7)])   # rollout.6-7: a gap
+    assert not report._same_shape([row], [dict(following, gpus="0-1 (1 each)")])
+    assert not report._same_shape([row], [following, dict(following, group="reward")])
+
+
+def test_a_dry_run_refuses_a_trainer_world_the_trainer_would_refuse_at_start(capsys: pytest.CaptureFixture) -> None:
+    # Placement accepts two torch trainers (dp=2 on two CPU instances); the trainer class does not: without a
+    # world they would each train alone. The dry run says so before anything starts, in one line naming the key.
+    assert up.main([str(REPO / "topology" / "local.yaml"), "actors.trainer.count=2", "actors.trainer.parallel.dp=2",
+                    "--dry-run", "--no-import-check"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].endswith("local.yaml: 1 problem(s)"), err
+    assert err[1].startswith("  actors.trainer.world_port: the group has 2 instances but no world_port"), err
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["experiment.model.path=null"], "model.path: not set (the tokenizer to decode answers comes from it)"),
+    (["experiment.data.test=null"], "data.test: eval.every_versions > 0 needs a held-out file"),
+    (["experiment.gen.env_timeout_s=5", "actors.rollout.settings.python_tool.timeout_s=5"],
+     "python_tool.timeout_s (5 s) must be below gen.env_timeout_s (5 s)"),
+])
+def test_each_actor_class_s_settings_check_runs_for_every_instance(overrides: list[str], problem: str) -> None:
+    # What the reward actor, the evaluator and the rollout refuse at start, known from the plan alone; the
+    # same line of several instances (two rollouts, the model path of every reader) is said once.
+    plan = topo_mod.load(REPO / "topology" / "local.yaml", overrides, check_imports=False)
+    problems = readiness.settings_problems(plan)
+    assert problem in "\n".join(problems) and len(problems) == len(set(problems)), problems
+    assert readiness.settings_problems(topo_mod.load(REPO / "topology" / "local.yaml", check_imports=False)) == []
 
 
 def test_dry_run_names_each_pipeline_stage_sender(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -166,7 +217,11 @@ def test_bad_world_ports_are_refused(tmp_path: Path, group: str, problem: str) -
     ({"world": {"rank": 0}, "backend": "megatron", "parallel": {"pp": 2},
       "links": {"train_to_ps": {"name": "train_to_ps", "backend": "gloo", "master_addr": "127.0.0.1", "master_port": 0,
                                 "rank": 0, "world_size": 2}}},
-     "parallel.pp > 1 needs direct weights"),
+     "parallel.pp: > 1 needs direct weights"),
+    ({"world": {"rank": 1}, "backend": "megatron",
+      "links": {"weights": {"name": "weights", "backend": "nccl", "master_addr": "127.0.0.1", "master_port": 0,
+                            "rank": 1, "world_size": 3}}},
+     r"trainer.1 is in links \['weights'\]: only rank 0 sends weights"),
 ])
 def test_a_trainer_group_that_cannot_train_together_is_refused_at_start(tmp_path: Path, settings: dict,
                                                                        problem: str) -> None:

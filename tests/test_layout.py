@@ -45,6 +45,17 @@ def test_imports_flow_one_way(package: str) -> None:
     assert not wrong, f"imports against the direction of docs/architecture.md: {wrong}"
 
 
+# The tools that run test doubles as real code (docs/architecture.md names them): the engine benchmark's random
+# model, the rehearsal's SGLang stand-in and tiny model directory. A new one is a choice to make in the docs too.
+TOOLS_USING_TESTSUPPORT = {"tools/bench/gpu.py", "tools/rehearse/rehearsal.py", "tools/rehearse/server.py"}
+
+
+def test_the_tools_using_testsupport_are_those_the_docs_name() -> None:
+    using = {str(p.relative_to(ROOT)) for p in sorted((ROOT / "tools").rglob("*.py"))
+             if "testsupport" in imported_packages(p)}
+    assert using == TOOLS_USING_TESTSUPPORT, "update docs/architecture.md (Layout and import direction) and this list"
+
+
 def test_the_check_sees_imports_inside_functions(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text("import os\n\ndef f():\n    from tools.up import main\n    import actors.runtime.base\n")

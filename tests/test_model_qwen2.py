@@ -140,3 +140,28 @@ def test_parameter_count_formula_matches_the_module():
     for tied in (False, True):
         model = Qwen2ForCausalLM(tiny_model(tie_word_embeddings=tied).config)
         assert model.config.num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+HOST_READS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+
+def test_a_decode_step_with_its_span_reads_nothing_back_to_the_host(monkeypatch):
+    """A CUDA graph's capture refuses a host sync (a device tensor read back: int(), .item(), a data-dependent
+    branch). On CPU no sync exists to observe, so every way a tensor's value reaches Python is made to fail
+    while a decode step given its span runs; the rotary table's int(max(positions)) once did exactly that."""
+    model = tiny_model(seed=3).eval()
+    cache = model.new_cache(2, 8)
+    with torch.no_grad():
+        model.prefill(torch.tensor([[5, 6, 7], [8, 9, 0]]), torch.tensor([3, 2]), cache)
+        expected = model.decode(torch.tensor([11, 12]), torch.tensor([3, 2]), cache)
+
+        def read_back(self, *args, **kwargs):
+            raise AssertionError("a decode step read a tensor's value back to the host")
+
+        with monkeypatch.context() as patch:
+            for name in HOST_READS:
+                patch.setattr(torch.Tensor, name, read_back)
+            got = model.decode(torch.tensor([11, 12]), torch.tensor([3, 2]), cache, span=8)
+            with pytest.raises(AssertionError, match="read a tensor's value back"):
+                model.decode(torch.tensor([11, 12]), torch.tensor([3, 2]), cache)   # the check can fail
+    torch.testing.assert_close(got, expected)

@@ -8,7 +8,9 @@
 * ``--record`` turns message logs on for every actor (``RUN_DIR/msglog/<name>.msglog``, inbound and
   outbound, tensors stored) so that any actor can be replayed with ``tools.replay --into``.
 * ``--dry-run`` prints the placement (node -> actors -> GPUs / cores / CPU workers), the bus endpoints,
-  the NCCL/gloo group of every link and the command each node would run, then exits 0.
+  the NCCL/gloo group of every link and the command each node would run, then exits 0; consecutive nodes
+  holding the same actors are shown once with their count, every node with ``--full``. It exits 2 on what
+  the launch would refuse, each actor class's check of its instances' settings included.
 * One node and no SLURM allocation: every actor starts on this machine under ``actors.runtime.supervisor``.
 * Several nodes: inside a SLURM allocation (``salloc``/``sbatch``) the launcher writes one plan file per
   node into the run directory and ``srun`` starts one ``tools.node_agent`` per node, which runs that
@@ -98,6 +100,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="key.sub=value, value read as YAML: a topology key (actors.rollout.count=4), or experiment.* "
                          "for the experiment config (experiment.algo.eta=2); checked by the same models as the files")
     ap.add_argument("--dry-run", action="store_true", help="print the placement and commands, start nothing")
+    ap.add_argument("--full", action="store_true",
+                    help="with --dry-run: a row per node (by default consecutive nodes holding the same actors "
+                         "are shown once with their count)")
     ap.add_argument("--show-config", action="store_true",
                     help="print every key of the resolved configuration with where its value came from (default, "
                          "topology file, config file, override), start nothing")
@@ -131,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_INVALID
     if args.dry_run:
-        return dry_run(plan, args.overrides, HOOKS)
+        return dry_run(plan, args.overrides, HOOKS, full=args.full)
     return launch(plan, LaunchRequest(overrides=args.overrides, run_dir=args.run_dir, ready_timeout=args.ready_timeout,
                                       duration=args.duration, progress=not args.no_progress, record=args.record,
                                       sbatch=args.sbatch), HOOKS)

@@ -158,8 +158,14 @@ class RotaryTable(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos(), emb.sin()
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        needed = int(position_ids.max()) + 1 if position_ids.numel() else 1
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype, length: int | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``length``: a bound the caller knows (every position is below it). Given, the rows needed are not
+        read back from the device: a read-back is a host sync, which a CUDA graph's capture refuses."""
+        if length is not None:
+            needed = length
+        else:
+            needed = int(position_ids.max()) + 1 if position_ids.numel() else 1
         if needed > self._cos.shape[0] or self._cos.device != position_ids.device:
             self._grow(needed, position_ids.device)
         return self._cos[position_ids].to(dtype), self._sin[position_ids].to(dtype)
@@ -361,7 +367,8 @@ class Qwen2Backbone(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(position_ids, x.dtype)
+        # A decode step's positions are below its span, known on the host: no read-back, so it can be captured.
+        cos, sin = self.rotary(position_ids, x.dtype, ctx.decode_span if ctx.kind == "decode" else None)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         return self.norm(x)

@@ -293,6 +293,22 @@ class EvalActor(Actor):
         super().__init__(spec)
         self.tb: Any = None
 
+    @classmethod
+    def check_settings(cls, cfg: EvaluatorSettings) -> list[str]:
+        if cfg.eval.every_versions <= 0:
+            return []   # the evaluator idles
+        out = []
+        if not cfg.data.test:
+            out.append("data.test: eval.every_versions > 0 needs a held-out file")
+        if not cfg.model.path:
+            out.append("model.path: the evaluator needs the model's config and tokenizer")
+        if cfg.weights_from == "rollouts" and not cfg.groups.get("rollout"):
+            out.append("groups.rollout: weights_from rollouts asks the rollouts to answer, and the run has none")
+        if cfg.weights_from == "param_server" and not cfg.groups.get("param_server"):
+            out.append("groups.param_server: weights_from param_server takes the weights from the parameter server "
+                       "(weights_from: checkpoints reads the run's checkpoints)")
+        return out
+
     async def on_start(self) -> None:
         cfg = self.cfg
         self.every = cfg.eval.every_versions
@@ -302,22 +318,13 @@ class EvalActor(Actor):
         if self.every <= 0:
             self.log.info("evaluator_off", why="eval.every_versions is 0")
             return
+        if problems := self.check_settings(cfg):
+            raise EvalConfigError("; ".join(problems))
         test, model_dir = cfg.data.test, cfg.model.path
-        if not test:
-            raise EvalConfigError("data.test: eval.every_versions > 0 needs a held-out file")
-        if not model_dir:
-            raise EvalConfigError("model.path: the evaluator needs the model's config and tokenizer")
         if cfg.weights_from == "rollouts":
-            self.rollouts = list(cfg.groups.get("rollout") or [])
-            if not self.rollouts:
-                raise EvalConfigError("groups.rollout: weights_from rollouts asks the rollouts to answer, and the run "
-                                      "has none")
+            self.rollouts = list(cfg.groups["rollout"])
         if cfg.weights_from == "param_server":
-            servers = cfg.groups.get("param_server") or []
-            if not servers:
-                raise EvalConfigError("groups.param_server: weights_from param_server takes the weights from the "
-                                      "parameter server (weights_from: checkpoints reads the run's checkpoints)")
-            self.param_server = servers[0]
+            self.param_server = cfg.groups["param_server"][0]
         dataset = await asyncio.to_thread(load_dataset, test, require="answer", on_error=cfg.data.on_bad_line or "fail",
                                           layout=Layout.from_settings(cfg.data, test=True),
                                           max_bad_share=cfg.data.max_bad_share)

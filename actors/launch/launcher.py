@@ -9,20 +9,24 @@ from typing import Sequence
 from actors.launch.local import run_local
 from actors.launch.nodes import run_slurm, submit_sbatch
 from actors.launch.options import EXIT_INVALID, EXIT_OK, LaunchRequest, ToolHooks
+from actors.launch.readiness import settings_problems
 from actors.launch.report import busy_ports, describe
 from topology import Plan
 
 
-def dry_run(plan: Plan, overrides: Sequence[str], hooks: ToolHooks) -> int:
-    """Print the report and a sample of the inputs; EXIT_INVALID (problems on stderr) when a port is taken,
-    a GPU group does not fit, the prepare section or an input would be refused."""
+def dry_run(plan: Plan, overrides: Sequence[str], hooks: ToolHooks, full: bool = False) -> int:
+    """Print the report and a sample of the inputs; EXIT_INVALID (problems on stderr) when an actor class
+    would refuse an instance's settings, a port is taken, a GPU group does not fit, the prepare section or an
+    input would be refused."""
     from actors.launch.inputs import check_inputs   # it loads torch (model directories): only when checking
 
-    print(describe(plan, overrides, hooks))
+    print(describe(plan, overrides, hooks, full))
     inputs, input_problems = check_inputs(plan, launch=False)
     print("\ninputs (a sample of each data file; actors/launch/inputs.py)"
           + "".join(f"\n  {line}" for line in inputs))
-    if problems := busy_ports(plan) + hooks.memory_problems(plan) + hooks.prepare_problems(plan) + input_problems:
+    problems = (settings_problems(plan) + busy_ports(plan) + hooks.memory_problems(plan)
+                + hooks.prepare_problems(plan) + input_problems)
+    if problems:
         print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
         return EXIT_INVALID
     return EXIT_OK

@@ -1,4 +1,5 @@
-"""When a run may start: each group's actor class and typed settings (`group_classes`), how long each
+"""When a run may start: each group's actor class and typed settings (`group_classes`), what the classes
+would refuse of any instance's settings (`settings_problems`), how long each
 instance may take to report ready and how many the run needs (`ready_rules`), the Supervisor's options that
 carry them (`supervisor_options`, a node agent's share), and the check a multi-node launcher makes that a
 late-joining group reached its number (`quorum_problem`)."""
@@ -27,6 +28,21 @@ def group_classes(plan: Plan) -> dict[str, tuple[type, Any]]:
         if gname in first:
             out[gname] = (klass, read_settings(klass, first[gname]["settings"], first[gname]["name"]))
     return out
+
+
+def settings_problems(plan: Plan) -> list[str]:
+    """What any instance's actor class would refuse of its settings at start (``Actor.check_settings``), one
+    line each, the same line of several instances once: the dry run and every launch check it before any
+    actor starts."""
+    classes: dict[str, type] = {}
+    out: dict[str, None] = {}
+    for spec in plan.specs("RUN_DIR"):
+        if spec["cls"] not in classes:
+            module, _, name = spec["cls"].partition(":")
+            classes[spec["cls"]] = getattr(importlib.import_module(module), name)
+        klass = classes[spec["cls"]]
+        out.update(dict.fromkeys(klass.check_settings(read_settings(klass, spec["settings"], spec["name"]))))
+    return list(out)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The dry run's report (`describe`): placement, bus endpoints, links and the process groups the code forms,
-the ports a firewall must pass, readiness, engines, evaluation, memory per GPU and each node's command. The
-launch writes the same report to RUN_DIR/plan.txt; `busy_ports` is checked before a launch too."""
+the ports a firewall must pass, readiness, engines, evaluation, memory per GPU and each node's command, with
+consecutive nodes that hold the same actors shown once (`node_blocks`; every node with --full). The launch
+writes the same report to RUN_DIR/plan.txt; `busy_ports` is checked before a launch too."""
 from __future__ import annotations
 
 import dataclasses
@@ -50,8 +51,10 @@ def evaluation_notes(plan: Plan) -> list[str]:
     return lines
 
 
-def describe(plan: Plan, overrides: Sequence[str], hooks: ToolHooks) -> str:
-    """The dry-run report: placement table, bus endpoints, links and per-node commands."""
+def describe(plan: Plan, overrides: Sequence[str], hooks: ToolHooks, full: bool = False) -> str:
+    """The dry-run report: placement table, bus endpoints, links and per-node commands. Consecutive nodes that
+    hold the same actors (the same groups, counts, GPUs and cores, instance numbers continuing) are shown once
+    with their count; ``full`` lists every node."""
     topo = plan.topology
     lines: list[str] = []
     n_gpus = sum(n.gpus for n in topo.nodes)
@@ -66,17 +69,22 @@ def describe(plan: Plan, overrides: Sequence[str], hooks: ToolHooks) -> str:
     lines.append("")
     lines.append("placement")
     rows = [("node", "actor", "class", "gpus", "cores", "threads", "cpu_workers")]
-    for node_idx, insts in plan.by_node().items():
-        node = topo.nodes[node_idx]
+    blocks = node_blocks(plan, full)
+    for block in blocks:
+        node, insts = topo.nodes[block.nodes[0]], plan.by_node()[block.nodes[0]]
         used = sum(len(i.gpus) for i in insts)
         workers = sum(topo.groups[i.group].cpu_workers for i in insts)
-        label = f"{node.name} [{used}/{node.gpus} gpu, {workers}/{node.cpus} cpu_workers]"
+        label = f"{block.label(plan)} [{used}/{node.gpus} gpu, {workers}/{node.cpus} cpu_workers" \
+                + (" each]" if len(block.nodes) > 1 else "]")
         if not insts:
             rows.append((label, "-", "", "", "", "", ""))
-        for k, inst in enumerate(_compress(plan, insts)):
-            rows.append((label if k == 0 else "", inst["name"], inst["cls"], inst["gpus"], inst["cpus"],
-                         inst["threads"], inst["workers"]))
+        for k, row in enumerate(block.rows):
+            rows.append((label if k == 0 else "", row["name"], row["cls"], row["gpus"], row["cpus"],
+                         row["threads"], row["workers"]))
     lines.extend(table_lines(rows))
+    if len(blocks) < len(topo.nodes):
+        lines.append(f"  ({len(topo.nodes)} nodes in {len(blocks)} rows: consecutive nodes holding the same actors "
+                     f"are shown once; --full lists every node)")
     lines.append("")
     if warning := insecure_bus_warning(plan):
         lines.append(warning)
@@ -131,10 +139,55 @@ def describe(plan: Plan, overrides: Sequence[str], hooks: ToolHooks) -> str:
     else:
         lines.append(f"  srun -N{len(topo.nodes)} --ntasks-per-node=1 {' '.join(slurm_resources(plan))} "
                      f"--kill-on-bad-exit=1 {node_command(plan)}")
-        for node_idx, insts in plan.by_node().items():
-            lines.append(f"    on {topo.nodes[node_idx].name}: node agent -> supervisor -> {len(insts)} actor(s): "
-                         f"{_ranges([i.name for i in insts]) or '-'}")
+        for block in node_blocks(plan, full):
+            insts = plan.by_node()[block.nodes[0]]
+            if len(block.nodes) == 1:
+                lines.append(f"    on {block.label(plan)}: node agent -> supervisor -> {len(insts)} actor(s): "
+                             f"{_ranges([i.name for i in insts]) or '-'}")
+            else:
+                lines.append(f"    on {block.label(plan)}: node agent -> supervisor -> {len(insts)} actor(s) each: "
+                             + ", ".join(row["name"] for row in block.rows))
     return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class NodeBlock:
+    """Consecutive nodes shown as one: their indices and the placement rows (`_compress`) they share, the
+    names spanning from the first node's first instance to the last node's last."""
+
+    nodes: list[int]
+    rows: list[dict[str, Any]]
+
+    def label(self, plan: Plan) -> str:
+        first, last = plan.topology.nodes[self.nodes[0]].name, plan.topology.nodes[self.nodes[-1]].name
+        return first if len(self.nodes) == 1 else f"{first} .. {last} (x{len(self.nodes)})"
+
+
+def _same_shape(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """b's rows hold what a's do, and each of b's instance numbers continues a's."""
+    shape = ("group", "count", "cls", "gpus", "cpus", "threads", "workers")
+    return len(a) == len(b) and all(
+        [x[k] for k in shape] == [y[k] for k in shape] and y["first_index"] == x["last_index"] + 1
+        for x, y in zip(a, b))
+
+
+def node_blocks(plan: Plan, full: bool = False) -> list[NodeBlock]:
+    """The placement's nodes in order, consecutive nodes of the same shape (`_same_shape`) in one block
+    (``full``: a block per node)."""
+    blocks: list[NodeBlock] = []
+    last_rows: list[dict[str, Any]] = []
+    for node_idx, insts in plan.by_node().items():
+        rows = _compress(plan, insts)
+        if not full and blocks and rows and _same_shape(last_rows, rows):
+            block = blocks[-1]
+            block.nodes.append(node_idx)
+            for shown, row in zip(block.rows, rows):
+                first = shown["name"].split(" .. ")[0]
+                shown["name"] = f"{first} .. {row['last']} ({row['count']} per node)"
+        else:
+            blocks.append(NodeBlock([node_idx], [dict(row) for row in rows]))
+        last_rows = rows
+    return blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,8 +376,16 @@ def _compress(plan: Plan, insts: list) -> list[dict[str, str]]:
         gpu_text = _ids(gpus) + (f" ({group.gpus} each)" if len(run) > 1 and gpus else "")
         rows.append({"name": name, "cls": group.cls, "gpus": gpu_text or "-", "cpus": _ids(first.cpus) or "any",
                      "threads": first.env.get("OMP_NUM_THREADS", ""),
-                     "workers": str(group.cpu_workers * len(run)) if group.cpu_workers else "-"})
+                     "workers": str(group.cpu_workers * len(run)) if group.cpu_workers else "-",
+                     "group": first.group, "count": len(run), "last": run[-1].name,
+                     "first_index": _index(first.name), "last_index": _index(run[-1].name)})
     return rows
+
+
+def _index(name: str) -> int:
+    """rollout.12 -> 12; a single instance (buffer) -> 0."""
+    tail = name.rpartition(".")[2]
+    return int(tail) if tail.isdigit() else 0
 
 
 def _ids(ids: list[int]) -> str:

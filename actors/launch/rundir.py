@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import topology as topo_mod
 from actors.launch.options import ToolHooks
+from actors.launch.readiness import settings_problems
 from actors.launch.report import describe
 from actors.runtime.run import keep_files_private
 from topology import Plan
@@ -36,8 +37,12 @@ def inputs_ok(plan: Plan) -> bool:
 
 
 def checked_run_dir(plan: Plan, requested: str | None, inputs: bool = True) -> Path | None:
-    """The run directory (`make_run_dir`), once what the run reads is checked (``inputs``: `inputs_ok`); None
-    after printing why there is none."""
+    """The run directory (`make_run_dir`), once every instance's settings are checked by its actor class
+    (`settings_problems`) and what the run reads (``inputs``: `inputs_ok`); None after printing why there is
+    none."""
+    if problems := settings_problems(plan):
+        print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
+        return None
     if inputs and not inputs_ok(plan):
         return None
     try:

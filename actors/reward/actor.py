@@ -68,15 +68,21 @@ class RewardActor(Actor):
         self._scoring = 0            # groups being scored now
         self._busy_since = 0.0       # when _scoring last went from 0 to 1
 
+    @classmethod
+    def check_settings(cls, cfg: RewardSettings) -> list[str]:
+        out = []
+        if not cfg.model.path:
+            out.append("model.path: not set (the tokenizer to decode answers comes from it)")
+        if not cfg.groups.get("buffer"):
+            out.append("groups.buffer: no buffer to send scored groups to")
+        return out
+
     async def on_start(self) -> None:
         cfg = self.cfg
-        if not cfg.model.path:
-            raise RewardConfigError("model.path: not set (the tokenizer to decode answers comes from it)")
+        if problems := self.check_settings(cfg):
+            raise RewardConfigError("; ".join(problems))
         self.tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model.path)
-        buffers = cfg.groups.get("buffer") or []
-        if not buffers:
-            raise RewardConfigError("groups.buffer: no buffer to send scored groups to")
-        self.buffer = buffers[0]
+        self.buffer = cfg.groups["buffer"][0]
         self.reward_correct = cfg.algo.reward_correct
         self.reward_wrong = cfg.algo.reward_wrong
         self.grader = cfg.grader or self.default_grader

@@ -48,7 +48,7 @@ from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
 from actors.rollout.agent import AgentFn, AgentGroupError, AgentRun, group_answers, load_agent, run_agent
 from actors.rollout.chat import ChatTemplate, template_of
 from actors.rollout.envs import ENVIRONMENTS, UnknownTool, environment_for
-from actors.rollout.envs.python_tool import CodeRunner, python_tool
+from actors.rollout.envs.python_tool import CodeRunner, python_tool, timeout_problem
 from actors.rollout.episode import EpisodeError, EpisodeLimits, Trajectory, run_episodes, turn_seed
 from actors.rollout.openai_server import AgentEndpoint, EndpointLimits
 from actors.runtime.recovery import start_weights
@@ -182,11 +182,22 @@ class RolloutActor(Actor):
 
     # ------------------------------------------------------------------------------------ lifecycle
 
+    @classmethod
+    def check_settings(cls, cfg: RolloutSettings) -> list[str]:
+        out = []
+        if not cfg.groups.get("reward"):
+            out.append("groups.reward: no reward actors to send trajectories to")
+        if not cfg.model.path:
+            out.append("model.path: not set (episodes decode turns with its tokenizer)")
+        if problem := timeout_problem(cfg.python_tool, cfg.gen.env_timeout_s):
+            out.append(problem)
+        return out
+
     async def on_start(self) -> None:
+        if problems := self.check_settings(self.cfg):
+            raise RolloutConfigError("; ".join(problems))
         groups = self.cfg.groups
-        self.rewards = list(groups.get("reward") or [])
-        if not self.rewards:
-            raise RolloutConfigError("groups.reward: no reward actors to send trajectories to")
+        self.rewards = list(groups["reward"])
         self.buffer = (groups.get("buffer") or ["buffer"])[0]
         self.param_server = (groups.get("param_server") or [None])[0]
         config = link_config(self.cfg.links, self.cfg.link, "ps_to_rollout")
@@ -197,8 +208,6 @@ class RolloutActor(Actor):
             self.python_runner, self.environments["python"] = python_tool(self.cfg.python_tool, gen.env_timeout_s)
         except ValueError as exc:
             raise RolloutConfigError(str(exc)) from None
-        if not self.cfg.model.path:
-            raise RolloutConfigError("model.path: not set (episodes decode turns with its tokenizer)")
         self.codec = await asyncio.to_thread(load_tokenizer, self.cfg.model.path)
         version, model_dir = start_weights(self.cfg, self.run_dir)
         self.engine = make_engine(self.cfg, version, model_dir, run_dir=str(self.run_dir),

@@ -238,6 +238,14 @@ class Actor:
                 table[kind] = (attr, len(params) == 3)
         cls._handlers = table
 
+    @classmethod
+    def check_settings(cls, cfg: Any) -> list[str]:
+        """What this class would refuse at start of one instance's typed settings (``cfg``, its ``Settings``), one
+        line each naming the key: the launcher runs it for every instance before any starts, and the dry run
+        too, so nothing a dry run can know is first refused at start. A class with such checks overrides it and
+        raises on them at start as well."""
+        return []
+
     def __init__(self, spec: ActorSpec) -> None:
         self.spec = spec
         self.name = spec.name

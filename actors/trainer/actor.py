@@ -109,10 +109,7 @@ def make_reference_engine(cfg: TrainerSettings) -> TrainEngine:
     """The KL penalty's reference (`algo.kl_coef` > 0): an engine of the same backend and layout holding the
     run's starting weights (model.path, also when the run resumes from a checkpoint); only its log-probs are
     used, so it never changes."""
-    path = cfg.model.path
-    if not path:
-        raise TrainerConfigError("algo.kl_coef > 0: model.path (the reference model's weights) is not set")
-    return make_train_engine(cfg, path, 0)
+    return make_train_engine(cfg, cfg.model.path, 0)   # set: TrainerActor.check_settings refuses it unset
 
 
 def _make_megatron_engine(cfg: TrainerSettings, model_dir: str, version: int) -> TrainEngine:
@@ -151,23 +148,37 @@ class TrainerActor(Actor):
         # Set while the parameter server is silent (heartbeats): a step does not wait for its publish then.
         self._param_server_silent = asyncio.Event()
 
+    @classmethod
+    def check_settings(cls, cfg: TrainerSettings) -> list[str]:
+        instance = cfg.instance
+        group, count, world = instance.group or "trainer", instance.count, instance.world
+        out = []
+        if count > 1 and not world:
+            out.append(f"actors.{group}.world_port: the group has {count} instances but no world_port: they would "
+                       f"each train on their own (set it: a port, or 0 for a free one at launch)")
+        if world and cfg.backend != "megatron":
+            out.append(f"actors.{group}.settings.backend: a trainer world of {count} ranks needs backend: megatron "
+                       f"(the torch backend trains on one process)")
+        if world and instance.parallel.get("pp", 1) > 1 and "train_to_ps" in cfg.links:
+            out.append(f"actors.{group}.parallel.pp: > 1 needs direct weights to rollouts whose servers join the "
+                       "weights group (SGLang): every pipeline stage sends its own layers on a group of its own; "
+                       "the relay through the parameter server (train_to_ps) takes one sender "
+                       "(docs/engines-megatron.md)")
+        if world and world.rank > 0 and cfg.links:
+            out.append(f"links: {group}.{instance.index} is in links {sorted(cfg.links)}: only rank 0 sends weights; "
+                       f"list {group}.0 in the link, not the whole {group} group")
+        if cfg.algo.kl_coef > 0 and not cfg.model.path:
+            out.append("model.path: algo.kl_coef > 0 needs the starting weights as the KL reference, and "
+                       "model.path is not set")
+        return out
+
     async def on_start(self) -> None:
         cfg = self.cfg
+        if problems := self.check_settings(cfg):
+            raise TrainerConfigError("; ".join(problems))
         instance = cfg.instance
-        count = instance.count
         world = instance.world
-        if count > 1 and not world:
-            raise TrainerConfigError(f"the trainer group has {count} instances but no world_port: its instances "
-                                     f"would each train on their own. Set world_port on the group (topology)")
-        if world and cfg.backend != "megatron":
-            raise TrainerConfigError(f"a trainer world of {count} ranks needs backend: megatron (the torch backend "
-                                     f"trains on one process)")
         pp = instance.parallel.get("pp", 1) if world else 1
-        if pp > 1 and "train_to_ps" in cfg.links:
-            raise TrainerConfigError("parallel.pp > 1 needs direct weights to rollouts whose servers join the "
-                                     "weights group (SGLang): every pipeline stage sends its own layers on a group "
-                                     "of its own; the relay through the parameter server (train_to_ps) takes one "
-                                     "sender (docs/engines-megatron.md)")
         if restarted_in_place(self):
             # The buffer keeps every batch served since the last checkpoint, so a trainer restarted alone
             # resumes from that checkpoint and is served the same batches again. A world cannot take one
@@ -202,9 +213,6 @@ class TrainerActor(Actor):
         if self.version > 0:
             await asyncio.to_thread(self.engine.load, model_dir)
         if self.ranks is not None and not self.ranks.leader:
-            if cfg.links:
-                raise TrainerConfigError(f"{self.name} is in links {sorted(cfg.links)}: only trainer.0 sends "
-                                         f"weights; list trainer.0 in the link, not the whole trainer group")
             address = instance.address
             if self.weight_ranks is not None and not address:
                 raise TrainerConfigError(f"{self.name}: settings.instance.address is not set (the topology launcher "

@@ -201,6 +201,14 @@ class PythonTool(Environment):
         return await self.runner.run(program_of(turn_text, self.call_open, ended_by))
 
 
+def timeout_problem(settings: PythonToolSettings, env_timeout_s: float | None) -> str | None:
+    """Why ``python_tool.timeout_s`` is refused beside ``gen.env_timeout_s`` (see `python_tool`), or None."""
+    if env_timeout_s is None or settings.timeout_s is None or settings.timeout_s < env_timeout_s:
+        return None
+    return (f"python_tool.timeout_s ({settings.timeout_s:g} s) must be below gen.env_timeout_s ({env_timeout_s:g} s): "
+            "a slow program is then answered by the tool, not an env_error that ends the episode")
+
+
 def python_tool(settings: PythonToolSettings,
                 env_timeout_s: float | None = None) -> tuple[CodeRunner, Callable[[], PythonTool]]:
     """A runner built from an actor's ``python_tool`` settings, and the factory of episodes' tools on it.
@@ -211,13 +219,10 @@ def python_tool(settings: PythonToolSettings,
     set at or above ``env_timeout_s``, it is refused (ValueError naming both keys)."""
     limits = SandboxLimits(**settings.sandbox.model_dump(exclude_none=True))
     timeout_s = settings.timeout_s
-    if env_timeout_s is not None:
-        if timeout_s is None:
-            timeout_s = min(limits.wall_time_s + CALL_GRACE_S, 0.9 * env_timeout_s)
-        elif timeout_s >= env_timeout_s:
-            raise ValueError(f"python_tool.timeout_s ({timeout_s:g} s) must be below gen.env_timeout_s "
-                             f"({env_timeout_s:g} s): a slow program is then answered by the tool, not an "
-                             "env_error that ends the episode")
+    if problem := timeout_problem(settings, env_timeout_s):
+        raise ValueError(problem)
+    if env_timeout_s is not None and timeout_s is None:
+        timeout_s = min(limits.wall_time_s + CALL_GRACE_S, 0.9 * env_timeout_s)
     runner = CodeRunner(limits, workers=settings.workers, timeout_s=timeout_s,
                         allow_unsandboxed=settings.allow_unsandboxed, output=ToolOutput(settings.output_chars))
     return runner, functools.partial(PythonTool, runner, call_open=settings.call_open, call_end=settings.call_end)
