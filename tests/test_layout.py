@@ -47,7 +47,7 @@ def test_imports_flow_one_way(package: str) -> None:
 
 # The tools that run test doubles as real code (docs/architecture.md names them): the engine benchmark's random
 # model, the rehearsal's SGLang stand-in and tiny model directory. A new one is a choice to make in the docs too.
-TOOLS_USING_TESTSUPPORT = {"tools/bench/gpu.py", "tools/rehearse/rehearsal.py", "tools/rehearse/server.py"}
+TOOLS_USING_TESTSUPPORT = {"tools/bench/agent.py", "tools/bench/gpu.py", "tools/rehearse/rehearsal.py", "tools/rehearse/server.py"}
 
 
 def test_the_tools_using_testsupport_are_those_the_docs_name() -> None:
