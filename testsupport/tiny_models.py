@@ -12,7 +12,7 @@ import torch
 from actors.batch import Batch, BatchGroup
 from actors.engines.base import GenerationRequest, SamplingParams
 from actors.engines.checkpoint import bucketize, hf_state_dict, save_model
-from actors.engines.model import Qwen2Config, Qwen2ForCausalLM
+from actors.engines.model import FAMILIES, Qwen2Config, Qwen2ForCausalLM
 from actors.engines.torch_gen import TorchGenerationEngine
 from actors.weights import weights_hash
 from transport.protocol import BufferStats, Sample
@@ -22,16 +22,25 @@ ARITH_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "configs" / "mode
 ARITH_VOCAB = 272
 
 
-def tiny_config(**overrides) -> Qwen2Config:
+# What a tiny Qwen3-MoE adds to tiny_config: 8 experts of which each token takes 2.
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+
+
+def tiny_config(family: str = "qwen2", **overrides) -> Qwen2Config:
+    """A tiny config of ``family`` (a model_type of model.FAMILIES)."""
     values = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False)
+    if family == "qwen3":
+        values["head_dim"] = 16
+    if family == "qwen3_moe":
+        values.update(TINY_MOE)
     values.update(overrides)
-    return Qwen2Config(**values)
+    return FAMILIES[family](**values)
 
 
-def tiny_model(seed: int = 0, **overrides) -> Qwen2ForCausalLM:
+def tiny_model(seed: int = 0, family: str = "qwen2", **overrides) -> Qwen2ForCausalLM:
     """A random model whose norms and biases are not at their init values, so every parameter matters."""
-    model = Qwen2ForCausalLM(tiny_config(**overrides)).init_weights(seed)
+    model = Qwen2ForCausalLM(tiny_config(family, **overrides)).init_weights(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():

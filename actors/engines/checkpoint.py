@@ -1,7 +1,7 @@
 """Hugging Face checkpoint layout: config.json + model.safetensors, or shards with an index.
 
-What we write loads in `transformers` (Qwen2ForCausalLM.from_pretrained) and what `transformers`'
-save_pretrained writes (or a downloaded Qwen2 model) loads here. Tied embeddings are stored once, under
+What we write loads in `transformers` (Qwen2/Qwen3/Qwen3MoeForCausalLM.from_pretrained) and what
+`transformers`' save_pretrained writes (or a downloaded model of those families) loads here. Tied embeddings are stored once, under
 `model.embed_tokens.weight`, as Hugging Face does.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .model import ConfigError, Qwen2Config, Qwen2ForCausalLM, dtype_from_name
+from .model import ConfigError, Qwen2Config, Qwen2ForCausalLM, config_from_json_file, dtype_from_name
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,7 +49,8 @@ def has_weights(model_dir: str | os.PathLike) -> bool:
 
 
 def load_config(model_dir: str) -> Qwen2Config:
-    return Qwen2Config.from_json_file(os.path.join(model_dir, CONFIG_FILE))
+    """The config of whichever supported family the directory's config.json names."""
+    return config_from_json_file(os.path.join(model_dir, CONFIG_FILE))
 
 
 def _weight_files(model_dir: str) -> list[str]:
@@ -99,7 +100,8 @@ def assign_weights(model: Qwen2ForCausalLM, named: Iterable[tuple[str, torch.Ten
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name not in params:
-                raise CheckpointError(f"{source}: unexpected tensor {name!r} (not a Qwen2 parameter)")
+                raise CheckpointError(f"{source}: unexpected tensor {name!r} (not a parameter of "
+                                      f"{model.config.ARCHITECTURE} with this config.json)")
             if tied and name == "lm_head.weight":
                 continue  # the same tensor as model.embed_tokens.weight
             param = params[name]

@@ -273,7 +273,8 @@ class TorchGenerationEngine(GenerationEngine):
                     continue
                 param = params.get(name)
                 if param is None:
-                    raise CheckpointError(f"weights v{version}: unexpected tensor {name!r} (not a Qwen2 parameter)")
+                    raise CheckpointError(f"weights v{version}: unexpected tensor {name!r} (not a parameter of "
+                                          f"{self.model.config.ARCHITECTURE})")
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise CheckpointError(f"weights v{version}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                           f"expected {tuple(param.shape)}")
