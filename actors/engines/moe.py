@@ -116,3 +116,8 @@ def load_balancing_loss(router_logits: list[torch.Tensor], num_experts: int, top
     counts.scatter_add_(0, chosen.reshape(-1), torch.ones(chosen.numel(), device=probs.device))
     rows = probs.shape[0]
     return num_experts * torch.sum((counts / rows) * (probs.sum(0) / rows))
+
+
+def compact_routes(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Expert ids in the smallest integer type that holds them: uint8 up to 256 experts, else int16."""
+    return experts.to(torch.uint8 if num_experts <= 256 else torch.int16)
