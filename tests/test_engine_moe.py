@@ -14,20 +14,12 @@ from actors.engines.moe import ROUTE_NATIVE
 from actors.engines.torch_gen import TorchGenerationEngine
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss
 from testsupport.bounded import run_bounded
-from testsupport.tiny_models import random_sequences, tiny_model
+from actors.trainer.step import StepConfig, train_on_batch
+from testsupport.tiny_models import near_tie_moe_model, random_sequences, sampled_batch, tiny_model
+from transport.messages import decode, encode
+from actors.batch import as_columns
 
 PROMPT = [1, 2, 3, 4, 5]
-
-
-def near_tie_model() -> torch.nn.Module:
-    """A MoE whose router scores experts 0 and 1 equal up to a relative 3e-7, the size of the rounding
-    differences between a KV-cache decode step and a whole-sequence forward: which of the two a token goes to
-    depends on the engine that routes it (each token takes one expert of four)."""
-    model = tiny_model(seed=11, family="qwen3_moe", num_experts=4, num_experts_per_tok=1)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.gate.weight[1] = layer.mlp.gate.weight[0] * (1 + 3e-7)
-    return model
 
 
 def generate(model, n: int = 6, tokens: int = 40):
@@ -43,7 +35,7 @@ def generate(model, n: int = 6, tokens: int = 40):
 
 
 def test_replayed_routing_gives_the_engines_logprobs_and_native_routing_does_not():
-    model = near_tie_model()
+    model = near_tie_moe_model()
     results = generate(model)
     trainer = TorchTrainEngine(model=copy.deepcopy(model))
     batch = PackedBatch.from_sequences([PROMPT + r.output_ids for r in results])
@@ -89,3 +81,18 @@ def test_training_reduces_the_loss_with_and_without_the_balance_loss(aux):
     assert ("moe_aux_loss" in first) == (aux > 0)
     if aux:
         assert 0.9 < first["moe_aux_loss"] < 8.0  # 1.0 when balanced, num_experts when all on one expert
+
+
+@pytest.mark.parametrize("replay", ["none", "r2", "r3"])
+def test_training_step_replays_the_routing_that_travelled_with_the_trajectories(replay):
+    model = near_tie_moe_model()
+    batch = as_columns(sampled_batch(model, groups=2, n=6, record_routing=True, max_new_tokens=40))
+    _, batch = decode(encode(batch))  # as the buffer sends it: one uint8 tensor per answer
+    assert all(r.dtype == torch.uint8 and r.shape[1:] == (2, 1) for r in batch.routed_experts)
+    engine = TorchTrainEngine(model=copy.deepcopy(model), config=TrainConfig(lr=1e-3))
+    stats = train_on_batch(engine, batch, StepConfig.defaults(minibatches=2, routing_replay=replay), version=0)
+    # The engine/trainer mismatch on tokens the current weights sampled: none with the rollout's routing.
+    if replay == "r3":
+        assert stats["logprob_gap_max"] < 1e-5
+    else:
+        assert stats["logprob_gap_max"] > 1e-3 and stats["logprob_gap_mean"] > 1e-6

@@ -51,6 +51,17 @@ def tiny_model(seed: int = 0, family: str = "qwen2", **overrides) -> Qwen2ForCau
     return model.eval()
 
 
+def near_tie_moe_model() -> Qwen2ForCausalLM:
+    """A tiny Qwen3-MoE whose router scores experts 0 and 1 equal up to a relative 3e-7, the size of the rounding
+    differences between a KV-cache decode step and a whole-sequence forward: which of the two a token goes to
+    depends on the engine that routes it (each token takes one expert of four)."""
+    model = tiny_model(seed=11, family="qwen3_moe", num_experts=4, num_experts_per_tok=1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight[1] = layer.mlp.gate.weight[0] * (1 + 3e-7)
+    return model
+
+
 def random_sequences(count: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (count,), generator=gen).tolist()
@@ -66,18 +77,21 @@ def greedy_reference(model: Qwen2ForCausalLM, prompt: list[int], count: int) -> 
     return seq[len(prompt):]
 
 
-def sampled_batch(model: Qwen2ForCausalLM, groups: int = 3, n: int = 4, version: int = 0) -> Batch:
+def sampled_batch(model: Qwen2ForCausalLM, groups: int = 3, n: int = 4, version: int = 0,
+                  record_routing: bool = False, max_new_tokens: int = 10) -> Batch:
     """A trainer Batch of `groups` prompts x `n` answers sampled from `model`, half of them rewarded."""
     async def run() -> list[BatchGroup]:
-        gen = TorchGenerationEngine(model=copy.deepcopy(model), version=version)
+        gen = TorchGenerationEngine(model=copy.deepcopy(model), version=version, record_routing=record_routing)
         await gen.start()
         out = []
         try:
             for g in range(groups):
                 res = await gen.generate(GenerationRequest(
-                    rid=f"r{g}", input_ids=(1 + g, 2, 3), sampling=SamplingParams(max_new_tokens=10, seed=g), n=n))
+                    rid=f"r{g}", input_ids=(1 + g, 2, 3), sampling=SamplingParams(max_new_tokens=max_new_tokens, seed=g),
+                    n=n))
                 samples = [Sample(output_ids=r.output_ids, logprobs=r.logprobs, versions=r.versions,
-                                  finish_reason=r.finish_reason, reward=5.0 if i % 2 else -5.0, correct=bool(i % 2))
+                                  finish_reason=r.finish_reason, reward=5.0 if i % 2 else -5.0, correct=bool(i % 2),
+                                  routed_experts=r.routed_experts)
                            for i, r in enumerate(res)]
                 out.append(BatchGroup(prompt_ids=[1 + g, 2, 3], level=g % 2, samples=samples))
         finally:
