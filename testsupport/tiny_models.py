@@ -100,9 +100,9 @@ def sampled_batch(model: Qwen2ForCausalLM, groups: int = 3, n: int = 4, version:
     return Batch(step=version + 1, groups=asyncio.run(run()), stats=BufferStats())
 
 
-def tiny_model_dir(path: Path, seed: int = 0) -> Path:
-    """A tiny random Qwen2 in Hugging Face layout with the shipped arith tokenizer, which actors load."""
-    save_model(tiny_model(seed, vocab_size=ARITH_VOCAB, max_position_embeddings=4096), str(path))
+def tiny_model_dir(path: Path, seed: int = 0, family: str = "qwen2") -> Path:
+    """A tiny random model of ``family`` in Hugging Face layout with the shipped arith tokenizer, which actors load."""
+    save_model(tiny_model(seed, family, vocab_size=ARITH_VOCAB, max_position_embeddings=4096), str(path))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(ARITH_TOKENIZER_DIR / name, path / name)
     return path
