@@ -96,3 +96,16 @@ def test_training_step_replays_the_routing_that_travelled_with_the_trajectories(
         assert stats["logprob_gap_max"] < 1e-5
     else:
         assert stats["logprob_gap_max"] > 1e-3 and stats["logprob_gap_mean"] > 1e-6
+
+
+def test_routed_experts_cross_the_wire_from_rollout_to_buffer():
+    from transport.protocol import Answers, Sample, ScoredGroup, Task, Trajectories
+    routes = torch.randint(0, 8, (7, 2, 2), dtype=torch.uint8)
+    samples = [Sample(output_ids=[5, 6, 7], logprobs=[-1.0] * 3, versions=[0] * 3, finish_reason="stop",
+                      routed_experts=routes),
+               Sample(output_ids=[5], logprobs=[-1.0], versions=[0], finish_reason="stop")]
+    for msg in (Trajectories(group_id="g", task=Task(answer="1"), answers=Answers(samples=samples, rollout="r")),
+                ScoredGroup(group_id="g", answers=Answers(samples=samples, rollout="r"))):
+        _, back = decode(encode(msg))
+        assert torch.equal(back.answers.samples[0].routed_experts, routes)
+        assert back.answers.samples[1].routed_experts is None
