@@ -4,6 +4,7 @@ data-parallel replicas. Pure functions of the engine and the batch; the trainer 
 and its rank followers (actors/trainer/rank_group.py) call them."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -245,6 +246,7 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
     behav = lay.behav
     rewards = torch.tensor(batch.rewards, dtype=torch.float32)
     budget = max(cfg.max_tokens_per_mb, max(lengths))
+    t_logprobs = time.perf_counter()
     kl_reward = None
     ref = None
     if cfg.kl_coef > 0:
@@ -277,6 +279,7 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
                                    cfg.temperature, routes=replay, record_routes=cfg.routing_replay == "r2")
         if cfg.routing_replay == "r2":
             replay = recorded
+    logprobs_seconds = time.perf_counter() - t_logprobs
     mine = tokens_of(mine_ids)
     current = (lay.versions == float(version)) & mask & mine  # sampled by exactly these weights
     gaps = (prox - behav).abs()[current]
@@ -285,12 +288,15 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
     per_token = {"loss_mask": lay.loss_mask, "behav": behav, "prox": prox, "adv": adv}
     stats_all = PPOStats()
     updates: list[dict[str, float]] = []
+    loss_shares: dict[int, float] = {}
     for mbs_ids in minibatches:
         sel = tokens_of([i for ids in mbs_ids for i in ids])
         local = count_loss_tokens(mask[sel], prox[sel], behav[sel], cfg.ppo.behav_cap)
         n_tokens = engine.data_parallel_sum([float(local)])[0]   # the same decision on every rank
         if n_tokens == 0:
             continue
+        for i in (i for ids in mbs_ids for i in ids):
+            loss_shares[i] = float(mask[starts[i]:starts[i] + lengths[i]].sum()) / n_tokens
         mbs = [with_routes(PackedBatch.from_sequences([seqs[i] for i in ids],
                                                       {k: [v[starts[i]:starts[i] + lengths[i]].tolist() for i in ids]
                                                        for k, v in per_token.items()}), replay, ids, starts, seqs)
@@ -309,4 +315,5 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
         for st in collected:
             stats_all = stats_all.merge(st)
     return ShareResult(ppo=stats_all if engine.reports_stats else PPOStats(), logprob_gap=gap, updates=updates,
-                       kl_reward=kl_reward, logprob_gap_sum=float(gaps.sum()), logprob_gap_tokens=gaps.numel())
+                       kl_reward=kl_reward, logprobs_seconds=logprobs_seconds, loss_shares=loss_shares,
+                       logprob_gap_sum=float(gaps.sum()), logprob_gap_tokens=gaps.numel())
