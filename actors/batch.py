@@ -76,7 +76,8 @@ def from_columns(*, step: int, stats: BufferStats, levels: list[int], group_size
                  prompt_ids: torch.Tensor, prompt_lens: list[int], output_ids: torch.Tensor,
                  output_lens: list[int], logprobs: torch.Tensor, versions: torch.Tensor, rewards: list[float],
                  correct: list[bool], finish_reasons: list[str], score_details: list[str] | None = None,
-                 carried: list[int] | None = None, frame_bytes: int = BATCH_FRAME_BYTES) -> BatchTensors:
+                 carried: list[int] | None = None, routed_experts: list[torch.Tensor] | None = None,
+                 frame_bytes: int = BATCH_FRAME_BYTES) -> BatchTensors:
     """A batch from flat 1-D token tensors (converted to the wire dtypes), split into frames. Columns
     that disagree raise TypeError naming the column (BatchTensors.__post_init__)."""
     n = len(output_lens)
@@ -89,7 +90,7 @@ def from_columns(*, step: int, stats: BufferStats, levels: list[int], group_size
                         output_ids=_chunks(output_ids.reshape(-1).to(torch.int32), frame_bytes),
                         logprobs=_chunks(logprobs.reshape(-1).to(torch.float32), frame_bytes),
                         versions=_chunks(versions.reshape(-1).to(torch.int32), frame_bytes),
-                        carried=None if carried is None else list(carried))
+                        carried=None if carried is None else list(carried), routed_experts=routed_experts or [])
 
 
 def from_batch(batch: Batch, frame_bytes: int = BATCH_FRAME_BYTES) -> BatchTensors:
@@ -110,7 +111,15 @@ def from_batch(batch: Batch, frame_bytes: int = BATCH_FRAME_BYTES) -> BatchTenso
         logprobs=cat([s.logprobs for s in samples], np.float32),
         versions=cat([s.versions for s in samples], np.int32), rewards=[s.reward for s in samples],
         correct=[s.correct for s in samples], finish_reasons=[s.finish_reason for s in samples],
-        score_details=[s.score_detail for s in samples], frame_bytes=frame_bytes)
+        score_details=[s.score_detail for s in samples], routed_experts=routed_column(samples), frame_bytes=frame_bytes)
+
+
+def routed_column(samples: list[Sample]) -> list[torch.Tensor]:
+    """The routed_experts column of these samples: empty when none has any, else an empty tensor where one lacks it."""
+    if all(s.routed_experts is None for s in samples):
+        return []
+    none = torch.empty(0, dtype=torch.uint8)
+    return [none if s.routed_experts is None else s.routed_experts for s in samples]
 
 
 def as_columns(batch: Batch | BatchTensors) -> BatchTensors:
@@ -170,7 +179,8 @@ def shares(batch: BatchTensors, per_rank: list[list[int]], frame_bytes: int = BA
             logprobs=_gather_ranges(batch.logprobs, ranges, torch.float32),
             versions=_gather_ranges(batch.versions, ranges, torch.int32), rewards=batch.rewards,
             correct=batch.correct, finish_reasons=batch.finish_reasons, score_details=batch.score_details,
-            carried=wanted, frame_bytes=frame_bytes))
+            carried=wanted, frame_bytes=frame_bytes,
+            routed_experts=[batch.routed_experts[position[s]] for s in wanted] if batch.routed_experts else []))
     return out
 
 
@@ -181,6 +191,7 @@ def to_batch(batch: BatchTensors) -> Batch:
     prompts = flat(batch, "prompt_ids").tolist()
     out, lp = flat(batch, "output_ids").tolist(), flat(batch, "logprobs").tolist()
     ver = flat(batch, "versions").tolist()
+    routed = batch.routed_experts
     groups, p, o, i = [], 0, 0, 0
     for level, size, plen in zip(batch.levels, batch.group_sizes, batch.prompt_lens):
         samples = []
@@ -188,7 +199,8 @@ def to_batch(batch: BatchTensors) -> Batch:
             n = batch.output_lens[i]
             samples.append(Sample(output_ids=out[o:o + n], logprobs=lp[o:o + n], versions=ver[o:o + n],
                                   finish_reason=batch.finish_reasons[i], reward=batch.rewards[i],
-                                  correct=batch.correct[i], score_detail=batch.score_details[i]))
+                                  correct=batch.correct[i], score_detail=batch.score_details[i],
+                                  routed_experts=routed[i] if routed and routed[i].numel() else None))
             o, i = o + n, i + 1
         groups.append(BatchGroup(prompt_ids=prompts[p:p + plen], level=level, samples=samples))
         p += plen

@@ -45,6 +45,9 @@ def test_every_probe_runs_tiny_on_the_cpu_and_writes_json(tmp_path) -> None:
     assert result["publish"]["buckets"] > 1 and result["publish"]["bytes"] > 0
     assert result["overlap"]["push_stream"]["pushed_gb_per_s"] > 0
     assert result["broadcast"]["bucket_ratio"] > 0 and result["decode"]["eager_step_ms"] > 0
+    moe = result["moe"]
+    assert moe["train_native"]["tokens_per_s"] > 0 and moe["train_replayed"]["tokens_per_s"] > 0
+    assert moe["decode"]["step_ms_capturing"] > 0 and moe["active_params"] < moe["params"]
 
 
 def test_without_the_shim_the_megatron_probes_say_why_they_were_skipped(tmp_path, capsys) -> None:

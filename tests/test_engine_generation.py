@@ -29,8 +29,12 @@ async def started(model=None, **kwargs) -> TorchGenerationEngine:
     return engine
 
 
-def test_greedy_tokens_and_logprobs_match_full_forward_and_trainer():
-    model = tiny_model(seed=0)
+FAMILIES = ["qwen2", "qwen3", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_and_logprobs_match_full_forward_and_trainer(family):
+    model = tiny_model(seed=0, family=family)
     prompts = random_sequences(6, 3, 25, VOCAB, seed=1)
 
     async def main():
@@ -42,7 +46,7 @@ def test_greedy_tokens_and_logprobs_match_full_forward_and_trainer():
             await engine.stop()
 
     results = run(main())
-    trainer = TorchTrainEngine(model=tiny_model(seed=0))
+    trainer = TorchTrainEngine(model=tiny_model(seed=0, family=family))
     for i, (prompt, [result]) in enumerate(zip(prompts, results)):
         assert result.finish_reason == "length" and len(result.output_ids) == 12 + i
         assert result.output_ids == greedy_reference(model, prompt, 12 + i)
@@ -183,11 +187,12 @@ def test_pause_holds_requests_and_resume_finishes_them():
     assert result.output_ids == greedy_reference(model, [1, 2, 3], 5)
 
 
-def test_weight_update_mid_generation_switches_versions_at_a_step_boundary():
-    old, new = tiny_model(seed=0), tiny_model(seed=1)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weight_update_mid_generation_switches_versions_at_a_step_boundary(family):
+    old, new = tiny_model(seed=0, family=family), tiny_model(seed=1, family=family)
     prompts = random_sequences(3, 4, 12, VOCAB, seed=2)
     swap_at = 4
-    engine = TorchGenerationEngine(model=tiny_model(seed=0))
+    engine = TorchGenerationEngine(model=tiny_model(seed=0, family=family), record_routing=True)
 
     reached = threading.Event()
 
@@ -226,6 +231,10 @@ def test_weight_update_mid_generation_switches_versions_at_a_step_boundary():
         assert r.output_ids[:switch] == expected_old
         # After the swap the new weights continue from the tokens so far (rebuilt KV cache).
         assert r.output_ids[switch:] == greedy_reference(new, prompt + expected_old, 12 - switch)
+        if family == "qwen3_moe":  # the routing of every token fed, as the rebuilt cache routed it
+            assert r.routed_experts.shape == (len(prompt) + 11, 2, 2) and r.routed_experts.dtype == torch.uint8
+        else:
+            assert r.routed_experts is None
 
 
 def test_weight_update_while_idle_and_errors():

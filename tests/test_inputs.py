@@ -153,3 +153,29 @@ def test_an_answer_file_absent_here_is_noted_in_the_dry_run_and_refused_at_launc
                                                         for i in range(4)}))
     lines, problems = check_inputs(plan, launch=True)
     assert problems == [] and f"data.train {train}: 4 records in every line" in lines, (lines, problems)
+
+
+def test_an_unsupported_or_mismatched_model_is_refused_with_one_line(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    moe = tiny_model_dir(tmp_path / "moe", family="qwen3_moe")
+    train = tmp_path / "data" / "train.jsonl"
+    train.parent.mkdir()
+    train.write_text("".join(good_line(i) for i in range(4)))
+    lines, problems = check_inputs(plan_of(moe, train), launch=False)
+    assert problems == [] and any("(qwen3_moe, 8 experts, top-2)" in line for line in lines), lines
+    raw = json.loads((moe / "config.json").read_text())
+    # An architecture none of our engines builds: named, with what is supported.
+    (moe / "config.json").write_text(json.dumps({**raw, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    assert up.main([LOCAL, *overrides(moe, train), "--dry-run", "--no-import-check"]) == up.EXIT_INVALID
+    err = capsys.readouterr().err
+    assert "key 'model_type' is 'llama' (LlamaForCausalLM); supported: qwen2 (Qwen2ForCausalLM), qwen3 " \
+           "(Qwen3ForCausalLM), qwen3_moe (Qwen3MoeForCausalLM)" in err and "Traceback" not in err, err
+    # Weights that do not fit the config (fewer experts than the tensors hold), read from the files' headers.
+    (moe / "config.json").write_text(json.dumps({**raw, "num_experts": 6}))
+    _, problems = check_inputs(plan_of(moe, train), launch=True)
+    assert len(problems) == 1 and "unexpected tensor 'model.layers.0.mlp.experts.6." in problems[0], problems
+    # A family the Megatron backend does not build.
+    (moe / "config.json").write_text(json.dumps(raw))
+    plan = topo_mod.load(str(REPO / "topology" / "1node.yaml"), overrides(moe, train), check_imports=False)
+    _, problems = check_inputs(plan, launch=False)
+    assert any("is qwen3_moe (Qwen3MoeForCausalLM); the megatron engine supports qwen2" in p for p in problems), problems

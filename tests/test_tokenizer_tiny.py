@@ -70,3 +70,15 @@ def test_loads_in_transformers_with_a_few_million_parameters_or_less():
     kv = h // config.num_attention_heads * config.num_key_value_heads
     per_layer = h * (h + 2 * kv + h) + 3 * h * inter + 2 * h
     assert 0.3e6 < layers * per_layer + vocab * h < 5e6
+
+
+def test_the_moe_model_directory_carries_the_same_tokenizer() -> None:
+    # configs/models/arith-tiny-moe (topology/local_moe.yaml) shares the task and so the tokenizer of arith-tiny.
+    root = Path(__file__).resolve().parent.parent / "configs" / "models"
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (root / "arith-tiny-moe" / name).read_bytes() == (root / "arith-tiny" / name).read_bytes(), name
+    config = json.loads((root / "arith-tiny-moe" / "config.json").read_text())
+    dense = json.loads((root / "arith-tiny" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["vocab_size"] == dense["vocab_size"]
+    # As many active MLP units per token as the dense default.
+    assert config["num_experts_per_tok"] * config["moe_intermediate_size"] == dense["intermediate_size"]

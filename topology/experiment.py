@@ -178,6 +178,11 @@ class AlgoSection(Section):
     reward_wrong: float = Field(-5.0, description="reward of a wrong answer")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the frozen starting weights (model.path) in the token rewards; 0 is off")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="per-token KL estimator of the penalty")
+    # Mixture-of-experts models (docs/engines.md, "Mixture of experts"), named as verl and slime name them.
+    routing_replay: Literal["none", "r2", "r3"] = Field(
+        "none", description="MoE routing replay: r2 replays the routing of the trainer's proximal forward in its "
+                            "training forwards; r3 replays the rollout engine's routing in both; none routes natively")
+    moe_aux_loss_coef: float = Field(0.0, ge=0, description="MoE load-balancing loss weight in training; 0 is off")
 
     @field_validator("group_size")
     @classmethod

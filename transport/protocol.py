@@ -83,6 +83,10 @@ class Sample:
     score_detail: str = ""
     agent_reward: float | None = None  # what an agent (actors/rollout/agent.py) returned as its episode's reward,
                                        # which the reward actor passes on; None: the reward actor grades it
+    # A mixture-of-experts model's routing, when the engine records it (algo.routing_replay: r3): the experts each
+    # sparse layer routed each token fed to the model to, prompt first, [tokens, sparse layers, top-k], uint8
+    # (int16 past 256 experts). It may cover fewer tokens than prompt + answer; the rest are routed natively.
+    routed_experts: torch.Tensor | None = None
 
 
 # A group's messages carry only what their receiver lacks: the prompt goes to the rollout and, in the Batch,
@@ -228,6 +232,8 @@ class BatchTensors(Message):
     logprobs: list[torch.Tensor]
     versions: list[torch.Tensor]
     carried: list[int] | None = None
+    # Per carried sample, its Sample.routed_experts (an empty 1-D tensor where it has none); empty: no sample has any.
+    routed_experts: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # What arrives must add up before a trainer rank indexes with it: a message whose columns disagree is
@@ -258,6 +264,18 @@ class BatchTensors(Message):
             if sum(c.numel() for c in chunks) != want:
                 raise TypeError(f"batch column {name}: {sum(c.numel() for c in chunks)} tokens, the "
                                 f"{'prompts' if name == 'prompt_ids' else 'carried answers'} have {want}")
+        if self.routed_experts:
+            if len(self.routed_experts) != len(carried):
+                raise TypeError(f"batch column routed_experts: {len(self.routed_experts)} entries for "
+                                f"{len(carried)} carried answers")
+            group_of = [g for g, size in enumerate(self.group_sizes) for _ in range(size)]
+            for s, routes in zip(carried, self.routed_experts):
+                tokens = self.prompt_lens[group_of[s]] + self.output_lens[s]
+                if routes.dtype not in (torch.uint8, torch.int16) or routes.dim() not in (1, 3) or (
+                        routes.dim() == 1 and routes.numel()) or (routes.dim() == 3 and routes.shape[0] > tokens):
+                    raise TypeError(f"batch column routed_experts: answer {s} has a {str(routes.dtype)[6:]} tensor of "
+                                    f"shape {tuple(routes.shape)}; expected uint8/int16 [at most {tokens} tokens, "
+                                    "sparse layers, top-k] or empty")
 
 
 @message("rl.version_update", senders=("trainer",))

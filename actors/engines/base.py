@@ -117,6 +117,10 @@ class GenerationResult:
     versions: list[int]
     finish_reason: FinishReason
     prompt_len: int = 0
+    # Mixture-of-experts models, when the engine records routing: the experts each sparse layer routed each token
+    # fed to the model to (the prompt and every answer token but the last), [prompt_len + len(output_ids) - 1,
+    # sparse layers, top-k], uint8 or int16 (moe.compact_routes). None when not recorded.
+    routed_experts: torch.Tensor | None = None
 
 
 class GenerationEngine(abc.ABC):
@@ -251,6 +255,7 @@ class TokenLogProbs:
 
     logprobs: torch.Tensor
     entropy: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = None  # [tokens, sparse layers, top-k] int64, when asked to record
 
 
 # loss_fn(outputs, batch) -> (sum of per-token losses in this micro-batch, stats). `outputs.logprobs`

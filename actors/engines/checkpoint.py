@@ -1,7 +1,7 @@
 """Hugging Face checkpoint layout: config.json + model.safetensors, or shards with an index.
 
-What we write loads in `transformers` (Qwen2ForCausalLM.from_pretrained) and what `transformers`'
-save_pretrained writes (or a downloaded Qwen2 model) loads here. Tied embeddings are stored once, under
+What we write loads in `transformers` (Qwen2/Qwen3/Qwen3MoeForCausalLM.from_pretrained) and what
+`transformers`' save_pretrained writes (or a downloaded model of those families) loads here. Tied embeddings are stored once, under
 `model.embed_tokens.weight`, as Hugging Face does.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .model import ConfigError, Qwen2Config, Qwen2ForCausalLM, dtype_from_name
+from .model import ConfigError, Qwen2Config, Qwen2ForCausalLM, config_from_json_file, dtype_from_name
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,7 +49,8 @@ def has_weights(model_dir: str | os.PathLike) -> bool:
 
 
 def load_config(model_dir: str) -> Qwen2Config:
-    return Qwen2Config.from_json_file(os.path.join(model_dir, CONFIG_FILE))
+    """The config of whichever supported family the directory's config.json names."""
+    return config_from_json_file(os.path.join(model_dir, CONFIG_FILE))
 
 
 def _weight_files(model_dir: str) -> list[str]:
@@ -92,28 +93,57 @@ def assign_weights(model: Qwen2ForCausalLM, named: Iterable[tuple[str, torch.Ten
     With strict, every parameter must be given (a tied lm_head may be absent) and no unknown name may appear.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
-    tied = model.config.tie_word_embeddings
     seen: set[str] = set()
     with torch.no_grad():
         for name, tensor in named:
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name not in params:
-                raise CheckpointError(f"{source}: unexpected tensor {name!r} (not a Qwen2 parameter)")
-            if tied and name == "lm_head.weight":
-                continue  # the same tensor as model.embed_tokens.weight
-            param = params[name]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                      f"the config expects {tuple(param.shape)}")
-            param.copy_(tensor)
-            seen.add(name)
+            if _expected(model, params, name, tuple(tensor.shape), source):
+                params[name].copy_(tensor)
+                seen.add(name)
     if strict:
-        expected = set(params) - ({"lm_head.weight"} if tied else set())
-        missing = sorted(expected - seen)
-        if missing:
-            raise CheckpointError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        _check_complete(model, params, seen, source)
     return seen
+
+
+def _expected(model: Qwen2ForCausalLM, params: dict[str, torch.nn.Parameter], name: str, shape: tuple[int, ...],
+              source: str) -> bool:
+    """Whether checkpoint tensor ``name`` of ``shape`` is to be loaded into ``params`` (False: it is skipped);
+    raises when the model has no such parameter or another shape."""
+    if name.endswith(_IGNORED_SUFFIXES):
+        return False
+    if name not in params:
+        raise CheckpointError(f"{source}: unexpected tensor {name!r} (not a parameter of "
+                              f"{model.config.ARCHITECTURE} with this config.json)")
+    if model.config.tie_word_embeddings and name == "lm_head.weight":
+        return False  # the same tensor as model.embed_tokens.weight
+    if shape != tuple(params[name].shape):
+        raise CheckpointError(f"{source}: tensor {name!r} has shape {shape}, the config expects "
+                              f"{tuple(params[name].shape)}")
+    return True
+
+
+def _check_complete(model: Qwen2ForCausalLM, params: dict[str, torch.nn.Parameter], seen: set[str], source: str) -> None:
+    expected = set(params) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    missing = sorted(expected - seen)
+    if missing:
+        raise CheckpointError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def check_checkpoint(model_dir: str) -> Qwen2Config:
+    """The directory's config, once every tensor of its weight files has the name and shape that config gives
+    it and none is missing (read from the files' headers: no tensor is loaded). Raises ConfigError or
+    CheckpointError with one line naming what does not fit."""
+    config = load_config(model_dir)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    seen: set[str] = set()
+    for path in _weight_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if _expected(model, params, name, tuple(f.get_slice(name).get_shape()), model_dir):
+                    seen.add(name)
+    _check_complete(model, params, seen, model_dir)
+    return config
 
 
 def load_model(model_dir: str, dtype: torch.dtype | str | None = None,
@@ -215,6 +245,6 @@ def write_tokenizer_files(files: dict[str, bytes], out_dir: str) -> None:
             f.write(data)
 
 
-__all__ = ["CheckpointError", "ConfigError", "has_weights", "load_config", "load_model", "save_model", "hf_state_dict",
+__all__ = ["CheckpointError", "ConfigError", "has_weights", "check_checkpoint", "load_config", "load_model", "save_model", "hf_state_dict",
            "assign_weights", "iter_checkpoint_tensors", "bucketize", "TOKENIZER_FILES", "read_tokenizer_files",
            "write_tokenizer_files", "shard_file_name", "write_weights_file", "write_weights_index"]

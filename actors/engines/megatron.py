@@ -558,6 +558,9 @@ class MegatronTrainEngine(TrainEngine):
         init_distributed(self.config, self.device)
         torch.manual_seed(self.config.seed)
         self.hf_config = load_config(model_dir)
+        if self.hf_config.MODEL_TYPE != "qwen2":
+            raise CheckpointError(f"{model_dir}: the model is {self.hf_config.MODEL_TYPE} "
+                                  f"({self.hf_config.ARCHITECTURE}); the megatron backend builds qwen2 only")
         self.tp_rank, self.tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
         self.pp_rank, self.pp_size = mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
         self.dp_rank, self.dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()

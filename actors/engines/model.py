@@ -1,10 +1,13 @@
-"""A Qwen2-architecture causal language model in plain torch, in one readable file.
+"""The Qwen2, Qwen3 and Qwen3-MoE causal language models in plain torch, in one readable file.
 
-Parameter names are exactly those of Hugging Face `Qwen2ForCausalLM` checkpoints (`model.layers.0.
-self_attn.q_proj.weight`, ...) and the config is read from a Hugging Face `config.json`, so a local copy
-of a real Qwen2/Qwen2.5/DeepSeek-R1-Distill-Qwen model loads unchanged, and what we save loads in
-`transformers`. The numerics follow `transformers` step by step (float32 RMSNorm, rotary tables in
-float32, logits in float32) so logits match to float32 precision (tests/test_model_qwen2.py).
+The three families share one decoder: Qwen3 adds an RMSNorm over each head's queries and keys and drops the
+q/k/v biases; Qwen3-MoE replaces the MLP of its sparse layers by a routed mixture of experts (moe.py).
+`config_from_dict` reads a Hugging Face `config.json` and picks the family by its `model_type`. Parameter
+names are exactly those of the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj.weight`,
+`model.layers.0.mlp.experts.3.gate_proj.weight`, ...), so a local copy of a real Qwen2/Qwen2.5/DeepSeek-R1-
+Distill-Qwen/Qwen3/Qwen3-MoE model loads unchanged, and what we save loads in `transformers`. The numerics
+follow `transformers` step by step (float32 RMSNorm, rotary tables in float32, logits in float32) so logits
+match to float32 precision (tests/test_model_qwen2.py, tests/test_model_qwen3.py).
 
 Four attention modes share one code path (`AttnContext.kind`):
   "causal"   [B, T] batch, each row from position 0, right padding allowed (pads are never attended
@@ -18,12 +21,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .moe import MLP, RoutingTrace, SparseMoeBlock
 
 
 class ConfigError(ValueError):
@@ -32,6 +37,14 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass
 class Qwen2Config:
+    """A Qwen2 config.json; the base of the other families' configs (each adds its keys and overrides
+    the properties below that say how its layers differ)."""
+
+    MODEL_TYPE: ClassVar[str] = "qwen2"
+    ARCHITECTURE: ClassVar[str] = "Qwen2ForCausalLM"
+    DEFAULT_HEAD_DIM: ClassVar[int] = 0   # when config.json has none; 0: hidden_size // num_attention_heads
+    ALIASES: ClassVar[dict[str, str]] = {}  # another name a config.json may give a key -> the key
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -61,12 +74,18 @@ class Qwen2Config:
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> Qwen2Config:
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        for alias, key in cls.ALIASES.items():
+            if alias in raw:
+                if key in raw and raw[key] != raw[alias]:
+                    raise ConfigError(f"{source}: keys {key!r} ({raw[key]!r}) and {alias!r} ({raw[alias]!r}) disagree")
+                raw = {**{k: v for k, v in raw.items() if k != alias}, key: raw[alias]}
         for key in cls.REQUIRED:
             if key not in raw:
                 raise ConfigError(f"{source}: missing key {key!r}")
-        model_type = raw.get("model_type", "qwen2")
-        if model_type not in ("qwen2",):
-            raise ConfigError(f"{source}: key 'model_type' is {model_type!r}; only 'qwen2' is supported")
+        model_type = raw.get("model_type", cls.MODEL_TYPE)
+        if model_type != cls.MODEL_TYPE:
+            raise ConfigError(f"{source}: key 'model_type' is {model_type!r}; this reader takes only "
+                              f"{cls.MODEL_TYPE!r} (config_from_dict takes {', '.join(map(repr, FAMILIES))})")
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{source}: key 'hidden_act' is {raw['hidden_act']!r}; only 'silu' is supported")
         if raw.get("use_sliding_window", False):
@@ -84,7 +103,7 @@ class Qwen2Config:
         values: dict[str, Any] = {k: raw[k] for k in fields if k in raw and raw[k] is not None}
         values["rope_theta"] = float(rope_theta)
         values.setdefault("num_key_value_heads", raw["num_attention_heads"])
-        values["head_dim"] = int(raw.get("head_dim") or 0)
+        values["head_dim"] = int(raw.get("head_dim") or cls.DEFAULT_HEAD_DIM)
         if "torch_dtype" not in raw and isinstance(raw.get("dtype"), str):
             values["torch_dtype"] = raw["dtype"]
         for key in cls.REQUIRED + ("num_key_value_heads", "max_position_embeddings"):
@@ -98,32 +117,153 @@ class Qwen2Config:
             raise ConfigError(f"{source}: key 'hidden_size' must be divisible by num_attention_heads")
         known = fields | {"rope_parameters", "rope_scaling", "dtype"}
         values["extra"] = {k: v for k, v in raw.items() if k not in known}
-        return cls(**values)
+        config = cls(**values)
+        config.check(source)
+        return config
+
+    def check(self, source: str) -> None:
+        """The family's own rules on its keys (the shared ones are checked by from_dict)."""
 
     @classmethod
     def from_json_file(cls, path: str) -> Qwen2Config:
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such file (a model directory needs config.json)") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
-        return cls.from_dict(raw, source=path)
+        return cls.from_dict(_read_config_json(path), source=path)
 
     def to_dict(self) -> dict[str, Any]:
         out = dict(self.extra)
         out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"})
-        out.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
+        out.update(architectures=[self.ARCHITECTURE], model_type=self.MODEL_TYPE, use_sliding_window=False,
                    rope_scaling=None)
         return out
 
-    def num_parameters(self) -> int:
+    # How the family's layers differ from Qwen2's.
+    @property
+    def qkv_bias(self) -> bool:
+        return True
+
+    @property
+    def qk_norm(self) -> bool:
+        return False
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` routes its tokens to experts instead of one MLP."""
+        return False
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_sparse_layer(i)]
+
+    def num_parameters(self, active: bool = False) -> int:
+        """All parameters, or (``active``) those one token passes through: its top-k experts of each
+        sparse layer."""
         h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
         q = self.num_attention_heads * self.head_dim
-        layer = h * q + q + 2 * (h * kv + kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
+        total = 0
+        for i in range(self.num_hidden_layers):
+            total += attn + 2 * h + self._mlp_parameters(i, active)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + embed + h
+        return total + embed + h
+
+    def _mlp_parameters(self, layer_idx: int, active: bool) -> int:
+        return 3 * self.hidden_size * self.intermediate_size
+
+
+@dataclasses.dataclass
+class Qwen3Config(Qwen2Config):
+    """Qwen3: q/k RMSNorm per head, no q/k/v bias, head_dim its own key (transformers' Qwen3Config)."""
+
+    MODEL_TYPE: ClassVar[str] = "qwen3"
+    ARCHITECTURE: ClassVar[str] = "Qwen3ForCausalLM"
+    DEFAULT_HEAD_DIM: ClassVar[int] = 128   # transformers' Qwen3Config default
+
+    attention_bias: bool = False
+
+    def check(self, source: str) -> None:
+        if self.attention_bias:
+            raise ConfigError(f"{source}: key 'attention_bias' is true; only false (Qwen3's released models) is supported")
+
+    @property
+    def qkv_bias(self) -> bool:
+        return False
+
+    @property
+    def qk_norm(self) -> bool:
+        return True
+
+
+@dataclasses.dataclass
+class Qwen3MoeConfig(Qwen3Config):
+    """Qwen3-MoE: layer i is sparse when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+    (transformers' Qwen3MoeDecoderLayer); its tokens go to num_experts_per_tok of num_experts experts."""
+
+    MODEL_TYPE: ClassVar[str] = "qwen3_moe"
+    ARCHITECTURE: ClassVar[str] = "Qwen3MoeForCausalLM"
+    DEFAULT_HEAD_DIM: ClassVar[int] = 0   # Qwen3MoeAttention: getattr(config, "head_dim", hidden // heads)
+    # transformers >= 5 writes num_local_experts (Qwen3MoeConfig.attribute_map); released checkpoints num_experts
+    ALIASES: ClassVar[dict[str, str]] = {"num_local_experts": "num_experts"}
+
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 768
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = dataclasses.field(default_factory=list)
+    router_aux_loss_coef: float = 0.001
+
+    def check(self, source: str) -> None:
+        super().check(source)
+        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{source}: key {key!r} must be a positive integer, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"{source}: key 'num_experts_per_tok' ({self.num_experts_per_tok}) exceeds "
+                              f"num_experts ({self.num_experts})")
+        if not isinstance(self.mlp_only_layers, list) or not all(isinstance(i, int) for i in self.mlp_only_layers):
+            raise ConfigError(f"{source}: key 'mlp_only_layers' must be a list of layer indices, "
+                              f"got {self.mlp_only_layers!r}")
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
+
+    def _mlp_parameters(self, layer_idx: int, active: bool) -> int:
+        if not self.is_sparse_layer(layer_idx):
+            return super()._mlp_parameters(layer_idx, active)
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return experts * 3 * self.hidden_size * self.moe_intermediate_size + self.num_experts * self.hidden_size
+
+
+# model_type -> its config class: the families this model implements.
+FAMILIES: dict[str, type[Qwen2Config]] = {c.MODEL_TYPE: c for c in (Qwen2Config, Qwen3Config, Qwen3MoeConfig)}
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "config") -> Qwen2Config:
+    """The config of the family ``raw['model_type']`` names (qwen2 when absent)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+    model_type = raw.get("model_type", "qwen2")
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        architectures = raw.get("architectures") or []
+        found = f"{model_type!r}" + (f" ({', '.join(map(str, architectures))})" if architectures else "")
+        raise ConfigError(f"{source}: key 'model_type' is {found}; supported: "
+                          f"{', '.join(f'{t} ({c.ARCHITECTURE})' for t, c in FAMILIES.items())}")
+    return family.from_dict(raw, source)
+
+
+def config_from_json_file(path: str) -> Qwen2Config:
+    """``config_from_dict`` of a config.json file."""
+    return config_from_dict(_read_config_json(path), source=path)
+
+
+def _read_config_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file (a model directory needs config.json)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
 
 
 class RMSNorm(nn.Module):
@@ -232,6 +372,7 @@ class AttnContext:
     lens: torch.Tensor | None = None         # decode: [B] position of the new token per row
     decode_mask: torch.Tensor | None = None  # decode: [B, 1, 1, T] bool, True = attend
     decode_span: int = 0                     # decode: cache positions read (max(lens) + 1)
+    routing: RoutingTrace | None = None      # sparse layers: record and/or replay their expert choices
 
 
 PackedAttn = Literal["mask", "loop"]
@@ -285,15 +426,23 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        if config.qk_norm:  # Qwen3: each head's query and key normalised before the rotation
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         gqa = self.num_heads != self.num_kv_heads
@@ -331,28 +480,24 @@ class Attention(nn.Module):
         return out.reshape(b, self.num_heads, 1, self.head_dim)
 
 
-class MLP(nn.Module):
-    def __init__(self, config: Qwen2Config) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: Qwen2Config, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.sparse = config.is_sparse_layer(layer_idx)
+        if self.sparse:
+            self.mlp = SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                                      config.num_experts_per_tok, config.norm_topk_prob)
+            self.sparse_index = config.sparse_layers.index(layer_idx)  # its slot in a RoutingTrace
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, ctx.routing, self.sparse_index) if self.sparse else self.mlp(h))
 
 
 class Qwen2Backbone(nn.Module):
@@ -375,6 +520,9 @@ class Qwen2Backbone(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
+    """The causal LM of every family in FAMILIES: Qwen3 and Qwen3-MoE are Qwen2's decoder with the
+    differences their configs name (Attention, DecoderLayer)."""
+
     def __init__(self, config: Qwen2Config) -> None:
         super().__init__()
         self.config = config
@@ -388,7 +536,7 @@ class Qwen2ForCausalLM(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if name.endswith("layernorm.weight") or name == "model.norm.weight":
+                if name.endswith("norm.weight"):
                     p.fill_(1.0)
                 elif name.endswith(".bias"):
                     p.zero_()
@@ -407,23 +555,24 @@ class Qwen2ForCausalLM(nn.Module):
     # --- whole sequences -------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cu_seqlens: list[int] | torch.Tensor | None = None, packed_attn: PackedAttn = "loop",
-                ) -> torch.Tensor:
+                routing: RoutingTrace | None = None) -> torch.Tensor:
         """float32 logits. input_ids [B, T] (causal, right padding allowed) or [N] packed with cu_seqlens."""
-        return self.logits(self.hidden_states(input_ids, position_ids, cu_seqlens, packed_attn))
+        return self.logits(self.hidden_states(input_ids, position_ids, cu_seqlens, packed_attn, routing))
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                       cu_seqlens: list[int] | torch.Tensor | None = None, packed_attn: PackedAttn = "loop",
-                      ) -> torch.Tensor:
-        """Final-norm hidden states, [B, T, H] or [N, H] when packed."""
+                      routing: RoutingTrace | None = None) -> torch.Tensor:
+        """Final-norm hidden states, [B, T, H] or [N, H] when packed. ``routing``: what the sparse layers
+        record and replay (token rows in the order of input_ids)."""
         if cu_seqlens is None:
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-            return self.model(input_ids, position_ids, AttnContext("causal"))
+            return self.model(input_ids, position_ids, AttnContext("causal", routing=routing))
         cu = [int(c) for c in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
         if position_ids is None:
             position_ids = torch.cat([torch.arange(e - s, device=input_ids.device) for s, e in zip(cu[:-1], cu[1:])])
         mask = block_diagonal_mask(cu, input_ids.device) if packed_attn == "mask" else None
-        ctx = AttnContext("packed", cu_seqlens=cu, packed_mask=mask)
+        ctx = AttnContext("packed", cu_seqlens=cu, packed_mask=mask, routing=routing)
         return self.model(input_ids[None], position_ids[None], ctx)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -434,18 +583,19 @@ class Qwen2ForCausalLM(nn.Module):
         return KVCache(self.config, rows, capacity, self.dtype, self.device)
 
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache, row_start: int = 0,
-                ) -> torch.Tensor:
+                routing: RoutingTrace | None = None) -> torch.Tensor:
         """Run right-padded prompts [B, T] from position 0, write their keys/values into cache rows
         row_start.., and return float32 logits [B, V] of each row's last real token (lengths[b] - 1)."""
         b, t = input_ids.shape
         cache.reserve(row_start + b, t)
         positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        hidden = self.model(input_ids, positions, AttnContext("prefill", cache=cache, row_start=row_start))
+        ctx = AttnContext("prefill", cache=cache, row_start=row_start, routing=routing)
+        hidden = self.model(input_ids, positions, ctx)
         last = hidden[torch.arange(b, device=hidden.device), lengths.to(hidden.device) - 1]
         return self.logits(last)
 
     def decode(self, tokens: torch.Tensor, lens: torch.Tensor, cache: KVCache, span: int | None = None,
-               ) -> torch.Tensor:
+               routing: RoutingTrace | None = None) -> torch.Tensor:
         """One step for cache rows 0..B-1: tokens [B] sit at positions lens [B]; returns logits [B, V].
         ``span``: cache positions to read (at least max(lens) + 1; the cache must hold them), given when the
         step is captured in a CUDA graph, which cannot read max(lens) back to the host."""
@@ -453,7 +603,7 @@ class Qwen2ForCausalLM(nn.Module):
             span = int(lens.max()) + 1
             cache.reserve(tokens.shape[0], span)
         mask = (torch.arange(span, device=tokens.device)[None, :] <= lens[:, None])[:, None, None, :]
-        ctx = AttnContext("decode", cache=cache, lens=lens, decode_mask=mask, decode_span=span)
+        ctx = AttnContext("decode", cache=cache, lens=lens, decode_mask=mask, decode_span=span, routing=routing)
         hidden = self.model(tokens[:, None], lens[:, None], ctx)
         return self.logits(hidden[:, 0])
 

@@ -32,6 +32,7 @@ from .base import (EngineError, GenerationEngine, GenerationRequest, GenerationR
                    WeightSource)
 from .checkpoint import CheckpointError, load_model
 from .model import Qwen2ForCausalLM, token_logprobs
+from .moe import RoutingTrace, compact_routes
 
 # splitmix64 constants as signed int64 (torch has no uint64 arithmetic); products wrap around.
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -105,6 +106,8 @@ class _Row:
     output: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    # When the engine records routing: [tokens, sparse layers, top-k] chunks for the tokens in the cache.
+    routes: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -142,13 +145,17 @@ class TorchGenerationEngine(GenerationEngine):
 
     def __init__(self, model_dir: str | None = None, *, model: Qwen2ForCausalLM | None = None, version: int = 0,
                  device: str = "cpu", dtype: torch.dtype | str | None = None, max_running: int = 256,
-                 max_prefill_tokens: int = 8192, seed: int = 0, step_log: int = 100_000) -> None:
+                 max_prefill_tokens: int = 8192, seed: int = 0, step_log: int = 100_000,
+                 record_routing: bool = False) -> None:
+        """``record_routing``: a mixture-of-experts model's results carry the experts each token was routed to
+        (GenerationResult.routed_experts), for the trainer to replay (algo.routing_replay: r3)."""
         if (model_dir is None) == (model is None):
             raise EngineError("TorchGenerationEngine needs exactly one of model_dir or model")
         self._model_dir, self._model = model_dir, model
         self._device, self._dtype = device, dtype
         self._version = version
         self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
+        self.record_routing = record_routing
         self._rng = random.Random(seed)
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -177,6 +184,8 @@ class TorchGenerationEngine(GenerationEngine):
         if self._model is None:
             self._model = await asyncio.to_thread(load_model, self._model_dir, self._dtype, self._device)
         self._model.eval().requires_grad_(False)
+        if not self._model.config.sparse_layers:
+            self.record_routing = False  # a dense model routes nothing
         self._cache = self._model.new_cache(8, 64)
         self._thread = threading.Thread(target=self._run, name="torch-gen-decode", daemon=True)
         self._thread.start()
@@ -273,7 +282,8 @@ class TorchGenerationEngine(GenerationEngine):
                     continue
                 param = params.get(name)
                 if param is None:
-                    raise CheckpointError(f"weights v{version}: unexpected tensor {name!r} (not a Qwen2 parameter)")
+                    raise CheckpointError(f"weights v{version}: unexpected tensor {name!r} (not a parameter of "
+                                          f"{self.model.config.ARCHITECTURE})")
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise CheckpointError(f"weights v{version}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                                           f"expected {tuple(param.shape)}")
@@ -397,8 +407,11 @@ class TorchGenerationEngine(GenerationEngine):
         self._rows = []
 
     def _finish_sample(self, entry: _Request, row: _Row, reason: str) -> None:
+        routes = None
+        if self.record_routing and row.routes:
+            routes = compact_routes(torch.cat(row.routes), self.model.config.num_experts).cpu()
         entry.results[row.index] = GenerationResult(entry.req.rid, row.index, row.output, row.logprobs, row.versions,
-                                                    reason, len(entry.req.input_ids))
+                                                    reason, len(entry.req.input_ids), routes)
         entry.done += 1
         if entry.done == entry.req.n:
             with self._cond:
@@ -415,15 +428,19 @@ class TorchGenerationEngine(GenerationEngine):
         t1 = time.perf_counter()
         rows, tokens = len(self._rows), sum(r.cache_len for r in self._rows)
         if self._rows:
-            self._prefill_rows([list(r.prompt) + r.output[:-1] for r in self._rows], 0)
+            # The rebuilt cache routes every token under the new weights: that is the routing its next tokens see.
+            _, routes = self._prefill_rows([list(r.prompt) + r.output[:-1] for r in self._rows], 0)
+            for row, route in zip(self._rows, routes):
+                row.routes = [route]
         t2 = time.perf_counter()
         self.swaps.append(SwapRecord(swap.version, swap.staged_at, t1, t1 - t0, t2 - t1, rows, tokens))
         swap.loop.call_soon_threadsafe(_settle, swap.future, None)
 
-    def _prefill_rows(self, sequences: list[list[int]], row_start: int) -> torch.Tensor:
-        """Prefill sequences into cache rows row_start.. in chunks of ~max_prefill_tokens; last-token logits."""
+    def _prefill_rows(self, sequences: list[list[int]], row_start: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Prefill sequences into cache rows row_start.. in chunks of ~max_prefill_tokens. Returns their
+        last-token logits and, when recording routing, each sequence's routed experts (else an empty list)."""
         device = self.model.device
-        out, i = [], 0
+        out, routes, i = [], [], 0
         while i < len(sequences):
             j, longest = i, 0
             while j < len(sequences) and (j == i or max(longest, len(sequences[j])) * (j + 1 - i) <= self.max_prefill_tokens):
@@ -434,26 +451,30 @@ class TorchGenerationEngine(GenerationEngine):
             for r, seq in enumerate(chunk):
                 ids[r, :len(seq)] = torch.tensor(seq, dtype=torch.long)
             lengths = torch.tensor([len(s) for s in chunk])
-            out.append(self.model.prefill(ids.to(device), lengths.to(device), self._cache, row_start + i))
+            trace = RoutingTrace(record=True) if self.record_routing else None
+            out.append(self.model.prefill(ids.to(device), lengths.to(device), self._cache, row_start + i, trace))
+            if trace is not None:
+                chosen = trace.experts().view(len(chunk), longest, *trace.experts().shape[1:])
+                routes += [chosen[r, :len(seq)] for r, seq in enumerate(chunk)]
             i = j
-        return torch.cat(out)
+        return torch.cat(out), routes
 
     def _admit(self, entries: list[_Request]) -> None:
         start = len(self._rows)
         prompts = [list(e.req.input_ids) for e in entries]
         total = start + sum(e.req.n for e in entries)
         self._cache.reserve(total, max(len(p) for p in prompts) + 1)
-        logits = self._prefill_rows(prompts, start)
+        logits, routes = self._prefill_rows(prompts, start)
         # Samples 1..n-1 of each prompt reuse its prefill: copy the prompt's cache row.
         new_rows, row_logits = [], []
         extra = start + len(entries)
         for k, entry in enumerate(entries):
-            new_rows.append(_Row(entry, 0))
+            new_rows.append(_Row(entry, 0, routes=routes[k:k + 1]))
             row_logits.append(k)
         for k, entry in enumerate(entries):
             for i in range(1, entry.req.n):
                 self._cache.copy_row(start + k, extra, len(entry.req.input_ids))
-                new_rows.append(_Row(entry, i))
+                new_rows.append(_Row(entry, i, routes=routes[k:k + 1]))
                 row_logits.append(k)
                 extra += 1
         self._rows.extend(new_rows)
@@ -464,7 +485,12 @@ class TorchGenerationEngine(GenerationEngine):
         device = self.model.device
         tokens = torch.tensor([r.output[-1] for r in self._rows], dtype=torch.long, device=device)
         lens = torch.tensor([r.cache_len for r in self._rows], dtype=torch.long, device=device)
-        logits = self.model.decode(tokens, lens, self._cache)
+        trace = RoutingTrace(record=True) if self.record_routing else None
+        logits = self.model.decode(tokens, lens, self._cache, routing=trace)
+        if trace is not None:
+            chosen = trace.experts()
+            for i, row in enumerate(self._rows):
+                row.routes.append(chosen[i:i + 1])
         self._sample_and_retire(logits, 0)
         t1 = time.perf_counter()
         self.step_log.append((t1, t1 - t0, tokens.shape[0]))

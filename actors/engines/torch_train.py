@@ -28,6 +28,7 @@ from .base import LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine,
 from .checkpoint import (CheckpointError, assign_weights, bucketize, hf_state_dict, load_model, read_tokenizer_files,
                          save_model, write_tokenizer_files)
 from .model import PackedAttn, Qwen2ForCausalLM, token_logprobs
+from .moe import RoutingTrace, load_balancing_loss
 
 TRAINER_STATE = "trainer_state.pt"
 # Files of a model directory that travel with a checkpoint so it is a complete model directory.
@@ -46,6 +47,9 @@ class TrainConfig:
     min_lr_ratio: float = 0.0                   # floor of cosine/linear decay, as a fraction of lr
     packed_attn: PackedAttn = "loop"            # "loop" measured faster on CPU (docs/engines.md)
     logprob_chunk_tokens: int = 4096            # lm_head rows per chunk in compute_logprobs
+    # Mixture-of-experts models: weight of the load-balancing loss (transformers' router_aux_loss_coef) added to
+    # every training step's loss; 0 (off) as RL trainers run MoE models (docs/engines.md, "Mixture of experts").
+    moe_aux_loss_coef: float = 0.0
     device: str = "cpu"
     seed: int = 0
 
@@ -55,6 +59,8 @@ class TrainConfig:
         if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
             raise ValueError(f"TrainConfig.total_steps ({self.total_steps}) must exceed warmup_steps "
                              f"({self.warmup_steps}) for the {self.schedule} schedule")
+        if self.moe_aux_loss_coef < 0:
+            raise ValueError(f"TrainConfig.moe_aux_loss_coef must be >= 0, got {self.moe_aux_loss_coef}")
         if self.packed_attn not in ("loop", "mask"):
             raise ValueError(f"TrainConfig.packed_attn must be 'loop' or 'mask', got {self.packed_attn!r}")
 
@@ -101,10 +107,18 @@ class TorchTrainEngine(TrainEngine):
         return self._initial_version + self.step
 
     # --- forward -----------------------------------------------------------------------------------
-    def _hidden(self, batch: PackedBatch) -> torch.Tensor:
+    def _hidden(self, batch: PackedBatch, trace: RoutingTrace | None = None) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             return self.model.hidden_states(batch.input_ids, batch.position_ids, batch.cu_seqlens,
-                                            self.config.packed_attn)
+                                            self.config.packed_attn, trace)
+
+    def _routing(self, batch: PackedBatch, record: bool = False, router_logits: bool = False) -> RoutingTrace | None:
+        """What the sparse layers record and replay in a forward over ``batch``: they replay
+        ``batch.fields["routed_experts"]`` ([tokens, sparse layers, top-k], ROUTE_NATIVE rows routed natively)
+        when it is there."""
+        if not self.model.config.sparse_layers:
+            return None
+        return RoutingTrace(record=record, replay=batch.fields.get("routed_experts"), keep_router_logits=router_logits)
 
     def _token_outputs(self, hidden: torch.Tensor, batch: PackedBatch, temperature: float, with_entropy: bool,
                        chunk: int | None) -> TokenLogProbs:
@@ -133,11 +147,17 @@ class TorchTrainEngine(TrainEngine):
         return batch.to(self.device)
 
     def compute_logprobs(self, batch: PackedBatch, temperature: float = 1.0,
-                         with_entropy: bool = False) -> TokenLogProbs:
+                         with_entropy: bool = False, record_routing: bool = False) -> TokenLogProbs:
+        """``record_routing``: also return the experts every token was routed to (mixture-of-experts models),
+        for later forwards to replay (algo.routing_replay: r2)."""
         batch = self._check(batch)
+        trace = self._routing(batch, record=record_routing)
         with torch.no_grad():
-            hidden = self._hidden(batch)
-            return self._token_outputs(hidden, batch, temperature, with_entropy, self.config.logprob_chunk_tokens)
+            hidden = self._hidden(batch, trace)
+            out = self._token_outputs(hidden, batch, temperature, with_entropy, self.config.logprob_chunk_tokens)
+        if record_routing and trace is not None:
+            out.routed_experts = trace.experts()
+        return out
 
     # --- optimisation ------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn, temperature: float = 1.0,
@@ -150,12 +170,24 @@ class TorchTrainEngine(TrainEngine):
         loss_total = 0.0
         stat_sums: dict[str, float] = {}
         stat_weight = 0.0
+        aux_coef = self.config.moe_aux_loss_coef
+        step_tokens = sum(mb.num_tokens for mb in batches)
+        aux_total = 0.0
         for mb, weight in zip(batches, weights):
-            outputs = self._token_outputs(self._hidden(mb), mb, temperature, with_entropy, None)
+            trace = self._routing(mb, router_logits=aux_coef > 0)
+            outputs = self._token_outputs(self._hidden(mb, trace), mb, temperature, with_entropy, None)
             loss_sum, stats = loss_fn(outputs, mb)
             if loss_sum.dim() != 0:
                 raise RequestError(f"loss_fn must return a scalar loss sum, got shape {tuple(loss_sum.shape)}")
-            (loss_sum / denominator).backward()
+            loss = loss_sum / denominator
+            if trace is not None and aux_coef > 0:
+                # Each micro-batch's balance loss weighted by its share of the step's tokens.
+                cfg = self.model.config
+                aux = load_balancing_loss(trace.router_logits, cfg.num_experts, cfg.num_experts_per_tok)
+                share = mb.num_tokens / step_tokens
+                loss = loss + aux_coef * share * aux
+                aux_total += float(aux.detach()) * share
+            loss.backward()
             loss_total += float(loss_sum.detach())
             for key, value in stats.items():
                 stat_sums[key] = stat_sums.get(key, 0.0) + float(value) * weight
@@ -178,6 +210,8 @@ class TorchTrainEngine(TrainEngine):
                # the step's phases for the timeline (tools.trace): forward and backward of every micro-batch,
                # then clipping and the optimizer (on a GPU, as far as the host's clock sees them)
                "forward_backward_seconds": t1 - t0, "optimizer_seconds": time.perf_counter() - t1}
+        if aux_coef > 0 and self.model.config.sparse_layers:
+            out["moe_aux_loss"] = aux_total
         for key, value in stat_sums.items():
             out.setdefault(key, value / stat_weight if stat_weight else 0.0)
         return out

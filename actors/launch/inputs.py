@@ -23,7 +23,8 @@ import json
 from pathlib import Path
 
 from actors.dataset import DatasetError, Layout, iter_jsonl, resolve_data_path, sniff_file
-from actors.engines.checkpoint import has_weights
+from actors.engines.checkpoint import CheckpointError, ConfigError, check_checkpoint, has_weights
+from actors.engines.model import FAMILIES, config_from_dict
 from topology import Plan
 from topology.experiment import ExperimentConfig
 
@@ -43,7 +44,7 @@ def check_inputs(plan: Plan, *, launch: bool) -> tuple[list[str], list[str]]:
     problems: list[str] = []
     if not modules & READS_MODEL:
         return lines, problems
-    _check_model(config, launch, lines, problems)
+    _check_model(config, launch, lines, problems, _engines(plan))
     data = config.data
     layout_problem = None
     try:
@@ -74,7 +75,18 @@ def check_inputs(plan: Plan, *, launch: bool) -> tuple[list[str], list[str]]:
     return lines, problems
 
 
-def _check_model(config: ExperimentConfig, launch: bool, lines: list[str], problems: list[str]) -> None:
+def _engines(plan: Plan) -> set[str]:
+    """The engines the plan's groups run: "megatron" and "sglang" where a group names them."""
+    settings = [group.settings for group in plan.topology.groups.values()]
+    return ({"megatron"} & {s.get("backend") for s in settings}) | ({"sglang"} & {s.get("engine") for s in settings})
+
+
+# The model families each engine builds (the embedded torch engines build every family of model.FAMILIES).
+ENGINE_FAMILIES = {"megatron": ("qwen2",), "sglang": tuple(FAMILIES)}
+
+
+def _check_model(config: ExperimentConfig, launch: bool, lines: list[str], problems: list[str],
+                 engines: set[str] = frozenset()) -> None:
     path = config.model.path
     if not path:
         problems.append("experiment.model.path: not set (the starting model's directory, Hugging Face layout)")
@@ -94,6 +106,19 @@ def _check_model(config: ExperimentConfig, launch: bool, lines: list[str], probl
     except (OSError, ValueError) as exc:
         problems.append(f"experiment.model.path: {path}/config.json cannot be read: {exc}")
         return
+    try:
+        family = config_from_dict(model_config, f"{path}/config.json")
+    except ConfigError as exc:
+        problems.append(f"experiment.model.path: {exc}")
+        return
+    for engine in sorted(engines):
+        if family.MODEL_TYPE not in ENGINE_FAMILIES[engine]:
+            problems.append(f"experiment.model.path: {path} is {family.MODEL_TYPE} ({family.ARCHITECTURE}); the "
+                            f"{engine} engine supports {', '.join(ENGINE_FAMILIES[engine])} (the torch engines: "
+                            f"{', '.join(FAMILIES)})")
+    if config.algo.routing_replay == "r3" and "sglang" in engines:
+        problems.append("experiment.algo.routing_replay: r3 needs the routing the rollouts recorded; the embedded "
+                        "torch engine records it, the sglang engine here does not")
     context = model_config.get("max_position_embeddings")
     new = config.gen.max_new_tokens
     if isinstance(context, int) and new >= context:
@@ -104,7 +129,15 @@ def _check_model(config: ExperimentConfig, launch: bool, lines: list[str], probl
     if not weights and not makes:
         problems.append(f"experiment.model.path: {path} has no weights (*.safetensors), and no "
                         f"prepare.warm_start makes them")
-    lines.append(f"model.path {path}: config.json read, context {context if context else '?'} tokens, "
+    if weights:
+        try:
+            check_checkpoint(str(folder))
+        except (CheckpointError, ConfigError) as exc:
+            problems.append(f"experiment.model.path: {exc}")
+    sparse = (f", {family.num_experts} experts, top-{family.num_experts_per_tok}"
+              if family.sparse_layers else "")
+    lines.append(f"model.path {path}: config.json read ({family.MODEL_TYPE}{sparse}), context "
+                 f"{context if context else '?'} tokens, "
                  + ("weights present" if weights else "no weights yet (prepare.warm_start makes them)"))
 
 

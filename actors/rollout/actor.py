@@ -106,7 +106,8 @@ def make_engine(cfg: RolloutSettings, version: int, model_dir: str, run_dir: str
         require_device(device)
         return TorchGenerationEngine(model_dir, version=version, device=device,
                                      dtype=cfg.model.dtype, max_running=cfg.max_running,
-                                     seed=cfg.seed * 1000 + cfg.instance.index)
+                                     seed=cfg.seed * 1000 + cfg.instance.index,
+                                     record_routing=cfg.algo.routing_replay == "r3")
     # "sglang" (the settings admit no other engine): an SGLang server, started here or attached by cfg.sglang_url
     from actors.engines.sglang import SGLangEngine
 
@@ -402,7 +403,7 @@ class RolloutActor(Actor):
             return
         self._count_episodes(msg.group_id, episodes)
         samples = [Sample(output_ids=t.output_ids, logprobs=t.logprobs, versions=t.versions,
-                          finish_reason=t.answer_finish_reason) for t in episodes]
+                          finish_reason=t.answer_finish_reason, routed_experts=t.routed_experts) for t in episodes]
         await self._send_answers(msg, samples, episodes, seconds)
 
     async def _send_answers(self, msg: GenerateGroup, samples: list[Sample], episodes: list[Trajectory],

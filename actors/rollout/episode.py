@@ -41,6 +41,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
+import torch
+
 from actors.engines.base import GenerationEngine, GenerationRequest, GenerationResult, RequestError
 
 # The `versions` entry of a token no weights sampled (an observation's tokens), as prompts have in training.
@@ -139,6 +141,9 @@ class Trajectory:
     loss_mask: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    # The last generation's routing (engines that record it): it covers every token that turn fed, i.e. the
+    # prompt and all the episode's tokens before its last generated one, as that turn's prefill routed them.
+    routed_experts: torch.Tensor | None = None
     turns: list[Turn] = dataclasses.field(default_factory=list)
     end: EndReason = "done"
     error: str = ""                 # why it ended early: the environment's failure, or what did not fit
@@ -148,6 +153,7 @@ class Trajectory:
         self.loss_mask += [1] * len(result.output_ids)
         self.logprobs += result.logprobs
         self.versions += result.versions
+        self.routed_experts = result.routed_experts
 
     def add_observation(self, ids: Sequence[int]) -> None:
         self.output_ids += ids

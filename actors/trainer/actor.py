@@ -101,7 +101,8 @@ def make_train_engine(cfg: TrainerSettings, model_dir: str, version: int) -> Tra
         return _make_megatron_engine(cfg, model_dir, version)
     a = cfg.algo
     config = TrainConfig(lr=a.lr, adam_eps=a.adam_eps, betas=(a.adam_beta1, a.adam_beta2), grad_clip=a.grad_clip,
-                         weight_decay=a.weight_decay, seed=cfg.seed, device=cfg.engine_device)
+                         weight_decay=a.weight_decay, seed=cfg.seed, device=cfg.engine_device,
+                         moe_aux_loss_coef=a.moe_aux_loss_coef)
     return TorchTrainEngine(model_dir, config, version=version)
 
 

@@ -36,6 +36,8 @@ class ShareResult:
     logprob_gap: float                  # max |proximal - behaviour| on tokens sampled by these very weights
     updates: list[dict[str, float]]     # engine.train_step reports (already global: summed over replicas)
     kl_reward: float | None = None      # mean over answer tokens of -kl_coef * KL to the reference (kl_coef > 0)
+    logprob_gap_sum: float = 0.0        # sum of |proximal - behaviour| over those tokens ...
+    logprob_gap_tokens: int = 0         # ... and their count
     logprobs_seconds: float = 0.0       # the proximal (and reference) log-probs before the updates
     # per sample of this rank's share (index in the batch): its loss tokens over its minibatch's, the weight
     # the token-normalised loss gives it (tools.trace sample)
@@ -78,9 +80,13 @@ def step_metrics(batch: Batch | BatchTensors, version: int, shares: list[ShareRe
         "behav_masked_frac": summary["behav_masked_frac"], "entropy": summary.get("entropy", 0.0),
         "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max()),
         "logprob_gap_max": max(share.logprob_gap for share in shares),
+        "logprob_gap_mean": (sum(share.logprob_gap_sum for share in shares)
+                             / max(1, sum(share.logprob_gap_tokens for share in shares))),
         "loss": sum(x["loss"] for x in updates), "grad_norm": max((x["grad_norm"] for x in updates), default=0.0),
         "lr": updates[-1]["lr"] if updates else 0.0,
         "accuracy_by_level": _accuracy_by_level(batch), **kl_reward,
+        **({"moe_aux_loss": sum(x["moe_aux_loss"] for x in updates) / len(updates)}
+           if updates and "moe_aux_loss" in updates[0] else {}),
         # rank 0's phases of the step (the timeline's spans; the wait and export are the trainer actor's)
         "logprobs_seconds": shares[0].logprobs_seconds,
         "forward_backward_seconds": sum(x.get("forward_backward_seconds", 0.0) for x in updates),

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from actors.batch import Batch, as_columns, carried_samples, flat, sample_groups
 from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine
+from actors.engines.moe import ROUTE_NATIVE
 from actors.trainer.metrics import ShareResult, step_metrics
 from algo.advantages import AdvNorm, KLEstimator, compute_advantages, kl_penalty
 from algo.packing import allocate_micro_batches, split_by_rank
@@ -63,6 +64,7 @@ class StepConfig:
     adv_norm: AdvNorm
     kl_coef: float            # > 0: a KL penalty to the frozen starting weights, in the token rewards
     kl_estimator: KLEstimator
+    routing_replay: Literal["none", "r2", "r3"] = "none"   # MoE: whose routing the training forwards replay
 
     @classmethod
     def from_settings(cls, cfg: ExperimentConfig) -> "StepConfig":
@@ -71,7 +73,8 @@ class StepConfig:
                         behav_cap=a.behav_imp_weight_cap or None)
         return cls(ppo=ppo, minibatches=a.ppo_minibatches, max_tokens_per_mb=a.max_tokens_per_mb,
                    temperature=cfg.gen.temperature or 1.0, decoupled=a.decoupled, group_norm=a.group_norm,
-                   group_std=a.group_std, adv_norm=a.adv_norm, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
+                   group_std=a.group_std, adv_norm=a.adv_norm, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                   routing_replay=a.routing_replay)
 
     @classmethod
     def defaults(cls, **changes: Any) -> "StepConfig":
@@ -87,14 +90,32 @@ def train_on_batch(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepCo
 
 
 def packed_logprobs(engine: TrainEngine, seqs: list[list[int] | None], micro_batches: Any, out: torch.Tensor,
-                    starts: list[int], temperature: float) -> None:
+                    starts: list[int], temperature: float, routes: torch.Tensor | None = None,
+                    record_routes: bool = False) -> torch.Tensor | None:
     """Log-probs of `seqs` under `engine`, computed micro-batch by micro-batch (lists of sequence indices)
-    and written into `out` (the packed layout of every sequence, `starts` their offsets)."""
+    and written into `out` (the packed layout of every sequence, `starts` their offsets). A mixture-of-experts
+    model replays `routes` (the layout's [tokens, sparse layers, top-k] expert ids) when given, and with
+    `record_routes` returns the routing it took, in the layout (ROUTE_NATIVE where no sequence was computed)."""
+    recorded = None
     for ids in micro_batches:
-        mb = PackedBatch.from_sequences([seqs[i] for i in ids])
-        lp = engine.compute_logprobs(mb, temperature=temperature).logprobs
+        mb = with_routes(PackedBatch.from_sequences([seqs[i] for i in ids]), routes, ids, starts, seqs)
+        result = engine.compute_logprobs(mb, temperature=temperature, **({"record_routing": True} if record_routes else {}))
+        if record_routes and result.routed_experts is not None and recorded is None:
+            recorded = torch.full((out.numel(), *result.routed_experts.shape[1:]), ROUTE_NATIVE, dtype=torch.int64)
         for j, i in enumerate(ids):
-            out[starts[i]:starts[i] + len(seqs[i])] = lp[int(mb.cu_seqlens[j]):int(mb.cu_seqlens[j + 1])]
+            lo, hi = int(mb.cu_seqlens[j]), int(mb.cu_seqlens[j + 1])
+            out[starts[i]:starts[i] + len(seqs[i])] = result.logprobs[lo:hi]
+            if recorded is not None:
+                recorded[starts[i]:starts[i] + len(seqs[i])] = result.routed_experts[lo:hi].cpu()
+    return recorded
+
+
+def with_routes(mb: PackedBatch, routes: torch.Tensor | None, ids: list[int], starts: list[int],
+                seqs: list[list[int] | None]) -> PackedBatch:
+    """``mb`` (the sequences ``ids``, packed in that order) carrying their rows of ``routes`` for replay."""
+    if routes is not None:
+        mb.fields["routed_experts"] = torch.cat([routes[starts[i]:starts[i] + len(seqs[i])] for i in ids])
+    return mb
 
 
 def sequence_lengths(batch: BatchTensors) -> tuple[list[int], list[int]]:
@@ -147,6 +168,7 @@ class _Layout:
     loss_mask: torch.Tensor        # float32, 1 on answer tokens
     behav: torch.Tensor            # float32 behaviour log-probs on answer tokens
     versions: torch.Tensor         # float32 weight version on answer tokens, -1 on prompts
+    routes: torch.Tensor | None    # the rollout's routing, [tokens, sparse layers, top-k] int64 (ROUTE_NATIVE: none)
 
 
 def _layout(batch: BatchTensors, lengths: list[int], group_ids: list[int]) -> _Layout:
@@ -186,7 +208,20 @@ def _layout(batch: BatchTensors, lengths: list[int], group_ids: list[int]) -> _L
     # An episode's environment tokens (version -1, actors/rollout/episode.py) are context, never trained. A rank
     # knows this only for the sequences it carries; the others keep every answer token in the mask.
     loss_mask[answer_pos] = (versions[answer_pos] >= 0).to(torch.float32)
-    return _Layout(seqs, lengths, starts, cu, loss_mask, behav, versions)
+    return _Layout(seqs, lengths, starts, cu, loss_mask, behav, versions, _rollout_routes(batch, carried, starts, total))
+
+
+def _rollout_routes(batch: BatchTensors, carried: list[int], starts: list[int], total: int) -> torch.Tensor | None:
+    """The routing the rollout engines recorded, in the layout: each carried sequence's routed tokens from its
+    start, ROUTE_NATIVE on the tokens nobody routed (the last token, an answer without routing)."""
+    shaped = [r for r in batch.routed_experts if r.dim() == 3]
+    if not shaped:
+        return None
+    routes = torch.full((total, *shaped[0].shape[1:]), ROUTE_NATIVE, dtype=torch.int64)
+    for i, recorded in zip(carried, batch.routed_experts):
+        if recorded.dim() == 3:
+            routes[starts[i]:starts[i] + recorded.shape[0]] = recorded.to(torch.int64)
+    return routes
 
 
 def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfig, version: int,
@@ -233,14 +268,22 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
             sel[starts[i]:starts[i] + lengths[i]] = True
         return sel
 
-    # Proximal log-probs: the current weights before this step's updates, for this rank's sequences.
+    # Proximal log-probs: the current weights before this step's updates, for this rank's sequences. Routing
+    # replay (mixture-of-experts models; verl's and slime's R2/R3): r3 replays the rollout's routing in this
+    # forward and in training, r2 records this forward's routing and replays it in training.
     prox = behav.clone()
-    if cfg.decoupled:
-        packed_logprobs(engine, seqs, [ids for mbs in minibatches for ids in mbs], prox, starts, cfg.temperature)
+    replay = lay.routes if cfg.routing_replay == "r3" else None
+    if cfg.decoupled or cfg.routing_replay == "r2":
+        computed = prox if cfg.decoupled else prox.clone()  # plain PPO keeps prox = behav; r2 still records
+        recorded = packed_logprobs(engine, seqs, [ids for mbs in minibatches for ids in mbs], computed, starts,
+                                   cfg.temperature, routes=replay, record_routes=cfg.routing_replay == "r2")
+        if cfg.routing_replay == "r2":
+            replay = recorded
     logprobs_seconds = time.perf_counter() - t_logprobs
     mine = tokens_of(mine_ids)
     current = (lay.versions == float(version)) & mask & mine  # sampled by exactly these weights
-    gap = float(((prox - behav).abs() * current).max()) if bool(current.any()) else 0.0
+    gaps = (prox - behav).abs()[current]
+    gap = float(gaps.max()) if gaps.numel() else 0.0
 
     per_token = {"loss_mask": lay.loss_mask, "behav": behav, "prox": prox, "adv": adv}
     stats_all = PPOStats()
@@ -254,9 +297,9 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
             continue
         for i in (i for ids in mbs_ids for i in ids):
             loss_shares[i] = float(mask[starts[i]:starts[i] + lengths[i]].sum()) / n_tokens
-        mbs = [PackedBatch.from_sequences([seqs[i] for i in ids],
-                                          {k: [v[starts[i]:starts[i] + lengths[i]].tolist() for i in ids]
-                                           for k, v in per_token.items()})
+        mbs = [with_routes(PackedBatch.from_sequences([seqs[i] for i in ids],
+                                                      {k: [v[starts[i]:starts[i] + lengths[i]].tolist() for i in ids]
+                                                       for k, v in per_token.items()}), replay, ids, starts, seqs)
                for ids in mbs_ids]
         collected: list[PPOStats] = []
 
@@ -272,4 +315,5 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
         for st in collected:
             stats_all = stats_all.merge(st)
     return ShareResult(ppo=stats_all if engine.reports_stats else PPOStats(), logprob_gap=gap, updates=updates,
-                       kl_reward=kl_reward, logprobs_seconds=logprobs_seconds, loss_shares=loss_shares)
+                       kl_reward=kl_reward, logprobs_seconds=logprobs_seconds, loss_shares=loss_shares,
+                       logprob_gap_sum=float(gaps.sum()), logprob_gap_tokens=gaps.numel())

@@ -9,13 +9,18 @@
     in units of the median step before it, minus the KV-cache rebuild (reported on its own).
 (c) training: one optimizer step over the same long-tailed sequences, packed micro-batches vs padded
     batches (and the packed attention's two implementations, per-sequence loop vs block mask).
+(d) with --beside DIR: another model (the tiny Qwen3-MoE, configs/models/arith-tiny-moe, has the dense
+    default's active size) generating the same prompts and training on the same packed micro-batches; its
+    speeds as ratios to the first model's.
 
     python -m tools.bench engine [--json] [--threads 1] [--model-dir configs/models/arith-tiny]
+                                 [--beside configs/models/arith-tiny-moe]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import os
 import statistics
@@ -79,7 +84,7 @@ def hf_generate(model_dir: str, prompts: list[list[int]], budgets: list[int], pa
                 device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[int, int, float]:
     import transformers
     transformers.logging.set_verbosity_error()
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     longest = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -214,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pad-batch", type=int, default=8, help="sequences per padded batch")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--beside", default=None,
+                        help="another model directory measured on the same generation and training work (d)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)
@@ -260,7 +267,17 @@ def main(argv: list[str] | None = None) -> int:
         "packed_attn_mask_s": mask_s, "packed_attn_best": "loop" if loop_s <= mask_s else "mask",
         "train_seqs": len(seqs), "train_real_tokens": real_tokens, "train_padded_tokens": padded_tokens,
         "micro_batches_packed": len(groups), "micro_batches_padded": n_batches,
+        "active_params": cfg.num_parameters(active=True), "model_type": cfg.MODEL_TYPE,
     }
+    if args.beside:
+        beside = build_model(args.beside, args.seed)
+        tokens, seconds, _ = asyncio.run(ours_generate(copy.deepcopy(beside), prompts, budgets))
+        train_s = train_packed(beside, seqs, groups, result["packed_attn_best"], args.repeats)
+        result["beside"] = {
+            "model_dir": args.beside, "model_type": beside.config.MODEL_TYPE,
+            "params": beside.config.num_parameters(), "active_params": beside.config.num_parameters(active=True),
+            "gen_tokens_per_s": tokens / seconds, "train_tokens_per_s_packed": real_tokens / train_s,
+            "gen_ratio": (tokens / seconds) / ours_tps, "train_ratio": packed_s / train_s}
     if args.json:
         print(json.dumps(result, indent=None))
         return 0
@@ -277,6 +294,15 @@ def main(argv: list[str] | None = None) -> int:
         ("(c) packed_vs_padded", f"{result['packed_vs_padded']:.2f}x", "(target >= 1.5x)"),
         ("(c) packed attention loop vs mask", f"{loop_s:.3f} s / {mask_s:.3f} s", "one optimizer step"),
     ]
+    if args.beside:
+        b = result["beside"]
+        rows += [
+            ("(d) beside", f"{b['model_type']}", f"{b['params']:,} parameters, {b['active_params']:,} active per token "
+                                                 f"(first: {result['model_type']}, {result['active_params']:,} active)"),
+            ("(d) beside gen tokens/s", f"{b['gen_tokens_per_s']:,.0f}", f"{b['gen_ratio']:.2f}x the first model's"),
+            ("(d) beside packed train tokens/s", f"{b['train_tokens_per_s_packed']:,.0f}",
+             f"{b['train_ratio']:.2f}x the first model's"),
+        ]
     width = max(len(r[0]) for r in rows)
     for name, value, note in rows:
         print(f"{name:<{width}}  {value:>14}  {note}")

@@ -282,7 +282,7 @@ def environment() -> dict[str, Any]:
     return env
 
 
-PROBES = ("attention", "megatron", "publish", "overlap", "broadcast", "decode")
+PROBES = ("attention", "megatron", "publish", "overlap", "broadcast", "decode", "moe")
 SECTIONS = ("generation", "training", "agreement", "link")
 MEGATRON_PROBES = ("megatron", "publish", "overlap")
 
@@ -338,6 +338,7 @@ def main(argv: list[str] | None = None, megatron_on_cpu: bool = False) -> int:
             "overlap": lambda: gpu_probes.probe_overlap(trainer(), sizes, dev),
             "broadcast": lambda: gpu_probes.probe_broadcast(sizes, dev),
             "decode": lambda: gpu_probes.probe_decode(sizes, dev),
+            "moe": lambda: gpu_probes.probe_moe(sizes, dev),
             "generation": lambda: bench_generation(model_dir, args),
             "training": lambda: bench_training(model_dir, args),
             "agreement": lambda: bench_agreement(args),

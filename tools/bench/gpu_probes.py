@@ -16,6 +16,10 @@ and the weight path, each at a size one H100 holds (and tiny on the CPU, where t
                 of one rank on a GPU: NCCL refuses two ranks on one device; gloo between two processes on the CPU)
     decode      the embedded engine's decode step (`Qwen2ForCausalLM.decode`, 0.5B shape, 64 rows) eager and
                 replayed from a CUDA graph
+    moe         the embedded engines on Qwen3-30B-A3B's layer shape (128 experts, top-8, 2 of its 48 layers):
+                one train step with native and with replayed routing (tokens/s, peak memory), and the decode
+                step with and without recording the routed experts (the capture's cost per step). Expert
+                parallelism is not here: the Megatron backend builds Qwen2 only
 """
 from __future__ import annotations
 
@@ -32,8 +36,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from actors.engines.base import PackedBatch
 from actors.engines.checkpoint import save_model
-from actors.engines.model import Qwen2Config, Qwen2ForCausalLM
-from actors.engines.torch_train import token_nll_loss
+from actors.engines.model import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig
+from actors.engines.moe import RoutingTrace
+from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss
 from actors.weight_sync import KeptVersions
 from actors.weight_sync.base import push_stream
 from tools.plan import memory as plan_memory
@@ -53,6 +58,17 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=97, max_position_embeddings=1024, rope_theta=1e4,
                  rms_norm_eps=1e-6, tie_word_embeddings=False),
+}
+# Qwen3-MoE shapes (Qwen3MoeConfig keys): Qwen3-30B-A3B's config.json values with 2 of its 48 layers.
+MOE_SHAPES: dict[str, dict[str, Any]] = {
+    "30b-a3b-2l": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=2, num_attention_heads=32,
+                       num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                       rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=128,
+                       num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=97, max_position_embeddings=1024, rope_theta=1e4,
+                 rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, norm_topk_prob=True),
 }
 
 
@@ -74,15 +90,19 @@ class ProbeSizes:
     decode_span: int
     bulk_mib: int
     bulk_reps: int
+    moe_shape: str
+    moe_tokens: int            # tokens of the MoE train step
+    moe_rows: int              # rows of the MoE decode step
 
 
 GPU_SIZES = ProbeSizes(attention_lengths=(8192, 16384, 32768), heads=7, kv_heads=1, head_dim=128,
                        train_shape="1.5b", train_tokens=24576, logprob_chunk=4096, step_tokens=8192,
                        bucket_bytes=64 << 20, decode_shape="0.5b", decode_rows=64, decode_span=1024,
-                       bulk_mib=256, bulk_reps=10)
+                       bulk_mib=256, bulk_reps=10, moe_shape="30b-a3b-2l", moe_tokens=8192, moe_rows=64)
 CPU_SIZES = ProbeSizes(attention_lengths=(64, 128, 256), heads=4, kv_heads=2, head_dim=16, train_shape="tiny",
                        train_tokens=256, logprob_chunk=64, step_tokens=128, bucket_bytes=4096, decode_shape="tiny",
-                       decode_rows=8, decode_span=64, bulk_mib=1, bulk_reps=3)
+                       decode_rows=8, decode_span=64, bulk_mib=1, bulk_reps=3, moe_shape="tiny", moe_tokens=256,
+                       moe_rows=8)
 
 
 class Device:
@@ -318,4 +338,49 @@ def probe_decode(sizes: ProbeSizes, dev: Device, steps: int = 50) -> dict[str, A
         out["graph_step_ms"] = median_ms(graph.replay)
         out["graph_speedup"] = round(out["eager_step_ms"] / out["graph_step_ms"], 3)
         out["graph_vs_eager_max_abs_diff"] = float((captured.float() - eager.float()).abs().max())
+    return out
+
+
+# --- mixture of experts -------------------------------------------------------------------------------------
+
+def probe_moe(sizes: ProbeSizes, dev: Device) -> dict[str, Any]:
+    config = Qwen3MoeConfig(**MOE_SHAPES[sizes.moe_shape])
+    model = Qwen2ForCausalLM(config).init_weights(0)
+    out: dict[str, Any] = {"shape": sizes.moe_shape, "params": config.num_parameters(),
+                           "active_params": config.num_parameters(active=True), "tokens": sizes.moe_tokens,
+                           "expert_parallel": "not built: the Megatron backend builds qwen2 only"}
+    engine = TorchTrainEngine(model=model, config=TrainConfig(device=dev.kind, lr=1e-5))
+    g = torch.Generator().manual_seed(0)
+    lengths = [sizes.moe_tokens // 4] * 4   # four packed sequences
+    batch = PackedBatch.from_sequences([torch.randint(1, config.vocab_size, (n,), generator=g).tolist()
+                                        for n in lengths])
+    engine.train_step([batch], token_nll_loss)   # warm-up (and the optimizer state)
+    for mode in ("native", "replayed"):
+        if mode == "replayed":
+            routes = engine.compute_logprobs(batch, record_routing=True).routed_experts
+            batch.fields["routed_experts"] = routes
+        stats, seconds, peak = dev.peak_during(lambda: engine.train_step([batch], token_nll_loss))
+        out[f"train_{mode}"] = {"seconds": round(seconds, 4), "tokens_per_s": round(sizes.moe_tokens / seconds, 1),
+                                "peak_gib": None if peak is None else round(peak, 2), "loss": stats["loss"]}
+    del engine
+    model = model.to(dev.kind, dev.dtype).eval()
+    rows, span = sizes.moe_rows, sizes.decode_span
+    cache = model.new_cache(rows, span)
+    tokens = torch.randint(1, config.vocab_size, (rows,), generator=g).to(dev.kind)
+    lens = torch.randint(span // 2, span, (rows,), generator=g).to(dev.kind)
+
+    def median_ms(record: bool) -> float:
+        def step() -> None:
+            trace = RoutingTrace(record=True) if record else None
+            model.decode(tokens, lens, cache, span, routing=trace)
+            if trace is not None:
+                trace.experts()   # the engine keeps each step's [rows, sparse layers, top-k] on the device
+        step()
+        times = [dev.timed(step)[1] for _ in range(20 if dev.cuda else 3)]
+        return round(1e3 * sorted(times)[len(times) // 2], 3)
+
+    with torch.inference_mode():
+        plain, captured = median_ms(False), median_ms(True)
+    out["decode"] = {"rows": rows, "span": span, "step_ms": plain, "step_ms_capturing": captured,
+                     "capture_overhead": round(captured / plain - 1, 4)}
     return out
