@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import multiprocessing as mp
 from typing import Any
 
@@ -109,6 +110,12 @@ class _Replica(TorchTrainEngine):
         return self._dp
 
 
+def _untimed(result: Any) -> Any:
+    """A share's result without its wall-clock timings, which differ between any two runs."""
+    updates = [{k: v for k, v in u.items() if not k.endswith("_seconds")} for u in result.updates]
+    return dataclasses.replace(result, logprobs_seconds=0.0, updates=updates)
+
+
 @pytest.mark.parametrize("kl_coef", [0.0, 0.2])
 def test_a_rank_trains_on_its_share_exactly_as_on_the_whole_batch(kl_coef: float) -> None:
     model = tiny_model(1)
@@ -129,7 +136,7 @@ def test_a_rank_trains_on_its_share_exactly_as_on_the_whole_batch(kl_coef: float
             result = train_share(engine, b, cfg, version=0, ref_engine=ref)
             results.append((result, torch.cat([p.detach().flatten() for p in engine.model.parameters()])))
         (whole, w_whole), (part, w_part) = results
-        assert whole.ppo.n_tokens > 0 and part == whole and torch.equal(w_part, w_whole)
+        assert whole.ppo.n_tokens > 0 and _untimed(part) == _untimed(whole) and torch.equal(w_part, w_whole)
     other = share(batch, per_rank[1]) if kl_coef == 0 else None
     if other is not None:   # a rank sent another replica's share is refused, naming what it lacks
         with pytest.raises(ValueError, match="data-parallel rank 0 was not sent"):
