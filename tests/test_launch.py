@@ -98,9 +98,12 @@ def test_dry_run_64node_table(capsys: pytest.CaptureFixture) -> None:
     assert ("trainer world: nccl world of 128 ranks (trainer.0-127), rank 0 = trainer.0 leads, rendezvous #48:29400"
             in out)
     assert "pipeline stages" not in out
-    # the data check: what the run reads, absent here, is said to be read at launch (not a problem, not silent)
+    # the data check: what the run reads, absent here, is said to be read by the nodes (not a problem, not silent)
     assert "inputs (a sample of each data file; actors/launch/inputs.py)" in out
-    assert "data.train /storage/datasets/boba_106k_0319.jsonl: absent on this machine; it is read at launch" in out
+    assert ("data.train /storage/datasets/boba_106k_0319.jsonl: absent on this machine; the run's nodes read it at "
+            "launch") in out
+    # and after the run, the commands that show it
+    assert "  python3 -m tools.trace RUN_DIR" in out and "  python3 -m tools.report RUN_DIR" in out
     assert "model.path /storage/models/DeepSeek-R1-Distill-Qwen-7B: absent on this machine" in out
 
 

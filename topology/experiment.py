@@ -142,6 +142,11 @@ class WarmStartSection(Section):
         None, description="supervised stages in order, each from the previous one's weights (unset: one stage on "
                           "data.train's folder with `args`)")
     args: ToolArgs | None = Field(None, description="the single stage's tools.sft args when `stages` is unset")
+    shipped: str | None = Field(
+        None, description="a model directory holding this recipe's warm start, made by `python -m tools.prepare "
+                          "TOPOLOGY --ship` (its manifest warm_start.json: the recipe's fingerprint and the weights' "
+                          "sha256); used instead of training while both match, else refused and the warm start "
+                          "trained")
 
 
 class PrepareSection(Section):

@@ -164,8 +164,10 @@ def configure_logging() -> None:
     )
 
 
-def actor_logger(name: str, run_dir: str | os.PathLike, console: bool = True) -> Any:
-    """A structlog logger bound to ``actor=name`` writing JSON lines to RUN_DIR/logs/<name>.jsonl."""
+def actor_logger(name: str, run_dir: str | os.PathLike, console: bool = True,
+                 not_on_console: Callable[[dict[str, Any]], bool] | None = None) -> Any:
+    """A structlog logger bound to ``actor=name`` writing JSON lines to RUN_DIR/logs/<name>.jsonl, and each
+    event for which ``not_on_console`` is not true to stderr as well (``console``)."""
     configure_logging()
     log_dir = Path(run_dir) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -188,6 +190,8 @@ def actor_logger(name: str, run_dir: str | os.PathLike, console: bool = True) ->
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.dev.ConsoleRenderer(colors=False),
         ]))
+        if not_on_console is not None:
+            console_handler.addFilter(lambda record: not (isinstance(record.msg, dict) and not_on_console(record.msg)))
         std.addHandler(console_handler)
     return structlog.get_logger(f"actor.{name}").bind(actor=name)
 
