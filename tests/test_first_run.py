@@ -59,3 +59,31 @@ def test_the_warm_starts_progress_estimates_the_time_left() -> None:
     assert time_left(100.0, 10, 3000, until_plateau=True) == ", at most 8:18:20 left"
     assert time_left(60.0, 30, 90, until_plateau=False) == ", 2:00 left"
     assert time_left(60.0, 90, 90, until_plateau=False) == ""
+
+
+def test_replay_on_a_run_without_message_logs_says_how_to_record_them(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    from tools.replay.cli import main
+
+    run = tmp_path / "run"
+    (run / "specs").mkdir(parents=True)   # a default run: no msglog/ folder
+    assert main([str(run / "msglog" / "buffer.msglog")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"the run in {run} kept no message logs" in err and "--record" in err
+    assert main([str(run)]) == 2
+    assert "holds no message logs" in capsys.readouterr().err
+    (run / "msglog").mkdir()
+    (run / "msglog" / "trainer.msglog").write_bytes(b"")
+    assert main([str(run)]) == 2
+    assert f"give one actor's log, one of {run / 'msglog' / 'trainer.msglog'}" in capsys.readouterr().err
+    assert main([str(run / "msglog" / "buffer.msglog")]) == 2
+    assert "no such file; the logs there: trainer.msglog" in capsys.readouterr().err
+
+
+def test_the_replay_recipes_assets_are_made_by_a_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from tools.bench.chaos import main
+    from tools.lm import has_weights
+
+    assert main(["--make-assets", str(tmp_path / "assets")]) == 0
+    assert has_weights(tmp_path / "assets" / "model") and (tmp_path / "assets" / "data" / "train.jsonl").exists()
+    assert (tmp_path / "assets" / "model" / "tokenizer.json").exists()
