@@ -107,6 +107,28 @@ def test_a_long_sequence_where_the_math_kernel_is_refused_fails_with_the_fix(mon
     assert mg.packed_causal_attention(q, k, v, cu, 13, None).shape == (21, HEADS, HEAD_DIM)
 
 
+def test_a_long_grouped_query_sequence_goes_to_the_efficient_kernel_with_repeated_keys(monkeypatch) -> None:
+    """Where flash cannot run, the memory-efficient CUDA kernel refuses enable_gqa (torch 2.11, H200): the
+    long sequence runs there with keys and values repeated per query head, equal to grouped attention."""
+    monkeypatch.setattr(mg, "math_kernel_refused", lambda device: True)   # as on a GPU
+    monkeypatch.setattr(mg, "MATH_KERNEL_MAX_TOKENS", 8)
+    calls: list[tuple[bool, tuple[str, ...]]] = []
+
+    def gpu_like_sdpa(q, k, v, *, is_causal, scale, enable_gqa=False, backends=None):
+        names = tuple(b.name for b in backends)
+        calls.append((enable_gqa, names))
+        if enable_gqa or "EFFICIENT_ATTENTION" not in names:   # no flash here; efficient refuses GQA
+            raise RuntimeError("No available kernel. Aborting execution.")
+        return sdpa(q, k, v, is_causal=is_causal, scale=scale, backends=[SDPBackend.MATH])
+    monkeypatch.setattr(mg, "sdpa", gpu_like_sdpa)
+    q, k, v = (x.detach() for x in _thd())
+    cu = torch.tensor([0, 21], dtype=torch.int32)
+    out = mg.packed_causal_attention(q, k, v, cu, 21, None)
+    assert calls == [(True, ("FLASH_ATTENTION", "EFFICIENT_ATTENTION")), (False, ("EFFICIENT_ATTENTION",))]
+    grouped = sdpa(*(x.transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, enable_gqa=True)
+    assert torch.allclose(out, grouped[0].transpose(0, 1), atol=1e-6), float((out - grouped[0].transpose(0, 1)).abs().max())
+
+
 def test_our_backend_list_narrows_an_enclosing_sdpa_kernel() -> None:
     q = _thd()[0].detach()[None].transpose(1, 2)   # [1, heads, t, d]
     assert sdpa(q, q, q, is_causal=True).shape == q.shape

@@ -186,3 +186,9 @@ def test_a_tiny_rehearsal_runs_the_real_actors_through_the_node_agents(tmp_path:
     wait = r["trainer_wait"]
     assert wait["buffer_serve_cpu_s"] > 0 and wait["buffer_serve_core_wait_s"] >= 0 and r["serve_stretch"] >= 1
     assert json.loads((tmp_path / "run" / "rehearsal-report.json").read_text())["trained_steps"] == 2
+    # the rehearsal's timeline and its simulation's, in one format (tools.trace)
+    from tools.trace.timeline import format_problems
+    for which in ("rehearsal", "simulation"):
+        doc = json.loads(Path(r["traces"][which]).read_text())
+        assert format_problems(doc) == [], which
+        assert sum(1 for e in doc["traceEvents"] if e["ph"] == "X" and e["name"].startswith("step ")) == 2, which

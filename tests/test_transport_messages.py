@@ -316,10 +316,11 @@ def test_fast_path_and_general_path_agree() -> None:
 def test_older_versions_decode_upgraded_except_the_bodies_versions_3_and_4_reshaped() -> None:
     # version 2 only added the batch container; version 3 changed four rl message bodies (composition),
     # version 4 rl.batch (columns and tensor frames), version 5 the task of rl.generate_group and
-    # rl.trajectories (no level), version 6 the weights link's epoch fields, version 7 the batch stats' data_pass. Single messages (and message logs)
+    # rl.trajectories (no level), version 6 the weights link's epoch fields, version 7 the batch stats' data_pass,
+    # version 8 the answers' rollout prompt and the samples' agent reward. Single messages (and message logs)
     # of versions 1 to 5 read fine: what versions 5 and 6 changed is upgraded on read, what 3 and 4 reshaped
     # is refused naming the old body's first unknown field
-    assert SCHEMA_VERSION == 7 and M.READABLE_VERSIONS == {1, 2, 3, 4, 5, 6, 7}
+    assert SCHEMA_VERSION == 8 and M.READABLE_VERSIONS == {1, 2, 3, 4, 5, 6, 7, 8}
     for version in (1, 2, 3, 4, 5):
         header, msg = decode([_head(body={"seq": 3}, version=version)])
         assert msg == Ping(3) and header.version == version
@@ -369,6 +370,17 @@ def test_older_versions_decode_upgraded_except_the_bodies_versions_3_and_4_resha
     assert M.upgraded_body("rl.batch", 6, old_batch)["stats"] == {"depth": 3, "data_pass": 2}
     assert M.upgraded_body("rl.batch", 7, old_batch) == old_batch
     assert protocol.BufferStats().data_pass == 0 and not hasattr(protocol.BufferStats(), "epoch")
+    # version 8: answers carry the prompt the rollout rendered and samples an agent's reward; a version-7 body is
+    # read with the buffer's prompt (empty) and no agent reward
+    sample = {"output_ids": [5], "logprobs": [-0.5], "versions": [0], "finish_reason": "stop", "reward": 0.0,
+              "correct": False, "score_detail": ""}
+    old_scored = {"group_id": "g", "answers": {"samples": [sample], "rollout": "rollout.0"}, "score_seconds": 0.1}
+    assert M.upgraded_body("rl.scored_group", 7, old_scored)["answers"]["prompt_ids"] == []
+    scored = decode([_head("rl.scored_group", body=old_scored, version=7)])[1]
+    assert scored.answers.prompt_ids == [] and scored.answers.samples[0].agent_reward is None
+    new = protocol.ScoredGroup(group_id="g", answers=protocol.Answers(
+        samples=[protocol.Sample([5], [-0.5], [0], "stop", agent_reward=1.0)], rollout="r", prompt_ids=[1, 2]))
+    assert decode(M.encode(new, "tester"))[1] == new
 
 
 def test_batch_container_round_trip_and_errors() -> None:

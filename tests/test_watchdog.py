@@ -110,7 +110,7 @@ def test_the_diagnosis_names_who_waits_on_whom_a_stopped_buffer_and_the_last_mes
     report = dog.check()
     assert report is not None, "31 s without a step is past the limit of 10 s"
     assert "trainer: pid 4242; running; waiting for the batch of step 5 from the buffer" in report, report
-    assert "waits on buffer for the answer to rl.batch_request (31 s)" in report, report
+    assert "waits on buffer for the answer to rl.batch_request (31 s, since " in report, report
     assert "buffer: pid 4242; STOPPED 30 s ago (exit 0: signal SIGTERM)" in report, report
     assert "buffer has stopped (signal SIGTERM), but others still wait on it" in report, report
     kinds = [line.split()[0] for line in report.split("last message of each kind (newest first):")[1].splitlines()

@@ -25,11 +25,13 @@ else
 fi
 
 # System packages: bubblewrap isolates untrusted code in the code reward; slurm-wlm + munge run a real
-# SLURM cluster on loopback for the multi-node launcher tests. Installed only when missing and root.
+# SLURM cluster on loopback for the multi-node launcher tests; chromium renders the run report in its browser
+# test. Installed only when missing and root.
 apt_pkgs=()
 command -v bwrap >/dev/null 2>&1 || apt_pkgs+=(bubblewrap)
 if [[ $want_test == 1 ]]; then
   command -v slurmctld >/dev/null 2>&1 || apt_pkgs+=(slurm-wlm munge)
+  command -v chromium >/dev/null 2>&1 || apt_pkgs+=(chromium)
 fi
 if (( ${#apt_pkgs[@]} )); then
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then

@@ -24,6 +24,7 @@ from typing import Iterable, Iterator
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from actors.rollout.chat import EMBEDDED_CHAT_TEMPLATE
 from tools import make_task
 
 EOS_TOKEN = "<|endoftext|>"
@@ -105,6 +106,7 @@ def write_model_dir(out: Path, tok: Tokenizer, dims: dict[str, int], max_new_tok
             "model_max_length": dims["max_position_embeddings"],
             "clean_up_tokenization_spaces": False,
             "padding_side": "left",
+            "chat_template": EMBEDDED_CHAT_TEMPLATE,
         },
         "generation_config.json": {
             "bos_token_id": eos_id,

@@ -247,6 +247,9 @@ class RunSection(Section):
     keep_checkpoints: int = Field(2, ge=0, description="complete checkpoints kept; 0 keeps all")
     recover: Literal["auto", "off"] = Field("auto", description="resume from the last checkpoint")
     final_eval: bool = Field(True, description="evaluate the last checkpoint on data.test at the end")
+    trace: bool = Field(True, description="the buffer and trainer write RUN_DIR/trace/<actor>.jsonl, what "
+                                          "python -m tools.trace reads besides the logs (a line per group and "
+                                          "per step: docs/tools.md has its measured cost)")
     watchdog: WatchdogSection = Field(default_factory=WatchdogSection,
                                       description="stop a run that makes no progress, with a diagnosis")
     trackers: list[Literal["tensorboard", "wandb", "swanlab"]] = Field(

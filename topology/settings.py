@@ -235,6 +235,30 @@ class PythonToolSettings(Section):
                                                                 "token of the model's tokenizer")
 
 
+class AgentSettings(Section):
+    """An agent that runs every group's episodes against the rollout's OpenAI endpoint
+    (actors/rollout/agent.py): an async function or an external program; neither set: episodes as the task names."""
+
+    function: str | None = Field(None, description="module:function, an async agent(client, task) -> reward or None")
+    command: list[str] | None = Field(None, min_length=1, description="argv of an agent program (OPENAI_BASE_URL, "
+                                                                      "OPENAI_API_KEY, AGENT_TASK in its environment)")
+    timeout_s: float = Field(60.0, gt=0, description="bound on one episode of the agent")
+    chat_template: str | None = Field(None, description="a jinja chat template file used instead of the "
+                                                        "tokenizer's (unset: tokenizer_config.json's chat_template)")
+    tool_format: Literal["qwen"] = Field("qwen", description="how tool calls are written in the model's text "
+                                                             "(actors/rollout/chat.py)")
+
+    @model_validator(mode="after")
+    def _one_agent(self) -> "AgentSettings":
+        if self.function is not None and self.command is not None:
+            raise ValueError("set function or command, not both")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.function is not None or self.command is not None
+
+
 class RolloutSettings(GenerationSettings):
     link: str | None = Field(None, description="the weights link (unset: ps_to_rollout, or the only link listed)")
     weights_timeout_s: float | None = Field(None, gt=0, description="bound on waiting for the weights link (unset: its timeout_s)")
@@ -242,6 +266,8 @@ class RolloutSettings(GenerationSettings):
     stats_every_s: float = Field(30.0, ge=0, description="period of the rollout_stats log line; 0 disables it")
     python_tool: PythonToolSettings = Field(default_factory=PythonToolSettings,
                                             description="the python tool of episodes whose task names it")
+    agent: AgentSettings = Field(default_factory=AgentSettings, description="an agent that runs every group "
+                                                                            "through the OpenAI endpoint")
 
 
 class ParamServerSettings(ActorSettings):

@@ -32,7 +32,7 @@ from typing import Any, Callable, ClassVar, Iterable, TypeVar
 
 import msgpack
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # Versions whose single-message layout this process reads. Version 2 added the batch container (below);
 # a version-1 frame is laid out identically, so message logs written by version 1 still decode. Version 3
 # changed the bodies of rl.generate_group, rl.trajectories, rl.scored_group and rl.batch (transport/
@@ -41,12 +41,13 @@ SCHEMA_VERSION = 7
 # link's re-formation count to epoch in rl.link_reform, rl.link_formed, rl.weights_ready,
 # rl.weights_broadcast, ps.weights_status_request (min_epoch) and ps.weights_status; version 7 renamed the
 # batch stats' count of passes over the data from epoch to data_pass (rl.batch), so that "epoch" names only
-# the link's re-formation count. A message of an older
+# the link's re-formation count; version 8 added the rollout's prompt to the answers (rl.trajectories,
+# rl.scored_group: Answers.prompt_ids) and an agent's reward to each sample (Sample.agent_reward). A message of an older
 # version is read as the current version lays it out: the module that defines a kind registers how each version
-# changed its body (@upgrade; transport/protocol.py does so for versions 5, 6 and 7), so a message log written
+# changed its body (@upgrade; transport/protocol.py does so for versions 5 to 8), so a message log written
 # before an upgrade still replays. A change nobody registered (versions 3 and 4 reshaped whole bodies) is refused
 # naming the old body's first unknown field; every other kind still decodes.
-READABLE_VERSIONS = frozenset({1, 2, 3, 4, 5, 6, 7})
+READABLE_VERSIONS = frozenset({1, 2, 3, 4, 5, 6, 7, 8})
 
 # A batch container: several small tensor-free messages to one peer in one ZeroMQ frame,
 #     msgpack [BATCH_TAG, SCHEMA_VERSION, sender, "", ts, None, False, [frame0, frame0, ...]]

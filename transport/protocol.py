@@ -81,6 +81,8 @@ class Sample:
     reward: float = 0.0
     correct: bool = False
     score_detail: str = ""
+    agent_reward: float | None = None  # what an agent (actors/rollout/agent.py) returned as its episode's reward,
+                                       # which the reward actor passes on; None: the reward actor grades it
 
 
 # A group's messages carry only what their receiver lacks: the prompt goes to the rollout and, in the Batch,
@@ -118,6 +120,10 @@ class Answers:
     gen_seconds: float = 0.0
     busy_seconds: float = 0.0  # the rollout's clocks since its start, when it sent this group: time with work
     up_seconds: float = 0.0    # in hand, and time up (the buffer turns them into rollout utilisation)
+    # The prompt the samples continue, as the rollout rendered it: an agent's conversation starts from its own
+    # first chat rendering, not the prompt the buffer issued. Empty: the group's prompt as issued. The buffer's
+    # batch takes this one when it is set.
+    prompt_ids: list[int] = field(default_factory=list)
 
 
 @message("rl.trajectories", senders=("rollout",))
@@ -522,7 +528,7 @@ class RunFinished(Message):
 
 
 # ------------------------------------------------------------------------------------ older schema versions
-# How versions 5, 6 and 7 changed these kinds, so that a message log written before them still decodes and replays
+# How versions 5 to 8 changed these kinds, so that a message log written before them still decodes and replays
 # (transport/messages.py: upgraded_body). Versions 3 and 4 reshaped whole bodies and are not upgraded.
 
 @upgrade(5, "rl.generate_group", "rl.trajectories")
@@ -550,4 +556,13 @@ def _data_pass(body: dict) -> dict:
     stats = body.get("stats")
     if type(stats) is dict and "epoch" in stats:
         body = {**body, "stats": {("data_pass" if k == "epoch" else k): v for k, v in stats.items()}}
+    return body
+
+
+@upgrade(8, "rl.trajectories", "rl.scored_group")
+def _answers_prompt(body: dict) -> dict:
+    # Answers carry the prompt the rollout rendered (empty before: the buffer's) and samples an agent's reward.
+    answers = body.get("answers")
+    if type(answers) is dict and "prompt_ids" not in answers:
+        body = {**body, "answers": {**answers, "prompt_ids": []}}
     return body

@@ -47,6 +47,7 @@ from actors.batch import Batch, BatchGroup, from_batch
 from actors.buffer.state import BufferState, InFlight, ledger_after_resume, plan_resume
 from actors.dataset import Layout, Record, load_dataset, within_prompt_cap
 from actors.engines.tokenizer import load_tokenizer
+from actors.runtime.spans import SpanLog
 from actors.runtime.recovery import checkpoint_dir, latest_checkpoint, recovering, restarted_in_place
 from actors.runtime.threads import costed
 from algo.serving import DecodePace
@@ -195,6 +196,7 @@ class BufferActor(Actor):
         self.finished = False
         self._batch_waited_for: int | None = None   # the step whose batch a request waits for (status)
         self.files = BufferFiles(self.run_dir)
+        self.trace = SpanLog(self.run_dir, self.name) if cfg.run.trace else None
         self._serving = asyncio.Lock()
         if in_place or recovering(cfg):
             found = latest_checkpoint(self.run_dir) if recovering(cfg) else None
@@ -255,6 +257,9 @@ class BufferActor(Actor):
                               answers=list(rec.answers) if len(rec.answers) > 1 else [],
                               tool=str(rec.extra.get("tool") or "")),
                     stop_token_ids=self.stop_ids, seed=issue.seed, reward=issue.reward, **self.gen))
+                if self.trace is not None:
+                    self.trace.write("issue", t=time.time(), group=issue.group_id, key=list(issue.key),
+                                     rollout=issue.rollout, reward=issue.reward)
 
     def _handed_back(self, handed_back: dict[str, InFlight], reason: str) -> None:
         for gid, f in handed_back.items():
@@ -345,7 +350,10 @@ class BufferActor(Actor):
     # --- collecting results -----------------------------------------------------------------------
     @handles(ScoredGroup)
     def on_scored(self, msg: ScoredGroup) -> None:
+        held = self.state.inflight.get(msg.group_id)
         result = self.state.scored(msg.group_id, msg.answers)
+        if self.trace is not None:
+            self._trace_group(msg, held, result.outcome)
         if result.outcome == "late":
             self.counters["late_groups"] += 1
             return
@@ -360,6 +368,20 @@ class BufferActor(Actor):
                                       "trains on them anyway)")
         self.changed.set()
         self.arrived.set()
+
+    def _trace_group(self, msg: ScoredGroup, held: InFlight | None, outcome: str) -> None:
+        """One line per scored group: when it was issued and came back, its generation and grading seconds,
+        and per answer [oldest version, newest version, answer tokens, reward, finish reason]."""
+        answers = []
+        for s in msg.answers.samples:
+            own = [v for v in s.versions if v >= 0]
+            answers.append([min(own, default=-1), max(own, default=-1), len(s.output_ids), s.reward,
+                            s.finish_reason])
+        self.trace.write("group", t=time.time(), group=msg.group_id, outcome=outcome,
+                         key=list(held.key) if held else None, issued=held.issued_at if held else None,
+                         rollout=msg.answers.rollout, reward=held.reward if held else None,
+                         gen_s=round(msg.answers.gen_seconds, 4), score_s=round(msg.score_seconds, 4),
+                         answers=answers)
 
     @handles(VersionUpdate)
     def on_version(self, msg: VersionUpdate) -> None:
@@ -384,6 +406,9 @@ class BufferActor(Actor):
                                  hint="rollouts generate with weights older than eta allows: is the weight "
                                       "push to them failing? (see the param_server log)")
         if dropped:
+            if self.trace is not None:
+                self.trace.write("stale", t=time.time(), version=self.state.gate.version,
+                                 groups=[g.group_id for g in dropped], start_versions=[g.start_version for g in dropped])
             self.changed.set()
 
     @handles(BatchRequest)
@@ -408,7 +433,8 @@ class BufferActor(Actor):
             taken_at = time.time()
             record = {"event": "batch", "step": msg.step, "keys": [list(g.key) for g in taken],
                       "start_versions": [g.start_version for g in taken], "version": self.state.gate.version}
-            groups = [BatchGroup(prompt_ids=self.prompt_ids[g.key[1]],
+            # An agent's answers continue the prompt its rollout rendered (Answers.prompt_ids), not the issued one.
+            groups = [BatchGroup(prompt_ids=g.answers.prompt_ids or self.prompt_ids[g.key[1]],
                                  level=level_of(self.dataset.records[g.key[1]]), samples=g.answers.samples)
                       for g in taken]
             listed = Batch(step=msg.step, groups=groups, stats=self.state.batch_stats())
@@ -425,6 +451,10 @@ class BufferActor(Actor):
                           waited_for_groups_s=round(taken_at - asked, 4), serve_s=round(time.time() - taken_at, 4),
                           serve_cpu_s=round(cost.cpu_s, 4),
                           serve_core_wait_s=None if cost.core_wait_s is None else round(cost.core_wait_s, 4))
+            if self.trace is not None:
+                self.trace.write("batch", step=msg.step, asked=asked, taken=taken_at, served=time.time(),
+                                 groups=[g.group_id for g in taken], depth=len(self.state.ready),
+                                 in_flight=len(self.state.inflight))
             return batch
 
     def _state_dict(self) -> dict[str, Any]:

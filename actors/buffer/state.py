@@ -75,6 +75,7 @@ class ReadyGroup:
     key: Key
     answers: Answers
     start_version: int
+    group_id: str = ""
 
 
 @dataclass
@@ -388,7 +389,7 @@ class BufferState:
             return Scored("uniform", f.key)
         self.uniform_streak = 0
         self.gate.finish(accepted=True)
-        self.ready.append(ReadyGroup(f.key, answers, group_start_version(answers)))
+        self.ready.append(ReadyGroup(f.key, answers, group_start_version(answers), group_id))
         return Scored("accepted", f.key)
 
     def version_reachable(self, version: int) -> bool:

@@ -193,18 +193,28 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     """Causal attention of sequences of one length, 4-D [b, heads, L, d] (keys/values [b, groups, L, d]).
 
     4-D, because torch's flash and memory-efficient kernels take nothing else (3-D input always ran the
-    math kernel). Grouped-query attention goes to the kernel as ``enable_gqa``: torch's flash and
-    memory-efficient CUDA kernels and its CPU flash kernel accept fewer key/value heads than query heads
-    (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, ``check_batch_size_and_num_heads_dense``), so
-    keys and values are never repeated per query head.
+    math kernel). Grouped-query attention goes to the kernel as ``enable_gqa``, so keys and values are not
+    repeated per query head where the kernel takes fewer key/value heads than query heads (torch's flash
+    kernels). Torch's memory-efficient CUDA kernel refuses ``enable_gqa`` (measured with torch 2.11 on an
+    H200: docs/measurements/gpu-probes-h200.json, ``attention``), so where flash cannot run (fp32, a head
+    dimension past its limit, a GPU without it) a long sequence goes to the memory-efficient kernel with
+    its keys and values repeated per query head: two [L, heads, d] copies, far below the math kernel's
+    L x L scores.
     """
     gqa = q.shape[1] != k.shape[1]
     length = q.shape[-2]
     if not (math_kernel_refused(q.device) and length > MATH_KERNEL_MAX_TOKENS):
         return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     try:
-        return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa,
-                    backends=[SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+        try:
+            return sdpa(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa,
+                        backends=[SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+        except RuntimeError:
+            if not gqa:
+                raise
+            groups = q.shape[1] // k.shape[1]
+            k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
+            return sdpa(q, k, v, is_causal=True, scale=scale, backends=[SDPBackend.EFFICIENT_ATTENTION])
     except RuntimeError as exc:
         raise LongSequenceAttentionError(
             f"a sequence of {length} tokens ({q.dtype}, head dim {q.shape[-1]}, {q.shape[1]} query / {k.shape[1]} "

@@ -15,6 +15,7 @@ import dataclasses
 import math
 import os
 import random
+import time
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -143,6 +144,7 @@ class TorchTrainEngine(TrainEngine):
                    loss_denominator: float | None = None, with_entropy: bool = False) -> dict[str, float]:
         batches = [self._check(mb) for mb in micro_batches]
         weights, denominator = step_loss_weights(batches, loss_denominator)
+        t0 = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
@@ -158,6 +160,7 @@ class TorchTrainEngine(TrainEngine):
             for key, value in stats.items():
                 stat_sums[key] = stat_sums.get(key, 0.0) + float(value) * weight
             stat_weight += weight
+        t1 = time.perf_counter()
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.config.grad_clip if self.config.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
@@ -171,7 +174,10 @@ class TorchTrainEngine(TrainEngine):
             self.step += 1
         out = {"loss": loss_total / denominator, "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped),
                "tokens": float(sum(mb.num_tokens for mb in batches)), "seqs": float(sum(mb.num_seqs for mb in batches)),
-               "step": float(self.step), "version": float(self.version)}
+               "step": float(self.step), "version": float(self.version),
+               # the step's phases for the timeline (tools.trace): forward and backward of every micro-batch,
+               # then clipping and the optimizer (on a GPU, as far as the host's clock sees them)
+               "forward_backward_seconds": t1 - t0, "optimizer_seconds": time.perf_counter() - t1}
         for key, value in stat_sums.items():
             out.setdefault(key, value / stat_weight if stat_weight else 0.0)
         return out

@@ -107,11 +107,10 @@ class TrainingProgress:
 
 
 def see_the_run(run_dir: str) -> list[str]:
-    """The commands that show a run: its timeline and its report (docs/tools.md)."""
+    """The commands that show a run: its timeline and its report (tools/trace, tools/report.py)."""
     return ["see the run:",
-            f"  python3 -m tools.trace {run_dir}     # a timeline of every actor, for Perfetto (ui.perfetto.dev)",
-            f"  python3 -m tools.report {run_dir}    # one HTML page: reward, held-out accuracy, staleness, "
-            f"utilisation"]
+            f"  python3 -m tools.trace {run_dir}     # RUN_DIR/trace.json, every actor's timeline: ui.perfetto.dev",
+            f"  python3 -m tools.report {run_dir}    # RUN_DIR/report.html, one self-contained page of the run"]
 
 
 def summary(title: str, rows: dict[str, dict[str, Any]], elapsed: float, run_dir: Path, outcome: str) -> str:

@@ -134,16 +134,30 @@ class ProgressWatchdog:
         tp = (trainer or {}).get("progress") or {}
         if tp.get("version") is not None:
             why += f"; the trainer is at version {tp['version']} of {tp.get('total_steps', '?')}"
-        lines = [f"NO PROGRESS: {why}", "", "who waits on whom:"]
+        text = "\n".join([f"NO PROGRESS: {why}", "", *self.who_waits(statuses, now)])
+        try:
+            (self.run_dir / STALL_FILE).write_text(text + "\n")
+        except OSError:
+            pass
+        return text
+
+    def who_waits(self, statuses: dict[str, dict[str, Any]], now: float) -> list[str]:
+        """What each actor does and waits on, and since when (as of ``now``: a live actor's waits have gone on
+        since its status was written), hints for the stalls recognised, and the last message of each kind.
+        The stall report's body, and `python -m tools.trace why`."""
+        lines = ["who waits on whom:"]
         pids = self.local_pids() if self.local_pids is not None else {}
         first = [n for n in ("trainer", "trainer.0", "buffer", "param_server") if n in statuses]
         for name in first + [n for n in statuses if n not in first]:
             status = statuses[name]
             lines.append(f"  {name}: {self._actor_line(name, status, now, pids.get(name))}")
+            since = 0.0 if status.get("state") == "stopped" else max(now - float(status.get("time", now)), 0.0)
             for ask in status.get("asking") or []:
-                lines.append(f"      waits on {ask['peer']} for the answer to {ask['kind']} ({ask['for_s']:.0f} s)")
+                lines.append(f"      waits on {ask['peer']} for the answer to {ask['kind']} "
+                             f"({ask['for_s'] + since:.0f} s{_since(now - ask['for_s'] - since)})")
             for serve in status.get("serving") or []:
-                lines.append(f"      {serve['peer']} waits on it for the answer to {serve['kind']} ({serve['for_s']:.0f} s)")
+                lines.append(f"      {serve['peer']} waits on it for the answer to {serve['kind']} "
+                             f"({serve['for_s'] + since:.0f} s{_since(now - serve['for_s'] - since)})")
         hints = self._hints(statuses, now, pids)
         if hints:
             lines += ["", "what that means:", *(f"  - {h}" for h in hints)]
@@ -152,12 +166,7 @@ class ProgressWatchdog:
             lines += ["", "last message of each kind (newest first):"]
             width = max(len(kind) for kind, *_ in last)
             lines += [f"  {kind:<{width}}  {sender} -> {peer}, {now - t:.1f} s ago" for kind, sender, peer, t in last]
-        text = "\n".join(lines)
-        try:
-            (self.run_dir / STALL_FILE).write_text(text + "\n")
-        except OSError:
-            pass
-        return text
+        return lines
 
     def _actor_line(self, name: str, status: dict[str, Any], now: float, local_pid: int | None) -> str:
         state = status.get("state", "?")
@@ -175,7 +184,8 @@ class ProgressWatchdog:
                 parts.append(f"its process is {proc}")
         progress = status.get("progress") or {}
         if "phase" in progress:
-            parts.append(f"{progress['phase']} ({progress.get('phase_for_s', 0):.0f} s)")
+            began = float(status.get("time", now)) - float(progress.get("phase_for_s", 0))
+            parts.append(f"{progress['phase']} ({now - began:.0f} s{_since(began)})")
         elif progress:
             parts.append(", ".join(f"{k} {v}" for k, v in progress.items()
                                    if k in ("version", "weights_version", "groups", "ready", "in_flight", "epoch")))
@@ -216,6 +226,11 @@ class ProgressWatchdog:
                 hints.append(f"the last {bp['uniform_streak']} groups all got one reward for every answer and were "
                              f"dropped (algo.dynamic_sampling): can the model solve any prompt?")
         return hints
+
+
+def _since(t: float) -> str:
+    """", since 14:02:07" (local time of day), the moment a wait began."""
+    return f", since {time.strftime('%H:%M:%S', time.localtime(t))}"
 
 
 def _trainer(statuses: dict[str, dict[str, Any]]) -> dict[str, Any] | None:

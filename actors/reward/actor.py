@@ -5,7 +5,8 @@ scored by the subclass's :meth:`RewardActor.score` (which runs its checker in a 
 ``settings["instance"]["cpu_workers"]`` worker processes with a hard per-item timeout, so CPU work never
 runs on the event loop), and the answers go on to the buffer (``settings["groups"]["buffer"][0]``) in
 :class:`ScoredGroup`. Each sample gets ``reward`` (``algo.reward_correct`` if correct, else
-``algo.reward_wrong``; +5 / -5 by default), ``correct`` and ``score_detail``. An item whose check fails
+``algo.reward_wrong``; +5 / -5 by default), ``correct`` and ``score_detail``; a sample whose agent returned
+its own reward (``Sample.agent_reward``) keeps that reward, correct when it is positive. An item whose check fails
 (timeout after the pool's retry, a crash, a checker error, an unusable task) scores as wrong and is
 counted in ``score_failures``; the group itself is always sent on, never lost.
 
@@ -128,16 +129,22 @@ class RewardActor(Actor):
         tok = self.tokenizer
         try:
             # An episode's answer is graded on the model's own tokens: never on what a tool appended.
-            texts = await asyncio.to_thread(lambda: [tok.decode(generated_ids(s.output_ids, s.versions))
-                                                     for s in msg.answers.samples])
-            scores = await asyncio.gather(*(self._score_safely(text, msg.task) for text in texts))
+            # A sample whose agent returned its reward is not graded again.
+            graded = [s for s in msg.answers.samples if s.agent_reward is None]
+            texts = await asyncio.to_thread(lambda: [tok.decode(generated_ids(s.output_ids, s.versions)) for s in graded])
+            scores = iter(await asyncio.gather(*(self._score_safely(text, msg.task) for text in texts)))
         finally:
             self._scoring -= 1
             if self._scoring == 0:
                 self.counters["busy_seconds"] += time.monotonic() - self._busy_since
         failures = 0
         samples: list[Sample] = []
-        for sample, score in zip(msg.answers.samples, scores):
+        for sample in msg.answers.samples:
+            if sample.agent_reward is not None:   # the agent graded its own episode: its reward passes through
+                samples.append(dataclasses.replace(sample, reward=sample.agent_reward, correct=sample.agent_reward > 0,
+                                                   score_detail=f"agent reward {sample.agent_reward:g}"))
+                continue
+            score = next(scores)
             failures += int(score.failed)
             samples.append(dataclasses.replace(sample, correct=score.correct, score_detail=score.detail,
                                                reward=self.reward_correct if score.correct else self.reward_wrong))

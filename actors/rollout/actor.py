@@ -2,7 +2,8 @@
 
 Work. ``GenerateGroup`` (from the buffer) becomes one :class:`GenerationRequest` with ``n`` samples, run as
 ``n`` episodes (actors/rollout/episode.py) in the environment its task names (``Task.tool``; none: the one-turn case,
-exactly that one request). The handler awaits the engine (which decodes in its own thread or server, so the
+exactly that one request), or, with ``settings.agent``, as ``n`` episodes of that agent against this rollout's
+OpenAI endpoint (actors/rollout/agent.py; the answers carry the prompt the conversations rendered). The handler awaits the engine (which decodes in its own thread or server, so the
 event loop never blocks) and the environment's steps (each bounded by ``gen.env_timeout_s``), and sends
 :class:`Trajectories` to a reward actor, round-robin over ``cfg.groups["reward"]``. A group
 that cannot be finished (the actor is draining, the engine failed, the request is malformed) goes back to
@@ -44,9 +45,12 @@ from actors.runtime.base import Actor, ActorSpec, handles
 from actors.engines.base import (EngineError, GenerationEngine, GenerationRequest, RequestError, SamplingParams,
                                  require_device)
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
+from actors.rollout.agent import AgentFn, AgentGroupError, AgentRun, group_answers, load_agent, run_agent
+from actors.rollout.chat import ChatTemplate, template_of
 from actors.rollout.envs import ENVIRONMENTS, UnknownTool, environment_for
 from actors.rollout.envs.python_tool import CodeRunner, python_tool
-from actors.rollout.episode import EpisodeError, EpisodeLimits, Trajectory, run_episodes
+from actors.rollout.episode import EpisodeError, EpisodeLimits, Trajectory, run_episodes, turn_seed
+from actors.rollout.openai_server import AgentEndpoint, EndpointLimits
 from actors.runtime.recovery import start_weights
 from actors.weight_sync import WeightReceiver, WeightSyncError, link_config, make_receiver
 from actors.weights import weights_hash
@@ -109,6 +113,13 @@ def make_engine(cfg: RolloutSettings, version: int, model_dir: str, run_dir: str
     return SGLangEngine.from_settings(cfg, version, model_dir, run_dir=run_dir, on_server_event=on_server_event)
 
 
+def agent_task(msg: GenerateGroup, prompt: str) -> dict[str, Any]:
+    """The task record an agent is given: the prompt as text and what its answer is checked against."""
+    task = msg.task
+    return {"prompt": prompt, "answer": task.answer, "answers": task.references, "kind": task.kind,
+            "tests": list(task.tests), "mode": task.mode, "group_id": msg.group_id}
+
+
 async def verify_engine_weights(engine: GenerationEngine, version: int) -> tuple[str, str]:
     """``(weights_hash, "hash")`` of the weights the engine samples with, computed where they live; or, for an
     engine whose server cannot read them back (SGLang), ``("", "version")`` once it reports ``version``."""
@@ -166,6 +177,8 @@ class RolloutActor(Actor):
         self.environments = dict(ENVIRONMENTS)   # tool name -> factory; the python tool's built from settings
         self.python_runner: CodeRunner | None = None
         self._eval_requests = 0              # the evaluator's prompts taken (their request ids)
+        self.agent: AgentFn | list[str] | None = None   # settings.agent: every group runs it (on_start)
+        self.endpoint: AgentEndpoint | None = None       # the agents' OpenAI endpoint over this rollout's engine
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -194,6 +207,8 @@ class RolloutActor(Actor):
             self.receiver = make_receiver(self.cfg, config, self.engine, self._verified, self.make_link, self.param_server,
                                           self.counters, self.log, lambda: len(self.active))
         await self.engine.start()
+        if self.cfg.agent.enabled:
+            await self._start_agent_endpoint()
         kv_pool = getattr(self.engine, "kv_pool_tokens", None)
         if callable(kv_pool):
             try:
@@ -203,6 +218,36 @@ class RolloutActor(Actor):
         self._engine_ready.set()
         self.log.info("engine_started", engine=type(self.engine).__name__, version=version, model_dir=model_dir,
                       link=config.name if config else None)
+
+    async def _start_agent_endpoint(self) -> None:
+        """settings.agent: load the agent, serve the OpenAI endpoint on loopback over the engine."""
+        settings, gen = self.cfg.agent, self.cfg.gen
+        assert self.codec is not None and self.engine is not None
+        try:
+            self.agent = load_agent(settings.function) if settings.function else list(settings.command or [])
+            if settings.chat_template:
+                with open(settings.chat_template, encoding="utf-8") as f:
+                    source = f.read()
+                template: ChatTemplate | None = ChatTemplate(source, *self._special_texts())
+            else:
+                template = template_of(self.codec)
+        except (ValueError, OSError) as exc:   # ChatError is a ValueError
+            raise RolloutConfigError(f"agent: {exc}") from None
+        if template is None:
+            raise RolloutConfigError("agent: the tokenizer has no chat_template and agent.chat_template is unset")
+        eos = self.codec.eos_token_id
+        self.endpoint = AgentEndpoint(self.engine, self.codec, template, EndpointLimits(
+            max_new_tokens=gen.max_new_tokens, max_context=gen.max_context,
+            stop_token_ids=(eos,) if eos is not None else ()), tool_format=settings.tool_format)
+        await self.endpoint.start()
+        self.log.info("agent_endpoint", base_url=self.endpoint.base_url,
+                      agent=settings.function or " ".join(settings.command or []))
+
+    def _special_texts(self) -> tuple[str, str]:
+        """(eos, bos) as text, what a chat template's variables name."""
+        assert self.codec is not None
+        text = lambda i: self.codec.decode([i], skip_special_tokens=False) if i is not None else ""  # type: ignore[union-attr]
+        return text(self.codec.eos_token_id), text(self.codec.bos_token_id)
 
     def progress(self) -> dict[str, Any]:
         return {"weights_version": self.engine.version if self.engine is not None else None,
@@ -225,6 +270,9 @@ class RolloutActor(Actor):
         # Abort until every submitted group has come back. More than one round can be needed: a request
         # admitted at the same step boundary as an abort is missed by it (the embedded engine takes the
         # waiting list and the aborts together, then aborts before admitting), so abort again.
+        if self.endpoint is not None:   # an agent would go on calling: end its episodes
+            for running in self._episodes.values():
+                running.cancel()
         deadline = time.monotonic() + self.cfg.drain_timeout / 2
         rounds = 0
         while self.active and time.monotonic() < deadline:
@@ -237,6 +285,8 @@ class RolloutActor(Actor):
                 continue
 
     async def on_stop(self) -> None:
+        if self.endpoint is not None:
+            await self.endpoint.stop()
         if self.engine is not None:
             await self.engine.stop()
         if self.receiver is not None:
@@ -321,10 +371,13 @@ class RolloutActor(Actor):
         start = time.monotonic()
         self._busy_enter(msg.group_id, start)
         assert self.codec is not None
+        if self.agent is not None:
+            await self._generate_by_agent(msg, start)
+            return
         running = self._episodes[msg.group_id] = asyncio.ensure_future(
             run_episodes(engine, request, make_env, self.codec, self.limits))
         try:
-            episodes = await running
+            episodes = await self._await_group(msg.group_id, running)
         except (RequestError, EpisodeError) as exc:   # EpisodeError: a tool's marker is not one token
             await self._return(msg.group_id, f"invalid: {exc}")
             return
@@ -332,20 +385,8 @@ class RolloutActor(Actor):
             self.log.error("engine_failed", group_id=msg.group_id, error=str(exc))
             await self._return(msg.group_id, f"engine_error: {exc}")
             return
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if running.cancelled() and not (current is not None and current.cancelling()):
-                # AbortGroup cancelled the episodes (a later turn is a request of its own, which aborting the
-                # group's id does not reach); cancelling aborts every turn in flight.
-                await self._return(msg.group_id, "aborted")
-                return
-            # The drain ran out of time and cancelled this handler (the engine aborts the request on
-            # cancellation): the group still goes back to the buffer.
-            await self._return(msg.group_id, "cancelled")
-            raise
-        finally:
-            self._episodes.pop(msg.group_id, None)
-            self._busy_exit(msg.group_id)
+        if episodes is None:
+            return
         seconds = time.monotonic() - start
         if any(t.end == "abort" for t in episodes):
             await self._return(msg.group_id, "draining" if self.draining else "aborted")
@@ -353,6 +394,10 @@ class RolloutActor(Actor):
         self._count_episodes(msg.group_id, episodes)
         samples = [Sample(output_ids=t.output_ids, logprobs=t.logprobs, versions=t.versions,
                           finish_reason=t.answer_finish_reason) for t in episodes]
+        await self._send_answers(msg, samples, episodes, seconds)
+
+    async def _send_answers(self, msg: GenerateGroup, samples: list[Sample], episodes: list[Trajectory],
+                            seconds: float, prompt_ids: list[int] | None = None) -> None:
         tokens = sum(t.generated_tokens for t in episodes)   # an environment's tokens are not generation
         self._gen_seconds += seconds
         self._tokens += tokens
@@ -361,7 +406,70 @@ class RolloutActor(Actor):
         reward = msg.reward or self.rewards[self._rr % len(self.rewards)]
         self._rr += 1
         await self.bus.send(reward, Trajectories(group_id=msg.group_id, task=msg.task, answers=Answers(
-            samples=samples, rollout=self.name, gen_seconds=seconds, **self._clocks())))
+            samples=samples, rollout=self.name, gen_seconds=seconds, prompt_ids=list(prompt_ids or []),
+            **self._clocks())))
+
+    async def _await_group(self, group_id: str, running: asyncio.Future) -> Any:
+        """What ``running`` (the group's episodes or agent runs) returns; None once a cancelled group has gone
+        back to the buffer. Its other errors propagate."""
+        try:
+            return await running
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if running.cancelled() and not (current is not None and current.cancelling()):
+                # AbortGroup or a drain cancelled the episodes (a later turn or an agent's call is a request of
+                # its own, which aborting the group's id does not reach); cancelling aborts every one in flight.
+                await self._return(group_id, "draining" if self.draining else "aborted")
+                return None
+            # The drain ran out of time and cancelled this handler (the engine aborts the request on
+            # cancellation): the group still goes back to the buffer.
+            await self._return(group_id, "cancelled")
+            raise
+        finally:
+            self._episodes.pop(group_id, None)
+            self._busy_exit(group_id)
+
+    async def _generate_by_agent(self, msg: GenerateGroup, start: float) -> None:
+        """The group as ``n`` episodes of the agent (settings.agent), each its own key on the endpoint, run at
+        once; the answers continue the prompt the conversations rendered (`group_answers`), which travels in
+        `Answers.prompt_ids`. An agent's reward travels in `Sample.agent_reward`."""
+        assert self.endpoint is not None and self.agent is not None and self.codec is not None
+        task = agent_task(msg, self.codec.decode(msg.prompt_ids))
+        seed = msg.seed or None
+        running = self._episodes[msg.group_id] = asyncio.ensure_future(asyncio.gather(*(
+            run_agent(self.endpoint, self.agent, task, f"{msg.group_id}/s{i}", self.cfg.agent.timeout_s,
+                      turn_seed(seed, i, 0))
+            for i in range(msg.n))))
+        runs: list[AgentRun] | None = await self._await_group(msg.group_id, running)
+        if runs is None:
+            return
+        seconds = time.monotonic() - start
+        self._count_agent_runs(msg.group_id, runs)
+        if any(t.end == "abort" for run in runs for t in run.trajectories):
+            await self._return(msg.group_id, "draining" if self.draining else "aborted")
+            return
+        try:
+            prompt, answers = group_answers(runs)
+        except AgentGroupError as exc:
+            await self._return(msg.group_id, f"invalid: agent: {exc}")
+            return
+        self._count_episodes(msg.group_id, answers)
+        samples = [Sample(output_ids=t.output_ids, logprobs=t.logprobs, versions=t.versions,
+                          finish_reason=t.answer_finish_reason, agent_reward=run.reward)
+                   for t, run in zip(answers, runs)]
+        await self._send_answers(msg, samples, answers, seconds, prompt_ids=prompt)
+
+    def _count_agent_runs(self, group_id: str, runs: list[AgentRun]) -> None:
+        """The conversations' counters (drift above all: 0 expected) and the agents' failures, logged with cause."""
+        for run in runs:
+            for name, value in run.counters.items():
+                self.counters[f"agent_{name}"] += value
+            self.counters["agent_branches_untrained"] += max(len(run.trajectories) - 1, 0)
+            if run.error:
+                self.counters["agent_errors"] += 1
+                self.log.warning("agent_error", group_id=group_id, error=run.error[:300])
+            if run.counters.get("drift") or run.counters.get("rerendered"):
+                self.log.warning("agent_drift", group_id=group_id, **run.counters)
 
     def _count_episodes(self, group_id: str, episodes: list[Trajectory]) -> None:
         """Turns, tool calls and environment time per episode (rollout_stats); an environment's failure is
@@ -425,7 +533,7 @@ class RolloutActor(Actor):
             # An episode's later turns are requests of their own: cancelling aborts them. A one-turn group is
             # not cancelled: its aborted request answers, and `done` is set once the server has let it go
             # (a cancelled wait would answer before the server's copy ended, beside its re-issue).
-            if running is not None and self.limits.max_turns > 1:
+            if running is not None and (self.limits.max_turns > 1 or self.agent is not None):
                 running.cancel()
         try:
             await asyncio.wait_for(done.wait(), self.cfg.drain_timeout / 2)
@@ -472,7 +580,9 @@ class RolloutActor(Actor):
                 "tokens_per_s": round(self._tokens / wall, 2),
                 # the python tool's runs, calls abandoned at its timeout, runs refused (no sandbox) or failed
                 **({"python_tool": dict(self.python_runner.counters)}
-                   if self.python_runner is not None and self.python_runner.counters["runs"] else {})}
+                   if self.python_runner is not None and self.python_runner.counters["runs"] else {}),
+                # the agents' endpoint: calls, errors, its own time per call (HTTP, matching, rendering, parsing)
+                **({"agent_endpoint": self.endpoint.stats()} if self.endpoint is not None else {})}
 
     async def _stats_loop(self, every: float) -> None:
         while True:

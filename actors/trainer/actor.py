@@ -58,7 +58,8 @@ from actors.trainer.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup, foll
 from actors.runtime.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, complete_checkpoints, mark_complete,
                              mark_run_finished, recovering, restarted_in_place, start_weights)
 from actors.runtime.threads import in_thread
-from actors.trainer.metrics import MetricsWriter, step_metrics
+from actors.runtime.spans import SpanLog
+from actors.trainer.metrics import LOSS_SHARES, MetricsWriter, step_metrics
 from actors.trainer.trackers import Trackers
 # StepConfig, TrainerConfigError, train_on_batch, rank_samples: the step's math, imported here by its users too
 from actors.trainer.step import StepConfig, TrainerConfigError, rank_samples, train_on_batch, train_share
@@ -188,6 +189,7 @@ class TrainerActor(Actor):
         self.ckpt_every_s = cfg.run.checkpoint_every_s
         self.last_ckpt = time.monotonic()
         self.keep_ckpts = cfg.run.keep_checkpoints
+        self.trace = SpanLog(self.run_dir, self.name) if cfg.run.trace else None
         self.version, model_dir = start_weights(cfg, self.run_dir)
         self.engine = await asyncio.to_thread(make_train_engine, cfg, model_dir, self.version)
         self.ref_engine = await asyncio.to_thread(make_reference_engine, cfg) if self.step_cfg.kl_coef > 0 else None
@@ -404,6 +406,12 @@ class TrainerActor(Actor):
                                          else f"no publish within {self.publish_wait_s():.0f} s")
                 sync_seconds = self.publish_seconds   # the newest publish that completed
             end = time.time()
+            loss_shares = stats.pop(LOSS_SHARES, None)
+            if self.trace is not None:
+                self.trace.write("step", step=self.version, wait=[t_wait, t0], train=[t0, t0 + train_seconds],
+                                 end=end, logprobs_s=stats.get("logprobs_seconds"),
+                                 forward_backward_s=stats.get("forward_backward_seconds"),
+                                 optimizer_s=stats.get("optimizer_seconds"), loss_shares=loss_shares)
             stats.update(step=self.version, version=self.version, wait_seconds=t0 - t_wait,
                          train_seconds=train_seconds, weight_sync_seconds=sync_seconds,
                          step_seconds=end - last_end, time=end, buffer_depth=batch.stats.depth,
@@ -466,7 +474,9 @@ class TrainerActor(Actor):
                 t0 = time.time()
                 async with self._engine_lock:   # between steps: the export is of one whole version
                     version = self.version
+                    t_export = time.time()
                     buckets, stages = await in_thread(self._export)   # a collective on the stages' ranks
+                exported = time.time()
                 error: Exception | None = None
                 try:
                     await self.weights.publish(version, buckets, stages)
@@ -485,6 +495,9 @@ class TrainerActor(Actor):
                     continue
                 failures = 0
                 self.publish_seconds = time.time() - t0
+                if self.trace is not None:
+                    self.trace.write("publish", version=version, export=[t_export, exported],
+                                     send=[exported, time.time()])
                 self._publish_seconds_max = max(self._publish_seconds_max, self.publish_seconds)
                 self.push_stats = await self._push_stats() or self.push_stats   # kept when the server is away
                 self.published = version

@@ -16,6 +16,19 @@ from algo.staleness import sample_staleness
 from transport.protocol import BatchTensors
 
 
+#: The step metric holding each sample's share of the loss's weight (a list in batch order, None where no rank
+#: reported it): the trainer writes it to its trace records, not to metrics.jsonl.
+LOSS_SHARES = "loss_shares"
+
+
+def _loss_shares(shares: list["ShareResult"], n: int) -> list[float | None]:
+    out: list[float | None] = [None] * n
+    for share in shares:
+        for i, value in (share.loss_shares or {}).items():
+            out[i] = round(value, 6)
+    return out
+
+
 @dataclass
 class ShareResult:
     """What one trainer rank did with its share of a step; rank 0 merges every rank's into the metrics."""
@@ -24,6 +37,10 @@ class ShareResult:
     logprob_gap: float                  # max |proximal - behaviour| on tokens sampled by these very weights
     updates: list[dict[str, float]]     # engine.train_step reports (already global: summed over replicas)
     kl_reward: float | None = None      # mean over answer tokens of -kl_coef * KL to the reference (kl_coef > 0)
+    logprobs_seconds: float = 0.0       # the proximal (and reference) log-probs before the updates
+    # per sample of this rank's share (index in the batch): its loss tokens over its minibatch's, the weight
+    # the token-normalised loss gives it (tools.trace sample)
+    loss_shares: dict[int, float] | None = None
 
 
 def step_metrics(batch: Batch | BatchTensors, version: int, shares: list[ShareResult]) -> dict[str, Any]:
@@ -65,6 +82,11 @@ def step_metrics(batch: Batch | BatchTensors, version: int, shares: list[ShareRe
         "loss": sum(x["loss"] for x in updates), "grad_norm": max((x["grad_norm"] for x in updates), default=0.0),
         "lr": updates[-1]["lr"] if updates else 0.0,
         "accuracy_by_level": _accuracy_by_level(batch), **kl_reward,
+        # rank 0's phases of the step (the timeline's spans; the wait and export are the trainer actor's)
+        "logprobs_seconds": shares[0].logprobs_seconds,
+        "forward_backward_seconds": sum(x.get("forward_backward_seconds", 0.0) for x in updates),
+        "optimizer_seconds": sum(x.get("optimizer_seconds", 0.0) for x in updates),
+        LOSS_SHARES: _loss_shares(shares, len(batch.output_lens)),
     }
 
 

@@ -4,6 +4,7 @@ data-parallel replicas. Pure functions of the engine and the batch; the trainer 
 and its rank followers (actors/trainer/rank_group.py) call them."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -210,6 +211,7 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
     behav = lay.behav
     rewards = torch.tensor(batch.rewards, dtype=torch.float32)
     budget = max(cfg.max_tokens_per_mb, max(lengths))
+    t_logprobs = time.perf_counter()
     kl_reward = None
     ref = None
     if cfg.kl_coef > 0:
@@ -235,6 +237,7 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
     prox = behav.clone()
     if cfg.decoupled:
         packed_logprobs(engine, seqs, [ids for mbs in minibatches for ids in mbs], prox, starts, cfg.temperature)
+    logprobs_seconds = time.perf_counter() - t_logprobs
     mine = tokens_of(mine_ids)
     current = (lay.versions == float(version)) & mask & mine  # sampled by exactly these weights
     gap = float(((prox - behav).abs() * current).max()) if bool(current.any()) else 0.0
@@ -242,12 +245,15 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
     per_token = {"loss_mask": lay.loss_mask, "behav": behav, "prox": prox, "adv": adv}
     stats_all = PPOStats()
     updates: list[dict[str, float]] = []
+    loss_shares: dict[int, float] = {}
     for mbs_ids in minibatches:
         sel = tokens_of([i for ids in mbs_ids for i in ids])
         local = count_loss_tokens(mask[sel], prox[sel], behav[sel], cfg.ppo.behav_cap)
         n_tokens = engine.data_parallel_sum([float(local)])[0]   # the same decision on every rank
         if n_tokens == 0:
             continue
+        for i in (i for ids in mbs_ids for i in ids):
+            loss_shares[i] = float(mask[starts[i]:starts[i] + lengths[i]].sum()) / n_tokens
         mbs = [PackedBatch.from_sequences([seqs[i] for i in ids],
                                           {k: [v[starts[i]:starts[i] + lengths[i]].tolist() for i in ids]
                                            for k, v in per_token.items()})
@@ -266,4 +272,4 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
         for st in collected:
             stats_all = stats_all.merge(st)
     return ShareResult(ppo=stats_all if engine.reports_stats else PPOStats(), logprob_gap=gap, updates=updates,
-                       kl_reward=kl_reward)
+                       kl_reward=kl_reward, logprobs_seconds=logprobs_seconds, loss_shares=loss_shares)

@@ -1,10 +1,10 @@
-"""`python -m tools.bench NAME [args]`: run one benchmark (bus, bulk, batch, serve, packing, engine, reward, e2e, ablation, gpu, chaos, issue)."""
+"""`python -m tools.bench NAME [args]`: run one benchmark (bus, bulk, batch, serve, packing, engine, reward, e2e, ablation, gpu, chaos, issue, agent)."""
 from __future__ import annotations
 
 import importlib
 import sys
 
-BENCHMARKS = ("bus", "bulk", "batch", "serve", "packing", "engine", "reward", "e2e", "ablation", "gpu", "chaos", "issue")
+BENCHMARKS = ("bus", "bulk", "batch", "serve", "packing", "engine", "reward", "e2e", "ablation", "gpu", "chaos", "issue", "agent")
 
 
 def main(argv: list[str] | None = None) -> int:

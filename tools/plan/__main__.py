@@ -42,23 +42,24 @@ SWEEP_ETAS = (0, 1, 2, 4, 8, 16)
 SWEEP_SPLITS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
 
 
-def compare(found: setup.Setup, steps: int) -> dict[str, sim.Result]:
-    """The configured run, its synchronous twin on the same split, and the colocated synchronous baseline."""
+def compare(found: setup.Setup, steps: int, trace: bool = False) -> dict[str, sim.Result]:
+    """The configured run, its synchronous twin on the same split, and the colocated synchronous baseline
+    (``trace``: the configured run keeps its trace records, `sim.Result.records`)."""
     runs = {"async": dict(), SYNC: dict(eta=0), "sync (colocated, all GPUs)": dict(colocated=True)}
     out = {}
     for name, kw in runs.items():
         print(f"simulating {name}: {steps} steps", file=sys.stderr, flush=True)
-        out[name] = sim.simulate(setup.sim_config(found, steps=steps, **kw))
+        out[name] = sim.simulate(setup.sim_config(found, steps=steps, **kw), trace=trace and name == "async")
     return out
 
 
 def compare_cpu(found: setup.Setup, steps: int, measured: MeasuredCosts,
-                workloads: dict[str, dict[str, Any] | None]) -> dict[str, sim.Result]:
+                workloads: dict[str, dict[str, Any] | None], trace: bool = False) -> dict[str, sim.Result]:
     """The configured run and its synchronous twin on the same cores, from measured costs, each with its
     workload (`workloads["async"]`, `workloads["sync"]`). (No colocated row: there every actor gets both
     cores with two threads, which a one-thread calibration does not cover.)"""
     return {"async": sim.simulate(setup.sim_config(found, steps=steps, measured=measured,
-                                                   workload=workloads["async"])),
+                                                   workload=workloads["async"]), trace=trace),
             SYNC: sim.simulate(setup.sim_config(found, eta=0, steps=steps, measured=measured,
                                                 workload=workloads["sync"]))}
 
@@ -172,6 +173,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("overrides", nargs="*", help="key.sub=value (topology keys, or experiment.* for the config)")
     ap.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     ap.add_argument("--plot", metavar="DIR", help="write timeline.png (and sweep.png with --sweep) here")
+    ap.add_argument("--trace", metavar="FILE", help="write the simulated asynchronous run as a Chrome/Perfetto "
+                    "trace, in the format of `python -m tools.trace RUN_DIR` (tools/trace/simulated.py)")
     ap.add_argument("--sweep", action="store_true", help="also sweep inference/training splits and eta")
     ap.add_argument("--steps", type=int, default=None,
                     help="training steps per simulation, the first is warm-up (default: eta + 6 on GPUs, so that the "
@@ -234,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, sim.Result] = {}
     if any(g.device == "cuda" for g in found.groups) and not problems:
         args.steps = args.steps or found.experiment.algo.eta + 6
-        results = compare(found, args.steps)
+        results = compare(found, args.steps, trace=bool(args.trace))
         out["simulation"] = {k: r.summary() for k, r in results.items()}
         text += ["", f"simulation ({args.steps} steps each, the first is warm-up)", *_fmt_results(results)]
     elif setup.on_cpus(found) and found.of_kind("trainer") and found.of_kind("rollout"):
@@ -244,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"--costs: {exc}", file=sys.stderr)
             return 2
         args.steps = args.steps or int((e2e or {}).get("steps") or 40)
-        results = compare_cpu(found, args.steps, measured, workloads)
+        results = compare_cpu(found, args.steps, measured, workloads, trace=bool(args.trace))
         devices, engines = setup.cpu_servers(found.of_kind("rollout")[0])
         out["costs"], out["workloads"] = measured.source, workloads
         out["simulation"] = {k: r.summary() for k, r in results.items()}
@@ -278,6 +281,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tools.plan import plots
         out["plots"] = plots.write(Path(args.plot), results["async"], rows)
         text.append(f"plots: {', '.join(out['plots'])}")
+    if args.trace and results:
+        from tools.trace.simulated import write_simulated
+        out["trace"] = str(write_simulated(results["async"], args.trace, f"simulation of {plan.topology.source}"))
+        text.append(f"trace of the simulated run: {out['trace']} (open at https://ui.perfetto.dev)")
     print(json.dumps(out, indent=1) if args.json else "\n".join(text))
     if problems:
         print("\n".join(problems), file=sys.stderr)

@@ -274,6 +274,9 @@ class Result:
     timeline: list[tuple[str, float, float]]   # (lane, start, end): busy intervals for plots
     counters: dict[str, Any]
     warmup: int = 1
+    # (actor, record): the trace records the actors write (actors/runtime/spans.py) and the log events
+    # tools.trace reads, as the simulated run would have written them (`Simulation(cfg, trace=True)`)
+    records: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
 
     @property
     def measured(self) -> list[Step]:
@@ -385,8 +388,9 @@ def agreement(simulated: dict[str, float], measured: dict[str, float], tolerance
 
 
 class Simulation:
-    def __init__(self, cfg: SimConfig) -> None:
+    def __init__(self, cfg: SimConfig, trace: bool = False) -> None:
         self.cfg = cfg
+        self.records: list[tuple[str, dict[str, Any]]] | None = [] if trace else None
         self.rng = np.random.default_rng(cfg.seed)
         self.now = 0.0
         names = cfg.rollout_names
@@ -514,6 +518,10 @@ class Simulation:
             self._last_span[lane] = len(self.timeline)
             self.timeline.append((lane, t0, t1))
 
+    def _record(self, actor: str, **record: Any) -> None:
+        if self.records is not None:
+            self.records.append((actor, record))
+
     def _trainer_to(self, state: str) -> None:
         self.clocks[f"trainer.{self.trainer}"] += self.now - self.trainer_since
         if self.trainer in ("train", "export"):
@@ -548,6 +556,8 @@ class Simulation:
                                                  self.device_version[d.index], len(reqs), issued_at=self.now)
             self._inflight_change(issue.rollout, +1)
             self.counters["issued"] += 1
+            self._record("buffer", ev="issue", t=self.now, group=issue.group_id, key=list(issue.key),
+                         rollout=issue.rollout, reward=issue.reward)
             d.submit(reqs)
             touched.add(d.index)
         for i in touched:
@@ -571,7 +581,16 @@ class Simulation:
                           finish_reason="length" if n >= cfg.max_new_tokens else "stop", reward=rw)
                    for n, rw in zip(g.lengths, rewards[:len(g.lengths)])]
         in_flight = gid in self.state.inflight
+        held = self.state.inflight.get(gid)
+        if self.records is not None:
+            self._record("buffer", ev="group", t=self.now, group=gid, key=list(held.key) if held else None,
+                         issued=g.issued_at, rollout=g.rollout, reward=held.reward if held else None,
+                         gen_s=g.done_at - g.issued_at, score_s=self.now - g.done_at, answers=[
+                             [s.versions[0], s.versions[-1], len(s.output_ids), s.reward, s.finish_reason]
+                             for s in samples], outcome="pending")
         result = self.state.scored(gid, Answers(samples=samples, rollout=g.rollout, gen_seconds=g.done_at - g.issued_at))
+        if self.records is not None:
+            self.records[-1][1]["outcome"] = result.outcome
         if result.outcome == "late":
             self.counters["late_groups"] += 1
             self.counters["late_answer_tokens"] += sum(g.lengths)
@@ -647,6 +666,9 @@ class Simulation:
         if self.trainer != "wait_batch" or self.serving or len(self.steps) >= cfg.steps:
             return
         dropped = self.state.drop_stale()   # their prompts are issued again
+        if dropped:
+            self._record("buffer", ev="stale", t=self.now, version=self.state.gate.version,
+                         groups=[g.group_id for g in dropped], start_versions=[g.start_version for g in dropped])
         for g in dropped:
             del self.groups[self._accepted.pop(g.key)]
         if dropped:
@@ -665,6 +687,8 @@ class Simulation:
         step = Step(self.version + 1, self.now + serve_s, math.nan, int(sum(lengths)),
                     self.now + serve_s - self.trainer_since, train_s, 0.0, 0.0, staleness)
         self.pending_step = step
+        self._record("buffer", ev="batch", step=step.version, asked=self.trainer_since, taken=self.now,
+                     served=self.now + serve_s, groups=ids)
         self.serving = True
         self._push_event(self.now + serve_s, "served", train_s)
 
@@ -681,6 +705,8 @@ class Simulation:
             self._dispatch()
         export_s = self.sync if self.weight_sync is None else self.weight_sync.export_s
         self.pending_step.export_s = export_s
+        self._record("trainer", ev="publish", version=self.version, export=[self.now, self.now + export_s],
+                     send=[self.now + export_s, self.now + export_s])
         self._push_event(self.now + export_s, "exported", None)
 
     def _on_exported(self) -> None:
@@ -707,6 +733,8 @@ class Simulation:
         assert step is not None
         self.pending_step = None
         step.end = self.now
+        self._record("trainer", ev="step", step=step.version, wait=[step.start - step.wait_s, step.start],
+                     train=[step.start, step.start + step.train_s], end=step.end)
         self._trainer_to("wait_batch" if len(self.steps) + 1 < self.cfg.steps else "done")
         self._snapshot(step)
         self.steps.append(step)
@@ -752,6 +780,8 @@ class Simulation:
         version, members, started = self.pushing
         self.pushing = None
         self.clocks["ps.push"] += self.now - started
+        self._record("param_server", event="weights_pushed", t=self.now, version=version,
+                     sync_s=self.now - started)
         self._span("push", started, self.now)
         for n in members:
             self.policy.rollouts[n].version = version   # its ack
@@ -806,7 +836,8 @@ class Simulation:
         if not self.steps:
             raise RuntimeError("simulation ended before its first training step: no group can be admitted")
         return Result(self.cfg, self.steps, self.steps[-1].end,
-                      [x for x in self.timeline if x[1] < self.steps[-1].end], self._counters())
+                      [x for x in self.timeline if x[1] < self.steps[-1].end], self._counters(),
+                      records=self.records or [])
 
     def _decisions(self) -> dict[str, int]:
         """The counters the simulation keeps, and the buffer's own: every prompt issued again (handed back after
@@ -865,5 +896,6 @@ class Simulation:
                 "waiting_requests_peak": spread([float(d.counters["max_waiting"]) for d in self.devices])}
 
 
-def simulate(cfg: SimConfig) -> Result:
-    return Simulation(cfg).run()
+def simulate(cfg: SimConfig, trace: bool = False) -> Result:
+    """The simulated run; with ``trace``, its `Result.records` are the records its actors would have written."""
+    return Simulation(cfg, trace=trace).run()

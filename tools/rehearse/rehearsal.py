@@ -523,6 +523,18 @@ def rehearse(opts: Options) -> dict[str, Any]:
                   launch_overrides, sim_overrides)
 
 
+def write_traces(run_dir: Path, result: sim.Result) -> dict[str, str]:
+    """The rehearsal's timeline and its simulation's, in one format, to open side by side in Perfetto:
+    RUN_DIR/trace.json (`python -m tools.trace RUN_DIR`) and RUN_DIR/trace-simulated.json."""
+    from tools.trace import timeline
+    from tools.trace.records import read_run
+    from tools.trace.simulated import write_simulated
+
+    real = timeline.write(timeline.build(read_run(run_dir)), run_dir / "trace.json")
+    simulated = write_simulated(result, run_dir / "trace-simulated.json", f"simulation of {run_dir.name}")
+    return {"rehearsal": str(real), "simulation": str(simulated)}
+
+
 def kill_node(run_dir: Path, host: str) -> dict[str, Any]:
     """SIGKILL every rollout actor of one node (a node's worth of rollouts; their servers follow them: the
     parent-death signal), by the pids its node agent publishes."""
@@ -568,7 +580,8 @@ def report(opts: Options, run_dir: Path, plan: Plan, layout: Layout, costs: Rehe
         served = batches_served(run_dir, measured_steps(metrics))
         stretch = serve_stretch(served)
         serve = sim_cfg.serve.scaled(opts.time_scale * stretch, opts.token_scale)
-        result = sim.simulate(dataclasses.replace(sim_cfg, steps=len(metrics), serve=serve))
+        result = sim.simulate(dataclasses.replace(sim_cfg, steps=len(metrics), serve=serve), trace=True)
+        out["traces"] = write_traces(run_dir, result)
         out["serve_stretch"] = stretch
         out["trainer_wait"] = trainer_wait(metrics, served)
         out["serve_cost"] = dataclasses.asdict(serve)

@@ -1,0 +1,175 @@
+"""Agents written as ordinary code, run as episodes against the rollout's OpenAI endpoint.
+
+An agent is either an async Python function ``agent(client, task) -> float | None`` (``client`` an
+`AgentClient`: the endpoint's ``base_url`` and the episode's ``api_key``; ``task`` the task record) or an
+external program, started with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and ``AGENT_TASK`` (the record as JSON)
+in its environment, whose last line on stdout may be its reward. It returns a reward, or None to leave the
+grading to the task's reward actor, which reads the final reply (`AgentRun.final_text`).
+
+`run_agent` opens one episode (key) per sample, runs the agent under ``timeout_s`` and closes the episode,
+whatever happened: an agent that raises, hangs or exits with an error ends its episode with the cause in
+`AgentRun.error` (and every trajectory's ``error``); the tokens it had sampled are kept.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import json
+import math
+import os
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from actors.rollout.episode import Trajectory
+from actors.rollout.openai_server import AgentEndpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentClient:
+    """Where an agent's OpenAI client points: ``AsyncOpenAI(base_url=..., api_key=...)`` (see `openai`)."""
+
+    base_url: str
+    api_key: str
+
+    def openai(self, **kwargs: Any) -> Any:
+        """An ``openai.AsyncOpenAI`` on this endpoint (the ``openai`` package, imported only here)."""
+        from openai import AsyncOpenAI
+        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, **kwargs)
+
+
+AgentFn = Callable[[AgentClient, Mapping[str, Any]], Awaitable[float | None]]
+
+
+@dataclasses.dataclass
+class AgentRun:
+    """One episode of an agent: its trajectories (one per branch), its reward (None: the reward actor grades
+    ``final_text``), why it ended early, and the conversation's counters (drift, forks, tool calls)."""
+
+    trajectories: list[Trajectory]
+    reward: float | None = None
+    error: str = ""
+    counters: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def final_text(self) -> str:
+        """The last reply of the branch the agent answered on last (the last trajectory)."""
+        return self.trajectories[-1].final_text if self.trajectories else ""
+
+
+async def run_agent(endpoint: AgentEndpoint, agent: AgentFn | Sequence[str], task: Mapping[str, Any], name: str,
+                    timeout_s: float, seed: int | None = None) -> AgentRun:
+    """Run one episode of ``agent`` (a function, or a program's argv) on ``task`` (see the module docstring)."""
+    key = endpoint.open(name, seed)
+    client = AgentClient(endpoint.base_url, key)
+    reward: float | None = None
+    error = ""
+    try:
+        if callable(agent):
+            reward = await asyncio.wait_for(agent(client, task), timeout_s)
+        else:
+            reward = await run_program(list(agent), client, task, timeout_s)
+        if reward is not None:
+            if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+                raise TypeError(f"the agent returned {reward!r}, expected a finite number or None")
+            reward = float(reward)
+    except TimeoutError:
+        error = f"agent timed out after {timeout_s:g} s"
+        reward = None
+    except asyncio.CancelledError:   # the group was aborted or the rollout drains: end the episode, then go
+        await endpoint.close(key, "cancelled")
+        raise
+    except Exception as exc:   # the agent's failure is its episode's outcome, never the rollout's crash
+        error = f"agent failed: {type(exc).__name__}: {str(exc)[:500]}"
+        reward = None
+    conversation = await endpoint.close(key, error or "done")
+    trajectories = conversation.trajectories()
+    for t in trajectories:
+        t.end = "env_error" if error else ("tokens" if t.finish_reason == "length" else
+                                           "abort" if t.finish_reason == "abort" else "done")
+        t.error = error
+    return AgentRun(trajectories, reward, error, dict(conversation.counters))
+
+
+class AgentProgramError(RuntimeError):
+    """An agent program that failed: its exit status and the end of its stderr."""
+
+
+async def run_program(argv: list[str], client: AgentClient, task: Mapping[str, Any], timeout_s: float) -> float | None:
+    """Run an agent program (see the module docstring); killed at ``timeout_s`` (TimeoutError)."""
+    env = {**os.environ, "OPENAI_BASE_URL": client.base_url, "OPENAI_API_KEY": client.api_key,
+           "AGENT_TASK": json.dumps(dict(task))}
+    proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE, env=env)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except BaseException:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        raise
+    if proc.returncode != 0:
+        tail = err.decode(errors="replace").strip().splitlines()[-3:]
+        raise AgentProgramError(f"exit {proc.returncode}: {' | '.join(tail)[:400]}")
+    lines = out.decode(errors="replace").strip().splitlines()
+    if not lines:
+        return None
+    try:
+        return float(lines[-1])
+    except ValueError:
+        return None   # no reward printed: the reward actor grades the final reply
+
+
+def python_agent_argv(module: str) -> list[str]:
+    """The argv of an agent program written as a Python module (run with this interpreter)."""
+    return [sys.executable, "-m", module]
+
+
+def load_agent(path: str) -> AgentFn:
+    """The async agent function named ``module:function``; ValueError names what is missing."""
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"agent.function {path!r}: expected 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"agent.function {path!r}: {exc}") from None
+    if not callable(fn):
+        raise ValueError(f"agent.function {path!r}: not callable")
+    return fn
+
+
+class AgentGroupError(ValueError):
+    """A group whose agent runs cannot become answers to one prompt; the message says why."""
+
+
+def group_answers(runs: Sequence[AgentRun]) -> tuple[list[int], list[Trajectory]]:
+    """One group's answers from its agent runs: ``(prompt, trajectories)``, one trajectory per run.
+
+    A run's answer is its last trajectory (the branch the agent answered on last; other branches are not
+    trained). Each conversation starts from its own first chat rendering; the group's prompt is the longest
+    prefix those renderings share, and whatever a rendering holds past it opens that answer as prompt-like
+    tokens (loss mask 0, version -1), so every answer is exactly the tokens its conversation held."""
+    finals = []
+    for i, run in enumerate(runs):
+        if not run.trajectories:
+            raise AgentGroupError(f"sample {i}: the agent sampled nothing ({run.error or 'it made no request'})")
+        finals.append(run.trajectories[-1])
+    prompt = finals[0].prompt_ids
+    for t in finals[1:]:
+        same = next((k for k, (a, b) in enumerate(zip(prompt, t.prompt_ids)) if a != b),
+                    min(len(prompt), len(t.prompt_ids)))
+        prompt = prompt[:same]
+    if not prompt:
+        raise AgentGroupError("the samples' first chat renderings share no token: no prompt to train them on")
+    answers = []
+    for t in finals:
+        answer = Trajectory(list(prompt), turns=list(t.turns), end=t.end, error=t.error)
+        answer.add_observation(t.prompt_ids[len(prompt):])
+        answer.output_ids += t.output_ids
+        answer.loss_mask += t.loss_mask
+        answer.logprobs += t.logprobs
+        answer.versions += t.versions
+        answers.append(answer)
+    return prompt, answers

@@ -1,0 +1,116 @@
+"""Agents in the RL loop: the rollout actor runs an agent (an `openai`-package function) for each sample of a
+`GenerateGroup` against its OpenAI endpoint, over a scripted model. The answers carry the prompt the conversations
+rendered, the model's exact tokens with tool results masked, per-token weight versions across a weight update
+between calls, the endpoint's counters, and the agent's reward when it returns one."""
+from __future__ import annotations
+
+import pytest
+
+from actors.rollout.agent import AgentGroupError, AgentRun, group_answers, load_agent
+from actors.rollout.episode import ENV_VERSION, Trajectory
+from tests.test_agent_endpoint import CALL, TOK, calc_script
+from tests.test_rollout_episodes import rollout_with
+from testsupport.scripted_engine import ScriptedEngine
+from transport.protocol import GenerateGroup, GroupReturned, Task, Trajectories
+
+EOS = TOK.eos_token_id
+PROMPT = "Compute: 37*48\n"
+
+
+async def graded_agent(client, task) -> float:
+    """One call, graded by the agent itself: its reward passes through the reward actor."""
+    completion = await client.openai().chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": task["prompt"]}])
+    return 2.5 if task["answer"] in (completion.choices[0].message.content or "") else -1.0
+
+
+async def silent_agent(client, task) -> None:
+    """Makes no request: its group has nothing to train on."""
+    return None
+
+
+def group(n: int = 2) -> GenerateGroup:
+    return GenerateGroup(group_id="g", prompt_ids=TOK.encode(PROMPT), n=n, task=Task(kind="math", answer="1776"),
+                         temperature=1.0, max_new_tokens=64, stop_token_ids=[EOS], seed=5)
+
+
+def agent_settings(function: str) -> dict:
+    return {"agent": {"function": function, "timeout_s": 30.0}}
+
+
+def test_the_rollout_runs_an_openai_agent_per_sample_and_sends_its_exact_tokens(tmp_path, random_model_dir, monkeypatch):
+    engine = ScriptedEngine(None, vocab_size=TOK.vocab_size)
+    model = calc_script()
+
+    def script(context, sample):
+        if "T: " in TOK.decode(context, skip_special_tokens=False):
+            engine.set_version(3)   # a weight update lands between the agent's two calls
+        return model(context, sample)
+    engine.script = script
+    traj, stats = rollout_with(tmp_path, random_model_dir, engine, {"max_new_tokens": 128, "max_context": 256},
+                               [group()], monkeypatch, settings=agent_settings("tools.agents.calculator:agent"))
+    assert isinstance(traj, Trajectories), traj
+    first_call = engine.requests[0]
+    # The group's prompt is the conversations' own first rendering (the chat template's), not the buffer's.
+    assert traj.answers.prompt_ids == list(first_call.input_ids)
+    assert TOK.decode(traj.answers.prompt_ids) == "tools: calc\nU: " + PROMPT + "\nA: "
+    call_ids, answer_ids = TOK.encode(CALL) + [EOS], TOK.encode("\\boxed{1776}") + [EOS]
+    for s in traj.answers.samples:
+        trained = [t for t, v in zip(s.output_ids, s.versions) if v != ENV_VERSION]
+        assert trained == call_ids + answer_ids   # exactly what the model sampled
+        masked = [t for t, v in zip(s.output_ids, s.versions) if v == ENV_VERSION]
+        assert TOK.decode(masked) == "\nT: 1776\nA: "   # the tool result and the next generation prompt
+        # the first call's tokens at version 0, the second's at 3: staleness counts from the first token
+        assert s.versions[:len(call_ids)] == [0] * len(call_ids) and s.versions[-len(answer_ids):] == [3] * len(answer_ids)
+        assert s.agent_reward is None and s.finish_reason == "stop"
+    assert stats["agent_endpoint"]["calls"] == 4 and stats["agent_endpoint"]["errors"] == 0
+    assert stats["turns_per_episode"] == 2
+
+
+def test_an_agents_reward_travels_with_its_sample(tmp_path, random_model_dir, monkeypatch):
+    engine = ScriptedEngine(lambda context, sample: TOK.encode("\\boxed{1776}") + [EOS], vocab_size=TOK.vocab_size)
+    traj, _ = rollout_with(tmp_path, random_model_dir, engine, {"max_new_tokens": 64}, [group(3)], monkeypatch,
+                           settings=agent_settings("tests.test_agent_rollout:graded_agent"))
+    assert isinstance(traj, Trajectories)
+    assert [s.agent_reward for s in traj.answers.samples] == [2.5, 2.5, 2.5]
+
+
+def test_an_agent_that_samples_nothing_hands_the_group_back_invalid(tmp_path, random_model_dir, monkeypatch):
+    engine = ScriptedEngine(lambda context, sample: [EOS], vocab_size=TOK.vocab_size)
+    returned, _ = rollout_with(tmp_path, random_model_dir, engine, {}, [group()], monkeypatch,
+                               settings=agent_settings("tests.test_agent_rollout:silent_agent"))
+    assert isinstance(returned, GroupReturned) and returned.reason.startswith("invalid: agent: sample 0")
+
+
+def test_an_unknown_agent_function_is_refused_at_start(tmp_path, random_model_dir, monkeypatch):
+    with pytest.raises(ValueError, match="agent.function 'tools.agents.calculator:nope': .*has no attribute 'nope'"):
+        load_agent("tools.agents.calculator:nope")
+    with pytest.raises(ValueError, match="expected 'module:function'"):
+        load_agent("tools.agents.calculator")
+    engine = ScriptedEngine(lambda context, sample: [EOS], vocab_size=TOK.vocab_size)
+    with pytest.raises(AssertionError, match="the rollout stopped: 1"):   # it never serves a group
+        rollout_with(tmp_path, random_model_dir, engine, {}, [group()], monkeypatch,
+                     settings=agent_settings("tools.agents.calculator:nope"))
+    assert not engine.requests
+
+
+def trajectory(prompt: list[int], output: list[int], version: int = 0) -> Trajectory:
+    t = Trajectory(prompt)
+    t.output_ids, t.loss_mask = list(output), [1] * len(output)
+    t.logprobs, t.versions = [-0.5] * len(output), [version] * len(output)
+    return t
+
+
+def test_group_answers_share_the_longest_common_prompt_and_mask_the_rest():
+    runs = [AgentRun([trajectory([1, 2, 3], [7, 8])]),
+            AgentRun([trajectory([9], [6]), trajectory([1, 2, 4, 5], [8], version=2)])]   # its last branch answers
+    prompt, answers = group_answers(runs)
+    assert prompt == [1, 2]
+    assert answers[0].output_ids == [3, 7, 8] and answers[0].loss_mask == [0, 1, 1]
+    assert answers[1].output_ids == [4, 5, 8] and answers[1].versions == [ENV_VERSION, ENV_VERSION, 2]
+    for a in answers:
+        a.check()
+    with pytest.raises(AgentGroupError, match="share no token"):
+        group_answers([AgentRun([trajectory([1], [2])]), AgentRun([trajectory([3], [2])])])
+    with pytest.raises(AgentGroupError, match="sample 1: the agent sampled nothing \\(agent timed out"):
+        group_answers([AgentRun([trajectory([1], [2])]), AgentRun([], error="agent timed out after 1 s")])
