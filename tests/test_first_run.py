@@ -44,7 +44,7 @@ def test_the_launcher_prints_each_actor_event_once(tmp_path: Path, capsys: pytes
     log.info("actor_ready", actor="rollout.1", pid=2, joined_late=True)   # news: on the console
     log.warning("actor_died", actor="reward", exit_code=-9, restart=1)
     log.info("actor_finished", actor="buffer")
-    console = capsys.readouterr().err
+    console = capsys.readouterr().out   # on stdout, with the progress lines
     assert "actor_started" not in console and "actor_finished" not in console and "after_s" not in console
     assert "joined_late" in console and "actor_died" in console
     events = [json.loads(x)["event"] for x in (tmp_path / "logs" / "launcher.jsonl").read_text().splitlines()]

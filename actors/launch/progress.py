@@ -20,7 +20,7 @@ def launcher_logger(run_dir: Path, name: str = "launcher") -> Any:
     """The supervisor's log: every event to RUN_DIR/logs/<name>.jsonl; on the console only those the progress
     view does not show (deaths, restarts, kills, late actors)."""
     return actor_logger(name, run_dir, not_on_console=lambda event: event.get("event") in SHOWN_AS_STATE
-                        and not event.get("joined_late"))
+                        and not event.get("joined_late"), console_stream=sys.stdout)   # beside the progress lines
 
 
 class ProgressView:
