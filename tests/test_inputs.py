@@ -74,8 +74,12 @@ def test_the_dry_run_reads_a_sample_and_says_when_a_file_is_absent(model: Path, 
     train.write_text("".join(good_line(i) for i in range(1500)))
     lines, problems = check_inputs(plan_of(model, train), launch=False)
     assert problems == [] and f"data.train {train}: 1000 records in the first 1000 lines" in lines, lines
-    lines, problems = check_inputs(plan_of(model, tmp_path / "elsewhere" / "train.jsonl"), launch=False)
-    assert problems == [] and any("absent on this machine; it is read at launch" in x for x in lines), lines
+    # a one-machine run reads its files on the machine it is launched on: absent here, they are missing
+    missing = tmp_path / "elsewhere" / "train.jsonl"
+    lines, problems = check_inputs(plan_of(model, missing), launch=False)
+    assert problems == [] and f"data.train {missing}: missing: no such file or directory on this machine, where a " \
+        "one-machine run reads it (a launch here refuses it)" in lines, lines
+    # (a run of several nodes reads them on its nodes: tests/test_launch.py, the 64-node dry run)
 
 
 def test_skipped_lines_are_listed_with_file_line_and_reason_and_a_share_fails(model: Path, tmp_path: Path,
@@ -145,7 +149,7 @@ def test_an_answer_file_absent_here_is_noted_in_the_dry_run_and_refused_at_launc
     train.write_text("".join(json.dumps({"query_id": str(i), "prompt": f"{i}+1="}) + "\n" for i in range(4)))
     plan = plan_of(model, train, f"experiment.data.id2info={tmp_path / 'id2info.json'}")
     lines, problems = check_inputs(plan, launch=False)
-    assert problems == [] and any("data.id2info" in x and "absent on this machine" in x for x in lines), lines
+    assert problems == [] and any("data.id2info" in x and "missing: no such file or directory on this machine" in x for x in lines), lines
     lines, problems = check_inputs(plan, launch=True)
     assert problems == [f"experiment.data.id2info: {tmp_path / 'id2info.json'}: no such file (the answers of the "
                         f"data files)"], problems

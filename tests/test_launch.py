@@ -106,9 +106,12 @@ def test_dry_run_64node_table(capsys: pytest.CaptureFixture) -> None:
     assert ("trainer world: nccl world of 128 ranks (trainer.0-127), rank 0 = trainer.0 leads, rendezvous #48:29400"
             in out)
     assert "pipeline stages" not in out
-    # the data check: what the run reads, absent here, is said to be read at launch (not a problem, not silent)
+    # the data check: what the run reads, absent here, is said to be read by the nodes (not a problem, not silent)
     assert "inputs (a sample of each data file; actors/launch/inputs.py)" in out
-    assert "data.train /storage/datasets/boba_106k_0319.jsonl: absent on this machine; it is read at launch" in out
+    assert ("data.train /storage/datasets/boba_106k_0319.jsonl: absent on this machine; the run's nodes read it at "
+            "launch") in out
+    # and after the run, the commands that show it
+    assert "  python3 -m tools.trace RUN_DIR" in out and "  python3 -m tools.report RUN_DIR" in out
     assert "model.path /storage/models/DeepSeek-R1-Distill-Qwen-7B: absent on this machine" in out
 
 
@@ -297,7 +300,8 @@ def test_supervisor_restarts_a_crashed_actor_inside_the_run(tmp_path: Path) -> N
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads((run_dir / "demo" / "summary.json").read_text())
     assert {n: r["restarts_seen"] for n, r in summary["pingers"].items()} == {"ping.0": 1, "ping.1": 1}
-    rows = {line.split()[0]: line.split() for line in res.stdout.splitlines()[-3:]}
+    rows = {line.split()[0]: line.split() for line in res.stdout.splitlines()
+            if line.split()[:1] in (["ping.0"], ["ping.1"])}   # the summary's rows: the last ones printed
     assert rows["ping.0"][-1] == "1" and rows["ping.1"][-1] == "1"  # restarts column of the summary
     assert_clean_stop(run_dir, ["echo", "ping.0", "ping.1"])
 

@@ -157,3 +157,48 @@ def test_overridden_data_paths_leave_the_recipes_folders_alone(tmp_path: Path, m
     exp["data"] = {"train": str(tmp_path / "d" / "train.jsonl"), "test": str(tmp_path / "d" / "test.jsonl")}
     prepare(exp, log=lambda _: None)
     assert (tmp_path / "d" / "train.jsonl").exists() and not (tmp_path / "careful").exists()
+
+
+def test_a_shipped_warm_start_is_used_while_it_matches_its_recipe_and_its_hash(tmp_path: Path, model_dir: Path,
+                                                                               capsys: pytest.CaptureFixture) -> None:
+    from tools.prepare import SHIPPED_MANIFEST, main, sha256_file
+
+    shipped = tmp_path / "shipped"
+    exp = experiment(tmp_path, model_dir)
+    exp["prepare"]["warm_start"]["shipped"] = str(shipped)
+    # the rebuild command, as a user runs it: trains from scratch and writes the shipped copy with its manifest
+    overrides = [f"experiment.{key}={json.dumps(exp[key])}" for key in ("model", "data", "prepare")]
+    assert main(["topology/local.yaml", *overrides, "--ship"]) == 0
+    assert f"prepare: the run starts from {tmp_path / 'ws' / 'stage2'}" in capsys.readouterr().out
+    manifest = json.loads((shipped / SHIPPED_MANIFEST).read_text())
+    assert manifest["weights"] == {"model.safetensors": sha256_file(shipped / "model.safetensors")}
+    assert manifest["command"].startswith("python3 -m tools.prepare topology/local.yaml") and "--ship" in manifest["command"]
+    assert [s["steps"] for s in manifest["stages"]] == [3, 3] and (shipped / "tokenizer.json").exists()
+
+    def fresh_clone() -> list[str]:   # the cache is gone; the shipped copy is all there is
+        shutil.rmtree(tmp_path / "ws", ignore_errors=True)
+        lines: list[str] = []
+        prepared = prepare(copy.deepcopy(exp), log=lines.append)
+        lines.append(f"model.path {prepared['model']['path']}")
+        return lines
+
+    lines = fresh_clone()
+    assert lines[-1] == f"model.path {shipped}" and not any("stage 1/2" in x for x in lines), lines
+    assert any("using the shipped warm start" in x and "sha256 checked" in x for x in lines)
+
+    # a changed file is refused (one line saying why) and the warm start trained
+    weights = shipped / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    lines = fresh_clone()
+    refused = [x for x in lines if x.startswith("prepare: not using the shipped warm start")]
+    assert len(refused) == 1 and "model.safetensors has sha256" in refused[0], lines
+    assert any("stage 1/2" in x for x in lines) and lines[-1] == f"model.path {tmp_path / 'ws' / 'stage2'}"
+
+    # a changed recipe is refused too, though the files are intact
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    exp["prepare"]["warm_start"]["stages"][1]["args"] = {**SFT_ARGS, "steps": 4}
+    lines = fresh_clone()
+    assert any("made by another recipe" in x for x in lines) and any("stage 1/2" in x for x in lines), lines

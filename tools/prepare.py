@@ -19,12 +19,21 @@ inputs (model config, tokenizer, every stage's training data and arguments): a s
 changed recipe trains a new one. `prepare` returns the prepared experiment document, a copy whose
 `model.path` points at the last stage's checkpoint (its argument is left as it was); the launcher builds
 the run's plan from that document (`Plan.with_experiment`), so every actor starts from the warm start.
+
+A recipe may ship its warm start (`prepare.warm_start.shipped: DIR`, a model directory in the repository) so
+that a fresh machine need not train it: DIR's manifest (`warm_start.json`) records the fingerprint of the
+recipe that made it and the sha256 of each weights file. It is used only while both match (the recipe is
+unchanged, the files are the ones made); otherwise the launch says why in one line and trains the warm start
+as above. `python -m tools.prepare TOPOLOGY --ship` trains it from scratch and writes DIR and its manifest.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import hashlib
 import json
+import shutil
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,6 +44,8 @@ from topology.experiment import DatasetRecipe, PrepareSection, WarmStartSection,
 from topology.schema import problem_lines
 
 FINGERPRINT = "prepare.json"
+SHIPPED_MANIFEST = "warm_start.json"
+SHIPPED_LEAVES_OUT = {"sft_metrics.jsonl"}   # the per-step record of the training: in the cache, not shipped
 # tools.sft.SFTConfig fields a stage's args may not set: the stage sets them itself.
 STAGE_SETS = frozenset({"data", "out", "model", "eval_data"})
 
@@ -104,9 +115,58 @@ def _stages(experiment: dict[str, Any], spec: WarmStartSection) -> list[WarmStar
     return [WarmStartStage(data=str(Path(train).parent), args=spec.args or {})]
 
 
-def prepare_warm_start(experiment: dict[str, Any], spec: WarmStartSection, log: Callable[[str], None]) -> str | None:
-    """The warm start's checkpoint (made, or reused while its inputs are unchanged); None when model.path has
-    weights already. Reads `experiment`, never changes it."""
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def shipped_problem(folder: Path, digest: str) -> str | None:
+    """Why the shipped warm start in ``folder`` cannot stand for the recipe whose fingerprint is ``digest``; None
+    when it can (its manifest names this recipe and every weights file has the manifest's sha256)."""
+    manifest = folder / SHIPPED_MANIFEST
+    if not manifest.is_file():
+        return f"no {SHIPPED_MANIFEST} in it" if folder.is_dir() else "no such directory"
+    try:
+        info = json.loads(manifest.read_text())
+        made_by, weights = str(info["fingerprint"]), dict(info["weights"])
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"{SHIPPED_MANIFEST} cannot be read ({exc!r})"
+    if made_by != digest:
+        return (f"made by another recipe (fingerprint {made_by}; this recipe's is {digest}: the model config, "
+                f"tokenizer, a stage's data or its arguments changed)")
+    present = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not weights or present != sorted(weights):
+        return f"its weights files {present} are not the manifest's {sorted(weights)}"
+    for name, want in sorted(weights.items()):
+        if (got := sha256_file(folder / name)) != want:
+            return f"{name} has sha256 {got[:16]}..., not the manifest's {want[:16]}..."
+    return None
+
+
+def ship(final: Path, folder: Path, digest: str, command: str, summaries: list[dict[str, Any]]) -> None:
+    """Write the warm start in ``final`` to ``folder`` with its manifest (the recipe's fingerprint, each weights
+    file's sha256, the command that made it and each stage's outcome)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.safetensors"):
+        old.unlink()
+    for f in sorted(final.iterdir()):
+        if f.is_file() and f.name not in SHIPPED_LEAVES_OUT:
+            shutil.copy2(f, folder / f.name)
+    stages = [{k: summary.get(k) for k in ("data", "steps", "stop_reason", "kept_step", "kept_accuracy", "seconds")}
+              for summary in summaries]
+    manifest = {"fingerprint": digest, "command": command,
+                "weights": {p.name: sha256_file(p) for p in sorted(folder.glob("*.safetensors"))}, "stages": stages}
+    (folder / SHIPPED_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def prepare_warm_start(experiment: dict[str, Any], spec: WarmStartSection, log: Callable[[str], None],
+                       ship_command: str | None = None) -> str | None:
+    """The warm start's checkpoint (reused while its inputs are unchanged, else the shipped one while it matches,
+    else trained); None when model.path has weights already. ``ship_command``: train it from scratch and write it
+    to ``spec.shipped`` with its manifest, naming that command. Reads `experiment`, never changes it."""
     from tools.sft import SFTConfig, run_sft
 
     path = (experiment.get("model") or {}).get("path")
@@ -117,26 +177,37 @@ def prepare_warm_start(experiment: dict[str, Any], spec: WarmStartSection, log: 
                                                       if Path(path).is_dir() else "no such directory"))
     if has_weights(path):
         return None
+    if ship_command is not None and not spec.shipped:
+        raise PrepareError("prepare.warm_start.shipped: not set (the folder --ship writes the warm start to)")
     out = spec.out
     stages = _stages(experiment, spec)
     digest = _fingerprint(Path(path), stages)
     final = Path(out) / f"stage{len(stages)}"
     stamp = Path(out) / FINGERPRINT
-    if has_weights(final) and stamp.exists() and json.loads(stamp.read_text()).get("fingerprint") == digest:
+    if (ship_command is None and has_weights(final) and stamp.exists()
+            and json.loads(stamp.read_text()).get("fingerprint") == digest):
         log(f"prepare: reusing the warm start in {final}")
-    else:
-        log(f"prepare: {path} has no weights; training the warm start into {out} "
-            f"({len(stages)} supervised stage(s), each to its plateau)")
-        summaries, start = [], str(path)
-        for i, stage in enumerate(stages, 1):
-            data = Path(stage.data)
-            log(f"prepare: warm-start stage {i}/{len(stages)} on {data / 'train.jsonl'}")
-            cfg = SFTConfig(data=str(data / "train.jsonl"), out=str(Path(out) / f"stage{i}"), model=start,
-                            eval_data=str(data / "test.jsonl") if stage.args.get("eval_every") else None,
-                            **stage.args)
-            summaries.append(run_sft(cfg, log=log))
-            start = cfg.out
-        stamp.write_text(json.dumps({"fingerprint": digest, "stages": summaries}, indent=1, default=str))
+        return str(final)
+    if ship_command is None and spec.shipped:
+        if (why := shipped_problem(Path(spec.shipped), digest)) is None:
+            log(f"prepare: using the shipped warm start {spec.shipped} (made by this recipe; sha256 checked)")
+            return spec.shipped
+        log(f"prepare: not using the shipped warm start {spec.shipped}: {why}; training it instead")
+    log(f"prepare: {path} has no weights; training the warm start into {out} "
+        f"({len(stages)} supervised stage(s), each to its plateau)")
+    summaries, start = [], str(path)
+    for i, stage in enumerate(stages, 1):
+        data = Path(stage.data)
+        log(f"prepare: warm-start stage {i}/{len(stages)} on {data / 'train.jsonl'}")
+        cfg = SFTConfig(data=str(data / "train.jsonl"), out=str(Path(out) / f"stage{i}"), model=start,
+                        eval_data=str(data / "test.jsonl") if stage.args.get("eval_every") else None,
+                        **stage.args)
+        summaries.append(run_sft(cfg, log=log))
+        start = cfg.out
+    stamp.write_text(json.dumps({"fingerprint": digest, "stages": summaries}, indent=1, default=str))
+    if ship_command is not None and spec.shipped:
+        ship(final, Path(spec.shipped), digest, ship_command, summaries)
+        log(f"prepare: shipped the warm start to {spec.shipped} ({SHIPPED_MANIFEST}: fingerprint {digest})")
     return str(final)
 
 
@@ -155,10 +226,11 @@ def _needed_folders(experiment: dict[str, Any], spec: PrepareSection) -> set[Pat
     return folders
 
 
-def prepare(experiment: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, Any]:
+def prepare(experiment: dict[str, Any], log: Callable[[str], None] = print,
+            ship_command: str | None = None) -> dict[str, Any]:
     """Run the experiment's `prepare` steps (data first, then the warm start that reads it) and return the
     prepared document: a copy of `experiment` with `model.path` at the warm start where one was made.
-    `experiment` itself is left as it was."""
+    `experiment` itself is left as it was. ``ship_command``: see `prepare_warm_start`."""
     try:
         spec = PrepareSection.model_validate(experiment.get("prepare") or {})
     except ValidationError as exc:
@@ -174,7 +246,40 @@ def prepare(experiment: dict[str, Any], log: Callable[[str], None] = print) -> d
                 f"warm-start stage this run needs reads it")
     prepared = copy.deepcopy(experiment)
     if spec.warm_start is not None:
-        start = prepare_warm_start(experiment, spec.warm_start, log)
+        start = prepare_warm_start(experiment, spec.warm_start, log, ship_command)
         if start is not None:
             prepared["model"] = {**prepared["model"], "path": start}
     return prepared
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.prepare",
+                                 description="Make what a topology's experiment needs (its data and warm start) "
+                                             "without starting the run.")
+    ap.add_argument("topology", help="topology YAML, e.g. topology/local.yaml")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides, as tools.up takes them")
+    ap.add_argument("--ship", action="store_true",
+                    help="train the warm start from scratch and write it, with its manifest, to "
+                         "prepare.warm_start.shipped (the copy a fresh clone uses)")
+    args = ap.parse_args(argv)
+    import topology
+    from actors.launch.local import use_trainer_threads
+
+    try:
+        plan = topology.load(args.topology, args.overrides, check_imports=False)
+    except topology.TopologyError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    use_trainer_threads(plan)
+    command = " ".join(["python3 -m tools.prepare", args.topology, *args.overrides, "--ship"]) if args.ship else None
+    try:
+        prepared = prepare(plan.topology.experiment, ship_command=command)
+    except PrepareError as exc:
+        print(f"{args.topology}: experiment.{exc}", file=sys.stderr)
+        return 2
+    print(f"prepare: the run starts from {prepared['model']['path']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

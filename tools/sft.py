@@ -112,7 +112,7 @@ class SFTConfig:
     min_delta: float = _opt(0.005, "accuracy gain (fraction) that counts as an improvement")
     max_seconds: float | None = _opt(None, "stop after this much training wall time (evaluations excluded); "
                                            "--steps stays the upper bound")
-    log_every: int = _opt(10, "steps between progress lines")
+    log_every: int = _opt(0, "steps between progress lines; 0: one line per twentieth of the steps")
 
     def check(self) -> None:
         if self.steps is not None and self.epochs is not None:
@@ -121,13 +121,13 @@ class SFTConfig:
             raise SFTError(f"--steps must be >= 1, got {self.steps}")
         if self.epochs is not None and not self.epochs > 0:
             raise SFTError(f"--epochs must be > 0, got {self.epochs}")
-        for name in ("batch_size", "max_tokens_per_mb", "max_new_tokens", "max_turns", "log_every", "patience"):
+        for name in ("batch_size", "max_tokens_per_mb", "max_new_tokens", "max_turns", "patience"):
             if getattr(self, name) < 1:
                 raise SFTError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not self.lr > 0:
             raise SFTError(f"--lr must be > 0, got {self.lr}")
-        if self.warmup_steps < 0 or self.eval_every < 0 or self.min_delta < 0:
-            raise SFTError("--warmup-steps, --eval-every and --min-delta must not be negative")
+        if self.warmup_steps < 0 or self.eval_every < 0 or self.min_delta < 0 or self.log_every < 0:
+            raise SFTError("--warmup-steps, --eval-every, --min-delta and --log-every must not be negative")
         if self.format not in ("auto", "records", "pairs"):
             raise SFTError(f"--format must be auto, records or pairs, got {self.format!r}")
         if bool(self.eval_data) != bool(self.eval_every):
@@ -190,6 +190,21 @@ def load_examples(cfg: SFTConfig, tokenizer: Any) -> tuple[list[SFTExample], dic
                        "need non-empty 'solutions')")
     counts["examples"] = len(examples)
     return examples, counts
+
+
+def clock(seconds: float) -> str:
+    """Seconds as m:ss (h:mm:ss past an hour)."""
+    m, sec = divmod(int(round(seconds)), 60)
+    return f"{m // 60}:{m % 60:02d}:{sec:02d}" if m >= 60 else f"{m}:{sec:02d}"
+
+
+def time_left(elapsed: float, step: int, steps: int, until_plateau: bool) -> str:
+    """The progress line's estimate at the pace so far (evaluations included); with --until-plateau the steps
+    are an upper bound, and so is the estimate."""
+    if step >= steps:
+        return ""
+    left = elapsed / step * (steps - step)
+    return f", {'at most ' if until_plateau else ''}{clock(left)} left"
 
 
 def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -285,6 +300,7 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any
         if cfg.eval_every and not initialised:
             held_out(0)
         t_loop = time.perf_counter()
+        log_every = cfg.log_every or max(1, math.ceil(steps / 20))
         for step in range(1, steps + 1):
             chosen = [examples[i] for i in next(batches)]
             t0 = time.perf_counter()
@@ -302,10 +318,12 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] = print) -> dict[str, Any
                     "response_tokens": sum(e.trained_tokens for e in chosen), "seqs": len(chosen),
                     "micro_batches": len(micro_batches), "step_seconds": dt, "tokens_per_s": n_tokens / dt,
                     "time": time.time()})
-            if step % cfg.log_every == 0 or step == steps:
+            if step % log_every == 0 or step == steps:
                 w_loss = sum(x[0] for x in window) / len(window)
                 w_tps = sum(x[2] for x in window) / max(sum(x[1] for x in window), 1e-9)
-                log(f"step {step}/{steps}  loss {w_loss:.4f}  lr {last['lr']:.2e}  {w_tps:,.0f} tok/s")
+                elapsed = time.perf_counter() - t_loop
+                log(f"step {step}/{steps}  loss {w_loss:.4f}  lr {last['lr']:.2e}  {w_tps:,.0f} tok/s  "
+                    f"{clock(elapsed)} elapsed{time_left(elapsed, step, steps, cfg.until_plateau)}")
                 window.clear()
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == steps):
                 if held_out(step):

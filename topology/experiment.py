@@ -11,6 +11,8 @@ tools.sft's SFTConfig), which `tools.prepare` checks against those tools, since 
 """
 from __future__ import annotations
 
+import importlib.util
+
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, ValidationError, field_validator, model_validator
@@ -142,6 +144,11 @@ class WarmStartSection(Section):
         None, description="supervised stages in order, each from the previous one's weights (unset: one stage on "
                           "data.train's folder with `args`)")
     args: ToolArgs | None = Field(None, description="the single stage's tools.sft args when `stages` is unset")
+    shipped: str | None = Field(
+        None, description="a model directory holding this recipe's warm start, made by `python -m tools.prepare "
+                          "TOPOLOGY --ship` (its manifest warm_start.json: the recipe's fingerprint and the weights' "
+                          "sha256); used instead of training while both match, else refused and the warm start "
+                          "trained")
 
 
 class PrepareSection(Section):
@@ -250,6 +257,24 @@ class RunSection(Section):
                                           "per step: docs/tools.md has its measured cost)")
     watchdog: WatchdogSection = Field(default_factory=WatchdogSection,
                                       description="stop a run that makes no progress, with a diagnosis")
+    trackers: list[Literal["tensorboard", "wandb", "swanlab"]] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="where the training metrics go besides metrics.jsonl, under AReaL's names: tensorboard, wandb, "
+                    "swanlab (the last two optional packages; actors/trainer/trackers.py)")
+    tracker_mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: the trackers write into the run directory, no network or account (wandb "
+                               "mode=offline, swanlab mode=offline; `wandb sync` / `swanlab sync` upload later); "
+                               "online: to the services, with the user's own login")
+    tracker_project: str = Field("areal-lite", min_length=1, description="the wandb / swanlab project name")
+
+    @field_validator("trackers")
+    @classmethod
+    def _installed(cls, names: list[str]) -> list[str]:
+        # refused at load, before anything starts: a run that asks for a tracker must be able to start it
+        missing = [name for name in dict.fromkeys(names) if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ValueError("; ".join(f"{name} is not installed (pip install {name})" for name in missing))
+        return list(dict.fromkeys(names))
 
     @field_validator("recover", mode="before")
     @classmethod

@@ -39,9 +39,16 @@ def catch_up_evaluations(config: ExperimentConfig, run_dir: Path) -> None:
         return
     caught, skipped = catch_up(config, run_dir, final)
     if caught or skipped:
-        print(f"periodic evaluations the evaluator missed: {', '.join(map(str, caught)) or 'none'} evaluated from "
-              f"their checkpoints now" + (f"; {', '.join(map(str, skipped))} skipped (their weights are no longer "
-                                           f"kept)" if skipped else ""), flush=True)
+        print(f"periodic evaluations the evaluator missed: {versions(caught) or 'none'} evaluated from their "
+              f"checkpoints now" + (f"; {versions(skipped)} skipped (their weights are no longer kept)"
+                                    if skipped else ""), flush=True)
+
+
+def versions(numbers: list[int]) -> str:
+    """Weight versions as words, so that a lone one does not read as a count: 'version 40', 'versions 10, 20'."""
+    if not numbers:
+        return ""
+    return ("version " if len(numbers) == 1 else "versions ") + ", ".join(map(str, numbers))
 
 
 def final_evaluation(config: ExperimentConfig, run_dir: Path, hooks: ToolHooks) -> dict[str, Any] | None:

@@ -14,8 +14,10 @@ will read, as they will read it (`actors.dataset` with the config's layout, `dat
   with its file, line number and reason, and more than ``data.max_bad_share`` of them fails the check.
 
 At launch every line of each file is read. The dry run reads a sample (the first `SAMPLE_LINES` lines),
-and a file or model that is absent on this machine is reported as such, not as a problem: it is read at
-launch, on the machine that runs the actors.
+and a file or model that is absent on this machine is reported as such, not as a problem (the dry run may run
+where the data is not): a run of several nodes reads it on its nodes at launch; a one-machine run reads it on
+the machine it is launched on, so the line says it is missing and that a launch there refuses it, unless a
+`prepare.data` recipe makes it at launch.
 """
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ from topology.experiment import ExperimentConfig
 
 SAMPLE_LINES = 1000   # lines the dry run reads of each data file
 SHOWN_BAD_LINES = 10  # malformed lines listed one by one; the rest are counted
+# What the dry run says of an input absent on this machine, by where the run reads it.
+ABSENT_HERE = "missing: no such file or directory on this machine, where a one-machine run reads it (a launch here " \
+              "refuses it)"
+ABSENT_ON_NODES = "absent on this machine; the run's nodes read it at launch"
 
 # The actor classes that read each input (their modules): the checks run only for what the plan's actors read.
 READS_MODEL = {"actors.buffer", "actors.rollout", "actors.trainer", "actors.param_server", "actors.evaluator"}
@@ -39,12 +45,14 @@ def check_inputs(plan: Plan, *, launch: bool) -> tuple[list[str], list[str]]:
     """(report lines, problems) for the plan's starting model and data files. ``launch``: read every line
     and treat an absent file as a problem; else (the dry run) read a sample and note an absent file."""
     config = plan.topology.config
+    one_machine = len(plan.topology.nodes) == 1 and not plan.topology.nodes_from_allocation
+    absent = ABSENT_HERE if one_machine else ABSENT_ON_NODES
     modules = {group.actor_package for group in plan.topology.groups.values()}
     lines: list[str] = []
     problems: list[str] = []
     if not modules & READS_MODEL:
         return lines, problems
-    _check_model(config, launch, lines, problems, _engines(plan))
+    _check_model(config, launch, absent, lines, problems, _engines(plan))
     data = config.data
     layout_problem = None
     try:
@@ -69,7 +77,7 @@ def check_inputs(plan: Plan, *, launch: bool) -> tuple[list[str], list[str]]:
         made_by = next((f"prepare.data[{i}]" for i, recipe in enumerate(recipes)
                         if Path(recipe.out).resolve() == Path(path).resolve().parent), None)
         found, bad = _check_data(key, Path(path), layout, require, on_error, data.max_line_bytes, data.max_bad_share,
-                                 None if launch else SAMPLE_LINES, launch, needed, made_by)
+                                 None if launch else SAMPLE_LINES, launch, needed, made_by, absent)
         lines += [x for x in found if x not in lines]
         problems += [x for x in bad if x not in problems]   # an id2info both files read is named once
     return lines, problems
@@ -85,7 +93,7 @@ def _engines(plan: Plan) -> set[str]:
 ENGINE_FAMILIES = {"megatron": ("qwen2",), "sglang": tuple(FAMILIES)}
 
 
-def _check_model(config: ExperimentConfig, launch: bool, lines: list[str], problems: list[str],
+def _check_model(config: ExperimentConfig, launch: bool, absent: str, lines: list[str], problems: list[str],
                  engines: set[str] = frozenset()) -> None:
     path = config.model.path
     if not path:
@@ -96,7 +104,7 @@ def _check_model(config: ExperimentConfig, launch: bool, lines: list[str], probl
         if launch:
             problems.append(f"experiment.model.path: {path}: no such directory")
         else:
-            lines.append(f"model.path {path}: absent on this machine; it is read at launch")
+            lines.append(f"model.path {path}: {absent}")
         return
     try:
         model_config = json.loads((folder / "config.json").read_text())
@@ -143,7 +151,7 @@ def _check_model(config: ExperimentConfig, launch: bool, lines: list[str], probl
 
 def _check_data(key: str, path: Path, layout: Layout, require: str, on_error: str, max_line_bytes: int,
                 max_bad_share: float, sample: int | None, launch: bool, needed: bool,
-                made_by: str | None = None) -> tuple[list[str], list[str]]:
+                made_by: str | None = None, absent: str = ABSENT_ON_NODES) -> tuple[list[str], list[str]]:
     """One data file read as its actor reads it: (report lines, problems). ``made_by``: the prepare recipe
     that makes the file's folder when it is missing (the dry run says so)."""
     path = resolve_data_path(path)   # the tutorial's `wget ...?download=true` name, where only that exists
@@ -157,11 +165,11 @@ def _check_data(key: str, path: Path, layout: Layout, require: str, on_error: st
             return [], [f"{where}: no such file"]
         if launch:
             return [f"{key} {path}: absent; the final evaluation is skipped"], []
-        return [f"{key} {path}: absent on this machine; it is read at launch"], []
+        return [f"{key} {path}: {absent}"], []
     if layout.id2info and not Path(layout.id2info).is_file():
         if launch:
             return [], [f"experiment.data.id2info: {layout.id2info}: no such file (the answers of the data files)"]
-        return [f"data.id2info {layout.id2info}: absent on this machine; it is read at launch"], []
+        return [f"data.id2info {layout.id2info}: {absent}"], []
     try:
         if why := sniff_file(path):
             return [], [f"{where}: {why}"]

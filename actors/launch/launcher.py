@@ -9,6 +9,7 @@ from typing import Sequence
 from actors.launch.local import run_local
 from actors.launch.nodes import run_slurm, submit_sbatch
 from actors.launch.options import EXIT_INVALID, EXIT_OK, LaunchRequest, ToolHooks
+from actors.launch.progress import see_the_run
 from actors.launch.readiness import settings_problems
 from actors.launch.report import busy_ports, describe
 from topology import Plan
@@ -24,6 +25,7 @@ def dry_run(plan: Plan, overrides: Sequence[str], hooks: ToolHooks, full: bool =
     inputs, input_problems = check_inputs(plan, launch=False)
     print("\ninputs (a sample of each data file; actors/launch/inputs.py)"
           + "".join(f"\n  {line}" for line in inputs))
+    print("\n" + "\n".join(see_the_run("RUN_DIR")))
     problems = (settings_problems(plan) + busy_ports(plan) + hooks.memory_problems(plan)
                 + hooks.prepare_problems(plan) + input_problems)
     if problems:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from actors.launch.evaluation import catch_up_evaluations, evaluates_during_run, final_evaluation
 from actors.launch.options import EXIT_FAILED, EXIT_INVALID, EXIT_OK, LaunchRequest, PrepareRefused, ToolHooks
-from actors.launch.progress import ProgressView, TrainingProgress, child_rows, summary
+from actors.launch.progress import ProgressView, TrainingProgress, child_rows, launcher_logger, summary
 from actors.launch.readiness import supervisor_options
 from actors.launch.report import busy_ports, evaluation_notes, insecure_bus_warning
 from actors.launch.rundir import build_specs, checked_run_dir, recorded_ipc_dir, write_plan
@@ -54,12 +54,12 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
                     progress: bool, duration: float | None, node_of: dict[str, str],
                     status_file: Path | None = None, stop_file: Path | None = None,
                     training: TrainingProgress | None = None, watchdog: ProgressWatchdog | None = None,
-                    finished: Callable[[], bool] | None = None) -> int:
+                    finished: Callable[[], bool] | None = None, log_name: str = "launcher") -> int:
     """Start actors under the Supervisor, show progress, stop on Ctrl-C/SIGTERM, on ``duration``, when
     ``stop_file`` appears (a multi-node launcher's stop request), when ``watchdog`` (actors/launch/watchdog.py)
     finds the run stalled, or when every actor has finished by itself; print a summary. Returns the exit
     status: a stall fails the run, and a signal before ``finished()`` (the run's last step) exits 128 + its
-    number."""
+    number. The supervisor's events go to RUN_DIR/logs/<log_name>.jsonl."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     stop_reason: list[str] = []
@@ -73,7 +73,7 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig.name)
     sup = Supervisor([ActorSpec.from_dict(s) for s in specs], run_dir, run_over=lambda: run_finished(run_dir),
-                     **options)
+                     log=launcher_logger(run_dir, log_name), **options)
     view = ProgressView(title, progress)
     t0 = time.monotonic()
     outcome, code = "finished", EXIT_OK
@@ -175,7 +175,8 @@ def run_local(plan: Plan, request: LaunchRequest, hooks: ToolHooks) -> int:
     trains = trains_steps(plan)
     code = asyncio.run(supervise(specs, run_dir, supervisor_options(plan, request), title=plan.topology.name,
                                  progress=request.progress, duration=request.duration, node_of=node_of,
-                                 training=TrainingProgress(run_dir, total),
+                                 training=TrainingProgress(run_dir, total, (config.algo.reward_wrong,
+                                                                           config.algo.reward_correct)),
                                  watchdog=progress_watchdog(plan, run_dir) if trains else None,
                                  finished=(lambda: run_finished(run_dir)) if trains else None))
     if (ipc_dir := recorded_ipc_dir(run_dir)) is not None:

@@ -245,7 +245,8 @@ def run_node(run_dir: Path) -> int:
         return 0
     code = asyncio.run(supervise(plan["specs"], run_dir, plan["supervisor"], title=plan["title"], progress=False,
                                  duration=None, node_of={s["name"]: host for s in plan["specs"]},
-                                 status_file=status, stop_file=run_dir / "nodes" / "STOP"))
+                                 status_file=status, stop_file=run_dir / "nodes" / "STOP",
+                                 log_name=f"launcher.{host}"))
     if code != 0:
         info = json.loads(status.read_text()) if status.exists() else {}
         info["reason"] = f"{host}: an actor could not be kept up (see {run_dir}/logs)"

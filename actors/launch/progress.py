@@ -9,6 +9,18 @@ from pathlib import Path
 from typing import Any
 
 from actors.launch.report import table_lines
+from actors.runtime.base import actor_logger
+
+# The supervisor's events that the progress view shows already as an actor's state: they go to the launcher's
+# log file only, so that the console says each thing once (a late joiner's ready is news, and is shown).
+SHOWN_AS_STATE = frozenset({"actor_started", "actor_ready", "actor_finished"})
+
+
+def launcher_logger(run_dir: Path, name: str = "launcher") -> Any:
+    """The supervisor's log: every event to RUN_DIR/logs/<name>.jsonl; on the console only those the progress
+    view does not show (deaths, restarts, kills, late actors)."""
+    return actor_logger(name, run_dir, not_on_console=lambda event: event.get("event") in SHOWN_AS_STATE
+                        and not event.get("joined_late"), console_stream=sys.stdout)   # beside the progress lines
 
 
 class ProgressView:
@@ -50,12 +62,17 @@ class ProgressView:
 
 class TrainingProgress:
     """Follows RUN_DIR/metrics.jsonl (one line per training step, written by the trainer) and renders
-    the latest step as one progress line."""
+    the latest step as one progress line: the step, the mean reward on its scale, the share of the step's
+    sampled answers that were correct (training accuracy; the held-out accuracy is the evaluator's and the
+    final evaluation's), the time left at the pace of the steps so far, and the system's figures."""
 
-    def __init__(self, run_dir: Path, total_steps: int | None) -> None:
+    def __init__(self, run_dir: Path, total_steps: int | None,
+                 reward_range: tuple[float, float] | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.total = total_steps
+        self.reward_range = reward_range
         self.offset = 0
+        self.first: dict[str, Any] | None = None
         self.latest: dict[str, Any] | None = None
 
     def poll(self) -> str | None:
@@ -67,14 +84,33 @@ class TrainingProgress:
                         break  # a line still being written: read it next time
                     self.offset += len(line)
                     self.latest = json.loads(line)
+                    self.first = self.first or self.latest
         m = self.latest
         if m is None:
             return None
         of = f"/{self.total}" if self.total else ""
-        return (f"step {m['step']}{of}  reward {m['task_reward']:+.2f}  accuracy {100 * m['accuracy']:5.1f}%  "
+        scale = (f" (wrong {self.reward_range[0]:+g}, right {self.reward_range[1]:+g})"
+                 if self.reward_range else "")
+        return (f"step {m['step']}{of}{self.time_left()}  reward {m['task_reward']:+.2f}{scale}  "
+                f"training accuracy {100 * m['accuracy']:5.1f}% (sampled answers)  "
                 f"throughput {m['effective_throughput']:7.0f} tok/s  staleness {m['staleness_mean']:.2f} "
                 f"(max {m['staleness_max']:.0f})  weight sync {m['weight_sync_seconds']:.3f} s  "
                 f"buffer {m['buffer_depth']}")
+
+    def time_left(self) -> str:
+        """`  ~N s left` at the mean pace since the first step read; empty before two steps or without a total."""
+        first, m = self.first, self.latest
+        if not self.total or first is None or m is None or m["step"] <= first["step"] or "time" not in m:
+            return ""
+        pace = (m["time"] - first["time"]) / (m["step"] - first["step"])
+        return f"  ~{max(0.0, pace * (self.total - m['step'])):.0f} s left"
+
+
+def see_the_run(run_dir: str) -> list[str]:
+    """The commands that show a run: its timeline and its report (tools/trace, tools/report.py)."""
+    return ["see the run:",
+            f"  python3 -m tools.trace {run_dir}     # RUN_DIR/trace.json, every actor's timeline: ui.perfetto.dev",
+            f"  python3 -m tools.report {run_dir}    # RUN_DIR/report.html, one self-contained page of the run"]
 
 
 def summary(title: str, rows: dict[str, dict[str, Any]], elapsed: float, run_dir: Path, outcome: str) -> str:
@@ -84,6 +120,7 @@ def summary(title: str, rows: dict[str, dict[str, Any]], elapsed: float, run_dir
         table.append((name, str(row.get("node", "")), row["state"], str(row.get("exit", "")),
                       str(row.get("restarts", 0))))
     lines.extend(table_lines(table))
+    lines.extend(see_the_run(str(run_dir)))
     return "\n".join(lines)
 
 

@@ -164,8 +164,11 @@ def configure_logging() -> None:
     )
 
 
-def actor_logger(name: str, run_dir: str | os.PathLike, console: bool = True) -> Any:
-    """A structlog logger bound to ``actor=name`` writing JSON lines to RUN_DIR/logs/<name>.jsonl."""
+def actor_logger(name: str, run_dir: str | os.PathLike, console: bool = True,
+                 not_on_console: Callable[[dict[str, Any]], bool] | None = None, console_stream: Any = None) -> Any:
+    """A structlog logger bound to ``actor=name`` writing JSON lines to RUN_DIR/logs/<name>.jsonl, and each
+    event for which ``not_on_console`` is not true to ``console_stream`` (stderr by default) as well
+    (``console``)."""
     configure_logging()
     log_dir = Path(run_dir) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -183,11 +186,13 @@ def actor_logger(name: str, run_dir: str | os.PathLike, console: bool = True) ->
     ]))
     std.addHandler(file_handler)
     if console:
-        console_handler = logging.StreamHandler(sys.stderr)
+        console_handler = logging.StreamHandler(console_stream or sys.stderr)
         console_handler.setFormatter(structlog.stdlib.ProcessorFormatter(processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.dev.ConsoleRenderer(colors=False),
         ]))
+        if not_on_console is not None:
+            console_handler.addFilter(lambda record: not (isinstance(record.msg, dict) and not_on_console(record.msg)))
         std.addHandler(console_handler)
     return structlog.get_logger(f"actor.{name}").bind(actor=name)
 

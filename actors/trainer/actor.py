@@ -60,6 +60,7 @@ from actors.runtime.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, c
 from actors.runtime.threads import in_thread
 from actors.runtime.spans import SpanLog
 from actors.trainer.metrics import LOSS_SHARES, MetricsWriter, step_metrics
+from actors.trainer.trackers import Trackers
 # StepConfig, TrainerConfigError, train_on_batch, rank_samples: the step's math, imported here by its users too
 from actors.trainer.step import StepConfig, TrainerConfigError, rank_samples, train_on_batch, train_share
 from actors.weight_sync import StageExport, WeightSender, WeightSyncConfigError, make_sender, make_stage_sender
@@ -242,7 +243,10 @@ class TrainerActor(Actor):
                                                             self.counters, self.log, self.weight_ranks, self._link_lock)
         except WeightSyncConfigError as exc:
             raise TrainerConfigError(str(exc)) from None
-        self.metrics = MetricsWriter(self.run_dir, self.log)
+        run = cfg.run
+        self.metrics = MetricsWriter(self.run_dir, self.log, Trackers(
+            list(run.trackers), self.run_dir, run.tracker_project, run.tracker_mode,
+            {"algo": cfg.algo.model_dump(), "gen": cfg.gen.model_dump(), "model": cfg.model.path}, self.log))
         if self.weights is not None:
             self.push_stats = {"weight_push_seconds": 0.0, "gen_stall_seconds": 0.0}
         self.log.info("trainer_started", version=self.version, model=model_dir, total_steps=self.total_steps)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from actors.trainer.trackers import Trackers
 from actors.batch import Batch, as_columns, carries_every_sample, flat, sample_groups
 from algo.ppo import PPOStats
 from algo.staleness import sample_staleness
@@ -116,26 +117,18 @@ def trained_history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class MetricsWriter:
-    """A step's metrics appended to ``metrics.jsonl`` and, where tensorboard imports, to TensorBoard."""
+    """A step's metrics appended to ``metrics.jsonl`` and given to the run's trackers (actors/trainer/trackers.py:
+    TensorBoard by default, Weights & Biases, SwanLab)."""
 
-    def __init__(self, run_dir: Path, log: Any) -> None:
+    def __init__(self, run_dir: Path, log: Any, trackers: Trackers | None = None) -> None:
         self.path = run_dir / "metrics.jsonl"
-        self.tb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        except ImportError as e:  # tensorboard is a core dependency; say so rather than fail the run
-            log.warning("tensorboard_unavailable", error=str(e))
+        self.trackers = trackers if trackers is not None else Trackers(["tensorboard"], run_dir, "", "offline", {},
+                                                                       log)
 
     def write(self, stats: dict[str, Any], step: int) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(stats) + "\n")
-        if self.tb is not None:
-            for k, v in stats.items():
-                if isinstance(v, (int, float)) and k != "time":
-                    self.tb.add_scalar(k, v, step)
-            self.tb.flush()
+        self.trackers.log_step(stats, step)
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        self.trackers.close()

@@ -612,7 +612,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="a run not over after this many seconds is killed and reported as such (900)")
     ap.add_argument("--out", default=None, help="folder for the run directories (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--make-assets", metavar="DIR", default=None,
+                    help="only write the runs' assets to DIR (DIR/model: a small random model with the shipped "
+                         "tokenizer; DIR/data: the arithmetic task's train/test files) and exit")
     args = ap.parse_args(argv)
+    if args.make_assets:
+        made = make_assets(Path(args.make_assets))
+        print(f"model {made['model']}, data {made['data']}/train.jsonl and test.jsonl")
+        return 0
     faults = [f for f in args.faults.split(",") if f]
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:

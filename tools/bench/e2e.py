@@ -64,6 +64,7 @@ MODES: dict[str, list[str]] = {
     # it trains every group instead, and an all-wrong group's group-normalised advantages are zero anyway.
     "one_turn": ["experiment.gen.max_turns=1", "experiment.algo.dynamic_sampling=false"],
 }
+SYNC_MODES = ("sync", "colocated")   # the synchronous runs async is compared with, whichever a task ran
 
 
 def run_local(name: str, steps: int, overrides: list[str], out: Path, log: Any,
@@ -197,21 +198,23 @@ def run_sft_control(async_run: dict[str, Any], extra: list[str], out: Path, log:
 
 
 def compare(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    a, s, c = results["async"], results["sync"], results["colocated"]
+    """Async against the synchronous runs the results hold (sync, colocated or both; the headline figures)."""
+    a = results["async"]
+    syncs = {m: results[m] for m in SYNC_MODES if m in results}
 
     def acc(r: dict[str, Any]) -> float:
         return r["greedy_accuracy"]["final"]
 
-    out = {
-        "throughput_ratio": a["effective_throughput"] / s["effective_throughput"],
-        "colocated_ratio": a["effective_throughput"] / c["effective_throughput"],
-        "time_ratio": s["wall_seconds"] / a["wall_seconds"],
-        "async_accuracy": acc(a), "sync_accuracy": acc(s), "colocated_accuracy": acc(c),
-        "start_accuracy": a["greedy_accuracy"].get("start"),
-        "accuracy_gap_points": 100 * (acc(a) - max(acc(s), acc(c))),
-        **{f"{m}_{k}": r[k] for m, r in results.items()
-           for k in ("effective_throughput", "wall_seconds", "tokens_trained", "staleness_max")},
-    }
+    out: dict[str, Any] = {"async_accuracy": acc(a), "start_accuracy": a["greedy_accuracy"].get("start"),
+                           "accuracy_gap_points": 100 * (acc(a) - max(acc(r) for r in syncs.values()))}
+    if "sync" in syncs:
+        out["throughput_ratio"] = a["effective_throughput"] / syncs["sync"]["effective_throughput"]
+        out["time_ratio"] = syncs["sync"]["wall_seconds"] / a["wall_seconds"]
+    if "colocated" in syncs:
+        out["colocated_ratio"] = a["effective_throughput"] / syncs["colocated"]["effective_throughput"]
+    out.update({f"{m}_accuracy": acc(r) for m, r in syncs.items()})
+    out.update({f"{m}_{k}": r[k] for m, r in results.items()
+                for k in ("effective_throughput", "wall_seconds", "tokens_trained", "staleness_max")})
     return out
 
 
@@ -255,48 +258,67 @@ def main(argv: list[str] | None = None) -> int:
     results = {m: run_mode(m, args.steps, args.overrides, out, log, topology_path) for m in modes if m in MODES}
     if "sft" in modes:
         results["sft"] = run_sft_control(results["async"], args.overrides, out, log, topology_path)
-    report: dict[str, Any] = {"task": args.task, "topology": topology_path, "steps": args.steps, "runs": results}
-    if set(MODES) <= set(results):
+    report = build_report(args.task, topology_path, args.steps, results)
+    if args.json:
+        print(json.dumps(report, default=str))
+        return 0
+    for line in report_lines(report):
+        print(line)
+    print(f"run directories under {out}")
+    return 0
+
+
+def build_report(task: str, topology: str, steps: int, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The bench's JSON object: the runs, and each comparison whose runs are all there."""
+    report: dict[str, Any] = {"task": task, "topology": topology, "steps": steps, "runs": results}
+    if "async" in results and any(m in results for m in SYNC_MODES):
         report.update(compare(results))
     if "sft" in results:
         report.update(compare_control(results))
     if {"async", "one_turn"} <= set(results):
         report.update(compare_turns(results))
-    if args.json:
-        print(json.dumps(report, default=str))
-        return 0
+    return report
+
+
+def report_lines(report: dict[str, Any]) -> list[str]:
+    """The table and the comparison lines printed without --json."""
+    results = report["runs"]
     rows = [("run", "steps", "tokens", "wall s", "tok/s", "max stale", "held-out acc")]
     for m, r in results.items():
         rows.append((m, str(r["steps"]), f"{r['tokens_trained']:.0f}", f"{r['wall_seconds']:.1f}",
                      f"{r['effective_throughput']:.0f}", f"{r['staleness_max']:.0f}",
                      f"{100 * r['greedy_accuracy']['final']:.1f}%"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    ratios = []
     if "throughput_ratio" in report:
-        print(f"throughput async/sync {report['throughput_ratio']:.2f}x, async/colocated "
-              f"{report['colocated_ratio']:.2f}x, wall time sync/async {report['time_ratio']:.2f}x, "
-              f"accuracy async - best sync {report['accuracy_gap_points']:+.1f} points")
+        ratios.append(f"throughput async/sync {report['throughput_ratio']:.2f}x")
+    if "colocated_ratio" in report:
+        ratios.append(f"async/colocated {report['colocated_ratio']:.2f}x")
+    if "time_ratio" in report:
+        ratios.append(f"wall time sync/async {report['time_ratio']:.2f}x")
+    if "accuracy_gap_points" in report:
+        lines.append(", ".join([*ratios, f"accuracy async - best sync {report['accuracy_gap_points']:+.1f} points"]))
     if "rl_over_sft_points" in report:
-        print(f"held-out accuracy: async RL {100 * report['async_accuracy']:.1f}% vs SFT continued for the same "
-              f"wall time {100 * report['sft_accuracy']:.1f}% ({report['rl_over_sft_points']:+.1f} points; "
-              f"start {100 * (report['start_accuracy'] or 0):.1f}%)")
+        lines.append(f"held-out accuracy: async RL {100 * report['async_accuracy']:.1f}% vs SFT continued for the "
+                     f"same wall time {100 * report['sft_accuracy']:.1f}% ({report['rl_over_sft_points']:+.1f} "
+                     f"points; start {100 * (report['start_accuracy'] or 0):.1f}%)")
     for m, r in results.items():
         if "reward" in r:
             w = r["reward"]
-            print(f"{m}: reward busy {w['busy_seconds']:.1f} s of {r['wall_seconds']:.1f} s training wall time "
-                  f"({100 * w['share_of_wall']:.0f}%); {w['busy_seconds_per_step']:.2f} s per step of "
-                  f"{w['step_seconds']:.2f} s; {w['seconds_per_group']:.2f} s per group scored "
-                  f"({w['groups_scored']} groups)")
+            lines.append(f"{m}: reward busy {w['busy_seconds']:.1f} s of {r['wall_seconds']:.1f} s training wall "
+                         f"time ({100 * w['share_of_wall']:.0f}%); {w['busy_seconds_per_step']:.2f} s per step of "
+                         f"{w['step_seconds']:.2f} s; {w['seconds_per_group']:.2f} s per group scored "
+                         f"({w['groups_scored']} groups)")
     if "multi_turn_over_one_turn_points" in report:
-        print(f"held-out accuracy: multi-turn RL {100 * report['multi_turn_accuracy']:.1f}% "
-              f"({report['multi_turn_gain_points']:+.1f} points over the warm start), the same RL on one turn "
-              f"{100 * report['one_turn_accuracy']:.1f}% ({report['multi_turn_over_one_turn_points']:+.1f} points)")
+        lines.append(f"held-out accuracy: multi-turn RL {100 * report['multi_turn_accuracy']:.1f}% "
+                     f"({report['multi_turn_gain_points']:+.1f} points over the warm start), the same RL on one "
+                     f"turn {100 * report['one_turn_accuracy']:.1f}% "
+                     f"({report['multi_turn_over_one_turn_points']:+.1f} points)")
     for m, r in results.items():
         if "episodes" in r:
             e = r["episodes"]
-            print(f"{m}: {e['turns_per_episode']:.2f} turns, {e['tool_calls_per_episode']:.2f} tool calls per episode; "
-                  f"tool {e['env_seconds']:.1f} s of {e['gen_seconds']:.1f} s generation "
-                  f"({100 * e['tool_share_of_generation']:.1f}%)")
-    print(f"run directories under {out}")
-    return 0
+            lines.append(f"{m}: {e['turns_per_episode']:.2f} turns, {e['tool_calls_per_episode']:.2f} tool calls "
+                         f"per episode; tool {e['env_seconds']:.1f} s of {e['gen_seconds']:.1f} s generation "
+                         f"({100 * e['tool_share_of_generation']:.1f}%)")
+    return lines

@@ -18,6 +18,27 @@ from .records import print_log
 __all__ = ["main"]
 
 
+RECORD_HOW = ("message logs are written only when asked: launch with `python3 -m tools.up TOPOLOGY ... --record` "
+              "(every actor) or set `message_log: true` in an actor group's settings")
+
+
+def unreadable_log(path: Path) -> str | None:
+    """Why ``path`` is no message log to read, saying how to get one; None when it is a file."""
+    if path.is_file():
+        return None
+    if path.is_dir():
+        logs = sorted(path.glob("*.msglog")) or sorted(path.glob("msglog/*.msglog"))
+        if logs:
+            return f"{path} is a directory: give one actor's log, one of {', '.join(str(x) for x in logs)}"
+        return f"{path} is a directory and holds no message logs; {RECORD_HOW}"
+    run_dir = path.parent.parent if path.parent.name == "msglog" else None
+    if run_dir is not None and (run_dir / "specs").is_dir() and not path.parent.is_dir():
+        return f"{path}: no such file: the run in {run_dir} kept no message logs; {RECORD_HOW}"
+    if path.parent.is_dir() and (others := sorted(path.parent.glob("*.msglog"))):
+        return f"{path}: no such file; the logs there: {', '.join(x.name for x in others)}"
+    return f"{path}: no such file; {RECORD_HOW}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.replay", description=__doc__.split("\n\n")[0])
     ap.add_argument("log", help="message log file (RUN_DIR/msglog/<actor>.msglog)")
@@ -39,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     # Stopped with SIGTERM (a replay that hangs), it still removes its temporary run directory on the way out.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if (why := unreadable_log(Path(args.log))) is not None:
+        print(f"replay: {why}", file=sys.stderr)
+        return 2
     try:
         if not args.into:
             return print_log(args.log, args.type, args.sender, args.dir, args.limit, args.json)
