@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import time
 from typing import Any, Literal
 
@@ -55,8 +54,8 @@ from actors.batch import shares as batch_shares
 from actors.engines.base import TrainEngine, require_device
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.trainer.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup, follow_rank0
-from actors.runtime.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, complete_checkpoints, mark_complete,
-                             mark_run_finished, recovering, restarted_in_place, start_weights)
+from actors.runtime.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, held_start_weights, mark_complete,
+                             mark_run_finished, prune_checkpoints, recovering, restarted_in_place)
 from actors.runtime.threads import in_thread
 from actors.trainer.metrics import MetricsWriter, step_metrics
 # StepConfig, TrainerConfigError, train_on_batch, rank_samples: the step's math, imported here by its users too
@@ -187,18 +186,19 @@ class TrainerActor(Actor):
         self.ckpt_every_s = cfg.run.checkpoint_every_s
         self.last_ckpt = time.monotonic()
         self.keep_ckpts = cfg.run.keep_checkpoints
-        self.version, model_dir = start_weights(cfg, self.run_dir)
-        self.engine = await asyncio.to_thread(make_train_engine, cfg, model_dir, self.version)
-        self.ref_engine = await asyncio.to_thread(make_reference_engine, cfg) if self.step_cfg.kl_coef > 0 else None
-        # A trainer world: rank 0 leads (bus, weights, metrics), the others follow its engine calls.
-        self.ranks = await in_thread(RankGroup) if world else None
-        # Pipeline stages each send their own layers, on a weights channel followed beside the training one.
-        self.weight_ranks = await in_thread(RankGroup) if pp > 1 else None
-        # Rank 0 sends each rank the share of its data-parallel replica: it learns every rank's replica once.
-        self.rank_dp = (await in_thread(self.ranks.gather, self.engine.data_parallel[0]) or []
-                        if self.ranks is not None else [])
-        if self.version > 0:
-            await asyncio.to_thread(self.engine.load, model_dir)
+        self.ckpt_lease_s = cfg.run.checkpoint_lease_s
+        with held_start_weights(cfg, self.run_dir, self.name) as (self.version, model_dir):
+            self.engine = await asyncio.to_thread(make_train_engine, cfg, model_dir, self.version)
+            self.ref_engine = await asyncio.to_thread(make_reference_engine, cfg) if self.step_cfg.kl_coef > 0 else None
+            # A trainer world: rank 0 leads (bus, weights, metrics), the others follow its engine calls.
+            self.ranks = await in_thread(RankGroup) if world else None
+            # Pipeline stages each send their own layers, on a weights channel followed beside the training one.
+            self.weight_ranks = await in_thread(RankGroup) if pp > 1 else None
+            # Rank 0 sends each rank the share of its data-parallel replica: it learns every rank's replica once.
+            self.rank_dp = (await in_thread(self.ranks.gather, self.engine.data_parallel[0]) or []
+                            if self.ranks is not None else [])
+            if self.version > 0:
+                await asyncio.to_thread(self.engine.load, model_dir)
         if self.ranks is not None and not self.ranks.leader:
             if cfg.links:
                 raise TrainerConfigError(f"{self.name} is in links {sorted(cfg.links)}: only trainer.0 sends "
@@ -590,6 +590,4 @@ class TrainerActor(Actor):
         mark_complete(ckpt, {"step": self.version, "time": time.time()})
         self.last_ckpt = time.monotonic()
         self.log.info("checkpoint_saved", step=self.version, path=str(ckpt))
-        done = [path for _, path in complete_checkpoints(self.run_dir)]   # newest first; .corrupt ones stay
-        for old in done[self.keep_ckpts:] if self.keep_ckpts > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        await asyncio.to_thread(prune_checkpoints, self.run_dir, self.keep_ckpts, self.ckpt_lease_s)
