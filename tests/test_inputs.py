@@ -153,3 +153,15 @@ def test_an_answer_file_absent_here_is_noted_in_the_dry_run_and_refused_at_launc
                                                         for i in range(4)}))
     lines, problems = check_inputs(plan, launch=True)
     assert problems == [] and f"data.train {train}: 4 records in every line" in lines, (lines, problems)
+
+
+def test_a_file_of_only_bad_lines_is_one_error_with_a_count(model: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    # 60 bad lines printed 60 per-line warnings, then the shown bad lines, before the error said the file was unusable.
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"query_id": str(i), "prompt": i}) + "\n" for i in range(60)))
+    assert up.main([LOCAL, *overrides(model, train), "--run-dir", str(tmp_path / "run"), "--no-import-check"]) \
+        == up.EXIT_INVALID
+    captured = capsys.readouterr()
+    said = [x for x in (captured.out + captured.err).splitlines() if str(train) in x]
+    assert len(said) == 1 and f"none of its 60 lines is a usable record" in said[0], said
