@@ -97,7 +97,7 @@ def make_assets(base: Path, train_per_level: int = 200, task: str = "math") -> d
 
 
 def launch(assets: dict[str, Path], run_dir: Path, steps: int, ckpt_every: int, topology: str = TOPOLOGY,
-           extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> subprocess.Popen:
+           extra: tuple[str, ...] = (), env: dict[str, str] | None = None, stdout: Any = subprocess.PIPE) -> subprocess.Popen:
     """A short run of `topology` on the assets: 4 groups of 4 answers a step, eta 1, answers of at most 12
     tokens, every group trained (a random model answers everything wrong: dynamic sampling would drop all), no
     evaluation during the run (the figures compare runs without it)."""
@@ -107,7 +107,7 @@ def launch(assets: dict[str, Path], run_dir: Path, steps: int, ckpt_every: int, 
                  "experiment.algo.group_size=4", f"experiment.algo.eta={ETA}", "experiment.gen.max_new_tokens=12",
                  "experiment.algo.dynamic_sampling=false", "experiment.eval.every_versions=0", *extra]
     return subprocess.Popen([sys.executable, "-m", "tools.up", topology, *overrides, "--run-dir", str(run_dir),
-                             "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--no-progress"], cwd=ROOT, stdout=stdout, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env={**os.environ, **(env or {})})
 
 
@@ -221,16 +221,23 @@ def flood(run_dir: Path, per_actor: int, seed: int = 0) -> int:
     return sent
 
 
-def account(run_dir: Path) -> dict[str, int]:
-    """What became of every prompt the buffer handed out: trained, dropped on purpose, still pending, lost."""
-    final = json.loads((run_dir / "buffer" / "final_state.json").read_text())
+def ledger(run_dir: Path) -> tuple[Counter, set]:
+    """(batches each prompt was trained in, prompts dropped on purpose) by the buffer's ledger."""
+    path = run_dir / "buffer" / "ledger.jsonl"
     trained: Counter = Counter()
     dropped = set()
-    for rec in map(json.loads, (run_dir / "buffer" / "ledger.jsonl").read_text().splitlines()):
+    for rec in map(json.loads, path.read_text().splitlines() if path.exists() else []):
         if rec["event"] == "batch":
             trained.update(tuple(k) for k in rec["keys"])
         else:
             dropped.add(tuple(rec["key"]))
+    return trained, dropped
+
+
+def account(run_dir: Path) -> dict[str, int]:
+    """What became of every prompt the buffer handed out: trained, dropped on purpose, still pending, lost."""
+    final = json.loads((run_dir / "buffer" / "final_state.json").read_text())
+    trained, dropped = ledger(run_dir)
     issued = {tuple(k) for k in final["issued"]}
     pending = {tuple(k) for k in final["reissue"]}
     lost = issued - set(trained) - dropped - pending
@@ -601,10 +608,22 @@ def _stall_cell(r: dict[str, Any]) -> str:
     return "-"
 
 
+def soak_main(args: argparse.Namespace) -> int:
+    from tools.bench.soak import run_soak, summary_lines
+
+    steps = args.steps or 300
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-soak-"))
+    log = (lambda m: print(m, file=sys.stderr, flush=True))
+    report = run_soak(make_assets(out / "assets"), out, steps, args.every, args.ckpt_every,
+                      args.rollouts, args.seed, log=log)
+    print(json.dumps(report) if args.json else "\n".join(summary_lines(report)))
+    return 0 if report["ok"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma list (default all: {','.join(FAULTS)})")
-    ap.add_argument("--steps", type=int, default=16, help="training steps per run (default 16)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per run (16; --soak: 300)")
     ap.add_argument("--at", type=int, default=3, help="inject the fault once the trainer made this step (3)")
     ap.add_argument("--hang-s", type=float, default=60.0, help="how long a hung actor stays stopped (60)")
     ap.add_argument("--flood", type=int, default=2000, help="malformed messages per actor (2000)")
@@ -612,7 +631,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="a run not over after this many seconds is killed and reported as such (900)")
     ap.add_argument("--out", default=None, help="folder for the run directories (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--soak", action="store_true", help="one long run with a fault every --every steps instead of "
+                                                        "the matrix (tools/bench/soak.py); --steps 300 unless given")
+    ap.add_argument("--every", type=int, default=9, help="--soak: steps between faults (9)")
+    ap.add_argument("--ckpt-every", type=int, default=5, help="--soak: steps between checkpoints (5)")
+    ap.add_argument("--rollouts", type=int, default=3, help="--soak: rollout actors (3)")
+    ap.add_argument("--seed", type=int, default=0, help="--soak: the draw of faults and victims (0)")
     args = ap.parse_args(argv)
+    if args.soak:
+        return soak_main(args)
+    args.steps = args.steps or 16
     faults = [f for f in args.faults.split(",") if f]
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
