@@ -131,7 +131,8 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: flo
     deadline = time.monotonic() + timeout
     while not any(r["step"] >= step for r in step_records(run_dir)):
         if proc.poll() is not None:
-            raise RuntimeError(f"the run ended (exit {proc.returncode}) before step {step}:\n{proc.stdout.read()[-3000:]}")
+            said = proc.stdout.read()[-3000:] if proc.stdout is not None else "(its output went to a file)"
+            raise RuntimeError(f"the run ended (exit {proc.returncode}) before step {step}:\n{said}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"no step {step} within {timeout:g} s")
         time.sleep(0.2)   # polling a file another process writes

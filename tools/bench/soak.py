@@ -15,7 +15,8 @@ After each fault the run must make `--every` new steps, and then: no prompt in t
 eta, no member given up; at the end: the launch exits 0 with every step 1..N trained, nothing lost (handed out
 but neither trained, dropped on purpose nor pending: `tools.bench.chaos.account`) and a clean stop. The supervisor
 gets `max_restarts` 10 (the default, 3 in 300 s, is a policy the soak's own rate of kills would exceed): a
-member given up then means restarts that failed ten times, not a policy met.
+member given up then means restarts that failed ten times, not a policy met; and `ready_timeout` 600 s (three
+rollouts starting at once on a loaded 2-core machine took over the default 120 s).
 
 Reported: faults survived, steps, the longest time per actor kind from a fault to the trainer's next new step.
 """
@@ -36,6 +37,7 @@ KINDS = ("rollout", "reward", "buffer", "trainer", "param_server", "evaluator")
 ROUND = (*(f"kill:{k}" for k in KINDS), *(f"stop:{k}" for k in KINDS if k != "evaluator"), "pair",
          "launcher_kill", "launcher_stop")
 MAX_RESTARTS = 10
+READY_TIMEOUT_S = 600.0   # a start on a loaded 2-core machine (three rollouts at once) can take minutes
 LAUNCH_STOP_S = 120.0   # bound on a launcher's clean stop (its supervisor's stop_timeout is 30 s)
 
 
@@ -73,7 +75,8 @@ class Soak:
         with open(output, "w") as sink:
             self.proc = chaos.launch(self.assets, self.run_dir, self.steps, self.ckpt_every, extra=(
                 "actors.reward.count=2", f"actors.rollout.count={self.rollouts}",
-                f"supervisor.max_restarts={MAX_RESTARTS}"), stdout=sink)
+                f"supervisor.max_restarts={MAX_RESTARTS}", f"supervisor.ready_timeout={READY_TIMEOUT_S:g}"),
+                stdout=sink)
 
     def output(self) -> str:
         return "".join(p.read_text(errors="replace") for p in self.launches if p.exists())
