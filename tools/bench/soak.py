@@ -143,22 +143,29 @@ class Soak:
         """SIGTERM the launcher: it must exit 143 (stopped before the last step) with every actor logging
         `stopped` and none SIGKILLed by its supervisor."""
         assert self.proc is not None
-        before = self.stopped_counts()
-        running = set(p.stem for p in (self.run_dir / "ready").glob("*.json"))
         t0 = time.monotonic()
         self.proc.send_signal(signal.SIGTERM)
+        unclean = self.launch_end(LAUNCH_STOP_S, "the launcher did not stop within {:g} s of SIGTERM")
+        record["stop_s"] = round(time.monotonic() - t0, 1)
+        if self.proc.returncode != 128 + signal.SIGTERM or unclean:
+            raise SoakFailure(f"unclean stop: launcher exit {self.proc.returncode}; {unclean or 'otherwise clean'}")
+
+    def launch_end(self, timeout: float, late: str) -> str:
+        """Wait for the launch to end (SoakFailure(`late`) after `timeout` s); returns what was unclean about its
+        stop: actors it ran that logged no `stopped`, or one its supervisor SIGKILLed ("" when clean)."""
+        assert self.proc is not None
+        before = self.stopped_counts()
+        running = set(p.stem for p in (self.run_dir / "ready").glob("*.json"))
         try:
-            self.proc.wait(timeout=LAUNCH_STOP_S)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             chaos.kill_everything(self.proc, self.run_dir)
-            raise SoakFailure(f"the launcher did not stop within {LAUNCH_STOP_S:g} s of SIGTERM") from None
-        record["stop_s"] = round(time.monotonic() - t0, 1)
+            raise SoakFailure(late.format(timeout)) from None
         after = self.stopped_counts()
         unstopped = sorted(n for n in running if after[n] <= before[n])
         killed = "actor_killed" in self.launches[-1].read_text(errors="replace")
-        if self.proc.returncode != 128 + signal.SIGTERM or unstopped or killed:
-            raise SoakFailure(f"unclean stop: launcher exit {self.proc.returncode}, no `stopped` from {unstopped}, "
-                              f"{'an actor SIGKILLed' if killed else 'nobody SIGKILLed'}")
+        return "; ".join(([f"no `stopped` from {unstopped}"] if unstopped else [])
+                         + (["an actor SIGKILLed by its supervisor"] if killed else []))
 
     # --------------------------------------------------------------------------------------- checks
 
@@ -176,23 +183,13 @@ class Soak:
     def finish(self, timeout: float) -> dict[str, Any]:
         """The last launch runs to its end: exit 0, steps 1..N each trained, nothing lost, a clean stop."""
         assert self.proc is not None
-        before = self.stopped_counts()
-        running = set(p.stem for p in (self.run_dir / "ready").glob("*.json"))
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            chaos.kill_everything(self.proc, self.run_dir)
-            raise SoakFailure(f"the run did not end within {timeout:g} s") from None
+        unclean = self.launch_end(timeout, "the run did not end within {:g} s")
         trained = sorted({r["step"] for r in chaos.step_records(self.run_dir)})
         counts = chaos.account(self.run_dir)
-        after = self.stopped_counts()
-        unstopped = sorted(n for n in running if after[n] <= before[n])
-        killed = "actor_killed" in self.launches[-1].read_text(errors="replace")
-        end = {"exit_code": self.proc.returncode, "steps_trained": len(trained), **counts,
-               "clean_stop": not unstopped and not killed}
+        end = {"exit_code": self.proc.returncode, "steps_trained": len(trained), **counts, "clean_stop": not unclean}
         if (self.proc.returncode != 0 or trained != list(range(1, self.steps + 1)) or counts["lost"]
-                or counts["twice"] or unstopped or killed):
-            raise SoakFailure(f"at the end: {end}; no `stopped` from {unstopped}")
+                or counts["twice"] or unclean):
+            raise SoakFailure(f"at the end: {end}; {unclean or 'a clean stop'}")
         return end
 
 
