@@ -62,7 +62,7 @@ from actors.trainer.metrics import MetricsWriter, step_metrics
 from actors.trainer.step import StepConfig, TrainerConfigError, rank_samples, train_on_batch, train_share
 from actors.weight_sync import StageExport, WeightSender, WeightSyncConfigError, make_sender, make_stage_sender
 from topology.settings import TrainerSettings
-from transport.bus import BusError
+from transport.bus import BusError, RemoteError
 from transport.messages import encode
 from transport.protocol import (BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, HelloRequest, LinkFormed,
                                 LinkReform, RunFinished, VersionUpdate, WeightsBroadcast, WeightsBroadcastDone,
@@ -131,6 +131,7 @@ def _make_megatron_engine(cfg: TrainerSettings, model_dir: str, version: int) ->
 # A request to the buffer is asked again each time the buffer restarts while it waits (a restarted buffer
 # says so with HelloRequest); this bounds how many restarts one request outlives.
 BUFFER_ATTEMPTS = 10
+DRAINING_RETRY_S = 1.0   # between asks of a buffer that answers "draining" (it is stopping: bounded by its stop budget)
 PUBLISH_RETRY_S = 2.0     # the pause after a failed publish, times the failures in a row (at most 30 s)
 PUBLISH_WAIT_MIN_S = 30.0   # the least a step waits for its version's publish (publish_wait_s)
 FINAL_PUBLISH_S = 120.0   # how long the run's end waits for its last version to be published
@@ -295,8 +296,11 @@ class TrainerActor(Actor):
 
     async def _ask_buffer(self, msg: Any, timeout: float | None) -> Any:
         """A request to the buffer that outlives the buffer's restart: asked again once it is back. (The
-        buffer serves a step's batch again if it served it already: nothing is taken twice.)"""
-        for attempt in range(1, BUFFER_ATTEMPTS + 1):
+        buffer serves a step's batch again if it served it already: nothing is taken twice.) A buffer that is
+        stopping hands the request back ("draining"): it is asked again once a second, until a process that is
+        not stopping takes it (the stopping one's drain is bounded by its stop budget)."""
+        restarts, draining = 0, False
+        while True:
             self._buffer_back.clear()
             ask = asyncio.ensure_future(self.bus.request("buffer", msg, timeout=timeout))
             back = asyncio.ensure_future(self._buffer_back.wait())
@@ -305,12 +309,23 @@ class TrainerActor(Actor):
             finally:
                 back.cancel()
             if ask.done():
-                return ask.result()
+                try:
+                    return ask.result()
+                except RemoteError as exc:
+                    if exc.code != "draining":
+                        raise
+                if not draining:
+                    self.log.warning("buffer_draining", asking_again=type(msg).KIND)
+                draining = True
+                await asyncio.sleep(DRAINING_RETRY_S)
+                continue
             ask.cancel()
             await asyncio.gather(ask, return_exceptions=True)
+            restarts += 1
             self.counters["buffer_requests_repeated"] += 1
-            self.log.warning("buffer_restarted", asking_again=type(msg).KIND, attempt=attempt)
-        raise RuntimeError(f"the buffer restarted {BUFFER_ATTEMPTS} times while {type(msg).KIND} waited for it")
+            self.log.warning("buffer_restarted", asking_again=type(msg).KIND, attempt=restarts)
+            if restarts >= BUFFER_ATTEMPTS:
+                raise RuntimeError(f"the buffer restarted {BUFFER_ATTEMPTS} times while {type(msg).KIND} waited for it")
 
     # --- ranks > 0 --------------------------------------------------------------------------------
     async def _follow(self) -> None:
