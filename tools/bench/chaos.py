@@ -1,5 +1,8 @@
 """`python -m tools.bench chaos [--json] [--faults a,b] [--steps N] [--hang-s S]`: the fault matrix.
 
+`python -m tools.bench chaos --soak [--steps 300] [--every 9] [--seed S]` runs the soak instead: one long run
+with a fault every --every steps, checked after each (tools/bench/soak.py).
+
 Each fault is injected into a short real run of `topology/local.yaml` (a small random Qwen2 model on the
 synthetic arithmetic task, so the runs are short; two reward actors, so that one can hang) once the
 trainer has made step `--at`:
