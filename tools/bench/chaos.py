@@ -1,7 +1,7 @@
 """`python -m tools.bench chaos [--json] [--faults a,b] [--steps N] [--hang-s S]`: the fault matrix.
 
 `python -m tools.bench chaos --soak [--steps 300] [--every 9] [--seed S]` runs the soak instead: one long run
-with a fault every --every steps, checked after each (tools/bench/soak.py).
+with a fault every --every steps, checked after each (tools/bench/soak.py, which tools.bench hands --soak to).
 
 Each fault is injected into a short real run of `topology/local.yaml` (a small random Qwen2 model on the
 synthetic arithmetic task, so the runs are short; two reward actors, so that one can hang) once the
@@ -612,22 +612,10 @@ def _stall_cell(r: dict[str, Any]) -> str:
     return "-"
 
 
-def soak_main(args: argparse.Namespace) -> int:
-    from tools.bench.soak import run_soak, summary_lines
-
-    steps = args.steps or 300
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-soak-"))
-    log = (lambda m: print(m, file=sys.stderr, flush=True))
-    report = run_soak(make_assets(out / "assets"), out, steps, args.every, args.ckpt_every,
-                      args.rollouts, args.seed, log=log)
-    print(json.dumps(report) if args.json else "\n".join(summary_lines(report)))
-    return 0 if report["ok"] else 1
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma list (default all: {','.join(FAULTS)})")
-    ap.add_argument("--steps", type=int, default=None, help="training steps per run (16; --soak: 300)")
+    ap.add_argument("--steps", type=int, default=16, help="training steps per run (default 16)")
     ap.add_argument("--at", type=int, default=3, help="inject the fault once the trainer made this step (3)")
     ap.add_argument("--hang-s", type=float, default=60.0, help="how long a hung actor stays stopped (60)")
     ap.add_argument("--flood", type=int, default=2000, help="malformed messages per actor (2000)")
@@ -635,16 +623,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a run not over after this many seconds is killed and reported as such (900)")
     ap.add_argument("--out", default=None, help="folder for the run directories (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--soak", action="store_true", help="one long run with a fault every --every steps instead of "
-                                                        "the matrix (tools/bench/soak.py); --steps 300 unless given")
-    ap.add_argument("--every", type=int, default=9, help="--soak: steps between faults (9)")
-    ap.add_argument("--ckpt-every", type=int, default=5, help="--soak: steps between checkpoints (5)")
-    ap.add_argument("--rollouts", type=int, default=3, help="--soak: rollout actors (3)")
-    ap.add_argument("--seed", type=int, default=0, help="--soak: the draw of faults and victims (0)")
     args = ap.parse_args(argv)
-    if args.soak:
-        return soak_main(args)
-    args.steps = args.steps or 16
     faults = [f for f in args.faults.split(",") if f]
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:

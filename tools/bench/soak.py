@@ -22,10 +22,14 @@ Reported: faults survived, steps, the longest time per actor kind from a fault t
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import random
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -263,3 +267,23 @@ def summary_lines(r: dict[str, Any]) -> list[str]:
     else:
         lines.append(f"FAILED: {r['failure']}")
     return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.bench chaos --soak", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--soak", action="store_true", help="(how tools.bench chooses this benchmark)")
+    ap.add_argument("--steps", type=int, default=300, help="training steps of the run (300)")
+    ap.add_argument("--every", type=int, default=9, help="steps between faults (9)")
+    ap.add_argument("--ckpt-every", type=int, default=5, help="steps between checkpoints (5)")
+    ap.add_argument("--rollouts", type=int, default=3, help="rollout actors (3)")
+    ap.add_argument("--seed", type=int, default=0, help="the draw of faults and victims (0)")
+    ap.add_argument("--out", default=None, help="folder for the run directory (default: a temp dir)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    if not 0 < args.every < args.steps:
+        ap.error(f"--every must be a step of the run (1 to {args.steps - 1})")
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-soak-"))
+    report = run_soak(chaos.make_assets(out / "assets"), out, args.steps, args.every, args.ckpt_every, args.rollouts,
+                      args.seed, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps(report) if args.json else "\n".join(summary_lines(report)))
+    return 0 if report["ok"] else 1
