@@ -55,7 +55,7 @@ A path that does not exist is also looked for under the name ``wget`` gives the 
 
 A malformed line (bad JSON, a bad field, bytes that are not
 UTF-8, a line longer than ``max_line_bytes``) raises `DatasetError` naming the file, the line number and
-the cause; with ``on_error="skip"`` it is logged, counted and skipped instead, unless more than
+the cause; with ``on_error="skip"`` it is counted and skipped instead (named in one warning), unless more than
 ``max_bad_share`` of the file's lines are malformed (then the file is refused as a whole). A line over the
 length limit is never held in memory whole: it is read past in chunks. `sniff_file` says when a file is
 empty, binary or compressed before any line is read.
@@ -77,6 +77,7 @@ from topology.schema import problem_lines
 log = structlog.get_logger("dataset")
 
 OnError = Literal["skip", "fail"]
+SHOWN_SKIPS = 5   # skipped lines named in the load's one warning (the count says how many in all)
 Require = Literal["answer", "solutions", "none"]
 LAYOUT_FIELDS = ("query_id", "prompt", "answer", "solutions", "solution", "level")
 # A prompt of the longest recipes (32k tokens) is well under 1 MiB of text; a longer line is a broken file.
@@ -407,10 +408,11 @@ def iter_jsonl(path: str | Path, *, require: Require = "answer", on_error: OnErr
         except DatasetError as err:
             if on_error == "fail":
                 raise
-            log.warning("dataset_line_skipped", path=str(path), line=line_no, field=err.field,
-                        reason=err.reason)
-            if on_skip is not None:
+            if on_skip is not None:   # the caller counts them and says so once (a file of bad lines is one error)
                 on_skip(err)
+            else:
+                log.warning("dataset_line_skipped", path=str(path), line=line_no, field=err.field,
+                            reason=err.reason)
             continue
         seen[rec.query_id] = line_no
         yield rec
@@ -519,7 +521,8 @@ def load_dataset(path: str | Path, *, require: Require = "answer", on_error: OnE
         raise DatasetError(path, None, f"{len(skipped)} of {len(records) + len(skipped)} lines are malformed, "
                            f"more than data.max_bad_share ({max_bad_share:g}) allows; first: {skipped[0]}")
     if skipped:
-        log.warning("dataset_loaded_with_skips", path=str(path), records=len(records), skipped=len(skipped))
+        log.warning("dataset_loaded_with_skips", path=str(path), records=len(records), skipped=len(skipped),
+                    first=[str(err) for err in skipped[:SHOWN_SKIPS]])
     as_is = notes.get("templated_as_is", 0)
     if as_is:
         log.info("dataset_prompts_already_templated", path=str(path), prompts=as_is,

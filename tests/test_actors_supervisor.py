@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import signal
 import time
@@ -360,3 +361,30 @@ def test_a_late_joining_group_that_cannot_reach_its_number_stops_the_start(tmp_p
         assert all(pid is None for pid in sup.pids().values())
 
     run(main())
+
+
+def test_a_run_that_ends_with_a_member_given_up_is_not_a_clean_exit(tmp_path: Any, capsys: Any) -> None:
+    # A rollout given up for the rest of a run (its restarts failed) left the launcher's exit code at 0 and its
+    # summary silent: a degraded run read as a clean one.
+    from actors.launch.local import supervise
+
+    status, stop = tmp_path / "status.json", tmp_path / "stop"
+    specs = [spec(tmp_path, "r.0").to_dict(), spec(tmp_path, "r.1", crash_on_start=True).to_dict()]
+
+    async def main() -> int:
+        running = asyncio.ensure_future(supervise(
+            specs, tmp_path, {"backoff_initial": 0.02, "max_restarts": 1, "ready_timeout": START_BUDGET,
+                              "late_joiners": {"r": 1}},
+            title="t", progress=False, duration=None, node_of={}, status_file=status, stop_file=stop))
+
+        def given_up() -> bool:
+            try:
+                return json.loads(status.read_text())["actors"]["r.1"]["state"] == "failed"
+            except (OSError, ValueError, KeyError):
+                return False
+        await until(given_up, what="r.1 to be given up")
+        stop.write_text("stop requested by the test")
+        return await running
+
+    assert run(main()) == 1
+    assert "r.1 given up" in capsys.readouterr().out

@@ -177,3 +177,32 @@ def test_the_intruder_reads_and_forges_rendezvous_keys_and_a_signed_store_refuse
     with pytest.raises(RendezvousForgery, match="'weights/epoch4/0/1' was not written by a member of this run"):
         member.get("weights/epoch4/0/1")
     del member, server
+
+
+def test_the_soak_schedule_has_every_kind_once_a_round_and_the_gaps_go_to_the_kinds_hit() -> None:
+    from tools.bench import soak
+
+    drawn = soak.schedule(2 * len(soak.ROUND) + 3, seed=1)
+    for start in (0, len(soak.ROUND)):
+        assert sorted(drawn[start:start + len(soak.ROUND)]) == sorted(soak.ROUND)
+    assert drawn != soak.schedule(len(drawn), seed=2) and drawn == soak.schedule(len(drawn), seed=1)
+    assert {"pair", "launcher_kill", "launcher_stop", "kill:trainer", "stop:buffer"} <= set(soak.ROUND)
+    records = [{"step": 4, "time": 10.0}, {"step": 3, "time": 14.0}, {"step": 5, "time": 19.0}, {"step": 6, "time": 20.0}]
+    faults = [{"fault": "pair", "actors": ["trainer", "rollout.1"], "step": 4, "time": 11.0},
+              {"fault": "launcher_stop", "actors": [], "step": 5, "time": 19.5}]
+    # the trainer's re-done step 3 is no new progress: the gap runs to step 5
+    assert soak.longest_gaps(faults, records) == {"launcher_stop": 0.5, "rollout": 8.0, "trainer": 8.0}
+
+
+@pytest.mark.timeout(900)   # three launches' worth of starts: minutes on a 2-core machine shared with other runs
+def test_a_short_soak_survives_a_pair_killed_and_the_launcher_stopped(assets: dict[str, Path], tmp_path: Path) -> None:
+    # The long one (python -m tools.bench chaos --soak) draws hundreds of steps of faults; this is its smallest
+    # form: two actors killed at once, then a SIGTERM stop of the launcher (every actor must log `stopped`, none
+    # SIGKILLed) and a relaunch, and the run must end with exit 0, every step trained once and nothing lost.
+    from tools.bench.soak import run_soak
+
+    report = run_soak(assets, tmp_path, steps=9, every=3, ckpt_every=2, rollouts=2, faults=["pair", "launcher_stop"],
+                      log=print, step_timeout=600)
+    assert report["ok"], report.get("failure")
+    assert report["faults_survived"] == 2 and report["launches"] == 2, report
+    assert report["end"]["lost"] == 0 and report["end"]["twice"] == 0 and report["end"]["steps_trained"] == 9

@@ -132,6 +132,17 @@ def test_an_override_sets_a_declared_key_the_files_leave_out() -> None:
     assert plan.topology.supervisor["stop_timeout"] == 5
 
 
+def test_every_actors_drain_is_a_share_of_the_supervisors_stop_budget(tmp_path: Path) -> None:
+    # An actor's drain_timeout and the supervisor's stop_timeout were two equal numbers (30 s): a drain that used its
+    # whole budget was SIGKILLed at its end, before its final state and its `stopped` line.
+    plan = T.load(REPO / "topology" / "local.yaml", ["supervisor.stop_timeout=12"], check_imports=False)
+    specs = plan.specs(tmp_path)
+    assert specs and {s["settings"]["drain_timeout"] for s in specs} == {6.0}
+    with pytest.raises(TopologyError) as info:
+        T.load(REPO / "topology" / "local.yaml", ["actors.buffer.settings.drain_timeout=40"], check_imports=False)
+    assert "actors.buffer.settings.drain_timeout: reserved: the launcher fills it in" in info.value.problems
+
+
 def test_areal_key_names_are_read_as_ours_in_files_and_overrides(tmp_path: Path) -> None:
     # AReaL's tutorial names (its ppo-math quickstart options) in an experiment config and on the command line.
     (tmp_path / "exp.yaml").write_text(yaml.safe_dump({

@@ -183,3 +183,15 @@ def test_an_unsupported_or_mismatched_model_is_refused_with_one_line(tmp_path: P
     plan = topo_mod.load(str(REPO / "topology" / "1node.yaml"), overrides(moe, train), check_imports=False)
     _, problems = check_inputs(plan, launch=False)
     assert any("is qwen3_moe (Qwen3MoeForCausalLM); the megatron engine supports qwen2" in p for p in problems), problems
+
+
+def test_a_file_of_only_bad_lines_is_one_error_with_a_count(model: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    # 60 bad lines printed 60 per-line warnings, then the shown bad lines, before the error said the file was unusable.
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"query_id": str(i), "prompt": i}) + "\n" for i in range(60)))
+    assert up.main([LOCAL, *overrides(model, train), "--run-dir", str(tmp_path / "run"), "--no-import-check"]) \
+        == up.EXIT_INVALID
+    captured = capsys.readouterr()
+    said = [x for x in (captured.out + captured.err).splitlines() if str(train) in x]
+    assert len(said) == 1 and f"none of its 60 lines is a usable record" in said[0], said

@@ -107,3 +107,49 @@ def test_checkpoints_come_by_steps_and_by_time_as_areal_ckpt_freq_secs():
     assert checkpoint_due(3, 400, 10, 600.0, since_s=600.0)
     assert not checkpoint_due(3, 400, 10, 600.0, since_s=599.9)
     assert checkpoint_due(10, 400, 10, 600.0, since_s=0.0)
+
+
+def test_retention_keeps_the_checkpoint_a_starting_actor_is_loading(tmp_path):
+    # A restarted rollout chose the newest checkpoint and loads it seconds later; meanwhile the trainer saved two
+    # more and pruned to keep_checkpoints=2. The rollout's load found no model.safetensors and the rollout died,
+    # three restarts in a row, until it was given up.
+    from actors.runtime.recovery import held_start_weights, prune_checkpoints
+    from topology.experiment import ExperimentConfig
+
+    cfg = ExperimentConfig.model_validate({"model": {"path": str(tmp_path / "start")}})
+    make_checkpoint(tmp_path, 5)
+    make_checkpoint(tmp_path, 10)
+    with held_start_weights(cfg, tmp_path, "rollout.0") as (version, model_dir):
+        assert version == 10
+        for step in (15, 20):   # the trainer goes on while the rollout loads
+            make_checkpoint(tmp_path, step)
+            prune_checkpoints(tmp_path, keep=2, lease_s=600)
+        assert (Path(model_dir) / "model.safetensors").read_bytes() == bytes(range(256)) * 20
+        assert not checkpoint_dir(tmp_path, 5).exists()   # unleased: pruned as before
+    assert checkpoint_problem(checkpoint_dir(tmp_path, 10)) is None   # the lease is no part of the checkpoint
+    assert not list(checkpoint_dir(tmp_path, 10).glob("LEASE.*"))     # released once loaded
+    prune_checkpoints(tmp_path, keep=2, lease_s=600)
+    assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step_*"))] == ["step_000015", "step_000020"]
+
+
+def test_a_lease_older_than_its_bound_pins_nothing(tmp_path):
+    # A reader killed mid-load leaves its lease behind: retention honours it for checkpoint_lease_s only.
+    import os
+
+    from actors.runtime.recovery import prune_checkpoints
+
+    for step in (5, 10, 15):
+        make_checkpoint(tmp_path, step)
+    lease = checkpoint_dir(tmp_path, 5) / "LEASE.rollout.0"
+    lease.write_text("{}")
+    assert prune_checkpoints(tmp_path, keep=2, lease_s=600) == []
+    os.utime(lease, (lease.stat().st_atime - 601, lease.stat().st_mtime - 601))
+    assert prune_checkpoints(tmp_path, keep=2, lease_s=600) == [checkpoint_dir(tmp_path, 5)]
+
+
+def test_a_checkpoint_saved_over_a_lease_does_not_list_it(tmp_path):
+    # A trainer restarted in place saves a step again; a reader's lease in that directory is no file of it.
+    ckpt = make_checkpoint(tmp_path, 4, complete=False)
+    (ckpt / "LEASE.rollout.1").write_text("{}")
+    mark_complete(ckpt, {"step": 4})
+    assert sorted(json.loads((ckpt / COMPLETE).read_text())["files"]) == ["buffer.json", "model/model.safetensors"]

@@ -250,6 +250,9 @@ class RunSection(Section):
         None, gt=0, description="also checkpoint after a step that ends this many seconds after the last checkpoint "
                                 "(or the start), as AReaL's exp_ctrl.ckpt_freq_secs; unset: by steps only")
     keep_checkpoints: int = Field(2, ge=0, description="complete checkpoints kept; 0 keeps all")
+    checkpoint_lease_s: float = Field(
+        600.0, gt=0, description="seconds retention keeps an older checkpoint that a starting actor is loading "
+                                 "(its lease); a lease this old is ignored, so a reader killed mid-load pins nothing")
     recover: Literal["auto", "off"] = Field("auto", description="resume from the last checkpoint")
     final_eval: bool = Field(True, description="evaluate the last checkpoint on data.test at the end")
     trace: bool = Field(True, description="the buffer and trainer write RUN_DIR/trace/<actor>.jsonl, what "

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from topology.experiment import ExperimentConfig, experiment_problems
 from topology.schema import (RESERVED_SETTINGS, BusSection, ClusterSection, GroupSection, LinkSection,
-                             SupervisorSection, TopologyDocument, problem_lines)
+                             SupervisorSection, TopologyDocument, drain_budget_s, problem_lines)
 from topology.settings import settings_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -166,6 +166,7 @@ class Plan:
               tokens: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """One ActorSpec dictionary per instance (fields as in docs/architecture.md)."""
         topo, groups = self.topology, self.group_members()
+        drain_s = drain_budget_s(SupervisorSection.model_validate(topo.supervisor).stop_timeout)
         peers = {inst.name: inst.endpoint for inst in self.instances}
         out = []
         for inst in self.instances:
@@ -177,6 +178,7 @@ class Plan:
                 "parallel": dict(group.parallel),
             }
             settings["groups"] = groups
+            settings["drain_timeout"] = drain_s
             settings["links"] = {name: self.link_config(name, inst) for name, link in self.links.items()
                                  if inst.name in link.members}
             env = dict(inst.env)

@@ -19,7 +19,15 @@ __all__ = ["Section", "SupervisorSection", "NicsSection", "NodeSection", "Cluste
            "problem_lines", "model_at", "key_path"]
 
 # Keys the launcher writes into every actor's settings; a topology may not set them.
-RESERVED_SETTINGS = ("instance", "groups", "links")
+RESERVED_SETTINGS = ("instance", "groups", "links", "drain_timeout")
+# An actor's drain (handing back the work in flight) gets this share of supervisor.stop_timeout; the rest is for
+# cancelling what did not finish, writing its final state and closing its bus before the supervisor's SIGKILL.
+DRAIN_SHARE = 0.5
+
+
+def drain_budget_s(stop_timeout: float) -> float:
+    """The drain_timeout the launcher gives every actor under a supervisor whose stop_timeout this is."""
+    return stop_timeout * DRAIN_SHARE
 
 
 class SupervisorSection(Section):
@@ -31,7 +39,9 @@ class SupervisorSection(Section):
     backoff_max: float = Field(30.0, gt=0, description="longest wait before a restart")
     ready_timeout: float = Field(120.0, gt=0, description="seconds an actor has to report ready, beyond what its "
                                                           "class starts (actors.<group>.ready_timeout_s sets a group's)")
-    stop_timeout: float = Field(30.0, gt=0, description="seconds an actor has to stop before it is killed")
+    stop_timeout: float = Field(30.0, gt=0, description="seconds an actor has to stop before it is killed; its drain "
+                                                        "(work in flight handed back) gets half, the rest is for "
+                                                        "its final state and close")
 
 
 class NicsSection(Section):

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from topology.experiment import ExperimentConfig, Section
-from topology.schema import problem_lines
+from topology.schema import SupervisorSection, drain_budget_s, problem_lines
 
 __all__ = ["InstanceSettings", "WorldSettings", "LinkSettings", "ActorSettings", "RewardSettings", "CodeRewardSettings",
            "EngineSettings", "GenerationSettings", "EvaluatorSettings", "TrainerSettings", "SGLangSettings", "RolloutSettings",
@@ -111,7 +111,10 @@ class ActorSettings(ExperimentConfig):
     bus: BusSettings = Field(default_factory=BusSettings, description="the actor's bus (transport.bus.Bus)")
     message_log: MessageLogSettings | None = Field(
         None, description="record the actor's messages: true (the recording's defaults), or its settings")
-    drain_timeout: float = Field(30.0, gt=0, description="seconds running handlers get to finish on stop")
+    drain_timeout: float = Field(
+        drain_budget_s(SupervisorSection().stop_timeout), gt=0,
+        description="seconds the drain on stop may take, on_drain and running handlers together (the launcher "
+                    "sets it from supervisor.stop_timeout: topology.schema.drain_budget_s)")
     close_linger: float = Field(2.0, ge=0, description="seconds the bus may take to send what is queued on close")
     status_every_s: float = Field(
         5.0, ge=0, description="seconds between writes of RUN_DIR/status/<name>.json (what it waits on, the last "

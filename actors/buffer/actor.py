@@ -54,7 +54,7 @@ from algo.serving import DecodePace
 from topology.settings import BufferSettings
 from transport.bus import HEARTBEAT_TIMEOUT_S, BusError
 from transport.files import atomic_write
-from transport.messages import decode, encode
+from transport.messages import Error, decode, encode
 from transport.protocol import (AbortGroup, BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, GenerateGroup,
                                 GroupAborted, GroupReturned, HelloRequest, RunFinished, ScoredGroup, Task, VersionUpdate,
                                 WorkerHello)
@@ -412,7 +412,7 @@ class BufferActor(Actor):
             self.changed.set()
 
     @handles(BatchRequest)
-    async def on_batch_request(self, msg: BatchRequest) -> BatchTensors:
+    async def on_batch_request(self, msg: BatchRequest) -> BatchTensors | Error:
         if self.state.version_reachable(msg.step - 1):   # it finished that step: a VersionUpdate lost in a restart
             self.state.set_version(msg.step - 1)
         async with self._serving:   # one step at a time: a restarted trainer may ask while its old request waits
@@ -427,6 +427,10 @@ class BufferActor(Actor):
                 self._drop_stale()
                 if (taken := self.state.take_batch()) is not None:
                     break
+                if self.draining:   # stopping: nothing is taken, the trainer asks the next buffer again
+                    self._batch_waited_for = None
+                    return Error("draining", f"{self.name} is stopping; batch {msg.step} was not taken",
+                                 BatchRequest.KIND)
                 self.arrived.clear()
                 await self.arrived.wait()
             self._batch_waited_for = None
@@ -494,12 +498,17 @@ class BufferActor(Actor):
         self.log.info("buffer_restored", step=step, served_through=resume.served_through, data_pass=self.state.data_pass,
                       position=self.state.position, reissue=len(self.state.reissue), gate=repr(self.state.gate))
 
+    async def on_drain(self) -> None:
+        # A batch request waiting for groups still being generated would hold the drain its whole budget:
+        # it is answered now, with nothing taken.
+        self.arrived.set()
+
     async def on_stop(self) -> None:
         # What became of every prompt handed out: tools/bench/chaos.py counts lost and twice-trained ones.
         if getattr(self, "state", None) is not None:
             final = {**self._state_dict(), "served_through": self.state.served_through,
                      "issued": [list(k) for k in self.state.issued_keys()]}
-            (self.run_dir / "buffer" / "final_state.json").write_text(json.dumps(final))
+            atomic_write(self.run_dir / "buffer" / "final_state.json", json.dumps(final))
 
     @handles(RunFinished)
     def on_run_finished(self, msg: RunFinished) -> None:

@@ -190,14 +190,15 @@ def _check_data(key: str, path: Path, layout: Layout, require: str, on_error: st
     shown = [f"    {err}" for err in bad[:SHOWN_BAD_LINES]]
     if len(bad) > SHOWN_BAD_LINES:
         shown.append(f"    ... and {len(bad) - SHOWN_BAD_LINES} more malformed lines")
+    # A file refused is one line: its count and its first bad line, not a listing of every bad one first.
     if records == 0:
         what = f"none of its {total} lines is a usable record" if total else "it holds no records (blank lines only)"
-        return shown, [f"{where}: {what} ({read} read); first: {bad[0]}" if bad else f"{where}: {what}"]
+        return [], [f"{where}: {what} ({read} read); first: {bad[0]}" if bad else f"{where}: {what}"]
     if bad and on_error == "fail":
-        return shown, [f"{where}: malformed line (data.on_bad_line: fail stops the run at it): {bad[0]}"]
+        return [], [f"{where}: malformed line (data.on_bad_line: fail stops the run at it): {bad[0]}"]
     if len(bad) > max_bad_share * total:
-        return shown, [f"{where}: {len(bad)} of {total} lines ({100 * len(bad) / total:.1f}%, {read}) are malformed, "
-                       f"more than data.max_bad_share ({max_bad_share:g}) allows"]
+        return [], [f"{where}: {len(bad)} of {total} lines ({100 * len(bad) / total:.1f}%, {read}) are malformed, "
+                    f"more than data.max_bad_share ({max_bad_share:g}) allows; first: {bad[0]}"]
     head = f"{key} {path}: {records} records in {read}"
     if bad:
         head += f", {len(bad)} malformed lines skipped (data.on_bad_line: skip):"

@@ -54,12 +54,15 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
                     progress: bool, duration: float | None, node_of: dict[str, str],
                     status_file: Path | None = None, stop_file: Path | None = None,
                     training: TrainingProgress | None = None, watchdog: ProgressWatchdog | None = None,
-                    finished: Callable[[], bool] | None = None, log_name: str = "launcher") -> int:
+                    finished: Callable[[], bool] | None = None, log_name: str = "launcher",
+                    given_up_fails: bool = True) -> int:
     """Start actors under the Supervisor, show progress, stop on Ctrl-C/SIGTERM, on ``duration``, when
     ``stop_file`` appears (a multi-node launcher's stop request), when ``watchdog`` (actors/launch/watchdog.py)
     finds the run stalled, or when every actor has finished by itself; print a summary. Returns the exit
     status: a stall fails the run, and a signal before ``finished()`` (the run's last step) exits 128 + its
-    number. The supervisor's events go to RUN_DIR/logs/<log_name>.jsonl."""
+    number. The supervisor's events go to RUN_DIR/logs/<log_name>.jsonl; with ``given_up_fails``, a run that
+    ended with a member given up exits 1 (a node agent leaves that to its launcher, which sees every node's
+    rows)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     stop_reason: list[str] = []
@@ -142,6 +145,9 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
         view.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+    if code == EXIT_OK and given_up_fails and (given_up := [n for n, c in sup.children.items() if c.given_up]):
+        code = EXIT_FAILED   # the run went on without them: finished, but not a clean end
+        outcome += f"; {', '.join(given_up)} given up (left down after the restart limit; exit {code})"
     if code == EXIT_OK and signalled and finished is not None and not finished():
         code = 128 + signalled[0]   # stopped before its last step: not a clean end
         outcome += f" before the run's last step (exit {code})"

@@ -199,6 +199,10 @@ def run_slurm(plan: Plan, request: LaunchRequest, hooks: ToolHooks) -> int:
                   (f": {reasons}" if reasons.strip("; ") else f"; see {run_dir}/srun.out")
         print(summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
         return EXIT_FAILED
+    if given_up := [name for name, row in rows.items() if row.get("state") == "failed"]:
+        outcome += f"; {', '.join(given_up)} given up (left down after the restart limit; exit {EXIT_FAILED})"
+        print(summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
+        return EXIT_FAILED
     if signalled and trains and not run_finished(run_dir):
         outcome += f" before the run's last step (exit {128 + signalled[0]})"
         print(summary(plan.topology.name, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
@@ -246,7 +250,7 @@ def run_node(run_dir: Path) -> int:
     code = asyncio.run(supervise(plan["specs"], run_dir, plan["supervisor"], title=plan["title"], progress=False,
                                  duration=None, node_of={s["name"]: host for s in plan["specs"]},
                                  status_file=status, stop_file=run_dir / "nodes" / "STOP",
-                                 log_name=f"launcher.{host}"))
+                                 log_name=f"launcher.{host}", given_up_fails=False))
     if code != 0:
         info = json.loads(status.read_text()) if status.exists() else {}
         info["reason"] = f"{host}: an actor could not be kept up (see {run_dir}/logs)"

@@ -51,7 +51,7 @@ from actors.rollout.envs import ENVIRONMENTS, UnknownTool, environment_for
 from actors.rollout.envs.python_tool import CodeRunner, python_tool, timeout_problem
 from actors.rollout.episode import EpisodeError, EpisodeLimits, Trajectory, run_episodes, turn_seed
 from actors.rollout.openai_server import AgentEndpoint, EndpointLimits
-from actors.runtime.recovery import start_weights
+from actors.runtime.recovery import held_start_weights
 from actors.weight_sync import WeightReceiver, WeightSyncError, link_config, make_receiver
 from actors.weights import weights_hash
 from topology.settings import RolloutSettings
@@ -210,13 +210,14 @@ class RolloutActor(Actor):
         except ValueError as exc:
             raise RolloutConfigError(str(exc)) from None
         self.codec = await asyncio.to_thread(load_tokenizer, self.cfg.model.path)
-        version, model_dir = start_weights(self.cfg, self.run_dir)
-        self.engine = make_engine(self.cfg, version, model_dir, run_dir=str(self.run_dir),
-                                  on_server_event=self._engine_server_event)
-        if config is not None:
-            self.receiver = make_receiver(self.cfg, config, self.engine, self._verified, self.make_link, self.param_server,
-                                          self.counters, self.log, lambda: len(self.active))
-        await self.engine.start()
+        # The checkpoint is leased until the engine has loaded it: the trainer's retention goes on meanwhile.
+        with held_start_weights(self.cfg, self.run_dir, self.name) as (version, model_dir):
+            self.engine = make_engine(self.cfg, version, model_dir, run_dir=str(self.run_dir),
+                                      on_server_event=self._engine_server_event)
+            if config is not None:
+                self.receiver = make_receiver(self.cfg, config, self.engine, self._verified, self.make_link,
+                                              self.param_server, self.counters, self.log, lambda: len(self.active))
+            await self.engine.start()
         if self.cfg.agent.enabled:
             await self._start_agent_endpoint()
         kv_pool = getattr(self.engine, "kv_pool_tokens", None)

@@ -12,8 +12,8 @@ Messages that arrive before on_start has finished wait for it (in arrival order)
     bus.start -> on_start() -> ready file written -> on_ready() -> ... serving ... -> stop requested
     (SIGTERM/SIGINT, self.request_stop(), or a failed critical background task)
     -> draining: requests are refused with Error("draining"), one-way messages still handled
-    -> on_drain() (finish or hand back in-flight work) -> running handlers get drain_timeout to finish,
-       the rest are cancelled and their requesters answered Error("draining")
+    -> on_drain() (finish or hand back in-flight work) -> running handlers get what is left of drain_timeout
+       (both together) to finish, the rest are cancelled and their requesters answered Error("draining")
     -> background tasks cancelled -> on_stop() -> bus closed (queued sends flushed) -> logs flushed.
 
 A second SIGTERM/SIGINT skips the rest of the drain. ``run()`` returns the exit code (0 clean).
@@ -543,11 +543,14 @@ class Actor:
         return True
 
     async def _drain(self) -> None:
+        # One budget for the whole drain (drain_timeout, a share of the supervisor's stop_timeout): what is left
+        # of the stop is for cancelling the rest, on_stop's final state and closing the bus, before any SIGKILL.
+        timeout = self.cfg.drain_timeout
+        deadline = time.monotonic() + timeout
         self.draining = True
         self.bus.draining = True
         await self.on_drain()
-        timeout = self.cfg.drain_timeout
-        if not await self.bus.wait_handlers(timeout):
+        if not await self.bus.wait_handlers(max(0.0, deadline - time.monotonic())):
             left = self.bus.inflight
             self.log.warning("drain_timeout", handlers_cancelled=left, timeout_s=timeout)
             self.bus.cancel_handlers()     # their requesters are answered Error("draining") by the bus

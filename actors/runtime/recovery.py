@@ -18,13 +18,24 @@ none is sound it says so before the run starts again from step 0.
 
 Every actor that needs weights (trainer, rollouts, parameter server) calls :func:`start_weights`, so
 they all agree on version k after a recovery without talking to each other first.
+
+Retention (``run.keep_checkpoints``, :func:`prune_checkpoints`) and readers never race: a reader chooses its
+checkpoint and writes a lease file ``LEASE.<holder>`` into it under the run's retention lock (an fcntl lock
+on ``checkpoints/.retention.lock``, which the pruner holds while it decides and deletes), and removes the
+lease once loaded. Retention keeps a leased checkpoint until the lease is removed or older than
+``run.checkpoint_lease_s``, so a reader killed mid-load pins nothing for ever. A restarted rollout reads its
+checkpoint seconds after choosing it while the trainer goes on saving and deleting.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import shutil
+import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import structlog
 import xxhash
@@ -35,6 +46,8 @@ from transport.files import atomic_write
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 CORRUPT_SUFFIX = ".corrupt"
+LEASE_PREFIX = "LEASE."
+RETENTION_LOCK = ".retention.lock"
 
 log = structlog.get_logger("recovery")
 
@@ -126,7 +139,7 @@ def mark_complete(ckpt: Path, meta: dict[str, Any]) -> None:
     """The checkpoint's commit point: every file is fsynced and listed (bytes, XXH3-64) in COMPLETE,
     which is written under a temporary name, fsynced and renamed into place."""
     files = {}
-    for path in sorted(p for p in ckpt.rglob("*") if p.is_file() and not p.name.startswith(COMPLETE)):
+    for path in sorted(p for p in ckpt.rglob("*") if p.is_file() and not p.name.startswith((COMPLETE, LEASE_PREFIX))):
         with open(path, "rb") as f:
             os.fsync(f.fileno())
         files[str(path.relative_to(ckpt))] = {"bytes": path.stat().st_size, "xxh3": _file_digest(path)}
@@ -171,15 +184,81 @@ def recovering(cfg: ExperimentConfig) -> bool:
 
 def start_weights(cfg: ExperimentConfig, run_dir: str | os.PathLike) -> tuple[int, str]:
     """(version, model directory) this run starts from: the last checkpoint when recovering, else the
-    starting model at version 0."""
+    starting model at version 0. A reader that loads the checkpoint later holds it with
+    :func:`held_start_weights` instead."""
     if recovering(cfg):
         found = latest_checkpoint(run_dir)
         if found is not None:
             return found[0], str(found[1] / "model")
-    path = cfg.model.path
-    if not path:
+    return 0, _starting_model(cfg)
+
+
+def _starting_model(cfg: ExperimentConfig) -> str:
+    if not cfg.model.path:
         raise ValueError("model.path: not set (the starting model directory, Hugging Face layout)")
-    return 0, str(path)
+    return str(cfg.model.path)
+
+
+@contextlib.contextmanager
+def retention_lock(run_dir: str | os.PathLike) -> Iterator[None]:
+    """The run's checkpoint retention, held exclusively for the block: a reader's choice and lease, or a
+    pruner's decision and deletion, happen one at a time. Released by the kernel if the holder dies."""
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / RETENTION_LOCK, "a+b") as lock:
+        fcntl.lockf(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(lock, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def held_start_weights(cfg: ExperimentConfig, run_dir: str | os.PathLike, holder: str) -> Iterator[tuple[int, str]]:
+    """:func:`start_weights`, with the chosen checkpoint leased to `holder` for the block: retention
+    (:func:`prune_checkpoints`) keeps it until the block ends (the load is done), or the lease is older than
+    ``run.checkpoint_lease_s``."""
+    lease = None
+    if recovering(cfg):
+        with retention_lock(run_dir):
+            found = latest_checkpoint(run_dir)
+            if found is not None:
+                lease = found[1] / f"{LEASE_PREFIX}{holder}"
+                lease.write_text(json.dumps({"holder": holder, "pid": os.getpid(), "time": time.time()}))
+    try:
+        yield (found[0], str(found[1] / "model")) if lease is not None else (0, _starting_model(cfg))
+    finally:
+        if lease is not None:
+            lease.unlink(missing_ok=True)
+
+
+def live_leases(ckpt: Path, lease_s: float, now: float | None = None) -> list[str]:
+    """The holders of `ckpt` whose lease is younger than `lease_s` seconds (by the file's time)."""
+    now = time.time() if now is None else now
+    held = []
+    for lease in ckpt.glob(f"{LEASE_PREFIX}*"):
+        try:
+            if now - lease.stat().st_mtime < lease_s:
+                held.append(lease.name[len(LEASE_PREFIX):])
+        except OSError:   # released meanwhile
+            continue
+    return held
+
+
+def prune_checkpoints(run_dir: str | os.PathLike, keep: int, lease_s: float) -> list[Path]:
+    """Delete the complete checkpoints beyond the newest `keep` (0 keeps all), but for those a reader holds
+    (:func:`held_start_weights`); returns the deleted ones. ``.corrupt`` ones stay for inspection."""
+    if keep <= 0:
+        return []
+    deleted = []
+    with retention_lock(run_dir):
+        for step, old in complete_checkpoints(run_dir)[keep:]:
+            if holders := live_leases(old, lease_s):
+                log.info("checkpoint_kept_while_read", step=step, path=str(old), holders=holders)
+                continue
+            shutil.rmtree(old, ignore_errors=True)
+            deleted.append(old)
+    return deleted
 
 
 def checkpoint_due(step: int, total_steps: int, every_steps: int, every_s: float | None, since_s: float) -> bool:

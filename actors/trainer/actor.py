@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import time
 from typing import Any, Literal
 
@@ -55,8 +54,8 @@ from actors.batch import shares as batch_shares
 from actors.engines.base import TrainEngine, require_device
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.trainer.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup, follow_rank0
-from actors.runtime.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, complete_checkpoints, mark_complete,
-                             mark_run_finished, recovering, restarted_in_place, start_weights)
+from actors.runtime.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, held_start_weights, mark_complete,
+                             mark_run_finished, prune_checkpoints, recovering, restarted_in_place)
 from actors.runtime.threads import in_thread
 from actors.runtime.spans import SpanLog
 from actors.trainer.metrics import LOSS_SHARES, MetricsWriter, step_metrics
@@ -65,7 +64,7 @@ from actors.trainer.trackers import Trackers
 from actors.trainer.step import StepConfig, TrainerConfigError, rank_samples, train_on_batch, train_share
 from actors.weight_sync import StageExport, WeightSender, WeightSyncConfigError, make_sender, make_stage_sender
 from topology.settings import TrainerSettings
-from transport.bus import BusError
+from transport.bus import BusError, RemoteError
 from transport.messages import encode
 from transport.protocol import (BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, HelloRequest, LinkFormed,
                                 LinkReform, RunFinished, VersionUpdate, WeightsBroadcast, WeightsBroadcastDone,
@@ -132,6 +131,7 @@ def _make_megatron_engine(cfg: TrainerSettings, model_dir: str, version: int) ->
 # A request to the buffer is asked again each time the buffer restarts while it waits (a restarted buffer
 # says so with HelloRequest); this bounds how many restarts one request outlives.
 BUFFER_ATTEMPTS = 10
+DRAINING_RETRY_S = 1.0   # between asks of a buffer that answers "draining" (it is stopping: bounded by its stop budget)
 PUBLISH_RETRY_S = 2.0     # the pause after a failed publish, times the failures in a row (at most 30 s)
 PUBLISH_WAIT_MIN_S = 30.0   # the least a step waits for its version's publish (publish_wait_s)
 FINAL_PUBLISH_S = 120.0   # how long the run's end waits for its last version to be published
@@ -202,18 +202,19 @@ class TrainerActor(Actor):
         self.last_ckpt = time.monotonic()
         self.keep_ckpts = cfg.run.keep_checkpoints
         self.trace = SpanLog(self.run_dir, self.name) if cfg.run.trace else None
-        self.version, model_dir = start_weights(cfg, self.run_dir)
-        self.engine = await asyncio.to_thread(make_train_engine, cfg, model_dir, self.version)
-        self.ref_engine = await asyncio.to_thread(make_reference_engine, cfg) if self.step_cfg.kl_coef > 0 else None
-        # A trainer world: rank 0 leads (bus, weights, metrics), the others follow its engine calls.
-        self.ranks = await in_thread(RankGroup) if world else None
-        # Pipeline stages each send their own layers, on a weights channel followed beside the training one.
-        self.weight_ranks = await in_thread(RankGroup) if pp > 1 else None
-        # Rank 0 sends each rank the share of its data-parallel replica: it learns every rank's replica once.
-        self.rank_dp = (await in_thread(self.ranks.gather, self.engine.data_parallel[0]) or []
-                        if self.ranks is not None else [])
-        if self.version > 0:
-            await asyncio.to_thread(self.engine.load, model_dir)
+        self.ckpt_lease_s = cfg.run.checkpoint_lease_s
+        with held_start_weights(cfg, self.run_dir, self.name) as (self.version, model_dir):
+            self.engine = await asyncio.to_thread(make_train_engine, cfg, model_dir, self.version)
+            self.ref_engine = await asyncio.to_thread(make_reference_engine, cfg) if self.step_cfg.kl_coef > 0 else None
+            # A trainer world: rank 0 leads (bus, weights, metrics), the others follow its engine calls.
+            self.ranks = await in_thread(RankGroup) if world else None
+            # Pipeline stages each send their own layers, on a weights channel followed beside the training one.
+            self.weight_ranks = await in_thread(RankGroup) if pp > 1 else None
+            # Rank 0 sends each rank the share of its data-parallel replica: it learns every rank's replica once.
+            self.rank_dp = (await in_thread(self.ranks.gather, self.engine.data_parallel[0]) or []
+                            if self.ranks is not None else [])
+            if self.version > 0:
+                await asyncio.to_thread(self.engine.load, model_dir)
         if self.ranks is not None and not self.ranks.leader:
             address = instance.address
             if self.weight_ranks is not None and not address:
@@ -310,8 +311,11 @@ class TrainerActor(Actor):
 
     async def _ask_buffer(self, msg: Any, timeout: float | None) -> Any:
         """A request to the buffer that outlives the buffer's restart: asked again once it is back. (The
-        buffer serves a step's batch again if it served it already: nothing is taken twice.)"""
-        for attempt in range(1, BUFFER_ATTEMPTS + 1):
+        buffer serves a step's batch again if it served it already: nothing is taken twice.) A buffer that is
+        stopping hands the request back ("draining"): it is asked again once a second, until a process that is
+        not stopping takes it (the stopping one's drain is bounded by its stop budget)."""
+        restarts, draining = 0, False
+        while True:
             self._buffer_back.clear()
             ask = asyncio.ensure_future(self.bus.request("buffer", msg, timeout=timeout))
             back = asyncio.ensure_future(self._buffer_back.wait())
@@ -320,12 +324,23 @@ class TrainerActor(Actor):
             finally:
                 back.cancel()
             if ask.done():
-                return ask.result()
+                try:
+                    return ask.result()
+                except RemoteError as exc:
+                    if exc.code != "draining":
+                        raise
+                if not draining:
+                    self.log.warning("buffer_draining", asking_again=type(msg).KIND)
+                draining = True
+                await asyncio.sleep(DRAINING_RETRY_S)
+                continue
             ask.cancel()
             await asyncio.gather(ask, return_exceptions=True)
+            restarts += 1
             self.counters["buffer_requests_repeated"] += 1
-            self.log.warning("buffer_restarted", asking_again=type(msg).KIND, attempt=attempt)
-        raise RuntimeError(f"the buffer restarted {BUFFER_ATTEMPTS} times while {type(msg).KIND} waited for it")
+            self.log.warning("buffer_restarted", asking_again=type(msg).KIND, attempt=restarts)
+            if restarts >= BUFFER_ATTEMPTS:
+                raise RuntimeError(f"the buffer restarted {BUFFER_ATTEMPTS} times while {type(msg).KIND} waited for it")
 
     # --- ranks > 0 --------------------------------------------------------------------------------
     async def _follow(self) -> None:
@@ -616,6 +631,4 @@ class TrainerActor(Actor):
         mark_complete(ckpt, {"step": self.version, "time": time.time()})
         self.last_ckpt = time.monotonic()
         self.log.info("checkpoint_saved", step=self.version, path=str(ckpt))
-        done = [path for _, path in complete_checkpoints(self.run_dir)]   # newest first; .corrupt ones stay
-        for old in done[self.keep_ckpts:] if self.keep_ckpts > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        await asyncio.to_thread(prune_checkpoints, self.run_dir, self.keep_ckpts, self.ckpt_lease_s)

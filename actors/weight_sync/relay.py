@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from actors.engines.checkpoint import bucketize, iter_checkpoint_tensors
-from actors.runtime.recovery import start_weights
+from actors.runtime.recovery import held_start_weights
 from actors.runtime.threads import in_thread
 from actors.weights import weights_hash
 from topology.experiment import ExperimentConfig
@@ -95,12 +95,12 @@ class RelaySender(WeightSender):
 
 def load_start_weights(cfg: ExperimentConfig, run_dir: Any, bucket_bytes: int) -> StoredVersion:
     """The start weights as stored buckets, in the dtype the rollouts hold them (so the hashes agree)."""
-    version, model_dir = start_weights(cfg, run_dir)
     dtype_name = cfg.model.dtype
     dtype = getattr(torch, str(dtype_name)) if dtype_name else None
     if dtype_name and not isinstance(dtype, torch.dtype):
         raise WeightSyncConfigError(f"model.dtype: {dtype_name!r} is not a torch dtype")
-    named = [(n, t.to(dtype) if dtype is not None else t) for n, t in iter_checkpoint_tensors(model_dir)]
+    with held_start_weights(cfg, run_dir, "param_server") as (version, model_dir):
+        named = [(n, t.to(dtype) if dtype is not None else t) for n, t in iter_checkpoint_tensors(model_dir)]
     named = [(n, t) for n, t in named if not n.endswith("rotary_emb.inv_freq")]
     buckets = list(bucketize(named, bucket_bytes))
     packed = pack_buckets(buckets)

@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in BENCHMARKS:
         print(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
+    if name == "chaos" and "--soak" in rest:   # the long-run form of chaos: tools/bench/soak.py
+        name = "soak"
     module = importlib.import_module(f"tools.bench.{name}")
     return int(module.main(rest) or 0)
 

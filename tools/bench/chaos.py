@@ -1,5 +1,8 @@
 """`python -m tools.bench chaos [--json] [--faults a,b] [--steps N] [--hang-s S]`: the fault matrix.
 
+`python -m tools.bench chaos --soak [--steps 300] [--every 9] [--seed S]` runs the soak instead: one long run
+with a fault every --every steps, checked after each (tools/bench/soak.py, which tools.bench hands --soak to).
+
 Each fault is injected into a short real run of `topology/local.yaml` (a small random Qwen2 model on the
 synthetic arithmetic task, so the runs are short; two reward actors, so that one can hang) once the
 trainer has made step `--at`:
@@ -97,7 +100,7 @@ def make_assets(base: Path, train_per_level: int = 200, task: str = "math") -> d
 
 
 def launch(assets: dict[str, Path], run_dir: Path, steps: int, ckpt_every: int, topology: str = TOPOLOGY,
-           extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> subprocess.Popen:
+           extra: tuple[str, ...] = (), env: dict[str, str] | None = None, stdout: Any = subprocess.PIPE) -> subprocess.Popen:
     """A short run of `topology` on the assets: 4 groups of 4 answers a step, eta 1, answers of at most 12
     tokens, every group trained (a random model answers everything wrong: dynamic sampling would drop all), no
     evaluation during the run (the figures compare runs without it)."""
@@ -107,7 +110,7 @@ def launch(assets: dict[str, Path], run_dir: Path, steps: int, ckpt_every: int, 
                  "experiment.algo.group_size=4", f"experiment.algo.eta={ETA}", "experiment.gen.max_new_tokens=12",
                  "experiment.algo.dynamic_sampling=false", "experiment.eval.every_versions=0", *extra]
     return subprocess.Popen([sys.executable, "-m", "tools.up", topology, *overrides, "--run-dir", str(run_dir),
-                             "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--no-progress"], cwd=ROOT, stdout=stdout, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env={**os.environ, **(env or {})})
 
 
@@ -131,7 +134,8 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: flo
     deadline = time.monotonic() + timeout
     while not any(r["step"] >= step for r in step_records(run_dir)):
         if proc.poll() is not None:
-            raise RuntimeError(f"the run ended (exit {proc.returncode}) before step {step}:\n{proc.stdout.read()[-3000:]}")
+            said = proc.stdout.read()[-3000:] if proc.stdout is not None else "(its output went to a file)"
+            raise RuntimeError(f"the run ended (exit {proc.returncode}) before step {step}:\n{said}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"no step {step} within {timeout:g} s")
         time.sleep(0.2)   # polling a file another process writes
@@ -221,16 +225,23 @@ def flood(run_dir: Path, per_actor: int, seed: int = 0) -> int:
     return sent
 
 
-def account(run_dir: Path) -> dict[str, int]:
-    """What became of every prompt the buffer handed out: trained, dropped on purpose, still pending, lost."""
-    final = json.loads((run_dir / "buffer" / "final_state.json").read_text())
+def ledger(run_dir: Path) -> tuple[Counter, set]:
+    """(batches each prompt was trained in, prompts dropped on purpose) by the buffer's ledger."""
+    path = run_dir / "buffer" / "ledger.jsonl"
     trained: Counter = Counter()
     dropped = set()
-    for rec in map(json.loads, (run_dir / "buffer" / "ledger.jsonl").read_text().splitlines()):
+    for rec in map(json.loads, path.read_text().splitlines() if path.exists() else []):
         if rec["event"] == "batch":
             trained.update(tuple(k) for k in rec["keys"])
         else:
             dropped.add(tuple(rec["key"]))
+    return trained, dropped
+
+
+def account(run_dir: Path) -> dict[str, int]:
+    """What became of every prompt the buffer handed out: trained, dropped on purpose, still pending, lost."""
+    final = json.loads((run_dir / "buffer" / "final_state.json").read_text())
+    trained, dropped = ledger(run_dir)
     issued = {tuple(k) for k in final["issued"]}
     pending = {tuple(k) for k in final["reissue"]}
     lost = issued - set(trained) - dropped - pending
