@@ -74,7 +74,7 @@ class TrainingProgress:
         return (f"step {m['step']}{of}  reward {m['task_reward']:+.2f}  accuracy {100 * m['accuracy']:5.1f}%  "
                 f"throughput {m['effective_throughput']:7.0f} tok/s  staleness {m['staleness_mean']:.2f} "
                 f"(max {m['staleness_max']:.0f})  weight sync {m['weight_sync_seconds']:.3f} s  "
-                f"buffer {m['buffer_depth']}")
+                f"buffer {m['buffer_depth']}" + (f"  WARNING {m['mismatch_warning']}" if m.get("mismatch_warning") else ""))
 
 
 def summary(title: str, rows: dict[str, dict[str, Any]], elapsed: float, run_dir: Path, outcome: str) -> str:

@@ -58,7 +58,7 @@ from actors.trainer.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup, foll
 from actors.runtime.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, complete_checkpoints, mark_complete,
                              mark_run_finished, recovering, restarted_in_place, start_weights)
 from actors.runtime.threads import in_thread
-from actors.trainer.metrics import MetricsWriter, step_metrics
+from actors.trainer.metrics import MetricsWriter, mismatch_warning, step_metrics
 # StepConfig, TrainerConfigError, train_on_batch, rank_samples: the step's math, imported here by its users too
 from actors.trainer.step import StepConfig, TrainerConfigError, rank_samples, train_on_batch, train_share
 from actors.weight_sync import StageExport, WeightSender, WeightSyncConfigError, make_sender, make_stage_sender
@@ -573,6 +573,11 @@ class TrainerActor(Actor):
         raise RuntimeError(f"rollouts did not reach version {version} within 10 minutes (synchronous mode)")
 
     def _record(self, stats: dict[str, Any]) -> None:
+        warning = mismatch_warning(stats, self.cfg.algo.mismatch_warn_kl)
+        if warning:
+            # trainer and engine disagree on the very weights they share: the usual forerunner of a collapse
+            stats["mismatch_warning"] = warning
+            self.log.warning("trainer_engine_mismatch", step=stats.get("step"), warning=warning)
         self.metrics.write(stats, self.version)
         self.log.info("step", **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.items()
                                  if k in ("step", "task_reward", "accuracy", "n_tokens", "staleness_max",
