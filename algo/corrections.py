@@ -144,7 +144,7 @@ def correct(
         keep = mask & ~over_cap(prox, behav, config.behav_cap)
         stats.n_behav_capped = float((mask & ~keep).sum())
     seq = n_seqs = None
-    if config.rejection != "none" or config.tis_level == "sequence" and config.tis_cap is not None:
+    if config.rejection in ("sequence", "geometric") or (config.tis_level == "sequence" and config.tis_cap is not None):
         seq, n_seqs = sequence_ids(mask.shape, cu_seqlens)
     if config.rejection != "none":
         lo, hi = math.log(config.lower), math.log(config.rejection_upper)
