@@ -22,7 +22,7 @@ def test_the_default_is_todays_objective() -> None:
 
 def test_a_value_the_loss_contradicts_is_refused_in_one_line() -> None:
     (line,) = experiment_problems({"algo": {"loss": "dapo", "eps_clip_high": 0.2}})
-    assert line.startswith("experiment.algo: ") and "loss dapo sets eps_clip_high: 0.28" in line
+    assert line.startswith("experiment.algo: value error, loss dapo sets eps_clip_high: 0.28") and "{" not in line
     assert "arXiv 2503.14476" in line and "leave them out or use loss ppo" in line
     # the same value is no contradiction
     assert experiment_problems({"algo": {"loss": "dapo", "eps_clip_high": 0.28}}) == []
@@ -35,7 +35,6 @@ def test_a_value_the_loss_contradicts_is_refused_in_one_line() -> None:
     ({"std_level": "batch"}, "std_level batch needs group_norm: true and group_std: true"),
     ({"sapo_tau_pos": 2.0}, "only loss sapo has a gate temperature"),
     ({"loss": "cispo", "dual_clip": 3.0}, "dual_clip: loss cispo has no clipped branch"),
-    ({"loss": "sapo", "eps_clip": 0.1}, "loss sapo has no clip range"),
     ({"overlong_penalty": 2.0}, "overlong_penalty: set overlong_buffer too"),
     ({"overlong_buffer": 1.5}, "experiment.algo.overlong_buffer: input should be less than or equal to 1"),
     ({"rejection": "sequence"}, "rejection sequence needs rejection_upper"),
@@ -58,3 +57,14 @@ def test_icepop_takes_its_papers_bounds_unless_set() -> None:
     assert algo.rejection_bounds == (0.5, 3.0)
     assert ExperimentConfig.model_validate(
         {"algo": {"rejection": "geometric", "rejection_upper": 1.25}}).algo.rejection_bounds == (0.8, 1.25)
+
+
+def test_switching_a_documents_loss_lets_its_settings_apply() -> None:
+    from topology.experiment import switched_loss
+    recorded = {"loss": "gspo", "eps_clip": 0.2, "eps_clip_high": 0.2, "group_norm": True, "lr": 1e-3}
+    # the recorded clip range gives way to GSPO's; what GSPO does not fix stays
+    assert switched_loss(recorded, {"loss"}) == {"loss": "gspo", "lr": 1e-3}
+    assert ExperimentConfig.model_validate({"algo": switched_loss(recorded, {"loss"})}).algo.eps_clip == 3e-4
+    # a key the user set for the switch stays, and is refused if it contradicts the loss
+    kept = switched_loss(recorded, {"loss", "eps_clip"})
+    assert kept["eps_clip"] == 0.2 and "loss gspo sets eps_clip: 0.0003" in experiment_problems({"algo": kept})[0]

@@ -20,7 +20,7 @@ from topology.section import Section, problem_lines, when_missing
 
 __all__ = ["Section", "ModelSection", "DataFields", "DataSection", "PROMPT_TEMPLATES", "DataLayout",
            "prompt_template_text", "AREAL_ALIASES", "AREAL_NOT_ALIASED", "with_our_names", "DatasetRecipe", "WarmStartStage",
-           "WarmStartSection", "PrepareSection", "when_missing", "LOSS_SETTINGS", "LOSS_SOURCES", "AlgoSection", "GenSection", "EvalSection", "RunSection",
+           "WarmStartSection", "PrepareSection", "when_missing", "LOSS_SETTINGS", "LOSS_SOURCES", "switched_loss", "AlgoSection", "GenSection", "EvalSection", "RunSection",
            "WatchdogSection",
            "BufferSection", "ExperimentConfig", "experiment_problems", "DEFAULT_MAX_LINE_BYTES"]
 
@@ -185,6 +185,14 @@ LOSS_SOURCES: dict[str, str] = {
 }
 
 
+def switched_loss(algo: dict[str, Any], kept: set[str]) -> dict[str, Any]:
+    """An `algo` document switched to the loss it names: the values of the keys that loss fixes give way to the
+    loss's own (a recorded run's eps_clip: 0.2 does not refuse GSPO's), except the keys in `kept` (those the user
+    set for the switch). For replaying a run into another loss (tools.replay --set algo.loss=NAME)."""
+    fixed = LOSS_SETTINGS.get(algo.get("loss", "ppo"), {})
+    return {k: v for k, v in algo.items() if k not in fixed or k in kept}
+
+
 class AlgoSection(Section):
     batch_size: int = Field(32, ge=1, description="prompts per training step, B")
     group_size: int = Field(8, ge=1, description="answers sampled per prompt")
@@ -280,8 +288,6 @@ class AlgoSection(Section):
             raise ValueError(f"sapo_tau_pos/sapo_tau_neg: only loss sapo has a gate temperature (loss is {self.loss})")
         if self.loss in ("sapo", "cispo") and self.dual_clip is not None:
             raise ValueError(f"dual_clip: loss {self.loss} has no clipped branch to bound")
-        if self.loss == "sapo" and {"eps_clip", "eps_clip_high"} & set_:
-            raise ValueError("eps_clip/eps_clip_high: loss sapo has no clip range (its gate is sapo_tau_pos/neg)")
         if "overlong_penalty" in set_ and self.overlong_buffer is None:
             raise ValueError("overlong_penalty: set overlong_buffer too (the penalty applies within that buffer)")
         if self.rejection in ("token", "sequence", "geometric") and self.rejection_upper is None:
