@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for the run directories (default: a temp dir)")
     ap.add_argument("--plot", default=None, help="write the PNG here")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--report", default=None, help="also write the JSON report to this file after every cell")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every run")
     args = ap.parse_args(argv)
     try:
@@ -217,9 +218,16 @@ def main(argv: list[str] | None = None) -> int:
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     extra = [f"experiment.algo.ppo_minibatches={args.minibatches}", *args.overrides]
     # The first run prepares the shared data and warm start; the others reuse them (tools/prepare.py).
-    cells = [run_cell(eta, obj, args.steps, args.eval_every, extra, out, log, loss, corr, seed)
-             for eta in etas for obj in objectives for loss in losses for corr in corrections for seed in seeds]
+    cells: list[dict[str, Any]] = []
     report = {"steps": args.steps, "minibatches": args.minibatches, "overrides": args.overrides, "cells": cells}
+    for eta in etas:
+        for obj in objectives:
+            for loss in losses:
+                for corr in corrections:
+                    for seed in seeds:
+                        cells.append(run_cell(eta, obj, args.steps, args.eval_every, extra, out, log, loss, corr, seed))
+                        if args.report:   # a long grid's finished cells survive its interruption
+                            Path(args.report).write_text(json.dumps(report))
     if args.plot:
         plot(cells, Path(args.plot))
         report["plot"] = args.plot
