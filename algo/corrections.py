@@ -128,13 +128,7 @@ def correct(
     cu_seqlens: torch.Tensor | None = None,
 ) -> Corrected:
     """The per-token importance weights and the tokens kept, after the corrections `config` enables."""
-    names = ("logp_prox", "logp_behav", "loss_mask")
-    prox, behav, m = (as_tensor(n, t) for n, t in zip(names, (logp_prox, logp_behav, loss_mask)))
-    check_same_shape(names, (prox, behav, m))
-    check_finite("logp_prox", prox)
-    check_finite("logp_behav", behav)
-    mask = check_mask("loss_mask", m)
-    prox, behav = prox.detach(), behav.detach()
+    prox, behav, mask = _checked(logp_prox, logp_behav, loss_mask, "loss_mask")
     # zero off the mask before exp(): padding with arbitrary log-probs must not overflow (as in algo.losses)
     log_w = torch.where(mask, prox - behav, torch.zeros_like(prox))
     weight = torch.exp(log_w)
@@ -226,14 +220,20 @@ def mismatch_stats(logp_prox: torch.Tensor, logp_behav: torch.Tensor, mask: torc
     """Sums over the `mask` tokens: |logp_prox - logp_behav| and the k3 estimator of KL(behav || prox),
     (r - 1) - log r with r = p_prox / p_behav on tokens sampled from the behaviour policy (Schulman, "Approximating
     KL divergence"; always >= 0)."""
-    names = ("logp_prox", "logp_behav", "mask")
-    prox, behav, m = (as_tensor(n, t) for n, t in zip(names, (logp_prox, logp_behav, mask)))
-    check_same_shape(names, (prox, behav, m))
-    check_finite("logp_prox", prox)
-    check_finite("logp_behav", behav)
-    sel = check_mask("mask", m)
-    d = (prox.detach() - behav.detach()).to(torch.float64)[sel]
+    prox, behav, sel = _checked(logp_prox, logp_behav, mask, "mask")
+    d = (prox - behav).to(torch.float64)[sel]
     if d.numel() == 0:
         return MismatchStats()
     return MismatchStats(n_tokens=float(d.numel()), abs_diff_sum=float(d.abs().sum()),
                          abs_diff_max=float(d.abs().max()), k3_sum=float((torch.expm1(d) - d).sum()))
+
+
+def _checked(logp_prox: object, logp_behav: object, mask: object, mask_name: str
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two log-prob tensors (finite, detached) and the bool mask, all of one shape."""
+    names = ("logp_prox", "logp_behav", mask_name)
+    prox, behav, m = (as_tensor(n, t) for n, t in zip(names, (logp_prox, logp_behav, mask)))
+    check_same_shape(names, (prox, behav, m))
+    check_finite("logp_prox", prox)
+    check_finite("logp_behav", behav)
+    return prox.detach(), behav.detach(), check_mask(mask_name, m)
