@@ -7,8 +7,9 @@ One training step (version v -> v + 1):
     -> pack prompt+answer sequences (padding-free), loss mask on answer tokens
     -> proximal log-probs under the current weights (before this step's updates)
     -> group-normalised advantages (algo.advantages), then `algo.ppo_minibatches` optimizer updates,
-       each on micro-batches under a token budget (algo.packing), loss = decoupled PPO (algo.ppo)
-       normalised by the minibatch's global token count
+       each on micro-batches under a token budget (algo.packing), loss = the one `algo.loss` names
+       (algo.losses; decoupled PPO by default) on the corrected behaviour weights (algo.corrections),
+       aggregated over the minibatch's global tokens or answers (`algo.loss_agg_mode`)
     -> VersionUpdate(v + 1) to the buffer (opens the staleness gate)
     -> weights on their way to the rollouts (actors/weight_sync: the relay through the parameter server,
        or direct weights kept here and broadcast when the parameter server asks)

@@ -1,5 +1,6 @@
 """One training step's math on a batch, for one trainer rank: the packed layout of the sequences, the
-proximal log-probs, the group-normalised advantages and the decoupled PPO updates (algo/), split across
+proximal log-probs, the advantages, the corrected behaviour weights and the updates of the loss `algo.loss`
+names (algo/), split across
 data-parallel replicas. Pure functions of the engine and the batch; the trainer actor (actors/trainer/actor.py)
 and its rank followers (actors/trainer/rank_group.py) call them."""
 from __future__ import annotations
