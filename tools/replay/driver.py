@@ -13,6 +13,7 @@ from typing import Any
 
 from topology import TopologyError, apply_overrides, parse_override
 from topology.experiment import switched_loss
+from topology.settings import SettingsError
 from transport.bus import MAX_INFLIGHT, Envelope, current_cause
 from transport.messages import Message, decode, decode_header
 from transport.msglog import LogRecord, read_log
@@ -233,7 +234,10 @@ def fresh_actor(recording: Recording, cls_path: str, run_dir: str, overrides: Se
     spec_dict.update(cls=cls_path, run_dir=run_dir, settings=settings, curve=None, tokens=None)
     spec = ActorSpec.from_dict(spec_dict)
     _apply_threads(spec.env)
-    return load_actor_class(cls_path)(spec)
+    try:
+        return load_actor_class(cls_path)(spec)
+    except SettingsError as exc:   # settings the overrides made invalid: a usage error, said in one line
+        raise ReplayError(str(exc)) from None
 
 
 async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 60.0,
