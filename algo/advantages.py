@@ -40,6 +40,8 @@ from algo.packing import pad_packed, unpad
 
 KLEstimator = Literal["k1", "k2", "k3"]
 AdvNorm = Literal["batch", "group", "none"]
+Baseline = Literal["mean", "leave_one_out"]
+StdLevel = Literal["group", "batch"]
 ADV_NORMS: tuple[str, ...] = ("batch", "group", "none")
 
 
@@ -71,12 +73,18 @@ def sequence_rewards(
 
 
 def group_normalize(
-    rewards: torch.Tensor, group_ids: torch.Tensor, *, use_std: bool = True, eps: float = 1e-5
+    rewards: torch.Tensor, group_ids: torch.Tensor, *, use_std: bool = True, eps: float = 1e-5,
+    baseline: Baseline = "mean", std_level: StdLevel = "group",
 ) -> torch.Tensor:
     """Subtract each group's mean reward (and divide by its population std + eps when `use_std`).
 
     `group_ids[i]` names the prompt answer i belongs to (any integers, any order). A group of one answer,
     or one whose answers all got the same reward, gets zero advantage: it carries no learning signal.
+
+    `baseline="leave_one_out"` (RLOO, arXiv 2402.14740 eq. 6) subtracts the mean of the OTHER answers of
+    the group instead: r_i - (sum_j r_j - r_i) / (G - 1) = G / (G - 1) * (r_i - mean); a group of one
+    gets 0. `std_level="batch"` (LitePPO, arXiv 2508.08221 section 4.1: "group-level mean, batch-level
+    std") divides by the population std of all rewards of the batch instead of each group's.
     """
     r, gid = check_grouped_rewards(rewards, group_ids)
     if r.numel() == 0:
@@ -86,11 +94,34 @@ def group_normalize(
     n_groups = int(inverse.max()) + 1
     count = torch.bincount(inverse, minlength=n_groups).to(torch.float64)
     mean = torch.bincount(inverse, weights=x, minlength=n_groups) / count
-    dev = x - mean[inverse]
+    centred = x - mean[inverse]
+    dev = centred
+    if baseline == "leave_one_out":
+        others = (count - 1.0)[inverse]
+        dev = torch.where(others > 0, dev * count[inverse] / others.clamp(min=1.0), torch.zeros_like(dev))
+    elif baseline != "mean":
+        raise ValueError(f"baseline: must be 'mean' or 'leave_one_out', got {baseline!r}")
     if use_std:
-        std = torch.sqrt(torch.bincount(inverse, weights=dev * dev, minlength=n_groups) / count)
-        dev = dev / (std[inverse] + eps)
+        if std_level == "group":
+            std = torch.sqrt(torch.bincount(inverse, weights=centred * centred, minlength=n_groups) / count)
+            dev = dev / (std[inverse] + eps)
+        elif std_level == "batch":
+            dev = dev / (torch.sqrt(((x - x.mean()) ** 2).mean()) + eps)
+        else:
+            raise ValueError(f"std_level: must be 'group' or 'batch', got {std_level!r}")
     return dev.to(r.dtype if r.is_floating_point() else torch.float32)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (arXiv 2503.14476 eq. 13), per answer: 0 up to max_length - buffer
+    tokens, then falling linearly to -factor at max_length (and -factor beyond). Added to the reward."""
+    n = as_tensor("lengths", lengths).to(torch.float64)
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"buffer: must be in 1..max_length ({max_length}), got {buffer}")
+    if not factor >= 0:
+        raise ValueError(f"factor: must be >= 0, got {factor}")
+    over = (n - (max_length - buffer)).clamp(min=0.0, max=float(buffer))
+    return (-factor * over / buffer).to(torch.float32)
 
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, estimator: KLEstimator = "k1") -> torch.Tensor:
@@ -313,6 +344,8 @@ def compute_advantages(
     lam: float = 1.0,
     group_norm: bool = False,
     group_std: bool = True,
+    baseline: Baseline = "mean",
+    std_level: StdLevel = "group",
     adv_norm: AdvNorm = "batch",
     token_norm_moments: torch.Tensor | None = None,
     eps: float = 1e-5,
@@ -323,7 +356,8 @@ def compute_advantages(
 
     Per-token tensors are [B, T] (with `loss_mask` [B, T]) or 1-D packed with `cu_seqlens` [B + 1].
     """
-    r = group_normalize(seq_rewards, group_ids, use_std=group_std, eps=eps) if group_norm else seq_rewards
+    r = (group_normalize(seq_rewards, group_ids, use_std=group_std, eps=eps, baseline=baseline, std_level=std_level)
+         if group_norm else seq_rewards)
     kl = None
     if kl_coef != 0.0:
         if logp is None or logp_ref is None:

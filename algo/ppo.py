@@ -20,11 +20,15 @@ denominator AReaL uses (the mean over tokens actually trained on).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from algo._validate import as_tensor, check_finite, check_mask, check_same_shape
+from algo.corrections import CorrectionConfig, correct, over_cap
+from algo.losses import LossConfig, PPOStats, policy_loss, token_entropy
+
+__all__ = ["PPOConfig", "PPOStats", "count_loss_tokens", "ppo_loss", "token_entropy", "value_loss"]
 
 
 @dataclass(frozen=True)
@@ -45,50 +49,6 @@ class PPOConfig:
             raise ValueError(f"behav_cap: must be > 1, got {self.behav_cap}")
 
 
-@dataclass
-class PPOStats:
-    """Sums and counts over one micro-batch; `merge` adds micro-batches, `summary` gives the means and
-    maxima AReaL logs. Everything is a plain float so it travels in a message or a metrics line."""
-
-    n_tokens: float = 0.0  # loss-mask tokens seen (before the behaviour cap)
-    n_trained: float = 0.0  # of those, not masked by the behaviour cap
-    n_clipped: float = 0.0  # trained tokens where the clipped branch was active
-    n_dual_clipped: float = 0.0
-    loss_sum: float = 0.0  # sum of pg_t * w_t over trained tokens (unnormalised)
-    ratio_sum: float = 0.0
-    ratio_max: float = 0.0
-    behav_weight_sum: float = 0.0  # over all loss-mask tokens, capped or not
-    behav_weight_max: float = 0.0
-    approx_kl_sum: float = 0.0  # k1 estimate of KL(prox || current): logp_prox - logp
-    entropy_sum: float = 0.0
-    n_entropy: float = 0.0
-
-    def merge(self, other: "PPOStats") -> "PPOStats":
-        out = PPOStats()
-        for f in fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            setattr(out, f.name, max(a, b) if f.name.endswith("_max") else a + b)
-        return out
-
-    def summary(self) -> dict[str, float]:
-        n, t = max(self.n_tokens, 1.0), max(self.n_trained, 1.0)
-        out = {
-            "n_tokens": self.n_tokens,
-            "clip_ratio": self.n_clipped / t,
-            "dual_clip_ratio": self.n_dual_clipped / t,
-            "behav_masked_frac": (self.n_tokens - self.n_trained) / n,
-            "importance_weight_mean": self.behav_weight_sum / n,
-            "importance_weight_max": self.behav_weight_max,
-            "ratio_mean": self.ratio_sum / t,
-            "ratio_max": self.ratio_max,
-            "approx_kl": self.approx_kl_sum / t,
-            "loss_token_mean": self.loss_sum / t,
-        }
-        if self.n_entropy:
-            out["entropy"] = self.entropy_sum / self.n_entropy
-        return out
-
-
 def count_loss_tokens(
     loss_mask: torch.Tensor,
     logp_prox: torch.Tensor | None = None,
@@ -101,7 +61,7 @@ def count_loss_tokens(
     if behav_cap is not None:
         if logp_prox is None or logp_behav is None:
             raise ValueError("logp_prox/logp_behav: both are needed to apply behav_cap")
-        mask = mask & ~_over_cap(logp_prox, logp_behav, behav_cap)
+        mask = mask & ~over_cap(logp_prox, logp_behav, behav_cap)
     return int(mask.sum())
 
 
@@ -128,64 +88,12 @@ def ppo_loss(
     check_same_shape(names, tensors)
     for n, t in zip(names[:4], tensors[:4]):
         check_finite(n, t)
-    logp, logp_prox, logp_behav, advantages, _ = tensors
-    mask = check_mask("loss_mask", tensors[4])
     if not float(n_tokens) > 0 or n_tokens != n_tokens:
         raise ValueError(f"n_tokens: must be a positive token count, got {n_tokens}")
-
-    logp_prox = logp_prox.detach()
-    logp_behav = logp_behav.detach()
-    adv = advantages.detach()
-    eps_high = config.eps_high if config.eps_high is not None else config.eps_low
-
-    # zero the log-ratio off the mask before exp(): padding with arbitrary log-probs must not overflow
-    # into inf, whose gradient would turn into NaN even behind a where()
-    ratio = torch.exp(torch.where(mask, logp - logp_prox, torch.zeros_like(logp)))
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * ratio.clamp(1.0 - config.eps_low, 1.0 + eps_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
-    clipped = pg_clipped > pg_unclipped
-    dual = torch.zeros_like(clipped)
-    if config.dual_clip is not None:
-        bound = -adv * config.dual_clip
-        dual = (adv < 0) & (pg > bound)
-        pg = torch.where(dual, bound, pg)
-
-    behav_weight = torch.exp(torch.where(mask, logp_prox - logp_behav, torch.zeros_like(logp_prox)))
-    trained = mask
-    if config.behav_cap is not None:
-        trained = mask & ~_over_cap(logp_prox, logp_behav, config.behav_cap)
-    per_token = pg * torch.where(trained, behav_weight, torch.zeros_like(behav_weight))
-    loss = torch.where(trained, per_token, torch.zeros_like(per_token)).sum() / float(n_tokens)
-
-    with torch.no_grad():
-        stats = PPOStats(
-            n_tokens=float(mask.sum()),
-            n_trained=float(trained.sum()),
-            n_clipped=float((clipped & trained).sum()),
-            n_dual_clipped=float((dual & trained).sum()),
-            loss_sum=float(per_token[trained].sum()),
-            ratio_sum=float(ratio[trained].sum()),
-            ratio_max=float(ratio[trained].max()) if bool(trained.any()) else 0.0,
-            behav_weight_sum=float(behav_weight[mask].sum()),
-            behav_weight_max=float(behav_weight[mask].max()) if bool(mask.any()) else 0.0,
-            approx_kl_sum=float((logp_prox - logp)[trained].sum()),
-        )
-        if logits is not None or entropy is not None:
-            ent = token_entropy(logits) if entropy is None else as_tensor("entropy", entropy)
-            check_finite("entropy", ent)
-            check_same_shape(("logp", "entropy"), (logp, ent))
-            stats.entropy_sum = float(ent[trained].sum())
-            stats.n_entropy = float(trained.sum())
-    return loss, stats
-
-
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax over the last dimension, per token (no gradient)."""
-    check_finite("logits", logits)
-    with torch.no_grad():
-        logz = torch.log_softmax(logits.float(), dim=-1)
-        return -(logz.exp() * logz).sum(-1)
+    corrected = correct(tensors[1], tensors[2], tensors[4], CorrectionConfig(behav_cap=config.behav_cap))
+    return policy_loss(tensors[0], tensors[1], tensors[3], tensors[4], n_tokens,
+                       LossConfig("ppo", config.eps_low, config.eps_high, config.dual_clip),
+                       weight=corrected.weight, keep=corrected.keep, logits=logits, entropy=entropy)
 
 
 def value_loss(
@@ -212,10 +120,3 @@ def value_loss(
         v_clipped = old_values + (values - old_values).clamp(-clip, clip)
         err = torch.maximum(err, (v_clipped - returns) ** 2)
     return 0.5 * torch.where(mask, err, torch.zeros_like(err)).sum() / float(n_tokens)
-
-
-def _over_cap(logp_prox: torch.Tensor, logp_behav: torch.Tensor, cap: float) -> torch.Tensor:
-    # compare in log space: exp() of a large gap overflows float32 long before the comparison matters
-    check_finite("logp_prox", as_tensor("logp_prox", logp_prox))
-    check_finite("logp_behav", as_tensor("logp_behav", logp_behav))
-    return (logp_prox.detach() - logp_behav.detach()) > torch.log(torch.tensor(float(cap))).to(logp_prox.dtype)

@@ -16,6 +16,10 @@ from tools.bench import ablation, chaos
     (["--objectives", "decoupled,grpo"], "--objectives: choose from decoupled, ppo"),
     (["--steps", "4", "--eval-every", "5"], "--eval-every must be in 1..--steps (4)"),
     (["--minibatches", "0"], "--minibatches must be >= 1"),
+    (["--losses", "ppo,grpo2"], "--losses: choose from ppo, grpo"),
+    (["--corrections", "tis,magic"], "--corrections: choose from none, tis"),
+    (["--objectives", "ppo", "--corrections", "tis"], "--corrections: the plain ppo objective has no behaviour weight"),
+    (["--seeds", "1,a"], "--seeds: expected comma-separated integers"),
 ])
 def test_bad_arguments_are_refused_naming_the_option(args: list[str], error: str, capsys: Any) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -36,6 +40,7 @@ def test_one_cell_trains_evaluates_each_checkpoint_and_plots(tmp_path: Path, cap
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     (cell,) = report["cells"]
     assert (cell["eta"], cell["objective"], cell["steps"]) == (1, "ppo", 4)
+    assert set(cell["monitors"]) == set(ablation.MONITORS)
     assert cell["staleness_max"] <= 1
     # start, step 2, step 4: samples trained are 16 a step (4 prompts x 4 answers)
     assert [s for s, _ in cell["held_out_curve"]] == [0, 32, 64]
@@ -45,3 +50,16 @@ def test_one_cell_trains_evaluates_each_checkpoint_and_plots(tmp_path: Path, cap
     assert png.stat().st_size > 10_000
     header, row = ablation.table(report["cells"])
     assert row.split()[:3] == ["1", "ppo", "4"] and f"{100 * cell['final_accuracy']:.1f}%" in row
+
+
+def test_a_loss_cell_sets_every_key_its_paper_fixes() -> None:
+    overrides = ablation.loss_overrides("dapo")
+    assert overrides[0] == "experiment.algo.loss=dapo"
+    assert "experiment.algo.eps_clip_high=0.28" in overrides and "experiment.algo.group_norm=true" in overrides
+    assert "experiment.algo.loss_agg_mode=token-mean" in overrides
+    # the overrides over configs/local.yaml (which sets eps_clip_high: 0.2) make a valid experiment for every loss
+    import topology
+    from topology.experiment import LOSS_SETTINGS
+    for loss in LOSS_SETTINGS:
+        for corr in ablation.CORRECTIONS:
+            topology.load(ablation.ROOT / ablation.TOPOLOGY, ablation.loss_overrides(loss) + ablation.CORRECTIONS[corr])

@@ -248,3 +248,19 @@ def test_rollout_replays_the_same_tokens_until_weights_change_mid_generation(rec
     assert d is not None and d.inbound_position >= 0, d
     assert (d.message, d.field) == ("rl.weights_ack", "weights_hash") or \
         (d.message == "rl.trajectories" and d.field is not None and d.field.startswith("answers.samples[0].")), d
+
+
+def test_a_recorded_trainer_log_replays_into_another_loss(recorded: Path, capsys: pytest.CaptureFixture) -> None:
+    # The recorded run set eps_clip 0.2 (configs/local.yaml); GSPO fixes its own clip range, which takes over.
+    log = str(recorded / "trainer.msglog")
+    assert replay.main([log, "--into", "actors.trainer:TrainerActor", "--set", "experiment.algo.loss=gspo"]) == 1
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.split()[:2] == ["step", "loss"])
+    rows = [ln.split() for ln in lines[head + 1: head + 4]]
+    assert [r[0] for r in rows] == ["1", "2", "3"], out
+    assert all(r[1].split("/")[0] != r[1].split("/")[1] for r in rows), out   # every batch trained under GSPO
+    # a key the user sets for the switch that contradicts the loss is refused, naming it
+    assert replay.main([log, "--into", "actors.trainer:TrainerActor", "--set", "experiment.algo.loss=gspo",
+                        "--set", "experiment.algo.eps_clip=0.2"]) == 2
+    assert "loss gspo sets eps_clip: 0.0003" in capsys.readouterr().err

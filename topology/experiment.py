@@ -22,7 +22,7 @@ from topology.section import Section, problem_lines, when_missing
 
 __all__ = ["Section", "ModelSection", "DataFields", "DataSection", "PROMPT_TEMPLATES", "DataLayout",
            "prompt_template_text", "AREAL_ALIASES", "AREAL_NOT_ALIASED", "with_our_names", "DatasetRecipe", "WarmStartStage",
-           "WarmStartSection", "PrepareSection", "when_missing", "AlgoSection", "GenSection", "EvalSection", "RunSection",
+           "WarmStartSection", "PrepareSection", "when_missing", "LOSS_SETTINGS", "LOSS_SOURCES", "switched_loss", "AlgoSection", "GenSection", "EvalSection", "RunSection",
            "WatchdogSection",
            "BufferSection", "ExperimentConfig", "experiment_problems", "DEFAULT_MAX_LINE_BYTES"]
 
@@ -157,6 +157,49 @@ class PrepareSection(Section):
         None, description="supervised training when model.path has no weights (unset: the model must have them)")
 
 
+LossName = Literal["ppo", "grpo", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "cispo",
+                   "sapo", "lite_ppo"]
+_GROUP = {"group_norm": True, "group_std": True, "baseline": "mean", "std_level": "group", "adv_norm": "none"}
+# What each loss name fixes, from its paper (LOSS_SOURCES; docs/algo.md has the table). algo/losses.py's
+# POLICY_LOSSES gives each name its surrogate; tests/test_algo_losses.py checks both name the same losses.
+LOSS_SETTINGS: dict[str, dict[str, Any]] = {
+    "ppo": {},
+    "grpo": {**_GROUP, "loss_agg_mode": "seq-mean-token-mean"},
+    "dr_grpo": {**_GROUP, "group_std": False, "loss_agg_mode": "seq-mean-token-sum-norm"},
+    "dapo": {**_GROUP, "loss_agg_mode": "token-mean", "eps_clip": 0.2, "eps_clip_high": 0.28, "overlong_buffer": 0.2,
+             "dynamic_sampling": True},
+    "gspo": {**_GROUP, "loss_agg_mode": "seq-mean-token-mean", "eps_clip": 3e-4, "eps_clip_high": 4e-4},
+    "rloo": {**_GROUP, "group_std": False, "baseline": "leave_one_out", "loss_agg_mode": "seq-mean-token-sum"},
+    "reinforce_pp": {"group_norm": False, "adv_norm": "batch", "loss_agg_mode": "token-mean"},
+    "reinforce_pp_baseline": {"group_norm": True, "group_std": False, "baseline": "mean", "adv_norm": "batch",
+                              "loss_agg_mode": "token-mean"},
+    "cispo": {**_GROUP, "loss_agg_mode": "token-mean", "eps_clip": 1.0, "eps_clip_high": 4.0},
+    "sapo": {**_GROUP, "loss_agg_mode": "seq-mean-token-mean"},
+    "lite_ppo": {**_GROUP, "std_level": "batch", "loss_agg_mode": "token-mean"},
+}
+LOSS_SOURCES: dict[str, str] = {
+    "ppo": "AReaL's decoupled PPO, arXiv 2505.24298",
+    "grpo": "GRPO, DeepSeekMath arXiv 2402.03300 eq. 3",
+    "dr_grpo": "Dr.GRPO, arXiv 2503.20783 eq. 3",
+    "dapo": "DAPO, arXiv 2503.14476 eq. 8-13",
+    "gspo": "GSPO, arXiv 2507.18071 eq. 5-7 and section 5.1",
+    "rloo": "RLOO, arXiv 2402.14740 eq. 6",
+    "reinforce_pp": "REINFORCE++, arXiv 2501.03262 section 3",
+    "reinforce_pp_baseline": "REINFORCE++-baseline, arXiv 2501.03262 section 3",
+    "cispo": "CISPO, MiniMax-M1 arXiv 2506.13585 eq. 4-5; AReaL's cispo_loss_fn bounds",
+    "sapo": "SAPO, arXiv 2511.20347 eq. 5-7",
+    "lite_ppo": "LitePPO, arXiv 2508.08221 section 5",
+}
+
+
+def switched_loss(algo: dict[str, Any], kept: set[str]) -> dict[str, Any]:
+    """An `algo` document switched to the loss it names: the values of the keys that loss fixes give way to the
+    loss's own (a recorded run's eps_clip: 0.2 does not refuse GSPO's), except the keys in `kept` (those the user
+    set for the switch). For replaying a run into another loss (tools.replay --set algo.loss=NAME)."""
+    fixed = LOSS_SETTINGS.get(algo.get("loss", "ppo"), {})
+    return {k: v for k, v in algo.items() if k not in fixed or k in kept}
+
+
 class AlgoSection(Section):
     batch_size: int = Field(32, ge=1, description="prompts per training step, B")
     group_size: int = Field(8, ge=1, description="answers sampled per prompt")
@@ -190,6 +233,100 @@ class AlgoSection(Section):
         "none", description="MoE routing replay: r2 replays the routing of the trainer's proximal forward in its "
                             "training forwards; r3 replays the rollout engine's routing in both; none routes natively")
     moe_aux_loss_coef: float = Field(0.0, ge=0, description="MoE load-balancing loss weight in training; 0 is off")
+    # The loss menu (algo/losses.py, algo/corrections.py; docs/algo.md cites each to its paper and source).
+    loss: LossName = Field(
+        "ppo", description="policy loss by name; ppo is AReaL's decoupled PPO. Each other name sets the keys of "
+                           "LOSS_SETTINGS its paper fixes (advantages, aggregation, clip range): left out they take "
+                           "those values, set to another value they are refused")
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="how per-token losses become one (verl's names): mean over the minibatch's trained "
+                                  "tokens; sum per answer, mean over answers; mean per answer, mean over answers; sum "
+                                  "per answer over answers x gen.max_new_tokens (Dr.GRPO)")
+    baseline: Literal["mean", "leave_one_out"] = Field(
+        "mean", description="with group_norm, the baseline subtracted from a reward: its group's mean, or the mean "
+                            "of the group's other answers (RLOO)")
+    std_level: Literal["group", "batch"] = Field(
+        "group", description="with group_norm and group_std, the std rewards are divided by: the group's (GRPO) or "
+                             "the whole batch's (LitePPO)")
+    sapo_tau_pos: float = Field(1.0, gt=0, description="SAPO's gate temperature for positive advantages (loss sapo)")
+    sapo_tau_neg: float = Field(1.05, gt=0, description="SAPO's gate temperature for negative advantages (loss sapo)")
+    overlong_buffer: float | None = Field(
+        None, gt=0, le=1, description="DAPO's soft overlong punishment: the last this fraction of gen.max_new_tokens "
+                                      "lowers an answer's reward linearly to -overlong_penalty (unset: off)")
+    overlong_penalty: float = Field(1.0, ge=0, description="reward lost by an answer that reaches gen.max_new_tokens, "
+                                                           "with overlong_buffer (DAPO: 1 at rewards of +-1)")
+    tis_cap: float | None = Field(
+        None, gt=1, description="truncated importance sampling: the behaviour weight exp(logp_prox - logp_behav) is "
+                                "truncated at this value, the token kept (unset: off)")
+    tis_level: Literal["token", "sequence"] = Field(
+        "token", description="with tis_cap: truncate each token's weight, or each answer's product of weights")
+    rejection: Literal["none", "token", "sequence", "geometric", "icepop"] = Field(
+        "none", description="mask tokens whose behaviour weight is out of [rejection_lower, rejection_upper]: per "
+                            "token, per answer (product of weights), per answer (geometric mean); icepop is token with "
+                            "IcePop's bounds [0.5, 5] unless set")
+    rejection_lower: float | None = Field(None, gt=0, description="lower bound of rejection (unset: 1 / rejection_upper)")
+    rejection_upper: float | None = Field(None, gt=0, description="upper bound of rejection (required by token, "
+                                                                  "sequence and geometric)")
+    m2po_tau: float | None = Field(
+        None, gt=0, description="M2PO: mask the tokens of largest squared log behaviour weight until their mean over "
+                                "the rest is at most this (the paper's 0.04; unset: off)")
+    mismatch_warn_kl: float = Field(
+        1e-3, ge=0, description="warn (log and live view) when the k3 KL between engine and trainer log-probs, on "
+                                "tokens sampled by the trainer's current weights, exceeds this; 0 is off")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _loss_settings(cls, data: Any) -> Any:
+        # A loss name carries the settings its paper fixes: they fill the keys left out, and a key set to another
+        # value is refused (the run would not be that loss).
+        if not isinstance(data, dict) or data.get("loss") not in LOSS_SETTINGS:
+            return data
+        fixed = LOSS_SETTINGS[data["loss"]]
+        clash = [k for k, v in fixed.items() if k in data and data[k] != v]
+        if clash:
+            raise ValueError(f"loss {data['loss']} sets " + ", ".join(f"{k}: {fixed[k]!r}" for k in clash) +
+                             " (" + LOSS_SOURCES[data["loss"]] + "), but the config sets " +
+                             ", ".join(f"{k}: {data[k]!r}" for k in clash) + ": leave them out or use loss ppo")
+        return {**fixed, **data}
+
+    @model_validator(mode="after")
+    def _meaningful(self) -> "AlgoSection":
+        set_ = self.model_fields_set
+        if self.baseline == "leave_one_out" and (not self.group_norm or self.group_std):
+            raise ValueError("baseline leave_one_out (RLOO) needs group_norm: true and group_std: false")
+        if self.std_level == "batch" and not (self.group_norm and self.group_std):
+            raise ValueError("std_level batch needs group_norm: true and group_std: true")
+        if self.loss != "sapo" and {"sapo_tau_pos", "sapo_tau_neg"} & set_:
+            raise ValueError(f"sapo_tau_pos/sapo_tau_neg: only loss sapo has a gate temperature (loss is {self.loss})")
+        if self.loss in ("sapo", "cispo") and self.dual_clip is not None:
+            raise ValueError(f"dual_clip: loss {self.loss} has no clipped branch to bound")
+        if "overlong_penalty" in set_ and self.overlong_buffer is None:
+            raise ValueError("overlong_penalty: set overlong_buffer too (the penalty applies within that buffer)")
+        if self.rejection in ("token", "sequence", "geometric") and self.rejection_upper is None:
+            raise ValueError(f"rejection {self.rejection} needs rejection_upper")
+        if self.rejection == "none" and (self.rejection_lower is not None or self.rejection_upper is not None):
+            raise ValueError("rejection_lower/rejection_upper: set rejection (token, sequence, geometric or icepop)")
+        lower, upper = self.rejection_bounds
+        if self.rejection != "none" and not lower < upper:
+            raise ValueError(f"rejection_lower ({lower}) must be below rejection_upper ({upper})")
+        if "tis_level" in set_ and self.tis_cap is None:
+            raise ValueError("tis_level: set tis_cap too (truncated importance sampling is off without it)")
+        corrections = [k for k in ("tis_cap", "m2po_tau") if getattr(self, k) is not None]
+        corrections += ["rejection"] if self.rejection != "none" else []
+        if not self.decoupled and corrections:
+            raise ValueError(f"{', '.join(corrections)}: with decoupled: false the proximal log-probs are the "
+                             f"engine's, every behaviour weight is 1 and there is nothing to correct")
+        return self
+
+    @property
+    def rejection_bounds(self) -> tuple[float, float]:
+        """(lower, upper) of the rejection, IcePop's [0.5, 5] filling what icepop leaves unset."""
+        upper = self.rejection_upper if self.rejection_upper is not None else (5.0 if self.rejection == "icepop" else 0.0)
+        if self.rejection_lower is not None:
+            return self.rejection_lower, upper
+        if self.rejection == "icepop":
+            return 0.5, upper
+        return (1.0 / upper if upper else 0.0), upper
 
     @field_validator("group_size")
     @classmethod

@@ -113,6 +113,9 @@ def problem_lines(exc: ValidationError, prefix: str, model: type[BaseModel]) -> 
             field = _field(holder, str(loc[-1])) if holder is not None else None
             extra = (field.json_schema_extra or {}) if field is not None else {}
             lines.append(f"{path}: {extra.get('missing', 'missing')}")
+        elif err["type"] == "value_error" and isinstance(err.get("input"), dict):
+            # a section's own check (a model validator): its message names the keys; the section is not repeated
+            lines.append(f"{path}: {err['msg'][0].lower() + err['msg'][1:]}")
         else:
             msg = err["msg"][0].lower() + err["msg"][1:]
             lines.append(f"{path}: {msg} (value: {err.get('input')!r})")

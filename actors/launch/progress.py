@@ -95,7 +95,7 @@ class TrainingProgress:
                 f"training accuracy {100 * m['accuracy']:5.1f}% (sampled answers)  "
                 f"throughput {m['effective_throughput']:7.0f} tok/s  staleness {m['staleness_mean']:.2f} "
                 f"(max {m['staleness_max']:.0f})  weight sync {m['weight_sync_seconds']:.3f} s  "
-                f"buffer {m['buffer_depth']}")
+                f"buffer {m['buffer_depth']}" + (f"  WARNING {m['mismatch_warning']}" if m.get("mismatch_warning") else ""))
 
     def time_left(self) -> str:
         """`  ~N s left` at the mean pace since the first step read; empty before two steps or without a total."""

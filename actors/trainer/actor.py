@@ -7,8 +7,9 @@ One training step (version v -> v + 1):
     -> pack prompt+answer sequences (padding-free), loss mask on answer tokens
     -> proximal log-probs under the current weights (before this step's updates)
     -> group-normalised advantages (algo.advantages), then `algo.ppo_minibatches` optimizer updates,
-       each on micro-batches under a token budget (algo.packing), loss = decoupled PPO (algo.ppo)
-       normalised by the minibatch's global token count
+       each on micro-batches under a token budget (algo.packing), loss = the one `algo.loss` names
+       (algo.losses; decoupled PPO by default) on the corrected behaviour weights (algo.corrections),
+       aggregated over the minibatch's global tokens or answers (`algo.loss_agg_mode`)
     -> VersionUpdate(v + 1) to the buffer (opens the staleness gate)
     -> weights on their way to the rollouts (actors/weight_sync: the relay through the parameter server,
        or direct weights kept here and broadcast when the parameter server asks)
@@ -58,7 +59,7 @@ from actors.runtime.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, h
                              mark_run_finished, prune_checkpoints, recovering, restarted_in_place)
 from actors.runtime.threads import in_thread
 from actors.runtime.spans import SpanLog
-from actors.trainer.metrics import LOSS_SHARES, MetricsWriter, step_metrics
+from actors.trainer.metrics import LOSS_SHARES, MetricsWriter, mismatch_warning, step_metrics
 from actors.trainer.trackers import Trackers
 # StepConfig, TrainerConfigError, train_on_batch, rank_samples: the step's math, imported here by its users too
 from actors.trainer.step import StepConfig, TrainerConfigError, rank_samples, train_on_batch, train_share
@@ -614,6 +615,11 @@ class TrainerActor(Actor):
         raise RuntimeError(f"rollouts did not reach version {version} within 10 minutes (synchronous mode)")
 
     def _record(self, stats: dict[str, Any]) -> None:
+        warning = mismatch_warning(stats, self.cfg.algo.mismatch_warn_kl)
+        if warning:
+            # trainer and engine disagree on the very weights they share: the usual forerunner of a collapse
+            stats["mismatch_warning"] = warning
+            self.log.warning("trainer_engine_mismatch", step=stats.get("step"), warning=warning)
         self.metrics.write(stats, self.version)
         self.log.info("step", **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.items()
                                  if k in ("step", "task_reward", "accuracy", "n_tokens", "staleness_max",

@@ -3,7 +3,7 @@ are written (metrics.jsonl in the run directory, and TensorBoard)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +11,8 @@ import torch
 
 from actors.trainer.trackers import Trackers
 from actors.batch import Batch, as_columns, carries_every_sample, flat, sample_groups
-from algo.ppo import PPOStats
+from algo.corrections import CorrectionStats, MismatchStats
+from algo.losses import PPOStats
 from algo.staleness import sample_staleness
 from transport.protocol import BatchTensors
 
@@ -43,15 +44,19 @@ class ShareResult:
     # per sample of this rank's share (index in the batch): its loss tokens over its minibatch's, the weight
     # the token-normalised loss gives it (tools.trace sample)
     loss_shares: dict[int, float] | None = None
+    correction: CorrectionStats = field(default_factory=CorrectionStats)   # tokens each correction masked or truncated
+    mismatch: MismatchStats = field(default_factory=MismatchStats)         # engine vs trainer on current-weight tokens
 
 
 def step_metrics(batch: Batch | BatchTensors, version: int, shares: list[ShareResult]) -> dict[str, Any]:
     """The step's metrics from the batch's answers (every sample carried: rank 0's batch) and every rank's
     share (rank 0's first)."""
     batch = as_columns(batch)
-    ppo = PPOStats()
+    ppo, correction, mismatch = PPOStats(), CorrectionStats(), MismatchStats()
     for share in shares:
         ppo = ppo.merge(share.ppo)
+        correction = correction.merge(share.correction)
+        mismatch = mismatch.merge(share.mismatch)
     summary = ppo.summary()
     updates = shares[0].updates
     kl_reward = {} if shares[0].kl_reward is None else {"kl_reward": shares[0].kl_reward}
@@ -93,7 +98,20 @@ def step_metrics(batch: Batch | BatchTensors, version: int, shares: list[ShareRe
         "forward_backward_seconds": sum(x.get("forward_backward_seconds", 0.0) for x in updates),
         "optimizer_seconds": sum(x.get("optimizer_seconds", 0.0) for x in updates),
         LOSS_SHARES: _loss_shares(shares, len(batch.output_lens)),
+        "answer_len_max": float(out_lens.max()), "ratio_max": summary["ratio_max"],
+        "dual_clip_ratio": summary["dual_clip_ratio"], **correction.summary(), **mismatch.summary(),
     }
+
+
+def mismatch_warning(stats: dict[str, Any], threshold: float) -> str | None:
+    """The warning line when the engine/trainer KL on tokens sampled by the current weights passes `threshold`
+    (0: never), else None."""
+    kl = stats.get("mismatch_kl_k3", 0.0)
+    if threshold <= 0 or not kl > threshold:
+        return None
+    return (f"engine/trainer mismatch: KL (k3) {kl:.3g} > algo.mismatch_warn_kl {threshold:g} on "
+            f"{stats.get('mismatch_tokens', 0):.0f} tokens of the current weights (mean |logp diff| "
+            f"{stats.get('mismatch_logprob_diff_mean', 0.0):.3g}); consider algo.tis_cap or algo.rejection: icepop")
 
 
 def _accuracy_by_level(batch: BatchTensors) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """One training step's math on a batch, for one trainer rank: the packed layout of the sequences, the
-proximal log-probs, the group-normalised advantages and the decoupled PPO updates (algo/), split across
+proximal log-probs, the advantages, the corrected behaviour weights and the updates of the loss `algo.loss`
+names (algo/), split across
 data-parallel replicas. Pure functions of the engine and the batch; the trainer actor (actors/trainer/actor.py)
 and its rank followers (actors/trainer/rank_group.py) call them."""
 from __future__ import annotations
@@ -14,9 +15,10 @@ from actors.batch import Batch, as_columns, carried_samples, flat, sample_groups
 from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine
 from actors.engines.moe import ROUTE_NATIVE
 from actors.trainer.metrics import ShareResult, step_metrics
-from algo.advantages import AdvNorm, KLEstimator, compute_advantages, kl_penalty
+from algo.advantages import AdvNorm, Baseline, KLEstimator, StdLevel, compute_advantages, kl_penalty, overlong_penalty
+from algo.corrections import CorrectionConfig, CorrectionStats, MismatchStats, correct, mismatch_stats
+from algo.losses import AggMode, LossConfig, PPOStats, aggregation_weights, loss_denominator, policy_loss
 from algo.packing import allocate_micro_batches, split_by_rank
-from algo.ppo import PPOConfig, PPOStats, count_loss_tokens, ppo_loss
 from topology.experiment import ExperimentConfig
 from transport.protocol import BatchTensors
 
@@ -54,7 +56,9 @@ class StepConfig:
     """How one training step uses a batch: the `algo` and `gen` settings it needs, in the step's terms. Its
     values come only from the experiment's settings (topology/experiment.py declares their defaults)."""
 
-    ppo: PPOConfig
+    loss: LossConfig
+    correction: CorrectionConfig
+    agg_mode: AggMode
     minibatches: int
     max_tokens_per_mb: int
     temperature: float
@@ -65,16 +69,31 @@ class StepConfig:
     kl_coef: float            # > 0: a KL penalty to the frozen starting weights, in the token rewards
     kl_estimator: KLEstimator
     routing_replay: Literal["none", "r2", "r3"] = "none"   # MoE: whose routing the training forwards replay
+    baseline: Baseline = "mean"
+    std_level: StdLevel = "group"
+    max_new_tokens: int = 64          # the length limit: Dr.GRPO's constant normaliser, DAPO's overlong limit
+    overlong_buffer: int | None = None   # tokens before the limit where DAPO's penalty ramps up
+    overlong_penalty: float = 1.0
 
     @classmethod
     def from_settings(cls, cfg: ExperimentConfig) -> "StepConfig":
         a = cfg.algo
-        ppo = PPOConfig(eps_low=a.eps_clip, eps_high=a.eps_clip_high, dual_clip=a.dual_clip,
-                        behav_cap=a.behav_imp_weight_cap or None)
-        return cls(ppo=ppo, minibatches=a.ppo_minibatches, max_tokens_per_mb=a.max_tokens_per_mb,
+        lower, upper = a.rejection_bounds
+        rejection = "token" if a.rejection == "icepop" else a.rejection
+        correction = CorrectionConfig(
+            behav_cap=a.behav_imp_weight_cap or None, tis_cap=a.tis_cap, tis_level=a.tis_level, rejection=rejection,
+            rejection_lower=lower if rejection != "none" else None,
+            rejection_upper=upper if rejection != "none" else None, m2po_tau=a.m2po_tau)
+        buffer = (max(1, round(a.overlong_buffer * cfg.gen.max_new_tokens)) if a.overlong_buffer is not None
+                  else None)
+        return cls(loss=LossConfig(a.loss, a.eps_clip, a.eps_clip_high, a.dual_clip, a.sapo_tau_pos, a.sapo_tau_neg),
+                   correction=correction, agg_mode=a.loss_agg_mode,
+                   minibatches=a.ppo_minibatches, max_tokens_per_mb=a.max_tokens_per_mb,
                    temperature=cfg.gen.temperature or 1.0, decoupled=a.decoupled, group_norm=a.group_norm,
                    group_std=a.group_std, adv_norm=a.adv_norm, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
-                   routing_replay=a.routing_replay)
+                   routing_replay=a.routing_replay,
+                   baseline=a.baseline, std_level=a.std_level, max_new_tokens=cfg.gen.max_new_tokens,
+                   overlong_buffer=buffer, overlong_penalty=a.overlong_penalty)
 
     @classmethod
     def defaults(cls, **changes: Any) -> "StepConfig":
@@ -245,6 +264,9 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
     mask = lay.loss_mask.bool()
     behav = lay.behav
     rewards = torch.tensor(batch.rewards, dtype=torch.float32)
+    if cfg.overlong_buffer is not None:
+        rewards = rewards + overlong_penalty(torch.tensor(batch.output_lens), cfg.max_new_tokens, cfg.overlong_buffer,
+                                             cfg.overlong_penalty)
     budget = max(cfg.max_tokens_per_mb, max(lengths))
     t_logprobs = time.perf_counter()
     kl_reward = None
@@ -259,6 +281,7 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
         kl_reward = -cfg.kl_coef * float(kl_penalty(behav[mask], ref[mask], cfg.kl_estimator).mean())
     adv = compute_advantages(rewards, torch.tensor(group_ids), mask, cu_seqlens=lay.cu_seqlens,
                              group_norm=cfg.group_norm, group_std=cfg.group_std, adv_norm=cfg.adv_norm,
+                             baseline=cfg.baseline, std_level=cfg.std_level,
                              logp=behav, logp_ref=ref,
                              kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator).advantages
 
@@ -284,19 +307,26 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
     current = (lay.versions == float(version)) & mask & mine  # sampled by exactly these weights
     gaps = (prox - behav).abs()[current]
     gap = float(gaps.max()) if gaps.numel() else 0.0
+    mismatch = mismatch_stats(prox, behav, current)
+    # The corrections depend on the proximal and behaviour log-probs only: once for this rank's tokens.
+    corrected = correct(prox, behav, mask & mine, cfg.correction, lay.cu_seqlens)
+    agg = aggregation_weights(mask, cfg.agg_mode, lay.cu_seqlens)
 
-    per_token = {"loss_mask": lay.loss_mask, "behav": behav, "prox": prox, "adv": adv}
+    per_token = {"loss_mask": lay.loss_mask, "prox": prox, "adv": adv, "weight": corrected.weight,
+                 "keep": corrected.keep.to(torch.float32), **({"agg": agg} if agg is not None else {})}
     stats_all = PPOStats()
     updates: list[dict[str, float]] = []
     loss_shares: dict[int, float] = {}
     for mbs_ids in minibatches:
-        sel = tokens_of([i for ids in mbs_ids for i in ids])
-        local = count_loss_tokens(mask[sel], prox[sel], behav[sel], cfg.ppo.behav_cap)
-        n_tokens = engine.data_parallel_sum([float(local)])[0]   # the same decision on every rank
-        if n_tokens == 0:
+        ids_here = [i for ids in mbs_ids for i in ids]
+        sel = tokens_of(ids_here)
+        answers = sum(1 for i in ids_here if bool(mask[starts[i]:starts[i] + lengths[i]].any()))
+        local_tokens, n_answers = engine.data_parallel_sum([float(corrected.keep[sel].sum()), float(answers)])
+        if local_tokens == 0:   # the same decision on every rank
             continue
-        for i in (i for ids in mbs_ids for i in ids):
-            loss_shares[i] = float(mask[starts[i]:starts[i] + lengths[i]].sum()) / n_tokens
+        for i in ids_here:
+            loss_shares[i] = float(mask[starts[i]:starts[i] + lengths[i]].sum()) / local_tokens
+        denominator = loss_denominator(cfg.agg_mode, local_tokens, n_answers, cfg.max_new_tokens)
         mbs = [with_routes(PackedBatch.from_sequences([seqs[i] for i in ids],
                                                       {k: [v[starts[i]:starts[i] + lengths[i]].tolist() for i in ids]
                                                        for k, v in per_token.items()}), replay, ids, starts, seqs)
@@ -305,15 +335,19 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
 
         def loss_fn(outputs: TokenLogProbs, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:
             f = mb.fields
-            loss, st = ppo_loss(outputs.logprobs, f["prox"], f["behav"], f["adv"], f["loss_mask"], 1.0,
-                                cfg.ppo, entropy=outputs.entropy)
+            loss, st = policy_loss(outputs.logprobs, f["prox"], f["adv"], f["loss_mask"], 1.0, cfg.loss,
+                                   weight=f["weight"], keep=f["keep"], agg_weight=f.get("agg"),
+                                   cu_seqlens=mb.cu_seqlens, entropy=outputs.entropy)
             collected.append(st)
             return loss, {}
 
         updates.append(engine.train_step(mbs, loss_fn, temperature=cfg.temperature,
-                                         loss_denominator=float(n_tokens), with_entropy=True))
+                                         loss_denominator=denominator, with_entropy=True))
         for st in collected:
             stats_all = stats_all.merge(st)
-    return ShareResult(ppo=stats_all if engine.reports_stats else PPOStats(), logprob_gap=gap, updates=updates,
+    reports = engine.reports_stats
+    return ShareResult(ppo=stats_all if reports else PPOStats(), logprob_gap=gap, updates=updates,
                        kl_reward=kl_reward, logprobs_seconds=logprobs_seconds, loss_shares=loss_shares,
-                       logprob_gap_sum=float(gaps.sum()), logprob_gap_tokens=gaps.numel())
+                       logprob_gap_sum=float(gaps.sum()), logprob_gap_tokens=gaps.numel(),
+                       correction=corrected.stats if reports else CorrectionStats(),
+                       mismatch=mismatch if reports else MismatchStats())

@@ -1,4 +1,5 @@
-"""`python -m tools.bench ablation [--json] [--steps N] [--etas 0,1,4,16] [--plot FILE]`: the staleness ablation.
+"""`python -m tools.bench ablation [--json] [--steps N] [--etas 0,1,4,16] [--losses ...] [--plot FILE]`: the staleness
+and loss ablation.
 
 AReaL's central algorithmic claim (arXiv 2505.24298, section 5.3): with large staleness, plain PPO degrades
 while the decoupled objective keeps the final accuracy. This runs, from the same warm start, data and seed,
@@ -7,6 +8,12 @@ the embedded default (`topology/local.yaml`) once per eta x objective:
   decoupled   the trust region around the proximal policy, the behaviour policy only in the importance
               weight (algo.decoupled=true, the default)
   ppo         plain PPO: the trust region around the behaviour policy (algo.decoupled=false)
+
+`--losses` adds the loss axis (algo.loss: each run sets every key its paper fixes, topology/experiment.py
+LOSS_SETTINGS), `--corrections` the off-policy corrections (CORRECTIONS below) and `--seeds` the experiment seed;
+the grid is eta x objective x loss x correction x seed. Each cell also reports the step monitors averaged over
+its steps: the engine/trainer KL on current-weight tokens, the share of tokens each correction masked or
+truncated, the clip ratio, the entropy and the answer length.
 
 Each run checkpoints every `--eval-every` steps and every checkpoint is evaluated afterwards on the held-out
 split (greedy), so held-out accuracy is known along the run, against samples trained. The training reward
@@ -25,18 +32,40 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from topology.experiment import LOSS_SETTINGS
 from tools.bench.e2e import ROOT, TOPOLOGY, run_local
 
 OBJECTIVES = {"decoupled": "true", "ppo": "false"}
+# Named corrections and the settings each runs with (docs/algo.md: TIS's cap 2 as verl's rollout_is_threshold
+# default, IcePop's [0.5, 5], M2PO's tau 0.04, a geometric-mean band of +-25 %).
+CORRECTIONS: dict[str, list[str]] = {
+    "none": [],
+    "tis": ["experiment.algo.tis_cap=2.0"],
+    "icepop": ["experiment.algo.rejection=icepop"],
+    "m2po": ["experiment.algo.m2po_tau=0.04"],
+    "geometric": ["experiment.algo.rejection=geometric", "experiment.algo.rejection_upper=1.25"],
+}
+# The step monitors a cell reports, averaged over its steps (metrics.jsonl keys).
+MONITORS = ("mismatch_kl_k3", "actor_clip_ratio", "behav_masked_frac", "rejected_frac", "tis_truncated_frac",
+            "m2po_masked_frac", "entropy", "avg_seq_len")
+
+
+def loss_overrides(loss: str) -> list[str]:
+    """algo.loss and every key it fixes, as overrides: a config file's own values of those keys give way."""
+    def text(v: Any) -> str:
+        return "true" if v is True else "false" if v is False else str(v)
+    return [f"experiment.algo.loss={loss}", *(f"experiment.algo.{k}={text(v)}" for k, v in LOSS_SETTINGS[loss].items())]
 
 
 def run_cell(eta: int, objective: str, steps: int, eval_every: int, extra: list[str], out: Path,
-             log: Any) -> dict[str, Any]:
-    """One run of the grid, its held-out accuracy at each checkpoint, and its staleness."""
-    name = f"eta{eta}-{objective}"
+             log: Any, loss: str = "ppo", correction: str = "none", seed: int | None = None) -> dict[str, Any]:
+    """One run of the grid, its held-out accuracy at each checkpoint, its staleness and its monitors."""
+    name = f"eta{eta}-{objective}" + (f"-{loss}" if loss != "ppo" else "") + \
+        (f"-{correction}" if correction != "none" else "") + (f"-seed{seed}" if seed is not None else "")
     overrides = [f"experiment.algo.eta={eta}", f"experiment.algo.decoupled={OBJECTIVES[objective]}",
                  f"experiment.run.checkpoint_every_steps={eval_every}",
-                 "experiment.run.keep_checkpoints=0", *extra]
+                 "experiment.run.keep_checkpoints=0", *(loss_overrides(loss) if loss != "ppo" else []),
+                 *CORRECTIONS[correction], *([f"experiment.seed={seed}"] if seed is not None else []), *extra]
     summary = run_local(name, steps, overrides, out, log, bench="ablation")
     run_dir = Path(summary["run_dir"])
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -46,7 +75,9 @@ def run_cell(eta: int, objective: str, steps: int, eval_every: int, extra: list[
         samples.append(seen)
     curve = held_out_curve(run_dir, summary, samples, extra, log, name)
     stale = [m["staleness_mean"] for m in metrics]
-    return {"eta": eta, "objective": objective, "run_dir": str(run_dir), "steps": len(metrics),
+    monitors = {k: sum(m.get(k, 0.0) for m in metrics) / len(metrics) for k in MONITORS}
+    return {"eta": eta, "objective": objective, "loss": loss, "correction": correction, "seed": seed,
+            "monitors": monitors, "run_dir": str(run_dir), "steps": len(metrics),
             "final_accuracy": summary["greedy_accuracy"]["final"],
             "start_accuracy": summary["greedy_accuracy"].get("start"),
             "staleness_max": max(m["staleness_max"] for m in metrics),
@@ -85,31 +116,55 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_acc, ax_rew) = plt.subplots(1, 2, figsize=(12, 4.5))
+    # One colour per eta in the staleness grid; per loss and correction (the eta in the line style) on the loss axis.
+    by_method = len({(c.get("loss"), c.get("correction")) for c in cells}) > 1
+    keys = sorted({(c.get("loss"), c.get("correction")) if by_method else c["eta"] for c in cells}, key=str)
+    cmap = plt.get_cmap("tab20" if by_method else "viridis")
+    colours = {k: cmap(i / max(len(keys) - 1, 1)) for i, k in enumerate(keys)}
     etas = sorted({c["eta"] for c in cells})
-    colours = {eta: plt.get_cmap("viridis")(i / max(len(etas) - 1, 1)) for i, eta in enumerate(etas)}
     for c in cells:
-        style = "-" if c["objective"] == "decoupled" else "--"
-        label = f"eta {c['eta']} {c['objective']}"
-        ax_acc.plot(*zip(*c["held_out_curve"]), style, marker="o", color=colours[c["eta"]], label=label)
-        ax_rew.plot(*zip(*c["reward_curve"]), style, color=colours[c["eta"]], label=label)
+        if by_method:
+            style = ("-", "--", ":", "-.")[etas.index(c["eta"]) % 4]
+            colour = colours[(c.get("loss"), c.get("correction"))]
+        else:
+            style = "-" if c["objective"] == "decoupled" else "--"
+            colour = colours[c["eta"]]
+        label = f"eta {c['eta']} {cell_label(c)}"
+        ax_acc.plot(*zip(*c["held_out_curve"]), style, marker="o", color=colour, label=label)
+        ax_rew.plot(*zip(*c["reward_curve"]), style, color=colour, label=label)
     ax_acc.set(title="Held-out greedy accuracy", xlabel="samples trained", ylabel="accuracy")
     ax_rew.set(title="Training reward (task_reward)", xlabel="samples trained", ylabel="reward")
     ax_acc.legend(fontsize=7)
-    fig.suptitle("Staleness ablation: decoupled PPO (solid) vs plain PPO (dashed)")
+    fig.suptitle("Loss ablation (line style: eta)" if by_method
+                 else "Staleness ablation: decoupled PPO (solid) vs plain PPO (dashed)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def cell_label(c: dict[str, Any]) -> str:
+    """objective, then the loss, correction and seed where they are not the defaults."""
+    parts = [c["objective"]]
+    parts += [c["loss"]] if c.get("loss", "ppo") != "ppo" else []
+    parts += [c["correction"]] if c.get("correction", "none") != "none" else []
+    parts += [f"seed {c['seed']}"] if c.get("seed") is not None else []
+    return " ".join(parts)
+
+
 def table(cells: list[dict[str, Any]]) -> list[str]:
-    rows = [("eta", "objective", "steps", "staleness mean/max", "held-out start", "held-out final", "best")]
+    rows = [("eta", "objective", "steps", "staleness mean/max", "held-out start", "held-out final", "best",
+             "mismatch kl", "clip", "masked", "entropy", "length")]
     for c in cells:
         best = max(a for _, a in c["held_out_curve"])
-        rows.append((str(c["eta"]), c["objective"], str(c["steps"]),
+        m = c.get("monitors") or {}
+        masked = sum(m.get(k, 0.0) for k in ("behav_masked_frac", "rejected_frac", "m2po_masked_frac"))
+        rows.append((str(c["eta"]), cell_label(c), str(c["steps"]),
                      f"{c['staleness_mean']:.2f} / {c['staleness_max']:.0f}",
                      f"{100 * (c['start_accuracy'] or 0):.1f}%", f"{100 * c['final_accuracy']:.1f}%",
-                     f"{100 * best:.1f}%"))
+                     f"{100 * best:.1f}%", f"{m.get('mismatch_kl_k3', 0.0):.1e}",
+                     f"{100 * m.get('actor_clip_ratio', 0.0):.1f}%", f"{100 * masked:.1f}%",
+                     f"{m.get('entropy', 0.0):.2f}", f"{m.get('avg_seq_len', 0.0):.1f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(col.ljust(w) for col, w in zip(r, widths)) for r in rows]
 
@@ -118,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench ablation", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
     ap.add_argument("--etas", default="0,1,4,16", help="comma list of max staleness values (default 0,1,4,16)")
-    ap.add_argument("--objectives", default="decoupled,ppo", help="comma list of decoupled, ppo (default both)")
+    ap.add_argument("--objectives", default=None,
+                    help="comma list of decoupled, ppo (default both; decoupled alone with --losses or --corrections)")
+    ap.add_argument("--losses", default="ppo", help=f"comma list of algo.loss names (default ppo): {', '.join(LOSS_SETTINGS)}")
+    ap.add_argument("--corrections", default="none", help=f"comma list of {', '.join(CORRECTIONS)} (default none)")
+    ap.add_argument("--seeds", default=None, help="comma list of experiment seeds (default: the config's)")
     ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every N steps (default 10)")
     ap.add_argument("--minibatches", type=int, default=1,
                     help="PPO minibatches per step (default 1, as configs/local.yaml; AReaL uses 4): more updates per batch "
@@ -126,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="folder for the run directories (default: a temp dir)")
     ap.add_argument("--plot", default=None, help="write the PNG here")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--report", default=None, help="also write the JSON report to this file after every cell")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every run")
     args = ap.parse_args(argv)
     try:
@@ -134,9 +194,22 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--etas: expected comma-separated integers, got {args.etas!r}")
     if any(e < 0 for e in etas):
         ap.error(f"--etas: staleness must be >= 0, got {etas}")
-    objectives = [o for o in args.objectives.split(",") if o]
+    losses = [x for x in args.losses.split(",") if x]
+    if not losses or any(x not in LOSS_SETTINGS for x in losses):
+        ap.error(f"--losses: choose from {', '.join(LOSS_SETTINGS)}, got {args.losses!r}")
+    corrections = [x for x in args.corrections.split(",") if x]
+    if not corrections or any(x not in CORRECTIONS for x in corrections):
+        ap.error(f"--corrections: choose from {', '.join(CORRECTIONS)}, got {args.corrections!r}")
+    default_objectives = "decoupled,ppo" if losses == ["ppo"] and corrections == ["none"] else "decoupled"
+    objectives = [o for o in (args.objectives or default_objectives).split(",") if o]
     if not objectives or any(o not in OBJECTIVES for o in objectives):
         ap.error(f"--objectives: choose from {', '.join(OBJECTIVES)}, got {args.objectives!r}")
+    if "ppo" in objectives and corrections != ["none"]:
+        ap.error("--corrections: the plain ppo objective has no behaviour weight to correct (use --objectives decoupled)")
+    try:
+        seeds: list[int | None] = [int(x) for x in args.seeds.split(",") if x] if args.seeds else [None]
+    except ValueError:
+        ap.error(f"--seeds: expected comma-separated integers, got {args.seeds!r}")
     if not 0 < args.eval_every <= args.steps:
         ap.error(f"--eval-every must be in 1..--steps ({args.steps}), got {args.eval_every}")
     if args.minibatches < 1:
@@ -145,8 +218,16 @@ def main(argv: list[str] | None = None) -> int:
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     extra = [f"experiment.algo.ppo_minibatches={args.minibatches}", *args.overrides]
     # The first run prepares the shared data and warm start; the others reuse them (tools/prepare.py).
-    cells = [run_cell(eta, obj, args.steps, args.eval_every, extra, out, log) for eta in etas for obj in objectives]
+    cells: list[dict[str, Any]] = []
     report = {"steps": args.steps, "minibatches": args.minibatches, "overrides": args.overrides, "cells": cells}
+    for eta in etas:
+        for obj in objectives:
+            for loss in losses:
+                for corr in corrections:
+                    for seed in seeds:
+                        cells.append(run_cell(eta, obj, args.steps, args.eval_every, extra, out, log, loss, corr, seed))
+                        if args.report:   # a long grid's finished cells survive its interruption
+                            Path(args.report).write_text(json.dumps(report))
     if args.plot:
         plot(cells, Path(args.plot))
         report["plot"] = args.plot

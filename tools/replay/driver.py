@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from topology import TopologyError, apply_overrides
+from topology import TopologyError, apply_overrides, parse_override
+from topology.experiment import switched_loss
+from topology.settings import SettingsError
 from transport.bus import MAX_INFLIGHT, Envelope, current_cause
 from transport.messages import Message, decode, decode_header
 from transport.msglog import LogRecord, read_log
@@ -218,16 +220,24 @@ def fresh_actor(recording: Recording, cls_path: str, run_dir: str, overrides: Se
     spec_dict = dict(recording.meta["spec"])
     settings = {k: v for k, v in (spec_dict.get("settings") or {}).items() if k != "message_log"}
     settings["log_console"] = False
+    plain = [o.removeprefix("experiment.") for o in overrides]
     try:
-        problems = apply_overrides(settings, [o.removeprefix("experiment.") for o in overrides])
+        problems = apply_overrides(settings, plain)
+        keys = {".".join(parse_override(o)[0]) for o in plain}
     except TopologyError as exc:
         raise ReplayError("; ".join(exc.problems)) from None
     if problems:
         raise ReplayError("; ".join(problems))
+    if "algo.loss" in keys and isinstance(settings.get("algo"), dict):
+        # Replaying into another loss: the recorded values of what that loss fixes give way to its own.
+        settings["algo"] = switched_loss(settings["algo"], {k.removeprefix("algo.") for k in keys})
     spec_dict.update(cls=cls_path, run_dir=run_dir, settings=settings, curve=None, tokens=None)
     spec = ActorSpec.from_dict(spec_dict)
     _apply_threads(spec.env)
-    return load_actor_class(cls_path)(spec)
+    try:
+        return load_actor_class(cls_path)(spec)
+    except SettingsError as exc:   # settings the overrides made invalid: a usage error, said in one line
+        raise ReplayError(str(exc)) from None
 
 
 async def _replay(path: str, cls_path: str, segment: int, idle_timeout: float = 60.0,
