@@ -109,15 +109,18 @@ class AgentEndpoint:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         if unix_path is not None:
-            site: web.BaseSite = web.UnixSite(self._runner, unix_path)
-            await site.start()
+            await self.serve_unix(unix_path)
             self.base_url = "http://localhost/v1"
         else:
-            site = web.TCPSite(self._runner, host, port)
-            await site.start()
+            await web.TCPSite(self._runner, host, port).start()
             bound = self._runner.addresses[0]
             self.base_url = f"http://{host}:{bound[1]}/v1"
         return self.base_url
+
+    async def serve_unix(self, path: str) -> None:
+        """Serve on the unix socket ``path`` as well (what a sandboxed agent program reaches, bound in)."""
+        assert self._runner is not None, "start the endpoint first"
+        await web.UnixSite(self._runner, path).start()
 
     async def stop(self) -> None:
         for key in list(self.episodes):
