@@ -241,9 +241,12 @@ class RolloutActor(Actor):
         if template is None:
             raise RolloutConfigError("agent: the tokenizer has no chat_template and agent.chat_template is unset")
         eos = self.codec.eos_token_id
-        self.endpoint = AgentEndpoint(self.engine, self.codec, template, EndpointLimits(
-            max_new_tokens=gen.max_new_tokens, max_context=gen.max_context,
-            stop_token_ids=(eos,) if eos is not None else ()), tool_format=settings.tool_format)
+        try:
+            self.endpoint = AgentEndpoint(self.engine, self.codec, template, EndpointLimits(
+                max_new_tokens=gen.max_new_tokens, max_context=gen.max_context,
+                stop_token_ids=(eos,) if eos is not None else ()), tool_format=settings.tool_format)
+        except ValueError as exc:
+            raise RolloutConfigError(f"agent.tool_format: {exc}") from None
         if settings.sandbox:
             self.agent_sandbox = await self._agent_sandbox()
             await self.endpoint.start(unix_path=self.agent_sandbox.socket_path)

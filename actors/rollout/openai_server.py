@@ -33,7 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from actors.engines.base import EngineError, GenerationEngine, GenerationRequest, RequestError, SamplingParams
-from actors.rollout.chat import ChatError, ChatTemplate, validate_messages, validate_tools
+from actors.rollout.chat import TOOL_CALL_STOPS, TOOL_FORMATS, ChatError, ChatTemplate, validate_messages, validate_tools
 from actors.rollout.conversation import Conversation, ConversationError, Prepared
 from actors.rollout.episode import Codec, turn_seed
 
@@ -88,7 +88,15 @@ class AgentEndpoint:
     def __init__(self, engine: GenerationEngine, codec: Codec, template: ChatTemplate | None,
                  limits: EndpointLimits = EndpointLimits(), tool_format: str = "qwen") -> None:
         self.engine, self.codec, self.template, self.limits = engine, codec, template, limits
+        if tool_format not in TOOL_FORMATS:
+            raise ValueError(f"tool format {tool_format!r} is not one of {list(TOOL_FORMATS)}")
         self.tool_format = tool_format
+        self.tool_stop_ids: list[int] = []   # the format's call ends: stops while tools are offered, kept in the text
+        for stop in TOOL_CALL_STOPS[tool_format]:
+            ids = codec.encode(stop)
+            if len(ids) != 1:
+                raise ValueError(f"tool format {tool_format!r}: its call end {stop!r} is {len(ids)} tokens here, not one")
+            self.tool_stop_ids += ids
         self.episodes: dict[str, Episode] = {}
         self.ended: dict[str, str] = {}    # key -> why its episode ended (answers 410 after it)
         self.counters: dict[str, float] = {"calls": 0, "errors": 0, "overhead_s": 0.0, "engine_s": 0.0}
@@ -217,8 +225,12 @@ class AgentEndpoint:
             prepared = episode.conversation.prepare_chat(messages, tools)
         except (ChatError, ConversationError) as exc:
             raise HTTPFailure(400, "invalid_request_error", str(exc)) from None
+        stops = sampling.stop_token_ids
+        if tools and self.tool_stop_ids:
+            sampling = dataclasses.replace(sampling, stop_token_ids=(*stops, *(i for i in self.tool_stop_ids
+                                                                                if i not in stops)))
         results = await self._generate(episode, prepared, sampling, n, engine_s)
-        replies = episode.conversation.record_chat(prepared, messages, results, sampling.stop_token_ids)
+        replies = episode.conversation.record_chat(prepared, messages, results, stops, tools)
         self._ended_meanwhile(episode)
         choices = []
         for i, (result, reply) in enumerate(zip(results, replies)):
