@@ -450,9 +450,11 @@ class RolloutActor(Actor):
             return await running
         except asyncio.CancelledError:
             current = asyncio.current_task()
-            if running.cancelled() and not (current is not None and current.cancelling()):
+            if not (current is not None and current.cancelling()):
                 # AbortGroup or a drain cancelled the episodes (a later turn or an agent's call is a request of
                 # its own, which aborting the group's id does not reach); cancelling aborts every one in flight.
+                # (Not running.cancelled(): a gather whose children clean up before re-raising, as run_agent
+                # closes its episode, ends with a CancelledError exception and reads as not cancelled.)
                 await self._return(group_id, "draining" if self.draining else "aborted")
                 return None
             # The drain ran out of time and cancelled this handler (the engine aborts the request on
