@@ -10,8 +10,9 @@ SGLang's and verl's "hermes"/"qwen" parsers read them): `parse_tool_calls` turns
 
 The ``brackets`` format is the compact one of a model whose context is too short for Qwen's: a turn that ends
 on ``[ARGUMENT]`` calls the request's one function tool with ARGUMENT as its one parameter, and the turn stops
-at the ``]`` (`TOOL_CALL_STOPS`). With a template that renders such a call back as ``[ARGUMENT]`` and a tool
-result as ``=RESULT`` and a newline (tools/agents/calculator_chat.jinja), an agent's conversation is the text
+at the ``]`` (`TOOL_CALL_STOPS`). The reply's content keeps the text up to ARGUMENT, ``[`` included. With a
+template that renders a call back as its content, ARGUMENT and ``]``, and a tool result as ``=RESULT`` and a
+newline (tools/agents/calculator_chat.jinja), an agent's conversation is the text
 of the calculator episode (actors/rollout/envs/calculator.py), token for token.
 
 `EMBEDDED_CHAT_TEMPLATE` is the template of the embedded tiny tokenizer, whose only special token is its
@@ -219,15 +220,18 @@ def parse_tool_calls(text: str, tool_format: str = "qwen",
 
 
 def _parse_brackets(text: str, tools: Sequence[Mapping[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
-    """A turn ending on ``[ARGUMENT]``: a call of the only function tool, its only parameter ARGUMENT; the text
-    before the ``[`` is the content, kept exactly (the template renders it back in front of the call)."""
-    start = text.rfind("[")
+    """A turn ending on ``]``: a call of the only function tool, its only parameter the text after the last
+    ``[`` (empty when there is none: a call the tool refuses, as the calculator episode refuses it). The content
+    is the text before the argument, that ``[`` included, so that content, argument and ``]`` are the model's
+    text exactly (the template renders them so)."""
     functions = [t["function"] for t in tools]
     properties = (functions[0].get("parameters") or {}).get("properties") or {} if len(functions) == 1 else {}
-    if start < 0 or not text.endswith("]") or len(properties) != 1:
+    if not text.endswith("]") or len(properties) != 1:
         return text, []
-    arguments = json.dumps({next(iter(properties)): text[start + 1:-1]}, ensure_ascii=False)
-    return text[:start], [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    opened = text.rfind("[")
+    content, argument = (text[:-1], "") if opened < 0 else (text[:opened + 1], text[opened + 1:-1])
+    arguments = json.dumps({next(iter(properties)): argument}, ensure_ascii=False)
+    return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                            "function": {"name": functions[0]["name"], "arguments": arguments}}]
 
 
