@@ -49,7 +49,7 @@ from actors.engines.base import (EngineError, GenerationEngine, GenerationReques
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
 from actors.reward.sandbox import MiB, SandboxLimits, probe_sandbox
 from actors.rollout.agent import (AgentFn, AgentGroupError, AgentRun, AgentSandbox, group_answers, load_agent,
-                                  run_agent)
+                                  preload_openai, run_agent)
 from actors.rollout.chat import ChatTemplate, template_of
 from actors.rollout.envs import ENVIRONMENTS, UnknownTool, environment_for
 from actors.rollout.envs.python_tool import CodeRunner, python_tool
@@ -229,7 +229,12 @@ class RolloutActor(Actor):
         settings, gen = self.cfg.agent, self.cfg.gen
         assert self.codec is not None and self.engine is not None
         try:
-            self.agent = load_agent(settings.function) if settings.function else list(settings.command or [])
+            # Imports off the event loop: the `openai` package alone takes seconds to import on a loaded machine,
+            # and its first use by an agent would otherwise stall the bus's heartbeats (AgentClient.openai).
+            self.agent = (await asyncio.to_thread(load_agent, settings.function) if settings.function
+                          else list(settings.command or []))
+            if settings.function:
+                await asyncio.to_thread(preload_openai)
             if settings.chat_template:
                 with open(settings.chat_template, encoding="utf-8") as f:
                     source = f.read()

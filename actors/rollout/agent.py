@@ -60,6 +60,14 @@ class AgentClient:
         return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, **kwargs)
 
 
+def preload_openai() -> None:
+    """Import the ``openai`` package if it is installed (what `AgentClient.openai` would import at first use)."""
+    try:
+        importlib.import_module("openai")
+    except ImportError:
+        pass   # an agent that does not use it needs nothing; one that does fails at its first call, with the cause
+
+
 AgentFn = Callable[[AgentClient, Mapping[str, Any]], Awaitable[float | None]]
 
 
