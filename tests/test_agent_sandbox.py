@@ -98,9 +98,10 @@ def test_the_rollout_runs_a_sandboxed_agent_program_for_each_sample(tmp_path, ra
     settings = {"agent": {"command": ["{python}", "-I", "{files}/calculator_program.py"], "sandbox": True,
                           "files": [str(CALCULATOR)], "timeout_s": 60.0}}
     traj, stats = rollout_with(tmp_path, random_model_dir, engine, {"max_new_tokens": 128, "max_context": 256},
-                               [group()], monkeypatch, settings=settings)
+                               [group(n=8)], monkeypatch, settings=settings)
     assert isinstance(traj, Trajectories), traj
-    assert stats["agent_endpoint"]["calls"] == 4 and stats["agent_endpoint"]["errors"] == 0
+    # A group's 8 programs run at once, each in its own sandbox: all of them answer.
+    assert stats["agent_endpoint"]["calls"] == 16 and stats["agent_endpoint"]["errors"] == 0
     for s in traj.answers.samples:
         trained = [t for t, v in zip(s.output_ids, s.versions) if v != ENV_VERSION]
         assert trained == TOK.encode(CALL) + [EOS] + TOK.encode("\\boxed{1776}") + [EOS]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import itertools
 import json
 import math
 import os
@@ -34,6 +35,8 @@ from actors.rollout.openai_server import AgentEndpoint
 RELAY_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_relay.py")
 SANDBOX_SOCKET = "/run/agent/endpoint.sock"   # where the endpoint's socket is bound in the sandbox
 SANDBOX_PORT = 8000                            # the relay's port on the sandbox's own loopback
+SANDBOX_UID_BASE = 250_000                     # agents' host uids, past the reward sandboxes' range (Sandbox)
+_sandbox_runs = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +153,11 @@ async def _run_sandboxed(argv: list[str], client: AgentClient, task: Mapping[str
     """The program in the sandbox behind the relay: (exit status, stdout, stderr); TimeoutError past the wall
     time. The run blocks a thread (Sandbox.run); a cancelled episode's program stops at its next call, which
     the closed episode answers 410, or at the wall time."""
-    runner = Sandbox(dataclasses.replace(sandbox.limits, wall_time_s=timeout_s, cpu_time_s=timeout_s), runner="bwrap")
+    # A uid of its own per run: a group's episodes run at once, and with one uid their processes and threads
+    # would share one RLIMIT_NPROC (the sandbox's max_processes).
+    uid = SANDBOX_UID_BASE + (os.getpid() % 50) * 1000 + next(_sandbox_runs) % 1000
+    runner = Sandbox(dataclasses.replace(sandbox.limits, wall_time_s=timeout_s, cpu_time_s=timeout_s), uid=uid,
+                     runner="bwrap")
     # The relay starts the program itself: {files} and {python} in its argv are substituted here.
     program = [a.replace("{files}", SANDBOX_FILES_DIR).replace("{python}", runner.python) for a in argv]
     settings = {"socket": SANDBOX_SOCKET, "port": SANDBOX_PORT, "argv": program, "env": {
