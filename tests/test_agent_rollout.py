@@ -10,6 +10,7 @@ from actors.rollout.agent import AgentGroupError, AgentRun, group_answers, load_
 from actors.rollout.episode import ENV_VERSION, Trajectory
 from tests.test_agent_endpoint import CALL, TOK, calc_script
 from tests.test_rollout_episodes import rollout_with
+from testsupport.bounded import until
 from testsupport.scripted_engine import ScriptedEngine
 from transport.protocol import GenerateGroup, GroupReturned, Task, Trajectories
 
@@ -92,6 +93,29 @@ def test_an_unknown_agent_function_is_refused_at_start(tmp_path, random_model_di
         rollout_with(tmp_path, random_model_dir, engine, {}, [group()], monkeypatch,
                      settings=agent_settings("tools.agents.calculator:nope"))
     assert not engine.requests
+
+
+def test_a_drain_cancels_a_running_agent_group_and_hands_it_back(tmp_path, random_model_dir, monkeypatch):
+    [hold] = TOK.encode("C")   # a token the calculator script never writes
+    model = calc_script()
+    # The agent's second call is a decode still running when the rollout is told to stop.
+    engine = ScriptedEngine(lambda context, sample: [hold] if "T: " in TOK.decode(context) else model(context, sample),
+                            vocab_size=TOK.vocab_size, hold_token=hold)
+    seen = {}
+
+    async def drive(buffer, next_message, actor):
+        await buffer.send("rollout.0", group(n=2))
+        await until(lambda: len(engine.requests) == 4, 30, "both agents' second calls")
+        seen["open"] = len(actor.endpoint.episodes)
+        actor.request_stop("test over")
+        returned = await next_message()
+        seen["after"] = len(actor.endpoint.episodes)
+        return [returned]
+    returned, stats = rollout_with(tmp_path, random_model_dir, engine, {"max_new_tokens": 128, "max_context": 256}, [],
+                                   monkeypatch, drive, settings=agent_settings("tools.agents.calculator:agent"))
+    assert returned == GroupReturned(group_id="g", reason="draining")
+    assert seen == {"open": 2, "after": 0}   # both episodes were open, and the drain closed them
+    assert stats["agent_endpoint"]["calls"] == 4   # the held calls ended too (aborted), none left hanging
 
 
 def trajectory(prompt: list[int], output: list[int], version: int = 0) -> Trajectory:

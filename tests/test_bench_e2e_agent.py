@@ -55,3 +55,29 @@ def test_run_local_passes_the_warm_starts_progress_on_and_keeps_the_tail_for_err
         e2e.run_local("async", 1, [], tmp_path, lines.append, topology=TOPOLOGIES["agent"])
     assert lines[1:] == ["bench e2e: async: prepare: warm-start stage 1/2", "bench e2e: async: step 50/2500  loss 1.0"]
     assert "an actor line" in str(failed.value) and "the cause" in str(failed.value)
+
+
+def test_agent_chat_compares_the_openai_agent_with_the_native_episodes(tmp_path):
+    from tools.bench.e2e import agent_share, compare_agent
+
+    assert TOPOLOGIES["agent_chat"] == TOPOLOGIES["agent"] and DEFAULT_MODES["agent_chat"] == "native,openai_agent"
+    assert "actors.rollout.settings.agent.tool_format=brackets" in MODES["openai_agent"] and MODES["native"] == []
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for i, (calls, overhead) in enumerate(((30, 0.09), (10, 0.01))):
+        write_log(logs / f"rollout.{i}.jsonl", [
+            {"event": "rollout_stats", "agent_endpoint": {"calls": calls, "overhead_s": overhead, "engine_s": 1.0}},
+            {"event": "stopped", "counters": {"episodes": 8, "turns": 20, "tool_calls": 12, "agent_drift": i,
+                                              "agent_errors": 1, "agent_requests": calls}}])
+    agents = agent_share(tmp_path)
+    assert agents["drift"] == 1 and agents["errors"] == 2 and agents["requests"] == 40
+    assert agents["endpoint_calls"] == 40 and agents["endpoint_overhead_ms_per_call"] == pytest.approx(2.5)
+    assert agents["engine_ms_per_call"] == pytest.approx(50.0)
+    out = compare_agent({"native": {"greedy_accuracy": {"start": 0.1, "final": 0.9}, "episodes": episode_share(tmp_path, 2)},
+                         "openai_agent": {"greedy_accuracy": {"start": 0.1, "final": 0.8}, "agents": agents}})
+    assert out["native_gain_points"] == pytest.approx(80.0) and out["agent_gain_points"] == pytest.approx(70.0)
+    assert out["agent_minus_native_points"] == pytest.approx(-10.0) and out["drift_events"] == 1
+    assert out["native_turns_per_episode"] == 2.5 and out["openai_agent_turns_per_episode"] is None
+    write_log(logs / "rollout.0.jsonl", [{"event": "rollout_stats"}, {"event": "stopped", "counters": {}}])
+    (logs / "rollout.1.jsonl").unlink()
+    assert agent_share(tmp_path) is None   # no rollout served an agent

@@ -8,6 +8,7 @@ Trajectories) and the buffer (a Bus bound at the buffer's endpoint).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,10 +94,13 @@ class Rig:
         ids = self.tok.encode(text)
         return Sample(output_ids=ids, logprobs=[-0.5] * len(ids), versions=[3] * len(ids), finish_reason="stop")
 
-    async def score(self, actor: str, group_id: str, task: Task, texts: list[str]) -> ScoredGroup:
+    async def score(self, actor: str, group_id: str, task: Task, texts: list[str],
+                    agent_rewards: list[float | None] | None = None) -> ScoredGroup:
+        """``agent_rewards``: what each sample's agent returned (None: graded by the actor)."""
+        samples = [dataclasses.replace(self.sample(t), agent_reward=r)
+                   for t, r in zip(texts, agent_rewards or [None] * len(texts))]
         await self.rollout.send(actor, Trajectories(group_id=group_id, task=task, answers=Answers(
-            samples=[self.sample(t) for t in texts], rollout="rollout.0", gen_seconds=1.25, busy_seconds=2.0,
-            up_seconds=3.0)))
+            samples=samples, rollout="rollout.0", gen_seconds=1.25, busy_seconds=2.0, up_seconds=3.0)))
         while True:
             group = await self.scored.get()
             if group.group_id == group_id:
@@ -141,6 +145,20 @@ def test_math_rewards_right_wrong_garbage(rig: Rig) -> None:
     assert (answers.gen_seconds, answers.busy_seconds, answers.up_seconds) == (1.25, 2.0, 3.0)
     assert answers.samples[0].versions == [3] * len(answers.samples[0].output_ids)
     assert all(s.score_detail for s in group.answers.samples)
+
+
+def test_an_agents_reward_passes_through_and_only_the_others_are_graded(rig: Rig) -> None:
+    # The agent's verdict stands against the text (a wrong boxed answer it rewards, a right one it does not); a
+    # sample without one is graded as any answer. On the hanging grader's actor, an agent's sample that reached
+    # the grader would come back a counted failure scored wrong.
+    texts = ["\\boxed{13}", "\\boxed{12}", "\\boxed{12}"]
+    group = rig.run(rig.score("reward.math", "a1", Task(kind="math", answer="12"), texts, [2.5, -1.0, None]))
+    assert [s.reward for s in group.answers.samples] == [2.5, -1.0, 5.0]
+    assert [s.correct for s in group.answers.samples] == [True, False, True]
+    assert [s.score_detail for s in group.answers.samples][:2] == ["agent reward 2.5", "agent reward -1"]
+    assert group.score_failures == 0
+    hang = rig.run(rig.score("reward.hang", "a2", Task(kind="math", answer="12"), [f"{HANG_MARK} \\boxed{{12}}"], [1.0]))
+    assert hang.answers.samples[0].reward == 1.0 and hang.score_failures == 0
 
 
 def test_hung_check_scores_wrong_and_is_counted_not_lost(rig: Rig) -> None:

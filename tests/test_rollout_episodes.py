@@ -41,7 +41,7 @@ def rollout_with(tmp_path: Path, model_dir: Path, engine: ScriptedEngine, gen: d
                  groups: list[GenerateGroup], monkeypatch: pytest.MonkeyPatch, drive: Any = None,
                  settings: dict[str, Any] | None = None) -> list[Any]:
     """Run the rollout actor in-process on ``engine``; send ``groups``; the messages it sends back, in order,
-    and its stats. ``drive(buffer_bus, next_message)``, if given, runs instead of sending ``groups`` and
+    and its stats. ``drive(buffer_bus, next_message, actor)``, if given, runs instead of sending ``groups`` and
     returns what the test wants back. ``settings``: more of the actor's settings."""
     monkeypatch.setattr("actors.rollout.actor.make_engine", lambda *a, **k: engine)
     eps = ipc_endpoints(tmp_path, ["rollout.0", "reward.0", "buffer"])
@@ -72,7 +72,7 @@ def rollout_with(tmp_path: Path, model_dir: Path, engine: ScriptedEngine, gen: d
 
         out = []
         if drive is not None:
-            out = await drive(buses[1], next_message)
+            out = await drive(buses[1], next_message, actor)
         for g in groups:
             await buses[1].send("rollout.0", g)
             out.append(await next_message())
@@ -139,7 +139,7 @@ def test_abort_group_reaches_an_episodes_later_turn(tmp_path, random_model_dir, 
         return [hold] if ARITH.decode(context).count("=") == 1 else careful_agent(context, sample)
     engine = ScriptedEngine(script, vocab_size=ARITH.vocab_size, hold_token=hold)
 
-    async def drive(buffer, next_message):
+    async def drive(buffer, next_message, actor):
         await buffer.send("rollout.0", agent_group("g", "37*48+56", n=1))
         await until(lambda: any("#" in r.rid for r in engine.requests), 30, "the episode's second turn")
         reply = await buffer.request("rollout.0", AbortGroup(group_id="g", reason="test"), timeout=30)

@@ -248,13 +248,22 @@ class AgentSettings(Section):
     timeout_s: float = Field(60.0, gt=0, description="bound on one episode of the agent")
     chat_template: str | None = Field(None, description="a jinja chat template file used instead of the "
                                                         "tokenizer's (unset: tokenizer_config.json's chat_template)")
-    tool_format: Literal["qwen"] = Field("qwen", description="how tool calls are written in the model's text "
-                                                             "(actors/rollout/chat.py)")
+    tool_format: Literal["qwen", "brackets"] = Field("qwen", description="how tool calls are written in the model's "
+                                                                         "text (actors/rollout/chat.py)")
+    sandbox: bool = Field(False, description="run the command in the bubblewrap sandbox (actors/reward/sandbox.py) "
+                                             "with only the endpoint reachable; its argv may name {files} and {python}")
+    files: list[str] = Field(default_factory=list, description="files placed read-only in the sandbox's {files} "
+                                                               "folder (the program's own), by their names")
+    memory_mb: int = Field(512, ge=64, description="address-space limit of each sandboxed agent process")
 
     @model_validator(mode="after")
     def _one_agent(self) -> "AgentSettings":
         if self.function is not None and self.command is not None:
             raise ValueError("set function or command, not both")
+        if self.sandbox and self.command is None:
+            raise ValueError("sandbox: only an agent command (a program) runs in the sandbox")
+        if self.files and not self.sandbox:
+            raise ValueError("files: only a sandboxed agent gets files (set sandbox: true)")
         return self
 
     @property

@@ -161,8 +161,13 @@ class Sandbox:
         files: Mapping[str, bytes] | None = None,
         stdin: bytes = b"",
         limits: SandboxLimits | None = None,
+        binds: Mapping[str, str] | None = None,
     ) -> RunResult:
         """Run argv with `files` placed read-only in /sandbox and cwd a private writable /tmp.
+
+        `binds` maps host paths to paths in the sandbox, bound read-only (a unix socket bound so stays
+        connectable: it is the only way out of the sandbox's network namespace). Runs with binds take one
+        bwrap each (the zygote builds its programs' mounts itself) and need the sandbox.
 
         argv may name `{files}` (the directory holding `files`) and `{python}`; both are substituted, so the
         same call works sandboxed and (when allowed) unsandboxed. The program may write its answer to the
@@ -174,13 +179,19 @@ class Sandbox:
         for name in files:
             if not name or "/" in name or name.startswith("."):
                 raise SandboxConfigError(f"sandbox file name must be a plain name, got {name!r}")
+        binds = dict(binds or {})
+        for inside in binds.values():
+            if not inside.startswith("/") or inside.rstrip("/") in ("", SANDBOX_FILES_DIR, SANDBOX_WORK_DIR):
+                raise SandboxConfigError(f"sandbox bind target must be an absolute path of its own, got {inside!r}")
         status = self.status()
         if status.available:
-            if self.runner == "zygote":
+            if self.runner == "zygote" and not binds:
                 result = self._run_zygote(argv, files, stdin, limits)
                 if result is not None:
                     return result
-            return self._run_bwrap(argv, files, stdin, limits)
+            return self._run_bwrap(argv, files, stdin, limits, binds)
+        if binds:
+            raise SandboxUnavailable(f"paths bound into a sandbox need a working bubblewrap sandbox ({status.reason})")
         if not self.allow_unsandboxed:
             raise SandboxUnavailable(
                 f"refusing to run untrusted code: no working bubblewrap sandbox ({status.reason}); "
@@ -221,7 +232,8 @@ class Sandbox:
         return None
 
     def _run_bwrap(
-        self, argv: Sequence[str], files: Mapping[str, bytes], stdin: bytes, limits: SandboxLimits
+        self, argv: Sequence[str], files: Mapping[str, bytes], stdin: bytes, limits: SandboxLimits,
+        binds: Mapping[str, str] | None = None,
     ) -> RunResult:
         python = self.python
         # Files travel as unlinked temp files that bwrap copies into its own tmpfs: nothing lands on the
@@ -236,6 +248,8 @@ class Sandbox:
                 handle.seek(0)
                 file_handles.append(handle)
                 args += ["--perms", "0444", "--file", str(handle.fileno()), f"{SANDBOX_FILES_DIR}/{name}"]
+            for host, inside in (binds or {}).items():
+                args += ["--ro-bind", host, inside]
             args += ["--remount-ro", "/", "--chdir", SANDBOX_WORK_DIR, "--clearenv"]
             result_r, result_w = os.pipe()
             env = _sandbox_env(result_w)

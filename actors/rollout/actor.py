@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -45,7 +47,9 @@ from actors.runtime.base import Actor, ActorSpec, handles
 from actors.engines.base import (EngineError, GenerationEngine, GenerationRequest, RequestError, SamplingParams,
                                  require_device)
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
-from actors.rollout.agent import AgentFn, AgentGroupError, AgentRun, group_answers, load_agent, run_agent
+from actors.reward.sandbox import MiB, SandboxLimits, probe_sandbox
+from actors.rollout.agent import (AgentFn, AgentGroupError, AgentRun, AgentSandbox, group_answers, load_agent,
+                                  preload_openai, run_agent)
 from actors.rollout.chat import ChatTemplate, template_of
 from actors.rollout.envs import ENVIRONMENTS, UnknownTool, environment_for
 from actors.rollout.envs.python_tool import CodeRunner, python_tool, timeout_problem
@@ -180,6 +184,7 @@ class RolloutActor(Actor):
         self._eval_requests = 0              # the evaluator's prompts taken (their request ids)
         self.agent: AgentFn | list[str] | None = None   # settings.agent: every group runs it (on_start)
         self.endpoint: AgentEndpoint | None = None       # the agents' OpenAI endpoint over this rollout's engine
+        self.agent_sandbox: AgentSandbox | None = None   # settings.agent.sandbox: how its programs are isolated
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -235,7 +240,12 @@ class RolloutActor(Actor):
         settings, gen = self.cfg.agent, self.cfg.gen
         assert self.codec is not None and self.engine is not None
         try:
-            self.agent = load_agent(settings.function) if settings.function else list(settings.command or [])
+            # Imports off the event loop: the `openai` package alone takes seconds to import on a loaded machine,
+            # and its first use by an agent would otherwise stall the bus's heartbeats (AgentClient.openai).
+            self.agent = (await asyncio.to_thread(load_agent, settings.function) if settings.function
+                          else list(settings.command or []))
+            if settings.function:
+                await asyncio.to_thread(preload_openai)
             if settings.chat_template:
                 with open(settings.chat_template, encoding="utf-8") as f:
                     source = f.read()
@@ -247,12 +257,39 @@ class RolloutActor(Actor):
         if template is None:
             raise RolloutConfigError("agent: the tokenizer has no chat_template and agent.chat_template is unset")
         eos = self.codec.eos_token_id
-        self.endpoint = AgentEndpoint(self.engine, self.codec, template, EndpointLimits(
-            max_new_tokens=gen.max_new_tokens, max_context=gen.max_context,
-            stop_token_ids=(eos,) if eos is not None else ()), tool_format=settings.tool_format)
-        await self.endpoint.start()
+        try:
+            self.endpoint = AgentEndpoint(self.engine, self.codec, template, EndpointLimits(
+                max_new_tokens=gen.max_new_tokens, max_context=gen.max_context,
+                stop_token_ids=(eos,) if eos is not None else ()), tool_format=settings.tool_format)
+        except ValueError as exc:
+            raise RolloutConfigError(f"agent.tool_format: {exc}") from None
+        if settings.sandbox:
+            self.agent_sandbox = await self._agent_sandbox()
+            await self.endpoint.start(unix_path=self.agent_sandbox.socket_path)
+            os.chmod(self.agent_sandbox.socket_path, 0o666)   # the sandbox's unprivileged uid connects to it
+        else:
+            await self.endpoint.start()
         self.log.info("agent_endpoint", base_url=self.endpoint.base_url,
                       agent=settings.function or " ".join(settings.command or []))
+
+    async def _agent_sandbox(self) -> AgentSandbox:
+        """settings.agent.sandbox: the program's files, and the endpoint's socket in a folder of its own that
+        the sandbox's unprivileged uid may enter but not list."""
+        settings = self.cfg.agent
+        status = await asyncio.to_thread(probe_sandbox)
+        if not status.available:
+            raise RolloutConfigError(f"agent.sandbox: no working bubblewrap sandbox ({status.reason})")
+        files = {}
+        for path in settings.files:
+            try:
+                with open(path, "rb") as f:
+                    files[os.path.basename(path)] = f.read()
+            except OSError as exc:
+                raise RolloutConfigError(f"agent.files: {exc}") from None
+        folder = tempfile.mkdtemp(prefix="agent-endpoint-")
+        os.chmod(folder, 0o711)
+        return AgentSandbox(os.path.join(folder, "endpoint.sock"), files,
+                            SandboxLimits(memory_bytes=settings.memory_mb * MiB))
 
     def _special_texts(self) -> tuple[str, str]:
         """(eos, bos) as text, what a chat template's variables name."""
@@ -298,6 +335,8 @@ class RolloutActor(Actor):
     async def on_stop(self) -> None:
         if self.endpoint is not None:
             await self.endpoint.stop()
+        if self.agent_sandbox is not None:
+            shutil.rmtree(os.path.dirname(self.agent_sandbox.socket_path), ignore_errors=True)
         if self.engine is not None:
             await self.engine.stop()
         if self.receiver is not None:
@@ -427,9 +466,11 @@ class RolloutActor(Actor):
             return await running
         except asyncio.CancelledError:
             current = asyncio.current_task()
-            if running.cancelled() and not (current is not None and current.cancelling()):
+            if not (current is not None and current.cancelling()):
                 # AbortGroup or a drain cancelled the episodes (a later turn or an agent's call is a request of
                 # its own, which aborting the group's id does not reach); cancelling aborts every one in flight.
+                # (Not running.cancelled(): a gather whose children clean up before re-raising, as run_agent
+                # closes its episode, ends with a CancelledError exception and reads as not cancelled.)
                 await self._return(group_id, "draining" if self.draining else "aborted")
                 return None
             # The drain ran out of time and cancelled this handler (the engine aborts the request on
@@ -449,7 +490,7 @@ class RolloutActor(Actor):
         seed = msg.seed or None
         running = self._episodes[msg.group_id] = asyncio.ensure_future(asyncio.gather(*(
             run_agent(self.endpoint, self.agent, task, f"{msg.group_id}/s{i}", self.cfg.agent.timeout_s,
-                      turn_seed(seed, i, 0))
+                      turn_seed(seed, i, 0), self.agent_sandbox)
             for i in range(msg.n))))
         runs: list[AgentRun] | None = await self._await_group(msg.group_id, running)
         if runs is None:

@@ -6,6 +6,11 @@ external program, started with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and ``AGE
 in its environment, whose last line on stdout may be its reward. It returns a reward, or None to leave the
 grading to the task's reward actor, which reads the final reply (`AgentRun.final_text`).
 
+A program that runs untrusted code runs in the reward actor's bubblewrap sandbox (`AgentSandbox`,
+actors/reward/sandbox.py): no network of its own, the host's files hidden, resource limits, and the endpoint's
+unix socket bound in as the only way out; `actors/rollout/agent_relay.py` serves it inside at
+``OPENAI_BASE_URL`` for any OpenAI client.
+
 `run_agent` opens one episode (key) per sample, runs the agent under ``timeout_s`` and closes the episode,
 whatever happened: an agent that raises, hangs or exits with an error ends its episode with the cause in
 `AgentRun.error` (and every trajectory's ``error``); the tokens it had sampled are kept.
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import itertools
 import json
 import math
 import os
@@ -22,8 +28,26 @@ import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from actors.reward.sandbox import SANDBOX_FILES_DIR, Sandbox, SandboxLimits
 from actors.rollout.episode import Trajectory
 from actors.rollout.openai_server import AgentEndpoint
+
+RELAY_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_relay.py")
+SANDBOX_SOCKET = "/run/agent/endpoint.sock"   # where the endpoint's socket is bound in the sandbox
+SANDBOX_PORT = 8000                            # the relay's port on the sandbox's own loopback
+SANDBOX_UID_BASE = 250_000                     # agents' host uids, past the reward sandboxes' range (Sandbox)
+_sandbox_runs = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSandbox:
+    """How agent programs are sandboxed: the endpoint's unix socket on the host, the files placed read-only in
+    the sandbox's /sandbox (the program's own files; its argv names that folder ``{files}`` and the sandbox's
+    Python ``{python}``), and the limits of one run (its wall time is the agent's timeout)."""
+
+    socket_path: str
+    files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
+    limits: SandboxLimits = SandboxLimits()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +61,14 @@ class AgentClient:
         """An ``openai.AsyncOpenAI`` on this endpoint (the ``openai`` package, imported only here)."""
         from openai import AsyncOpenAI
         return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, **kwargs)
+
+
+def preload_openai() -> None:
+    """Import the ``openai`` package if it is installed (what `AgentClient.openai` would import at first use)."""
+    try:
+        importlib.import_module("openai")
+    except ImportError:
+        pass   # an agent that does not use it needs nothing; one that does fails at its first call, with the cause
 
 
 AgentFn = Callable[[AgentClient, Mapping[str, Any]], Awaitable[float | None]]
@@ -59,8 +91,9 @@ class AgentRun:
 
 
 async def run_agent(endpoint: AgentEndpoint, agent: AgentFn | Sequence[str], task: Mapping[str, Any], name: str,
-                    timeout_s: float, seed: int | None = None) -> AgentRun:
-    """Run one episode of ``agent`` (a function, or a program's argv) on ``task`` (see the module docstring)."""
+                    timeout_s: float, seed: int | None = None, sandbox: AgentSandbox | None = None) -> AgentRun:
+    """Run one episode of ``agent`` (a function, or a program's argv, sandboxed when ``sandbox`` is given) on
+    ``task`` (see the module docstring)."""
     key = endpoint.open(name, seed)
     client = AgentClient(endpoint.base_url, key)
     reward: float | None = None
@@ -69,7 +102,7 @@ async def run_agent(endpoint: AgentEndpoint, agent: AgentFn | Sequence[str], tas
         if callable(agent):
             reward = await asyncio.wait_for(agent(client, task), timeout_s)
         else:
-            reward = await run_program(list(agent), client, task, timeout_s)
+            reward = await run_program(list(agent), client, task, timeout_s, sandbox)
         if reward is not None:
             if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
                 raise TypeError(f"the agent returned {reward!r}, expected a finite number or None")
@@ -96,8 +129,11 @@ class AgentProgramError(RuntimeError):
     """An agent program that failed: its exit status and the end of its stderr."""
 
 
-async def run_program(argv: list[str], client: AgentClient, task: Mapping[str, Any], timeout_s: float) -> float | None:
+async def run_program(argv: list[str], client: AgentClient, task: Mapping[str, Any], timeout_s: float,
+                      sandbox: AgentSandbox | None = None) -> float | None:
     """Run an agent program (see the module docstring); killed at ``timeout_s`` (TimeoutError)."""
+    if sandbox is not None:
+        return _last_line_reward(*await _run_sandboxed(argv, client, task, timeout_s, sandbox))
     env = {**os.environ, "OPENAI_BASE_URL": client.base_url, "OPENAI_API_KEY": client.api_key,
            "AGENT_TASK": json.dumps(dict(task))}
     proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -109,9 +145,39 @@ async def run_program(argv: list[str], client: AgentClient, task: Mapping[str, A
             proc.kill()
         await proc.wait()
         raise
-    if proc.returncode != 0:
+    return _last_line_reward(proc.returncode, out, err)
+
+
+async def _run_sandboxed(argv: list[str], client: AgentClient, task: Mapping[str, Any], timeout_s: float,
+                         sandbox: AgentSandbox) -> tuple[int | None, bytes, bytes]:
+    """The program in the sandbox behind the relay: (exit status, stdout, stderr); TimeoutError past the wall
+    time. The run blocks a thread (Sandbox.run); a cancelled episode's program stops at its next call, which
+    the closed episode answers 410, or at the wall time."""
+    # A uid of its own per run: a group's episodes run at once, and with one uid their processes and threads
+    # would share one RLIMIT_NPROC (the sandbox's max_processes).
+    uid = SANDBOX_UID_BASE + (os.getpid() % 50) * 1000 + next(_sandbox_runs) % 1000
+    runner = Sandbox(dataclasses.replace(sandbox.limits, wall_time_s=timeout_s, cpu_time_s=timeout_s), uid=uid,
+                     runner="bwrap")
+    # The relay starts the program itself: {files} and {python} in its argv are substituted here.
+    program = [a.replace("{files}", SANDBOX_FILES_DIR).replace("{python}", runner.python) for a in argv]
+    settings = {"socket": SANDBOX_SOCKET, "port": SANDBOX_PORT, "argv": program, "env": {
+        "OPENAI_BASE_URL": f"http://127.0.0.1:{SANDBOX_PORT}/v1", "OPENAI_API_KEY": client.api_key,
+        "AGENT_TASK": json.dumps(dict(task))}}
+    with open(RELAY_SOURCE, "rb") as f:
+        files = {**sandbox.files, "agent_relay.py": f.read(), "agent_relay.json": json.dumps(settings).encode()}
+    result = await asyncio.to_thread(runner.run, ["{python}", "-I", "{files}/agent_relay.py", "{files}/agent_relay.json"],
+                                     files=files, binds={sandbox.socket_path: SANDBOX_SOCKET})
+    if result.timed_out:
+        raise TimeoutError
+    return result.returncode, result.stdout, result.stderr
+
+
+def _last_line_reward(returncode: int | None, out: bytes, err: bytes) -> float | None:
+    """A finished program's reward: the number on its last line of stdout, None without one; a failed
+    program raises AgentProgramError with its status and the end of its stderr."""
+    if returncode != 0:
         tail = err.decode(errors="replace").strip().splitlines()[-3:]
-        raise AgentProgramError(f"exit {proc.returncode}: {' | '.join(tail)[:400]}")
+        raise AgentProgramError(f"exit {returncode}: {' | '.join(tail)[:400]}")
     lines = out.decode(errors="replace").strip().splitlines()
     if not lines:
         return None

@@ -8,6 +8,13 @@ with jinja2 in an immutable sandbox, with the globals and the ``tojson`` filter 
 SGLang's and verl's "hermes"/"qwen" parsers read them): `parse_tool_calls` turns a model's text into OpenAI
 ``tool_calls``, and the template renders them back.
 
+The ``brackets`` format is the compact one of a model whose context is too short for Qwen's: a turn that ends
+on ``[ARGUMENT]`` calls the request's one function tool with ARGUMENT as its one parameter, and the turn stops
+at the ``]`` (`TOOL_CALL_STOPS`). The reply's content keeps the text up to ARGUMENT, ``[`` included. With a
+template that renders a call back as its content, ARGUMENT and ``]``, and a tool result as ``=RESULT`` and a
+newline (tools/agents/calculator_chat.jinja), an agent's conversation is the text
+of the calculator episode (actors/rollout/envs/calculator.py), token for token.
+
 `EMBEDDED_CHAT_TEMPLATE` is the template of the embedded tiny tokenizer, whose only special token is its
 eos: Qwen2.5's layout with plain-text role lines, so its turns stay short in a 256-token context.
 """
@@ -24,7 +31,10 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ROLES = ("system", "user", "assistant", "tool")
-TOOL_FORMATS = ("qwen",)
+TOOL_FORMATS = ("qwen", "brackets")
+# Stop strings (one token each) a format's call ends on: the endpoint stops there whenever tools are offered, and
+# they stay in the reply's text, which they close.
+TOOL_CALL_STOPS: dict[str, tuple[str, ...]] = {"qwen": (), "brackets": ("]",)}
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
@@ -175,12 +185,16 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
     return [dict(t) for t in tools]
 
 
-def parse_tool_calls(text: str, tool_format: str = "qwen") -> tuple[str, list[dict[str, Any]]]:
-    """(content, tool_calls) of a model's turn: each well-formed ``<tool_call>{json}</tool_call>`` becomes an
-    OpenAI tool call and leaves the content; a call whose JSON is not an object with a ``name`` stays in the
-    content as text (the agent sees what the model wrote)."""
+def parse_tool_calls(text: str, tool_format: str = "qwen",
+                     tools: Sequence[Mapping[str, Any]] = ()) -> tuple[str, list[dict[str, Any]]]:
+    """(content, tool_calls) of a model's turn in ``tool_format`` (``tools``: the request's, which the brackets
+    format needs). Qwen: each well-formed ``<tool_call>{json}</tool_call>`` becomes an OpenAI tool call and
+    leaves the content; a call whose JSON is not an object with a ``name`` stays in the content as text (the
+    agent sees what the model wrote). Brackets: see the module docstring."""
     if tool_format not in TOOL_FORMATS:
         raise ChatError(f"tool format {tool_format!r} is not one of {list(TOOL_FORMATS)}")
+    if tool_format == "brackets":
+        return _parse_brackets(text, tools)
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     last = 0
@@ -203,6 +217,22 @@ def parse_tool_calls(text: str, tool_format: str = "qwen") -> tuple[str, list[di
     kept.append(text[last:])
     content = "".join(kept)
     return (content.strip() if calls else content), calls
+
+
+def _parse_brackets(text: str, tools: Sequence[Mapping[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """A turn ending on ``]``: a call of the only function tool, its only parameter the text after the last
+    ``[`` (empty when there is none: a call the tool refuses, as the calculator episode refuses it). The content
+    is the text before the argument, that ``[`` included, so that content, argument and ``]`` are the model's
+    text exactly (the template renders them so)."""
+    functions = [t["function"] for t in tools]
+    properties = (functions[0].get("parameters") or {}).get("properties") or {} if len(functions) == 1 else {}
+    if not text.endswith("]") or len(properties) != 1:
+        return text, []
+    opened = text.rfind("[")
+    content, argument = (text[:-1], "") if opened < 0 else (text[:opened + 1], text[opened + 1:-1])
+    arguments = json.dumps({next(iter(properties)): argument}, ensure_ascii=False)
+    return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                           "function": {"name": functions[0]["name"], "arguments": arguments}}]
 
 
 def same_message(sent: Mapping[str, Any], kept: Mapping[str, Any]) -> bool:

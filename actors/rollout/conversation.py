@@ -172,13 +172,14 @@ class Conversation:
             return self.codec.decode(ids)
 
     def record_chat(self, prepared: Prepared, messages: list[dict[str, Any]], results: list[GenerationResult],
-                    stop_ids: Sequence[int] = ()) -> list[dict[str, Any]]:
+                    stop_ids: Sequence[int] = (), tools: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
         """Append each sample's tokens (sample 0 on the request's branch, the others on forks of it) and return
-        the reply messages, in OpenAI form, in sample order."""
+        the reply messages, in OpenAI form, in sample order. ``stop_ids``: the stops left out of the replies'
+        text; ``tools``: the request's (the tool format may need them)."""
         replies = []
         for result, branch in zip(results, self._sample_branches(prepared, len(results))):
             text = self._reply_text(result, stop_ids)
-            content, calls = parse_tool_calls(text, self.tool_format)
+            content, calls = parse_tool_calls(text, self.tool_format, tools)
             self.counters["tool_calls"] += len(calls)
             reply: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:

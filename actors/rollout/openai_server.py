@@ -33,7 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from actors.engines.base import EngineError, GenerationEngine, GenerationRequest, RequestError, SamplingParams
-from actors.rollout.chat import ChatError, ChatTemplate, validate_messages, validate_tools
+from actors.rollout.chat import TOOL_CALL_STOPS, TOOL_FORMATS, ChatError, ChatTemplate, validate_messages, validate_tools
 from actors.rollout.conversation import Conversation, ConversationError, Prepared
 from actors.rollout.episode import Codec, turn_seed
 
@@ -88,7 +88,15 @@ class AgentEndpoint:
     def __init__(self, engine: GenerationEngine, codec: Codec, template: ChatTemplate | None,
                  limits: EndpointLimits = EndpointLimits(), tool_format: str = "qwen") -> None:
         self.engine, self.codec, self.template, self.limits = engine, codec, template, limits
+        if tool_format not in TOOL_FORMATS:
+            raise ValueError(f"tool format {tool_format!r} is not one of {list(TOOL_FORMATS)}")
         self.tool_format = tool_format
+        self.tool_stop_ids: list[int] = []   # the format's call ends: stops while tools are offered, kept in the text
+        for stop in TOOL_CALL_STOPS[tool_format]:
+            ids = codec.encode(stop)
+            if len(ids) != 1:
+                raise ValueError(f"tool format {tool_format!r}: its call end {stop!r} is {len(ids)} tokens here, not one")
+            self.tool_stop_ids += ids
         self.episodes: dict[str, Episode] = {}
         self.ended: dict[str, str] = {}    # key -> why its episode ended (answers 410 after it)
         self.counters: dict[str, float] = {"calls": 0, "errors": 0, "overhead_s": 0.0, "engine_s": 0.0}
@@ -109,15 +117,18 @@ class AgentEndpoint:
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         if unix_path is not None:
-            site: web.BaseSite = web.UnixSite(self._runner, unix_path)
-            await site.start()
+            await self.serve_unix(unix_path)
             self.base_url = "http://localhost/v1"
         else:
-            site = web.TCPSite(self._runner, host, port)
-            await site.start()
+            await web.TCPSite(self._runner, host, port).start()
             bound = self._runner.addresses[0]
             self.base_url = f"http://{host}:{bound[1]}/v1"
         return self.base_url
+
+    async def serve_unix(self, path: str) -> None:
+        """Serve on the unix socket ``path`` as well (what a sandboxed agent program reaches, bound in)."""
+        assert self._runner is not None, "start the endpoint first"
+        await web.UnixSite(self._runner, path).start()
 
     async def stop(self) -> None:
         for key in list(self.episodes):
@@ -214,8 +225,12 @@ class AgentEndpoint:
             prepared = episode.conversation.prepare_chat(messages, tools)
         except (ChatError, ConversationError) as exc:
             raise HTTPFailure(400, "invalid_request_error", str(exc)) from None
+        stops = sampling.stop_token_ids
+        if tools and self.tool_stop_ids:
+            sampling = dataclasses.replace(sampling, stop_token_ids=(*stops, *(i for i in self.tool_stop_ids
+                                                                                if i not in stops)))
         results = await self._generate(episode, prepared, sampling, n, engine_s)
-        replies = episode.conversation.record_chat(prepared, messages, results, sampling.stop_token_ids)
+        replies = episode.conversation.record_chat(prepared, messages, results, stops, tools)
         self._ended_meanwhile(episode)
         choices = []
         for i, (result, reply) in enumerate(zip(results, replies)):

@@ -27,6 +27,14 @@ multi_turn_gain_points (over the warm start), each run's turns and tool calls pe
 share: the seconds episodes spent in environment steps (summed over concurrent episodes) against the
 rollouts' generation seconds and per training step.
 
+`--task agent_chat` runs the same agent task twice by default: native (the calculator episode above) and
+openai_agent (the same RL, every group run by tools/agents/calculator.py, an `openai`-package agent, through the
+rollout's OpenAI endpoint, with the example's chat template tools/agents/calculator_chat.jinja and the
+``brackets`` tool format: its conversations are the episode's text, token for token, so both runs start from the
+same warm start and train on like sequences). Both are evaluated the same way (held out, greedy, as episodes).
+Its report adds agent_gain_points, native_gain_points, agent_minus_native_points, and for the agent run its
+drift events (0 expected), re-rendered histories, agent errors, endpoint calls and the endpoint's time per call.
+
 Each run goes through `python -m tools.up TOPOLOGY` (its warm-start progress, made by the first run, is
 passed on to stderr as it comes); the figures come from the run's own
 summary.json (held-out greedy accuracy of the final checkpoint; tokens trained and wall time from the
@@ -48,9 +56,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = "topology/local.yaml"
-TOPOLOGIES = {"math": TOPOLOGY, "code": "topology/local_code.yaml", "agent": "topology/local_agent.yaml"}
+TOPOLOGIES = {"math": TOPOLOGY, "code": "topology/local_code.yaml", "agent": "topology/local_agent.yaml",
+              "agent_chat": "topology/local_agent.yaml"}
 PROGRESS_PREFIXES = ("prepare:", "sft:", "step ", "eval step ")   # lines of a run's output passed on as it goes
-DEFAULT_MODES = {"math": "async,sync,colocated,sft", "code": "async,sft", "agent": "async,one_turn"}
+DEFAULT_MODES = {"math": "async,sync,colocated,sft", "code": "async,sft", "agent": "async,one_turn",
+                 "agent_chat": "native,openai_agent"}
 
 MODES: dict[str, list[str]] = {
     "async": [],
@@ -63,6 +73,12 @@ MODES: dict[str, list[str]] = {
     # (without the tool the answer is a guess), so dynamic sampling would leave the trainer without batches;
     # it trains every group instead, and an all-wrong group's group-normalised advantages are zero anyway.
     "one_turn": ["experiment.gen.max_turns=1", "experiment.algo.dynamic_sampling=false"],
+    # The agent task's episodes, and the same task run by an openai-package agent through the endpoint.
+    "native": [],
+    "openai_agent": ["actors.rollout.settings.agent.function=tools.agents.calculator:agent",
+                     f"actors.rollout.settings.agent.chat_template={ROOT / 'tools/agents/calculator_chat.jinja'}",
+                     "actors.rollout.settings.agent.tool_format=brackets",
+                     "actors.rollout.settings.agent.timeout_s=300"],   # calls queue behind a loaded engine
 }
 SYNC_MODES = ("sync", "colocated")   # the synchronous runs async is compared with, whichever a task ran
 
@@ -99,14 +115,16 @@ def run_local(name: str, steps: int, overrides: list[str], out: Path, log: Any,
     episodes = episode_share(run_dir, summary.get("steps"))
     if episodes:
         summary["episodes"] = episodes
+    agents = agent_share(run_dir)
+    if agents:
+        summary["agents"] = agents
     return summary
 
 
-def episode_share(run_dir: Path, steps: int | None) -> dict[str, Any] | None:
-    """Turns, tool calls and environment seconds per episode over the run's rollouts, from their last
-    ``rollout_stats`` and ``stopped`` events (actors/rollout/actor.py); None when no rollout counted an episode."""
-    counters: dict[str, float] = {"episodes": 0, "turns": 0, "tool_calls": 0}
-    env_seconds = gen_seconds = 0.0
+def last_rollout_events(run_dir: Path) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Per rollout log, its last ``rollout_stats`` event and its ``stopped`` counters (actors/rollout/actor.py);
+    logs without both are left out."""
+    out = []
     for path in sorted((run_dir / "logs").glob("rollout*.jsonl")):
         stats = stopped = None
         for line in path.read_text().splitlines():
@@ -118,8 +136,39 @@ def episode_share(run_dir: Path, steps: int | None) -> dict[str, Any] | None:
                 stats = event
             elif event.get("event") == "stopped":
                 stopped = event.get("counters") or {}
-        if stats is None or stopped is None:
+        if stats is not None and stopped is not None:
+            out.append((stats, stopped))
+    return out
+
+
+def agent_share(run_dir: Path) -> dict[str, Any] | None:
+    """The agents' conversations and endpoint over the run's rollouts: drift and re-rendered events, agent
+    errors, endpoint calls and its own time per call; None when no rollout served an agent."""
+    counters = {"drift": 0, "rerendered": 0, "errors": 0, "tool_calls": 0, "requests": 0}
+    calls = overhead_s = engine_s = 0.0
+    served = False
+    for stats, stopped in last_rollout_events(run_dir):
+        endpoint = stats.get("agent_endpoint")
+        if not endpoint:
             continue
+        served = True
+        for key in counters:
+            counters[key] += stopped.get(f"agent_{key}", 0)
+        calls += endpoint.get("calls", 0)
+        overhead_s += endpoint.get("overhead_s", 0.0)
+        engine_s += endpoint.get("engine_s", 0.0)
+    if not served:
+        return None
+    return {**counters, "endpoint_calls": calls, "endpoint_overhead_ms_per_call": 1000 * overhead_s / max(calls, 1),
+            "engine_ms_per_call": 1000 * engine_s / max(calls, 1)}
+
+
+def episode_share(run_dir: Path, steps: int | None) -> dict[str, Any] | None:
+    """Turns, tool calls and environment seconds per episode over the run's rollouts, from their last
+    ``rollout_stats`` and ``stopped`` events (actors/rollout/actor.py); None when no rollout counted an episode."""
+    counters: dict[str, float] = {"episodes": 0, "turns": 0, "tool_calls": 0}
+    env_seconds = gen_seconds = 0.0
+    for stats, stopped in last_rollout_events(run_dir):
         for key in counters:
             counters[key] += stopped.get(key, 0)
         env_seconds += stats.get("env_seconds", 0.0)
@@ -232,15 +281,35 @@ def compare_turns(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "multi_turn_over_one_turn_points": 100 * (multi["final"] - one["final"])}
 
 
+def compare_agent(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The openai agent's run against the native episodes' at the same steps, from the same warm start."""
+    native, agent = results["native"]["greedy_accuracy"], results["openai_agent"]["greedy_accuracy"]
+    gain = lambda acc: 100 * (acc["final"] - (acc.get("start") or 0.0))
+    out: dict[str, Any] = {"native_accuracy": native["final"], "agent_accuracy": agent["final"],
+                           "start_accuracy": native.get("start"), "native_gain_points": gain(native),
+                           "agent_gain_points": gain(agent),
+                           "agent_minus_native_points": 100 * (agent["final"] - native["final"])}
+    for mode in ("native", "openai_agent"):
+        episodes = results[mode].get("episodes") or {}
+        out[f"{mode}_turns_per_episode"] = episodes.get("turns_per_episode")
+        out[f"{mode}_tool_calls_per_episode"] = episodes.get("tool_calls_per_episode")
+    agents = results["openai_agent"].get("agents") or {}
+    out.update({"drift_events": agents.get("drift"), "rerendered_events": agents.get("rerendered"),
+                "agent_errors": agents.get("errors"), "endpoint_calls": agents.get("endpoint_calls"),
+                "endpoint_overhead_ms_per_call": agents.get("endpoint_overhead_ms_per_call")})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench e2e", description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", choices=sorted(TOPOLOGIES), default="math",
                     help="math: topology/local.yaml (default); code: topology/local_code.yaml; "
-                         "agent: topology/local_agent.yaml")
+                         "agent: topology/local_agent.yaml; agent_chat: the agent task natively and as an "
+                         "openai-package agent through the endpoint")
     ap.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
     ap.add_argument("--modes", default=None,
                     help="comma list of runs (default for math all: async,sync,colocated,sft; for code async,sft; "
-                         "for agent async,one_turn; sft needs async)")
+                         "for agent async,one_turn; for agent_chat native,openai_agent; sft needs async)")
     ap.add_argument("--out", default=None, help="folder for the three run directories (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every run")
@@ -277,6 +346,8 @@ def build_report(task: str, topology: str, steps: int, results: dict[str, dict[s
         report.update(compare_control(results))
     if {"async", "one_turn"} <= set(results):
         report.update(compare_turns(results))
+    if {"native", "openai_agent"} <= set(results):
+        report.update(compare_agent(results))
     return report
 
 
@@ -321,4 +392,10 @@ def report_lines(report: dict[str, Any]) -> list[str]:
             lines.append(f"{m}: {e['turns_per_episode']:.2f} turns, {e['tool_calls_per_episode']:.2f} tool calls "
                          f"per episode; tool {e['env_seconds']:.1f} s of {e['gen_seconds']:.1f} s generation "
                          f"({100 * e['tool_share_of_generation']:.1f}%)")
+    if "agent_minus_native_points" in report:
+        lines.append(f"held-out accuracy: openai agent {100 * report['agent_accuracy']:.1f}% "
+                     f"({report['agent_gain_points']:+.1f} points over the warm start), native episodes "
+                     f"{100 * report['native_accuracy']:.1f}% ({report['native_gain_points']:+.1f}); drift events "
+                     f"{report['drift_events']}, endpoint {report['endpoint_overhead_ms_per_call']:.1f} ms per call "
+                     f"({report['endpoint_calls']:.0f} calls)")
     return lines
