@@ -45,7 +45,8 @@ from topology.schema import problem_lines
 
 FINGERPRINT = "prepare.json"
 SHIPPED_MANIFEST = "warm_start.json"
-SHIPPED_LEAVES_OUT = {"sft_metrics.jsonl"}   # the per-step record of the training: in the cache, not shipped
+# Not shipped: the per-step record of the training (in the cache) and the SFT optimizer (RL starts its own).
+SHIPPED_LEAVES_OUT = {"sft_metrics.jsonl", "trainer_state.pt"}
 # tools.sft.SFTConfig fields a stage's args may not set: the stage sets them itself.
 STAGE_SETS = frozenset({"data", "out", "model", "eval_data"})
 
