@@ -145,7 +145,6 @@ def test_a_dry_run_refuses_a_trainer_world_the_trainer_would_refuse_at_start(cap
 
 @pytest.mark.parametrize("overrides, problem", [
     (["experiment.model.path=null"], "model.path: not set (the tokenizer to decode answers comes from it)"),
-    (["experiment.data.test=null"], "data.test: eval.every_versions > 0 needs a held-out file"),
     (["experiment.gen.env_timeout_s=5", "actors.rollout.settings.python_tool.timeout_s=5"],
      "python_tool.timeout_s (5 s) must be below gen.env_timeout_s (5 s)"),
 ])

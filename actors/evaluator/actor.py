@@ -295,11 +295,9 @@ class EvalActor(Actor):
 
     @classmethod
     def check_settings(cls, cfg: EvaluatorSettings) -> list[str]:
-        if cfg.eval.every_versions <= 0:
-            return []   # the evaluator idles
+        if cfg.eval.every_versions <= 0 or not cfg.data.test:
+            return []   # the evaluator idles, as the launch's report says ("evaluation: none")
         out = []
-        if not cfg.data.test:
-            out.append("data.test: eval.every_versions > 0 needs a held-out file")
         if not cfg.model.path:
             out.append("model.path: the evaluator needs the model's config and tokenizer")
         if cfg.weights_from == "rollouts" and not cfg.groups.get("rollout"):
@@ -311,12 +309,12 @@ class EvalActor(Actor):
 
     async def on_start(self) -> None:
         cfg = self.cfg
-        self.every = cfg.eval.every_versions
+        self.every = cfg.eval.every_versions if cfg.data.test else 0   # no held-out file: nothing to evaluate
         self.wait_s = cfg.eval.wait_s
         self.path = self.run_dir / EVAL_FILE
         self.engine: Any = None
         if self.every <= 0:
-            self.log.info("evaluator_off", why="eval.every_versions is 0")
+            self.log.info("evaluator_off", why="data.test is not set" if not cfg.data.test else "eval.every_versions is 0")
             return
         if problems := self.check_settings(cfg):
             raise EvalConfigError("; ".join(problems))
