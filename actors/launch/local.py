@@ -145,12 +145,12 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
         view.close()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-    if code == EXIT_OK and given_up_fails and (given_up := [n for n, c in sup.children.items() if c.given_up]):
-        code = EXIT_FAILED   # the run went on without them: finished, but not a clean end
-        outcome += f"; {', '.join(given_up)} given up (left down after the restart limit; exit {code})"
     if code == EXIT_OK and signalled and finished is not None and not finished():
         code = 128 + signalled[0]   # stopped before its last step: not a clean end
         outcome += f" before the run's last step (exit {code})"
+    if given_up_fails and (given_up := [n for n, c in sup.children.items() if c.given_up]):
+        code = code or EXIT_FAILED   # the run went on without them: not a clean end (a stop keeps its code)
+        outcome += f"; {', '.join(given_up)} given up (left down after the restart limit; exit {code})"
     print(summary(title, rows, time.monotonic() - t0, run_dir, outcome), flush=True)
     return code
 
