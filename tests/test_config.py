@@ -116,6 +116,8 @@ def test_a_misplaced_or_mistyped_actor_setting_is_refused_at_launch(settings: di
     ("actors.trainer.count=abc", "actors.trainer.count: input should be a valid integer (value: 'abc')"),
     ("actors.trainer.gpus=true", "actors.trainer.gpus: input should be a valid integer (value: True)"),
     ("bus.curve=1", "bus.curve: input should be a valid boolean (value: 1)"),
+    ("experiment.eval.samples=3",
+     "experiment.eval.samples: value error, 3 samples cannot give pass@8 and maj@8: use 0 (greedy only) or 8 or more"),
     ("actors.trainer.count.x=1", "actors.trainer.count: input should be a valid integer (value: {'x': 1})"),
     ("bus.transport.x=1", "bus.transport: override 'bus.transport.x=1' sets a key inside 'ipc', which is not a mapping"),
 ])

@@ -237,8 +237,9 @@ def evaluate_many(model_dir: str, data_paths: Sequence[str], **kwargs: Any) -> l
 
 def evaluate_held_out(model_dir: str, config: ExperimentConfig, data_path: str | None = None) -> dict[str, Any]:
     """Greedy accuracy of a model on the run's held-out file (``data.test`` unless ``data_path``) as a run's final
-    evaluation reads it: the config's test layout and template, ``eval.max_per_level`` and ``gen.max_new_tokens``,
-    on SGLang servers on a machine with a GPU and SGLang (the run's GPUs are free by then), else here."""
+    evaluation reads it: the config's test layout and template, ``eval.max_per_level``, ``eval.samples`` and
+    ``gen.max_new_tokens``, on SGLang servers on a machine with a GPU and SGLang (the run's GPUs are free by
+    then), else here."""
     test = data_path or config.data.test
     if not test:
         raise EvalError("data.test: the experiment config names no held-out file")
@@ -250,7 +251,7 @@ def evaluate_held_out(model_dir: str, config: ExperimentConfig, data_path: str |
         settings = EvalSettings(samples=0, max_new_tokens=config.gen.max_new_tokens)
         return asyncio.run(aevaluate_model_episodes(load_model(model_dir), load_tokenizer(model_dir), records,
                                                     settings, config.gen.max_turns))
-    return evaluate(model_dir, test, samples=None, max_per_level=config.eval.max_per_level,
+    return evaluate(model_dir, test, samples=config.eval.samples, max_per_level=config.eval.max_per_level,
                     max_new_tokens=config.gen.max_new_tokens, layout=Layout.from_settings(config.data, test=True),
                     engine="auto")
 

@@ -364,9 +364,18 @@ class GenSection(Section):
 
 class EvalSection(Section):
     max_per_level: int | None = Field(None, ge=1, description="held-out problems per level in the final evaluation (unset: all)")
+    samples: int = Field(8, ge=0, description="sampled answers per held-out problem in the final evaluation, for pass@1, "
+                                              "pass@8 and maj@8 beside the greedy accuracy; 0: greedy only (a ninth of the work)")
     every_versions: int = Field(0, ge=0, description="evaluate on data.test every N weight versions during the run, in the evaluator actor; 0 is off")
     max_problems: int = Field(64, ge=1, description="held-out problems of each evaluation during the run, spread over the levels")
     wait_s: float = Field(30.0, gt=0, description="how long the evaluator's request waits for a new version")
+
+    @field_validator("samples")
+    @classmethod
+    def _enough_samples_for_pass_at_8(cls, value: int) -> int:
+        if 0 < value < 8:
+            raise ValueError(f"{value} samples cannot give pass@8 and maj@8: use 0 (greedy only) or 8 or more")
+        return value
 
 
 class WatchdogSection(Section):

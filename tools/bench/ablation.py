@@ -16,7 +16,7 @@ its steps: the engine/trainer KL on current-weight tokens, the share of tokens e
 truncated, the clip ratio, the entropy and the answer length.
 
 Each run checkpoints every `--eval-every` steps and every checkpoint is evaluated afterwards on the held-out
-split (greedy), so held-out accuracy is known along the run, against samples trained. The training reward
+split (greedy only: `experiment.eval.samples=0`), so held-out accuracy is known along the run, against samples trained. The training reward
 comes from the trainer's metrics.jsonl. The staleness the runs actually reached is reported next to eta:
 a cell whose staleness never reached its eta says nothing about that eta (see `--minibatches`).
 
@@ -64,7 +64,7 @@ def run_cell(eta: int, objective: str, steps: int, eval_every: int, extra: list[
         (f"-{correction}" if correction != "none" else "") + (f"-seed{seed}" if seed is not None else "")
     overrides = [f"experiment.algo.eta={eta}", f"experiment.algo.decoupled={OBJECTIVES[objective]}",
                  f"experiment.run.checkpoint_every_steps={eval_every}",
-                 "experiment.run.keep_checkpoints=0", *(loss_overrides(loss) if loss != "ppo" else []),
+                 "experiment.run.keep_checkpoints=0", "experiment.eval.samples=0", *(loss_overrides(loss) if loss != "ppo" else []),
                  *CORRECTIONS[correction], *([f"experiment.seed={seed}"] if seed is not None else []), *extra]
     summary = run_local(name, steps, overrides, out, log, bench="ablation")
     run_dir = Path(summary["run_dir"])
@@ -93,7 +93,7 @@ def held_out_curve(run_dir: Path, summary: dict[str, Any], samples: list[float],
     import topology
     from tools.eval import evaluate_held_out
 
-    config = topology.load(ROOT / TOPOLOGY, extra).topology.config
+    config = topology.load(ROOT / TOPOLOGY, [*extra, "experiment.eval.samples=0"]).topology.config
     test = str(ROOT / str(config.data.test))
     curve = [[0.0, summary["greedy_accuracy"].get("start", float("nan"))]]
     for step in range(1, len(samples) + 1):
