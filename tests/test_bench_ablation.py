@@ -63,3 +63,25 @@ def test_a_loss_cell_sets_every_key_its_paper_fixes() -> None:
     for loss in LOSS_SETTINGS:
         for corr in ablation.CORRECTIONS:
             topology.load(ablation.ROOT / ablation.TOPOLOGY, ablation.loss_overrides(loss) + ablation.CORRECTIONS[corr])
+
+
+def test_reports_of_a_grid_run_in_parts_combine_into_seed_means_and_bars(tmp_path: Path, capsys: Any) -> None:
+    def cell(eta: int, loss: str, correction: str, seed: int, final: float) -> dict[str, Any]:
+        return {"eta": eta, "objective": "decoupled", "loss": loss, "correction": correction, "seed": seed,
+                "start_accuracy": 0.25, "final_accuracy": final, "staleness_mean": eta / 2, "staleness_max": eta,
+                "monitors": {"mismatch_kl_k3": 1e-3, "tis_truncated_frac": 0.01, "rejected_frac": 0.02,
+                             "entropy": 0.5, "avg_seq_len": 8.0}}
+    parts = [tmp_path / "losses.json", tmp_path / "corrections.json"]
+    parts[0].write_text(json.dumps({"cells": [cell(4, "grpo", "none", 1, 0.85), cell(4, "grpo", "none", 2, 0.65)]}))
+    parts[1].write_text(json.dumps({"cells": [cell(16, "ppo", "tis", 1, 0.55)]}))
+    png = tmp_path / "bars.png"
+    assert ablation.main(["--combine", *map(str, parts), "--plot", str(png)]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    # (85 - 25 + 65 - 25) / 2 = 50 points; the correction's 3 % is the two monitors' sum.
+    assert rows[2] == ("| 4 | grpo | none | 25.0 % | 85.0 % / 65.0 % | +50.0 | 2.00 / 4 | 1.0e-03 | 3.00 % | "
+                       "0.50 | 8.0 |"), rows
+    assert rows[3].startswith("| 16 | ppo | tis | 25.0 % | 55.0 % | +30.0 |") and len(rows) == 4
+    assert png.stat().st_size > 0
+    (tmp_path / "broken.json").write_text("{")
+    assert ablation.main(["--combine", str(tmp_path / "broken.json")]) == 2
+    assert "broken.json: not an ablation report" in capsys.readouterr().err

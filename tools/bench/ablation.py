@@ -115,28 +115,51 @@ def plot(cells: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_acc, ax_rew) = plt.subplots(1, 2, figsize=(12, 4.5))
-    # One colour per eta in the staleness grid; per loss and correction (the eta in the line style) on the loss axis.
     by_method = len({(c.get("loss"), c.get("correction")) for c in cells}) > 1
-    keys = sorted({(c.get("loss"), c.get("correction")) if by_method else c["eta"] for c in cells}, key=str)
-    cmap = plt.get_cmap("tab20" if by_method else "viridis")
-    colours = {k: cmap(i / max(len(keys) - 1, 1)) for i, k in enumerate(keys)}
+    if by_method:
+        plot_methods(cells, path, plt)
+        return
+    fig, (ax_acc, ax_rew) = plt.subplots(1, 2, figsize=(12, 4.5))
+    # One colour per eta, the objective in the line style.
     etas = sorted({c["eta"] for c in cells})
+    colours = {eta: plt.get_cmap("viridis")(i / max(len(etas) - 1, 1)) for i, eta in enumerate(etas)}
     for c in cells:
-        if by_method:
-            style = ("-", "--", ":", "-.")[etas.index(c["eta"]) % 4]
-            colour = colours[(c.get("loss"), c.get("correction"))]
-        else:
-            style = "-" if c["objective"] == "decoupled" else "--"
-            colour = colours[c["eta"]]
+        style = "-" if c["objective"] == "decoupled" else "--"
         label = f"eta {c['eta']} {cell_label(c)}"
-        ax_acc.plot(*zip(*c["held_out_curve"]), style, marker="o", color=colour, label=label)
-        ax_rew.plot(*zip(*c["reward_curve"]), style, color=colour, label=label)
+        ax_acc.plot(*zip(*c["held_out_curve"]), style, marker="o", color=colours[c["eta"]], label=label)
+        ax_rew.plot(*zip(*c["reward_curve"]), style, color=colours[c["eta"]], label=label)
     ax_acc.set(title="Held-out greedy accuracy", xlabel="samples trained", ylabel="accuracy")
     ax_rew.set(title="Training reward (task_reward)", xlabel="samples trained", ylabel="reward")
     ax_acc.legend(fontsize=7)
-    fig.suptitle("Loss ablation (line style: eta)" if by_method
-                 else "Staleness ablation: decoupled PPO (solid) vs plain PPO (dashed)")
+    fig.suptitle("Staleness ablation: decoupled PPO (solid) vs plain PPO (dashed)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_methods(cells: list[dict[str, Any]], path: Path, plt: Any) -> None:
+    """The loss axis: per method (loss, or decoupled PPO with a correction), a bar of the seeds' mean held-out
+    gain over the warm start at each eta, each seed a dot on it; many methods read better as bars than lines."""
+    method = (lambda c: c.get("loss", "ppo") if c.get("correction", "none") == "none" else f"ppo + {c['correction']}")
+    methods = list(dict.fromkeys(method(c) for c in cells))
+    etas = sorted({c["eta"] for c in cells})
+    width = 0.8 / len(etas)
+    fig, ax = plt.subplots(figsize=(max(8, 0.75 * len(methods) * len(etas) + 2), 4.5))
+    for j, eta in enumerate(etas):
+        for i, m in enumerate(methods):
+            gains = [100 * (c["final_accuracy"] - (c["start_accuracy"] or 0.0)) for c in cells
+                     if c["eta"] == eta and method(c) == m]
+            if not gains:
+                continue
+            x = i + (j - (len(etas) - 1) / 2) * width
+            ax.bar(x, sum(gains) / len(gains), width, color=plt.get_cmap("tab10")(j), label=f"eta {eta}" if i == 0 else None)
+            ax.plot([x] * len(gains), gains, "k.", markersize=4)
+    ax.axhline(30, color="grey", linestyle=":", linewidth=1)
+    ax.set_xticks(range(len(methods)), methods, rotation=35, ha="right")
+    ax.set(ylabel="held-out gain over the warm start (points)",
+           title="Loss and correction ablation: mean of the seeds (bars), each seed (dots)")
+    ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -150,6 +173,29 @@ def cell_label(c: dict[str, Any]) -> str:
     parts += [c["correction"]] if c.get("correction", "none") != "none" else []
     parts += [f"seed {c['seed']}"] if c.get("seed") is not None else []
     return " ".join(parts)
+
+
+def seed_means(cells: list[dict[str, Any]]) -> list[str]:
+    """A Markdown table with one row per eta x method (loss and correction): the held-out start, each seed's
+    final accuracy, the mean gain in points over the start, and the monitors averaged over the seeds."""
+    groups: dict[tuple[int, str, str, str], list[dict[str, Any]]] = {}
+    for c in cells:
+        groups.setdefault((c["eta"], c["objective"], c.get("loss", "ppo"), c.get("correction", "none")), []).append(c)
+    rows = ["| eta | loss | correction | held-out start | final, per seed | mean gain | staleness mean / max | "
+            "mismatch KL (k3) | masked or truncated | entropy | answer length |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (eta, objective, loss, correction), group in sorted(groups.items(), key=lambda kv: kv[0][0]):
+        mean = (lambda key: sum(c["monitors"].get(key, 0.0) for c in group) / len(group))
+        gains = [100 * (c["final_accuracy"] - (c["start_accuracy"] or 0.0)) for c in group]
+        touched = sum(mean(k) for k in ("behav_masked_frac", "rejected_frac", "m2po_masked_frac", "tis_truncated_frac"))
+        name = loss if objective == "decoupled" else f"{loss} (plain PPO objective)"
+        rows.append(f"| {eta} | {name} | {correction} | {100 * (group[0]['start_accuracy'] or 0.0):.1f} % | "
+                    + " / ".join(f"{100 * c['final_accuracy']:.1f} %" for c in group)
+                    + f" | {sum(gains) / len(gains):+.1f} | "
+                    f"{sum(c['staleness_mean'] for c in group) / len(group):.2f} / "
+                    f"{max(c['staleness_max'] for c in group):.0f} | {mean('mismatch_kl_k3'):.1e} | "
+                    f"{100 * touched:.2f} % | {mean('entropy'):.2f} | {mean('avg_seq_len'):.1f} |")
+    return rows
 
 
 def table(cells: list[dict[str, Any]]) -> list[str]:
@@ -186,8 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=None, help="write the PNG here")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--report", default=None, help="also write the JSON report to this file after every cell")
+    ap.add_argument("--combine", nargs="+", metavar="REPORT", default=None,
+                    help="run nothing: read these --report files (a grid run in parts) and print their cells with "
+                         "--json, or else a Markdown table of the seeds' means; --plot draws them")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every run")
     args = ap.parse_args(argv)
+    if args.combine:
+        return combine([Path(p) for p in args.combine], args.plot, args.json)
     try:
         etas = [int(e) for e in args.etas.split(",") if e]
     except ValueError:
@@ -236,6 +287,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print("\n".join(table(cells)))
     print(f"run directories under {out}" + (f"; plot {args.plot}" if args.plot else ""))
+    return 0
+
+
+def combine(reports: list[Path], plot_path: str | None, as_json: bool) -> int:
+    """The cells of several reports as one: printed, tabulated by seed means, plotted."""
+    cells: list[dict[str, Any]] = []
+    for path in reports:
+        try:
+            cells += json.loads(path.read_text())["cells"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"bench ablation: --combine {path}: not an ablation report ({e})", file=sys.stderr)
+            return 2
+    if plot_path:
+        plot(cells, Path(plot_path))
+    print(json.dumps({"reports": [str(p) for p in reports], "cells": cells}) if as_json else "\n".join(seed_means(cells)))
     return 0
 
 
