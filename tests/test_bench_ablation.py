@@ -85,3 +85,13 @@ def test_reports_of_a_grid_run_in_parts_combine_into_seed_means_and_bars(tmp_pat
     (tmp_path / "broken.json").write_text("{")
     assert ablation.main(["--combine", str(tmp_path / "broken.json")]) == 2
     assert "broken.json: not an ablation report" in capsys.readouterr().err
+
+
+def test_the_mismatch_monitor_averages_only_the_steps_that_measured_it() -> None:
+    # Past eta 0 a step may train no token of the current weights: it logs 0 tokens and a KL of 0.
+    steps = [{"mismatch_tokens": 300.0, "mismatch_kl_k3": 4e-3, "entropy": 0.4},
+             {"mismatch_tokens": 100.0, "mismatch_kl_k3": 8e-3, "entropy": 0.6},
+             {"mismatch_tokens": 0.0, "mismatch_kl_k3": 0.0, "entropy": 0.8}]
+    monitors = ablation.step_monitors(steps)
+    assert monitors["mismatch_kl_k3"] == pytest.approx((300 * 4e-3 + 100 * 8e-3) / 400)
+    assert monitors["entropy"] == pytest.approx(0.6) and monitors["actor_clip_ratio"] == 0.0

@@ -45,7 +45,7 @@ CORRECTIONS: dict[str, list[str]] = {
     "m2po": ["experiment.algo.m2po_tau=0.04"],
     "geometric": ["experiment.algo.rejection=geometric", "experiment.algo.rejection_upper=1.25"],
 }
-# The step monitors a cell reports, averaged over its steps (metrics.jsonl keys).
+# The step monitors a cell reports, averaged over its steps (metrics.jsonl keys; `step_monitors`).
 MONITORS = ("mismatch_kl_k3", "actor_clip_ratio", "behav_masked_frac", "rejected_frac", "tis_truncated_frac",
             "m2po_masked_frac", "entropy", "avg_seq_len")
 
@@ -75,7 +75,7 @@ def run_cell(eta: int, objective: str, steps: int, eval_every: int, extra: list[
         samples.append(seen)
     curve = held_out_curve(run_dir, summary, samples, extra, log, name)
     stale = [m["staleness_mean"] for m in metrics]
-    monitors = {k: sum(m.get(k, 0.0) for m in metrics) / len(metrics) for k in MONITORS}
+    monitors = step_monitors(metrics)
     return {"eta": eta, "objective": objective, "loss": loss, "correction": correction, "seed": seed,
             "monitors": monitors, "run_dir": str(run_dir), "steps": len(metrics),
             "final_accuracy": summary["greedy_accuracy"]["final"],
@@ -84,6 +84,16 @@ def run_cell(eta: int, objective: str, steps: int, eval_every: int, extra: list[
             "staleness_mean": sum(stale) / len(stale),
             "reward_curve": [[s, m["task_reward"]] for s, m in zip(samples, metrics)],
             "held_out_curve": curve, "wall_seconds": summary.get("wall_seconds")}
+
+
+def step_monitors(metrics: list[dict[str, Any]]) -> dict[str, float]:
+    """MONITORS over a run's steps: the mismatch KL weighted by the current-weight tokens each step measured it
+    on (past eta 0 most steps have none and log 0, which is no measurement), the others a plain mean."""
+    tokens = [m.get("mismatch_tokens", 0.0) for m in metrics]
+    out = {k: sum(m.get(k, 0.0) for m in metrics) / len(metrics) for k in MONITORS}
+    if sum(tokens):
+        out["mismatch_kl_k3"] = sum(t * m.get("mismatch_kl_k3", 0.0) for t, m in zip(tokens, metrics)) / sum(tokens)
+    return out
 
 
 def held_out_curve(run_dir: Path, summary: dict[str, Any], samples: list[float], extra: list[str], log: Any,
@@ -291,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def combine(reports: list[Path], plot_path: str | None, as_json: bool) -> int:
-    """The cells of several reports as one: printed, tabulated by seed means, plotted."""
+    """The cells of several reports as one: printed, tabulated by seed means, plotted. A cell whose run
+    directory is still there has its monitors read again from the run's metrics."""
     cells: list[dict[str, Any]] = []
     for path in reports:
         try:
@@ -299,6 +310,10 @@ def combine(reports: list[Path], plot_path: str | None, as_json: bool) -> int:
         except (OSError, ValueError, KeyError, TypeError) as e:
             print(f"bench ablation: --combine {path}: not an ablation report ({e})", file=sys.stderr)
             return 2
+    for c in cells:   # where a run directory is still there, its monitors are read again from its metrics
+        metrics = Path(c.get("run_dir", "")) / "metrics.jsonl"
+        if c.get("run_dir") and metrics.is_file():
+            c["monitors"] = step_monitors([json.loads(x) for x in metrics.read_text().splitlines() if x.strip()])
     if plot_path:
         plot(cells, Path(plot_path))
     print(json.dumps({"reports": [str(p) for p in reports], "cells": cells}) if as_json else "\n".join(seed_means(cells)))
