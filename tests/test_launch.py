@@ -21,7 +21,7 @@ from actors.launch import readiness, report
 from tools import up
 import topology as topo_mod
 from topology import load
-from transport.ports import free_port
+from transport.ports import free_port, free_port_range
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = sorted(p.name for p in (REPO / "topology").glob("*.yaml"))
@@ -456,8 +456,8 @@ def test_a_tcp_run_is_closed_to_other_users_and_an_insecure_one_says_so_at_launc
     # and the ledger readable by every user).
     run_dir = tmp_path / "run"
     topo = demo_topology(tmp_path, "{rounds: 5, tensor_elems: 500}")
-    base = free_port()
-    extra = ["bus.transport=tcp", f"bus.base_port={base if base < 65000 else 40000}"]
+    # Every actor's bus port must be free, not only the first (one taken by another process failed the run).
+    extra = ["bus.transport=tcp", f"bus.base_port={free_port_range(8)}"]
     res = launch(topo, run_dir, *extra, *(["bus.insecure_tcp=true"] if insecure else []))
     assert res.returncode == 0, res.stdout + res.stderr
     warned = "WARNING: bus.insecure_tcp is true: this run's tcp bus has no CurveZMQ" in res.stdout

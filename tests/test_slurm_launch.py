@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from testsupport.local_actors import process_alive, wait_for_ready
-from transport.ports import free_port
+from transport.ports import free_port, free_port_range
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_cluster import SlurmCluster, ensure_installed, unavailable_reason  # noqa: E402
@@ -39,8 +39,7 @@ def cluster():
 
 
 def port_overrides() -> list[str]:
-    base = free_port()
-    return [f"bus.base_port={base if base < 65000 else 40000}", f"links.demo.port={free_port()}"]
+    return [f"bus.base_port={free_port_range(16)}", f"links.demo.port={free_port()}"]
 
 
 def check_demo_run(run_dir: Path, rounds: int) -> None:

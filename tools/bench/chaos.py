@@ -66,7 +66,7 @@ import msgpack
 
 from transport.bus import HEARTBEAT_TIMEOUT_S
 from transport.messages import SCHEMA_VERSION
-from transport.ports import free_port
+from transport.ports import free_port_range
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGY = "topology/local.yaml"
@@ -433,22 +433,6 @@ def _starts(python: str, how: dict[str, Any]) -> bool:
         return subprocess.run([python, "-c", "import json, socket, struct"], timeout=60, **how).returncode == 0
     except OSError:   # not executable by that user (an interpreter under root's home)
         return False
-
-
-def free_port_range(count: int, tries: int = 100) -> int:
-    """The first of `count` consecutive ports free on loopback now (the actors' tcp bus ports)."""
-    for _ in range(tries):
-        base = free_port()
-        if base + count > 65535:
-            continue
-        try:
-            with contextlib.ExitStack() as held:
-                for port in range(base, base + count):
-                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} consecutive free ports found in {tries} tries")
 
 
 def attack_overrides(fault: str) -> tuple[str, ...]:
