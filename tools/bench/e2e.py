@@ -34,6 +34,9 @@ rollout's OpenAI endpoint, with the example's chat template tools/agents/calcula
 same warm start and train on like sequences). Both are evaluated the same way (held out, greedy, as episodes).
 Its report adds agent_gain_points, native_gain_points, agent_minus_native_points, and for the agent run its
 drift events (0 expected), re-rendered histories, agent errors, endpoint calls and the endpoint's time per call.
+`--modes native,openai_agent,agent_program` adds a third arm: the same agent as an external program,
+tools/agents/calculator_program.py, in the bubblewrap sandbox with the endpoint its only way out; its figures
+carry the prefix ``program_`` (program_agent_gain_points, program_agent_errors, ...).
 
 Each run goes through `python -m tools.up TOPOLOGY` (its warm-start progress, made by the first run, is
 passed on to stderr as it comes); the figures come from the run's own
@@ -322,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
     ap.add_argument("--modes", default=None,
                     help="comma list of runs (default for math all: async,sync,colocated,sft; for code async,sft; "
-                         "for agent async,one_turn; for agent_chat native,openai_agent; sft needs async)")
+                         "for agent async,one_turn; for agent_chat native,openai_agent, to which agent_program "
+                         "may be added; sft needs async)")
     ap.add_argument("--out", default=None, help="folder for the three run directories (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every run")
