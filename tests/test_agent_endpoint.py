@@ -324,13 +324,17 @@ def test_an_external_program_is_an_agent(tmp_path):
     program.write_text(AGENT_PROGRAM)
     failing = tmp_path / "fails.py"
     failing.write_text("import sys; sys.exit('no task for me')")
+    timed = tmp_path / "timed.py"   # its reward: the bound its HTTP client is given, the episode's
+    timed.write_text("import os; print(os.environ['AGENT_TIMEOUT_S'])")
     engine = ScriptedEngine(calc_script(), vocab_size=TOK.vocab_size)
 
     async def body(endpoint):
         return (await run_agent(endpoint, [sys.executable, str(program)], TASK, "p", timeout_s=30),
-                await run_agent(endpoint, [sys.executable, str(failing)], TASK, "f", timeout_s=30))
+                await run_agent(endpoint, [sys.executable, str(failing)], TASK, "f", timeout_s=30),
+                await run_agent(endpoint, [sys.executable, str(timed)], TASK, "t", timeout_s=42.5))
 
-    ok, failed = endpoint_run(engine, body)
+    ok, failed, timed_run = endpoint_run(engine, body)
+    assert timed_run.error == "" and timed_run.reward == 42.5
     assert ok.error == "" and ok.reward == 0.5 and ok.trajectories[0].output_ids == TOK.encode(CALL) + [EOS]
     assert failed.error == "agent failed: AgentProgramError: exit 1: no task for me" and failed.trajectories == []
 

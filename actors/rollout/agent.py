@@ -2,8 +2,9 @@
 
 An agent is either an async Python function ``agent(client, task) -> float | None`` (``client`` an
 `AgentClient`: the endpoint's ``base_url`` and the episode's ``api_key``; ``task`` the task record) or an
-external program, started with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and ``AGENT_TASK`` (the record as JSON)
-in its environment, whose last line on stdout may be its reward. It returns a reward, or None to leave the
+external program, started with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``AGENT_TASK`` (the record as JSON) and
+``AGENT_TIMEOUT_S`` (the episode's bound, what its HTTP client's timeouts should be) in its environment, whose last
+line on stdout may be its reward. It returns a reward, or None to leave the
 grading to the task's reward actor, which reads the final reply (`AgentRun.final_text`).
 
 A program that runs untrusted code runs in the reward actor's bubblewrap sandbox (`AgentSandbox`,
@@ -162,7 +163,7 @@ async def run_program(argv: list[str], client: AgentClient, task: Mapping[str, A
     if sandbox is not None:
         return _last_line_reward(*await _run_sandboxed(argv, client, task, timeout_s, sandbox))
     env = {**os.environ, "OPENAI_BASE_URL": client.base_url, "OPENAI_API_KEY": client.api_key,
-           "AGENT_TASK": json.dumps(dict(task))}
+           "AGENT_TASK": json.dumps(dict(task)), "AGENT_TIMEOUT_S": f"{timeout_s:g}"}
     proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE, env=env)
     try:
@@ -189,7 +190,7 @@ async def _run_sandboxed(argv: list[str], client: AgentClient, task: Mapping[str
     program = [a.replace("{files}", SANDBOX_FILES_DIR).replace("{python}", runner.python) for a in argv]
     settings = {"socket": SANDBOX_SOCKET, "port": SANDBOX_PORT, "argv": program, "env": {
         "OPENAI_BASE_URL": f"http://127.0.0.1:{SANDBOX_PORT}/v1", "OPENAI_API_KEY": client.api_key,
-        "AGENT_TASK": json.dumps(dict(task))}}
+        "AGENT_TASK": json.dumps(dict(task)), "AGENT_TIMEOUT_S": f"{timeout_s:g}"}}
     with open(RELAY_SOURCE, "rb") as f:
         files = {**sandbox.files, "agent_relay.py": f.read(), "agent_relay.json": json.dumps(settings).encode()}
     result = await asyncio.to_thread(runner.run, ["{python}", "-I", "{files}/agent_relay.py", "{files}/agent_relay.json"],
