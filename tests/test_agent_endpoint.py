@@ -6,16 +6,20 @@ call until the context holds a tool result, then boxes the result. Everything th
 what the engine received and returned (`ScriptedEngine.requests`, the trajectories' per-token lists)."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import json
+import socket
 import sys
 
 import aiohttp
+import httpx
 import pytest
 
 from actors.engines.base import GenerationRequest
 from actors.engines.tokenizer import load_tokenizer
-from actors.rollout.agent import AgentClient, run_agent
+from actors.rollout.agent import AgentClient, run_agent, shared_http_client
 from actors.rollout.chat import (EMBEDDED_CHAT_TEMPLATE, ChatError, ChatTemplate, parse_tool_calls, template_of,
                                  validate_messages)
 from actors.rollout.episode import ENV_VERSION
@@ -250,6 +254,59 @@ def test_an_agent_that_raises_hangs_or_lies_ends_its_episode_with_the_cause():
     assert after.error == "" and after.trajectories   # the endpoint still serves
 
 
+def test_the_endpoint_accepts_a_whole_batch_of_connections_while_its_loop_is_busy():
+    """A rollout starts a batch of episodes at once, hundreds of connections, on the event loop that accepts them:
+    while the loop is busy, each must still connect (the listen queue holds them) and then be answered."""
+    engine = ScriptedEngine(calc_script(), vocab_size=TOK.vocab_size)
+    count = 300   # past aiohttp's default listen queue of 128
+
+    async def body(endpoint):
+        key = endpoint.open("many")
+        host, port = endpoint.base_url.split("//")[1].split("/")[0].split(":")
+        # The event loop does not run while these connect (as when it is busy starting other agents).
+        sockets = [socket.create_connection((host, int(port)), timeout=20) for _ in range(count)]
+        request = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nConnection: close\r\n\r\n"
+        for s in sockets:
+            s.sendall(request.encode())
+
+        def status_lines():
+            with contextlib.ExitStack() as stack:
+                for s in sockets:
+                    stack.enter_context(s)
+                return [s.makefile("rb").readline() for s in sockets]
+
+        return await asyncio.to_thread(status_lines)
+
+    lines = endpoint_run(engine, body)
+    assert lines == [b"HTTP/1.1 200 OK\r\n"] * count
+
+
+def test_an_agents_openai_client_waits_as_long_as_its_episode_on_the_shared_pool():
+    """The openai package's own connect timeout (5 s) failed episodes with minutes left whose calls waited behind a
+    busy loop; the client an agent makes has the episode's timeout, connect included, on the rollout's pool."""
+    engine = ScriptedEngine(calc_script(), vocab_size=TOK.vocab_size)
+    made = []
+
+    async def agent(client, task):
+        made.append(client.openai())
+        return await calc_agent(client, task)
+
+    async def body(endpoint):
+        pool = shared_http_client()
+        try:
+            return [await run_agent(endpoint, agent, TASK, f"e{i}", timeout_s=240, http_client=pool)
+                    for i in range(2)], pool
+        finally:
+            await pool.aclose()
+
+    runs, pool = endpoint_run(engine, body)
+    assert [r.error for r in runs] == ["", ""] and [r.reward for r in runs] == [1.0, 1.0]
+    for oa in made:
+        timeout = httpx.Timeout(oa.timeout)
+        assert (timeout.connect, timeout.read, timeout.write, timeout.pool) == (240, 240, 240, 240)
+        assert oa._client is pool
+
+
 AGENT_PROGRAM = r'''
 import json, os, urllib.request
 task = json.loads(os.environ["AGENT_TASK"])
@@ -267,13 +324,17 @@ def test_an_external_program_is_an_agent(tmp_path):
     program.write_text(AGENT_PROGRAM)
     failing = tmp_path / "fails.py"
     failing.write_text("import sys; sys.exit('no task for me')")
+    timed = tmp_path / "timed.py"   # its reward: the bound its HTTP client is given, the episode's
+    timed.write_text("import os; print(os.environ['AGENT_TIMEOUT_S'])")
     engine = ScriptedEngine(calc_script(), vocab_size=TOK.vocab_size)
 
     async def body(endpoint):
         return (await run_agent(endpoint, [sys.executable, str(program)], TASK, "p", timeout_s=30),
-                await run_agent(endpoint, [sys.executable, str(failing)], TASK, "f", timeout_s=30))
+                await run_agent(endpoint, [sys.executable, str(failing)], TASK, "f", timeout_s=30),
+                await run_agent(endpoint, [sys.executable, str(timed)], TASK, "t", timeout_s=42.5))
 
-    ok, failed = endpoint_run(engine, body)
+    ok, failed, timed_run = endpoint_run(engine, body)
+    assert timed_run.error == "" and timed_run.reward == 42.5
     assert ok.error == "" and ok.reward == 0.5 and ok.trajectories[0].output_ids == TOK.encode(CALL) + [EOS]
     assert failed.error == "agent failed: AgentProgramError: exit 1: no task for me" and failed.trajectories == []
 

@@ -138,3 +138,57 @@ def test_group_answers_share_the_longest_common_prompt_and_mask_the_rest():
         group_answers([AgentRun([trajectory([1], [2])]), AgentRun([trajectory([3], [2])])])
     with pytest.raises(AgentGroupError, match="sample 1: the agent sampled nothing \\(agent timed out"):
         group_answers([AgentRun([trajectory([1], [2])]), AgentRun([], error="agent timed out after 1 s")])
+
+
+AGENT = "actors.rollout.settings.agent"
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    ([f"{AGENT}.function=tools.agents.calculator:nope"],
+     "agent.function 'tools.agents.calculator:nope': module 'tools.agents.calculator' has no attribute 'nope'"),
+    ([f"{AGENT}.function=no_such_module:agent"],
+     "agent.function 'no_such_module:agent': No module named 'no_such_module'"),
+    ([f"{AGENT}.function=tools.agents.calculator:calc"],   # a plain function, not a coroutine function
+     "agent.function 'tools.agents.calculator:calc': not an async function (expected async def calc(client, task))"),
+    ([f'{AGENT}.command=["no-such-agent-program","--fast"]'],
+     "agent.command ['no-such-agent-program', '--fast']: 'no-such-agent-program': no such program (not a file, "
+     "nor found on PATH)"),
+    ([f'{AGENT}.command=["python3","-u","tools/agents/no_such_agent.py"]'],
+     "agent.command ['python3', '-u', 'tools/agents/no_such_agent.py']: tools/agents/no_such_agent.py: no such file"),
+    ([f'{AGENT}.command=["{{python}}","-I","{{files}}/calculator_program.py"]', f"{AGENT}.sandbox=true",
+      f"{AGENT}.files=[tools/agents/calculator.py]"],
+     "agent.command ['{python}', '-I', '{files}/calculator_program.py']: {files}/calculator_program.py is not one "
+     "of agent.files ['calculator.py']"),
+    ([f"{AGENT}.function=tools.agents.calculator:agent", f"{AGENT}.chat_template=tools/agents/nope.jinja"],
+     "agent.chat_template: tools/agents/nope.jinja: no such file"),
+])
+def test_the_dry_run_refuses_an_agent_the_rollout_could_not_run(overrides, problem):
+    import topology
+    from actors.launch.readiness import settings_problems
+
+    plan = topology.load("topology/local.yaml", overrides, check_imports=False)
+    assert settings_problems(plan) == [problem]
+
+
+@pytest.mark.parametrize("overrides", [
+    [f"{AGENT}.function=tools.agents.calculator:agent"],
+    [f'{AGENT}.command=["python3","-m","tools.agents.calculator_program"]'],
+    [f'{AGENT}.command=["{{python}}","-I","{{files}}/calculator_program.py"]', f"{AGENT}.sandbox=true",
+     f"{AGENT}.files=[tools/agents/calculator_program.py]",
+     f"{AGENT}.chat_template=tools/agents/calculator_chat.jinja"],
+])
+def test_the_shipped_agents_pass_the_dry_runs_check(overrides):
+    import topology
+    from actors.launch.readiness import settings_problems
+
+    assert settings_problems(topology.load("topology/local.yaml", overrides, check_imports=False)) == []
+
+
+def test_a_dry_run_names_a_missing_agent_program_in_one_line(capsys):
+    from tools import up
+
+    assert up.main(["topology/local.yaml", f'{AGENT}.command=["python3","my_agent.py"]', "--dry-run",
+                    "--no-import-check"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-2:] == ["topology/local.yaml: 1 problem(s)",
+                        "  agent.command ['python3', 'my_agent.py']: my_agent.py: no such file"], err

@@ -81,3 +81,25 @@ def test_agent_chat_compares_the_openai_agent_with_the_native_episodes(tmp_path)
     write_log(logs / "rollout.0.jsonl", [{"event": "rollout_stats"}, {"event": "stopped", "counters": {}}])
     (logs / "rollout.1.jsonl").unlink()
     assert agent_share(tmp_path) is None   # no rollout served an agent
+
+
+def test_agent_program_is_a_third_arm_reported_under_its_own_names():
+    import os
+
+    from tools.bench.e2e import build_report, report_lines
+
+    args = dict(a.split("=", 1) for a in MODES["agent_program"])
+    assert args["actors.rollout.settings.agent.sandbox"] == "true"
+    assert os.path.isfile(args["actors.rollout.settings.agent.files"].strip("[]"))
+    assert args["actors.rollout.settings.agent.tool_format"] == "brackets"
+    agents = {"drift": 0, "rerendered": 0, "errors": 0, "endpoint_calls": 12.0, "endpoint_overhead_ms_per_call": 3.0}
+    runs = {"native": {"greedy_accuracy": {"start": 0.1, "final": 0.5}},
+            "agent_program": {"greedy_accuracy": {"start": 0.1, "final": 0.4}, "agents": agents}}
+    report = build_report("agent_chat", "topology/local_agent.yaml", 4, runs)
+    assert report["program_agent_gain_points"] == pytest.approx(30.0)
+    assert report["program_agent_minus_native_points"] == pytest.approx(-10.0)
+    assert report["program_agent_errors"] == 0 and "agent_accuracy" not in report   # no openai_agent run
+    for run in runs.values():
+        run.update(steps=4, tokens_trained=100, wall_seconds=10.0, effective_throughput=10.0, staleness_max=1)
+    assert any(line.startswith("held-out accuracy: agent program 40.0% (+30.0 points")
+               for line in report_lines(report))

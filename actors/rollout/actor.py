@@ -48,8 +48,8 @@ from actors.engines.base import (EngineError, GenerationEngine, GenerationReques
                                  require_device)
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
 from actors.reward.sandbox import MiB, SandboxLimits, probe_sandbox
-from actors.rollout.agent import (AgentFn, AgentGroupError, AgentRun, AgentSandbox, group_answers, load_agent,
-                                  preload_openai, run_agent)
+from actors.rollout.agent import (AgentFn, AgentGroupError, AgentRun, AgentSandbox, agent_problems, group_answers,
+                                  load_agent, preload_openai, run_agent, shared_http_client)
 from actors.rollout.chat import ChatTemplate, template_of
 from actors.rollout.envs import ENVIRONMENTS, UnknownTool, environment_for
 from actors.rollout.envs.python_tool import CodeRunner, python_tool, timeout_problem
@@ -185,6 +185,7 @@ class RolloutActor(Actor):
         self.agent: AgentFn | list[str] | None = None   # settings.agent: every group runs it (on_start)
         self.endpoint: AgentEndpoint | None = None       # the agents' OpenAI endpoint over this rollout's engine
         self.agent_sandbox: AgentSandbox | None = None   # settings.agent.sandbox: how its programs are isolated
+        self.agent_http: Any = None                      # the agent functions' shared HTTP pool (AgentClient)
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -197,10 +198,11 @@ class RolloutActor(Actor):
             out.append("model.path: not set (episodes decode turns with its tokenizer)")
         if problem := timeout_problem(cfg.python_tool, cfg.gen.env_timeout_s):
             out.append(problem)
-        return out
+        return out + agent_problems(cfg.agent)
 
     async def on_start(self) -> None:
-        if problems := self.check_settings(self.cfg):
+        # Off the event loop: it imports the agent's module, which may take seconds on a loaded machine.
+        if problems := await asyncio.to_thread(self.check_settings, self.cfg):
             raise RolloutConfigError("; ".join(problems))
         groups = self.cfg.groups
         self.rewards = list(groups["reward"])
@@ -246,6 +248,7 @@ class RolloutActor(Actor):
                           else list(settings.command or []))
             if settings.function:
                 await asyncio.to_thread(preload_openai)
+                self.agent_http = await asyncio.to_thread(shared_http_client)
             if settings.chat_template:
                 with open(settings.chat_template, encoding="utf-8") as f:
                     source = f.read()
@@ -335,6 +338,8 @@ class RolloutActor(Actor):
     async def on_stop(self) -> None:
         if self.endpoint is not None:
             await self.endpoint.stop()
+        if self.agent_http is not None:
+            await self.agent_http.aclose()
         if self.agent_sandbox is not None:
             shutil.rmtree(os.path.dirname(self.agent_sandbox.socket_path), ignore_errors=True)
         if self.engine is not None:
@@ -490,7 +495,7 @@ class RolloutActor(Actor):
         seed = msg.seed or None
         running = self._episodes[msg.group_id] = asyncio.ensure_future(asyncio.gather(*(
             run_agent(self.endpoint, self.agent, task, f"{msg.group_id}/s{i}", self.cfg.agent.timeout_s,
-                      turn_seed(seed, i, 0), self.agent_sandbox)
+                      turn_seed(seed, i, 0), self.agent_sandbox, self.agent_http)
             for i in range(msg.n))))
         runs: list[AgentRun] | None = await self._await_group(msg.group_id, running)
         if runs is None:

@@ -2,8 +2,9 @@
 
 An agent is either an async Python function ``agent(client, task) -> float | None`` (``client`` an
 `AgentClient`: the endpoint's ``base_url`` and the episode's ``api_key``; ``task`` the task record) or an
-external program, started with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and ``AGENT_TASK`` (the record as JSON)
-in its environment, whose last line on stdout may be its reward. It returns a reward, or None to leave the
+external program, started with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``AGENT_TASK`` (the record as JSON) and
+``AGENT_TIMEOUT_S`` (the episode's bound, what its HTTP client's timeouts should be) in its environment, whose last
+line on stdout may be its reward. It returns a reward, or None to leave the
 grading to the task's reward actor, which reads the final reply (`AgentRun.final_text`).
 
 A program that runs untrusted code runs in the reward actor's bubblewrap sandbox (`AgentSandbox`,
@@ -20,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import inspect
 import itertools
 import json
 import math
 import os
+import shutil
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -31,6 +34,7 @@ from typing import Any
 from actors.reward.sandbox import SANDBOX_FILES_DIR, Sandbox, SandboxLimits
 from actors.rollout.episode import Trajectory
 from actors.rollout.openai_server import AgentEndpoint
+from topology.settings import AgentSettings
 
 RELAY_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent_relay.py")
 SANDBOX_SOCKET = "/run/agent/endpoint.sock"   # where the endpoint's socket is bound in the sandbox
@@ -52,15 +56,28 @@ class AgentSandbox:
 
 @dataclasses.dataclass(frozen=True)
 class AgentClient:
-    """Where an agent's OpenAI client points: ``AsyncOpenAI(base_url=..., api_key=...)`` (see `openai`)."""
+    """Where an agent's OpenAI client points: ``AsyncOpenAI(base_url=..., api_key=...)`` (see `openai`), with the
+    episode's timeout, and the HTTP connection pool the rollout's agents share (None: the client makes its own)."""
 
     base_url: str
     api_key: str
+    timeout_s: float | None = None
+    http_client: Any = None
 
     def openai(self, **kwargs: Any) -> Any:
-        """An ``openai.AsyncOpenAI`` on this endpoint (the ``openai`` package, imported only here)."""
+        """An ``openai.AsyncOpenAI`` on this endpoint (the ``openai`` package, imported only here).
+
+        Its timeouts, connect included, are the episode's: the package's own 5 s connect timeout fails episodes
+        whose calls wait behind a busy event loop, though the episode has minutes left. On the shared pool the
+        client costs nothing to make; each making its own pool (an SSL context, tens of milliseconds of CPU) holds
+        the event loop for seconds when a whole batch of episodes starts at once."""
         from openai import AsyncOpenAI
-        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0, **kwargs)
+        options: dict[str, Any] = {"max_retries": 0}
+        if self.timeout_s is not None:
+            options["timeout"] = self.timeout_s
+        if self.http_client is not None:
+            options["http_client"] = self.http_client
+        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **{**options, **kwargs})
 
 
 def preload_openai() -> None:
@@ -69,6 +86,16 @@ def preload_openai() -> None:
         importlib.import_module("openai")
     except ImportError:
         pass   # an agent that does not use it needs nothing; one that does fails at its first call, with the cause
+
+
+def shared_http_client() -> Any:
+    """One HTTP connection pool for every agent's ``openai`` client in this process (`AgentClient.http_client`;
+    ``aclose`` it at the end); None without the ``openai`` package."""
+    try:
+        from openai import DefaultAsyncHttpxClient
+    except ImportError:
+        return None
+    return DefaultAsyncHttpxClient()
 
 
 AgentFn = Callable[[AgentClient, Mapping[str, Any]], Awaitable[float | None]]
@@ -91,11 +118,12 @@ class AgentRun:
 
 
 async def run_agent(endpoint: AgentEndpoint, agent: AgentFn | Sequence[str], task: Mapping[str, Any], name: str,
-                    timeout_s: float, seed: int | None = None, sandbox: AgentSandbox | None = None) -> AgentRun:
+                    timeout_s: float, seed: int | None = None, sandbox: AgentSandbox | None = None,
+                    http_client: Any = None) -> AgentRun:
     """Run one episode of ``agent`` (a function, or a program's argv, sandboxed when ``sandbox`` is given) on
-    ``task`` (see the module docstring)."""
+    ``task`` (see the module docstring); a function's client uses ``http_client`` (`shared_http_client`)."""
     key = endpoint.open(name, seed)
-    client = AgentClient(endpoint.base_url, key)
+    client = AgentClient(endpoint.base_url, key, timeout_s, http_client)
     reward: float | None = None
     error = ""
     try:
@@ -135,7 +163,7 @@ async def run_program(argv: list[str], client: AgentClient, task: Mapping[str, A
     if sandbox is not None:
         return _last_line_reward(*await _run_sandboxed(argv, client, task, timeout_s, sandbox))
     env = {**os.environ, "OPENAI_BASE_URL": client.base_url, "OPENAI_API_KEY": client.api_key,
-           "AGENT_TASK": json.dumps(dict(task))}
+           "AGENT_TASK": json.dumps(dict(task)), "AGENT_TIMEOUT_S": f"{timeout_s:g}"}
     proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE, env=env)
     try:
@@ -162,7 +190,7 @@ async def _run_sandboxed(argv: list[str], client: AgentClient, task: Mapping[str
     program = [a.replace("{files}", SANDBOX_FILES_DIR).replace("{python}", runner.python) for a in argv]
     settings = {"socket": SANDBOX_SOCKET, "port": SANDBOX_PORT, "argv": program, "env": {
         "OPENAI_BASE_URL": f"http://127.0.0.1:{SANDBOX_PORT}/v1", "OPENAI_API_KEY": client.api_key,
-        "AGENT_TASK": json.dumps(dict(task))}}
+        "AGENT_TASK": json.dumps(dict(task)), "AGENT_TIMEOUT_S": f"{timeout_s:g}"}}
     with open(RELAY_SOURCE, "rb") as f:
         files = {**sandbox.files, "agent_relay.py": f.read(), "agent_relay.json": json.dumps(settings).encode()}
     result = await asyncio.to_thread(runner.run, ["{python}", "-I", "{files}/agent_relay.py", "{files}/agent_relay.json"],
@@ -201,9 +229,54 @@ def load_agent(path: str) -> AgentFn:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"agent.function {path!r}: {exc}") from None
-    if not callable(fn):
-        raise ValueError(f"agent.function {path!r}: not callable")
+    except Exception as exc:   # the module's own code failed on import: its cause, in one line
+        raise ValueError(f"agent.function {path!r}: importing {module} failed: {type(exc).__name__}: {exc}") from None
+    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))):
+        raise ValueError(f"agent.function {path!r}: not an async function (expected async def {name}(client, task))")
     return fn
+
+
+def agent_problems(settings: AgentSettings) -> list[str]:
+    """What the rollout would refuse of ``settings.agent`` at start, one line each, checked before launch: a
+    function that cannot be imported or is not async, a program that does not exist (its argv[0] on PATH, a
+    Python script it names, or in the sandbox a ``{files}/NAME`` that is not one of ``agent.files``), a file
+    that cannot be read."""
+    out = []
+    if settings.function is not None:
+        try:
+            load_agent(settings.function)
+        except ValueError as exc:
+            out.append(str(exc))
+    files = [("agent.files", p) for p in settings.files]
+    if settings.chat_template:
+        files.append(("agent.chat_template", settings.chat_template))
+    out += [f"{key}: {path}: no such file" for key, path in files if not os.path.isfile(path)]
+    if settings.command:
+        out += [f"agent.command {settings.command}: {why}" for why in _program_problems(settings)]
+    return out
+
+
+def _program_problems(settings: AgentSettings) -> list[str]:
+    argv = list(settings.command or [])
+    shipped = {os.path.basename(p) for p in settings.files}
+    if settings.sandbox:   # {python} is the sandbox's own; the program's files are agent.files
+        return [f"{arg} is not one of agent.files {sorted(shipped)}" for arg in argv
+                if arg.startswith("{files}/") and arg[len("{files}/"):] not in shipped]
+    if shutil.which(argv[0]) is None:
+        return [f"{argv[0]!r}: no such program (not a file, nor found on PATH)"]
+    out = []
+    if os.path.basename(argv[0]).startswith("python"):   # the script a Python program names must exist
+        rest = iter(argv[1:])
+        for arg in rest:
+            if arg in ("-m", "-c"):
+                break
+            if arg in ("-W", "-X", "--check-hash-based-pycs"):   # options that take a value
+                next(rest, None)
+            elif not arg.startswith("-"):
+                if not os.path.isfile(arg):
+                    out.append(f"{arg}: no such file")
+                break
+    return out
 
 
 class AgentGroupError(ValueError):

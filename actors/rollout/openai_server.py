@@ -38,6 +38,10 @@ from actors.rollout.conversation import Conversation, ConversationError, Prepare
 from actors.rollout.episode import Codec, turn_seed
 
 MODEL_NAME = "policy"
+# Connections waiting to be accepted. A rollout starts a whole batch of episodes at once (hundreds of connections)
+# on the event loop that also accepts them; past the listen queue (aiohttp's default is 128) the kernel drops or
+# resets connections, and agents fail on a healthy endpoint. The kernel caps it at net.core.somaxconn.
+LISTEN_BACKLOG = 4096
 _SAMPLING_KEYS = {"temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "n", "seed", "logprobs",
                   "top_logprobs", "stream", "model", "user", "tool_choice", "parallel_tool_calls", "frequency_penalty",
                   "presence_penalty", "echo", "response_format", "stream_options", "metadata"}
@@ -120,7 +124,7 @@ class AgentEndpoint:
             await self.serve_unix(unix_path)
             self.base_url = "http://localhost/v1"
         else:
-            await web.TCPSite(self._runner, host, port).start()
+            await web.TCPSite(self._runner, host, port, backlog=LISTEN_BACKLOG).start()
             bound = self._runner.addresses[0]
             self.base_url = f"http://{host}:{bound[1]}/v1"
         return self.base_url
@@ -128,7 +132,7 @@ class AgentEndpoint:
     async def serve_unix(self, path: str) -> None:
         """Serve on the unix socket ``path`` as well (what a sandboxed agent program reaches, bound in)."""
         assert self._runner is not None, "start the endpoint first"
-        await web.UnixSite(self._runner, path).start()
+        await web.UnixSite(self._runner, path, backlog=LISTEN_BACKLOG).start()
 
     async def stop(self) -> None:
         for key in list(self.episodes):

@@ -1,6 +1,7 @@
 """The calculator agent as an external program: the standard library only (it runs under the sandbox's system
 Python, where no package of ours is installed), any OpenAI-compatible endpoint. It reads ``OPENAI_BASE_URL``,
-``OPENAI_API_KEY`` and ``AGENT_TASK`` from its environment, answers the model's ``calc`` calls until the model
+``OPENAI_API_KEY``, ``AGENT_TASK`` and ``AGENT_TIMEOUT_S`` (its calls wait as long as the episode may) from its
+environment, answers the model's ``calc`` calls until the model
 writes an answer, and prints nothing: the task's reward actor grades the final reply.
 
 Sandboxed (actors/rollout/agent.py), with only the endpoint reachable::
@@ -41,7 +42,8 @@ def chat(messages: list[dict]) -> dict:
         os.environ["OPENAI_BASE_URL"].rstrip("/") + "/chat/completions",
         data=json.dumps({"model": "policy", "messages": messages, "tools": TOOLS}).encode(),
         headers={"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}", "Content-Type": "application/json"})
-    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=120) as response:
+    timeout = float(os.environ.get("AGENT_TIMEOUT_S", "120"))
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=timeout) as response:
         return json.load(response)["choices"][0]
 
 

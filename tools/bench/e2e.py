@@ -34,6 +34,9 @@ rollout's OpenAI endpoint, with the example's chat template tools/agents/calcula
 same warm start and train on like sequences). Both are evaluated the same way (held out, greedy, as episodes).
 Its report adds agent_gain_points, native_gain_points, agent_minus_native_points, and for the agent run its
 drift events (0 expected), re-rendered histories, agent errors, endpoint calls and the endpoint's time per call.
+`--modes native,openai_agent,agent_program` adds a third arm: the same agent as an external program,
+tools/agents/calculator_program.py, in the bubblewrap sandbox with the endpoint its only way out; its figures
+carry the prefix ``program_`` (program_agent_gain_points, program_agent_errors, ...).
 
 Each run goes through `python -m tools.up TOPOLOGY` (its warm-start progress, made by the first run, is
 passed on to stderr as it comes); the figures come from the run's own
@@ -62,6 +65,11 @@ PROGRESS_PREFIXES = ("prepare:", "sft:", "step ", "eval step ")   # lines of a r
 DEFAULT_MODES = {"math": "async,sync,colocated,sft", "code": "async,sft", "agent": "async,one_turn",
                  "agent_chat": "native,openai_agent"}
 
+# The calculator agents' settings: the example's chat template and tool format (its conversations are the native
+# episode's tokens), and a timeout for calls that queue behind a loaded engine.
+AGENT_FORMAT = [f"actors.rollout.settings.agent.chat_template={ROOT / 'tools/agents/calculator_chat.jinja'}",
+                "actors.rollout.settings.agent.tool_format=brackets", "actors.rollout.settings.agent.timeout_s=300"]
+
 MODES: dict[str, list[str]] = {
     "async": [],
     "sync": ["experiment.algo.eta=0", "experiment.gen.interruptible=false"],
@@ -75,11 +83,14 @@ MODES: dict[str, list[str]] = {
     "one_turn": ["experiment.gen.max_turns=1", "experiment.algo.dynamic_sampling=false"],
     # The agent task's episodes, and the same task run by an openai-package agent through the endpoint.
     "native": [],
-    "openai_agent": ["actors.rollout.settings.agent.function=tools.agents.calculator:agent",
-                     f"actors.rollout.settings.agent.chat_template={ROOT / 'tools/agents/calculator_chat.jinja'}",
-                     "actors.rollout.settings.agent.tool_format=brackets",
-                     "actors.rollout.settings.agent.timeout_s=300"],   # calls queue behind a loaded engine
+    "openai_agent": ["actors.rollout.settings.agent.function=tools.agents.calculator:agent", *AGENT_FORMAT],
+    # The same agent as an external program in the bubblewrap sandbox, the endpoint its only way out.
+    "agent_program": ['actors.rollout.settings.agent.command=["{python}","-I","{files}/calculator_program.py"]',
+                      "actors.rollout.settings.agent.sandbox=true",
+                      f"actors.rollout.settings.agent.files=[{ROOT / 'tools/agents/calculator_program.py'}]",
+                      *AGENT_FORMAT],
 }
+AGENT_MODES = ("openai_agent", "agent_program")   # compared with native when present
 SYNC_MODES = ("sync", "colocated")   # the synchronous runs async is compared with, whichever a task ran
 
 
@@ -282,21 +293,26 @@ def compare_turns(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def compare_agent(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The openai agent's run against the native episodes' at the same steps, from the same warm start."""
-    native, agent = results["native"]["greedy_accuracy"], results["openai_agent"]["greedy_accuracy"]
+    """Each agent run (openai_agent, agent_program) against the native episodes' at the same steps, from the same
+    warm start; the openai agent's figures under their own names, the program's prefixed ``program_``."""
+    native = results["native"]["greedy_accuracy"]
     gain = lambda acc: 100 * (acc["final"] - (acc.get("start") or 0.0))
-    out: dict[str, Any] = {"native_accuracy": native["final"], "agent_accuracy": agent["final"],
-                           "start_accuracy": native.get("start"), "native_gain_points": gain(native),
-                           "agent_gain_points": gain(agent),
-                           "agent_minus_native_points": 100 * (agent["final"] - native["final"])}
-    for mode in ("native", "openai_agent"):
-        episodes = results[mode].get("episodes") or {}
-        out[f"{mode}_turns_per_episode"] = episodes.get("turns_per_episode")
-        out[f"{mode}_tool_calls_per_episode"] = episodes.get("tool_calls_per_episode")
-    agents = results["openai_agent"].get("agents") or {}
-    out.update({"drift_events": agents.get("drift"), "rerendered_events": agents.get("rerendered"),
-                "agent_errors": agents.get("errors"), "endpoint_calls": agents.get("endpoint_calls"),
-                "endpoint_overhead_ms_per_call": agents.get("endpoint_overhead_ms_per_call")})
+    out: dict[str, Any] = {"native_accuracy": native["final"], "start_accuracy": native.get("start"),
+                           "native_gain_points": gain(native)}
+    for mode in ("native", *AGENT_MODES):
+        if mode in results:
+            episodes = results[mode].get("episodes") or {}
+            out[f"{mode}_turns_per_episode"] = episodes.get("turns_per_episode")
+            out[f"{mode}_tool_calls_per_episode"] = episodes.get("tool_calls_per_episode")
+    for mode, prefix in zip(AGENT_MODES, ("", "program_")):
+        if mode not in results:
+            continue
+        acc, agents = results[mode]["greedy_accuracy"], results[mode].get("agents") or {}
+        out.update({f"{prefix}agent_accuracy": acc["final"], f"{prefix}agent_gain_points": gain(acc),
+                    f"{prefix}agent_minus_native_points": 100 * (acc["final"] - native["final"]),
+                    f"{prefix}drift_events": agents.get("drift"), f"{prefix}rerendered_events": agents.get("rerendered"),
+                    f"{prefix}agent_errors": agents.get("errors"), f"{prefix}endpoint_calls": agents.get("endpoint_calls"),
+                    f"{prefix}endpoint_overhead_ms_per_call": agents.get("endpoint_overhead_ms_per_call")})
     return out
 
 
@@ -309,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
     ap.add_argument("--modes", default=None,
                     help="comma list of runs (default for math all: async,sync,colocated,sft; for code async,sft; "
-                         "for agent async,one_turn; for agent_chat native,openai_agent; sft needs async)")
+                         "for agent async,one_turn; for agent_chat native,openai_agent, to which agent_program "
+                         "may be added; sft needs async)")
     ap.add_argument("--out", default=None, help="folder for the three run directories (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every run")
@@ -346,7 +363,7 @@ def build_report(task: str, topology: str, steps: int, results: dict[str, dict[s
         report.update(compare_control(results))
     if {"async", "one_turn"} <= set(results):
         report.update(compare_turns(results))
-    if {"native", "openai_agent"} <= set(results):
+    if "native" in results and any(m in results for m in AGENT_MODES):
         report.update(compare_agent(results))
     return report
 
@@ -392,10 +409,12 @@ def report_lines(report: dict[str, Any]) -> list[str]:
             lines.append(f"{m}: {e['turns_per_episode']:.2f} turns, {e['tool_calls_per_episode']:.2f} tool calls "
                          f"per episode; tool {e['env_seconds']:.1f} s of {e['gen_seconds']:.1f} s generation "
                          f"({100 * e['tool_share_of_generation']:.1f}%)")
-    if "agent_minus_native_points" in report:
-        lines.append(f"held-out accuracy: openai agent {100 * report['agent_accuracy']:.1f}% "
-                     f"({report['agent_gain_points']:+.1f} points over the warm start), native episodes "
-                     f"{100 * report['native_accuracy']:.1f}% ({report['native_gain_points']:+.1f}); drift events "
-                     f"{report['drift_events']}, endpoint {report['endpoint_overhead_ms_per_call']:.1f} ms per call "
-                     f"({report['endpoint_calls']:.0f} calls)")
+    for name, prefix in (("openai agent", ""), ("agent program", "program_")):
+        if f"{prefix}agent_minus_native_points" in report:
+            lines.append(f"held-out accuracy: {name} {100 * report[f'{prefix}agent_accuracy']:.1f}% "
+                         f"({report[f'{prefix}agent_gain_points']:+.1f} points over the warm start), native episodes "
+                         f"{100 * report['native_accuracy']:.1f}% ({report['native_gain_points']:+.1f}); drift events "
+                         f"{report[f'{prefix}drift_events']}, agent errors {report[f'{prefix}agent_errors']}, endpoint "
+                         f"{report[f'{prefix}endpoint_overhead_ms_per_call'] or 0:.1f} ms per call "
+                         f"({report[f'{prefix}endpoint_calls'] or 0:.0f} calls)")
     return lines
