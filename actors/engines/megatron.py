@@ -254,7 +254,9 @@ class TorchPackedAttention(MegatronModule):
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None) -> None:
+                 cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
+        # pg_collection: the process groups megatron-core >= 0.14 hands every core attention; this kernel
+        # communicates nothing.
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("TorchPackedAttention does not support context parallelism (use Transformer Engine)")
@@ -721,10 +723,15 @@ class MegatronTrainEngine(TrainEngine):
         return TokenLogProbs(logprobs, entropy)
 
     # --- optimisation ------------------------------------------------------------------------------
-    def _finalize_grads(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None) -> None:
+    def _finalize_grads(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
+                        pg_collection: Any = None) -> None:
         # The loss is already divided by the global denominator: reduce gradients (summed across DP ranks,
-        # calculate_per_token_loss) without Megatron's division by the token count.
-        finalize_model_grads(model, None)
+        # calculate_per_token_loss) without Megatron's division by the token count. megatron-core >= 0.14 also
+        # passes its process groups, which finalize_model_grads then takes (None: the global ones).
+        if pg_collection is None:
+            finalize_model_grads(model, None)
+        else:
+            finalize_model_grads(model, None, pg_collection=pg_collection)
 
     def data_parallel_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)

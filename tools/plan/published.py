@@ -108,7 +108,7 @@ class AReaLDispatch(BufferState):
 def cluster(model: str, nodes: int, group_size: int, *, batch: int = 512, max_new: int = MAX_NEW_TOKENS,
             lay: Layout | None = None, rollout_share: float | None = None, eta: int = 4,
             gpus_per_node: int = 8, gpu: str = "H800", micro_batch_tokens: int = MICRO_BATCH_TOKENS,
-            recompute: str = "full", kl_coef: float = 0.0) -> setup.Setup:
+            recompute: str = "full", kl_coef: float = 0.0, buffer: dict[str, Any] | None = None) -> setup.Setup:
     """A Setup like the one `setup.read` makes from a topology, for AReaL's allocation of `model` on `nodes`
     (`rollout_share` moves the split in whole servers and whole trainer replicas); the keywords after
     `gpus_per_node` describe another system's run (`moe_rows`)."""
@@ -124,8 +124,8 @@ def cluster(model: str, nodes: int, group_size: int, *, batch: int = 512, max_ne
                  "max_tokens_per_mb": micro_batch_tokens, "kl_coef": kl_coef},
         "gen": {"max_new_tokens": max_new, "interruptible": True},
         # AReaL's controller hands out up to max_concurrent_rollouts (default: the batch) prompts at once.
-        "buffer": {"max_groups_per_rollout": max(1, math.ceil(batch / max(servers, 1))),
-                   "max_concurrent_groups": batch}}
+        "buffer": buffer if buffer is not None else {"max_groups_per_rollout": max(1, math.ceil(batch / max(servers, 1))),
+                                                     "max_concurrent_groups": batch}}
     trainer = {**experiment, "backend": "megatron", "sequence_parallel": lay.tp > 1, "recompute": recompute,
                "logprob_chunk_tokens": 4096,
                "instance": {"parallel": {"tp": lay.tp, "pp": lay.pp, "dp": train // unit, "ep": lay.ep}}}
@@ -225,7 +225,9 @@ def moe_rows(steps: int, seeds: int) -> list[dict[str, Any]]:
     parallelism, batch, staleness bound and sequence lengths, without and with the KL penalty's reference pass
     (this trainer computes it over the whole batch on every data-parallel replica, NeMo-RL's over each
     replica's share). The answers: a lognormal with the published mean (less the prompt) at the cut, of the
-    7B's spread (`sim.SIGMA_7B`)."""
+    7B's spread (`sim.SIGMA_7B`). The buffer's own defaults (8 groups a rollout, under its KV pool; the
+    staleness gate, not the batch, bounds the groups in flight), as NeMo-RL's generation runs up to 8 steps
+    ahead."""
     g = NEMO_RL_30B_A3B
     prompt = sim.PROMPT_TOKENS
     max_new = g["max_total_tokens"] - prompt
@@ -235,7 +237,7 @@ def moe_rows(steps: int, seeds: int) -> list[dict[str, Any]]:
     for kl in (0.0, g["kl_coef"]):
         found = cluster("30B-A3B", g["nodes"], g["group"], batch=g["batch"], max_new=max_new, lay=g["layout"],
                         eta=g["eta"], gpu=g["gpu"], micro_batch_tokens=g["micro_batch_tokens"],
-                        recompute=g["recompute"], kl_coef=kl)
+                        recompute=g["recompute"], kl_coef=kl, buffer={})
         r = run(found, eta=g["eta"], steps=steps, seeds=seeds, rules=BufferState, lengths=lengths,
                 prompt_tokens=prompt)
         out.append({"run": "NeMo-RL Qwen3-30B-A3B, 8-step off, 192 H100", "kl_coef": kl, **r,
