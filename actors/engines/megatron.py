@@ -724,14 +724,11 @@ class MegatronTrainEngine(TrainEngine):
 
     # --- optimisation ------------------------------------------------------------------------------
     def _finalize_grads(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
-                        pg_collection: Any = None) -> None:
+                        **later: Any) -> None:
         # The loss is already divided by the global denominator: reduce gradients (summed across DP ranks,
-        # calculate_per_token_loss) without Megatron's division by the token count. megatron-core >= 0.14 also
-        # passes its process groups, which finalize_model_grads then takes (None: the global ones).
-        if pg_collection is None:
-            finalize_model_grads(model, None)
-        else:
-            finalize_model_grads(model, None, pg_collection=pg_collection)
+        # calculate_per_token_loss) without Megatron's division by the token count. `later`: what newer
+        # megatron-core releases pass on (pg_collection, force_all_reduce), handed back unchanged.
+        finalize_model_grads(model, None, **later)
 
     def data_parallel_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
