@@ -255,7 +255,7 @@ class TorchPackedAttention(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
-        # pg_collection: the process groups megatron-core >= 0.14 hands every core attention; this kernel
+        # pg_collection: the process groups newer megatron-core (0.16.1 here) hands every core attention; this kernel
         # communicates nothing.
         super().__init__(config=config)
         if config.context_parallel_size != 1:
