@@ -578,13 +578,17 @@ def _check_parallel(c: _Checker, group: GroupSpec, key: str, node: NodeSpec) -> 
     on_gpus = group.gpus > 0
     total = group.count * group.gpus if on_gpus else group.count
     unit = "GPUs assigned" if on_gpus else "instances (no GPUs)"
-    if set(par) == {"dp", "tp", "pp"}:
+    if {"dp", "tp", "pp"} <= set(par):
         product = par["dp"] * par["tp"] * par["pp"]
         if product != total:
             c.add(f"{key}.parallel", f"dp*tp*pp = {product} but {total} {unit}")
     for pk in ("dp", "tp", "pp"):
         if pk in par and total % par[pk]:
             c.add(f"{key}.parallel.{pk}", f"{par[pk]} does not divide the {total} {unit}")
+    dp = par.get("dp") or total // (par.get("tp", 1) * par.get("pp", 1))
+    if dp % par.get("ep", 1):
+        c.add(f"{key}.parallel.ep", f"{par['ep']} does not divide dp = {dp} (the experts are split over "
+                                    f"data-parallel ranks)")
     tp = par.get("tp", 1)
     if on_gpus and group.gpus > 1 and group.gpus % tp and tp % group.gpus:
         c.add(f"{key}.parallel.tp", f"{tp} does not divide the {group.gpus} GPUs per instance")

@@ -103,6 +103,9 @@ class ParallelSection(Section):
     dp: int | None = Field(None, ge=1, description="data-parallel degree")
     tp: int | None = Field(None, ge=1, description="tensor-parallel degree (inside a node)")
     pp: int | None = Field(None, ge=1, description="pipeline-parallel degree")
+    ep: int | None = Field(None, ge=1, description="expert-parallel degree of a mixture-of-experts trainer: each "
+                           "sparse layer's experts split over ep of the dp ranks (Megatron's "
+                           "expert_model_parallel_size); must divide dp")
 
 
 class GroupSection(Section):

@@ -254,7 +254,9 @@ class TorchPackedAttention(MegatronModule):
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: Any, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None) -> None:
+                 cp_comm_type: str | None = None, pg_collection: Any = None) -> None:
+        # pg_collection: the process groups newer megatron-core (0.16.1 here) hands every core attention; this kernel
+        # communicates nothing.
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("TorchPackedAttention does not support context parallelism (use Transformer Engine)")
@@ -721,10 +723,12 @@ class MegatronTrainEngine(TrainEngine):
         return TokenLogProbs(logprobs, entropy)
 
     # --- optimisation ------------------------------------------------------------------------------
-    def _finalize_grads(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None) -> None:
+    def _finalize_grads(self, model: list[torch.nn.Module], num_tokens: torch.Tensor | None = None,
+                        **later: Any) -> None:
         # The loss is already divided by the global denominator: reduce gradients (summed across DP ranks,
-        # calculate_per_token_loss) without Megatron's division by the token count.
-        finalize_model_grads(model, None)
+        # calculate_per_token_loss) without Megatron's division by the token count. `later`: what newer
+        # megatron-core releases pass on (pg_collection, force_all_reduce), handed back unchanged.
+        finalize_model_grads(model, None, **later)
 
     def data_parallel_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)

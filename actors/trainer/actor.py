@@ -84,7 +84,7 @@ def trainer_placement(cfg: TrainerSettings) -> dict[str, str]:
         dtype = "bfloat16" if (cfg.bf16 if cfg.bf16 is not None else device == "cuda") else "float32"
     else:
         dtype = "float32 (bf16 autocast)" if device == "cuda" else "float32"
-    layout = " ".join(f"{k}={parallel[k]}" for k in ("dp", "tp", "pp") if k in parallel) or "dp=1"
+    layout = " ".join(f"{k}={parallel[k]}" for k in ("dp", "tp", "pp", "ep") if k in parallel) or "dp=1"
     if backend == "megatron":
         memory = (("sp " if cfg.sequence_parallel and parallel.get("tp", 1) > 1 else "")
                   + f"recompute={cfg.recompute} "
@@ -170,6 +170,9 @@ class TrainerActor(Actor):
         if world and world.rank > 0 and cfg.links:
             out.append(f"links: {group}.{instance.index} is in links {sorted(cfg.links)}: only rank 0 sends weights; "
                        f"list {group}.0 in the link, not the whole {group} group")
+        if instance.parallel.get("ep", 1) > 1 and cfg.backend != "megatron":
+            out.append(f"actors.{group}.parallel.ep: expert parallelism needs backend: megatron (the torch backend "
+                       f"trains on one process)")
         if cfg.algo.kl_coef > 0 and not cfg.model.path:
             out.append("model.path: algo.kl_coef > 0 needs the starting weights as the KL reference, and "
                        "model.path is not set")

@@ -1,11 +1,14 @@
 """The cost model: seconds of GPU work from FLOPs and bytes moved, at the utilisations of `hardware`.
 
 Decode: one step of a continuous batch of n answers holding K tokens of KV cache reads the server's share of
-the weights and of the KV cache, and does 2 FLOPs per parameter per answer plus 4 * layers * hidden per KV
-token read; it takes the longer of the two (a roofline). Prefill and training are compute-bound: causal
-attention adds 2 * layers * hidden * L^2 FLOPs per forward pass of a sequence of L tokens; a training pass is
-three forward passes' worth, full recompute adds one more, and the trainer first recomputes the proximal
-log-probs (one forward pass) as `actors.trainer.actor` does.
+the weights and of the KV cache, and does 2 FLOPs per active parameter per answer plus 4 * layers * q_dim per
+KV token read; it takes the longer of the two (a roofline). Of a mixture-of-experts model's experts a step
+reads only those its n answers route to (`ModelShape.experts_read`). Prefill and training are compute-bound:
+2 FLOPs per active parameter a token, and causal attention adds 2 * layers * q_dim * L^2 FLOPs per forward
+pass of a sequence of L tokens; a training pass is three forward passes' worth, full recompute adds one
+more, and the trainer first recomputes the proximal log-probs (one forward pass) as `actors.trainer.actor`
+does. With expert parallelism every forward and backward pass of a sparse layer sends each token's hidden
+state to its experts' ranks and back (Megatron's alltoall dispatcher), `ep_alltoall_seconds`.
 
 On CPUs (`MeasuredCosts`) the same quantities come from a cost file measured on the machine: a decode step
 is a + b_row * n + b_kv * K, a prefill a + b * tokens + c * sum of squared lengths, a training step
@@ -94,15 +97,22 @@ def decode_cost(shape: ModelShape, gpu: hardware.GPU, tp: int, n: int) -> Decode
     flops = gpu.bf16_flops * hardware.PREFILL_MFU
     fixed = hardware.DECODE_FIXED_PER_LAYER_S * shape.layers + \
         2 * shape.layers * allreduce_seconds(gpu, tp, n * shape.hidden * 2)
-    weights = shape.params * 2 / tp + n * shape.vocab * 4 * SAMPLER_PASSES / tp
+    weights = decode_weight_bytes(shape, n) / tp + n * shape.vocab * 4 * SAMPLER_PASSES / tp
     return DecodeCost(a_mem=fixed + weights / bw, b_mem=kv_bytes_per_gpu(shape, tp) / bw,
-                      a_flop=fixed + 2 * shape.params * n / tp / flops,
-                      b_flop=4 * shape.layers * shape.hidden / tp / flops)
+                      a_flop=fixed + 2 * shape.active_params * n / tp / flops,
+                      b_flop=4 * shape.layers * shape.q_dim / tp / flops)
+
+
+def decode_weight_bytes(shape: ModelShape, n: int) -> float:
+    """bf16 weight bytes a decode step of n answers reads (the whole server's): everything but the experts,
+    and of each sparse layer's experts the ones its answers route to (uniform routing, `experts_read`)."""
+    expert_bytes = 2 * 3 * shape.hidden * shape.moe_intermediate * shape.sparse_layers * shape.experts_read(n)
+    return 2 * shape.dense_params + expert_bytes
 
 
 def forward_flops(shape: ModelShape, tokens: float, sum_sq: float) -> float:
     """One forward pass over sequences with `tokens` tokens in all and sum of squared lengths `sum_sq`."""
-    return 2 * shape.params * tokens + 2 * shape.layers * shape.hidden * sum_sq
+    return 2 * shape.active_params * tokens + 2 * shape.layers * shape.q_dim * sum_sq
 
 
 def prefill_seconds(shape: ModelShape, gpu: hardware.GPU, tp: int, tokens: float, sum_sq: float) -> float:
@@ -124,6 +134,9 @@ class TrainerShape:
     minibatches: int
     recompute: str
     gpus_per_node: int
+    #: expert-parallel degree: each sparse layer's experts split over ep ranks of the data-parallel group, with
+    #: expert tensor parallelism tp (Megatron's default), so the experts' data parallelism is dp / ep
+    ep: int = 1
     #: algo.kl_coef > 0: every data-parallel rank computes the frozen reference model's log-probs of the whole
     #: batch (actors/trainer/step.py `rank_samples` / `train_share`: the penalty enters the batch-wide advantages)
     reference: bool = False
@@ -134,10 +147,12 @@ def train_step_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape, 
     """One training step as the trainer runs it: PPO minibatches of every minibatches-th group, each packed
     by `algo.packing.allocate_micro_batches` over the data-parallel ranks; the slowest rank sets the pace,
     pipeline bubbles add (pp - 1) micro-batch slots per minibatch, and every minibatch ends with the
-    distributed optimizer's gradient reduce-scatter and parameter all-gather over the data-parallel group."""
+    distributed optimizer's gradient reduce-scatter and parameter all-gather over the data-parallel group.
+    A mixture-of-experts model pays its all-to-alls on top (`ep_alltoall_seconds`, not overlapped)."""
     lens = np.asarray(lengths, dtype=np.int64)
     groups = sorted(set(group_of))
     passes = 3 + (1 if lay.recompute == "full" else 0) + 1   # forward+backward, recompute, proximal log-probs
+    alltoall_rounds = 2 + (1 if lay.recompute == "full" else 0) + 1   # the same passes, backward counted once
     rate = gpu.bf16_flops * hardware.TRAIN_MFU * lay.tp * lay.pp
     total = 0.0
     for m in range(lay.minibatches):
@@ -148,26 +163,52 @@ def train_step_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape, 
         sub = lens[ids]
         mbs = allocate_micro_batches(sub, lay.micro_batch_tokens, n_groups=lay.dp)
         per_rank = len(mbs) // lay.dp
-        rank_flops = []
+        rank_seconds = []
         for r in range(lay.dp):
             rank = [i for mb in mbs[r * per_rank:(r + 1) * per_rank] for i in mb]
-            rank_flops.append(passes * forward_flops(shape, float(sub[rank].sum()), float((sub[rank] ** 2).sum())))
+            tokens = float(sub[rank].sum())
+            rank_seconds.append(passes * forward_flops(shape, tokens, float((sub[rank] ** 2).sum())) / rate
+                                + ep_alltoall_seconds(shape, gpu, lay, tokens, alltoall_rounds))
         bubble = (lay.pp - 1) / max(per_rank, 1)
-        total += max(rank_flops) / rate * (1 + bubble) + dp_sync_seconds(shape, gpu, lay)
+        total += max(rank_seconds) * (1 + bubble) + dp_sync_seconds(shape, gpu, lay)
     if lay.reference:   # one forward pass of the reference model over every sequence, on each replica
-        total += forward_flops(shape, float(lens.sum()), float((lens.astype(np.float64) ** 2).sum())) / rate
+        total += forward_flops(shape, float(lens.sum()), float((lens.astype(np.float64) ** 2).sum())) / rate \
+            + ep_alltoall_seconds(shape, gpu, lay, float(lens.sum()), 1)
     return total
 
 
+def ep_alltoall_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape, tokens: float, rounds: int) -> float:
+    """The expert-parallel all-to-alls of `rounds` passes (forward, backward, recompute, log-probs) over a
+    replica's `tokens` tokens: in each pass each sparse layer dispatches every token's bf16 hidden state to its
+    experts_per_token experts and combines their outputs back (Megatron's alltoall dispatcher sends one copy per
+    routed expert), 2 x k x hidden x 2 bytes a token, of which (ep - 1) / ep leave the GPU; the tokens are the
+    replica's, spread over its tp x pp GPUs (each pipeline stage has its own layers). The expert-parallel
+    group is tp x ep consecutive ranks (Megatron's rank order tp-cp-ep-dp-pp): NVLink while it fits in a
+    node, else each GPU's share of the node's network."""
+    if lay.ep <= 1 or not shape.sparse_layers:
+        return 0.0
+    per_gpu_tokens = tokens / lay.tp
+    sent = rounds * (shape.sparse_layers / lay.pp) * 2 * shape.experts_per_token * shape.hidden * 2 \
+        * per_gpu_tokens * (lay.ep - 1) / lay.ep
+    within = lay.tp * lay.ep <= lay.gpus_per_node
+    bw = (gpu.nvlink_bytes_per_s / 2 * hardware.NVLINK_EFFICIENCY if within
+          else hardware.ROCE_NODE_BYTES_PER_S / lay.gpus_per_node * hardware.NIC_EFFICIENCY)
+    return sent / bw
+
+
 def dp_sync_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape) -> float:
-    """Reduce-scatter of float32 gradients and all-gather of bf16 weights over the data-parallel group (ring)."""
+    """Reduce-scatter of float32 gradients and all-gather of bf16 weights (ring): everything but the experts over
+    the data-parallel group, a rank's experts (1 / (tp x pp x ep) of them) over the expert data-parallel group
+    of dp / ep ranks."""
     if lay.dp == 1:
         return 0.0
-    rank_params = shape.params / (lay.tp * lay.pp)
+    dense = shape.dense_params / (lay.tp * lay.pp)
+    experts = shape.expert_params / (lay.tp * lay.pp * lay.ep)
+    edp = lay.dp // lay.ep
     across_nodes = lay.dp * lay.tp * lay.pp > lay.gpus_per_node
     bw = (hardware.ROCE_NODE_BYTES_PER_S / lay.gpus_per_node * hardware.NIC_EFFICIENCY if across_nodes
           else gpu.nvlink_bytes_per_s / 2 * hardware.NVLINK_EFFICIENCY)
-    return (4 + 2) * rank_params * (lay.dp - 1) / lay.dp / bw
+    return (4 + 2) * (dense * (lay.dp - 1) / lay.dp + experts * (edp - 1) / edp) / bw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,9 +228,14 @@ class WeightSync:
 
 
 def weight_sync(shape: ModelShape, gpu: hardware.GPU, tp: int, pp: int, gpus_per_node: int, across_nodes: bool,
-                bucket_bytes: int = 64 << 20) -> WeightSync:
+                bucket_bytes: int = 64 << 20, ep: int = 1) -> WeightSync:
+    """The export gathers the stage's weights to its first rank: all but the experts from its tp ranks, the
+    experts from its tp x ep ranks (over the network when those span more than a node)."""
     stage_bytes = shape.params * 2 / pp
-    gather = stage_bytes * (1 - 1 / tp) / (gpu.nvlink_bytes_per_s / 2 * hardware.NVLINK_EFFICIENCY)
+    gathered = (shape.dense_params * (1 - 1 / tp) + shape.expert_params * (1 - 1 / (tp * ep))) * 2 / pp
+    gather_bw = (gpu.nvlink_bytes_per_s / 2 * hardware.NVLINK_EFFICIENCY if tp * ep <= gpus_per_node
+                 else hardware.ROCE_NODE_BYTES_PER_S / gpus_per_node * hardware.NIC_EFFICIENCY)
+    gather = gathered / gather_bw
     pcie = gpu.pcie_bytes_per_s * hardware.PCIE_EFFICIENCY
     to_host = stage_bytes / pcie
     link = (hardware.ROCE_NODE_BYTES_PER_S / gpus_per_node * hardware.NIC_EFFICIENCY if across_nodes

@@ -17,6 +17,14 @@ frozen reference model is a second engine of the same layout: its weights, plus 
 and main-weight shard Megatron allocates for any engine it builds (never used: the reference only computes
 log-probs).
 
+Mixture of experts (Qwen3-MoE): expert parallelism splits each sparse layer's experts over ep ranks (expert
+tensor parallelism tp, Megatron's default), so a rank holds 1 / (tp x ep) of the experts and 1 / tp of the
+rest; the distributed optimizer shards the experts' states over the expert data-parallel group (dp / ep
+ranks), the rest over dp. A sparse layer saves its router's float32 logits, each token's k dispatched copies
+of its hidden state and the experts' outputs before they are combined (split only by sequence parallelism),
+and each copy's expert activations (gate and up outputs, SiLU, the down projection's input; split by tensor
+parallelism).
+
 Rollout (SGLang): weights over tp GPUs; the KV pool is what `mem_fraction_static` of the GPU leaves after
 the weights (SGLang sizes it so), hence the most answers of the configured length that fit at once.
 """
@@ -53,6 +61,7 @@ class TrainerLayout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1                       # expert parallelism (a mixture-of-experts model's experts over ep ranks)
     bf16: bool = True
     distributed_optimizer: bool = True
     sequence_parallel: bool = False
@@ -105,25 +114,44 @@ class GroupMemory:
                 f"{self.capacity / hardware.GB:.0f} GB it has; largest term: {name} {size / hardware.GB:.1f} GB")
 
 
-def activation_elements_per_token(shape: ModelShape) -> tuple[int, int]:
-    """Saved activation elements of one layer per token: (hidden-sized ones that only sequence parallelism
-    splits, ones tensor parallelism splits). Hidden-sized: both norms' inputs and both blocks' linear
-    inputs. Split: q, k, v after RoPE and their RoPE inputs, the attention output (the projection's input),
-    the MLP's gate and up outputs, SiLU(gate) and the down projection's input."""
-    h, kv, f = shape.hidden, shape.kv_dim, shape.intermediate
-    return 4 * h, (h + 2 * kv) + (h + kv) + h + 2 * f + f + f
+def activation_elements_per_token(shape: ModelShape) -> tuple[float, float]:
+    """Saved activation elements of one layer per token, on average over the layers: (ones that only sequence
+    parallelism splits, ones tensor parallelism splits). Hidden-sized: both norms' inputs and both blocks'
+    linear inputs. Split: q, k, v after RoPE and their RoPE inputs, the attention output (the projection's
+    input), the MLP's gate and up outputs, SiLU(gate) and the down projection's input. A sparse layer has,
+    instead of the MLP's, its router's float32 logits (2 elements an expert) and the k dispatched copies of
+    the token and the k expert outputs (hidden-sized), and each copy's gate, up, SiLU and down input."""
+    h, q, kv, f = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
+    attention = (q + 2 * kv) + (q + kv) + q
+    dense_mlp = 2 * f + f + f
+    sparse = shape.sparse_layers / shape.layers
+    k, fe = shape.experts_per_token, shape.moe_intermediate
+    shared = 4 * h + sparse * (2 * shape.experts + 2 * k * h)
+    return shared, attention + (1 - sparse) * dense_mlp + sparse * k * 4 * fe
+
+
+def stage_params(shape: ModelShape, pp: int) -> tuple[float, float]:
+    """(everything but the experts, the experts) of the most loaded pipeline stage: its layers, with the
+    embedding table and the output table (both on a single stage, or tied)."""
+    layers_per_stage = -(-shape.layers // pp)
+    experts = shape.expert_params * layers_per_stage / shape.layers
+    stage = layers_per_stage * shape.layer_params + shape.embedding_params * (1 if pp > 1 or shape.tied else 2)
+    return stage - experts, experts
 
 
 def trainer_terms(shape: ModelShape, lay: TrainerLayout) -> dict[str, float]:
     """Bytes on the most loaded rank (a pipeline stage with an embedding table, the stage sender)."""
     t, p = lay.tp, lay.pp
     layers_per_stage = -(-shape.layers // p)
-    stage_params = layers_per_stage * shape.layer_params + shape.embedding_params * (1 if p > 1 or shape.tied else 2)
-    rank_params = stage_params / t
+    stage_dense, stage_experts = stage_params(shape, p)
+    rank_dense, rank_experts = stage_dense / t, stage_experts / (t * lay.ep)
+    rank_params = rank_dense + rank_experts
     wbytes = 2 if lay.bf16 else 4
-    # Megatron's optimizer: float32 main weights (bf16 only) plus Adam's two moments, sharded over dp.
+    # Megatron's optimizer: float32 main weights (bf16 only) plus Adam's two moments, sharded over dp (the
+    # experts' over the expert data-parallel group, dp / ep).
     opt_bytes = (4 if lay.bf16 else 0) + 8
-    optimizer = rank_params * opt_bytes / (lay.dp if lay.distributed_optimizer else 1)
+    optimizer = opt_bytes * (rank_dense / (lay.dp if lay.distributed_optimizer else 1)
+                             + rank_experts / (lay.dp // lay.ep if lay.distributed_optimizer else 1))
     s = lay.micro_batch_tokens
     shared, split = activation_elements_per_token(shape)
     sp = lay.sequence_parallel and t > 1
@@ -142,9 +170,8 @@ def trainer_terms(shape: ModelShape, lay: TrainerLayout) -> dict[str, float]:
              "activations": activations, "logits": logits}
     if lay.reference:
         # weights, Megatron's float32 gradient buffer, and (bf16) the distributed optimizer's float32 main-weight shard
-        terms["reference model"] = rank_params * (wbytes + 4 + (4 / (lay.dp if lay.distributed_optimizer else 1)
-                                                                if lay.bf16 else 0))
-    terms["publish transient"] = min(PUBLISH_BUCKETS_ON_GPU * lay.bucket_bytes, 2 * stage_params * 2)
+        terms["reference model"] = rank_params * (wbytes + 4) + (4 * optimizer / opt_bytes if lay.bf16 else 0)
+    terms["publish transient"] = min(PUBLISH_BUCKETS_ON_GPU * lay.bucket_bytes, 2 * (stage_dense + stage_experts) * 2)
     terms["CUDA/NCCL reserve"] = hardware.PROCESS_RESERVE_BYTES
     return terms
 
@@ -174,9 +201,7 @@ def kept_bytes(shape: ModelShape, lay: TrainerLayout) -> float:
     """Page-locked host memory of the export sender's published buckets (bf16 weights of its stage): the kept
     versions (direct weights: KEPT_VERSIONS, or at most `weights_kept_mb` and never less than one), else the
     version on its way to the parameter server."""
-    layers_per_stage = -(-shape.layers // lay.pp)
-    stage_params = layers_per_stage * shape.layer_params + shape.embedding_params * (1 if lay.pp > 1 or shape.tied else 2)
-    version = stage_params * 2
+    version = sum(stage_params(shape, lay.pp)) * 2
     if not lay.keeps_weights:
         return version
     return KEPT_VERSIONS * version if lay.kept_bytes is None else max(float(lay.kept_bytes), version)
@@ -199,6 +224,7 @@ def trainer_layout(cfg: TrainerSettings, keeps_weights: bool) -> TrainerLayout:
     parallel = cfg.instance.parallel
     megatron = cfg.backend == "megatron"
     return TrainerLayout(tp=parallel.get("tp", 1), pp=parallel.get("pp", 1), dp=parallel.get("dp", 1),
+                         ep=parallel.get("ep", 1),
                          # Megatron runs on GPUs, where bf16 is on unless the settings turn it off
                          bf16=megatron and cfg.bf16 is not False, distributed_optimizer=megatron,
                          sequence_parallel=megatron and cfg.sequence_parallel,

@@ -29,6 +29,10 @@ Sources (AReaL's repository, github.com/inclusionAI/AReaL):
   v0.3.0 share `sglang.d{N/2}p1m1+d{N/4}p2m1` and differ in eta (4) and the decoupled loss. So the 2.77x is
   async (eta 4) over sync (eta 0) on the same split, a ratio of mean step times over a run, which is what
   `SPEEDUP_RUNS` computes (steady-state steps, not the first).
+* Mixture of experts (`NEMO_RL_30B_A3B`): NeMo-RL's performance page (docs/about/performance-summary.md, "NeMo
+  RL v0.6", H100 BF16) gives GRPO on Qwen3-30B-A3B, 8-step off-policy, 192 GPUs, 34.5 s a step; its recipe
+  examples/configs/recipes/llm/performance/grpo-qwen3-30ba3b-24n8g-async-8off.yaml at tag v0.6.0 (over
+  grpo-qwen3-30ba3b-4n8g.yaml and examples/configs/grpo_math_1B.yaml) gives the setup `moe_rows` simulates.
 """
 from __future__ import annotations
 
@@ -60,6 +64,7 @@ class Layout:
     pp: int
     #: share of the GPUs generating (AReaL's v0.2 configs: half)
     rollout_share: float = 0.5
+    ep: int = 1
 
 
 LAYOUTS = {"1.5B": Layout(server_tp=1, tp=1, pp=2), "7B": Layout(server_tp=1, tp=1, pp=2),
@@ -102,9 +107,11 @@ class AReaLDispatch(BufferState):
 
 def cluster(model: str, nodes: int, group_size: int, *, batch: int = 512, max_new: int = MAX_NEW_TOKENS,
             lay: Layout | None = None, rollout_share: float | None = None, eta: int = 4,
-            gpus_per_node: int = 8) -> setup.Setup:
+            gpus_per_node: int = 8, gpu: str = "H800", micro_batch_tokens: int = MICRO_BATCH_TOKENS,
+            recompute: str = "full", kl_coef: float = 0.0, buffer: dict[str, Any] | None = None) -> setup.Setup:
     """A Setup like the one `setup.read` makes from a topology, for AReaL's allocation of `model` on `nodes`
-    (`rollout_share` moves the split in whole servers and whole trainer replicas)."""
+    (`rollout_share` moves the split in whole servers and whole trainer replicas); the keywords after
+    `gpus_per_node` describe another system's run (`moe_rows`)."""
     lay = lay or LAYOUTS[model]
     total = nodes * gpus_per_node
     share = lay.rollout_share if rollout_share is None else rollout_share
@@ -114,28 +121,30 @@ def cluster(model: str, nodes: int, group_size: int, *, batch: int = 512, max_ne
     servers = infer // lay.server_tp
     experiment: dict[str, Any] = {
         "algo": {"batch_size": batch, "group_size": group_size, "eta": eta, "ppo_minibatches": 4,
-                 "max_tokens_per_mb": MICRO_BATCH_TOKENS},
+                 "max_tokens_per_mb": micro_batch_tokens, "kl_coef": kl_coef},
         "gen": {"max_new_tokens": max_new, "interruptible": True},
         # AReaL's controller hands out up to max_concurrent_rollouts (default: the batch) prompts at once.
-        "buffer": {"max_groups_per_rollout": max(1, math.ceil(batch / max(servers, 1))),
-                   "max_concurrent_groups": batch}}
-    trainer = {**experiment, "backend": "megatron", "sequence_parallel": lay.tp > 1, "recompute": "full",
+        "buffer": buffer if buffer is not None else {"max_groups_per_rollout": max(1, math.ceil(batch / max(servers, 1))),
+                                                     "max_concurrent_groups": batch}}
+    trainer = {**experiment, "backend": "megatron", "sequence_parallel": lay.tp > 1, "recompute": recompute,
                "logprob_chunk_tokens": 4096,
-               "instance": {"parallel": {"tp": lay.tp, "pp": lay.pp, "dp": train // unit}}}
+               "instance": {"parallel": {"tp": lay.tp, "pp": lay.pp, "dp": train // unit, "ep": lay.ep}}}
     rollout = {**experiment, "engine": "sglang", "sglang": {"mem_fraction_static": 0.8},
                "instance": {"parallel": {"tp": lay.server_tp}}}
     groups = [setup.Group("rollout", "rollout", servers, lay.server_tp, RolloutSettings.model_validate(rollout),
                           "cuda"),
               setup.Group("trainer", "trainer", train, 1, TrainerSettings.model_validate(trainer), "cuda")]
-    return setup.Setup(BUILTIN[model], hardware.GPUS["H800"], gpus_per_node, groups,
+    return setup.Setup(BUILTIN[model], hardware.GPUS[gpu], gpus_per_node, groups,
                        ExperimentConfig.model_validate(experiment), reward_actors=nodes)
 
 
 def run(found: setup.Setup, *, eta: int, steps: int, seeds: int, rules: type[BufferState] = AReaLDispatch,
-        rollout_gpus: int | None = None) -> dict[str, Any]:
-    """`seeds` simulations of `steps` steps (the first is warm-up); mean and spread of the figures."""
+        rollout_gpus: int | None = None, **fields: Any) -> dict[str, Any]:
+    """`seeds` simulations of `steps` steps (the first is warm-up); mean and spread of the figures. `fields`
+    replace the simulation's (SimConfig) fields, e.g. another system's answer lengths."""
     results = [sim.simulate(dataclasses.replace(setup.sim_config(found, eta=eta, steps=steps, seed=s,
-                                                                 rollout_gpus=rollout_gpus), buffer_rules=rules))
+                                                                 rollout_gpus=rollout_gpus), buffer_rules=rules,
+                                                **fields))
                for s in range(seeds)]
     step = [r.step_time for r in results]
     summ = [r.summary() for r in results]
@@ -195,6 +204,48 @@ def speedup_rows(steps: int, seeds: int, models: tuple[str, ...] = tuple(LAYOUTS
     return out
 
 
+#: NeMo-RL's GRPO run of Qwen3-30B-A3B, 8-step off-policy (its performance page, NeMo RL v0.6, H100 BF16 table:
+#: T-Max Sequence Length 4,096, G-Average Seq len 3,206, 192 GPUs, G-GBS 2,048, T-GBS 512, generation [TP 2, PP 1],
+#: training [TP 1, CP 1, EP 8, PP 1], 1,025 tokens/s/GPU, 34.5 s a step). The recipe at v0.6.0
+#: (grpo-qwen3-30ba3b-24n8g-async-8off.yaml over grpo-qwen3-30ba3b-4n8g.yaml and grpo_math_1B.yaml): 24 nodes
+#: of 8 H100, generation on 8 of them (vLLM, tp 2, gpu_memory_utilization 0.8, not colocated), training on the
+#: other 16 (Megatron, tp 1, ep 8, so dp 128); 64 prompts x 32 answers a step; train_global_batch_size 512, so
+#: 4 optimizer steps a step; max_trajectory_age_steps 8 with in-flight weight updates; sequence packing,
+#: 4,096 tokens a micro-batch (train_micro_batch_size 1 x max_total_sequence_length); no activation
+#: checkpointing; reference_policy_kl_penalty 0.01 (a reference model's log-probs every step); the alltoall
+#: token dispatcher; OpenMathInstruct-2. Not published: the prompts' length (the planner takes its AReaL
+#: figure, 108 tokens) and the share of answers cut at the limit.
+NEMO_RL_30B_A3B = {"nodes": 24, "gpu": "H100", "layout": Layout(server_tp=2, tp=1, pp=1, rollout_share=64 / 192, ep=8),
+                   "batch": 64, "group": 32, "eta": 8, "max_total_tokens": 4096, "mean_total_tokens": 3206,
+                   "micro_batch_tokens": 4096, "recompute": "none", "kl_coef": 0.01, "published_s": 34.5}
+
+
+def moe_rows(steps: int, seeds: int) -> list[dict[str, Any]]:
+    """NeMo-RL's Qwen3-30B-A3B run (`NEMO_RL_30B_A3B`) simulated on this project's actors: the same GPUs, split,
+    parallelism, batch, staleness bound and sequence lengths, without and with the KL penalty's reference pass
+    (this trainer computes it over the whole batch on every data-parallel replica, NeMo-RL's over each
+    replica's share). The answers: a lognormal with the published mean (less the prompt) at the cut, of the
+    7B's spread (`sim.SIGMA_7B`). The buffer's own defaults (8 groups a rollout, under its KV pool; the
+    staleness gate, not the batch, bounds the groups in flight), as NeMo-RL's generation runs up to 8 steps
+    ahead."""
+    g = NEMO_RL_30B_A3B
+    prompt = sim.PROMPT_TOKENS
+    max_new = g["max_total_tokens"] - prompt
+    lengths = {"kind": "lognormal", "mean_tokens_at_cut": g["mean_total_tokens"] - prompt, "sigma": sim.SIGMA_7B,
+               "cut": max_new}
+    out = []
+    for kl in (0.0, g["kl_coef"]):
+        found = cluster("30B-A3B", g["nodes"], g["group"], batch=g["batch"], max_new=max_new, lay=g["layout"],
+                        eta=g["eta"], gpu=g["gpu"], micro_batch_tokens=g["micro_batch_tokens"],
+                        recompute=g["recompute"], kl_coef=kl, buffer={})
+        r = run(found, eta=g["eta"], steps=steps, seeds=seeds, rules=BufferState, lengths=lengths,
+                prompt_tokens=prompt)
+        out.append({"run": "NeMo-RL Qwen3-30B-A3B, 8-step off, 192 H100", "kl_coef": kl, **r,
+                    "published_s": g["published_s"], "ratio": r["step_s"] / g["published_s"],
+                    "memory_problems": [m.problem() for m in setup.group_memory(found) if not m.fits]})
+    return out
+
+
 def split_sweep(steps: int, seeds: int, splits: tuple[float, ...] | None = None,
                 etas: tuple[int, ...] | None = None) -> list[dict[str, Any]]:
     """The split and eta sweep (tools.plan's) on AReaL's 7B run on 16 nodes, with this project's buffer rules
@@ -209,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3, help="simulations per figure (mean, min-max)")
     ap.add_argument("--parts", default="tutorial,log,speedup",
                     help="comma-separated: tutorial (the step-time table), log (the tutorial's 7B log), speedup "
-                         "(async over sync), sweep (splits 25-87.5 %% and eta 0-16, 7B on 16 nodes; long)")
+                         "(async over sync), moe (NeMo-RL's Qwen3-30B-A3B run), sweep (splits 25-87.5 %% and "
+                         "eta 0-16, 7B on 16 nodes; long)")
     ap.add_argument("--splits", help="sweep: comma-separated shares of GPUs generating (default 0.25,0.375,...,0.875)")
     ap.add_argument("--etas", help="sweep: comma-separated etas (default 0,1,2,4,8,16)")
     ap.add_argument("--models", help="comma-separated model sizes whose rows to run (default: all of "
@@ -220,9 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         print("--steps must be >= 2 (the first step is warm-up) and --seeds >= 1", file=sys.stderr)
         return 2
     parts = set(args.parts.split(","))
-    unknown = parts - {"tutorial", "log", "speedup", "sweep"}
+    unknown = parts - {"tutorial", "log", "speedup", "moe", "sweep"}
     if unknown:
-        print(f"--parts: {', '.join(sorted(unknown))} not one of tutorial, log, speedup, sweep", file=sys.stderr)
+        print(f"--parts: {', '.join(sorted(unknown))} not one of tutorial, log, speedup, moe, sweep", file=sys.stderr)
         return 2
     models = tuple(args.models.split(",")) if args.models else tuple(LAYOUTS)
     if unknown_models := [m for m in models if m not in LAYOUTS]:
@@ -250,10 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     log = log_row(args.steps, args.seeds) if "log" in parts and LOG_RUN["model"] in models else None
     print("async over sync", file=sys.stderr, flush=True)
     speed = speedup_rows(max(args.steps, 12), args.seeds, models) if "speedup" in parts else []
+    moe = moe_rows(max(args.steps, 12), args.seeds) if "moe" in parts else []
     sweep_rows = split_sweep(max(args.steps, 12), args.seeds, splits, etas) if "sweep" in parts else []
     if args.json:
         print(json.dumps({"steps": args.steps, "seeds": args.seeds, "tutorial": table, "log": log, "speedup": speed,
-                          "sweep": sweep_rows}, indent=1))
+                          "moe": moe, "sweep": sweep_rows}, indent=1))
         return 0
     print("| run (AReaL's layout: inference/training GPUs) | generation | training | weights | predicted step "
           "(min-max over seeds) | published | ratio | throughput predicted / published |")
@@ -276,6 +329,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['model']} on {r['nodes']} nodes | {r['sync']['step_s']:,.0f} s | {r['async']['step_s']:,.0f} s "
               f"({r['eta']}) | {r['speedup']:.2f}x ({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | "
               f"{r['published']:.2f}x |")
+    if moe:
+        print()
+        print("| mixture of experts (inference/training GPUs) | KL reference pass | training | predicted step "
+              "(min-max) | published | ratio |")
+        print("|---|---|---|---|---|---|")
+        for r in moe:
+            print(f"| {r['run']} ({r['split']}) | {'yes' if r['kl_coef'] else 'no'} | {r['train_s']:,.1f} s | "
+                  f"{r['step_s']:,.1f} s ({r['step_s_min']:,.1f}-{r['step_s_max']:,.1f}) | {r['published_s']} s | "
+                  f"{r['ratio']:.2f} |")
     if sweep_rows:
         print()
         print("| GPUs generating | " + " | ".join(f"eta {e}" for e in sorted({r['eta'] for r in sweep_rows})) + " |")

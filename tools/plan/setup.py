@@ -149,7 +149,7 @@ def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None
     if on_cpus(setup):
         return _cpu_sim_config(setup, tr, ro, eta, steps, seed, measured, workload)
     par = tr.settings.instance.parallel
-    tp, pp = par.get("tp", 1), par.get("pp", 1)
+    tp, pp, ep = par.get("tp", 1), par.get("pp", 1), par.get("ep", 1)
     server_tp = ro.settings.instance.parallel.get("tp", 1)
     train_gpus, infer_gpus = tr.count * max(tr.gpus_each, 1), ro.count * max(ro.gpus_each, 1)
     total = train_gpus + infer_gpus
@@ -162,11 +162,14 @@ def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None
     if servers < 1 or dp < 1:
         raise ValueError(f"a split of {infer_gpus} inference and {train_gpus} training GPUs leaves no "
                          f"{'server' if servers < 1 else 'trainer replica'}")
+    if dp % ep:
+        raise ValueError(f"a split of {train_gpus} training GPUs gives dp {dp}, which expert parallelism {ep} "
+                         f"does not divide")
     rollout_mem = memory.rollout_memory(ro.name, setup.shape, memory.rollout_layout(ro.settings), setup.gpu.memory_bytes)
     lay = memory.trainer_layout(tr.settings, False)
     return SimConfig(
         shape=setup.shape, gpu=setup.gpu, gpus_per_node=setup.gpus_per_node, servers=servers, server_tp=server_tp,
-        trainer=TrainerShape(tp=tp, pp=pp, dp=dp, micro_batch_tokens=lay.micro_batch_tokens,
+        trainer=TrainerShape(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch_tokens=lay.micro_batch_tokens,
                              minibatches=algo.ppo_minibatches, recompute=lay.recompute,
                              gpus_per_node=setup.gpus_per_node, reference=algo.kl_coef > 0),
         batch_size=algo.batch_size, group_size=algo.group_size,

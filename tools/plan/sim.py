@@ -417,7 +417,8 @@ class Simulation:
         self.pushing: tuple[int, list[str], float] | None = None   # (version, members, started)
         self.sync = cfg.measured.weights_s if cfg.measured else None
         self.weight_sync = None if cfg.measured else costs.weight_sync(
-            cfg.shape, cfg.gpu, cfg.trainer.tp, cfg.trainer.pp, cfg.gpus_per_node, cfg.weights_across_nodes)
+            cfg.shape, cfg.gpu, cfg.trainer.tp, cfg.trainer.pp, cfg.gpus_per_node, cfg.weights_across_nodes,
+            ep=cfg.trainer.ep)
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = 0
         self.groups: dict[str, _Group] = {}
