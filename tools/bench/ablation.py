@@ -155,7 +155,7 @@ def plot_methods(cells: list[dict[str, Any]], path: Path, plt: Any) -> None:
     methods = list(dict.fromkeys(method(c) for c in cells))
     etas = sorted({c["eta"] for c in cells})
     width = 0.8 / len(etas)
-    fig, ax = plt.subplots(figsize=(max(8, 0.75 * len(methods) * len(etas) + 2), 4.5))
+    fig, ax = plt.subplots(figsize=(max(8, 0.4 * len(methods) * len(etas) + 2), 4.5))
     for j, eta in enumerate(etas):
         for i, m in enumerate(methods):
             gains = [100 * (c["final_accuracy"] - (c["start_accuracy"] or 0.0)) for c in cells
