@@ -32,7 +32,7 @@ gives.) The engine is used by one of them at a time (``_engine_lock``): an expor
 eta = 0 (synchronous) each step waits for its version to be published and reach every rollout.
 
 The parts: the step's math in actors/trainer/step.py, its metrics in actors/trainer/metrics.py, the other
-ranks' loop in actors/trainer/rank_group.py, the weights path in actors/weight_sync/.
+ranks' loop in actors/trainer/followers.py (their channel: actors/runtime/rank_group.py), the weights path in actors/weight_sync/.
 
 Versions count training steps; the engine's own optimizer-step counter (several per step) only drives
 the learning-rate schedule. The run ends after `run.total_steps` with a final checkpoint and RunFinished
@@ -54,7 +54,8 @@ from actors.runtime.base import Actor, ActorSpec, handles
 from actors.batch import shares as batch_shares
 from actors.engines.base import TrainEngine, require_device
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
-from actors.trainer.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup, follow_rank0
+from actors.runtime.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup
+from actors.trainer.followers import follow_rank0
 from actors.runtime.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, held_start_weights, mark_complete,
                              mark_run_finished, prune_checkpoints, recovering, restarted_in_place)
 from actors.runtime.threads import in_thread

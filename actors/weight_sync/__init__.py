@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from actors.trainer.rank_group import RankGroup
+from actors.runtime.rank_group import RankGroup
 from actors.runtime.recovery import start_weights
 from topology.settings import ParamServerSettings, RolloutSettings, TrainerSettings
 from transport.bulk import BulkLink, LinkConfig
