@@ -732,8 +732,8 @@ def test_a_restarted_peer_is_told_once_before_its_first_message_and_a_paused_one
                             on_peer_alive=lambda n: alive.done() or alive.set_result(n),
                             on_peer_restarted=lambda n: seen.append(("restarted", n))).start()
         pings: list[str] = []                   # the incarnations the watcher's pings from "peer" carried
-        note = watcher._note_incarnation
-        watcher._note_incarnation = lambda p, inc: (pings.append(inc), note(p, inc))   # type: ignore[method-assign]
+        note = watcher.liveness.incarnation
+        watcher.liveness.incarnation = lambda p, inc: (pings.append(inc), note(p, inc))[1]   # type: ignore[method-assign]
 
         def start_peer(n: int) -> subprocess.Popen:
             return subprocess.Popen([sys.executable, "-W", "ignore", "-c", PEER_PROCESS, peer_ep, watcher_ep, str(n)],
@@ -795,7 +795,7 @@ def test_a_watcher_whose_own_loop_was_blocked_declares_no_live_peer_dead(tmp_pat
             time.sleep(1.5)     # the watcher's loop blocked: three heartbeat timeouts
             unblocked = time.monotonic()
             await poll_until(lambda: watcher.stats["heartbeat_stalled"] == 1, timeout=60, what="the stalled tick")
-            await poll_until(lambda: watcher._peers["peer"].last_seen > unblocked, timeout=60,
+            await poll_until(lambda: watcher.liveness.peers["peer"].last_seen > unblocked, timeout=60,
                              what="the peer's pings read after the stall")
             assert not dead.done() and watcher.peer_alive("peer") and watcher.stats["peer_dead"] == 0
             assert [e for _, e, _ in log.events if e == "heartbeat_stalled"] == ["heartbeat_stalled"]
