@@ -827,13 +827,13 @@ def test_an_actor_cannot_announce_another_ones_restart(tmp_path: Any) -> None:
                             on_peer_restarted=restarted.append).start()
         peer = await Bus("peer", peer_ep, {"watcher": watcher_ep}, handler=echo_handler, roles=roles,
                          tokens=tokens("peer"), heartbeat_interval=0.05).start()
-        await until(lambda: watcher._peers["peer"].incarnation == peer.incarnation)
+        await until(lambda: watcher.liveness.peers["peer"].incarnation == peer.incarnation)
         # the worker's token, the peer's name: its pings say the peer is a new process
         impostor = await Bus("peer", "tcp://127.0.0.1:*", {"watcher": watcher_ep}, tokens=tokens("worker"),
                              heartbeat_interval=0.05).start()
         await until(lambda: watcher.rejected["spoofed_sender"] >= 3)
         assert restarted == [] and watcher.stats["peer_restarted"] == 0
-        assert watcher._peers["peer"].incarnation == peer.incarnation != impostor.incarnation
+        assert watcher.liveness.peers["peer"].incarnation == peer.incarnation != impostor.incarnation
         for bus in (impostor, peer, watcher):
             await bus.close()
 
@@ -848,15 +848,15 @@ def test_a_peer_re_pointed_to_a_new_process_is_a_restart_and_one_re_pointed_befo
         watcher = await Bus("watcher", watcher_ep, {"peer": f"ipc://{tmp_path}/a"}, heartbeat_interval=0.05,
                             heartbeat_timeout=5.0, on_peer_restarted=restarted.append).start()
         a = await Bus("peer", f"ipc://{tmp_path}/a", {"watcher": watcher_ep}, heartbeat_interval=0.05).start()
-        await until(lambda: watcher._peers["peer"].incarnation == a.incarnation)
+        await until(lambda: watcher.liveness.peers["peer"].incarnation == a.incarnation)
         await a.close()
         watcher.add_peer("peer", f"ipc://{tmp_path}/b")
         b = await Bus("peer", f"ipc://{tmp_path}/b", {"watcher": watcher_ep}, heartbeat_interval=0.05).start()
         await until(lambda: restarted == ["peer"])
-        assert watcher._peers["peer"].incarnation == b.incarnation and watcher.stats["peer_restarted"] == 1
+        assert watcher.liveness.peers["peer"].incarnation == b.incarnation and watcher.stats["peer_restarted"] == 1
         watcher.add_peer("other", f"ipc://{tmp_path}/c")          # a name never heard from: nothing to compare
         c = await Bus("other", f"ipc://{tmp_path}/c", {"watcher": watcher_ep}, heartbeat_interval=0.05).start()
-        await until(lambda: watcher._peers["other"].incarnation == c.incarnation)
+        await until(lambda: watcher.liveness.peers["other"].incarnation == c.incarnation)
         assert restarted == ["peer"]
         for bus in (c, b, watcher):
             await bus.close()
