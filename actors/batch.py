@@ -10,6 +10,7 @@ trainer rank gets only the sequences it trains on (`shares`). Pure functions of 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,18 @@ from transport.protocol import BatchTensors, BufferStats, Sample
 BATCH_FRAME_BYTES = 64 << 20
 
 TOKEN_COLUMNS = ("prompt_ids", "output_ids", "logprobs", "versions")
+
+# The `versions` entry of a token no weights sampled (an episode's observation tokens, actors/rollout/episode.py),
+# as prompts have in training: such tokens are never trained or graded.
+ENV_VERSION = -1
+
+
+def generated_ids(output_ids: Sequence[int], versions: Sequence[int]) -> list[int]:
+    """The tokens a model generated among an answer's: those whose version is not `ENV_VERSION` (what a
+    grader reads). Lists that do not line up are taken whole (an answer from before episodes)."""
+    if len(versions) != len(output_ids):
+        return list(output_ids)
+    return [t for t, v in zip(output_ids, versions) if v != ENV_VERSION]
 
 
 @dataclass

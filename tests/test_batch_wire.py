@@ -144,7 +144,7 @@ def test_a_rank_trains_on_its_share_exactly_as_on_the_whole_batch(kl_coef: float
 
 
 def _rank_main(rank: int, world: int, store: str, batch_path: str, out: Any) -> None:
-    from actors.trainer.rank_group import RankGroup
+    from actors.runtime.rank_group import RankGroup
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         group = RankGroup(timeout_s=120)

@@ -17,7 +17,7 @@ from actors.engines.base import SamplingParams
 from actors.evaluator.evaluation import EvalError
 from actors.evaluator.actor import (EVAL_FILE, RolloutsUnavailable, answer_on_rollouts, eval_entry, evaluated_versions,
                               rollout_generator, skipped_versions, spread_over_levels, weights_on_disk)
-from actors.param_server.actor import kept_for_eval
+from actors.param_server.eval_store import kept_for_eval
 from tools.bench.chaos import finish_run, launch, make_assets, ready_info, run_guard, step_records, wait_for_step
 from testsupport.bounded import run_bounded
 from tools.plot import _plot_evals, eval_accuracy, plot_run

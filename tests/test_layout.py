@@ -158,3 +158,53 @@ def test_the_cycle_check_sees_imports_inside_functions_and_relative_ones(tmp_pat
     graph = module_graph(tmp_path)
     assert graph["actors.b"] == {"actors.a": 2} and graph["actors.sub.c"] == {"actors.sub.d": 1}
     assert sorted(import_cycles(graph)) == [["actors.a", "actors.b"], ["actors.sub.c", "actors.sub.d"]]
+
+
+# Inside actors/: each part (a subpackage, or a module at its top) -> the parts of actors/ it may import
+# (besides itself). The runtime and the parts more than one actor uses sit below the actors' packages; an
+# actor's package imports no other actor's, but for the reward's graders and sandbox (the rollout's
+# environments, the evaluator and the dataset use them) and the rollout's episodes (the evaluator runs them).
+# The rules form no cycle, so every part has a layer: docs/architecture.md draws them.
+ACTOR_PARTS = {
+    "runtime": set(),
+    "batch": set(),
+    "weights": set(),
+    "engines": {"runtime"},
+    "weight_sync": {"engines", "runtime", "weights"},
+    "reward": {"batch", "engines", "runtime"},
+    "dataset": {"reward"},
+    "buffer": {"batch", "dataset", "engines", "runtime"},
+    "trainer": {"batch", "engines", "runtime", "weight_sync"},
+    "param_server": {"runtime", "weight_sync"},
+    "rollout": {"batch", "engines", "reward", "runtime", "weight_sync", "weights"},
+    "evaluator": {"dataset", "engines", "reward", "rollout", "runtime", "weights"},
+    "launch": {"dataset", "engines", "evaluator", "runtime", "trainer"},
+}
+
+
+def actor_part(module: str) -> str | None:
+    """The part of actors/ a dotted module name is in (None: outside actors/, or the package itself)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "actors" and len(parts) > 1 else None
+
+
+def test_every_part_of_actors_has_its_place_in_the_layers() -> None:
+    parts = {p.stem if p.is_file() else p.name for p in (ROOT / "actors").iterdir()
+             if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    assert parts <= set(ACTOR_PARTS), f"place these in ACTOR_PARTS and docs/architecture.md: {sorted(parts - set(ACTOR_PARTS))}"
+
+
+def test_imports_inside_actors_flow_down_the_layers() -> None:
+    wrong = {}
+    for module, edges in module_graph(ROOT).items():
+        part = actor_part(module)
+        if part is None:
+            continue
+        bad = {actor_part(t) for t in edges} - {None, part} - ACTOR_PARTS[part]
+        if bad:
+            wrong[module] = sorted(bad)
+    assert not wrong, f"imports up the layers of actors/ (tests/test_layout.py ACTOR_PARTS): {wrong}"
+
+
+def test_the_layers_of_actors_have_no_cycle() -> None:
+    assert not import_cycles({part: {t: 0 for t in allowed} for part, allowed in ACTOR_PARTS.items()})

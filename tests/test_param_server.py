@@ -303,3 +303,47 @@ def test_a_rollout_that_restarted_during_a_failed_formation_is_not_put_on_probat
         assert actor._ready() == ["rollout.0"] and actor.counters["rollouts_on_probation"] == 1
 
     run(main())
+
+
+def test_the_evaluators_store_keeps_every_nth_version_and_wakes_a_waiting_request() -> None:
+    from collections import Counter
+
+    import torch
+
+    from actors.param_server.eval_store import EvalWeightsStore
+    from actors.weight_sync import StoredVersion
+    from transport.bulk import pack_buckets
+    from transport.protocol import EvalWeightsRequest
+
+    def stored(version: int) -> StoredVersion:
+        packed = pack_buckets([[("w", torch.full((4,), float(version)))]])
+        return StoredVersion(version, f"hash-{version}", packed, sum(p.flat.numel() for p in packed))
+
+    async def scenario() -> None:
+        counters: Counter = Counter()
+        store = EvalWeightsStore(every=2, holds_weights=True, counters=counters)
+        store.keep(stored(0))
+        store.keep(stored(1))   # not a multiple of 2: the kept one stays version 0
+        newest = lambda: 5   # noqa: E731
+        got = await store.serve(EvalWeightsRequest(version=-1, after=-1, bucket=0, timeout_s=0), newest)
+        assert (got.version, got.weights_hash, got.n_buckets, got.newest) == (0, "hash-0", 1, 5)
+        waiting = asyncio.ensure_future(store.serve(EvalWeightsRequest(version=-1, after=0, bucket=0, timeout_s=30),
+                                                    newest))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        store.keep(stored(2))
+        got = await asyncio.wait_for(waiting, 30)
+        assert got.version == 2 and torch.equal(got.flat, stored(2).packed[0].flat) and counters["eval_buckets_sent"] == 2
+        asked = await store.serve(EvalWeightsRequest(version=0, after=-1, bucket=0, timeout_s=0), newest)
+        assert asked.version == -1 and not asked.unavailable   # replaced by a newer multiple
+        closing = asyncio.ensure_future(store.serve(EvalWeightsRequest(version=-1, after=2, bucket=0, timeout_s=30),
+                                                    newest))
+        await asyncio.sleep(0)
+        store.close()   # the server drains: a waiting request returns at once, empty
+        assert (await asyncio.wait_for(closing, 30)).version == -1
+        direct = EvalWeightsStore(every=2, holds_weights=False, counters=counters)
+        direct.keep(stored(4))
+        refused = await direct.serve(EvalWeightsRequest(version=-1, after=-1, bucket=0, timeout_s=0), newest)
+        assert refused.version == -1 and "direct weights" in refused.unavailable
+
+    run(scenario())

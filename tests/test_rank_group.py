@@ -1,4 +1,4 @@
-"""A pipeline-parallel trainer's two control channels (actors/trainer/rank_group.py) on a real gloo world: a rank > 0
+"""A pipeline-parallel trainer's two control channels (actors/runtime/rank_group.py, actors/trainer/followers.py) on a real gloo world: a rank > 0
 leaves only when rank 0 has stopped both, so the run's last weights broadcast, which rank 0 can still be
 leading when the last step's STOP goes out, completes; and rank 0 leads nothing after its STOP."""
 from __future__ import annotations
@@ -9,7 +9,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from actors.trainer.rank_group import BROADCAST, STOP, RankGroup, follow_rank0
+from actors.runtime.rank_group import BROADCAST, STOP, RankGroup
+from actors.trainer.followers import follow_rank0
 from actors.weight_sync import StageSender
 
 TIMEOUT_S = 60

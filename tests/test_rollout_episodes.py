@@ -15,7 +15,7 @@ import torch
 
 from actors.engines.tokenizer import load_tokenizer
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
-from actors.rollout.episode import ENV_VERSION, generated_ids
+from actors.batch import ENV_VERSION, generated_ids
 from actors.buffer.state import group_start_version
 from actors.trainer.step import StepConfig, batch_to_sequences, train_on_batch
 from testsupport.bounded import run_bounded, until

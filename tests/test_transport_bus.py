@@ -732,8 +732,8 @@ def test_a_restarted_peer_is_told_once_before_its_first_message_and_a_paused_one
                             on_peer_alive=lambda n: alive.done() or alive.set_result(n),
                             on_peer_restarted=lambda n: seen.append(("restarted", n))).start()
         pings: list[str] = []                   # the incarnations the watcher's pings from "peer" carried
-        note = watcher._note_incarnation
-        watcher._note_incarnation = lambda p, inc: (pings.append(inc), note(p, inc))   # type: ignore[method-assign]
+        note = watcher.liveness.incarnation
+        watcher.liveness.incarnation = lambda p, inc: (pings.append(inc), note(p, inc))[1]   # type: ignore[method-assign]
 
         def start_peer(n: int) -> subprocess.Popen:
             return subprocess.Popen([sys.executable, "-W", "ignore", "-c", PEER_PROCESS, peer_ep, watcher_ep, str(n)],
@@ -795,7 +795,7 @@ def test_a_watcher_whose_own_loop_was_blocked_declares_no_live_peer_dead(tmp_pat
             time.sleep(1.5)     # the watcher's loop blocked: three heartbeat timeouts
             unblocked = time.monotonic()
             await poll_until(lambda: watcher.stats["heartbeat_stalled"] == 1, timeout=60, what="the stalled tick")
-            await poll_until(lambda: watcher._peers["peer"].last_seen > unblocked, timeout=60,
+            await poll_until(lambda: watcher.liveness.peers["peer"].last_seen > unblocked, timeout=60,
                              what="the peer's pings read after the stall")
             assert not dead.done() and watcher.peer_alive("peer") and watcher.stats["peer_dead"] == 0
             assert [e for _, e, _ in log.events if e == "heartbeat_stalled"] == ["heartbeat_stalled"]
@@ -827,13 +827,13 @@ def test_an_actor_cannot_announce_another_ones_restart(tmp_path: Any) -> None:
                             on_peer_restarted=restarted.append).start()
         peer = await Bus("peer", peer_ep, {"watcher": watcher_ep}, handler=echo_handler, roles=roles,
                          tokens=tokens("peer"), heartbeat_interval=0.05).start()
-        await until(lambda: watcher._peers["peer"].incarnation == peer.incarnation)
+        await until(lambda: watcher.liveness.peers["peer"].incarnation == peer.incarnation)
         # the worker's token, the peer's name: its pings say the peer is a new process
         impostor = await Bus("peer", "tcp://127.0.0.1:*", {"watcher": watcher_ep}, tokens=tokens("worker"),
                              heartbeat_interval=0.05).start()
         await until(lambda: watcher.rejected["spoofed_sender"] >= 3)
         assert restarted == [] and watcher.stats["peer_restarted"] == 0
-        assert watcher._peers["peer"].incarnation == peer.incarnation != impostor.incarnation
+        assert watcher.liveness.peers["peer"].incarnation == peer.incarnation != impostor.incarnation
         for bus in (impostor, peer, watcher):
             await bus.close()
 
@@ -848,15 +848,15 @@ def test_a_peer_re_pointed_to_a_new_process_is_a_restart_and_one_re_pointed_befo
         watcher = await Bus("watcher", watcher_ep, {"peer": f"ipc://{tmp_path}/a"}, heartbeat_interval=0.05,
                             heartbeat_timeout=5.0, on_peer_restarted=restarted.append).start()
         a = await Bus("peer", f"ipc://{tmp_path}/a", {"watcher": watcher_ep}, heartbeat_interval=0.05).start()
-        await until(lambda: watcher._peers["peer"].incarnation == a.incarnation)
+        await until(lambda: watcher.liveness.peers["peer"].incarnation == a.incarnation)
         await a.close()
         watcher.add_peer("peer", f"ipc://{tmp_path}/b")
         b = await Bus("peer", f"ipc://{tmp_path}/b", {"watcher": watcher_ep}, heartbeat_interval=0.05).start()
         await until(lambda: restarted == ["peer"])
-        assert watcher._peers["peer"].incarnation == b.incarnation and watcher.stats["peer_restarted"] == 1
+        assert watcher.liveness.peers["peer"].incarnation == b.incarnation and watcher.stats["peer_restarted"] == 1
         watcher.add_peer("other", f"ipc://{tmp_path}/c")          # a name never heard from: nothing to compare
         c = await Bus("other", f"ipc://{tmp_path}/c", {"watcher": watcher_ep}, heartbeat_interval=0.05).start()
-        await until(lambda: watcher._peers["other"].incarnation == c.incarnation)
+        await until(lambda: watcher.liveness.peers["other"].incarnation == c.incarnation)
         assert restarted == ["peer"]
         for bus in (c, b, watcher):
             await bus.close()

@@ -98,8 +98,9 @@ class System:
         self.trainer_link = BulkLink(LinkConfig.from_dict(gloo_link("train_to_ps", self.ports["train_to_ps"],
                                                                     self.train_members, "trainer", LINK_TIMEOUT_S)))
         # The trainer is the train link's rendezvous master; the parameter server joins at the epoch the first
-        # announcement names.
-        self.opening = asyncio.ensure_future(asyncio.to_thread(self.trainer_link.open, 0))
+        # announcement names. Opened with that announcement, not now: on a loaded machine the actors take longer
+        # to start than the link's rendezvous timeout.
+        self.opening: asyncio.Future | None = None
         self.trainer = await Bus("trainer", self.endpoints["trainer"],
                                  {n: self.endpoints[n] for n in ["param_server", *ROLLOUTS, "reward.0"]},
                                  heartbeat_interval=None).start()
@@ -119,6 +120,8 @@ class System:
     async def publish(self, version: int, seed: int) -> WeightsStored:
         buckets, digest = tiny_weight_buckets(seed)
         self.hashes[version] = digest
+        if self.opening is None:
+            self.opening = asyncio.ensure_future(asyncio.to_thread(self.trainer_link.open, 0))
         reply = asyncio.ensure_future(self.trainer.request(
             "param_server", WeightsPublished(version=version, n_buckets=len(buckets), weights_hash=digest),
             timeout=WAIT_S))

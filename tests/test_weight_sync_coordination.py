@@ -1,11 +1,11 @@
-"""The weights paths' coordination is one typed interface in one direction: the parameter server calls its
-fanout, and the fanout reports back only through `actors.weight_sync.Coordinator`, which the server
-implements. Every sender (the pipeline stages' too) is a `WeightSender`."""
+"""The weights paths' coordination runs one way: the parameter server asks its fanout to take a version,
+form a group or push, and gets a result back; the fanout never calls the server (it gets no server object,
+and nothing of actors/param_server). Every sender (the pipeline stages' too) is a `WeightSender`."""
 from __future__ import annotations
 
 import ast
 import asyncio
-import typing
+import inspect
 from pathlib import Path
 
 import pytest
@@ -13,50 +13,55 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _coordinator_members() -> set[str]:
-    from actors.weight_sync import Coordinator
-
-    return set(typing.get_type_hints(Coordinator)) | {
-        n for n, v in vars(Coordinator).items() if callable(v) and not n.startswith("_")}
-
-
-def _used_on_the_server(path: Path) -> set[str]:
-    """The attributes a module uses on its fanouts' server (``ps = self.server`` and ``self.server``)."""
-    used = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Attribute):
-            value = node.value
-            if isinstance(value, ast.Name) and value.id == "ps":
-                used.add(node.attr)
-            elif (isinstance(value, ast.Attribute) and value.attr == "server" and isinstance(value.value, ast.Name)
-                  and value.value.id == "self"):
-                used.add(node.attr)
-    return used
+@pytest.mark.parametrize("module", sorted(p.name for p in (ROOT / "actors" / "weight_sync").glob("*.py")))
+def test_a_weights_path_never_reaches_the_parameter_server(module: str) -> None:
+    tree = ast.parse((ROOT / "actors" / "weight_sync" / module).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not {m for m in imported if m.startswith("actors.param_server")}
+    # no attribute named like the server the fanouts used to call back through
+    assert not {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "server"
+                and isinstance(n.value, ast.Name) and n.value.id == "self"}
 
 
-@pytest.mark.parametrize("module", ["relay.py", "direct.py"])
-def test_a_fanout_reaches_its_server_only_through_the_coordinator(module: str) -> None:
-    used = _used_on_the_server(ROOT / "actors" / "weight_sync" / module)
-    assert used, "the scan found no use of the server: it no longer matches how the fanouts are written"
-    assert used <= _coordinator_members(), f"used beyond Coordinator: {sorted(used - _coordinator_members())}"
+def test_a_fanout_is_built_from_parts_and_answers_with_results() -> None:
+    from actors.weight_sync import (Accepted, Fanout, Formation, RelayFanout, Transfer, TrainerFanout,
+                                    make_fanout)
+
+    for cls in (RelayFanout, TrainerFanout):
+        params = set(inspect.signature(cls).parameters)
+        assert {"bus", "log", "counters"} <= params and "server" not in params, cls.__name__
+    assert "server" not in inspect.signature(make_fanout).parameters
+    hints = {name: inspect.signature(getattr(Fanout, name)).return_annotation for name in ("accept", "form", "push")}
+    assert hints == {"accept": "Accepted", "form": "Formation", "push": "Transfer"}
+    assert Accepted and Formation and Transfer
 
 
-def test_the_parameter_server_implements_the_coordinator() -> None:
-    from actors.param_server.actor import ParamServerActor
-    from actors.weight_sync import Coordinator
+def test_a_lost_member_abandons_the_running_formation_at_once() -> None:
+    from collections import Counter
 
-    methods = {n for n, v in vars(Coordinator).items() if callable(v) and not n.startswith("_")}
-    missing = [n for n in methods if not callable(getattr(ParamServerActor, n, None))]
-    assert not missing
-    # the attributes: set by Actor or in on_start
-    source = (ROOT / "actors" / "param_server" / "actor.py").read_text() + (ROOT / "actors" / "runtime" / "base.py").read_text()
-    for name in typing.get_type_hints(Coordinator):
-        assert f"self.{name} =" in source or f"self.{name}:" in source, name
+    from actors.weight_sync.base import Abandoned, LossWatch
+
+    async def scenario() -> tuple[str, int]:
+        counters: Counter = Counter()
+        watch = LossWatch(counters)
+        watch.begin(["rollout.0", "rollout.1"])
+        never = asyncio.get_running_loop().create_future()
+        waiting = asyncio.ensure_future(watch.unless_lost(never, "forming epoch 3"))
+        await asyncio.sleep(0)
+        watch.lost("rollout.2")   # not a member: nothing happens
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        watch.lost("rollout.1")
+        with pytest.raises(Abandoned) as caught:
+            await waiting
+        assert never.cancelled()
+        return str(caught.value), counters["transfers_abandoned"]
+
+    message, abandoned = asyncio.run(scenario())
+    assert message == "forming epoch 3 abandoned: rollout.1 was lost while it ran" and abandoned == 1
 
 
 def test_the_factories_take_settings_and_parts_not_an_actor() -> None:
-    import inspect
-
     from actors.weight_sync import make_fanout, make_receiver, make_sender, make_stage_sender
 
     for factory in (make_sender, make_fanout, make_receiver, make_stage_sender):

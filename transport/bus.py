@@ -20,15 +20,16 @@ reply gets an :class:`~transport.messages.Error` reply, which ``request()`` rais
 Frames over ``hard_max_frame_bytes`` (default 2x the limit) are cut off by libzmq (ZMQ_MAXMSGSIZE) before
 they are buffered in full, which protects memory.
 
+The bus's parts. Sockets, decoding, dispatch and recording are here; what goes out to each peer, in order
+and under backpressure, is the peer's :class:`~transport.outbox.Outbox` (coalescing included); which peers
+are alive or restarted is :class:`~transport.liveness.PeerLiveness`'s, from what the bus hears.
+
 Heartbeats. Every ``heartbeat_interval`` seconds the bus pings each peer; any message from a peer (a
 reply or pong on its connection, or its own pings and requests) counts as a sign of life. A peer silent
 for ``heartbeat_timeout`` is declared dead (``on_peer_dead(name)``, ``stats["peer_dead"]``);
-``on_peer_alive(name)`` fires when it answers again. A peer never heard from since this bus started is given
-``first_contact_timeout`` (default six heartbeat timeouts) instead: processes of a run start seconds apart, and
-one not up yet is not dead (its ``peer_dead`` line says ``never_heard``). Silence is counted only while this
-bus's own loop runs: a loop blocked past a heartbeat (a long call in the actor, a process given no core) could
-not read what its peers sent, so that time is not counted against them (``stats["heartbeat_stalled"]``, logged).
-Pings and pongs are handled inside the bus and never reach the actor.
+``on_peer_alive(name)`` fires when it answers again; ``first_contact_timeout`` (default six heartbeat
+timeouts) for one never heard from, and time this bus's loop was blocked is not counted against anyone
+(transport/liveness.py). Pings and pongs are handled inside the bus and never reach the actor.
 
 Restarts. Each bus has an ``incarnation`` (random, drawn when it starts) that its pings carry, and its first
 ping to each peer leaves at connect, ahead of any message (one connection delivers in order): so a peer hears
@@ -62,9 +63,10 @@ import zmq
 import zmq.asyncio
 
 from .auth import CurveConfig, TokenConfig, start_authenticator
+from .liveness import PeerLiveness
 from .messages import (BATCH_MAX_BYTES, BATCH_MAX_MESSAGES, DecodeError, EncodeError, Error, FrameTooLarge, Header,
-                       Message, Ping, Pong, decode, encode, encode_batch, is_batch, new_message_id,
-                       split_batch)
+                       Message, Ping, Pong, decode, encode, is_batch, new_message_id, split_batch)
+from .outbox import Outbox, rearm
 
 __all__ = ["Bus", "Envelope", "BusError", "UnknownPeer", "MessageTooLarge", "RequestTimeout", "RemoteError",
            "BusClosed", "current_cause", "wait_for_tasks"]
@@ -168,24 +170,12 @@ Handler = Callable[[Envelope], "Message | None | Awaitable[Message | None]"]
 
 
 class _Peer:
-    __slots__ = ("name", "endpoint", "sock", "asock", "lock", "waiters", "last_seen", "alive", "heard", "reader",
-                 "batch", "batch_bytes", "flush_scheduled", "flusher", "incarnation")
+    __slots__ = ("name", "endpoint", "sock", "asock", "outbox", "reader")
 
-    def __init__(self, name: str, endpoint: str, sock: zmq.Socket, asock: zmq.asyncio.Socket) -> None:
+    def __init__(self, name: str, endpoint: str, sock: zmq.Socket, asock: zmq.asyncio.Socket, outbox: Outbox) -> None:
         self.name, self.endpoint, self.sock, self.asock = name, endpoint, sock, asock
-        self.lock = asyncio.Lock()
-        self.waiters = 0            # senders (and the flusher) waiting for room in this peer's queue
-        # Outbound coalescing: frame 0 of small tensor-free messages sent in this event-loop tick, in order;
-        # handed to ZeroMQ as one container at the end of the tick (or when full). See Bus._send.
-        self.batch: list[bytes] = []
-        self.batch_bytes = 0
-        self.flush_scheduled = False
-        self.flusher: asyncio.Task | None = None
-        self.last_seen = time.monotonic()
-        self.alive = True
-        self.heard = False          # anything received from it yet
+        self.outbox = outbox        # what goes out to it (transport/outbox.py)
         self.reader: asyncio.Task | None = None
-        self.incarnation = ""       # the last one its pings carried ("": none seen yet)
 
 
 class Bus:
@@ -229,10 +219,9 @@ class Bus:
         self.hard_max_frame_bytes = hard_max_frame_bytes or 2 * max_frame_bytes
         self.max_inflight = max_inflight
         self.heartbeat_interval = heartbeat_interval
-        self.heartbeat_timeout = heartbeat_timeout
-        self.first_contact_timeout = (first_contact_timeout if first_contact_timeout is not None
-                                      else FIRST_CONTACT_FACTOR * heartbeat_timeout)
-        if self.first_contact_timeout < heartbeat_timeout:
+        first_contact_timeout = (first_contact_timeout if first_contact_timeout is not None
+                                 else FIRST_CONTACT_FACTOR * heartbeat_timeout)
+        if first_contact_timeout < heartbeat_timeout:
             raise ValueError("first_contact_timeout must be at least heartbeat_timeout")
         self.on_peer_dead = on_peer_dead
         self.on_peer_alive = on_peer_alive
@@ -250,6 +239,8 @@ class Bus:
         self.log = log if log is not None else structlog.get_logger("transport.bus").bind(bus=name)
         self.stats: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
+        self.liveness = PeerLiveness(heartbeat_interval, heartbeat_timeout, first_contact_timeout, self.stats,
+                                     self.log)
         self.draining = False
         self._peer_endpoints = dict(peers or {})
         self._peers: dict[str, _Peer] = {}
@@ -315,7 +306,11 @@ class Bus:
         if self._closed:
             return
         self._closed = True
-        await self._flush_all(linger)
+        for p in self._peers.values():
+            p.outbox.closed = True
+        for p in self._peers.values():
+            if p.outbox.batch:
+                await p.outbox.flush_within(linger)
         for t in list(self._tasks):
             t.cancel()
         for p in self._peers.values():
@@ -339,25 +334,6 @@ class Bus:
             await asyncio.get_running_loop().run_in_executor(None, self._ctx.term)
             self._release.detach()
 
-    async def _flush_all(self, linger: float) -> None:
-        """Hand every pending coalesced batch to ZeroMQ, waiting for room up to ``linger`` seconds."""
-        pending = [p for p in self._peers.values() if p.batch]
-        if not pending:
-            return
-        try:
-            async with asyncio.timeout(max(linger, 0.001)):
-                for p in pending:
-                    while p.batch and not self._flush(p):
-                        await p.asock.poll(50, zmq.POLLOUT)
-        except (TimeoutError, zmq.ZMQError):
-            pass
-        for p in pending:
-            if p.batch:
-                self.stats["unsent_at_close"] += len(p.batch)
-                self.log.warning("unsent_at_close", peer=p.name, messages=len(p.batch),
-                                 reason=f"the peer's queue stayed full for the close linger ({linger}s)")
-                p.batch, p.batch_bytes = [], 0
-
     async def wait_handlers(self, timeout: float | None = None) -> bool:
         """Wait until no handler task runs; False if ``timeout`` expired first."""
         return await wait_for_tasks(self._handler_tasks, timeout)
@@ -379,7 +355,8 @@ class Bus:
         return out
 
     def peer_alive(self, peer: str) -> bool:
-        return self._peer(peer).alive
+        self._peer(peer)
+        return self.liveness.alive(peer)
 
     def activity(self) -> dict[str, Any]:
         """Who this bus waits on and who waits on it, and the last message of each kind each way, as plain data:
@@ -391,7 +368,7 @@ class Bus:
         return {"asking": waits(self._asking.values()), "serving": waits(self._serving.values()),
                 "last_in": {k: {"peer": p, "time": t} for k, (p, t) in self.last_in.items()},
                 "last_out": {k: {"peer": p, "time": t} for k, (p, t) in self.last_out.items()},
-                "peers_dead": sorted(n for n, p in self._peers.items() if not p.alive)}
+                "peers_dead": self.liveness.dead()}
 
     @property
     def peers(self) -> dict[str, str]:
@@ -400,22 +377,17 @@ class Bus:
     def add_peer(self, name: str, endpoint: str) -> None:
         """Add (or re-point) a peer after start."""
         old = self._peers.pop(name, None)
+        seen = self.liveness.forget(name)
         if old is not None:
-            try:
-                self._flush(old)        # as with ZeroMQ's own queue, what cannot go now is discarded
-            except zmq.ZMQError:
-                pass
-            if old.flusher is not None:
-                old.flusher.cancel()
+            old.outbox.discard()
             if old.reader is not None:
                 old.reader.cancel()
             old.asock.close(linger=0)
             self._zmq_sockets.remove(old.asock)
         self._peer_endpoints[name] = endpoint
         if self._started and not self._closed:
-            self._connect(name, endpoint)
-            if old is not None:   # the same actor, moved: a new process there is still a restart
-                self._peers[name].incarnation = old.incarnation
+            # the same actor, moved: a new process there is still a restart
+            self._connect(name, endpoint, seen.incarnation if old is not None and seen is not None else "")
 
     # --------------------------------------------------------------------------------------- sending
 
@@ -465,103 +437,7 @@ class Bus:
                     raise MessageTooLarge(f"{type(msg).KIND}: frame {i} is {n} bytes, over max_frame_bytes={limit}")
         if self.recorder is not None and self.record_outbound:
             self.recorder.record("out", frames, peer=peer, cause=current_cause.get())
-        if len(frames) == 1 and self.coalesce and len(first) <= _COALESCE_ITEM_MAX:
-            # Coalescing: queue it behind this tick's other small messages to the peer; the batch goes to
-            # ZeroMQ at the end of the tick (or now, when full). Per-peer order is kept: every message to
-            # the peer passes through the batch or waits until it is empty.
-            if not p.waiters:
-                if self._batch_add(p, first):
-                    return
-                if self._flush(p):              # full: hand it over, start a new one with this message
-                    self._batch_add(p, first)
-                    return
-            await self._send_waiting(p, frames, True)
-            return
-        if not p.waiters and (not p.batch or self._flush(p)):
-            try:
-                p.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                _rearm(p.asock)
-                self.stats["sent"] += 1
-                return
-            except zmq.Again:
-                pass
-        await self._send_waiting(p, frames, False)
-
-    def _batch_add(self, p: _Peer, first: bytes) -> bool:
-        """Append to the peer's pending batch; False when it is full."""
-        n = len(first) + 3
-        if p.batch and (len(p.batch) >= self._batch_max or p.batch_bytes + n > self._batch_budget):
-            return False
-        p.batch.append(first)
-        p.batch_bytes += n
-        if not p.flush_scheduled:
-            p.flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush_soon, p)
-        return True
-
-    def _flush(self, p: _Peer) -> bool:
-        """Hand the pending batch to ZeroMQ without blocking; False (batch kept) when the queue is full."""
-        batch = p.batch
-        if not batch:
-            return True
-        try:
-            p.sock.send(batch[0] if len(batch) == 1 else encode_batch(batch, self.name), zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        _rearm(p.asock)
-        self.stats["sent"] += len(batch)
-        if len(batch) > 1:
-            self.stats["batches"] += 1
-        p.batch = []
-        p.batch_bytes = 0
-        return True
-
-    def _flush_soon(self, p: _Peer) -> None:
-        """End of the tick: send the peer's batch, or leave it to a task that waits for room."""
-        p.flush_scheduled = False
-        if not p.batch or p.flusher is not None or self._closed or self._peers.get(p.name) is not p:
-            return
-        try:
-            if self._flush(p):
-                return
-        except zmq.ZMQError as exc:
-            self.log.error("send_failed", peer=p.name, messages=len(p.batch), error=repr(exc))
-            return
-        p.flusher = self._spawn(self._flush_waiting(p), f"flush-{p.name}")
-
-    async def _flush_waiting(self, p: _Peer) -> None:
-        p.waiters += 1
-        self.stats["send_waits"] += 1
-        try:
-            async with p.lock:
-                while p.batch and not self._flush(p):
-                    await p.asock.poll(flags=zmq.POLLOUT)
-        finally:
-            p.waiters -= 1
-            p.flusher = None
-
-    async def _send_waiting(self, p: _Peer, frames: list, batchable: bool) -> None:
-        """The peer's queue is full (or others already wait): wait our turn, in order."""
-        p.waiters += 1
-        self.stats["send_waits"] += 1
-        try:
-            async with p.lock:
-                if batchable:
-                    while not self._batch_add(p, frames[0]):
-                        while not self._flush(p):
-                            await p.asock.poll(flags=zmq.POLLOUT)
-                    return
-                # what was queued before us goes first
-                while not self._flush(p):
-                    await p.asock.poll(flags=zmq.POLLOUT)
-                await p.asock.send_multipart(frames, copy=False)
-                self.stats["sent"] += 1
-        finally:
-            p.waiters -= 1
-            # a batch left behind by a cancelled waiter must still go out
-            if p.batch and not p.flush_scheduled and not self._closed:
-                p.flush_scheduled = True
-                asyncio.get_running_loop().call_soon(self._flush_soon, p)
+        await p.outbox.put(frames, len(frames) == 1 and self.coalesce and len(first) <= _COALESCE_ITEM_MAX)
 
     def _send_reply(self, ident: bytes | None, msg: Message, to: Header) -> None:
         if ident is None or self._router is None or self._closed:
@@ -581,7 +457,7 @@ class Bus:
         """True when sent or definitively undeliverable; False when the requester's queue is full."""
         try:
             self._router.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            _rearm(self._arouter)
+            rearm(self._arouter)
             self.stats["replies"] += 1
             return True
         except zmq.Again:
@@ -609,7 +485,7 @@ class Bus:
 
     # ------------------------------------------------------------------------------------- receiving
 
-    def _connect(self, peer: str, endpoint: str) -> None:
+    def _connect(self, peer: str, endpoint: str, incarnation: str = "") -> None:
         asock = self._ctx.socket(zmq.DEALER)
         self._zmq_sockets.append(asock)
         sock = zmq.Socket.shadow(asock.underlying)
@@ -620,8 +496,10 @@ class Bus:
         if self._credentials is not None:
             self._credentials.apply_client(sock, peer)
         sock.connect(endpoint)
-        p = _Peer(peer, endpoint, sock, asock)
+        p = _Peer(peer, endpoint, sock, asock, Outbox(peer, sock, asock, self.name, self._batch_max,
+                                                       self._batch_budget, self.stats, self.log, self._spawn))
         self._peers[peer] = p
+        self.liveness.track(peer, incarnation)
         p.reader = asyncio.get_running_loop().create_task(self._peer_loop(p), name=f"bus-{self.name}-{peer}")
         if self.heartbeat_interval:
             # First on the connection, before anything the actor sends: the peer learns this process is a new
@@ -719,8 +597,8 @@ class Bus:
             # reading (and answering our pings) but keeps pinging us.
             self._mark_alive(sender)
         if type(msg) is Ping:
-            if sender is not None and msg.incarnation:
-                self._note_incarnation(sender, msg.incarnation)
+            if sender is not None and msg.incarnation and self.liveness.incarnation(sender.name, msg.incarnation):
+                self._callback(self.on_peer_restarted, sender.name)
             if header.wants_reply:
                 self._send_reply(ident, Pong(msg.seq), header)
             return None
@@ -875,24 +753,8 @@ class Bus:
     # ------------------------------------------------------------------------------------ heartbeats
 
     def _mark_alive(self, p: _Peer) -> None:
-        p.last_seen = time.monotonic()
-        p.heard = True
-        if not p.alive:
-            p.alive = True
-            self.stats["peer_alive"] += 1
-            self.log.info("peer_alive", peer=p.name)
+        if self.liveness.heard(p.name):
             self._callback(self.on_peer_alive, p.name)
-
-    def _note_incarnation(self, p: _Peer, incarnation: str) -> None:
-        """A ping from peer ``p`` named the process that sent it: a new one means the one before is gone."""
-        if incarnation == p.incarnation:
-            return
-        before, p.incarnation = p.incarnation, incarnation
-        if not before:
-            return      # the first one seen from it: nothing to compare with
-        self.stats["peer_restarted"] += 1
-        self.log.warning("peer_restarted", peer=p.name)
-        self._callback(self.on_peer_restarted, p.name)
 
     def _callback(self, fn: Callable[[str], Any] | None, peer: str) -> None:
         if fn is None:
@@ -906,47 +768,22 @@ class Bus:
 
     async def _heartbeat_loop(self) -> None:
         seq = 0
-        ticked = time.monotonic()
+        self.liveness.started()
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             seq += 1
-            now = time.monotonic()
-            late = now - ticked - self.heartbeat_interval
-            if late > self.heartbeat_interval:
-                # This loop did not run for `late` seconds (a blocking call in the actor, a machine that gave the
-                # process no core): what the peers sent meanwhile waits unread in the sockets, so that silence is
-                # ours, not theirs. It is not counted against them.
-                self.stats["heartbeat_stalled"] += 1
-                self.log.warning("heartbeat_stalled", stalled_s=round(late, 3),
-                                 hint="this actor's event loop was blocked: no peer is judged on that time")
-                for p in self._peers.values():
-                    p.last_seen = min(now, p.last_seen + late)
-            ticked = now
+            for name in self.liveness.check():
+                self._callback(self.on_peer_dead, name)
             for p in list(self._peers.values()):
-                if p.alive and now - p.last_seen > (self.heartbeat_timeout if p.heard else self.first_contact_timeout):
-                    p.alive = False
-                    self.stats["peer_dead"] += 1
-                    self.log.warning("peer_dead", peer=p.name, silent_s=round(now - p.last_seen, 3),
-                                     **({} if p.heard else {"never_heard": True}))
-                    self._callback(self.on_peer_dead, p.name)
                 self._ping(p, seq)
 
     def _ping(self, p: _Peer, seq: int) -> None:
         try:
             # Heartbeats are lossy on purpose: a full queue to a stuck peer must not block us.
             p.sock.send_multipart(encode(Ping(seq, self.incarnation), self.name, wants_reply=True), zmq.NOBLOCK)
-            _rearm(p.asock)
+            rearm(p.asock)
         except zmq.Again:
             self.stats["heartbeat_skipped"] += 1
-
-
-def _rearm(asock: zmq.asyncio.Socket) -> None:
-    """Call after a send on a socket's plain shadow. ZeroMQ's notification fd is edge-triggered and any
-    call on the socket may consume its edge: a send that happens to process the "messages arrived" command
-    leaves the asyncio twin's pending poll() asleep while messages wait, for good if no other command
-    follows (an actor that stops answering pings). pyzmq re-checks after its own calls; reading EVENTS
-    through the twin makes it re-check after ours."""
-    asock.get(zmq.EVENTS)
 
 
 def _ipc_path(endpoint: str) -> str | None:

@@ -2,7 +2,7 @@
 
     buffer --GenerateGroup--> rollout --Trajectories--> reward --ScoredGroup--> buffer
     trainer --BatchRequest--> buffer (replies BatchTensors)
-    trainer.0 ==BatchTensors (its share)==> each other trainer rank (over the ranks' gloo group, actors/trainer/rank_group.py)
+    trainer.0 ==BatchTensors (its share)==> each other trainer rank (over the ranks' gloo group, actors/runtime/rank_group.py)
     trainer --WeightsPublished--> param_server (replies WeightsStored once the buckets arrived on the bulk link)
     param_server --WeightsReady--> rollout (then the buckets on the bulk link; rollout replies WeightsAck)
     trainer --VersionUpdate--> buffer            (opens the staleness gate for the new version)

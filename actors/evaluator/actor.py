@@ -2,7 +2,7 @@
 
 Training never waits for it. It is an actor of its own that nobody sends work to: it asks the parameter
 server for the newest version kept for evaluation (every multiple of N, the start version included:
-`actors.param_server.actor.kept_for_eval`), bucket by bucket on the bus (:class:`EvalWeightsRequest`), checks the
+`actors.param_server.eval_store.kept_for_eval`), bucket by bucket on the bus (:class:`EvalWeightsRequest`), checks the
 weights hash against the one the server computed, and answers the first ``eval.max_problems`` problems
 of ``data.test`` (spread over the levels) greedily with the embedded engine. Grading and statistics are
 `actors.evaluator.evaluation`'s, the same code as ``tools.eval`` and the launcher's final evaluation. When an

@@ -1,9 +1,11 @@
 """ParamServerActor: takes each new weight version from the trainer and brings every rollout up to it.
 
 It coordinates; its *fanout* (actors/weight_sync, picked once at start from the links) moves the bytes.
-A :class:`WeightsPublished` from the trainer goes to the fanout, which takes the version (the relay
-receives and stores its buckets; with direct weights only their description is kept) and offers it here
-(``offer``): it becomes the version every rollout is brought to, unless a newer one got there first.
+The direction is one way: this server asks the fanout to take a version, form a group or push, and gets a
+result back (``Accepted``, ``Formation``, ``Transfer``); the fanout never calls it. A
+:class:`WeightsPublished` from the trainer goes to the fanout, which takes the version (the relay receives
+its buckets and hashes and packs them; with direct weights only their description is kept): it becomes
+the version every rollout is brought to, unless a newer one got there first.
 
 One task, the *pusher*, owns the rollout link, so formation and transfers never interleave:
 
@@ -39,11 +41,8 @@ asked (:class:`WeightsBroadcast`). The pusher is the same either way, and the ro
 difference. The start version's hash is not known with direct weights (nothing is loaded here), so a
 rollout at the start version counts as up to date, as in the relay mode.
 
-Evaluation during the run (``eval.every_versions`` N > 0): every stored version that is a multiple of N
-(the start version included) is also kept for the evaluator (``actors/evaluator/actor.py``), which asks for it
-bucket by bucket with :class:`EvalWeightsRequest` on the bus, at its own pace: nothing here waits for it,
-and a newer multiple replaces a kept one it has not fetched yet. Relay mode only (with direct weights
-this server holds no weights).
+Evaluation during the run (``eval.every_versions`` N > 0): the versions the evaluator evaluates are kept
+in a store of their own, which answers its :class:`EvalWeightsRequest` (actors/param_server/eval_store.py).
 
 Settings (all optional): ``train_link`` (default "train_to_ps"), ``rollout_link`` (default
 "ps_to_rollout"), ``ack_timeout_s`` (default 120), ``retry_s`` (default 2), ``probation_s`` (default 30: how
@@ -54,27 +53,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
+from collections.abc import Coroutine
 from typing import Any
 
-import torch
-
 from actors.runtime.base import Actor, ActorSpec, handles
+from actors.param_server.eval_store import EvalWeightsStore
 from actors.param_server.push_policy import Form, Idle, Push, PushPolicy, Wait
 from actors.weight_sync import Fanout, StoredVersion, make_fanout
 from topology.settings import ParamServerSettings
-from transport.bulk import BulkError
-from transport.bus import BusError
-from transport.protocol import (EvalWeights, EvalWeightsRequest, HelloRequest, LinkReform, RolloutHello,
-                                RolloutWeights, RunFinished, ServerDown, WeightsPublished, WeightsStatus,
+from transport.protocol import (EvalWeights, EvalWeightsRequest, HelloRequest, RolloutHello, RolloutWeights,
+                                RunFinished, ServerDown, WeightsAck, WeightsPublished, WeightsStatus,
                                 WeightsStatusRequest, WeightsStored)
 
-__all__ = ["ParamServerActor", "kept_for_eval"]
-
-
-def kept_for_eval(version: int, every: int) -> bool:
-    """Whether a version is one the evaluator evaluates: a multiple of ``eval.every_versions`` (0: off)."""
-    return every > 0 and version % every == 0
+__all__ = ["ParamServerActor"]
 
 
 class ParamServerActor(Actor):
@@ -89,24 +82,19 @@ class ParamServerActor(Actor):
         # decisions (actors/param_server/push_policy.py); this actor carries them out.
         self.policy = PushPolicy()
         self.fanout: Fanout | None = None       # how a version reaches the rollouts: the relay, or the trainer
-        self._busy_with: set[str] = set()       # the rollouts the running formation or push waits on
-        self._lost = asyncio.Event()            # one of them was lost: abandon it
+        self._storing: set[asyncio.Task] = set()   # published versions being hashed and packed
         self.pushes = 0
         self.hash_mismatches = 0
         self.sync_seconds: list[float] = []
         self._kick = asyncio.Event()
         self._changed = asyncio.Condition()
         self._waiting_logged: tuple = ()
-        self._form_started = 0.0   # time.monotonic() of the running formation's start
         # Hellos can arrive while on_start still loads the start weights; they are applied once it is done.
         self._started = asyncio.Event()
         self._early_hellos: dict[str, RolloutHello] = {}
-        self.eval_every = 0
-        self.eval_kept: StoredVersion | None = None   # the newest version kept for the evaluator
-        self._eval_changed = asyncio.Condition()
-        self._eval_closing = False                   # stopping: an evaluator's waiting request returns at once
+        self.eval_store: EvalWeightsStore | None = None   # the versions kept for the evaluator
 
-    # The policy's state, under the names the fanouts (actors/weight_sync) and the tests use.
+    # The policy's state, under the names the status and the tests use.
     @property
     def rollouts(self) -> dict[str, RolloutWeights]:
         return self.policy.rollouts
@@ -128,17 +116,15 @@ class ParamServerActor(Actor):
     # ------------------------------------------------------------------------------------ lifecycle
 
     async def on_start(self) -> None:
-        self.ack_timeout = self.cfg.ack_timeout_s
         self.retry_s = self.cfg.retry_s
         self.policy.probation_s = self.cfg.probation_s
-        self.late_s = self.cfg.late_s
-        self.eval_every = self.cfg.eval.every_versions
-        self.fanout = make_fanout(self.cfg, self, self.make_link, self.run_dir)
+        self.fanout = make_fanout(self.cfg, self.bus, self.log, self.counters, self.make_link, self.run_dir)
+        self.eval_store = EvalWeightsStore(self.cfg.eval.every_versions, self.fanout.holds_weights, self.counters)
         self.rollouts = {m: RolloutWeights() for m in self.fanout.rollouts}
         t0 = time.monotonic()
         self.current = await self.fanout.start_weights()
         self.start_version = self.current.version
-        self._keep_for_eval(self.current)
+        self.eval_store.keep(self.current)
         self.log.info("start_weights", version=self.current.version, hash=self.current.weights_hash,
                       path=type(self.fanout).__name__, rollouts=len(self.rollouts),
                       buckets=len(self.current.packed), nbytes=self.current.nbytes,
@@ -243,8 +229,6 @@ class ParamServerActor(Actor):
         """A member died, restarted or lost its server: a formed group must be formed again, the running
         formation or push stops waiting for it, and the pusher looks again."""
         self.policy.member_changed()
-        if rollout in self._busy_with:
-            self._lost.set()
         if self.fanout is not None:
             self.fanout.lost(rollout, why)
         self._kick.set()
@@ -255,17 +239,32 @@ class ParamServerActor(Actor):
     async def on_published(self, msg: WeightsPublished) -> WeightsStored:
         await self._started.wait()
         assert self.fanout is not None
-        return await self.fanout.accept(msg)
+        accepted = await self.fanout.accept(msg, self.current.version if self.current is not None else None)
+        if accepted.stored is not None:
+            self._offer(accepted.stored, accepted.answer.receive_seconds)
+        elif accepted.storing is not None:   # hashed and packed after the answer, off the trainer's step
+            task = self.spawn(self._store(accepted.storing, accepted.answer.receive_seconds),
+                              name=f"store-v{msg.version}")
+            self._storing.add(task)
+            task.add_done_callback(self._storing.discard)
+        return accepted.answer
 
-    def offer(self, stored: StoredVersion) -> bool:
-        """The fanout took a version: the rollouts are brought to it unless it is no newer than the current."""
-        if not self.policy.takes(stored.version, self.current.version if self.current is not None else None):
-            return False
+    async def _store(self, storing: Coroutine[Any, Any, StoredVersion], receive_s: float) -> None:
+        self._offer(await storing, receive_s)
+
+    def _offer(self, stored: StoredVersion, receive_s: float) -> None:
+        """A version was taken: the rollouts are brought to it unless it is no newer than the current."""
+        current = self.current.version if self.current is not None else None
+        if not self.policy.takes(stored.version, current):
+            self.log.warning("stale_version_ignored", version=stored.version, current=current)
+            return
         self.current = stored
         self.counters["versions_stored"] += 1
-        self._keep_for_eval(stored)
+        assert self.eval_store is not None
+        self.eval_store.keep(stored)
         self._kick.set()
-        return True
+        self.log.info("weights_stored", version=stored.version, buckets=stored.n_buckets, nbytes=stored.nbytes,
+                      receive_s=round(receive_s, 4))
 
     # ---------------------------------------------------------------------------- storage -> rollouts
 
@@ -281,26 +280,6 @@ class ParamServerActor(Actor):
             self.counters["rollouts_on_probation"] += 1
             self.log.warning("rollout_on_probation", rollout=name, seconds=round(period, 1),
                              hint="a formation or push failed with it just back; the others go on without it")
-
-    async def unless_lost(self, members: list[str], work: "asyncio.Future[Any]", what: str) -> Any:
-        """Await ``work`` (a formation or transfer in a thread) unless one of ``members`` is lost first; then
-        abandon it with a BulkError (the thread ends on its own epoch, which nothing uses again)."""
-        self._busy_with, lost = set(members), asyncio.ensure_future(self._lost.wait())
-        self._lost.clear()
-        if any(not (self.rollouts[n].alive and self.rollouts[n].hello) for n in members):
-            self._lost.set()   # lost before it started
-        try:
-            await asyncio.wait({work, lost}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            lost.cancel()
-            self._busy_with = set()
-        if work.done():
-            return work.result()
-        work.cancel()
-        work.add_done_callback(lambda f: f.cancelled() or f.exception())   # its late error is expected
-        gone = sorted(n for n in members if not (self.rollouts[n].alive and self.rollouts[n].hello))
-        self.counters["transfers_abandoned"] += 1
-        raise BulkError(f"{what} abandoned: {', '.join(gone) or 'a member'} was lost while it ran")
 
     async def _pusher(self) -> None:
         failures = 0
@@ -334,7 +313,7 @@ class ParamServerActor(Actor):
                 failures = 0
                 continue
             assert isinstance(action, Push)
-            if await self.fanout.push(current, self.epoch, action.members):
+            if await self._push(current, action.members):
                 failures = 0
             else:
                 failures += 1
@@ -343,67 +322,68 @@ class ParamServerActor(Actor):
     async def _form(self, members: list[str]) -> bool:
         assert self.fanout is not None
         epoch = self.policy.begin_formation()
-        self._form_started = time.monotonic()
-        info = await self.fanout.form(epoch, members)
-        if info is None:
-            return False
-        self._formed(epoch, members, self._form_started, **info)
-        await self._notify()
-        return True
-
-    async def send_link_reform(self, rollout: str, epoch: int, members: list[str]) -> None:
-        """Tell a rollout to join ``epoch`` of the link, formed by ``members`` (the link's master first)."""
-        await self.bus.send(rollout, LinkReform(epoch=epoch, members=members))
-
-    async def await_formation(self, members: list[str], work: "asyncio.Future[Any]", epoch: int) -> bool:
-        """Await a formation (the fanout's ``work``) unless one of ``members`` is lost first; a failure is
-        logged and counted, and puts members back from a hang on probation."""
-        try:
-            await self.unless_lost(members, work, f"forming epoch {epoch}")
-        except (BulkError, BusError, TimeoutError) as exc:
+        started = time.monotonic()
+        formation = await self.fanout.form(epoch, members, {n: self.rollouts[n].weight_ranks for n in members})
+        if formation.error:
             self.counters["link_form_failures"] += 1
-            self.log.error("rollout_link_form_failed", epoch=epoch, error=str(exc),
-                           retry_in_s=self.retry_s)
-            self.failed_with(members, started=self._form_started)
+            self.log.error("rollout_link_form_failed", epoch=epoch, error=formation.error, retry_in_s=self.retry_s)
+            if formation.members_failed:
+                self.failed_with(members, started=started)
             return False
-        return True
-
-    def kick(self) -> None:
-        """Have the pusher look again (a transfer ended)."""
-        self._kick.set()
-
-    def link_broken(self) -> None:
-        """A transfer failed on the formed epoch: the next push forms the group again first."""
-        self.policy.need_reform = True
-
-    def weight_ranks(self, rollout: str) -> int:
-        """How many ranks ``rollout``'s server joins a weights group with (its hello said; 0: the actor)."""
-        return self.rollouts[rollout].weight_ranks
-
-    def _formed(self, epoch: int, members: list[str], t0: float, **info: Any) -> None:
         self.policy.formation_done(epoch, members)
         self.counters["link_formations"] += 1
         left_out = [n for n in self.rollouts if n not in members]
         if left_out:
             self.counters["formations_without_some"] += 1
         self.log.info("rollout_link_formed", epoch=epoch, members=len(members) + 1, left_out=left_out,
-                      seconds=round(time.monotonic() - t0, 3), **info)
+                      seconds=round(time.monotonic() - started, 3), **formation.info)
+        await self._notify()
+        return True
 
-    def pushed(self, stored: StoredVersion, epoch: int, members: list[str], summary: dict[str, dict[str, Any]],
-                sent_s: float, sync_s: float) -> bool:
+    async def _push(self, stored: StoredVersion, members: list[str]) -> bool:
+        """Have the fanout move ``stored`` to ``members`` of the formed epoch; each ack is recorded as it comes.
+        Whether every member acked it correctly."""
+        assert self.fanout is not None and self.epoch is not None
+        epoch, started = self.epoch, time.monotonic()
+        summary: dict[str, dict[str, Any]] = {}
+        transfer = self.fanout.push(stored, epoch, members)
+        for name, ack in transfer.acks.items():
+            ack.add_done_callback(functools.partial(self._acked, name, stored, summary, transfer.lanes))
+        end = await transfer.end
+        members = list(transfer.acks)
+        if end.failed:
+            self.policy.need_reform = True   # the group is formed again before the next push
+            self.failed_with(members, started=started)
+            self.counters["push_failures"] += 1
+            self.log.error("weights_push_failed", version=stored.version, epoch=epoch, error=end.failed,
+                           acked=sorted(summary))
+            return False
+        summary.update({name: {"error": reason[:200]} for name, reason in end.errors.items()})
         ok = all(summary.get(name, {}).get("ack_ok") for name in members)
         self.pushes += 1
-        self.sync_seconds.append(sync_s)
+        self.sync_seconds.append(end.sync_s)
         if ok:
             self.policy.pushed_ok(members)
         elif any(not r.get("error", "").startswith("late") for r in summary.values() if "error" in r):
             self.failed_with(members)
         self.log.info("weights_pushed", version=stored.version, epoch=epoch, buckets=stored.n_buckets,
-                      nbytes=stored.nbytes, broadcast_s=round(sent_s, 4), sync_s=round(sync_s, 4), rollouts=summary)
+                      nbytes=stored.nbytes, broadcast_s=round(end.sent_s, 4), sync_s=round(end.sync_s, 4),
+                      rollouts=summary)
         self._notify_soon()
         return ok
 
-    def record_ack(self, name: str, ack: Any, stored: StoredVersion, summary: dict[str, dict[str, Any]]) -> None:
+    def _acked(self, name: str, stored: StoredVersion, summary: dict[str, dict[str, Any]], lane: bool,
+               ack: "asyncio.Future[WeightsAck]") -> None:
+        """A member's ack (or its failure) came, during the push or, from a late lane, after it."""
+        if not ack.cancelled() and ack.exception() is None:
+            self._record_ack(name, ack.result(), stored, summary)
+        if lane:   # a lane of its own ended: a failed one left its side of the group broken
+            if not ack.cancelled() and ack.exception() is not None:
+                self.policy.need_reform = True
+            self._kick.set()
+
+    def _record_ack(self, name: str, ack: WeightsAck, stored: StoredVersion,
+                    summary: dict[str, dict[str, Any]]) -> None:
         state = self.rollouts[name]
         state.version, state.weights_hash, state.verified = ack.version, ack.weights_hash, ack.verified
         state.receive_seconds, state.stall_seconds = ack.receive_seconds, ack.stall_seconds
@@ -449,8 +429,8 @@ class ParamServerActor(Actor):
         # A published version still being hashed and packed is answered for once stored (milliseconds): the
         # answer then depends on the messages received, not on how fast the hashing thread ran, so a replay
         # of the log gives the same answer.
-        assert self.fanout is not None
-        await self.fanout.settled()
+        if self._storing:
+            await asyncio.wait(set(self._storing), timeout=30.0)
         if msg.min_version < 0 or msg.timeout_s <= 0:
             return self._status(msg)
         try:
@@ -463,59 +443,15 @@ class ParamServerActor(Actor):
 
     # ------------------------------------------------------------------------------ the evaluator
 
-    def _keep_for_eval(self, stored: StoredVersion) -> None:
-        """Keep a stored version for the evaluator (a reference: stored buckets are never changed)."""
-        if kept_for_eval(stored.version, self.eval_every) and stored.packed:
-            self.eval_kept = stored
-            self.spawn(self._notify_eval(), name=f"eval-kept-v{stored.version}")
-
-    async def _notify_eval(self) -> None:
-        async with self._eval_changed:
-            self._eval_changed.notify_all()
-
     async def on_drain(self) -> None:
-        # A request waiting for the next kept version would hold the drain for up to its timeout_s.
-        self._eval_closing = True
-        await self._notify_eval()
+        if self.eval_store is not None:
+            self.eval_store.close()
 
     @handles(EvalWeightsRequest)
     async def on_eval_weights(self, msg: EvalWeightsRequest) -> EvalWeights:
         await self._started.wait()
-        newest = self.current.version if self.current is not None else -1
-        if self.fanout is not None and not self.fanout.holds_weights:
-            return EvalWeights(version=-1, newest=newest, weights_hash="", n_buckets=0, bucket=msg.bucket, header={},
-                               flat=torch.empty(0, dtype=torch.uint8),
-                               unavailable="evaluation during the run needs the relay through the parameter "
-                                           "server: with direct weights it holds none")
-        if self.eval_every <= 0:
-            return EvalWeights(version=-1, newest=newest, weights_hash="", n_buckets=0, bucket=msg.bucket, header={},
-                               flat=torch.empty(0, dtype=torch.uint8),
-                               unavailable="eval.every_versions is 0 in the parameter server's settings")
-
-        def wanted() -> StoredVersion | None:
-            kept = self.eval_kept
-            if kept is None:
-                return None
-            if msg.version >= 0:
-                return kept if kept.version == msg.version else None
-            return kept if kept.version > msg.after else None
-
-        if msg.version < 0 and wanted() is None and msg.timeout_s > 0:
-            try:
-                async with asyncio.timeout(msg.timeout_s):
-                    async with self._eval_changed:
-                        await self._eval_changed.wait_for(lambda: wanted() is not None or self._eval_closing)
-            except TimeoutError:
-                pass
-        kept = wanted()
-        newest = self.current.version if self.current is not None else -1
-        if kept is None or not 0 <= msg.bucket < len(kept.packed):
-            return EvalWeights(version=-1, newest=newest, weights_hash="", n_buckets=0, bucket=msg.bucket,
-                               header={}, flat=torch.empty(0, dtype=torch.uint8))
-        packed = kept.packed[msg.bucket]
-        self.counters["eval_buckets_sent"] += 1
-        return EvalWeights(version=kept.version, newest=newest, weights_hash=kept.weights_hash,
-                           n_buckets=len(kept.packed), bucket=msg.bucket, header=packed.header, flat=packed.flat)
+        assert self.eval_store is not None
+        return await self.eval_store.serve(msg, lambda: self.current.version if self.current is not None else -1)
 
     @handles(RunFinished)
     def on_run_finished(self, msg: RunFinished) -> None:

@@ -26,7 +26,7 @@ from typing import ClassVar
 
 from actors.runtime.base import Actor, ActorSpec, handles
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
-from actors.rollout.episode import generated_ids
+from actors.batch import generated_ids
 from actors.reward.pool import RewardPool, TaskFailure
 from topology.settings import RewardSettings
 from transport.protocol import HelloRequest, RunFinished, Sample, ScoredGroup, Task, Trajectories, WorkerHello

@@ -43,10 +43,9 @@ from typing import Literal, Protocol
 
 import torch
 
+from actors.batch import ENV_VERSION
 from actors.engines.base import GenerationEngine, GenerationRequest, GenerationResult, RequestError
 
-# The `versions` entry of a token no weights sampled (an observation's tokens), as prompts have in training.
-ENV_VERSION = -1
 
 # Why an episode ended:
 #   done       the environment took the last turn as the answer (a single-turn task: its only turn)
@@ -217,14 +216,6 @@ class Trajectory:
                 raise ValueError(f"trajectory: environment token {i} has log-prob {lp} and version {v}")
             if m == 1 and v < 0:
                 raise ValueError(f"trajectory: generated token {i} has no weight version ({v})")
-
-
-def generated_ids(output_ids: Sequence[int], versions: Sequence[int]) -> list[int]:
-    """The tokens a model generated among an answer's: those whose version is not `ENV_VERSION` (what a
-    grader reads). Lists that do not line up are taken whole (an answer from before episodes)."""
-    if len(versions) != len(output_ids):
-        return list(output_ids)
-    return [t for t, v in zip(output_ids, versions) if v != ENV_VERSION]
 
 
 def turn_seed(seed: int | None, sample: int, turn: int) -> int | None:

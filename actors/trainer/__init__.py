@@ -1,5 +1,5 @@
 """The trainer actor (actor.py), one training step for one rank (step.py), the step's metrics
-(metrics.py), and the control channel ranks > 0 follow rank 0 by (rank_group.py). A topology names the actor
+(metrics.py), and the loop ranks > 0 follow rank 0 by (followers.py; the channel is actors/runtime/rank_group.py). A topology names the actor
 `actors.trainer:TrainerActor`."""
 from __future__ import annotations
 

@@ -16,9 +16,10 @@ One training step (version v -> v + 1):
     -> metrics (metrics.jsonl + TensorBoard), and a checkpoint every `run.checkpoint_every_steps` (and, with
        `run.checkpoint_every_s`, after a step ending that long after the last one: `recovery.checkpoint_due`)
 
-Publishing runs beside training (eta > 0): a task of its own exports the newest version whenever the last one
-has reached the parameter server. A step waits for its own version's publish as long as publishing keeps up
-(at most `publish_wait_s`: 5 times the longest publish so far, at least PUBLISH_WAIT_MIN_S), which keeps
+Publishing runs beside training (eta > 0): the publisher (actors/trainer/publisher.py), an object with a task
+of its own, exports the newest version whenever the last one has reached the parameter server. A step waits
+for its own version's publish as long as publishing keeps up (at most `VersionPublisher.wait_s`: 5 times the
+longest publish so far, at least `PUBLISH_WAIT_MIN_S`), which keeps
 a healthy run's messages in one order (tools.replay replays it); when a publish takes longer, an older one
 is still under way, or the parameter server stops answering the bus's heartbeats (silent for the bus's
 heartbeat_timeout: frozen, or its machine gone), the step goes on without it. A parameter server that is
@@ -32,7 +33,7 @@ gives.) The engine is used by one of them at a time (``_engine_lock``): an expor
 eta = 0 (synchronous) each step waits for its version to be published and reach every rollout.
 
 The parts: the step's math in actors/trainer/step.py, its metrics in actors/trainer/metrics.py, the other
-ranks' loop in actors/trainer/rank_group.py, the weights path in actors/weight_sync/.
+ranks' loop in actors/trainer/followers.py (their channel: actors/runtime/rank_group.py), the weights path in actors/weight_sync/.
 
 Versions count training steps; the engine's own optimizer-step counter (several per step) only drives
 the learning-rate schedule. The run ends after `run.total_steps` with a final checkpoint and RunFinished
@@ -48,28 +49,29 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import Any, Literal
+from typing import Any
 
 from actors.runtime.base import Actor, ActorSpec, handles
 from actors.batch import shares as batch_shares
 from actors.engines.base import TrainEngine, require_device
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
-from actors.trainer.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup, follow_rank0
+from actors.runtime.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup
+from actors.trainer.followers import follow_rank0
 from actors.runtime.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, held_start_weights, mark_complete,
                              mark_run_finished, prune_checkpoints, recovering, restarted_in_place)
 from actors.runtime.threads import in_thread
 from actors.runtime.spans import SpanLog
 from actors.trainer.metrics import LOSS_SHARES, MetricsWriter, mismatch_warning, step_metrics
+from actors.trainer.publisher import VersionPublisher
 from actors.trainer.trackers import Trackers
 # StepConfig, TrainerConfigError, train_on_batch, rank_samples: the step's math, imported here by its users too
 from actors.trainer.step import StepConfig, TrainerConfigError, rank_samples, train_on_batch, train_share
 from actors.weight_sync import StageExport, WeightSender, WeightSyncConfigError, make_sender, make_stage_sender
 from topology.settings import TrainerSettings
-from transport.bus import BusError, RemoteError
+from transport.bus import RemoteError
 from transport.messages import encode
 from transport.protocol import (BatchRequest, BatchTensors, CheckpointDone, CheckpointRequest, HelloRequest, LinkFormed,
-                                LinkReform, RunFinished, VersionUpdate, WeightsBroadcast, WeightsBroadcastDone,
-                                WeightsStatus, WeightsStatusRequest)
+                                LinkReform, RunFinished, VersionUpdate, WeightsBroadcast, WeightsBroadcastDone)
 
 
 def trainer_placement(cfg: TrainerSettings) -> dict[str, str]:
@@ -133,8 +135,6 @@ def _make_megatron_engine(cfg: TrainerSettings, model_dir: str, version: int) ->
 # says so with HelloRequest); this bounds how many restarts one request outlives.
 BUFFER_ATTEMPTS = 10
 DRAINING_RETRY_S = 1.0   # between asks of a buffer that answers "draining" (it is stopping: bounded by its stop budget)
-PUBLISH_RETRY_S = 2.0     # the pause after a failed publish, times the failures in a row (at most 30 s)
-PUBLISH_WAIT_MIN_S = 30.0   # the least a step waits for its version's publish (publish_wait_s)
 FINAL_PUBLISH_S = 120.0   # how long the run's end waits for its last version to be published
 
 
@@ -233,14 +233,6 @@ class TrainerActor(Actor):
         self.bucket_bytes = cfg.weight_bucket_mb << 20
         self.param_server = (cfg.groups.get("param_server") or [None])[0]
         self._engine_lock = asyncio.Lock()       # a step, an export or a save at a time
-        self._new_version = asyncio.Event()      # a version newer than the published one exists
-        self._published_changed = asyncio.Event()
-        self.published = self.version            # the newest version the weights path took (and its push figures)
-        self.publish_seconds = 0.0               # export and publish of that version
-        self._publish_seconds_max = 0.0
-        # The parameter server's view after the newest publish (_push_stats); before one, what it reports with
-        # no push made yet.
-        self.push_stats: dict[str, float] = {}
         self._phase = ("starting", time.time())  # what the loop does now, for the status file
         self._link_lock = asyncio.Lock()   # the weights channel of a pipeline-parallel trainer, one lead at a time
         try:
@@ -252,15 +244,16 @@ class TrainerActor(Actor):
         self.metrics = MetricsWriter(self.run_dir, self.log, Trackers(
             list(run.trackers), self.run_dir, run.tracker_project, run.tracker_mode,
             {"algo": cfg.algo.model_dump(), "gen": cfg.gen.model_dump(), "model": cfg.model.path}, self.log))
-        if self.weights is not None:
-            self.push_stats = {"weight_push_seconds": 0.0, "gen_stall_seconds": 0.0}
+        # Each new version on its way to the parameter server, beside training (actors/trainer/publisher.py).
+        self.publisher = VersionPublisher(self.weights, self._export, self._engine_lock, self.bus, self.param_server,
+                                          self.version, self.counters, self.log, self.trace)
         self.log.info("trainer_started", version=self.version, model=model_dir, total_steps=self.total_steps)
 
     async def on_ready(self) -> None:
         if self.ranks is not None and not self.ranks.leader:
             self.spawn(self._follow(), name="follow_rank0")
         else:
-            self._publisher_task = self.spawn(self._publisher(), name="publisher")
+            self._publisher_task = self.spawn(self.publisher.run(), name="publisher")
             self.spawn(self._train_loop(), name="train_loop")
 
     def progress(self) -> dict[str, Any]:
@@ -268,7 +261,7 @@ class TrainerActor(Actor):
             return {"rank": self.ranks.rank if getattr(self, "ranks", None) is not None else 0}
         what, since = self._phase
         return {"version": self.version, "total_steps": self.total_steps, "phase": what,
-                "phase_for_s": round(time.time() - since, 1), "published": self.published,
+                "phase_for_s": round(time.time() - since, 1), "published": self.publisher.published,
                 "step_seconds_max": round(getattr(self, "_step_seconds_max", 0.0), 3)}
 
     def _enter(self, phase: str) -> None:
@@ -409,30 +402,32 @@ class TrainerActor(Actor):
                 stats = await in_thread(self._train_step, batch)   # leads the other ranks: a collective
                 self.version += 1
             train_seconds = time.time() - t0
-            self._new_version.set()
+            publisher = self.publisher
+            publisher.made(self.version)
             if self.eta == 0:
                 # Synchronous: the next batch may only start once every rollout samples with these weights.
                 self._enter(f"publishing version {self.version} (synchronous: every rollout must have it)")
-                await self._published_at(self.version, timeout=None)
-                sync_seconds = self.publish_seconds
-                await self._wait_rollouts_at(self.version)
+                await publisher.published_at(self.version, timeout=None)
+                sync_seconds = publisher.publish_seconds
+                await publisher.rollouts_at(self.version)
                 await self.bus.send("buffer", VersionUpdate(version=self.version))
             else:
                 # Asynchronous: open the gate at once; rollouts switch weights while they generate, and
                 # the staleness bound (checked again at batch time) covers samples begun on older weights.
                 # The publisher sends the version on its way; the step waits for it while publishing keeps up.
-                publisher_idle = self.published == self.version - 1
+                publisher_idle = publisher.published == self.version - 1
                 await self.bus.send("buffer", VersionUpdate(version=self.version))
                 if publisher_idle:
                     t_publish = time.monotonic()
-                    waited = await self._published_at(self.version, timeout=self.publish_wait_s(),
-                                                      unless=self._param_server_silent)
+                    waited = await publisher.published_at(self.version, timeout=publisher.wait_s(),
+                                                          unless=self._param_server_silent)
                     if waited != "published":
                         self.log.warning("step_goes_on_without_its_publish", version=self.version,
-                                         published=self.published, waited_s=round(time.monotonic() - t_publish, 1),
+                                         published=publisher.published,
+                                         waited_s=round(time.monotonic() - t_publish, 1),
                                          why="the parameter server is silent (heartbeats)" if waited == "unless"
-                                         else f"no publish within {self.publish_wait_s():.0f} s")
-                sync_seconds = self.publish_seconds   # the newest publish that completed
+                                         else f"no publish within {publisher.wait_s():.0f} s")
+                sync_seconds = publisher.publish_seconds   # the newest publish that completed
             end = time.time()
             loss_shares = stats.pop(LOSS_SHARES, None)
             if self.trace is not None:
@@ -445,7 +440,7 @@ class TrainerActor(Actor):
                          step_seconds=end - last_end, time=end, buffer_depth=batch.stats.depth,
                          buffer_running=batch.stats.running, dropped_stale=batch.stats.dropped_stale,
                          dropped_uniform=batch.stats.dropped_uniform, reissued=batch.stats.returned,
-                         data_pass=batch.stats.data_pass, **self.push_stats)
+                         data_pass=batch.stats.data_pass, **publisher.push_stats)
             self._step_seconds_max = max(self._step_seconds_max, end - last_end)
             if batch.stats.rollout_utilisation >= 0:   # -1: no rollout clocks arrived since the last batch
                 stats["rollout_utilisation"] = batch.stats.rollout_utilisation
@@ -457,12 +452,12 @@ class TrainerActor(Actor):
                 self._enter(f"checkpointing step {self.version}")
                 await self._checkpoint()
         self._enter(f"publishing the last version, {self.version}")
-        if await self._published_at(self.version, timeout=FINAL_PUBLISH_S) != "published":
-            self.log.warning("last_version_not_published", version=self.version, published=self.published,
+        if await self.publisher.published_at(self.version, timeout=FINAL_PUBLISH_S) != "published":
+            self.log.warning("last_version_not_published", version=self.version, published=self.publisher.published,
                              waited_s=FINAL_PUBLISH_S)
         async with self._engine_lock:   # not in the middle of an export, whose ranks > 0 follow it
             self._publisher_task.cancel()
-        await self._last_version_pushed()
+        await self.publisher.last_version_pushed()
         # Marked before telling anyone: the supervisor must know the run is over when the others exit.
         mark_run_finished(self.run_dir, self.version)
         self._enter("finishing the run")
@@ -487,79 +482,6 @@ class TrainerActor(Actor):
             async with self._link_lock:
                 await in_thread(self.weight_ranks.lead, STOP)
 
-    async def _publisher(self) -> None:
-        """Publish the newest version whenever one is newer than the last published (see the module's
-        docstring). A failed publish is logged and tried again with the newest version; only a placement
-        error, which no retry mends, stops the run."""
-        failures = 0
-        while True:
-            await self._new_version.wait()
-            self._new_version.clear()
-            while self.published < self.version:
-                if self.weights is None:
-                    self.published = self.version
-                    break
-                t0 = time.time()
-                async with self._engine_lock:   # between steps: the export is of one whole version
-                    version = self.version
-                    t_export = time.time()
-                    buckets, stages = await in_thread(self._export)   # a collective on the stages' ranks
-                exported = time.time()
-                error: Exception | None = None
-                try:
-                    await self.weights.publish(version, buckets, stages)
-                except (WeightSyncConfigError, TrainerConfigError):
-                    raise
-                except Exception as exc:   # the parameter server is away, frozen or restarting: try again
-                    error = exc
-                finally:
-                    del buckets, stages   # not held while waiting to retry: the next export may need the memory
-                if error is not None:
-                    failures += 1
-                    self.counters["publish_failures"] += 1
-                    self.log.warning("publish_failed_will_retry", version=version, failures=failures,
-                                     error=repr(error)[:300])
-                    await asyncio.sleep(min(PUBLISH_RETRY_S * failures, 30.0))
-                    continue
-                failures = 0
-                self.publish_seconds = time.time() - t0
-                if self.trace is not None:
-                    self.trace.write("publish", version=version, export=[t_export, exported],
-                                     send=[exported, time.time()])
-                self._publish_seconds_max = max(self._publish_seconds_max, self.publish_seconds)
-                self.push_stats = await self._push_stats() or self.push_stats   # kept when the server is away
-                self.published = version
-                self._published_changed.set()
-            self._published_changed.set()
-
-    def publish_wait_s(self) -> float:
-        """How long a step waits for its version's publish: 5 times the longest publish so far, at least
-        PUBLISH_WAIT_MIN_S."""
-        return max(PUBLISH_WAIT_MIN_S, 5 * self._publish_seconds_max)
-
-    async def _published_at(self, version: int, timeout: float | None,
-                            unless: asyncio.Event | None = None) -> Literal["published", "timeout", "unless"]:
-        """Wait until ``version`` (or a newer one) is published, unless ``timeout`` passes or ``unless`` is set
-        (before or while waiting) first; which of the three ended the wait."""
-        async def reached() -> Literal["published", "unless"]:
-            while self.published < version:
-                if unless is not None and unless.is_set():
-                    return "unless"
-                self._published_changed.clear()
-                waits = [asyncio.ensure_future(self._published_changed.wait())]
-                if unless is not None:
-                    waits.append(asyncio.ensure_future(unless.wait()))
-                try:
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for w in waits:
-                        w.cancel()
-            return "published"
-        try:
-            return await asyncio.wait_for(reached(), timeout)
-        except asyncio.TimeoutError:
-            return "timeout"
-
     @handles(LinkReform)
     async def on_link_reform(self, msg: LinkReform) -> LinkFormed:
         """Direct weights: the parameter server forms the rollouts' group of an epoch (see
@@ -578,44 +500,6 @@ class TrainerActor(Actor):
         if self.weights is None:
             raise RuntimeError(f"{self.name} has no direct weights link")
         return await self.weights.broadcast(msg)
-
-    async def _push_stats(self) -> dict[str, float]:
-        """The parameter server's latest view: how long the last push to every rollout took until acked, and
-        how long generation stalled for it (mean over rollouts of their last ack's stall_seconds)."""
-        if self.weights is None:
-            return {}
-        try:
-            status = await self.bus.request(self.param_server, WeightsStatusRequest(), timeout=10.0)
-        except (BusError, TimeoutError) as exc:   # metrics must not stop training
-            self.log.warning("weights_status_unavailable", error=str(exc))
-            return {}
-        stalls = [r.stall_seconds for r in status.rollouts.values()]
-        return {"weight_push_seconds": status.last_sync_seconds,
-                "gen_stall_seconds": sum(stalls) / len(stalls) if stalls else 0.0}
-
-    async def _last_version_pushed(self) -> None:
-        """The run's end waits (briefly, once) for the rollouts to hold its last version, as a step waits in
-        synchronous mode: the run ends with every live rollout on the final weights, not in mid-push."""
-        if self.weights is None or self.published < self.version:
-            return
-        try:
-            status = await self.bus.request(self.param_server, WeightsStatusRequest(
-                min_version=self.version, timeout_s=10.0), timeout=30.0)
-        except (BusError, TimeoutError) as exc:
-            self.log.warning("last_version_push_unknown", error=str(exc)[:200])
-            return
-        if isinstance(status, WeightsStatus) and not status.reached:
-            self.log.warning("last_version_not_on_every_rollout", version=self.version)
-
-    async def _wait_rollouts_at(self, version: int) -> None:
-        if self.weights is None:
-            return
-        for _ in range(60):  # bounded: a rollout that never catches up stops the run with a clear error
-            status = await self.bus.request(self.param_server, WeightsStatusRequest(min_version=version, timeout_s=10.0),
-                                            timeout=30.0)
-            if isinstance(status, WeightsStatus) and status.reached:
-                return
-        raise RuntimeError(f"rollouts did not reach version {version} within 10 minutes (synchronous mode)")
 
     def _record(self, stats: dict[str, Any]) -> None:
         warning = mismatch_warning(stats, self.cfg.algo.mismatch_warn_kl)

@@ -2,7 +2,7 @@
 proximal log-probs, the advantages, the corrected behaviour weights and the updates of the loss `algo.loss`
 names (algo/), split across
 data-parallel replicas. Pure functions of the engine and the batch; the trainer actor (actors/trainer/actor.py)
-and its rank followers (actors/trainer/rank_group.py) call them."""
+and its rank followers (actors/trainer/followers.py) call them."""
 from __future__ import annotations
 
 import time

@@ -10,9 +10,9 @@ One interface (``base.py``), one class per path, picked once by each actor from 
 | per pipeline stage (each stage's sender, ranks > 0) | :class:`StageSender` (beside rank 0's :class:`DirectSender`) | | |
 
 The parameter server coordinates versions, formations and acknowledgements the same way for every path;
-its fanout is the only part that knows which path carries the bytes, and reports to it through one typed
-interface (:class:`Coordinator`). The factories below take what each side needs from its actor as
-arguments, and nothing else. Every bucket travels in the one
+its fanout is the only part that knows which path carries the bytes. The server asks it to take a version,
+form a group or push, and gets a result back; the fanout never calls the server. The factories below take
+what each side needs from its actor as arguments, and nothing else. Every bucket travels in the one
 format of ``transport/bulk.py``. The message sequence of each path is drawn in docs/rl-actors.md.
 """
 from __future__ import annotations
@@ -22,20 +22,20 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from actors.trainer.rank_group import RankGroup
+from actors.runtime.rank_group import RankGroup
 from actors.runtime.recovery import start_weights
 from topology.settings import ParamServerSettings, RolloutSettings, TrainerSettings
 from transport.bulk import BulkLink, LinkConfig
 
-from .base import (Coordinator, Fanout, StoredVersion, WeightReceiver, WeightSender, WeightSyncConfigError, WeightSyncError,
-                   WeightsRejected, link_config, weight_group_name)
+from .base import (Accepted, Fanout, Formation, PushEnd, StoredVersion, Transfer, WeightReceiver, WeightSender,
+                   WeightSyncConfigError, WeightSyncError, WeightsRejected, link_config, weight_group_name)
 from .direct import DirectSender, KeptVersions, LinkCarrier, TrainerFanout
 from .receivers import LinkReceiver, ServerGroupReceiver, Verify
 from .relay import PUBLISH_ATTEMPTS, RelayFanout, RelaySender, load_start_weights
 from .servers import ServerGroupCarrier, ServerGroupHost, StageExport, StageSender
 
-__all__ = ["Coordinator", "Fanout", "StoredVersion", "WeightReceiver", "WeightSender", "WeightSyncConfigError",
-           "WeightSyncError", "WeightsRejected", "link_config", "weight_group_name", "DirectSender", "KeptVersions",
+__all__ = ["Accepted", "Fanout", "Formation", "PushEnd", "StoredVersion", "Transfer", "WeightReceiver",
+           "WeightSender", "WeightSyncConfigError", "WeightSyncError", "WeightsRejected", "link_config", "weight_group_name", "DirectSender", "KeptVersions",
            "LinkCarrier", "TrainerFanout", "LinkReceiver", "ServerGroupReceiver", "PUBLISH_ATTEMPTS", "RelayFanout",
            "RelaySender", "load_start_weights", "ServerGroupCarrier", "ServerGroupHost", "StageExport", "StageSender",
            "kept_bytes", "make_sender", "make_stage_sender", "make_fanout", "make_receiver", "sends_direct"]
@@ -84,17 +84,20 @@ def kept_bytes(cfg: TrainerSettings) -> int | None:
     return None if cfg.weights_kept_mb is None else cfg.weights_kept_mb << 20
 
 
-def make_fanout(cfg: ParamServerSettings, server: Coordinator, make_link: MakeLink, run_dir: Any) -> Fanout:
+def make_fanout(cfg: ParamServerSettings, bus: Any, log: Any, counters: Counter, make_link: MakeLink,
+                run_dir: Any) -> Fanout:
     """The parameter server's side: the relay if links list it (it receives on ``train_to_ps`` and is rank 0
     of ``ps_to_rollout``), direct weights if none does (the trainer broadcasts; this server holds no bytes).
-    ``server`` is what the fanout reports to; ``run_dir``: where a resumed run's start weights are found."""
+    ``bus``, ``log``, ``counters``: the parameter server's; ``run_dir``: where a resumed run's start weights
+    are found."""
+    timing = (cfg.ack_timeout_s, cfg.late_s)
     if not cfg.links:
         trainers, rollouts = cfg.groups.get("trainer") or [], cfg.groups.get("rollout") or []
         if not trainers or not rollouts:
             raise WeightSyncConfigError(f"links: none lists the parameter server, so weights go directly from "
                                         f"the trainer to the rollouts, but groups has trainer {trainers} and "
                                         f"rollout {rollouts}")
-        return TrainerFanout(server, trainers[0], rollouts, start_weights(cfg, run_dir)[0])
+        return TrainerFanout(bus, log, counters, *timing, trainers[0], rollouts, start_weights(cfg, run_dir)[0])
     up = link_config(cfg.links, cfg.train_link, "train_to_ps", key="train_link")
     down = link_config(cfg.links, cfg.rollout_link, "ps_to_rollout", key="rollout_link")
     if up is None or down is None or up.name == down.name:
@@ -102,13 +105,13 @@ def make_fanout(cfg: ParamServerSettings, server: Coordinator, make_link: MakeLi
     if down.rank != 0:
         raise WeightSyncConfigError(f"links.{down.name}.members: the parameter server must be listed first "
                                     f"(it broadcasts as rank 0), got {down.members}")
-    trainers = [m for m in up.members if m != server.name]
+    trainers = [m for m in up.members if m != down.members[0]]
     if len(trainers) != 1:
         raise WeightSyncConfigError(f"links.{up.name}.members: expected the trainer and the parameter "
                                     f"server, got {up.members}")
     # The train link is joined at the epoch the trainer's first WeightsPublished names (RelayFanout.accept).
-    return RelayFanout(server, make_link(up), make_link(down), up.rank_of(trainers[0]), make_link,
-                       lambda: load_start_weights(cfg, run_dir, cfg.bucket_bytes))
+    return RelayFanout(bus, log, counters, *timing, make_link(up), make_link(down), up.rank_of(trainers[0]),
+                       make_link, lambda: load_start_weights(cfg, run_dir, cfg.bucket_bytes))
 
 
 def make_receiver(cfg: RolloutSettings, config: LinkConfig, engine: Any, verify: Verify, make_link: MakeLink,

@@ -8,9 +8,9 @@ A path moves each new version from the trainer to the rollouts. Its sides:
 * :class:`Fanout`: the parameter server's hands. The server decides *when* a group is formed and a
   version pushed, and records the acks; the fanout decides *how*: it takes each version the trainer
   announces (its bytes, or only what the rollouts need to know of it), forms the group of an epoch
-  and moves the stored version's bytes to its members (itself, or by asking the trainer). It reports
-  what happened to the server through one typed interface, :class:`Coordinator`, and through nothing
-  else: the server calls the fanout, the fanout reports back.
+  and moves the stored version's bytes to its members (itself, or by asking the trainer). One direction
+  only: the server asks (``accept``, ``form``, ``push``) and gets a result back (:class:`Accepted`,
+  :class:`Formation`, :class:`Transfer`); the fanout never calls the server.
 * :class:`WeightReceiver`: a rollout. It joins each epoch the parameter server names and turns a
   :class:`WeightsReady` into a :class:`WeightsAck`.
 
@@ -23,8 +23,8 @@ import asyncio
 import contextlib
 import dataclasses
 from collections import Counter
-from collections.abc import Iterable
-from typing import Any, Protocol
+from collections.abc import Coroutine, Iterable
+from typing import Any
 
 from topology.settings import LinkSettings
 from transport.bulk import BulkError, LinkConfig, PackedBucket, pack_to_host
@@ -130,85 +130,125 @@ class WeightSender(abc.ABC):
         """Release the link or groups (the actor stops)."""
 
 
-class Coordinator(Protocol):
-    """The parameter server as its :class:`Fanout` sees it (``actors.param_server.actor.ParamServerActor``
-    implements it). The server decides which rollouts form each epoch, when a version is pushed and who is
-    left out for a while; a fanout asks and reports through these members only."""
+@dataclasses.dataclass
+class Accepted:
+    """What a fanout made of a version the trainer announced: the trainer's answer, and the version the
+    rollouts are to be brought to, taken now (``stored``) or once it is hashed and packed off the trainer's
+    step (``storing``, which the parameter server runs); neither for a version no newer than the current."""
 
-    name: str
-    bus: Any                        # transport.bus.Bus: what the rollouts and the trainer are told
-    log: Any
-    counters: Counter
-    ack_timeout: float              # how long a rollout's ack or the trainer's answer is waited for
-    late_s: float                   # how long a push waits for the other members after the first ack
-    retry_s: float                  # how soon a failed formation is tried again (for the log)
-    current: StoredVersion | None   # the version the rollouts are brought to
+    answer: WeightsStored
+    stored: StoredVersion | None = None
+    storing: Coroutine[Any, Any, StoredVersion] | None = None
 
-    def weight_ranks(self, rollout: str) -> int:
-        """How many ranks ``rollout``'s server joins a weights group with (0: the actor receives itself)."""
 
-    def spawn(self, coro: Any, name: str) -> "asyncio.Task[Any]":
-        """Run ``coro`` in the background for as long as the server runs."""
+@dataclasses.dataclass
+class Formation:
+    """How forming an epoch's group ended: ``info`` to log, or the ``error`` it failed with."""
 
-    def offer(self, stored: StoredVersion) -> bool:
-        """A version was taken: the rollouts are brought to it unless it is no newer than ``current``."""
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    error: str = ""
+    #: the failure may be a member's (one back from a hang): the parameter server leaves those out a while
+    members_failed: bool = False
 
-    async def send_link_reform(self, rollout: str, epoch: int, members: list[str]) -> None:
-        """Tell ``rollout`` to join ``epoch`` of the link, formed by ``members`` (the link's master first)."""
 
-    async def await_formation(self, members: list[str], work: "asyncio.Future[Any]", epoch: int) -> bool:
-        """Await a formation unless a member is lost first; False if it failed (logged and counted)."""
+@dataclasses.dataclass
+class PushEnd:
+    """How a push ended: each member that did not ack and why (``errors``), how long the bytes took to send
+    and until the last ack, or the ``failed`` error of a push that broke as a whole (the group is formed again
+    before the next one)."""
 
-    async def unless_lost(self, members: list[str], work: "asyncio.Future[Any]", what: str) -> Any:
-        """Await a transfer unless a member is lost first (then a BulkError)."""
+    errors: dict[str, str]
+    sent_s: float
+    sync_s: float
+    failed: str = ""
 
-    def record_ack(self, name: str, ack: WeightsAck, stored: StoredVersion,
-                   summary: dict[str, dict[str, Any]]) -> None:
-        """A member acked ``stored``: its state, and its line of the push's ``summary``."""
 
-    def pushed(self, stored: StoredVersion, epoch: int, members: list[str], summary: dict[str, dict[str, Any]],
-               sent_s: float, sync_s: float) -> bool:
-        """A push ended (``summary``: each member's ack or error); whether every member acked it correctly."""
+@dataclasses.dataclass
+class Transfer:
+    """A push under way: each member's ack as it comes (a future per member, resolving to its
+    :class:`WeightsAck`), and the push's end (``end``, resolving to a :class:`PushEnd`). With ``lanes``, every
+    member's bytes travel on a lane of its own: a lane that failed leaves the group broken, and one still
+    running when the push ends (late) finishes on its own."""
 
-    def failed_with(self, members: list[str], started: float | None = None) -> None:
-        """A formation or push failed with ``members``: those back from a hang are left out for a while."""
+    acks: dict[str, "asyncio.Future[WeightsAck]"]
+    end: "asyncio.Future[PushEnd]"
+    lanes: bool = False
 
-    def link_broken(self) -> None:
-        """A transfer failed on the formed epoch: the group must be formed again before the next push."""
 
-    def kick(self) -> None:
-        """Look again for work (a transfer ended)."""
+class Abandoned(BulkError):
+    """A formation or transfer was left because a member it waited on was lost."""
+
+
+class LossWatch:
+    """The members a running formation or push waits on: a loss among them (:meth:`Fanout.lost`) abandons
+    the blocked transfer at once (its thread ends on its own epoch, which nothing uses again)."""
+
+    def __init__(self, counters: Counter) -> None:
+        self.counters = counters
+        self.members: set[str] = set()
+        self.gone: list[str] = []
+        self._event = asyncio.Event()
+
+    def begin(self, members: list[str]) -> None:
+        self.members, self.gone = set(members), []
+        self._event.clear()
+
+    def lost(self, rollout: str) -> None:
+        if rollout in self.members:
+            self.gone.append(rollout)
+            self._event.set()
+
+    async def unless_lost(self, work: "asyncio.Future[Any]", what: str) -> Any:
+        """Await ``work`` unless a member is lost first; then abandon it with a BulkError."""
+        lost = asyncio.ensure_future(self._event.wait())
+        try:
+            await asyncio.wait({work, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            self.members = set()
+        if work.done():
+            return work.result()
+        work.cancel()
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())   # its late error is expected
+        self.counters["transfers_abandoned"] += 1
+        raise Abandoned(f"{what} abandoned: {', '.join(sorted(set(self.gone))) or 'a member'} was lost "
+                        f"while it ran")
 
 
 class Fanout(abc.ABC):
-    """The parameter server's side: takes each version the trainer announces, forms an epoch's group
-    and moves a stored version over it, reporting to its :class:`Coordinator`."""
+    """The parameter server's side of a path: it takes each version the trainer announces, forms an
+    epoch's group and pushes a stored version over it, when the parameter server asks, and answers with
+    what happened (:class:`Accepted`, :class:`Formation`, :class:`Transfer`). It never calls the server: it
+    has its own bus, log and counters, and is told of lost members (:meth:`lost`)."""
 
     #: whether the parameter server holds the bytes of each version (it can keep some for the evaluator)
     holds_weights: bool = False
     #: the rollouts this path brings to each version
     rollouts: list[str]
 
+    def __init__(self, bus: Any, log: Any, counters: Counter, ack_timeout: float, late_s: float) -> None:
+        self.bus, self.log, self.counters = bus, log, counters   # what the rollouts and the trainer are told
+        self.ack_timeout = ack_timeout   # how long a rollout's ack or the trainer's answer is waited for
+        self.late_s = late_s             # how long a push waits for the other members after the first ack
+        self.watch = LossWatch(counters)
+
     @abc.abstractmethod
     async def start_weights(self) -> StoredVersion:
         """The version the run starts from (a resumed run's checkpoint, else the model's)."""
 
     @abc.abstractmethod
-    async def accept(self, msg: WeightsPublished) -> WeightsStored:
-        """The trainer announced a version: take it and ``offer`` it to the parameter server; the answer.
-        Raises WeightsRejected if it cannot be taken."""
-
-    async def settled(self) -> None:
-        """Return once every version accepted so far is offered (one may be hashed after its answer)."""
+    async def accept(self, msg: WeightsPublished, current: int | None) -> Accepted:
+        """The trainer announced a version (``current``: the newest the parameter server holds). Raises
+        WeightsRejected if it cannot be taken."""
 
     @abc.abstractmethod
-    async def form(self, epoch: int, members: list[str]) -> dict[str, Any] | None:
-        """Form ``epoch`` of the rollouts' group of ``members``; returns what to log about it, or None
-        if it failed (logged and counted here; the parameter server retries at a newer epoch)."""
+    async def form(self, epoch: int, members: list[str], ranks: dict[str, int]) -> Formation:
+        """Form ``epoch`` of the rollouts' group of ``members`` (``ranks``: how many ranks each member's server
+        joins a weights group with, 0: the actor receives itself)."""
 
     @abc.abstractmethod
-    async def push(self, stored: StoredVersion, epoch: int, members: list[str]) -> bool:
-        """Move ``stored`` to ``members`` and record their acks; whether every one acked it correctly."""
+    def push(self, stored: StoredVersion, epoch: int, members: list[str]) -> Transfer:
+        """Start moving ``stored`` to ``members`` (those not still busy with a transfer)."""
 
     def busy(self, rollout: str) -> bool:
         """Whether a transfer to ``rollout`` still runs (it is not pushed to again until it ends)."""
@@ -216,6 +256,7 @@ class Fanout(abc.ABC):
 
     def lost(self, rollout: str, why: str) -> None:
         """``rollout`` died, restarted or lost its server: stop waiting for it."""
+        self.watch.lost(rollout)
 
     def close(self) -> None:
         """Release the links (the actor stops)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -34,7 +35,8 @@ from transport.bus import BusError
 from transport.protocol import (LinkFormed, LinkReform, WeightsAck, WeightsBroadcast, WeightsBroadcastDone,
                                 WeightsPublished, WeightsReady, WeightsStored)
 
-from .base import Bucket, Coordinator, Fanout, StoredVersion, WeightSender, WeightSyncConfigError, push_stream
+from .base import (Accepted, Bucket, Fanout, Formation, PushEnd, StoredVersion, Transfer, WeightSender,
+                   WeightSyncConfigError, push_stream)
 
 
 class KeptVersions:
@@ -215,8 +217,10 @@ class TrainerFanout(Fanout):
     """The parameter server's side of direct weights: it holds no bytes; the trainer forms each epoch
     (LinkReform as a request) and broadcasts (WeightsBroadcast) while the rollouts receive."""
 
-    def __init__(self, server: Coordinator, trainer: str, rollouts: list[str], start_version: int) -> None:
-        self.server, self.trainer = server, trainer
+    def __init__(self, bus: Any, log: Any, counters: Counter, ack_timeout: float, late_s: float, trainer: str,
+                 rollouts: list[str], start_version: int) -> None:
+        super().__init__(bus, log, counters, ack_timeout, late_s)
+        self.trainer = trainer
         self.rollouts = list(rollouts)
         self.start_version = start_version   # the version the run starts from (actors.runtime.recovery.start_weights)
         self._acks: dict[str, asyncio.Future] = {}    # the running push's WeightsReady requests, by rollout
@@ -227,104 +231,91 @@ class TrainerFanout(Fanout):
         counts as up to date; a restarted rollout is brought to the newest version from the trainer's copy."""
         return StoredVersion(self.start_version, "", [], 0, n_buckets=0)
 
-    async def accept(self, msg: WeightsPublished) -> WeightsStored:
+    async def accept(self, msg: WeightsPublished, current: int | None) -> Accepted:
         """The trainer keeps the bytes: only what the rollouts must be told of them is stored."""
-        ps = self.server
         stored = StoredVersion(msg.version, msg.weights_hash, [], 0, n_buckets=msg.n_buckets,
                                specs=msg.specs, stage_buckets=msg.stage_buckets)
-        if not ps.offer(stored):
-            ps.log.warning("stale_version_ignored", version=msg.version, current=ps.current.version)
-        return WeightsStored(version=msg.version, receive_seconds=0.0)
+        return Accepted(WeightsStored(version=msg.version, receive_seconds=0.0), stored=stored)
 
-    async def form(self, epoch: int, members: list[str]) -> dict[str, Any] | None:
-        ps = self.server
-        if any(ps.weight_ranks(n) for n in members):
-            return await self._form_with_servers(epoch, members)
+    async def form(self, epoch: int, members: list[str], ranks: dict[str, int]) -> Formation:
+        if any(ranks.values()):
+            return await self._form_with_servers(epoch, members, ranks)
+        self.watch.begin(members)
         names = [self.trainer, *members]   # the link's master first
         for name in members:
-            await ps.send_link_reform(name, epoch, names)
-        work = asyncio.ensure_future(ps.bus.request(self.trainer, LinkReform(epoch=epoch, members=names),
-                                                    timeout=ps.ack_timeout))
-        if not await ps.await_formation(members, work, epoch):
-            return None
-        return {}
+            await self.bus.send(name, LinkReform(epoch=epoch, members=names))
+        work = asyncio.ensure_future(self.bus.request(self.trainer, LinkReform(epoch=epoch, members=names),
+                                                      timeout=self.ack_timeout))
+        try:
+            await self.watch.unless_lost(work, f"forming epoch {epoch}")
+        except (BulkError, BusError, TimeoutError) as exc:
+            return Formation(error=str(exc), members_failed=True)
+        return Formation()
 
-    async def _form_with_servers(self, epoch: int, members: list[str]) -> dict[str, Any] | None:
+    async def _form_with_servers(self, epoch: int, members: list[str], ranks: dict[str, int]) -> Formation:
         """The trainer hosts a group of 1 + the servers' ranks; each rollout's server joins at its rank offset.
         The group is complete when the trainer's first broadcast finds every rank joined (it waits for that,
         bounded by the link timeout)."""
-        ps = self.server
-        if not all(ps.weight_ranks(n) > 0 for n in members):
-            ps.counters["link_form_failures"] += 1
-            ps.log.error("rollout_link_form_failed", epoch=epoch, retry_in_s=ps.retry_s,
-                         error="some rollouts receive on the link and some through their servers: "
-                               f"{ {n: ps.weight_ranks(n) for n in members} }")
-            return None
-        world = 1 + sum(ps.weight_ranks(n) for n in members)
+        if not all(ranks[n] > 0 for n in members):
+            return Formation(error="some rollouts receive on the link and some through their servers: "
+                                   f"{ {n: ranks[n] for n in members} }")
+        world = 1 + sum(ranks[n] for n in members)
         try:
-            formed = await ps.bus.request(self.trainer, LinkReform(epoch=epoch, world_size=world),
-                                          timeout=ps.ack_timeout)
+            formed = await self.bus.request(self.trainer, LinkReform(epoch=epoch, world_size=world),
+                                            timeout=self.ack_timeout)
         except (BusError, TimeoutError) as exc:
-            ps.counters["link_form_failures"] += 1
-            ps.log.error("rollout_link_form_failed", epoch=epoch, error=str(exc), retry_in_s=ps.retry_s)
-            return None
+            return Formation(error=str(exc))
         offset = 1
         for name in members:
-            await ps.bus.send(name, LinkReform(epoch=epoch, master_addrs=formed.master_addrs,
-                                               master_ports=formed.master_ports, rank_offset=offset,
-                                               world_size=world))
-            offset += ps.weight_ranks(name)
-        return {"ranks": world, "servers": True, "stages": len(formed.master_ports)}
+            await self.bus.send(name, LinkReform(epoch=epoch, master_addrs=formed.master_addrs,
+                                                 master_ports=formed.master_ports, rank_offset=offset,
+                                                 world_size=world))
+            offset += ranks[name]
+        return Formation({"ranks": world, "servers": True, "stages": len(formed.master_ports)})
 
     def lost(self, rollout: str, why: str) -> None:
         """A rollout that died or restarted will never ack the running push: stop waiting for it now rather
         than after ack_timeout_s (the others' acks still count; it gets the weights on the next group)."""
+        super().lost(rollout, why)
         fut = self._acks.get(rollout)
         if fut is not None and not fut.done():
             self._abandoned[rollout] = why
             fut.cancel()
 
-    async def push(self, stored: StoredVersion, epoch: int, members: list[str]) -> bool:
+    def push(self, stored: StoredVersion, epoch: int, members: list[str]) -> Transfer:
         """The trainer broadcasts (WeightsBroadcast) on the group it hosts; every member acks."""
-        ps = self.server
-        t0 = time.monotonic()
+        self.watch.begin(members)
         ready = WeightsReady(version=stored.version, n_buckets=stored.n_buckets, weights_hash=stored.weights_hash,
                              epoch=epoch, specs=stored.specs, stage_buckets=stored.stage_buckets)
-        acks = {name: asyncio.ensure_future(ps.bus.request(name, ready, timeout=ps.ack_timeout))
-                for name in members}
-        summary: dict[str, dict[str, Any]] = {}
-        for name, fut in acks.items():   # each ack counts as it comes: a late member holds nobody else's
-            fut.add_done_callback(lambda f, name=name: f.cancelled() or f.exception() is not None
-                                  or ps.record_ack(name, f.result(), stored, summary))
-        self._acks = acks
+        # each ack counts as it comes (the parameter server watches them): a late member holds nobody else's
+        self._acks = {name: asyncio.ensure_future(self.bus.request(name, ready, timeout=self.ack_timeout))
+                      for name in members}
+        return Transfer(dict(self._acks), asyncio.ensure_future(self._broadcast(stored, epoch, self._acks)))
+
+    async def _broadcast(self, stored: StoredVersion, epoch: int, acks: dict[str, asyncio.Future]) -> PushEnd:
+        t0 = time.monotonic()
         try:
-            sending = asyncio.ensure_future(ps.bus.request(
-                self.trainer, WeightsBroadcast(version=stored.version, epoch=epoch),
-                timeout=ps.ack_timeout))
-            await ps.unless_lost(members, sending, f"pushing version {stored.version}")
+            sending = asyncio.ensure_future(self.bus.request(
+                self.trainer, WeightsBroadcast(version=stored.version, epoch=epoch), timeout=self.ack_timeout))
+            await self.watch.unless_lost(sending, f"pushing version {stored.version}")
         except (BulkError, BusError, TimeoutError) as exc:
             for fut in acks.values():
                 fut.cancel()
             await asyncio.gather(*acks.values(), return_exceptions=True)
             self._acks = {}
-            ps.link_broken()
-            ps.failed_with(members, started=t0)
-            ps.counters["push_failures"] += 1
-            ps.log.error("weights_push_failed", version=stored.version, epoch=epoch, error=str(exc),
-                         acked=sorted(summary))
-            return False
+            return PushEnd({}, time.monotonic() - t0, time.monotonic() - t0, failed=str(exc))
         sent_s = time.monotonic() - t0
         results = await asyncio.gather(*acks.values(), return_exceptions=True)
         self._acks = {}
         abandoned, self._abandoned = self._abandoned, {}
-        sync_s = time.monotonic() - t0
+        errors = {}
         for name, res in zip(acks, results):
             if isinstance(res, WeightsAck):
                 continue
-            ps.counters["ack_failures"] += 1
+            self.counters["ack_failures"] += 1
             reason = (str(res) if isinstance(res, (BusError, TimeoutError))
                       else f"abandoned: {abandoned.get(name, 'cancelled')}"
                       if isinstance(res, asyncio.CancelledError) else repr(res))
-            ps.log.error("weights_ack_failed", rollout=name, version=stored.version, error=reason)
-            summary[name] = {"error": reason[:200]}
-        return ps.pushed(stored, epoch, members, summary, sent_s, sync_s)
+            self.log.error("weights_ack_failed", rollout=name, version=stored.version, error=reason)
+            errors[name] = reason
+        return PushEnd(errors, sent_s, time.monotonic() - t0)

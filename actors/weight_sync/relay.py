@@ -29,9 +29,10 @@ from actors.weights import weights_hash
 from topology.experiment import ExperimentConfig
 from transport.bulk import BulkError, BulkLink, LinkConfig, PackedBucket, pack_buckets
 from transport.bus import BusError
-from transport.protocol import WeightsPublished, WeightsReady, WeightsStored
+from transport.protocol import LinkReform, WeightsAck, WeightsPublished, WeightsReady, WeightsStored
 
-from .base import Coordinator, Fanout, StoredVersion, WeightSender, WeightSyncConfigError, WeightsRejected
+from .base import (Accepted, Fanout, Formation, PushEnd, StoredVersion, Transfer, WeightSender, WeightSyncConfigError,
+                   WeightsRejected)
 
 # A parameter server restarted in place answers within a few seconds; each attempt is bounded by the link's
 # timeout, so this bounds how long a step waits for one that does not come back.
@@ -115,26 +116,26 @@ class RelayFanout(Fanout):
 
     holds_weights = True
 
-    def __init__(self, server: Coordinator, up: BulkLink, down: BulkLink, trainer_rank: int,
-                 make_link: Callable[[LinkConfig], BulkLink], start: Callable[[], StoredVersion]) -> None:
-        self.server = server
+    def __init__(self, bus: Any, log: Any, counters: Counter, ack_timeout: float, late_s: float, up: BulkLink,
+                 down: BulkLink, trainer_rank: int, make_link: Callable[[LinkConfig], BulkLink],
+                 start: Callable[[], StoredVersion]) -> None:
+        super().__init__(bus, log, counters, ack_timeout, late_s)
         self.up, self.link, self.trainer_rank = up, down, trainer_rank
         self.make_link = make_link   # a fresh train link, to meet the trainer on the epoch it names
         self.start = start           # loads the start weights (blocking)
-        self.rollouts = [m for m in down.config.members if m != server.name]
+        self.master = down.config.members[0]   # this server: rank 0 of the rollouts' link
+        self.rollouts = down.config.members[1:]
         self._lanes: dict[str, asyncio.Future] = {}   # each rollout's running transfer and ack
         self._up_lock = asyncio.Lock()
         self._up_epoch = 0   # the newest train-link epoch the trainer has named
         self._trainer_incarnation = ""
-        self._storing: set[asyncio.Task] = set()   # published versions being hashed and packed
 
     async def start_weights(self) -> StoredVersion:
         return await asyncio.to_thread(self.start)
 
-    async def accept(self, msg: WeightsPublished) -> WeightsStored:
+    async def accept(self, msg: WeightsPublished, current: int | None) -> Accepted:
         """Receive the announced version's buckets on the train link; with an announced hash they are checked
         before the answer, else hashed and packed after it (off the trainer's step)."""
-        ps = self.server
         restarted = msg.incarnation != self._trainer_incarnation
         if restarted:   # the trainer restarted: its epochs start again
             self._trainer_incarnation, self._up_epoch = msg.incarnation, msg.link_epoch
@@ -150,12 +151,12 @@ class RelayFanout(Fanout):
             try:
                 await in_thread(link.open, msg.link_epoch)
             except BulkError as exc:
-                ps.counters["train_link_failures"] += 1
+                self.counters["train_link_failures"] += 1
                 raise WeightsRejected(f"version {msg.version}: the train link did not form at epoch "
                                       f"{msg.link_epoch}: {exc}") from None
             if msg.link_epoch == self._up_epoch:
                 self.up = link
-                ps.log.info("train_link_formed", link=link.config.name, epoch=msg.link_epoch)
+                self.log.info("train_link_formed", link=link.config.name, epoch=msg.link_epoch)
         async with self._up_lock:
             if self.up.epoch != msg.link_epoch:
                 raise WeightsRejected(f"version {msg.version}: epoch {msg.link_epoch} of the train link was "
@@ -166,106 +167,100 @@ class RelayFanout(Fanout):
                 for _ in range(msg.n_buckets):
                     buckets.append(await in_thread(self.up.recv, self.trainer_rank))
             except BulkError as exc:
-                ps.counters["receive_failures"] += 1
-                ps.log.error("weights_receive_failed", version=msg.version, received=len(buckets),
-                             expected=msg.n_buckets, error=str(exc))
+                self.counters["receive_failures"] += 1
+                self.log.error("weights_receive_failed", version=msg.version, received=len(buckets),
+                               expected=msg.n_buckets, error=str(exc))
                 raise WeightsRejected(f"version {msg.version}: receiving bucket {len(buckets)} of "
                                       f"{msg.n_buckets} failed: {exc}") from exc
             receive_s = time.monotonic() - t0
-        if ps.current is not None and msg.version <= ps.current.version:
-            ps.log.warning("stale_version_ignored", version=msg.version, current=ps.current.version)
-            return WeightsStored(version=msg.version, receive_seconds=receive_s)
+        answer = WeightsStored(version=msg.version, receive_seconds=receive_s)
+        if current is not None and msg.version <= current:
+            self.log.warning("stale_version_ignored", version=msg.version, current=current)
+            return Accepted(answer)
         if msg.weights_hash:   # announced: checked before the answer, so a mismatch fails the publish
-            await self._store(msg.version, buckets, receive_s, msg.weights_hash)
-        else:   # hashed and packed here after the answer: off the trainer's step (the rollouts wait for it)
-            task = ps.spawn(self._store(msg.version, buckets, receive_s), name=f"store-v{msg.version}")
-            self._storing.add(task)
-            task.add_done_callback(self._storing.discard)
-        return WeightsStored(version=msg.version, receive_seconds=receive_s)
+            return Accepted(answer, stored=await self._store(msg.version, buckets, msg.weights_hash))
+        # hashed and packed after the answer: off the trainer's step (the rollouts wait for it)
+        return Accepted(answer, storing=self._store(msg.version, buckets))
 
-    async def _store(self, version: int, buckets: list, receive_s: float, announced: str = "") -> None:
-        """Hash and pack a received version and offer it (a newer one may have got there first)."""
-        ps = self.server
+    async def _store(self, version: int, buckets: list, announced: str = "") -> StoredVersion:
+        """Hash and pack a received version."""
         named = [kv for b in buckets for kv in b]
         digest = await asyncio.to_thread(weights_hash, named)
         if announced and digest != announced:
-            ps.counters["published_hash_mismatches"] += 1
-            ps.log.error("published_hash_mismatch", version=version, announced=announced, got=digest)
+            self.counters["published_hash_mismatches"] += 1
+            self.log.error("published_hash_mismatch", version=version, announced=announced, got=digest)
             raise WeightsRejected(f"version {version}: buckets hash to {digest}, the trainer announced {announced}")
         packed = await asyncio.to_thread(pack_buckets, buckets)
-        stored = StoredVersion(version, digest, packed, sum(p.flat.numel() for p in packed))
-        if ps.offer(stored):
-            ps.log.info("weights_stored", version=version, buckets=len(buckets), nbytes=stored.nbytes,
-                        receive_s=round(receive_s, 4))
+        return StoredVersion(version, digest, packed, sum(p.flat.numel() for p in packed))
 
-    async def settled(self) -> None:
-        if self._storing:
-            await asyncio.wait(set(self._storing), timeout=30.0)
-
-    async def form(self, epoch: int, members: list[str]) -> dict[str, Any] | None:
-        ps = self.server
-        names = [ps.name, *members]   # the link's master first
+    async def form(self, epoch: int, members: list[str], ranks: dict[str, int]) -> Formation:
+        self.watch.begin(members)
+        names = [self.master, *members]   # the link's master first
         for name in members:
-            await ps.send_link_reform(name, epoch, names)
-        if not await ps.await_formation(members, in_thread(self.link.reform, epoch, names), epoch):
-            return None
-        return {}
+            await self.bus.send(name, LinkReform(epoch=epoch, members=names))
+        try:
+            await self.watch.unless_lost(in_thread(self.link.reform, epoch, names), f"forming epoch {epoch}")
+        except (BulkError, BusError, TimeoutError) as exc:
+            return Formation(error=str(exc), members_failed=True)
+        return Formation()
 
     def busy(self, rollout: str) -> bool:
         return rollout in self._lanes
 
     def lost(self, rollout: str, why: str) -> None:
+        super().lost(rollout, why)
         if (lane := self._lanes.get(rollout)) is not None:
             lane.cancel(f"{rollout}: {why}")
 
-    async def push(self, stored: StoredVersion, epoch: int, members: list[str]) -> bool:
-        """A lane per member: its buckets sent point to point on a thread of its own, then its ack. The push
-        ends when every lane has, or `late_s` after the first one did; a late lane runs on (its member is
-        skipped until it ends, then catches up), and a lost member's lane is abandoned."""
-        ps, link = self.server, self.link
+    def push(self, stored: StoredVersion, epoch: int, members: list[str]) -> Transfer:
+        """A lane per member: its buckets sent point to point on a thread of its own, then its ack (the
+        lane's result). The push ends when every lane has, or `late_s` after the first one did; a late lane
+        runs on (its member is skipped until it ends, then catches up), and a lost member's lane is
+        abandoned."""
+        link = self.link
         members = [n for n in members if n not in self._lanes]
-        t0 = time.monotonic()
         ready = WeightsReady(version=stored.version, n_buckets=stored.n_buckets, weights_hash=stored.weights_hash,
                              epoch=epoch, point_to_point=True)
-        summary: dict[str, dict[str, Any]] = {}
 
         def send(rank: int) -> None:
             for packed in stored.packed:
                 link.send_packed(packed, rank, epoch)
 
-        async def lane(name: str) -> None:
-            ack = asyncio.ensure_future(ps.bus.request(name, ready, timeout=ps.ack_timeout))
+        async def lane(name: str) -> WeightsAck:
+            ack = asyncio.ensure_future(self.bus.request(name, ready, timeout=self.ack_timeout))
             try:
                 await in_thread(send, link.members.index(name))
-                ps.record_ack(name, await ack, stored, summary)
+                return await ack
             finally:
                 ack.cancel()
 
         def ended(name: str, fut: asyncio.Future) -> None:
             if self._lanes.get(name) is fut:
                 del self._lanes[name]
-            if not fut.cancelled() and fut.exception() is not None:
-                ps.link_broken()   # its side of the group is broken: it joins a fresh one
-            ps.kick()
 
         lanes = {name: asyncio.ensure_future(lane(name)) for name in members}
         for name, fut in lanes.items():
             self._lanes[name] = fut
             fut.add_done_callback(functools.partial(ended, name))
+        return Transfer(lanes, asyncio.ensure_future(self._wait(stored, lanes)), lanes=True)
+
+    async def _wait(self, stored: StoredVersion, lanes: dict[str, asyncio.Future]) -> PushEnd:
+        t0 = time.monotonic()
         _, running = await asyncio.wait(lanes.values(), return_when=asyncio.FIRST_COMPLETED)
         if running:
-            await asyncio.wait(running, timeout=ps.late_s)
+            await asyncio.wait(running, timeout=self.late_s)
         sync_s = time.monotonic() - t0
+        errors = {}
         for name, fut in lanes.items():
             if not fut.done():
-                ps.counters["late_rollouts"] += 1
-                summary[name] = {"error": f"late: no ack {ps.late_s:g} s after the first (it runs on)"}
+                self.counters["late_rollouts"] += 1
+                errors[name] = f"late: no ack {self.late_s:g} s after the first (it runs on)"
             elif fut.cancelled() or fut.exception() is not None:
                 reason = (f"abandoned: {fut.cancelled() and 'member lost'}" if fut.cancelled() else str(fut.exception()))
-                ps.counters["ack_failures"] += 1
-                ps.log.error("weights_ack_failed", rollout=name, version=stored.version, error=reason)
-                summary[name] = {"error": reason[:200]}
-        return ps.pushed(stored, epoch, members, summary, sync_s, sync_s)
+                self.counters["ack_failures"] += 1
+                self.log.error("weights_ack_failed", rollout=name, version=stored.version, error=reason)
+                errors[name] = reason
+        return PushEnd(errors, sync_s, sync_s)
 
     def close(self) -> None:
         self.up.close()

@@ -4,7 +4,7 @@ SGLang's flattened layout while each server runs /update_weights_from_distribute
 
 Rank 0 hosts stage 0's group (:class:`ServerGroupCarrier`); with a pipeline-parallel trainer each other
 stage's sender hosts its own and broadcasts its own layers (:class:`StageSender`, on a thread of its own
-that follows rank 0's weights channel: HOST, BROADCAST, STOP, see actors/trainer/rank_group.py).
+that follows rank 0's weights channel: HOST, BROADCAST, STOP, see actors/runtime/rank_group.py).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from actors.trainer.rank_group import BROADCAST, HOST, RankGroup
+from actors.runtime.rank_group import BROADCAST, HOST, RankGroup
 from actors.runtime.threads import in_thread, on_daemon_thread
 from transport.bulk import LinkConfig, PackedBucket, TensorMeta, bucket_views, unpack_bucket
 from transport.protocol import LinkFormed, LinkReform

@@ -1,4 +1,6 @@
-"""The ranks of a multi-rank trainer: rank 0 says which engine call comes next, the others follow.
+"""The control channel of a multi-rank trainer: rank 0 says which engine call comes next, the others follow
+(their loop is actors/trainer/followers.py; the pipeline stages' weights senders, actors/weight_sync/servers.py,
+follow the weights channel). Here, below both, so that either may use it.
 
 A Megatron trainer is one torch.distributed world (one rank per GPU) whose collectives need every rank to
 make the same engine calls in the same order. Only rank 0 (`trainer.0`) talks to the buffer and the
@@ -14,7 +16,7 @@ layers there. Forming those groups and broadcasting are asked for by the paramet
 step may be running, so they are led on a channel of their own, which the other ranks follow on a thread
 of their own (HOST, BROADCAST; STOP ends it). Rank 0 stops that channel after the training one, once no
 broadcast is led on it any more (the parameter server may ask for the last version's while the last step
-ends): a rank leaves only when both have stopped (`follow_rank0`), or the broadcast it left would fail on
+ends): a rank leaves only when both have stopped (`actors.trainer.followers.follow_rank0`), or the broadcast it left would fail on
 rank 0 and with it the end of the run.
 
 The group's timeout only bounds a broadcast that never completes; a follower waits for rank 0's next
@@ -24,17 +26,12 @@ rank back).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import datetime
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from actors.runtime.threads import on_daemon_thread
-from actors.trainer.step import StepConfig, train_share
-from transport.messages import decode
-from transport.protocol import BatchTensors
 
 TRAIN, EXPORT, SAVE, STOP = "train", "export", "save", "stop"
 HOST, BROADCAST = "host", "broadcast"        # the weights channel of a pipeline-parallel trainer
@@ -107,45 +104,3 @@ class RankGroup:
                 dist.recv(buf, 0, group=self.group)
             frames.append(memoryview(buf.numpy()))
         return frames
-
-
-def follow_rank0(ranks: RankGroup, weight_ranks: RankGroup | None, engine: Any, step_cfg: StepConfig,
-                 ref_engine: Any, stage_sender: Any, log: Any, name: str) -> None:
-    """Ranks > 0 (blocking): rank 0's engine calls and, with pipeline stages, its weights commands beside them
-    (``stage_sender.follow``, each channel on a thread of its own), until rank 0 has stopped both. The weights
-    channel stops last: returning at the first STOP would leave rank 0 alone in the run's last broadcast. A
-    failure on either channel is raised at once."""
-    loops = [on_daemon_thread("follow-commands", follow_commands, ranks, engine, step_cfg, ref_engine, stage_sender,
-                              log)]
-    if weight_ranks is not None:
-        loops.append(on_daemon_thread("follow-weights", stage_sender.follow, weight_ranks, name))
-    done, _ = concurrent.futures.wait(loops, return_when=concurrent.futures.FIRST_EXCEPTION)
-    for loop in done:
-        loop.result()
-
-
-def follow_commands(ranks: RankGroup, engine: Any, step_cfg: StepConfig, ref_engine: Any, stage_sender: Any,
-                    log: Any) -> None:
-    """Ranks > 0: make rank 0's engine calls, in its order, until it says stop (blocking). A pipeline
-    stage's sender (``stage_sender``, actors/weight_sync/servers.py) keeps what it exports."""
-    while True:
-        command, args = ranks.next_command()
-        if command == TRAIN:
-            (version,) = args
-            _, share = decode(ranks.recv_frames())
-            if not isinstance(share, BatchTensors):
-                raise TypeError(f"trainer rank {ranks.rank}: expected a batch share, got {type(share).__name__}")
-            ranks.gather(train_share(engine, share, step_cfg, version, ref_engine))
-        elif command == EXPORT:
-            bucket_bytes, version = args
-            buckets = engine.export_weights(bucket_bytes)
-            if stage_sender is not None:   # keeps them as they come (a stage's sender) or only exports
-                ranks.gather(stage_sender.keep(version, buckets))
-            else:
-                for _ in buckets:   # the export's collectives need every rank
-                    pass
-        elif command == SAVE:
-            engine.save(*args)
-        else:
-            log.info("trainer_rank_done", rank=ranks.rank)
-            return
