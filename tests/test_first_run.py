@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.launch.evaluation import versions
-from actors.launch.progress import TrainingProgress, launcher_logger, see_the_run, summary
+from launch.evaluation import versions
+from launch.progress import TrainingProgress, launcher_logger, see_the_run, summary
 from tools.sft import time_left
 
 

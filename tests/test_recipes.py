@@ -156,7 +156,7 @@ def test_a_run_says_what_it_will_evaluate_and_when_it_will_not(monkeypatch, caps
 
 
 def test_the_final_evaluation_says_why_it_does_not_run(tmp_path, capsys):
-    from actors.launch.evaluation import final_evaluation
+    from launch.evaluation import final_evaluation
     from tools.up import HOOKS
     from topology.experiment import ExperimentConfig
 

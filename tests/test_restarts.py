@@ -18,7 +18,7 @@ def step_record(step: int, n_tokens: float, t: float) -> dict:
 def test_the_summary_counts_a_step_trained_again_after_a_restart_once(tmp_path: Path) -> None:
     # A trainer restarted after step 3 resumed from the checkpoint of step 1 and trained steps 2 and 3 again:
     # "31 steps" for a 30-step run was this counted twice.
-    from actors.launch.evaluation import final_evaluation
+    from launch.evaluation import final_evaluation
     from tools.up import HOOKS
 
     run_dir = tmp_path / "run"

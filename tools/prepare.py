@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                          "prepare.warm_start.shipped (the copy a fresh clone uses)")
     args = ap.parse_args(argv)
     import topology
-    from actors.launch.local import use_trainer_threads
+    from launch.local import use_trainer_threads
 
     try:
         plan = topology.load(args.topology, args.overrides, check_imports=False)

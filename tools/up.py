@@ -18,10 +18,10 @@
 
 The run directory (``runs/<name>/<timestamp>`` unless ``--run-dir``) holds the plan, the ActorSpecs,
 logs, message logs, metrics and checkpoints. Exit status: 0 clean end, 2 invalid topology or input, 1 failed
-run (an actor that cannot be kept up, or a run that stopped making progress: actors/launch/watchdog.py
+run (an actor that cannot be kept up, or a run that stopped making progress: launch/watchdog.py
 prints a diagnosis), 128 + N for a training run stopped by signal N before its last step.
 
-This module parses the command line; the launching itself is the library's (actors/launch/), which gets
+This module parses the command line; the launching itself is the library's (launch/), which gets
 the tools it uses (the planner, the prepare stage, the held-out evaluation) from `HOOKS`.
 """
 
@@ -32,8 +32,8 @@ import sys
 from typing import Any, Sequence
 
 import topology as topo_mod
-from actors.launch.launcher import dry_run, launch
-from actors.launch.options import EXIT_INVALID, EXIT_OK, LaunchRequest, PrepareRefused, ToolHooks
+from launch.launcher import dry_run, launch
+from launch.options import EXIT_INVALID, EXIT_OK, LaunchRequest, PrepareRefused, ToolHooks
 from topology import Plan, TopologyError
 from topology.experiment import ExperimentConfig
 from topology.schema import SupervisorSection

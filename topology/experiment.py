@@ -370,7 +370,7 @@ class EvalSection(Section):
 
 
 class WatchdogSection(Section):
-    """The launcher's progress watchdog (actors/launch/watchdog.py): a run that stops making progress is stopped with a
+    """The launcher's progress watchdog (launch/watchdog.py): a run that stops making progress is stopped with a
     diagnosis and a non-zero exit instead of waiting for ever."""
 
     after_steps: float = Field(5.0, ge=0, description="no trained step for this many times the longest step so far "

@@ -402,7 +402,7 @@ def make_assets(run_dir: Path, seed: int) -> Assets:
 
 def pick_base_port(plan_for: Any, tries: int = 20) -> tuple[int, Plan]:
     """A bus base port whose whole range is free here (several runs share this machine)."""
-    from actors.launch.report import busy_ports
+    from launch.report import busy_ports
 
     rng = random.Random(os.getpid() ^ time.time_ns())
     for _ in range(tries):
@@ -457,10 +457,10 @@ def rehearse(opts: Options) -> dict[str, Any]:
         return plan.with_hosts(hosts)
 
     _, plan = pick_base_port(plan_for)
-    from actors.launch.nodes import write_node_plans
-    from actors.launch.options import LaunchRequest
-    from actors.launch.readiness import supervisor_options
-    from actors.launch.rundir import build_specs, write_plan
+    from launch.nodes import write_node_plans
+    from launch.options import LaunchRequest
+    from launch.readiness import supervisor_options
+    from launch.rundir import build_specs, write_plan
     from tools.up import HOOKS
 
     specs = build_specs(plan, run_dir)

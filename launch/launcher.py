@@ -6,12 +6,12 @@ import os
 import sys
 from typing import Sequence
 
-from actors.launch.local import run_local
-from actors.launch.nodes import run_slurm, submit_sbatch
-from actors.launch.options import EXIT_INVALID, EXIT_OK, LaunchRequest, ToolHooks
-from actors.launch.progress import see_the_run
-from actors.launch.readiness import settings_problems
-from actors.launch.report import busy_ports, describe
+from launch.local import run_local
+from launch.nodes import run_slurm, submit_sbatch
+from launch.options import EXIT_INVALID, EXIT_OK, LaunchRequest, ToolHooks
+from launch.progress import see_the_run
+from launch.readiness import settings_problems
+from launch.report import busy_ports, describe
 from topology import Plan
 
 
@@ -19,11 +19,11 @@ def dry_run(plan: Plan, overrides: Sequence[str], hooks: ToolHooks, full: bool =
     """Print the report and a sample of the inputs; EXIT_INVALID (problems on stderr) when an actor class
     would refuse an instance's settings, a port is taken, a GPU group does not fit, the prepare section or an
     input would be refused."""
-    from actors.launch.inputs import check_inputs   # it loads torch (model directories): only when checking
+    from launch.inputs import check_inputs   # it loads torch (model directories): only when checking
 
     print(describe(plan, overrides, hooks, full))
     inputs, input_problems = check_inputs(plan, launch=False)
-    print("\ninputs (a sample of each data file; actors/launch/inputs.py)"
+    print("\ninputs (a sample of each data file; launch/inputs.py)"
           + "".join(f"\n  {line}" for line in inputs))
     print("\n" + "\n".join(see_the_run("RUN_DIR")))
     problems = (settings_problems(plan) + busy_ports(plan) + hooks.memory_problems(plan)

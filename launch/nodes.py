@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import topology as topo_mod
-from actors.launch.local import progress_watchdog, supervise, trains_steps
-from actors.launch.options import EXIT_FAILED, EXIT_INVALID, EXIT_OK, LaunchRequest, ToolHooks
-from actors.launch.progress import ProgressView, summary
-from actors.launch.readiness import node_supervisor_options, quorum_problem, ready_rules, supervisor_options
-from actors.launch.report import evaluation_notes, insecure_bus_warning
-from actors.launch.rundir import build_specs, checked_run_dir, write_plan
-from actors.launch.slurm import allocation_hosts, allocation_shortfall, read_allocation, slurm_resources
+from launch.local import progress_watchdog, supervise, trains_steps
+from launch.options import EXIT_FAILED, EXIT_INVALID, EXIT_OK, LaunchRequest, ToolHooks
+from launch.progress import ProgressView, summary
+from launch.readiness import node_supervisor_options, quorum_problem, ready_rules, supervisor_options
+from launch.report import evaluation_notes, insecure_bus_warning
+from launch.rundir import build_specs, checked_run_dir, write_plan
+from launch.slurm import allocation_hosts, allocation_shortfall, read_allocation, slurm_resources
 from actors.runtime.recovery import run_finished
 from actors.runtime.run import keep_files_private
 from topology import Plan, TopologyError

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from actors.launch.options import ToolHooks
-from actors.launch.readiness import group_classes, ready_rules
-from actors.launch.slurm import slurm_resources
+from launch.options import ToolHooks
+from launch.readiness import group_classes, ready_rules
+from launch.slurm import slurm_resources
 from topology import Plan
 from topology.schema import SupervisorSection
 

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from actors.launch.options import ToolHooks
-from actors.launch.report import table_lines
+from launch.options import ToolHooks
+from launch.report import table_lines
 from topology import Plan
 from topology.experiment import ExperimentConfig
 

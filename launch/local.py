@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from actors.launch.evaluation import catch_up_evaluations, evaluates_during_run, final_evaluation
-from actors.launch.options import EXIT_FAILED, EXIT_INVALID, EXIT_OK, LaunchRequest, PrepareRefused, ToolHooks
-from actors.launch.progress import ProgressView, TrainingProgress, child_rows, launcher_logger, summary
-from actors.launch.readiness import supervisor_options
-from actors.launch.report import busy_ports, evaluation_notes, insecure_bus_warning
-from actors.launch.rundir import build_specs, checked_run_dir, recorded_ipc_dir, write_plan
-from actors.launch.watchdog import ProgressWatchdog
+from launch.evaluation import catch_up_evaluations, evaluates_during_run, final_evaluation
+from launch.options import EXIT_FAILED, EXIT_INVALID, EXIT_OK, LaunchRequest, PrepareRefused, ToolHooks
+from launch.progress import ProgressView, TrainingProgress, child_rows, launcher_logger, summary
+from launch.readiness import supervisor_options
+from launch.report import busy_ports, evaluation_notes, insecure_bus_warning
+from launch.rundir import build_specs, checked_run_dir, recorded_ipc_dir, write_plan
+from launch.watchdog import ProgressWatchdog
 from actors.runtime.base import ActorSpec
 from actors.runtime.recovery import run_finished
 from actors.runtime.supervisor import NotReadyError, Supervisor, SupervisorError
@@ -46,7 +46,7 @@ def use_trainer_threads(plan: Plan) -> int | None:
 
 
 def progress_watchdog(plan: Plan, run_dir: Path) -> ProgressWatchdog:
-    """The run's progress watchdog (actors/launch/watchdog.py), set by the experiment's run.watchdog."""
+    """The run's progress watchdog (launch/watchdog.py), set by the experiment's run.watchdog."""
     return ProgressWatchdog(run_dir, plan.topology.config.run.watchdog)
 
 
@@ -57,7 +57,7 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
                     finished: Callable[[], bool] | None = None, log_name: str = "launcher",
                     given_up_fails: bool = True) -> int:
     """Start actors under the Supervisor, show progress, stop on Ctrl-C/SIGTERM, on ``duration``, when
-    ``stop_file`` appears (a multi-node launcher's stop request), when ``watchdog`` (actors/launch/watchdog.py)
+    ``stop_file`` appears (a multi-node launcher's stop request), when ``watchdog`` (launch/watchdog.py)
     finds the run stalled, or when every actor has finished by itself; print a summary. Returns the exit
     status: a stall fails the run, and a signal before ``finished()`` (the run's last step) exits 128 + its
     number. The supervisor's events go to RUN_DIR/logs/<log_name>.jsonl; with ``given_up_fails``, a run that
