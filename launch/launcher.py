@@ -26,7 +26,9 @@ def dry_run(plan: Plan, overrides: Sequence[str], hooks: ToolHooks, full: bool =
     print("\ninputs (a sample of each data file; launch/inputs.py)"
           + "".join(f"\n  {line}" for line in inputs))
     print("\n" + "\n".join(see_the_run("RUN_DIR")))
-    problems = (settings_problems(plan) + busy_ports(plan) + hooks.memory_problems(plan)
+    from launch.plan.groups import memory_problems   # the actor classes it reads load torch: only when checking
+
+    problems = (settings_problems(plan) + busy_ports(plan) + memory_problems(plan)
                 + hooks.prepare_problems(plan) + input_problems)
     if problems:
         print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)

@@ -3,10 +3,9 @@ statuses."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from topology import Plan
-from topology.experiment import ExperimentConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
 
@@ -38,9 +37,3 @@ class ToolHooks:
     prepare: Callable[[Plan], Plan]
     # One line per thing in the experiment's prepare section that stage would refuse (the dry run's check).
     prepare_problems: Callable[[Plan], list[str]]
-    # The planner's memory estimate per GPU (tools.plan), as the report's lines.
-    memory_report: Callable[[Plan], list[str]]
-    # One line per GPU group that does not fit its GPUs by that estimate (the dry run refuses them).
-    memory_problems: Callable[[Plan], list[str]]
-    # A model directory's held-out report on the experiment's data.test (tools.eval), for the final evaluation.
-    evaluate_held_out: Callable[[str, ExperimentConfig], dict[str, Any]]

@@ -130,7 +130,9 @@ def describe(plan: Plan, overrides: Sequence[str], hooks: ToolHooks, full: bool 
     lines.append("")
     lines.extend(evaluation_notes(plan))
     lines.append("")
-    lines.extend(hooks.memory_report(plan))
+    from launch.plan.groups import memory_report   # the actor classes it reads load torch: only when asked
+
+    lines.extend(memory_report(plan))
     lines.append("")
     lines.append("commands")
     if len(topo.nodes) == 1 and not topo.nodes_from_allocation:

@@ -17,7 +17,7 @@ from actors.engines.tokenizer import load_tokenizer
 from actors.engines.base import TokenLogProbs
 from actors.engines.torch_train import TRAINER_STATE, TorchTrainEngine, token_nll_loss
 from tools import sft
-from tools.eval import evaluate
+from actors.evaluator.harness import evaluate
 from tools.lm import (LMToolError, SFTExample, batch_stream, examples_from_records, load_or_init, make_example,
                       pack_examples)
 from tools.make_task import make_splits, write_jsonl

@@ -28,7 +28,8 @@ from actors.engines.tokenizer import TokenizerError, load_tokenizer
 from actors.rollout.episode import EpisodeError
 from actors.evaluator.episode_eval import DEFAULT_MAX_TURNS, aevaluate_model_episodes
 from actors.evaluator.evaluation import EvalError, EvalSettings
-from tools.eval import load_eval_records, render_table
+from actors.evaluator.harness import load_eval_records
+from tools.eval import render_table
 from tools.lm import LMToolError, has_weights
 
 

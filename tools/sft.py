@@ -48,7 +48,8 @@ from actors.engines.checkpoint import CheckpointError
 from actors.engines.tokenizer import TokenizerError, load_tokenizer
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss
 from tools.cli import add_dataclass_arguments, dataclass_from_args
-from tools.eval import EvalError, EvalSettings, copy_for_eval, evaluate_model, load_eval_records
+from actors.evaluator.evaluation import EvalError, EvalSettings, evaluate_model
+from actors.evaluator.harness import copy_for_eval, load_eval_records
 from tools.lm import (LMToolError, SFTExample, batch_stream, examples_from_records, is_pairs_file, load_or_init,
                       make_example, pack_examples, read_pairs)
 

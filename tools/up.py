@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 import topology as topo_mod
 from launch.launcher import dry_run, launch
 from launch.options import EXIT_INVALID, EXIT_OK, LaunchRequest, PrepareRefused, ToolHooks
 from topology import Plan, TopologyError
-from topology.experiment import ExperimentConfig
 from topology.schema import SupervisorSection
 
 
@@ -57,39 +56,7 @@ def prepare_problems(plan: Plan) -> list[str]:
     return [f"experiment.{line}" for line in stage_problems(plan.topology.config.prepare)]
 
 
-def memory_problems(plan: Plan) -> list[str]:
-    """GPU groups that do not fit their GPUs by the planner's estimate (tools/plan), naming the largest term."""
-    from tools.plan import setup
-    from tools.plan.shapes import ShapeError
-
-    try:
-        return setup.memory_problems(plan)
-    except (ShapeError, ValueError):
-        return []   # no model shape: memory_report says so in the report
-
-
-def memory_report(plan: Plan) -> list[str]:
-    """The planner's memory estimate per GPU of every GPU group (tools/plan)."""
-    from tools.plan import report, setup
-    from tools.plan.shapes import ShapeError
-
-    try:
-        found = setup.read(plan)
-    except (ShapeError, ValueError) as exc:
-        return [f"memory per GPU: not estimated ({exc})"]
-    line = f"{found.shape.name if found.shape else '-'}, {found.gpu.name} {found.gpu.memory_bytes / 1e9:.0f} GB"
-    return report.memory_table(line, setup.group_memory(found))
-
-
-def evaluate_held_out(model: str, config: ExperimentConfig) -> dict[str, Any]:
-    """A model directory's greedy held-out report on data.test (tools.eval), for the final evaluation."""
-    from tools.eval import evaluate_held_out
-
-    return evaluate_held_out(model, config)
-
-
-HOOKS = ToolHooks(prepare=prepared, prepare_problems=prepare_problems, memory_report=memory_report,
-                  memory_problems=memory_problems, evaluate_held_out=evaluate_held_out)
+HOOKS = ToolHooks(prepare=prepared, prepare_problems=prepare_problems)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
