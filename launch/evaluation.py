@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from launch.options import ToolHooks
 from launch.report import table_lines
 from topology import Plan
 from topology.experiment import ExperimentConfig
@@ -51,7 +50,7 @@ def versions(numbers: list[int]) -> str:
     return ("version " if len(numbers) == 1 else "versions ") + ", ".join(map(str, numbers))
 
 
-def final_evaluation(config: ExperimentConfig, run_dir: Path, hooks: ToolHooks) -> dict[str, Any] | None:
+def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] | None:
     """Greedy held-out accuracy of the model the run started from and of its last checkpoint, side by
     side, per level (`actors.evaluator.harness.evaluate_held_out`); written to RUN_DIR/summary.json and RUN_DIR/eval.jsonl
     (read by tools.plot)."""

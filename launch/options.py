@@ -1,17 +1,10 @@
-"""What a launch is asked to do (`LaunchRequest`), what it takes from the tools (`ToolHooks`), and its exit
-statuses."""
+"""What a launch is asked to do (`LaunchRequest`) and its exit statuses."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
-
-from topology import Plan
+from typing import Sequence
 
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
-
-
-class PrepareRefused(ValueError):
-    """The experiment's prepare stage cannot run; the message names the key and why (exit status 2)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,15 +18,3 @@ class LaunchRequest:
     progress: bool = True               # a live display on a terminal (not --no-progress)
     record: bool = False                # --record: message logs for every actor
     sbatch: bool = False                # --sbatch: submit an allocation and launch inside it
-
-
-@dataclasses.dataclass(frozen=True)
-class ToolHooks:
-    """What launching takes from tools/, which the library does not import: the entry point passes them in
-    (tools/up.py's `HOOKS`)."""
-
-    # The plan built from the experiment after its prepare stage ran (tools.prepare: data generated, warm
-    # start trained); PrepareRefused (or TopologyError) naming the problem when the stage fails.
-    prepare: Callable[[Plan], Plan]
-    # One line per thing in the experiment's prepare section that stage would refuse (the dry run's check).
-    prepare_problems: Callable[[Plan], list[str]]

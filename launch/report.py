@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from launch.options import ToolHooks
 from launch.readiness import group_classes, ready_rules
 from launch.slurm import slurm_resources
 from topology import Plan
@@ -51,7 +50,7 @@ def evaluation_notes(plan: Plan) -> list[str]:
     return lines
 
 
-def describe(plan: Plan, overrides: Sequence[str], hooks: ToolHooks, full: bool = False) -> str:
+def describe(plan: Plan, overrides: Sequence[str], full: bool = False) -> str:
     """The dry-run report: placement table, bus endpoints, links and per-node commands. Consecutive nodes that
     hold the same actors (the same groups, counts, GPUs and cores, instance numbers continuing) are shown once
     with their count; ``full`` lists every node."""

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import topology as topo_mod
-from launch.options import ToolHooks
 from launch.readiness import settings_problems
 from launch.report import describe
 from actors.runtime.run import keep_files_private
@@ -154,9 +153,8 @@ def recorded_ipc_dir(run_dir: Path) -> Path | None:
     return None
 
 
-def write_plan(plan: Plan, run_dir: Path, specs: list[dict[str, Any]], overrides: Sequence[str],
-               hooks: ToolHooks) -> None:
-    (run_dir / "plan.txt").write_text(describe(plan, overrides, hooks) + "\n")
+def write_plan(plan: Plan, run_dir: Path, specs: list[dict[str, Any]], overrides: Sequence[str]) -> None:
+    (run_dir / "plan.txt").write_text(describe(plan, overrides) + "\n")
     (run_dir / "plan.json").write_text(json.dumps({
         "topology": plan.topology.source, "overrides": list(overrides), "document": plan.topology.document,
         "experiment": plan.topology.experiment, "specs": specs}, indent=1, default=str))

@@ -13,7 +13,6 @@ from actors.trainer.actor import TrainerActor, make_train_engine
 from topology import load
 from topology.settings import SettingsError, TrainerSettings, read_settings
 from launch.report import describe, engine_placements
-from tools.up import HOOKS
 
 TOPOLOGIES = sorted((Path(__file__).resolve().parent.parent / "topology").glob("*.yaml"))
 
@@ -33,7 +32,7 @@ def test_engines_run_where_the_topology_puts_them(path):
         world = plan.worlds.get(gname)
         if world is not None:
             assert world.backend == placement["process_group"], (gname, world.backend, placement)
-    text = describe(plan, (), HOOKS)
+    text = describe(plan, ())
     for gname, placement in placements.items():
         assert any(line.split()[:3] == [gname, placement["engine"], placement["device"]]
                    for line in text.splitlines()), (gname, text)
@@ -85,7 +84,7 @@ def test_slurm_asks_for_what_each_node_has():
     from launch.slurm import slurm_resources
     plan = load(Path(__file__).resolve().parent.parent / "topology" / "64node.yaml", check_imports=False)
     assert slurm_resources(plan) == ["--cpus-per-task=48", "--mem=0", "--gpus-per-node=8"]
-    assert "--cpus-per-task=48 --mem=0 --gpus-per-node=8" in describe(plan, (), HOOKS)
+    assert "--cpus-per-task=48 --mem=0 --gpus-per-node=8" in describe(plan, ())
 
 
 def test_an_allocation_too_small_for_the_topology_is_refused_with_the_command_that_fits():

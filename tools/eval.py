@@ -44,7 +44,7 @@ from actors.engines.checkpoint import CheckpointError
 from actors.engines.tokenizer import TokenizerError
 from actors.evaluator.evaluation import DEFAULT_MAX_NEW_TOKENS, EvalError
 from actors.evaluator.harness import ENGINES, evaluate_many, resolve_benchmarks
-from tools.lm import LMToolError
+from launch.prepare.lm import LMToolError
 from topology import load_experiment
 from topology.experiment import PROMPT_TEMPLATES
 
@@ -155,7 +155,7 @@ def data_options(args: argparse.Namespace, default_max_new_tokens: int = DEFAULT
 def _levels(text: str | None) -> list[int] | None:
     if not text:
         return None
-    from tools.make_task import parse_levels
+    from launch.prepare.task import parse_levels
     return parse_levels(text)
 
 

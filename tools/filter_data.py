@@ -42,7 +42,8 @@ from actors.engines.tokenizer import TokenizerError, load_tokenizer
 from actors.evaluator.evaluation import EvalError, EvalSettings, aevaluate_with, level_key
 from actors.evaluator.harness import ENGINES, default_engine, open_generator
 from tools.eval import data_options
-from tools.lm import LMToolError, has_weights
+from actors.engines.checkpoint import has_weights
+from launch.prepare.lm import LMToolError
 from topology import load_experiment
 from transport.files import atomic_write
 

@@ -21,8 +21,7 @@ logs, message logs, metrics and checkpoints. Exit status: 0 clean end, 2 invalid
 run (an actor that cannot be kept up, or a run that stopped making progress: launch/watchdog.py
 prints a diagnosis), 128 + N for a training run stopped by signal N before its last step.
 
-This module parses the command line; the launching itself is the library's (launch/), which gets
-the tools it uses (the planner, the prepare stage, the held-out evaluation) from `HOOKS`.
+This module parses the command line; the launching itself is the library's (launch/).
 """
 
 from __future__ import annotations
@@ -33,30 +32,9 @@ from typing import Sequence
 
 import topology as topo_mod
 from launch.launcher import dry_run, launch
-from launch.options import EXIT_INVALID, EXIT_OK, LaunchRequest, PrepareRefused, ToolHooks
+from launch.options import EXIT_INVALID, EXIT_OK, LaunchRequest
 from topology import Plan, TopologyError
 from topology.schema import SupervisorSection
-
-
-def prepared(plan: Plan) -> Plan:
-    """The plan built from the experiment after its prepare stage ran (tools.prepare; model.path at the warm
-    start it made)."""
-    from tools.prepare import PrepareError, prepare
-
-    try:
-        return plan.with_experiment(prepare(plan.topology.experiment))
-    except PrepareError as exc:
-        raise PrepareRefused(f"{plan.topology.source}: experiment.{exc}") from None
-
-
-def prepare_problems(plan: Plan) -> list[str]:
-    """What tools.prepare would refuse in the experiment's prepare section (the tools' own arguments)."""
-    from tools.prepare import stage_problems
-
-    return [f"experiment.{line}" for line in stage_problems(plan.topology.config.prepare)]
-
-
-HOOKS = ToolHooks(prepare=prepared, prepare_problems=prepare_problems)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -103,10 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_INVALID
     if args.dry_run:
-        return dry_run(plan, args.overrides, HOOKS, full=args.full)
+        return dry_run(plan, args.overrides, full=args.full)
     return launch(plan, LaunchRequest(overrides=args.overrides, run_dir=args.run_dir, ready_timeout=args.ready_timeout,
                                       duration=args.duration, progress=not args.no_progress, record=args.record,
-                                      sbatch=args.sbatch), HOOKS)
+                                      sbatch=args.sbatch))
 
 
 if __name__ == "__main__":

@@ -216,7 +216,7 @@ def run_sft_control(async_run: dict[str, Any], extra: list[str], out: Path, log:
     """Continue the warm start's last supervised stage from the RL run's start checkpoint for its wall time."""
     import topology
     from actors.evaluator.harness import evaluate_held_out
-    from tools.prepare import cli_args
+    from launch.prepare.stage import cli_args
 
     topo = topology.load(ROOT / topology_path, extra).topology
     prepare = topo.config.prepare

@@ -462,13 +462,12 @@ def rehearse(opts: Options) -> dict[str, Any]:
     from launch.options import LaunchRequest
     from launch.readiness import supervisor_options
     from launch.rundir import build_specs, write_plan
-    from tools.up import HOOKS
 
     specs = build_specs(plan, run_dir)
     launch_overrides = list(opts.overrides) + launched_overrides(layout, sim_plan, costs, assets, run_dir,
                                                                   opts.steps, plan.topology.bus.base_port,
                                                                   opts.health_timeout_s)
-    write_plan(plan, run_dir, specs, launch_overrides, HOOKS)
+    write_plan(plan, run_dir, specs, launch_overrides)
     options = supervisor_options(plan, LaunchRequest())
     hosts = write_node_plans(plan, run_dir, specs, options)
     say(f"rehearsal of {opts.topology} at scale {Fraction(opts.scale).limit_denominator(1000)}: "
