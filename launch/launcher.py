@@ -26,7 +26,7 @@ def dry_run(plan: Plan, overrides: Sequence[str], full: bool = False) -> int:
     print("\ninputs (a sample of each data file; launch/inputs.py)"
           + "".join(f"\n  {line}" for line in inputs))
     print("\n" + "\n".join(see_the_run("RUN_DIR")))
-    from launch.plan.groups import memory_problems   # the actor classes it reads load torch: only when checking
+    from launch.plan.sizing import memory_problems   # the actor classes it reads load torch: only when checking
     from launch.prepare.stage import prepare_problems
 
     problems = (settings_problems(plan) + busy_ports(plan) + memory_problems(plan)

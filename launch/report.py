@@ -129,7 +129,7 @@ def describe(plan: Plan, overrides: Sequence[str], full: bool = False) -> str:
     lines.append("")
     lines.extend(evaluation_notes(plan))
     lines.append("")
-    from launch.plan.groups import memory_report   # the actor classes it reads load torch: only when asked
+    from launch.plan.sizing import memory_report   # the actor classes it reads load torch: only when asked
 
     lines.extend(memory_report(plan))
     lines.append("")

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from actors.buffer.state import BufferState
-from launch.plan import groups, hardware
+from launch.plan import hardware, sizing
 from launch.plan.shapes import BUILTIN
 from tools.plan import setup, sim
 from topology.experiment import ExperimentConfig
@@ -103,8 +103,8 @@ class AReaLDispatch(BufferState):
 
 def cluster(model: str, nodes: int, group_size: int, *, batch: int = 512, max_new: int = MAX_NEW_TOKENS,
             lay: Layout | None = None, rollout_share: float | None = None, eta: int = 4,
-            gpus_per_node: int = 8) -> groups.Setup:
-    """A Setup like the one `groups.read` makes from a topology, for AReaL's allocation of `model` on `nodes`
+            gpus_per_node: int = 8) -> sizing.Setup:
+    """A Setup like the one `sizing.read` makes from a topology, for AReaL's allocation of `model` on `nodes`
     (`rollout_share` moves the split in whole servers and whole trainer replicas)."""
     lay = lay or LAYOUTS[model]
     total = nodes * gpus_per_node
@@ -125,14 +125,14 @@ def cluster(model: str, nodes: int, group_size: int, *, batch: int = 512, max_ne
                "instance": {"parallel": {"tp": lay.tp, "pp": lay.pp, "dp": train // unit}}}
     rollout = {**experiment, "engine": "sglang", "sglang": {"mem_fraction_static": 0.8},
                "instance": {"parallel": {"tp": lay.server_tp}}}
-    groups = [groups.Group("rollout", "rollout", servers, lay.server_tp, RolloutSettings.model_validate(rollout),
+    groups = [sizing.Group("rollout", "rollout", servers, lay.server_tp, RolloutSettings.model_validate(rollout),
                           "cuda"),
-              groups.Group("trainer", "trainer", train, 1, TrainerSettings.model_validate(trainer), "cuda")]
-    return groups.Setup(BUILTIN[model], hardware.GPUS["H800"], gpus_per_node, groups,
+              sizing.Group("trainer", "trainer", train, 1, TrainerSettings.model_validate(trainer), "cuda")]
+    return sizing.Setup(BUILTIN[model], hardware.GPUS["H800"], gpus_per_node, groups,
                        ExperimentConfig.model_validate(experiment), reward_actors=nodes)
 
 
-def run(found: groups.Setup, *, eta: int, steps: int, seeds: int, rules: type[BufferState] = AReaLDispatch,
+def run(found: sizing.Setup, *, eta: int, steps: int, seeds: int, rules: type[BufferState] = AReaLDispatch,
         rollout_gpus: int | None = None) -> dict[str, Any]:
     """`seeds` simulations of `steps` steps (the first is warm-up); mean and spread of the figures."""
     results = [sim.simulate(dataclasses.replace(setup.sim_config(found, eta=eta, steps=steps, seed=s,
@@ -156,7 +156,7 @@ def tutorial_rows(steps: int, seeds: int, models: tuple[str, ...] = tuple(LAYOUT
     out = []
     for model, nodes, group_size, published in (r for r in TUTORIAL_STEPS if r[0] in models):
         found = cluster(model, nodes, group_size)
-        problems = [m.problem() for m in groups.group_memory(found) if not m.fits]
+        problems = [m.problem() for m in sizing.group_memory(found) if not m.fits]
         r = run(found, eta=0, steps=steps, seeds=seeds)
         ours = run(found, eta=0, steps=steps, seeds=1, rules=BufferState)
         out.append({"model": model, "nodes": nodes, "group_size": group_size, "published_s": published,

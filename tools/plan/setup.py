@@ -1,11 +1,11 @@
 """The simulation of a topology's run (`sim_config`), from what the planner reads of it
-(launch/plan/groups.py: the model's shape, the GPU, the trainer and rollout groups)."""
+(launch/plan/sizing.py: the model's shape, the GPU, the trainer and rollout groups)."""
 from __future__ import annotations
 
 from typing import Any
 
 from launch.plan import memory
-from launch.plan.groups import Group, Setup, cpu_servers, on_cpus
+from launch.plan.sizing import Group, Setup, cpu_servers, on_cpus
 from tools.plan.costs import MeasuredCosts, TrainerShape
 from tools.plan.sim import SimConfig, lengths_for
 from topology.settings import RolloutSettings

@@ -26,7 +26,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Sequence
 
-from launch.plan import groups
+from launch.plan import sizing
 from tools.plan import setup, sim
 from tools.rehearse.costs import RehearsalCosts
 from tools.rehearse.trainer import COST_FILE
@@ -440,7 +440,7 @@ def rehearse(opts: Options) -> dict[str, Any]:
     max_new = full.topology.config.gen.max_new_tokens // k * k
     sim_overrides = list(opts.overrides) + simulated_overrides(layout, max_new)
     sim_plan = topo_mod.load(opts.topology, sim_overrides)
-    sim_cfg = setup.sim_config(groups.read(sim_plan), steps=opts.steps, seed=opts.seed)
+    sim_cfg = setup.sim_config(sizing.read(sim_plan), steps=opts.steps, seed=opts.seed)
     slow = {layout.rollouts - 1: 10.0} if opts.fault == "straggler" else {}
     never = (layout.rollouts - 1,) if opts.fault == "no-server" else ()
     costs = RehearsalCosts(sim_cfg, opts.time_scale, k, slow, never)
