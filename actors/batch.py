@@ -1,6 +1,7 @@
 """The training batch's layout: its list form (`Batch`, as the buffer assembles it and tests build it), its
-columns (`transport.protocol.BatchTensors`, as it travels and as the trainer works on it), the tensor frames
-its token columns are split into, and each trainer rank's share of it.
+columns (`transport.protocol.BatchTensors`, as it travels), the tensor frames its token columns are split
+into, each trainer rank's share of it, and its packed form (`TrainBatch`, as the trainer works on it: every
+sequence's tokens and per-token fields in one stream, micro-batches gathered from it).
 
 A group's token-level data travels as plain lists (a few MB at most). A training batch does not: at the 7B
 recipe's shape (512 prompts x 16 answers of up to 31,744 tokens) its token ids, log-probs and versions are
@@ -17,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from actors.engines.base import PackedBatch
+from actors.engines.moe import ROUTE_NATIVE
 from transport.protocol import BatchTensors, BufferStats, Sample
 
 # Each tensor frame of a BatchTensors holds at most this many bytes: well under the bus's 256 MiB frame
@@ -145,6 +148,12 @@ def sample_groups(batch: BatchTensors) -> list[int]:
     return [g for g, size in enumerate(batch.group_sizes) for _ in range(size)]
 
 
+def sequence_lengths(batch: BatchTensors) -> tuple[list[int], list[int]]:
+    """Each sequence's (prompt + answer) length and group index, in sample order."""
+    group_ids = sample_groups(batch)
+    return [batch.prompt_lens[g] + n for g, n in zip(group_ids, batch.output_lens)], group_ids
+
+
 def carried_samples(batch: BatchTensors) -> list[int]:
     """The samples whose tokens `batch` carries, ascending (every sample unless it is a rank's share)."""
     return list(range(len(batch.output_lens))) if batch.carried is None else list(batch.carried)
@@ -218,3 +227,110 @@ def to_batch(batch: BatchTensors) -> Batch:
         groups.append(BatchGroup(prompt_ids=prompts[p:p + plen], level=level, samples=samples))
         p += plen
     return Batch(step=batch.step, groups=groups, stats=batch.stats)
+
+
+def _ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The positions [starts[k], starts[k] + lens[k]) of every k, concatenated in order (int64)."""
+    within = torch.zeros_like(lens)
+    within[1:] = torch.cumsum(lens, 0)[:-1]
+    return torch.repeat_interleave(starts - within, lens) + torch.arange(int(lens.sum()), dtype=torch.int64)
+
+
+@dataclass
+class TrainBatch:
+    """A batch as the trainer works on it: the columns it arrived as (the buffer's BatchTensors, or a rank's
+    share of them) and the packed layout of every sequence (prompt + answer, in sample order), with the
+    tokens and per-token fields of the carried ones filled in (the others are zero: a rank reads only its own
+    sequences' tokens). A micro-batch is a gather of some sequences' slices of these tensors (`micro_batch`),
+    never a detour through Python lists."""
+
+    columns: BatchTensors
+    lengths: list[int]             # tokens per sequence
+    group_ids: list[int]
+    starts: list[int]              # where each sequence begins in the layout
+    cu_seqlens: torch.Tensor       # int64 [sequences + 1]
+    carried: torch.Tensor          # bool [sequences]: whose tokens this batch holds
+    tokens: torch.Tensor           # int64 token ids
+    loss_mask: torch.Tensor        # float32, 1 on answer tokens a model generated
+    behav: torch.Tensor            # float32 behaviour log-probs on answer tokens
+    versions: torch.Tensor         # float32 weight version on answer tokens, -1 on prompts
+    routes: torch.Tensor | None    # the rollout's routing, [tokens, sparse layers, top-k] int64 (ROUTE_NATIVE: none)
+
+    @classmethod
+    def of(cls, batch: Batch | BatchTensors) -> "TrainBatch":
+        """The packed layout of `batch`."""
+        cols = as_columns(batch)
+        lengths, group_ids = sequence_lengths(cols)
+        n = len(lengths)
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        cu = torch.zeros(n + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(lens, 0)
+        total = int(cu[-1])
+        prompt_of = torch.tensor([cols.prompt_lens[g] for g in group_ids], dtype=torch.int64)
+        pos = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(cu[:-1], lens)
+        on_answer = pos >= torch.repeat_interleave(prompt_of, lens)
+        carried = carried_samples(cols)
+        c = torch.tensor(carried, dtype=torch.int64)
+        out_lens = torch.tensor([cols.output_lens[i] for i in carried], dtype=torch.int64)
+        # Where each carried answer token sits in the layout: its sequence's start + prompt length + offset.
+        answer_pos = _ranges(cu[:-1][c] + prompt_of[c], out_lens)
+        behav = torch.zeros(total, dtype=torch.float32)
+        behav[answer_pos] = flat(cols, "logprobs")
+        versions = torch.full((total,), -1.0, dtype=torch.float32)
+        versions[answer_pos] = flat(cols, "versions").to(torch.float32)
+        tokens = torch.zeros(total, dtype=torch.int64)
+        tokens[answer_pos] = flat(cols, "output_ids").to(torch.int64)
+        # Each carried sequence's prompt: its group's slice of the prompt column.
+        group_prompt_lens = torch.tensor(cols.prompt_lens, dtype=torch.int64)
+        prompt_start = torch.zeros_like(group_prompt_lens)
+        prompt_start[1:] = torch.cumsum(group_prompt_lens, 0)[:-1]
+        g = torch.tensor(group_ids, dtype=torch.int64)[c]
+        tokens[_ranges(cu[:-1][c], prompt_of[c])] = flat(cols, "prompt_ids").to(torch.int64)[
+            _ranges(prompt_start[g], group_prompt_lens[g])]
+        loss_mask = on_answer.to(torch.float32)
+        # An episode's environment tokens (version -1, actors/rollout/episode.py) are context, never trained. A
+        # rank knows this only for the sequences it carries; the others keep every answer token in the mask.
+        loss_mask[answer_pos] = (versions[answer_pos] >= 0).to(torch.float32)
+        has = torch.zeros(n, dtype=torch.bool)
+        has[c] = True
+        starts = cu[:-1].tolist()
+        return cls(cols, lengths, group_ids, starts, cu, has, tokens, loss_mask, behav, versions,
+                   _rollout_routes(cols, carried, starts, total))
+
+    def token_index(self, ids: list[int]) -> torch.Tensor:
+        """The layout positions of the tokens of sequences `ids`, in that order (int64)."""
+        i = torch.tensor(ids, dtype=torch.int64)
+        return _ranges(self.cu_seqlens[:-1][i], self.cu_seqlens[1:][i] - self.cu_seqlens[:-1][i])
+
+    def token_mask(self, ids: list[int]) -> torch.Tensor:
+        """True on the tokens of sequences `ids` (bool, the layout's length)."""
+        sel = torch.zeros(self.tokens.numel(), dtype=torch.bool)
+        sel[self.token_index(ids)] = True
+        return sel
+
+    def micro_batch(self, ids: list[int], fields: dict[str, torch.Tensor] | None = None,
+                    routes: torch.Tensor | None = None) -> PackedBatch:
+        """Sequences `ids`, packed in that order, with their slices of the per-token `fields` (float32, as a
+        loss reads them) and, for replay, of `routes` (the layout's routing, as "routed_experts")."""
+        idx = self.token_index(ids)
+        lens = torch.tensor([self.lengths[i] for i in ids], dtype=torch.int64)
+        cu = torch.zeros(len(ids) + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(lens, 0)
+        position_ids = torch.arange(idx.numel(), dtype=torch.int64) - torch.repeat_interleave(cu[:-1], lens)
+        packed = {k: v[idx].to(torch.float32) for k, v in (fields or {}).items()}
+        if routes is not None:
+            packed["routed_experts"] = routes[idx]
+        return PackedBatch(self.tokens[idx], cu, position_ids, packed)
+
+
+def _rollout_routes(batch: BatchTensors, carried: list[int], starts: list[int], total: int) -> torch.Tensor | None:
+    """The routing the rollout engines recorded, in the layout: each carried sequence's routed tokens from its
+    start, ROUTE_NATIVE on the tokens nobody routed (the last token, an answer without routing)."""
+    shaped = [r for r in batch.routed_experts if r.dim() == 3]
+    if not shaped:
+        return None
+    routes = torch.full((total, *shaped[0].shape[1:]), ROUTE_NATIVE, dtype=torch.int64)
+    for i, recorded in zip(carried, batch.routed_experts):
+        if recorded.dim() == 3:
+            routes[starts[i]:starts[i] + recorded.shape[0]] = recorded.to(torch.int64)
+    return routes

@@ -1,7 +1,7 @@
 """How much generation work one server holds, and how long a generation may take before it counts as lost.
 
 In flight. A server's KV pool holds so many tokens (SGLang reports it as max_total_num_tokens; the planner
-estimates it, tools/plan/memory.py); a group of `group_size` answers holds `group_size` contexts of prompt plus
+estimates it, launch/plan/memory.py); a group of `group_size` answers holds `group_size` contexts of prompt plus
 answer. `groups_in_kv` is how many groups fit at once: more only wait in the server's queue, where their
 time runs without progress, or are retracted and generated again. The buffer caps each rollout with it, and
 the planner's simulator its servers, by this one rule.

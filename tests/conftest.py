@@ -46,10 +46,10 @@ def standin():
 @pytest.fixture
 def careful_agent():
     """A script for testsupport.scripted_engine: the model that solves the agent task's calculator chains as its
-    careful teacher does (tools/agent_task.py), one turn per call, with the shipped arith tokenizer."""
+    careful teacher does (launch/prepare/agent_task.py), one turn per call, with the shipped arith tokenizer."""
     from actors.engines.tokenizer import load_tokenizer
     from testsupport.tiny_models import ARITH_TOKENIZER_DIR
-    from tools.agent_task import PROMPT_TEMPLATE, Chain, tool_transcript
+    from launch.prepare.agent_task import PROMPT_TEMPLATE, Chain, tool_transcript
 
     tokenizer = load_tokenizer(str(ARITH_TOKENIZER_DIR))
     prefix = PROMPT_TEMPLATE.split("{")[0]

@@ -366,7 +366,7 @@ def test_a_late_joining_group_that_cannot_reach_its_number_stops_the_start(tmp_p
 def test_a_run_that_ends_with_a_member_given_up_is_not_a_clean_exit(tmp_path: Any, capsys: Any) -> None:
     # A rollout given up for the rest of a run (its restarts failed) left the launcher's exit code at 0 and its
     # summary silent: a degraded run read as a clean one.
-    from actors.launch.local import supervise
+    from launch.local import supervise
 
     status, stop = tmp_path / "status.json", tmp_path / "stop"
     specs = [spec(tmp_path, "r.0").to_dict(), spec(tmp_path, "r.1", crash_on_start=True).to_dict()]

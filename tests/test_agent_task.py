@@ -10,7 +10,8 @@ import pytest
 from actors.dataset import load_dataset, parse_record
 from actors.rollout.envs.calculator import Calculator
 from actors.evaluator.evaluation import grade_records
-from tools import agent_task, make_task
+from launch.prepare import agent_task
+from tools import make_task
 
 SMALL = dict(train_per_level=150, test_per_level=20)
 KEYS = {"query_id", "prompt", "answer", "solutions", "level", "task", "tool", "transcripts"}

@@ -10,7 +10,8 @@ from actors.dataset import load_dataset
 from actors.evaluator.evaluation import grade_records
 from actors.reward.code_grader import detect_mode
 from actors.reward.sandbox import probe_sandbox
-from tools import code_task, make_task
+from launch.prepare import code_task
+from tools import make_task
 
 needs_sandbox = pytest.mark.skipif(not probe_sandbox().available,
                                    reason=f"no bubblewrap sandbox here: {probe_sandbox().reason}")

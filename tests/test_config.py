@@ -255,7 +255,8 @@ def test_settings_models_of_the_actor_classes() -> None:
 
 
 def test_sft_command_line_defaults_are_the_dataclass_defaults() -> None:
-    from tools.sft import SFTConfig, parse_args
+    from launch.prepare.sft import SFTConfig
+    from tools.sft import parse_args
     cfg, as_json = parse_args(["--data", "d.jsonl", "--out", "o"])
     assert cfg == SFTConfig(data="d.jsonl", out="o") and not as_json
     cfg, _ = parse_args(["--data", "d", "--out", "o", "--levels", "1-3", "--keep", "last", "--until-plateau",

@@ -22,7 +22,7 @@ from actors.rollout.episode import (ENV_VERSION, Environment, EpisodeError, Epis
 from testsupport.bounded import run_bounded
 from testsupport.scripted_engine import IntCodec, ScriptedEngine, scripted_logprob
 from testsupport.tiny_models import ARITH_TOKENIZER_DIR, tiny_model
-from tools.agent_task import Chain, tool_transcript
+from launch.prepare.agent_task import Chain, tool_transcript
 
 run = functools.partial(run_bounded, timeout=60.0)
 ARITH = load_tokenizer(str(ARITH_TOKENIZER_DIR))

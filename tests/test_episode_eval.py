@@ -15,7 +15,8 @@ from actors.evaluator.evaluation import EvalSettings, aevaluate_with, engine_gen
 from testsupport.bounded import run_bounded
 from testsupport.scripted_engine import ScriptedEngine
 from testsupport.tiny_models import ARITH_TOKENIZER_DIR, ARITH_VOCAB, tiny_model, tiny_model_dir
-from tools import agent_task, eval_agent, make_task
+from launch.prepare import agent_task, task
+from tools import eval_agent, make_task
 
 run = functools.partial(run_bounded, timeout=120.0)
 ARITH = load_tokenizer(str(ARITH_TOKENIZER_DIR))
@@ -51,7 +52,7 @@ def test_the_tool_is_what_makes_the_answer_and_its_use_is_counted(careful_agent)
 
 
 def test_records_without_a_tool_get_the_single_answer_report():
-    splits = make_task.make_splits(seed=0, levels=(1, 2), train_per_level=0, test_per_level=6, max_operand=9)
+    splits = task.make_splits(seed=0, levels=(1, 2), train_per_level=0, test_per_level=6, max_operand=9)
     records = [parse_record(r) for r in splits["test"]]
     model = tiny_model(seed=0, vocab_size=ARITH_VOCAB)
 

@@ -15,6 +15,7 @@ import torch
 from actors.dataset import DatasetError, load_dataset
 from actors.engines.checkpoint import load_model
 from actors.engines.tokenizer import load_tokenizer
+from actors.evaluator import harness
 from tools import eval as ev
 from test_sft import train_tiny_model
 
@@ -60,7 +61,7 @@ def comb_pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def test_evaluate_agrees_with_a_hand_computed_reference(trained):
-    report = ev.evaluate(str(trained["ckpt"]), str(trained["data"]), k=4, samples=8, max_new_tokens=16, details=True)
+    report = harness.evaluate(str(trained["ckpt"]), str(trained["data"]), k=4, samples=8, max_new_tokens=16, details=True)
     records = load_dataset(trained["data"]).records
     assert report["n_prompts"] == len(records) == 38 and report["samples"] == 8 and report["skipped_lines"] == 0
     rows = report["prompts"]
@@ -103,7 +104,7 @@ def test_evaluate_agrees_with_a_hand_computed_reference(trained):
     assert 0 < level1["pass@1"] <= level1["pass@4"] <= 1.0
 
     # Seeded sampling: the same call gives the same answers.
-    again = ev.evaluate(str(trained["ckpt"]), str(trained["data"]), k=4, samples=8, max_new_tokens=16, details=True)
+    again = harness.evaluate(str(trained["ckpt"]), str(trained["data"]), k=4, samples=8, max_new_tokens=16, details=True)
     assert [r["sample_responses"] for r in again["prompts"]] == [r["sample_responses"] for r in rows]
 
 
@@ -128,8 +129,8 @@ def test_cli_json_table_and_errors(trained, tmp_path, capsys):
     assert ev.main([str(trained["ckpt"]), "--data", str(bad), "--protocol", "plain", "--samples", "0"]) == 2
     assert f"{bad}:3: field 'answer': missing" in capsys.readouterr().err
     with pytest.raises(DatasetError, match=r"bad.jsonl:3"):
-        ev.evaluate(str(trained["ckpt"]), str(bad), samples=0)
-    report = ev.evaluate(str(trained["ckpt"]), str(bad), samples=0, max_new_tokens=16, on_error="skip")
+        harness.evaluate(str(trained["ckpt"]), str(bad), samples=0)
+    report = harness.evaluate(str(trained["ckpt"]), str(bad), samples=0, max_new_tokens=16, on_error="skip")
     assert report["skipped_lines"] == 1 and report["n_prompts"] == 5
 
 
@@ -144,9 +145,9 @@ def test_cli_seeds_protocol_top_p_more_pass_k_config_and_tutorial_table(trained,
     overall = report["overall"]
     assert overall["pass@1"] <= overall["pass@2"] <= overall["pass@4"]
     # top-p changes what is sampled (same seeds)
-    full = ev.evaluate(str(trained["ckpt"]), str(trained["data"]), k=2, samples=4, temperature=0.6, top_p=1.0,
+    full = harness.evaluate(str(trained["ckpt"]), str(trained["data"]), k=2, samples=4, temperature=0.6, top_p=1.0,
                        max_new_tokens=12, max_per_level=3, details=True)
-    nucleus = ev.evaluate(str(trained["ckpt"]), str(trained["data"]), k=2, samples=4, temperature=0.6, top_p=0.05,
+    nucleus = harness.evaluate(str(trained["ckpt"]), str(trained["data"]), k=2, samples=4, temperature=0.6, top_p=0.05,
                           max_new_tokens=12, max_per_level=3, details=True)
     assert [r["sample_responses"] for r in full["prompts"]] != [r["sample_responses"] for r in nucleus["prompts"]]
 
@@ -171,7 +172,7 @@ def test_sglang_engine_gives_the_embedded_engines_report(trained, tmp_path, caps
     from actors.engines.torch_gen import TorchGenerationEngine
 
     kwargs = dict(k=4, samples=8, max_new_tokens=16, details=True)
-    local = ev.evaluate(str(trained["ckpt"]), str(trained["data"]), **kwargs)
+    local = harness.evaluate(str(trained["ckpt"]), str(trained["data"]), **kwargs)
     server = StandinThread(TorchGenerationEngine(model=load_model(str(trained["ckpt"]))), weight_version="7").start()
     try:
         # only the tokenizer is needed here: the server holds the weights
@@ -179,7 +180,7 @@ def test_sglang_engine_gives_the_embedded_engines_report(trained, tmp_path, caps
         tok_dir.mkdir()
         for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
             (tok_dir / name).write_bytes((trained["ckpt"] / name).read_bytes())
-        remote = ev.evaluate(str(tok_dir), str(trained["data"]), engine="sglang", url=server.url, **kwargs)
+        remote = harness.evaluate(str(tok_dir), str(trained["data"]), engine="sglang", url=server.url, **kwargs)
         with urllib.request.urlopen(server.url + "/weight_version", timeout=30) as r:
             label = json.loads(r.read())["weight_version"]
         assert ev.main([str(tok_dir), "--data", str(trained["data"]), "--protocol", "plain", "--engine", "sglang",
@@ -238,7 +239,7 @@ def test_no_flag_but_data_runs_the_tutorials_protocol_on_several_benchmarks(tmp_
     async def spy(generate, tokenizer, records, settings, **kwargs):
         seen.append((records, settings))
         return await real(generate, tokenizer, records, settings, **kwargs)
-    monkeypatch.setattr(ev, "aevaluate_with", spy)
+    monkeypatch.setattr(harness, "aevaluate_with", spy)
     data = f"{AREAL_EVAL / 'math_500' / 'test.jsonl'},{AREAL_EVAL / 'amc23'}"
     assert ev.main([str(model), "--data", data]) == 0
     table = capsys.readouterr().out
@@ -268,13 +269,13 @@ def test_no_flag_but_data_runs_the_tutorials_protocol_on_several_benchmarks(tmp_
 
 
 def test_bare_benchmark_names_are_read_under_data_dir(tmp_path):
-    assert ev.resolve_benchmarks("aime24,math_500", str(AREAL_EVAL)) == \
+    assert harness.resolve_benchmarks("aime24,math_500", str(AREAL_EVAL)) == \
         [str(AREAL_EVAL / "aime24" / "test.jsonl"), str(AREAL_EVAL / "math_500" / "test.jsonl")]
-    assert ev.resolve_benchmarks(str(AREAL_EVAL / "aime25")) == [str(AREAL_EVAL / "aime25" / "test.jsonl")]
-    assert ev.benchmark_name(AREAL_EVAL / "aime25" / "test.jsonl") == "aime25"
-    assert ev.benchmark_name("/d/boba_106k_0319.jsonl?download=true") == "boba_106k_0319"
+    assert harness.resolve_benchmarks(str(AREAL_EVAL / "aime25")) == [str(AREAL_EVAL / "aime25" / "test.jsonl")]
+    assert harness.benchmark_name(AREAL_EVAL / "aime25" / "test.jsonl") == "aime25"
+    assert harness.benchmark_name("/d/boba_106k_0319.jsonl?download=true") == "boba_106k_0319"
     with pytest.raises(ev.EvalError, match="no file given"):
-        ev.resolve_benchmarks(" , ")
+        harness.resolve_benchmarks(" , ")
 
 
 def test_started_sglang_servers_answer_as_the_embedded_engine(trained, tmp_path, capsys):
@@ -299,11 +300,11 @@ def test_the_default_device_and_engine_follow_the_machine(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert (ev.default_device(), ev.default_engine()) == ("cpu", "torch")
+    assert (harness.default_device(), harness.default_engine()) == ("cpu", "torch")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert ev.default_device() == "cuda"
+    assert harness.default_device() == "cuda"
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "sglang" else real(name, *a))
-    assert ev.default_engine() == "sglang"
+    assert harness.default_engine() == "sglang"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name, *a))
-    assert ev.default_engine() == "torch"
+    assert harness.default_engine() == "torch"

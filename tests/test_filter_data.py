@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import eval as ev
+from actors.evaluator import harness
 from tools import filter_data as fd
 from test_sft import train_tiny_model
 
@@ -33,7 +33,7 @@ def test_prompts_solved_every_time_are_dropped_as_tools_eval_grades_them(trained
     out = tmp_path / "kept.jsonl"
     # one chunk starting at 0 samples with tools.eval's seeds, so the verdicts can be compared one by one
     summary = run(trained, out, chunk=1000)
-    report = ev.evaluate(str(trained["ckpt"]), str(trained["data"]), k=N, samples=N, greedy=False,
+    report = harness.evaluate(str(trained["ckpt"]), str(trained["data"]), k=N, samples=N, greedy=False,
                          max_new_tokens=MAX_NEW, details=True)
     expect_kept = [r["query_id"] for r in report["prompts"] if not all(r["sample_correct"])]
     lines = out.read_text().splitlines()

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.launch.evaluation import versions
-from actors.launch.progress import TrainingProgress, launcher_logger, see_the_run, summary
-from tools.sft import time_left
+from launch.evaluation import versions
+from launch.progress import TrainingProgress, launcher_logger, see_the_run, summary
+from launch.prepare.sft import time_left
 
 
 def metrics_line(step: int, time: float) -> str:
@@ -82,7 +82,7 @@ def test_replay_on_a_run_without_message_logs_says_how_to_record_them(tmp_path: 
 
 def test_the_replay_recipes_assets_are_made_by_a_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from tools.bench.chaos import main
-    from tools.lm import has_weights
+    from actors.engines.checkpoint import has_weights
 
     assert main(["--make-assets", str(tmp_path / "assets")]) == 0
     assert has_weights(tmp_path / "assets" / "model") and (tmp_path / "assets" / "data" / "train.jsonl").exists()

@@ -12,8 +12,7 @@ from actors.engines.base import EngineError, require_device
 from actors.trainer.actor import TrainerActor, make_train_engine
 from topology import load
 from topology.settings import SettingsError, TrainerSettings, read_settings
-from actors.launch.report import describe, engine_placements
-from tools.up import HOOKS
+from launch.report import describe, engine_placements
 
 TOPOLOGIES = sorted((Path(__file__).resolve().parent.parent / "topology").glob("*.yaml"))
 
@@ -33,7 +32,7 @@ def test_engines_run_where_the_topology_puts_them(path):
         world = plan.worlds.get(gname)
         if world is not None:
             assert world.backend == placement["process_group"], (gname, world.backend, placement)
-    text = describe(plan, (), HOOKS)
+    text = describe(plan, ())
     for gname, placement in placements.items():
         assert any(line.split()[:3] == [gname, placement["engine"], placement["device"]]
                    for line in text.splitlines()), (gname, text)
@@ -82,14 +81,14 @@ def test_every_rank_of_a_world_gets_the_same_nccl_settings_and_the_socket_nic():
 
 
 def test_slurm_asks_for_what_each_node_has():
-    from actors.launch.slurm import slurm_resources
+    from launch.slurm import slurm_resources
     plan = load(Path(__file__).resolve().parent.parent / "topology" / "64node.yaml", check_imports=False)
     assert slurm_resources(plan) == ["--cpus-per-task=48", "--mem=0", "--gpus-per-node=8"]
-    assert "--cpus-per-task=48 --mem=0 --gpus-per-node=8" in describe(plan, (), HOOKS)
+    assert "--cpus-per-task=48 --mem=0 --gpus-per-node=8" in describe(plan, ())
 
 
 def test_an_allocation_too_small_for_the_topology_is_refused_with_the_command_that_fits():
-    from actors.launch.slurm import Allocation, allocation_shortfall
+    from launch.slurm import Allocation, allocation_shortfall
     plan = load(Path(__file__).resolve().parent.parent / "topology" / "64node.yaml", check_imports=False)
     hosts = [f"node{i:03d}" for i in range(64)]
     short = allocation_shortfall(plan, Allocation({h: 1 for h in hosts}, {h: 0 for h in hosts}, "test"))
@@ -105,7 +104,7 @@ def test_the_allocation_is_read_from_the_controller_and_salloc_is_not_taken_for_
     # The README's `salloc -N64 ... python3 -m tools.up topology/64node.yaml` runs the launcher outside any
     # step, where SLURM sets neither SLURM_CPUS_ON_NODE nor SLURM_GPUS_ON_NODE (salloc(1), OUTPUT ENVIRONMENT
     # VARIABLES): read as 0 GPUs, the run was refused. `scontrol show job -d` answers alike everywhere.
-    from actors.launch.slurm import allocation_from_env, allocation_shortfall, parse_job_details
+    from launch.slurm import allocation_from_env, allocation_shortfall, parse_job_details
     plan = load(Path(__file__).resolve().parent.parent / "topology" / "64node.yaml", check_imports=False)
     details = parse_job_details("   JOB_GRES=gpu:512\n     Nodes=node[001-064] CPU_IDs=0-47 Mem=0 GRES=gpu:h800:8(IDX:0-7)\n")
     assert details.least("cpus") == 48 and details.least("gpus") == 8 and len(details.cpus) == 64

@@ -1,5 +1,5 @@
 """Inputs caught before launch, each with its line: the data files and the starting model are read as the
-actors will read them (actors/launch/inputs.py), in the dry run (a sample) and at launch (every line), and a run
+actors will read them (launch/inputs.py), in the dry run (a sample) and at launch (every line), and a run
 directory that cannot be made is one line too. None of these may reach an actor or print a traceback."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 
 import topology as topo_mod
 from testsupport.tiny_models import tiny_model_dir
-from actors.launch.rundir import inputs_ok
+from launch.rundir import inputs_ok
 from tools import up
-from actors.launch.inputs import check_inputs
+from launch.inputs import check_inputs
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL = str(REPO / "topology" / "local.yaml")

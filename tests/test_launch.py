@@ -17,7 +17,7 @@ import pytest
 
 from testsupport.local_actors import process_alive, wait_for_ready
 from tools.bench.chaos import finish_run, run_guard
-from actors.launch import readiness, report
+from launch import readiness, report
 from tools import up
 import topology as topo_mod
 from topology import load
@@ -107,7 +107,7 @@ def test_dry_run_64node_table(capsys: pytest.CaptureFixture) -> None:
             in out)
     assert "pipeline stages" not in out
     # the data check: what the run reads, absent here, is said to be read by the nodes (not a problem, not silent)
-    assert "inputs (a sample of each data file; actors/launch/inputs.py)" in out
+    assert "inputs (a sample of each data file; launch/inputs.py)" in out
     assert ("data.train /storage/datasets/boba_106k_0319.jsonl: absent on this machine; the run's nodes read it at "
             "launch") in out
     # and after the run, the commands that show it
@@ -172,7 +172,7 @@ def test_the_launchers_own_torch_work_runs_with_the_trainers_threads() -> None:
     torch's thread per core, a tiny model's step on a busy machine waits on every operation's slowest thread."""
     import torch
 
-    from actors.launch.local import use_trainer_threads
+    from launch.local import use_trainer_threads
 
     before = torch.get_num_threads()
     try:

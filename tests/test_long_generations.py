@@ -18,9 +18,10 @@ from pathlib import Path
 from actors.dataset import Layout, load_dataset
 from actors.engines.tokenizer import load_tokenizer
 from algo.serving import groups_in_kv
+from launch.plan import hardware
+from launch.plan.shapes import BUILTIN
 from tools.bench.chaos import make_assets
-from tools.plan import costs, hardware
-from tools.plan.shapes import BUILTIN
+from tools.plan import costs
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP_SIZE, MAX_NEW = 2, 96
@@ -29,7 +30,7 @@ TIMEOUT_S = 0.8   # a group of one answer at the limit takes 96 x 13 ms = 1.25 s
 
 def step_time_s() -> float:
     """One decode step of the 64-node rollout shape by the planner's cost model: Qwen2-7B, H800, tp 2, 60
-    answers holding 16k tokens each (the KV pool holds 60 answers of 32k; tools/plan/memory.py)."""
+    answers holding 16k tokens each (the KV pool holds 60 answers of 32k; launch/plan/memory.py)."""
     return costs.decode_cost(BUILTIN["7B"], hardware.gpu("H800"), 2, 60).step(60 * 16_000)
 
 

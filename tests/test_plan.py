@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from actors.engines.model import Qwen2Config, Qwen2ForCausalLM, param_count
-import topology
+from launch.plan import memory, sizing
+from launch.plan.shapes import BUILTIN, ShapeError, from_hf_config, resolve
 from tools import up
-from tools.plan import memory, setup
-from tools.plan.shapes import BUILTIN, ShapeError, from_hf_config, resolve
+from tools.plan import setup
+import topology
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPOLOGIES = sorted((ROOT / "topology").glob("*.yaml"))
@@ -122,8 +123,8 @@ def test_a_kv_cache_too_small_for_one_answer_is_named():
 
 @pytest.mark.parametrize("path", TOPOLOGIES, ids=lambda p: p.stem)
 def test_every_shipped_topology_plans_and_its_gpu_groups_fit(path):
-    found = setup.read(topology.load(path, check_imports=False))
-    groups = setup.group_memory(found)
+    found = sizing.read(topology.load(path, check_imports=False))
+    groups = sizing.group_memory(found)
     gpu_groups = [g for g in found.groups if g.device == "cuda"]
     assert len(groups) == len(gpu_groups)
     for m in groups:
@@ -132,7 +133,8 @@ def test_every_shipped_topology_plans_and_its_gpu_groups_fit(path):
 
 # --- simulation ---------------------------------------------------------------------------------------
 from actors.buffer.state import BufferState  # noqa: E402
-from tools.plan import costs, engines, hardware, microbench, sim  # noqa: E402
+from launch.plan import hardware  # noqa: E402
+from tools.plan import costs, engines, microbench, sim  # noqa: E402
 
 
 def _config(**kw) -> sim.SimConfig:
@@ -191,9 +193,9 @@ def test_the_evaluator_s_prompts_run_on_the_rollouts_every_n_versions_at_most_k_
     assert 3 * 3 <= r.counters["eval_answers"] <= 4 * 3 and r.counters["eval_answer_tokens"] == 100 * r.counters["eval_answers"]
     assert r.counters["inflight_per_server"]["running_requests_peak"]["max"] <= 2 * 2 + 1
     assert r.step_time >= base.step_time
-    found = setup.sim_config(setup.read(topology.load(ROOT / "topology/64node.yaml", check_imports=False)))
+    found = setup.sim_config(sizing.read(topology.load(ROOT / "topology/64node.yaml", check_imports=False)))
     assert (found.eval_every, found.eval_prompts, found.eval_per_rollout) == (10, 30, 2)
-    assert setup.sim_config(setup.read(topology.load(ROOT / "topology/64node.yaml", ["experiment.eval.every_versions=0"],
+    assert setup.sim_config(sizing.read(topology.load(ROOT / "topology/64node.yaml", ["experiment.eval.every_versions=0"],
                                                      check_imports=False))).eval_every == 0
 
 
@@ -461,7 +463,7 @@ def test_the_1_5b_lengths_have_the_curve_s_mean_at_its_cut_and_the_7b_s_spread()
 
 
 def test_a_shape_read_from_a_config_gets_its_size_s_lengths_and_any_other_model_the_7b_s(tmp_path):
-    from tools.plan.shapes import builtin_size
+    from launch.plan.shapes import builtin_size
     s = BUILTIN["1.5B"]
     cfg = {"num_hidden_layers": s.layers, "hidden_size": s.hidden, "intermediate_size": s.intermediate,
            "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads, "vocab_size": s.vocab}
@@ -568,7 +570,7 @@ def test_the_published_sweep_refuses_splits_that_are_not_shares_before_it_simula
 def test_the_sweep_runs_in_parts_by_split_and_by_eta(monkeypatch):
     from tools.plan import __main__ as cli
     monkeypatch.chdir(ROOT)
-    found = setup.read(topology.load("topology/1node.yaml", ["experiment.algo.batch_size=4"], check_imports=False))
+    found = sizing.read(topology.load("topology/1node.yaml", ["experiment.algo.batch_size=4"], check_imports=False))
     rows = cli.sweep(found, steps=2, seeds=1, splits=(0.5,), etas=(1, 3))
     assert [(r["share"], r["eta"]) for r in rows] == [(0.5, 1), (0.5, 3)]
 
@@ -602,7 +604,7 @@ def test_every_published_configuration_fits_in_areal_s_own_layout():
     from tools.plan import published
     for model, nodes, group_size, _ in published.TUTORIAL_STEPS:
         found = published.cluster(model, nodes, group_size)
-        assert all(m.fits for m in setup.group_memory(found)), (model, nodes)
+        assert all(m.fits for m in sizing.group_memory(found)), (model, nodes)
         cfg = setup.sim_config(found)
         lay = published.LAYOUTS[model]
         assert (cfg.server_tp, cfg.trainer.tp, cfg.trainer.pp) == (lay.server_tp, lay.tp, lay.pp)
@@ -628,7 +630,7 @@ def _costs(tmp_path: Path, **workload) -> Path:
 
 def test_a_cpu_topology_s_sync_step_is_the_cost_file_s_sum_exactly(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    found = setup.read(topology.load("topology/local.yaml", check_imports=False))
+    found = sizing.read(topology.load("topology/local.yaml", check_imports=False))
     data = json.loads(_costs(tmp_path).read_text())
     cfg = setup.sim_config(found, eta=0, steps=3, measured=costs.MeasuredCosts.from_dict(data),
                            workload=data["workloads"]["async"])
@@ -653,7 +655,7 @@ def test_a_cpu_topology_s_sync_step_is_the_cost_file_s_sum_exactly(tmp_path, mon
 
 def test_a_cpu_topology_needs_a_cost_file(monkeypatch):
     monkeypatch.chdir(ROOT)
-    found = setup.read(topology.load("topology/local.yaml", check_imports=False))
+    found = sizing.read(topology.load("topology/local.yaml", check_imports=False))
     with pytest.raises(ValueError, match="measured costs"):
         setup.sim_config(found)
 

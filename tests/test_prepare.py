@@ -1,4 +1,4 @@
-"""tools/prepare.py: what the first command on a fresh machine makes before the run starts."""
+"""The prepare stage (launch/prepare/stage.py, tools/prepare.py): what the first command on a fresh machine makes before the run starts."""
 from __future__ import annotations
 
 import copy
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.lm import has_weights
-from tools.prepare import PrepareError, prepare
+from actors.engines.checkpoint import has_weights
+from launch.prepare.stage import PrepareError, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "models" / "arith-tiny"
@@ -161,7 +161,8 @@ def test_overridden_data_paths_leave_the_recipes_folders_alone(tmp_path: Path, m
 
 def test_a_shipped_warm_start_is_used_while_it_matches_its_recipe_and_its_hash(tmp_path: Path, model_dir: Path,
                                                                                capsys: pytest.CaptureFixture) -> None:
-    from tools.prepare import SHIPPED_MANIFEST, main, sha256_file
+    from launch.prepare.stage import SHIPPED_MANIFEST, sha256_file
+    from tools.prepare import main
 
     shipped = tmp_path / "shipped"
     exp = experiment(tmp_path, model_dir)

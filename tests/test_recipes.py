@@ -156,17 +156,16 @@ def test_a_run_says_what_it_will_evaluate_and_when_it_will_not(monkeypatch, caps
 
 
 def test_the_final_evaluation_says_why_it_does_not_run(tmp_path, capsys):
-    from actors.launch.evaluation import final_evaluation
-    from tools.up import HOOKS
+    from launch.evaluation import final_evaluation
     from topology.experiment import ExperimentConfig
 
-    assert final_evaluation(ExperimentConfig(), tmp_path, HOOKS) is None
+    assert final_evaluation(ExperimentConfig(), tmp_path) is None
     assert "no final evaluation: data.test is not set" in capsys.readouterr().out
     missing = ExperimentConfig.model_validate({"data": {"test": str(tmp_path / "aime24.jsonl")}})
-    assert final_evaluation(missing, tmp_path, HOOKS) is None
+    assert final_evaluation(missing, tmp_path) is None
     assert f"no final evaluation: data.test {tmp_path / 'aime24.jsonl'}: no such file" in capsys.readouterr().out
     (tmp_path / "aime24.jsonl?download=true").write_text("{}\n")   # found under its download name
-    assert final_evaluation(missing, tmp_path, HOOKS) is None
+    assert final_evaluation(missing, tmp_path) is None
     assert "no final evaluation: the run wrote no checkpoint" in capsys.readouterr().out
 
 

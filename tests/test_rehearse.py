@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-import topology as topo_mod
 from actors.engines.base import GenerationRequest, SamplingParams
 from actors.engines.sglang import sglang_rid
+from launch.plan import sizing
 from testsupport.bounded import run_bounded
 from tools.plan import setup, sim
 from tools.rehearse import rehearsal
 from tools.rehearse.costs import RehearsalCosts
 from tools.rehearse.engine import CostModelEngine, answer_identity
+import topology as topo_mod
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def sim_64_16() -> sim.SimConfig:
     full = topo_mod.load("topology/64node.yaml", [], check_imports=False)
     layout = rehearsal.scaled_layout(full, 1 / 16)
     plan = topo_mod.load("topology/64node.yaml", rehearsal.simulated_overrides(layout, 31744))
-    return setup.sim_config(setup.read(plan), steps=4, seed=0)
+    return setup.sim_config(sizing.read(plan), steps=4, seed=0)
 
 
 def test_scale_keeps_each_node_s_fan_out_and_scales_nodes_gpus_and_batch() -> None:

@@ -18,8 +18,7 @@ def step_record(step: int, n_tokens: float, t: float) -> dict:
 def test_the_summary_counts_a_step_trained_again_after_a_restart_once(tmp_path: Path) -> None:
     # A trainer restarted after step 3 resumed from the checkpoint of step 1 and trained steps 2 and 3 again:
     # "31 steps" for a 30-step run was this counted twice.
-    from actors.launch.evaluation import final_evaluation
-    from tools.up import HOOKS
+    from launch.evaluation import final_evaluation
 
     run_dir = tmp_path / "run"
     ckpt = checkpoint_dir(run_dir, 30)
@@ -33,7 +32,7 @@ def test_the_summary_counts_a_step_trained_again_after_a_restart_once(tmp_path: 
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     config = ExperimentConfig.model_validate({"data": {"test": str(test)}, "gen": {"max_new_tokens": 4},
                                               "model": {"path": str(ckpt / "model")}})
-    summary = final_evaluation(config, run_dir, HOOKS)
+    summary = final_evaluation(config, run_dir)
     assert summary is not None and summary["steps"] == 30, summary
     assert summary["tokens_trained"] == 100.0 + 29 * 10.0, summary
 

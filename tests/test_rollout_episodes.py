@@ -197,7 +197,7 @@ def test_final_evaluation_answers_tool_records_as_episodes(tmp_path, random_mode
     import subprocess
     import sys
 
-    from tools.eval import evaluate_held_out
+    from actors.evaluator.harness import evaluate_held_out
     from topology.experiment import ExperimentConfig
 
     subprocess.run([sys.executable, "-m", "tools.make_task", "--task", "agent", "--out", str(tmp_path / "data"),

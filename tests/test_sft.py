@@ -12,15 +12,16 @@ import pytest
 import torch
 
 from actors.dataset import DatasetError
+from actors.engines.base import TokenLogProbs
 from actors.engines.checkpoint import load_model
 from actors.engines.tokenizer import load_tokenizer
-from actors.engines.base import TokenLogProbs
 from actors.engines.torch_train import TRAINER_STATE, TorchTrainEngine, token_nll_loss
-from tools import sft
-from tools.eval import evaluate
-from tools.lm import (LMToolError, SFTExample, batch_stream, examples_from_records, load_or_init, make_example,
-                      pack_examples)
-from tools.make_task import make_splits, write_jsonl
+from actors.evaluator.harness import evaluate
+from launch.prepare import sft
+from launch.prepare.lm import (LMToolError, SFTExample, batch_stream, examples_from_records, load_or_init,
+                               make_example, pack_examples)
+from launch.prepare.task import make_splits, write_jsonl
+from tools import sft as sft_cli
 
 REPO = Path(__file__).resolve().parents[1]
 ARITH = REPO / "configs" / "models" / "arith-tiny"
@@ -160,9 +161,9 @@ def test_pairs_format_and_bad_lines_go_through_the_dataset_errors(tiny, tmp_path
                      '{"prompt": "Compute: 2+1\\n", "response": ""}\n'
                      '{"prompt": "Compute: 3-1\\n", "response": "2 \\\\boxed{2}"}\n')
     common = ["--model", str(tiny["model"]), "--steps", "2", "--batch-size", "2", "--json"]
-    assert sft.main(["--data", str(pairs), "--out", str(tmp_path / "o1"), *common]) == 2
+    assert sft_cli.main(["--data", str(pairs), "--out", str(tmp_path / "o1"), *common]) == 2
     assert f"{pairs}:2: field 'response': expected a non-empty string" in capsys.readouterr().err
-    assert sft.main(["--data", str(pairs), "--out", str(tmp_path / "o2"), "--on-error", "skip", *common]) == 0
+    assert sft_cli.main(["--data", str(pairs), "--out", str(tmp_path / "o2"), "--on-error", "skip", *common]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["examples"] == 2 and summary["skipped_lines"] == 1 and summary["steps"] == 2
 
@@ -182,7 +183,7 @@ def test_bad_settings_are_named(tiny, tmp_path, capsys):
         sft.run_sft(config(tiny, tmp_path, eval_data="x.jsonl"), lambda _: None)
     with pytest.raises(sft.SFTError, match="no training examples"):
         sft.run_sft(config(tiny, tmp_path, levels=[2]), lambda _: None)
-    assert sft.main(["--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o"),
+    assert sft_cli.main(["--data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o"),
                      "--model", str(tiny["model"])]) == 2
     assert "missing.jsonl: no such file" in capsys.readouterr().err
 
@@ -216,7 +217,7 @@ def test_max_seconds_stops_on_time_and_saves_the_weights(tiny, tmp_path):
 
 def agent_record(guess: bool = False):
     from actors.dataset import parse_record
-    from tools import agent_task
+    from launch.prepare import agent_task
 
     chain = agent_task.Chain(12, 34, (("+", 56),))
     transcript = (agent_task.guess_transcript(chain, random.Random(0)) if guess
@@ -268,7 +269,7 @@ def test_malformed_transcripts_name_the_record_and_segment(transcripts, cause):
 
 
 def test_sft_on_agent_transcripts_evaluates_held_out_episodes(tiny, tmp_path):
-    from tools import agent_task
+    from launch.prepare import agent_task
 
     splits = agent_task.make_splits(seed=0, levels=[1], train_per_level=48, test_per_level=6, guess_fraction=0.0)
     write_jsonl(splits["train"], tmp_path / "data" / "train.jsonl")

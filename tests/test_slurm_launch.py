@@ -129,7 +129,7 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-PROBE = ("import json, os; from actors.launch.slurm import allocation_hosts, read_allocation; "
+PROBE = ("import json, os; from launch.slurm import allocation_hosts, read_allocation; "
          "hosts = allocation_hosts(); a = read_allocation(dict(os.environ), hosts); "
          "print('ALLOC', json.dumps({'hosts': hosts, 'cpus': a.cpus, 'gpus': a.gpus, 'source': a.source, "
          "'gpus_on_node': os.environ.get('SLURM_GPUS_ON_NODE')}))")

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from actors.dataset import last_boxed, load_dataset
+from launch.prepare import task
 from tools import make_task
 
 SMALL = dict(levels=[1, 2, 3, 4, 5], solved_levels=[1, 2, 3], train_per_level=300, test_per_level=50)
@@ -21,7 +22,7 @@ def test_same_seed_same_bytes_other_seed_differs(tmp_path):
 
 
 def test_splits_are_disjoint_and_ids_unique():
-    splits = make_task.make_splits(seed=0, **SMALL)
+    splits = task.make_splits(seed=0, **SMALL)
     prompts = {name: {r["prompt"] for r in recs} for name, recs in splits.items()}
     assert not prompts["train"] & prompts["test"]
     ids = [r["query_id"] for recs in splits.values() for r in recs]
@@ -31,7 +32,7 @@ def test_splits_are_disjoint_and_ids_unique():
 
 
 def test_every_answer_is_checkable_and_correct():
-    splits = make_task.make_splits(seed=1, **SMALL)
+    splits = task.make_splits(seed=1, **SMALL)
     for rec in splits["train"] + splits["test"]:
         expr = rec["prompt"].removeprefix("Compute: ").rstrip("\n")
         # Left-to-right +/- is exactly Python's evaluation order for this grammar.
@@ -45,7 +46,7 @@ def test_every_answer_is_checkable_and_correct():
 
 
 def test_solutions_only_on_solved_levels():
-    splits = make_task.make_splits(seed=0, **SMALL)
+    splits = task.make_splits(seed=0, **SMALL)
     for rec in splits["train"]:
         assert ("solutions" in rec) == (rec["level"] in SMALL["solved_levels"])
     levels = {r["level"] for r in splits["train"]}
@@ -54,7 +55,7 @@ def test_solutions_only_on_solved_levels():
 
 def test_small_level_is_capped_not_endless():
     # Level 1 with operands 1..3 has 2 * 3**2 = 18 problems: a quarter go to test, the rest to train.
-    splits = make_task.make_splits(seed=0, levels=[1], solved_levels=[1], train_per_level=1000,
+    splits = task.make_splits(seed=0, levels=[1], solved_levels=[1], train_per_level=1000,
                                    test_per_level=1000, max_operand=3)
     assert len(splits["test"]) == 4 and len(splits["train"]) == 14
 
@@ -71,20 +72,20 @@ def test_written_files_load_with_the_dataset_loader(tmp_path):
 
 @pytest.mark.parametrize("text,expected", [("1-3,5", [1, 2, 3, 5]), ("2", [2]), ("", [])])
 def test_parse_levels(text, expected):
-    assert make_task.parse_levels(text) == expected
+    assert task.parse_levels(text) == expected
 
 
 def test_bad_arguments_name_the_cause(capsys):
     assert make_task.main(["--levels", "x-y", "--out", "/nonexistent/never"]) == 2
     assert "bad level list" in capsys.readouterr().err
     with pytest.raises(ValueError, match="only .* unused distinct problems"):
-        make_task.sample_level(__import__("random").Random(0), 1, 2, 9, exclude=set())
+        task.sample_level(__import__("random").Random(0), 1, 2, 9, exclude=set())
 
 
 def test_partial_solutions_on_unsolved_levels_leave_the_splits_alone():
-    base = make_task.make_splits(seed=2, **SMALL)
-    adds = make_task.make_splits(seed=2, **SMALL, partial="additions")
-    some = make_task.make_splits(seed=2, **SMALL, partial="sample:0.25")
+    base = task.make_splits(seed=2, **SMALL)
+    adds = task.make_splits(seed=2, **SMALL, partial="additions")
+    some = task.make_splits(seed=2, **SMALL, partial="sample:0.25")
     for other in (adds, some):
         assert [r["prompt"] for r in other["train"]] == [r["prompt"] for r in base["train"]]
     for rec in adds["train"]:
@@ -97,11 +98,11 @@ def test_partial_solutions_on_unsolved_levels_leave_the_splits_alone():
 @pytest.mark.parametrize("spec", ["sample:2", "sample:x", "most"])
 def test_bad_partial_rule_names_it(spec):
     with pytest.raises(ValueError, match="bad partial rule"):
-        make_task.make_splits(seed=0, **SMALL, partial=spec)
+        task.make_splits(seed=0, **SMALL, partial=spec)
 
 
 def test_accumulate_style_boxes_the_same_answer():
-    splits = make_task.make_splits(seed=0, **SMALL, style="accumulate")
+    splits = task.make_splits(seed=0, **SMALL, style="accumulate")
     for rec in splits["train"]:
         for solution in rec.get("solutions", []):
             assert last_boxed(solution) == rec["answer"]
@@ -109,8 +110,8 @@ def test_accumulate_style_boxes_the_same_answer():
 
 
 def test_direct_fraction_states_only_the_answer_on_some_solutions():
-    base = make_task.make_splits(seed=4, **SMALL)
-    mixed = make_task.make_splits(seed=4, **SMALL, direct_fraction=0.5)
+    base = task.make_splits(seed=4, **SMALL)
+    mixed = task.make_splits(seed=4, **SMALL, direct_fraction=0.5)
     assert [r["prompt"] for r in mixed["train"]] == [r["prompt"] for r in base["train"]]
     solved = [r for r in mixed["train"] if "solutions" in r]
     direct = [r for r in solved if r["solutions"][0] == f"\\boxed{{{r['answer']}}}"]
@@ -118,12 +119,12 @@ def test_direct_fraction_states_only_the_answer_on_some_solutions():
     assert all(last_boxed(r["solutions"][0]) == r["answer"] for r in solved)
     assert not any("solutions" in r for r in mixed["train"] if r["level"] > 3)
     with pytest.raises(ValueError, match="direct_fraction"):
-        make_task.make_splits(seed=0, **SMALL, direct_fraction=1.5)
+        task.make_splits(seed=0, **SMALL, direct_fraction=1.5)
 
 
 def test_direct_wrong_boxes_near_miss_guesses_and_keeps_the_answer_right():
-    base = make_task.make_splits(seed=4, **SMALL, direct_fraction=0.5)
-    guessed = make_task.make_splits(seed=4, **SMALL, direct_fraction=0.5, direct_wrong=1.0)
+    base = task.make_splits(seed=4, **SMALL, direct_fraction=0.5)
+    guessed = task.make_splits(seed=4, **SMALL, direct_fraction=0.5, direct_wrong=1.0)
     assert [(r["prompt"], r["answer"]) for r in guessed["train"]] == [(r["prompt"], r["answer"]) for r in base["train"]]
     solved = [r for r in guessed["train"] if "solutions" in r]
     direct = [r for r in solved if r["solutions"][0].startswith("\\boxed")]
@@ -133,4 +134,4 @@ def test_direct_wrong_boxes_near_miss_guesses_and_keeps_the_answer_right():
         assert 1 <= abs(int(last_boxed(r["solutions"][0])) - int(r["answer"])) <= 3
     assert all(last_boxed(r["solutions"][0]) == r["answer"] for r in worked)
     with pytest.raises(ValueError, match="direct_wrong"):
-        make_task.make_splits(seed=0, **SMALL, direct_wrong=-0.1)
+        task.make_splits(seed=0, **SMALL, direct_wrong=-0.1)

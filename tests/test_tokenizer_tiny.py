@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from tools import make_task, make_tokenizer
+from launch.prepare import task
+from tools import make_tokenizer
 
 MODEL_DIR = Path(make_tokenizer.DEFAULT_OUT)
 
@@ -18,9 +19,9 @@ def shipped() -> Tokenizer:
 
 
 def test_round_trips_every_dataset_string(shipped):
-    splits = make_task.make_splits(seed=3, levels=range(1, 9), solved_levels=range(1, 9),
+    splits = task.make_splits(seed=3, levels=range(1, 9), solved_levels=range(1, 9),
                                    train_per_level=300, test_per_level=30,
-                                   max_operand=make_task.RECIPE_MAX_OPERAND, direct_fraction=0.5)
+                                   max_operand=task.RECIPE_MAX_OPERAND, direct_fraction=0.5)
     texts = [t for recs in splits.values() for r in recs
              for t in (r["prompt"], r["answer"], *r.get("solutions", []))]
     for text in texts:

@@ -288,7 +288,7 @@ def test_curve_is_on_by_default_on_tcp_and_ipc_sockets_are_private(tmp_path: Pat
     assert T.validate(tcp, check_imports=False).bus.curve
     ipc = {"cluster": {"nodes": 1}, "bus": {"transport": "ipc"}, "actors": {"a": {"class": "m:A"}}}
     assert not T.validate(ipc, check_imports=False).bus.curve
-    from actors.launch.rundir import build_specs
+    from launch.rundir import build_specs
     [spec] = build_specs(T.place(T.validate(ipc, check_imports=False)), tmp_path)
     ipc_dir = Path(spec["endpoint"].removeprefix("ipc://")).parent
     assert ipc_dir.stat().st_mode & 0o777 == 0o700

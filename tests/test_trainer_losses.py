@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
-from actors.launch.progress import TrainingProgress
+from launch.progress import TrainingProgress
 from actors.trainer.metrics import mismatch_warning
 from actors.trainer.step import StepConfig, train_on_batch
 from testsupport.tiny_models import sampled_batch, tiny_model

@@ -4,6 +4,7 @@ import copy
 import pytest
 import torch
 
+from actors.batch import TrainBatch, from_batch, share
 from actors.engines.base import PackedBatch
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
 from actors.trainer.step import StepConfig, batch_to_sequences, train_on_batch
@@ -43,6 +44,25 @@ def test_batch_flattening_aligns_fields_with_tokens():
     for seq, mask, behav in zip(flat["seqs"], flat["loss_mask"], flat["behav"]):
         assert len(seq) == len(mask) == len(behav)
         assert mask[:3] == [0.0, 0.0, 0.0] and all(m == 1.0 for m in mask[3:])
+
+
+def test_a_train_batchs_micro_batches_are_the_list_forms_sequences():
+    """The packed layout's micro-batches hold exactly what packing the list form's sequences gives, for the
+    whole batch and for a rank's share (which carries some sequences' tokens only)."""
+    batch = sampled_batch(tiny_model(4), groups=3, n=3)
+    batch.groups[1].samples[2].versions[1:3] = [-1, -1]   # an episode's environment tokens: never trained
+    listed = batch_to_sequences(batch)
+    fields = ("loss_mask", "behav", "versions")
+    for columns, ids in ((from_batch(batch), [8, 0, 4, 5]), (share(from_batch(batch), [1, 5, 7]), [7, 1, 5])):
+        lay = TrainBatch.of(columns)
+        got = lay.micro_batch(ids, {k: getattr(lay, k) for k in fields})
+        want = PackedBatch.from_sequences([listed["seqs"][i] for i in ids],
+                                          {k: [listed[k][i] for i in ids] for k in fields})
+        assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.cu_seqlens, want.cu_seqlens)
+        assert torch.equal(got.position_ids, want.position_ids)
+        assert got.fields.keys() == want.fields.keys()
+        assert all(torch.equal(got.fields[k], want.fields[k]) for k in fields)
+    assert lay.carried.tolist() == [i in (1, 5, 7) for i in range(9)]
 
 
 def test_adv_norm_setting_reaches_the_step():

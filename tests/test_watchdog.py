@@ -1,4 +1,4 @@
-"""The launcher's progress watchdog (actors/launch/watchdog.py): a run that stops making progress is named stalled after
+"""The launcher's progress watchdog (launch/watchdog.py): a run that stops making progress is named stalled after
 a limit derived from its step time, with a diagnosis of who waits on whom and the last message of each kind.
 The unit tests drive it with status files and a clock of their own; the runs in tests/test_stalls.py drive it
 with real actors."""
@@ -11,7 +11,7 @@ from typing import Any
 
 from actors.buffer.actor import BufferActor
 from actors.buffer.state import BufferState
-from actors.launch.watchdog import ProgressWatchdog
+from launch.watchdog import ProgressWatchdog
 from topology.experiment import WatchdogSection
 from transport.protocol import Answers, Sample
 

@@ -28,8 +28,10 @@ from actors.engines.tokenizer import TokenizerError, load_tokenizer
 from actors.rollout.episode import EpisodeError
 from actors.evaluator.episode_eval import DEFAULT_MAX_TURNS, aevaluate_model_episodes
 from actors.evaluator.evaluation import EvalError, EvalSettings
-from tools.eval import load_eval_records, render_table
-from tools.lm import LMToolError, has_weights
+from actors.evaluator.harness import load_eval_records
+from tools.eval import render_table
+from actors.engines.checkpoint import has_weights
+from launch.prepare.lm import LMToolError
 
 
 def _turns(text: str) -> list[int]:
@@ -45,7 +47,7 @@ def _turns(text: str) -> list[int]:
 def _levels(text: str | None) -> list[int] | None:
     if not text:
         return None
-    from tools.make_task import parse_levels
+    from launch.prepare.task import parse_levels
     try:
         return parse_levels(text)
     except ValueError as exc:

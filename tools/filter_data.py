@@ -40,8 +40,11 @@ from actors.engines.base import EngineError
 from actors.engines.checkpoint import CheckpointError
 from actors.engines.tokenizer import TokenizerError, load_tokenizer
 from actors.evaluator.evaluation import EvalError, EvalSettings, aevaluate_with, level_key
-from tools.eval import ENGINES, _from_config, data_options, default_engine, open_generator
-from tools.lm import LMToolError, has_weights
+from actors.evaluator.harness import ENGINES, default_engine, open_generator
+from tools.eval import data_options
+from actors.engines.checkpoint import has_weights
+from launch.prepare.lm import LMToolError
+from topology import load_experiment
 from transport.files import atomic_write
 
 PROGRESS_SUFFIX = ".progress.json"
@@ -262,7 +265,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO | None = None) -> int
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     args = ap.parse_args(argv)
     try:
-        config = _from_config(args.config)
+        config = load_experiment(args.config) if args.config else None
         if config is None and args.max_new_tokens is None:
             raise ValueError("give --config (the recipe, whose gen.max_new_tokens the answers get) or "
                              "--max-new-tokens: answers cut short get nothing right and nothing would be dropped")

@@ -25,7 +25,7 @@ from typing import Iterable, Iterator
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from actors.rollout.chat import EMBEDDED_CHAT_TEMPLATE
-from tools import make_task
+from launch.prepare import task
 
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN,)
@@ -45,7 +45,7 @@ DEFAULT_DIMS = {
 
 def corpus(seed: int = 0) -> Iterator[str]:
     """The task's text: every prompt and worked solution of a default-sized split."""
-    splits = make_task.make_splits(seed=seed, levels=range(1, 9), solved_levels=range(1, 9),
+    splits = task.make_splits(seed=seed, levels=range(1, 9), solved_levels=range(1, 9),
                                    train_per_level=500, test_per_level=0)
     for rec in splits["train"]:
         yield rec["prompt"]

@@ -18,78 +18,23 @@
 
 The run directory (``runs/<name>/<timestamp>`` unless ``--run-dir``) holds the plan, the ActorSpecs,
 logs, message logs, metrics and checkpoints. Exit status: 0 clean end, 2 invalid topology or input, 1 failed
-run (an actor that cannot be kept up, or a run that stopped making progress: actors/launch/watchdog.py
+run (an actor that cannot be kept up, or a run that stopped making progress: launch/watchdog.py
 prints a diagnosis), 128 + N for a training run stopped by signal N before its last step.
 
-This module parses the command line; the launching itself is the library's (actors/launch/), which gets
-the tools it uses (the planner, the prepare stage, the held-out evaluation) from `HOOKS`.
+This module parses the command line; the launching itself is the library's (launch/).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 import topology as topo_mod
-from actors.launch.launcher import dry_run, launch
-from actors.launch.options import EXIT_INVALID, EXIT_OK, LaunchRequest, PrepareRefused, ToolHooks
+from launch.launcher import dry_run, launch
+from launch.options import EXIT_INVALID, EXIT_OK, LaunchRequest
 from topology import Plan, TopologyError
-from topology.experiment import ExperimentConfig
 from topology.schema import SupervisorSection
-
-
-def prepared(plan: Plan) -> Plan:
-    """The plan built from the experiment after its prepare stage ran (tools.prepare; model.path at the warm
-    start it made)."""
-    from tools.prepare import PrepareError, prepare
-
-    try:
-        return plan.with_experiment(prepare(plan.topology.experiment))
-    except PrepareError as exc:
-        raise PrepareRefused(f"{plan.topology.source}: experiment.{exc}") from None
-
-
-def prepare_problems(plan: Plan) -> list[str]:
-    """What tools.prepare would refuse in the experiment's prepare section (the tools' own arguments)."""
-    from tools.prepare import stage_problems
-
-    return [f"experiment.{line}" for line in stage_problems(plan.topology.config.prepare)]
-
-
-def memory_problems(plan: Plan) -> list[str]:
-    """GPU groups that do not fit their GPUs by the planner's estimate (tools/plan), naming the largest term."""
-    from tools.plan import setup
-    from tools.plan.shapes import ShapeError
-
-    try:
-        return setup.memory_problems(plan)
-    except (ShapeError, ValueError):
-        return []   # no model shape: memory_report says so in the report
-
-
-def memory_report(plan: Plan) -> list[str]:
-    """The planner's memory estimate per GPU of every GPU group (tools/plan)."""
-    from tools.plan import report, setup
-    from tools.plan.shapes import ShapeError
-
-    try:
-        found = setup.read(plan)
-    except (ShapeError, ValueError) as exc:
-        return [f"memory per GPU: not estimated ({exc})"]
-    line = f"{found.shape.name if found.shape else '-'}, {found.gpu.name} {found.gpu.memory_bytes / 1e9:.0f} GB"
-    return report.memory_table(line, setup.group_memory(found))
-
-
-def evaluate_held_out(model: str, config: ExperimentConfig) -> dict[str, Any]:
-    """A model directory's greedy held-out report on data.test (tools.eval), for the final evaluation."""
-    from tools.eval import evaluate_held_out
-
-    return evaluate_held_out(model, config)
-
-
-HOOKS = ToolHooks(prepare=prepared, prepare_problems=prepare_problems, memory_report=memory_report,
-                  memory_problems=memory_problems, evaluate_held_out=evaluate_held_out)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -136,10 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(str(exc), file=sys.stderr)
         return EXIT_INVALID
     if args.dry_run:
-        return dry_run(plan, args.overrides, HOOKS, full=args.full)
+        return dry_run(plan, args.overrides, full=args.full)
     return launch(plan, LaunchRequest(overrides=args.overrides, run_dir=args.run_dir, ready_timeout=args.ready_timeout,
                                       duration=args.duration, progress=not args.no_progress, record=args.record,
-                                      sbatch=args.sbatch), HOOKS)
+                                      sbatch=args.sbatch))
 
 
 if __name__ == "__main__":

@@ -13,11 +13,11 @@ actors/ or tools/ (it finds an actor class's settings model through the class it
 * topology.loading: YAML, experiment config, `key.sub=value` overrides, and the resolved configuration with
   where each value came from.
 """
-from topology.loading import (apply_overrides, load, load_document, parse_override, resolved_config,
-                              show_config)
+from topology.loading import (apply_overrides, load, load_document, load_experiment, parse_override,
+                              resolved_config, show_config)
 from topology.placement import (REPO_ROOT, GroupSpec, Instance, LinkPlan, LinkSpec, NodeSpec, Plan, Topology,
                                 TopologyError, expand_nodelist, place, resolve_host, validate)
 
 __all__ = ["TopologyError", "Topology", "NodeSpec", "LinkSpec", "GroupSpec", "Instance", "LinkPlan", "Plan",
-           "REPO_ROOT", "load", "load_document", "parse_override", "apply_overrides", "validate", "place",
+           "REPO_ROOT", "load", "load_document", "load_experiment", "parse_override", "apply_overrides", "validate", "place",
            "expand_nodelist", "resolve_host", "resolved_config", "show_config"]

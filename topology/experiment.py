@@ -6,8 +6,8 @@ or misplaced key is refused with its full path (`experiment.algo.kl_coeff: unkno
 bounds (`experiment.algo.eta: input should be greater than or equal to 0`).
 
 A default of None means the key has no single default: its description says what happens when it is left out.
-`prepare`'s layout is declared here; the `args` of its steps are the flags of the tools it runs (tools.make_task,
-tools.sft's SFTConfig), which `tools.prepare` checks against those tools, since this package imports no tool.
+`prepare`'s layout is declared here; the `args` of its steps are the flags of `make_task` and the fields of
+`SFTConfig` (launch/prepare/), which the prepare stage checks against them, since this package imports nothing above it.
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ class DatasetRecipe(Section):
 class WarmStartStage(Section):
     data: str = Field(min_length=1, description="dataset folder: train.jsonl to learn, test.jsonl to find the plateau",
                       json_schema_extra=when_missing("missing: the stage's dataset folder (train.jsonl, test.jsonl)"))
-    args: ToolArgs = Field(default_factory=dict, description="tools.sft.SFTConfig fields (data, out, model are set here)")
+    args: ToolArgs = Field(default_factory=dict, description="launch.prepare.sft.SFTConfig fields (data, out, model are set here)")
 
 
 class WarmStartSection(Section):
@@ -379,7 +379,7 @@ class EvalSection(Section):
 
 
 class WatchdogSection(Section):
-    """The launcher's progress watchdog (actors/launch/watchdog.py): a run that stops making progress is stopped with a
+    """The launcher's progress watchdog (launch/watchdog.py): a run that stops making progress is stopped with a
     diagnosis and a non-zero exit instead of waiting for ever."""
 
     after_steps: float = Field(5.0, ge=0, description="no trained step for this many times the longest step so far "

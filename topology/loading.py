@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import PydanticCustomError
 
-from topology.experiment import AREAL_ALIASES, ExperimentConfig, with_our_names
+from topology.experiment import AREAL_ALIASES, ExperimentConfig, experiment_problems, with_our_names
 from topology.placement import REPO_ROOT, Plan, TopologyError, place, validate
 from topology.schema import RESERVED_SETTINGS, GroupSection, TopologyDocument
 from topology.settings import settings_model
@@ -54,6 +54,16 @@ def load_document(path: str | Path) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise TopologyError([f"top level: expected a mapping, got {type(doc).__name__}"], str(path))
     return doc
+
+
+def load_experiment(path: str | Path) -> ExperimentConfig:
+    """An experiment config file on its own (configs/*.yaml, a tool's --config), typed; a TopologyError naming
+    the file and each bad key's path."""
+    doc = load_document(path)
+    problems = experiment_problems(doc, prefix="")
+    if problems:
+        raise TopologyError(problems, str(path))
+    return ExperimentConfig.model_validate(doc)
 
 
 def parse_override(text: str, prefix: str = "") -> tuple[list[str], Any]:

@@ -5,7 +5,7 @@ capacity per node, ports, links), and the assignment of actor instances to nodes
 the rest here) and returns a :class:`Topology`; ``place(topology)`` returns a :class:`Plan`: one
 :class:`Instance` per actor process (node, GPUs, cores, bus endpoint) and one :class:`LinkPlan` per bulk link
 (members in rank order, rendezvous address and port, the NCCL/gloo environment). The plan turns into ActorSpec
-dictionaries with :meth:`Plan.specs`; ``tools/up.py`` prints or launches it (through actors/launch/).
+dictionaries with :meth:`Plan.specs`; ``tools/up.py`` prints or launches it (through launch/).
 docs/topology.md has the schema.
 """
 

@@ -23,7 +23,7 @@ Versions missed (the evaluator was down, or an evaluation took longer than N ver
 their weights are still on disk: version 0's in ``model.path``, the others in a sound checkpoint of that step
 (``"source": "checkpoint"`` on their line); the rest are named in a line of their own,
 ``{"kind": "skipped", "versions": [...], "reason": ...}``, so a gap in the curve is explained. A run that ended
-while the evaluator was away is caught up by the launcher (`catch_up`, actors/launch/evaluation.py) from the
+while the evaluator was away is caught up by the launcher (`catch_up`, launch/evaluation.py) from the
 checkpoints left.
 
 Settings: ``eval.every_versions`` (0: off, the actor idles), ``eval.max_problems``

@@ -141,7 +141,7 @@ class RolloutActor(Actor):
     Settings = RolloutSettings
     cfg: RolloutSettings
     placement = staticmethod(rollout_placement)   # what --dry-run prints for the group
-    ready_budget = staticmethod(rollout_ready_budget)   # what it starts before it is ready (actors/launch/readiness.py)
+    ready_budget = staticmethod(rollout_ready_budget)   # what it starts before it is ready (launch/readiness.py)
     # Interchangeable workers: the run starts once enough are ready, the rest join when their servers are up,
     # and one that cannot be kept up is left down (actors/runtime/supervisor.py, late_joiners).
     joins_late = True

@@ -24,7 +24,7 @@ atomically; the supervisor waits for a file with the child's pid. It is removed 
 Status: every ``status_every_s`` seconds (and once more as it stops) the actor writes
 ``RUN_DIR/status/<name>.json``: its pid and state, what it is doing (``progress()``, each actor's own), the
 requests it waits on and those it is still answering, and the last message of each kind in and out
-(``Bus.activity``). The launcher's progress watchdog (actors/launch/watchdog.py) diagnoses a stalled run from them; a
+(``Bus.activity``). The launcher's progress watchdog (launch/watchdog.py) diagnoses a stalled run from them; a
 file that stops changing while its process lives says the event loop is blocked or the process stopped.
 
 Settings: ``spec.settings`` is validated by the class's ``Settings`` model (topology.settings; unknown keys and

@@ -18,7 +18,7 @@ left waiting for peers that have gone would keep the launcher waiting with it.
 
 Readiness. Each actor has its own ready budget (``ready_budgets[name]``, else ``ready_timeout``) from its
 first start: what it starts decides it (a rollout waits for its SGLang server, which may take minutes to
-load weights and capture CUDA graphs; actors/launch/readiness.py derives the budgets). ``start()`` returns
+load weights and capture CUDA graphs; launch/readiness.py derives the budgets). ``start()`` returns
 once every actor is ready, except those of late-joining groups (``late_joiners[group]``: how many of the
 group's instances must be ready first). The others join when they are ready; one past its budget is reported
 (``actor_not_ready``) and left starting; one given up on (restart limit) is reported and left down, and the

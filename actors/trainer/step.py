@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import torch
 
-from actors.batch import Batch, as_columns, carried_samples, flat, sample_groups
+from actors.batch import Batch, TrainBatch, as_columns, sequence_lengths
 from actors.engines.base import PackedBatch, TokenLogProbs, TrainEngine
 from actors.engines.moe import ROUTE_NATIVE
 from actors.trainer.metrics import ShareResult, step_metrics
@@ -108,39 +108,24 @@ def train_on_batch(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepCo
     return step_metrics(cols, version, [train_share(engine, cols, cfg, version, ref_engine)])
 
 
-def packed_logprobs(engine: TrainEngine, seqs: list[list[int] | None], micro_batches: Any, out: torch.Tensor,
-                    starts: list[int], temperature: float, routes: torch.Tensor | None = None,
+def packed_logprobs(engine: TrainEngine, batch: TrainBatch, micro_batches: Any, out: torch.Tensor,
+                    temperature: float, routes: torch.Tensor | None = None,
                     record_routes: bool = False) -> torch.Tensor | None:
-    """Log-probs of `seqs` under `engine`, computed micro-batch by micro-batch (lists of sequence indices)
-    and written into `out` (the packed layout of every sequence, `starts` their offsets). A mixture-of-experts
-    model replays `routes` (the layout's [tokens, sparse layers, top-k] expert ids) when given, and with
-    `record_routes` returns the routing it took, in the layout (ROUTE_NATIVE where no sequence was computed)."""
+    """Log-probs of `batch`'s sequences under `engine`, computed micro-batch by micro-batch (lists of sequence
+    indices) and written into `out` (the batch's layout). A mixture-of-experts model replays `routes` (the
+    layout's [tokens, sparse layers, top-k] expert ids) when given, and with `record_routes` returns the
+    routing it took, in the layout (ROUTE_NATIVE where no sequence was computed)."""
     recorded = None
     for ids in micro_batches:
-        mb = with_routes(PackedBatch.from_sequences([seqs[i] for i in ids]), routes, ids, starts, seqs)
+        where = batch.token_index(ids)
+        mb = batch.micro_batch(ids, routes=routes)
         result = engine.compute_logprobs(mb, temperature=temperature, **({"record_routing": True} if record_routes else {}))
         if record_routes and result.routed_experts is not None and recorded is None:
             recorded = torch.full((out.numel(), *result.routed_experts.shape[1:]), ROUTE_NATIVE, dtype=torch.int64)
-        for j, i in enumerate(ids):
-            lo, hi = int(mb.cu_seqlens[j]), int(mb.cu_seqlens[j + 1])
-            out[starts[i]:starts[i] + len(seqs[i])] = result.logprobs[lo:hi]
-            if recorded is not None:
-                recorded[starts[i]:starts[i] + len(seqs[i])] = result.routed_experts[lo:hi].cpu()
+        out[where] = result.logprobs.to(device=out.device, dtype=out.dtype)
+        if recorded is not None:
+            recorded[where] = result.routed_experts.to(device=recorded.device, dtype=recorded.dtype)
     return recorded
-
-
-def with_routes(mb: PackedBatch, routes: torch.Tensor | None, ids: list[int], starts: list[int],
-                seqs: list[list[int] | None]) -> PackedBatch:
-    """``mb`` (the sequences ``ids``, packed in that order) carrying their rows of ``routes`` for replay."""
-    if routes is not None:
-        mb.fields["routed_experts"] = torch.cat([routes[starts[i]:starts[i] + len(seqs[i])] for i in ids])
-    return mb
-
-
-def sequence_lengths(batch: BatchTensors) -> tuple[list[int], list[int]]:
-    """Each sequence's (prompt + answer) length and group index, in sample order."""
-    group_ids = sample_groups(batch)
-    return [batch.prompt_lens[g] + n for g, n in zip(group_ids, batch.output_lens)], group_ids
 
 
 def minibatch_plan(lengths: list[int], group_ids: list[int], cfg: StepConfig, dp_size: int) -> list[list[list[list[int]]]]:
@@ -175,74 +160,6 @@ def rank_samples(batch: BatchTensors, cfg: StepConfig, dp_size: int) -> list[lis
             for minibatches in minibatch_plan(lengths, group_ids, cfg, dp_size)]
 
 
-@dataclass
-class _Layout:
-    """The packed layout of every sequence of a batch, with the tokens and per-token fields of the carried
-    ones filled in (the others are zero: a rank reads only its own sequences' tokens)."""
-
-    seqs: list[list[int] | None]   # token ids of the carried sequences
-    lengths: list[int]
-    starts: list[int]
-    cu_seqlens: torch.Tensor
-    loss_mask: torch.Tensor        # float32, 1 on answer tokens
-    behav: torch.Tensor            # float32 behaviour log-probs on answer tokens
-    versions: torch.Tensor         # float32 weight version on answer tokens, -1 on prompts
-    routes: torch.Tensor | None    # the rollout's routing, [tokens, sparse layers, top-k] int64 (ROUTE_NATIVE: none)
-
-
-def _layout(batch: BatchTensors, lengths: list[int], group_ids: list[int]) -> _Layout:
-    n = len(lengths)
-    lens = torch.tensor(lengths, dtype=torch.int64)
-    cu = torch.zeros(n + 1, dtype=torch.int64)
-    cu[1:] = torch.cumsum(lens, 0)
-    total = int(cu[-1])
-    prompt_of = torch.tensor([batch.prompt_lens[g] for g in group_ids], dtype=torch.int64)
-    pos = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(cu[:-1], lens)
-    on_answer = pos >= torch.repeat_interleave(prompt_of, lens)
-    carried = carried_samples(batch)
-    c = torch.tensor(carried, dtype=torch.int64)
-    out_lens = torch.tensor([batch.output_lens[i] for i in carried], dtype=torch.int64)
-    out_cu = torch.zeros(len(carried) + 1, dtype=torch.int64)
-    out_cu[1:] = torch.cumsum(out_lens, 0)
-    # Where each carried answer token sits in the layout: its sequence's start + prompt length + offset.
-    answer_pos = (torch.repeat_interleave(cu[:-1][c] + prompt_of[c] - out_cu[:-1], out_lens)
-                  + torch.arange(int(out_cu[-1]), dtype=torch.int64))
-    behav = torch.zeros(total, dtype=torch.float32)
-    behav[answer_pos] = flat(batch, "logprobs")
-    versions = torch.full((total,), -1.0, dtype=torch.float32)
-    versions[answer_pos] = flat(batch, "versions").to(torch.float32)
-    tokens = torch.zeros(total, dtype=torch.int64)
-    tokens[answer_pos] = flat(batch, "output_ids").to(torch.int64)
-    prompts = flat(batch, "prompt_ids").to(torch.int64)
-    p_cu = [0]
-    for plen in batch.prompt_lens:
-        p_cu.append(p_cu[-1] + plen)
-    starts = cu[:-1].tolist()
-    seqs: list[list[int] | None] = [None] * n
-    for i in carried:
-        g, s = group_ids[i], starts[i]
-        tokens[s:s + batch.prompt_lens[g]] = prompts[p_cu[g]:p_cu[g + 1]]
-        seqs[i] = tokens[s:s + lengths[i]].tolist()
-    loss_mask = on_answer.to(torch.float32)
-    # An episode's environment tokens (version -1, actors/rollout/episode.py) are context, never trained. A rank
-    # knows this only for the sequences it carries; the others keep every answer token in the mask.
-    loss_mask[answer_pos] = (versions[answer_pos] >= 0).to(torch.float32)
-    return _Layout(seqs, lengths, starts, cu, loss_mask, behav, versions, _rollout_routes(batch, carried, starts, total))
-
-
-def _rollout_routes(batch: BatchTensors, carried: list[int], starts: list[int], total: int) -> torch.Tensor | None:
-    """The routing the rollout engines recorded, in the layout: each carried sequence's routed tokens from its
-    start, ROUTE_NATIVE on the tokens nobody routed (the last token, an answer without routing)."""
-    shaped = [r for r in batch.routed_experts if r.dim() == 3]
-    if not shaped:
-        return None
-    routes = torch.full((total, *shaped[0].shape[1:]), ROUTE_NATIVE, dtype=torch.int64)
-    for i, recorded in zip(carried, batch.routed_experts):
-        if recorded.dim() == 3:
-            routes[starts[i]:starts[i] + recorded.shape[0]] = recorded.to(torch.int64)
-    return routes
-
-
 def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfig, version: int,
                 ref_engine: TrainEngine | None = None) -> ShareResult:
     """This rank's part of one training step. Every rank of a multi-rank trainer calls it on the same batch,
@@ -250,19 +167,22 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
     its own sequences): each data-parallel replica takes the same number of micro-batches of every PPO
     minibatch (`minibatch_plan`), computes their proximal log-probs and trains on them; the gradients and
     the loss denominator (the minibatch's global token count) are summed across replicas."""
-    batch = as_columns(batch)
+    lay = TrainBatch.of(batch)
+    batch = lay.columns
     dp_rank, dp_size = engine.data_parallel
-    lengths, group_ids = sequence_lengths(batch)
+    lengths, group_ids = lay.lengths, lay.group_ids
     minibatches = minibatch_plan(lengths, group_ids, cfg, dp_size)[dp_rank]
     mine_ids = [i for mbs in minibatches for ids in mbs for i in ids]
-    lay = _layout(batch, lengths, group_ids)
-    missing = [i for i in (range(len(lengths)) if cfg.kl_coef > 0 else mine_ids) if lay.seqs[i] is None]
+    missing = [i for i in (range(len(lengths)) if cfg.kl_coef > 0 else mine_ids) if not lay.carried[i]]
     if missing:
         raise ValueError(f"train_share: data-parallel rank {dp_rank} was not sent the tokens of sequences "
                          f"{missing[:8]} (of {len(missing)}) it needs")
-    seqs, starts = lay.seqs, lay.starts
     mask = lay.loss_mask.bool()
     behav = lay.behav
+    # Loss tokens per sequence: the running count of the mask at each sequence's end less at its start.
+    running = torch.zeros(mask.numel() + 1, dtype=torch.int64)
+    running[1:] = torch.cumsum(mask, 0)
+    mask_tokens = (running[lay.cu_seqlens[1:]] - running[lay.cu_seqlens[:-1]]).tolist()
     rewards = torch.tensor(batch.rewards, dtype=torch.float32)
     if cfg.overlong_buffer is not None:
         rewards = rewards + overlong_penalty(torch.tensor(batch.output_lens), cfg.max_new_tokens, cfg.overlong_buffer,
@@ -277,19 +197,13 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
         if ref_engine is None:
             raise TrainerConfigError("algo.kl_coef > 0 needs the reference engine (the frozen starting weights)")
         ref = torch.zeros_like(behav)
-        packed_logprobs(ref_engine, seqs, allocate_micro_batches(lengths, budget), ref, starts, cfg.temperature)
+        packed_logprobs(ref_engine, lay, allocate_micro_batches(lengths, budget), ref, cfg.temperature)
         kl_reward = -cfg.kl_coef * float(kl_penalty(behav[mask], ref[mask], cfg.kl_estimator).mean())
     adv = compute_advantages(rewards, torch.tensor(group_ids), mask, cu_seqlens=lay.cu_seqlens,
                              group_norm=cfg.group_norm, group_std=cfg.group_std, adv_norm=cfg.adv_norm,
                              baseline=cfg.baseline, std_level=cfg.std_level,
                              logp=behav, logp_ref=ref,
                              kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator).advantages
-
-    def tokens_of(ids: list[int]) -> torch.Tensor:
-        sel = torch.zeros(behav.numel(), dtype=torch.bool)
-        for i in ids:
-            sel[starts[i]:starts[i] + lengths[i]] = True
-        return sel
 
     # Proximal log-probs: the current weights before this step's updates, for this rank's sequences. Routing
     # replay (mixture-of-experts models; verl's and slime's R2/R3): r3 replays the rollout's routing in this
@@ -298,12 +212,12 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
     replay = lay.routes if cfg.routing_replay == "r3" else None
     if cfg.decoupled or cfg.routing_replay == "r2":
         computed = prox if cfg.decoupled else prox.clone()  # plain PPO keeps prox = behav; r2 still records
-        recorded = packed_logprobs(engine, seqs, [ids for mbs in minibatches for ids in mbs], computed, starts,
+        recorded = packed_logprobs(engine, lay, [ids for mbs in minibatches for ids in mbs], computed,
                                    cfg.temperature, routes=replay, record_routes=cfg.routing_replay == "r2")
         if cfg.routing_replay == "r2":
             replay = recorded
     logprobs_seconds = time.perf_counter() - t_logprobs
-    mine = tokens_of(mine_ids)
+    mine = lay.token_mask(mine_ids)
     current = (lay.versions == float(version)) & mask & mine  # sampled by exactly these weights
     gaps = (prox - behav).abs()[current]
     gap = float(gaps.max()) if gaps.numel() else 0.0
@@ -319,18 +233,15 @@ def train_share(engine: TrainEngine, batch: Batch | BatchTensors, cfg: StepConfi
     loss_shares: dict[int, float] = {}
     for mbs_ids in minibatches:
         ids_here = [i for ids in mbs_ids for i in ids]
-        sel = tokens_of(ids_here)
-        answers = sum(1 for i in ids_here if bool(mask[starts[i]:starts[i] + lengths[i]].any()))
+        sel = lay.token_mask(ids_here)
+        answers = sum(1 for i in ids_here if mask_tokens[i] > 0)
         local_tokens, n_answers = engine.data_parallel_sum([float(corrected.keep[sel].sum()), float(answers)])
         if local_tokens == 0:   # the same decision on every rank
             continue
         for i in ids_here:
-            loss_shares[i] = float(mask[starts[i]:starts[i] + lengths[i]].sum()) / local_tokens
+            loss_shares[i] = float(mask_tokens[i]) / local_tokens
         denominator = loss_denominator(cfg.agg_mode, local_tokens, n_answers, cfg.max_new_tokens)
-        mbs = [with_routes(PackedBatch.from_sequences([seqs[i] for i in ids],
-                                                      {k: [v[starts[i]:starts[i] + lengths[i]].tolist() for i in ids]
-                                                       for k, v in per_token.items()}), replay, ids, starts, seqs)
-               for ids in mbs_ids]
+        mbs = [lay.micro_batch(ids, per_token, routes=replay) for ids in mbs_ids]
         collected: list[PPOStats] = []
 
         def loss_fn(outputs: TokenLogProbs, mb: PackedBatch) -> tuple[torch.Tensor, dict[str, float]]:

@@ -101,7 +101,7 @@ def held_out_curve(run_dir: Path, summary: dict[str, Any], samples: list[float],
     """[samples trained, held-out greedy accuracy] at the start and at every kept checkpoint."""
     from actors.runtime.recovery import checkpoint_dir
     import topology
-    from tools.eval import evaluate_held_out
+    from actors.evaluator.harness import evaluate_held_out
 
     config = topology.load(ROOT / TOPOLOGY, [*extra, "experiment.eval.samples=0"]).topology.config
     test = str(ROOT / str(config.data.test))

@@ -226,8 +226,8 @@ def run_sft_control(async_run: dict[str, Any], extra: list[str], out: Path, log:
                     topology_path: str = TOPOLOGY) -> dict[str, Any]:
     """Continue the warm start's last supervised stage from the RL run's start checkpoint for its wall time."""
     import topology
-    from tools.eval import evaluate_held_out
-    from tools.prepare import cli_args
+    from actors.evaluator.harness import evaluate_held_out
+    from launch.prepare.stage import cli_args
 
     topo = topology.load(ROOT / topology_path, extra).topology
     prepare = topo.config.prepare

@@ -41,8 +41,8 @@ from actors.engines.moe import RoutingTrace
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss
 from actors.weight_sync import KeptVersions
 from actors.weight_sync.base import push_stream
-from tools.plan import memory as plan_memory
-from tools.plan.shapes import from_hf_config
+from launch.plan import memory as plan_memory
+from launch.plan.shapes import from_hf_config
 from transport.bulk import BulkLink, LinkConfig, pack_buckets
 from transport.ports import free_port
 

@@ -27,10 +27,11 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-import topology as topo_mod
-from tools.plan import report, setup, sim
+from launch.plan import report, sizing
+from launch.plan.shapes import ShapeError
+from tools.plan import setup, sim
 from tools.plan.costs import MeasuredCosts
-from tools.plan.shapes import ShapeError
+import topology as topo_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_COSTS = "docs/measurements/local-costs.json"
@@ -42,7 +43,7 @@ SWEEP_ETAS = (0, 1, 2, 4, 8, 16)
 SWEEP_SPLITS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
 
 
-def compare(found: setup.Setup, steps: int, trace: bool = False) -> dict[str, sim.Result]:
+def compare(found: sizing.Setup, steps: int, trace: bool = False) -> dict[str, sim.Result]:
     """The configured run, its synchronous twin on the same split, and the colocated synchronous baseline
     (``trace``: the configured run keeps its trace records, `sim.Result.records`)."""
     runs = {"async": dict(), SYNC: dict(eta=0), "sync (colocated, all GPUs)": dict(colocated=True)}
@@ -53,7 +54,7 @@ def compare(found: setup.Setup, steps: int, trace: bool = False) -> dict[str, si
     return out
 
 
-def compare_cpu(found: setup.Setup, steps: int, measured: MeasuredCosts,
+def compare_cpu(found: sizing.Setup, steps: int, measured: MeasuredCosts,
                 workloads: dict[str, dict[str, Any] | None], trace: bool = False) -> dict[str, sim.Result]:
     """The configured run and its synchronous twin on the same cores, from measured costs, each with its
     workload (`workloads["async"]`, `workloads["sync"]`). (No colocated row: there every actor gets both
@@ -91,7 +92,7 @@ def _fmt_against(cmp: dict[str, Any]) -> list[str]:
     return lines
 
 
-def sweep(found: setup.Setup, steps: int, seeds: int = 1, progress: bool = False,
+def sweep(found: sizing.Setup, steps: int, seeds: int = 1, progress: bool = False,
           splits: Sequence[float] | None = None, etas: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """Throughput at each split (share of GPUs generating, in whole servers) and eta: the mean over `seeds`
     seeds, with its min and max, and how settled each run's measured steps were (the widest spread of a
@@ -222,11 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         plan = topo_mod.load(args.topology, args.overrides, check_imports=False)
-        found = setup.read(plan)
+        found = sizing.read(plan)
     except (topo_mod.TopologyError, ShapeError, ValueError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    groups = setup.group_memory(found)
+    groups = sizing.group_memory(found)
     out: dict[str, Any] = {"topology": plan.topology.source, "model": found.shape.name if found.shape else None,
                            "gpu": found.gpu.name, "memory": [
                                {"group": m.group, "fits": m.fits, "total_gb": m.total / 1e9, "capacity_gb": m.capacity / 1e9,
@@ -240,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = compare(found, args.steps, trace=bool(args.trace))
         out["simulation"] = {k: r.summary() for k, r in results.items()}
         text += ["", f"simulation ({args.steps} steps each, the first is warm-up)", *_fmt_results(results)]
-    elif setup.on_cpus(found) and found.of_kind("trainer") and found.of_kind("rollout"):
+    elif sizing.on_cpus(found) and found.of_kind("trainer") and found.of_kind("rollout"):
         try:
             measured, workloads, e2e_path, e2e = _cpu_inputs(args, plan.topology.name)
         except (OSError, ValueError, KeyError) as exc:
@@ -248,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         args.steps = args.steps or int((e2e or {}).get("steps") or 40)
         results = compare_cpu(found, args.steps, measured, workloads, trace=bool(args.trace))
-        devices, engines = setup.cpu_servers(found.of_kind("rollout")[0])
+        devices, engines = sizing.cpu_servers(found.of_kind("rollout")[0])
         out["costs"], out["workloads"] = measured.source, workloads
         out["simulation"] = {k: r.summary() for k, r in results.items()}
         text += ["", f"simulation on CPUs ({args.steps} steps each, the first is warm-up), costs {measured.source}; "
@@ -265,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif not problems:
         text += ["", "simulation: no trainer and rollout group in this topology, nothing to simulate"]
     rows: list[dict[str, Any]] = []
-    if args.sweep and results and not setup.on_cpus(found):   # the split of a CPU topology is its cores
+    if args.sweep and results and not sizing.on_cpus(found):   # the split of a CPU topology is its cores
         rows = sweep(found, args.steps, args.seeds, progress=True)
         best = max(rows, key=lambda r: r["throughput"])
         out["sweep"], out["best"] = rows, best

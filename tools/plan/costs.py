@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from algo.packing import allocate_micro_batches
-from tools.plan import hardware
-from tools.plan.shapes import ModelShape
+from launch.plan import hardware
+from launch.plan.shapes import ModelShape
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,10 @@
-"""`python -m tools.plan.microbench`: the published decode microbenchmark's fit (tools/plan/decode_fit.py) and
+"""`python -m tools.plan.microbench`: the published decode microbenchmark's fit (launch/plan/decode_fit.py) and
 the cost model's predictions of its long-prompt rows, which are not fitted (a check of the model)."""
 from __future__ import annotations
 
-from tools.plan import costs, hardware
-from tools.plan.decode_fit import CHECK_ROWS, FIT_ROWS, OUTPUT_TOKENS, QWEN25, SOURCE, TP_ROW, fit
+from launch.plan import hardware
+from launch.plan.decode_fit import CHECK_ROWS, FIT_ROWS, OUTPUT_TOKENS, QWEN25, SOURCE, TP_ROW, fit
+from tools.plan import costs
 
 
 def check_rows() -> list[dict[str, float | int | str]]:

@@ -46,8 +46,9 @@ from typing import Any
 import numpy as np
 
 from actors.buffer.state import BufferState
-from tools.plan import hardware, setup, sim
-from tools.plan.shapes import BUILTIN
+from launch.plan import hardware, sizing
+from launch.plan.shapes import BUILTIN
+from tools.plan import setup, sim
 from topology.experiment import ExperimentConfig
 from topology.settings import RolloutSettings, TrainerSettings
 
@@ -108,8 +109,8 @@ class AReaLDispatch(BufferState):
 def cluster(model: str, nodes: int, group_size: int, *, batch: int = 512, max_new: int = MAX_NEW_TOKENS,
             lay: Layout | None = None, rollout_share: float | None = None, eta: int = 4,
             gpus_per_node: int = 8, gpu: str = "H800", micro_batch_tokens: int = MICRO_BATCH_TOKENS,
-            recompute: str = "full", kl_coef: float = 0.0, buffer: dict[str, Any] | None = None) -> setup.Setup:
-    """A Setup like the one `setup.read` makes from a topology, for AReaL's allocation of `model` on `nodes`
+            recompute: str = "full", kl_coef: float = 0.0, buffer: dict[str, Any] | None = None) -> sizing.Setup:
+    """A Setup like the one `sizing.read` makes from a topology, for AReaL's allocation of `model` on `nodes`
     (`rollout_share` moves the split in whole servers and whole trainer replicas); the keywords after
     `gpus_per_node` describe another system's run (`moe_rows`)."""
     lay = lay or LAYOUTS[model]
@@ -131,14 +132,14 @@ def cluster(model: str, nodes: int, group_size: int, *, batch: int = 512, max_ne
                "instance": {"parallel": {"tp": lay.tp, "pp": lay.pp, "dp": train // unit, "ep": lay.ep}}}
     rollout = {**experiment, "engine": "sglang", "sglang": {"mem_fraction_static": 0.8},
                "instance": {"parallel": {"tp": lay.server_tp}}}
-    groups = [setup.Group("rollout", "rollout", servers, lay.server_tp, RolloutSettings.model_validate(rollout),
+    groups = [sizing.Group("rollout", "rollout", servers, lay.server_tp, RolloutSettings.model_validate(rollout),
                           "cuda"),
-              setup.Group("trainer", "trainer", train, 1, TrainerSettings.model_validate(trainer), "cuda")]
-    return setup.Setup(BUILTIN[model], hardware.GPUS[gpu], gpus_per_node, groups,
+              sizing.Group("trainer", "trainer", train, 1, TrainerSettings.model_validate(trainer), "cuda")]
+    return sizing.Setup(BUILTIN[model], hardware.GPUS[gpu], gpus_per_node, groups,
                        ExperimentConfig.model_validate(experiment), reward_actors=nodes)
 
 
-def run(found: setup.Setup, *, eta: int, steps: int, seeds: int, rules: type[BufferState] = AReaLDispatch,
+def run(found: sizing.Setup, *, eta: int, steps: int, seeds: int, rules: type[BufferState] = AReaLDispatch,
         rollout_gpus: int | None = None, **fields: Any) -> dict[str, Any]:
     """`seeds` simulations of `steps` steps (the first is warm-up); mean and spread of the figures. `fields`
     replace the simulation's (SimConfig) fields, e.g. another system's answer lengths."""
@@ -164,7 +165,7 @@ def tutorial_rows(steps: int, seeds: int, models: tuple[str, ...] = tuple(LAYOUT
     out = []
     for model, nodes, group_size, published in (r for r in TUTORIAL_STEPS if r[0] in models):
         found = cluster(model, nodes, group_size)
-        problems = [m.problem() for m in setup.group_memory(found) if not m.fits]
+        problems = [m.problem() for m in sizing.group_memory(found) if not m.fits]
         r = run(found, eta=0, steps=steps, seeds=seeds)
         ours = run(found, eta=0, steps=steps, seeds=1, rules=BufferState)
         out.append({"model": model, "nodes": nodes, "group_size": group_size, "published_s": published,
@@ -242,7 +243,7 @@ def moe_rows(steps: int, seeds: int) -> list[dict[str, Any]]:
                 prompt_tokens=prompt)
         out.append({"run": "NeMo-RL Qwen3-30B-A3B, 8-step off, 192 H100", "kl_coef": kl, **r,
                     "published_s": g["published_s"], "ratio": r["step_s"] / g["published_s"],
-                    "memory_problems": [m.problem() for m in setup.group_memory(found) if not m.fits]})
+                    "memory_problems": [m.problem() for m in sizing.group_memory(found) if not m.fits]})
     return out
 
 

@@ -38,11 +38,12 @@ from typing import Any
 import numpy as np
 
 from actors.buffer.state import BufferState
-from algo.serving import DecodePace
 from actors.param_server.push_policy import Form, Push, PushPolicy
-from tools.plan import costs, hardware
+from algo.serving import DecodePace
+from launch.plan import hardware
+from launch.plan.shapes import ModelShape, builtin_size
+from tools.plan import costs
 from tools.plan.engines import (Device, EmbeddedAdmission, Req, SGLangAdmission, sglang_max_running)
-from tools.plan.shapes import ModelShape, builtin_size
 from transport.protocol import Answers, RolloutWeights, Sample
 
 #: Answer lengths of AReaL's distilled reasoning models: the tutorial's 7B training log reports avg_seq_len

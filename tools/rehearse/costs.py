@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from tools.plan import costs, hardware
-from tools.plan.shapes import ModelShape
+from launch.plan import hardware
+from launch.plan.shapes import ModelShape
+from tools.plan import costs
 from tools.plan.sim import SimConfig
 
 __all__ = ["RehearsalCosts"]

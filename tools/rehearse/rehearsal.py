@@ -26,11 +26,12 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Sequence
 
-import topology as topo_mod
-from topology import Plan, TopologyError
+from launch.plan import sizing
 from tools.plan import setup, sim
 from tools.rehearse.costs import RehearsalCosts
 from tools.rehearse.trainer import COST_FILE
+import topology as topo_mod
+from topology import Plan, TopologyError
 
 FAULTS = ("none", "kill-node", "straggler", "no-server")
 EXIT_OK, EXIT_FAILED, EXIT_INVALID = 0, 1, 2
@@ -402,7 +403,7 @@ def make_assets(run_dir: Path, seed: int) -> Assets:
 
 def pick_base_port(plan_for: Any, tries: int = 20) -> tuple[int, Plan]:
     """A bus base port whose whole range is free here (several runs share this machine)."""
-    from actors.launch.report import busy_ports
+    from launch.report import busy_ports
 
     rng = random.Random(os.getpid() ^ time.time_ns())
     for _ in range(tries):
@@ -439,7 +440,7 @@ def rehearse(opts: Options) -> dict[str, Any]:
     max_new = full.topology.config.gen.max_new_tokens // k * k
     sim_overrides = list(opts.overrides) + simulated_overrides(layout, max_new)
     sim_plan = topo_mod.load(opts.topology, sim_overrides)
-    sim_cfg = setup.sim_config(setup.read(sim_plan), steps=opts.steps, seed=opts.seed)
+    sim_cfg = setup.sim_config(sizing.read(sim_plan), steps=opts.steps, seed=opts.seed)
     slow = {layout.rollouts - 1: 10.0} if opts.fault == "straggler" else {}
     never = (layout.rollouts - 1,) if opts.fault == "no-server" else ()
     costs = RehearsalCosts(sim_cfg, opts.time_scale, k, slow, never)
@@ -457,17 +458,16 @@ def rehearse(opts: Options) -> dict[str, Any]:
         return plan.with_hosts(hosts)
 
     _, plan = pick_base_port(plan_for)
-    from actors.launch.nodes import write_node_plans
-    from actors.launch.options import LaunchRequest
-    from actors.launch.readiness import supervisor_options
-    from actors.launch.rundir import build_specs, write_plan
-    from tools.up import HOOKS
+    from launch.nodes import write_node_plans
+    from launch.options import LaunchRequest
+    from launch.readiness import supervisor_options
+    from launch.rundir import build_specs, write_plan
 
     specs = build_specs(plan, run_dir)
     launch_overrides = list(opts.overrides) + launched_overrides(layout, sim_plan, costs, assets, run_dir,
                                                                   opts.steps, plan.topology.bus.base_port,
                                                                   opts.health_timeout_s)
-    write_plan(plan, run_dir, specs, launch_overrides, HOOKS)
+    write_plan(plan, run_dir, specs, launch_overrides)
     options = supervisor_options(plan, LaunchRequest())
     hosts = write_node_plans(plan, run_dir, specs, options)
     say(f"rehearsal of {opts.topology} at scale {Fraction(opts.scale).limit_denominator(1000)}: "

@@ -13,8 +13,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from actors.batch import as_columns, sequence_lengths
 from actors.trainer.metrics import step_metrics
-from actors.trainer.step import ShareResult, as_columns, sequence_lengths
+from actors.trainer.step import ShareResult
 from actors.trainer.actor import TrainerActor
 from algo.ppo import PPOStats
 from tools.rehearse.costs import RehearsalCosts

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from actors.launch.watchdog import ProgressWatchdog
+from launch.watchdog import ProgressWatchdog
 from actors.runtime.recovery import run_finished
 from topology.experiment import WatchdogSection
 from tools.trace import lineage, timeline

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.launch.watchdog import read_statuses
+from launch.watchdog import read_statuses
 from actors.runtime.spans import TRACE_DIR
 
 

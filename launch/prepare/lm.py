@@ -235,6 +235,3 @@ def batch_stream(n: int, batch_size: int, seed: int) -> Iterator[list[int]]:
         yield order[:batch_size]
         del order[:batch_size]
 
-
-# --- generation and grading: one implementation in actors/evaluator/evaluation.py (the evaluator actor uses them) --
-from actors.evaluator.evaluation import agenerate, answer_length, generate, grade_many, response_text  # noqa: E402,F401

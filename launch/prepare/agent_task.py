@@ -19,7 +19,7 @@ Records follow AReaL's JSON-lines layout, plus what the episode needs: ``query_i
 ``solutions`` (the transcript's text, observations included, ending in ``\\boxed{answer}``), ``level``,
 ``task`` ("math": the boxed answer is checked as any math answer), ``tool`` ("calculator": the environment,
 actors/envs) and ``transcripts``: per solution, its segments ``{"role": "model" | "env", "text": ...}``, model first and last, alternating; the warm start
-trains on the model's segments only (tools/sft.py). The output is a pure function of the arguments, and the
+trains on the model's segments only (launch/prepare/sft.py). The output is a pure function of the arguments, and the
 splits never share a product: a quarter of the pairs of two-digit factors (either order) is held out for
 the test split, so no test problem's product appears in a training problem of any level.
 """

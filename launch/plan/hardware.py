@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tools.plan import decode_fit
+from launch.plan import decode_fit
 
 GB = 1e9
 GIB = 1 << 30
@@ -27,7 +27,7 @@ class GPU:
 # HBM3; NVLink 900 GB/s; PCIe Gen5 128 GB/s (64 GB/s each way). The H800 SXM5 is the export variant with the
 # same SMs, HBM3 and PCIe and NVLink cut to 400 GB/s (NVIDIA H800 datasheet). H200: 141 GB HBM3e at 4.8 TB/s,
 # same compute (H200 datasheet). A100 80GB SXM (A100 datasheet): 312 TFLOPS bf16 dense, 2,039 GB/s HBM2e,
-# NVLink 600 GB/s, PCIe Gen4 64 GB/s; the decode microbenchmark (tools/plan/decode_fit.py) ran on it.
+# NVLink 600 GB/s, PCIe Gen4 64 GB/s; the decode microbenchmark (launch/plan/decode_fit.py) ran on it.
 GPUS: dict[str, GPU] = {
     "H100": GPU("H100", 80 * GB, 989.5e12, 3.35e12, 900 * GB, 64 * GB, "NVIDIA H100 SXM5 datasheet"),
     "H800": GPU("H800", 80 * GB, 989.5e12, 3.35e12, 400 * GB, 64 * GB, "NVIDIA H800 SXM5 datasheet"),
@@ -47,7 +47,7 @@ TRAIN_MFU = 0.41
 #: forward pass: the same utilisation. (tests/test_plan.py predicts the published long-prompt rows of the
 #: decode microbenchmark with it, prefill included: within 15 %.)
 PREFILL_MFU = TRAIN_MFU
-#: From the published decode microbenchmark (tools/plan/decode_fit.py: the Qwen2.5 speed benchmark, vLLM 0.6.3
+#: From the published decode microbenchmark (launch/plan/decode_fit.py: the Qwen2.5 speed benchmark, vLLM 0.6.3
 #: on A100, least squares over its one-token-prompt rows): the share of peak HBM bandwidth a decode step's
 #: weight reads reach, and its fixed cost per layer (launches, the small per-layer kernels, the engine's
 #: per-step work and sampling), and one tensor-parallel all-reduce of a decode step (its 72B row on 4 GPUs).

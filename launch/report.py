@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from actors.launch.options import ToolHooks
-from actors.launch.readiness import group_classes, ready_rules
-from actors.launch.slurm import slurm_resources
+from launch.readiness import group_classes, ready_rules
+from launch.slurm import slurm_resources
 from topology import Plan
 from topology.schema import SupervisorSection
 
@@ -51,7 +50,7 @@ def evaluation_notes(plan: Plan) -> list[str]:
     return lines
 
 
-def describe(plan: Plan, overrides: Sequence[str], hooks: ToolHooks, full: bool = False) -> str:
+def describe(plan: Plan, overrides: Sequence[str], full: bool = False) -> str:
     """The dry-run report: placement table, bus endpoints, links and per-node commands. Consecutive nodes that
     hold the same actors (the same groups, counts, GPUs and cores, instance numbers continuing) are shown once
     with their count; ``full`` lists every node."""
@@ -130,7 +129,9 @@ def describe(plan: Plan, overrides: Sequence[str], hooks: ToolHooks, full: bool 
     lines.append("")
     lines.extend(evaluation_notes(plan))
     lines.append("")
-    lines.extend(hooks.memory_report(plan))
+    from launch.plan.sizing import memory_report   # the actor classes it reads load torch: only when asked
+
+    lines.extend(memory_report(plan))
     lines.append("")
     lines.append("commands")
     if len(topo.nodes) == 1 and not topo.nodes_from_allocation:

@@ -1,8 +1,8 @@
 """Text tables of the planner's results (shared by `tools.plan` and `tools.up --dry-run`)."""
 from __future__ import annotations
 
-from tools.plan import hardware
-from tools.plan.memory import GroupMemory
+from launch.plan import hardware
+from launch.plan.memory import GroupMemory
 
 
 def gb(x: float) -> str:

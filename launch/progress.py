@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from actors.launch.report import table_lines
+from launch.report import table_lines
 from actors.runtime.base import actor_logger
 
 # The supervisor's events that the progress view shows already as an actor's state: they go to the launcher's

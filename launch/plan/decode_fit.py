@@ -27,7 +27,7 @@ import functools
 
 import numpy as np
 
-from tools.plan.shapes import ModelShape
+from launch.plan.shapes import ModelShape
 
 SOURCE = ("Qwen2.5 speed benchmark, vLLM 0.6.3 on A100 80GB (QwenLM/Qwen2.5 "
           "docs/source/benchmark/speed_benchmark.rst @ 010c37c)")

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tools.plan import hardware
-from tools.plan.shapes import ModelShape
+from launch.plan import hardware
+from launch.plan.shapes import ModelShape
 from topology.settings import RolloutSettings, TrainerSettings
 
 #: SGLang picks mem_fraction_static by a heuristic when it is not set; the planner then assumes this.

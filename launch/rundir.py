@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import topology as topo_mod
-from actors.launch.options import ToolHooks
-from actors.launch.readiness import settings_problems
-from actors.launch.report import describe
+from launch.readiness import settings_problems
+from launch.report import describe
 from actors.runtime.run import keep_files_private
 from topology import Plan
 from transport.ports import free_port
@@ -24,9 +23,9 @@ class RunDirError(OSError):
 
 
 def inputs_ok(plan: Plan) -> bool:
-    """Check what the run's actors will read (actors/launch/inputs.py) before any starts: print the report,
+    """Check what the run's actors will read (launch/inputs.py) before any starts: print the report,
     and each problem on a line of its own; False when there is one."""
-    from actors.launch.inputs import check_inputs   # it loads torch (model directories): only when checking
+    from launch.inputs import check_inputs   # it loads torch (model directories): only when checking
 
     lines, problems = check_inputs(plan, launch=True)
     if lines:
@@ -154,9 +153,8 @@ def recorded_ipc_dir(run_dir: Path) -> Path | None:
     return None
 
 
-def write_plan(plan: Plan, run_dir: Path, specs: list[dict[str, Any]], overrides: Sequence[str],
-               hooks: ToolHooks) -> None:
-    (run_dir / "plan.txt").write_text(describe(plan, overrides, hooks) + "\n")
+def write_plan(plan: Plan, run_dir: Path, specs: list[dict[str, Any]], overrides: Sequence[str]) -> None:
+    (run_dir / "plan.txt").write_text(describe(plan, overrides) + "\n")
     (run_dir / "plan.json").write_text(json.dumps({
         "topology": plan.topology.source, "overrides": list(overrides), "document": plan.topology.document,
         "experiment": plan.topology.experiment, "specs": specs}, indent=1, default=str))

@@ -7,8 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from actors.launch.options import ToolHooks
-from actors.launch.report import table_lines
+from launch.report import table_lines
 from topology import Plan
 from topology.experiment import ExperimentConfig
 
@@ -51,12 +50,13 @@ def versions(numbers: list[int]) -> str:
     return ("version " if len(numbers) == 1 else "versions ") + ", ".join(map(str, numbers))
 
 
-def final_evaluation(config: ExperimentConfig, run_dir: Path, hooks: ToolHooks) -> dict[str, Any] | None:
+def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] | None:
     """Greedy held-out accuracy of the model the run started from and of its last checkpoint, side by
-    side, per level (``hooks.evaluate_held_out``); written to RUN_DIR/summary.json and RUN_DIR/eval.jsonl
+    side, per level (`actors.evaluator.harness.evaluate_held_out`); written to RUN_DIR/summary.json and RUN_DIR/eval.jsonl
     (read by tools.plot)."""
     from actors.dataset import resolve_data_path
     from actors.engines.checkpoint import has_weights
+    from actors.evaluator.harness import evaluate_held_out
     from actors.runtime.recovery import latest_checkpoint
     from actors.trainer.metrics import trained_history
 
@@ -69,7 +69,7 @@ def final_evaluation(config: ExperimentConfig, run_dir: Path, hooks: ToolHooks) 
         return None
     step, ckpt = found
     models = {"start": config.model.path, "final": str(ckpt / "model")}
-    reports = {name: hooks.evaluate_held_out(path, config) for name, path in models.items()
+    reports = {name: evaluate_held_out(path, config) for name, path in models.items()
                if path and has_weights(path)}
     metrics = trained_history([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
                               if (run_dir / "metrics.jsonl").exists() else [])

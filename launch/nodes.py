@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import topology as topo_mod
-from actors.launch.local import progress_watchdog, supervise, trains_steps
-from actors.launch.options import EXIT_FAILED, EXIT_INVALID, EXIT_OK, LaunchRequest, ToolHooks
-from actors.launch.progress import ProgressView, summary
-from actors.launch.readiness import node_supervisor_options, quorum_problem, ready_rules, supervisor_options
-from actors.launch.report import evaluation_notes, insecure_bus_warning
-from actors.launch.rundir import build_specs, checked_run_dir, write_plan
-from actors.launch.slurm import allocation_hosts, allocation_shortfall, read_allocation, slurm_resources
+from launch.local import progress_watchdog, supervise, trains_steps
+from launch.options import EXIT_FAILED, EXIT_INVALID, EXIT_OK, LaunchRequest
+from launch.progress import ProgressView, summary
+from launch.readiness import node_supervisor_options, quorum_problem, ready_rules, supervisor_options
+from launch.report import evaluation_notes, insecure_bus_warning
+from launch.rundir import build_specs, checked_run_dir, write_plan
+from launch.slurm import allocation_hosts, allocation_shortfall, read_allocation, slurm_resources
 from actors.runtime.recovery import run_finished
 from actors.runtime.run import keep_files_private
 from topology import Plan, TopologyError
@@ -83,7 +83,7 @@ def submit_sbatch(plan: Plan, request: LaunchRequest) -> int:
     return EXIT_OK
 
 
-def run_slurm(plan: Plan, request: LaunchRequest, hooks: ToolHooks) -> int:
+def run_slurm(plan: Plan, request: LaunchRequest) -> int:
     """Inside an allocation: one node agent per node through srun; each runs its node's actors under the
     Supervisor. The run directory must be on a file system every node sees (it holds the plans, and the
     actors' status files the progress watchdog reads here)."""
@@ -104,7 +104,7 @@ def run_slurm(plan: Plan, request: LaunchRequest, hooks: ToolHooks) -> int:
     if (run_dir := checked_run_dir(plan, request.run_dir)) is None:
         return EXIT_INVALID
     specs = build_specs(plan, run_dir, record=request.record)
-    write_plan(plan, run_dir, specs, request.overrides, hooks)
+    write_plan(plan, run_dir, specs, request.overrides)
     options = supervisor_options(plan, request)
     hosts = write_node_plans(plan, run_dir, specs, options)
     rules = ready_rules(plan, options["ready_timeout"])

@@ -10,7 +10,7 @@ import importlib
 import math
 from typing import Any
 
-from actors.launch.options import LaunchRequest
+from launch.options import LaunchRequest
 from topology import Plan
 from topology.schema import SupervisorSection
 from topology.settings import read_settings

@@ -11,13 +11,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from actors.launch.evaluation import catch_up_evaluations, evaluates_during_run, final_evaluation
-from actors.launch.options import EXIT_FAILED, EXIT_INVALID, EXIT_OK, LaunchRequest, PrepareRefused, ToolHooks
-from actors.launch.progress import ProgressView, TrainingProgress, child_rows, launcher_logger, summary
-from actors.launch.readiness import supervisor_options
-from actors.launch.report import busy_ports, evaluation_notes, insecure_bus_warning
-from actors.launch.rundir import build_specs, checked_run_dir, recorded_ipc_dir, write_plan
-from actors.launch.watchdog import ProgressWatchdog
+from launch.evaluation import catch_up_evaluations, evaluates_during_run, final_evaluation
+from launch.options import EXIT_FAILED, EXIT_INVALID, EXIT_OK, LaunchRequest
+from launch.progress import ProgressView, TrainingProgress, child_rows, launcher_logger, summary
+from launch.readiness import supervisor_options
+from launch.report import busy_ports, evaluation_notes, insecure_bus_warning
+from launch.rundir import build_specs, checked_run_dir, recorded_ipc_dir, write_plan
+from launch.watchdog import ProgressWatchdog
 from actors.runtime.base import ActorSpec
 from actors.runtime.recovery import run_finished
 from actors.runtime.supervisor import NotReadyError, Supervisor, SupervisorError
@@ -46,7 +46,7 @@ def use_trainer_threads(plan: Plan) -> int | None:
 
 
 def progress_watchdog(plan: Plan, run_dir: Path) -> ProgressWatchdog:
-    """The run's progress watchdog (actors/launch/watchdog.py), set by the experiment's run.watchdog."""
+    """The run's progress watchdog (launch/watchdog.py), set by the experiment's run.watchdog."""
     return ProgressWatchdog(run_dir, plan.topology.config.run.watchdog)
 
 
@@ -57,7 +57,7 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
                     finished: Callable[[], bool] | None = None, log_name: str = "launcher",
                     given_up_fails: bool = True) -> int:
     """Start actors under the Supervisor, show progress, stop on Ctrl-C/SIGTERM, on ``duration``, when
-    ``stop_file`` appears (a multi-node launcher's stop request), when ``watchdog`` (actors/launch/watchdog.py)
+    ``stop_file`` appears (a multi-node launcher's stop request), when ``watchdog`` (launch/watchdog.py)
     finds the run stalled, or when every actor has finished by itself; print a summary. Returns the exit
     status: a stall fails the run, and a signal before ``finished()`` (the run's last step) exits 128 + its
     number. The supervisor's events go to RUN_DIR/logs/<log_name>.jsonl; with ``given_up_fails``, a run that
@@ -155,23 +155,25 @@ async def supervise(specs: list[dict[str, Any]], run_dir: Path, options: dict[st
     return code
 
 
-def run_local(plan: Plan, request: LaunchRequest, hooks: ToolHooks) -> int:
+def run_local(plan: Plan, request: LaunchRequest) -> int:
     """Every actor on this machine under one Supervisor."""
     if problems := busy_ports(plan):
         print(f"{plan.topology.source}: {len(problems)} problem(s)\n  " + "\n  ".join(problems), file=sys.stderr)
         return EXIT_INVALID
+    from launch.prepare.stage import PrepareError, prepared   # it loads torch (model directories): only when launching
+
     use_trainer_threads(plan)
     try:
         # the run's plan is the one built from the prepared document (model.path at the warm start it made)
-        plan = hooks.prepare(plan)
-    except (PrepareRefused, TopologyError) as exc:
+        plan = prepared(plan)
+    except (PrepareError, TopologyError) as exc:
         print(str(exc), file=sys.stderr)
         return EXIT_INVALID
     config = plan.topology.config
     if (run_dir := checked_run_dir(plan, request.run_dir)) is None:
         return EXIT_INVALID
     specs = build_specs(plan, run_dir, record=request.record)
-    write_plan(plan, run_dir, specs, request.overrides, hooks)
+    write_plan(plan, run_dir, specs, request.overrides)
     print(f"run {plan.topology.name}: {len(specs)} actor(s), run directory {run_dir}", flush=True)
     if warning := insecure_bus_warning(plan):
         print(warning, flush=True)
@@ -190,5 +192,5 @@ def run_local(plan: Plan, request: LaunchRequest, hooks: ToolHooks) -> int:
     if code == EXIT_OK and config.eval.every_versions > 0 and evaluates_during_run(plan):
         catch_up_evaluations(config, run_dir)
     if code == EXIT_OK and config.run.final_eval:
-        final_evaluation(config, run_dir, hooks)
+        final_evaluation(config, run_dir)
     return code
