@@ -164,7 +164,7 @@ AGENT = "actors.rollout.settings.agent"
 ])
 def test_the_dry_run_refuses_an_agent_the_rollout_could_not_run(overrides, problem):
     import topology
-    from actors.launch.readiness import settings_problems
+    from launch.readiness import settings_problems
 
     plan = topology.load("topology/local.yaml", overrides, check_imports=False)
     assert settings_problems(plan) == [problem]
@@ -179,7 +179,7 @@ def test_the_dry_run_refuses_an_agent_the_rollout_could_not_run(overrides, probl
 ])
 def test_the_shipped_agents_pass_the_dry_runs_check(overrides):
     import topology
-    from actors.launch.readiness import settings_problems
+    from launch.readiness import settings_problems
 
     assert settings_problems(topology.load("topology/local.yaml", overrides, check_imports=False)) == []
 

@@ -179,7 +179,6 @@ ACTOR_PARTS = {
     "param_server": {"runtime", "weight_sync"},
     "rollout": {"batch", "engines", "reward", "runtime", "weight_sync", "weights"},
     "evaluator": {"dataset", "engines", "reward", "rollout", "runtime", "weights"},
-    "launch": {"dataset", "engines", "evaluator", "runtime", "trainer"},
 }
 
 
