@@ -1,0 +1,189 @@
+"""LoRA: the settings refused before launch, the adapters on the torch trainer (base frozen, optimizer state
+for the adapters only), adapter-only weight versions merged by the generation engine at a step boundary
+(replacing, never stacking), checkpoints that hold the adapter and resume it."""
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from actors.engines.base import GenerationRequest, PackedBatch, SamplingParams
+from actors.engines.checkpoint import CheckpointError, hf_state_dict, load_model
+from actors.engines.lora import (LoraSpec, adapter_problem, adapter_state, add_lora, is_adapter_name, lora_problem,
+                                 merged_weights, read_adapter)
+from actors.engines.torch_gen import TorchGenerationEngine
+from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss
+from actors.weights import weights_hash
+from testsupport.bounded import run_bounded
+from testsupport.tiny_models import random_sequences, tiny_config, tiny_model, tiny_model_dir
+
+run = functools.partial(run_bounded, timeout=60.0)
+SPEC = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+
+
+def batches(vocab: int = 97, seed: int = 1) -> list[PackedBatch]:
+    return [PackedBatch.from_sequences(random_sequences(4, 6, 16, vocab, seed=seed))]
+
+
+def trained(spec: LoraSpec = SPEC, steps: int = 3, **kwargs) -> TorchTrainEngine:
+    engine = TorchTrainEngine(config=TrainConfig(lr=1e-2), model=tiny_model(seed=0), lora=spec, **kwargs)
+    for _ in range(steps):
+        engine.train_step(batches(), token_nll_loss)
+    return engine
+
+
+def test_settings_that_fit_no_layer_are_refused_with_one_line():
+    config = tiny_config()
+    assert lora_problem(config, SPEC) is None
+    nothing = lora_problem(config, LoraSpec(4, 8.0, target_modules=("query_key_value",)))
+    assert nothing.startswith("model.lora.target_modules: ['query_key_value'] match no linear layer of Qwen2ForCausalLM")
+    assert "q_proj" in nothing and "\n" not in nothing
+    too_big = lora_problem(config, LoraSpec(33, 8.0, target_modules=("k_proj",)))   # k_proj: 64 in, 32 out
+    assert too_big == ("model.lora.rank: 33 exceeds layer model.layers.0.self_attn.k_proj (64 in, 32 out): at most 32")
+    partly = lora_problem(config, LoraSpec(4, 8.0, target_modules=("q_proj", "qproj")))
+    assert partly == "model.lora.target_modules: ['qproj'] match no linear layer of Qwen2ForCausalLM"
+
+
+def test_trainer_freezes_the_base_and_keeps_optimizer_state_for_adapters_only():
+    base = hf_state_dict(tiny_model(seed=0))
+    engine = TorchTrainEngine(config=TrainConfig(lr=1e-2), model=tiny_model(seed=0), lora=SPEC)
+    first = engine.train_step(batches(), token_nll_loss)["loss"]
+    for _ in range(4):
+        last = engine.train_step(batches(), token_nll_loss)["loss"]
+    assert last < first
+    trainable = {n for n, p in engine.model.named_parameters() if p.requires_grad}
+    assert trainable and all(is_adapter_name(n) for n in trainable)
+    assert len(trainable) == 2 * 3 * 2   # A and B of 3 targets in 2 layers
+    state = engine.optimizer.state_dict()["state"]
+    assert len(state) == len(trainable)   # AdamW moments for the adapters, none for the frozen base
+    for name, tensor in base.items():    # the base did not move
+        assert torch.equal(dict(engine.model.named_parameters())[name].detach(), tensor), name
+    exported = [name for bucket in engine.export_weights(1 << 12) for name, _ in bucket]
+    assert sorted(exported) == sorted(trainable)
+
+
+def test_engine_merges_each_adapter_into_the_kept_base_at_a_step_boundary():
+    trainer = trained()
+    first = list(trainer.export_weights(1 << 12))
+    second_trainer = trained(steps=6)
+    second = list(second_trainer.export_weights(1 << 12))
+    prompts = random_sequences(3, 4, 10, 97, seed=3)
+    reference = torch.tensor(prompts[0])[None]
+
+    async def main():
+        engine = TorchGenerationEngine(model=tiny_model(seed=0), lora=SPEC)
+        await engine.start()
+        try:
+            await engine.update_weights(1, iter(first))
+            assert engine.version == 1
+            with torch.no_grad():
+                got = engine.model(reference)
+                want = trainer.model.eval()(reference)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            digest, how = await engine.verify_weights(1)
+            assert how == "hash" and digest == weights_hash(kv for b in first for kv in b)
+            # a second adapter replaces the first: equal to the second trainer's model, not to both added
+            await engine.update_weights(2, iter(second))
+            with torch.no_grad():
+                torch.testing.assert_close(engine.model(reference), second_trainer.model.eval()(reference),
+                                           rtol=1e-4, atol=1e-4)
+            # all or nothing: an adapter missing a module is refused and the engine keeps version 2
+            partial = [[(n, t) for n, t in b if ".0.self_attn.q_proj." not in n] for b in second]
+            with pytest.raises(CheckpointError, match="covers other layers than the targets"):
+                await engine.update_weights(3, iter(partial))
+            assert engine.version == 2
+            # generation goes on and every token carries the version it was sampled under
+            results = await engine.generate(GenerationRequest("r", prompts[1], SamplingParams(max_new_tokens=5,
+                                                                                               temperature=0.0)))
+            assert set(results[0].versions) == {2}
+        finally:
+            await engine.stop()
+
+    run(main())
+
+
+def test_engine_without_lora_refuses_adapter_tensors():
+    buckets = list(trained(steps=1).export_weights(1 << 12))
+
+    async def main():
+        engine = TorchGenerationEngine(model=tiny_model(seed=0))
+        await engine.start()
+        try:
+            with pytest.raises(CheckpointError, match="unexpected tensor"):
+                await engine.update_weights(1, iter(buckets))
+        finally:
+            await engine.stop()
+
+    run(main())
+
+
+def test_checkpoint_holds_adapter_and_optimizer_and_resumes(tmp_path):
+    base_dir = str(tiny_model_dir(tmp_path / "base"))
+    engine = TorchTrainEngine(base_dir, TrainConfig(lr=1e-2), lora=SPEC)
+    for _ in range(2):
+        engine.train_step(batches(14), token_nll_loss)
+    ckpt = tmp_path / "ckpt"
+    engine.save(str(ckpt))
+    assert not (ckpt / "model.safetensors").exists()   # the base stays at base_dir
+    assert json.loads((ckpt / "lora_base.json").read_text())["base_model"] == base_dir
+    resumed = TorchTrainEngine(str(ckpt), TrainConfig(lr=1e-2), lora=SPEC, version=2)
+    resumed.load(str(ckpt))
+    assert resumed.step == engine.step
+    for name, tensor in adapter_state(engine.model).items():
+        assert torch.equal(adapter_state(resumed.model)[name], tensor)
+    # both continue identically: the optimizer state came back too
+    a = engine.train_step(batches(14, seed=5), token_nll_loss)["loss"]
+    b = resumed.train_step(batches(14, seed=5), token_nll_loss)["loss"]
+    assert a == pytest.approx(b, rel=1e-6)
+    # a restarted rollout gets the base and the checkpoint's adapter
+    reference = torch.tensor(random_sequences(1, 6, 7, 14, seed=2)[0])[None]
+
+    async def main():
+        gen = TorchGenerationEngine(str(ckpt), lora=SPEC)
+        await gen.start()
+        try:
+            with torch.no_grad():
+                torch.testing.assert_close(gen.model(reference), resumed_logits, rtol=1e-4, atol=1e-4)
+            digest, _ = await gen.verify_weights(2)
+            assert digest == weights_hash(read_adapter(str(ckpt))[1].items())
+        finally:
+            await gen.stop()
+
+    again = TorchTrainEngine(str(ckpt), TrainConfig(lr=1e-2), lora=SPEC, version=2)
+    again.load(str(ckpt))
+    with torch.no_grad():
+        resumed_logits = again.model.eval()(reference)
+    run(main())
+
+
+def test_adapter_of_another_base_model_is_refused(tmp_path):
+    base_dir = str(tiny_model_dir(tmp_path / "base"))
+    engine = TorchTrainEngine(base_dir, TrainConfig(), lora=SPEC)
+    engine.save(str(tmp_path / "ckpt"))
+    assert adapter_problem(str(tmp_path / "ckpt"), load_model(base_dir).config, SPEC) is None
+    other = tiny_config(hidden_size=32, intermediate_size=64)
+    problem = adapter_problem(str(tmp_path / "ckpt"), other, SPEC)
+    assert problem.startswith(f"{tmp_path / 'ckpt'}: the adapter belongs to another base model ({base_dir}")
+    with pytest.raises(CheckpointError, match="asks for rank 8"):
+        TorchTrainEngine(base_dir, TrainConfig(), lora=LoraSpec(8, 8.0, target_modules=SPEC.target_modules),
+                         start_adapter=str(tmp_path / "ckpt"))
+
+
+def test_merge_equals_the_adapted_forward():
+    model = tiny_model(seed=0)
+    add_lora(model, SPEC, seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B.weight"):
+                p.copy_(torch.randn(p.shape) * 0.1)
+    x = torch.tensor(random_sequences(1, 8, 9, 97, seed=4)[0])[None]
+    base = {n + ".weight": dict(model.named_parameters())[n + ".weight"].detach() for n in
+            {n.rsplit(".", 2)[0] for n in adapter_state(model)}}
+    plain = tiny_model(seed=0)
+    params = dict(plain.named_parameters())
+    with torch.no_grad():
+        for name, tensor in merged_weights(base, adapter_state(model), SPEC.scaling).items():
+            params[name].copy_(tensor)
+        torch.testing.assert_close(plain(x), model.eval()(x), rtol=1e-4, atol=1e-4)
