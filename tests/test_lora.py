@@ -187,3 +187,38 @@ def test_merge_equals_the_adapted_forward():
         for name, tensor in merged_weights(base, adapter_state(model), SPEC.scaling).items():
             params[name].copy_(tensor)
         torch.testing.assert_close(plain(x), model.eval()(x), rtol=1e-4, atol=1e-4)
+
+
+def test_planner_memory_counts_adapters_not_the_frozen_base():
+    from tools.plan.memory import TrainerLayout, lora_params, trainer_terms
+    from tools.plan.shapes import BUILTIN
+
+    shape = BUILTIN["7B"]
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    # per layer: q (3584 + 3584), k and v (3584 + 512 each), o (3584 + 3584), times rank 16, over 28 layers
+    assert lora_params(shape, 16, targets) == 28 * 16 * (4 * 3584 + 2 * (3584 + 512))
+    full = trainer_terms(shape, TrainerLayout())
+    lora = trainer_terms(shape, TrainerLayout(lora_rank=16, lora_targets=targets))
+    adapters = lora_params(shape, 16, targets)
+    assert lora["optimizer"] == adapters * 8 and lora["gradients"] == adapters * 4
+    assert lora["weights"] == full["weights"] and lora["activations"] == full["activations"]
+    assert sum(lora.values()) < sum(full.values()) - 0.9 * (full["optimizer"] + full["gradients"])
+
+
+def test_launch_check_refuses_lora_that_fits_nothing(tmp_path):
+    from actors.launch.inputs import _check_lora
+    from topology.experiment import ExperimentConfig
+
+    config = ExperimentConfig.model_validate({"model": {"path": "m", "lora": {"rank": 4, "target_modules": ["qkv"]}}})
+    problems: list[str] = []
+    _check_lora(config, tiny_config(), set(), problems)
+    assert problems == ["experiment.model.lora.target_modules: ['qkv'] match no linear layer of Qwen2ForCausalLM "
+                        "(its linear layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj)"]
+    base_dir = str(tiny_model_dir(tmp_path / "base"))
+    TorchTrainEngine(base_dir, TrainConfig(), lora=SPEC).save(str(tmp_path / "adapter"))
+    config = ExperimentConfig.model_validate({"model": {"path": "m", "lora": {
+        "rank": 4, "alpha": 8.0, "target_modules": list(SPEC.target_modules), "adapter": str(tmp_path / "adapter")}}})
+    problems = []
+    _check_lora(config, tiny_config(hidden_size=32, intermediate_size=64), {"sglang"}, problems)
+    assert len(problems) == 2 and "the sglang engine here trains and serves full weights only" in problems[0]
+    assert problems[1].startswith("experiment.model.lora.adapter: ") and "belongs to another base model" in problems[1]

@@ -148,7 +148,12 @@ def check_checkpoint(model_dir: str) -> Qwen2Config:
 
 def load_model(model_dir: str, dtype: torch.dtype | str | None = None,
                device: torch.device | str = "cpu") -> Qwen2ForCausalLM:
-    """Build the model from config.json and load its safetensors weights (single file or shards)."""
+    """Build the model from config.json and load its safetensors weights (single file or shards); a LoRA
+    checkpoint directory gives its base with its adapter merged (lora.py)."""
+    if os.path.exists(os.path.join(model_dir, "adapter_config.json")):
+        from .lora import load_merged   # lora.py builds on this module
+
+        return load_merged(model_dir, dtype, device)
     config = load_config(model_dir)
     if dtype is None:
         dtype = torch.float32

@@ -285,6 +285,22 @@ def resolve_start(model_dir: str, start_adapter: str | None = None) -> tuple[str
     return base, model_dir
 
 
+def load_merged(model_dir: str, dtype: torch.dtype | str | None = None,
+                device: torch.device | str = "cpu") -> Qwen2ForCausalLM:
+    """The base a LoRA checkpoint directory names, with its adapter merged in: a plain model to evaluate."""
+    from .checkpoint import load_model
+
+    base_dir, adapter_dir = resolve_start(model_dir)
+    model = load_model(base_dir, dtype, device)
+    spec, tensors, _ = read_adapter(adapter_dir)
+    params = dict(model.named_parameters())
+    base = {module_of(n) + ".weight": params[module_of(n) + ".weight"].detach() for n in tensors}
+    with torch.no_grad():
+        for name, tensor in merged_weights(base, tensors, spec.scaling).items():
+            params[name].copy_(tensor)
+    return model
+
+
 def start_tensors(model_dir: str, start_adapter: str | None = None) -> list[tuple[str, torch.Tensor]] | None:
     """The adapter tensors a LoRA run at ``model_dir`` starts from (None: it starts from the base alone)."""
     _, adapter = resolve_start(model_dir, start_adapter)
