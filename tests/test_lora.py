@@ -222,3 +222,34 @@ def test_launch_check_refuses_lora_that_fits_nothing(tmp_path):
     _check_lora(config, tiny_config(hidden_size=32, intermediate_size=64), {"sglang"}, problems)
     assert len(problems) == 2 and "the sglang engine here trains and serves full weights only" in problems[0]
     assert problems[1].startswith("experiment.model.lora.adapter: ") and "belongs to another base model" in problems[1]
+
+
+def test_export_writes_a_merged_checkpoint_and_an_adapter_peft_loads(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from tools.export_lora import main as export_main
+
+    base_dir = str(tiny_model_dir(tmp_path / "base"))
+    engine = TorchTrainEngine(base_dir, TrainConfig(lr=1e-2), lora=SPEC)
+    for _ in range(3):
+        engine.train_step(batches(14), token_nll_loss)
+    engine.save(str(tmp_path / "ckpt"))
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    assert export_main([str(tmp_path / "ckpt"), "--merged", str(merged), "--adapter", str(adapter)]) == 0
+    ids = torch.tensor(random_sequences(2, 9, 9, 14, seed=6))
+    with torch.no_grad():
+        ours = engine.model.eval()(ids)
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+        with_adapter = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
+        theirs = with_adapter(input_ids=ids).logits
+        torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+        hf_merged = transformers.AutoModelForCausalLM.from_pretrained(str(merged), torch_dtype=torch.float32).eval()
+        torch.testing.assert_close(hf_merged(input_ids=ids).logits, ours, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(load_model(str(merged))(ids), ours, rtol=1e-4, atol=1e-4)
+    # an adapter directory that names no base (PEFT's own) needs --base; another base is refused with one line
+    (adapter / "lora_base.json").unlink()
+    assert export_main([str(adapter), "--merged", str(tmp_path / "again")]) == 2
+    assert export_main([str(adapter), "--merged", str(tmp_path / "again"), "--base", base_dir]) == 0
+    other = tiny_model_dir(tmp_path / "other")
+    (other / "config.json").write_text(json.dumps({**json.loads((other / "config.json").read_text()), "num_hidden_layers": 1}))
+    assert export_main([str(tmp_path / "ckpt"), "--merged", str(tmp_path / "x"), "--base", str(other)]) == 2

@@ -19,6 +19,7 @@ from .model import ConfigError, Qwen2Config, Qwen2ForCausalLM, config_from_json_
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+ADAPTER_CONFIG = "adapter_config.json"   # a LoRA adapter directory (lora.py)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
 
@@ -44,8 +45,9 @@ def write_weights_index(out_dir: str, weight_map: dict[str, str], metadata: dict
 
 
 def has_weights(model_dir: str | os.PathLike) -> bool:
-    """Whether a model directory holds weights: one safetensors file, or the index of its shards."""
-    return any(os.path.exists(os.path.join(model_dir, f)) for f in (SINGLE_FILE, INDEX_FILE))
+    """Whether a model directory holds weights: one safetensors file, the index of its shards, or (a LoRA
+    checkpoint, which load_model loads onto the base it names) an adapter."""
+    return any(os.path.exists(os.path.join(model_dir, f)) for f in (SINGLE_FILE, INDEX_FILE, ADAPTER_CONFIG))
 
 
 def load_config(model_dir: str) -> Qwen2Config:
@@ -150,7 +152,7 @@ def load_model(model_dir: str, dtype: torch.dtype | str | None = None,
                device: torch.device | str = "cpu") -> Qwen2ForCausalLM:
     """Build the model from config.json and load its safetensors weights (single file or shards); a LoRA
     checkpoint directory gives its base with its adapter merged (lora.py)."""
-    if os.path.exists(os.path.join(model_dir, "adapter_config.json")):
+    if os.path.exists(os.path.join(model_dir, ADAPTER_CONFIG)):
         from .lora import load_merged   # lora.py builds on this module
 
         return load_merged(model_dir, dtype, device)

@@ -32,10 +32,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from .checkpoint import CONFIG_FILE, CheckpointError, load_config, write_weights_file
+from .checkpoint import ADAPTER_CONFIG, CONFIG_FILE, CheckpointError, load_config, write_weights_file
 from .model import Qwen2Config, Qwen2ForCausalLM
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 LORA_BASE = "lora_base.json"
 PEFT_PREFIX = "base_model.model."
@@ -97,6 +96,9 @@ def lora_problem(config: Qwen2Config, spec: LoraSpec) -> str | None:
     unmatched = [t for t in spec.target_modules if not any(_targeted(name, [t]) for name, _ in targets)]
     if unmatched:
         return f"model.lora.target_modules: {unmatched} match no linear layer of {config.ARCHITECTURE}"
+    if config.tie_word_embeddings and any(name == "lm_head" for name, _ in targets):
+        return ("model.lora.target_modules: lm_head shares its weight with the embeddings in this model "
+                "(tie_word_embeddings); adapt the other layers")
     for name, m in targets:
         if spec.rank > min(m.in_features, m.out_features):
             return (f"model.lora.rank: {spec.rank} exceeds layer {name} ({m.in_features} in, {m.out_features} out): "
@@ -277,20 +279,27 @@ def resolve_start(model_dir: str, start_adapter: str | None = None) -> tuple[str
     base, with ``start_adapter`` (model.lora.adapter) if set."""
     if not is_adapter_dir(model_dir):
         return model_dir, start_adapter
-    with open(os.path.join(model_dir, LORA_BASE), encoding="utf-8") as f:
-        base = json.load(f)["base_model"]
+    try:
+        with open(os.path.join(model_dir, LORA_BASE), encoding="utf-8") as f:
+            base = json.load(f)["base_model"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{model_dir}: names no base model ({LORA_BASE}: {exc!r})") from None
     problem = adapter_problem(model_dir, load_config(base))
     if problem:
         raise CheckpointError(problem)
     return base, model_dir
 
 
-def load_merged(model_dir: str, dtype: torch.dtype | str | None = None,
-                device: torch.device | str = "cpu") -> Qwen2ForCausalLM:
-    """The base a LoRA checkpoint directory names, with its adapter merged in: a plain model to evaluate."""
+def load_merged(adapter_dir: str, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
+                base_dir: str | None = None) -> Qwen2ForCausalLM:
+    """The base a LoRA checkpoint directory names (or ``base_dir``), with its adapter merged in: a plain model."""
     from .checkpoint import load_model
 
-    base_dir, adapter_dir = resolve_start(model_dir)
+    if base_dir is None:
+        base_dir = resolve_start(adapter_dir)[0]
+    problem = adapter_problem(adapter_dir, load_config(base_dir))
+    if problem:
+        raise CheckpointError(problem)
     model = load_model(base_dir, dtype, device)
     spec, tensors, _ = read_adapter(adapter_dir)
     params = dict(model.named_parameters())
