@@ -253,3 +253,11 @@ def test_export_writes_a_merged_checkpoint_and_an_adapter_peft_loads(tmp_path):
     other = tiny_model_dir(tmp_path / "other")
     (other / "config.json").write_text(json.dumps({**json.loads((other / "config.json").read_text()), "num_hidden_layers": 1}))
     assert export_main([str(tmp_path / "ckpt"), "--merged", str(tmp_path / "x"), "--base", str(other)]) == 2
+
+
+def test_bench_lora_sync_moves_fewer_bytes_than_full_weights(tmp_path):
+    from tools.bench.lora_sync import run as bench
+
+    result = run(bench(str(tiny_model_dir(tmp_path / "base")), SPEC, reps=1))
+    assert result["lora"]["bytes"] == 4 * sum(4 * (i + o) for i, o in [(64, 64), (64, 32), (128, 64)]) * 2
+    assert result["ratio_bytes"] > 10
