@@ -3,6 +3,7 @@ for the adapters only), adapter-only weight versions merged by the generation en
 (replacing, never stacking), checkpoints that hold the adapter and resume it."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 
@@ -219,8 +220,8 @@ def test_launch_check_refuses_lora_that_fits_nothing(tmp_path):
     config = ExperimentConfig.model_validate({"model": {"path": "m", "lora": {
         "rank": 4, "alpha": 8.0, "target_modules": list(SPEC.target_modules), "adapter": str(tmp_path / "adapter")}}})
     problems = []
-    _check_lora(config, tiny_config(hidden_size=32, intermediate_size=64), {"sglang"}, problems)
-    assert len(problems) == 2 and "the sglang engine here trains and serves full weights only" in problems[0]
+    _check_lora(config, tiny_config(hidden_size=32, intermediate_size=64), {"megatron", "sglang"}, problems)
+    assert len(problems) == 2 and "the megatron trainer here trains full weights only" in problems[0]
     assert problems[1].startswith("experiment.model.lora.adapter: ") and "belongs to another base model" in problems[1]
 
 
@@ -261,3 +262,89 @@ def test_bench_lora_sync_moves_fewer_bytes_than_full_weights(tmp_path):
     result = run(bench(str(tiny_model_dir(tmp_path / "base")), SPEC, reps=1))
     assert result["lora"]["bytes"] == 4 * sum(4 * (i + o) for i, o in [(64, 64), (64, 32), (128, 64)]) * 2
     assert result["ratio_bytes"] > 10
+
+
+def test_sglang_server_loads_each_adapter_by_name_and_comes_back_with_it_after_a_kill(tmp_path):
+    """A launched stand-in SGLang server (testsupport/sglang_standin.py, as strict as SGLang 0.5.6's LoRA API):
+    each adapter version is loaded by /load_lora_adapter as v<version> and named by every /generate; the previous
+    one is unloaded; a server killed -9 is restarted with the current adapter (--lora-paths)."""
+    import os
+    import signal
+    import sys
+    import urllib.error
+    import urllib.request
+
+    from actors.engines.sglang import SGLangEngine
+    from actors.engines.sglang_server import LaunchConfig
+
+    base_dir = tiny_model_dir(tmp_path / "base")
+    trainer = TorchTrainEngine(str(base_dir), TrainConfig(lr=1e-2), lora=SPEC)
+    versions = []
+    for steps in (6, 6):   # enough that base, v1 and v2 answer the prompt differently
+        for _ in range(steps):
+            trainer.train_step(batches(14), token_nll_loss)
+        merged = load_model(str(base_dir))
+        base = {n: p.detach() for n, p in merged.named_parameters()}
+        with torch.no_grad():
+            for name, tensor in merged_weights({m.rsplit(".", 2)[0] + ".weight": base[m.rsplit(".", 2)[0] + ".weight"]
+                                                for m in adapter_state(trainer.model)},
+                                               adapter_state(trainer.model), SPEC.scaling).items():
+                dict(merged.named_parameters())[name].copy_(tensor)
+        versions.append((list(trainer.export_weights(1 << 12)), merged.eval()))
+    prompt = [1, 2, 3, 4]
+    config = LaunchConfig(model_path=str(base_dir), command=[sys.executable, "-m", "testsupport.sglang_standin"],
+                          lora_rank=SPEC.rank, lora_targets=SPEC.target_modules, log_path=str(tmp_path / "server.log"),
+                          health_timeout_s=120.0, backoff_s=0.1)
+
+    def post(url: str, route: str, body: dict) -> tuple[int, dict]:
+        request = urllib.request.Request(url + route, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60.0) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    async def greedy(engine: SGLangEngine, rid: str):
+        [r] = await engine.generate(GenerationRequest(rid, prompt, SamplingParams(temperature=0.0, max_new_tokens=5)))
+        return r
+
+    async def main():
+        engine = SGLangEngine(launch=config, weights_dir=str(tmp_path / "w"), lora=SPEC)
+        await engine.start()
+        try:
+            out = [await greedy(engine, "base")]
+            for version, (buckets, _) in enumerate(versions, start=1):
+                await engine.update_weights(version, iter(buckets))
+                out.append(await greedy(engine, f"v{version}"))
+            url = engine.url
+            # as strict as SGLang: a name loaded twice, an adapter the memory pool cannot hold, an unloaded name
+            again = await asyncio.to_thread(post, url, "/load_lora_adapter",
+                                            {"lora_name": "v2", "lora_path": str(tmp_path / "w" / "lora-v2")})
+            big = tmp_path / "big"
+            TorchTrainEngine(str(base_dir), TrainConfig(), lora=LoraSpec(16, 8.0, target_modules=("q_proj",))).save(str(big))
+            too_big = await asyncio.to_thread(post, url, "/load_lora_adapter", {"lora_name": "big", "lora_path": str(big)})
+            unloaded = await asyncio.to_thread(post, url, "/generate", {"input_ids": prompt, "lora_path": "v1",
+                                                                        "sampling_params": {"max_new_tokens": 1}})
+            # killed -9: restarted with the current adapter, and labelled with its version
+            server = engine.server
+            os.kill(server.proc.pid, signal.SIGKILL)
+            async with server.changed:
+                await server.changed.wait_for(lambda: server.restarts >= 1 and server.healthy.is_set())
+            out.append(await greedy(engine, "after-restart"))
+            return out, again, too_big, unloaded
+        finally:
+            await engine.stop()
+
+    out, again, too_big, unloaded = run_bounded(main(), timeout=240.0)
+    base_model = load_model(str(base_dir)).eval()
+    from testsupport.tiny_models import greedy_reference
+
+    assert out[0].versions == [0] * 5 and out[0].output_ids == greedy_reference(base_model, prompt, 5)
+    for version, (_, merged) in enumerate(versions, start=1):
+        assert out[version].versions == [version] * 5
+        assert out[version].output_ids == greedy_reference(merged, prompt, 5)
+    assert out[3].versions == [2] * 5 and out[3].output_ids == out[2].output_ids
+    assert len({tuple(r.output_ids) for r in out[:3]}) == 3   # each adapter changed the answers, none stacked
+    assert again[0] == 400 and "because it is already loaded" in again[1]["error_message"]
+    assert too_big[0] == 400 and "incompatible with the current LoRA memory pool" in too_big[1]["error_message"]
+    assert unloaded[0] == 400 and "never been loaded: v1" in unloaded[1]["error"]["message"]

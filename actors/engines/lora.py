@@ -206,8 +206,9 @@ def is_adapter_dir(path: str | os.PathLike) -> bool:
 
 
 def write_adapter(out_dir: str, tensors: Mapping[str, torch.Tensor], spec: LoraSpec, base_path: str,
-                  base_config: Qwen2Config) -> None:
-    """An adapter directory PEFT loads (its LoraConfig keys; weights under PEFT's names) naming its base."""
+                  base_config: Qwen2Config | None) -> None:
+    """An adapter directory PEFT loads (its LoraConfig keys; weights under PEFT's names) naming its base (with
+    ``base_config``, lora_base.json too: resuming from it finds the base)."""
     os.makedirs(out_dir, exist_ok=True)
     write_weights_file({PEFT_PREFIX + n: t.detach().to("cpu").contiguous() for n, t in tensors.items()},
                        os.path.join(out_dir, ADAPTER_WEIGHTS))
@@ -217,6 +218,8 @@ def write_adapter(out_dir: str, tensors: Mapping[str, torch.Tensor], spec: LoraS
                    "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": str(base_path)}
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
         json.dump(peft_config, f, indent=2)
+    if base_config is None:
+        return
     with open(os.path.join(out_dir, LORA_BASE), "w", encoding="utf-8") as f:
         json.dump({"base_model": str(base_path), "base_fingerprint": base_fingerprint(base_config)}, f, indent=2)
 

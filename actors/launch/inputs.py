@@ -161,9 +161,9 @@ def _check_lora(config: ExperimentConfig, family: Qwen2Config, engines: set[str]
     if problem:
         problems.append(f"experiment.{problem}")
         return
-    for engine in sorted(engines):
-        problems.append(f"experiment.model.lora: the {engine} engine here trains and serves full weights only; "
-                        f"LoRA runs on the embedded torch engines")
+    if "megatron" in engines:
+        problems.append("experiment.model.lora: the megatron trainer here trains full weights only; LoRA trains "
+                        "on the torch trainer (backend: torch)")
     if lora.adapter is not None:
         if not Path(lora.adapter).is_dir():
             problems.append(f"experiment.model.lora.adapter: {lora.adapter}: no such directory")
