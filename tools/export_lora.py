@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from actors.engines.checkpoint import CheckpointError, load_config, read_tokenizer_files, save_model, write_tokenizer_files
-from actors.engines.lora import LoraError, adapter_problem, load_merged, read_adapter, resolve_start, write_adapter
+from actors.engines.checkpoint import (CheckpointError, load_config, load_merged, read_tokenizer_files, save_model,
+                                       write_tokenizer_files)
+from actors.engines.lora import LoraError, adapter_problem, read_adapter, resolve_start, write_adapter
 
 
 def export(source: str, merged: str | None, adapter: str | None, base: str | None = None) -> list[str]:

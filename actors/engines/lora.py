@@ -30,11 +30,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
-from .checkpoint import ADAPTER_CONFIG, CONFIG_FILE, CheckpointError, load_config, write_weights_file
-from .model import Qwen2Config, Qwen2ForCausalLM
+from .model import CONFIG_FILE, Qwen2Config, Qwen2ForCausalLM, load_config
 
+ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 LORA_BASE = "lora_base.json"
 PEFT_PREFIX = "base_model.model."
@@ -210,8 +211,8 @@ def write_adapter(out_dir: str, tensors: Mapping[str, torch.Tensor], spec: LoraS
     """An adapter directory PEFT loads (its LoraConfig keys; weights under PEFT's names) naming its base (with
     ``base_config``, lora_base.json too: resuming from it finds the base)."""
     os.makedirs(out_dir, exist_ok=True)
-    write_weights_file({PEFT_PREFIX + n: t.detach().to("cpu").contiguous() for n, t in tensors.items()},
-                       os.path.join(out_dir, ADAPTER_WEIGHTS))
+    save_file({PEFT_PREFIX + n: t.detach().to("cpu").contiguous() for n, t in tensors.items()},
+              os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})   # as PEFT's save_pretrained
     targets = sorted({module_of(n).rsplit(".", 1)[-1] for n in tensors})
     peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
                    "lora_dropout": spec.dropout, "target_modules": targets, "bias": "none",
@@ -232,10 +233,10 @@ def read_adapter(adapter_dir: str) -> tuple[LoraSpec, dict[str, torch.Tensor], d
         spec = LoraSpec(int(raw["r"]), float(raw["lora_alpha"]), float(raw.get("lora_dropout", 0.0)),
                         tuple(raw["target_modules"]))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{adapter_dir}/{ADAPTER_CONFIG}: not a LoRA adapter config ({exc!r})") from None
+        raise LoraError(f"{adapter_dir}/{ADAPTER_CONFIG}: not a LoRA adapter config ({exc!r})") from None
     path = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
     if not os.path.exists(path):
-        raise CheckpointError(f"{adapter_dir}: no {ADAPTER_WEIGHTS}")
+        raise LoraError(f"{adapter_dir}: no {ADAPTER_WEIGHTS}")
     tensors = {}
     with safe_open(path, framework="pt") as f:
         for key in f.keys():
@@ -251,7 +252,7 @@ def adapter_problem(adapter_dir: str, base_config: Qwen2Config, spec: LoraSpec |
     """Why the adapter at ``adapter_dir`` cannot be applied to a base of ``base_config`` (or under ``spec``)."""
     try:
         theirs, tensors, base = read_adapter(adapter_dir)
-    except CheckpointError as exc:
+    except LoraError as exc:
         return str(exc)
     fingerprint = base.get("base_fingerprint")
     if fingerprint is not None and fingerprint != base_fingerprint(base_config):
@@ -286,31 +287,11 @@ def resolve_start(model_dir: str, start_adapter: str | None = None) -> tuple[str
         with open(os.path.join(model_dir, LORA_BASE), encoding="utf-8") as f:
             base = json.load(f)["base_model"]
     except (OSError, ValueError, KeyError) as exc:
-        raise CheckpointError(f"{model_dir}: names no base model ({LORA_BASE}: {exc!r})") from None
+        raise LoraError(f"{model_dir}: names no base model ({LORA_BASE}: {exc!r})") from None
     problem = adapter_problem(model_dir, load_config(base))
     if problem:
-        raise CheckpointError(problem)
+        raise LoraError(problem)
     return base, model_dir
-
-
-def load_merged(adapter_dir: str, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
-                base_dir: str | None = None) -> Qwen2ForCausalLM:
-    """The base a LoRA checkpoint directory names (or ``base_dir``), with its adapter merged in: a plain model."""
-    from .checkpoint import load_model
-
-    if base_dir is None:
-        base_dir = resolve_start(adapter_dir)[0]
-    problem = adapter_problem(adapter_dir, load_config(base_dir))
-    if problem:
-        raise CheckpointError(problem)
-    model = load_model(base_dir, dtype, device)
-    spec, tensors, _ = read_adapter(adapter_dir)
-    params = dict(model.named_parameters())
-    base = {module_of(n) + ".weight": params[module_of(n) + ".weight"].detach() for n in tensors}
-    with torch.no_grad():
-        for name, tensor in merged_weights(base, tensors, spec.scaling).items():
-            params[name].copy_(tensor)
-    return model
 
 
 def start_tensors(model_dir: str, start_adapter: str | None = None) -> list[tuple[str, torch.Tensor]] | None:
