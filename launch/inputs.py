@@ -26,7 +26,8 @@ from pathlib import Path
 
 from actors.dataset import DatasetError, Layout, iter_jsonl, resolve_data_path, sniff_file
 from actors.engines.checkpoint import CheckpointError, ConfigError, check_checkpoint, has_weights
-from actors.engines.model import FAMILIES, config_from_dict
+from actors.engines.lora import LoraSpec, adapter_problem, lora_problem
+from actors.engines.model import FAMILIES, Qwen2Config, config_from_dict
 from topology import Plan
 from topology.experiment import ExperimentConfig
 
@@ -127,6 +128,8 @@ def _check_model(config: ExperimentConfig, launch: bool, absent: str, lines: lis
     if config.algo.routing_replay == "r3" and "sglang" in engines:
         problems.append("experiment.algo.routing_replay: r3 needs the routing the rollouts recorded; the embedded "
                         "torch engine records it, the sglang engine here does not")
+    if config.model.lora is not None:
+        _check_lora(config, family, engines, problems)
     context = model_config.get("max_position_embeddings")
     new = config.gen.max_new_tokens
     if isinstance(context, int) and new >= context:
@@ -147,6 +150,25 @@ def _check_model(config: ExperimentConfig, launch: bool, absent: str, lines: lis
     lines.append(f"model.path {path}: config.json read ({family.MODEL_TYPE}{sparse}), context "
                  f"{context if context else '?'} tokens, "
                  + ("weights present" if weights else "no weights yet (prepare.warm_start makes them)"))
+
+
+def _check_lora(config: ExperimentConfig, family: Qwen2Config, engines: set[str], problems: list[str]) -> None:
+    """``model.lora`` against the model: targets that match a linear layer, a rank each allows, a start adapter
+    made for this base, and engines that apply adapters (the torch engines)."""
+    lora = config.model.lora
+    spec = LoraSpec.from_settings(lora)
+    problem = lora_problem(family, spec)
+    if problem:
+        problems.append(f"experiment.{problem}")
+        return
+    if "megatron" in engines:
+        problems.append("experiment.model.lora: the megatron trainer here trains full weights only; LoRA trains "
+                        "on the torch trainer (backend: torch)")
+    if lora.adapter is not None:
+        if not Path(lora.adapter).is_dir():
+            problems.append(f"experiment.model.lora.adapter: {lora.adapter}: no such directory")
+        elif (problem := adapter_problem(lora.adapter, family, spec)) is not None:
+            problems.append(f"experiment.model.lora.adapter: {problem}")
 
 
 def _check_data(key: str, path: Path, layout: Layout, require: str, on_error: str, max_line_bytes: int,

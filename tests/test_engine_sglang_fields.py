@@ -135,7 +135,8 @@ def test_meta_info_keys_are_set_by_the_tokenizer_manager(source):
 def test_launch_flags_exist(source):
     flags = {n.value for n in ast.walk(source["server_args"]) if isinstance(n, ast.Constant)
              and isinstance(n.value, str) and n.value.startswith("--")}
-    args = LaunchConfig(model_path="m", mem_fraction_static=0.8, dtype="bfloat16", seed=1).args(30000, 0)
+    args = LaunchConfig(model_path="m", mem_fraction_static=0.8, dtype="bfloat16", seed=1, lora_rank=8,
+                        lora_targets=("q_proj", "down_proj"), lora_paths={"v3": "/a"}).args(30000, 0)
     ours = {a for a in args if a.startswith("--")}
     assert ours <= flags, f"launch_server flags SGLang does not have: {sorted(ours - flags)}"
 

@@ -10,7 +10,8 @@ import pytest
 from actors.engines.model import config_from_json_file
 import topology
 from tools import up
-from tools.plan import costs, hardware, memory, setup
+from launch.plan import hardware, memory, sizing
+from tools.plan import costs, setup
 from tools.plan.shapes import BUILTIN, ModelShape, from_hf_config, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,7 +160,7 @@ def test_expert_parallelism_that_does_not_divide_dp_is_refused_with_its_path(cap
 
 
 def test_the_planner_reads_the_topology_s_expert_parallelism():
-    found = setup.read(topology.load(str(ROOT / "topology/16node_moe.yaml")))
+    found = sizing.read(topology.load(str(ROOT / "topology/16node_moe.yaml")))
     cfg = setup.sim_config(found, steps=2)
     assert found.shape is BUILTIN["30B-A3B"]
     assert (cfg.trainer.tp, cfg.trainer.dp, cfg.trainer.ep, cfg.servers, cfg.server_tp) == (2, 16, 4, 48, 2)

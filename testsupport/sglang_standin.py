@@ -20,6 +20,9 @@ actors.engines.sglang_routes.SGLANG_VERSION) that the SGLang engine uses, over a
     POST /update_weights_from_distributed   names, dtypes, shapes, group_name, load_format (per tensor or
                                    "flattened_bucket"): receives the bucket over the group (gloo on CPU)
     POST /update_weight_version    new_version, abort_all_requests
+    POST /load_lora_adapter        lora_name, lora_path (a PEFT-layout adapter directory), with --enable-lora
+    POST /unload_lora_adapter      lora_name; answers once no running request uses it
+                                   (/generate's lora_path names a loaded adapter; one adapter runs at a time)
 
 Semantics follow SGLang's: a weight update outside a pause waits until running requests finish; inside a
 pause it is applied at once and (as in SGLang) does not relabel weight_version, which /update_weight_version
@@ -126,11 +129,47 @@ CITATIONS: tuple[tuple[str, int, str], ...] = (
     ("sampling/sampling_batch_info.py", 93, "dtype=torch.int32,"),
     ("sampling/sampling_params.py", 61, "sampling_seed: int = 42,"),
     ("model_executor/model_runner.py", 1113, "rank = rank_offset + self.tp_rank"),
+    # LoRA: the routes, the checks of a load (enabled, a new name, a rank and targets the adapter memory pool
+    # holds), of an unload (a loaded name; it waits for the requests using it) and of /generate's lora_path.
+    ("entrypoints/http_server.py", 983, '@app.api_route("/load_lora_adapter", methods=["POST"])'),
+    ("entrypoints/http_server.py", 1000, '@app.api_route("/unload_lora_adapter", methods=["POST"])'),
+    ("managers/tokenizer_communicator_mixin.py", 553, "if not self.server_args.enable_lora:"),
+    ("managers/tokenizer_communicator_mixin.py", 555, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."),
+    ("managers/tokenizer_communicator_mixin.py", 540, "await self.lora_registry.wait_for_unload(lora_id)"),
+    ("lora/lora_manager.py", 161, "because it is already loaded"),
+    ("lora/mem_pool.py", 101, "if config.r > self.max_lora_rank:"),
+    ("lora/mem_pool.py", 104, "return target_module_names.issubset(self.target_modules)"),
+    ("lora/utils.py", 93, '"q_proj": "qkv_proj",'),
+    ("lora/lora_registry.py", 109, "does not exist. Loaded LoRAs:"),
+    ("managers/tokenizer_manager.py", 474, "if self.server_args.enable_lora and obj.lora_path:"),
+    ("managers/tokenizer_manager.py", 499, "Got LoRA adapter that has never been loaded:"),
 )
+
+# lora/utils.py:92-98: the names SGLang's adapter memory pool stacks (a target is checked in this form).
+_LORA_STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                 "up_proj": "gate_up_proj"}
+
+
+def lora_module_kinds(targets: Sequence[str]) -> set[str]:
+    return {_LORA_STACKED.get(t.split(".")[-1], t.split(".")[-1]) for t in targets}
+
+
+class StandinLora:
+    """The LoRA side of a stand-in launched with --enable-lora: the adapters loaded by name and the one merged
+    into the engine's weights now (the stand-in runs one adapter at a time; SGLang batches several)."""
+
+    def __init__(self, max_rank: int, targets: Sequence[str]) -> None:
+        self.max_rank, self.kinds = max_rank, lora_module_kinds(targets)
+        self.loaded: dict[str, tuple[str, Any, dict[str, torch.Tensor]]] = {}   # name -> (path, spec, tensors)
+        self.active: str | None = None      # merged into the engine now (None: the base)
+        self.running: collections.Counter[str | None] = collections.Counter()
+        self.base: dict[str, torch.Tensor] = {}   # the base weights of every layer an adapter may target
+        self.changed = asyncio.Condition()
+        self.switch = asyncio.Lock()
 
 # Fields of SGLang's request classes that the stand-in implements, per route.
 _IMPLEMENTED: dict[str, set[str]] = {
-    "/generate": {"rid", "input_ids", "sampling_params", "return_logprob", "stream", "log_metrics"},
+    "/generate": {"rid", "input_ids", "sampling_params", "return_logprob", "stream", "log_metrics", "lora_path"},
     "/abort_request": {"rid", "abort_all"},
     "/pause_generation": {"mode"},
     "/continue_generation": set(),
@@ -142,6 +181,8 @@ _IMPLEMENTED: dict[str, set[str]] = {
     "/update_weights_from_distributed": {"names", "dtypes", "shapes", "group_name", "flush_cache",
                                          "abort_all_requests", "weight_version", "load_format"},
     "/update_weight_version": {"new_version", "abort_all_requests"},
+    "/load_lora_adapter": {"lora_name", "lora_path"},
+    "/unload_lora_adapter": {"lora_name"},
 }
 _SAMPLING = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed", "n"}
 
@@ -282,8 +323,10 @@ class StandinServer:
                  device: str = "cpu", weights_hash_route: bool = True, tp_size: int = 1,
                  tp_workers: TPWorkers | None = None, on_crash: Callable[[str], None] | None = None,
                  max_total_tokens: int | None = None, step_time_s: float = 0.0, log_path: str | None = None,
-                 starting_until: str | None = None, fail_load_at: Sequence[int] = ()) -> None:
+                 starting_until: str | None = None, fail_load_at: Sequence[int] = (),
+                 lora: StandinLora | None = None) -> None:
         self.engine = engine
+        self.lora = lora
         # Fault injection (tests): these /update_weights_from_distributed calls, numbered from 1 over the
         # server's life, receive their bucket and then fail to load it.
         self.fail_load_at = set(fail_load_at)
@@ -368,7 +411,8 @@ class StandinServer:
                   "/init_weights_update_group": self.init_weights_update_group,
                   "/destroy_weights_update_group": self.destroy_weights_update_group,
                   "/update_weights_from_distributed": self.update_weights_from_distributed,
-                  "/update_weight_version": self.update_weight_version}
+                  "/update_weight_version": self.update_weight_version,
+                  "/load_lora_adapter": self.load_lora_adapter, "/unload_lora_adapter": self.unload_lora_adapter}
         for path, handler in routes.items():
             app.router.add_post(path, self._wrap(path, handler))
         return app
@@ -515,6 +559,17 @@ class StandinServer:
         seed = int(sp.get("sampling_seed", 42))   # SamplingParams' default (sampling/sampling_params.py:61)
         rid = str(body.get("rid") or f"standin-{self.counters['generate']}")
         await self._pause_gate()
+        adapter = await self._use_adapter(body.get("lora_path"))
+        try:
+            return await self._generate(body, ids, sp, max_new, seed, rid)
+        finally:
+            if self.lora is not None:
+                async with self.lora.changed:
+                    self.lora.running[adapter] -= 1
+                    self.lora.changed.notify_all()
+
+    async def _generate(self, body: dict[str, Any], ids: list[int], sp: dict[str, Any], max_new: int, seed: int,
+                        rid: str) -> tuple[int, Any]:
         if not INT32_MIN <= seed <= INT32_MAX:   # the stand-in samples as --enable-deterministic-inference does
             self._crash(f"RuntimeError: value cannot be converted to type int32 without overflow "
                         f"(sampling_seed {seed} of request {rid!r}, sampling/sampling_batch_info.py:90-97)")
@@ -834,6 +889,97 @@ class StandinServer:
                                                       f"the whole weights."}
         return 200, {"success": True, "message": "Succeeded to update parameter online."}
 
+    # --- LoRA ---------------------------------------------------------------------------------------
+    def _lora_enabled(self) -> StandinLora:
+        if self.lora is None:   # managers/tokenizer_communicator_mixin.py:553-556
+            raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        return self.lora
+
+    async def load_lora_adapter(self, body: dict[str, Any]) -> tuple[int, Any]:
+        from actors.engines.checkpoint import CheckpointError
+        from actors.engines.lora import read_adapter
+
+        try:
+            lora = self._lora_enabled()
+            name, path = str(body["lora_name"]), str(body["lora_path"])
+            if name in lora.loaded:   # lora/lora_manager.py:158-162
+                raise ValueError(f"Failed to load LoRA adapter {name} because it is already loaded")
+            try:
+                spec, tensors, _ = await asyncio.to_thread(read_adapter, path)
+            except (CheckpointError, OSError) as exc:
+                raise ValueError(f"Failed to load LoRA adapter {name}: {exc}") from None
+            if spec.rank > lora.max_rank or not lora_module_kinds(spec.target_modules) <= lora.kinds:
+                # lora/lora_manager.py:170-178 (mem_pool.py:101-104: rank and stacked target names)
+                raise ValueError(f"LoRA adapter {name} with rank {spec.rank} is incompatible with the current LoRA "
+                                 f"memory pool configuration. Please ensure that the LoRA adapter's rank is within "
+                                 f"the configured `--max-lora-rank` and that the target modules are included in "
+                                 f"`--lora-target-modules`.")
+        except ValueError as exc:   # LoadLoRAAdapterReqOutput(success=False): HTTP 400 (http_server.py:983-997)
+            return 400, {"success": False, "error_message": str(exc), "loaded_adapters": None}
+        lora.loaded[name] = (path, spec, tensors)
+        return 200, {"success": True, "error_message": None,
+                     "loaded_adapters": {n: {"lora_name": n, "lora_path": p} for n, (p, _, _) in lora.loaded.items()}}
+
+    async def unload_lora_adapter(self, body: dict[str, Any]) -> tuple[int, Any]:
+        try:
+            lora = self._lora_enabled()
+            name = str(body["lora_name"])
+            if name not in lora.loaded:   # lora/lora_registry.py:106-110
+                raise ValueError(f"LoRA with name {name} does not exist. Loaded LoRAs: {list(lora.loaded)}")
+        except ValueError as exc:
+            return 400, {"success": False, "error_message": str(exc), "loaded_adapters": None}
+        del lora.loaded[name]   # new requests naming it are refused from now on; running ones finish with it
+        async with lora.changed:   # managers/tokenizer_communicator_mixin.py:540: wait_for_unload
+            await lora.changed.wait_for(lambda: not lora.running[name])
+        return 200, {"success": True, "error_message": None,
+                     "loaded_adapters": {n: {"lora_name": n, "lora_path": p} for n, (p, _, _) in lora.loaded.items()}}
+
+    async def _use_adapter(self, name: Any) -> str | None:
+        """The adapter a /generate runs with (None: the base), merged into the engine if it is not already;
+        counted as running until the request ends."""
+        if self.lora is None:
+            if name is not None:   # SGLang skips lora_path without --enable-lora (tokenizer_manager.py:474)
+                raise _BadRequest("lora_path: this server was not launched with --enable-lora; SGLang would "
+                                  "silently answer from the base model, the stand-in refuses")
+            return None
+        lora = self.lora
+        if name is not None and not isinstance(name, str):
+            raise _BadRequest("lora_path: one adapter name per request is implemented by the stand-in server")
+        if name is not None and name not in lora.loaded:   # managers/tokenizer_manager.py:497-501
+            raise _BadRequest(f"Got LoRA adapter that has never been loaded: {name}\n"
+                              f"All loaded adapters: {list(lora.loaded)}.")
+        async with lora.switch:
+            if lora.active != name:
+                busy = [n for n, count in lora.running.items() if count and n != name]
+                if busy:
+                    raise _BadRequest(f"lora_path {name!r}: the stand-in runs one adapter at a time and requests "
+                                      f"with {busy} are running")
+                await self._merge_adapter(name)
+            async with lora.changed:
+                lora.running[name] += 1
+        return name
+
+    async def _merge_adapter(self, name: str | None) -> None:
+        """Merge adapter ``name`` into the engine's weights (None: back to the base), from a kept copy of the base."""
+        from torch import nn
+
+        from actors.engines.lora import merged_weights, module_of
+
+        lora = self.lora
+        assert lora is not None
+        if not lora.base:
+            lora.base = {n + ".weight": m.weight.detach().clone() for n, m in self.engine.model.named_modules()
+                         if isinstance(m, nn.Linear) and lora_module_kinds([n]) & lora.kinds}
+        merged: dict[str, torch.Tensor] = {}
+        if name is not None:
+            _, spec, tensors = lora.loaded[name]
+            modules = {module_of(n) + ".weight" for n in tensors}
+            merged = await asyncio.to_thread(merged_weights, {n: lora.base[n] for n in modules}, tensors,
+                                             spec.scaling)
+        named = [(n, merged.get(n, t)) for n, t in lora.base.items()]   # layers this adapter leaves: the base
+        await self.engine.update_weights(self.engine.version, [named])
+        lora.active = name
+
     async def update_weight_version(self, body: dict[str, Any]) -> tuple[int, Any]:
         new = str(body["new_version"])
         if body.get("abort_all_requests", True):
@@ -987,6 +1133,10 @@ def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespac
     ap.add_argument("--standin-step-time-s", type=float, default=0.0,
                     help="not an SGLang flag: every decode step takes at least this long (a GPU's step time, "
                          "scaled for tests)")
+    ap.add_argument("--enable-lora", action="store_true")
+    ap.add_argument("--max-lora-rank", type=int, default=None)
+    ap.add_argument("--lora-target-modules", nargs="*", default=None)
+    ap.add_argument("--lora-paths", nargs="*", default=[], metavar="NAME=PATH")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--no-weights-hash", action="store_true",
@@ -1016,6 +1166,12 @@ def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespac
 
     async def serve() -> None:
         await engine.start()
+        lora = None
+        if args.enable_lora:   # server_args.py:4200-4203: rank and targets, or adapters to infer them from
+            if not (args.lora_paths or (args.max_lora_rank and args.lora_target_modules)):
+                raise SystemExit("When no initial --lora-paths is provided, you need to specify both --max-lora-rank "
+                                 "and --lora-target-modules for LoRA initialization.")
+            lora = StandinLora(args.max_lora_rank or 0, args.lora_target_modules or [])
         server = StandinServer(engine, args.model_path, args.weight_version, device=args.device,
                                weights_hash_route=not args.no_weights_hash, tp_size=args.tp_size,
                                tp_workers=workers, on_crash=crash, max_total_tokens=args.max_total_tokens,
@@ -1024,7 +1180,12 @@ def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespac
                                if args.standin_log_dir else None,
                                starting_until=str(Path(args.standin_starting_until_dir) / str(args.random_seed))
                                if args.standin_starting_until_dir else None,
-                               fail_load_at=[int(n) for n in args.fail_load_at.split(",") if n.strip()])
+                               fail_load_at=[int(n) for n in args.fail_load_at.split(",") if n.strip()], lora=lora)
+        for spec in args.lora_paths:   # loaded at launch as /load_lora_adapter loads them
+            name, _, path = spec.partition("=")
+            status, answer = await server.load_lora_adapter({"lora_name": name, "lora_path": path or name})
+            if status != 200:
+                raise SystemExit(f"--lora-paths {spec}: {answer['error_message']}")
         for drop in args.standin_drop_connection:
             route, _, when = drop.rpartition(":")
             server.drop_next.setdefault(route, []).append(when)

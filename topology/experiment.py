@@ -20,7 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from topology.section import Section, problem_lines, when_missing
 
-__all__ = ["Section", "ModelSection", "DataFields", "DataSection", "PROMPT_TEMPLATES", "DataLayout",
+__all__ = ["Section", "LoraSection", "ModelSection", "DataFields", "DataSection", "PROMPT_TEMPLATES", "DataLayout",
            "prompt_template_text", "AREAL_ALIASES", "AREAL_NOT_ALIASED", "with_our_names", "DatasetRecipe", "WarmStartStage",
            "WarmStartSection", "PrepareSection", "when_missing", "LOSS_SETTINGS", "LOSS_SOURCES", "switched_loss", "AlgoSection", "GenSection", "EvalSection", "RunSection",
            "WatchdogSection",
@@ -29,10 +29,25 @@ __all__ = ["Section", "ModelSection", "DataFields", "DataSection", "PROMPT_TEMPL
 DEFAULT_MAX_LINE_BYTES = 1 << 20
 
 
+class LoraSection(Section):
+    rank: int = Field(8, ge=1, le=1024, description="rank of each adapter (at most the smaller dimension of every targeted layer)")
+    alpha: float = Field(16.0, gt=0, description="the adapter's output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input while training")
+    target_modules: list[Annotated[str, Field(min_length=1)]] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1,
+        description="linear layers adapted, by their Hugging Face names (q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                    "up_proj, down_proj, lm_head), as PEFT's target_modules")
+    adapter: str | None = Field(None, description="a PEFT-layout adapter directory to start from (unset: a new adapter "
+                                                  "that leaves the model unchanged)")
+
+
 class ModelSection(Section):
     path: str | None = Field(None, description="starting model: a Hugging Face directory (config, tokenizer, weights)")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="engine dtype (unset: float32 in the torch engines, the checkpoint's own in SGLang)")
+    lora: LoraSection | None = Field(
+        None, description="train LoRA adapters on the frozen model.path instead of all weights; each weight version "
+                          "is the adapter alone (unset: full fine-tuning)")
 
 
 class DataFields(Section):

@@ -14,11 +14,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .model import ConfigError, Qwen2Config, Qwen2ForCausalLM, config_from_json_file, dtype_from_name
+from .lora import (ADAPTER_CONFIG, LoraError, adapter_problem, merged_weights, module_of, read_adapter,
+                   resolve_start)
+from .model import CONFIG_FILE, ConfigError, Qwen2Config, Qwen2ForCausalLM, dtype_from_name, load_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json")
 
 
@@ -44,13 +45,9 @@ def write_weights_index(out_dir: str, weight_map: dict[str, str], metadata: dict
 
 
 def has_weights(model_dir: str | os.PathLike) -> bool:
-    """Whether a model directory holds weights: one safetensors file, or the index of its shards."""
-    return any(os.path.exists(os.path.join(model_dir, f)) for f in (SINGLE_FILE, INDEX_FILE))
-
-
-def load_config(model_dir: str) -> Qwen2Config:
-    """The config of whichever supported family the directory's config.json names."""
-    return config_from_json_file(os.path.join(model_dir, CONFIG_FILE))
+    """Whether a model directory holds weights: one safetensors file, the index of its shards, or (a LoRA
+    checkpoint, which load_model loads onto the base it names) an adapter."""
+    return any(os.path.exists(os.path.join(model_dir, f)) for f in (SINGLE_FILE, INDEX_FILE, ADAPTER_CONFIG))
 
 
 def _weight_files(model_dir: str) -> list[str]:
@@ -148,7 +145,10 @@ def check_checkpoint(model_dir: str) -> Qwen2Config:
 
 def load_model(model_dir: str, dtype: torch.dtype | str | None = None,
                device: torch.device | str = "cpu") -> Qwen2ForCausalLM:
-    """Build the model from config.json and load its safetensors weights (single file or shards)."""
+    """Build the model from config.json and load its safetensors weights (single file or shards); a LoRA
+    checkpoint directory gives its base with its adapter merged (lora.py)."""
+    if os.path.exists(os.path.join(model_dir, ADAPTER_CONFIG)):
+        return load_merged(model_dir, dtype, device)
     config = load_config(model_dir)
     if dtype is None:
         dtype = torch.float32
@@ -161,6 +161,28 @@ def load_model(model_dir: str, dtype: torch.dtype | str | None = None,
         model.lm_head.weight = model.model.embed_tokens.weight
     assign_weights(model, iter_checkpoint_tensors(model_dir), strict=True, source=model_dir)
     return model.eval()
+
+
+def load_merged(adapter_dir: str, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
+                base_dir: str | None = None) -> Qwen2ForCausalLM:
+    """The base a LoRA checkpoint directory names (or ``base_dir``), with its adapter merged into its weights:
+    a plain model, as lora.py describes."""
+    try:
+        if base_dir is None:
+            base_dir = resolve_start(adapter_dir)[0]
+        problem = adapter_problem(adapter_dir, load_config(base_dir))
+        if problem:
+            raise CheckpointError(problem)
+        spec, tensors, _ = read_adapter(adapter_dir)
+    except LoraError as exc:
+        raise CheckpointError(str(exc)) from None
+    model = load_model(base_dir, dtype, device)
+    params = dict(model.named_parameters())
+    base = {module_of(n) + ".weight": params[module_of(n) + ".weight"].detach() for n in tensors}
+    with torch.no_grad():
+        for name, tensor in merged_weights(base, tensors, spec.scaling).items():
+            params[name].copy_(tensor)
+    return model
 
 
 def hf_state_dict(model: Qwen2ForCausalLM) -> dict[str, torch.Tensor]:
@@ -245,6 +267,7 @@ def write_tokenizer_files(files: dict[str, bytes], out_dir: str) -> None:
             f.write(data)
 
 
-__all__ = ["CheckpointError", "ConfigError", "has_weights", "check_checkpoint", "load_config", "load_model", "save_model", "hf_state_dict",
+__all__ = ["CheckpointError", "ConfigError", "has_weights", "check_checkpoint", "load_config", "load_model", "load_merged",
+           "save_model", "hf_state_dict", "CONFIG_FILE",
            "assign_weights", "iter_checkpoint_tensors", "bucketize", "TOKENIZER_FILES", "read_tokenizer_files",
            "write_tokenizer_files", "shard_file_name", "write_weights_file", "write_weights_index"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
@@ -254,6 +255,14 @@ def config_from_dict(raw: dict[str, Any], source: str = "config") -> Qwen2Config
 def config_from_json_file(path: str) -> Qwen2Config:
     """``config_from_dict`` of a config.json file."""
     return config_from_dict(_read_config_json(path), source=path)
+
+
+CONFIG_FILE = "config.json"
+
+
+def load_config(model_dir: str) -> Qwen2Config:
+    """The config of whichever supported family the directory's config.json names."""
+    return config_from_json_file(os.path.join(model_dir, CONFIG_FILE))
 
 
 def _read_config_json(path: str) -> Any:

@@ -19,7 +19,10 @@ Interruption (AReaL's scheme). A weight update is::
                                              prompt + tokens so far with the remaining token budget
 
 so the KV cache of in-flight sequences is rebuilt under the new weights and later tokens carry the new
-version. Because no ``/generate`` call can span an update in abort mode (SGLang's pause waits until no
+version. With ``model.lora`` a version is an adapter: written as a PEFT-layout directory and loaded with
+``/load_lora_adapter`` under the name ``v<version>`` inside the same pause, after which every ``/generate``
+(the interrupted samples' resubmissions too) names it in ``lora_path``; the previous adapter is unloaded once
+the server runs again (SGLang unloads an adapter when no request uses it: tokenizer_communicator_mixin.py:540). Because no ``/generate`` call can span an update in abort mode (SGLang's pause waits until no
 request holds the model lock), each response was sampled by one weight version: the server's
 ``meta_info.weight_version``, which the engine keeps equal to our integer version.
 
@@ -49,6 +52,8 @@ from transport.bulk import TensorMeta
 
 from .base import (EngineError, GenerationEngine, GenerationRequest, GenerationResult, RequestError,
                    WeightBucket, WeightSource)
+from .checkpoint import load_config
+from .lora import LoraSpec, is_adapter_name, read_adapter, resolve_start, write_adapter
 from .sglang_disk import write_checkpoint
 from .sglang_routes import (CLIENT_KEEP_ALIVE_S, DEFAULT_GROUP, IDEMPOTENT_ROUTES, SEED_RANGE, SGLANG_VERSION,
                             ServerEvents, SGLangConnectionReset, SGLangError, SGLangHTTPError, SGLangLaunchError,
@@ -95,9 +100,12 @@ class SGLangEngine(GenerationEngine):
                  weights_dir: str | None = None, request_timeout_s: float | None = None,
                  control_timeout_s: float = 600.0, drain_timeout_s: float = 120.0,
                  attach_timeout_s: float = ATTACH_TIMEOUT_S,
-                 pace: DecodePace | None = None, on_server_event: ServerEvents | None = None) -> None:
+                 pace: DecodePace | None = None, on_server_event: ServerEvents | None = None,
+                 lora: LoraSpec | None = None, lora_name: str | None = None) -> None:
         """``request_timeout_s``: bound on one /generate call; None derives it from the tokens it may still
-        generate and the pace measured on this server's answers (``pace``: algo.serving.DecodePace)."""
+        generate and the pace measured on this server's answers (``pace``: algo.serving.DecodePace).
+        ``lora``: versions may be adapters (the module docstring); ``lora_name``: the adapter the server was
+        launched with (``LaunchConfig.lora_paths``), which requests name until the next."""
         if (url is None) == (launch is None):
             raise EngineError("SGLangEngine needs exactly one of url (attach) or launch (start a server)")
         self._attach_url = url.rstrip("/") if url else None
@@ -109,6 +117,7 @@ class SGLangEngine(GenerationEngine):
         self._adopt_version = version is None
         self._version = version or 0
         self.weights_dir = weights_dir
+        self.lora, self._lora_name = lora, lora_name
         self.request_timeout_s, self.control_timeout_s = request_timeout_s, control_timeout_s
         self.pace = pace or DecodePace()
         self.health_probe_s = health_probe_s(launch.env if launch is not None else None)
@@ -151,7 +160,20 @@ class SGLangEngine(GenerationEngine):
         common = dict(version=version, weights_dir=weights_dir, request_timeout_s=sg.request_timeout_s,
                       control_timeout_s=sg.control_timeout_s,
                       pace=DecodePace(gen.assumed_tokens_per_s, gen.timeout_slack, gen.timeout_floor_s))
+        lora = LoraSpec.from_settings(cfg.model.lora)
+        lora_paths: dict[str, str] = {}
+        if lora is not None:   # the server serves the base; the adapter a run resumes with is loaded at launch
+            model_dir, adapter_dir = resolve_start(model_dir, lora.adapter)
+            if adapter_dir is not None:
+                _, tensors, _ = read_adapter(adapter_dir)
+                path = Path(weights_dir) / f"lora-v{version}"
+                write_adapter(str(path), tensors, lora, model_dir, load_config(model_dir))
+                lora_paths[f"v{version}"] = str(path)
+            common.update(lora=lora, lora_name=next(iter(lora_paths), None))
         if cfg.sglang_url:
+            if lora_paths:
+                raise EngineError("model.lora: a server attached by sglang_url cannot start from an adapter; "
+                                  "launch it here (sglang.command) or start the run without model.lora.adapter")
             return cls(url=cfg.sglang_url, **common)
         command = sg.command or [sys.executable, "-m", "sglang.launch_server"]
         if isinstance(command, str):
@@ -164,7 +186,9 @@ class SGLangEngine(GenerationEngine):
             extra_args=list(sg.extra_args), env={k: str(v) for k, v in sg.env.items()},
             log_path=sg.log_path or str(base / "logs" / f"{name}.sglang.log"),
             health_timeout_s=sg.health_timeout_s, max_restarts=sg.max_restarts,
-            backoff_s=sg.backoff_s, backoff_max_s=sg.backoff_max_s)
+            backoff_s=sg.backoff_s, backoff_max_s=sg.backoff_max_s,
+            lora_rank=lora.rank if lora else 0, lora_targets=tuple(lora.target_modules) if lora else (),
+            lora_paths=lora_paths)
         return cls(launch=launch, on_server_event=on_server_event, **common)
 
     # --- lifecycle ------------------------------------------------------------------------------------
@@ -378,6 +402,8 @@ class SGLangEngine(GenerationEngine):
             sample.segments += 1
             body = payload("/generate", rid=sample.sglang_rid, input_ids=[*sample.prompt, *sample.output],
                            sampling_params=sampling, return_logprob=True)
+            if self._lora_name is not None:
+                body["lora_path"] = self._lora_name   # SGLang looks adapters up by the name they were loaded as
             epoch, sent_version, sent_rid = self._epoch, self._version, sample.sglang_rid
             starts = self.server.starts if self.server is not None else 0
             self._http_enter()
@@ -606,11 +632,42 @@ class SGLangEngine(GenerationEngine):
             done = object()
             while (bucket := await asyncio.to_thread(next, iterator, done)) is not done:
                 buckets.append([(n, t.detach().to("cpu", copy=True)) for n, t in bucket])
+        if self.lora is not None and any(is_adapter_name(n) for bucket in buckets for n, _ in bucket):
+            await self.load_adapter(version, {n: t for bucket in buckets for n, t in bucket})
+            return
         await asyncio.to_thread(write_checkpoint, path, buckets, self.server.config.model_path
                                 if self.server is not None else None)
         await self.update_weights_from_disk(version, str(path))
         # Keep the newest checkpoint and the one before it (a restart may still be loading it).
         for old in sorted(Path(self.weights_dir).glob("v*"), key=lambda p: p.stat().st_mtime)[:-2]:
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def load_adapter(self, version: int, tensors: dict[str, Any]) -> None:
+        """A LoRA version: written as a PEFT-layout directory, loaded under the name ``v<version>`` inside one
+        pause (every later /generate names it), then the previous adapter is unloaded."""
+        if self.lora is None or not self.weights_dir:
+            raise EngineError("SGLangEngine.load_adapter needs model.lora and weights_dir")
+        if not all(is_adapter_name(n) for n in tensors):
+            raise EngineError(f"version {version}: both adapter and base tensors; a version is one or the other")
+        base = self.server.config.model_path if self.server is not None else None
+        path = Path(self.weights_dir) / f"lora-v{version}"
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        await asyncio.to_thread(write_adapter, str(tmp), tensors, self.lora, base or "", load_config(base) if base else None)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)   # a server never loads half an adapter
+        name, previous = f"v{version}", self._lora_name
+
+        async def update() -> None:
+            await self._post("/load_lora_adapter", payload("/load_lora_adapter", lora_name=name, lora_path=str(path)))
+            self._lora_name = name   # before the resume: resubmitted samples go to the new adapter
+        await self._interrupted(version, update)
+        if self.server is not None:   # a restart comes back with this adapter
+            self.server.lora_paths, self.server.weight_version = {name: str(path)}, version
+        if previous is not None and previous != name:
+            await self._post("/unload_lora_adapter", payload("/unload_lora_adapter", lora_name=previous))
+        for old in sorted(Path(self.weights_dir).glob("lora-v*"), key=lambda p: p.stat().st_mtime)[:-2]:
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
 

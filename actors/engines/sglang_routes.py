@@ -24,7 +24,8 @@ SGLANG_VERSION = "0.5.6"
 
 # route -> (SGLang request dataclass in sglang.srt.managers.io_struct, the fields this module sends).
 ROUTES: dict[str, tuple[str, frozenset[str]]] = {
-    "/generate": ("GenerateReqInput", frozenset({"rid", "input_ids", "sampling_params", "return_logprob"})),
+    "/generate": ("GenerateReqInput", frozenset({"rid", "input_ids", "sampling_params", "return_logprob",
+                                                 "lora_path"})),
     "/abort_request": ("AbortReq", frozenset({"rid", "abort_all"})),
     "/pause_generation": ("PauseGenerationReqInput", frozenset({"mode"})),
     "/continue_generation": ("ContinueGenerationReqInput", frozenset()),
@@ -38,6 +39,10 @@ ROUTES: dict[str, tuple[str, frozenset[str]]] = {
                                                     "abort_all_requests", "weight_version", "load_format"})),
     "/destroy_weights_update_group": ("DestroyWeightsUpdateGroupReqInput", frozenset({"group_name"})),
     "/update_weight_version": ("UpdateWeightVersionReqInput", frozenset({"new_version", "abort_all_requests"})),
+    # LoRA (model.lora): an adapter directory in PEFT's layout is loaded under a name, which /generate's
+    # lora_path names (entrypoints/http_server.py:983-1013; managers/tokenizer_communicator_mixin.py:545-647).
+    "/load_lora_adapter": ("LoadLoRAAdapterReqInput", frozenset({"lora_name", "lora_path"})),
+    "/unload_lora_adapter": ("UnloadLoRAAdapterReqInput", frozenset({"lora_name"})),
 }
 # Keys of /generate's sampling_params (arguments of sglang.srt.sampling.sampling_params.SamplingParams).
 SAMPLING_FIELDS = frozenset({"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed"})

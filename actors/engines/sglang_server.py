@@ -45,6 +45,11 @@ class LaunchConfig:
     max_restarts: int = 5
     backoff_s: float = 1.0             # doubled after each restart, up to backoff_max_s
     backoff_max_s: float = 30.0
+    # LoRA (model.lora): the adapters' largest rank and their target modules (SGLang sizes its adapter memory
+    # pool with them), and {name: adapter directory} loaded at launch (a restart comes back with the adapter).
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
+    lora_paths: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def args(self, port: int, weight_version: int) -> list[str]:
         args = [*self.command, "--model-path", self.model_path, "--host", self.host, "--port", str(port),
@@ -55,6 +60,11 @@ class LaunchConfig:
             args += ["--dtype", self.dtype]
         if self.seed is not None:
             args += ["--random-seed", str(self.seed)]
+        if self.lora_rank:
+            args += ["--enable-lora", "--max-lora-rank", str(self.lora_rank), "--lora-target-modules",
+                     *self.lora_targets]
+            if self.lora_paths:
+                args += ["--lora-paths", *(f"{name}={path}" for name, path in self.lora_paths.items())]
         return args + list(self.extra_args)
 
 
@@ -69,6 +79,7 @@ class SGLangServer:
         self.on_event = on_event
         self.weight_version = 0
         self.model_path = config.model_path
+        self.lora_paths = dict(config.lora_paths)   # the adapter a restart comes back with
         self._log_file: Any = None
         self._watch: asyncio.Task | None = None
         self._stopping = False
@@ -108,7 +119,8 @@ class SGLangServer:
         else:
             import tempfile
             self._log_file = tempfile.NamedTemporaryFile(prefix="sglang-server-", suffix=".log", delete=False)
-        args = dataclasses.replace(cfg, model_path=self.model_path).args(port, self.weight_version)
+        args = dataclasses.replace(cfg, model_path=self.model_path, lora_paths=self.lora_paths).args(
+            port, self.weight_version)
         env = {**os.environ, **cfg.env}
         try:
             self.proc = subprocess.Popen(args, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,

@@ -28,9 +28,12 @@ from typing import Any
 
 import torch
 
+from actors.weights import weights_hash
+
 from .base import (EngineError, GenerationEngine, GenerationRequest, GenerationResult, RequestError,
                    WeightSource)
-from .checkpoint import CheckpointError, load_model
+from .checkpoint import CheckpointError, hf_state_dict, load_model
+from .lora import LoraError, LoraSpec, is_adapter_name, lora_problem, merged_weights, read_adapter, resolve_start, target_linears
 from .model import Qwen2ForCausalLM, token_logprobs
 from .moe import RoutingTrace, compact_routes
 
@@ -125,6 +128,7 @@ class _Swap:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     staged_at: float
+    adapter: dict[str, torch.Tensor] | None = None   # a LoRA version: the adapter the merged tensors came from
 
 
 @dataclasses.dataclass
@@ -146,12 +150,18 @@ class TorchGenerationEngine(GenerationEngine):
     def __init__(self, model_dir: str | None = None, *, model: Qwen2ForCausalLM | None = None, version: int = 0,
                  device: str = "cpu", dtype: torch.dtype | str | None = None, max_running: int = 256,
                  max_prefill_tokens: int = 8192, seed: int = 0, step_log: int = 100_000,
-                 record_routing: bool = False) -> None:
+                 record_routing: bool = False, lora: LoraSpec | None = None, start_adapter: str | None = None) -> None:
         """``record_routing``: a mixture-of-experts model's results carry the experts each token was routed to
-        (GenerationResult.routed_experts), for the trainer to replay (algo.routing_replay: r3)."""
+        (GenerationResult.routed_experts), for the trainer to replay (algo.routing_replay: r3).
+        ``lora``: weight versions may be LoRA adapters (lora.py), merged into a kept copy of the base weights of
+        the targeted layers, so each adapter replaces the previous one; ``model_dir`` is then the base or a LoRA
+        checkpoint, and ``start_adapter`` an adapter the engine starts with."""
         if (model_dir is None) == (model is None):
             raise EngineError("TorchGenerationEngine needs exactly one of model_dir or model")
         self._model_dir, self._model = model_dir, model
+        self._lora, self._start_adapter = lora, start_adapter
+        self._base: dict[str, torch.Tensor] = {}          # LoRA: the targeted layers' base weights, never modified
+        self._adapter: dict[str, torch.Tensor] | None = None   # LoRA: the adapter merged now, as it was received
         self._device, self._dtype = device, dtype
         self._version = version
         self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
@@ -181,9 +191,24 @@ class TorchGenerationEngine(GenerationEngine):
     async def start(self) -> None:
         if self._thread is not None:
             return
+        adapter_dir = None
         if self._model is None:
-            self._model = await asyncio.to_thread(load_model, self._model_dir, self._dtype, self._device)
+            base_dir = self._model_dir
+            if self._lora is not None:
+                base_dir, adapter_dir = await asyncio.to_thread(resolve_start, self._model_dir, self._start_adapter)
+            self._model = await asyncio.to_thread(load_model, base_dir, self._dtype, self._device)
         self._model.eval().requires_grad_(False)
+        if self._lora is not None:
+            problem = lora_problem(self._model.config, self._lora)
+            if problem:
+                raise EngineError(problem)
+            self._base = {name + ".weight": m.weight.data for name, m in target_linears(self._model, self._lora)}
+            if adapter_dir is not None:
+                adapter = (await asyncio.to_thread(read_adapter, adapter_dir))[1]
+                params = dict(self._model.named_parameters())
+                for name, tensor in merged_weights(self._base, adapter, self._lora.scaling).items():
+                    params[name].data = tensor
+                self._adapter = adapter
         if not self._model.config.sparse_layers:
             self.record_routing = False  # a dense model routes nothing
         self._cache = self._model.new_cache(8, 64)
@@ -275,10 +300,16 @@ class TorchGenerationEngine(GenerationEngine):
         params = dict(self.model.named_parameters(remove_duplicate=False))
         tied = self.model.config.tie_word_embeddings
         staged: dict[str, torch.Tensor] = {}
+        adapter: dict[str, torch.Tensor] = {}
+        device = self.model.device
 
         def stage(bucket: list[tuple[str, torch.Tensor]]) -> None:
             for name, tensor in bucket:
                 if tied and name == "lm_head.weight":
+                    continue
+                if self._lora is not None and is_adapter_name(name):
+                    # kept as sent: the hash the trainer announced is of these bytes
+                    adapter[name] = tensor.detach().to(device=device, copy=True).contiguous()
                     continue
                 param = params.get(name)
                 if param is None:
@@ -298,14 +329,28 @@ class TorchGenerationEngine(GenerationEngine):
             done = object()
             while (bucket := await asyncio.to_thread(next, iterator, done)) is not done:
                 await asyncio.to_thread(stage, bucket)
+        if adapter:
+            if staged:
+                raise CheckpointError(f"weights v{version}: both adapter and base tensors; a version is one or the other")
+            try:   # merged here, off the decode loop: the swap at the boundary stays a pointer swap
+                staged = await asyncio.to_thread(merged_weights, self._base, adapter, self._lora.scaling)
+            except LoraError as exc:
+                raise CheckpointError(f"weights v{version}: {exc}") from None
         loop = asyncio.get_running_loop()
-        swap = _Swap(version, staged, loop, loop.create_future(), time.perf_counter())
+        swap = _Swap(version, staged, loop, loop.create_future(), time.perf_counter(), adapter or None)
         with self._cond:
             if self._pending_swap is not None:  # a newer version supersedes one not yet applied
                 self._pending_swap.loop.call_soon_threadsafe(_settle, self._pending_swap.future, None)
             self._pending_swap = swap
             self._cond.notify_all()
         await swap.future
+
+    async def verify_weights(self, version: int) -> tuple[str, str]:
+        """``(hash, "hash")`` of what this engine last received: the adapter it merged (a LoRA version), else
+        every weight (rollout.actor.verify_engine_weights)."""
+        adapter = self._adapter
+        named = adapter.items() if adapter is not None else hf_state_dict(self.model).items()
+        return await asyncio.to_thread(weights_hash, sorted(named)), "hash"
 
     # --- the decode thread -------------------------------------------------------------------------
     def _check_running(self) -> None:
@@ -424,6 +469,10 @@ class TorchGenerationEngine(GenerationEngine):
         params = dict(model.named_parameters())
         for name, tensor in swap.tensors.items():
             params[name].data = tensor  # pointer swap at a step boundary: no copy on the critical path
+        if self._lora is not None:   # an adapter replaces the last; full weights are a new base without one
+            if swap.adapter is None:
+                self._base = {name: params[name].data for name in self._base}
+            self._adapter = swap.adapter
         self._version = swap.version
         t1 = time.perf_counter()
         rows, tokens = len(self._rows), sum(r.cache_len for r in self._rows)

@@ -27,6 +27,8 @@ from transport.files import atomic_write
 from .base import LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine, WeightBucket, step_loss_weights
 from .checkpoint import (CheckpointError, assign_weights, bucketize, hf_state_dict, load_model, read_tokenizer_files,
                          save_model, write_tokenizer_files)
+from .lora import (LoraSpec, adapter_problem, adapter_state, add_lora, copy_base_config, read_adapter, resolve_start,
+                   write_adapter)
 from .model import PackedAttn, Qwen2ForCausalLM, token_logprobs
 from .moe import RoutingTrace, load_balancing_loss
 
@@ -79,22 +81,32 @@ class TorchTrainEngine(TrainEngine):
     """Embedded `TrainEngine` on one torch device."""
 
     def __init__(self, model_dir: str | None = None, config: TrainConfig | None = None, *,
-                 model: Qwen2ForCausalLM | None = None, version: int = 0, tokenizer_dir: str | None = None) -> None:
-        """``tokenizer_dir`` (default ``model_dir``): whose tokenizer files every saved checkpoint carries."""
+                 model: Qwen2ForCausalLM | None = None, version: int = 0, tokenizer_dir: str | None = None,
+                 lora: LoraSpec | None = None, start_adapter: str | None = None) -> None:
+        """``tokenizer_dir`` (default ``model_dir``): whose tokenizer files every saved checkpoint carries.
+        ``lora``: train adapters on the frozen model (lora.py); ``model_dir`` is then the base model or a LoRA
+        checkpoint (which names its base), and ``start_adapter`` an adapter directory a new run starts from."""
         if (model_dir is None) == (model is None):
             raise ValueError("TorchTrainEngine needs exactly one of model_dir or model")
         self.config = config or TrainConfig()
         torch.manual_seed(self.config.seed)
         self.model_dir = model_dir
+        self.lora = lora
+        self.base_dir, adapter_dir = resolve_start(model_dir, start_adapter) if lora and model_dir else (model_dir, None)
         tokenizer_dir = tokenizer_dir or model_dir
         self._tokenizer_files = read_tokenizer_files(tokenizer_dir) if tokenizer_dir else {}
-        self.model = (model if model is not None else load_model(model_dir)).to(self.config.device).float()
+        self.model = (model if model is not None else load_model(self.base_dir)).to(self.config.device).float()
+        if lora is not None:
+            add_lora(self.model, lora, self.config.seed)
+            if adapter_dir is not None:
+                self._load_adapter(adapter_dir)
         self.model.train()
         self.device = torch.device(self.config.device)
         self.autocast = self.device.type == "cuda"
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
-            (no_decay if p.dim() < 2 else decay).append(p)  # no weight decay on biases and norms
+            if p.requires_grad:   # with LoRA only the adapters: no optimizer state for the frozen base
+                (no_decay if p.dim() < 2 else decay).append(p)  # no weight decay on biases and norms
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": self.config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.config.lr, betas=self.config.betas, eps=self.config.adam_eps)
@@ -219,12 +231,16 @@ class TorchTrainEngine(TrainEngine):
     # --- weights and checkpoints -------------------------------------------------------------------
     def export_weights(self, bucket_bytes: int = 64 << 20, dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
         """Buckets of (hf_name, tensor) copies, taken lazily bucket by bucket (valid after later steps)."""
-        named = hf_state_dict(self.model).items()
+        named = (adapter_state(self.model) if self.lora else hf_state_dict(self.model)).items()
         for bucket in bucketize(named, bucket_bytes):
             yield [(name, t.detach().to(dtype or t.dtype, copy=True)) for name, t in bucket]
 
     def save(self, path: str) -> None:
-        save_model(self.model, path)
+        if self.lora is not None:   # the adapter and the base's name; the base's weights stay where they are
+            write_adapter(path, adapter_state(self.model), self.lora, self.base_dir, self.model.config)
+            copy_base_config(self.base_dir, path)
+        else:
+            save_model(self.model, path)
         write_tokenizer_files(self._tokenizer_files, path)
         state = {
             "step": self.step, "initial_version": self._initial_version,
@@ -240,10 +256,13 @@ class TorchTrainEngine(TrainEngine):
         state_path = os.path.join(path, TRAINER_STATE)
         if not os.path.exists(state_path):
             raise CheckpointError(f"{path}: no {TRAINER_STATE} (not a complete trainer checkpoint)")
-        loaded = load_model(path)
-        if loaded.config.to_dict() != self.model.config.to_dict():
-            raise CheckpointError(f"{path}: config.json describes a different model than this trainer's")
-        assign_weights(self.model, hf_state_dict(loaded).items(), strict=True, source=path)
+        if self.lora is not None:
+            self._load_adapter(path)
+        else:
+            loaded = load_model(path)
+            if loaded.config.to_dict() != self.model.config.to_dict():
+                raise CheckpointError(f"{path}: config.json describes a different model than this trainer's")
+            assign_weights(self.model, hf_state_dict(loaded).items(), strict=True, source=path)
         state = torch.load(state_path, map_location="cpu", weights_only=False)
         try:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -257,6 +276,16 @@ class TorchTrainEngine(TrainEngine):
         np.random.set_state(rng["numpy"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+    def _load_adapter(self, adapter_dir: str) -> None:
+        problem = adapter_problem(adapter_dir, self.model.config, self.lora)
+        if problem:
+            raise CheckpointError(problem)
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in read_adapter(adapter_dir)[1].items():
+                params[name].copy_(tensor)
 
 
 def token_nll_loss(outputs: TokenLogProbs, batch: PackedBatch) -> tuple[torch.Tensor, dict[str, Any]]:

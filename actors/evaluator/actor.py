@@ -67,6 +67,7 @@ from actors.runtime.base import Actor, ActorSpec, handles
 from actors.dataset import Layout, Record, load_dataset
 from actors.engines.base import EngineError, GenerationResult, SamplingParams
 from actors.engines.checkpoint import assign_weights, has_weights, iter_checkpoint_tensors, load_config, load_model
+from actors.engines.lora import LoraSpec, is_adapter_name, merged_weights, resolve_start, start_tensors, target_linears
 from actors.engines.model import Qwen2ForCausalLM
 from actors.engines.tokenizer import load_tokenizer
 from actors.evaluator.evaluation import (EvalError, EvalSettings, Generate, aevaluate_model, aevaluate_with, engine_generator,
@@ -268,8 +269,7 @@ def catch_up(cfg: Any, run_dir: Path, final_version: int) -> tuple[list[int], li
         if where is None:
             gone.append(version)
             continue
-        model = Qwen2ForCausalLM(load_config(str(where)))
-        assign_weights(model, iter_checkpoint_tensors(str(where)), True, str(where))
+        model = load_model(str(where))   # a LoRA checkpoint: its base with the adapter merged
         t0 = time.monotonic()
         report = asyncio.run(aevaluate_model(model, tokenizer, records, settings))
         _append(path, eval_entry(version, final_version, report, time.monotonic() - t0, time.time(), "checkpoint"))
@@ -292,6 +292,7 @@ class EvalActor(Actor):
     def __init__(self, spec: ActorSpec) -> None:
         super().__init__(spec)
         self.tb: Any = None
+        self.lora_base: dict[str, Any] = {}   # model.lora: the targeted layers' base weights
 
     @classmethod
     def check_settings(cls, cfg: EvaluatorSettings) -> list[str]:
@@ -335,6 +336,10 @@ class EvalActor(Actor):
 
             # the server starts on the start weights (version 0); it is started by the evaluation loop
             self.engine = SGLangEngine.from_settings(cfg, 0, model_dir, run_dir=str(self.run_dir))
+        elif cfg.model.lora is not None:   # adapter versions are merged into the base, kept aside (lora.py)
+            self.model = await asyncio.to_thread(load_model, resolve_start(model_dir, cfg.model.lora.adapter)[0])
+            targets = target_linears(self.model, LoraSpec.from_settings(cfg.model.lora))
+            self.lora_base = {name + ".weight": m.weight.detach().clone() for name, m in targets}
         else:
             self.model = Qwen2ForCausalLM(load_config(model_dir))
         self.settings_eval = EvalSettings(samples=0, max_new_tokens=cfg.gen.max_new_tokens)
@@ -420,7 +425,7 @@ class EvalActor(Actor):
                 if self.engine is not None:
                     await self.engine.update_weights(version, [named])
                 else:
-                    await asyncio.to_thread(assign_weights, self.model, named, True, f"eval weights v{version}")
+                    await asyncio.to_thread(self._assign, named, f"eval weights v{version}")
                 await self._evaluate(version, newest)
             if missed:
                 await self._catch_up(missed, newest)
@@ -438,8 +443,8 @@ class EvalActor(Actor):
                 if self.engine is not None:
                     await self.engine.update_weights_from_disk(version, str(where))
                 else:
-                    await asyncio.to_thread(lambda: assign_weights(self.model, iter_checkpoint_tensors(str(where)),
-                                                                   True, str(where)))
+                    await asyncio.to_thread(lambda: self._assign(start_tensors(str(where))
+                                                                 or list(iter_checkpoint_tensors(str(where))), str(where)))
             except Exception as exc:   # removed (keep_checkpoints) while being read: named as skipped
                 self.log.warning("catch_up_weights_unreadable", version=version, path=str(where), error=str(exc)[:200])
                 gone.append(version)
@@ -546,6 +551,15 @@ class EvalActor(Actor):
             self._write(eval_entry(low, newest, report, time.monotonic() - t0, time.time(), "rollouts", high))
             self.done.add(low)
             due = (low // self.every + 1) * self.every
+
+    def _assign(self, named: list[tuple[str, Any]], source: str) -> None:
+        """Put a version's tensors into the model: full weights, or a LoRA adapter merged into the kept base."""
+        if named and all(is_adapter_name(name) for name, _ in named):
+            scaling = LoraSpec.from_settings(self.cfg.model.lora).scaling if self.cfg.model.lora else 0.0
+            named = list(merged_weights(self.lora_base, dict(named), scaling).items())
+            assign_weights(self.model, named, False, source)
+        else:
+            assign_weights(self.model, named, True, source)
 
     async def _fetch(self, after: int) -> tuple[int, int, list[tuple[str, Any]]] | str | None:
         """The newest kept version after ``after``: (version, server's newest, its named tensors), None when

@@ -47,6 +47,7 @@ from actors.runtime.base import Actor, ActorSpec, handles
 from actors.engines.base import (EngineError, GenerationEngine, GenerationRequest, RequestError, SamplingParams,
                                  require_device)
 from actors.engines.tokenizer import LoadedTokenizer, load_tokenizer
+from actors.engines.lora import LoraSpec
 from actors.reward.sandbox import MiB, SandboxLimits, probe_sandbox
 from actors.rollout.agent import (AgentFn, AgentGroupError, AgentRun, AgentSandbox, agent_problems, group_answers,
                                   load_agent, preload_openai, run_agent, shared_http_client)
@@ -108,10 +109,12 @@ def make_engine(cfg: RolloutSettings, version: int, model_dir: str, run_dir: str
 
         device = cfg.engine_device
         require_device(device)
+        lora = cfg.model.lora
         return TorchGenerationEngine(model_dir, version=version, device=device,
                                      dtype=cfg.model.dtype, max_running=cfg.max_running,
                                      seed=cfg.seed * 1000 + cfg.instance.index,
-                                     record_routing=cfg.algo.routing_replay == "r3")
+                                     record_routing=cfg.algo.routing_replay == "r3",
+                                     lora=LoraSpec.from_settings(lora), start_adapter=lora.adapter if lora else None)
     # "sglang" (the settings admit no other engine): an SGLang server, started here or attached by cfg.sglang_url
     from actors.engines.sglang import SGLangEngine
 

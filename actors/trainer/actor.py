@@ -55,6 +55,7 @@ from actors.runtime.base import Actor, ActorSpec, handles
 from actors.batch import shares as batch_shares
 from actors.engines.base import TrainEngine, require_device
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig
+from actors.engines.lora import LoraSpec
 from actors.runtime.rank_group import EXPORT, SAVE, STOP, TRAIN, RankGroup
 from actors.trainer.followers import follow_rank0
 from actors.runtime.recovery import (COMPLETE, checkpoint_dir, checkpoint_due, held_start_weights, mark_complete,
@@ -97,8 +98,9 @@ def trainer_placement(cfg: TrainerSettings) -> dict[str, str]:
             "process_group": "nccl" if device == "cuda" else "gloo"}
 
 
-def make_train_engine(cfg: TrainerSettings, model_dir: str, version: int) -> TrainEngine:
-    """The trainer backend named by `backend` (torch here; megatron on GPU clusters)."""
+def make_train_engine(cfg: TrainerSettings, model_dir: str, version: int, lora: bool = True) -> TrainEngine:
+    """The trainer backend named by `backend` (torch here; megatron on GPU clusters); with ``model.lora`` (and
+    ``lora``) it trains adapters on the frozen model."""
     require_device(cfg.engine_device)
     if cfg.backend == "megatron":
         return _make_megatron_engine(cfg, model_dir, version)
@@ -106,14 +108,16 @@ def make_train_engine(cfg: TrainerSettings, model_dir: str, version: int) -> Tra
     config = TrainConfig(lr=a.lr, adam_eps=a.adam_eps, betas=(a.adam_beta1, a.adam_beta2), grad_clip=a.grad_clip,
                          weight_decay=a.weight_decay, seed=cfg.seed, device=cfg.engine_device,
                          moe_aux_loss_coef=a.moe_aux_loss_coef)
-    return TorchTrainEngine(model_dir, config, version=version)
+    spec = LoraSpec.from_settings(cfg.model.lora) if lora else None
+    return TorchTrainEngine(model_dir, config, version=version, lora=spec,
+                            start_adapter=cfg.model.lora.adapter if spec is not None else None)
 
 
 def make_reference_engine(cfg: TrainerSettings) -> TrainEngine:
     """The KL penalty's reference (`algo.kl_coef` > 0): an engine of the same backend and layout holding the
     run's starting weights (model.path, also when the run resumes from a checkpoint); only its log-probs are
     used, so it never changes."""
-    return make_train_engine(cfg, cfg.model.path, 0)   # set: TrainerActor.check_settings refuses it unset
+    return make_train_engine(cfg, cfg.model.path, 0, lora=False)   # set: TrainerActor.check_settings refuses it unset
 
 
 def _make_megatron_engine(cfg: TrainerSettings, model_dir: str, version: int) -> TrainEngine:

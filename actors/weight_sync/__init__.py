@@ -118,10 +118,11 @@ def make_receiver(cfg: RolloutSettings, config: LinkConfig, engine: Any, verify:
                   param_server: str | None, counters: Counter, log: Any, active: Callable[[], int]) -> WeightReceiver:
     """A rollout's side: with direct weights (the trainer is the link's rank 0) to an engine whose server can
     join the group itself (SGLang), the server receives; otherwise this process receives on the bulk link.
-    ``weights_via_server: false`` makes an SGLang rollout receive here and load the weights from disk.
+    ``weights_via_server: false`` makes an SGLang rollout receive here and load the weights from disk, as a
+    LoRA run's rollouts always do (an adapter is loaded from its directory: SGLangEngine.load_adapter).
     ``active``: how many groups the rollout has in hand (for the log)."""
     direct = bool(config.members) and config.members[0] != param_server
-    if direct and hasattr(engine, "init_weights_group") and cfg.weights_via_server:
+    if direct and hasattr(engine, "init_weights_group") and cfg.weights_via_server and cfg.model.lora is None:
         tp = cfg.instance.parallel.get("tp", 1)
         return ServerGroupReceiver(config, engine, counters, log, verify, active, tp)
     return LinkReceiver(make_link(config), engine, counters, log, verify, active, cfg.gen.interruptible)

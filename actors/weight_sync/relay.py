@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from actors.engines.checkpoint import bucketize, iter_checkpoint_tensors
+from actors.engines.lora import start_tensors
 from actors.runtime.recovery import held_start_weights
 from actors.runtime.threads import in_thread
 from actors.weights import weights_hash
@@ -101,7 +102,9 @@ def load_start_weights(cfg: ExperimentConfig, run_dir: Any, bucket_bytes: int) -
     if dtype_name and not isinstance(dtype, torch.dtype):
         raise WeightSyncConfigError(f"model.dtype: {dtype_name!r} is not a torch dtype")
     with held_start_weights(cfg, run_dir, "param_server") as (version, model_dir):
-        named = [(n, t.to(dtype) if dtype is not None else t) for n, t in iter_checkpoint_tensors(model_dir)]
+        # a LoRA run starts from its adapter when it has one (the rollouts hold the base): lora.start_tensors
+        adapter = start_tensors(model_dir, cfg.model.lora.adapter) if cfg.model.lora is not None else None
+        named = [(n, t.to(dtype) if dtype is not None else t) for n, t in adapter or iter_checkpoint_tensors(model_dir)]
     named = [(n, t) for n, t in named if not n.endswith("rotary_emb.inv_freq")]
     buckets = list(bucketize(named, bucket_bytes))
     packed = pack_buckets(buckets)

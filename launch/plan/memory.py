@@ -25,6 +25,9 @@ of its hidden state and the experts' outputs before they are combined (split onl
 and each copy's expert activations (gate and up outputs, SiLU, the down projection's input; split by tensor
 parallelism).
 
+With `model.lora` the base is frozen: gradients and Adam's moments are the float32 adapters' only (plus the
+adapters themselves), and a published version is the adapters alone.
+
 Rollout (SGLang): weights over tp GPUs; the KV pool is what `mem_fraction_static` of the GPU leaves after
 the weights (SGLang sizes it so), hence the most answers of the configured length that fit at once.
 """
@@ -72,6 +75,8 @@ class TrainerLayout:
     bucket_bytes: int = 64 << 20      # one bucket of published weights (weight_bucket_mb)
     kept_bytes: int | None = None     # weights_kept_mb in bytes; None: KEPT_VERSIONS versions
     reference: bool = False           # algo.kl_coef > 0: a frozen reference model of the same layout
+    lora_rank: int = 0                # model.lora: adapters of this rank train on the frozen model; 0 is full weights
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "selective", "full"):
@@ -168,12 +173,27 @@ def trainer_terms(shape: ModelShape, lay: TrainerLayout) -> dict[str, float]:
     logits = 2 * (2 * s * vocab_rank) + LOGSOFTMAX_FP32_COPIES * 4 * chunk * vocab_rank
     terms = {"weights": rank_params * wbytes, "gradients": rank_params * 4, "optimizer": optimizer,
              "activations": activations, "logits": logits}
+    published = stage_dense + stage_experts   # a version's parameters on this stage's sender
+    if lay.lora_rank:
+        # the base frozen: no gradients or optimizer for it; float32 adapters with their gradients and Adam's moments
+        adapters = lora_params(shape, lay.lora_rank, lay.lora_targets) * layers_per_stage / shape.layers / t
+        terms.update(gradients=adapters * 4, optimizer=adapters * 8, adapters=adapters * 4)
+        published = adapters * t
     if lay.reference:
         # weights, Megatron's float32 gradient buffer, and (bf16) the distributed optimizer's float32 main-weight shard
         terms["reference model"] = rank_params * (wbytes + 4) + (4 * optimizer / opt_bytes if lay.bf16 else 0)
-    terms["publish transient"] = min(PUBLISH_BUCKETS_ON_GPU * lay.bucket_bytes, 2 * (stage_dense + stage_experts) * 2)
+    terms["publish transient"] = min(PUBLISH_BUCKETS_ON_GPU * lay.bucket_bytes, 2 * published * 2)
     terms["CUDA/NCCL reserve"] = hardware.PROCESS_RESERVE_BYTES
     return terms
+
+
+def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
+    """Parameters of rank-``rank`` adapters on the ``targets`` of every layer (rank * (in + out) each)."""
+    h, q, kv, f = shape.hidden, shape.heads * shape.head_dim, shape.kv_dim, shape.intermediate
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+    per_layer = sum(rank * sum(dims[t]) for t in targets if t in dims)
+    return shape.layers * per_layer + (rank * (h + shape.vocab) if "lm_head" in targets else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +253,9 @@ def trainer_layout(cfg: TrainerSettings, keeps_weights: bool) -> TrainerLayout:
                          logprob_chunk_tokens=cfg.logprob_chunk_tokens,
                          keeps_weights=keeps_weights, bucket_bytes=cfg.weight_bucket_mb << 20,
                          kept_bytes=None if cfg.weights_kept_mb is None else cfg.weights_kept_mb << 20,
-                         reference=cfg.algo.kl_coef > 0)
+                         reference=cfg.algo.kl_coef > 0,
+                         lora_rank=cfg.model.lora.rank if cfg.model.lora else 0,
+                         lora_targets=tuple(cfg.model.lora.target_modules) if cfg.model.lora else ())
 
 
 def rollout_layout(cfg: RolloutSettings) -> RolloutLayout:

@@ -1,10 +1,11 @@
-"""`python -m tools.bench NAME [args]`: run one benchmark (bus, bulk, batch, serve, packing, engine, reward, e2e, ablation, gpu, chaos, issue, agent)."""
+"""`python -m tools.bench NAME [args]`: run one benchmark (bus, bulk, batch, serve, packing, engine, reward, e2e, ablation, gpu, chaos, issue, agent, lora_sync)."""
 from __future__ import annotations
 
 import importlib
 import sys
 
-BENCHMARKS = ("bus", "bulk", "batch", "serve", "packing", "engine", "reward", "e2e", "ablation", "gpu", "chaos", "issue", "agent")
+BENCHMARKS = ("bus", "bulk", "batch", "serve", "packing", "engine", "reward", "e2e", "ablation", "gpu", "chaos", "issue", "agent",
+              "lora_sync")
 
 
 def main(argv: list[str] | None = None) -> int:

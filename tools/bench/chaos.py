@@ -1,4 +1,4 @@
-"""`python -m tools.bench chaos [--json] [--faults a,b] [--steps N] [--hang-s S]`: the fault matrix.
+"""`python -m tools.bench chaos [--json] [--faults a,b] [--steps N] [--hang-s S] [--set KEY=VALUE]`: the fault matrix.
 
 `python -m tools.bench chaos --soak [--steps 300] [--every 9] [--seed S]` runs the soak instead: one long run
 with a fault every --every steps, checked after each (tools/bench/soak.py, which tools.bench hands --soak to).
@@ -250,9 +250,11 @@ def account(run_dir: Path) -> dict[str, int]:
 
 
 def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: int, hang_s: float,
-              flood_n: int, log: Callable[[str], None], run_timeout: float = 900) -> dict[str, Any]:
+              flood_n: int, log: Callable[[str], None], run_timeout: float = 900,
+              settings: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``settings``: further `key=value` overrides of every run (``--set``)."""
     if fault in STALLS:
-        return run_stall(fault, assets, out, steps, at, hang_s)
+        return run_stall(fault, assets, out, steps, at, hang_s, settings)
     run_dir = out / fault
     intruder = intruder_account() if fault in ATTACKS else None
     if isinstance(intruder, str):
@@ -261,7 +263,8 @@ def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: in
     if fault in ATTACKS:    # the run must outlast the attack (and, for `rendezvous`, the link's new formation)
         steps = max(steps, at + ATTACK_STEPS_AFTER)
     t0 = time.monotonic()
-    proc = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2", *attack_overrides(fault)))
+    proc = launch(assets, run_dir, steps, max(2, steps // 4),
+                  extra=("actors.reward.count=2", *attack_overrides(fault), *settings))
     launches = 1
     try:   # not run_guard: a relaunch replaces the process to guard
         wait_for_step(proc, run_dir, at)
@@ -284,7 +287,8 @@ def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: in
                 (r["step"] for r in step_records(run_dir)), default=0) < steps
         elif fault == "relaunch":
             kill_everything(proc, run_dir)
-            proc, launches = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2",)), 2
+            proc, launches = launch(assets, run_dir, steps, max(2, steps // 4),
+                                    extra=("actors.reward.count=2", *settings)), 2
         try:
             output = finish_run(proc, run_dir, timeout=run_timeout)
         except subprocess.TimeoutExpired:   # a stalled run is a row of the table (killed: not in place), not a crash
@@ -316,7 +320,8 @@ def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: in
     return result
 
 
-def run_stall(fault: str, assets: dict[str, Path], out: Path, steps: int, at: int, hang_s: float) -> dict[str, Any]:
+def run_stall(fault: str, assets: dict[str, Path], out: Path, steps: int, at: int, hang_s: float,
+              settings: tuple[str, ...] = ()) -> dict[str, Any]:
     """A stall injected once the trainer made step `at` (see the module's docstring): whether the run said so
     (the watchdog's diagnosis naming the cause) or, for the frozen parameter server, trained on meanwhile."""
     run_dir = out / fault
@@ -324,7 +329,7 @@ def run_stall(fault: str, assets: dict[str, Path], out: Path, steps: int, at: in
     # The buffer's stall gets a short watchdog (30 s without a step; the default of the local config is 120 s);
     # the freeze keeps the default, which a freeze of --hang-s 60 stays under.
     watchdog = STALL_WATCHDOG if fault == "stall_buffer" else ()
-    proc = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2", *watchdog))
+    proc = launch(assets, run_dir, steps, max(2, steps // 4), extra=("actors.reward.count=2", *watchdog, *settings))
     frozen_steps = None
     with run_guard(proc, run_dir):
         wait_for_step(proc, run_dir, at)
@@ -607,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a run not over after this many seconds is killed and reported as such (900)")
     ap.add_argument("--out", default=None, help="folder for the run directories (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a further override of every run (as tools.up takes them), e.g. experiment.model.lora.rank=4")
     ap.add_argument("--make-assets", metavar="DIR", default=None,
                     help="only write the runs' assets to DIR (DIR/model: a small random model with the shipped "
                          "tokenizer; DIR/data: the arithmetic task's train/test files) and exit")
@@ -628,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, fault in enumerate(faults, 1):
         log(f"bench chaos: [{i}/{len(faults)}] {fault}")
         results.append(run_fault(fault, assets, out, args.steps, args.at, args.hang_s, args.flood, log,
-                                 run_timeout=args.run_timeout))
+                                 run_timeout=args.run_timeout, settings=tuple(args.set)))
     report = {"steps": args.steps, "at": args.at, "hang_s": args.hang_s, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
               "results": results, "target_met": target_met(results)}
     if args.json:
