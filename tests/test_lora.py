@@ -192,7 +192,7 @@ def test_merge_equals_the_adapted_forward():
 
 def test_planner_memory_counts_adapters_not_the_frozen_base():
     from launch.plan.memory import TrainerLayout, lora_params, trainer_terms
-    from tools.plan.shapes import BUILTIN
+    from launch.plan.shapes import BUILTIN
 
     shape = BUILTIN["7B"]
     targets = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -12,7 +12,7 @@ import topology
 from tools import up
 from launch.plan import hardware, memory, sizing
 from tools.plan import costs, setup
-from tools.plan.shapes import BUILTIN, ModelShape, from_hf_config, resolve
+from launch.plan.shapes import BUILTIN, ModelShape, from_hf_config, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 H800 = hardware.GPUS["H800"]
