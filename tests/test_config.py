@@ -42,7 +42,7 @@ def problems_of(doc: dict) -> list[str]:
     (("supervisor",), "max_restart"),
     (("links", "l"), "bakend"),
     (("actors", "echo"), "setings"),
-    (("actors", "ping", "parallel"), "ep"),
+    (("actors", "ping", "parallel"), "ed"),
     (("actors", "ping", "settings"), "roundz"),
     (("actors", "ping", "settings", "algo"), "etaa"),
     (("actors", "ping", "settings", "message_log"), "flush_evry"),
