@@ -234,7 +234,7 @@ def test_no_flag_but_data_runs_the_tutorials_protocol_on_several_benchmarks(tmp_
     # `python -m tools.eval CKPT --data a,b`: AReaL's evaluation layout and protocol with no other flag.
     model = short_context_model_dir(tmp_path / "model")
     seen: list = []
-    real = ev.aevaluate_with
+    real = harness.aevaluate_with
 
     async def spy(generate, tokenizer, records, settings, **kwargs):
         seen.append((records, settings))
