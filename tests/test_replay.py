@@ -371,7 +371,7 @@ def test_a_peer_restart_is_logged_and_replayed_where_it_happened(tmp_path: Any) 
             while not ready_path(tmp_path, "watch").exists():
                 await asyncio.sleep(0.005)
         first = sink_bus.incarnation
-        await until(lambda: actor.bus._peers["sink"].incarnation == first, timeout=10, what="the sink's first ping")
+        await until(lambda: actor.bus.liveness.peers["sink"].incarnation == first, timeout=10, what="the sink's first ping")
         await sink_bus.close()
         sink_bus = await sink().start()          # a new process of the sink, long before any heartbeat timeout
         async with asyncio.timeout(30):
