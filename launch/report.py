@@ -43,7 +43,9 @@ def evaluation_notes(plan: Plan) -> list[str]:
         lines.append("  during the run: none: the topology has no evaluator group"
                      + (f" (eval.every_versions {every} is unused)" if every > 0 else ""))
     if config.run.final_eval:
-        lines.append("  at the end: the start model and the last checkpoint, greedy and sampled "
+        how = (f"greedy and {config.eval.samples} sampled answers a problem" if config.eval.samples
+               else "greedy only (eval.samples 0)")
+        lines.append(f"  at the end: the start model and the last checkpoint, {how} "
                      "(tools.eval; SGLang servers on a machine with a GPU and SGLang, else the embedded engine)")
     else:
         lines.append("  at the end: none: run.final_eval is false")
