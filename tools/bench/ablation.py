@@ -45,6 +45,8 @@ CORRECTIONS: dict[str, list[str]] = {
     "m2po": ["experiment.algo.m2po_tau=0.04"],
     "geometric": ["experiment.algo.rejection=geometric", "experiment.algo.rejection_upper=1.25"],
 }
+# Held-out accuracy is greedy here: the final evaluation's 8 sampled answers a problem would be 8 times the work.
+GREEDY_ONLY = "experiment.eval.samples=0"
 # The step monitors a cell reports, averaged over its steps (metrics.jsonl keys; `step_monitors`).
 MONITORS = ("mismatch_kl_k3", "actor_clip_ratio", "behav_masked_frac", "rejected_frac", "tis_truncated_frac",
             "m2po_masked_frac", "entropy", "avg_seq_len")
@@ -64,7 +66,7 @@ def run_cell(eta: int, objective: str, steps: int, eval_every: int, extra: list[
         (f"-{correction}" if correction != "none" else "") + (f"-seed{seed}" if seed is not None else "")
     overrides = [f"experiment.algo.eta={eta}", f"experiment.algo.decoupled={OBJECTIVES[objective]}",
                  f"experiment.run.checkpoint_every_steps={eval_every}",
-                 "experiment.run.keep_checkpoints=0", "experiment.eval.samples=0", *(loss_overrides(loss) if loss != "ppo" else []),
+                 "experiment.run.keep_checkpoints=0", GREEDY_ONLY, *(loss_overrides(loss) if loss != "ppo" else []),
                  *CORRECTIONS[correction], *([f"experiment.seed={seed}"] if seed is not None else []), *extra]
     summary = run_local(name, steps, overrides, out, log, bench="ablation")
     run_dir = Path(summary["run_dir"])
@@ -103,7 +105,7 @@ def held_out_curve(run_dir: Path, summary: dict[str, Any], samples: list[float],
     import topology
     from actors.evaluator.harness import evaluate_held_out
 
-    config = topology.load(ROOT / TOPOLOGY, [*extra, "experiment.eval.samples=0"]).topology.config
+    config = topology.load(ROOT / TOPOLOGY, [*extra, GREEDY_ONLY]).topology.config
     test = str(ROOT / str(config.data.test))
     curve = [[0.0, summary["greedy_accuracy"].get("start", float("nan"))]]
     for step in range(1, len(samples) + 1):
