@@ -59,16 +59,16 @@ def test_attacks_from_another_user_are_refused_and_the_run_loses_nothing(fault: 
     if isinstance(account, str):
         pytest.skip(account)
     result = chaos.run_fault(fault, assets, tmp_path, steps=6, at=1, hang_s=0, flood_n=0, log=print)
-    assert result["survived_in_place"] and result["lost"] == 0 and result["twice"] == 0, result
-    assert result["during_run"] and result["intruder_uid"] == account[0], result
-    assert result["accepted"] == 0 and result["attempts"] > 0, result
+    assert result["survived_in_place"] and result["lost"] == 0 and result["twice"] == 0, json.dumps(result, default=str)
+    assert result["during_run"] and result["intruder_uid"] == account[0], json.dumps(result, default=str)
+    assert result["accepted"] == 0 and result["attempts"] > 0, json.dumps(result, default=str)
     if fault.startswith("spoof"):
         assert result["control_ok"], result     # the same client gets through a socket with no protection
         refusal = "refused: the socket speaks CURVE, which needs one of the run's keys" if fault == "spoof" else \
             "unreachable: Permission denied"
-        assert result["handshakes"] == {refusal: result["attempts"]}, result
+        assert result["handshakes"] == {refusal: result["attempts"]}, json.dumps(result, default=str)
     else:
-        assert result["keys_read"] > 0 and result["forged"] > 0 and result["formed_again"] >= 1, result
+        assert result["keys_read"] > 0 and result["forged"] > 0 and result["formed_again"] >= 1, json.dumps(result, default=str)
 
 def test_the_spoof_rows_try_every_takeover_the_probe_made(tmp_path: Path) -> None:
     # The probe from another uid stole batches, fetched the weights as the evaluator, read the parameter server's
@@ -98,10 +98,10 @@ def test_a_fault_run_reports_it_survived_with_nothing_lost(fault: str, assets: d
     # relaunch at step 1, before the first checkpoint (step 2): the relaunched buffer once started afresh beside the
     # old ledger, and the first steps' prompts were trained twice.
     result = chaos.run_fault(fault, assets, tmp_path, steps=6, at=1, hang_s=0, flood_n=0, log=print)
-    assert result["exit_code"] == 0 and result["launches"] == (2 if fault == "relaunch" else 1), result
+    assert result["exit_code"] == 0 and result["launches"] == (2 if fault == "relaunch" else 1), json.dumps(result, default=str)
     if fault == "kill_reward":
-        assert result["survived_in_place"] and result["restarted"] == {"reward.0": 1}, result
-    assert result["lost"] == 0 and result["twice"] == 0 and result["trained"] == 6 * 4, result
+        assert result["survived_in_place"] and result["restarted"] == {"reward.0": 1}, json.dumps(result, default=str)
+    assert result["lost"] == 0 and result["twice"] == 0 and result["trained"] == 6 * 4, json.dumps(result, default=str)
 
 
 def test_a_stall_meets_the_target_only_when_diagnosed_and_a_freeze_only_when_training_went_on() -> None:
