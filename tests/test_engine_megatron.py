@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sett
         from tests import megatron_cpu_shim
         megatron_cpu_shim.install()
         config = mg.MegatronConfig(lr=LR, **settings["config"])
-        engine = mg.MegatronTrainEngine(model_dir, config)
+        engine = mg.MegatronTrainEngine(model_dir, config, **settings.get("engine", {}))
         if engine.device.type == "cpu":
             # On a GPU, init_distributed seeds Megatron's CUDA RNG tracker (sequence parallelism and full
             # recompute fork it); the shim runs that tracker on the CPU generator, seeded the same way here.
