@@ -204,6 +204,10 @@ def test_planner_memory_counts_adapters_not_the_frozen_base():
     assert lora["optimizer"] == adapters * 8 and lora["gradients"] == adapters * 4
     assert lora["weights"] == full["weights"] and lora["activations"] == full["activations"]
     assert sum(lora.values()) < sum(full.values()) - 0.9 * (full["optimizer"] + full["gradients"])
+    # tensor parallelism (the megatron trainer) splits B of q, k, v and A of o; A of q, k, v and B of o replicated
+    assert lora_params(shape, 16, targets, tp=2) == 28 * 16 * ((3584 + 1792) + 2 * (3584 + 256) + (1792 + 3584))
+    tp2 = trainer_terms(shape, TrainerLayout(tp=2, lora_rank=16, lora_targets=targets))
+    assert tp2["optimizer"] == lora_params(shape, 16, targets, tp=2) * 8
 
 
 def test_launch_check_refuses_lora_that_fits_nothing(tmp_path):
