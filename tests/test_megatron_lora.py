@@ -21,7 +21,8 @@ from actors.engines.lora import LoraSpec, initial_adapter, is_adapter_dir, write
 from actors.engines.megatron_lora import megatron_lora_problem
 from actors.engines.torch_train import TorchTrainEngine, TrainConfig, token_nll_loss
 from testsupport.tiny_models import tiny_config
-from tests.test_engine_megatron import LR, _batches, _max_diff, _model_dir, _run, _whole, needs_megatron
+from tests.test_engine_megatron import (LR, _batches, _max_diff, _model_dir, _run, _save_step_load_step, _whole,
+                                        needs_megatron)
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SPEC = LoraSpec(rank=4, alpha=8.0, target_modules=ALL)
@@ -87,13 +88,7 @@ def _lora_checks(engine: Any, out_dir: str, settings: dict[str, Any]) -> dict[st
     out["adapter"] = {k: v for bucket in engine.export_weights(4096) for k, v in bucket}
     out["after_step_logprobs"] = engine.compute_logprobs(whole).logprobs
     if settings.get("checkpoint"):
-        ckpt = os.path.join(out_dir, "ckpt")
-        engine.save(ckpt)
-        out["second_step"] = engine.train_step(batches, token_nll_loss)
-        out["second_adapter"] = {k: v for b in engine.export_weights() for k, v in b}
-        engine.load(ckpt)
-        out["replayed_step"] = engine.train_step(batches, token_nll_loss)
-        out["replayed_adapter"] = {k: v for b in engine.export_weights() for k, v in b}
+        out.update(_save_step_load_step(engine, out_dir, batches))
     return out
 
 
@@ -157,5 +152,5 @@ def test_megatron_lora_matches_the_torch_trainers_lora(tmp_path, world, config, 
         resumed = TorchTrainEngine(ckpt, TrainConfig(), lora=SPEC)   # the torch trainer resumes from it too
         assert _max_diff({k: v for b in resumed.export_weights() for k, v in b}, published) == 0.0
         got = ranks[0]
-        assert got["replayed_step"] == got["second_step"]
-        assert _max_diff(got["replayed_adapter"], got["second_adapter"]) == 0.0
+        assert got["version_after_load"] == 1 and got["replayed_step"] == got["second_step"]
+        assert _max_diff(got["replayed_weights"], got["second_weights"]) == 0.0
