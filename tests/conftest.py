@@ -32,13 +32,17 @@ def random_model_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def standin():
-    """An SGLang stand-in server (testsupport/sglang_standin.py) in a thread, over a tiny random model (seed 0)."""
+def standin(request):
+    """An SGLang stand-in server (testsupport/sglang_standin.py) in a thread, over a tiny random model (seed 0),
+    serving as the newest supported SGLang release, or as the one a test names by indirect parametrization
+    (``@pytest.mark.parametrize("standin", SGLANG_VERSIONS, indirect=True)``)."""
+    from actors.engines.sglang_routes import SGLANG_VERSION
     from actors.engines.torch_gen import TorchGenerationEngine
     from testsupport.sglang_standin import StandinThread
     from testsupport.tiny_models import tiny_model
 
-    server = StandinThread(TorchGenerationEngine(model=tiny_model(seed=0))).start()
+    release = getattr(request, "param", SGLANG_VERSION)
+    server = StandinThread(TorchGenerationEngine(model=tiny_model(seed=0)), release=release).start()
     yield server
     server.stop()
 

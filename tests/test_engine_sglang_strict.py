@@ -1,8 +1,9 @@
-"""The stand-in SGLang server is as strict as SGLang 0.5.6 (each behaviour cited in testsupport/sglang_standin.py
-and docs/engines-sglang.md), and the SGLang client copes with each: idle keep-alive, /health that generates a
-token, queued aborts that carry tokens, cache flushes that kill a server with a running batch, a weights
-group joined by every tensor-parallel rank, pauses that answer before they apply, no decode step during a
-broadcast, int32 seeds, and connections reset under a call."""
+"""The stand-in SGLang server is as strict as each supported SGLang release, 0.5.6 and 0.5.23 (each behaviour
+cited in testsupport/sglang_standin.py and docs/engines-sglang.md), and the SGLang client copes with each:
+idle keep-alive, /health that generates a token, queued aborts that carry tokens, cache flushes that kill a
+server with a running batch (0.5.6) or fail the update (0.5.23), a weights group joined by every
+tensor-parallel rank, pauses that answer before they apply, no decode step during a broadcast, int32 seeds
+(0.5.6) and int64 ones (0.5.23), and connections reset under a call."""
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,8 @@ from actors.engines.base import GenerationRequest, SamplingParams
 from actors.engines.checkpoint import hf_state_dict, save_model
 from actors.engines.sglang import LaunchConfig, SGLangEngine, sglang_rid
 from actors.engines.sglang_group import WeightGroupSender
-from actors.engines.sglang_routes import CLIENT_KEEP_ALIVE_S, SEED_RANGE, SGLangConnectionReset, SGLangError
+from actors.engines.sglang_routes import (CLIENT_KEEP_ALIVE_S, SEED_RANGE, SGLANG_VERSIONS, SGLangConnectionReset,
+                                          SGLangError)
 from actors.engines.torch_gen import TorchGenerationEngine
 from actors.weights import weights_hash
 from testsupport.bounded import run_bounded, until
@@ -33,6 +35,8 @@ from transport.ports import free_port
 
 TIMEOUT = 90.0
 run = functools.partial(run_bounded, timeout=TIMEOUT)
+OLDEST, NEWEST = SGLANG_VERSIONS[0], SGLANG_VERSIONS[-1]
+each_release = pytest.mark.parametrize("standin", SGLANG_VERSIONS, indirect=True)
 
 
 def post(url: str, route: str, body: dict, timeout: float = TIMEOUT) -> tuple[int, dict]:
@@ -66,10 +70,11 @@ def hold_at(engine: TorchGenerationEngine, step: int) -> tuple[threading.Event, 
 
 
 def test_idle_connections_close_after_sglangs_keep_alive_and_the_client_drops_them_sooner(standin):
-    # uvicorn closes a connection idle for timeout_keep_alive=5 s (entrypoints/http_server.py:1433); a client
-    # keeping it longer (aiohttp's default is 15 s) sends, now and then, on a connection being closed.
+    # uvicorn closes a connection idle for timeout_keep_alive=5 s (entrypoints/http_server.py:3059, environ.py:
+    # 337; 0.5.6: http_server.py:1433); a client keeping it longer (aiohttp's default is 15 s) sends, now and
+    # then, on a connection being closed.
     conn = http.client.HTTPConnection("127.0.0.1", standin.port, timeout=30)
-    conn.request("GET", "/weight_version")
+    conn.request("GET", "/model_info")
     assert conn.getresponse().read()
     opened = time.monotonic()
     conn.sock.settimeout(TIMEOUT_KEEP_ALIVE_S + 10)
@@ -146,10 +151,13 @@ def test_health_answers_503_when_nothing_comes_back_in_time(standin, monkeypatch
     assert done == [200] and get_status(standin.url, "/health") == 200
 
 
+@each_release
 def test_a_request_aborted_in_the_queue_answers_its_force_streamed_tokens(standin):
     # A request retracted to the waiting queue keeps its output; aborted there, it is answered through
     # TokenizerManager._handle_abort_req with what reached the tokenizer manager: its tokens up to the last
-    # multiple of 50 (managers/scheduler_output_processor_mixin.py:822-826), and no weight_version.
+    # multiple of 50 (managers/scheduler_components/output_streamer.py:475-477; 0.5.6:
+    # managers/scheduler_output_processor_mixin.py:822-826), and the server's weight_version in 0.5.23 only
+    # (managers/tokenizer_manager.py:3606).
     reached, release = hold_at(standin.engine, 120)
     answers: list[dict] = []
     worker = threading.Thread(target=lambda: answers.append(post(standin.url, "/generate", {
@@ -171,13 +179,15 @@ def test_a_request_aborted_in_the_queue_answers_its_force_streamed_tokens(standi
     [answer] = answers
     meta = answer["meta_info"]
     assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
-    assert "weight_version" not in meta and "prompt_tokens" not in meta
+    assert "prompt_tokens" not in meta
+    assert meta.get("weight_version") == (None if standin.server.release.version == OLDEST else "0")
     streamed = 120 // FORCE_STREAM_INTERVAL * FORCE_STREAM_INTERVAL
     assert meta["completion_tokens"] == streamed == len(answer["output_ids"]) == len(meta["output_token_logprobs"])
     assert answer["output_ids"] == greedy_reference(tiny_model(seed=0), [5, 6, 7], streamed)
     post(standin.url, "/continue_generation", {})
 
 
+@each_release
 def test_the_client_resumes_a_queued_abort_from_its_tokens(standin):
     # The same answer reaching the client: its tokens are labelled with the version the request went out
     # under, and the sample resumes from them after the pause.
@@ -207,10 +217,12 @@ def test_the_client_resumes_a_queued_abort_from_its_tokens(standin):
     assert result.versions == [0] * 160
 
 
-def test_a_cache_flush_with_a_running_batch_kills_the_server(standin, tmp_path):
-    # Every weight update asserts that its cache flush succeeded (managers/scheduler_update_weights_mixin.py:50-52),
-    # and the flush refuses while the running batch holds a request (managers/scheduler.py:2205-2255): an
-    # in_place pause keeps the batch, so the update kills the scheduler, and the server with it.
+@pytest.mark.parametrize("standin", [OLDEST], indirect=True)
+def test_a_cache_flush_with_a_running_batch_kills_an_oldest_release_server(standin, tmp_path):
+    # 0.5.6: every weight update asserts that its cache flush succeeded
+    # (managers/scheduler_update_weights_mixin.py:50-52), and the flush refuses while the running batch holds a
+    # request (managers/scheduler.py:2205-2255): an in_place pause keeps the batch, so the update kills the
+    # scheduler, and the server with it.
     save_model(tiny_model(seed=4), str(tmp_path / "v1"))
     reached, release = hold_at(standin.engine, 3)
     outcome: list[object] = []
@@ -235,7 +247,35 @@ def test_a_cache_flush_with_a_running_batch_kills_the_server(standin, tmp_path):
     assert "Cache flush failed" in (standin.server.crashed or "")
     assert len(outcome) == 1 and isinstance(outcome[0], Exception)   # nothing answered it
     with pytest.raises((ConnectionError, urllib.error.URLError)):
-        get_status(standin.url, "/weight_version", timeout=5)
+        get_status(standin.url, "/model_info", timeout=5)
+
+
+@pytest.mark.parametrize("standin", [NEWEST], indirect=True)
+def test_a_cache_flush_with_a_running_batch_fails_a_newest_release_update(standin, tmp_path):
+    # 0.5.23: the flush still refuses while the running batch holds a request (managers/scheduler.py:5518-5547),
+    # but the update answers it with success False, HTTP 400, its weights already changed and the server's
+    # version not relabelled (managers/scheduler_components/weight_updater.py:120-133).
+    save_model(tiny_model(seed=4), str(tmp_path / "v1"))
+    reached, release = hold_at(standin.engine, 3)
+    outcome: list[tuple[int, dict]] = []
+    worker = threading.Thread(target=lambda: outcome.append(post(standin.url, "/generate", {
+        "input_ids": [5, 6, 7], "sampling_params": {"temperature": 0.0, "max_new_tokens": 10}})))
+    worker.start()
+    try:
+        assert reached.wait(30)
+        assert post(standin.url, "/pause_generation", {"mode": "in_place"})[0] == 200
+        release.set()
+        status, _ = post(standin.url, "/update_weights_from_disk", {"model_path": str(tmp_path / "v1"),
+                                                                     "flush_cache": True, "weight_version": "1"})
+        assert status == 400
+        assert post(standin.url, "/continue_generation", {})[0] == 200
+    finally:
+        release.set()
+        worker.join(60)
+    assert standin.server.crashed is None and outcome[0][0] == 200
+    assert weights_hash(hf_state_dict(standin.engine.model).items()) == weights_hash(hf_state_dict(tiny_model(seed=4)).items())
+    with urllib.request.urlopen(standin.url + "/model_info", timeout=TIMEOUT) as r:
+        assert json.loads(r.read())["weight_version"] == "0"
 
 
 def test_the_clients_update_flushes_after_an_abort_pause_and_the_server_lives(standin, tmp_path):
@@ -340,19 +380,23 @@ def _group_body(named: list, version: int, group: str) -> dict:
             "abort_all_requests": False, "load_format": "flattened_bucket", "weight_version": str(version)}
 
 
-def test_no_decode_step_runs_while_a_bucket_is_received(tmp_path):
+@pytest.mark.parametrize("release", SGLANG_VERSIONS)
+def test_no_decode_step_runs_while_a_bucket_is_received(tmp_path, release):
     # Outside a pause, SGLang's update first takes the model-update lock's writer side (running requests
-    # finish), then its scheduler receives the bucket between batches (managers/tokenizer_communicator_mixin.py:
-    # 418-430, managers/scheduler.py:967-989): no token is generated meanwhile.
+    # finish), then its scheduler receives the bucket between batches (managers/tokenizer_control_mixin.py:
+    # 515-524, managers/scheduler.py:2026-2040; 0.5.6: tokenizer_communicator_mixin.py:418-430, scheduler.py:
+    # 967-989): no token is generated meanwhile. 0.5.23 receives it inside a weight-update session, whose
+    # opening waits for the running requests the same way (tokenizer_control_mixin.py:471-483).
     model_dir = str(tmp_path / "start")
     save_model(tiny_model(seed=0), model_dir)
     named = list(hf_state_dict(tiny_model(seed=9)).items())
 
     async def main():
-        engine = SGLangEngine(launch=_launch(model_dir, tmp_path))
+        engine = SGLangEngine(launch=_launch(model_dir, tmp_path, release=release))
         await engine.start()
         sender = WeightGroupSender("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=60,
                                  group_name="g-nostep")
+        session = release != OLDEST
         try:
             await asyncio.gather(engine.init_weights_group("127.0.0.1", sender.master_port, 1, 2, backend="gloo",
                                                            group_name="g-nostep"),
@@ -361,9 +405,14 @@ def test_no_decode_step_runs_while_a_bucket_is_received(tmp_path):
                 "long", [3, 4], SamplingParams(temperature=0.0, max_new_tokens=200))))
             await until(lambda: len(standin_log(engine.url)["steps"]) > 5, 60, "generation to run")
             # the route straight, without the client's pause: the server itself must keep them apart
-            update = asyncio.ensure_future(engine._post("/update_weights_from_distributed", _group_body(named, 1, "g-nostep")))
+            if session:
+                await engine._post("/begin_weight_update", {})
+            update = asyncio.ensure_future(engine._post("/update_weights_from_distributed",
+                                                        _group_body(named, 1, "g-nostep")))
             await asyncio.to_thread(sender.send, named)
             await update
+            if session:
+                await engine._post("/end_weight_update", {})
             [result] = await long
             return result, standin_log(engine.url)
         finally:
@@ -409,8 +458,11 @@ def test_a_weight_bucket_is_never_sent_twice_after_a_reset(tmp_path):
     assert retried == 0 and len(calls) == 1
 
 
-def test_a_seed_outside_int32_kills_the_server_and_the_client_sends_none(standin):
-    # sampling/sampling_batch_info.py:90-97: the seeds become an int32 tensor in the scheduler.
+@each_release
+def test_a_seed_outside_int32_kills_an_oldest_release_server_and_the_client_sends_none(standin):
+    # 0.5.6 sampling/sampling_batch_info.py:90-97: the seeds become an int32 tensor in the scheduler, where one
+    # outside int32 raises and the server dies; 0.5.23 makes them int64 (sampling_batch_info.py:167) and
+    # refuses one outside int64 with HTTP 400 (sampling/sampling_params.py:308-312).
     async def main():
         engine = SGLangEngine(url=standin.url)
         await engine.start()
@@ -423,10 +475,15 @@ def test_a_seed_outside_int32_kills_the_server_and_the_client_sends_none(standin
     results = run(main())   # the stand-in checks every seed it is sent: none left int32
     assert [len(r.output_ids) for r in results] == [4] * 4 and standin.server.crashed is None
     assert SEED_RANGE == 1 << 31
-    with pytest.raises((ConnectionError, http.client.HTTPException, urllib.error.URLError)):
-        post(standin.url, "/generate", {"input_ids": [5], "sampling_params": {"sampling_seed": 1 << 40,
-                                                                             "max_new_tokens": 2}})
-    assert "int32" in (standin.server.crashed or "")
+    beyond_int32 = {"input_ids": [5], "sampling_params": {"sampling_seed": 1 << 40, "max_new_tokens": 2}}
+    if standin.server.release.version == OLDEST:
+        with pytest.raises((ConnectionError, http.client.HTTPException, urllib.error.URLError)):
+            post(standin.url, "/generate", beyond_int32)
+        assert "int32" in (standin.server.crashed or "")
+        return
+    assert post(standin.url, "/generate", beyond_int32)[0] == 200
+    beyond_int64 = {"input_ids": [5], "sampling_params": {"sampling_seed": 1 << 63, "max_new_tokens": 2}}
+    assert post(standin.url, "/generate", beyond_int64)[0] == 400 and standin.server.crashed is None
 
 
 def test_idempotent_calls_are_sent_again_after_a_reset(standin, tmp_path):

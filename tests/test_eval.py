@@ -181,7 +181,7 @@ def test_sglang_engine_gives_the_embedded_engines_report(trained, tmp_path, caps
         for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
             (tok_dir / name).write_bytes((trained["ckpt"] / name).read_bytes())
         remote = harness.evaluate(str(tok_dir), str(trained["data"]), engine="sglang", url=server.url, **kwargs)
-        with urllib.request.urlopen(server.url + "/weight_version", timeout=30) as r:
+        with urllib.request.urlopen(server.url + "/model_info", timeout=30) as r:
             label = json.loads(r.read())["weight_version"]
         assert ev.main([str(tok_dir), "--data", str(trained["data"]), "--protocol", "plain", "--engine", "sglang",
                         "--url", server.url,

@@ -1,12 +1,15 @@
 """A stand-in SGLang server over the embedded engine, for running and testing the SGLang path without a GPU.
 
     python -m testsupport.sglang_standin --model-path DIR [--host 127.0.0.1] [--port 30000]
-                                            [--weight-version 0] [--random-seed S] [--tp-size 1] ...
+                                            [--weight-version 0] [--random-seed S] [--tp-size 1]
+                                            [--standin-sglang-release 0.5.23] ...
 
-It serves the routes and request/response fields of SGLang's HTTP server (the release pinned in
-actors.engines.sglang_routes.SGLANG_VERSION) that the SGLang engine uses, over a `TorchGenerationEngine`:
+It serves the routes and request/response fields of SGLang's HTTP server that the SGLang engine uses, as
+one of the releases the engine speaks to (actors.engines.sglang_routes.SGLANG_VERSIONS: the oldest and the
+newest of the supported range; the newest unless ``--standin-sglang-release`` names another), over a
+`TorchGenerationEngine`:
 
-    GET  /health /health_generate /model_info /server_info /weight_version
+    GET  /health /health_generate /model_info /server_info, and /weight_version in 0.5.6
     POST /generate                 input_ids, sampling_params, return_logprob, rid -> output_ids, meta_info
                                    (finish_reason, prompt_tokens, completion_tokens, cached_tokens,
                                    weight_version, output_token_logprobs = [[logprob, token_id, null], ...])
@@ -17,6 +20,7 @@ actors.engines.sglang_routes.SGLANG_VERSION) that the SGLang engine uses, over a
     POST /continue_generation
     POST /update_weights_from_disk model_path (a Hugging Face checkpoint directory), weight_version, ...
     POST /init_weights_update_group, /destroy_weights_update_group
+    POST /begin_weight_update, /end_weight_update (0.5.23): the session every bucket is received in
     POST /update_weights_from_distributed   names, dtypes, shapes, group_name, load_format (per tensor or
                                    "flattened_bucket"): receives the bucket over the group (gloo on CPU)
     POST /update_weight_version    new_version, abort_all_requests
@@ -25,18 +29,21 @@ actors.engines.sglang_routes.SGLANG_VERSION) that the SGLang engine uses, over a
                                    (/generate's lora_path names a loaded adapter; one adapter runs at a time)
 
 Semantics follow SGLang's: a weight update outside a pause waits until running requests finish; inside a
-pause it is applied at once and (as in SGLang) does not relabel weight_version, which /update_weight_version
-does. Where SGLang is strict the stand-in is too, each behaviour read from the release's source (the constants
-below cite file and line under python/sglang/srt/ at tag v0.5.6; docs/engines-sglang.md lists them): idle
-keep-alive connections close after 5 s; /health generates a token and polls once a second; a request aborted
-in the waiting queue answers with the tokens force-streamed so far (every 50); a cache flush with a request
-in the running batch fails the scheduler's assertion and the server dies, as it does for a sampling_seed
-outside int32; the weights group is joined as tp_size ranks (a worker process per extra rank); a
-non-abort pause answers before the scheduler applies it; no generation step runs while a bucket is
-received; /abort_request matches by rid prefix; a disconnected client's request is aborted within 4 s. One extension that SGLang lacks: GET /standin/weights_hash (actors.weights.weights_hash of the
-weights in use) so tests can prove which weights the server samples with; ``--no-weights-hash`` leaves it
-out, to serve exactly as SGLang does (rollouts then check the version the server reports). Fields SGLang has but the
-stand-in does not implement are refused with HTTP 400 naming them, rather than silently ignored.
+pause it is applied at once, and relabels weight_version in 0.5.23 but not in 0.5.6 (/update_weight_version
+does in both). Where SGLang is strict the stand-in is too, each behaviour read from the release's source (the
+constants below cite file and line under python/sglang/srt/ at each release's tag; ``CITATIONS`` holds the
+lines, docs/engines-sglang.md lists them): idle keep-alive connections close after 5 s; /health generates a
+token and polls once a second; a request aborted in the waiting queue answers with the tokens force-streamed
+so far (every 50); a cache flush with a request in the running batch fails the update (0.5.23) or the
+scheduler's assertion, and the server dies (0.5.6), as a 0.5.6 server does for a sampling_seed outside int32
+(0.5.23 refuses one outside int64); buckets are received only inside a weight-update session (0.5.23); the
+weights group is joined as tp_size ranks (a worker process per extra rank); a non-abort pause answers before
+the scheduler applies it; no generation step runs while a bucket is received; /abort_request matches by rid
+prefix; a disconnected client's request is aborted within 4 s. One extension that SGLang lacks: GET
+/standin/weights_hash (actors.weights.weights_hash of the weights in use) so tests can prove which weights
+the server samples with; ``--no-weights-hash`` leaves it out, to serve exactly as SGLang does (rollouts then
+check the version the server reports). Fields SGLang has but the stand-in does not implement are refused with
+HTTP 400 naming them, rather than silently ignored.
 """
 from __future__ import annotations
 
@@ -44,6 +51,7 @@ import argparse
 import asyncio
 import collections
 import contextvars
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -59,7 +67,7 @@ import torch
 
 from actors.engines.base import EngineError, GenerationRequest, RequestError, SamplingParams, WeightBucket
 from actors.engines.sglang_group import drop_weight_group, join_weight_group
-from actors.engines.sglang_routes import SGLANG_VERSION
+from actors.engines.sglang_routes import SGLANG_VERSION, SGLANG_VERSIONS
 from actors.engines.sglang_server import LaunchConfig
 from actors.engines.torch_gen import TorchGenerationEngine
 from transport.bulk import TensorMeta, unpack_flat
@@ -68,84 +76,209 @@ __all__ = ["StandinServer", "main"]
 
 log = logging.getLogger("sglang_standin")
 
-# SGLang 0.5.6's values, each where its source sets it (paths under python/sglang/srt/, tag v0.5.6).
-# entrypoints/http_server.py:1433 (and :1452): uvicorn.run(..., timeout_keep_alive=5) closes a connection idle
-# this long; a client must not keep idle connections longer, or it sends on one the server is closing.
+# SGLang's values, each where its source sets it (paths under python/sglang/srt/ of the release's tag; the
+# newest release's lines first, the oldest's after "0.5.6"). Where the two releases differ the stand-in
+# serves as the one it is told (:class:`Release`), the newest by default.
+# entrypoints/http_server.py:3059 (environ.py:337, SGLANG_TIMEOUT_KEEP_ALIVE = 5; 0.5.6: http_server.py:1433
+# uvicorn.run(..., timeout_keep_alive=5)) closes a connection idle this long; a client must not keep idle
+# connections longer, or it sends on one the server is closing.
 TIMEOUT_KEEP_ALIVE_S = 5.0
-# entrypoints/http_server.py:136: HEALTH_CHECK_TIMEOUT = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20)); the
-# /health route (health_generate, :409-484) sends a one-token request and checks once a second (:464-470)
-# whether anything came back since it started, answering 503 after HEALTH_CHECK_TIMEOUT.
+# entrypoints/http_server.py:218 (0.5.6: :136): HEALTH_CHECK_TIMEOUT = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT",
+# 20)); the /health route (health_generate, :721-799; 0.5.6: :409-484) sends a one-token request and checks once
+# a second (:779-780; 0.5.6: :464-470) whether anything came back since it started, answering 503 after
+# HEALTH_CHECK_TIMEOUT.
 HEALTH_CHECK_TIMEOUT_S = 20.0
 HEALTH_POLL_S = 1.0
-# managers/scheduler_output_processor_mixin.py:36, :822-826: a non-streamed request's output reaches the
+# managers/scheduler_components/output_streamer.py:49, :475-477 (environ.py:688; 0.5.6:
+# managers/scheduler_output_processor_mixin.py:36, :822-826): a non-streamed request's output reaches the
 # tokenizer manager every DEFAULT_FORCE_STREAM_INTERVAL tokens; a request aborted in the waiting queue is
-# answered from what arrived (managers/tokenizer_manager.py:2036-2071, _handle_abort_req).
+# answered from what arrived (managers/tokenizer_manager.py:3577-3642, _handle_abort_req; 0.5.6: :2036-2071).
 FORCE_STREAM_INTERVAL = 50
-# managers/tokenizer_manager.py:1271-1277: an abort-mode pause aborts everything, then checks once a second
-# until no request holds the model-update lock.
+# managers/tokenizer_manager.py:2267-2280 (0.5.6: :1264-1277): an abort-mode pause aborts everything, then
+# checks once a second until no request holds the model-update lock.
 PAUSE_POLL_S = 1.0
-# managers/tokenizer_manager.py:1048-1062: a non-streamed request whose client disconnected is aborted at the
-# next 4 s check.
+# managers/tokenizer_manager.py:1958-1973 (environ.py:1679, SGLANG_REQUEST_STATE_WAIT_TIMEOUT = 4; 0.5.6:
+# :1048-1062): a non-streamed request whose client disconnected is aborted at the next 4 s check.
 DISCONNECT_CHECK_S = 4.0
-# sampling/sampling_batch_info.py:90-97: with deterministic inference the seeds become an int32 tensor in the
-# scheduler; a seed outside int32 raises there, and a scheduler exception takes the whole server down.
+# A sampling_seed's bounds: 0.5.6 makes the seeds an int32 tensor in the scheduler under deterministic
+# inference (sampling/sampling_batch_info.py:90-97), where one outside int32 raises and a scheduler exception
+# takes the whole server down; 0.5.23 makes them int64 (sampling_batch_info.py:167) and refuses one outside
+# int64 with HTTP 400 (sampling/sampling_params.py:308-312).
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
-# Every line of SGLang 0.5.6 the stand-in's strictness rests on: (path under sglang/srt/ in the release's
-# wheel, i.e. python/sglang/srt/ at tag v0.5.6; line; text the line holds). tests/test_engine_sglang_fields.py
-# reads each one in the wheel, so a citation that drifts from the source fails there.
-CITATIONS: tuple[tuple[str, int, str], ...] = (
-    ("entrypoints/http_server.py", 1433, "timeout_keep_alive=5"),
-    ("entrypoints/http_server.py", 136, 'HEALTH_CHECK_TIMEOUT = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20))'),
-    ("entrypoints/http_server.py", 432, 'sampling_params = {"max_new_tokens": 1, "temperature": 0.0}'),
-    ("entrypoints/http_server.py", 464, "while time.time() < tic + HEALTH_CHECK_TIMEOUT:"),
-    ("entrypoints/http_server.py", 465, "await asyncio.sleep(1)"),
-    ("entrypoints/http_server.py", 484, "return Response(status_code=503)"),
-    ("entrypoints/http_server.py", 423, "if _global_state.tokenizer_manager.server_status == ServerStatus.Starting:"),
-    ("environ.py", 335, "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION = EnvBool(True)"),
-    ("managers/scheduler_output_processor_mixin.py", 36, "DEFAULT_FORCE_STREAM_INTERVAL = 50"),
-    ("managers/scheduler_output_processor_mixin.py", 825, "len(req.output_ids) % DEFAULT_FORCE_STREAM_INTERVAL == 0"),
-    ("managers/tokenizer_manager.py", 2042, 'abort_message = recv_obj.abort_message or "Abort in waiting queue"'),
-    ("managers/tokenizer_manager.py", 2061, "output_ids = state.output_ids"),
-    ("managers/tokenizer_manager.py", 1267, 'if obj.mode != "abort":'),
-    ("managers/tokenizer_manager.py", 1277, "await asyncio.sleep(1.0)"),
-    ("managers/tokenizer_manager.py", 1254, "if not abort_all and rid not in self.rid_to_state:"),
-    ("managers/tokenizer_manager.py", 1050, "await asyncio.wait_for(state.event.wait(), timeout=4)"),
-    ("managers/tokenizer_manager.py", 1058, "self.abort_request(obj.rid)"),
-    ("managers/tokenizer_manager.py", 471, "await self.is_pause_cond.wait_for(lambda: not self.is_pause)"),
-    ("managers/tokenizer_manager.py", 2495, "kill_process_tree(os.getpid())"),
-    ("managers/scheduler.py", 2348, "if recv_req.abort_all or req.rid.startswith(recv_req.rid):"),
-    ("managers/scheduler.py", 2418, "recv_req.abort_all or req.rid.startswith(recv_req.rid)"),
-    ("managers/scheduler.py", 2207, "self.running_batch.is_empty()"),
-    ("managers/scheduler.py", 2227, "if self._is_no_request():"),
-    ("managers/scheduler.py", 2697, 'logger.error(f"Scheduler hit an exception: {traceback}")'),
-    ("managers/scheduler.py", 2698, "parent_process.send_signal(signal.SIGQUIT)"),
-    ("managers/scheduler.py", 971, "self.process_input_requests(recv_reqs)"),
-    ("managers/scheduler.py", 973, "if self._engine_paused:"),
-    ("managers/scheduler.py", 2665, '"max_total_num_tokens": scheduler.max_total_num_tokens,'),
-    ("managers/scheduler_update_weights_mixin.py", 52,
-     'assert flush_cache_success, "Cache flush failed after updating weights"'),
-    ("managers/tokenizer_communicator_mixin.py", 428, "async with self.model_update_lock.writer_lock:"),
-    ("sampling/sampling_batch_info.py", 93, "dtype=torch.int32,"),
-    ("sampling/sampling_params.py", 61, "sampling_seed: int = 42,"),
-    ("model_executor/model_runner.py", 1113, "rank = rank_offset + self.tp_rank"),
-    # LoRA: the routes, the checks of a load (enabled, a new name, a rank and targets the adapter memory pool
-    # holds), of an unload (a loaded name; it waits for the requests using it) and of /generate's lora_path.
-    ("entrypoints/http_server.py", 983, '@app.api_route("/load_lora_adapter", methods=["POST"])'),
-    ("entrypoints/http_server.py", 1000, '@app.api_route("/unload_lora_adapter", methods=["POST"])'),
-    ("managers/tokenizer_communicator_mixin.py", 553, "if not self.server_args.enable_lora:"),
-    ("managers/tokenizer_communicator_mixin.py", 555, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."),
-    ("managers/tokenizer_communicator_mixin.py", 540, "await self.lora_registry.wait_for_unload(lora_id)"),
-    ("lora/lora_manager.py", 161, "because it is already loaded"),
-    ("lora/mem_pool.py", 101, "if config.r > self.max_lora_rank:"),
-    ("lora/mem_pool.py", 104, "return target_module_names.issubset(self.target_modules)"),
-    ("lora/utils.py", 93, '"q_proj": "qkv_proj",'),
-    ("lora/lora_registry.py", 109, "does not exist. Loaded LoRAs:"),
-    ("managers/tokenizer_manager.py", 474, "if self.server_args.enable_lora and obj.lora_path:"),
-    ("managers/tokenizer_manager.py", 499, "Got LoRA adapter that has never been loaded:"),
-)
 
-# lora/utils.py:92-98: the names SGLang's adapter memory pool stacks (a target is checked in this form).
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """What differs between the SGLang releases the stand-in serves as (each cited in ``CITATIONS``)."""
+
+    version: str
+    # GET /weight_version (0.5.6 entrypoints/http_server.py:522; gone in 0.5.23, which reports the version
+    # in GET /model_info only, http_server.py:824).
+    weight_version_route: bool
+    # /begin_weight_update and /end_weight_update (0.5.23 entrypoints/http_server.py:1458, :1473), and no
+    # /update_weights_from_distributed outside the session they bracket
+    # (managers/scheduler_components/weight_updater.py:192-197, :312-335).
+    weight_sessions: bool
+    # An update inside a pause relabels weight_version when it succeeds (0.5.23
+    # managers/tokenizer_control_mixin.py:529-531, managers/tokenizer_manager.py:2318-2319); 0.5.6 applies it
+    # and returns before relabelling (managers/tokenizer_communicator_mixin.py:418-424,
+    # managers/tokenizer_manager.py:1301-1303).
+    relabels_when_paused: bool
+    # A cache flush refused after an update (a request in the running batch): 0.5.6 asserts and the scheduler
+    # dies (managers/scheduler_update_weights_mixin.py:50-52); 0.5.23 answers the update with success False,
+    # HTTP 400, its weights already changed (managers/scheduler_components/weight_updater.py:120-133).
+    flush_failure_kills: bool
+    # The sampling_seed bounds (INT32/INT64 above): outside int32 kills a 0.5.6 server, outside int64 is refused.
+    seed_bits: int
+    # A queued abort's meta_info carries weight_version (0.5.23 managers/tokenizer_manager.py:3606; not 0.5.6).
+    queued_abort_labelled: bool
+    # /generate with lora_path on a server without --enable-lora: refused with HTTP 400 (0.5.23
+    # managers/tokenizer_manager.py:3729-3740); 0.5.6 skips lora_path silently (tokenizer_manager.py:474).
+    lora_path_needs_lora: bool
+
+
+RELEASES: dict[str, Release] = {
+    "0.5.6": Release("0.5.6", weight_version_route=True, weight_sessions=False, relabels_when_paused=False,
+                     flush_failure_kills=True, seed_bits=32, queued_abort_labelled=False,
+                     lora_path_needs_lora=False),
+    "0.5.23": Release("0.5.23", weight_version_route=False, weight_sessions=True, relabels_when_paused=True,
+                      flush_failure_kills=False, seed_bits=64, queued_abort_labelled=True,
+                      lora_path_needs_lora=True),
+}
+assert tuple(RELEASES) == SGLANG_VERSIONS, "the stand-in serves as each release the client speaks to"
+
+# Every line of each release the stand-in's strictness rests on: (path under sglang/srt/ in the release's
+# wheel, i.e. python/sglang/srt/ at its tag; line; text the line holds). tests/test_engine_sglang_fields.py
+# reads each one in the wheel of its release, so a citation that drifts from the source fails there.
+CITATIONS: dict[str, tuple[tuple[str, int, str], ...]] = {
+    "0.5.6": (
+        ("entrypoints/http_server.py", 1433, "timeout_keep_alive=5"),
+        ("entrypoints/http_server.py", 136, 'HEALTH_CHECK_TIMEOUT = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20))'),
+        ("entrypoints/http_server.py", 432, 'sampling_params = {"max_new_tokens": 1, "temperature": 0.0}'),
+        ("entrypoints/http_server.py", 464, "while time.time() < tic + HEALTH_CHECK_TIMEOUT:"),
+        ("entrypoints/http_server.py", 465, "await asyncio.sleep(1)"),
+        ("entrypoints/http_server.py", 484, "return Response(status_code=503)"),
+        ("entrypoints/http_server.py", 423, "if _global_state.tokenizer_manager.server_status == ServerStatus.Starting:"),
+        ("entrypoints/http_server.py", 522, '@app.get("/weight_version")'),
+        ("environ.py", 335, "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION = EnvBool(True)"),
+        ("managers/scheduler_output_processor_mixin.py", 36, "DEFAULT_FORCE_STREAM_INTERVAL = 50"),
+        ("managers/scheduler_output_processor_mixin.py", 825, "len(req.output_ids) % DEFAULT_FORCE_STREAM_INTERVAL == 0"),
+        ("managers/tokenizer_manager.py", 2042, 'abort_message = recv_obj.abort_message or "Abort in waiting queue"'),
+        ("managers/tokenizer_manager.py", 2061, "output_ids = state.output_ids"),
+        ("managers/tokenizer_manager.py", 1267, 'if obj.mode != "abort":'),
+        ("managers/tokenizer_manager.py", 1277, "await asyncio.sleep(1.0)"),
+        ("managers/tokenizer_manager.py", 1254, "if not abort_all and rid not in self.rid_to_state:"),
+        ("managers/tokenizer_manager.py", 1050, "await asyncio.wait_for(state.event.wait(), timeout=4)"),
+        ("managers/tokenizer_manager.py", 1058, "self.abort_request(obj.rid)"),
+        ("managers/tokenizer_manager.py", 471, "await self.is_pause_cond.wait_for(lambda: not self.is_pause)"),
+        ("managers/tokenizer_manager.py", 1302, "if self.is_pause:"),
+        ("managers/tokenizer_manager.py", 1303, "return await self._wait_for_model_update_from_disk(obj)"),
+        ("managers/tokenizer_manager.py", 2495, "kill_process_tree(os.getpid())"),
+        ("managers/scheduler.py", 2348, "if recv_req.abort_all or req.rid.startswith(recv_req.rid):"),
+        ("managers/scheduler.py", 2418, "recv_req.abort_all or req.rid.startswith(recv_req.rid)"),
+        ("managers/scheduler.py", 2207, "self.running_batch.is_empty()"),
+        ("managers/scheduler.py", 2227, "if self._is_no_request():"),
+        ("managers/scheduler.py", 2697, 'logger.error(f"Scheduler hit an exception: {traceback}")'),
+        ("managers/scheduler.py", 2698, "parent_process.send_signal(signal.SIGQUIT)"),
+        ("managers/scheduler.py", 971, "self.process_input_requests(recv_reqs)"),
+        ("managers/scheduler.py", 973, "if self._engine_paused:"),
+        ("managers/scheduler.py", 2665, '"max_total_num_tokens": scheduler.max_total_num_tokens,'),
+        ("managers/scheduler_update_weights_mixin.py", 52,
+         'assert flush_cache_success, "Cache flush failed after updating weights"'),
+        ("managers/tokenizer_communicator_mixin.py", 420, "if self.is_pause:"),
+        ("managers/tokenizer_communicator_mixin.py", 424, "return result.success, result.message"),
+        ("managers/tokenizer_communicator_mixin.py", 428, "async with self.model_update_lock.writer_lock:"),
+        ("sampling/sampling_batch_info.py", 93, "dtype=torch.int32,"),
+        ("sampling/sampling_params.py", 61, "sampling_seed: int = 42,"),
+        ("model_executor/model_runner.py", 1113, "rank = rank_offset + self.tp_rank"),
+        # LoRA: the routes, the checks of a load (enabled, a new name, a rank and targets the adapter memory
+        # pool holds), of an unload (a loaded name; it waits for the requests using it) and of /generate's
+        # lora_path.
+        ("entrypoints/http_server.py", 983, '@app.api_route("/load_lora_adapter", methods=["POST"])'),
+        ("entrypoints/http_server.py", 1000, '@app.api_route("/unload_lora_adapter", methods=["POST"])'),
+        ("managers/tokenizer_communicator_mixin.py", 553, "if not self.server_args.enable_lora:"),
+        ("managers/tokenizer_communicator_mixin.py", 555, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."),
+        ("managers/tokenizer_communicator_mixin.py", 540, "await self.lora_registry.wait_for_unload(lora_id)"),
+        ("lora/lora_manager.py", 161, "because it is already loaded"),
+        ("lora/mem_pool.py", 101, "if config.r > self.max_lora_rank:"),
+        ("lora/mem_pool.py", 104, "return target_module_names.issubset(self.target_modules)"),
+        ("lora/utils.py", 93, '"q_proj": "qkv_proj",'),
+        ("lora/lora_registry.py", 109, "does not exist. Loaded LoRAs:"),
+        ("managers/tokenizer_manager.py", 474, "if self.server_args.enable_lora and obj.lora_path:"),
+        ("managers/tokenizer_manager.py", 499, "Got LoRA adapter that has never been loaded:"),
+    ),
+    "0.5.23": (
+        ("entrypoints/http_server.py", 3059, '"timeout_keep_alive": envs.SGLANG_TIMEOUT_KEEP_ALIVE.get(),'),
+        ("environ.py", 337, "SGLANG_TIMEOUT_KEEP_ALIVE = EnvInt(5)"),
+        ("entrypoints/http_server.py", 218, 'HEALTH_CHECK_TIMEOUT = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20))'),
+        ("entrypoints/http_server.py", 751, 'sampling_params = {"max_new_tokens": 1, "temperature": 0.0}'),
+        ("entrypoints/http_server.py", 779, "while time.time() < tic + HEALTH_CHECK_TIMEOUT:"),
+        ("entrypoints/http_server.py", 780, "await asyncio.sleep(1)"),
+        ("entrypoints/http_server.py", 799, "return Response(status_code=503)"),
+        ("entrypoints/http_server.py", 735, "if _global_state.tokenizer_manager.server_status == ServerStatus.Starting:"),
+        ("entrypoints/http_server.py", 824, '"weight_version": _global_state.tokenizer_manager.config_value('),
+        ("environ.py", 344, "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION = EnvBool(True)"),
+        ("environ.py", 688, "SGLANG_FORCE_STREAM_INTERVAL = EnvInt(50)"),
+        ("managers/scheduler_components/output_streamer.py", 49,
+         "DEFAULT_FORCE_STREAM_INTERVAL = envs.SGLANG_FORCE_STREAM_INTERVAL.get()"),
+        ("managers/scheduler_components/output_streamer.py", 476,
+         "len(req.output_ids) % self.default_force_stream_interval == 0"),
+        ("managers/tokenizer_manager.py", 3596, 'abort_message = recv_obj.abort_message or "Abort in waiting queue"'),
+        ("managers/tokenizer_manager.py", 3606, '"weight_version": self.config_value("weight_version"),'),
+        ("managers/tokenizer_manager.py", 3627, "output_ids = state.output_ids"),
+        ("managers/tokenizer_manager.py", 2270, 'if obj.mode != "abort":'),
+        ("managers/tokenizer_manager.py", 2280, "await asyncio.sleep(1.0)"),
+        ("managers/tokenizer_manager.py", 2252, "elif get_serving().tokenizer_worker_num == 1:"),
+        ("environ.py", 1679, "SGLANG_REQUEST_STATE_WAIT_TIMEOUT = EnvInt(4)"),
+        ("managers/tokenizer_manager.py", 1961, "state.event.wait(), timeout=_REQUEST_STATE_WAIT_TIMEOUT"),
+        ("managers/tokenizer_manager.py", 1970, "self.abort_request(obj.rid)"),
+        ("managers/tokenizer_manager.py", 939, "await self.is_pause_cond.wait_for(lambda: not self.is_pause)"),
+        ("managers/tokenizer_manager.py", 2319, "self._update_weight_version_if_provided(obj.weight_version)"),
+        ("managers/tokenizer_manager.py", 4081, "kill_process_tree(os.getpid())"),
+        ("managers/scheduler.py", 5688, "if recv_req.abort_all or req.rid.startswith(recv_req.rid):"),
+        ("managers/scheduler.py", 5800, "recv_req.abort_all or req.rid.startswith(recv_req.rid)"),
+        ("managers/scheduler.py", 5520, "if self.is_fully_idle(ignore_waiting=self._engine_paused):"),
+        ("managers/scheduler.py", 6372, 'logger.error(f"Scheduler hit an exception: {traceback}")'),
+        ("managers/scheduler.py", 6373, "parent_process.send_signal(signal.SIGQUIT)"),
+        ("managers/scheduler.py", 2033, "self.ingest_requests()"),
+        ("managers/scheduler.py", 2034, "if self._engine_paused:"),
+        ("managers/scheduler.py", 1945, '"max_total_num_tokens": self.max_total_num_tokens,'),
+        ("managers/scheduler_components/weight_updater.py", 125, "if recv_req.flush_cache and not self.flush_cache("),
+        ("managers/scheduler_components/weight_updater.py", 129,
+         '"Weights were updated, but the cache was not flushed because "'),
+        ("managers/scheduler_components/weight_updater.py", 195,
+         'message="update_weights_from_distributed must run between "'),
+        ("managers/scheduler_components/weight_updater.py", 314, 'message="a weight-update session is already open; "'),
+        ("managers/scheduler_components/weight_updater.py", 328,
+         'message="no weight-update session is open; call begin_weight_update() first",'),
+        ("managers/tokenizer_control_mixin.py", 523, "async with self.model_update_lock.writer_lock:"),
+        ("managers/tokenizer_control_mixin.py", 530, "self._update_weight_version_if_provided(obj.weight_version)"),
+        ("entrypoints/http_server.py", 1458, '@app.post("/begin_weight_update")'),
+        ("entrypoints/http_server.py", 1473, '@app.post("/end_weight_update")'),
+        ("sampling/sampling_batch_info.py", 163, "else 42"),
+        ("sampling/sampling_batch_info.py", 167, "dtype=torch.int64,"),
+        ("sampling/sampling_params.py", 308, "if not -(2**63) <= self.sampling_seed <= 2**63 - 1:"),
+        ("model_executor/model_runner_components/weight_updater.py", 124, "rank = rank_offset + self.tp_rank"),
+        ("entrypoints/http_server.py", 1652, '@app.api_route("/load_lora_adapter", methods=["POST"])'),
+        ("entrypoints/http_server.py", 1676, '@app.api_route("/unload_lora_adapter", methods=["POST"])'),
+        ("managers/tokenizer_control_mixin.py", 667, "if not get_lora().enable_lora:"),
+        ("managers/tokenizer_control_mixin.py", 669, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."),
+        ("managers/tokenizer_control_mixin.py", 651, "await self.lora_registry.wait_for_unload(lora_id)"),
+        ("lora/lora_manager.py", 358, "because it is already loaded"),
+        ("lora/mem_pool.py", 247, "if config.r > self.max_lora_rank:"),
+        ("lora/mem_pool.py", 254, "return target_module_names.issubset(self.target_modules)"),
+        ("lora/utils.py", 299, '"q_proj": "qkv_proj",'),
+        ("lora/lora_registry.py", 120, "does not exist. Loaded LoRAs:"),
+        ("arg_groups/lora_hook.py", 153, "When no initial --lora-paths is provided"),
+        ("managers/tokenizer_manager.py", 3729, "if not self.enable_lora:"),
+        ("managers/tokenizer_manager.py", 3737, "was requested, but LoRA is not enabled. "),
+        ("managers/tokenizer_manager.py", 3769, "Got LoRA adapter that has never been loaded:"),
+    ),
+}
+
+# lora/utils.py:298-304 (0.5.6: :92-98): the names SGLang's adapter memory pool stacks (a target is checked
+# in this form).
 _LORA_STACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
                  "up_proj": "gate_up_proj"}
 
@@ -181,6 +314,8 @@ _IMPLEMENTED: dict[str, set[str]] = {
     "/update_weights_from_distributed": {"names", "dtypes", "shapes", "group_name", "flush_cache",
                                          "abort_all_requests", "weight_version", "load_format"},
     "/update_weight_version": {"new_version", "abort_all_requests"},
+    "/begin_weight_update": set(),
+    "/end_weight_update": set(),
     "/load_lora_adapter": {"lora_name", "lora_path"},
     "/unload_lora_adapter": {"lora_name"},
 }
@@ -214,6 +349,11 @@ class _Disconnected(Exception):
     """The client went away; SGLang aborts the request and answers nothing."""
 
 
+class _FlushRefused(Exception):
+    """0.5.23: an update's cache flush found a request in the running batch; the update answers HTTP 400 with
+    this message, its weights changed (managers/scheduler_components/weight_updater.py:120-133)."""
+
+
 def _as_int_version(text: Any, current: int) -> int:
     try:
         return int(text)
@@ -222,7 +362,7 @@ def _as_int_version(text: Any, current: int) -> int:
 
 
 def _env_bool(name: str, default: bool) -> bool:
-    """An environment switch read as SGLang's EnvBool reads it (environ.py:98-105)."""
+    """An environment switch read as SGLang's EnvBool reads it (environ.py:143-148; 0.5.6: :98-105)."""
     value = os.environ.get(name)
     if value is None:
         return default
@@ -247,8 +387,9 @@ class _ReqState:
 
 def _tp_worker_main(conn: Any, tp_rank: int) -> None:
     """One extra tensor-parallel rank of a stand-in launched with --tp-size > 1: its own process, as each of
-    SGLang's TP workers is, joining the weights group as rank_offset + tp_rank (model_runner.py:1113) and
-    receiving every bucket the trainer broadcasts (model_runner.py:1147-1204)."""
+    SGLang's TP workers is, joining the weights group as rank_offset + tp_rank (model_executor/model_runner_components/
+    weight_updater.py:124; 0.5.6: model_runner.py:1113) and receiving every bucket the trainer broadcasts
+    (weight_updater.py:260-310; 0.5.6: model_runner.py:1147-1204)."""
     from actors.runtime.run import die_with_parent
 
     die_with_parent()
@@ -324,7 +465,11 @@ class StandinServer:
                  tp_workers: TPWorkers | None = None, on_crash: Callable[[str], None] | None = None,
                  max_total_tokens: int | None = None, step_time_s: float = 0.0, log_path: str | None = None,
                  starting_until: str | None = None, fail_load_at: Sequence[int] = (),
-                 lora: StandinLora | None = None) -> None:
+                 lora: StandinLora | None = None, release: str = SGLANG_VERSION) -> None:
+        if release not in RELEASES:
+            raise ValueError(f"release {release!r}: the stand-in serves as SGLang {' or '.join(RELEASES)}")
+        self.release = RELEASES[release]
+        self.weight_session = False   # 0.5.23: between /begin_weight_update and /end_weight_update
         self.engine = engine
         self.lora = lora
         # Fault injection (tests): these /update_weights_from_distributed calls, numbered from 1 over the
@@ -341,7 +486,7 @@ class StandinServer:
         self.on_crash = on_crash
         self.crashed: str | None = None
         # While this file is missing the server is still starting (loading weights, capturing CUDA graphs):
-        # /health answers 503 as SGLang's does then (entrypoints/http_server.py:423-424). Tests decide when.
+        # /health answers 503 as SGLang's does then (entrypoints/http_server.py:735-736; 0.5.6: :423-424). Tests decide when.
         self.starting_until = starting_until
         # The KV pool /server_info reports as max_total_num_tokens (SGLang sizes it from the memory left after
         # the weights; the stand-in from its row limit, or --max-total-tokens).
@@ -401,7 +546,8 @@ class StandinServer:
             app.router.add_get(path, self.health)
         app.router.add_get("/model_info", self.model_info)
         app.router.add_get("/server_info", self.server_info)
-        app.router.add_get("/weight_version", self.get_weight_version)
+        if self.release.weight_version_route:
+            app.router.add_get("/weight_version", self.get_weight_version)
         if self.weights_hash_route:
             app.router.add_get("/standin/weights_hash", self.weights_hash)
             app.router.add_get("/standin/log", self.test_log)
@@ -413,6 +559,9 @@ class StandinServer:
                   "/update_weights_from_distributed": self.update_weights_from_distributed,
                   "/update_weight_version": self.update_weight_version,
                   "/load_lora_adapter": self.load_lora_adapter, "/unload_lora_adapter": self.unload_lora_adapter}
+        if self.release.weight_sessions:
+            routes.update({"/begin_weight_update": self.begin_weight_update,
+                           "/end_weight_update": self.end_weight_update})
         for path, handler in routes.items():
             app.router.add_post(path, self._wrap(path, handler))
         return app
@@ -458,8 +607,8 @@ class StandinServer:
 
     def _crash(self, reason: str) -> None:
         """An exception in SGLang's scheduler: it logs it and SIGQUITs the server, which kills its process tree
-        (managers/scheduler.py:2695-2698, entrypoints/http_server.py's running_phase_sigquit_handler in
-        managers/tokenizer_manager.py:2490-2495). Nothing is answered."""
+        (managers/scheduler.py:6370-6373, the running_phase_sigquit_handler in managers/tokenizer_manager.py:
+        4072-4081; 0.5.6: scheduler.py:2695-2698, tokenizer_manager.py:2490-2495). Nothing is answered."""
         log.error("Scheduler hit an exception: %s", reason)
         self.crashed = reason
         if self.on_crash is not None:
@@ -468,10 +617,10 @@ class StandinServer:
 
     # --- info ---------------------------------------------------------------------------------------
     async def health(self, request: Any) -> Any:
-        """SGLang 0.5.6's health_generate (entrypoints/http_server.py:409-484): one token is generated (after
+        """SGLang's health_generate (entrypoints/http_server.py:721-799; 0.5.6: :409-484): one token is generated (after
         the pause gate, in the queue behind the running batch), and once a second the route checks whether
         anything came back since it started; 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s). So it takes at
-        least a second, and longer under load. SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false (environ.py:335)
+        least a second, and longer under load. SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false (environ.py:344; 0.5.6: :335)
         makes /health (not /health_generate) answer at once."""
         from aiohttp import web
         if self.starting_until is not None and not os.path.exists(self.starting_until):
@@ -503,15 +652,15 @@ class StandinServer:
                                   "weight_version": self.weight_version})
 
     async def server_info(self, request: Any) -> Any:
-        """Like SGLang's (entrypoints/http_server.py:540-557): the server arguments, the scheduler's info
-        (max_total_num_tokens: the KV pool in tokens, managers/scheduler.py:2662-2668) and internal states."""
+        """Like SGLang's (entrypoints/http_server.py:863-893; 0.5.6: :540-557): the server arguments, the scheduler's info
+        (max_total_num_tokens: the KV pool in tokens, managers/scheduler.py:1938-1950; 0.5.6: :2662-2668) and internal states."""
         from aiohttp import web
         state = await self.engine.health()
         return web.json_response({"model_path": self.model_path, "tp_size": self.tp_size,
                                   "max_running_requests": self.engine.max_running,
                                   "max_total_num_tokens": self.max_total_tokens,
                                   "max_req_input_len": self._context_len() - 1,
-                                  "version": f"standin-{SGLANG_VERSION}",
+                                  "version": self.release.version,
                                   "weight_version": self.weight_version, "paused": self.paused,
                                   "internal_states": [state], "counters": self.counters})
 
@@ -533,7 +682,7 @@ class StandinServer:
 
     # --- generation ---------------------------------------------------------------------------------
     async def _pause_gate(self) -> None:
-        """Like SGLang: wait while paused (managers/tokenizer_manager.py:470-471), and while an update waits
+        """Like SGLang: wait while paused (managers/tokenizer_manager.py:938-939; 0.5.6: :470-471), and while an update waits
         for the running requests to finish (the model-update lock's writer has priority)."""
         while self.paused or self._writer_waiting:
             await self._resumed.wait()
@@ -556,7 +705,10 @@ class StandinServer:
             raise _BadRequest("sampling_params.n: only n = 1 is implemented by the stand-in server")
         check_sampling(sp, len(ids), self._context_len())
         max_new = int(sp.get("max_new_tokens", 128))
-        seed = int(sp.get("sampling_seed", 42))   # SamplingParams' default (sampling/sampling_params.py:61)
+        seed = sp.get("sampling_seed")
+        seed = 42 if seed is None else int(seed)   # 0.5.6: SamplingParams' default; 0.5.23: the batch's
+        if self.release.seed_bits == 64 and not INT64_MIN <= seed <= INT64_MAX:   # (sampling_batch_info.py:163)
+            raise _BadRequest(f"sampling_seed must be in [-2**63, 2**63 - 1], got {seed}.")
         rid = str(body.get("rid") or f"standin-{self.counters['generate']}")
         await self._pause_gate()
         adapter = await self._use_adapter(body.get("lora_path"))
@@ -570,7 +722,7 @@ class StandinServer:
 
     async def _generate(self, body: dict[str, Any], ids: list[int], sp: dict[str, Any], max_new: int, seed: int,
                         rid: str) -> tuple[int, Any]:
-        if not INT32_MIN <= seed <= INT32_MAX:   # the stand-in samples as --enable-deterministic-inference does
+        if self.release.seed_bits == 32 and not INT32_MIN <= seed <= INT32_MAX:   # as deterministic inference does
             self._crash(f"RuntimeError: value cannot be converted to type int32 without overflow "
                         f"(sampling_seed {seed} of request {rid!r}, sampling/sampling_batch_info.py:90-97)")
         self.counters["generate"] += 1
@@ -626,15 +778,18 @@ class StandinServer:
 
     def _queued_abort_answer(self, rid: str, out: list[int], logprobs: list[float],
                              body: dict[str, Any]) -> dict[str, Any]:
-        """SGLang 0.5.6 drops a request still in the waiting queue in Scheduler.abort_request
-        (managers/scheduler.py:2344-2368) and answers through TokenizerManager._handle_abort_req
-        (managers/tokenizer_manager.py:2036-2071): meta_info is only id, finish_reason, the logprob lists (when
-        asked for) and completion_tokens, with no weight_version and no prompt_tokens; its tokens are what had
-        reached the tokenizer manager: a retracted request's output up to its last multiple of
-        FORCE_STREAM_INTERVAL (a non-streamed request's output is sent every 50 tokens)."""
+        """SGLang drops a request still in the waiting queue in Scheduler.abort_request
+        (managers/scheduler.py:5675-5700; 0.5.6: :2344-2368) and answers through
+        TokenizerManager._handle_abort_req (managers/tokenizer_manager.py:3577-3642; 0.5.6: :2036-2071):
+        meta_info is only id, finish_reason, the logprob lists (when asked for) and completion_tokens, and in
+        0.5.23 the weight_version the server has now, with no prompt_tokens; its tokens are what had reached
+        the tokenizer manager: a retracted request's output up to its last multiple of FORCE_STREAM_INTERVAL
+        (a non-streamed request's output is sent every 50 tokens)."""
         self.counters["aborted"] += 1
         streamed = len(out) // FORCE_STREAM_INTERVAL * FORCE_STREAM_INTERVAL
         meta: dict[str, Any] = {"id": rid, "finish_reason": {"type": "abort", "message": "Abort in waiting queue"}}
+        if self.release.queued_abort_labelled:
+            meta["weight_version"] = self.weight_version
         if body.get("return_logprob"):
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs[:streamed], out[:streamed])]
@@ -643,7 +798,7 @@ class StandinServer:
 
     async def _run_engine(self, state: _ReqState, request: GenerationRequest) -> Any:
         """The request in the embedded engine; a client that disconnected has it aborted at the next 4 s
-        check (managers/tokenizer_manager.py:1048-1062), and nothing is answered."""
+        check (managers/tokenizer_manager.py:1958-1973; 0.5.6: :1048-1062), and nothing is answered."""
         state.abort_requested, state.engine_rid = False, request.rid
         self._log(("start", request.rid))
         work = asyncio.ensure_future(self.engine.generate(request))
@@ -677,7 +832,7 @@ class StandinServer:
         return not state.queue_aborted.is_set()
 
     async def _abort(self, rid: str | None) -> None:
-        """Scheduler.abort_request (managers/scheduler.py:2344-2424): every request whose rid starts with
+        """Scheduler.abort_request (managers/scheduler.py:5675-5815; 0.5.6: :2344-2424): every request whose rid starts with
         ``rid`` (all with None), in the waiting queue or the running batch."""
         for state in list(self.states.values()):
             if rid is not None and not state.rid.startswith(rid):
@@ -693,7 +848,7 @@ class StandinServer:
             await self.engine.abort(state.engine_rid)
 
     async def abort_request(self, body: dict[str, Any]) -> tuple[int, Any]:
-        # TokenizerManager.abort_request (managers/tokenizer_manager.py:1253-1257) forwards only a rid it
+        # TokenizerManager.abort_request (managers/tokenizer_manager.py:2241-2253; 0.5.6: :1253-1257) forwards only a rid it
         # knows; the scheduler then matches by prefix.
         self._log(("abort", "" if body.get("abort_all") else str(body.get("rid"))))
         if body.get("abort_all"):
@@ -703,7 +858,8 @@ class StandinServer:
         return 200, {}
 
     async def pause_generation(self, body: dict[str, Any]) -> tuple[int, Any]:
-        """TokenizerManager.pause_generation (managers/tokenizer_manager.py:1264-1277): abort mode aborts every
+        """TokenizerManager.pause_generation (managers/tokenizer_manager.py:2267-2280; 0.5.6:
+        :1264-1277): abort mode aborts every
         request and checks once a second until none holds the model-update lock; in_place and retract are
         sent to the scheduler without waiting, which applies them after the step it is running."""
         mode = body.get("mode", "abort")
@@ -725,7 +881,7 @@ class StandinServer:
         return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
     async def _scheduler_pause(self, retract: bool) -> None:
-        """Scheduler.pause_generation (managers/scheduler.py:2428-2445): retract moves the running batch back
+        """Scheduler.pause_generation (managers/scheduler.py:5817-5932; 0.5.6: :2428-2445): retract moves the running batch back
         to the waiting queue, keeping each request's output; in_place keeps it where it is."""
         if retract:
             for state in list(self.states.values()):
@@ -735,7 +891,7 @@ class StandinServer:
         await self.engine.pause()
 
     async def continue_generation(self, body: dict[str, Any]) -> tuple[int, Any]:
-        # managers/tokenizer_manager.py:1279-1283: sent to the scheduler, which resumes at its next loop.
+        # managers/tokenizer_manager.py:2282-2286 (0.5.6: :1279-1283): sent to the scheduler, which resumes at its next loop.
         if self.in_place:
             self.in_place = False
             asyncio.ensure_future(self.engine.resume())
@@ -745,20 +901,27 @@ class StandinServer:
 
     # --- weights ------------------------------------------------------------------------------------
     async def _flush_cache(self) -> None:
-        """Scheduler.flush_cache (managers/scheduler.py:2205-2255) refuses while a request is in the running
-        batch, and every weight update asserts that its flush succeeded
-        (managers/scheduler_update_weights_mixin.py:50-52, :74-76): the assertion kills the scheduler."""
+        """Scheduler.flush_cache (managers/scheduler.py:5518-5547; 0.5.6: :2205-2255) refuses while a request
+        is in the running batch. 0.5.6 asserts after every weight update that its flush succeeded
+        (managers/scheduler_update_weights_mixin.py:50-52, :74-76): the assertion kills the scheduler. 0.5.23
+        fails the update instead, its weights already changed
+        (managers/scheduler_components/weight_updater.py:120-133)."""
         running = (await self.engine.health())["running"]   # admitted and not finished: the running batch
-        if running:
+        if not running:
+            return
+        if self.release.flush_failure_kills:
             self._crash(f"AssertionError: Cache flush failed after updating weights ({running} request(s) in "
                         f"the running batch)")
+        raise _FlushRefused("Weights were updated, but the cache was not flushed because requests are still "
+                            "running or queued. Retract or finish them, then call /flush_cache.")
 
     async def _scheduler_turn(self) -> Any:
         """What SGLang's scheduler does while it handles a weight request: nothing else. Its loop
-        (managers/scheduler.py:967-989) processes requests between batches, so no decode step runs while a
+        (managers/scheduler.py:2026-2040; 0.5.6: :967-989) processes requests between batches, so no decode step runs while a
         bucket is received or loaded; outside a pause the request first takes the model-update lock's writer
         side, which waits until every running request has finished
-        (managers/tokenizer_communicator_mixin.py:418-430, managers/tokenizer_manager.py:1300-1311)."""
+        (managers/tokenizer_control_mixin.py:515-524, managers/tokenizer_manager.py:2300-2314; 0.5.6:
+        tokenizer_communicator_mixin.py:418-430, tokenizer_manager.py:1300-1311)."""
         server = self
 
         class Turn:
@@ -783,11 +946,12 @@ class StandinServer:
     async def _apply(self, version_text: Any, buckets: Sequence[list[tuple[str, torch.Tensor]]],
                      abort_all: bool, flush_cache: bool) -> None:
         """Load buckets (inside a scheduler turn): at once when paused, else after the running requests
-        finished; relabel weight_version only outside a pause (the paused branch returns before it does)."""
+        finished; relabel weight_version on success, in 0.5.6 only outside a pause (its paused branch returns
+        before it does: Release.relabels_when_paused)."""
         await self.engine.update_weights(_as_int_version(version_text, self.engine.version), list(buckets))
         if flush_cache:
             await self._flush_cache()
-        if not self.paused and version_text is not None:
+        if (not self.paused or self.release.relabels_when_paused) and version_text is not None:
             self.weight_version = str(version_text)
         self.counters["updates"] += 1
 
@@ -805,6 +969,9 @@ class StandinServer:
                 await self._apply(body.get("weight_version"), [named], False, bool(body.get("flush_cache", True)))
         except (CheckpointError, OSError, EngineError) as exc:
             return 400, {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}
+        except _FlushRefused as exc:
+            self.model_path = path
+            return 400, {"success": False, "message": str(exc), "num_paused_requests": 0}
         self.model_path = path
         return 200, {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
@@ -815,7 +982,8 @@ class StandinServer:
             backend = "gloo"  # the stand-in runs on CPU; the rank layout and rendezvous are SGLang's
         address, port = str(body["master_address"]), int(body["master_port"])
         offset, world = int(body["rank_offset"]), int(body["world_size"])
-        # Every tensor-parallel rank joins as rank_offset + tp_rank (model_executor/model_runner.py:1113).
+        # Every tensor-parallel rank joins as rank_offset + tp_rank (model_runner_components/weight_updater.py:124;
+        # 0.5.6: model_executor/model_runner.py:1113).
         own = asyncio.to_thread(join_weight_group, address, port, offset, world, name, backend)
         extra = (self.tp_workers.run("join", address, port, offset, world, name, backend)
                  if self.tp_workers is not None else asyncio.sleep(0, []))
@@ -869,6 +1037,9 @@ class StandinServer:
             raise _BadRequest("names, dtypes and shapes must be non-empty lists of one length")
         specs = [TensorMeta(n, d, [int(x) for x in s]) for n, d, s in zip(names, dtypes, shapes)]
         flattened = body.get("load_format") == "flattened_bucket"
+        if self.release.weight_sessions and not self.weight_session:   # weight_updater.py:192-197
+            return 400, {"success": False, "message": "update_weights_from_distributed must run between "
+                                                      "begin_weight_update() and end_weight_update()"}
         if body.get("abort_all_requests"):
             await self._abort(None)
         self.counters["distributed_calls"] += 1
@@ -879,19 +1050,43 @@ class StandinServer:
                 if call in self.fail_load_at:
                     raise RuntimeError(f"injected load failure of /update_weights_from_distributed call {call}")
                 await self._apply(body.get("weight_version"), [bucket], False, bool(body.get("flush_cache", True)))
+        except _FlushRefused as exc:
+            return 400, {"success": False, "message": str(exc)}
         except Exception as exc:
             if isinstance(exc, _Crashed):
                 raise
-            # SGLang 0.5.6's words (model_executor/model_runner.py:1147-1236): the buckets loaded before this
-            # one stay loaded; the route answers HTTP 400 (entrypoints/http_server.py:862-876).
+            # SGLang's words (model_executor/model_runner_components/weight_updater.py:324-341; 0.5.6:
+            # model_runner.py:1147-1236): the buckets loaded before this one stay loaded; the route answers
+            # HTTP 400 (entrypoints/http_server.py:1488-1505; 0.5.6: :862-876).
             return 400, {"success": False, "message": f"Failed to update parameter online: {exc}. The full weights "
                                                       f"of the ModelRunner are partially updated. Please discard "
                                                       f"the whole weights."}
         return 200, {"success": True, "message": "Succeeded to update parameter online."}
 
+    async def begin_weight_update(self, body: dict[str, Any]) -> tuple[int, Any]:
+        """0.5.23: open the session /update_weights_from_distributed runs in; one at a time
+        (managers/scheduler_components/weight_updater.py:309-321; the route answers 400 on failure,
+        entrypoints/http_server.py:1458-1470). Like the updates it waits for running requests outside a pause
+        (managers/tokenizer_control_mixin.py:471-483)."""
+        async with await self._scheduler_turn():
+            if self.weight_session:
+                return 400, {"success": False, "message": "a weight-update session is already open; call "
+                                                          "end_weight_update() first"}
+            self.weight_session = True
+        return 200, {"success": True, "message": "Success"}
+
+    async def end_weight_update(self, body: dict[str, Any]) -> tuple[int, Any]:
+        """0.5.23: close the session (weight_updater.py:323-335)."""
+        async with await self._scheduler_turn():
+            if not self.weight_session:
+                return 400, {"success": False, "message": "no weight-update session is open; call "
+                                                          "begin_weight_update() first"}
+            self.weight_session = False
+        return 200, {"success": True, "message": "Success"}
+
     # --- LoRA ---------------------------------------------------------------------------------------
     def _lora_enabled(self) -> StandinLora:
-        if self.lora is None:   # managers/tokenizer_communicator_mixin.py:553-556
+        if self.lora is None:   # managers/tokenizer_control_mixin.py:667-670 (0.5.6: tokenizer_communicator_mixin.py:553-556)
             raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
         return self.lora
 
@@ -902,14 +1097,15 @@ class StandinServer:
         try:
             lora = self._lora_enabled()
             name, path = str(body["lora_name"]), str(body["lora_path"])
-            if name in lora.loaded:   # lora/lora_manager.py:158-162
+            if name in lora.loaded:   # lora/lora_manager.py:355-359 (0.5.6: :158-162)
                 raise ValueError(f"Failed to load LoRA adapter {name} because it is already loaded")
             try:
                 spec, tensors, _ = await asyncio.to_thread(read_adapter, path)
             except (CheckpointError, OSError) as exc:
                 raise ValueError(f"Failed to load LoRA adapter {name}: {exc}") from None
             if spec.rank > lora.max_rank or not lora_module_kinds(spec.target_modules) <= lora.kinds:
-                # lora/lora_manager.py:170-178 (mem_pool.py:101-104: rank and stacked target names)
+                # lora/lora_manager.py:368-375 (mem_pool.py:247-254: rank and stacked target names; 0.5.6:
+                # lora_manager.py:170-178, mem_pool.py:101-104)
                 raise ValueError(f"LoRA adapter {name} with rank {spec.rank} is incompatible with the current LoRA "
                                  f"memory pool configuration. Please ensure that the LoRA adapter's rank is within "
                                  f"the configured `--max-lora-rank` and that the target modules are included in "
@@ -924,12 +1120,12 @@ class StandinServer:
         try:
             lora = self._lora_enabled()
             name = str(body["lora_name"])
-            if name not in lora.loaded:   # lora/lora_registry.py:106-110
+            if name not in lora.loaded:   # lora/lora_registry.py:117-121 (0.5.6: :106-110)
                 raise ValueError(f"LoRA with name {name} does not exist. Loaded LoRAs: {list(lora.loaded)}")
         except ValueError as exc:
             return 400, {"success": False, "error_message": str(exc), "loaded_adapters": None}
         del lora.loaded[name]   # new requests naming it are refused from now on; running ones finish with it
-        async with lora.changed:   # managers/tokenizer_communicator_mixin.py:540: wait_for_unload
+        async with lora.changed:   # managers/tokenizer_control_mixin.py:651 (0.5.6: communicator_mixin.py:540)
             await lora.changed.wait_for(lambda: not lora.running[name])
         return 200, {"success": True, "error_message": None,
                      "loaded_adapters": {n: {"lora_name": n, "lora_path": p} for n, (p, _, _) in lora.loaded.items()}}
@@ -938,14 +1134,18 @@ class StandinServer:
         """The adapter a /generate runs with (None: the base), merged into the engine if it is not already;
         counted as running until the request ends."""
         if self.lora is None:
-            if name is not None:   # SGLang skips lora_path without --enable-lora (tokenizer_manager.py:474)
-                raise _BadRequest("lora_path: this server was not launched with --enable-lora; SGLang would "
+            if name is not None and self.release.lora_path_needs_lora:   # tokenizer_manager.py:3729-3740
+                raise _BadRequest(f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch "
+                                  f"the server with --enable-lora flag and preload adapters using --lora-paths or "
+                                  f"/load_lora_adapter endpoint.")
+            if name is not None:   # 0.5.6 skips lora_path without --enable-lora (tokenizer_manager.py:474)
+                raise _BadRequest("lora_path: this server was not launched with --enable-lora; SGLang 0.5.6 would "
                                   "silently answer from the base model, the stand-in refuses")
             return None
         lora = self.lora
         if name is not None and not isinstance(name, str):
             raise _BadRequest("lora_path: one adapter name per request is implemented by the stand-in server")
-        if name is not None and name not in lora.loaded:   # managers/tokenizer_manager.py:497-501
+        if name is not None and name not in lora.loaded:   # managers/tokenizer_manager.py:3766-3771 (0.5.6: :497-501)
             raise _BadRequest(f"Got LoRA adapter that has never been loaded: {name}\n"
                               f"All loaded adapters: {list(lora.loaded)}.")
         async with lora.switch:
@@ -995,9 +1195,11 @@ class StandinServer:
 # --------------------------------------------------------------------------------------------------------
 
 def check_sampling(sp: dict[str, Any], input_tokens: int, context_len: int) -> None:
-    """Refuses what SGLang 0.5.6 refuses with HTTP 400, in its words: ``SamplingParams.__init__`` (greedy
-    temperature turns top_k into 1 first) and ``.verify`` (sampling/sampling_params.py), then
-    ``TokenizerManager._validate_one_request`` (context length; ``--allow-auto-truncate`` is off by default)."""
+    """Refuses what both releases refuse with HTTP 400, in 0.5.6's words: ``SamplingParams.__init__`` (greedy
+    temperature turns top_k into 1 first; 0.5.23: ``__post_init__``, sampling/sampling_params.py:245-250) and
+    ``.verify`` (sampling/sampling_params.py:252-266, which in 0.5.23 also refuses a temperature that is not
+    finite), then ``TokenizerManager._validate_one_request`` (context length; ``--allow-auto-truncate`` is off
+    by default)."""
     temperature, top_p = float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0))
     top_k, max_new_tokens = int(sp.get("top_k", -1)), sp.get("max_new_tokens", 128)
     if 0 <= temperature < 1e-6:
@@ -1094,11 +1296,13 @@ class StandinThread:
 
 
 def launch_config(model_dir: str, log_dir: Path, *extra_args: str, health_timeout_s: float = 60.0,
-                  **kw: Any) -> LaunchConfig:
-    """How tests launch the stand-in through the engine's own launch path (actors/engines/sglang_server.py)."""
+                  release: str = SGLANG_VERSION, **kw: Any) -> LaunchConfig:
+    """How tests launch the stand-in through the engine's own launch path (actors/engines/sglang_server.py),
+    serving as SGLang ``release``."""
     return LaunchConfig(model_path=model_dir, command=[sys.executable, "-m", "testsupport.sglang_standin"],
                         log_path=str(Path(log_dir) / "server.log"), health_timeout_s=health_timeout_s,
-                        backoff_s=0.2, env={"OMP_NUM_THREADS": "1"}, extra_args=list(extra_args), **kw)
+                        backoff_s=0.2, env={"OMP_NUM_THREADS": "1"},
+                        extra_args=["--standin-sglang-release", release, *extra_args], **kw)
 
 
 def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespace], Any] | None = None) -> int:
@@ -1130,6 +1334,8 @@ def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespac
                          "exists, as a server loading weights does, for as long as a test wants; if "
                          "DIR/<random-seed>.fail exists at start, it exits 1 at once, as a server that cannot load "
                          "its model does")
+    ap.add_argument("--standin-sglang-release", default=SGLANG_VERSION, choices=list(RELEASES),
+                    help="not an SGLang flag: the SGLang release to serve as (default: the newest supported)")
     ap.add_argument("--standin-step-time-s", type=float, default=0.0,
                     help="not an SGLang flag: every decode step takes at least this long (a GPU's step time, "
                          "scaled for tests)")
@@ -1180,7 +1386,8 @@ def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespac
                                if args.standin_log_dir else None,
                                starting_until=str(Path(args.standin_starting_until_dir) / str(args.random_seed))
                                if args.standin_starting_until_dir else None,
-                               fail_load_at=[int(n) for n in args.fail_load_at.split(",") if n.strip()], lora=lora)
+                               fail_load_at=[int(n) for n in args.fail_load_at.split(",") if n.strip()], lora=lora,
+                               release=args.standin_sglang_release)
         for spec in args.lora_paths:   # loaded at launch as /load_lora_adapter loads them
             name, _, path = spec.partition("=")
             status, answer = await server.load_lora_adapter({"lora_name": name, "lora_path": path or name})
@@ -1192,8 +1399,8 @@ def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespac
         runner = web.AppRunner(server.app(), keepalive_timeout=TIMEOUT_KEEP_ALIVE_S)
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
-        log.info("stand-in SGLang server (API of %s) on http://%s:%d, model %s", SGLANG_VERSION, args.host,
-                 args.port, args.model_path)
+        log.info("stand-in SGLang server (API of %s) on http://%s:%d, model %s", args.standin_sglang_release,
+                 args.host, args.port, args.model_path)
         await asyncio.Event().wait()  # serve until killed
 
     try:

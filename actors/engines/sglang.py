@@ -29,12 +29,14 @@ request holds the model lock), each response was sampled by one weight version: 
 The parts beside it: ``sglang_routes.py`` (every route and field this client sends, checked against
 SGLang's own request classes), ``sglang_server.py`` (the launched server process and its restarts),
 ``sglang_group.py`` (the weight-update process group the trainer and the servers join) and
-``sglang_disk.py`` (the checkpoint a server loads buckets from). The client speaks only routes of the
-pinned SGLang release (:data:`SGLANG_VERSION`), over one aiohttp session.
+``sglang_disk.py`` (the checkpoint a server loads buckets from). The client speaks the routes of the SGLang
+releases in :data:`SGLANG_VERSIONS` (the oldest and newest of the supported range), over one aiohttp
+session; where they differ it uses what both accept, or asks the server (weight-update sessions).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -56,12 +58,12 @@ from .checkpoint import load_config
 from .lora import LoraSpec, is_adapter_name, read_adapter, resolve_start, write_adapter
 from .sglang_disk import write_checkpoint
 from .sglang_routes import (CLIENT_KEEP_ALIVE_S, DEFAULT_GROUP, IDEMPOTENT_ROUTES, SEED_RANGE, SGLANG_VERSION,
-                            ServerEvents, SGLangConnectionReset, SGLangError, SGLangHTTPError, SGLangLaunchError,
-                            health_probe_s, payload, sampling_payload)
+                            SGLANG_VERSIONS, ServerEvents, SGLangConnectionReset, SGLangError, SGLangHTTPError,
+                            SGLangLaunchError, health_probe_s, payload, sampling_payload)
 from .sglang_server import LaunchConfig, SGLangServer
 
-__all__ = ["SGLANG_VERSION", "SGLangError", "SGLangHTTPError", "SGLangLaunchError", "LaunchConfig", "SGLangEngine",
-           "WeightsIncompleteError"]
+__all__ = ["SGLANG_VERSION", "SGLANG_VERSIONS", "SGLangError", "SGLangHTTPError", "SGLangLaunchError", "LaunchConfig",
+           "SGLangEngine", "WeightsIncompleteError"]
 
 
 class WeightsIncompleteError(SGLangError):
@@ -138,6 +140,9 @@ class SGLangEngine(GenerationEngine):
         self._stopping = False
         self._abort_events: dict[str, asyncio.Event] = {}
         self.groups: dict[str, Any] = {}   # weight group name -> its init arguments
+        # Whether the server brackets /update_weights_from_distributed in a weight-update session (None: not
+        # asked yet; asked again after a restart, which may have brought another release).
+        self._weight_session: bool | None = None
         self.swaps: list[dict[str, Any]] = []
         self.tokens_generated = 0
         self.resubmits = 0
@@ -259,6 +264,7 @@ class SGLangEngine(GenerationEngine):
         it was launched with (the last checkpoint loaded from disk, or the start weights), so weights that
         came over a process group must be sent again."""
         self.groups.clear()
+        self._weight_session = None
         if event == "restarted" and self.server is not None:
             self._version = self.server.weight_version
             # A fresh server is not paused: a pause whose /continue_generation died with the old one must not
@@ -454,10 +460,12 @@ class SGLangEngine(GenerationEngine):
     def _take_answer(self, request: GenerationRequest, sample: _Sample, answer: Any, sent_version: int) -> str:
         """Appends one /generate answer's tokens to `sample`; returns its finish type.
 
-        SGLang 0.5.6 answers a request aborted before it ran (or retracted for memory) through
-        ``TokenizerManager._handle_abort_req``, whose meta_info has no ``weight_version`` and no
-        ``prompt_tokens``: its tokens, if any, ran on the weights the server had when the request was sent,
-        because weights change only while we hold the server paused."""
+        SGLang answers a request aborted before it ran (or retracted for memory) through
+        ``TokenizerManager._handle_abort_req``, whose meta_info has no ``prompt_tokens`` and, in 0.5.6, no
+        ``weight_version`` (0.5.6 managers/tokenizer_manager.py:2036-2071; 0.5.23 labels it with the version
+        the server has when the abort arrives, tokenizer_manager.py:3603-3608): its tokens, if any, ran on the
+        weights the server had when the request was sent, because weights change only while we hold the
+        server paused."""
         if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
             raise SGLangError(f"SGLang server {self.url}: /generate answer has no meta_info: {str(answer)[:200]}")
         meta = answer["meta_info"]
@@ -576,11 +584,14 @@ class SGLangEngine(GenerationEngine):
     async def _interrupted(self, version: int, update: Callable[[], Awaitable[None]]) -> None:
         """pause(abort) -> update -> label the server with `version` -> continue (unless already paused).
 
-        An update that fails or is abandoned may leave the server with part of the version: SGLang 0.5.6's
-        ``ModelRunner.update_weights_from_distributed`` loads each bucket as it comes and answers a failure
-        with "The full weights of the ModelRunner are partially updated. Please discard the whole weights."
-        (model_executor/model_runner.py:1147-1236), and its ``update_weights_from_disk`` repoints the model at
-        the new checkpoint before loading and reloads from there on failure (model_runner.py:938, 968-979).
+        An update that fails or is abandoned may leave the server with part of the version: SGLang loads each
+        bucket of ``update_weights_from_distributed`` as it comes and answers a failure with "The full weights
+        of the ModelRunner are partially updated. Please discard the whole weights." (0.5.23:
+        model_executor/model_runner_components/weight_updater.py:324-341; 0.5.6: model_runner.py:1147-1236),
+        and its ``update_weights_from_disk`` repoints the model at the new checkpoint before loading and
+        reloads from there on failure (0.5.23: weight_updater.py:193, :229-238; 0.5.6: model_runner.py:938,
+        968-979). 0.5.23 also fails an update whose cache flush finds a request still running
+        (managers/scheduler_components/weight_updater.py:120-133) after the weights changed.
         So the server then stays paused, whatever else asks it to resume, until an update of a whole version
         succeeds (or a restarted server comes back on its launch weights): generation would otherwise go on
         with weights of no single version, labelled as the old one."""
@@ -613,7 +624,7 @@ class SGLangEngine(GenerationEngine):
         async def update() -> None:
             await self._post("/update_weights_from_disk",
                              payload("/update_weights_from_disk", model_path=str(model_path), abort_all_requests=False,
-                                     weight_version=str(version), flush_cache=True))
+                                     flush_cache=True))
         await self._interrupted(version, update)
         if self.server is not None:  # a restart comes back on these weights
             self.server.model_path, self.server.weight_version = str(model_path), version
@@ -702,18 +713,42 @@ class SGLangEngine(GenerationEngine):
                               f"(call init_weights_group first; a restarted server needs it again)")
 
         async def update() -> None:
-            for i, (specs, name) in enumerate(zip(specs_list, names)):
-                last = i == len(specs_list) - 1
-                body = payload("/update_weights_from_distributed", names=[s.name for s in specs],
-                               dtypes=[s.dtype for s in specs], shapes=[list(s.shape) for s in specs],
-                               group_name=name, flush_cache=last, abort_all_requests=False,
-                               weight_version=str(version),
-                               **({"load_format": "flattened_bucket"} if flattened else {}))
-                await self._post("/update_weights_from_distributed", body)
+            session = await self._begin_weight_update()
+            try:
+                for i, (specs, name) in enumerate(zip(specs_list, names)):
+                    last = i == len(specs_list) - 1
+                    body = payload("/update_weights_from_distributed", names=[s.name for s in specs],
+                                   dtypes=[s.dtype for s in specs], shapes=[list(s.shape) for s in specs],
+                                   group_name=name, flush_cache=last, abort_all_requests=False,
+                                   **({"load_format": "flattened_bucket"} if flattened else {}))
+                    await self._post("/update_weights_from_distributed", body)
+            except BaseException:
+                if session:   # closed either way, or the next update's begin is refused; the bucket's error is
+                    with contextlib.suppress(SGLangError):   # the one to report
+                        await self._post("/end_weight_update", payload("/end_weight_update"))
+                raise
+            if session:
+                await self._post("/end_weight_update", payload("/end_weight_update"))
         await self._interrupted(version, update)
 
+    async def _begin_weight_update(self) -> bool:
+        """Open a weight-update session where the server has them (0.5.23 receives buckets only inside one:
+        managers/scheduler_components/weight_updater.py:192-197); whether one was opened. A server without the
+        route (0.5.6) answers HTTP 404, and is not asked again until it restarts."""
+        if self._weight_session is False:
+            return False
+        try:
+            await self._post("/begin_weight_update", payload("/begin_weight_update"))
+        except SGLangHTTPError as exc:
+            if exc.status != 404:
+                raise
+            self._weight_session = False
+            return False
+        self._weight_session = True
+        return True
+
     async def verify_weights(self, version: int) -> tuple[str, str]:
-        """How the rollout checks the weights it acknowledges: ``("", "version")`` once GET /weight_version
+        """How the rollout checks the weights it acknowledges: ``("", "version")`` once GET /model_info
         reports ``version``.
 
         SGLang 0.5.6 has no route that reads Qwen2 weights back (`/get_weights_by_name` is implemented for
@@ -735,17 +770,18 @@ class SGLangEngine(GenerationEngine):
             return 0
 
     async def reported_version(self) -> str:
-        """The weight version the server reports (GET /weight_version), as it spells it."""
-        answer = await self._get("/weight_version", 60.0)
+        """The weight version the server reports (GET /model_info's weight_version, as it spells it: both
+        releases report it there, and 0.5.23 has no GET /weight_version)."""
+        answer = await self._get("/model_info", 60.0)
         try:
             return str(answer["weight_version"])
         except (KeyError, TypeError) as exc:
-            raise SGLangError(f"SGLang server {self.url}: GET /weight_version answered {str(answer)[:200]!r}") from exc
+            raise SGLangError(f"SGLang server {self.url}: GET /model_info answered {str(answer)[:200]!r}") from exc
 
 
 def sglang_rid(rid: str, index: int, segment: int) -> str:
     """The SGLang request id of one segment of sample ``index`` of request ``rid``. SGLang aborts every request
-    whose rid starts with the one named (managers/scheduler.py:2348, :2418), so no id may be a prefix of another:
+    whose rid starts with the one named (0.5.23 managers/scheduler.py:5688, :5800; 0.5.6 :2348, :2418), so no id may be a prefix of another:
     the request's rid has its '/' escaped and every part ends in '/' ("g/1/1/" is not a prefix of "g/1/10/", nor
     request "a"'s sample 1 of request "a/1"'s)."""
     escaped = rid.replace("%", "%25").replace("/", "%2F")

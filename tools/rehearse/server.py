@@ -1,5 +1,5 @@
 """``python -m tools.rehearse.server --rehearsal RUN_DIR/rehearsal.json [SGLang server arguments]``: the stand-in
-SGLang server (testsupport/sglang_standin.py: SGLang 0.5.6's routes and semantics) serving the cost-model engine
+SGLang server (testsupport/sglang_standin.py: SGLang's routes and semantics) serving the cost-model engine
 (tools/rehearse/engine.py) in place of the embedded one. The rehearsal names it as the rollouts' server command
 (``sglang.command``), so each rollout launches, watches and restarts it as it would a real server.
 
