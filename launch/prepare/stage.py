@@ -14,8 +14,10 @@ warm-start weights exist. The experiment config says how to make them (`configs/
           - {data: data/arith, args: {until_plateau: true, ...}}
 
 A stage's `data` is a folder with train.jsonl and test.jsonl (held-out accuracy decides its plateau);
-each stage starts from the previous one's weights. The warm start is cached by a fingerprint of its
-inputs (model config, tokenizer, every stage's training data and arguments): a second run reuses it, a
+each stage starts from the previous one's weights, the first from random weights or, with
+`warm_start.upcycle: DENSE_DIR`, from a mixture of experts upcycled from that dense checkpoint (upcycle.py). The warm start is cached by a fingerprint of its
+inputs (model config, tokenizer, the upcycled dense model's config and weights, every stage's training data
+and arguments): a second run reuses it, a
 changed recipe trains a new one. `prepare` returns the prepared experiment document, a copy whose
 `model.path` points at the last stage's checkpoint (its argument is left as it was); the launcher builds
 the run's plan from that document (`Plan.with_experiment`), so every actor starts from the warm start.
