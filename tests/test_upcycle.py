@@ -85,36 +85,65 @@ def test_only_a_dense_source_and_a_mixture_of_experts_target_are_taken(tmp_path:
         upcycle(str(moe), str(moe), str(tmp_path / "out"))
 
 
-def test_an_upcycled_recipe_trains_from_the_dense_weights_and_its_fingerprint_follows_them(tmp_path: Path) -> None:
-    from launch.prepare.stage import ship, shipped_problem
+def test_an_upcycled_recipe_ships_and_its_fingerprint_follows_the_dense_weights(tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture) -> None:
+    from launch.prepare.stage import SHIPPED_MANIFEST
+    from tools.prepare import main
 
     dense_dir = tiny_model_dir(tmp_path / "dense", seed=3)
-    data = tmp_path / "d"
+    data, shipped = tmp_path / "d", tmp_path / "shipped"
     exp = {
         "model": {"path": str(moe_dir(tmp_path / "moe"))},
         "data": {"train": str(data / "train.jsonl"), "test": str(data / "test.jsonl")},
         "prepare": {
             "data": [{"out": str(data), "args": {"train_per_level": 20, "test_per_level": 4, "max_operand": 9}}],
-            "warm_start": {"out": str(tmp_path / "ws"), "upcycle": str(dense_dir), "shipped": str(tmp_path / "ship"),
+            "warm_start": {"out": str(tmp_path / "ws"), "upcycle": str(dense_dir), "shipped": str(shipped),
                            "stages": [{"data": str(data), "args": {"steps": 2, "batch_size": 8, "seed": 0}}]},
         },
     }
-    lines: list[str] = []
-    prepared = prepare(copy.deepcopy(exp), log=lines.append)
-    assert prepared["model"]["path"] == str(tmp_path / "ws" / "stage1")
-    assert any("upcycling the dense" in x for x in lines) and not any("initialised" in x for x in lines), lines
-    assert any("loaded" in x and "upcycled" in x for x in lines), lines
-    digest = json.loads((tmp_path / "ws" / "prepare.json").read_text())["fingerprint"]
-    ship(tmp_path / "ws" / "stage1", tmp_path / "ship", digest, "the command", [], str(dense_dir))
-    assert shipped_problem(tmp_path / "ship", digest) is None
+    # the rebuild command, as a user runs it: upcycles, trains the stage and writes the shipped copy
+    overrides = [f"experiment.{key}={json.dumps(exp[key])}" for key in ("model", "data", "prepare")]
+    assert main(["topology/local_moe.yaml", *overrides, "--ship"]) == 0
+    out = capsys.readouterr().out
+    assert "upcycling the dense" in out and "initialised" not in out and "loaded" in out, out
+    manifest = json.loads((shipped / SHIPPED_MANIFEST).read_text())
+    assert manifest["upcycled_from"] == str(dense_dir) and [s["steps"] for s in manifest["stages"]] == [2]
 
-    # other dense weights make another recipe: the shipped copy is refused and the warm start trained again
+    def fresh_clone() -> list[str]:   # the cache is gone; the shipped copy is all there is
+        shutil.rmtree(tmp_path / "ws", ignore_errors=True)
+        lines: list[str] = []
+        prepared = prepare(copy.deepcopy(exp), log=lines.append)
+        return [*lines, f"model.path {prepared['model']['path']}"]
+
+    lines = fresh_clone()
+    assert lines[-1] == f"model.path {shipped}" and any("using the shipped warm start" in x for x in lines), lines
+
+    # other dense weights make another recipe: the shipped copy is refused and the warm start made again
     shutil.copy(tiny_model_dir(tmp_path / "other", seed=4) / "model.safetensors", dense_dir / "model.safetensors")
-    lines.clear()
-    prepare(copy.deepcopy(exp), log=lines.append)
+    lines = fresh_clone()
     assert any("not using the shipped warm start" in x and "made by another recipe" in x for x in lines), lines
-    assert any("stage 1/1" in x for x in lines)
+    assert any("upcycling the dense" in x for x in lines) and lines[-1] == f"model.path {tmp_path / 'ws' / 'stage1'}"
 
     (dense_dir / "model.safetensors").unlink()
     with pytest.raises(PrepareError, match="prepare.warm_start.upcycle: .*no weights to upcycle"):
-        prepare(copy.deepcopy(exp), log=lines.append)
+        fresh_clone()
+
+
+def test_the_shipped_moe_warm_start_is_the_one_its_recipe_makes(tmp_path: Path) -> None:
+    # configs/models/arith-tiny-moe-warm stands for configs/local_moe.yaml's recipe only while its manifest names
+    # that recipe's fingerprint (the dense warm start it upcycles included): a changed recipe must be re-shipped.
+    import yaml
+
+    from launch.prepare.stage import _fingerprint, cli_args, shipped_problem
+    from launch.prepare.task import make_task
+    from topology.experiment import WarmStartStage
+
+    root = Path(__file__).resolve().parents[1]
+    config = yaml.safe_load((root / "configs" / "local_moe.yaml").read_text())
+    recipe, data_args = config["prepare"]["warm_start"], {d["out"]: d["args"] for d in config["prepare"]["data"]}
+    stages = []
+    for stage in recipe["stages"]:
+        assert make_task(["--out", str(tmp_path / stage["data"]), *cli_args(data_args[stage["data"]])]) == 0
+        stages.append(WarmStartStage(data=str(tmp_path / stage["data"]), args=stage["args"]))
+    digest = _fingerprint(root / config["model"]["path"], stages, str(root / recipe["upcycle"]))
+    assert shipped_problem(root / recipe["shipped"], digest) is None
