@@ -82,12 +82,7 @@ def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] 
                "greedy_accuracy": {n: r["overall"]["greedy_accuracy"] for n, r in reports.items()},
                "greedy_accuracy_by_level": {n: {k: v["greedy_accuracy"] for k, v in r["by_level"].items()}
                                             for n, r in reports.items()}}
-    if metrics:
-        wall = metrics[-1]["time"] - metrics[0]["time"] + metrics[0]["step_seconds"]
-        summary.update(steps=len(metrics), wall_seconds=wall,
-                       tokens_trained=sum(m["n_tokens"] for m in metrics),
-                       effective_throughput=sum(m["n_tokens"] for m in metrics) / max(wall, 1e-9),
-                       staleness_max=max(m["staleness_max"] for m in metrics))
+    summary.update(run_figures(metrics))
     if "start" in reports and "final" in reports:
         summary["gain_points"] = 100 * (reports["final"]["overall"]["greedy_accuracy"]
                                         - reports["start"]["overall"]["greedy_accuracy"])
@@ -106,4 +101,26 @@ def final_evaluation(config: ExperimentConfig, run_dir: Path) -> dict[str, Any] 
               f"{summary.get('steps', 0)} steps, {summary.get('tokens_trained', 0):.0f} tokens trained, "
               f"{summary.get('effective_throughput', 0):.0f} tok/s effective, max staleness "
               f"{summary.get('staleness_max', 0):.0f}", flush=True)
+    if "mismatch_tokens" in summary:
+        print(f"engine/trainer mismatch on {summary['mismatch_tokens']:.0f} tokens sampled by the weights that "
+              f"trained on them: mean |log-prob difference| {summary['mismatch_logprob_diff_mean']:.2e}, "
+              f"largest {summary['logprob_gap_max']:.2e}", flush=True)
     return summary
+
+
+def run_figures(metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a run's summary says of its trained steps (metrics.jsonl's records, `trained_history`): steps, wall
+    time, tokens, throughput, staleness, and the engine/trainer mismatch on tokens sampled by the weights that
+    trained on them (token-weighted mean |trainer - engine| log-prob, largest gap); {} without steps."""
+    if not metrics:
+        return {}
+    wall = metrics[-1]["time"] - metrics[0]["time"] + metrics[0]["step_seconds"]
+    tokens = sum(m["n_tokens"] for m in metrics)
+    out = {"steps": len(metrics), "wall_seconds": wall, "tokens_trained": tokens,
+           "effective_throughput": tokens / max(wall, 1e-9), "staleness_max": max(m["staleness_max"] for m in metrics)}
+    if mismatch_tokens := sum(m.get("mismatch_tokens", 0.0) for m in metrics):
+        out.update(mismatch_tokens=mismatch_tokens,
+                   mismatch_logprob_diff_mean=sum(m["mismatch_logprob_diff_mean"] * m["mismatch_tokens"]
+                                                  for m in metrics if m.get("mismatch_tokens")) / mismatch_tokens,
+                   logprob_gap_max=max(m.get("logprob_gap_max", 0.0) for m in metrics))
+    return out

@@ -179,3 +179,20 @@ def test_a_gpu_topology_evaluates_during_the_run_with_an_evaluator_on_a_rollouts
     out = capsys.readouterr().out
     assert "during the run: every 10 versions, 30 problems, in evaluator: on each complete checkpoint" in out
     assert "localhost [8/8 gpu" in out
+
+
+def test_the_run_summary_weighs_the_engine_trainer_mismatch_by_the_tokens_of_each_step():
+    from launch.evaluation import run_figures
+
+    step = {"time": 10.0, "step_seconds": 2.0, "n_tokens": 100.0, "staleness_max": 1.0}
+    metrics = [{**step, "step": 1, "mismatch_tokens": 30.0, "mismatch_logprob_diff_mean": 0.1, "logprob_gap_max": 0.5},
+               {**step, "step": 2, "time": 14.0, "mismatch_tokens": 0.0, "mismatch_logprob_diff_mean": 0.0,
+                "logprob_gap_max": 0.0},
+               {**step, "step": 3, "time": 18.0, "mismatch_tokens": 10.0, "mismatch_logprob_diff_mean": 0.5,
+                "logprob_gap_max": 0.9}]
+    figures = run_figures(metrics)
+    assert figures["steps"] == 3 and figures["wall_seconds"] == 10.0 and figures["tokens_trained"] == 300.0
+    assert figures["mismatch_tokens"] == 40.0 and figures["logprob_gap_max"] == 0.9
+    assert figures["mismatch_logprob_diff_mean"] == pytest.approx((30 * 0.1 + 10 * 0.5) / 40)
+    # records of a build that did not measure it: no figure rather than a zero
+    assert "mismatch_logprob_diff_mean" not in run_figures([{**step, "step": 1}]) and run_figures([]) == {}

@@ -159,6 +159,11 @@ class WarmStartSection(Section):
         None, description="supervised stages in order, each from the previous one's weights (unset: one stage on "
                           "data.train's folder with `args`)")
     args: ToolArgs | None = Field(None, description="the single stage's tools.sft args when `stages` is unset")
+    upcycle: str | None = Field(
+        None, description="a dense model directory with weights whose attention, embeddings and MLPs seed a "
+                          "mixture-of-experts model.path before the first stage (each expert a slice of the dense "
+                          "MLP, routers random; launch/prepare/upcycle.py); unset: the first stage starts from "
+                          "random weights")
     shipped: str | None = Field(
         None, description="a model directory holding this recipe's warm start, made by `python -m tools.prepare "
                           "TOPOLOGY --ship` (its manifest warm_start.json: the recipe's fingerprint and the weights' "

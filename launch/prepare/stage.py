@@ -14,8 +14,10 @@ warm-start weights exist. The experiment config says how to make them (`configs/
           - {data: data/arith, args: {until_plateau: true, ...}}
 
 A stage's `data` is a folder with train.jsonl and test.jsonl (held-out accuracy decides its plateau);
-each stage starts from the previous one's weights. The warm start is cached by a fingerprint of its
-inputs (model config, tokenizer, every stage's training data and arguments): a second run reuses it, a
+each stage starts from the previous one's weights, the first from random weights or, with
+`warm_start.upcycle: DENSE_DIR`, from a mixture of experts upcycled from that dense checkpoint (upcycle.py). The warm start is cached by a fingerprint of its
+inputs (model config, tokenizer, the upcycled dense model's config and weights, every stage's training data
+and arguments): a second run reuses it, a
 changed recipe trains a new one. `prepare` returns the prepared experiment document, a copy whose
 `model.path` points at the last stage's checkpoint (its argument is left as it was); the launcher builds
 the run's plan from that document (`Plan.with_experiment`), so every actor starts from the warm start.
@@ -81,10 +83,14 @@ def prepare_data(recipe: DatasetRecipe, where: str, log: Callable[[str], None]) 
         raise PrepareError(f"{where}: tools.make_task exited {code}; missing {missing or 'nothing'}")
 
 
-def _fingerprint(model: Path, stages: list[WarmStartStage]) -> str:
+def _fingerprint(model: Path, stages: list[WarmStartStage], upcycle: str | None = None) -> str:
     h = hashlib.sha256()
     for f in ("config.json", "tokenizer.json"):
         h.update((model / f).read_bytes())
+    if upcycle is not None:   # the dense source's config and weights (a recipe without one keeps its fingerprint)
+        source = Path(upcycle)
+        for f in [source / "config.json", *sorted(source.glob("*.safetensors"))]:
+            h.update(f"upcycle {f.name} {sha256_file(f)}".encode())
     for stage in stages:
         h.update((Path(stage.data) / "train.jsonl").read_bytes())
         h.update(json.dumps(stage.args, sort_keys=True).encode())
@@ -146,9 +152,10 @@ def shipped_problem(folder: Path, digest: str) -> str | None:
     return None
 
 
-def ship(final: Path, folder: Path, digest: str, command: str, summaries: list[dict[str, Any]]) -> None:
+def ship(final: Path, folder: Path, digest: str, command: str, summaries: list[dict[str, Any]],
+         upcycled_from: str | None = None) -> None:
     """Write the warm start in ``final`` to ``folder`` with its manifest (the recipe's fingerprint, each weights
-    file's sha256, the command that made it and each stage's outcome)."""
+    file's sha256, the command that made it, the dense model it was upcycled from and each stage's outcome)."""
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("*.safetensors"):
         old.unlink()
@@ -158,7 +165,8 @@ def ship(final: Path, folder: Path, digest: str, command: str, summaries: list[d
     stages = [{k: summary.get(k) for k in ("data", "steps", "stop_reason", "kept_step", "kept_accuracy", "seconds")}
               for summary in summaries]
     manifest = {"fingerprint": digest, "command": command,
-                "weights": {p.name: sha256_file(p) for p in sorted(folder.glob("*.safetensors"))}, "stages": stages}
+                "weights": {p.name: sha256_file(p) for p in sorted(folder.glob("*.safetensors"))},
+                **({"upcycled_from": upcycled_from} if upcycled_from else {}), "stages": stages}
     (folder / SHIPPED_MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
@@ -168,6 +176,7 @@ def prepare_warm_start(experiment: dict[str, Any], spec: WarmStartSection, log: 
     else trained); None when model.path has weights already. ``ship_command``: train it from scratch and write it
     to ``spec.shipped`` with its manifest, naming that command. Reads `experiment`, never changes it."""
     from launch.prepare.sft import SFTConfig, run_sft
+    from launch.prepare.upcycle import UpcycleError, upcycle
 
     path = (experiment.get("model") or {}).get("path")
     if not path:
@@ -181,7 +190,9 @@ def prepare_warm_start(experiment: dict[str, Any], spec: WarmStartSection, log: 
         raise PrepareError("prepare.warm_start.shipped: not set (the folder --ship writes the warm start to)")
     out = spec.out
     stages = _stages(experiment, spec)
-    digest = _fingerprint(Path(path), stages)
+    if spec.upcycle is not None and not has_weights(spec.upcycle):
+        raise PrepareError(f"prepare.warm_start.upcycle: {spec.upcycle}: no weights to upcycle")
+    digest = _fingerprint(Path(path), stages, spec.upcycle)
     final = Path(out) / f"stage{len(stages)}"
     stamp = Path(out) / FINGERPRINT
     if (ship_command is None and has_weights(final) and stamp.exists()
@@ -196,6 +207,13 @@ def prepare_warm_start(experiment: dict[str, Any], spec: WarmStartSection, log: 
     log(f"prepare: {path} has no weights; training the warm start into {out} "
         f"({len(stages)} supervised stage(s), each to its plateau)")
     summaries, start = [], str(path)
+    if spec.upcycle is not None:
+        start = str(Path(out) / "upcycled")
+        log(f"prepare: upcycling the dense {spec.upcycle} into {start} (launch/prepare/upcycle.py)")
+        try:
+            upcycle(spec.upcycle, str(path), start)
+        except UpcycleError as exc:
+            raise PrepareError(f"prepare.warm_start.{exc}") from None
     for i, stage in enumerate(stages, 1):
         data = Path(stage.data)
         log(f"prepare: warm-start stage {i}/{len(stages)} on {data / 'train.jsonl'}")
@@ -206,7 +224,7 @@ def prepare_warm_start(experiment: dict[str, Any], spec: WarmStartSection, log: 
         start = cfg.out
     stamp.write_text(json.dumps({"fingerprint": digest, "stages": summaries}, indent=1, default=str))
     if ship_command is not None and spec.shipped:
-        ship(final, Path(spec.shipped), digest, ship_command, summaries)
+        ship(final, Path(spec.shipped), digest, ship_command, summaries, spec.upcycle)
         log(f"prepare: shipped the warm start to {spec.shipped} ({SHIPPED_MANIFEST}: fingerprint {digest})")
     return str(final)
 
