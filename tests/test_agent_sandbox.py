@@ -74,6 +74,23 @@ def test_the_calculator_program_runs_in_the_sandbox_through_the_endpoint():
     trained = [t for t, m in zip(run.trajectories[0].output_ids, run.trajectories[0].loss_mask) if m]
     assert trained == TOK.encode(CALL) + [EOS] + TOK.encode("\\boxed{1776}") + [EOS]   # the model's exact tokens
 
+@pytest.mark.parametrize("argv, source, reward, error", [
+    # A Python file runs in the relay's own interpreter: its exit status and stdout are still the program's.
+    (["{python}", "-I", "{files}/p.py"], "import sys\nprint('noise')\nprint(sys.argv[1:] == [] and 0.25)", 0.25, ""),
+    (["{python}", "-I", "{files}/p.py"], "raise ValueError('no tool')", None, "ValueError: no tool"),
+    (["{python}", "-I", "{files}/p.py"], "import sys\nsys.exit('gave up')", None, "exit 1: gave up"),
+    (["{python}", "-I", "{files}/p.py"], "import sys\nsys.exit(3)", None, "exit 3"),
+    # Anything else runs as its own process, as before.
+    (["{python}", "-I", "-B", "{files}/p.py"], "print(0.5)", 0.5, ""),
+    (["/bin/sh", "{files}/p.py"], "echo 0.75", 0.75, ""),
+])
+def test_a_sandboxed_programs_outcome_is_its_own(argv, source, reward, error):
+    run, _ = sandboxed_run(argv, {"p.py": source.encode()})
+    assert run.reward == reward
+    assert error in run.error and bool(run.error) == bool(error)
+    assert "exit " in run.error or not error
+
+
 @pytest.mark.parametrize("sandboxed", [True, False])
 def test_a_sandboxed_program_reaches_only_the_endpoint(sandboxed):
     listener = socket.create_server(("127.0.0.1", 0))   # something else on the host's loopback
