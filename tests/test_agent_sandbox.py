@@ -4,6 +4,7 @@ model; a program that tries another loopback port of the host is refused by the 
 program run without the sandbox reaches that port (so the refusal is the sandbox's)."""
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import tempfile
@@ -129,3 +130,12 @@ def test_only_an_agent_program_is_sandboxed():
         AgentSettings(function="tools.agents.calculator:agent", sandbox=True)
     with pytest.raises(ValueError, match="only a sandboxed agent gets files"):
         AgentSettings(command=["true"], files=["x.py"])
+
+
+def test_the_program_benchmark_runs_both_arms():
+    from tools.bench.agent import measure_program
+    report = asyncio.run(measure_program(episodes=4, concurrency=4, decode_s=0.0))
+    for arm in ("function", "program"):
+        assert report[arm]["answered"] == 4 and report[arm]["errors"] == 0 and report[arm]["calls"] == 8
+        assert report[arm]["cpu_ms_per_episode"] > 0
+    assert report["program_over_function_cpu"] > 0
