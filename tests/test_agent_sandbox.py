@@ -139,3 +139,39 @@ def test_the_program_benchmark_runs_both_arms():
         assert report[arm]["answered"] == 4 and report[arm]["errors"] == 0 and report[arm]["calls"] == 8
         assert report[arm]["cpu_ms_per_episode"] > 0
     assert report["program_over_function_cpu"] > 0
+
+
+def test_more_sandboxed_episodes_run_at_once_than_the_default_executor_has_threads():
+    # Each episode's first call waits until every episode has made one: with the programs on asyncio's default
+    # executor (CPUs + 4 threads) the rest never start and the first ones give up; on their own threads all go on.
+    episodes = min(32, (os.cpu_count() or 1) + 4) + 2
+    first_calls: set[str] = set()
+    all_in = asyncio.Event()
+
+    class Gathering(ScriptedEngine):
+        async def generate(self, request):
+            first_calls.add(request.rid.split("/")[0])
+            if len(first_calls) == episodes:
+                all_in.set()
+            await asyncio.wait_for(all_in.wait(), 240)
+            return await super().generate(request)
+
+    engine = Gathering(calc_script(), vocab_size=TOK.vocab_size)
+    folder = tempfile.mkdtemp(prefix="agent-endpoint-")
+    os.chmod(folder, 0o711)
+    socket_path = os.path.join(folder, "endpoint.sock")
+
+    async def body(endpoint):
+        await endpoint.serve_unix(socket_path)
+        os.chmod(socket_path, 0o666)
+        sandbox = AgentSandbox(socket_path, {"calculator_program.py": CALCULATOR.read_bytes()})
+        return await asyncio.gather(*[run_agent(endpoint, ["{python}", "-I", "{files}/calculator_program.py"], TASK,
+                                                f"ep{i}", timeout_s=300, sandbox=sandbox) for i in range(episodes)])
+    try:
+        runs = endpoint_run(engine, body)
+    finally:
+        for name in os.listdir(folder):
+            os.unlink(os.path.join(folder, name))
+        os.rmdir(folder)
+    assert [r.error for r in runs] == [""] * episodes
+    assert all(r.final_text == "\\boxed{1776}" for r in runs)
