@@ -509,6 +509,8 @@ def _probe(python: str) -> SandboxStatus:
         result = probe._run_bwrap(["{python}", "-I", "-c", check], {}, b"", probe.limits)
     except OSError as exc:
         return SandboxStatus(False, f"could not start bwrap: {exc}")
+    except SandboxConfigError as exc:   # setpriv or prlimit missing
+        return SandboxStatus(False, str(exc))
     if result.returncode != 0:
         tail = result.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
         return SandboxStatus(False, f"bwrap failed (exit {result.returncode}): {tail[0]}")
