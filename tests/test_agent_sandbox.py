@@ -4,6 +4,7 @@ model; a program that tries another loopback port of the host is refused by the 
 program run without the sandbox reaches that port (so the refusal is the sandbox's)."""
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import tempfile
@@ -74,6 +75,23 @@ def test_the_calculator_program_runs_in_the_sandbox_through_the_endpoint():
     trained = [t for t, m in zip(run.trajectories[0].output_ids, run.trajectories[0].loss_mask) if m]
     assert trained == TOK.encode(CALL) + [EOS] + TOK.encode("\\boxed{1776}") + [EOS]   # the model's exact tokens
 
+@pytest.mark.parametrize("argv, source, reward, error", [
+    # A Python file runs in the relay's own interpreter: its exit status and stdout are still the program's.
+    (["{python}", "-I", "{files}/p.py"], "import sys\nprint('noise')\nprint(sys.argv[1:] == [] and 0.25)", 0.25, ""),
+    (["{python}", "-I", "{files}/p.py"], "raise ValueError('no tool')", None, "ValueError: no tool"),
+    (["{python}", "-I", "{files}/p.py"], "import sys\nsys.exit('gave up')", None, "exit 1: gave up"),
+    (["{python}", "-I", "{files}/p.py"], "import sys\nsys.exit(3)", None, "exit 3"),
+    # Anything else runs as its own process, as before.
+    (["{python}", "-I", "-B", "{files}/p.py"], "print(0.5)", 0.5, ""),
+    (["/bin/sh", "{files}/p.py"], "echo 0.75", 0.75, ""),
+])
+def test_a_sandboxed_programs_outcome_is_its_own(argv, source, reward, error):
+    run, _ = sandboxed_run(argv, {"p.py": source.encode()})
+    assert run.reward == reward
+    assert error in run.error and bool(run.error) == bool(error)
+    assert "exit " in run.error or not error
+
+
 @pytest.mark.parametrize("sandboxed", [True, False])
 def test_a_sandboxed_program_reaches_only_the_endpoint(sandboxed):
     listener = socket.create_server(("127.0.0.1", 0))   # something else on the host's loopback
@@ -112,3 +130,48 @@ def test_only_an_agent_program_is_sandboxed():
         AgentSettings(function="tools.agents.calculator:agent", sandbox=True)
     with pytest.raises(ValueError, match="only a sandboxed agent gets files"):
         AgentSettings(command=["true"], files=["x.py"])
+
+
+def test_the_program_benchmark_runs_both_arms():
+    from tools.bench.agent import measure_program
+    report = asyncio.run(measure_program(episodes=4, concurrency=4, decode_s=0.0))
+    for arm in ("function", "program"):
+        assert report[arm]["answered"] == 4 and report[arm]["errors"] == 0 and report[arm]["calls"] == 8
+        assert report[arm]["cpu_ms_per_episode"] > 0
+    assert report["program_over_function_cpu"] > 0
+
+
+def test_more_sandboxed_episodes_run_at_once_than_the_default_executor_has_threads():
+    # Each episode's first call waits until every episode has made one: with the programs on asyncio's default
+    # executor (CPUs + 4 threads) the rest never start and the first ones give up; on their own threads all go on.
+    episodes = min(32, (os.cpu_count() or 1) + 4) + 2
+    first_calls: set[str] = set()
+    all_in = asyncio.Event()
+
+    class Gathering(ScriptedEngine):
+        async def generate(self, request):
+            first_calls.add(request.rid.split("/")[0])
+            if len(first_calls) == episodes:
+                all_in.set()
+            await asyncio.wait_for(all_in.wait(), 240)
+            return await super().generate(request)
+
+    engine = Gathering(calc_script(), vocab_size=TOK.vocab_size)
+    folder = tempfile.mkdtemp(prefix="agent-endpoint-")
+    os.chmod(folder, 0o711)
+    socket_path = os.path.join(folder, "endpoint.sock")
+
+    async def body(endpoint):
+        await endpoint.serve_unix(socket_path)
+        os.chmod(socket_path, 0o666)
+        sandbox = AgentSandbox(socket_path, {"calculator_program.py": CALCULATOR.read_bytes()})
+        return await asyncio.gather(*[run_agent(endpoint, ["{python}", "-I", "{files}/calculator_program.py"], TASK,
+                                                f"ep{i}", timeout_s=300, sandbox=sandbox) for i in range(episodes)])
+    try:
+        runs = endpoint_run(engine, body)
+    finally:
+        for name in os.listdir(folder):
+            os.unlink(os.path.join(folder, name))
+        os.rmdir(folder)
+    assert [r.error for r in runs] == [""] * episodes
+    assert all(r.final_text == "\\boxed{1776}" for r in runs)

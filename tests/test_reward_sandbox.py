@@ -354,6 +354,18 @@ def test_without_a_sandbox_code_is_refused_unless_allowed(no_bwrap):
     assert verdict.passed and not verdict.sandboxed
 
 
+def test_without_setpriv_or_prlimit_the_sandbox_is_unavailable_with_the_cause(monkeypatch):
+    real_which = sandbox_module.shutil.which
+    monkeypatch.setattr(sandbox_module.shutil, "which",
+                        lambda name, path=None: None if name == "prlimit" else real_which(name, path=path))
+    forget_probe()
+    try:
+        status = probe_sandbox()
+    finally:
+        forget_probe()
+    assert not status.available and "util-linux" in status.reason
+
+
 def test_unsandboxed_runs_keep_limits_and_kill_the_group(no_bwrap):
     allowed = Sandbox(LIMITS, allow_unsandboxed=True)
     result = run_python(allowed, """

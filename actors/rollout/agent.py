@@ -19,7 +19,9 @@ whatever happened: an agent that raises, hangs or exits with an error ends its e
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import functools
 import importlib
 import inspect
 import itertools
@@ -41,6 +43,11 @@ SANDBOX_SOCKET = "/run/agent/endpoint.sock"   # where the endpoint's socket is b
 SANDBOX_PORT = 8000                            # the relay's port on the sandbox's own loopback
 SANDBOX_UID_BASE = 250_000                     # agents' host uids, past the reward sandboxes' range (Sandbox)
 _sandbox_runs = itertools.count()
+# A sandboxed program holds a thread for its whole episode (Sandbox.run blocks). On asyncio's default executor
+# (CPUs + 4 threads: 6 on a 2-core machine) only that many of a step's episodes would run at once, the rest
+# queued while the engine decodes nearly empty batches. Threads are made as episodes need them, up to this.
+SANDBOX_THREADS = 512
+_sandbox_threads = concurrent.futures.ThreadPoolExecutor(SANDBOX_THREADS, thread_name_prefix="agent-sandbox")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +200,9 @@ async def _run_sandboxed(argv: list[str], client: AgentClient, task: Mapping[str
         "AGENT_TASK": json.dumps(dict(task)), "AGENT_TIMEOUT_S": f"{timeout_s:g}"}}
     with open(RELAY_SOURCE, "rb") as f:
         files = {**sandbox.files, "agent_relay.py": f.read(), "agent_relay.json": json.dumps(settings).encode()}
-    result = await asyncio.to_thread(runner.run, ["{python}", "-I", "{files}/agent_relay.py", "{files}/agent_relay.json"],
-                                     files=files, binds={sandbox.socket_path: SANDBOX_SOCKET})
+    result = await asyncio.get_running_loop().run_in_executor(_sandbox_threads, functools.partial(
+        runner.run, ["{python}", "-I", "{files}/agent_relay.py", "{files}/agent_relay.json"],
+        files=files, binds={sandbox.socket_path: SANDBOX_SOCKET}))
     if result.timed_out:
         raise TimeoutError
     return result.returncode, result.stdout, result.stderr

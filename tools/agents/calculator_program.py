@@ -4,6 +4,10 @@ Python, where no package of ours is installed), any OpenAI-compatible endpoint. 
 environment, answers the model's ``calc`` calls until the model
 writes an answer, and prints nothing: the task's reward actor grades the final reply.
 
+Its HTTP is a plain HTTP/1.0 POST on a socket: ``urllib.request`` (``http.client``, ``email``, ``ssl``) takes
+longer to import than the rest of an episode's CPU outside the model, once per episode (tools/bench/agent.py
+--program), and a local endpoint needs none of it.
+
 Sandboxed (actors/rollout/agent.py), with only the endpoint reachable::
 
     actors.rollout.settings.agent.command=["{python}","-I","{files}/calculator_program.py"]
@@ -15,7 +19,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import urllib.request
+import socket
+from urllib.parse import urlsplit
 
 TOOLS = [{"type": "function", "function": {
     "name": "calc", "description": "one integer operation A op B, op one of + - *",
@@ -37,14 +42,21 @@ def calc(arguments: str) -> str:
 
 
 def chat(messages: list[dict]) -> dict:
-    """One chat completion (no proxy: the endpoint is local)."""
-    request = urllib.request.Request(
-        os.environ["OPENAI_BASE_URL"].rstrip("/") + "/chat/completions",
-        data=json.dumps({"model": "policy", "messages": messages, "tools": TOOLS}).encode(),
-        headers={"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}", "Content-Type": "application/json"})
+    """One chat completion (HTTP/1.0: the reply is the whole body, then the connection closes)."""
+    url = urlsplit(os.environ["OPENAI_BASE_URL"])
+    body = json.dumps({"model": "policy", "messages": messages, "tools": TOOLS}).encode()
+    head = (f"POST {url.path.rstrip('/')}/chat/completions HTTP/1.0\r\nHost: {url.netloc}\r\n"
+            f"Authorization: Bearer {os.environ['OPENAI_API_KEY']}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
     timeout = float(os.environ.get("AGENT_TIMEOUT_S", "120"))
-    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=timeout) as response:
-        return json.load(response)["choices"][0]
+    with socket.create_connection((url.hostname, url.port or 80), timeout=timeout) as connection:
+        connection.sendall(head.encode() + body)
+        reply = b"".join(iter(lambda: connection.recv(1 << 16), b""))
+    status, _, rest = reply.partition(b"\r\n")
+    payload = rest.partition(b"\r\n\r\n")[2]
+    if status.split(b" ")[1:2] != [b"200"]:
+        raise RuntimeError(f"{status.decode(errors='replace')}: {payload[:300].decode(errors='replace')}")
+    return json.loads(payload)["choices"][0]
 
 
 def main() -> None:
