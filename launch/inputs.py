@@ -27,6 +27,7 @@ from pathlib import Path
 from actors.dataset import DatasetError, Layout, iter_jsonl, resolve_data_path, sniff_file
 from actors.engines.checkpoint import CheckpointError, ConfigError, check_checkpoint, has_weights
 from actors.engines.lora import LoraSpec, adapter_problem, lora_problem
+from actors.engines.megatron_lora import megatron_lora_problem
 from actors.engines.model import FAMILIES, Qwen2Config, config_from_dict
 from topology import Plan
 from topology.experiment import ExperimentConfig
@@ -153,17 +154,14 @@ def _check_model(config: ExperimentConfig, launch: bool, absent: str, lines: lis
 
 
 def _check_lora(config: ExperimentConfig, family: Qwen2Config, engines: set[str], problems: list[str]) -> None:
-    """``model.lora`` against the model: targets that match a linear layer, a rank each allows, a start adapter
-    made for this base, and engines that apply adapters (the torch engines)."""
+    """``model.lora`` against the model: targets that match a linear layer (on the megatron trainer: a decoder
+    layer's projection), a rank each allows, and a start adapter made for this base."""
     lora = config.model.lora
     spec = LoraSpec.from_settings(lora)
-    problem = lora_problem(family, spec)
+    problem = megatron_lora_problem(family, spec) if "megatron" in engines else lora_problem(family, spec)
     if problem:
         problems.append(f"experiment.{problem}")
         return
-    if "megatron" in engines:
-        problems.append("experiment.model.lora: the megatron trainer here trains full weights only; LoRA trains "
-                        "on the torch trainer (backend: torch)")
     if lora.adapter is not None:
         if not Path(lora.adapter).is_dir():
             problems.append(f"experiment.model.lora.adapter: {lora.adapter}: no such directory")

@@ -351,13 +351,16 @@ def test_direct_weights_into_sglang_servers(assets: dict[str, Path], tmp_path: P
 RANK_SILENCE_S = 60
 
 
-def test_multi_rank_megatron_trainer_runs_the_loop(assets: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_multi_rank_megatron_trainer_runs_the_loop(assets: dict[str, Path], tmp_path: Path, lora: bool) -> None:
     # The GPU topologies' trainer shape on CPU: one torch.distributed world of two data-parallel Megatron
-    # ranks (world_port), trainer.0 on the bus and in the weights link, trainer.1 following its calls.
+    # ranks (world_port), trainer.0 on the bus and in the weights link, trainer.1 following its calls. With
+    # LoRA (topology/local_lora.yaml's settings) every version is the Megatron trainer's adapter alone, which
+    # the embedded rollouts merge into their kept base.
     from actors.engines import megatron
     if not megatron.is_available():
         pytest.skip(f"megatron-core not importable ({megatron.MEGATRON_IMPORT_ERROR})")
-    local = (ROOT / "topology" / "local.yaml").read_text()
+    local = (ROOT / "topology" / ("local_lora.yaml" if lora else "local.yaml")).read_text()
     links = local[local.index("\nlinks:"):local.index("\nactors:")]
     trainer = local[local.index("\n  trainer:"):local.index("\n  param_server:")]
     text = local.replace(links, "\nlinks:\n"
@@ -377,6 +380,14 @@ def test_multi_rank_megatron_trainer_runs_the_loop(assets: dict[str, Path], tmp_
     assert events(run_dir, "trainer.1", "trainer_rank_started")[0]["world"] == 2
     assert events(run_dir, "trainer.1", "trainer_rank_done")        # it followed rank 0 to the end
     assert (run_dir / "checkpoints" / f"step_{steps:06d}" / "COMPLETE").exists()
+    if lora:
+        from actors.engines.lora import ADAPTER_WEIGHTS, read_adapter
+        found = sorted((run_dir / "checkpoints" / f"step_{steps:06d}").rglob(ADAPTER_WEIGHTS))
+        assert found, "a LoRA checkpoint holds the adapter in PEFT's layout"
+        _, adapter, _ = read_adapter(str(found[0].parent))
+        assert adapter and all(".lora_A." in n or ".lora_B." in n for n in adapter), sorted(adapter)[:4]
+        for name in ("rollout.0", "rollout.1"):
+            assert events(run_dir, name, "weights_updated"), f"{name} took no adapter version"
 
 
 def test_pipeline_stages_each_send_their_own_layers_to_sglang_servers(assets: dict[str, Path],

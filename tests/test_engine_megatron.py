@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sett
         from tests import megatron_cpu_shim
         megatron_cpu_shim.install()
         config = mg.MegatronConfig(lr=LR, **settings["config"])
-        engine = mg.MegatronTrainEngine(model_dir, config)
+        engine = mg.MegatronTrainEngine(model_dir, config, **settings.get("engine", {}))
         if engine.device.type == "cpu":
             # On a GPU, init_distributed seeds Megatron's CUDA RNG tracker (sequence parallelism and full
             # recompute fork it); the shim runs that tracker on the CPU generator, seeded the same way here.
@@ -85,14 +85,21 @@ def _engine_checks(engine: Any, out_dir: str, settings: dict[str, Any]) -> dict[
                       for k, v in bucket}
     out["after_step_logprobs"] = engine.compute_logprobs(whole).logprobs
     if settings.get("checkpoint"):
-        ckpt = os.path.join(out_dir, "ckpt")
-        engine.save(ckpt)
-        out["second_step"] = engine.train_step(batches, token_nll_loss)
-        out["second_weights"] = {k: v for b in engine.export_weights() for k, v in b}
-        engine.load(ckpt)
-        out["version_after_load"] = engine.version
-        out["replayed_step"] = engine.train_step(batches, token_nll_loss)
-        out["replayed_weights"] = {k: v for b in engine.export_weights() for k, v in b}
+        out.update(_save_step_load_step(engine, out_dir, batches))
+    return out
+
+
+def _save_step_load_step(engine: Any, out_dir: str, batches: list[PackedBatch]) -> dict[str, Any]:
+    """Save to out_dir/ckpt, take a step, load the checkpoint and take the same step again: both steps' stats
+    and exported weights."""
+    ckpt = os.path.join(out_dir, "ckpt")
+    engine.save(ckpt)
+    out: dict[str, Any] = {"second_step": engine.train_step(batches, token_nll_loss),
+                           "second_weights": {k: v for b in engine.export_weights() for k, v in b}}
+    engine.load(ckpt)
+    out["version_after_load"] = engine.version
+    out["replayed_step"] = engine.train_step(batches, token_nll_loss)
+    out["replayed_weights"] = {k: v for b in engine.export_weights() for k, v in b}
     return out
 
 

@@ -204,6 +204,10 @@ def test_planner_memory_counts_adapters_not_the_frozen_base():
     assert lora["optimizer"] == adapters * 8 and lora["gradients"] == adapters * 4
     assert lora["weights"] == full["weights"] and lora["activations"] == full["activations"]
     assert sum(lora.values()) < sum(full.values()) - 0.9 * (full["optimizer"] + full["gradients"])
+    # tensor parallelism (the megatron trainer) splits B of q, k, v and A of o; A of q, k, v and B of o replicated
+    assert lora_params(shape, 16, targets, tp=2) == 28 * 16 * ((3584 + 1792) + 2 * (3584 + 256) + (1792 + 3584))
+    tp2 = trainer_terms(shape, TrainerLayout(tp=2, lora_rank=16, lora_targets=targets))
+    assert tp2["optimizer"] == lora_params(shape, 16, targets, tp=2) * 8
 
 
 def test_launch_check_refuses_lora_that_fits_nothing(tmp_path):
@@ -221,8 +225,17 @@ def test_launch_check_refuses_lora_that_fits_nothing(tmp_path):
         "rank": 4, "alpha": 8.0, "target_modules": list(SPEC.target_modules), "adapter": str(tmp_path / "adapter")}}})
     problems = []
     _check_lora(config, tiny_config(hidden_size=32, intermediate_size=64), {"megatron", "sglang"}, problems)
-    assert len(problems) == 2 and "the megatron trainer here trains full weights only" in problems[0]
-    assert problems[1].startswith("experiment.model.lora.adapter: ") and "belongs to another base model" in problems[1]
+    assert len(problems) == 1   # the megatron trainer trains LoRA too: only the adapter made for another base
+    assert problems[0].startswith("experiment.model.lora.adapter: ") and "belongs to another base model" in problems[0]
+    # lm_head: an adapter on the torch trainer, refused before launch on the megatron trainer
+    config = ExperimentConfig.model_validate({"model": {"path": "m", "lora": {"rank": 4, "target_modules": ["lm_head"]}}})
+    problems = []
+    _check_lora(config, tiny_config(), {"torch"}, problems)
+    assert problems == []
+    _check_lora(config, tiny_config(), {"megatron"}, problems)
+    assert problems == ["experiment.model.lora.target_modules: ['lm_head'] are not adapted on the megatron trainer (it "
+                        "adapts the decoder layers' down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj); "
+                        "adapt those, or train on backend: torch"]
 
 
 def test_export_writes_a_merged_checkpoint_and_an_adapter_peft_loads(tmp_path):

@@ -114,7 +114,7 @@ class _LoraPart(nn.Linear):
 class LoraLinear(nn.Linear):
     """A frozen linear layer plus a trainable low-rank update (the module docstring)."""
 
-    def __init__(self, base: nn.Linear, spec: LoraSpec, generator: torch.Generator) -> None:
+    def __init__(self, base: nn.Linear, spec: LoraSpec, initial_a: torch.Tensor) -> None:
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias   # the base's own parameters: names and storage unchanged
@@ -124,9 +124,8 @@ class LoraLinear(nn.Linear):
         kw = {"device": base.weight.device, "dtype": torch.float32}
         self.lora_A = _LoraPart(self.in_features, spec.rank, bias=False, **kw)
         self.lora_B = _LoraPart(spec.rank, self.out_features, bias=False, **kw)
-        with torch.no_grad():   # PEFT's default: A as nn.Linear initialises itself, B zero
-            bound = 1.0 / math.sqrt(self.in_features)
-            self.lora_A.weight.copy_(torch.rand(self.lora_A.weight.shape, generator=generator) * 2 * bound - bound)
+        with torch.no_grad():
+            self.lora_A.weight.copy_(initial_a)
             self.lora_B.weight.zero_()
         self.scaling = spec.scaling
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
@@ -136,19 +135,34 @@ class LoraLinear(nn.Linear):
         return base + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
 
+def initial_adapter(config: Qwen2Config, spec: LoraSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The adapter a new run starts from, under its wire names: each A drawn as PEFT's default (nn.Linear's
+    uniform initialisation) from one generator seeded with ``seed``, target by target in module order; each B
+    zero. Every trainer backend starts from it, so they start from the same adapter."""
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, m in target_linears(model, spec):
+        bound = 1.0 / math.sqrt(m.in_features)
+        out[name + ".lora_A.weight"] = torch.rand((spec.rank, m.in_features), generator=generator) * 2 * bound - bound
+        out[name + ".lora_B.weight"] = torch.zeros(m.out_features, spec.rank)
+    return out
+
+
 def add_lora(model: Qwen2ForCausalLM, spec: LoraSpec, seed: int = 0) -> list[str]:
     """Freeze every parameter of ``model`` and put a LoRA adapter on each target (in place); the targets' names.
-    The adapter's initial A depends on ``seed`` only."""
+    The adapter starts as :func:`initial_adapter` of ``seed``."""
     problem = lora_problem(model.config, spec)
     if problem:
         raise LoraError(problem)
     model.requires_grad_(False)
-    generator = torch.Generator().manual_seed(seed)
+    initial = initial_adapter(model.config, spec, seed)
     names = []
     for name, linear in target_linears(model, spec):
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, LoraLinear(linear, spec, generator))
+        setattr(parent, child, LoraLinear(linear, spec, initial[name + ".lora_A.weight"]))
         names.append(name)
     return names
 

@@ -40,7 +40,7 @@ import datetime
 import json
 import os
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -60,6 +60,9 @@ from transport.ports import free_port
 from .checkpoint import (CONFIG_FILE, SINGLE_FILE, CheckpointError, _weight_files, load_config,
                          shard_file_name, write_weights_file, write_weights_index,
                          read_tokenizer_files, write_tokenizer_files)
+from .lora import (LoraError, LoraSpec, adapter_problem, copy_base_config, initial_adapter, is_adapter_name,
+                   read_adapter, resolve_start, write_adapter)
+from .megatron_lora import LORA_LINEARS, adapter_param_names, add_parallel_lora
 from .model import Qwen2Config, sdpa
 from .torch_train import TrainConfig
 
@@ -275,8 +278,16 @@ class TorchPackedAttention(MegatronModule):
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def _use_te(mc: MegatronConfig, device: torch.device) -> bool:
+def _use_te(mc: MegatronConfig, device: torch.device, lora: bool = False) -> bool:
+    """Whether the layers are Transformer Engine's. Not with LoRA: TE's linear_qkv and linear_fc1 apply the
+    norm inside the layer, and an adapter must see the normalised input (megatron_lora.py adapts the local
+    spec's layers, whose norms are modules of their own)."""
     if mc.attention == "torch":
+        return False
+    if lora:
+        if mc.attention == "te":
+            raise MegatronUnavailableError("MegatronConfig.attention='te' with LoRA: the adapters train on the local "
+                                           "layer spec (attention 'auto' or 'torch'; docs/engines-megatron.md, LoRA)")
         return False
     try:
         import transformer_engine  # noqa: F401
@@ -305,8 +316,8 @@ class LocalRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def layer_spec(mc: MegatronConfig, device: torch.device, tc: TransformerConfig) -> ModuleSpec | Any:
-    if _use_te(mc, device):
+def layer_spec(mc: MegatronConfig, device: torch.device, tc: TransformerConfig, lora: bool = False) -> ModuleSpec | Any:
+    if _use_te(mc, device, lora):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
         return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec()
@@ -320,11 +331,11 @@ def padded_vocab_size(vocab: int, mc: MegatronConfig) -> int:
     return -(-vocab // multiple) * multiple
 
 
-def build_gpt_model(cfg: Qwen2Config, mc: MegatronConfig, device: torch.device) -> GPTModel:
-    """This rank's stage of the model (parallel_state must be initialised)."""
+def build_gpt_model(cfg: Qwen2Config, mc: MegatronConfig, device: torch.device, lora: bool = False) -> GPTModel:
+    """This rank's stage of the model (parallel_state must be initialised); ``lora``: on the local layer spec."""
     tc = qwen2_transformer_config(cfg, mc)
     model = GPTModel(
-        config=tc, transformer_layer_spec=layer_spec(mc, device, tc), vocab_size=padded_vocab_size(cfg.vocab_size, mc),
+        config=tc, transformer_layer_spec=layer_spec(mc, device, tc, lora), vocab_size=padded_vocab_size(cfg.vocab_size, mc),
         max_sequence_length=cfg.max_position_embeddings, pre_process=mpu.is_pipeline_first_stage(),
         post_process=mpu.is_pipeline_last_stage(), parallel_output=True,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings, position_embedding_type="rope",
@@ -336,6 +347,7 @@ def build_gpt_model(cfg: Qwen2Config, mc: MegatronConfig, device: torch.device) 
 # kind of a Megatron parameter: how its tensor-parallel shards relate to the full tensor(s)
 #   rep   replicated on every TP rank          vocab  rows split (vocab padded)
 #   row   columns split (RowParallelLinear)   fc1    per rank [gate shard; up shard]
+#   col   rows split (a LoRA B of a ColumnParallelLinear)
 #   qkv   fused per query group [q heads.., k, v], rank r holds groups r*G/tp .. (r+1)*G/tp - 1
 @dataclasses.dataclass(frozen=True)
 class ParamMap:
@@ -358,6 +370,12 @@ def param_map(mcore_name: str, layer_offset: int) -> ParamMap:
         raise CheckpointError(f"no Hugging Face name for Megatron parameter {n!r}")
     hf = f"model.layers.{int(parts[2]) + layer_offset}."
     rest = ".".join(parts[3:])
+    adapter = adapter_param_names(".".join(parts[3:5]), ".".join(parts[5:]))
+    if adapter is not None:   # megatron_lora.py: A replicated and B split on a column-parallel layer, the reverse on a row one
+        block, projection, matrix = adapter
+        column = LORA_LINEARS[".".join(parts[3:5])][0] == "column"
+        kind = ("col" if column else "row") if (matrix == "lora_B") == column else "rep"
+        return ParamMap(n, kind, (f"{hf}{block}.{projection}.{matrix}.weight",))
     table: dict[str, tuple[str, tuple[str, ...]]] = {
         "input_layernorm.weight": ("rep", ("input_layernorm.weight",)),
         "self_attention.linear_qkv.layer_norm_weight": ("rep", ("input_layernorm.weight",)),  # TE spec
@@ -389,6 +407,8 @@ def hf_to_megatron_shard(pm: ParamMap, hf: Sequence[torch.Tensor], cfg: Qwen2Con
         return full.chunk(tp_size, dim=0)[tp_rank]
     if pm.kind == "row":
         return hf[0].chunk(tp_size, dim=1)[tp_rank]
+    if pm.kind == "col":
+        return hf[0].chunk(tp_size, dim=0)[tp_rank]
     if pm.kind == "fc1":
         gate, up = hf
         return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], dim=0)
@@ -411,6 +431,8 @@ def megatron_shards_to_hf(pm: ParamMap, shards: Sequence[torch.Tensor], cfg: Qwe
         return [(pm.hf_names[0], torch.cat(list(shards), dim=0)[:cfg.vocab_size])]
     if pm.kind == "row":
         return [(pm.hf_names[0], torch.cat(list(shards), dim=1))]
+    if pm.kind == "col":
+        return [(pm.hf_names[0], torch.cat(list(shards), dim=0))]
     if pm.kind == "fc1":
         halves = [s.chunk(2, dim=0) for s in shards]
         return [(pm.hf_names[0], torch.cat([h[0] for h in halves])), (pm.hf_names[1], torch.cat([h[1] for h in halves]))]
@@ -546,12 +568,20 @@ class MegatronTrainEngine(TrainEngine):
     rank receive the same ones). `export_weights` must be iterated to the end on every rank; buckets come
     out only on export senders (`is_export_sender`: data-parallel rank 0 and tensor-parallel rank 0 of each
     pipeline stage), each holding its own stage's layers.
+
+    With ``lora`` the base is frozen and adapters train on it (megatron_lora.py): the optimizer holds the
+    adapters alone, and weights, versions and checkpoints are the adapter's Hugging Face-named tensors, as the
+    torch trainer's. ``model_dir`` is then the base model or a LoRA checkpoint (which names its base), and
+    ``start_adapter`` an adapter directory a new run starts from.
     """
 
-    def __init__(self, model_dir: str, config: MegatronConfig | None = None, *, version: int = 0) -> None:
+    def __init__(self, model_dir: str, config: MegatronConfig | None = None, *, version: int = 0,
+                 lora: LoraSpec | None = None, start_adapter: str | None = None) -> None:
         _require_megatron()
         self.config = config or MegatronConfig()
         self.model_dir = model_dir
+        self.lora = lora
+        self.base_dir, adapter_dir = resolve_start(model_dir, start_adapter) if lora else (model_dir, None)
         self._tokenizer_files = read_tokenizer_files(model_dir)
         self.device = torch.device(self.config.device)
         if self.device.type == "cuda":
@@ -559,7 +589,7 @@ class MegatronTrainEngine(TrainEngine):
             self.device = torch.device("cuda", torch.cuda.current_device())
         init_distributed(self.config, self.device)
         torch.manual_seed(self.config.seed)
-        self.hf_config = load_config(model_dir)
+        self.hf_config = load_config(self.base_dir)
         if self.hf_config.MODEL_TYPE != "qwen2":
             raise CheckpointError(f"{model_dir}: the model is {self.hf_config.MODEL_TYPE} "
                                   f"({self.hf_config.ARCHITECTURE}); the megatron backend builds qwen2 only")
@@ -567,11 +597,15 @@ class MegatronTrainEngine(TrainEngine):
         self.pp_rank, self.pp_size = mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
         self.dp_rank, self.dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         self.padded_vocab = padded_vocab_size(self.hf_config.vocab_size, self.config)
-        self.model = build_gpt_model(self.hf_config, self.config, self.device)
+        self.model = build_gpt_model(self.hf_config, self.config, self.device, lora=lora is not None)
         self.layer_offset = self._layer_offset()
+        if lora is not None:
+            self._add_lora(lora)
         self.param_maps = {name: param_map(name, self.layer_offset) for name, _ in self.model.named_parameters()}
         self._mark_tensor_parallel_params()
-        self._load_hf_weights(model_dir)
+        self._load_hf_weights(self.base_dir)
+        if lora is not None:
+            self._load_adapter(adapter_dir)
         tc = self.model.config
         self.ddp = DistributedDataParallel(
             config=tc, module=self.model,
@@ -612,18 +646,53 @@ class MegatronTrainEngine(TrainEngine):
                         delattr(param, attr)
                 tensor_parallel.set_tensor_model_parallel_attributes(param, True, 1 if kind == "row" else 0, 1)
 
+    def _add_lora(self, spec: LoraSpec) -> None:
+        try:
+            add_parallel_lora(self.model, self.hf_config, spec, self.layer_offset, self.tp_size,
+                              self.config.sequence_parallel_on)
+        except LoraError as exc:
+            raise CheckpointError(f"{self.base_dir}: {exc}") from None
+        if self.config.recompute == "full" and mpu.is_pipeline_first_stage():
+            # A recomputed layer's gradients flow only when its input asks for them: the frozen embedding's
+            # output would not, and the first layers' adapters would get none.
+            self.model.embedding.register_forward_hook(lambda _m, _a, out: out.requires_grad_(True))
+
     def _load_hf_weights(self, model_dir: str) -> None:
+        """The base's parameters from a Hugging Face model directory (all of them without LoRA)."""
         reader = _HFReader(model_dir)
         tied = self.hf_config.tie_word_embeddings
+
+        def full(pm: ParamMap) -> list[torch.Tensor]:
+            names = ("model.embed_tokens.weight",) if tied and pm.mcore_name == "output_layer.weight" else pm.hf_names
+            return [reader.get(n) for n in names]
+        self._assign(full, adapters=False, source=model_dir)
+
+    def _load_adapter(self, adapter_dir: str | None) -> None:
+        """The adapter's parameters from a PEFT-layout directory, or the initial adapter (``lora.initial_adapter``,
+        the torch trainer's) when None."""
+        if adapter_dir is None:
+            tensors = initial_adapter(self.hf_config, self.lora, self.config.seed)
+        else:
+            problem = adapter_problem(adapter_dir, self.hf_config, self.lora)
+            if problem:
+                raise CheckpointError(problem)
+            tensors = read_adapter(adapter_dir)[1]
+
+        self._assign(lambda pm: [tensors[n] for n in pm.hf_names], adapters=True,
+                     source=adapter_dir or "the initial adapter")
+
+    def _assign(self, full: Callable[[ParamMap], list[torch.Tensor]], *, adapters: bool, source: str) -> None:
+        """Copy this rank's shard of each base (``adapters`` False) or adapter parameter from its full Hugging
+        Face tensors, ``full(param_map)``."""
         with torch.no_grad():
             for name, param in self.model.named_parameters():
                 pm = self.param_maps[name]
-                hf_names = ("model.embed_tokens.weight",) if (tied and pm.mcore_name == "output_layer.weight") \
-                    else pm.hf_names
-                full = [reader.get(n) for n in hf_names]
-                shard = hf_to_megatron_shard(pm, full, self.hf_config, self.tp_rank, self.tp_size, self.padded_vocab)
+                if is_adapter_name(pm.hf_names[0]) != adapters:
+                    continue
+                shard = hf_to_megatron_shard(pm, full(pm), self.hf_config, self.tp_rank, self.tp_size,
+                                             self.padded_vocab)
                 if tuple(shard.shape) != tuple(param.shape):
-                    raise CheckpointError(f"{model_dir}: {hf_names} give shape {tuple(shard.shape)} for {name!r}, "
+                    raise CheckpointError(f"{source}: {pm.hf_names} give shape {tuple(shard.shape)} for {name!r}, "
                                           f"the model expects {tuple(param.shape)}")
                 param.copy_(shard)
 
@@ -808,6 +877,8 @@ class MegatronTrainEngine(TrainEngine):
             pm = self.param_maps[name]
             if tied and pm.mcore_name == "output_layer.weight":
                 continue  # a copy of the embedding on the last stage; HF stores it once
+            if self.lora is not None and not is_adapter_name(pm.hf_names[0]):
+                continue  # with LoRA a version is the adapter alone (the rollouts hold the base)
             units.append((pm, param))
         return units
 
@@ -879,7 +950,9 @@ class MegatronTrainEngine(TrainEngine):
 
     def save(self, path: str) -> None:
         """HF layout (config.json + safetensors; one file per pipeline stage with an index when pp > 1),
-        tokenizer files, each rank's optimizer shard, and trainer_state.pt written last by rank 0."""
+        tokenizer files, each rank's optimizer shard, and trainer_state.pt written last by rank 0. With LoRA the
+        weights are the adapter in PEFT's layout, written by rank 0 (lora.write_adapter, as the torch trainer),
+        with the base's config.json; the base's weights stay at the base directory."""
         rank = dist.get_rank()
         if rank == 0:
             os.makedirs(path, exist_ok=True)
@@ -888,14 +961,20 @@ class MegatronTrainEngine(TrainEngine):
         for bucket in self.export_weights(256 << 20):
             tensors.update({name: t.cpu() for name, t in bucket})
         fname = SINGLE_FILE if self.pp_size == 1 else shard_file_name(self.pp_rank, self.pp_size)
-        if self.is_export_sender:
+        if self.is_export_sender and self.lora is None:
             write_weights_file(tensors, os.path.join(path, fname))
         names: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(names, (fname, sorted(tensors)) if self.is_export_sender else None)
+        # an adapter is small: its stages' tensors go to rank 0, which writes the one adapter file
+        dist.all_gather_object(names, (fname, tensors if self.lora else sorted(tensors))
+                               if self.is_export_sender else None)
         torch.save({"layout": self._layout(), "optimizers": [o.state_dict() for o in self._inner_optimizers()]},
                    os.path.join(path, f"optim_rank{rank:05d}.pt"))
         dist.barrier()
-        if rank == 0:
+        if rank == 0 and self.lora is not None:
+            adapter = {n: t for item in names if item is not None for n, t in item[1].items()}
+            write_adapter(path, adapter, self.lora, self.base_dir, self.hf_config)
+            copy_base_config(self.base_dir, path)
+        elif rank == 0:
             if self.pp_size > 1:
                 weight_map = {n: f for item in names if item is not None for f, ns in [item] for n in ns}
                 write_weights_index(path, weight_map, {})
@@ -903,6 +982,7 @@ class MegatronTrainEngine(TrainEngine):
             config["torch_dtype"] = "bfloat16" if self.config.bf16 else "float32"
             with open(os.path.join(path, CONFIG_FILE), "w", encoding="utf-8") as f:
                 json.dump(config, f, indent=2)
+        if rank == 0:
             write_tokenizer_files(self._tokenizer_files, path)
             state = {"step": self.step, "initial_version": self._initial_version, "layout": self._layout(),
                      "config": dataclasses.asdict(self.config),
@@ -926,7 +1006,10 @@ class MegatronTrainEngine(TrainEngine):
             optim_path = os.path.join(path, f"optim_rank{dist.get_rank():05d}.pt")
             if not os.path.exists(optim_path):
                 raise CheckpointError(f"{path}: missing {os.path.basename(optim_path)}")
-            self._load_hf_weights(path)
+            if self.lora is not None:
+                self._load_adapter(path)
+            else:
+                self._load_hf_weights(path)
             optim = torch.load(optim_path, map_location=self.device, weights_only=False)
             for inner, sd in zip(self._inner_optimizers(), optim["optimizers"], strict=True):
                 inner.load_state_dict(sd)

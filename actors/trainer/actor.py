@@ -102,15 +102,15 @@ def make_train_engine(cfg: TrainerSettings, model_dir: str, version: int, lora: 
     """The trainer backend named by `backend` (torch here; megatron on GPU clusters); with ``model.lora`` (and
     ``lora``) it trains adapters on the frozen model."""
     require_device(cfg.engine_device)
+    spec = LoraSpec.from_settings(cfg.model.lora) if lora else None
+    start_adapter = cfg.model.lora.adapter if spec is not None else None
     if cfg.backend == "megatron":
-        return _make_megatron_engine(cfg, model_dir, version)
+        return _make_megatron_engine(cfg, model_dir, version, spec, start_adapter)
     a = cfg.algo
     config = TrainConfig(lr=a.lr, adam_eps=a.adam_eps, betas=(a.adam_beta1, a.adam_beta2), grad_clip=a.grad_clip,
                          weight_decay=a.weight_decay, seed=cfg.seed, device=cfg.engine_device,
                          moe_aux_loss_coef=a.moe_aux_loss_coef)
-    spec = LoraSpec.from_settings(cfg.model.lora) if lora else None
-    return TorchTrainEngine(model_dir, config, version=version, lora=spec,
-                            start_adapter=cfg.model.lora.adapter if spec is not None else None)
+    return TorchTrainEngine(model_dir, config, version=version, lora=spec, start_adapter=start_adapter)
 
 
 def make_reference_engine(cfg: TrainerSettings) -> TrainEngine:
@@ -120,7 +120,8 @@ def make_reference_engine(cfg: TrainerSettings) -> TrainEngine:
     return make_train_engine(cfg, cfg.model.path, 0, lora=False)   # set: TrainerActor.check_settings refuses it unset
 
 
-def _make_megatron_engine(cfg: TrainerSettings, model_dir: str, version: int) -> TrainEngine:
+def _make_megatron_engine(cfg: TrainerSettings, model_dir: str, version: int, lora: LoraSpec | None,
+                          start_adapter: str | None) -> TrainEngine:
     """`backend: megatron` (actors/engines/megatron.py): the same algo settings plus the trainer group's
     `parallel` from the topology (tp, pp; dp is what the world size leaves). Every trainer rank builds one."""
     from actors.engines.megatron import MegatronConfig, MegatronTrainEngine  # optional dependency
@@ -132,7 +133,7 @@ def _make_megatron_engine(cfg: TrainerSettings, model_dir: str, version: int) ->
                             bf16=trainer_placement(cfg)["dtype"] == "bfloat16",
                             sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
                             logprob_chunk_tokens=cfg.logprob_chunk_tokens)
-    return MegatronTrainEngine(model_dir, config, version=version)
+    return MegatronTrainEngine(model_dir, config, version=version, lora=lora, start_adapter=start_adapter)
 
 
 # A request to the buffer is asked again each time the buffer restarts while it waits (a restarted buffer

@@ -176,7 +176,7 @@ def trainer_terms(shape: ModelShape, lay: TrainerLayout) -> dict[str, float]:
     published = published_params(shape, lay)   # a version's parameters on this stage's sender
     if lay.lora_rank:
         # the base frozen: no gradients or optimizer for it; float32 adapters with their gradients and Adam's moments
-        adapters = published / t
+        adapters = lora_params(shape, lay.lora_rank, lay.lora_targets, t) * layers_per_stage / shape.layers
         terms.update(gradients=adapters * 4, optimizer=adapters * 8, adapters=adapters * 4)
     if lay.reference:
         # weights, Megatron's float32 gradient buffer, and (bf16) the distributed optimizer's float32 main-weight shard
@@ -195,11 +195,13 @@ def published_params(shape: ModelShape, lay: TrainerLayout) -> float:
     return sum(stage_params(shape, lay.pp))
 
 
-def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...]) -> int:
-    """Parameters of rank-``rank`` adapters on the ``targets`` of every layer (rank * (in + out) each)."""
+def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...], tp: int = 1) -> float:
+    """Parameters of rank-``rank`` adapters on the ``targets`` of every layer (rank * (in + out) each), on one of
+    ``tp`` tensor-parallel ranks: a column-parallel projection's B is split and its A replicated, a row-parallel
+    one's (o_proj, down_proj) A split and its B replicated (actors/engines/megatron_lora.py)."""
     h, q, kv, f = shape.hidden, shape.heads * shape.head_dim, shape.kv_dim, shape.intermediate
-    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
+    dims = {"q_proj": (h, q / tp), "k_proj": (h, kv / tp), "v_proj": (h, kv / tp), "o_proj": (q / tp, h),
+            "gate_proj": (h, f / tp), "up_proj": (h, f / tp), "down_proj": (f / tp, h)}
     per_layer = sum(rank * sum(dims[t]) for t in targets if t in dims)
     return shape.layers * per_layer + (rank * (h + shape.vocab) if "lm_head" in targets else 0)
 
