@@ -361,3 +361,33 @@ def test_sglang_server_loads_each_adapter_by_name_and_comes_back_with_it_after_a
     assert again[0] == 400 and "because it is already loaded" in again[1]["error_message"]
     assert too_big[0] == 400 and "incompatible with the current LoRA memory pool" in too_big[1]["error_message"]
     assert unloaded[0] == 400 and "never been loaded: v1" in unloaded[1]["error"]["message"]
+
+
+def test_the_final_evaluation_scores_a_lora_run_s_adapter_checkpoint(tmp_path):
+    # A LoRA run's last checkpoint holds the adapter alone (no model.safetensors): the final evaluation once
+    # skipped it as "no weights" and reported the start model only.
+    from actors.runtime.recovery import checkpoint_dir, mark_complete
+    from launch.evaluation import final_evaluation
+    from topology.experiment import ExperimentConfig
+
+    base_dir = str(tiny_model_dir(tmp_path / "base"))
+    engine = TorchTrainEngine(base_dir, TrainConfig(lr=1e-2), lora=SPEC)
+    engine.train_step(batches(), token_nll_loss)
+    run_dir = tmp_path / "run"
+    ckpt = checkpoint_dir(run_dir, 1)
+    engine.save(str(ckpt / "model"))
+    assert not (ckpt / "model" / "model.safetensors").exists()
+    (ckpt / "buffer.json").write_text("{}")
+    mark_complete(ckpt, {"step": 1})
+    test = tmp_path / "test.jsonl"
+    test.write_text("".join(json.dumps({"query_id": str(i), "prompt": f"{i}+1=", "answer": str(i + 1), "level": 1})
+                            + "\n" for i in range(2)))
+    config = ExperimentConfig.model_validate({
+        "data": {"test": str(test)}, "gen": {"max_new_tokens": 4}, "eval": {"samples": 0},
+        "model": {"path": base_dir, "lora": {"rank": SPEC.rank, "alpha": SPEC.alpha,
+                                             "target_modules": list(SPEC.target_modules)}}})
+    summary = final_evaluation(config, run_dir)
+    assert summary is not None and set(summary["greedy_accuracy"]) == {"start", "final"}, summary
+    assert summary["final_model"] == str(ckpt / "model") and "gain_points" in summary
+    lines = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [e["model"] for e in lines] == ["start", "final"] and lines[1]["step"] == 1

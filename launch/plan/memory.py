@@ -173,18 +173,26 @@ def trainer_terms(shape: ModelShape, lay: TrainerLayout) -> dict[str, float]:
     logits = 2 * (2 * s * vocab_rank) + LOGSOFTMAX_FP32_COPIES * 4 * chunk * vocab_rank
     terms = {"weights": rank_params * wbytes, "gradients": rank_params * 4, "optimizer": optimizer,
              "activations": activations, "logits": logits}
-    published = stage_dense + stage_experts   # a version's parameters on this stage's sender
+    published = published_params(shape, lay)   # a version's parameters on this stage's sender
     if lay.lora_rank:
         # the base frozen: no gradients or optimizer for it; float32 adapters with their gradients and Adam's moments
         adapters = lora_params(shape, lay.lora_rank, lay.lora_targets, t) * layers_per_stage / shape.layers
         terms.update(gradients=adapters * 4, optimizer=adapters * 8, adapters=adapters * 4)
-        published = lora_params(shape, lay.lora_rank, lay.lora_targets) * layers_per_stage / shape.layers
     if lay.reference:
         # weights, Megatron's float32 gradient buffer, and (bf16) the distributed optimizer's float32 main-weight shard
         terms["reference model"] = rank_params * (wbytes + 4) + (4 * optimizer / opt_bytes if lay.bf16 else 0)
     terms["publish transient"] = min(PUBLISH_BUCKETS_ON_GPU * lay.bucket_bytes, 2 * published * 2)
     terms["CUDA/NCCL reserve"] = hardware.PROCESS_RESERVE_BYTES
     return terms
+
+
+def published_params(shape: ModelShape, lay: TrainerLayout) -> float:
+    """Parameters of one published version on the most loaded stage's sender: the stage's weights, or with
+    `model.lora` the stage's adapters alone (its share of the layers' adapters; lm_head's adapter counted in)."""
+    layers_per_stage = -(-shape.layers // lay.pp)
+    if lay.lora_rank:
+        return lora_params(shape, lay.lora_rank, lay.lora_targets) * layers_per_stage / shape.layers
+    return sum(stage_params(shape, lay.pp))
 
 
 def lora_params(shape: ModelShape, rank: int, targets: tuple[str, ...], tp: int = 1) -> float:
@@ -220,10 +228,10 @@ def rollout_memory(group: str, shape: ModelShape, lay: RolloutLayout, capacity: 
 
 
 def kept_bytes(shape: ModelShape, lay: TrainerLayout) -> float:
-    """Page-locked host memory of the export sender's published buckets (bf16 weights of its stage): the kept
-    versions (direct weights: KEPT_VERSIONS, or at most `weights_kept_mb` and never less than one), else the
-    version on its way to the parameter server."""
-    version = sum(stage_params(shape, lay.pp)) * 2
+    """Page-locked host memory of the export sender's published buckets (bf16 weights, or adapters, of its
+    stage): the kept versions (direct weights: KEPT_VERSIONS, or at most `weights_kept_mb` and never less than
+    one), else the version on its way to the parameter server."""
+    version = published_params(shape, lay) * 2
     if not lay.keeps_weights:
         return version
     return KEPT_VERSIONS * version if lay.kept_bytes is None else max(float(lay.kept_bytes), version)

@@ -38,6 +38,13 @@ drift events (0 expected), re-rendered histories, agent errors, endpoint calls a
 tools/agents/calculator_program.py, in the bubblewrap sandbox with the endpoint its only way out; its figures
 carry the prefix ``program_`` (program_agent_gain_points, program_agent_errors, ...).
 
+`--modes async,lora` runs LoRA beside full fine-tuning on the math task at equal steps: lora is the same run with
+configs/local_lora.yaml (the `config=` override of topology/local.yaml, which is what topology/local_lora.yaml
+names: rank-8 adapters on the frozen warm start, every weight version the adapter alone). Its report adds
+lora_accuracy, lora_gain_points and lora_minus_full_points, and for both runs the median weight sync (the
+trainer's export and publish, `weight_sync_seconds`) and push to every rollout (`weight_push_seconds`) from the
+trainer's metrics.jsonl.
+
 Each run goes through `python -m tools.up TOPOLOGY` (its warm-start progress, made by the first run, is
 passed on to stderr as it comes); the figures come from the run's own
 summary.json (held-out greedy accuracy of the final checkpoint; tokens trained and wall time from the
@@ -50,6 +57,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,6 +85,8 @@ MODES: dict[str, list[str]] = {
                   "actors.rollout.cpus=[0,1]", "actors.rollout.threads=2",
                   "actors.trainer.cpus=[0,1]", "actors.trainer.threads=2",
                   "actors.reward.cpus=[0,1]", "actors.buffer.cpus=[0,1]", "actors.param_server.cpus=[0,1]"],
+    # LoRA on the same task and placement: the experiment config topology/local_lora.yaml names
+    "lora": ["config=configs/local_lora.yaml"],
     # The agent task's control: the same RL on episodes of one turn. One turn earns a reward on almost no group
     # (without the tool the answer is a guess), so dynamic sampling would leave the trainer without batches;
     # it trains every group instead, and an all-wrong group's group-normalised advantages are zero anyway.
@@ -129,6 +139,7 @@ def run_local(name: str, steps: int, overrides: list[str], out: Path, log: Any,
     agents = agent_share(run_dir)
     if agents:
         summary["agents"] = agents
+    summary["weight_sync"] = weight_sync_medians(run_dir)
     return summary
 
 
@@ -217,6 +228,18 @@ def reward_share(run_dir: Path, wall_seconds: float | None, steps: int | None) -
             "share_of_wall": busy / wall_seconds}
 
 
+def weight_sync_medians(run_dir: Path) -> dict[str, float | None]:
+    """Medians over the trainer's steps (metrics.jsonl) of its weight sync (export and publish) and of the
+    parameter server's push to every rollout; None when no step reported one."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    out: dict[str, float | None] = {}
+    for key in ("weight_sync_seconds", "weight_push_seconds"):
+        values = [r[key] for r in rows if r.get(key)]
+        out[key] = statistics.median(values) if values else None
+    return out
+
+
 def run_mode(mode: str, steps: int, extra: list[str], out: Path, log: Any,
              topology: str = TOPOLOGY) -> dict[str, Any]:
     return run_local(mode, steps, [*MODES[mode], *extra], out, log, topology=topology)
@@ -292,6 +315,20 @@ def compare_turns(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             "multi_turn_over_one_turn_points": 100 * (multi["final"] - one["final"])}
 
 
+def compare_lora(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """LoRA against full fine-tuning (the async run) at the same steps from the same warm start."""
+    full, lora = results["async"], results["lora"]
+    gain = lambda acc: 100 * (acc["final"] - (acc.get("start") or 0.0))
+    out: dict[str, Any] = {"full_accuracy": full["greedy_accuracy"]["final"], "lora_accuracy": lora["greedy_accuracy"]["final"],
+                           "start_accuracy": full["greedy_accuracy"].get("start"),
+                           "full_gain_points": gain(full["greedy_accuracy"]), "lora_gain_points": gain(lora["greedy_accuracy"]),
+                           "lora_minus_full_points": 100 * (lora["greedy_accuracy"]["final"] - full["greedy_accuracy"]["final"])}
+    for name, run in (("full", full), ("lora", lora)):
+        out.update({f"{name}_{k}": v for k, v in (run.get("weight_sync") or {}).items()})
+        out.update({f"{name}_{k}": run.get(k) for k in ("wall_seconds", "launch_seconds")})
+    return out
+
+
 def compare_agent(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Each agent run (openai_agent, agent_program) against the native episodes' at the same steps, from the same
     warm start; the openai agent's figures under their own names, the program's prefixed ``program_``."""
@@ -326,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=None,
                     help="comma list of runs (default for math all: async,sync,colocated,sft; for code async,sft; "
                          "for agent async,one_turn; for agent_chat native,openai_agent, to which agent_program "
-                         "may be added; sft needs async)")
+                         "may be added; sft needs async; async,lora: LoRA beside full fine-tuning)")
     ap.add_argument("--out", default=None, help="folder for the three run directories (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every run")
@@ -338,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}, sft")
     if "sft" in modes and "async" not in modes:
         ap.error("the sft control runs for the async run's wall time: add async to --modes")
+    if "lora" in modes and args.task != "math":
+        ap.error(f"the lora run is the math task's (configs/local_lora.yaml), not --task {args.task}'s")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     # The first run prepares the shared data and warm start; the others reuse them (tools/prepare.py).
@@ -365,6 +404,8 @@ def build_report(task: str, topology: str, steps: int, results: dict[str, dict[s
         report.update(compare_turns(results))
     if "native" in results and any(m in results for m in AGENT_MODES):
         report.update(compare_agent(results))
+    if {"async", "lora"} <= set(results):
+        report.update(compare_lora(results))
     return report
 
 
@@ -403,6 +444,13 @@ def report_lines(report: dict[str, Any]) -> list[str]:
                      f"({report['multi_turn_gain_points']:+.1f} points over the warm start), the same RL on one "
                      f"turn {100 * report['one_turn_accuracy']:.1f}% "
                      f"({report['multi_turn_over_one_turn_points']:+.1f} points)")
+    if "lora_minus_full_points" in report:
+        sync = lambda name: (f"weight sync {report[f'{name}_weight_sync_seconds'] or 0:.3f} s, push "
+                             f"{report[f'{name}_weight_push_seconds'] or 0:.3f} s (medians)")
+        lines.append(f"held-out accuracy: LoRA {100 * report['lora_accuracy']:.1f}% "
+                     f"({report['lora_gain_points']:+.1f} points over the warm start), full fine-tuning "
+                     f"{100 * report['full_accuracy']:.1f}% ({report['full_gain_points']:+.1f}); LoRA {sync('lora')}, "
+                     f"full {sync('full')}")
     for m, r in results.items():
         if "episodes" in r:
             e = r["episodes"]

@@ -140,6 +140,27 @@ class TrainerShape:
     #: algo.kl_coef > 0: every data-parallel rank computes the frozen reference model's log-probs of the whole
     #: batch (actors/trainer/step.py `rank_samples` / `train_share`: the penalty enters the batch-wide advantages)
     reference: bool = False
+    #: model.lora: the adapters' parameters over the whole model (`launch.plan.memory.lora_params`); 0 is full
+    #: fine-tuning. The base is frozen: no weight gradients for it (`train_flops`), and the data-parallel
+    #: reduction and each published version are the adapters alone
+    lora_params: int = 0
+
+
+def train_flops(shape: ModelShape, tokens: float, sum_sq: float, passes: int, lora_params: int = 0) -> float:
+    """FLOPs of a training pass of `passes` forward passes' worth (forward and backward are 3, full recompute
+    adds one, the proximal log-probs one) over `tokens` tokens. The backward pass of a matmul is two of its
+    forward's FLOPs: the gradient of its input (the activation gradient, which every layer above the lowest
+    trained one needs) and the gradient of its weight. With LoRA the base's weights are frozen, so the
+    second is not computed: one forward pass's worth of the weights' matmuls (2 x active parameters a token)
+    less, while attention's score and value products, which have no weights, cost what they did; the adapters
+    themselves pay every pass in full (2 x their parameters a token each). The LoRA paper (Hu et al. 2021,
+    arXiv:2106.09685, section 4.2) gives this reason for the 25 % speedup it measured on GPT-3 175B ("we do not
+    need to calculate the gradient for the vast majority of the parameters"); CE-LoRA (arXiv:2502.01378) finds
+    the activation gradients that remain are most of LoRA's backward pass."""
+    flops = passes * forward_flops(shape, tokens, sum_sq)
+    if lora_params:
+        flops += -2 * shape.active_params * tokens + passes * 2 * lora_params * tokens
+    return flops
 
 
 def train_step_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape, lengths: list[int],
@@ -167,7 +188,7 @@ def train_step_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape, 
         for r in range(lay.dp):
             rank = [i for mb in mbs[r * per_rank:(r + 1) * per_rank] for i in mb]
             tokens = float(sub[rank].sum())
-            rank_seconds.append(passes * forward_flops(shape, tokens, float((sub[rank] ** 2).sum())) / rate
+            rank_seconds.append(train_flops(shape, tokens, float((sub[rank] ** 2).sum()), passes, lay.lora_params) / rate
                                 + ep_alltoall_seconds(shape, gpu, lay, tokens, alltoall_rounds))
         bubble = (lay.pp - 1) / max(per_rank, 1)
         total += max(rank_seconds) * (1 + bubble) + dp_sync_seconds(shape, gpu, lay)
@@ -199,11 +220,11 @@ def ep_alltoall_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape,
 def dp_sync_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape) -> float:
     """Reduce-scatter of float32 gradients and all-gather of bf16 weights (ring): everything but the experts over
     the data-parallel group, a rank's experts (1 / (tp x pp x ep) of them) over the expert data-parallel group
-    of dp / ep ranks."""
+    of dp / ep ranks. With LoRA only the adapters have gradients and change."""
     if lay.dp == 1:
         return 0.0
-    dense = shape.dense_params / (lay.tp * lay.pp)
-    experts = shape.expert_params / (lay.tp * lay.pp * lay.ep)
+    dense = (lay.lora_params or shape.dense_params) / (lay.tp * lay.pp)
+    experts = 0 if lay.lora_params else shape.expert_params / (lay.tp * lay.pp * lay.ep)
     edp = lay.dp // lay.ep
     across_nodes = lay.dp * lay.tp * lay.pp > lay.gpus_per_node
     bw = (hardware.ROCE_NODE_BYTES_PER_S / lay.gpus_per_node * hardware.NIC_EFFICIENCY if across_nodes
@@ -217,10 +238,18 @@ class WeightSync:
     rank 0 gathers its tensor-parallel shards over NVLink and keeps the packed buckets in host memory,
     `actors.weight_sync.KeptVersions`) and the push (each bucket back up and broadcast to every server over
     NCCL, pipelined, so the time is the bytes over the slowest link, plus a fixed cost per bucket; stages in
-    parallel). The servers stop generating for the push."""
+    parallel). The servers stop generating for the push.
+
+    With LoRA a version is the adapters alone (`launch.plan.memory.lora_params`: rank x (in + out) a targeted
+    linear layer), bf16 as the weights are, gathered, copied and broadcast the same way, and each rollout
+    then writes it as a PEFT-layout directory and SGLang loads it (`/load_lora_adapter`) inside the same pause:
+    its bytes once more down to host memory and up to the GPU over PCIe (`load_s`, part of `push_s`). Not
+    modelled: the HTTP round trips and SGLang's own bookkeeping of the load, nor the adapters' cost in decode
+    steps."""
 
     export_s: float
     push_s: float
+    load_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -228,11 +257,16 @@ class WeightSync:
 
 
 def weight_sync(shape: ModelShape, gpu: hardware.GPU, tp: int, pp: int, gpus_per_node: int, across_nodes: bool,
-                bucket_bytes: int = 64 << 20, ep: int = 1) -> WeightSync:
+                bucket_bytes: int = 64 << 20, ep: int = 1, lora_params: int = 0) -> WeightSync:
     """The export gathers the stage's weights to its first rank: all but the experts from its tp ranks, the
-    experts from its tp x ep ranks (over the network when those span more than a node)."""
-    stage_bytes = shape.params * 2 / pp
-    gathered = (shape.dense_params * (1 - 1 / tp) + shape.expert_params * (1 - 1 / (tp * ep))) * 2 / pp
+    experts from its tp x ep ranks (over the network when those span more than a node). ``lora_params``: the
+    version is these adapter parameters alone (counted as split over the tp ranks, the most gathering)."""
+    if lora_params:
+        stage_bytes = lora_params * 2 / pp
+        gathered = stage_bytes * (1 - 1 / tp)
+    else:
+        stage_bytes = shape.params * 2 / pp
+        gathered = (shape.dense_params * (1 - 1 / tp) + shape.expert_params * (1 - 1 / (tp * ep))) * 2 / pp
     gather_bw = (gpu.nvlink_bytes_per_s / 2 * hardware.NVLINK_EFFICIENCY if tp * ep <= gpus_per_node
                  else hardware.ROCE_NODE_BYTES_PER_S / gpus_per_node * hardware.NIC_EFFICIENCY)
     gather = gathered / gather_bw
@@ -241,7 +275,8 @@ def weight_sync(shape: ModelShape, gpu: hardware.GPU, tp: int, pp: int, gpus_per
     link = (hardware.ROCE_NODE_BYTES_PER_S / gpus_per_node * hardware.NIC_EFFICIENCY if across_nodes
             else gpu.nvlink_bytes_per_s / 2 * hardware.NVLINK_EFFICIENCY)
     send = stage_bytes / min(link, pcie) + -(-stage_bytes // bucket_bytes) * hardware.BUCKET_LATENCY_S
-    return WeightSync(export_s=gather + to_host, push_s=send)
+    load = 2 * stage_bytes * pp / pcie if lora_params else 0.0   # the whole adapter, to disk and into SGLang
+    return WeightSync(export_s=gather + to_host, push_s=send + load, load_s=load)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,7 +67,9 @@ def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None
         shape=setup.shape, gpu=setup.gpu, gpus_per_node=setup.gpus_per_node, servers=servers, server_tp=server_tp,
         trainer=TrainerShape(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch_tokens=lay.micro_batch_tokens,
                              minibatches=algo.ppo_minibatches, recompute=lay.recompute,
-                             gpus_per_node=setup.gpus_per_node, reference=algo.kl_coef > 0),
+                             gpus_per_node=setup.gpus_per_node, reference=algo.kl_coef > 0,
+                             lora_params=int(memory.lora_params(setup.shape, lay.lora_rank, lay.lora_targets))
+                             if lay.lora_rank else 0),
         batch_size=algo.batch_size, group_size=algo.group_size,
         eta=algo.eta if eta is None else eta, max_new_tokens=gen.max_new_tokens,
         max_groups_per_rollout=buf.max_groups_per_rollout, max_concurrent_groups=buf.max_concurrent_groups,
