@@ -38,3 +38,13 @@ def test_a_math_pool_has_sympy_loaded_before_its_first_check() -> None:
         # and a check that needs sympy (an expression, not a plain number) decides in the worker
         verdict = pool.submit(grade_math, r"\boxed{\frac{x^2-1}{x-1}}", "x+1").result()
     assert verdict.correct, verdict
+
+
+def test_the_startup_benchmark_reads_the_topologys_actor_classes_and_times_a_process() -> None:
+    from tools.bench.startup import actor_classes, process_cpu
+
+    assert actor_classes("topology/local.yaml") == {
+        "buffer": ("actors.buffer", "BufferActor"), "rollout": ("actors.rollout", "RolloutActor"),
+        "reward": ("actors.reward.math", "MathReward"), "trainer": ("actors.trainer", "TrainerActor"),
+        "param_server": ("actors.param_server", "ParamServerActor"), "evaluator": ("actors.evaluator", "EvalActor")}
+    assert process_cpu([sys.executable, "-c", "sum(range(10**6))"], repeats=1) > 0
