@@ -211,7 +211,7 @@ class Record:
 def last_boxed(text: str) -> str | None:
     """Contents of the last ``\\boxed{...}`` in ``text``, or None: the math grader's own extraction, so a
     reference answer taken from a worked solution is read exactly as answers are graded."""
-    from actors.reward.math_grader import extract_boxed  # here: only records without an answer need sympy
+    from actors.reward.math_grader import extract_boxed  # here: only records without an answer need the grader
 
     return extract_boxed(text)[0]
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from actors.reward.math_grader import MathVerdict, grade_math, math_reward
+from actors.reward.math_grader import POOL_PRELOAD, MathVerdict, grade_math, math_reward
 from actors.reward.pool import PoolClosedError, RewardPool, TaskFailure
 
 pytestmark = pytest.mark.timeout(120)
@@ -282,7 +282,7 @@ def test_spawn_context_works_too() -> None:
 def test_math_grading_in_workers_matches_in_process() -> None:
     cases = [json.loads(line) for line in CORPUS_PATH.read_text().splitlines()[::3]]
     args = [(c["response"], c["answer"]) for c in cases]
-    with RewardPool(2, timeout=20.0, preload=["sympy", "actors.reward.math_grader"]) as p:
+    with RewardPool(2, timeout=20.0, preload=POOL_PRELOAD) as p:
         remote = p.map(grade_math, args)
     assert remote == [grade_math(*a) for a in args]
     assert [v.correct for v in remote] == [c["correct"] for c in cases]

@@ -111,7 +111,7 @@ def score(kind: str, items: Sequence[dict[str, Any]], *, workers: int, rewards: 
         undecided = [index for index, result in enumerate(results) if result is None]
         if undecided:
             with RewardPool(min(workers, len(undecided)), timeout=math_timeout_s,
-                            preload=["actors.reward.math_grader"]) as pool:
+                            preload=math_grader.POOL_PRELOAD) as pool:
                 futures = [pool.submit(MATH_GRADER, items[i]["response"], items[i]["answer"]) for i in undecided]
                 for index, future in zip(undecided, futures):
                     results[index] = future.result()

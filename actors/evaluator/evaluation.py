@@ -28,7 +28,7 @@ from actors.engines.base import GenerationEngine, GenerationRequest, GenerationR
 from actors.engines.model import Qwen2ForCausalLM
 from actors.engines.tokenizer import LoadedTokenizer
 from actors.engines.torch_gen import TorchGenerationEngine
-from actors.reward.math_grader import MathVerdict, grade_math_fast, normalize_answer
+from actors.reward.math_grader import POOL_PRELOAD, MathVerdict, grade_math_fast, normalize_answer
 from actors.reward.pool import RewardPool, TaskFailure
 from algo.eval_stats import greedy_accuracy, maj_at_k, pass_at_k
 from topology.experiment import GenSection
@@ -372,7 +372,7 @@ def grade_many(responses: Sequence[str], answers: Sequence[str | list[str]], poo
     own = pool is None
     if pool is None:
         pool = RewardPool(max(1, min(workers, len(undecided))), timeout=timeout_s,
-                          preload=["actors.reward.math_grader"])
+                          preload=POOL_PRELOAD)
     try:
         futures = [pool.submit(MATH_GRADER, responses[i], answers[i], timeout=timeout_s) for i in undecided]
         for i, future in zip(undecided, futures):

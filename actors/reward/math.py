@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from actors.reward.actor import RewardActor, Score, failure_detail
-from actors.reward.math_grader import MathGradeInputError, grade_math_fast
+from actors.reward.math_grader import POOL_PRELOAD, MathGradeInputError, grade_math_fast
 from actors.reward.pool import TaskFailure
 from transport.protocol import Task
 
@@ -21,7 +21,7 @@ __all__ = ["MathReward"]
 class MathReward(RewardActor):
     task_kind = "math"
     default_grader = "actors.reward.math_grader:grade_math"
-    preload = ("actors.reward.math_grader",)
+    preload = POOL_PRELOAD
     default_timeout_s = 10.0
 
     async def score(self, text: str, task: Task) -> Score:

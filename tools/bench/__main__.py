@@ -1,11 +1,11 @@
-"""`python -m tools.bench NAME [args]`: run one benchmark (bus, bulk, batch, serve, packing, engine, reward, e2e, ablation, gpu, chaos, issue, agent, lora_sync)."""
+"""`python -m tools.bench NAME [args]`: run one benchmark (bus, bulk, batch, serve, packing, engine, reward, e2e, ablation, gpu, chaos, issue, agent, lora_sync, startup)."""
 from __future__ import annotations
 
 import importlib
 import sys
 
 BENCHMARKS = ("bus", "bulk", "batch", "serve", "packing", "engine", "reward", "e2e", "ablation", "gpu", "chaos", "issue", "agent",
-              "lora_sync")
+              "lora_sync", "startup")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 
 from actors.reward import zygote
 from actors.reward.code_grader import grade_code
-from actors.reward.math_grader import grade_math, grade_math_fast
+from actors.reward.math_grader import POOL_PRELOAD, grade_math, grade_math_fast
 from actors.reward.pool import RewardPool, TaskFailure
 from actors.reward.sandbox import RUNNERS, Sandbox, SandboxLimits, probe_sandbox
 
@@ -167,7 +167,7 @@ def run(math_count: int, code_count: int, workers: int, seed: int) -> dict[str, 
     for box in sandboxes.values():
         grade_code(*codes[0], sandbox=box)
     code_pool: dict[str, tuple[float, list[Any]]] = {}
-    with RewardPool(workers, timeout=30.0, preload=["actors.reward.math_grader", "actors.reward.code_grader"]) as pool:
+    with RewardPool(workers, timeout=30.0, preload=[*POOL_PRELOAD, "actors.reward.code_grader"]) as pool:
         _parallel(pool, MATH_GRADER, maths[: 20 * workers], 30.0)
         for box in sandboxes.values():
             _parallel(pool, CODE_GRADER, codes[:2 * workers], 30.0, sandbox=box)
