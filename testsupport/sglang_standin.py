@@ -307,7 +307,7 @@ CITATIONS: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("layers/moe/fused_moe_triton/layer.py", 1154, "start_idx = self._expert_storage_rank * self._num_local_routed"),
         ("layers/moe/fused_moe_triton/layer.py", 1194, "if expert_id == -1:"),
         ("layers/moe/fused_moe_triton/layer.py", 414, "assert self._num_global_routed % storage_ep_size == 0"),
-        ("distributed/parallel_state.py", 2906, "ranks = list(range(st, en, moe_tp_size))"),
+        ("distributed/parallel_state.py", 2907, "ranks = list(range(st, en, moe_tp_size))"),
         ("models/qwen3_moe.py", 1266, "if name not in params_dict:"),
         ("models/qwen3.py", 760, 'logger.warning(f"Parameter {name} not found in params_dict")'),
         ("model_loader/weight_utils.py", 1582, "assert param.size() == loaded_weight.size(), ("),
