@@ -222,3 +222,20 @@ async def _raw_update(engine: SGLangEngine, metas) -> tuple[int, str]:
     async with aiohttp.ClientSession() as session:
         async with session.post(engine.url + "/update_weights_from_distributed", json=body) as r:
             return r.status, (await r.json())["message"]
+
+
+def test_a_rollouts_sglang_ep_size_launches_the_server_with_expert_parallelism(tmp_path):
+    from actors.engines.base import EngineError
+    from actors.rollout.actor import make_engine
+    from topology.settings import RolloutSettings
+
+    def settings(ep_size: int) -> RolloutSettings:
+        return RolloutSettings.model_validate(
+            {"engine": "sglang", "instance": {"group": "rollout", "index": 0, "parallel": {"tp": 4}},
+             "sglang": {"command": ["python", "-m", "testsupport.sglang_standin"], "ep_size": ep_size}})
+
+    args = make_engine(settings(2), 0, "/models/m", run_dir=str(tmp_path)).server.config.args(30001, 0)
+    assert args[args.index("--tp-size") + 1] == "4" and args[args.index("--ep-size") + 1] == "2"
+    assert "--ep-size" not in make_engine(settings(1), 0, "/models/m", run_dir=str(tmp_path)).server.config.args(1, 0)
+    with pytest.raises(EngineError, match=r"rollout.0: settings.sglang.ep_size 3 does not divide parallel.tp 4"):
+        make_engine(settings(3), 0, "/models/m", run_dir=str(tmp_path))
