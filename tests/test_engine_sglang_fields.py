@@ -250,9 +250,10 @@ def launch_flags(release: Release) -> set[str]:
 
 def test_launch_flags_exist(release):
     flags = launch_flags(release)
-    args = LaunchConfig(model_path="m", mem_fraction_static=0.8, dtype="bfloat16", seed=1, lora_rank=8,
+    args = LaunchConfig(model_path="m", tp=2, ep=2, mem_fraction_static=0.8, dtype="bfloat16", seed=1, lora_rank=8,
                         lora_targets=("q_proj", "down_proj"), lora_paths={"v3": "/a"}).args(30000, 0)
     ours = {a for a in args if a.startswith("--")}
+    assert "--ep-size" in ours
     assert ours <= flags, f"launch_server flags SGLang {release.version} does not have: {sorted(ours - flags)}"
 
 

@@ -56,6 +56,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import sys
 import threading
 import time
@@ -70,7 +71,7 @@ from actors.engines.sglang_group import drop_weight_group, join_weight_group
 from actors.engines.sglang_routes import SGLANG_VERSION, SGLANG_VERSIONS
 from actors.engines.sglang_server import LaunchConfig
 from actors.engines.torch_gen import TorchGenerationEngine
-from transport.bulk import TensorMeta, unpack_flat
+from transport.bulk import TensorMeta, flat_misaligned, unpack_flat
 
 __all__ = ["StandinServer", "main"]
 
@@ -136,15 +137,21 @@ class Release:
     # /generate with lora_path on a server without --enable-lora: refused with HTTP 400 (0.5.23
     # managers/tokenizer_manager.py:3729-3740); 0.5.6 skips lora_path silently (tokenizer_manager.py:474).
     lora_path_needs_lora: bool
+    # A flattened bucket whose tensor would start at a byte offset that is not a multiple of its element size:
+    # 0.5.23 refuses it before the broadcast is received (weight_sync/tensor_bucket.py:98-101, answered as
+    # "Failed to receive weights: ..." by managers/scheduler_components/weight_updater.py:210); 0.5.6 receives it
+    # and then fails viewing the bytes as the dtype (weight_sync/tensor_bucket.py:101, `.view(meta.dtype)`), a
+    # failed load that leaves the weights partially updated (model_executor/model_runner.py:1224-1236).
+    unaligned_refused_before_receive: bool
 
 
 RELEASES: dict[str, Release] = {
     "0.5.6": Release("0.5.6", weight_version_route=True, weight_sessions=False, relabels_when_paused=False,
                      flush_failure_kills=True, seed_bits=32, queued_abort_labelled=False,
-                     lora_path_needs_lora=False),
+                     lora_path_needs_lora=False, unaligned_refused_before_receive=False),
     "0.5.23": Release("0.5.23", weight_version_route=False, weight_sessions=True, relabels_when_paused=True,
                       flush_failure_kills=False, seed_bits=64, queued_abort_labelled=True,
-                      lora_path_needs_lora=True),
+                      lora_path_needs_lora=True, unaligned_refused_before_receive=True),
 }
 assert tuple(RELEASES) == SGLANG_VERSIONS, "the stand-in serves as each release the client speaks to"
 
@@ -207,6 +214,24 @@ CITATIONS: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("lora/lora_registry.py", 109, "does not exist. Loaded LoRAs:"),
         ("managers/tokenizer_manager.py", 474, "if self.server_args.enable_lora and obj.lora_path:"),
         ("managers/tokenizer_manager.py", 499, "Got LoRA adapter that has never been loaded:"),
+        # Weight names and shapes (WeightRules): the experts' names, an expert not on this EP rank skipped, a
+        # name that is no parameter skipped, a shape that is not the parameter's refused; an unaligned flattened
+        # bucket fails where its bytes are viewed as the tensor's dtype.
+        ("models/qwen3_moe.py", 859, "num_experts=self.config.num_experts,"),
+        ("layers/moe/fused_moe_triton/layer.py", 935, 'f"experts.{expert_id}.{weight_name}.",'),
+        ("models/qwen3_moe.py", 917, "# Expert weight not on this rank, will be skipped below"),
+        ("layers/moe/fused_moe_triton/layer.py", 498,
+         "def _map_global_expert_id_to_local_expert_id(self, expert_id: int) -> int:"),
+        ("layers/moe/fused_moe_triton/layer.py", 503, "start_idx = self.moe_ep_rank * num_local_routed_experts"),
+        ("layers/moe/fused_moe_triton/layer.py", 543, "if expert_id == -1:"),
+        ("layers/moe/fused_moe_triton/layer.py", 182,
+         "assert (num_experts - num_fused_shared_experts) % self.moe_ep_size == 0"),
+        ("models/qwen3_moe.py", 938, "if name not in params_dict:"),
+        ("models/qwen3.py", 533, 'if self.config.tie_word_embeddings and "lm_head.weight" in name:'),
+        ("models/qwen3.py", 572, 'logger.warning(f"Parameter {name} not found in params_dict")'),
+        ("model_loader/weight_utils.py", 845, "assert param.size() == loaded_weight.size(), ("),
+        ("distributed/parallel_state.py", 1653, "ranks = list(range(st, en, moe_tp_size))"),
+        ("weight_sync/tensor_bucket.py", 101, ".view(meta.dtype)"),
     ),
     "0.5.23": (
         ("entrypoints/http_server.py", 3059, '"timeout_keep_alive": envs.SGLANG_TIMEOUT_KEEP_ALIVE.get(),'),
@@ -274,6 +299,21 @@ CITATIONS: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("managers/tokenizer_manager.py", 3729, "if not self.enable_lora:"),
         ("managers/tokenizer_manager.py", 3737, "was requested, but LoRA is not enabled. "),
         ("managers/tokenizer_manager.py", 3769, "Got LoRA adapter that has never been loaded:"),
+        ("models/qwen3_moe.py", 1173, "num_experts=self.config.num_experts,"),
+        ("layers/moe/fused_moe_triton/layer.py", 1812, 'f"experts.{expert_id}.{weight_name}.",'),
+        ("models/qwen3_moe.py", 1245, "# Expert weight not on this rank, will be skipped below"),
+        ("layers/moe/fused_moe_triton/layer.py", 1153,
+         "def _map_global_expert_id_to_local_expert_id(self, expert_id: int) -> int:"),
+        ("layers/moe/fused_moe_triton/layer.py", 1154, "start_idx = self._expert_storage_rank * self._num_local_routed"),
+        ("layers/moe/fused_moe_triton/layer.py", 1194, "if expert_id == -1:"),
+        ("layers/moe/fused_moe_triton/layer.py", 414, "assert self._num_global_routed % storage_ep_size == 0"),
+        ("distributed/parallel_state.py", 2907, "ranks = list(range(st, en, moe_tp_size))"),
+        ("models/qwen3_moe.py", 1266, "if name not in params_dict:"),
+        ("models/qwen3.py", 760, 'logger.warning(f"Parameter {name} not found in params_dict")'),
+        ("model_loader/weight_utils.py", 1582, "assert param.size() == loaded_weight.size(), ("),
+        ("weight_sync/tensor_bucket.py", 98, "if offset % dtype.itemsize:"),
+        ("weight_sync/tensor_bucket.py", 100, 'f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}"'),
+        ("managers/scheduler_components/weight_updater.py", 210, 'success, message = False, f"Failed to receive weights: {e}"'),
     ),
 }
 
@@ -299,6 +339,65 @@ class StandinLora:
         self.base: dict[str, torch.Tensor] = {}   # the base weights of every layer an adapter may target
         self.changed = asyncio.Condition()
         self.switch = asyncio.Lock()
+
+# model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight: the Hugging Face names FusedMoE's
+# make_expert_params_mapping matches (layers/moe/fused_moe_triton/layer.py:1797-1822; 0.5.6: :920-945).
+_EXPERT_NAME = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.(?:gate|up|down)_proj\.weight$")
+
+
+class WeightRules:
+    """Which tensor-parallel ranks of a server launched with ``--tp-size`` and ``--ep-size`` load each Hugging
+    Face-named tensor of an update, as SGLang's Qwen2 / Qwen3 / Qwen3-MoE ``load_weights`` do (paths under
+    python/sglang/srt/, 0.5.23's lines; ``CITATIONS`` has 0.5.6's too). The server is sent full tensors and
+    shards them itself, so a tensor's shape is the config's whole shape on every rank.
+
+    - an expert's three matrices are loaded by the ranks of the expert-parallel rank that holds it: experts
+      are split in contiguous ranges of num_experts / ep_size (layers/moe/fused_moe_triton/layer.py:1153-1161),
+      EP rank = (tp_rank // (tp_size / ep_size)) % ep_size (distributed/parallel_state.py:2898-2907); the
+      other ranks skip it (``if expert_id == -1: return``, :1194-1195; models/qwen3_moe.py:1244-1246);
+    - every other parameter is loaded by every rank; a tied ``lm_head.weight`` (no parameter of its own: 0.5.23
+      warns, models/qwen3.py:760; 0.5.6 skips it, :533-541) and ``rotary_emb.inv_freq`` are skipped by all;
+    - a name that is no parameter of the model (an expert index >= num_experts, a layer it lacks) is refused.
+      SGLang skips it, silently or with a warning (models/qwen3_moe.py:1266-1267, models/qwen3.py:760): the
+      weight never arrives and nothing says so. The stand-in is stricter so that the client never relies on it;
+    - a shape other than the parameter's is refused, in SGLang's words (model_loader/weight_utils.py:1582-1584).
+    """
+
+    def __init__(self, model: torch.nn.Module, tp_size: int = 1, ep_size: int = 1) -> None:
+        config = model.config
+        self.architecture = config.ARCHITECTURE
+        self.shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        self.tied = bool(config.tie_word_embeddings)
+        self.num_experts = int(getattr(config, "num_experts", 0)) if config.sparse_layers else 0
+        if ep_size < 1 or tp_size % ep_size:
+            raise ValueError(f"--ep-size {ep_size} must divide --tp-size {tp_size}")
+        if self.num_experts % ep_size:   # layers/moe/fused_moe_triton/layer.py:414
+            raise ValueError(f"--ep-size {ep_size} must divide the model's {self.num_experts} experts")
+        self.tp_size, self.ep_size = tp_size, ep_size
+        self.moe_tp_size = tp_size // ep_size
+        self.local_experts = self.num_experts // ep_size
+
+    def ep_rank(self, tp_rank: int) -> int:
+        return (tp_rank // self.moe_tp_size) % self.ep_size
+
+    def ranks(self, name: str, shape: Sequence[int]) -> list[int]:
+        """The tensor-parallel ranks that load ``name``; ValueError for a tensor SGLang would not load."""
+        if "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight"):
+            return []
+        expected = self.shapes.get(name)
+        expert = _EXPERT_NAME.match(name)
+        if expected is None:
+            what = (f"expert {expert.group(1)} of a model with {self.num_experts} experts per sparse layer"
+                    if expert and self.num_experts else f"no parameter of {self.architecture}")
+            raise ValueError(f"{name!r} is {what}: SGLang would skip it and never load it")
+        if tuple(shape) != expected:
+            raise ValueError(f"Attempted to load weight ({torch.Size(shape)}) into parameter "
+                             f"({torch.Size(expected)}): {name!r}")
+        if expert is None:
+            return list(range(self.tp_size))
+        holder = int(expert.group(1)) // self.local_experts
+        return [r for r in range(self.tp_size) if self.ep_rank(r) == holder]
+
 
 # Fields of SGLang's request classes that the stand-in implements, per route.
 _IMPLEMENTED: dict[str, set[str]] = {
@@ -465,7 +564,7 @@ class StandinServer:
                  tp_workers: TPWorkers | None = None, on_crash: Callable[[str], None] | None = None,
                  max_total_tokens: int | None = None, step_time_s: float = 0.0, log_path: str | None = None,
                  starting_until: str | None = None, fail_load_at: Sequence[int] = (),
-                 lora: StandinLora | None = None, release: str = SGLANG_VERSION) -> None:
+                 lora: StandinLora | None = None, release: str = SGLANG_VERSION, ep_size: int = 1) -> None:
         if release not in RELEASES:
             raise ValueError(f"release {release!r}: the stand-in serves as SGLang {' or '.join(RELEASES)}")
         self.release = RELEASES[release]
@@ -483,6 +582,11 @@ class StandinServer:
         self.tp_workers = tp_workers
         if tp_size > 1 and (tp_workers is None or tp_workers.tp_size != tp_size):
             raise ValueError(f"tp_size {tp_size}: the server needs TPWorkers for ranks 1..{tp_size - 1}")
+        # SGLang's loading rules, where the engine serves a model (tools.rehearse serves a cost model); what
+        # each rank loaded, by name, over the server's life (tests read it: each expert on its EP rank once).
+        model = getattr(engine, "model", None)
+        self.weight_rules = WeightRules(model, tp_size, ep_size) if isinstance(model, torch.nn.Module) else None
+        self.rank_loads: list[collections.Counter[str]] = [collections.Counter() for _ in range(tp_size)]
         self.on_crash = on_crash
         self.crashed: str | None = None
         # While this file is missing the server is still starting (loading weights, capturing CUDA graphs):
@@ -669,9 +773,11 @@ class StandinServer:
         return web.json_response({"weight_version": self.weight_version})
 
     async def test_log(self, request: Any) -> Any:
-        """Not an SGLang route: request_log and step_times, for tests of a stand-in in another process."""
+        """Not an SGLang route: request_log, step_times and what each tensor-parallel rank loaded (name -> times),
+        for tests of a stand-in in another process."""
         from aiohttp import web
-        return web.json_response({"events": self.request_log, "steps": list(self.step_times)})
+        return web.json_response({"events": self.request_log, "steps": list(self.step_times),
+                                  "rank_loads": [dict(c) for c in self.rank_loads]})
 
     async def weights_hash(self, request: Any) -> Any:
         from aiohttp import web
@@ -947,8 +1053,14 @@ class StandinServer:
                      abort_all: bool, flush_cache: bool) -> None:
         """Load buckets (inside a scheduler turn): at once when paused, else after the running requests
         finished; relabel weight_version on success, in 0.5.6 only outside a pause (its paused branch returns
-        before it does: Release.relabels_when_paused)."""
+        before it does: Release.relabels_when_paused). Every tensor is checked against SGLang's loading rules
+        (:class:`WeightRules`) before any is loaded."""
+        plan = [(name, self.weight_rules.ranks(name, tuple(t.shape))) for bucket in buckets for name, t in bucket] \
+            if self.weight_rules is not None else []
         await self.engine.update_weights(_as_int_version(version_text, self.engine.version), list(buckets))
+        for name, ranks in plan:
+            for rank in ranks:
+                self.rank_loads[rank][name] += 1
         if flush_cache:
             await self._flush_cache()
         if (not self.paused or self.release.relabels_when_paused) and version_text is not None:
@@ -967,7 +1079,7 @@ class StandinServer:
                 raise CheckpointError(f"{path}: no safetensors weights found")
             async with await self._scheduler_turn():
                 await self._apply(body.get("weight_version"), [named], False, bool(body.get("flush_cache", True)))
-        except (CheckpointError, OSError, EngineError) as exc:
+        except (CheckpointError, OSError, EngineError, ValueError) as exc:
             return 400, {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}
         except _FlushRefused as exc:
             self.model_path = path
@@ -1040,6 +1152,11 @@ class StandinServer:
         if self.release.weight_sessions and not self.weight_session:   # weight_updater.py:192-197
             return 400, {"success": False, "message": "update_weights_from_distributed must run between "
                                                       "begin_weight_update() and end_weight_update()"}
+        misaligned = flat_misaligned(specs) if flattened else None
+        if misaligned is not None and self.release.unaligned_refused_before_receive:   # tensor_bucket.py:98-101
+            meta, offset = misaligned
+            return 400, {"success": False, "message": f"Failed to receive weights: Unaligned received tensor "
+                                                      f"{meta.name}: byte offset {offset}, dtype torch.{meta.dtype}"}
         if body.get("abort_all_requests"):
             await self._abort(None)
         self.counters["distributed_calls"] += 1
@@ -1315,6 +1432,8 @@ def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespac
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--tp-size", type=int, default=1,
                     help="tensor-parallel ranks: each joins the weights group (ranks 1.. are worker processes)")
+    ap.add_argument("--ep-size", "--expert-parallel-size", type=int, default=1,
+                    help="expert-parallel ranks among the tensor-parallel ones: each loads its range of experts")
     ap.add_argument("--weight-version", default="default")
     ap.add_argument("--random-seed", type=int, default=0)
     ap.add_argument("--dtype", default=None)
@@ -1378,16 +1497,19 @@ def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespac
                 raise SystemExit("When no initial --lora-paths is provided, you need to specify both --max-lora-rank "
                                  "and --lora-target-modules for LoRA initialization.")
             lora = StandinLora(args.max_lora_rank or 0, args.lora_target_modules or [])
-        server = StandinServer(engine, args.model_path, args.weight_version, device=args.device,
-                               weights_hash_route=not args.no_weights_hash, tp_size=args.tp_size,
-                               tp_workers=workers, on_crash=crash, max_total_tokens=args.max_total_tokens,
-                               step_time_s=args.standin_step_time_s,
-                               log_path=str(Path(args.standin_log_dir) / f"standin-{os.getpid()}.jsonl")
-                               if args.standin_log_dir else None,
-                               starting_until=str(Path(args.standin_starting_until_dir) / str(args.random_seed))
-                               if args.standin_starting_until_dir else None,
-                               fail_load_at=[int(n) for n in args.fail_load_at.split(",") if n.strip()], lora=lora,
-                               release=args.standin_sglang_release)
+        try:
+            server = StandinServer(engine, args.model_path, args.weight_version, device=args.device,
+                                   weights_hash_route=not args.no_weights_hash, tp_size=args.tp_size,
+                                   tp_workers=workers, on_crash=crash, max_total_tokens=args.max_total_tokens,
+                                   step_time_s=args.standin_step_time_s,
+                                   log_path=str(Path(args.standin_log_dir) / f"standin-{os.getpid()}.jsonl")
+                                   if args.standin_log_dir else None,
+                                   starting_until=str(Path(args.standin_starting_until_dir) / str(args.random_seed))
+                                   if args.standin_starting_until_dir else None,
+                                   fail_load_at=[int(n) for n in args.fail_load_at.split(",") if n.strip()], lora=lora,
+                                   release=args.standin_sglang_release, ep_size=args.ep_size)
+        except ValueError as exc:   # --ep-size the model or --tp-size does not allow
+            raise SystemExit(f"stand-in SGLang server: {exc}") from None
         for spec in args.lora_paths:   # loaded at launch as /load_lora_adapter loads them
             name, _, path = spec.partition("=")
             status, answer = await server.load_lora_adapter({"lora_name": name, "lora_path": path or name})

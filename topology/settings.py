@@ -188,6 +188,8 @@ class SGLangSettings(Section):
     host: str = Field("127.0.0.1", description="address the server binds")
     port: int = Field(0, ge=0, le=65535, description="server port; 0 picks a free one")
     mem_fraction_static: float | None = Field(None, gt=0, le=1, description="GPU memory fraction for weights and KV cache")
+    ep_size: int = Field(1, ge=1, description="expert-parallel ranks among the server's parallel.tp ranks (a MoE "
+                                              "model's experts split between them; must divide tp)")
     dtype: str | None = Field(None, description="server dtype (unset: model.dtype, else the checkpoint's)")
     extra_args: list[str] = Field(default_factory=list, description="further server arguments")
     env: dict[str, Any] = Field(default_factory=dict, description="environment of the server")

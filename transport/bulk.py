@@ -75,6 +75,8 @@ __all__ = [
     "bucket_views",
     "unpack_bucket",
     "unpack_flat",
+    "flat_order",
+    "flat_misaligned",
     "bucket_checksum",
     "FLAT_ALIGN",
     "NCCL_ERROR_HANDLING_ENV",
@@ -233,10 +235,30 @@ def _layout(metas: Sequence[TensorMeta], align: int) -> tuple[list[dict[str, Any
     return entries, offset
 
 
+def flat_misaligned(metas: Sequence[TensorMeta]) -> tuple[TensorMeta, int] | None:
+    """The first tensor (and its byte offset) that does not start at a multiple of its element size when the
+    tensors lie back to back (``FLAT_ALIGN``); None when every one does. SGLang 0.5.23 refuses such a bucket
+    before receiving it, and 0.5.6 fails viewing the bytes as the tensor's dtype (testsupport/sglang_standin.py
+    cites both)."""
+    entries, _ = _layout(metas, FLAT_ALIGN)
+    for meta, entry in zip(metas, entries):
+        if entry["offset"] % torch.empty((), dtype=meta.torch_dtype()).element_size():
+            return meta, entry["offset"]
+    return None
+
+
+def flat_order(bucket: Bucket) -> Bucket:
+    """The bucket's tensors widest element first (stable otherwise). Element sizes are powers of two, so back to
+    back (``FLAT_ALIGN``) every tensor then starts at a multiple of its own element size: a bucket of fp32
+    norms and bf16 matrices in any order becomes one SGLang's flattened receive takes (:func:`flat_misaligned`)."""
+    return sorted(bucket, key=lambda item: -item[1].element_size())
+
+
 def pack_bucket(bucket: Bucket, bucket_id: int = 0, *, align: int = _ALIGN, checksum: bool = True) -> PackedBucket:
     """Lay a bucket's tensors into one flat byte buffer and describe them in a header. ``align``: each
-    tensor's offset is a multiple of it (``FLAT_ALIGN``: SGLang's layout). ``checksum`` False: the header
-    has none (SGLang's servers are never told one)."""
+    tensor's offset is a multiple of it (``FLAT_ALIGN``: SGLang's layout, where a bucket whose tensors would
+    not start at a multiple of their element size is refused: order it with :func:`flat_order`).
+    ``checksum`` False: the header has none (SGLang's servers are never told one)."""
     if not bucket:
         raise BulkError("pack_bucket: empty bucket")
     for name, tensor in bucket:
@@ -246,7 +268,13 @@ def pack_bucket(bucket: Bucket, bucket_id: int = 0, *, align: int = _ALIGN, chec
     if len(devices) != 1:
         raise BulkError(f"pack_bucket: tensors on several devices {sorted(map(str, devices))}")
     device = devices.pop()
-    entries, size = _layout(bucket_metas(bucket), align)
+    metas = bucket_metas(bucket)
+    misaligned = flat_misaligned(metas) if align == FLAT_ALIGN else None
+    if misaligned is not None:
+        meta, offset = misaligned
+        raise BulkError(f"pack_bucket: {meta.name!r} ({meta.dtype}) would start at byte {offset}, not a multiple of "
+                        f"its element size: order the bucket with flat_order")
+    entries, size = _layout(metas, align)
     flat = torch.empty(size if align == FLAT_ALIGN else max(size, 1), dtype=torch.uint8, device=device)
     _SyncCopier().copy(_placed(flat, entries, bucket))
     return PackedBucket(_header(bucket_id, flat, entries, checksum), flat)

@@ -50,7 +50,7 @@ from typing import Any
 
 from algo.serving import DecodePace
 from topology.settings import RolloutSettings
-from transport.bulk import TensorMeta
+from transport.bulk import TensorMeta, flat_misaligned
 
 from .base import (EngineError, GenerationEngine, GenerationRequest, GenerationResult, RequestError,
                    WeightBucket, WeightSource)
@@ -180,12 +180,15 @@ class SGLangEngine(GenerationEngine):
                 raise EngineError("model.lora: a server attached by sglang_url cannot start from an adapter; "
                                   "launch it here (sglang.command) or start the run without model.lora.adapter")
             return cls(url=cfg.sglang_url, **common)
+        tp = instance.parallel.get("tp", 1)
+        if tp % sg.ep_size:   # SGLang splits the tp ranks into ep_size groups of experts
+            raise EngineError(f"{name}: settings.sglang.ep_size {sg.ep_size} does not divide parallel.tp {tp}")
         command = sg.command or [sys.executable, "-m", "sglang.launch_server"]
         if isinstance(command, str):
             command = command.split()
         launch = LaunchConfig(
             model_path=model_dir, command=list(command), host=sg.host,
-            port=sg.port, tp=instance.parallel.get("tp", 1),
+            port=sg.port, tp=tp, ep=sg.ep_size,
             mem_fraction_static=sg.mem_fraction_static, dtype=sg.dtype or cfg.model.dtype,
             seed=cfg.seed * 1000 + instance.index,
             extra_args=list(sg.extra_args), env={k: str(v) for k, v in sg.env.items()},
@@ -711,6 +714,16 @@ class SGLangEngine(GenerationEngine):
         if missing:
             raise EngineError(f"weight group(s) {missing} not initialised on {self.url} "
                               f"(call init_weights_group first; a restarted server needs it again)")
+        for i, specs in enumerate(specs_list if flattened else []):
+            # SGLang 0.5.23 refuses such a bucket before receiving it (weight_sync/tensor_bucket.py:98-101), while
+            # the trainer broadcasts it: refused here, nothing is sent (the trainer orders buckets with flat_order).
+            misaligned = flat_misaligned(specs)
+            if misaligned is not None:
+                meta, offset = misaligned
+                raise RequestError(f"weights v{version}: bucket {i} would put {meta.name!r} ({meta.dtype}) at byte "
+                                   f"{offset} of the flattened bucket, not a multiple of its element size (SGLang "
+                                   f"refuses it); order the bucket's tensors widest dtype first "
+                                   f"(transport.bulk.flat_order)")
 
         async def update() -> None:
             session = await self._begin_weight_update()

@@ -35,6 +35,7 @@ class LaunchConfig:
     host: str = "127.0.0.1"
     port: int = 0                      # 0: a free port, chosen anew for every start
     tp: int = 1
+    ep: int = 1                        # expert-parallel ranks among the tp ones (MoE models; SGLang's --ep-size)
     mem_fraction_static: float | None = None
     dtype: str | None = None
     seed: int | None = None
@@ -54,6 +55,8 @@ class LaunchConfig:
     def args(self, port: int, weight_version: int) -> list[str]:
         args = [*self.command, "--model-path", self.model_path, "--host", self.host, "--port", str(port),
                 "--tp-size", str(self.tp), "--skip-tokenizer-init", "--weight-version", str(weight_version)]
+        if self.ep > 1:
+            args += ["--ep-size", str(self.ep)]
         if self.mem_fraction_static is not None:
             args += ["--mem-fraction-static", str(self.mem_fraction_static)]
         if self.dtype:

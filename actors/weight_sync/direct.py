@@ -30,7 +30,7 @@ from typing import Any
 
 from actors.runtime.threads import in_thread
 from actors.weights import combine_digests, tensor_digests
-from transport.bulk import BulkError, BulkLink, PackedBucket, pack_to_host, unpack_bucket
+from transport.bulk import BulkError, BulkLink, PackedBucket, flat_order, pack_to_host, unpack_bucket
 from transport.bus import BusError
 from transport.protocol import (LinkFormed, LinkReform, WeightsAck, WeightsBroadcast, WeightsBroadcastDone,
                                 WeightsPublished, WeightsReady, WeightsStored)
@@ -75,7 +75,9 @@ class KeptVersions:
         else:
             incoming = self.nbytes(newest) if newest is not None else 0
             self._drop_until(lambda: self.nbytes() + incoming <= self.max_bytes)
-        packed = list(pack_to_host(buckets))
+        # Widest dtype first within each bucket: an SGLang server receives it back to back, where a tensor
+        # must start at a multiple of its element size (fp32 norms beside bf16 matrices).
+        packed = list(pack_to_host(flat_order(b) for b in buckets))
         self.versions[version] = packed
         if self.max_bytes is not None:
             self._drop_until(lambda: self.nbytes() <= self.max_bytes, spare=version)
