@@ -343,9 +343,9 @@ def test_pipeline_parallel_2_matches_torch_backend_and_checkpoint_resumes(tmp_pa
 def test_config_errors_name_the_cause() -> None:
     cfg = tiny_model(0).config  # 2 key/value heads, 2 layers
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        mg.qwen2_transformer_config(cfg, mg.MegatronConfig(tensor_parallel=4))
+        mg.transformer_config(cfg, mg.MegatronConfig(tensor_parallel=4))
     with pytest.raises(ValueError, match="num_hidden_layers"):
-        mg.qwen2_transformer_config(cfg, mg.MegatronConfig(pipeline_parallel=3))
+        mg.transformer_config(cfg, mg.MegatronConfig(pipeline_parallel=3))
     with pytest.raises(ValueError, match="tensor_parallel"):
         mg.MegatronConfig(tensor_parallel=0)
     with pytest.raises(ValueError, match="attention"):
@@ -415,3 +415,18 @@ def test_the_trainer_worlds_rendezvous_listens_on_master_addr_only(tmp_path) -> 
     (tmp_path / "out").mkdir()
     [got] = _run(1, model_dir, str(tmp_path / "out"), {"config": {}, "body": _store_reachable_on})
     assert got == {"127.0.0.1": True, "127.0.0.2": False, "world": 1}
+
+
+# --- Qwen3 and Qwen3-MoE ---------------------------------------------------------------------------------------
+@needs_megatron
+@pytest.mark.parametrize("world,config", [(1, {}), (2, {"tensor_parallel": 2, "vocab_pad_multiple": 1})],
+                         ids=["ws1", "tp2"])
+def test_qwen3_matches_torch_backend(tmp_path, world, config) -> None:
+    # q/k RMSNorm per head (q_layernorm/k_layernorm, gradients summed over TP ranks), no q/k/v bias, head_dim 16
+    # beside hidden 64 / 4 heads (kv_channels).
+    ref, ranks = _run_on_new_model(tmp_path, world, {"config": config}, family="qwen3")
+    report: dict[str, float] = {}
+    for got in ranks:
+        _check_against_reference(ref, {**got, "weights": ranks[0]["weights"]}, report)
+    assert "model.layers.1.self_attn.k_norm.weight" in ranks[0]["weights"]
+    print(f"megatron qwen3 {config} vs torch:", report)
