@@ -75,6 +75,7 @@ try:  # megatron-core is an optional (GPU-cluster) dependency; importing this mo
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
@@ -112,7 +113,6 @@ class MegatronConfig(TrainConfig):
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     expert_parallel: int = 1                # MoE: each sparse layer's experts split over this many DP ranks
-    moe_dispatcher: str = "alltoall"        # MoE token dispatcher: "alltoall" (the GPU default) or "allgather"
     use_distributed_optimizer: bool = True
     vocab_pad_multiple: int = 128           # padded vocab = multiple of vocab_pad_multiple * tensor_parallel
     attention: str = "auto"                 # "auto": TE on a GPU when importable, else "torch"; or "te"/"torch"
@@ -129,8 +129,6 @@ class MegatronConfig(TrainConfig):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MegatronConfig.{key} must be an integer >= 1, got {value!r}")
-        if self.moe_dispatcher not in ("alltoall", "allgather"):
-            raise ValueError(f"MegatronConfig.moe_dispatcher must be 'alltoall' or 'allgather', got {self.moe_dispatcher!r}")
         if self.attention not in ("auto", "te", "torch"):
             raise ValueError(f"MegatronConfig.attention must be 'auto', 'te' or 'torch', got {self.attention!r}")
         if self.recompute not in ("none", "selective", "full"):
@@ -180,6 +178,9 @@ def transformer_config(cfg: Qwen2Config, mc: MegatronConfig) -> TransformerConfi
         if cfg.moe_intermediate_size % mc.tensor_parallel:  # type: ignore[attr-defined]
             raise ValueError(f"tensor_parallel ({mc.tensor_parallel}) must divide moe_intermediate_size "
                              f"({cfg.moe_intermediate_size}): each expert's MLP is split like the dense one")
+        if mc.tensor_parallel > 1 and not mc.sequence_parallel:
+            raise ValueError("a mixture-of-experts model with tensor_parallel > 1 needs sequence_parallel: true "
+                             "(megatron-core's MoELayer refuses to train tensor-parallel experts without it)")
         coef = mc.moe_aux_loss_coef
         moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=cfg.moe_intermediate_size,  # type: ignore[attr-defined]
                    moe_router_topk=cfg.num_experts_per_tok,  # type: ignore[attr-defined]
@@ -205,8 +206,9 @@ def transformer_config(cfg: Qwen2Config, mc: MegatronConfig) -> TransformerConfi
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         calculate_per_token_loss=True,  # loss_fn's sum / our denominator; no division by micro-batch count
         variable_seq_lengths=True,      # packed micro-batches differ in length (pipeline shapes are sent)
-        # the allgather default rejects variable lengths in a dense model's config check; MoE: mc's choice
-        moe_token_dispatcher_type=mc.moe_dispatcher if sparse else "alltoall",
+        # the only dispatcher megatron-core allows with variable sequence lengths (its allgather default refuses
+        # them in TransformerConfig's checks, dense models included); over gloo on CPU as over NCCL
+        moe_token_dispatcher_type="alltoall",
         deallocate_pipeline_outputs=True,
         sequence_parallel=mc.sequence_parallel_on,
         **moe,
@@ -930,6 +932,20 @@ class MegatronTrainEngine(TrainEngine):
             group["weight_decay"] = self.config.weight_decay * group.get("wd_mult", 1.0)
         return lr
 
+    def _grad_norm(self) -> float:
+        """The gradient norm over every parameter. A model with experts has two optimizers (dense parameters
+        reduced over the model-parallel group, experts over the expert-parallel one: megatron-core's
+        ChainedOptimizer, which computes the total only inside its own step): the root of their squares."""
+        return float(np.sqrt(sum(float(opt.get_grad_norm() or 0.0) ** 2 for opt in self._megatron_optimizers())))
+
+    def _clip_grads(self, total_norm: float) -> None:
+        """Scale every gradient by grad_clip / total_norm when the total norm is larger (each optimizer's own)."""
+        for opt in self._megatron_optimizers():
+            clip_grad_by_total_norm_fp32(opt.get_parameters(), self.config.grad_clip, total_norm)
+
+    def _megatron_optimizers(self) -> list[Any]:
+        return list(getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer])
+
     def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn, temperature: float = 1.0,
                    loss_denominator: float | None = None, with_entropy: bool = False) -> dict[str, float]:
         batches = [self._check(mb) for mb in micro_batches]
@@ -962,11 +978,11 @@ class MegatronTrainEngine(TrainEngine):
                                     num_microbatches=len(batches), seq_length=max(mb.num_tokens for mb in batches),
                                     micro_batch_size=1, forward_only=False)
         found_inf = self.optimizer.prepare_grads()
-        grad_norm = float(self.optimizer.get_grad_norm())
+        grad_norm = self._grad_norm()
         skipped = bool(found_inf) or not np.isfinite(grad_norm)
         if not skipped:
             if self.config.grad_clip > 0:
-                self.optimizer.clip_grad_norm(self.config.grad_clip)
+                self._clip_grads(grad_norm)
             self.optimizer.step_with_ready_grads()
             self.step += 1
         self.optimizer.zero_grad()
@@ -1081,8 +1097,7 @@ class MegatronTrainEngine(TrainEngine):
 
     # --- checkpoints -------------------------------------------------------------------------------
     def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
-        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
-        return [opt.optimizer for opt in chained]
+        return [opt.optimizer for opt in self._megatron_optimizers()]
 
     def _layout(self) -> dict[str, int]:
         return {"tensor_parallel": self.tp_size, "pipeline_parallel": self.pp_size, "data_parallel": self.dp_size,
