@@ -454,3 +454,57 @@ def test_qwen3_moe_matches_torch_backend(tmp_path, world, config) -> None:
         assert got["replayed_step"] == got["second_step"]
         assert _max_diff(got["replayed_weights"], got["second_weights"]) == 0.0
     print(f"megatron qwen3_moe {config} vs torch:", report)
+
+
+def _with_routes(batch: PackedBatch, layers: int, experts: int, top_k: int, seed: int) -> PackedBatch:
+    """The batch with fields['routed_experts']: each token's top_k distinct random experts per sparse layer, every
+    third token routed natively (ROUTE_NATIVE)."""
+    from actors.engines.moe import ROUTE_NATIVE
+    gen = torch.Generator().manual_seed(seed)
+    routes = torch.stack([torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(layers)])
+                          for _ in range(batch.num_tokens)])
+    routes[::3] = ROUTE_NATIVE
+    return PackedBatch(batch.input_ids, batch.cu_seqlens, batch.position_ids, {**batch.fields, "routed_experts": routes})
+
+
+def _replay_batches(cfg: Any) -> tuple[PackedBatch, list[PackedBatch]]:
+    shape = (len(cfg.sparse_layers), cfg.num_experts, cfg.num_experts_per_tok)
+    batches = _batches(cfg.vocab_size)
+    return (_with_routes(_whole(batches), *shape, seed=5),
+            [_with_routes(b, *shape, seed=6 + i) for i, b in enumerate(batches)])
+
+
+def _replay_checks(engine: Any, out_dir: str, settings: dict[str, Any]) -> dict[str, Any]:
+    whole, batches = _replay_batches(engine.hf_config)
+    mine = batches if engine.dp_size == 1 else [batches[engine.dp_rank]]
+    return {"native": engine.compute_logprobs(_whole(_batches(engine.hf_config.vocab_size))).logprobs,
+            "replayed": engine.compute_logprobs(whole).logprobs,
+            "stats": engine.train_step(mine, token_nll_loss),
+            "weights": {k: v for b in engine.export_weights() for k, v in b}}
+
+
+@needs_megatron
+@pytest.mark.parametrize("world,config", [(1, {}), (2, {"expert_parallel": 2}), (2, {"pipeline_parallel": 2})],
+                         ids=["ws1", "ep2", "pp2"])
+def test_qwen3_moe_routing_replay_matches_torch_backend(tmp_path, world, config) -> None:
+    # algo.routing_replay r3: the batch's fields['routed_experts'] replace each router's top-k (rows of
+    # ROUTE_NATIVE keep their own); both sparse layers replayed, on one stage each under PP=2.
+    model_dir = _model_dir(tmp_path, family="qwen3_moe")
+    reference = TorchTrainEngine(model_dir, TrainConfig(lr=LR))
+    whole, batches = _replay_batches(reference.model.config)
+    native = reference.compute_logprobs(_whole(_batches(reference.model.config.vocab_size))).logprobs
+    replayed = reference.compute_logprobs(whole).logprobs
+    stats = reference.train_step(batches, token_nll_loss)
+    weights = {k: v for b in reference.export_weights() for k, v in b}
+    (tmp_path / "out").mkdir()
+    ranks = _run(world, model_dir, str(tmp_path / "out"), {"config": config, "body": _replay_checks})
+    exported = {k: v for r in ranks for k, v in r["weights"].items()}
+    assert float((replayed - native).abs().max()) > 1e-2    # the replayed routes change the log-probs (1000x the tolerance)
+    for got in ranks:
+        assert float((got["native"] - native).abs().max()) < 1e-5
+        assert float((got["replayed"] - replayed).abs().max()) < 1e-5
+        assert got["stats"]["loss"] == pytest.approx(stats["loss"], abs=1e-5)
+    d_w = _max_diff(exported, weights)
+    assert d_w < 1e-5, d_w
+    print(f"megatron qwen3_moe replay {config}: replayed logprob diff "
+          f"{max(float((g['replayed'] - replayed).abs().max()) for g in ranks):.2e}, weight diff {d_w:.2e}")

@@ -65,6 +65,7 @@ from .lora import (LoraError, LoraSpec, adapter_problem, copy_base_config, initi
                    read_adapter, resolve_start, write_adapter)
 from .megatron_lora import LORA_LINEARS, adapter_param_names, add_parallel_lora
 from .model import Qwen2Config, sdpa
+from .moe import ROUTE_NATIVE
 from .torch_train import TrainConfig
 
 try:  # megatron-core is an optional (GPU-cluster) dependency; importing this module without it is fine
@@ -427,6 +428,26 @@ def build_gpt_model(cfg: Qwen2Config, mc: MegatronConfig, device: torch.device, 
     return model.to(device)
 
 
+def replayed_routing(logits: torch.Tensor, replay: torch.Tensor, native: tuple[torch.Tensor, torch.Tensor],
+                     pre_softmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A TopKRouter's (probs [N, E], routing_map [N, E]) with each token routed to its replayed experts
+    (``replay`` [N, k] expert ids; a row whose first id is ROUTE_NATIVE keeps its ``native`` routing). Only
+    the choice is replayed: the weights are the current logits' softmax at those experts, as megatron-core
+    computes them for its own top k (moe_utils.topk_softmax_with_capacity; over the k logits, or over all
+    experts with ``pre_softmax``), so the router still gets gradients, as in the torch trainer (moe.py)."""
+    native_probs, native_map = native
+    replay = replay.to(device=logits.device, dtype=torch.long)
+    keep = replay[:, :1] == ROUTE_NATIVE
+    idx = replay.masked_fill(keep, 0)
+    if pre_softmax:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits).gather(1, idx)
+    else:
+        probs = torch.softmax(logits.gather(1, idx), dim=-1, dtype=torch.float32).type_as(logits)
+    routed_probs = torch.zeros_like(logits).scatter(1, idx, probs)
+    routed_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+    return torch.where(keep, native_probs, routed_probs), torch.where(keep, native_map, routed_map)
+
+
 # --- HF <-> Megatron conversion -----------------------------------------------------------------------
 # kind of a Megatron parameter: how its tensor-parallel shards relate to the full tensor(s)
 #   rep   replicated on every TP rank          vocab  rows split (vocab padded)
@@ -723,6 +744,8 @@ class MegatronTrainEngine(TrainEngine):
         self.param_maps = {name: param_map(name, self.layer_offset, self.ep_rank * self.local_experts)
                            for name, _ in self.model.named_parameters()}
         self._mark_tensor_parallel_params()
+        self._replay: torch.Tensor | None = None   # this forward's routing to replay ([tokens, sparse layers, k])
+        self._install_routing_replay()
         self._load_hf_weights(self.base_dir)
         if lora is not None:
             self._load_adapter(adapter_dir)
@@ -765,6 +788,32 @@ class MegatronTrainEngine(TrainEngine):
                     if hasattr(param, attr):
                         delattr(param, attr)
                 tensor_parallel.set_tensor_model_parallel_attributes(param, True, 1 if kind == "row" else 0, 1)
+
+    def _install_routing_replay(self) -> None:
+        """Every router of this stage routes by ``self._replay`` when a forward's batch carries
+        ``fields["routed_experts"]`` (algo.routing_replay r3), column = the layer's index among the model's
+        sparse layers; under sequence parallelism a router sees this TP rank's slice of the tokens."""
+        sparse = self.hf_config.sparse_layers
+        pre_softmax = not getattr(self.hf_config, "norm_topk_prob", True)
+        for layer in getattr(self.model.decoder, "layers", []):
+            router = getattr(layer.mlp, "router", None)
+            if router is None:
+                continue
+            slot = sparse.index(int(layer.layer_number) - 1)
+
+            def routing(logits: torch.Tensor, native: Callable[..., Any] = router.routing, slot: int = slot) -> Any:
+                routed = native(logits)
+                if self._replay is None:
+                    return routed
+                rows = self._replay[:, slot]
+                if self.config.sequence_parallel_on:
+                    rows = rows.chunk(self.tp_size)[self.tp_rank]
+                flat = logits.reshape(-1, logits.shape[-1])   # [s, b, E] as routing() flattens it
+                if rows.shape[0] != flat.shape[0]:
+                    raise RequestError(f"routing replay: {rows.shape[0]} token rows for a router of "
+                                       f"{flat.shape[0]} tokens")
+                return replayed_routing(flat, rows, routed, pre_softmax)
+            router.routing = routing
 
     def _add_lora(self, spec: LoraSpec) -> None:
         try:
@@ -845,7 +894,23 @@ class MegatronTrainEngine(TrainEngine):
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
                                max_seqlen_kv=max_len)
 
+    def _replay_rows(self, batch: PackedBatch) -> torch.Tensor | None:
+        """The batch's routing to replay, checked ([tokens, sparse layers, top-k]), or None."""
+        routes = batch.fields.get("routed_experts")
+        if routes is None or not self.hf_config.sparse_layers:
+            return None
+        want = (batch.num_tokens, len(self.hf_config.sparse_layers), self.hf_config.num_experts_per_tok)
+        if tuple(routes.shape) != want:
+            raise RequestError(f"routing replay: fields['routed_experts'] has shape {tuple(routes.shape)}, the model "
+                               f"routes {want} (tokens, sparse layers, top-k)")
+        if self.config.recompute == "full" and self.pp_size > 1:
+            raise RequestError("routing replay with recompute 'full' and pipeline_parallel > 1: a layer recomputed "
+                               "in the backward of an earlier micro-batch would route by a later one's replay")
+        return routes.to(self.device, torch.long)
+
     def _forward(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+        # Kept after the forward: a fully recomputed layer routes again in this micro-batch's backward.
+        self._replay = self._replay_rows(batch)
         tokens = batch.num_tokens
         if self.config.sequence_parallel_on and tokens % self.tp_size:
             # Sequence parallelism splits the tokens evenly over the TP ranks: pad with a sequence of its
@@ -855,6 +920,9 @@ class MegatronTrainEngine(TrainEngine):
                                 torch.cat([batch.cu_seqlens, batch.cu_seqlens.new_tensor([tokens + pad])]),
                                 torch.cat([batch.position_ids, torch.arange(pad, dtype=batch.position_ids.dtype,
                                                                             device=batch.position_ids.device)]))
+            if self._replay is not None:   # the padding routes natively
+                self._replay = torch.cat([self._replay, self._replay.new_full((pad, *self._replay.shape[1:]),
+                                                                              ROUTE_NATIVE)])
         out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=None,
                     packed_seq_params=self._packed_params(batch))
         if batch.num_tokens != tokens and mpu.is_pipeline_last_stage():
