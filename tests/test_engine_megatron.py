@@ -191,6 +191,34 @@ def test_hf_megatron_conversion_round_trips_under_tp(tp: int) -> None:
         assert torch.equal(back[name], hf[name]), name
 
 
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (1, 2), (2, 4)])
+def test_qwen3_moe_conversion_round_trips_under_tp_and_ep(tp: int, ep: int) -> None:
+    # Layer 0 dense (mlp_only_layers), layer 1 sparse: q/k norms, router, 8 experts split 8 / ep per EP rank.
+    model = tiny_model(3, family="qwen3_moe", mlp_only_layers=[0])
+    cfg, hf = model.config, hf_state_dict(model)
+    local = cfg.num_experts // ep
+    layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+             "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight"]
+    mc_names = ["embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"]
+    mc_names += [f"decoder.layers.{i}.{rest}" for i in range(2) for rest in layer]
+    mc_names += ["decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight",
+                 "decoder.layers.1.mlp.router.weight"]
+    experts = [f"decoder.layers.1.mlp.experts.local_experts.{j}.linear_fc{f}.weight" for j in range(local) for f in (1, 2)]
+    back: dict[str, torch.Tensor] = {}
+    for name, ep_rank in [(n, 0) for n in mc_names] + [(n, r) for n in experts for r in range(ep)]:
+        pm = mg.param_map(name, 0, ep_rank * local)
+        assert pm.expert == (name in experts)
+        shards = [mg.hf_to_megatron_shard(pm, [hf[n] for n in pm.hf_names], cfg, r, tp, 104) for r in range(tp)]
+        for hf_name, tensor in mg.megatron_shards_to_hf(pm, shards, cfg):
+            assert hf_name not in back, hf_name        # every Hugging Face tensor comes from one place
+            back[hf_name] = tensor
+    assert sorted(back) == sorted(hf)
+    for name in hf:
+        assert torch.equal(back[name], hf[name]), name
+    assert mg.param_map("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", 1, 4).hf_names == (
+        "model.layers.1.mlp.experts.5.gate_proj.weight", "model.layers.1.mlp.experts.5.up_proj.weight")
+
+
 def test_fused_qkv_shard_holds_whole_query_groups() -> None:
     """TP rank r's fused QKV rows: for each of its query groups, that group's query heads, key, value."""
     model = tiny_model(0, num_attention_heads=4, num_key_value_heads=2)
@@ -350,6 +378,21 @@ def test_config_errors_name_the_cause() -> None:
         mg.MegatronConfig(tensor_parallel=0)
     with pytest.raises(ValueError, match="attention"):
         mg.MegatronConfig(attention="flash")
+    with pytest.raises(ValueError, match="expert_parallel"):
+        mg.MegatronConfig(expert_parallel=0)
+    moe = tiny_model(0, family="qwen3_moe").config   # 8 experts, moe_intermediate_size 32
+    with pytest.raises(ValueError, match=r"expert_parallel \(3\) must divide num_experts \(8\)"):
+        mg.transformer_config(moe, mg.MegatronConfig(expert_parallel=3))
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        mg.transformer_config(cfg, mg.MegatronConfig(expert_parallel=2))
+    with pytest.raises(ValueError, match="needs sequence_parallel: true"):
+        mg.transformer_config(moe, mg.MegatronConfig(tensor_parallel=2))
+    with pytest.raises(mg.MegatronUnavailableError, match="mixture-of-experts"):
+        mg.layer_spec(mg.MegatronConfig(attention="te"), torch.device("cpu"), mg.transformer_config(moe, mg.MegatronConfig()))
+    # norm_topk_prob false: softmax over all experts, then the top k as they are (megatron's pre-softmax)
+    assert mg.transformer_config(moe, mg.MegatronConfig()).moe_router_pre_softmax is False
+    unnormalised = tiny_model(0, family="qwen3_moe", norm_topk_prob=False).config
+    assert mg.transformer_config(unnormalised, mg.MegatronConfig()).moe_router_pre_softmax is True
 
 
 # --- the trainer's step over a data-parallel world ----------------------------------------------------------
@@ -442,7 +485,8 @@ def test_qwen3_moe_matches_torch_backend(tmp_path, world, config) -> None:
     # 8 experts, top 2 renormalised (norm_topk_prob); layer 0 dense (mlp_only_layers) at intermediate_size 128,
     # layer 1 sparse at moe_intermediate_size 32. EP=2: each rank holds 4 experts and trains on its own
     # micro-batch (dp=2); the export publishes all 8 experts of layer 1 once, under their Hugging Face numbers.
-    ref, ranks = _run_on_new_model(tmp_path, world, {"config": config, "checkpoint": world == 1 or None},
+    checkpoint = "tensor_parallel" not in config
+    ref, ranks = _run_on_new_model(tmp_path, world, {"config": config, "checkpoint": checkpoint},
                                    family="qwen3_moe", mlp_only_layers=[0])
     report: dict[str, float] = {}
     for got in ranks:
@@ -450,9 +494,11 @@ def test_qwen3_moe_matches_torch_backend(tmp_path, world, config) -> None:
     assert all(r["weights"] == {} for r in ranks[1:])
     experts = {k for k in ranks[0]["weights"] if ".mlp.experts." in k}
     assert experts == {f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in range(8) for p in ("gate", "up", "down")}
-    if world == 1:
-        assert got["replayed_step"] == got["second_step"]
-        assert _max_diff(got["replayed_weights"], got["second_weights"]) == 0.0
+    if checkpoint:   # a Hugging Face directory with every expert; resuming replays the next step bit for bit
+        assert _max_diff(hf_state_dict(load_model(str(tmp_path / "out" / "ckpt"))), ranks[0]["weights"]) == 0.0
+        for got in ranks:
+            assert got["replayed_step"] == got["second_step"]
+        assert _max_diff(ranks[0]["replayed_weights"], ranks[0]["second_weights"]) == 0.0
     print(f"megatron qwen3_moe {config} vs torch:", report)
 
 
