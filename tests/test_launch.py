@@ -224,8 +224,6 @@ def test_bad_world_ports_are_refused(tmp_path: Path, group: str, problem: str) -
       "links": {"weights": {"name": "weights", "backend": "nccl", "master_addr": "127.0.0.1", "master_port": 0,
                             "rank": 1, "world_size": 3}}},
      r"trainer.1 is in links \['weights'\]: only rank 0 sends weights"),
-    ({"world": {"rank": 1}, "backend": "megatron", "algo": {"routing_replay": "r2"}},
-     "algo.routing_replay: r2 .* is not built on backend: megatron"),
 ])
 def test_a_trainer_group_that_cannot_train_together_is_refused_at_start(tmp_path: Path, settings: dict,
                                                                        problem: str) -> None:
@@ -234,11 +232,10 @@ def test_a_trainer_group_that_cannot_train_together_is_refused_at_start(tmp_path
     from actors.runtime.base import ActorSpec
     from actors.trainer.actor import TrainerActor, TrainerConfigError
     instance = {"group": "trainer", "index": 1, "count": 2,
-                **{k: v for k, v in settings.items() if k not in ("backend", "links", "algo")}}
+                **{k: v for k, v in settings.items() if k not in ("backend", "links")}}
     spec = ActorSpec("trainer.1", "actors.trainer:TrainerActor", f"ipc://{tmp_path}/t",
                      settings={"instance": instance, "log_console": False, "backend": settings.get("backend", "torch"),
-                               "links": settings.get("links", {}), "algo": settings.get("algo", {})},
-                     run_dir=str(tmp_path))
+                               "links": settings.get("links", {})}, run_dir=str(tmp_path))
     with pytest.raises(TrainerConfigError, match=problem):
         asyncio.run(TrainerActor(spec).on_start())
 

@@ -179,9 +179,6 @@ class TrainerActor(Actor):
         if instance.parallel.get("ep", 1) > 1 and cfg.backend != "megatron":
             out.append(f"actors.{group}.parallel.ep: expert parallelism needs backend: megatron (the torch backend "
                        f"trains on one process)")
-        if cfg.backend == "megatron" and cfg.algo.routing_replay == "r2":
-            out.append("algo.routing_replay: r2 (record the trainer's own routing, then replay it) is not built on "
-                       "backend: megatron; use r3 (replay the rollout's routing) or none (docs/engines-megatron.md)")
         if cfg.algo.kl_coef > 0 and not cfg.model.path:
             out.append("model.path: algo.kl_coef > 0 needs the starting weights as the KL reference, and "
                        "model.path is not set")
