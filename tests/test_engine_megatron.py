@@ -385,6 +385,8 @@ def test_config_errors_name_the_cause() -> None:
         mg.transformer_config(moe, mg.MegatronConfig(expert_parallel=3))
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         mg.transformer_config(cfg, mg.MegatronConfig(expert_parallel=2))
+    with pytest.raises(ValueError, match="together with expert_parallel > 1 is not supported"):
+        mg.transformer_config(moe, mg.MegatronConfig(tensor_parallel=2, expert_parallel=2, sequence_parallel=True))
     with pytest.raises(ValueError, match="needs sequence_parallel: true"):
         mg.transformer_config(moe, mg.MegatronConfig(tensor_parallel=2))
     with pytest.raises(mg.MegatronUnavailableError, match="mixture-of-experts"):

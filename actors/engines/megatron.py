@@ -1,12 +1,15 @@
-"""The Megatron-core trainer backend: Qwen2 as a Megatron `GPTModel`, tensor/pipeline/data parallel.
+"""The Megatron-core trainer backend: Qwen2, Qwen3 and Qwen3-MoE as a Megatron `GPTModel`, tensor/pipeline/
+data/expert parallel.
 
 One `MegatronTrainEngine` runs per rank (launched by torchrun or the trainer actor's rank processes);
 every rank calls the same methods in the same order, because they run collectives. What it does:
 
-* Builds a `GPTModel` from a Hugging Face Qwen2 `config.json` (`transformer_config`): rotary
-  embeddings (theta from the config), grouped-query attention with q/k/v bias (fused `linear_qkv`),
-  SwiGLU (`gated_linear_unit`, silu), RMSNorm, optionally tied embeddings. Parallel sizes go through
-  `parallel_state.initialize_model_parallel`.
+* Builds a `GPTModel` from a Hugging Face `config.json` of a family of `MEGATRON_FAMILIES`
+  (`transformer_config`): rotary embeddings (theta from the config), grouped-query attention (fused
+  `linear_qkv`; q/k/v bias for Qwen2, per-head q/k RMSNorm for Qwen3), SwiGLU (`gated_linear_unit`, silu),
+  RMSNorm, optionally tied embeddings; Qwen3-MoE's sparse layers as megatron-core's MoE layer (a top-k router,
+  SequentialMLP experts, the alltoall token dispatcher). Parallel sizes, expert parallelism included, go
+  through `parallel_state.initialize_model_parallel`.
 * Converts Hugging Face weights into Megatron's layout and back (`hf_to_megatron_shard`,
   `megatron_shards_to_hf`), including the fused QKV layout under tensor parallelism (per query group:
   its query heads, then its key head, then its value head; each TP rank holds whole query groups), the
@@ -18,7 +21,9 @@ every rank calls the same methods in the same order, because they run collective
   all-reduce of the max, of the sum of exponentials and of the target logit (`vocab_parallel_logprobs`).
 * Exports weights in Hugging Face-named buckets without gathering the model on one device: each pipeline
   stage exports its own layers, tensor-parallel shards are gathered one bucket at a time (one all-gather
-  per bucket), and the gather of the next bucket runs while the caller sends the current one.
+  per bucket), and the gather of the next bucket runs while the caller sends the current one; with expert
+  parallelism each bucket's experts are first all-gathered over the expert-parallel group.
+* Replays the rollout's expert routing (``fields["routed_experts"]``, algo.routing_replay r3) in its routers.
 
 Attention: with Transformer Engine installed on a GPU, the TE layer spec runs THD through TE's fused
 attention. Without it (CPU, or a GPU without TE), the local spec runs with `TorchPackedAttention`, a core
@@ -179,6 +184,10 @@ def transformer_config(cfg: Qwen2Config, mc: MegatronConfig) -> TransformerConfi
         if cfg.moe_intermediate_size % mc.tensor_parallel:  # type: ignore[attr-defined]
             raise ValueError(f"tensor_parallel ({mc.tensor_parallel}) must divide moe_intermediate_size "
                              f"({cfg.moe_intermediate_size}): each expert's MLP is split like the dense one")
+        if mc.tensor_parallel > 1 and mc.expert_parallel > 1:
+            raise ValueError("tensor_parallel > 1 together with expert_parallel > 1 is not supported: its only run "
+                             "(gloo, CPU) gave log-probs 2.5e-2 off the torch trainer's (docs/engines-megatron.md, "
+                             "Families); use one of them")
         if mc.tensor_parallel > 1 and not mc.sequence_parallel:
             raise ValueError("a mixture-of-experts model with tensor_parallel > 1 needs sequence_parallel: true "
                              "(megatron-core's MoELayer refuses to train tensor-parallel experts without it)")
@@ -731,11 +740,6 @@ class MegatronTrainEngine(TrainEngine):
         # ranks whose experts the export senders gather: the expert-parallel group of a data-parallel rank 0
         self.joins_expert_export = bool(self.hf_config.sparse_layers) and mpu.get_expert_data_parallel_rank() == 0
         self.local_experts = getattr(self.hf_config, "num_experts", 0) // self.ep_size
-        if self.hf_config.sparse_layers and self.tp_size > 1 and (
-                dist.get_process_group_ranks(mpu.get_expert_tensor_parallel_group())
-                != dist.get_process_group_ranks(mpu.get_tensor_model_parallel_group())):
-            raise ValueError("the experts' tensor-parallel group differs from the dense layers' (export gathers "
-                             "both over the tensor-parallel group)")
         self.padded_vocab = padded_vocab_size(self.hf_config.vocab_size, self.config)
         self.model = build_gpt_model(self.hf_config, self.config, self.device, lora=lora is not None)
         self.layer_offset = self._layer_offset()
@@ -1252,9 +1256,8 @@ def is_available() -> bool:
     return MEGATRON_IMPORT_ERROR is None
 
 
-__all__ = ["LocalRMSNorm", "LongSequenceAttentionError", "MegatronConfig", "MegatronTrainEngine",
-           "MegatronUnavailableError", "ParamMap", "TorchPackedAttention", "packed_causal_attention",
-           "build_gpt_model", "hf_to_megatron_shard", "init_distributed", "is_available", "layer_spec",
-           "megatron_shards_to_hf", "padded_vocab_size", "param_map", "transformer_config",
+__all__ = ["LocalRMSNorm", "LongSequenceAttentionError", "MEGATRON_FAMILIES", "MegatronConfig", "MegatronTrainEngine",
+           "MegatronUnavailableError", "ParamMap", "QwenSequentialMLP", "TorchPackedAttention", "build_gpt_model",
+           "hf_to_megatron_shard", "init_distributed", "is_available", "layer_spec", "megatron_shards_to_hf",
+           "packed_causal_attention", "padded_vocab_size", "param_map", "replayed_routing", "transformer_config",
            "vocab_parallel_logprobs"]
-
