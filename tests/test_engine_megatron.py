@@ -5,7 +5,8 @@ parallel_state are process-global), with the test-only CPU shim (tests/megatron_
 the child. The parent computes the torch backend's reference on the same weights and compares:
 log-probs and entropies to 1e-5, the training step's loss, and the updated weights exported as
 Hugging Face buckets. World size 1, TP=2 (fused QKV split across ranks, padded vocabulary shards) and
-DP=2 (distributed optimizer, gradients summed across ranks).
+DP=2 (distributed optimizer, gradients summed across ranks); Qwen3 (q/k norms) and Qwen3-MoE (router, experts,
+expert parallelism over the alltoall dispatcher, routing replay).
 
 Needs megatron-core 0.11: `pip install --no-deps megatron-core==0.11.0 einops`; skipped without it.
 """

@@ -394,7 +394,7 @@ class QwenSequentialMLP(SequentialMLP if MEGATRON_IMPORT_ERROR is None else torc
 
 def layer_spec(mc: MegatronConfig, device: torch.device, tc: TransformerConfig, lora: bool = False) -> ModuleSpec | Any:
     """This pipeline stage's layers: Transformer Engine's spec (dense families) or the local one, whose sparse
-    layers (``tc.moe_layer_freq``) are a router and SequentialMLP experts behind the configured dispatcher."""
+    layers (``tc.moe_layer_freq``) are a router and SequentialMLP experts behind the alltoall dispatcher."""
     moe = tc.num_moe_experts is not None
     if _use_te(mc, device, lora, moe):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -426,8 +426,6 @@ def padded_vocab_size(vocab: int, mc: MegatronConfig) -> int:
 def build_gpt_model(cfg: Qwen2Config, mc: MegatronConfig, device: torch.device, lora: bool = False) -> GPTModel:
     """This rank's stage of the model (parallel_state must be initialised); ``lora``: on the local layer spec."""
     tc = transformer_config(cfg, mc)
-    if lora and tc.num_moe_experts is not None:
-        raise ValueError("LoRA on the megatron backend adapts dense layers only; this model has experts")
     model = GPTModel(
         config=tc, transformer_layer_spec=layer_spec(mc, device, tc, lora), vocab_size=padded_vocab_size(cfg.vocab_size, mc),
         max_sequence_length=cfg.max_position_embeddings, pre_process=mpu.is_pipeline_first_stage(),
