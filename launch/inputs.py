@@ -91,8 +91,10 @@ def _engines(plan: Plan) -> set[str]:
     return ({"megatron"} & {s.get("backend") for s in settings}) | ({"sglang"} & {s.get("engine") for s in settings})
 
 
-# The model families each engine builds (the embedded torch engines build every family of model.FAMILIES).
-ENGINE_FAMILIES = {"megatron": ("qwen2",), "sglang": tuple(FAMILIES)}
+# The model families each engine builds (the embedded torch engines build every family of model.FAMILIES; the
+# megatron engine's list is actors/engines/megatron.py MEGATRON_FAMILIES, not imported: that module imports
+# megatron-core).
+ENGINE_FAMILIES = {"megatron": ("qwen2", "qwen3", "qwen3_moe"), "sglang": tuple(FAMILIES)}
 
 
 def _check_model(config: ExperimentConfig, launch: bool, absent: str, lines: list[str], problems: list[str],
@@ -129,6 +131,9 @@ def _check_model(config: ExperimentConfig, launch: bool, absent: str, lines: lis
     if config.algo.routing_replay == "r3" and "sglang" in engines:
         problems.append("experiment.algo.routing_replay: r3 needs the routing the rollouts recorded; the embedded "
                         "torch engine records it, the sglang engine here does not")
+    if config.algo.routing_replay == "r2" and "megatron" in engines:
+        problems.append("experiment.algo.routing_replay: r2 (the trainer records its own routing, then replays it) "
+                        "is not built on the megatron engine; use r3 (replay the rollout's routing) or none")
     if config.model.lora is not None:
         _check_lora(config, family, engines, problems)
     context = model_config.get("max_position_embeddings")

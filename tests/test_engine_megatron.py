@@ -5,7 +5,8 @@ parallel_state are process-global), with the test-only CPU shim (tests/megatron_
 the child. The parent computes the torch backend's reference on the same weights and compares:
 log-probs and entropies to 1e-5, the training step's loss, and the updated weights exported as
 Hugging Face buckets. World size 1, TP=2 (fused QKV split across ranks, padded vocabulary shards) and
-DP=2 (distributed optimizer, gradients summed across ranks).
+DP=2 (distributed optimizer, gradients summed across ranks); Qwen3 (q/k norms) and Qwen3-MoE (router, experts,
+expert parallelism over the alltoall dispatcher, routing replay).
 
 Needs megatron-core 0.11: `pip install --no-deps megatron-core==0.11.0 einops`; skipped without it.
 """
@@ -191,6 +192,34 @@ def test_hf_megatron_conversion_round_trips_under_tp(tp: int) -> None:
         assert torch.equal(back[name], hf[name]), name
 
 
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (1, 2), (2, 4)])
+def test_qwen3_moe_conversion_round_trips_under_tp_and_ep(tp: int, ep: int) -> None:
+    # Layer 0 dense (mlp_only_layers), layer 1 sparse: q/k norms, router, 8 experts split 8 / ep per EP rank.
+    model = tiny_model(3, family="qwen3_moe", mlp_only_layers=[0])
+    cfg, hf = model.config, hf_state_dict(model)
+    local = cfg.num_experts // ep
+    layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+             "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight", "pre_mlp_layernorm.weight"]
+    mc_names = ["embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"]
+    mc_names += [f"decoder.layers.{i}.{rest}" for i in range(2) for rest in layer]
+    mc_names += ["decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.0.mlp.linear_fc2.weight",
+                 "decoder.layers.1.mlp.router.weight"]
+    experts = [f"decoder.layers.1.mlp.experts.local_experts.{j}.linear_fc{f}.weight" for j in range(local) for f in (1, 2)]
+    back: dict[str, torch.Tensor] = {}
+    for name, ep_rank in [(n, 0) for n in mc_names] + [(n, r) for n in experts for r in range(ep)]:
+        pm = mg.param_map(name, 0, ep_rank * local)
+        assert pm.expert == (name in experts)
+        shards = [mg.hf_to_megatron_shard(pm, [hf[n] for n in pm.hf_names], cfg, r, tp, 104) for r in range(tp)]
+        for hf_name, tensor in mg.megatron_shards_to_hf(pm, shards, cfg):
+            assert hf_name not in back, hf_name        # every Hugging Face tensor comes from one place
+            back[hf_name] = tensor
+    assert sorted(back) == sorted(hf)
+    for name in hf:
+        assert torch.equal(back[name], hf[name]), name
+    assert mg.param_map("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", 1, 4).hf_names == (
+        "model.layers.1.mlp.experts.5.gate_proj.weight", "model.layers.1.mlp.experts.5.up_proj.weight")
+
+
 def test_fused_qkv_shard_holds_whole_query_groups() -> None:
     """TP rank r's fused QKV rows: for each of its query groups, that group's query heads, key, value."""
     model = tiny_model(0, num_attention_heads=4, num_key_value_heads=2)
@@ -343,13 +372,30 @@ def test_pipeline_parallel_2_matches_torch_backend_and_checkpoint_resumes(tmp_pa
 def test_config_errors_name_the_cause() -> None:
     cfg = tiny_model(0).config  # 2 key/value heads, 2 layers
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        mg.qwen2_transformer_config(cfg, mg.MegatronConfig(tensor_parallel=4))
+        mg.transformer_config(cfg, mg.MegatronConfig(tensor_parallel=4))
     with pytest.raises(ValueError, match="num_hidden_layers"):
-        mg.qwen2_transformer_config(cfg, mg.MegatronConfig(pipeline_parallel=3))
+        mg.transformer_config(cfg, mg.MegatronConfig(pipeline_parallel=3))
     with pytest.raises(ValueError, match="tensor_parallel"):
         mg.MegatronConfig(tensor_parallel=0)
     with pytest.raises(ValueError, match="attention"):
         mg.MegatronConfig(attention="flash")
+    with pytest.raises(ValueError, match="expert_parallel"):
+        mg.MegatronConfig(expert_parallel=0)
+    moe = tiny_model(0, family="qwen3_moe").config   # 8 experts, moe_intermediate_size 32
+    with pytest.raises(ValueError, match=r"expert_parallel \(3\) must divide num_experts \(8\)"):
+        mg.transformer_config(moe, mg.MegatronConfig(expert_parallel=3))
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        mg.transformer_config(cfg, mg.MegatronConfig(expert_parallel=2))
+    with pytest.raises(ValueError, match="together with expert_parallel > 1 is not supported"):
+        mg.transformer_config(moe, mg.MegatronConfig(tensor_parallel=2, expert_parallel=2, sequence_parallel=True))
+    with pytest.raises(ValueError, match="needs sequence_parallel: true"):
+        mg.transformer_config(moe, mg.MegatronConfig(tensor_parallel=2))
+    with pytest.raises(mg.MegatronUnavailableError, match="mixture-of-experts"):
+        mg.layer_spec(mg.MegatronConfig(attention="te"), torch.device("cpu"), mg.transformer_config(moe, mg.MegatronConfig()))
+    # norm_topk_prob false: softmax over all experts, then the top k as they are (megatron's pre-softmax)
+    assert mg.transformer_config(moe, mg.MegatronConfig()).moe_router_pre_softmax is False
+    unnormalised = tiny_model(0, family="qwen3_moe", norm_topk_prob=False).config
+    assert mg.transformer_config(unnormalised, mg.MegatronConfig()).moe_router_pre_softmax is True
 
 
 # --- the trainer's step over a data-parallel world ----------------------------------------------------------
@@ -415,3 +461,99 @@ def test_the_trainer_worlds_rendezvous_listens_on_master_addr_only(tmp_path) -> 
     (tmp_path / "out").mkdir()
     [got] = _run(1, model_dir, str(tmp_path / "out"), {"config": {}, "body": _store_reachable_on})
     assert got == {"127.0.0.1": True, "127.0.0.2": False, "world": 1}
+
+
+# --- Qwen3 and Qwen3-MoE ---------------------------------------------------------------------------------------
+@needs_megatron
+@pytest.mark.parametrize("world,config", [(1, {}), (2, {"tensor_parallel": 2, "vocab_pad_multiple": 1})],
+                         ids=["ws1", "tp2"])
+def test_qwen3_matches_torch_backend(tmp_path, world, config) -> None:
+    # q/k RMSNorm per head (q_layernorm/k_layernorm, gradients summed over TP ranks), no q/k/v bias, head_dim 16
+    # beside hidden 64 / 4 heads (kv_channels).
+    ref, ranks = _run_on_new_model(tmp_path, world, {"config": config}, family="qwen3")
+    report: dict[str, float] = {}
+    for got in ranks:
+        _check_against_reference(ref, {**got, "weights": ranks[0]["weights"]}, report)
+    assert "model.layers.1.self_attn.k_norm.weight" in ranks[0]["weights"]
+    print(f"megatron qwen3 {config} vs torch:", report)
+
+
+@needs_megatron
+@pytest.mark.parametrize("world,config", [
+    (1, {}),
+    (2, {"expert_parallel": 2}),                                   # the alltoall dispatcher over gloo
+    (2, {"tensor_parallel": 2, "vocab_pad_multiple": 1, "sequence_parallel": True}),  # experts split over TP
+], ids=["ws1", "ep2", "tp2"])
+def test_qwen3_moe_matches_torch_backend(tmp_path, world, config) -> None:
+    # 8 experts, top 2 renormalised (norm_topk_prob); layer 0 dense (mlp_only_layers) at intermediate_size 128,
+    # layer 1 sparse at moe_intermediate_size 32. EP=2: each rank holds 4 experts and trains on its own
+    # micro-batch (dp=2); the export publishes all 8 experts of layer 1 once, under their Hugging Face numbers.
+    checkpoint = "tensor_parallel" not in config
+    ref, ranks = _run_on_new_model(tmp_path, world, {"config": config, "checkpoint": checkpoint},
+                                   family="qwen3_moe", mlp_only_layers=[0])
+    report: dict[str, float] = {}
+    for got in ranks:
+        _check_against_reference(ref, {**got, "weights": ranks[0]["weights"]}, report)
+    assert all(r["weights"] == {} for r in ranks[1:])
+    experts = {k for k in ranks[0]["weights"] if ".mlp.experts." in k}
+    assert experts == {f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in range(8) for p in ("gate", "up", "down")}
+    if checkpoint:   # a Hugging Face directory with every expert; resuming replays the next step bit for bit
+        assert _max_diff(hf_state_dict(load_model(str(tmp_path / "out" / "ckpt"))), ranks[0]["weights"]) == 0.0
+        for got in ranks:
+            assert got["replayed_step"] == got["second_step"]
+        assert _max_diff(ranks[0]["replayed_weights"], ranks[0]["second_weights"]) == 0.0
+    print(f"megatron qwen3_moe {config} vs torch:", report)
+
+
+def _with_routes(batch: PackedBatch, layers: int, experts: int, top_k: int, seed: int) -> PackedBatch:
+    """The batch with fields['routed_experts']: each token's top_k distinct random experts per sparse layer, every
+    third token routed natively (ROUTE_NATIVE)."""
+    from actors.engines.moe import ROUTE_NATIVE
+    gen = torch.Generator().manual_seed(seed)
+    routes = torch.stack([torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(layers)])
+                          for _ in range(batch.num_tokens)])
+    routes[::3] = ROUTE_NATIVE
+    return PackedBatch(batch.input_ids, batch.cu_seqlens, batch.position_ids, {**batch.fields, "routed_experts": routes})
+
+
+def _replay_batches(cfg: Any) -> tuple[PackedBatch, list[PackedBatch]]:
+    shape = (len(cfg.sparse_layers), cfg.num_experts, cfg.num_experts_per_tok)
+    batches = _batches(cfg.vocab_size)
+    return (_with_routes(_whole(batches), *shape, seed=5),
+            [_with_routes(b, *shape, seed=6 + i) for i, b in enumerate(batches)])
+
+
+def _replay_checks(engine: Any, out_dir: str, settings: dict[str, Any]) -> dict[str, Any]:
+    whole, batches = _replay_batches(engine.hf_config)
+    mine = batches if engine.dp_size == 1 else [batches[engine.dp_rank]]
+    return {"native": engine.compute_logprobs(_whole(_batches(engine.hf_config.vocab_size))).logprobs,
+            "replayed": engine.compute_logprobs(whole).logprobs,
+            "stats": engine.train_step(mine, token_nll_loss),
+            "weights": {k: v for b in engine.export_weights() for k, v in b}}
+
+
+@needs_megatron
+@pytest.mark.parametrize("world,config", [(1, {}), (2, {"expert_parallel": 2}), (2, {"pipeline_parallel": 2})],
+                         ids=["ws1", "ep2", "pp2"])
+def test_qwen3_moe_routing_replay_matches_torch_backend(tmp_path, world, config) -> None:
+    # algo.routing_replay r3: the batch's fields['routed_experts'] replace each router's top-k (rows of
+    # ROUTE_NATIVE keep their own); both sparse layers replayed, on one stage each under PP=2.
+    model_dir = _model_dir(tmp_path, family="qwen3_moe")
+    reference = TorchTrainEngine(model_dir, TrainConfig(lr=LR))
+    whole, batches = _replay_batches(reference.model.config)
+    native = reference.compute_logprobs(_whole(_batches(reference.model.config.vocab_size))).logprobs
+    replayed = reference.compute_logprobs(whole).logprobs
+    stats = reference.train_step(batches, token_nll_loss)
+    weights = {k: v for b in reference.export_weights() for k, v in b}
+    (tmp_path / "out").mkdir()
+    ranks = _run(world, model_dir, str(tmp_path / "out"), {"config": config, "body": _replay_checks})
+    exported = {k: v for r in ranks for k, v in r["weights"].items()}
+    assert float((replayed - native).abs().max()) > 1e-2    # the replayed routes change the log-probs (1000x the tolerance)
+    for got in ranks:
+        assert float((got["native"] - native).abs().max()) < 1e-5
+        assert float((got["replayed"] - replayed).abs().max()) < 1e-5
+        assert got["stats"]["loss"] == pytest.approx(stats["loss"], abs=1e-5)
+    d_w = _max_diff(exported, weights)
+    assert d_w < 1e-5, d_w
+    print(f"megatron qwen3_moe replay {config}: replayed logprob diff "
+          f"{max(float((g['replayed'] - replayed).abs().max()) for g in ranks):.2e}, weight diff {d_w:.2e}")

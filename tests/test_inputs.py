@@ -178,11 +178,17 @@ def test_an_unsupported_or_mismatched_model_is_refused_with_one_line(tmp_path: P
     (moe / "config.json").write_text(json.dumps({**raw, "num_experts": 6}))
     _, problems = check_inputs(plan_of(moe, train), launch=True)
     assert len(problems) == 1 and "unexpected tensor 'model.layers.0.mlp.experts.6." in problems[0], problems
-    # A family the Megatron backend does not build.
+    # The Megatron backend builds Qwen3-MoE and replays the rollout's routing (r3), but not r2.
     (moe / "config.json").write_text(json.dumps(raw))
     plan = topo_mod.load(str(REPO / "topology" / "1node.yaml"), overrides(moe, train), check_imports=False)
     _, problems = check_inputs(plan, launch=False)
-    assert any("is qwen3_moe (Qwen3MoeForCausalLM); the megatron engine supports qwen2" in p for p in problems), problems
+    assert not any("qwen3_moe" in p or "routing_replay" in p for p in problems), problems
+    plan = topo_mod.load(str(REPO / "topology" / "1node.yaml"),
+                         overrides(moe, train, "experiment.algo.routing_replay=r2"), check_imports=False)
+    _, problems = check_inputs(plan, launch=False)
+    assert [p for p in problems if "routing_replay" in p] == [
+        "experiment.algo.routing_replay: r2 (the trainer records its own routing, then replays it) is not built on "
+        "the megatron engine; use r3 (replay the rollout's routing) or none"], problems
 
 
 def test_a_file_of_only_bad_lines_is_one_error_with_a_count(model: Path, tmp_path: Path,

@@ -1,12 +1,15 @@
-"""The Megatron-core trainer backend: Qwen2 as a Megatron `GPTModel`, tensor/pipeline/data parallel.
+"""The Megatron-core trainer backend: Qwen2, Qwen3 and Qwen3-MoE as a Megatron `GPTModel`, tensor/pipeline/
+data/expert parallel.
 
 One `MegatronTrainEngine` runs per rank (launched by torchrun or the trainer actor's rank processes);
 every rank calls the same methods in the same order, because they run collectives. What it does:
 
-* Builds a `GPTModel` from a Hugging Face Qwen2 `config.json` (`qwen2_transformer_config`): rotary
-  embeddings (theta from the config), grouped-query attention with q/k/v bias (fused `linear_qkv`),
-  SwiGLU (`gated_linear_unit`, silu), RMSNorm, optionally tied embeddings. Parallel sizes go through
-  `parallel_state.initialize_model_parallel`.
+* Builds a `GPTModel` from a Hugging Face `config.json` of a family of `MEGATRON_FAMILIES`
+  (`transformer_config`): rotary embeddings (theta from the config), grouped-query attention (fused
+  `linear_qkv`; q/k/v bias for Qwen2, per-head q/k RMSNorm for Qwen3), SwiGLU (`gated_linear_unit`, silu),
+  RMSNorm, optionally tied embeddings; Qwen3-MoE's sparse layers as megatron-core's MoE layer (a top-k router,
+  SequentialMLP experts, the alltoall token dispatcher). Parallel sizes, expert parallelism included, go
+  through `parallel_state.initialize_model_parallel`.
 * Converts Hugging Face weights into Megatron's layout and back (`hf_to_megatron_shard`,
   `megatron_shards_to_hf`), including the fused QKV layout under tensor parallelism (per query group:
   its query heads, then its key head, then its value head; each TP rank holds whole query groups), the
@@ -18,7 +21,9 @@ every rank calls the same methods in the same order, because they run collective
   all-reduce of the max, of the sum of exponentials and of the target logit (`vocab_parallel_logprobs`).
 * Exports weights in Hugging Face-named buckets without gathering the model on one device: each pipeline
   stage exports its own layers, tensor-parallel shards are gathered one bucket at a time (one all-gather
-  per bucket), and the gather of the next bucket runs while the caller sends the current one.
+  per bucket), and the gather of the next bucket runs while the caller sends the current one; with expert
+  parallelism each bucket's experts are first all-gathered over the expert-parallel group.
+* Replays the rollout's expert routing (``fields["routed_experts"]``, algo.routing_replay r3) in its routers.
 
 Attention: with Transformer Engine installed on a GPU, the TE layer spec runs THD through TE's fused
 attention. Without it (CPU, or a GPU without TE), the local spec runs with `TorchPackedAttention`, a core
@@ -35,6 +40,7 @@ skip of a step whose gradient norm is not finite.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import json
@@ -64,6 +70,7 @@ from .lora import (LoraError, LoraSpec, adapter_problem, copy_base_config, initi
                    read_adapter, resolve_start, write_adapter)
 from .megatron_lora import LORA_LINEARS, adapter_param_names, add_parallel_lora
 from .model import Qwen2Config, sdpa
+from .moe import ROUTE_NATIVE
 from .torch_train import TrainConfig
 
 try:  # megatron-core is an optional (GPU-cluster) dependency; importing this module without it is fine
@@ -74,10 +81,12 @@ try:  # megatron-core is an optional (GPU-cluster) dependency; importing this mo
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     MEGATRON_IMPORT_ERROR: str | None = None
@@ -103,11 +112,13 @@ def _require_megatron() -> None:
 class MegatronConfig(TrainConfig):
     """TrainConfig (optimizer, schedule, clipping, device, seed) plus the parallel layout.
 
-    The data-parallel size is world_size / (tensor_parallel * pipeline_parallel).
+    The data-parallel size is world_size / (tensor_parallel * pipeline_parallel); expert_parallel splits each
+    sparse layer's experts over that many of the data-parallel ranks (it must divide the data-parallel size).
     """
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    expert_parallel: int = 1                # MoE: each sparse layer's experts split over this many DP ranks
     use_distributed_optimizer: bool = True
     vocab_pad_multiple: int = 128           # padded vocab = multiple of vocab_pad_multiple * tensor_parallel
     attention: str = "auto"                 # "auto": TE on a GPU when importable, else "torch"; or "te"/"torch"
@@ -120,7 +131,7 @@ class MegatronConfig(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("tensor_parallel", "pipeline_parallel", "vocab_pad_multiple"):
+        for key in ("tensor_parallel", "pipeline_parallel", "expert_parallel", "vocab_pad_multiple"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MegatronConfig.{key} must be an integer >= 1, got {value!r}")
@@ -139,21 +150,64 @@ class MegatronConfig(TrainConfig):
 
 
 # --- model ---------------------------------------------------------------------------------------------
-def qwen2_transformer_config(cfg: Qwen2Config, mc: MegatronConfig) -> TransformerConfig:
-    """Megatron's TransformerConfig for a Hugging Face Qwen2 config."""
+#: The families (model.FAMILIES model_type) this backend builds.
+MEGATRON_FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
+
+
+def transformer_config(cfg: Qwen2Config, mc: MegatronConfig) -> TransformerConfig:
+    """Megatron's TransformerConfig for a Hugging Face Qwen2, Qwen3 or Qwen3-MoE config.
+
+    Qwen3: RMSNorm over each head's queries and keys (``qk_layernorm``), no q/k/v bias, ``head_dim`` its own
+    key (``kv_channels``). Qwen3-MoE: the sparse layers' router takes the top-k of the logits and a softmax
+    over those k (``moe_router_pre_softmax`` False), which is Hugging Face's softmax over all experts
+    renormalised over the top k (``norm_topk_prob`` true); with ``norm_topk_prob`` false the softmax over all
+    experts comes first and the top-k probabilities are used as they are (``moe_router_pre_softmax`` True):
+    megatron-core's ``topk_softmax_with_capacity`` (transformer/moe/moe_utils.py). No token dropping (no
+    capacity factor); the load-balancing loss only with ``moe_aux_loss_coef`` > 0, as the torch trainer.
+    """
     _require_megatron()
+    if cfg.MODEL_TYPE not in MEGATRON_FAMILIES:
+        raise ValueError(f"the megatron backend builds {', '.join(MEGATRON_FAMILIES)}; got {cfg.MODEL_TYPE}")
     if cfg.num_key_value_heads % mc.tensor_parallel:
         raise ValueError(f"tensor_parallel ({mc.tensor_parallel}) must divide num_key_value_heads "
                          f"({cfg.num_key_value_heads}): each TP rank holds whole query groups")
     if cfg.num_hidden_layers % mc.pipeline_parallel:
         raise ValueError(f"pipeline_parallel ({mc.pipeline_parallel}) must divide num_hidden_layers "
                          f"({cfg.num_hidden_layers})")
+    sparse = cfg.sparse_layers
+    moe: dict[str, Any] = {}
+    if sparse:
+        experts = cfg.num_experts  # type: ignore[attr-defined]
+        if experts % mc.expert_parallel:
+            raise ValueError(f"expert_parallel ({mc.expert_parallel}) must divide num_experts ({experts}): each "
+                             f"expert-parallel rank holds whole experts")
+        if cfg.moe_intermediate_size % mc.tensor_parallel:  # type: ignore[attr-defined]
+            raise ValueError(f"tensor_parallel ({mc.tensor_parallel}) must divide moe_intermediate_size "
+                             f"({cfg.moe_intermediate_size}): each expert's MLP is split like the dense one")
+        if mc.tensor_parallel > 1 and mc.expert_parallel > 1:
+            raise ValueError("tensor_parallel > 1 together with expert_parallel > 1 is not supported: its only run "
+                             "(gloo, CPU) gave log-probs 2.5e-2 off the torch trainer's (docs/engines-megatron.md, "
+                             "Families); use one of them")
+        if mc.tensor_parallel > 1 and not mc.sequence_parallel:
+            raise ValueError("a mixture-of-experts model with tensor_parallel > 1 needs sequence_parallel: true "
+                             "(megatron-core's MoELayer refuses to train tensor-parallel experts without it)")
+        coef = mc.moe_aux_loss_coef
+        moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=cfg.moe_intermediate_size,  # type: ignore[attr-defined]
+                   moe_router_topk=cfg.num_experts_per_tok,  # type: ignore[attr-defined]
+                   moe_router_pre_softmax=not cfg.norm_topk_prob,  # type: ignore[attr-defined]
+                   moe_router_load_balancing_type="aux_loss" if coef > 0 else "none", moe_aux_loss_coeff=coef,
+                   moe_layer_freq=[int(cfg.is_sparse_layer(i)) for i in range(cfg.num_hidden_layers)],
+                   expert_model_parallel_size=mc.expert_parallel)
+    elif mc.expert_parallel > 1:
+        raise ValueError(f"expert_parallel ({mc.expert_parallel}) > 1 needs a mixture-of-experts model; "
+                         f"{cfg.MODEL_TYPE} has no sparse layers")
     dtype = torch.bfloat16 if mc.bf16 else torch.float32
     return TransformerConfig(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads,
         kv_channels=cfg.head_dim, normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps,
-        add_bias_linear=False, add_qkv_bias=True, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=cfg.qkv_bias, qk_layernorm=cfg.qk_norm,
+        gated_linear_unit=True, activation_func=F.silu,
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=mc.tensor_parallel, pipeline_model_parallel_size=mc.pipeline_parallel,
         params_dtype=dtype, bf16=mc.bf16, pipeline_dtype=dtype,
@@ -162,9 +216,12 @@ def qwen2_transformer_config(cfg: Qwen2Config, mc: MegatronConfig) -> Transforme
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         calculate_per_token_loss=True,  # loss_fn's sum / our denominator; no division by micro-batch count
         variable_seq_lengths=True,      # packed micro-batches differ in length (pipeline shapes are sent)
-        moe_token_dispatcher_type="alltoall",  # unused (dense model); the default rejects variable lengths
+        # the only dispatcher megatron-core allows with variable sequence lengths (its allgather default refuses
+        # them in TransformerConfig's checks, dense models included); over gloo on CPU as over NCCL
+        moe_token_dispatcher_type="alltoall",
         deallocate_pipeline_outputs=True,
         sequence_parallel=mc.sequence_parallel_on,
+        **moe,
         **({"recompute_granularity": "selective"} if mc.recompute == "selective" else
            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if mc.recompute == "full" else {}),
@@ -278,11 +335,18 @@ class TorchPackedAttention(MegatronModule):
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def _use_te(mc: MegatronConfig, device: torch.device, lora: bool = False) -> bool:
+def _use_te(mc: MegatronConfig, device: torch.device, lora: bool = False, moe: bool = False) -> bool:
     """Whether the layers are Transformer Engine's. Not with LoRA: TE's linear_qkv and linear_fc1 apply the
     norm inside the layer, and an adapter must see the normalised input (megatron_lora.py adapts the local
-    spec's layers, whose norms are modules of their own)."""
+    spec's layers, whose norms are modules of their own). Not with experts: a mixture of experts runs on the
+    local spec (SequentialMLP experts, whose names the converter maps; TE's grouped experts are not mapped)."""
     if mc.attention == "torch":
+        return False
+    if moe:
+        if mc.attention == "te":
+            raise MegatronUnavailableError("MegatronConfig.attention='te' with a mixture-of-experts model: its layers "
+                                           "run on the local spec (attention 'auto' or 'torch'; "
+                                           "docs/engines-megatron.md, Families)")
         return False
     if lora:
         if mc.attention == "te":
@@ -316,14 +380,42 @@ class LocalRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
+class QwenSequentialMLP(SequentialMLP if MEGATRON_IMPORT_ERROR is None else torch.nn.Module):  # type: ignore[misc]
+    """megatron-core's SequentialMLP experts (one MLP per local expert, each on its slice of the tokens) built
+    at the experts' own width. Its MLPs take ``config.ffn_hidden_size``, and megatron-core 0.11 asserts that
+    equals ``moe_ffn_hidden_size``, while Qwen3-MoE's dense layers (mlp_only_layers) have intermediate_size and
+    its experts moe_intermediate_size: the experts get a copy of the config with their width."""
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, submodules: Any, **kwargs: Any) -> None:
+        expert_config = copy.copy(config)
+        expert_config.ffn_hidden_size = config.moe_ffn_hidden_size
+        super().__init__(num_local_experts, expert_config, submodules, **kwargs)
+
+
 def layer_spec(mc: MegatronConfig, device: torch.device, tc: TransformerConfig, lora: bool = False) -> ModuleSpec | Any:
-    if _use_te(mc, device, lora):
+    """This pipeline stage's layers: Transformer Engine's spec (dense families) or the local one, whose sparse
+    layers (``tc.moe_layer_freq``) are a router and SequentialMLP experts behind the alltoall dispatcher."""
+    moe = tc.num_moe_experts is not None
+    if _use_te(mc, device, lora, moe):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec()
-    spec.submodules.self_attention.submodules.core_attention = TorchPackedAttention
-    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = LocalRMSNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(tc), layer_norm=LocalRMSNorm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=tc.qk_layernorm)
+
+    def local(sparse: bool) -> ModuleSpec:
+        spec = get_gpt_layer_local_spec(num_experts=tc.num_moe_experts if sparse else None, moe_grouped_gemm=False,
+                                        qk_layernorm=tc.qk_layernorm)
+        attention = spec.submodules.self_attention.submodules
+        attention.core_attention = TorchPackedAttention
+        if tc.qk_layernorm:
+            attention.q_layernorm = attention.k_layernorm = LocalRMSNorm
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = LocalRMSNorm
+        if sparse:
+            spec.submodules.mlp.submodules.experts.module = QwenSequentialMLP
+        return spec
+    count = get_num_layers_to_build(tc)
+    offset = mpu.get_pipeline_model_parallel_rank() * count   # uniform stages (transformer_config checks)
+    pattern = tc.moe_layer_freq if moe else [0] * tc.num_layers
+    return TransformerBlockSubmodules(layer_specs=[local(bool(pattern[offset + i])) for i in range(count)],
+                                      layer_norm=LocalRMSNorm)
 
 
 def padded_vocab_size(vocab: int, mc: MegatronConfig) -> int:
@@ -333,7 +425,7 @@ def padded_vocab_size(vocab: int, mc: MegatronConfig) -> int:
 
 def build_gpt_model(cfg: Qwen2Config, mc: MegatronConfig, device: torch.device, lora: bool = False) -> GPTModel:
     """This rank's stage of the model (parallel_state must be initialised); ``lora``: on the local layer spec."""
-    tc = qwen2_transformer_config(cfg, mc)
+    tc = transformer_config(cfg, mc)
     model = GPTModel(
         config=tc, transformer_layer_spec=layer_spec(mc, device, tc, lora), vocab_size=padded_vocab_size(cfg.vocab_size, mc),
         max_sequence_length=cfg.max_position_embeddings, pre_process=mpu.is_pipeline_first_stage(),
@@ -341,6 +433,26 @@ def build_gpt_model(cfg: Qwen2Config, mc: MegatronConfig, device: torch.device, 
         share_embeddings_and_output_weights=cfg.tie_word_embeddings, position_embedding_type="rope",
         rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta)
     return model.to(device)
+
+
+def replayed_routing(logits: torch.Tensor, replay: torch.Tensor, native: tuple[torch.Tensor, torch.Tensor],
+                     pre_softmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A TopKRouter's (probs [N, E], routing_map [N, E]) with each token routed to its replayed experts
+    (``replay`` [N, k] expert ids; a row whose first id is ROUTE_NATIVE keeps its ``native`` routing). Only
+    the choice is replayed: the weights are the current logits' softmax at those experts, as megatron-core
+    computes them for its own top k (moe_utils.topk_softmax_with_capacity; over the k logits, or over all
+    experts with ``pre_softmax``), so the router still gets gradients, as in the torch trainer (moe.py)."""
+    native_probs, native_map = native
+    replay = replay.to(device=logits.device, dtype=torch.long)
+    keep = replay[:, :1] == ROUTE_NATIVE
+    idx = replay.masked_fill(keep, 0)
+    if pre_softmax:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits).gather(1, idx)
+    else:
+        probs = torch.softmax(logits.gather(1, idx), dim=-1, dtype=torch.float32).type_as(logits)
+    routed_probs = torch.zeros_like(logits).scatter(1, idx, probs)
+    routed_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+    return torch.where(keep, native_probs, routed_probs), torch.where(keep, native_map, routed_map)
 
 
 # --- HF <-> Megatron conversion -----------------------------------------------------------------------
@@ -354,10 +466,15 @@ class ParamMap:
     mcore_name: str
     kind: str
     hf_names: tuple[str, ...]
+    expert: bool = False    # a local expert's weight: this expert-parallel rank's own, the others hold others
 
 
-def param_map(mcore_name: str, layer_offset: int) -> ParamMap:
-    """How a local Megatron parameter name maps to Hugging Face names (layer numbers made global)."""
+EXPERT_PREFIX = "mlp.experts.local_experts."
+
+
+def param_map(mcore_name: str, layer_offset: int, expert_offset: int = 0) -> ParamMap:
+    """How a local Megatron parameter name maps to Hugging Face names (layer numbers made global; local expert
+    j of expert-parallel rank r is Hugging Face expert ``expert_offset + j``, expert_offset = r * local experts)."""
     n = mcore_name
     if n == "embedding.word_embeddings.weight":
         return ParamMap(n, "vocab", ("model.embed_tokens.weight",))
@@ -384,11 +501,21 @@ def param_map(mcore_name: str, layer_offset: int) -> ParamMap:
         "self_attention.linear_qkv.bias": ("qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
                                                    "self_attn.v_proj.bias")),
         "self_attention.linear_proj.weight": ("row", ("self_attn.o_proj.weight",)),
+        "self_attention.q_layernorm.weight": ("rep", ("self_attn.q_norm.weight",)),   # Qwen3
+        "self_attention.k_layernorm.weight": ("rep", ("self_attn.k_norm.weight",)),
+        "mlp.router.weight": ("rep", ("mlp.gate.weight",)),                          # Qwen3-MoE sparse layer
         "pre_mlp_layernorm.weight": ("rep", ("post_attention_layernorm.weight",)),
         "mlp.linear_fc1.layer_norm_weight": ("rep", ("post_attention_layernorm.weight",)),  # TE spec
         "mlp.linear_fc1.weight": ("fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
         "mlp.linear_fc2.weight": ("row", ("mlp.down_proj.weight",)),
     }
+    if rest.startswith(EXPERT_PREFIX):
+        local, linear = rest[len(EXPERT_PREFIX):].split(".", 1)
+        expert = f"mlp.experts.{int(local) + expert_offset}."
+        if linear == "linear_fc1.weight":
+            return ParamMap(n, "fc1", (f"{hf}{expert}gate_proj.weight", f"{hf}{expert}up_proj.weight"), expert=True)
+        if linear == "linear_fc2.weight":
+            return ParamMap(n, "row", (f"{hf}{expert}down_proj.weight",), expert=True)
     if rest not in table:
         raise CheckpointError(f"no Hugging Face name for Megatron parameter {n!r}")
     kind, names = table[rest]
@@ -530,13 +657,20 @@ def init_distributed(mc: MegatronConfig, device: torch.device) -> None:
     if world % (mc.tensor_parallel * mc.pipeline_parallel):
         raise ValueError(f"world size {world} is not a multiple of tensor_parallel x pipeline_parallel "
                          f"({mc.tensor_parallel} x {mc.pipeline_parallel})")
+    dp = world // (mc.tensor_parallel * mc.pipeline_parallel)
+    if dp % mc.expert_parallel:
+        raise ValueError(f"expert_parallel ({mc.expert_parallel}) must divide the data-parallel size {dp} "
+                         f"(world {world} / tensor_parallel {mc.tensor_parallel} / pipeline_parallel "
+                         f"{mc.pipeline_parallel}): the experts are split over data-parallel ranks")
     if mpu.model_parallel_is_initialized():
         if (mpu.get_tensor_model_parallel_world_size() != mc.tensor_parallel
-                or mpu.get_pipeline_model_parallel_world_size() != mc.pipeline_parallel):
-            raise ValueError("parallel_state is already initialised with other tensor/pipeline sizes")
+                or mpu.get_pipeline_model_parallel_world_size() != mc.pipeline_parallel
+                or mpu.get_expert_model_parallel_world_size() != mc.expert_parallel):
+            raise ValueError("parallel_state is already initialised with other tensor/pipeline/expert sizes")
         return
     mpu.initialize_model_parallel(tensor_model_parallel_size=mc.tensor_parallel,
                                   pipeline_model_parallel_size=mc.pipeline_parallel,
+                                  expert_model_parallel_size=mc.expert_parallel,
                                   distributed_timeout_minutes=max(1, int(mc.dist_timeout_s // 60)))
     if device.type == "cuda":  # Megatron's CUDA RNG tracker (dropout regions, TE)
         tensor_parallel.model_parallel_cuda_manual_seed(mc.seed)
@@ -590,19 +724,30 @@ class MegatronTrainEngine(TrainEngine):
         init_distributed(self.config, self.device)
         torch.manual_seed(self.config.seed)
         self.hf_config = load_config(self.base_dir)
-        if self.hf_config.MODEL_TYPE != "qwen2":
+        if self.hf_config.MODEL_TYPE not in MEGATRON_FAMILIES:
             raise CheckpointError(f"{model_dir}: the model is {self.hf_config.MODEL_TYPE} "
-                                  f"({self.hf_config.ARCHITECTURE}); the megatron backend builds qwen2 only")
+                                  f"({self.hf_config.ARCHITECTURE}); the megatron backend builds "
+                                  f"{', '.join(MEGATRON_FAMILIES)}")
+        if lora is not None and self.hf_config.sparse_layers:
+            raise CheckpointError(f"{model_dir}: LoRA on the megatron backend adapts dense models only; "
+                                  f"{self.hf_config.MODEL_TYPE} has experts")
         self.tp_rank, self.tp_size = mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_world_size()
         self.pp_rank, self.pp_size = mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
         self.dp_rank, self.dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        self.ep_rank, self.ep_size = mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size()
+        # ranks whose experts the export senders gather: the expert-parallel group of a data-parallel rank 0
+        self.joins_expert_export = bool(self.hf_config.sparse_layers) and mpu.get_expert_data_parallel_rank() == 0
+        self.local_experts = getattr(self.hf_config, "num_experts", 0) // self.ep_size
         self.padded_vocab = padded_vocab_size(self.hf_config.vocab_size, self.config)
         self.model = build_gpt_model(self.hf_config, self.config, self.device, lora=lora is not None)
         self.layer_offset = self._layer_offset()
         if lora is not None:
             self._add_lora(lora)
-        self.param_maps = {name: param_map(name, self.layer_offset) for name, _ in self.model.named_parameters()}
+        self.param_maps = {name: param_map(name, self.layer_offset, self.ep_rank * self.local_experts)
+                           for name, _ in self.model.named_parameters()}
         self._mark_tensor_parallel_params()
+        self._replay: torch.Tensor | None = None   # this forward's routing to replay ([tokens, sparse layers, k])
+        self._install_routing_replay()
         self._load_hf_weights(self.base_dir)
         if lora is not None:
             self._load_adapter(adapter_dir)
@@ -645,6 +790,32 @@ class MegatronTrainEngine(TrainEngine):
                     if hasattr(param, attr):
                         delattr(param, attr)
                 tensor_parallel.set_tensor_model_parallel_attributes(param, True, 1 if kind == "row" else 0, 1)
+
+    def _install_routing_replay(self) -> None:
+        """Every router of this stage routes by ``self._replay`` when a forward's batch carries
+        ``fields["routed_experts"]`` (algo.routing_replay r3), column = the layer's index among the model's
+        sparse layers; under sequence parallelism a router sees this TP rank's slice of the tokens."""
+        sparse = self.hf_config.sparse_layers
+        pre_softmax = not getattr(self.hf_config, "norm_topk_prob", True)
+        for layer in getattr(self.model.decoder, "layers", []):
+            router = getattr(layer.mlp, "router", None)
+            if router is None:
+                continue
+            slot = sparse.index(int(layer.layer_number) - 1)
+
+            def routing(logits: torch.Tensor, native: Callable[..., Any] = router.routing, slot: int = slot) -> Any:
+                routed = native(logits)
+                if self._replay is None:
+                    return routed
+                rows = self._replay[:, slot]
+                if self.config.sequence_parallel_on:
+                    rows = rows.chunk(self.tp_size)[self.tp_rank]
+                flat = logits.reshape(-1, logits.shape[-1])   # [s, b, E] as routing() flattens it
+                if rows.shape[0] != flat.shape[0]:
+                    raise RequestError(f"routing replay: {rows.shape[0]} token rows for a router of "
+                                       f"{flat.shape[0]} tokens")
+                return replayed_routing(flat, rows, routed, pre_softmax)
+            router.routing = routing
 
     def _add_lora(self, spec: LoraSpec) -> None:
         try:
@@ -725,7 +896,23 @@ class MegatronTrainEngine(TrainEngine):
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
                                max_seqlen_kv=max_len)
 
+    def _replay_rows(self, batch: PackedBatch) -> torch.Tensor | None:
+        """The batch's routing to replay, checked ([tokens, sparse layers, top-k]), or None."""
+        routes = batch.fields.get("routed_experts")
+        if routes is None or not self.hf_config.sparse_layers:
+            return None
+        want = (batch.num_tokens, len(self.hf_config.sparse_layers), self.hf_config.num_experts_per_tok)
+        if tuple(routes.shape) != want:
+            raise RequestError(f"routing replay: fields['routed_experts'] has shape {tuple(routes.shape)}, the model "
+                               f"routes {want} (tokens, sparse layers, top-k)")
+        if self.config.recompute == "full" and self.pp_size > 1:
+            raise RequestError("routing replay with recompute 'full' and pipeline_parallel > 1: a layer recomputed "
+                               "in the backward of an earlier micro-batch would route by a later one's replay")
+        return routes.to(self.device, torch.long)
+
     def _forward(self, model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+        # Kept after the forward: a fully recomputed layer routes again in this micro-batch's backward.
+        self._replay = self._replay_rows(batch)
         tokens = batch.num_tokens
         if self.config.sequence_parallel_on and tokens % self.tp_size:
             # Sequence parallelism splits the tokens evenly over the TP ranks: pad with a sequence of its
@@ -735,6 +922,9 @@ class MegatronTrainEngine(TrainEngine):
                                 torch.cat([batch.cu_seqlens, batch.cu_seqlens.new_tensor([tokens + pad])]),
                                 torch.cat([batch.position_ids, torch.arange(pad, dtype=batch.position_ids.dtype,
                                                                             device=batch.position_ids.device)]))
+            if self._replay is not None:   # the padding routes natively
+                self._replay = torch.cat([self._replay, self._replay.new_full((pad, *self._replay.shape[1:]),
+                                                                              ROUTE_NATIVE)])
         out = model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], attention_mask=None,
                     packed_seq_params=self._packed_params(batch))
         if batch.num_tokens != tokens and mpu.is_pipeline_last_stage():
@@ -812,6 +1002,20 @@ class MegatronTrainEngine(TrainEngine):
             group["weight_decay"] = self.config.weight_decay * group.get("wd_mult", 1.0)
         return lr
 
+    def _grad_norm(self) -> float:
+        """The gradient norm over every parameter. A model with experts has two optimizers (dense parameters
+        reduced over the model-parallel group, experts over the expert-parallel one: megatron-core's
+        ChainedOptimizer, which computes the total only inside its own step): the root of their squares."""
+        return float(np.sqrt(sum(float(opt.get_grad_norm() or 0.0) ** 2 for opt in self._megatron_optimizers())))
+
+    def _clip_grads(self, total_norm: float) -> None:
+        """Scale every gradient by grad_clip / total_norm when the total norm is larger (each optimizer's own)."""
+        for opt in self._megatron_optimizers():
+            clip_grad_by_total_norm_fp32(opt.get_parameters(), self.config.grad_clip, total_norm)
+
+    def _megatron_optimizers(self) -> list[Any]:
+        return list(getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer])
+
     def train_step(self, micro_batches: list[PackedBatch], loss_fn: LossFn, temperature: float = 1.0,
                    loss_denominator: float | None = None, with_entropy: bool = False) -> dict[str, float]:
         batches = [self._check(mb) for mb in micro_batches]
@@ -844,11 +1048,11 @@ class MegatronTrainEngine(TrainEngine):
                                     num_microbatches=len(batches), seq_length=max(mb.num_tokens for mb in batches),
                                     micro_batch_size=1, forward_only=False)
         found_inf = self.optimizer.prepare_grads()
-        grad_norm = float(self.optimizer.get_grad_norm())
+        grad_norm = self._grad_norm()
         skipped = bool(found_inf) or not np.isfinite(grad_norm)
         if not skipped:
             if self.config.grad_clip > 0:
-                self.optimizer.clip_grad_norm(self.config.grad_clip)
+                self._clip_grads(grad_norm)
             self.optimizer.step_with_ready_grads()
             self.step += 1
         self.optimizer.zero_grad()
@@ -887,14 +1091,17 @@ class MegatronTrainEngine(TrainEngine):
 
         Ranks of data-parallel rank 0 take part (one all-gather over the TP group per bucket, the next
         bucket's gather started before the current bucket is handed out); buckets are yielded on TP rank 0.
+        With expert parallelism the expert-parallel peers of those ranks take part too: each bucket's expert
+        weights are first all-gathered over the expert-parallel group, so every expert is published once,
+        under its Hugging Face number (expert-parallel rank r's local expert j is expert r * local + j).
         """
-        if self.dp_rank != 0:
+        if self.dp_rank != 0 and not self.joins_expert_export:
             return
         units = self._export_units()
         buckets: list[list[tuple[ParamMap, torch.nn.Parameter]]] = [[]]
         size = 0
         for pm, param in units:
-            factor = 1 if pm.kind == "rep" else self.tp_size
+            factor = (1 if pm.kind == "rep" else self.tp_size) * (self.ep_size if pm.expert else 1)
             nbytes = param.numel() * factor * (dtype or param.dtype).itemsize
             if buckets[-1] and size + nbytes > bucket_bytes:
                 buckets.append([])
@@ -902,51 +1109,69 @@ class MegatronTrainEngine(TrainEngine):
             buckets[-1].append((pm, param))
             size += nbytes
         pending = self._start_gather(buckets[0]) if buckets[0] else None
-        for i, bucket in enumerate(buckets):
+        for i in range(len(buckets)):
             if pending is None:
                 break
             current = pending
             pending = self._start_gather(buckets[i + 1]) if i + 1 < len(buckets) else None
-            out = self._finish_gather(bucket, current, dtype)
-            if self.tp_rank == 0:
+            out = self._finish_gather(current, dtype)
+            if self.is_export_sender:
                 yield out
 
-    def _start_gather(self, bucket: list[tuple[ParamMap, torch.nn.Parameter]]) -> tuple[Any, list[torch.Tensor]]:
-        split = [p for pm, p in bucket if pm.kind != "rep"]
-        if self.tp_size == 1 or not split:
-            return None, []
-        flat = torch.cat([p.detach().reshape(-1) for p in split])
+    def _start_gather(self, bucket: list[tuple[ParamMap, torch.nn.Parameter]],
+                      ) -> tuple[Any, list[torch.Tensor], list[tuple[ParamMap, torch.Tensor]]]:
+        """The bucket's pieces (a parameter map with this TP rank's tensor; with expert parallelism one piece per
+        expert-parallel rank's copy of each expert weight, its map naming that rank's experts) and the started
+        all-gather of their TP-split tensors."""
+        pieces: list[tuple[ParamMap, torch.Tensor]] = [(pm, p.detach()) for pm, p in bucket if not pm.expert]
+        experts = [(pm, p.detach()) for pm, p in bucket if pm.expert]
+        if experts and self.ep_size > 1:   # synchronous: the TP gather below sends what this one receives
+            flat = torch.cat([p.reshape(-1) for _, p in experts])
+            parts = [torch.empty_like(flat) for _ in range(self.ep_size)]
+            dist.all_gather(parts, flat, group=mpu.get_expert_model_parallel_group())
+            for rank, part in enumerate(parts):
+                offset = 0
+                for pm, p in experts:
+                    remapped = param_map(pm.mcore_name, self.layer_offset, rank * self.local_experts)
+                    pieces.append((remapped, part[offset:offset + p.numel()].view(p.shape)))
+                    offset += p.numel()
+        else:
+            pieces += experts
+        split = [t for pm, t in pieces if pm.kind != "rep"]
+        if self.dp_rank != 0 or self.tp_size == 1 or not split:
+            return None, [], pieces
+        flat = torch.cat([t.reshape(-1) for t in split])
         parts = [torch.empty_like(flat) for _ in range(self.tp_size)]
         handle = dist.all_gather(parts, flat, group=mpu.get_tensor_model_parallel_group(), async_op=True)
-        return handle, parts
+        return handle, parts, pieces
 
-    def _finish_gather(self, bucket: list[tuple[ParamMap, torch.nn.Parameter]], pending: tuple[Any, list[torch.Tensor]],
+    def _finish_gather(self, pending: tuple[Any, list[torch.Tensor], list[tuple[ParamMap, torch.Tensor]]],
                        dtype: torch.dtype | None) -> WeightBucket:
-        handle, parts = pending
+        handle, parts, pieces = pending
         if handle is not None:
             handle.wait()
         out: WeightBucket = []
+        if not self.is_export_sender:
+            return out
         offset = 0
-        for pm, param in bucket:
+        for pm, tensor in pieces:
             if pm.kind == "rep" or self.tp_size == 1:
-                shards = [param.detach()]
+                shards = [tensor]
             else:
-                n = param.numel()
-                shards = [part[offset:offset + n].view(param.shape) for part in parts]
+                n = tensor.numel()
+                shards = [part[offset:offset + n].view(tensor.shape) for part in parts]
                 offset += n
-            if self.tp_rank != 0:
-                continue
-            for hf_name, tensor in megatron_shards_to_hf(pm, shards, self.hf_config):
-                out.append((hf_name, tensor.to(dtype or tensor.dtype, copy=True).contiguous()))
+            for hf_name, full in megatron_shards_to_hf(pm, shards, self.hf_config):
+                out.append((hf_name, full.to(dtype or full.dtype, copy=True).contiguous()))
         return out
 
     # --- checkpoints -------------------------------------------------------------------------------
     def _inner_optimizers(self) -> list[torch.optim.Optimizer]:
-        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
-        return [opt.optimizer for opt in chained]
+        return [opt.optimizer for opt in self._megatron_optimizers()]
 
     def _layout(self) -> dict[str, int]:
-        return {"tensor_parallel": self.tp_size, "pipeline_parallel": self.pp_size, "data_parallel": self.dp_size}
+        return {"tensor_parallel": self.tp_size, "pipeline_parallel": self.pp_size, "data_parallel": self.dp_size,
+                "expert_parallel": self.ep_size}
 
     def save(self, path: str) -> None:
         """HF layout (config.json + safetensors; one file per pipeline stage with an index when pp > 1),
@@ -1000,7 +1225,7 @@ class MegatronTrainEngine(TrainEngine):
             raise CheckpointError(f"{path}: config.json describes a different model than this trainer's")
         state = torch.load(state_path, map_location="cpu", weights_only=False)
         try:
-            if state["layout"] != self._layout():
+            if {"expert_parallel": 1, **state["layout"]} != self._layout():   # saved before expert parallelism
                 raise CheckpointError(f"{path}: saved with layout {state['layout']}, this trainer runs "
                                       f"{self._layout()} (optimizer shards are per rank)")
             optim_path = os.path.join(path, f"optim_rank{dist.get_rank():05d}.pt")
@@ -1029,9 +1254,8 @@ def is_available() -> bool:
     return MEGATRON_IMPORT_ERROR is None
 
 
-__all__ = ["LocalRMSNorm", "LongSequenceAttentionError", "MegatronConfig", "MegatronTrainEngine",
-           "MegatronUnavailableError", "ParamMap", "TorchPackedAttention", "packed_causal_attention",
-           "build_gpt_model", "hf_to_megatron_shard", "init_distributed", "is_available", "layer_spec",
-           "megatron_shards_to_hf", "padded_vocab_size", "param_map", "qwen2_transformer_config",
+__all__ = ["LocalRMSNorm", "LongSequenceAttentionError", "MEGATRON_FAMILIES", "MegatronConfig", "MegatronTrainEngine",
+           "MegatronUnavailableError", "ParamMap", "QwenSequentialMLP", "TorchPackedAttention", "build_gpt_model",
+           "hf_to_megatron_shard", "init_distributed", "is_available", "layer_spec", "megatron_shards_to_hf",
+           "packed_causal_attention", "padded_vocab_size", "param_map", "replayed_routing", "transformer_config",
            "vocab_parallel_logprobs"]
-

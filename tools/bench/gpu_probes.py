@@ -19,7 +19,7 @@ and the weight path, each at a size one H100 holds (and tiny on the CPU, where t
     moe         the embedded engines on Qwen3-30B-A3B's layer shape (128 experts, top-8, 2 of its 48 layers):
                 one train step with native and with replayed routing (tokens/s, peak memory), and the decode
                 step with and without recording the routed experts (the capture's cost per step). Expert
-                parallelism is not here: the Megatron backend builds Qwen2 only
+                parallelism is not here: it needs a Megatron world of several GPUs (docs/engines-megatron.md)
 """
 from __future__ import annotations
 
@@ -348,7 +348,7 @@ def probe_moe(sizes: ProbeSizes, dev: Device) -> dict[str, Any]:
     model = Qwen2ForCausalLM(config).init_weights(0)
     out: dict[str, Any] = {"shape": sizes.moe_shape, "params": config.num_parameters(),
                            "active_params": config.num_parameters(active=True), "tokens": sizes.moe_tokens,
-                           "expert_parallel": "not built: the Megatron backend builds qwen2 only"}
+                           "expert_parallel": "not probed: an expert-parallel step needs a Megatron world of several GPUs"}
     engine = TorchTrainEngine(model=model, config=TrainConfig(device=dev.kind, lr=1e-5))
     g = torch.Generator().manual_seed(0)
     lengths = [sizes.moe_tokens // 4] * 4   # four packed sequences
