@@ -55,6 +55,7 @@ def check_inputs(plan: Plan, *, launch: bool) -> tuple[list[str], list[str]]:
     if not modules & READS_MODEL:
         return lines, problems
     _check_model(config, launch, absent, lines, problems, _engines(plan))
+    _check_expert_tensor_parallel(plan, launch, lines, problems)
     data = config.data
     layout_problem = None
     try:
@@ -89,6 +90,21 @@ def _engines(plan: Plan) -> set[str]:
     """The engines the plan's groups run: "megatron" and "sglang" where a group names them."""
     settings = [group.settings for group in plan.topology.groups.values()]
     return ({"megatron"} & {s.get("backend") for s in settings}) | ({"sglang"} & {s.get("engine") for s in settings})
+
+
+def _check_expert_tensor_parallel(plan: Plan, launch: bool, lines: list[str], problems: list[str]) -> None:
+    """The megatron engine refuses tp > 1 together with ep > 1 (actors/engines/megatron.py): a launch is refused
+    here, before any node starts; the dry run says it and goes on, since the plan of such a layout still holds."""
+    for name, group in plan.topology.groups.items():
+        par = group.parallel or {}
+        if group.settings.get("backend") != "megatron" or par.get("tp", 1) <= 1 or par.get("ep", 1) <= 1:
+            continue
+        line = (f"actors.{name}.parallel: tp {par['tp']} with ep {par['ep']}: the megatron engine does not run "
+                f"tensor and expert parallelism together (docs/engines-megatron.md, \"Families\")")
+        if launch:
+            problems.append(line)
+        else:
+            lines.append(line + "; this layout can be planned, not launched")
 
 
 # The model families each engine builds (the embedded torch engines build every family of model.FAMILIES; the

@@ -164,3 +164,16 @@ def test_the_planner_reads_the_topology_s_expert_parallelism():
     cfg = setup.sim_config(found, steps=2)
     assert found.shape is BUILTIN["30B-A3B"]
     assert (cfg.trainer.tp, cfg.trainer.dp, cfg.trainer.ep, cfg.servers, cfg.server_tp) == (2, 16, 4, 48, 2)
+
+
+def test_the_30b_a3b_layout_says_its_tensor_and_expert_parallelism_cannot_launch(capsys, monkeypatch):
+    """tp 2 with ep 4 plans, but the megatron engine refuses the pair: the dry run says so, a launch is refused
+    before any node starts."""
+    from launch.inputs import check_inputs
+
+    monkeypatch.chdir(ROOT)
+    plan = topology.load(str(ROOT / "topology/16node_moe.yaml"), check_imports=False)
+    lines, problems = check_inputs(plan, launch=False)
+    assert any("actors.trainer.parallel: tp 2 with ep 4" in x and "planned, not launched" in x for x in lines)
+    lines, problems = check_inputs(plan, launch=True)
+    assert any("actors.trainer.parallel: tp 2 with ep 4" in x for x in problems)
