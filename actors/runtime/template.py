@@ -232,6 +232,10 @@ class StartTemplate:
                     python, "-m", "actors.runtime.template", str(theirs.fileno()), pass_fds=[theirs.fileno()],
                     env=env, stdout=out, stderr=out, stdin=asyncio.subprocess.DEVNULL, cwd=cwd,
                     start_new_session=True)
+        except OSError as exc:
+            ours.close()
+            log.warning("start_template_unusable", answer=str(exc), hint="every actor starts as a fresh interpreter")
+            return None
         finally:
             theirs.close()
             _subreaper(was_subreaper)
