@@ -19,6 +19,7 @@ import pytest
 from actors.runtime.base import Actor, ActorSpec, handles
 from actors.runtime.supervisor import NotReadyError, Supervisor, SupervisorError
 from testsupport.bounded import run_bounded, until as poll_until
+from tools.plan.cpushare import actor_sample
 from topology.settings import ActorSettings
 from transport.bus import Bus
 from transport.messages import Message, decode, message
@@ -157,6 +158,8 @@ def test_start_ready_affinity_env_and_clean_stop(tmp_path: Any, fork_start: bool
                 (os.getpid(), info.pid, os.devnull, 0o077, root, "actors.runtime.run"), info
             assert info.stdout == str(tmp_path / "logs" / f"{name}.out")
             assert info.tmp == (tmp_path / "tmpdirs" / name).read_text()
+            # and tools.plan.cpushare tells it for an actor process, though a forked one has the template's cmdline
+            assert actor_sample(info.pid, boot=0.0)[0] == str(tmp_path / "specs" / f"{name}.json")
         codes = await sup.stop()
         assert codes == {"a": 0, "b": 0}           # SIGTERM -> drain -> exit 0
         await client.close()

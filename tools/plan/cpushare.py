@@ -47,7 +47,7 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
-def _sample(pid: int, boot: float) -> tuple[str, float, float] | None:
+def actor_sample(pid: int, boot: float) -> tuple[str, float, float] | None:
     """(spec path, CPU seconds, seconds alive) of an actor process, None for any other process."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -77,7 +77,7 @@ def watch(proc: subprocess.Popen, interval: float = 0.5) -> list[dict[str, Any]]
     seen: dict[str, tuple[float, float]] = {}
     while proc.poll() is None:
         for pid in _descendants(proc.pid):
-            got = _sample(pid, boot)
+            got = actor_sample(pid, boot)
             if got is not None:
                 seen[got[0]] = (got[1], got[2])
         time.sleep(interval)
