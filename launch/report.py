@@ -137,8 +137,11 @@ def describe(plan: Plan, overrides: Sequence[str], full: bool = False) -> str:
     lines.append("")
     lines.append("commands")
     if len(topo.nodes) == 1 and not topo.nodes_from_allocation:
+        forked = SupervisorSection.model_validate(plan.topology.supervisor).fork_start
         lines.append(f"  local: supervisor on this machine starts {len(plan.instances)} process(es): "
-                     f"{shlex.quote(sys.executable)} -m actors.runtime.run RUN_DIR/specs/<actor>.json")
+                     f"{shlex.quote(sys.executable)} -m actors.runtime.run RUN_DIR/specs/<actor>.json"
+                     + (", each forked from one start template (-m actors.runtime.template) that imported "
+                        "torch once" if forked else ""))
     else:
         lines.append(f"  srun -N{len(topo.nodes)} --ntasks-per-node=1 {' '.join(slurm_resources(plan))} "
                      f"--kill-on-bad-exit=1 {node_command(plan)}")

@@ -1,4 +1,5 @@
-"""Supervisor with real actor processes: ready, restart with backoff, give up, stragglers, affinity, msglog."""
+"""Supervisor with real actor processes: ready, restart with backoff, give up, stragglers, affinity, msglog; actors
+forked from the start template (the default) and started as fresh interpreters alike."""
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +7,11 @@ import functools
 import json
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +19,7 @@ import pytest
 from actors.runtime.base import Actor, ActorSpec, handles
 from actors.runtime.supervisor import NotReadyError, Supervisor, SupervisorError
 from testsupport.bounded import run_bounded, until as poll_until
+from tools.plan.cpushare import actor_sample
 from topology.settings import ActorSettings
 from transport.bus import Bus
 from transport.messages import Message, decode, message
@@ -30,6 +36,15 @@ class InfoReply(Message):
     pid: int
     cores: list[int]
     omp: str
+    threads: int = 0      # torch's intra-op threads
+    parent: int = 0
+    session: int = 0
+    stdin: str = ""
+    stdout: str = ""
+    umask: int = 0
+    tmp: str = ""         # tempfile.gettempdir()
+    cwd: str = ""
+    main: str = ""        # the __main__ module's name (what its multiprocessing workers import)
 
 
 @message("test.sup.crash")
@@ -79,7 +94,14 @@ class WorkerActor(Actor):
 
     @handles(InfoRequest)
     def info(self, msg: InfoRequest) -> InfoReply:
-        return InfoReply(os.getpid(), sorted(os.sched_getaffinity(0)), os.environ.get("OMP_NUM_THREADS", ""))
+        import torch
+
+        umask = os.umask(0)
+        os.umask(umask)
+        return InfoReply(os.getpid(), sorted(os.sched_getaffinity(0)), os.environ.get("OMP_NUM_THREADS", ""),
+                         threads=torch.get_num_threads(), parent=os.getppid(), session=os.getsid(0),
+                         stdin=os.readlink("/proc/self/fd/0"), stdout=os.readlink("/proc/self/fd/1"), umask=umask,
+                         tmp=tempfile.gettempdir(), cwd=os.getcwd(), main=sys.modules["__main__"].__spec__.name)
 
     @handles(Note)
     def note(self, msg: Note) -> None:
@@ -111,17 +133,33 @@ async def client_for(tmp_path: Any, *names: str) -> Bus:
                      heartbeat_interval=None).start()
 
 
-def test_start_ready_affinity_env_and_clean_stop(tmp_path: Any) -> None:
+@pytest.mark.parametrize("fork_start", [True, False], ids=["fork", "exec"])
+def test_start_ready_affinity_env_and_clean_stop(tmp_path: Any, fork_start: bool) -> None:
+    # Forked from the template or a fresh interpreter, an actor is the same process: the supervisor's child in
+    # a session of its own, stdin /dev/null, its log as stdout, its TMPDIR, umask and cwd, and the thread count
+    # its spec gives (OMP_NUM_THREADS, which torch caps at the machine's cores), though the template loaded torch
+    # with one thread.
     async def main() -> None:
         cores = sorted(os.sched_getaffinity(0))
         sup = Supervisor([spec(tmp_path, "a", env={"AREAL_CPU_AFFINITY": str(cores[0]), "OMP_NUM_THREADS": "1"}),
-                          spec(tmp_path, "b")], tmp_path, ready_timeout=START_BUDGET)
+                          spec(tmp_path, "b", env={"OMP_NUM_THREADS": "3"})], tmp_path, ready_timeout=START_BUDGET,
+                         fork_start=fork_start)
         await sup.start()
+        assert {c.proc.start for c in sup.children.values()} == {"fork" if fork_start else "exec"}
         client = await client_for(tmp_path, "a", "b")
-        a = await client.request("a", InfoRequest(), timeout=10)
-        b = await client.request("b", InfoRequest(), timeout=10)
-        assert a.cores == [cores[0]] and a.omp == "1"
-        assert b.cores == cores and a.pid == sup.pids()["a"]
+        # an exec-started actor imports torch for its first answer (seconds on a loaded machine)
+        a = await client.request("a", InfoRequest(), timeout=START_BUDGET)
+        b = await client.request("b", InfoRequest(), timeout=START_BUDGET)
+        assert a.cores == [cores[0]] and a.omp == "1" and a.threads == 1
+        assert b.cores == cores and a.pid == sup.pids()["a"] and b.threads == min(3, os.cpu_count())
+        root = str(Path(__file__).resolve().parents[1])
+        for name, info in (("a", a), ("b", b)):
+            assert (info.parent, info.session, info.stdin, info.umask, info.cwd, info.main) == \
+                (os.getpid(), info.pid, os.devnull, 0o077, root, "actors.runtime.run"), info
+            assert info.stdout == str(tmp_path / "logs" / f"{name}.out")
+            assert info.tmp == (tmp_path / "tmpdirs" / name).read_text()
+            # and tools.plan.cpushare tells it for an actor process, though a forked one has the template's cmdline
+            assert actor_sample(info.pid, boot=0.0)[0] == str(tmp_path / "specs" / f"{name}.json")
         codes = await sup.stop()
         assert codes == {"a": 0, "b": 0}           # SIGTERM -> drain -> exit 0
         await client.close()
@@ -388,3 +426,94 @@ def test_a_run_that_ends_with_a_member_given_up_is_not_a_clean_exit(tmp_path: An
 
     assert run(main()) == 1
     assert "r.1 given up" in capsys.readouterr().out
+
+
+def test_a_killed_start_template_loses_no_actor_and_later_starts_are_fresh_interpreters(tmp_path: Any) -> None:
+    # The actors are the supervisor's children, not the template's: a kill -9 of the template leaves them
+    # running, and a restart afterwards starts a fresh interpreter. An actor whose environment sets a variable
+    # read as torch loads starts as a fresh interpreter from the first.
+    async def main() -> None:
+        sup = Supervisor([spec(tmp_path, "a"), spec(tmp_path, "b", env={"TORCH_SHOW_CPP_STACKTRACES": "1"})],
+                         tmp_path, backoff_initial=0.05, ready_timeout=START_BUDGET)
+        await sup.start()
+        assert (sup.children["a"].proc.start, sup.children["b"].proc.start) == ("fork", "exec")
+        client = await client_for(tmp_path, "a", "b")
+        before = {n: (await client.request(n, InfoRequest(), timeout=START_BUDGET)).pid for n in ("a", "b")}
+        template = sup.start_template_pid
+        os.kill(template, signal.SIGKILL)
+        await until(lambda: not os.path.exists(f"/proc/{template}"))   # reaped: it was our child
+        assert {n: (await client.request(n, InfoRequest(), timeout=10)).pid for n in ("a", "b")} == before
+        await client.send("a", Crash("kill"))
+        await until(lambda: sup.restarts["a"] == 1 and sup.children["a"].ready)
+        assert sup.children["a"].proc.start == "exec" and sup.children["a"].last_exit == -signal.SIGKILL
+        assert (await client.request("a", InfoRequest(), timeout=START_BUDGET)).pid not in (before["a"], None)
+        assert sup.start_template_pid is None
+        assert await sup.stop() == {"a": 0, "b": 0}
+        await client.close()
+
+    run(main())
+
+
+LAUNCHER = """
+import asyncio, json, sys
+from pathlib import Path
+from actors.runtime.supervisor import Supervisor
+from tests.test_actors_supervisor import spec
+
+async def main():
+    run_dir = Path(sys.argv[1])
+    sup = Supervisor([spec(run_dir, "a")], run_dir, ready_timeout=300)
+    await sup.start()
+    (run_dir / "pids.json").write_text(json.dumps([sup.pids()["a"], sup.start_template_pid]))
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def _ended(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] in "ZX"
+    except OSError:
+        return True
+
+
+def test_a_launcher_killed_with_9_takes_its_forked_actors_and_template_with_it(tmp_path: Any) -> None:
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)],
+                                cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+    try:
+        run(poll_until(lambda: (tmp_path / "pids.json").exists() or launcher.poll() is not None, START_BUDGET,
+                       "the launcher to start its actor"))
+        actor, template = json.loads((tmp_path / "pids.json").read_text())
+        assert template is not None and not _ended(actor)
+        launcher.kill()
+        launcher.wait(timeout=60)
+        run(poll_until(lambda: _ended(actor) and _ended(template), 120, "the actor and the template to end"))
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=60)
+    # the actor had its SIGTERM (a clean stop), not the kill
+    stopping = [json.loads(line) for line in (tmp_path / "logs" / "a.jsonl").read_text().splitlines()
+                if '"stopping"' in line]
+    assert [e["reason"] for e in stopping] == ["signal SIGTERM"], stopping
+
+
+def test_the_template_refuses_to_fork_beside_a_thread_and_names_load_time_variables() -> None:
+    import threading
+
+    from actors.runtime.template import fork_problem, load_time_differences
+
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, daemon=True)
+    thread.start()
+    try:
+        assert "Python" in (fork_problem() or "")
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    template = {"PATH": "/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": "/x"}
+    assert load_time_differences(template, {**template, "OMP_NUM_THREADS": "4", "NCCL_DEBUG": "INFO"}) == []
+    assert load_time_differences(template, {"PATH": "/bin", "LD_PRELOAD": "a.so", "PYTHONPATH": "/y"}) == \
+        ["LD_PRELOAD", "PYTHONPATH"]

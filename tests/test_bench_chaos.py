@@ -93,13 +93,14 @@ def test_the_spoof_rows_try_every_takeover_the_probe_made(tmp_path: Path) -> Non
 
 
 
-@pytest.mark.parametrize("fault", ["kill_reward", "relaunch"])
+@pytest.mark.parametrize("fault", ["kill_reward", "kill_template", "relaunch"])
 def test_a_fault_run_reports_it_survived_with_nothing_lost(fault: str, assets: dict[str, Path], tmp_path: Path) -> None:
     # relaunch at step 1, before the first checkpoint (step 2): the relaunched buffer once started afresh beside the
-    # old ledger, and the first steps' prompts were trained twice.
+    # old ledger, and the first steps' prompts were trained twice. kill_template: the start template and then
+    # reward.0 killed with -9; the others run on, and reward.0's restart is a fresh interpreter.
     result = chaos.run_fault(fault, assets, tmp_path, steps=6, at=1, hang_s=0, flood_n=0, log=print)
     assert result["exit_code"] == 0 and result["launches"] == (2 if fault == "relaunch" else 1), json.dumps(result, default=str)
-    if fault == "kill_reward":
+    if fault in ("kill_reward", "kill_template"):
         assert result["survived_in_place"] and result["restarted"] == {"reward.0": 1}, json.dumps(result, default=str)
     assert result["lost"] == 0 and result["twice"] == 0 and result["trained"] == 6 * 4, json.dumps(result, default=str)
 

@@ -42,6 +42,10 @@ class SupervisorSection(Section):
     stop_timeout: float = Field(30.0, gt=0, description="seconds an actor has to stop before it is killed; its drain "
                                                         "(work in flight handed back) gets half, the rest is for "
                                                         "its final state and close")
+    fork_start: bool = Field(True, description="start each actor by forking a template process that imported torch "
+                                               "and the runtime once (copy-on-write) instead of a fresh interpreter; "
+                                               "actors whose environment sets load-time variables (PYTHON*, LD_*, "
+                                               "OMP_*, TORCH_*, ...) start fresh either way")
 
 
 class NicsSection(Section):

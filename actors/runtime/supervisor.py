@@ -1,8 +1,12 @@
 """Supervisor: starts actor processes from ActorSpecs, waits until all are ready, restarts the dead.
 
-Each actor runs as ``python -m actors.runtime.run RUN_DIR/specs/<name>.json`` with ``spec.env`` applied (CPU
-affinity and thread counts are applied by actors.runtime.run before torch loads); stdout/stderr go to
-``RUN_DIR/logs/<name>.out``. Readiness is the actor's ready file carrying the child's pid.
+Each actor runs ``actors.runtime.run`` on ``RUN_DIR/specs/<name>.json`` with ``spec.env`` applied (CPU affinity
+and thread counts are applied before torch loads or, in a forked actor, set after); stdout/stderr go to
+``RUN_DIR/logs/<name>.out``. Readiness is the actor's ready file carrying the child's pid. With ``fork_start``
+(the default) each actor is forked from a start template that imported torch and the runtime once
+(actors/runtime/template.py: the actor is still this process's child, so the rest of this file does not
+tell the two apart); without it, or when the template cannot start or is lost, each actor is a fresh
+``python -m actors.runtime.run SPEC`` (an exec start).
 
 A process that exits non-zero (or is killed) is restarted after an exponential backoff
 (``backoff_initial * 2**k``, capped at ``backoff_max``). More than ``max_restarts`` restarts within
@@ -50,6 +54,8 @@ import structlog
 
 import actors
 from actors.runtime.base import ActorSpec, ready_path
+from actors.runtime.process import ActorProcess
+from actors.runtime.template import StartTemplate
 from topology.schema import SupervisorSection
 
 __all__ = ["Supervisor", "SupervisorError", "NotReadyError"]
@@ -71,7 +77,7 @@ class NotReadyError(SupervisorError):
 @dataclass
 class _Child:
     spec: ActorSpec
-    proc: asyncio.subprocess.Process | None = None
+    proc: ActorProcess | None = None
     started_at: float = 0.0
     ready: bool = False
     finished: bool = False
@@ -88,7 +94,13 @@ def _project_root() -> str:
     return str(Path(actors.__file__).resolve().parent.parent)
 
 
-def _signal(proc: asyncio.subprocess.Process, sig: int) -> None:
+def _with_project_path(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the project first on PYTHONPATH (an actor imports this tree, wherever it is installed)."""
+    env["PYTHONPATH"] = _project_root() + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _signal(proc: ActorProcess, sig: int) -> None:
     try:
         proc.send_signal(sig)
     except ProcessLookupError:   # it has just exited
@@ -120,6 +132,7 @@ class Supervisor:
                  backoff_max: float = _DEFAULTS.backoff_max,
                  ready_timeout: float = _DEFAULTS.ready_timeout,
                  stop_timeout: float = _DEFAULTS.stop_timeout,
+                 fork_start: bool = _DEFAULTS.fork_start,
                  ready_budgets: dict[str, float] | None = None,
                  late_joiners: dict[str, int] | None = None,
                  on_restart: Callable[[str, int, int | None], Any] | None = None,
@@ -143,6 +156,8 @@ class Supervisor:
         self.backoff_max = backoff_max
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
+        self.fork_start = fork_start
+        self._template: StartTemplate | None = None
         self.ready_budgets = dict(ready_budgets or {})
         self.late_joiners = dict(late_joiners or {})
         self._started = False
@@ -165,6 +180,10 @@ class Supervisor:
         for d in ("specs", "logs", "ready", TMP_RECORDS):
             (self.run_dir / d).mkdir(parents=True, exist_ok=True)
         self._remove_left_tmp()
+        if self.fork_start:
+            self._template = await StartTemplate.open(
+                self.python, _with_project_path(dict(os.environ)), _project_root(),
+                self.run_dir / "logs" / "start-template.out", self.log, timeout=self.ready_timeout)
         for child in self.children.values():
             await self._spawn(child)
             child.ready_by = child.started_at + self.budget(child.spec.name)
@@ -241,6 +260,11 @@ class Supervisor:
         if self._failure is not None:
             raise SupervisorError(self._failure)
 
+    @property
+    def start_template_pid(self) -> int | None:
+        """The start template's pid while actors are forked from it (None: they start as fresh interpreters)."""
+        return self._template.proc.pid if self._template is not None and self._template.usable else None
+
     def pids(self) -> dict[str, int | None]:
         return {n: (c.proc.pid if c.proc is not None and c.proc.returncode is None else None)
                 for n, c in self.children.items()}
@@ -264,6 +288,9 @@ class Supervisor:
                     self.log.warning("actor_killed", actor=n, reason=f"still running {self.stop_timeout}s after SIGTERM")
                     _signal(p, signal.SIGKILL)
             await asyncio.gather(*waits.values(), return_exceptions=True)
+        if self._template is not None:
+            await self._template.close()
+            self._template = None
         for name, path in self._tmp_dirs.items():
             shutil.rmtree(path, ignore_errors=True)
             (self.run_dir / TMP_RECORDS / name).unlink(missing_ok=True)
@@ -283,21 +310,23 @@ class Supervisor:
         spec_path = self.run_dir / "specs" / f"{spec.name}.json"
         spec.write(spec_path)
         ready_path(self.run_dir, spec.name).unlink(missing_ok=True)
-        env = dict(os.environ)
-        env.update(spec.env)
-        env["TMPDIR"] = str(self._fresh_tmp(spec.name))
+        env = _with_project_path({**os.environ, **spec.env, "TMPDIR": str(self._fresh_tmp(spec.name))})
         root = _project_root()
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         out = open(self.run_dir / "logs" / f"{spec.name}.out", "ab")
         try:
-            child.proc = await asyncio.create_subprocess_exec(
-                self.python, "-m", "actors.runtime.run", str(spec_path), env=env, stdout=out, stderr=out,
-                stdin=asyncio.subprocess.DEVNULL, cwd=root, start_new_session=True)
+            proc = None
+            if self._template is not None:
+                proc = await self._template.start(spec_path, env, out.fileno(), root)
+            if proc is None:
+                proc = ActorProcess.of_subprocess(await asyncio.create_subprocess_exec(
+                    self.python, "-m", "actors.runtime.run", str(spec_path), env=env, stdout=out, stderr=out,
+                    stdin=asyncio.subprocess.DEVNULL, cwd=root, start_new_session=True))
         finally:
             out.close()
+        child.proc = proc
         child.started_at = time.monotonic()
         child.ready = False
-        self.log.info("actor_started", actor=spec.name, pid=child.proc.pid)
+        self.log.info("actor_started", actor=spec.name, pid=proc.pid, start=proc.start)
 
     def _fresh_tmp(self, name: str) -> Path:
         """An empty temporary directory for one actor process (its TMPDIR), removed when that process is

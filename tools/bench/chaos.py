@@ -9,6 +9,8 @@ trainer has made step `--at`:
 
   none               no fault: the baseline
   kill_<kind>        kill -9 of one rollout, reward actor, the buffer, the trainer or the parameter server
+  kill_template      kill -9 of the start template the actors are forked from, then of a reward actor: no
+                     actor may go with the template, and the restart starts a fresh interpreter
   hang_<kind>        SIGSTOP of one rollout or reward actor for --hang-s seconds (60), then SIGCONT
   flood              --flood malformed messages (undecodable frames, unknown kinds, wrong fields, wrong
                      schema versions) to every actor's bus endpoint
@@ -75,7 +77,8 @@ VICTIMS = {"rollout": "rollout.1", "reward": "reward.0", "buffer": "buffer", "tr
            "param_server": "param_server"}
 STALLS = ("stall_buffer", "freeze_param_server")
 ATTACKS = ("spoof", "spoof_insecure_tcp", "spoof_ipc", "rendezvous")
-FAULTS = ("none", *(f"kill_{k}" for k in VICTIMS), "hang_rollout", "hang_reward", "flood", "relaunch", *STALLS,
+FAULTS = ("none", *(f"kill_{k}" for k in VICTIMS), "kill_template", "hang_rollout", "hang_reward", "flood", "relaunch",
+          *STALLS,
           *ATTACKS)
 STALL_WATCHDOG = ("experiment.run.watchdog.min_s=30", "experiment.run.watchdog.after_steps=5")
 ETA = 1
@@ -143,6 +146,14 @@ def wait_for_step(proc: subprocess.Popen, run_dir: Path, step: int, timeout: flo
 
 def ready_info(run_dir: Path, name: str) -> dict[str, Any]:
     return json.loads((run_dir / "ready" / f"{name}.json").read_text())
+
+
+def start_template_pid(run_dir: Path) -> int:
+    """The pid of the start template the launcher forks actors from (its `start_template_ready` event)."""
+    ready = log_events(run_dir, "launcher", {"start_template_ready"})
+    if not ready:
+        raise RuntimeError(f"the launcher of {run_dir} started no start template (supervisor.fork_start off?)")
+    return int(ready[-1]["pid"])
 
 
 def kill_everything(proc: subprocess.Popen, run_dir: Path) -> None:
@@ -269,7 +280,10 @@ def run_fault(fault: str, assets: dict[str, Path], out: Path, steps: int, at: in
     try:   # not run_guard: a relaunch replaces the process to guard
         wait_for_step(proc, run_dir, at)
         kind, _, target = fault.partition("_")
-        if kind == "kill":
+        if fault == "kill_template":
+            os.kill(start_template_pid(run_dir), signal.SIGKILL)
+            os.kill(int(ready_info(run_dir, VICTIMS["reward"])["pid"]), signal.SIGKILL)
+        elif kind == "kill":
             os.kill(int(ready_info(run_dir, VICTIMS[target])["pid"]), signal.SIGKILL)
         elif kind == "hang":
             pid = int(ready_info(run_dir, VICTIMS[target])["pid"])

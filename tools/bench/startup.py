@@ -1,5 +1,5 @@
-"""`python -m tools.bench startup [--topology PATH] [--repeats N] [--launch-steps N] [--json]`: what starting
-costs, in CPU seconds (user + system) of fresh processes.
+"""`python -m tools.bench startup [--topology PATH] [--repeats N] [--launch-steps N] [--compare-starts N] [--json]`:
+what starting costs, in CPU seconds (user + system) of fresh processes.
 
 Every actor is its own process and every launch (and dry run) imports each actor class to check its settings,
 so a run pays each class's imports once per actor process and once more in the launcher. Measured per
@@ -7,7 +7,9 @@ actor class of the topology (a fresh ``python3 -c 'from MODULE import CLASS'``, 
 alone, and for a dry run of the topology. ``--launch-steps N`` also launches a short run (the chaos
 benchmark's small assets: a tiny random model, 4 groups of 4 a step) of 1 step and of N steps and reports the
 CPU of each launch's whole process tree: the difference is what the extra steps cost, the rest is starting and
-stopping.
+stopping. ``--compare-starts N`` launches that 1-step run N times with each way of starting actors, alternately
+(``supervisor.fork_start``: forked from the start template, or each a fresh interpreter), and reports the CPU
+of each launch's whole tree (the template included), the mean CPU of one actor process, and their ratios.
 """
 from __future__ import annotations
 
@@ -46,20 +48,47 @@ def actor_classes(topology: str) -> dict[str, tuple[str, str]]:
             for name, group in plan.topology.groups.items()}
 
 
-def launch_cpu(steps: int, base: Path) -> float:
-    """CPU seconds of one short local launch of `steps` steps (launcher and every actor process)."""
+def launch_cpu(steps: int, base: Path, fork_start: bool = True) -> tuple[float, list[float]]:
+    """CPU seconds of one short local launch of `steps` steps (launcher, start template and every actor
+    process), and of each actor process alone."""
     from tools.bench.chaos import launch, make_assets
+    from tools.plan.cpushare import watch
 
     assets = make_assets(base / "assets", train_per_level=40)
     before = _children_cpu()
     with open(base / "launch.out", "w") as out:
-        proc = launch(assets, base / "run", steps=steps, ckpt_every=steps, stdout=out)
+        proc = launch(assets, base / "run", steps=steps, ckpt_every=steps, stdout=out,
+                      extra=(f"supervisor.fork_start={str(fork_start).lower()}",))
+        actors = watch(proc, interval=0.2)
         if proc.wait(timeout=1800) != 0:
             raise SystemExit(f"the {steps}-step launch failed (exit {proc.returncode}); see {base / 'launch.out'}")
-    return _children_cpu() - before
+    return _children_cpu() - before, [row["cpu_s"] for row in actors]
 
 
-def run(topology: str, repeats: int, launch_steps: int | None) -> dict[str, float]:
+def compare_starts(launches: int) -> dict[str, float]:
+    """1-step launches with forked and with exec-started actors, alternately: CPU of the whole launch and of
+    one actor process (means), and fork / exec ratios."""
+    totals: dict[bool, list[float]] = {True: [], False: []}
+    actors: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(launches):
+        for fork_start in (False, True):
+            with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
+                total, per_actor = launch_cpu(1, Path(tmp), fork_start)
+            totals[fork_start].append(total)
+            actors[fork_start].extend(per_actor)
+    out = {}
+    for fork_start, name in ((False, "exec"), (True, "fork")):
+        out[f"launch of 1 step, {name} starts"] = sum(totals[fork_start]) / launches
+        out[f"one actor process, {name} start (mean of {len(actors[fork_start])})"] = \
+            sum(actors[fork_start]) / max(len(actors[fork_start]), 1)
+    exec_total, fork_total = out["launch of 1 step, exec starts"], out["launch of 1 step, fork starts"]
+    exec_actor, fork_actor = (sum(actors[f]) / max(len(actors[f]), 1) for f in (False, True))
+    out["ratio fork / exec, whole launch"] = fork_total / exec_total
+    out["ratio fork / exec, one actor process"] = fork_actor / exec_actor if exec_actor else float("nan")
+    return out
+
+
+def run(topology: str, repeats: int, launch_steps: int | None, starts: int | None = None) -> dict[str, float]:
     python = sys.executable
     out = {"import torch": process_cpu([python, "-c", "import torch"], repeats)}
     for group, (module, cls) in actor_classes(topology).items():
@@ -69,7 +98,9 @@ def run(topology: str, repeats: int, launch_steps: int | None) -> dict[str, floa
     if launch_steps:
         for steps in sorted({1, launch_steps}):
             with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
-                out[f"launch of {steps} step(s)"] = launch_cpu(steps, Path(tmp))
+                out[f"launch of {steps} step(s)"] = launch_cpu(steps, Path(tmp))[0]
+    if starts:
+        out.update(compare_starts(starts))
     return out
 
 
@@ -79,11 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="fresh processes per import measured (mean)")
     ap.add_argument("--launch-steps", type=int, default=None,
                     help="also time a 1-step and an N-step local launch (CPU of the whole run)")
+    ap.add_argument("--compare-starts", type=int, default=None, metavar="N",
+                    help="also launch a 1-step run N times with forked and N times with exec-started actors")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats: at least 1")
-    result = run(args.topology, args.repeats, args.launch_steps)
+    if args.compare_starts is not None and args.compare_starts < 1:
+        ap.error("--compare-starts: at least 1")
+    result = run(args.topology, args.repeats, args.launch_steps, args.compare_starts)
     if args.json:
         print(json.dumps({"cpu_seconds": result, "repeats": args.repeats}, indent=1))
         return 0

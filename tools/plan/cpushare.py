@@ -2,8 +2,10 @@
 actor processes got, to tell a slow machine from a slow model when a measured run is compared with the
 planner's simulation (docs/plan.md).
 
-Every 0.5 s it reads /proc for COMMAND's descendants; for each `python -m actors.runtime.run RUN_DIR/specs/NAME.json`
-process it keeps the last CPU seconds (user + system) and lifetime it saw. FILE gets one row per actor:
+Every 0.5 s it reads /proc for COMMAND's descendants; for each actor process (a session leader writing to
+RUN_DIR/logs/NAME.out, NAME having a spec in RUN_DIR/specs: so an actor forked from the start template, whose
+command line is the template's, counts as well as a fresh `python -m actors.runtime.run RUN_DIR/specs/NAME.json`)
+it keeps the last CPU seconds (user + system) and lifetime it saw. FILE gets one row per actor:
 run directory, actor name, CPU seconds, wall seconds alive, and their ratio, the share of one core it had
 (the topology pins each actor to one core, so 1.0 is a core to itself). Linux only.
 """
@@ -45,30 +47,37 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
-def _sample(pid: int, boot: float) -> tuple[str, float, float] | None:
+def actor_sample(pid: int, boot: float) -> tuple[str, float, float] | None:
     """(spec path, CPU seconds, seconds alive) of an actor process, None for any other process."""
     try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out = Path(os.readlink(f"/proc/{pid}/fd/1"))
     except OSError:
         return None
-    args = [c.decode(errors="replace") for c in cmd if c]
-    if "actors.runtime.run" not in args or not args[-1].endswith(".json"):
+    # fields after the ")" start at stat's field 3: the session id is field 6
+    spec = out.parent.parent / "specs" / f"{out.stem}.json"
+    if int(fields[3]) != pid or out.suffix != ".out" or out.parent.name != "logs" or not spec.exists():
         return None
     # fields after the ")" start at stat's field 3: utime is field 14, stime 15, starttime 22
     cpu = (int(fields[11]) + int(fields[12])) / TICK
     alive = time.time() - (boot + int(fields[19]) / TICK)
-    return args[-1], cpu, alive
+    return str(spec), cpu, alive
 
 
 def run(command: Sequence[str], interval: float = 0.5) -> tuple[int, list[dict[str, Any]]]:
+    proc = subprocess.Popen(list(command))
+    rows = watch(proc, interval)
+    return proc.returncode, rows
+
+
+def watch(proc: subprocess.Popen, interval: float = 0.5) -> list[dict[str, Any]]:
+    """Sample `proc`'s actor descendants until it ends; one row per actor (see the module's docstring)."""
     boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                 if line.startswith("btime"))
-    proc = subprocess.Popen(list(command))
     seen: dict[str, tuple[float, float]] = {}
     while proc.poll() is None:
         for pid in _descendants(proc.pid):
-            got = _sample(pid, boot)
+            got = actor_sample(pid, boot)
             if got is not None:
                 seen[got[0]] = (got[1], got[2])
         time.sleep(interval)
@@ -77,7 +86,7 @@ def run(command: Sequence[str], interval: float = 0.5) -> tuple[int, list[dict[s
         path = Path(spec)
         rows.append({"run_dir": str(path.parent.parent), "actor": path.stem, "cpu_s": round(cpu, 2),
                      "alive_s": round(alive, 2), "core_share": round(cpu / max(alive, 1e-9), 3)})
-    return proc.returncode, rows
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
