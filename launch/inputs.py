@@ -21,7 +21,9 @@ the machine it is launched on, so the line says it is missing and that a launch 
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 from pathlib import Path
 
 from actors.dataset import DatasetError, Layout, iter_jsonl, resolve_data_path, sniff_file
@@ -29,6 +31,7 @@ from actors.engines.checkpoint import CheckpointError, ConfigError, check_checkp
 from actors.engines.lora import LoraSpec, adapter_problem, lora_problem
 from actors.engines.megatron_lora import megatron_lora_problem
 from actors.engines.model import FAMILIES, Qwen2Config, config_from_dict
+from actors.engines.sglang_routes import ROUTED_EXPERTS_FLAG, ROUTED_EXPERTS_SINCE
 from topology import Plan
 from topology.experiment import ExperimentConfig
 
@@ -145,8 +148,9 @@ def _check_model(config: ExperimentConfig, launch: bool, absent: str, lines: lis
                             f"{engine} engine supports {', '.join(ENGINE_FAMILIES[engine])} (the torch engines: "
                             f"{', '.join(FAMILIES)})")
     if config.algo.routing_replay == "r3" and "sglang" in engines:
-        problems.append("experiment.algo.routing_replay: r3 needs the routing the rollouts recorded; the embedded "
-                        "torch engine records it, the sglang engine here does not")
+        problem = sglang_routing_problem(installed_version("sglang"))
+        if problem:
+            problems.append(f"experiment.algo.routing_replay: {problem}")
     if config.algo.routing_replay == "r2" and "megatron" in engines:
         problems.append("experiment.algo.routing_replay: r2 (the trainer records its own routing, then replays it) "
                         "is not built on the megatron engine; use r3 (replay the rollout's routing) or none")
@@ -244,3 +248,25 @@ def _check_data(key: str, path: Path, layout: Layout, require: str, on_error: st
     if bad:
         head += f", {len(bad)} malformed lines skipped (data.on_bad_line: skip):"
     return [head, *shown], []
+
+
+def installed_version(distribution: str) -> str | None:
+    """The version of ``distribution`` installed where the launch runs; None when it is not installed here."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def sglang_routing_problem(installed: str | None) -> str | None:
+    """Why r3 cannot run on the SGLang release installed here (``installed``), or None: a release before
+    ROUTED_EXPERTS_SINCE is refused (0.5.6 returns no routing). Where SGLang is not installed (the launch runs
+    off the GPU nodes) nothing is known here: the rollout refuses an answer that lacks the routing."""
+    if installed is None:
+        return None
+    release = tuple(int(n) for n in re.findall(r"\d+", installed)[:3])
+    if release >= tuple(int(n) for n in ROUTED_EXPERTS_SINCE.split(".")):
+        return None
+    return (f"r3 replays the routing the rollouts recorded; SGLang {installed}, installed here, returns none "
+            f"({ROUTED_EXPERTS_FLAG} and /generate's return_routed_experts came after it; {ROUTED_EXPERTS_SINCE} "
+            f"has them)")

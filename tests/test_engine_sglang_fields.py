@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.engines.sglang_routes import (GET_ROUTES, META_INFO_KEYS, ROUTES, SAMPLING_FIELDS, SGLANG_VERSION,
+from actors.engines.sglang_routes import (GET_ROUTES, META_INFO_KEYS, ROUTED_EXPERTS_FIELDS, ROUTED_EXPERTS_FLAG,
+                                          ROUTED_EXPERTS_SINCE, ROUTES, SAMPLING_FIELDS, SGLANG_VERSION,
                                           SGLANG_VERSIONS, WEIGHT_SESSION_ROUTES)
 from actors.engines.sglang_server import LaunchConfig
 
@@ -134,6 +135,19 @@ def test_request_fields_match_io_struct(release):
         if missing:
             problems.append(f"{route}: {cls} requires field(s) {missing} that we do not send")
     assert not problems, f"SGLang {release.version}: " + "\n".join(problems)
+
+
+def test_routed_experts_are_a_field_and_a_flag_of_the_newest_release_only(release):
+    # Routing replay sends return_routed_experts and launches with ROUTED_EXPERTS_FLAG where the release has
+    # them (ROUTED_EXPERTS_SINCE); the oldest has neither, which the launch check and the stand-in refuse.
+    fields = record_fields(release.tree("srt/managers/io_struct.py"))["GenerateReqInput"]
+    has_fields = ROUTED_EXPERTS_FIELDS <= set(fields)
+    has_flag = ROUTED_EXPERTS_FLAG in launch_flags(release)
+    assert has_fields == has_flag == (release.version == ROUTED_EXPERTS_SINCE), (release.version, has_fields, has_flag)
+    if release.has("api/v1/api_types.py"):   # the /generate contract ignores what it does not declare
+        contract = release.text("api/v1/api_types.py")
+        assert '"""sglang.api.v1.GenerateRequest: JSON object (unknown keys ignored)."""' in contract
+        assert not ROUTED_EXPERTS_FIELDS & set(record_fields(release.tree("api/v1/api_types.py"))["GenerateRequest"])
 
 
 def test_sampling_params_are_sglang_fields(release):

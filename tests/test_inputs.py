@@ -189,6 +189,13 @@ def test_an_unsupported_or_mismatched_model_is_refused_with_one_line(tmp_path: P
     assert [p for p in problems if "routing_replay" in p] == [
         "experiment.algo.routing_replay: r2 (the trainer records its own routing, then replays it) is not built on "
         "the megatron engine; use r3 (replay the rollout's routing) or none"], problems
+    # r3 with SGLang rollouts: they return the routing (SGLang 0.5.23 or later; an older one installed here is
+    # refused in one line, and none is installed on this machine).
+    plan = topo_mod.load(str(REPO / "topology" / "1node.yaml"),
+                         overrides(moe, train, "experiment.algo.routing_replay=r3"), check_imports=False)
+    assert "sglang" in {s["settings"].get("engine") for s in plan.specs(tmp_path)}
+    _, problems = check_inputs(plan, launch=False)
+    assert not any("routing_replay" in p for p in problems), problems
 
 
 def test_a_file_of_only_bad_lines_is_one_error_with_a_count(model: Path, tmp_path: Path,

@@ -12,7 +12,9 @@ newest of the supported range; the newest unless ``--standin-sglang-release`` na
     GET  /health /health_generate /model_info /server_info, and /weight_version in 0.5.6
     POST /generate                 input_ids, sampling_params, return_logprob, rid -> output_ids, meta_info
                                    (finish_reason, prompt_tokens, completion_tokens, cached_tokens,
-                                   weight_version, output_token_logprobs = [[logprob, token_id, null], ...])
+                                   weight_version, output_token_logprobs = [[logprob, token_id, null], ...]);
+                                   return_routed_experts (0.5.23, with --enable-return-routed-experts) ->
+                                   meta_info.routed_experts, the embedded model's own routing)
     POST /abort_request            rid | abort_all
     POST /pause_generation         mode: abort (running requests come back with their partial tokens,
                                    finish_reason abort; returns once none is running) | in_place | retract
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import collections
 import contextvars
 import dataclasses
@@ -68,7 +71,7 @@ import torch
 
 from actors.engines.base import EngineError, GenerationRequest, RequestError, SamplingParams, WeightBucket
 from actors.engines.sglang_group import drop_weight_group, join_weight_group
-from actors.engines.sglang_routes import SGLANG_VERSION, SGLANG_VERSIONS
+from actors.engines.sglang_routes import ROUTED_EXPERTS_FIELDS, SGLANG_VERSION, SGLANG_VERSIONS
 from actors.engines.sglang_server import LaunchConfig
 from actors.engines.torch_gen import TorchGenerationEngine
 from transport.bulk import TensorMeta, flat_misaligned, unpack_flat
@@ -143,15 +146,18 @@ class Release:
     # and then fails viewing the bytes as the dtype (weight_sync/tensor_bucket.py:101, `.view(meta.dtype)`), a
     # failed load that leaves the weights partially updated (model_executor/model_runner.py:1224-1236).
     unaligned_refused_before_receive: bool
+    # Routing replay: --enable-return-routed-experts and /generate's return_routed_experts (0.5.23
+    # arg_groups/fields/exec_.py:158, managers/io_struct.py:264); 0.5.6 has neither flag nor field.
+    routed_experts: bool
 
 
 RELEASES: dict[str, Release] = {
     "0.5.6": Release("0.5.6", weight_version_route=True, weight_sessions=False, relabels_when_paused=False,
                      flush_failure_kills=True, seed_bits=32, queued_abort_labelled=False,
-                     lora_path_needs_lora=False, unaligned_refused_before_receive=False),
+                     lora_path_needs_lora=False, unaligned_refused_before_receive=False, routed_experts=False),
     "0.5.23": Release("0.5.23", weight_version_route=False, weight_sessions=True, relabels_when_paused=True,
                       flush_failure_kills=False, seed_bits=64, queued_abort_labelled=True,
-                      lora_path_needs_lora=True, unaligned_refused_before_receive=True),
+                      lora_path_needs_lora=True, unaligned_refused_before_receive=True, routed_experts=True),
 }
 assert tuple(RELEASES) == SGLANG_VERSIONS, "the stand-in serves as each release the client speaks to"
 
@@ -314,6 +320,22 @@ CITATIONS: dict[str, tuple[tuple[str, int, str], ...]] = {
         ("weight_sync/tensor_bucket.py", 98, "if offset % dtype.itemsize:"),
         ("weight_sync/tensor_bucket.py", 100, 'f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}"'),
         ("managers/scheduler_components/weight_updater.py", 210, 'success, message = False, f"Failed to receive weights: {e}"'),
+        # Routing replay: the flag and the request field; no capturer without the flag, and then no
+        # meta_info.routed_experts (the request's ask is ignored); the capture, int32 [tokens, num_hidden_layers,
+        # num_experts_per_tok] with a dense layer's column left zero, column = the layer's index; the rows returned,
+        # [start, seqlen - 1); base64 of the bytes into meta_info.
+        ("arg_groups/fields/exec_.py", 158, "enable_return_routed_experts: A["),
+        ("managers/io_struct.py", 264, "return_routed_experts: bool = False"),
+        ("state_capturer/routed_experts.py", 50, "if not get_exec().features.enable_return_routed_experts:"),
+        ("managers/scheduler_components/batch_result_processor.py", 152, "if capturer is None:"),
+        ("state_capturer/routed_experts.py", 72, "topk_size = model_config.hf_text_config.num_experts_per_tok"),
+        ("state_capturer/routed_experts.py", 73, "num_layers = model_config.hf_text_config.num_hidden_layers"),
+        ("state_capturer/base.py", 70, "dtype=torch.int32,"),
+        ("state_capturer/base.py", 75, "self.buffer.zero_()"),
+        ("layers/moe/topk.py", 2543, "layer_id=layer_id,"),
+        ("state_capturer/base.py", 184, "req_to_token_pool.req_to_token[req_pool_idx][start_len : seqlen - 1]"),
+        ("managers/detokenizer_manager.py", 443, 'pybase64.b64encode(item.numpy().tobytes()).decode("utf-8")'),
+        ("managers/tokenizer_manager.py", 2609, 'meta_info["routed_experts"] = val'),
     ),
 }
 
@@ -564,10 +586,15 @@ class StandinServer:
                  tp_workers: TPWorkers | None = None, on_crash: Callable[[str], None] | None = None,
                  max_total_tokens: int | None = None, step_time_s: float = 0.0, log_path: str | None = None,
                  starting_until: str | None = None, fail_load_at: Sequence[int] = (),
-                 lora: StandinLora | None = None, release: str = SGLANG_VERSION, ep_size: int = 1) -> None:
+                 lora: StandinLora | None = None, release: str = SGLANG_VERSION, ep_size: int = 1,
+                 return_routed_experts: bool = False) -> None:
         if release not in RELEASES:
             raise ValueError(f"release {release!r}: the stand-in serves as SGLang {' or '.join(RELEASES)}")
         self.release = RELEASES[release]
+        if return_routed_experts and not self.release.routed_experts:
+            raise ValueError(f"SGLang {release} has no --enable-return-routed-experts")
+        # --enable-return-routed-experts: answers that ask carry the routing (the engine must record it).
+        self.return_routed_experts = return_routed_experts
         self.weight_session = False   # 0.5.23: between /begin_weight_update and /end_weight_update
         self.engine = engine
         self.lora = lora
@@ -687,7 +714,9 @@ class StandinServer:
                 return web.json_response({"error": {"message": f"{path}: body is not JSON: {exc}"}}, status=400)
             if not isinstance(body, dict):
                 return web.json_response({"error": {"message": f"{path}: body must be a JSON object"}}, status=400)
-            unknown = sorted(set(body) - _IMPLEMENTED[path])
+            implemented = _IMPLEMENTED[path] | (ROUTED_EXPERTS_FIELDS if path == "/generate" and
+                                                self.release.routed_experts else set())
+            unknown = sorted(set(body) - implemented)
             if unknown:
                 return web.json_response({"error": {"message": f"{path}: field(s) {unknown} are not implemented "
                                                                f"by the stand-in server"}}, status=400)
@@ -880,7 +909,18 @@ class StandinServer:
         if body.get("return_logprob"):
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, out)]
+        if body.get("return_routed_experts") and self.return_routed_experts and result.routed_experts is not None:
+            meta["routed_experts"] = self._encode_routes(result.routed_experts)
         return 200, {"output_ids": list(out), "meta_info": meta}
+
+    def _encode_routes(self, routes: torch.Tensor) -> str:
+        """The embedded engine's routing of the last run, which fed the whole sequence (prompt, earlier runs'
+        tokens and its own but the last: SGLang's rows [0, seqlen - 1)), as SGLang sends it: base64 of int32
+        [rows, num_hidden_layers, top-k], a dense layer's column zero, a sparse one at its layer's index."""
+        config = self.engine.model.config
+        full = torch.zeros(routes.shape[0], config.num_hidden_layers, routes.shape[2], dtype=torch.int32)
+        full[:, config.sparse_layers] = routes.to(torch.int32)
+        return base64.b64encode(full.numpy().tobytes()).decode("ascii")
 
     def _queued_abort_answer(self, rid: str, out: list[int], logprobs: list[float],
                              body: dict[str, Any]) -> dict[str, Any]:
@@ -1459,6 +1499,8 @@ def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespac
                     help="not an SGLang flag: every decode step takes at least this long (a GPU's step time, "
                          "scaled for tests)")
     ap.add_argument("--enable-lora", action="store_true")
+    ap.add_argument("--enable-return-routed-experts", action="store_true",
+                    help="answers that ask for it carry each token's routed experts (SGLang 0.5.23 and later)")
     ap.add_argument("--max-lora-rank", type=int, default=None)
     ap.add_argument("--lora-target-modules", nargs="*", default=None)
     ap.add_argument("--lora-paths", nargs="*", default=[], metavar="NAME=PATH")
@@ -1470,6 +1512,8 @@ def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespac
                     help="fault injection for tests: these /update_weights_from_distributed calls (numbered from 1) "
                          "receive their bucket, then fail to load it as SGLang answers a failed load")
     args = ap.parse_args(argv)
+    if args.enable_return_routed_experts and not RELEASES[args.standin_sglang_release].routed_experts:
+        ap.error("unrecognized arguments: --enable-return-routed-experts")   # as that release's parser answers
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.standin_starting_until_dir and (Path(args.standin_starting_until_dir) / f"{args.random_seed}.fail").exists():
         log.error("stand-in SGLang server (seed %d): told to fail at start", args.random_seed)
@@ -1478,7 +1522,7 @@ def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespac
     version = _as_int_version(args.weight_version, 0)
     engine = make_engine(args) if make_engine is not None else TorchGenerationEngine(
         args.model_path, version=version, device=args.device, dtype=dtype, max_running=args.max_running_requests,
-        seed=args.random_seed)
+        seed=args.random_seed, record_routing=args.enable_return_routed_experts)
     from aiohttp import web
 
     def crash(reason: str) -> None:   # a scheduler exception takes the process tree down (no clean exit)
@@ -1507,7 +1551,8 @@ def main(argv: list[str] | None = None, make_engine: Callable[[argparse.Namespac
                                    starting_until=str(Path(args.standin_starting_until_dir) / str(args.random_seed))
                                    if args.standin_starting_until_dir else None,
                                    fail_load_at=[int(n) for n in args.fail_load_at.split(",") if n.strip()], lora=lora,
-                                   release=args.standin_sglang_release, ep_size=args.ep_size)
+                                   release=args.standin_sglang_release, ep_size=args.ep_size,
+                                   return_routed_experts=args.enable_return_routed_experts)
         except ValueError as exc:   # --ep-size the model or --tp-size does not allow
             raise SystemExit(f"stand-in SGLang server: {exc}") from None
         for spec in args.lora_paths:   # loaded at launch as /load_lora_adapter loads them

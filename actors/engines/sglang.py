@@ -26,6 +26,13 @@ the server runs again (SGLang unloads an adapter when no request uses it: tokeni
 request holds the model lock), each response was sampled by one weight version: the server's
 ``meta_info.weight_version``, which the engine keeps equal to our integer version.
 
+Routing replay (``algo.routing_replay: r3`` on a mixture-of-experts model). The server is launched with
+``--enable-return-routed-experts`` and every /generate asks ``return_routed_experts``; each answer's
+``meta_info.routed_experts`` covers the whole sequence sent plus the new tokens (all but the last), so the
+answer of a sample's last segment replaces what earlier segments returned: after an interruption the
+resubmitted prefix is routed again under the new weights, as the embedded engine rebuilds its cache
+(:class:`RoutedExpertsLayout` decodes it). SGLang 0.5.23 has the option; 0.5.6 has none.
+
 The parts beside it: ``sglang_routes.py`` (every route and field this client sends, checked against
 SGLang's own request classes), ``sglang_server.py`` (the launched server process and its restarts),
 ``sglang_group.py`` (the weight-update process group the trainer and the servers join) and
@@ -36,6 +43,8 @@ session; where they differ it uses what both accept, or asks the server (weight-
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import dataclasses
 import hashlib
@@ -48,6 +57,8 @@ from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequen
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from algo.serving import DecodePace
 from topology.settings import RolloutSettings
 from transport.bulk import TensorMeta, flat_misaligned
@@ -56,14 +67,15 @@ from .base import (EngineError, GenerationEngine, GenerationRequest, GenerationR
                    WeightBucket, WeightSource)
 from .checkpoint import load_config
 from .lora import LoraSpec, is_adapter_name, read_adapter, resolve_start, write_adapter
+from .moe import compact_routes
 from .sglang_disk import write_checkpoint
-from .sglang_routes import (CLIENT_KEEP_ALIVE_S, DEFAULT_GROUP, IDEMPOTENT_ROUTES, SEED_RANGE, SGLANG_VERSION,
-                            SGLANG_VERSIONS, ServerEvents, SGLangConnectionReset, SGLangError, SGLangHTTPError,
+from .sglang_routes import (CLIENT_KEEP_ALIVE_S, DEFAULT_GROUP, IDEMPOTENT_ROUTES, ROUTED_EXPERTS_FLAG,
+                            ROUTED_EXPERTS_KEY, ROUTED_EXPERTS_SINCE, SEED_RANGE, SGLANG_VERSION, SGLANG_VERSIONS, ServerEvents, SGLangConnectionReset, SGLangError, SGLangHTTPError,
                             SGLangLaunchError, health_probe_s, payload, sampling_payload)
 from .sglang_server import LaunchConfig, SGLangServer
 
 __all__ = ["SGLANG_VERSION", "SGLANG_VERSIONS", "SGLangError", "SGLangHTTPError", "SGLangLaunchError", "LaunchConfig",
-           "SGLangEngine", "WeightsIncompleteError"]
+           "RoutedExpertsLayout", "SGLangEngine", "WeightsIncompleteError"]
 
 
 class WeightsIncompleteError(SGLangError):
@@ -79,6 +91,57 @@ class _Sample:
     versions: list[int] = dataclasses.field(default_factory=list)
     sglang_rid: str | None = None
     segments: int = 0
+    # Routing replay: the routing of the last answer that carried it, [rows, sparse layers, top-k].
+    routes: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutedExpertsLayout:
+    """How SGLang returns one request's routing, and the part of it a trajectory keeps.
+
+    ``meta_info.routed_experts`` is the base64 of the little-endian int32 bytes of a [rows, num_hidden_layers,
+    top-k] array (0.5.23: managers/detokenizer_manager.py:466 encodes what state_capturer/base.py:63-75 keeps,
+    int32 with num_hidden_layers x num_experts_per_tok per token, state_capturer/routed_experts.py:72-73). Its
+    rows are the tokens the model was fed, positions 0 to the sequence's last but one: prompt and output but
+    the last output token (managers/io_struct.py:265-268, managers/scheduler_components/
+    batch_result_processor.py:154-160) -- GenerationResult.routed_experts' rows exactly. Column = the layer's
+    global index (the capture's layer_id, layers/moe/topk.py:2541-2545); a dense layer's column is never
+    written (zeros). The trajectory keeps the sparse layers' columns, in moe.compact_routes' dtype."""
+
+    num_layers: int
+    sparse_layers: tuple[int, ...]
+    top_k: int
+    num_experts: int
+
+    @classmethod
+    def of_model(cls, model_dir: str) -> RoutedExpertsLayout | None:
+        """The layout of the model in ``model_dir``; None for a dense model (nothing is routed)."""
+        config = load_config(model_dir)
+        if not config.sparse_layers:
+            return None
+        return cls(config.num_hidden_layers, tuple(config.sparse_layers), config.num_experts_per_tok,
+                   config.num_experts)
+
+    def decode(self, encoded: Any, rows: int) -> torch.Tensor:
+        """meta_info.routed_experts of an answer whose sequence fed ``rows`` tokens to the model, as
+        [rows, sparse layers, top-k]; anything else is refused with the reason."""
+        if not isinstance(encoded, str):
+            raise SGLangError(f"meta_info.{ROUTED_EXPERTS_KEY}: expected a base64 string, got "
+                              f"{type(encoded).__name__}")
+        try:
+            raw = base64.b64decode(encoded, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise SGLangError(f"meta_info.{ROUTED_EXPERTS_KEY}: not base64 ({exc})") from None
+        per_row = self.num_layers * self.top_k
+        if len(raw) != rows * per_row * 4:
+            raise SGLangError(f"meta_info.{ROUTED_EXPERTS_KEY}: {len(raw)} bytes, expected {rows} tokens x "
+                              f"{self.num_layers} layers x top-{self.top_k} int32 = {rows * per_row * 4}")
+        ids = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(rows, self.num_layers, self.top_k)
+        sparse = ids[:, list(self.sparse_layers)]
+        if sparse.numel() and (int(sparse.min()) < 0 or int(sparse.max()) >= self.num_experts):
+            raise SGLangError(f"meta_info.{ROUTED_EXPERTS_KEY}: expert ids in [{int(sparse.min())}, "
+                              f"{int(sparse.max())}], the model has {self.num_experts} experts")
+        return compact_routes(sparse, self.num_experts)
 
 
 class SGLangEngine(GenerationEngine):
@@ -103,11 +166,14 @@ class SGLangEngine(GenerationEngine):
                  control_timeout_s: float = 600.0, drain_timeout_s: float = 120.0,
                  attach_timeout_s: float = ATTACH_TIMEOUT_S,
                  pace: DecodePace | None = None, on_server_event: ServerEvents | None = None,
-                 lora: LoraSpec | None = None, lora_name: str | None = None) -> None:
+                 lora: LoraSpec | None = None, lora_name: str | None = None,
+                 routed_experts: RoutedExpertsLayout | None = None) -> None:
         """``request_timeout_s``: bound on one /generate call; None derives it from the tokens it may still
         generate and the pace measured on this server's answers (``pace``: algo.serving.DecodePace).
         ``lora``: versions may be adapters (the module docstring); ``lora_name``: the adapter the server was
-        launched with (``LaunchConfig.lora_paths``), which requests name until the next."""
+        launched with (``LaunchConfig.lora_paths``), which requests name until the next. ``routed_experts``:
+        every answer returns its routing in this layout (GenerationResult.routed_experts; the server must run
+        with ``--enable-return-routed-experts``)."""
         if (url is None) == (launch is None):
             raise EngineError("SGLangEngine needs exactly one of url (attach) or launch (start a server)")
         self._attach_url = url.rstrip("/") if url else None
@@ -120,6 +186,7 @@ class SGLangEngine(GenerationEngine):
         self._version = version or 0
         self.weights_dir = weights_dir
         self.lora, self._lora_name = lora, lora_name
+        self.routed_experts = routed_experts
         self.request_timeout_s, self.control_timeout_s = request_timeout_s, control_timeout_s
         self.pace = pace or DecodePace()
         self.health_probe_s = health_probe_s(launch.env if launch is not None else None)
@@ -175,6 +242,9 @@ class SGLangEngine(GenerationEngine):
                 write_adapter(str(path), tensors, lora, model_dir, load_config(model_dir))
                 lora_paths[f"v{version}"] = str(path)
             common.update(lora=lora, lora_name=next(iter(lora_paths), None))
+        # r3 replays the rollout's routing: a mixture-of-experts model's answers carry it (a dense one routes nothing).
+        routed = RoutedExpertsLayout.of_model(model_dir) if cfg.algo.routing_replay == "r3" else None
+        common["routed_experts"] = routed
         if cfg.sglang_url:
             if lora_paths:
                 raise EngineError("model.lora: a server attached by sglang_url cannot start from an adapter; "
@@ -196,7 +266,7 @@ class SGLangEngine(GenerationEngine):
             health_timeout_s=sg.health_timeout_s, max_restarts=sg.max_restarts,
             backoff_s=sg.backoff_s, backoff_max_s=sg.backoff_max_s,
             lora_rank=lora.rank if lora else 0, lora_targets=tuple(lora.target_modules) if lora else (),
-            lora_paths=lora_paths)
+            lora_paths=lora_paths, routed_experts=routed is not None)
         return cls(launch=launch, on_server_event=on_server_event, **common)
 
     # --- lifecycle ------------------------------------------------------------------------------------
@@ -386,8 +456,17 @@ class SGLangEngine(GenerationEngine):
             self._requests.pop(request.rid, None)
             self._user_aborted.discard(request.rid)
             self._abort_events.pop(request.rid, None)
-        return [GenerationResult(request.rid, i, s.output, s.logprobs, s.versions, reason, len(request.input_ids))
+        return [GenerationResult(request.rid, i, s.output, s.logprobs, s.versions, reason, len(request.input_ids),
+                                 self._whole_routes(s))
                 for i, (s, reason) in enumerate(zip(samples, reasons))]
+
+    @staticmethod
+    def _whole_routes(sample: _Sample) -> torch.Tensor | None:
+        """The sample's routing when its last answer covered every token it holds; else (an answer aborted
+        before it ran carries none) None, and the trainer routes that sample by its own router."""
+        if sample.routes is None or sample.routes.shape[0] != len(sample.prompt) + len(sample.output) - 1:
+            return None
+        return sample.routes
 
     async def _run_sample(self, request: GenerationRequest, index: int, sample: _Sample, seed: int) -> str:
         sp = request.sampling
@@ -410,7 +489,8 @@ class SGLangEngine(GenerationEngine):
             sample.sglang_rid = sglang_rid(request.rid, index, sample.segments)
             sample.segments += 1
             body = payload("/generate", rid=sample.sglang_rid, input_ids=[*sample.prompt, *sample.output],
-                           sampling_params=sampling, return_logprob=True)
+                           sampling_params=sampling, return_logprob=True,
+                           **({"return_routed_experts": True} if self.routed_experts is not None else {}))
             if self._lora_name is not None:
                 body["lora_path"] = self._lora_name   # SGLang looks adapters up by the name they were loaded as
             epoch, sent_version, sent_rid = self._epoch, self._version, sample.sglang_rid
@@ -491,11 +571,27 @@ class SGLangEngine(GenerationEngine):
         ids = [int(p[1]) for p in pairs]
         if "output_ids" in answer and list(answer["output_ids"]) != ids:
             raise SGLangError(f"SGLang server {self.url}: output_ids and output_token_logprobs disagree")
+        if self.routed_experts is not None:
+            self._take_routes(sample, meta, len(sample.prompt) + len(sample.output) + len(ids) - 1, reason)
         sample.output.extend(ids)
         sample.logprobs.extend(float(p[0]) for p in pairs)
         sample.versions.extend([version] * len(ids))
         self.tokens_generated += len(ids)
         return reason
+
+    def _take_routes(self, sample: _Sample, meta: dict[str, Any], rows: int, reason: str) -> None:
+        """An answer's routing replaces the sample's: it covers the whole sequence sent (the earlier segments'
+        tokens routed again) and the new tokens. An answer without it is one SGLang's tokenizer manager gave
+        for a request aborted before it ran (managers/tokenizer_manager.py:3577-3642 builds that meta_info),
+        or one from a server launched without the flag, which ignores the request's ask (0.5.23:
+        state_capturer/routed_experts.py:50-51, managers/tokenizer_manager.py:2602-2609)."""
+        encoded = meta.get(ROUTED_EXPERTS_KEY)
+        if encoded is not None:
+            sample.routes = self.routed_experts.decode(encoded, rows)
+        elif reason != "abort":
+            raise SGLangError(f"SGLang server {self.url}: /generate asked for return_routed_experts (algo."
+                              f"routing_replay r3) and the answer has no meta_info.{ROUTED_EXPERTS_KEY}: the server "
+                              f"runs without {ROUTED_EXPERTS_FLAG} (SGLang {ROUTED_EXPERTS_SINCE} or later has it)")
 
     async def _wait_open(self, rid: str) -> None:
         """Wait until the engine is resumed, or this request is aborted (a drain must not hang on a pause)."""

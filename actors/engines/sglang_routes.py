@@ -15,7 +15,8 @@ from .base import EngineError
 
 __all__ = ["SGLANG_VERSION", "SGLANG_VERSIONS", "ROUTES", "WEIGHT_SESSION_ROUTES", "SAMPLING_FIELDS",
            "META_INFO_KEYS", "GET_ROUTES", "IDEMPOTENT_ROUTES", "SERVER_INFO_KEYS", "DEFAULT_GROUP",
-           "SERVER_KEEP_ALIVE_S", "CLIENT_KEEP_ALIVE_S", "HEALTH_CHECK_TIMEOUT_S", "SEED_RANGE", "ServerEvents",
+           "ROUTED_EXPERTS_FIELDS", "ROUTED_EXPERTS_FLAG", "ROUTED_EXPERTS_KEY",
+           "ROUTED_EXPERTS_SINCE", "SERVER_KEEP_ALIVE_S", "CLIENT_KEEP_ALIVE_S", "HEALTH_CHECK_TIMEOUT_S", "SEED_RANGE", "ServerEvents",
            "SGLangError", "SGLangHTTPError", "SGLangLaunchError", "SGLangConnectionReset", "payload", "sampling_payload", "health_probe_s"]
 
 # The SGLang releases whose HTTP API this module speaks: the oldest and the newest of the range in
@@ -56,6 +57,15 @@ ROUTES: dict[str, tuple[str, frozenset[str]]] = {
     "/load_lora_adapter": ("LoadLoRAAdapterReqInput", frozenset({"lora_name", "lora_path"})),
     "/unload_lora_adapter": ("UnloadLoRAAdapterReqInput", frozenset({"lora_name"})),
 }
+# Routing replay (algo.routing_replay: r3): /generate's ``return_routed_experts`` asks for the experts every
+# layer routed each token to, on a server launched with ROUTED_EXPERTS_FLAG (0.5.23: managers/io_struct.py:264,
+# arg_groups/fields/exec_.py:158). 0.5.6 has neither (no capture at all), and the releases between the two ends
+# are not read here, so routing replay with SGLang needs ROUTED_EXPERTS_SINCE or later. Sent only then, apart
+# from ROUTES: the HTTP contract of 0.5.23 (api/v1/api_types.py:236-237) does not declare the field and ignores
+# keys it does not declare, while FastAPI fills it into GenerateReqInput (entrypoints/http_server.py:933).
+ROUTED_EXPERTS_FIELDS = frozenset({"return_routed_experts"})
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+ROUTED_EXPERTS_SINCE = "0.5.23"
 # Routes of the releases with weight-update sessions only. The release that added them lies between the two
 # tested ends (sgl-project/sglang pull request 28001), so the client asks the server: an older one answers
 # /begin_weight_update with HTTP 404, FastAPI's answer to a route it does not have.
@@ -66,6 +76,8 @@ SAMPLING_FIELDS = frozenset({"temperature", "top_p", "top_k", "max_new_tokens", 
 # What this module reads from a /generate answer's meta_info (set in SGLang's tokenizer_manager).
 META_INFO_KEYS = frozenset({"finish_reason", "output_token_logprobs", "weight_version", "completion_tokens",
                             "prompt_tokens"})
+# ... and, with return_routed_experts, this one (0.5.23 managers/tokenizer_manager.py:2602-2609).
+ROUTED_EXPERTS_KEY = "routed_experts"
 # The weight version is read from GET /model_info, which reports it in both releases (0.5.6:
 # entrypoints/http_server.py:505; 0.5.23: http_server.py:824-826); 0.5.23 has no GET /weight_version.
 GET_ROUTES = frozenset({"/health", "/health_generate", "/model_info", "/server_info"})
@@ -135,7 +147,7 @@ def payload(route: str, **fields: Any) -> dict[str, Any]:
     """The JSON body for ``route``; only the fields declared in :data:`ROUTES` may be sent."""
     if route not in ROUTES:
         raise SGLangError(f"{route}: not a route this engine knows ({sorted(ROUTES)})")
-    unknown = set(fields) - ROUTES[route][1]
+    unknown = set(fields) - ROUTES[route][1] - (ROUTED_EXPERTS_FIELDS if route == "/generate" else frozenset())
     if unknown:
         raise SGLangError(f"{route}: field(s) {sorted(unknown)} are not declared in ROUTES[{route!r}]")
     return fields

@@ -18,7 +18,7 @@ from typing import Any
 from actors.runtime.run import parent_death_signal
 from transport.ports import free_port
 
-from .sglang_routes import ServerEvents, SGLangLaunchError, health_probe_s
+from .sglang_routes import ROUTED_EXPERTS_FLAG, ServerEvents, SGLangLaunchError, health_probe_s
 
 __all__ = ["LaunchConfig", "SGLangServer"]
 
@@ -51,6 +51,9 @@ class LaunchConfig:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
     lora_paths: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Routing replay (algo.routing_replay: r3 on a mixture-of-experts model): the server captures the experts
+    # each token was routed to, which /generate then returns.
+    routed_experts: bool = False
 
     def args(self, port: int, weight_version: int) -> list[str]:
         args = [*self.command, "--model-path", self.model_path, "--host", self.host, "--port", str(port),
@@ -68,6 +71,8 @@ class LaunchConfig:
                      *self.lora_targets]
             if self.lora_paths:
                 args += ["--lora-paths", *(f"{name}={path}" for name, path in self.lora_paths.items())]
+        if self.routed_experts:
+            args.append(ROUTED_EXPERTS_FLAG)
         return args + list(self.extra_args)
 
 
