@@ -517,3 +517,31 @@ def test_the_template_refuses_to_fork_beside_a_thread_and_names_load_time_variab
     assert load_time_differences(template, {**template, "OMP_NUM_THREADS": "4", "NCCL_DEBUG": "INFO"}) == []
     assert load_time_differences(template, {"PATH": "/bin", "LD_PRELOAD": "a.so", "PYTHONPATH": "/y"}) == \
         ["LD_PRELOAD", "PYTHONPATH"]
+
+
+def test_a_hung_start_template_delays_one_start_and_later_starts_are_fresh_interpreters(tmp_path: Any,
+                                                                                      monkeypatch: Any) -> None:
+    # A stopped template never answers: the start that asked waits FORK_ANSWER_S (not the ready budget), the
+    # template is killed, and that actor and every later one start as fresh interpreters; running actors go on.
+    from actors.runtime import template as template_mod
+
+    monkeypatch.setattr(template_mod, "FORK_ANSWER_S", 2.0)
+
+    async def main() -> None:
+        sup = Supervisor([spec(tmp_path, "a"), spec(tmp_path, "b")], tmp_path, backoff_initial=0.05,
+                         ready_timeout=START_BUDGET)
+        await sup.start()
+        assert (sup.children["a"].proc.start, sup.children["b"].proc.start) == ("fork", "fork")
+        client = await client_for(tmp_path, "a", "b")
+        before = (await client.request("b", InfoRequest(), timeout=START_BUDGET)).pid
+        template = sup.start_template_pid
+        os.kill(template, signal.SIGSTOP)
+        await client.send("a", Crash("kill"))
+        await until(lambda: sup.restarts["a"] == 1 and sup.children["a"].ready)
+        assert sup.children["a"].proc.start == "exec" and sup.start_template_pid is None
+        await until(lambda: not os.path.exists(f"/proc/{template}"))   # killed and reaped
+        assert (await client.request("b", InfoRequest(), timeout=START_BUDGET)).pid == before
+        assert await sup.stop() == {"a": 0, "b": 0}
+        await client.close()
+
+    run(main())

@@ -55,6 +55,10 @@ PRELOAD = ("torch", "numpy", "msgpack", "zmq", "structlog", "uvloop", "transport
 THREAD_VARIABLES = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 LOAD_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "MALLOC_", "TORCH_", "PYTORCH_")
 ADOPTION_WAIT_S = 30.0       # for the middle process to exit (microseconds, unless the machine is loaded)
+# For the template's answer to one start (two forks: milliseconds). A template that has not answered by then
+# is hung (stopped, or stuck): it is killed and this and every later actor start as a fresh interpreter, so
+# a hung template delays one start by this much, not each start by the supervisor's ready budget.
+FORK_ANSWER_S = ADOPTION_WAIT_S
 PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 MAX_REQUEST = 1 << 20
 
@@ -207,12 +211,11 @@ class StartTemplate:
     ``await start(...)`` per actor (None: start this one as a fresh interpreter), ``await close()``."""
 
     def __init__(self, proc: asyncio.subprocess.Process, channel: socket.socket, env: dict[str, str],
-                 log: Any, timeout: float) -> None:
+                 log: Any) -> None:
         self.proc = proc
         self.channel = channel
         self.env = env
         self.log = log
-        self.timeout = timeout
         self.usable = True
         self._lock = asyncio.Lock()
 
@@ -240,8 +243,8 @@ class StartTemplate:
             theirs.close()
             _subreaper(was_subreaper)
         ours.setblocking(False)
-        template = cls(proc, ours, env, log, timeout)
-        answer = await template._answer()
+        template = cls(proc, ours, env, log)
+        answer = await template._answer(timeout)   # its imports: as long as an actor's start may take
         if answer != b"ready":
             template.usable = False
             log.warning("start_template_unusable", answer=answer.decode(errors="replace"),
@@ -251,12 +254,13 @@ class StartTemplate:
         log.info("start_template_ready", pid=proc.pid)
         return template
 
-    async def _answer(self) -> bytes:
-        """The template's next answer; b"" when it died or did not answer in time (it is then killed)."""
+    async def _answer(self, timeout: float) -> bytes:
+        """The template's next answer; b"" when it died or did not answer within ``timeout`` s (it is then
+        killed)."""
         loop = asyncio.get_running_loop()
         recv = asyncio.ensure_future(loop.sock_recv(self.channel, 4096))
         died = asyncio.ensure_future(self.proc.wait())
-        await asyncio.wait({recv, died}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({recv, died}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         died.cancel()
         if recv.done():
             return recv.result()
@@ -283,7 +287,7 @@ class StartTemplate:
                 except OSError:
                     answer = b""
                 else:
-                    answer = await self._answer()
+                    answer = await self._answer(FORK_ANSWER_S)
             finally:
                 _subreaper(was_subreaper)
         if answer.startswith(b"started "):
