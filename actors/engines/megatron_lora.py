@@ -36,10 +36,13 @@ from torch import nn
 from .lora import LoraError, LoraSpec, _targeted, lora_problem, target_linears
 from .model import Qwen2Config, Qwen2ForCausalLM
 
-try:  # optional, as in megatron.py: the name tables below are used without it
+
+def _tensor_parallel() -> Any:
+    """megatron-core's tensor_parallel, imported when an adapter first runs: the launcher's checks import this
+    module for :func:`megatron_lora_problem`, and megatron-core takes seconds to import."""
     from megatron.core import tensor_parallel
-except ImportError:  # pragma: no cover - exercised where megatron-core is absent
-    tensor_parallel = None
+    return tensor_parallel
+
 
 #: Megatron's linear layers of a Qwen2 layer: (how tensor parallelism splits it, the Hugging Face block holding
 #: its projections, the projections it holds in the order of its output rows).
@@ -122,10 +125,11 @@ class ParallelLora(nn.Module):
         tokens under sequence parallelism) each rank draws its own mask (Megatron's model-parallel RNG); where
         it is the same on every rank, the same mask (the default RNG, seeded alike)."""
         if self.style == "row" or self.sequence_parallel:
-            return tensor_parallel.get_cuda_rng_tracker().fork()
+            return _tensor_parallel().get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tensor_parallel = _tensor_parallel()
         x = x.float()
         if self.dropout > 0 and self.training:
             with self._dropout_rng():
