@@ -90,6 +90,12 @@ try:  # megatron-core is an optional (GPU-cluster) dependency; importing this mo
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.moe import moe_utils as _moe_utils
+    if not hasattr(_moe_utils, "te_general_gemm"):
+        # megatron-core 0.16.1 without Transformer Engine: the router's gating GEMM tests `te_general_gemm is not
+        # None`, a name moe_utils imports only from TE (transformer/moe/moe_utils.py, RouterGatingLinearFunction),
+        # so every router forward raised NameError; None selects its torch.mm path, as it means there.
+        _moe_utils.te_general_gemm = None
     MEGATRON_IMPORT_ERROR: str | None = None
 except ImportError as _e:  # pragma: no cover - exercised where megatron-core is absent
     MEGATRON_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
@@ -820,8 +826,10 @@ class MegatronTrainEngine(TrainEngine):
                 continue
             slot = sparse.index(int(layer.layer_number) - 1)
 
-            def routing(logits: torch.Tensor, native: Callable[..., Any] = router.routing, slot: int = slot) -> Any:
-                routed = native(logits)
+            def routing(logits: torch.Tensor, native: Callable[..., Any] = router.routing, slot: int = slot,
+                        **later: Any) -> Any:
+                # later: what newer megatron-core passes on (0.16.1: padding_mask), handed to its own routing
+                routed = native(logits, **later)
                 if self._replay is None:
                     return routed
                 rows = self._replay[:, slot]
