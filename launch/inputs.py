@@ -34,6 +34,7 @@ from actors.engines.model import FAMILIES, Qwen2Config, config_from_dict
 from actors.engines.sglang_routes import ROUTED_EXPERTS_FLAG, ROUTED_EXPERTS_SINCE
 from topology import Plan
 from topology.experiment import ExperimentConfig
+from topology.schema import expert_tensor_parallel
 
 SAMPLE_LINES = 1000   # lines the dry run reads of each data file
 SHOWN_BAD_LINES = 10  # malformed lines listed one by one; the rest are counted
@@ -96,14 +97,18 @@ def _engines(plan: Plan) -> set[str]:
 
 
 def _check_expert_tensor_parallel(plan: Plan, launch: bool, lines: list[str], problems: list[str]) -> None:
-    """The megatron engine refuses tp > 1 together with ep > 1 (actors/engines/megatron.py): a launch is refused
-    here, before any node starts; the dry run says it and goes on, since the plan of such a layout still holds."""
+    """The megatron engine refuses experts split over tp > 1 together with ep > 1 (actors/engines/megatron.py;
+    etp 1, the default with ep > 1, runs): a launch is refused here, before any node starts; the dry run says it and
+    goes on, since the plan of such a layout still holds."""
     for name, group in plan.topology.groups.items():
         par = group.parallel or {}
-        if group.settings.get("backend") != "megatron" or par.get("tp", 1) <= 1 or par.get("ep", 1) <= 1:
+        tp, ep = par.get("tp", 1), par.get("ep", 1)
+        etp = expert_tensor_parallel(tp, ep, par.get("etp"))
+        if group.settings.get("backend") != "megatron" or etp <= 1 or ep <= 1:
             continue
-        line = (f"actors.{name}.parallel: tp {par['tp']} with ep {par['ep']}: the megatron engine does not run "
-                f"tensor and expert parallelism together (docs/engines-megatron.md, \"Families\")")
+        line = (f"actors.{name}.parallel: etp {etp} with ep {ep}: the megatron engine does not split experts over "
+                f"tensor-parallel ranks together with expert parallelism; set etp: 1 (experts whole on each rank; "
+                f"docs/engines-megatron.md, \"Families\")")
         if launch:
             problems.append(line)
         else:

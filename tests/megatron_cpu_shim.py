@@ -130,6 +130,26 @@ class _NullEvent:
         return True
 
 
+def _patch_moe_host_copies() -> None:
+    """megatron-core 0.16's alltoall dispatcher hands the all-to-all its split sizes through
+    `moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)`, which makes a numpy array only of a CUDA tensor; on
+    the CPU the sizes stayed a tensor, which `all_to_all_single` refuses. Here a CPU tensor becomes the numpy
+    array a GPU run gets. (0.11 converts the sizes itself and has no such function.)"""
+    try:
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    except ImportError:
+        return
+    original = getattr(moe_utils, "maybe_move_tensor_to_cpu", None)
+    if original is None:
+        return
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.cpu().numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
 def install() -> None:
     """Map megatron's CUDA requests to CPU for the rest of this process (idempotent), in this thread and
     in every thread started after (torch function modes are per thread; an actor runs engine calls in
@@ -140,6 +160,7 @@ def install() -> None:
     if _installed:
         return
     _patch_cuda_module()
+    _patch_moe_host_copies()
     _CudaToCpu().__enter__()  # stays active for the whole (test child) process
     run = threading.Thread.run
 

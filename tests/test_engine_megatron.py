@@ -75,7 +75,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sett
 
 def _engine_checks(engine: Any, out_dir: str, settings: dict[str, Any]) -> dict[str, Any]:
     batches = _batches(engine.hf_config.vocab_size)
-    out: dict[str, Any] = {"dp_rank": engine.dp_rank, "tp_rank": engine.tp_rank}
+    out: dict[str, Any] = {"dp_rank": engine.dp_rank, "tp_rank": engine.tp_rank,
+                           "experts": (engine.ep_size, engine.etp_size, engine.local_experts)}
     whole = _whole(batches)
     for temperature in (1.0, 0.7):
         res = engine.compute_logprobs(whole, temperature=temperature, with_entropy=True)
@@ -386,8 +387,16 @@ def test_config_errors_name_the_cause() -> None:
         mg.transformer_config(moe, mg.MegatronConfig(expert_parallel=3))
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         mg.transformer_config(cfg, mg.MegatronConfig(expert_parallel=2))
-    with pytest.raises(ValueError, match="together with expert_parallel > 1 is not supported"):
-        mg.transformer_config(moe, mg.MegatronConfig(tensor_parallel=2, expert_parallel=2, sequence_parallel=True))
+    with pytest.raises(ValueError, match="expert_tensor_parallel 2 together with expert_parallel > 1 is not supported"):
+        mg.transformer_config(moe, mg.MegatronConfig(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=2,
+                                                     sequence_parallel=True))
+    with pytest.raises(ValueError, match="expert_tensor_parallel must be 1 or tensor_parallel"):
+        mg.MegatronConfig(tensor_parallel=4, expert_tensor_parallel=2)
+    # the default: experts whole with expert parallelism (MoE parallel folding), split as the dense layers without
+    assert mg.MegatronConfig(tensor_parallel=2, expert_parallel=2).expert_tensor_parallel == 1
+    assert mg.MegatronConfig(tensor_parallel=2).expert_tensor_parallel == 2
+    assert mg.transformer_config(moe, mg.MegatronConfig(tensor_parallel=2, expert_parallel=2, sequence_parallel=True)
+                                 ).expert_tensor_parallel_size == 1
     with pytest.raises(ValueError, match="needs sequence_parallel: true"):
         mg.transformer_config(moe, mg.MegatronConfig(tensor_parallel=2))
     with pytest.raises(mg.MegatronUnavailableError, match="mixture-of-experts"):
@@ -483,18 +492,23 @@ def test_qwen3_matches_torch_backend(tmp_path, world, config) -> None:
     (1, {}),
     (2, {"expert_parallel": 2}),                                   # the alltoall dispatcher over gloo
     (2, {"tensor_parallel": 2, "vocab_pad_multiple": 1, "sequence_parallel": True}),  # experts split over TP
-], ids=["ws1", "ep2", "tp2"])
+    # MoE parallel folding: attention split over TP=2 with sequence parallelism, the experts whole (ETP=1) and
+    # split over EP=2 on the same two ranks (dp 1, expert dp 1)
+    (2, {"tensor_parallel": 2, "expert_parallel": 2, "vocab_pad_multiple": 1, "sequence_parallel": True}),
+], ids=["ws1", "ep2", "tp2", "tp2ep2etp1"])
 def test_qwen3_moe_matches_torch_backend(tmp_path, world, config) -> None:
     # 8 experts, top 2 renormalised (norm_topk_prob); layer 0 dense (mlp_only_layers) at intermediate_size 128,
     # layer 1 sparse at moe_intermediate_size 32. EP=2: each rank holds 4 experts and trains on its own
     # micro-batch (dp=2); the export publishes all 8 experts of layer 1 once, under their Hugging Face numbers.
-    checkpoint = "tensor_parallel" not in config
+    checkpoint = "expert_parallel" in config or world == 1
     ref, ranks = _run_on_new_model(tmp_path, world, {"config": config, "checkpoint": checkpoint},
                                    family="qwen3_moe", mlp_only_layers=[0])
     report: dict[str, float] = {}
     for got in ranks:
         _check_against_reference(ref, {**got, "weights": ranks[0]["weights"]}, report)
     assert all(r["weights"] == {} for r in ranks[1:])
+    if config.get("expert_parallel") and config.get("tensor_parallel"):   # folded: 4 whole experts a rank
+        assert [r["experts"] for r in ranks] == [(2, 1, 4)] * 2
     experts = {k for k in ranks[0]["weights"] if ".mlp.experts." in k}
     assert experts == {f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in range(8) for p in ("gate", "up", "down")}
     if checkpoint:   # a Hugging Face directory with every expert; resuming replays the next step bit for bit
@@ -533,11 +547,14 @@ def _replay_checks(engine: Any, out_dir: str, settings: dict[str, Any]) -> dict[
 
 
 @needs_megatron
-@pytest.mark.parametrize("world,config", [(1, {}), (2, {"expert_parallel": 2}), (2, {"pipeline_parallel": 2})],
-                         ids=["ws1", "ep2", "pp2"])
+@pytest.mark.parametrize("world,config", [
+    (1, {}), (2, {"expert_parallel": 2}), (2, {"pipeline_parallel": 2}),
+    (2, {"tensor_parallel": 2, "expert_parallel": 2, "vocab_pad_multiple": 1, "sequence_parallel": True}),
+], ids=["ws1", "ep2", "pp2", "tp2ep2etp1"])
 def test_qwen3_moe_routing_replay_matches_torch_backend(tmp_path, world, config) -> None:
     # algo.routing_replay r3: the batch's fields['routed_experts'] replace each router's top-k (rows of
-    # ROUTE_NATIVE keep their own); both sparse layers replayed, on one stage each under PP=2.
+    # ROUTE_NATIVE keep their own); both sparse layers replayed, on one stage each under PP=2; under TP=2 with
+    # sequence parallelism each rank's routers replay its half of the tokens.
     model_dir = _model_dir(tmp_path, family="qwen3_moe")
     reference = TorchTrainEngine(model_dir, TrainConfig(lr=LR))
     whole, batches = _replay_batches(reference.model.config)

@@ -112,19 +112,28 @@ def test_the_gradient_sync_reduces_the_experts_over_the_expert_data_parallel_gro
     expected = 6 * (shape.dense_params * 15 / 16 + shape.expert_params / 8 * 1 / 2) / bw
     assert costs.dp_sync_seconds(shape, H800, _trainer(dp=16, ep=8)) == pytest.approx(expected)
     assert costs.dp_sync_seconds(shape, H800, _trainer(dp=16, ep=1)) == pytest.approx(6 * shape.params * 15 / 16 / bw)
+    # tp 2 folded (etp 1): a rank's experts are 1/ep = 1/8 whole, over dp x tp / ep = 4 expert data-parallel ranks
+    folded = 6 * (shape.dense_params / 2 * 15 / 16 + shape.expert_params / 8 * 3 / 4) / bw
+    assert costs.dp_sync_seconds(shape, H800, _trainer(tp=2, dp=16, ep=8)) == pytest.approx(folded)
 
 
 def test_a_trainer_rank_holds_its_share_of_the_experts_and_their_optimizer_shard():
     shape = BUILTIN["30B-A3B"]
-    lay = memory.TrainerLayout(tp=2, dp=16, ep=4, recompute="full", micro_batch_tokens=4096)
+    lay = memory.TrainerLayout(tp=2, dp=16, ep=4, etp=2, recompute="full", micro_batch_tokens=4096)
     terms = memory.trainer_terms(shape, lay)
-    dense, experts = shape.dense_params / 2, shape.expert_params / 8        # / tp, / (tp x ep)
+    dense, experts = shape.dense_params / 2, shape.expert_params / 8        # / tp, / (etp x ep)
     assert terms["weights"] == pytest.approx(2 * (dense + experts))
     assert terms["gradients"] == pytest.approx(4 * (dense + experts))
-    # 12 bytes a parameter, dense over dp 16, experts over dp / ep = 4
+    # 12 bytes a parameter, dense over dp 16, experts over the expert data-parallel dp x tp / (etp x ep) = 4
     assert terms["optimizer"] == pytest.approx(12 * (dense / 16 + experts / 4))
-    # without expert parallelism the rank holds every expert
-    alone = memory.trainer_terms(shape, dataclasses.replace(lay, ep=1))
+    # folded (etp 1, the default with ep > 1): whole experts, 1/ep of them a rank, their optimizer over 32 / 4 = 8
+    folded = memory.trainer_terms(shape, dataclasses.replace(lay, etp=None))
+    assert folded["weights"] == pytest.approx(2 * (dense + shape.expert_params / 4))
+    assert folded["optimizer"] == pytest.approx(12 * (dense / 16 + shape.expert_params / 4 / 8))
+    # ep 8 with whole experts holds what ep 4 with experts split over tp 2 holds
+    assert memory.trainer_terms(shape, dataclasses.replace(lay, ep=8, etp=1)) == terms
+    # without expert parallelism the experts split over tp as the dense layers (etp defaults to tp)
+    alone = memory.trainer_terms(shape, dataclasses.replace(lay, ep=1, etp=None))
     assert alone["weights"] == pytest.approx(2 * shape.params / 2)
 
 
@@ -142,7 +151,11 @@ def test_the_30b_a3b_topology_dry_runs_with_experts_and_expert_parallelism(capsy
     text = capsys.readouterr()
     out = text.out + text.err
     assert rc == up.EXIT_OK, out
-    assert "memory per GPU (GB; Qwen3-30B-A3B" in out and "ep=4" in out and "DOES NOT FIT" not in out
+    assert "memory per GPU (GB; Qwen3-30B-A3B" in out and "ep=8 etp=1" in out and "DOES NOT FIT" not in out
+    # ep 4 with whole experts: a rank holds twice the experts, and their float32 gradients no longer fit
+    rc = up.main(["topology/16node_moe.yaml", "actors.trainer.parallel.ep=4", "--dry-run", "--no-import-check"])
+    out = capsys.readouterr()
+    assert rc == up.EXIT_INVALID and "largest term: gradients" in out.out + out.err
     # tp 1 and ep 8: the untied vocabulary's logits no longer fit
     rc = up.main(["topology/16node_moe.yaml", "actors.trainer.parallel.tp=1", "actors.trainer.parallel.dp=32",
                   "actors.trainer.parallel.ep=8", "actors.trainer.settings.sequence_parallel=false",
@@ -156,24 +169,34 @@ def test_expert_parallelism_that_does_not_divide_dp_is_refused_with_its_path(cap
     rc = up.main(["topology/16node_moe.yaml", "actors.trainer.parallel.ep=3", "--dry-run", "--no-import-check"])
     out = capsys.readouterr()
     assert rc == up.EXIT_INVALID
-    assert "actors.trainer.parallel.ep: 3 does not divide dp = 16" in out.out + out.err
+    assert "actors.trainer.parallel.ep: ep x etp x pp = 3 x 1 x 1 does not divide the 32 ranks" in out.out + out.err
+    rc = up.main(["topology/16node_moe.yaml", "actors.trainer.parallel.etp=4", "--dry-run", "--no-import-check"])
+    out = capsys.readouterr()
+    assert rc == up.EXIT_INVALID
+    assert "actors.trainer.parallel.etp: 4 is neither 1 (experts whole on each rank) nor tp = 2" in out.out + out.err
 
 
 def test_the_planner_reads_the_topology_s_expert_parallelism():
     found = sizing.read(topology.load(str(ROOT / "topology/16node_moe.yaml")))
     cfg = setup.sim_config(found, steps=2)
     assert found.shape is BUILTIN["30B-A3B"]
-    assert (cfg.trainer.tp, cfg.trainer.dp, cfg.trainer.ep, cfg.servers, cfg.server_tp) == (2, 16, 4, 48, 2)
+    assert (cfg.trainer.tp, cfg.trainer.dp, cfg.trainer.ep, cfg.trainer.etp, cfg.servers, cfg.server_tp) == (
+        2, 16, 8, 1, 48, 2)
 
 
-def test_the_30b_a3b_layout_says_its_tensor_and_expert_parallelism_cannot_launch(capsys, monkeypatch):
-    """tp 2 with ep 4 plans, but the megatron engine refuses the pair: the dry run says so, a launch is refused
-    before any node starts."""
+def test_the_30b_a3b_layout_launches_folded_and_refuses_experts_split_over_tp_with_ep(monkeypatch):
+    """tp 2 with ep 8 and whole experts (etp 1) launches; experts split over tp (etp 2) with ep plans, but the
+    megatron engine refuses it: the dry run says so, a launch is refused before any node starts."""
     from launch.inputs import check_inputs
 
     monkeypatch.chdir(ROOT)
     plan = topology.load(str(ROOT / "topology/16node_moe.yaml"), check_imports=False)
-    lines, problems = check_inputs(plan, launch=False)
-    assert any("actors.trainer.parallel: tp 2 with ep 4" in x and "planned, not launched" in x for x in lines)
-    lines, problems = check_inputs(plan, launch=True)
-    assert any("actors.trainer.parallel: tp 2 with ep 4" in x for x in problems)
+    for launch in (False, True):
+        lines, problems = check_inputs(plan, launch=launch)
+        assert not any("etp" in x for x in lines + problems), lines + problems
+    split = topology.load(str(ROOT / "topology/16node_moe.yaml"), ["actors.trainer.parallel.ep=4",
+                                                                   "actors.trainer.parallel.etp=2"], check_imports=False)
+    lines, problems = check_inputs(split, launch=False)
+    assert any("actors.trainer.parallel: etp 2 with ep 4" in x and "planned, not launched" in x for x in lines)
+    lines, problems = check_inputs(split, launch=True)
+    assert any("actors.trainer.parallel: etp 2 with ep 4" in x for x in problems)

@@ -25,7 +25,8 @@ from pydantic import BaseModel, ValidationError
 
 from topology.experiment import ExperimentConfig, experiment_problems
 from topology.schema import (RESERVED_SETTINGS, BusSection, ClusterSection, GroupSection, LinkSection,
-                             SupervisorSection, TopologyDocument, drain_budget_s, problem_lines)
+                             SupervisorSection, TopologyDocument, drain_budget_s, expert_tensor_parallel,
+                             problem_lines)
 from topology.settings import settings_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -585,11 +586,16 @@ def _check_parallel(c: _Checker, group: GroupSpec, key: str, node: NodeSpec) -> 
     for pk in ("dp", "tp", "pp"):
         if pk in par and total % par[pk]:
             c.add(f"{key}.parallel.{pk}", f"{par[pk]} does not divide the {total} {unit}")
-    dp = par.get("dp") or total // (par.get("tp", 1) * par.get("pp", 1))
-    if dp % par.get("ep", 1):
-        c.add(f"{key}.parallel.ep", f"{par['ep']} does not divide dp = {dp} (the experts are split over "
-                                    f"data-parallel ranks)")
-    tp = par.get("tp", 1)
+    tp, pp, ep = par.get("tp", 1), par.get("pp", 1), par.get("ep", 1)
+    etp = expert_tensor_parallel(tp, ep, par.get("etp"))
+    if etp not in (1, tp):
+        c.add(f"{key}.parallel.etp", f"{etp} is neither 1 (experts whole on each rank) nor tp = {tp} (experts split "
+                                     f"as the dense layers)")
+    ranks = (par.get("dp") or total // (tp * pp)) * tp * pp
+    if ranks % (ep * etp * pp):
+        c.add(f"{key}.parallel.ep", f"ep x etp x pp = {ep} x {etp} x {pp} does not divide the {ranks} ranks (each "
+                                    f"expert-parallel group of ep x etp ranks is repeated over the expert data-parallel "
+                                    f"ranks)")
     if on_gpus and group.gpus > 1 and group.gpus % tp and tp % group.gpus:
         c.add(f"{key}.parallel.tp", f"{tp} does not divide the {group.gpus} GPUs per instance")
     if on_gpus and node.gpus and tp > node.gpus:

@@ -16,7 +16,7 @@ from topology.section import Section, key_path, model_at, problem_lines, when_mi
 
 __all__ = ["Section", "SupervisorSection", "NicsSection", "NodeSection", "ClusterSection", "BusSection",
            "LinkSection", "ParallelSection", "GroupSection", "TopologyDocument", "RESERVED_SETTINGS",
-           "problem_lines", "model_at", "key_path"]
+           "expert_tensor_parallel", "problem_lines", "model_at", "key_path"]
 
 # Keys the launcher writes into every actor's settings; a topology may not set them.
 RESERVED_SETTINGS = ("instance", "groups", "links", "drain_timeout")
@@ -108,8 +108,24 @@ class ParallelSection(Section):
     tp: int | None = Field(None, ge=1, description="tensor-parallel degree (inside a node)")
     pp: int | None = Field(None, ge=1, description="pipeline-parallel degree")
     ep: int | None = Field(None, ge=1, description="expert-parallel degree of a mixture-of-experts trainer: each "
-                           "sparse layer's experts split over ep of the dp ranks (Megatron's "
-                           "expert_model_parallel_size); must divide dp")
+                           "sparse layer's experts split over ep ranks (Megatron's expert_model_parallel_size); "
+                           "ep x etp x pp must divide the group's ranks")
+    etp: int | None = Field(None, ge=1, description="expert tensor-parallel degree of a mixture-of-experts trainer "
+                            "(Megatron's expert_tensor_parallel_size): 1 (experts whole on each rank, MoE parallel "
+                            "folding) or tp; unset: 1 when ep > 1, else tp")
+
+
+def expert_tensor_parallel(tp: int, ep: int, etp: int | None = None) -> int:
+    """The experts' tensor-parallel degree: ``etp`` as set, else 1 with expert parallelism and tp without.
+
+    With ep > 1 the experts are whole on each rank and the expert-parallel group folds over the attention's TP
+    ranks (megatron-core's MoE parallel folding): its alltoall dispatcher then gathers nothing over a TP group,
+    and an expert's matrices are not cut into tp slivers. With ep = 1 the experts split over tp as the dense
+    layers do, so that a rank does not hold every expert whole.
+    """
+    if etp is not None:
+        return etp
+    return 1 if ep > 1 else tp
 
 
 class GroupSection(Section):

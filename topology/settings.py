@@ -71,8 +71,8 @@ class InstanceSettings(Section):
     gpus: list[int] = Field(default_factory=list, description="GPU ids of the instance on its node")
     cpus: list[int] = Field(default_factory=list, description="cores of the instance (CPU affinity)")
     cpu_workers: int = Field(0, ge=0, description="worker processes of the instance")
-    parallel: dict[Literal["dp", "tp", "pp", "ep"], int] = Field(default_factory=dict,
-                                                                 description="the group's dp x tp x pp (and ep)")
+    parallel: dict[Literal["dp", "tp", "pp", "ep", "etp"], int] = Field(default_factory=dict,
+                                                                 description="the group's dp x tp x pp (and ep, etp)")
     world: WorldSettings | None = Field(None, description="the group's torch.distributed world, if it has one")
 
 

@@ -59,6 +59,7 @@ from torch.nn.attention import SDPBackend
 
 from .base import (EngineError, LossFn, PackedBatch, RequestError, TokenLogProbs, TrainEngine, WeightBucket,
                    step_loss_weights)
+from topology.schema import expert_tensor_parallel
 from transport.bulk import rendezvous_store
 from transport.files import atomic_write
 from transport.ports import free_port
@@ -89,6 +90,12 @@ try:  # megatron-core is an optional (GPU-cluster) dependency; importing this mo
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.moe import moe_utils as _moe_utils
+    if not hasattr(_moe_utils, "te_general_gemm"):
+        # megatron-core 0.16.1 without Transformer Engine: the router's gating GEMM tests `te_general_gemm is not
+        # None`, a name moe_utils imports only from TE (transformer/moe/moe_utils.py, RouterGatingLinearFunction),
+        # so every router forward raised NameError; None selects its torch.mm path, as it means there.
+        _moe_utils.te_general_gemm = None
     MEGATRON_IMPORT_ERROR: str | None = None
 except ImportError as _e:  # pragma: no cover - exercised where megatron-core is absent
     MEGATRON_IMPORT_ERROR = f"{type(_e).__name__}: {_e}"
@@ -113,12 +120,16 @@ class MegatronConfig(TrainConfig):
     """TrainConfig (optimizer, schedule, clipping, device, seed) plus the parallel layout.
 
     The data-parallel size is world_size / (tensor_parallel * pipeline_parallel); expert_parallel splits each
-    sparse layer's experts over that many of the data-parallel ranks (it must divide the data-parallel size).
+    sparse layer's experts over that many ranks, and expert_tensor_parallel splits each expert's matrices (1: whole
+    on each rank, the expert-parallel group folded over the attention's TP ranks; or tensor_parallel). The expert
+    data-parallel size is world_size / (expert_tensor_parallel * expert_parallel * pipeline_parallel).
     """
 
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
-    expert_parallel: int = 1                # MoE: each sparse layer's experts split over this many DP ranks
+    expert_parallel: int = 1                # MoE: each sparse layer's experts split over this many ranks
+    # MoE: 1 or tensor_parallel; None: topology.schema.expert_tensor_parallel's default (1 when expert_parallel > 1)
+    expert_tensor_parallel: int | None = None
     use_distributed_optimizer: bool = True
     vocab_pad_multiple: int = 128           # padded vocab = multiple of vocab_pad_multiple * tensor_parallel
     attention: str = "auto"                 # "auto": TE on a GPU when importable, else "torch"; or "te"/"torch"
@@ -135,6 +146,11 @@ class MegatronConfig(TrainConfig):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"MegatronConfig.{key} must be an integer >= 1, got {value!r}")
+        self.expert_tensor_parallel = expert_tensor_parallel(self.tensor_parallel, self.expert_parallel,
+                                                             self.expert_tensor_parallel)
+        if self.expert_tensor_parallel not in (1, self.tensor_parallel):
+            raise ValueError(f"MegatronConfig.expert_tensor_parallel must be 1 or tensor_parallel "
+                             f"({self.tensor_parallel}), got {self.expert_tensor_parallel!r}")
         if self.attention not in ("auto", "te", "torch"):
             raise ValueError(f"MegatronConfig.attention must be 'auto', 'te' or 'torch', got {self.attention!r}")
         if self.recompute not in ("none", "selective", "full"):
@@ -181,13 +197,14 @@ def transformer_config(cfg: Qwen2Config, mc: MegatronConfig) -> TransformerConfi
         if experts % mc.expert_parallel:
             raise ValueError(f"expert_parallel ({mc.expert_parallel}) must divide num_experts ({experts}): each "
                              f"expert-parallel rank holds whole experts")
-        if cfg.moe_intermediate_size % mc.tensor_parallel:  # type: ignore[attr-defined]
-            raise ValueError(f"tensor_parallel ({mc.tensor_parallel}) must divide moe_intermediate_size "
+        etp = mc.expert_tensor_parallel
+        if cfg.moe_intermediate_size % etp:  # type: ignore[attr-defined]
+            raise ValueError(f"expert_tensor_parallel ({etp}) must divide moe_intermediate_size "
                              f"({cfg.moe_intermediate_size}): each expert's MLP is split like the dense one")
-        if mc.tensor_parallel > 1 and mc.expert_parallel > 1:
-            raise ValueError("tensor_parallel > 1 together with expert_parallel > 1 is not supported: its only run "
-                             "(gloo, CPU) gave log-probs 2.5e-2 off the torch trainer's (docs/engines-megatron.md, "
-                             "Families); use one of them")
+        if etp > 1 and mc.expert_parallel > 1:
+            raise ValueError(f"expert_tensor_parallel {etp} together with expert_parallel > 1 is not supported: its "
+                             f"only run (gloo, CPU) gave log-probs 2.5e-2 off the torch trainer's "
+                             f"(docs/engines-megatron.md, Families); use expert_tensor_parallel 1")
         if mc.tensor_parallel > 1 and not mc.sequence_parallel:
             raise ValueError("a mixture-of-experts model with tensor_parallel > 1 needs sequence_parallel: true "
                              "(megatron-core's MoELayer refuses to train tensor-parallel experts without it)")
@@ -197,7 +214,7 @@ def transformer_config(cfg: Qwen2Config, mc: MegatronConfig) -> TransformerConfi
                    moe_router_pre_softmax=not cfg.norm_topk_prob,  # type: ignore[attr-defined]
                    moe_router_load_balancing_type="aux_loss" if coef > 0 else "none", moe_aux_loss_coeff=coef,
                    moe_layer_freq=[int(cfg.is_sparse_layer(i)) for i in range(cfg.num_hidden_layers)],
-                   expert_model_parallel_size=mc.expert_parallel)
+                   expert_model_parallel_size=mc.expert_parallel, expert_tensor_parallel_size=etp)
     elif mc.expert_parallel > 1:
         raise ValueError(f"expert_parallel ({mc.expert_parallel}) > 1 needs a mixture-of-experts model; "
                          f"{cfg.MODEL_TYPE} has no sparse layers")
@@ -657,20 +674,22 @@ def init_distributed(mc: MegatronConfig, device: torch.device) -> None:
     if world % (mc.tensor_parallel * mc.pipeline_parallel):
         raise ValueError(f"world size {world} is not a multiple of tensor_parallel x pipeline_parallel "
                          f"({mc.tensor_parallel} x {mc.pipeline_parallel})")
-    dp = world // (mc.tensor_parallel * mc.pipeline_parallel)
-    if dp % mc.expert_parallel:
-        raise ValueError(f"expert_parallel ({mc.expert_parallel}) must divide the data-parallel size {dp} "
-                         f"(world {world} / tensor_parallel {mc.tensor_parallel} / pipeline_parallel "
-                         f"{mc.pipeline_parallel}): the experts are split over data-parallel ranks")
+    expert_ranks = mc.expert_tensor_parallel * mc.expert_parallel * mc.pipeline_parallel
+    if world % expert_ranks:
+        raise ValueError(f"world size {world} is not a multiple of expert_tensor_parallel x expert_parallel x "
+                         f"pipeline_parallel ({mc.expert_tensor_parallel} x {mc.expert_parallel} x "
+                         f"{mc.pipeline_parallel}): the expert-parallel groups must tile the world")
     if mpu.model_parallel_is_initialized():
         if (mpu.get_tensor_model_parallel_world_size() != mc.tensor_parallel
                 or mpu.get_pipeline_model_parallel_world_size() != mc.pipeline_parallel
-                or mpu.get_expert_model_parallel_world_size() != mc.expert_parallel):
+                or mpu.get_expert_model_parallel_world_size() != mc.expert_parallel
+                or mpu.get_expert_tensor_parallel_world_size() != mc.expert_tensor_parallel):
             raise ValueError("parallel_state is already initialised with other tensor/pipeline/expert sizes")
         return
     mpu.initialize_model_parallel(tensor_model_parallel_size=mc.tensor_parallel,
                                   pipeline_model_parallel_size=mc.pipeline_parallel,
                                   expert_model_parallel_size=mc.expert_parallel,
+                                  expert_tensor_parallel_size=mc.expert_tensor_parallel,
                                   distributed_timeout_minutes=max(1, int(mc.dist_timeout_s // 60)))
     if device.type == "cuda":  # Megatron's CUDA RNG tracker (dropout regions, TE)
         tensor_parallel.model_parallel_cuda_manual_seed(mc.seed)
@@ -735,6 +754,10 @@ class MegatronTrainEngine(TrainEngine):
         self.pp_rank, self.pp_size = mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size()
         self.dp_rank, self.dp_size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         self.ep_rank, self.ep_size = mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_world_size()
+        # the experts' own tensor parallelism: 1 (whole experts, the expert-parallel group folded over the TP ranks)
+        # or the dense layers' tp
+        self.etp_rank = mpu.get_expert_tensor_parallel_rank()
+        self.etp_size = mpu.get_expert_tensor_parallel_world_size()
         # ranks whose experts the export senders gather: the expert-parallel group of a data-parallel rank 0
         self.joins_expert_export = bool(self.hf_config.sparse_layers) and mpu.get_expert_data_parallel_rank() == 0
         self.local_experts = getattr(self.hf_config, "num_experts", 0) // self.ep_size
@@ -803,8 +826,10 @@ class MegatronTrainEngine(TrainEngine):
                 continue
             slot = sparse.index(int(layer.layer_number) - 1)
 
-            def routing(logits: torch.Tensor, native: Callable[..., Any] = router.routing, slot: int = slot) -> Any:
-                routed = native(logits)
+            def routing(logits: torch.Tensor, native: Callable[..., Any] = router.routing, slot: int = slot,
+                        **later: Any) -> Any:
+                # later: what newer megatron-core passes on (0.16.1: padding_mask), handed to its own routing
+                routed = native(logits, **later)
                 if self._replay is None:
                     return routed
                 rows = self._replay[:, slot]
@@ -860,8 +885,8 @@ class MegatronTrainEngine(TrainEngine):
                 pm = self.param_maps[name]
                 if is_adapter_name(pm.hf_names[0]) != adapters:
                     continue
-                shard = hf_to_megatron_shard(pm, full(pm), self.hf_config, self.tp_rank, self.tp_size,
-                                             self.padded_vocab)
+                tp_rank, tp_size = (self.etp_rank, self.etp_size) if pm.expert else (self.tp_rank, self.tp_size)
+                shard = hf_to_megatron_shard(pm, full(pm), self.hf_config, tp_rank, tp_size, self.padded_vocab)
                 if tuple(shard.shape) != tuple(param.shape):
                     raise CheckpointError(f"{source}: {pm.hf_names} give shape {tuple(shard.shape)} for {name!r}, "
                                           f"the model expects {tuple(param.shape)}")
@@ -1101,7 +1126,7 @@ class MegatronTrainEngine(TrainEngine):
         buckets: list[list[tuple[ParamMap, torch.nn.Parameter]]] = [[]]
         size = 0
         for pm, param in units:
-            factor = (1 if pm.kind == "rep" else self.tp_size) * (self.ep_size if pm.expert else 1)
+            factor = (self.tp_size if self._tp_split(pm) else 1) * (self.ep_size if pm.expert else 1)
             nbytes = param.numel() * factor * (dtype or param.dtype).itemsize
             if buckets[-1] and size + nbytes > bucket_bytes:
                 buckets.append([])
@@ -1118,6 +1143,10 @@ class MegatronTrainEngine(TrainEngine):
             if self.is_export_sender:
                 yield out
 
+    def _tp_split(self, pm: ParamMap) -> bool:
+        """Whether this parameter is split over the TP ranks (experts: only with expert tensor parallelism)."""
+        return pm.kind != "rep" and (self.etp_size if pm.expert else self.tp_size) > 1
+
     def _start_gather(self, bucket: list[tuple[ParamMap, torch.nn.Parameter]],
                       ) -> tuple[Any, list[torch.Tensor], list[tuple[ParamMap, torch.Tensor]]]:
         """The bucket's pieces (a parameter map with this TP rank's tensor; with expert parallelism one piece per
@@ -1125,7 +1154,9 @@ class MegatronTrainEngine(TrainEngine):
         all-gather of their TP-split tensors."""
         pieces: list[tuple[ParamMap, torch.Tensor]] = [(pm, p.detach()) for pm, p in bucket if not pm.expert]
         experts = [(pm, p.detach()) for pm, p in bucket if pm.expert]
-        if experts and self.ep_size > 1:   # synchronous: the TP gather below sends what this one receives
+        if self.ep_size == 1:
+            pieces += experts
+        elif experts and self.joins_expert_export:   # synchronous: the TP gather below sends what this one receives
             flat = torch.cat([p.reshape(-1) for _, p in experts])
             parts = [torch.empty_like(flat) for _ in range(self.ep_size)]
             dist.all_gather(parts, flat, group=mpu.get_expert_model_parallel_group())
@@ -1135,10 +1166,10 @@ class MegatronTrainEngine(TrainEngine):
                     remapped = param_map(pm.mcore_name, self.layer_offset, rank * self.local_experts)
                     pieces.append((remapped, part[offset:offset + p.numel()].view(p.shape)))
                     offset += p.numel()
-        else:
-            pieces += experts
-        split = [t for pm, t in pieces if pm.kind != "rep"]
-        if self.dp_rank != 0 or self.tp_size == 1 or not split:
+        # (otherwise: a TP peer of a data-parallel rank 0 outside the sender's expert-parallel group, whose experts
+        # the sender gathers in its own group; folded experts are whole, so there is no TP gather of them to join)
+        split = [t for pm, t in pieces if self._tp_split(pm)]
+        if self.dp_rank != 0 or not split:
             return None, [], pieces
         flat = torch.cat([t.reshape(-1) for t in split])
         parts = [torch.empty_like(flat) for _ in range(self.tp_size)]
@@ -1155,7 +1186,7 @@ class MegatronTrainEngine(TrainEngine):
             return out
         offset = 0
         for pm, tensor in pieces:
-            if pm.kind == "rep" or self.tp_size == 1:
+            if not self._tp_split(pm):
                 shards = [tensor]
             else:
                 n = tensor.numel()
@@ -1171,7 +1202,7 @@ class MegatronTrainEngine(TrainEngine):
 
     def _layout(self) -> dict[str, int]:
         return {"tensor_parallel": self.tp_size, "pipeline_parallel": self.pp_size, "data_parallel": self.dp_size,
-                "expert_parallel": self.ep_size}
+                "expert_parallel": self.ep_size, "expert_tensor_parallel": self.etp_size}
 
     def save(self, path: str) -> None:
         """HF layout (config.json + safetensors; one file per pipeline stage with an index when pp > 1),
@@ -1225,7 +1256,10 @@ class MegatronTrainEngine(TrainEngine):
             raise CheckpointError(f"{path}: config.json describes a different model than this trainer's")
         state = torch.load(state_path, map_location="cpu", weights_only=False)
         try:
-            if {"expert_parallel": 1, **state["layout"]} != self._layout():   # saved before expert parallelism
+            # saved before expert parallelism (ep 1) or before expert tensor parallelism had its own size (= tp)
+            saved = {"expert_parallel": 1, "expert_tensor_parallel": state["layout"]["tensor_parallel"],
+                     **state["layout"]}
+            if saved != self._layout():
                 raise CheckpointError(f"{path}: saved with layout {state['layout']}, this trainer runs "
                                       f"{self._layout()} (optimizer shards are per rank)")
             optim_path = os.path.join(path, f"optim_rank{dist.get_rank():05d}.pt")

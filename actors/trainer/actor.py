@@ -87,7 +87,7 @@ def trainer_placement(cfg: TrainerSettings) -> dict[str, str]:
         dtype = "bfloat16" if (cfg.bf16 if cfg.bf16 is not None else device == "cuda") else "float32"
     else:
         dtype = "float32 (bf16 autocast)" if device == "cuda" else "float32"
-    layout = " ".join(f"{k}={parallel[k]}" for k in ("dp", "tp", "pp", "ep") if k in parallel) or "dp=1"
+    layout = " ".join(f"{k}={parallel[k]}" for k in ("dp", "tp", "pp", "ep", "etp") if k in parallel) or "dp=1"
     if backend == "megatron":
         memory = (("sp " if cfg.sequence_parallel and parallel.get("tp", 1) > 1 else "")
                   + f"recompute={cfg.recompute} "
@@ -123,15 +123,15 @@ def make_reference_engine(cfg: TrainerSettings) -> TrainEngine:
 def _make_megatron_engine(cfg: TrainerSettings, model_dir: str, version: int, lora: LoraSpec | None,
                           start_adapter: str | None) -> TrainEngine:
     """`backend: megatron` (actors/engines/megatron.py): the same algo settings plus the trainer group's
-    `parallel` from the topology (tp, pp, ep; dp is what the world size leaves). Every trainer rank builds one."""
+    `parallel` from the topology (tp, pp, ep, etp; dp is what the world size leaves). Every trainer rank builds one."""
     from actors.engines.megatron import MegatronConfig, MegatronTrainEngine  # optional dependency
     a = cfg.algo
     parallel = cfg.instance.parallel
     config = MegatronConfig(lr=a.lr, adam_eps=a.adam_eps, betas=(a.adam_beta1, a.adam_beta2), grad_clip=a.grad_clip,
                             weight_decay=a.weight_decay, seed=cfg.seed, device=cfg.engine_device,
                             tensor_parallel=parallel.get("tp", 1), pipeline_parallel=parallel.get("pp", 1),
-                            expert_parallel=parallel.get("ep", 1), moe_aux_loss_coef=a.moe_aux_loss_coef,
-                            bf16=trainer_placement(cfg)["dtype"] == "bfloat16",
+                            expert_parallel=parallel.get("ep", 1), expert_tensor_parallel=parallel.get("etp"),
+                            moe_aux_loss_coef=a.moe_aux_loss_coef, bf16=trainer_placement(cfg)["dtype"] == "bfloat16",
                             sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute,
                             logprob_chunk_tokens=cfg.logprob_chunk_tokens)
     return MegatronTrainEngine(model_dir, config, version=version, lora=lora, start_adapter=start_adapter)

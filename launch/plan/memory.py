@@ -37,6 +37,7 @@ import dataclasses
 
 from launch.plan import hardware
 from launch.plan.shapes import ModelShape
+from topology.schema import expert_tensor_parallel
 from topology.settings import RolloutSettings, TrainerSettings
 
 #: SGLang picks mem_fraction_static by a heuristic when it is not set; the planner then assumes this.
@@ -65,6 +66,7 @@ class TrainerLayout:
     pp: int = 1
     dp: int = 1
     ep: int = 1                       # expert parallelism (a mixture-of-experts model's experts over ep ranks)
+    etp: int | None = None            # the experts' tensor parallelism (None: topology.schema.expert_tensor_parallel)
     bf16: bool = True
     distributed_optimizer: bool = True
     sequence_parallel: bool = False
@@ -77,6 +79,15 @@ class TrainerLayout:
     reference: bool = False           # algo.kl_coef > 0: a frozen reference model of the same layout
     lora_rank: int = 0                # model.lora: adapters of this rank train on the frozen model; 0 is full weights
     lora_targets: tuple[str, ...] = ()
+
+    @property
+    def expert_tp(self) -> int:
+        return expert_tensor_parallel(self.tp, self.ep, self.etp)
+
+    @property
+    def expert_dp(self) -> int:
+        """The experts' data parallelism: the world (dp x tp x pp) over etp x ep x pp."""
+        return self.dp * self.tp // (self.expert_tp * self.ep)
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "selective", "full"):
@@ -149,14 +160,14 @@ def trainer_terms(shape: ModelShape, lay: TrainerLayout) -> dict[str, float]:
     t, p = lay.tp, lay.pp
     layers_per_stage = -(-shape.layers // p)
     stage_dense, stage_experts = stage_params(shape, p)
-    rank_dense, rank_experts = stage_dense / t, stage_experts / (t * lay.ep)
+    rank_dense, rank_experts = stage_dense / t, stage_experts / (lay.expert_tp * lay.ep)
     rank_params = rank_dense + rank_experts
     wbytes = 2 if lay.bf16 else 4
     # Megatron's optimizer: float32 main weights (bf16 only) plus Adam's two moments, sharded over dp (the
-    # experts' over the expert data-parallel group, dp / ep).
+    # experts' over the expert data-parallel group, dp x tp / (etp x ep)).
     opt_bytes = (4 if lay.bf16 else 0) + 8
     optimizer = opt_bytes * (rank_dense / (lay.dp if lay.distributed_optimizer else 1)
-                             + rank_experts / (lay.dp // lay.ep if lay.distributed_optimizer else 1))
+                             + rank_experts / (lay.expert_dp if lay.distributed_optimizer else 1))
     s = lay.micro_batch_tokens
     shared, split = activation_elements_per_token(shape)
     sp = lay.sequence_parallel and t > 1
@@ -254,7 +265,7 @@ def trainer_layout(cfg: TrainerSettings, keeps_weights: bool) -> TrainerLayout:
     parallel = cfg.instance.parallel
     megatron = cfg.backend == "megatron"
     return TrainerLayout(tp=parallel.get("tp", 1), pp=parallel.get("pp", 1), dp=parallel.get("dp", 1),
-                         ep=parallel.get("ep", 1),
+                         ep=parallel.get("ep", 1), etp=parallel.get("etp"),
                          # Megatron runs on GPUs, where bf16 is on unless the settings turn it off
                          bf16=megatron and cfg.bf16 is not False, distributed_optimizer=megatron,
                          sequence_parallel=megatron and cfg.sequence_parallel,

@@ -26,6 +26,7 @@ import numpy as np
 from algo.packing import allocate_micro_batches
 from launch.plan import hardware
 from launch.plan.shapes import ModelShape
+from topology.schema import expert_tensor_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +135,11 @@ class TrainerShape:
     minibatches: int
     recompute: str
     gpus_per_node: int
-    #: expert-parallel degree: each sparse layer's experts split over ep ranks of the data-parallel group, with
-    #: expert tensor parallelism tp (Megatron's default), so the experts' data parallelism is dp / ep
+    #: expert-parallel degree: each sparse layer's experts split over ep ranks, each expert over etp of them
+    #: (None: topology.schema.expert_tensor_parallel: 1 with ep > 1, the experts whole and the expert-parallel
+    #: group folded over the TP ranks); the experts' data parallelism is dp x tp / (etp x ep)
     ep: int = 1
+    etp: int | None = None
     #: algo.kl_coef > 0: every data-parallel rank computes the frozen reference model's log-probs of the whole
     #: batch (actors/trainer/step.py `rank_samples` / `train_share`: the penalty enters the batch-wide advantages)
     reference: bool = False
@@ -144,6 +147,10 @@ class TrainerShape:
     #: fine-tuning. The base is frozen: no weight gradients for it (`train_flops`), and the data-parallel
     #: reduction and each published version are the adapters alone
     lora_params: int = 0
+
+    @property
+    def expert_tp(self) -> int:
+        return expert_tensor_parallel(self.tp, self.ep, self.etp)
 
 
 def train_flops(shape: ModelShape, tokens: float, sum_sq: float, passes: int, lora_params: int = 0) -> float:
@@ -204,14 +211,14 @@ def ep_alltoall_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape,
     experts_per_token experts and combines their outputs back (Megatron's alltoall dispatcher sends one copy per
     routed expert), 2 x k x hidden x 2 bytes a token, of which (ep - 1) / ep leave the GPU; the tokens are the
     replica's, spread over its tp x pp GPUs (each pipeline stage has its own layers). The expert-parallel
-    group is tp x ep consecutive ranks (Megatron's rank order tp-cp-ep-dp-pp): NVLink while it fits in a
+    group is etp x ep consecutive ranks (Megatron's rank order tp-cp-ep-dp-pp): NVLink while it fits in a
     node, else each GPU's share of the node's network."""
     if lay.ep <= 1 or not shape.sparse_layers:
         return 0.0
     per_gpu_tokens = tokens / lay.tp
     sent = rounds * (shape.sparse_layers / lay.pp) * 2 * shape.experts_per_token * shape.hidden * 2 \
         * per_gpu_tokens * (lay.ep - 1) / lay.ep
-    within = lay.tp * lay.ep <= lay.gpus_per_node
+    within = lay.expert_tp * lay.ep <= lay.gpus_per_node
     bw = (gpu.nvlink_bytes_per_s / 2 * hardware.NVLINK_EFFICIENCY if within
           else hardware.ROCE_NODE_BYTES_PER_S / lay.gpus_per_node * hardware.NIC_EFFICIENCY)
     return sent / bw
@@ -219,13 +226,13 @@ def ep_alltoall_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape,
 
 def dp_sync_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape) -> float:
     """Reduce-scatter of float32 gradients and all-gather of bf16 weights (ring): everything but the experts over
-    the data-parallel group, a rank's experts (1 / (tp x pp x ep) of them) over the expert data-parallel group
-    of dp / ep ranks. With LoRA only the adapters have gradients and change."""
+    the data-parallel group, a rank's experts (1 / (etp x pp x ep) of them) over the expert data-parallel group
+    of dp x tp / (etp x ep) ranks. With LoRA only the adapters have gradients and change."""
     if lay.dp == 1:
         return 0.0
     dense = (lay.lora_params or shape.dense_params) / (lay.tp * lay.pp)
-    experts = 0 if lay.lora_params else shape.expert_params / (lay.tp * lay.pp * lay.ep)
-    edp = lay.dp // lay.ep
+    experts = 0 if lay.lora_params else shape.expert_params / (lay.expert_tp * lay.pp * lay.ep)
+    edp = lay.dp * lay.tp // (lay.expert_tp * lay.ep)
     across_nodes = lay.dp * lay.tp * lay.pp > lay.gpus_per_node
     bw = (hardware.ROCE_NODE_BYTES_PER_S / lay.gpus_per_node * hardware.NIC_EFFICIENCY if across_nodes
           else gpu.nvlink_bytes_per_s / 2 * hardware.NVLINK_EFFICIENCY)
@@ -257,17 +264,18 @@ class WeightSync:
 
 
 def weight_sync(shape: ModelShape, gpu: hardware.GPU, tp: int, pp: int, gpus_per_node: int, across_nodes: bool,
-                bucket_bytes: int = 64 << 20, ep: int = 1, lora_params: int = 0) -> WeightSync:
+                bucket_bytes: int = 64 << 20, ep: int = 1, lora_params: int = 0, etp: int | None = None) -> WeightSync:
     """The export gathers the stage's weights to its first rank: all but the experts from its tp ranks, the
-    experts from its tp x ep ranks (over the network when those span more than a node). ``lora_params``: the
+    experts from its etp x ep ranks (over the network when those span more than a node). ``lora_params``: the
     version is these adapter parameters alone (counted as split over the tp ranks, the most gathering)."""
+    expert_ranks = expert_tensor_parallel(tp, ep, etp) * ep
     if lora_params:
         stage_bytes = lora_params * 2 / pp
         gathered = stage_bytes * (1 - 1 / tp)
     else:
         stage_bytes = shape.params * 2 / pp
-        gathered = (shape.dense_params * (1 - 1 / tp) + shape.expert_params * (1 - 1 / (tp * ep))) * 2 / pp
-    gather_bw = (gpu.nvlink_bytes_per_s / 2 * hardware.NVLINK_EFFICIENCY if tp * ep <= gpus_per_node
+        gathered = (shape.dense_params * (1 - 1 / tp) + shape.expert_params * (1 - 1 / expert_ranks)) * 2 / pp
+    gather_bw = (gpu.nvlink_bytes_per_s / 2 * hardware.NVLINK_EFFICIENCY if max(tp, expert_ranks) <= gpus_per_node
                  else hardware.ROCE_NODE_BYTES_PER_S / gpus_per_node * hardware.NIC_EFFICIENCY)
     gather = gathered / gather_bw
     pcie = gpu.pcie_bytes_per_s * hardware.PCIE_EFFICIENCY

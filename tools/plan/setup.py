@@ -8,6 +8,7 @@ from launch.plan import memory
 from launch.plan.sizing import Group, Setup, cpu_servers, on_cpus
 from tools.plan.costs import MeasuredCosts, TrainerShape
 from tools.plan.sim import SimConfig, lengths_for
+from topology.schema import expert_tensor_parallel
 from topology.settings import RolloutSettings
 
 
@@ -46,6 +47,7 @@ def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None
         return _cpu_sim_config(setup, tr, ro, eta, steps, seed, measured, workload)
     par = tr.settings.instance.parallel
     tp, pp, ep = par.get("tp", 1), par.get("pp", 1), par.get("ep", 1)
+    etp = expert_tensor_parallel(tp, ep, par.get("etp"))
     server_tp = ro.settings.instance.parallel.get("tp", 1)
     train_gpus, infer_gpus = tr.count * max(tr.gpus_each, 1), ro.count * max(ro.gpus_each, 1)
     total = train_gpus + infer_gpus
@@ -58,14 +60,14 @@ def sim_config(setup: Setup, *, eta: int | None = None, rollout_gpus: int | None
     if servers < 1 or dp < 1:
         raise ValueError(f"a split of {infer_gpus} inference and {train_gpus} training GPUs leaves no "
                          f"{'server' if servers < 1 else 'trainer replica'}")
-    if dp % ep:
-        raise ValueError(f"a split of {train_gpus} training GPUs gives dp {dp}, which expert parallelism {ep} "
-                         f"does not divide")
+    if train_gpus % (etp * ep * pp):
+        raise ValueError(f"a split of {train_gpus} training GPUs is not a multiple of etp x ep x pp "
+                         f"({etp} x {ep} x {pp})")
     rollout_mem = memory.rollout_memory(ro.name, setup.shape, memory.rollout_layout(ro.settings), setup.gpu.memory_bytes)
     lay = memory.trainer_layout(tr.settings, False)
     return SimConfig(
         shape=setup.shape, gpu=setup.gpu, gpus_per_node=setup.gpus_per_node, servers=servers, server_tp=server_tp,
-        trainer=TrainerShape(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch_tokens=lay.micro_batch_tokens,
+        trainer=TrainerShape(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, micro_batch_tokens=lay.micro_batch_tokens,
                              minibatches=algo.ppo_minibatches, recompute=lay.recompute,
                              gpus_per_node=setup.gpus_per_node, reference=algo.kl_coef > 0,
                              lora_params=int(memory.lora_params(setup.shape, lay.lora_rank, lay.lora_targets))

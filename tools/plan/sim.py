@@ -419,7 +419,7 @@ class Simulation:
         self.sync = cfg.measured.weights_s if cfg.measured else None
         self.weight_sync = None if cfg.measured else costs.weight_sync(
             cfg.shape, cfg.gpu, cfg.trainer.tp, cfg.trainer.pp, cfg.gpus_per_node, cfg.weights_across_nodes,
-            ep=cfg.trainer.ep, lora_params=cfg.trainer.lora_params)
+            ep=cfg.trainer.ep, etp=cfg.trainer.etp, lora_params=cfg.trainer.lora_params)
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = 0
         self.groups: dict[str, _Group] = {}
