@@ -130,8 +130,7 @@ def check_checkpoint(model_dir: str) -> Qwen2Config:
     it and none is missing (read from the files' headers: no tensor is loaded). Raises ConfigError or
     CheckpointError with one line naming what does not fit."""
     config = load_config(model_dir)
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM.on_meta(config)
     params = dict(model.named_parameters(remove_duplicate=False))
     seen: set[str] = set()
     for path in _weight_files(model_dir):
@@ -154,8 +153,7 @@ def load_model(model_dir: str, dtype: torch.dtype | str | None = None,
         dtype = torch.float32
     elif isinstance(dtype, str):
         dtype = dtype_from_name(dtype)
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM.on_meta(config)
     model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:  # to_empty breaks the tie; restore it
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -87,8 +87,7 @@ def target_linears(model: nn.Module, spec: LoraSpec) -> list[tuple[str, nn.Linea
 def lora_problem(config: Qwen2Config, spec: LoraSpec) -> str | None:
     """One line saying why ``spec`` does not fit a model of ``config`` (None when it fits): targets that match
     no linear layer, or a rank above a targeted layer's smaller dimension."""
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM.on_meta(config)
     targets = target_linears(model, spec)
     if not targets:
         kinds = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
@@ -139,8 +138,7 @@ def initial_adapter(config: Qwen2Config, spec: LoraSpec, seed: int = 0) -> dict[
     """The adapter a new run starts from, under its wire names: each A drawn as PEFT's default (nn.Linear's
     uniform initialisation) from one generator seeded with ``seed``, target by target in module order; each B
     zero. Every trainer backend starts from it, so they start from the same adapter."""
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM.on_meta(config)
     generator = torch.Generator().manual_seed(seed)
     out = {}
     for name, m in target_linears(model, spec):
@@ -278,8 +276,7 @@ def adapter_problem(adapter_dir: str, base_config: Qwen2Config, spec: LoraSpec |
     problem = lora_problem(base_config, theirs)
     if problem:
         return f"{adapter_dir}: the adapter belongs to another base model ({problem})"
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(base_config)
+    model = Qwen2ForCausalLM.on_meta(base_config)
     add_lora(model, theirs)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if is_adapter_name(n)}
     for name, t in tensors.items():
@@ -322,6 +319,5 @@ def copy_base_config(base_dir: str, out_dir: str) -> None:
 
 def trainable_bytes(config: Qwen2Config, spec: LoraSpec) -> int:
     """float32 bytes of the adapter's parameters for a model of ``config`` (the memory estimate's input)."""
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM.on_meta(config)
     return sum(4 * spec.rank * (m.in_features + m.out_features) for _, m in target_linears(model, spec))

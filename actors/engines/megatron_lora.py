@@ -62,8 +62,7 @@ def megatron_lora_problem(config: Qwen2Config, spec: LoraSpec) -> str | None:
     problem = lora_problem(config, spec)
     if problem:
         return problem
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM.on_meta(config)
     projections = {p for _, _, parts in LORA_LINEARS.values() for p in parts}
     outside = sorted({name for name, _ in target_linears(model, spec)
                       if not (name.startswith("model.layers.") and name.rsplit(".", 1)[-1] in projections)})

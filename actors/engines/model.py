@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
 
 from .moe import MLP, RoutingTrace, SparseMoeBlock
 
@@ -528,6 +529,24 @@ class Qwen2Backbone(nn.Module):
         return self.norm(x)
 
 
+class _SkipMetaInitialisers(TorchFunctionMode):
+    """torch.nn.init's functions on a meta tensor do nothing but return it. They have nothing to fill there, and
+    the first one would make torch import its Python meta kernels (about 800 modules, 2 s of CPU): the cost of
+    every shape check and model load that builds on the meta device first. A function mode is per thread, so a
+    model built on another thread meanwhile is initialised as usual."""
+
+    INITIALISERS = frozenset(getattr(nn.init, name) for name in dir(nn.init)
+                             if name.endswith("_") and not name.startswith("_"))
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.INITIALISERS:
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
+
+
 class Qwen2ForCausalLM(nn.Module):
     """The causal LM of every family in FAMILIES: Qwen3 and Qwen3-MoE are Qwen2's decoder with the
     differences their configs name (Attention, DecoderLayer)."""
@@ -539,6 +558,12 @@ class Qwen2ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def on_meta(cls, config: Qwen2Config) -> Qwen2ForCausalLM:
+        """The model with its parameters on the meta device: names and shapes, no storage, no initialisation."""
+        with torch.device("meta"), _SkipMetaInitialisers():
+            return cls(config)
 
     def init_weights(self, seed: int = 0) -> Qwen2ForCausalLM:
         """Random initialisation like transformers' (normal(0, initializer_range), zero biases)."""
