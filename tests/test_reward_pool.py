@@ -215,7 +215,9 @@ def test_async_run_does_not_block_the_event_loop(pool: RewardPool, tmp_path: pat
         # The worker can only finish after this coroutine runs on the loop while run() is pending.
         await asyncio.sleep(0)
         assert not waiting.done()
-        signal_file.write_text("loop is free")
+        # written whole, then named: a worker that saw the name could otherwise read the file still empty
+        signal_file.with_suffix(".part").write_text("loop is free")
+        signal_file.with_suffix(".part").rename(signal_file)
         return await asyncio.wait_for(waiting, 60)
 
     assert asyncio.run(scenario()) == "loop is free"

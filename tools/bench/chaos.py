@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import pwd
@@ -90,8 +91,13 @@ def make_assets(base: Path, train_per_level: int = 200, task: str = "math") -> d
     from actors.engines.checkpoint import save_model
     from actors.engines.model import Qwen2Config, Qwen2ForCausalLM
 
-    subprocess.run([sys.executable, "-m", "tools.make_task", "--task", task, "--out", str(base / "data"), "--levels", "1-3",
-                    "--train-per-level", str(train_per_level), "--test-per-level", "5"], cwd=ROOT, check=True, capture_output=True)
+    from tools import make_task
+
+    with contextlib.redirect_stdout(io.StringIO()):   # in this process: a fresh interpreter took 3-4 s of CPU
+        code = make_task.main(["--task", task, "--out", str(base / "data"), "--levels", "1-3",
+                               "--train-per-level", str(train_per_level), "--test-per-level", "5"])
+    if code != 0:
+        raise RuntimeError(f"tools.make_task --task {task} exited {code}")
     vocab = json.loads((TINY / "config.json").read_text())["vocab_size"]
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
