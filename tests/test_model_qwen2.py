@@ -165,3 +165,28 @@ def test_a_decode_step_with_its_span_reads_nothing_back_to_the_host(monkeypatch)
             with pytest.raises(AssertionError, match="read a tensor's value back"):
                 model.decode(torch.tensor([11, 12]), torch.tensor([3, 2]), cache)   # the check can fail
     torch.testing.assert_close(got, expected)
+
+
+def test_a_model_on_the_meta_device_has_every_name_and_shape_and_loads_no_meta_kernels():
+    # on_meta serves every shape check (the launcher's, the LoRA checks) and every load: it must describe the
+    # model exactly, and must not make torch import torch._dynamo and sympy for its meta kernels (2 s of CPU in each process)
+    import subprocess
+    import sys
+
+    from actors.engines.model import Qwen3MoeConfig
+
+    for config in (Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+                   Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=16)):
+        meta, real = Qwen2ForCausalLM.on_meta(config), Qwen2ForCausalLM(config)
+        assert all(p.is_meta for p in meta.parameters())
+        assert {n: p.shape for n, p in meta.named_parameters()} == {n: p.shape for n, p in real.named_parameters()}
+    assert real.lm_head.weight.abs().sum() > 0   # a model built off the meta device is initialised as before
+    probe = ("import sys; from actors.engines.model import Qwen2Config, Qwen2ForCausalLM; "
+             "Qwen2ForCausalLM.on_meta(Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, "
+             "num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)); print('torch._dynamo' in sys.modules or 'sympy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()}).stdout
+    assert out.strip() == "False"

@@ -531,9 +531,9 @@ class Qwen2Backbone(nn.Module):
 
 class _SkipMetaInitialisers(TorchFunctionMode):
     """torch.nn.init's functions on a meta tensor do nothing but return it. They have nothing to fill there, and
-    the first one would make torch import its Python meta kernels (about 800 modules, 2 s of CPU): the cost of
-    every shape check and model load that builds on the meta device first. A function mode is per thread, so a
-    model built on another thread meanwhile is initialised as usual."""
+    the first one would make torch import torch._dynamo and sympy for its meta kernels (about 800 modules, 2 s
+    of CPU): the cost of every shape check and model load that builds on the meta device first. A function
+    mode is per thread, so a model built on another thread meanwhile is initialised as usual."""
 
     INITIALISERS = frozenset(getattr(nn.init, name) for name in dir(nn.init)
                              if name.endswith("_") and not name.startswith("_"))
