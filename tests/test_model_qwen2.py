@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,5 +189,5 @@ def test_a_model_on_the_meta_device_has_every_name_and_shape_and_loads_no_meta_k
              "Qwen2ForCausalLM.on_meta(Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, "
              "num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)); print('torch._dynamo' in sys.modules or 'sympy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()}).stdout
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}).stdout
     assert out.strip() == "False"

@@ -16,7 +16,7 @@ from topology.section import Section, key_path, model_at, problem_lines, when_mi
 
 __all__ = ["Section", "SupervisorSection", "NicsSection", "NodeSection", "ClusterSection", "BusSection",
            "LinkSection", "ParallelSection", "GroupSection", "TopologyDocument", "RESERVED_SETTINGS",
-           "expert_tensor_parallel", "problem_lines", "model_at", "key_path"]
+           "expert_tensor_parallel", "expert_data_parallel", "problem_lines", "model_at", "key_path"]
 
 # Keys the launcher writes into every actor's settings; a topology may not set them.
 RESERVED_SETTINGS = ("instance", "groups", "links", "drain_timeout")
@@ -126,6 +126,12 @@ def expert_tensor_parallel(tp: int, ep: int, etp: int | None = None) -> int:
     if etp is not None:
         return etp
     return 1 if ep > 1 else tp
+
+
+def expert_data_parallel(dp: int, tp: int, ep: int, etp: int | None = None) -> int:
+    """The experts' data-parallel degree: the ranks of one pipeline stage (dp x tp) over the etp x ep that hold
+    one copy of every expert; the experts' gradients and optimizer state are reduced and sharded over it."""
+    return dp * tp // (expert_tensor_parallel(tp, ep, etp) * ep)
 
 
 class GroupSection(Section):

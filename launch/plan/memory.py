@@ -37,7 +37,7 @@ import dataclasses
 
 from launch.plan import hardware
 from launch.plan.shapes import ModelShape
-from topology.schema import expert_tensor_parallel
+from topology.schema import expert_data_parallel, expert_tensor_parallel
 from topology.settings import RolloutSettings, TrainerSettings
 
 #: SGLang picks mem_fraction_static by a heuristic when it is not set; the planner then assumes this.
@@ -86,8 +86,7 @@ class TrainerLayout:
 
     @property
     def expert_dp(self) -> int:
-        """The experts' data parallelism: the world (dp x tp x pp) over etp x ep x pp."""
-        return self.dp * self.tp // (self.expert_tp * self.ep)
+        return expert_data_parallel(self.dp, self.tp, self.ep, self.etp)
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "selective", "full"):

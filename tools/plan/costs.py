@@ -26,7 +26,7 @@ import numpy as np
 from algo.packing import allocate_micro_batches
 from launch.plan import hardware
 from launch.plan.shapes import ModelShape
-from topology.schema import expert_tensor_parallel
+from topology.schema import expert_data_parallel, expert_tensor_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +232,7 @@ def dp_sync_seconds(shape: ModelShape, gpu: hardware.GPU, lay: TrainerShape) -> 
         return 0.0
     dense = (lay.lora_params or shape.dense_params) / (lay.tp * lay.pp)
     experts = 0 if lay.lora_params else shape.expert_params / (lay.expert_tp * lay.pp * lay.ep)
-    edp = lay.dp * lay.tp // (lay.expert_tp * lay.ep)
+    edp = expert_data_parallel(lay.dp, lay.tp, lay.ep, lay.etp)
     across_nodes = lay.dp * lay.tp * lay.pp > lay.gpus_per_node
     bw = (hardware.ROCE_NODE_BYTES_PER_S / lay.gpus_per_node * hardware.NIC_EFFICIENCY if across_nodes
           else gpu.nvlink_bytes_per_s / 2 * hardware.NVLINK_EFFICIENCY)

@@ -154,6 +154,11 @@ class Recording:
     reply_key: dict[str, tuple] = field(default_factory=dict)    # the original's request id -> (cause, n)
     stop_at: LogRecord | None = None   # where the original began to stop (a signal, or a handler asked)
 
+    @property
+    def stop_index(self) -> int | None:
+        """The log record where the original began to stop; what it sent from there on is not compared."""
+        return self.stop_at.index if self.stop_at is not None else None
+
 
 def read_recording(path: str, segment: int, result: ReplayResult) -> Recording:
     """The original's requests in order per cause, the replies it received (by the request's id), and for
@@ -312,7 +317,7 @@ async def _deliver(recording: Recording, actor: Any, bus: ReplayBus, gate: LinkG
     replay stopped early (a divergence already, or the actor stalled: a note says where)."""
     # What the original sent once it began to stop is not compared (_compare), so it cannot end the replay
     # early either: the replay would then stop before sending what the original had answered earlier.
-    stop_index = recording.stop_at.index if recording.stop_at is not None else None
+    stop_index = recording.stop_index
     expected_keys: dict[tuple, list] = defaultdict(list)
     for cause, recs in recording.originals.items():
         for e in recs:
@@ -380,7 +385,7 @@ def _compare(recording: Recording, bus: ReplayBus, result: ReplayResult, stopped
     if extra := sum(len(bus.sent.get(cause, [])) for cause in unanswered):
         result.notes.append(f"the original answered none of the last {len(tail)} inbound messages (it stopped "
                             f"first); the replay's {extra} message(s) answering them are not compared")
-    stop_index = recording.stop_at.index if recording.stop_at is not None else None
+    stop_index = recording.stop_index
     if stop_index is not None and (late := sum(r.index > stop_index for sent in originals.values() for r, _ in sent)):
         result.notes.append(f"the original began to stop at log record {stop_index}: the {late} message(s) it "
                             f"sent from then on (as it drained) are not compared")
