@@ -1,5 +1,13 @@
 import os
+import sys
 from pathlib import Path
+
+# Keep compiled modules even where PYTHONDONTWRITEBYTECODE is set (CI images set it): the suite starts
+# hundreds of Python processes, each of which would otherwise compile every module of ours it imports, and
+# each worker would compile every test module it rewrites (collecting alone: 25.5 s of CPU without the cache,
+# 15.3 s with it, `python -m pytest --collect-only -q` on a 2-core machine). The processes tests start read
+# the cache these write.
+sys.dont_write_bytecode = False
 
 # Tests run on 2-core machines next to each other: keep torch from oversubscribing cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

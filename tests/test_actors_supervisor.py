@@ -545,3 +545,19 @@ def test_a_hung_start_template_delays_one_start_and_later_starts_are_fresh_inter
         await client.close()
 
     run(main())
+
+
+def test_the_template_preloads_the_projects_actor_classes_and_can_still_fork() -> None:
+    # In a fresh interpreter, as the template is: importing every class of the project must start no thread
+    # (the template could not fork), and a user's class is left to its own actor.
+    classes = ["actors.buffer:BufferActor", "actors.evaluator:EvalActor", "actors.param_server:ParamServerActor",
+               "actors.reward.code:CodeReward", "actors.reward.math:MathReward", "actors.rollout:RolloutActor",
+               "actors.trainer:TrainerActor", "actors.nowhere:Missing", "testsupport.local_actors:Echo"]
+    code = ("import json, sys; from actors.runtime.template import fork_problem, preload; "
+            f"loaded = preload({classes!r}); "
+            "print(json.dumps([loaded, fork_problem(), 'testsupport.local_actors' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    loaded, problem, user_imported = json.loads(out.stdout.splitlines()[-1])
+    assert loaded == classes[:7] and problem is None and not user_imported

@@ -153,10 +153,7 @@ def load_model(model_dir: str, dtype: torch.dtype | str | None = None,
         dtype = torch.float32
     elif isinstance(dtype, str):
         dtype = dtype_from_name(dtype)
-    model = Qwen2ForCausalLM.on_meta(config)
-    model = model.to_empty(device=device).to(dtype)
-    if config.tie_word_embeddings:  # to_empty breaks the tie; restore it
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model = Qwen2ForCausalLM.on_meta(config).materialise(device, dtype)
     assign_weights(model, iter_checkpoint_tensors(model_dir), strict=True, source=model_dir)
     return model.eval()
 

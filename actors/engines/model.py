@@ -565,6 +565,21 @@ class Qwen2ForCausalLM(nn.Module):
         with torch.device("meta"), _SkipMetaInitialisers():
             return cls(config)
 
+    def materialise(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
+        """Give a model built on_meta storage to load into: uninitialised tensors of ``dtype`` (floating ones;
+        others keep theirs) on ``device``, tied weights still tied. Module.to_empty would do it through torch's
+        Python meta kernels, whose first use imports torch._dynamo and sympy: about 2 s of CPU per process."""
+        made: dict[int, nn.Parameter] = {}
+        for module in self.modules():
+            for name, p in module._parameters.items():
+                if p is not None:
+                    if id(p) not in made:
+                        kind = dtype if p.is_floating_point() else p.dtype
+                        made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=kind, device=device),
+                                                   requires_grad=p.requires_grad)
+                    module._parameters[name] = made[id(p)]
+        return self
+
     def init_weights(self, seed: int = 0) -> Qwen2ForCausalLM:
         """Random initialisation like transformers' (normal(0, initializer_range), zero biases)."""
         gen = torch.Generator().manual_seed(seed)

@@ -28,9 +28,10 @@ import json
 import secrets
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
+if TYPE_CHECKING:
+    from aiohttp import web
 
 from actors.engines.base import EngineError, GenerationEngine, GenerationRequest, RequestError, SamplingParams
 from actors.rollout.chat import TOOL_CALL_STOPS, TOOL_FORMATS, ChatError, ChatTemplate, validate_messages, validate_tools
@@ -114,6 +115,10 @@ class AgentEndpoint:
         """Serve on ``host:port`` (port 0: any free one) or a unix socket; returns the base URL (…/v1)."""
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(f"host {host!r}: the agent endpoint listens on loopback only")
+        # aiohttp is imported where the endpoint is served, not with the rollout actor's module: every launch
+        # imports that module to check its class, and aiohttp is 0.4 s of CPU to import.
+        from aiohttp import web
+
         app = web.Application(client_max_size=16 << 20)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
@@ -132,6 +137,8 @@ class AgentEndpoint:
     async def serve_unix(self, path: str) -> None:
         """Serve on the unix socket ``path`` as well (what a sandboxed agent program reaches, bound in)."""
         assert self._runner is not None, "start the endpoint first"
+        from aiohttp import web
+
         await web.UnixSite(self._runner, path, backlog=LISTEN_BACKLOG).start()
 
     async def stop(self) -> None:
@@ -170,6 +177,8 @@ class AgentEndpoint:
     # ---------------------------------------------------------------------------------------- routes
 
     async def _models(self, request: web.Request) -> web.Response:
+        from aiohttp import web
+
         self._episode(request)
         return web.json_response({"object": "list", "data": [{"id": MODEL_NAME, "object": "model"}]})
 
@@ -180,6 +189,8 @@ class AgentEndpoint:
         return await self._serve(request, COMPLETION_KEYS, self._completion_body)
 
     async def _serve(self, request: web.Request, keys: set[str], handle: Any) -> web.Response:
+        from aiohttp import web
+
         t0 = time.perf_counter()
         engine_s = [0.0]
         try:

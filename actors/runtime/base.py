@@ -189,7 +189,10 @@ def actor_logger(name: str, run_dir: str | os.PathLike, console: bool = True,
         console_handler = logging.StreamHandler(console_stream or sys.stderr)
         console_handler.setFormatter(structlog.stdlib.ProcessorFormatter(processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            structlog.dev.ConsoleRenderer(colors=False),
+            # A plain traceback: rich's (structlog's default where rich is installed) renders every frame's
+            # locals with syntax highlighting: 0.17 s of CPU for an exception through 10 coroutine frames, against
+            # 0.001 s plain (2-core machine), and the console of an actor is its log file.
+            structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback),
         ]))
         if not_on_console is not None:
             console_handler.addFilter(lambda record: not (isinstance(record.msg, dict) and not_on_console(record.msg)))

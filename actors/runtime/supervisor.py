@@ -183,7 +183,8 @@ class Supervisor:
         if self.fork_start:
             self._template = await StartTemplate.open(
                 self.python, _with_project_path(dict(os.environ)), _project_root(),
-                self.run_dir / "logs" / "start-template.out", self.log, timeout=self.ready_timeout)
+                self.run_dir / "logs" / "start-template.out", self.log, timeout=self.ready_timeout,
+                actor_classes=sorted({c.spec.cls for c in self.children.values()}))
         for child in self.children.values():
             await self._spawn(child)
             child.ready_by = child.started_at + self.budget(child.spec.name)

@@ -2,8 +2,11 @@
 msgpack, zmq, structlog, uvloop and our runtime and transport modules) once, then forks each actor from
 itself, so an actor's start skips those imports: they are shared copy-on-write.
 
-``python -m actors.runtime.template FD`` is the template; :class:`StartTemplate` is the supervisor's side
-of it. FD is one end of a SOCK_SEQPACKET pair; the supervisor sends one request per actor (spec path, full
+``python -m actors.runtime.template FD [MODULE:CLASS ...]`` is the template; :class:`StartTemplate` is the
+supervisor's side of it. The project's own actor classes among those named (the supervisor's actors') are
+imported too, so an actor's own modules are shared as well; a class that does not import is left for its
+actor to report, and a user's class is left to its actor: its imports might start a thread, which would make
+every fork unsafe. FD is one end of a SOCK_SEQPACKET pair; the supervisor sends one request per actor (spec path, full
 environment, cwd, its own pid) with the actor's log file as a passed descriptor, and gets back
 ``started PID`` or ``refused WHY`` (the supervisor then starts that actor as a fresh interpreter).
 
@@ -42,7 +45,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Sequence
 
 from actors.runtime.process import ActorProcess
 
@@ -86,10 +89,27 @@ def fork_problem() -> str | None:
     return None
 
 
-def serve(channel: socket.socket) -> None:
-    """Answer the supervisor's requests until it closes its end."""
+def preload(actor_classes: Sequence[str] = ()) -> list[str]:
+    """Import PRELOAD and the project's own classes among ``actor_classes``; returns the classes imported."""
     for name in PRELOAD:
         importlib.import_module(name)
+    from actors.runtime.base import load_actor_class
+
+    loaded = []
+    for path in actor_classes:
+        if not path.startswith("actors."):
+            continue
+        try:
+            load_actor_class(path)
+        except Exception:   # the actor itself reports it, in its own log, when it starts
+            continue
+        loaded.append(path)
+    return loaded
+
+
+def serve(channel: socket.socket, actor_classes: Sequence[str] = ()) -> None:
+    """Answer the supervisor's requests until it closes its end."""
+    preload(actor_classes)
     problem = fork_problem()
     channel.send(b"ready" if problem is None else b"refused " + problem.encode())
     while True:
@@ -183,14 +203,15 @@ def become_actor(channel: socket.socket, request: dict[str, Any], log_fd: int) -
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) != 1 or not argv[0].isdigit():
-        print("usage: python -m actors.runtime.template FD (started by the supervisor)", file=sys.stderr)
+    if not argv or not argv[0].isdigit():
+        print("usage: python -m actors.runtime.template FD [MODULE:CLASS ...] (started by the supervisor)",
+              file=sys.stderr)
         return 2
     from actors.runtime.run import die_with_parent, keep_files_private
 
     die_with_parent()
     keep_files_private()
-    serve(socket.socket(fileno=int(argv[0])))
+    serve(socket.socket(fileno=int(argv[0])), argv[1:])
     return 0
 
 
@@ -221,8 +242,9 @@ class StartTemplate:
 
     @classmethod
     async def open(cls, python: str, env: dict[str, str], cwd: str, log_path: Path, log: Any,
-                   timeout: float) -> "StartTemplate | None":
-        """Start the template and wait (up to ``timeout`` s) until it has imported what it preloads."""
+                   timeout: float, actor_classes: Sequence[str] = ()) -> "StartTemplate | None":
+        """Start the template and wait (up to ``timeout`` s) until it has imported what it preloads and
+        ``actor_classes`` (``module:Class``)."""
         if not sys.platform.startswith("linux") or not hasattr(os, "pidfd_open"):
             log.info("start_template_off", why="forked starts need Linux pidfds")
             return None
@@ -232,7 +254,8 @@ class StartTemplate:
         try:
             with open(log_path, "ab") as out:
                 proc = await asyncio.create_subprocess_exec(
-                    python, "-m", "actors.runtime.template", str(theirs.fileno()), pass_fds=[theirs.fileno()],
+                    python, "-m", "actors.runtime.template", str(theirs.fileno()), *actor_classes,
+                    pass_fds=[theirs.fileno()],
                     env=env, stdout=out, stderr=out, stdin=asyncio.subprocess.DEVNULL, cwd=cwd,
                     start_new_session=True)
         except OSError as exc:
