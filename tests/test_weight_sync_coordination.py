@@ -61,6 +61,45 @@ def test_a_lost_member_abandons_the_running_formation_at_once() -> None:
     assert message == "forming epoch 3 abandoned: rollout.1 was lost while it ran" and abandoned == 1
 
 
+def test_a_server_lost_while_its_group_is_formed_fails_the_formation() -> None:
+    # Forming with SGLang servers: the trainer is asked to host the group first. A member whose server dies
+    # meanwhile fails the formation (no member is told to join a group it cannot complete).
+    import types
+    from collections import Counter
+
+    import structlog
+
+    from actors.weight_sync.direct import TrainerFanout
+
+    class Bus:
+        def __init__(self) -> None:
+            self.sent: list[str] = []
+            self.answer: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def request(self, to: str, msg: object, timeout: float) -> object:
+            return await self.answer
+
+        async def send(self, to: str, msg: object) -> None:
+            self.sent.append(to)
+
+    async def scenario() -> tuple[str, list[str], bool]:
+        bus = Bus()
+        fanout = TrainerFanout(bus, structlog.get_logger(), Counter(), ack_timeout=30, late_s=1, trainer="trainer",
+                               rollouts=["rollout.0", "rollout.1"], start_version=0)
+        forming = asyncio.ensure_future(fanout.form(1, ["rollout.0", "rollout.1"], {"rollout.0": 1, "rollout.1": 1}))
+        await asyncio.sleep(0)
+        fanout.lost("rollout.1", "its server died")
+        for _ in range(10):   # a few turns of the loop: the formation sees the loss
+            await asyncio.sleep(0)
+        if not bus.answer.done():   # the trainer answers: a formation that did not stop goes on to tell members
+            bus.answer.set_result(types.SimpleNamespace(master_addrs=["127.0.0.1"], master_ports=[1]))
+        formation = await forming
+        return formation.error, bus.sent, bus.answer.cancelled()
+
+    error, told, abandoned = asyncio.run(scenario())
+    assert error == "forming epoch 1 abandoned: rollout.1 was lost while it ran" and told == [] and abandoned
+
+
 def test_the_factories_take_settings_and_parts_not_an_actor() -> None:
     from actors.weight_sync import make_fanout, make_receiver, make_sender, make_stage_sender
 

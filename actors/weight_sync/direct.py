@@ -262,10 +262,14 @@ class TrainerFanout(Fanout):
             return Formation(error="some rollouts receive on the link and some through their servers: "
                                    f"{ {n: ranks[n] for n in members} }")
         world = 1 + sum(ranks[n] for n in members)
+        # A member lost meanwhile (its server died) abandons the formation, as on the plain path: the group
+        # would be one whose broadcast waits the link timeout for ranks that cannot join.
+        self.watch.begin(members)
+        work = asyncio.ensure_future(self.bus.request(self.trainer, LinkReform(epoch=epoch, world_size=world),
+                                                      timeout=self.ack_timeout))
         try:
-            formed = await self.bus.request(self.trainer, LinkReform(epoch=epoch, world_size=world),
-                                            timeout=self.ack_timeout)
-        except (BusError, TimeoutError) as exc:
+            formed = await self.watch.unless_lost(work, f"forming epoch {epoch}")
+        except (BulkError, BusError, TimeoutError) as exc:
             return Formation(error=str(exc))
         offset = 1
         for name in members:
