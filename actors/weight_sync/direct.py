@@ -246,13 +246,17 @@ class TrainerFanout(Fanout):
         names = [self.trainer, *members]   # the link's master first
         for name in members:
             await self.bus.send(name, LinkReform(epoch=epoch, members=names))
-        work = asyncio.ensure_future(self.bus.request(self.trainer, LinkReform(epoch=epoch, members=names),
-                                                      timeout=self.ack_timeout))
         try:
-            await self.watch.unless_lost(work, f"forming epoch {epoch}")
+            await self._trainer_forms(LinkReform(epoch=epoch, members=names))
         except (BulkError, BusError, TimeoutError) as exc:
             return Formation(error=str(exc), members_failed=True)
         return Formation()
+
+    async def _trainer_forms(self, reform: LinkReform) -> LinkFormed:
+        """The trainer's answer to ``reform``; Abandoned when a member watched since ``watch.begin`` is lost
+        first (a group it was to be part of could never complete)."""
+        work = asyncio.ensure_future(self.bus.request(self.trainer, reform, timeout=self.ack_timeout))
+        return await self.watch.unless_lost(work, f"forming epoch {reform.epoch}")
 
     async def _form_with_servers(self, epoch: int, members: list[str], ranks: dict[str, int]) -> Formation:
         """The trainer hosts a group of 1 + the servers' ranks; each rollout's server joins at its rank offset.
@@ -265,10 +269,8 @@ class TrainerFanout(Fanout):
         # A member lost meanwhile (its server died) abandons the formation, as on the plain path: the group
         # would be one whose broadcast waits the link timeout for ranks that cannot join.
         self.watch.begin(members)
-        work = asyncio.ensure_future(self.bus.request(self.trainer, LinkReform(epoch=epoch, world_size=world),
-                                                      timeout=self.ack_timeout))
         try:
-            formed = await self.watch.unless_lost(work, f"forming epoch {epoch}")
+            formed = await self._trainer_forms(LinkReform(epoch=epoch, world_size=world))
         except (BulkError, BusError, TimeoutError) as exc:
             return Formation(error=str(exc))
         offset = 1
